@@ -1,0 +1,70 @@
+/* lorakit/adapter.h — loading LoRA adapters in every common format.
+ *
+ * lk_adapter_open reads a file or PEFT folder, detects (or is told) the
+ * format, reads adapter_config.json where there is one, and pairs lora_A /
+ * lora_B per module with its rank, alpha and scale. lk_adapter_resolve then
+ * maps every module onto a model weight key and checks shapes, so a fuse or a
+ * swap is fully validated before anything is written. Tensors are borrowed
+ * from the adapter's mmap and stay valid until lk_adapter_free. */
+#ifndef LORAKIT_ADAPTER_H
+#define LORAKIT_ADAPTER_H
+
+#include <stddef.h>
+#include "lorakit/status.h"
+#include "lorakit/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum lk_adapter_format {
+    LK_FORMAT_AUTO = 0,
+    LK_FORMAT_PEFT,      /* base_model.model.<m>.lora_A.weight (+ adapter_config.json) */
+    LK_FORMAT_DIFFUSERS, /* [transformer.|unet.|diffusion_model.]<m>.lora_A.weight, <m>.alpha */
+    LK_FORMAT_KOHYA,     /* lora_unet_<m_>.lora_down.weight / lora_up / alpha */
+    LK_FORMAT_FASTVIDEO, /* <m>.lora_A / <m>.lora_B (no .weight) */
+    LK_FORMAT_COUNT
+} lk_adapter_format;
+
+/* "peft", "diffusers", "kohya", "fastvideo" ("auto" for AUTO). */
+const char *lk_adapter_format_name(lk_adapter_format f);
+/* Parses a name as above; returns LK_ERR_ARG naming the valid ones. */
+lk_status lk_adapter_format_parse(const char *name, lk_adapter_format *out);
+
+typedef struct lk_lora_module {
+    const char *module; /* module name as derived from the adapter's keys */
+    const char *target; /* model weight key ("<m>.weight"); NULL until resolved
+                           or when unmatched */
+    int rank;
+    float alpha;
+    float scale;        /* alpha / rank, or alpha / sqrt(rank) with rsLoRA */
+    lk_tensor A;        /* rank x in  (lora_A / lora_down) */
+    lk_tensor B;        /* out x rank (lora_B / lora_up) */
+} lk_lora_module;
+
+typedef struct lk_adapter lk_adapter;
+
+lk_status lk_adapter_open(const char *path, lk_adapter_format format, lk_adapter **out);
+void lk_adapter_free(lk_adapter *a);
+
+const char *lk_adapter_path(const lk_adapter *a);
+lk_adapter_format lk_adapter_get_format(const lk_adapter *a);
+size_t lk_adapter_count(const lk_adapter *a);
+const lk_lora_module *lk_adapter_module(const lk_adapter *a, size_t i);
+/* 1 if the adapter uses rsLoRA scaling. */
+int lk_adapter_rslora(const lk_adapter *a);
+
+/* Maps every module onto one of the model's tensors (name + shape only are
+ * used) and checks A is r x in, B is out x r against the 2-D weight out x in.
+ * Unmatched modules are LK_ERR_UNMATCHED naming the first one, unless
+ * allow_unmatched, in which case their count goes to *n_unmatched (may be
+ * NULL), they keep target == NULL, and callers skip them. */
+lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_model,
+                             int allow_unmatched, size_t *n_unmatched);
+/* The module targeting model key `target`, or NULL (after resolve). */
+const lk_lora_module *lk_adapter_find_target(const lk_adapter *a, const char *target);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

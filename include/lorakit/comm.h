@@ -1,0 +1,46 @@
+/* lorakit/comm.h — the communicator every distributed feature talks through.
+ *
+ * Two backends behind one vtable: `self` (one process, no MPI needed) and MPI
+ * (see lorakit/comm_mpi.h, which is the only header that includes mpi.h).
+ * All operations are collective over the communicator unless stated; any
+ * size_t count works (the MPI backend splits past INT_MAX). */
+#ifndef LORAKIT_COMM_H
+#define LORAKIT_COMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "lorakit/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct lk_comm lk_comm;
+
+typedef enum lk_reduce_op { LK_REDUCE_SUM, LK_REDUCE_MIN, LK_REDUCE_MAX } lk_reduce_op;
+
+/* A one-process communicator (rank 0 of 1). */
+lk_status lk_comm_self(lk_comm **out);
+void lk_comm_free(lk_comm *c);
+
+int lk_comm_rank(const lk_comm *c);
+int lk_comm_size(const lk_comm *c);
+/* "self" or "mpi". */
+const char *lk_comm_backend(const lk_comm *c);
+
+lk_status lk_comm_barrier(lk_comm *c);
+/* Broadcasts n bytes from root into buf on every rank. */
+lk_status lk_comm_bcast(lk_comm *c, void *buf, size_t n, int root);
+/* In-place elementwise sum of n floats over all ranks. */
+lk_status lk_comm_allreduce_f32_sum(lk_comm *c, float *buf, size_t n);
+/* In-place elementwise reduction of n u64s. */
+lk_status lk_comm_allreduce_u64(lk_comm *c, uint64_t *buf, size_t n, lk_reduce_op op);
+/* Each rank contributes n bytes; recv gets size*n bytes in rank order. */
+lk_status lk_comm_allgather(lk_comm *c, const void *send, size_t n, void *recv);
+/* Ranks with equal color form a new communicator ordered by key. */
+lk_status lk_comm_split(lk_comm *c, int color, int key, lk_comm **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,30 @@
+/* lorakit/digest.h — the content digest of a set of tensors.
+ *
+ * XXH3-128 over, for each tensor in byte-wise sorted name order: the name, a
+ * NUL, the dtype string, a NUL, the shape as little-endian i64s, the raw
+ * bytes. Metadata is not included. Printed as 32 lowercase hex digits (the
+ * high 64 bits first). Equal tensors give equal digests whatever the file
+ * order, so an offline fuse and a distributed swap can be compared. */
+#ifndef LORAKIT_DIGEST_H
+#define LORAKIT_DIGEST_H
+
+#include <stddef.h>
+#include "lorakit/status.h"
+#include "lorakit/tensor.h"
+#include "lorakit/safetensors.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LK_DIGEST_HEX 33 /* 32 digits + NUL */
+
+/* Digest of n tensor views (any order; sorted internally). */
+lk_status lk_digest_tensors(const lk_tensor *t, size_t n, char hex[LK_DIGEST_HEX]);
+/* Digest of every tensor of an open file. */
+lk_status lk_digest_st(const lk_st *st, char hex[LK_DIGEST_HEX]);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,18 @@
+/* lorakit/lorakit.h — includes every public lorakit header (except
+ * comm_mpi.h, which needs mpi.h and is included on its own). */
+#ifndef LORAKIT_H
+#define LORAKIT_H
+
+#include "lorakit/status.h"
+#include "lorakit/log.h"
+#include "lorakit/alloc.h"
+#include "lorakit/dtype.h"
+#include "lorakit/tensor.h"
+#include "lorakit/safetensors.h"
+#include "lorakit/digest.h"
+#include "lorakit/adapter.h"
+#include "lorakit/fuse.h"
+#include "lorakit/comm.h"
+#include "lorakit/mesh.h"
+
+#endif

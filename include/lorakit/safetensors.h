@@ -1,0 +1,75 @@
+/* lorakit/safetensors.h — safetensors reader (mmap, fully validated) and
+ * atomic, streaming writer.
+ *
+ * Reader: lk_st_open maps the file and validates the header exactly as the
+ * reference implementation does (see src/io/safetensors.c); tensors are
+ * zero-copy views into the mapping, looked up by name in O(log n).
+ * Writer: declare every tensor, then lk_st_writer_begin, then supply each
+ * tensor's bytes (whole or in chunks, any order), then lk_st_writer_commit,
+ * which fsyncs a temporary file in the destination directory and renames it
+ * into place. Any failure, or lk_st_writer_free without commit, removes the
+ * temporary file: a partial output never exists under the final name. */
+#ifndef LORAKIT_SAFETENSORS_H
+#define LORAKIT_SAFETENSORS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "lorakit/status.h"
+#include "lorakit/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LK_ST_MAX_HEADER 100000000ull
+
+typedef struct lk_st lk_st;
+
+/* Opens and validates path. */
+lk_status lk_st_open(const char *path, lk_st **out);
+/* Parses an in-memory file image (copied); label names it in errors. */
+lk_status lk_st_open_mem(const void *buf, size_t len, const char *label, lk_st **out);
+void lk_st_close(lk_st *st);
+
+const char *lk_st_path(const lk_st *st);
+size_t lk_st_count(const lk_st *st);
+/* Tensors in header (file) order... i < count. data points into the mapping. */
+const lk_tensor *lk_st_tensor(const lk_st *st, size_t i);
+/* Index of a tensor by name, or -1. O(log n). */
+long lk_st_find(const lk_st *st, const char *name);
+/* Byte offset of tensor i's data from the start of the file. */
+uint64_t lk_st_file_offset(const lk_st *st, size_t i);
+/* Size of the JSON header in bytes (the N of the 8-byte prefix). */
+uint64_t lk_st_header_len(const lk_st *st);
+
+size_t lk_st_metadata_count(const lk_st *st);
+void lk_st_metadata_at(const lk_st *st, size_t i, const char **key, const char **value);
+/* Value for key, or NULL. */
+const char *lk_st_metadata_get(const lk_st *st, const char *key);
+
+/* ---- writer ---- */
+typedef struct lk_st_writer lk_st_writer;
+
+lk_status lk_st_writer_create(const char *path, lk_st_writer **out);
+lk_status lk_st_writer_metadata(lk_st_writer *w, const char *key, const char *value);
+/* Declares a tensor; returns its index in *index (may be NULL). */
+lk_status lk_st_writer_declare(lk_st_writer *w, const char *name, lk_dtype dtype,
+                               int ndim, const int64_t *shape, size_t *index);
+/* Fixes the layout and writes the header to the temporary file. */
+lk_status lk_st_writer_begin(lk_st_writer *w);
+/* Writes n bytes of tensor `index` at byte offset `off` within that tensor. */
+lk_status lk_st_writer_write(lk_st_writer *w, size_t index, uint64_t off,
+                             const void *data, size_t n);
+/* Checks every byte was written, fsyncs, renames into place. */
+lk_status lk_st_writer_commit(lk_st_writer *w);
+/* Frees; removes the temporary file if not committed. */
+void lk_st_writer_free(lk_st_writer *w);
+
+/* Convenience: writes a whole file from views (metadata as key/value pairs). */
+lk_status lk_st_save(const char *path, const lk_tensor *tensors, size_t n,
+                     const char *const *meta_kv, size_t n_meta);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,59 @@
+/* lorakit/status.h — status codes and the thread-local error message.
+ *
+ * Every fallible lorakit function returns lk_status. On failure the reason,
+ * naming the file, key and values involved, is available from lk_last_error()
+ * on the same thread until the next failure overwrites it. */
+#ifndef LORAKIT_STATUS_H
+#define LORAKIT_STATUS_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum lk_status {
+    LK_OK = 0,
+    LK_ERR_ARG,         /* bad argument from the caller */
+    LK_ERR_IO,          /* open/read/write/rename/mmap failed */
+    LK_ERR_FORMAT,      /* malformed file (safetensors, JSON, YAML, adapter) */
+    LK_ERR_NOMEM,       /* allocation failed */
+    LK_ERR_SHAPE,       /* shapes or ranks disagree */
+    LK_ERR_DTYPE,       /* dtype not supported for this operation */
+    LK_ERR_UNMATCHED,   /* adapter module matches no model weight */
+    LK_ERR_NONFINITE,   /* NaN/Inf where a finite value is required */
+    LK_ERR_MISMATCH,    /* ranks disagree on a cooperative request */
+    LK_ERR_STATE,       /* operation not allowed in the current state */
+    LK_ERR_COMM,        /* communication backend failure */
+    LK_ERR_UNSUPPORTED, /* valid input lorakit does not handle */
+    LK_ERR_CONFIG,      /* invalid configuration value */
+    LK_STATUS_COUNT
+} lk_status;
+
+/* Short constant name of a status, e.g. "LK_ERR_FORMAT". */
+const char *lk_status_str(lk_status s);
+
+/* The message of the last failure on this thread ("" if none). */
+const char *lk_last_error(void);
+
+/* Records a failure message (printf-style) and returns s, so callers can
+ * write `return lk_error(LK_ERR_FORMAT, "%s: ...", path);`. */
+lk_status lk_error(lk_status s, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Prepends "prefix: " to the current message (for adding context such as a
+ * file name while an error propagates). Returns s. */
+lk_status lk_error_prefix(lk_status s, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Clears the current message. */
+void lk_error_clear(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

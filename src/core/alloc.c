@@ -1,0 +1,63 @@
+/* alloc.c — allocation with an injectable failure for tests.
+ * The counter is atomic so multi-threaded fuse code can share it; the hook
+ * costs one relaxed atomic per allocation, negligible next to malloc. */
+#include "lorakit/alloc.h"
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static atomic_ulong g_count;
+static atomic_ulong g_fail_at;
+
+void lk_alloc_fail_at(unsigned long k) {
+    atomic_store(&g_count, 0);
+    atomic_store(&g_fail_at, k);
+}
+
+unsigned long lk_alloc_count(void) { return atomic_load(&g_count); }
+
+static int should_fail(void) {
+    unsigned long n = atomic_fetch_add(&g_count, 1) + 1;
+    unsigned long k = atomic_load_explicit(&g_fail_at, memory_order_relaxed);
+    return k != 0 && n == k;
+}
+
+void *lk_malloc(size_t n) {
+    if (should_fail()) return NULL;
+    return malloc(n ? n : 1);
+}
+
+void *lk_calloc(size_t count, size_t size) {
+    size_t total;
+    if (!lk_checked_mul(count, size, &total)) return NULL;
+    if (should_fail()) return NULL;
+    return calloc(total ? total : 1, 1);
+}
+
+void *lk_realloc(void *p, size_t n) {
+    if (should_fail()) return NULL;
+    return realloc(p, n ? n : 1);
+}
+
+void lk_free(void *p) { free(p); }
+
+char *lk_strdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = lk_malloc(n);
+    if (d) memcpy(d, s, n);
+    return d;
+}
+
+int lk_checked_mul(size_t a, size_t b, size_t *out) {
+    if (a != 0 && b > SIZE_MAX / a) return 0;
+    *out = a * b;
+    return 1;
+}
+
+int lk_checked_add(size_t a, size_t b, size_t *out) {
+    if (b > SIZE_MAX - a) return 0;
+    *out = a + b;
+    return 1;
+}

@@ -1,0 +1,163 @@
+/* dtype.c — safetensors dtype table and F32/F16/BF16 conversion.
+ *
+ * The scalar converters are written branch-free (selects, not ifs) so that
+ * the bulk loops below auto-vectorise; target_clones builds an AVX2 copy of
+ * each bulk loop next to the baseline SSE2 one, picked at load time, so the
+ * binary runs on any x86-64. Scalar and bulk paths run the same code, hence
+ * give the same bits. NaN payloads are kept where the target has room, and a
+ * NaN whose kept payload would be zero gets the quiet bit, so NaN never
+ * becomes Inf; f16/bf16 -> f32 -> f16/bf16 is the identity on all patterns. */
+#include "lorakit/dtype.h"
+#include "lorakit/tensor.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static const struct {
+    const char *name;
+    size_t size;
+} g_dt[LK_DTYPE_COUNT] = {
+    [LK_DTYPE_INVALID] = {"INVALID", 0}, [LK_DTYPE_BOOL] = {"BOOL", 1},
+    [LK_DTYPE_U8] = {"U8", 1},           [LK_DTYPE_I8] = {"I8", 1},
+    [LK_DTYPE_F8_E5M2] = {"F8_E5M2", 1}, [LK_DTYPE_F8_E4M3] = {"F8_E4M3", 1},
+    [LK_DTYPE_I16] = {"I16", 2},         [LK_DTYPE_U16] = {"U16", 2},
+    [LK_DTYPE_F16] = {"F16", 2},         [LK_DTYPE_BF16] = {"BF16", 2},
+    [LK_DTYPE_I32] = {"I32", 4},         [LK_DTYPE_U32] = {"U32", 4},
+    [LK_DTYPE_F32] = {"F32", 4},         [LK_DTYPE_F64] = {"F64", 8},
+    [LK_DTYPE_I64] = {"I64", 8},         [LK_DTYPE_U64] = {"U64", 8},
+};
+
+size_t lk_dtype_size(lk_dtype d) {
+    if ((int)d <= 0 || d >= LK_DTYPE_COUNT) return 0;
+    return g_dt[d].size;
+}
+
+const char *lk_dtype_name(lk_dtype d) {
+    if ((int)d < 0 || d >= LK_DTYPE_COUNT) return "INVALID";
+    return g_dt[d].name;
+}
+
+lk_dtype lk_dtype_from_name(const char *name, size_t len) {
+    for (int i = 1; i < LK_DTYPE_COUNT; i++)
+        if (strlen(g_dt[i].name) == len && memcmp(g_dt[i].name, name, len) == 0) return (lk_dtype)i;
+    return LK_DTYPE_INVALID;
+}
+
+int lk_dtype_is_fusable(lk_dtype d) {
+    return d == LK_DTYPE_F32 || d == LK_DTYPE_F16 || d == LK_DTYPE_BF16;
+}
+
+static inline uint32_t f2u(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static inline float u2f(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u = f2u(f);
+    uint32_t isnan = (u & 0x7fffffffu) > 0x7f800000u;
+    /* RNE: add 0x7fff plus the lowest kept bit; carries into the exponent
+     * give the correctly rounded result, including overflow to Inf. */
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t t = u >> 16;
+    uint32_t q = t | (((t & 0x7fu) == 0) ? 0x40u : 0u);
+    return (uint16_t)(isnan ? q : r);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = ((uint32_t)h & 0x8000u) << 16;
+    uint32_t em = (uint32_t)h & 0x7fffu;
+    uint32_t normal = (em << 13) + ((127u - 15u) << 23);
+    uint32_t infnan = (em << 13) | 0x7f800000u;
+    /* Subnormal: value = em * 2^-24, exact in float. */
+    uint32_t sub = f2u((float)em * 5.9604644775390625e-08f);
+    uint32_t r = em >= 0x7c00u ? infnan : (em < 0x0400u ? sub : normal);
+    return u2f(r | sign);
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u = f2u(f);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7fffffffu;
+    /* NaN: keep the top 10 payload bits, quiet bit if that leaves zero. */
+    uint32_t m = (a >> 13) & 0x3ffu;
+    uint32_t nan = 0x7c00u | m | (m == 0 ? 0x200u : 0u);
+    /* Values >= 65520 round to Inf. */
+    uint32_t big = 0x7c00u;
+    /* Below 2^-14 the result is subnormal: adding 0.5 aligns the bits so the
+     * FPU's own RNE does the rounding; then subtract the magic's bits. */
+    uint32_t sub = f2u(u2f(a) + 0.5f) - 0x3f000000u;
+    /* Normal: rebias, RNE on the 13 dropped bits. */
+    uint32_t odd = (a >> 13) & 1u;
+    uint32_t nrm = (a + ((uint32_t)(15 - 127) << 23) + 0xfffu + odd) >> 13;
+    uint32_t r = a > 0x7f800000u ? nan
+                 : a >= 0x477ff000u ? big
+                 : a < 0x38800000u ? sub
+                                    : nrm;
+    return (uint16_t)(r | sign);
+}
+
+float lk_bf16_to_f32(uint16_t h) { return bf16_to_f32(h); }
+uint16_t lk_f32_to_bf16(float f) { return f32_to_bf16(f); }
+float lk_f16_to_f32(uint16_t h) { return f16_to_f32(h); }
+uint16_t lk_f32_to_f16(float f) { return f32_to_f16(f); }
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(LK_NO_CLONES)
+#define LK_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define LK_CLONES
+#endif
+
+LK_CLONES static void bf16_to_f32_n(float *restrict d, const uint16_t *restrict s, size_t n) {
+    for (size_t i = 0; i < n; i++) d[i] = bf16_to_f32(s[i]);
+}
+LK_CLONES static void f16_to_f32_n(float *restrict d, const uint16_t *restrict s, size_t n) {
+    for (size_t i = 0; i < n; i++) d[i] = f16_to_f32(s[i]);
+}
+LK_CLONES static void f32_to_bf16_n(uint16_t *restrict d, const float *restrict s, size_t n) {
+    for (size_t i = 0; i < n; i++) d[i] = f32_to_bf16(s[i]);
+}
+LK_CLONES static void f32_to_f16_n(uint16_t *restrict d, const float *restrict s, size_t n) {
+    for (size_t i = 0; i < n; i++) d[i] = f32_to_f16(s[i]);
+}
+
+void lk_to_f32(float *dst, const void *src, lk_dtype d, size_t n) {
+    switch (d) {
+    case LK_DTYPE_F32: memmove(dst, src, n * 4); break;
+    case LK_DTYPE_BF16: bf16_to_f32_n(dst, src, n); break;
+    case LK_DTYPE_F16: f16_to_f32_n(dst, src, n); break;
+    default: break; /* callers check lk_dtype_is_fusable */
+    }
+}
+
+void lk_from_f32(void *dst, const float *src, lk_dtype d, size_t n) {
+    switch (d) {
+    case LK_DTYPE_F32: memmove(dst, src, n * 4); break;
+    case LK_DTYPE_BF16: f32_to_bf16_n(dst, src, n); break;
+    case LK_DTYPE_F16: f32_to_f16_n(dst, src, n); break;
+    default: break;
+    }
+}
+
+size_t lk_tensor_numel(const lk_tensor *t) {
+    size_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= (size_t)t->shape[i];
+    return n;
+}
+
+void lk_shape_str(const lk_tensor *t, char *buf, size_t cap) {
+    size_t off = 0;
+    if (cap == 0) return;
+    buf[0] = '\0';
+    off += (size_t)snprintf(buf, cap, "[");
+    for (int i = 0; i < t->ndim && off < cap; i++)
+        off += (size_t)snprintf(buf + off, cap - off, i ? ", %lld" : "%lld", (long long)t->shape[i]);
+    if (off < cap) snprintf(buf + off, cap - off, "]");
+}

@@ -1,0 +1,57 @@
+/* status.c — status names and the thread-local error message.
+ * The message lives in a fixed thread-local buffer so recording an error can
+ * never itself fail (it is used on the out-of-memory path too). */
+#include "lorakit/status.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#define LK_ERRBUF 2048
+static _Thread_local char g_err[LK_ERRBUF];
+
+static const char *const g_names[LK_STATUS_COUNT] = {
+    [LK_OK] = "LK_OK",
+    [LK_ERR_ARG] = "LK_ERR_ARG",
+    [LK_ERR_IO] = "LK_ERR_IO",
+    [LK_ERR_FORMAT] = "LK_ERR_FORMAT",
+    [LK_ERR_NOMEM] = "LK_ERR_NOMEM",
+    [LK_ERR_SHAPE] = "LK_ERR_SHAPE",
+    [LK_ERR_DTYPE] = "LK_ERR_DTYPE",
+    [LK_ERR_UNMATCHED] = "LK_ERR_UNMATCHED",
+    [LK_ERR_NONFINITE] = "LK_ERR_NONFINITE",
+    [LK_ERR_MISMATCH] = "LK_ERR_MISMATCH",
+    [LK_ERR_STATE] = "LK_ERR_STATE",
+    [LK_ERR_COMM] = "LK_ERR_COMM",
+    [LK_ERR_UNSUPPORTED] = "LK_ERR_UNSUPPORTED",
+    [LK_ERR_CONFIG] = "LK_ERR_CONFIG",
+};
+
+const char *lk_status_str(lk_status s) {
+    if ((int)s < 0 || s >= LK_STATUS_COUNT) return "LK_ERR_UNKNOWN";
+    return g_names[s];
+}
+
+const char *lk_last_error(void) { return g_err; }
+
+void lk_error_clear(void) { g_err[0] = '\0'; }
+
+lk_status lk_error(lk_status s, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_err, sizeof g_err, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+lk_status lk_error_prefix(lk_status s, const char *fmt, ...) {
+    char old[LK_ERRBUF];
+    char pre[512];
+    memcpy(old, g_err, sizeof old);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(pre, sizeof pre, fmt, ap);
+    va_end(ap);
+    snprintf(g_err, sizeof g_err, "%s: %s", pre, old);
+    return s;
+}

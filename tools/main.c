@@ -1,0 +1,93 @@
+/* main.c — the lorakit command-line entry: dispatches to tools/cmd_<name>.c. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <errno.h>
+
+#include "cli.h"
+
+#ifndef LK_VERSION
+#define LK_VERSION "0.0.0"
+#endif
+
+static const struct {
+    const char *name;
+    const char *summary;
+    int (*fn)(int, char **);
+} g_cmds[] = {
+#define LK_CMD(name, summary) {#name, summary, lk_cmd_##name},
+#include "commands.def"
+#undef LK_CMD
+};
+
+int lk_cli_fail(void) {
+    fprintf(stderr, "lorakit: %s\n", lk_last_error()[0] ? lk_last_error() : "operation failed");
+    return LK_EXIT_FAIL;
+}
+
+int lk_cli_usage(const char *cmd, const char *fmt, ...) {
+    va_list ap;
+    fputs("lorakit: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\n(see 'lorakit %s --help')\n", cmd ? cmd : "");
+    return LK_EXIT_USAGE;
+}
+
+int lk_cli_wants_help(int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--")) break;
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) return 1;
+    }
+    return 0;
+}
+
+int lk_cli_parse_int(const char *s, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end) return 0;
+    *out = v;
+    return 1;
+}
+
+int lk_cli_parse_double(const char *s, double *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end) return 0;
+    *out = v;
+    return 1;
+}
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: lorakit <command> [options]\n\n"
+               "LoRA adapters on transformer checkpoints: fuse, hot-swap, train.\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof g_cmds / sizeof g_cmds[0]; i++)
+        fprintf(f, "  %-10s %s\n", g_cmds[i].name, g_cmds[i].summary);
+    fprintf(f, "\n'lorakit <command> --help' describes a command.\n"
+               "Exit codes: 0 success, 1 the operation failed, 2 bad usage.\n"
+               "Log level: LORAKIT_LOG=error|warn|info|debug.\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return LK_EXIT_USAGE;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        usage(stdout);
+        return LK_EXIT_OK;
+    }
+    if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "-V")) {
+        printf("lorakit %s\n", LK_VERSION);
+        return LK_EXIT_OK;
+    }
+    for (size_t i = 0; i < sizeof g_cmds / sizeof g_cmds[0]; i++)
+        if (!strcmp(argv[1], g_cmds[i].name)) return g_cmds[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "lorakit: unknown command '%s'\n", argv[1]);
+    usage(stderr);
+    return LK_EXIT_USAGE;
+}
