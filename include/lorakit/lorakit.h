@@ -14,5 +14,6 @@
 #include "lorakit/fuse.h"
 #include "lorakit/comm.h"
 #include "lorakit/mesh.h"
+#include "lorakit/lora.h"
 
 #endif
