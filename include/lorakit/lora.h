@@ -185,6 +185,14 @@ lk_status lk_lora_layer_forward(lk_lora_layer *l, float *y, const float *x, int 
  * so calls on layers of one model must not run concurrently. */
 lk_status lk_lora_layer_backward(lk_lora_layer *l, float *dx, const float *dy,
                                  const float *x, int n);
+/* The LoRA term alone, for hosts that compute x W^T + b themselves (e.g. a
+ * linear hook, as src/model does): y += c (x A^T) B^T (y is n x out,
+ * accumulated); nothing when the layer is not wrapped. */
+lk_status lk_lora_layer_delta_forward(lk_lora_layer *l, float *y, const float *x, int n);
+/* Its backward: dA, dB accumulate as above; dx += c (dy B) A when dx is not
+ * NULL. Same scratch rule as lk_lora_layer_backward. */
+lk_status lk_lora_layer_delta_backward(lk_lora_layer *l, float *dx, const float *dy,
+                                       const float *x, int n);
 /* Merged weight W + c B A (out x in) into dst, accumulated in double. */
 lk_status lk_lora_layer_merged(const lk_lora_layer *l, float *dst);
 
