@@ -37,8 +37,16 @@ lk_status lk_comm_allreduce_f32_sum(lk_comm *c, float *buf, size_t n);
 lk_status lk_comm_allreduce_u64(lk_comm *c, uint64_t *buf, size_t n, lk_reduce_op op);
 /* Each rank contributes n bytes; recv gets size*n bytes in rank order. */
 lk_status lk_comm_allgather(lk_comm *c, const void *send, size_t n, void *recv);
-/* Ranks with equal color form a new communicator ordered by key. */
+/* Ranks with equal color form a new communicator ordered by key (ties by
+ * rank). A rank passing a negative color joins none and gets *out = NULL. */
 lk_status lk_comm_split(lk_comm *c, int color, int key, lk_comm **out);
+
+/* Agreement on success, for operations where any rank may fail locally:
+ * every rank passes its own status (its message in lk_last_error()). Returns
+ * LK_OK on every rank when all passed LK_OK; otherwise every rank returns
+ * the status of the lowest failing rank with the message
+ * "rank R: <that rank's message>". Collective: call it on every path. */
+lk_status lk_comm_agree(lk_comm *c, lk_status local);
 
 #ifdef __cplusplus
 }

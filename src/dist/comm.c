@@ -1,0 +1,160 @@
+/* comm.c — lk_comm dispatch, argument checks, agreement, and the `self`
+ * backend.
+ *
+ * Every distributed feature talks through lk_comm so that the whole library
+ * (tracker at one rank, `lorakit swap` without mpirun, training in one
+ * process) builds and runs with no MPI at all: the `self` backend is a
+ * one-rank communicator whose collectives are copies or no-ops. The MPI
+ * backend lives in comm_mpi.c, compiled only when MPI is found. Arguments are
+ * checked here once, so backends only move bytes. */
+#include "dist/comm_impl.h"
+
+#include <string.h>
+
+#include "lorakit/alloc.h"
+
+lk_status lk_comm_new(const lk_comm_ops *ops, int rank, int size, void *impl, lk_comm **out) {
+    lk_comm *c = lk_calloc(1, sizeof *c);
+    if (!c) return lk_error(LK_ERR_NOMEM, "comm: out of memory creating a %s communicator", ops->name);
+    c->ops = ops;
+    c->rank = rank;
+    c->size = size;
+    c->impl = impl;
+    *out = c;
+    return LK_OK;
+}
+
+void lk_comm_free(lk_comm *c) {
+    if (!c) return;
+    if (c->ops->destroy) c->ops->destroy(c);
+    lk_free(c);
+}
+
+int lk_comm_rank(const lk_comm *c) { return c ? c->rank : 0; }
+int lk_comm_size(const lk_comm *c) { return c ? c->size : 1; }
+const char *lk_comm_backend(const lk_comm *c) { return c ? c->ops->name : "none"; }
+
+static lk_status check(const lk_comm *c, const void *buf, size_t n, const char *op) {
+    if (!c) return lk_error(LK_ERR_ARG, "comm %s: communicator is NULL", op);
+    if (n && !buf) return lk_error(LK_ERR_ARG, "comm %s: NULL buffer for %zu elements", op, n);
+    return LK_OK;
+}
+
+lk_status lk_comm_barrier(lk_comm *c) {
+    lk_status st = check(c, NULL, 0, "barrier");
+    return st ? st : c->ops->barrier(c);
+}
+
+lk_status lk_comm_bcast(lk_comm *c, void *buf, size_t n, int root) {
+    lk_status st = check(c, buf, n, "bcast");
+    if (st) return st;
+    if (root < 0 || root >= c->size)
+        return lk_error(LK_ERR_ARG, "comm bcast: root %d is not a rank of a %d-rank communicator",
+                        root, c->size);
+    return c->ops->bcast(c, buf, n, root);
+}
+
+lk_status lk_comm_allreduce_f32_sum(lk_comm *c, float *buf, size_t n) {
+    lk_status st = check(c, buf, n, "allreduce_f32_sum");
+    return st ? st : c->ops->allreduce_f32_sum(c, buf, n);
+}
+
+lk_status lk_comm_allreduce_u64(lk_comm *c, uint64_t *buf, size_t n, lk_reduce_op op) {
+    lk_status st = check(c, buf, n, "allreduce_u64");
+    if (st) return st;
+    if (op != LK_REDUCE_SUM && op != LK_REDUCE_MIN && op != LK_REDUCE_MAX)
+        return lk_error(LK_ERR_ARG, "comm allreduce_u64: unknown reduce op %d", (int)op);
+    return c->ops->allreduce_u64(c, buf, n, op);
+}
+
+lk_status lk_comm_allgather(lk_comm *c, const void *send, size_t n, void *recv) {
+    lk_status st = check(c, send, n, "allgather");
+    if (st) return st;
+    size_t total;
+    if (!lk_checked_mul(n, (size_t)c->size, &total))
+        return lk_error(LK_ERR_ARG, "comm allgather: %zu bytes x %d ranks overflows", n, c->size);
+    if (n && !recv) return lk_error(LK_ERR_ARG, "comm allgather: NULL receive buffer");
+    return c->ops->allgather(c, send, n, recv);
+}
+
+lk_status lk_comm_split(lk_comm *c, int color, int key, lk_comm **out) {
+    if (!c || !out) return lk_error(LK_ERR_ARG, "comm split: NULL argument");
+    *out = NULL;
+    return c->ops->split(c, color, key, out);
+}
+
+/* The failing rank's status and message travel in one fixed-size record, so
+ * the broadcast has the same size on every rank whatever the message. */
+typedef struct agree_msg {
+    int32_t status;
+    char text[1024];
+} agree_msg;
+
+lk_status lk_comm_agree(lk_comm *c, lk_status local) {
+    if (!c) return lk_error(LK_ERR_ARG, "comm agree: communicator is NULL");
+    uint64_t first = local != LK_OK ? (uint64_t)c->rank : UINT64_MAX;
+    if (c->ops->allreduce_u64(c, &first, 1, LK_REDUCE_MIN) != LK_OK)
+        return lk_error_prefix(LK_ERR_COMM, "comm agree");
+    if (first == UINT64_MAX) return LK_OK;
+    agree_msg m;
+    memset(&m, 0, sizeof m);
+    if (first == (uint64_t)c->rank) {
+        m.status = (int32_t)local;
+        strncpy(m.text, lk_last_error(), sizeof m.text - 1);
+    }
+    if (c->ops->bcast(c, &m, sizeof m, (int)first) != LK_OK)
+        return lk_error_prefix(LK_ERR_COMM, "comm agree");
+    m.text[sizeof m.text - 1] = '\0';
+    lk_status st = (m.status > 0 && m.status < LK_STATUS_COUNT) ? (lk_status)m.status : LK_ERR_COMM;
+    return lk_error(st, "rank %d: %s", (int)first, m.text);
+}
+
+/* ---- the self backend: one rank, collectives are copies ---- */
+
+static lk_status self_barrier(lk_comm *c) {
+    (void)c;
+    return LK_OK;
+}
+
+static lk_status self_bcast(lk_comm *c, void *buf, size_t n, int root) {
+    (void)c; (void)buf; (void)n; (void)root;
+    return LK_OK;
+}
+
+static lk_status self_sum(lk_comm *c, float *buf, size_t n) {
+    (void)c; (void)buf; (void)n;
+    return LK_OK;
+}
+
+static lk_status self_u64(lk_comm *c, uint64_t *buf, size_t n, lk_reduce_op op) {
+    (void)c; (void)buf; (void)n; (void)op;
+    return LK_OK;
+}
+
+static lk_status self_allgather(lk_comm *c, const void *send, size_t n, void *recv) {
+    (void)c;
+    if (n && send != recv) memmove(recv, send, n);
+    return LK_OK;
+}
+
+static lk_status self_split(lk_comm *c, int color, int key, lk_comm **out) {
+    (void)c; (void)key;
+    if (color < 0) return LK_OK;
+    return lk_comm_self(out);
+}
+
+static const lk_comm_ops g_self_ops = {
+    .name = "self",
+    .destroy = NULL,
+    .barrier = self_barrier,
+    .bcast = self_bcast,
+    .allreduce_f32_sum = self_sum,
+    .allreduce_u64 = self_u64,
+    .allgather = self_allgather,
+    .split = self_split,
+};
+
+lk_status lk_comm_self(lk_comm **out) {
+    if (!out) return lk_error(LK_ERR_ARG, "comm self: NULL output");
+    return lk_comm_new(&g_self_ops, 0, 1, NULL, out);
+}

@@ -1,0 +1,158 @@
+/* comm_mpi.c — the MPI backend of lk_comm (built only when MPI is found).
+ *
+ * lk_comm_from_mpi duplicates the caller's communicator, so lorakit's
+ * messages never mix with the host program's, and sets MPI_ERRORS_RETURN on
+ * the duplicate so a transport failure becomes LK_ERR_COMM instead of an
+ * abort. MPI counts are int: every operation is split into rounds of at most
+ * `chunk` bytes (1 GiB; LORAKIT_COMM_CHUNK overrides it, read once at
+ * creation, so tests can exercise the splitting with small buffers). */
+#include "lorakit/comm_mpi.h"
+
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dist/comm_impl.h"
+#include "lorakit/alloc.h"
+
+typedef struct mpi_impl {
+    MPI_Comm comm;
+    size_t chunk; /* max bytes per MPI call, <= INT_MAX */
+} mpi_impl;
+
+static MPI_Comm mc(const lk_comm *c) { return ((const mpi_impl *)c->impl)->comm; }
+static size_t chunk_of(const lk_comm *c) { return ((const mpi_impl *)c->impl)->chunk; }
+
+static lk_status mpi_fail(int rc, const char *op) {
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) snprintf(msg, sizeof msg, "code %d", rc);
+    return lk_error(LK_ERR_COMM, "comm mpi %s: %s", op, msg);
+}
+
+static void mpi_destroy(lk_comm *c) {
+    mpi_impl *m = c->impl;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized && m->comm != MPI_COMM_NULL) MPI_Comm_free(&m->comm);
+    lk_free(m);
+}
+
+static lk_status mpi_barrier(lk_comm *c) {
+    int rc = MPI_Barrier(mc(c));
+    return rc == MPI_SUCCESS ? LK_OK : mpi_fail(rc, "barrier");
+}
+
+static lk_status mpi_bcast(lk_comm *c, void *buf, size_t n, int root) {
+    size_t step = chunk_of(c);
+    for (size_t off = 0; off < n; off += step) {
+        size_t k = n - off < step ? n - off : step;
+        int rc = MPI_Bcast((char *)buf + off, (int)k, MPI_BYTE, root, mc(c));
+        if (rc != MPI_SUCCESS) return mpi_fail(rc, "bcast");
+    }
+    return LK_OK;
+}
+
+static lk_status allreduce(lk_comm *c, void *buf, size_t n, size_t esize, MPI_Datatype t,
+                           MPI_Op op, const char *name) {
+    size_t step = chunk_of(c) / esize;
+    if (step == 0) step = 1;
+    for (size_t off = 0; off < n; off += step) {
+        size_t k = n - off < step ? n - off : step;
+        int rc = MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * esize, (int)k, t, op, mc(c));
+        if (rc != MPI_SUCCESS) return mpi_fail(rc, name);
+    }
+    return LK_OK;
+}
+
+static lk_status mpi_sum(lk_comm *c, float *buf, size_t n) {
+    return allreduce(c, buf, n, sizeof(float), MPI_FLOAT, MPI_SUM, "allreduce_f32_sum");
+}
+
+static lk_status mpi_u64(lk_comm *c, uint64_t *buf, size_t n, lk_reduce_op op) {
+    MPI_Op o = op == LK_REDUCE_SUM ? MPI_SUM : op == LK_REDUCE_MIN ? MPI_MIN : MPI_MAX;
+    return allreduce(c, buf, n, sizeof(uint64_t), MPI_UINT64_T, o, "allreduce_u64");
+}
+
+static lk_status mpi_allgather(lk_comm *c, const void *send, size_t n, void *recv) {
+    char *mine = (char *)recv + (size_t)c->rank * n;
+    if (n <= chunk_of(c)) {
+        const void *s = send == mine ? MPI_IN_PLACE : send;
+        int rc = MPI_Allgather(s, (int)n, MPI_BYTE, recv, (int)n, MPI_BYTE, mc(c));
+        return rc == MPI_SUCCESS ? LK_OK : mpi_fail(rc, "allgather");
+    }
+    /* Past one chunk per rank, each rank's block is broadcast from its owner
+     * (chunked): rare, and simpler than derived datatypes. */
+    if (send != mine) memmove(mine, send, n);
+    for (int r = 0; r < c->size; r++) {
+        lk_status st = mpi_bcast(c, (char *)recv + (size_t)r * n, n, r);
+        if (st) return st;
+    }
+    return LK_OK;
+}
+
+static lk_status wrap(MPI_Comm comm, size_t chunk, lk_comm **out);
+
+static lk_status mpi_split(lk_comm *c, int color, int key, lk_comm **out) {
+    MPI_Comm nc = MPI_COMM_NULL;
+    int rc = MPI_Comm_split(mc(c), color < 0 ? MPI_UNDEFINED : color, key, &nc);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "split");
+    if (nc == MPI_COMM_NULL) return LK_OK;
+    lk_status st = wrap(nc, chunk_of(c), out);
+    if (st) MPI_Comm_free(&nc);
+    return st;
+}
+
+static const lk_comm_ops g_mpi_ops = {
+    .name = "mpi",
+    .destroy = mpi_destroy,
+    .barrier = mpi_barrier,
+    .bcast = mpi_bcast,
+    .allreduce_f32_sum = mpi_sum,
+    .allreduce_u64 = mpi_u64,
+    .allgather = mpi_allgather,
+    .split = mpi_split,
+};
+
+/* Takes ownership of comm on success. */
+static lk_status wrap(MPI_Comm comm, size_t chunk, lk_comm **out) {
+    int rank = 0, size = 1;
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+    mpi_impl *m = lk_malloc(sizeof *m);
+    if (!m) return lk_error(LK_ERR_NOMEM, "comm mpi: out of memory");
+    m->comm = comm;
+    m->chunk = chunk;
+    lk_status st = lk_comm_new(&g_mpi_ops, rank, size, m, out);
+    if (st) lk_free(m);
+    return st;
+}
+
+lk_status lk_comm_from_mpi(MPI_Comm c, lk_comm **out) {
+    if (!out) return lk_error(LK_ERR_ARG, "comm mpi: NULL output");
+    *out = NULL;
+    int init = 0, fin = 0;
+    MPI_Initialized(&init);
+    MPI_Finalized(&fin);
+    if (!init || fin)
+        return lk_error(LK_ERR_STATE, "comm mpi: MPI is %s (the host program owns MPI_Init/MPI_Finalize)",
+                        fin ? "already finalized" : "not initialized");
+    if (c == MPI_COMM_NULL) return lk_error(LK_ERR_ARG, "comm mpi: MPI_COMM_NULL");
+    size_t chunk = (size_t)1 << 30;
+    const char *e = getenv("LORAKIT_COMM_CHUNK");
+    if (e && *e) {
+        char *end;
+        unsigned long long v = strtoull(e, &end, 10);
+        if (*end || v == 0 || v > INT_MAX)
+            return lk_error(LK_ERR_CONFIG, "comm mpi: LORAKIT_COMM_CHUNK=%s is not in 1..%d", e, INT_MAX);
+        chunk = (size_t)v;
+    }
+    MPI_Comm dup;
+    int rc = MPI_Comm_dup(c, &dup);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "dup");
+    lk_status st = wrap(dup, chunk, out);
+    if (st) MPI_Comm_free(&dup);
+    return st;
+}

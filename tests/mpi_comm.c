@@ -1,0 +1,165 @@
+/* mpi_comm.c — the MPI communicator and mesh at any rank count (ctest runs
+ * it at 1..4 ranks). LORAKIT_COMM_CHUNK=1000 forces every operation bigger
+ * than 1000 bytes through the backend's split-into-rounds path. Expected
+ * values are closed forms written here: sums of (r+1)*i are
+ * i*size*(size+1)/2 (exact in f32 at these sizes), min/max of base+r are
+ * base and base+size-1 (beyond 2^53, so a double-based reduction would be
+ * caught). A failing assert aborts (CMOCKA_TEST_ABORT), so mpirun stops every
+ * rank rather than leaving the others in a collective. */
+#include <mpi.h>
+
+#include "testutil.h"
+#include "lorakit/comm_mpi.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static lk_comm *g_world;
+static int R, N;
+
+static void test_bcast_chunked(void **state) {
+    (void)state;
+    size_t n = 3001; /* 4 rounds of <= 1000 bytes */
+    unsigned char *b = malloc(n);
+    int root = N - 1;
+    for (size_t i = 0; i < n; i++) b[i] = R == root ? (unsigned char)(i * 31 + 7) : 0;
+    assert_int_equal(lk_comm_bcast(g_world, b, n, root), LK_OK);
+    for (size_t i = 0; i < n; i++) assert_int_equal(b[i], (unsigned char)(i * 31 + 7));
+    assert_int_equal(lk_comm_bcast(g_world, b, 0, 0), LK_OK);
+    free(b);
+}
+
+static void test_allreduce(void **state) {
+    (void)state;
+    size_t n = 1000; /* 4000 bytes: 4 rounds */
+    float *f = malloc(n * sizeof *f);
+    for (size_t i = 0; i < n; i++) f[i] = (float)((R + 1) * (int)i);
+    assert_int_equal(lk_comm_allreduce_f32_sum(g_world, f, n), LK_OK);
+    for (size_t i = 0; i < n; i++) assert_true(f[i] == (float)(i * (size_t)N * (N + 1) / 2));
+    free(f);
+
+    const uint64_t base = 0xF000000000000001ull;
+    uint64_t u[300];
+    for (int op = 0; op < 2; op++) {
+        for (size_t i = 0; i < 300; i++) u[i] = base + (uint64_t)R + i;
+        assert_int_equal(lk_comm_allreduce_u64(g_world, u, 300, op ? LK_REDUCE_MAX : LK_REDUCE_MIN), LK_OK);
+        for (size_t i = 0; i < 300; i++) assert_true(u[i] == base + i + (op ? (uint64_t)N - 1 : 0));
+    }
+    uint64_t s = (uint64_t)R + 1;
+    assert_int_equal(lk_comm_allreduce_u64(g_world, &s, 1, LK_REDUCE_SUM), LK_OK);
+    assert_true(s == (uint64_t)N * (N + 1) / 2);
+}
+
+static void test_allgather(void **state) {
+    (void)state;
+    size_t sizes[2] = {5, 1500}; /* direct and per-rank broadcast paths */
+    for (int k = 0; k < 2; k++) {
+        size_t n = sizes[k];
+        unsigned char *send = malloc(n), *recv = malloc(n * N);
+        for (size_t j = 0; j < n; j++) send[j] = (unsigned char)(R * 10 + j);
+        assert_int_equal(lk_comm_allgather(g_world, send, n, recv), LK_OK);
+        for (int r = 0; r < N; r++)
+            for (size_t j = 0; j < n; j++) assert_int_equal(recv[r * n + j], (unsigned char)(r * 10 + j));
+        /* in place: this rank's block already sits in recv */
+        memset(recv, 0xEE, n * N);
+        memcpy(recv + R * n, send, n);
+        assert_int_equal(lk_comm_allgather(g_world, recv + R * n, n, recv), LK_OK);
+        for (int r = 0; r < N; r++) assert_int_equal(recv[r * n + n - 1], (unsigned char)(r * 10 + n - 1));
+        free(send);
+        free(recv);
+    }
+}
+
+static void test_split(void **state) {
+    (void)state;
+    lk_comm *s = NULL;
+    /* parity groups, ordered by descending world rank */
+    assert_int_equal(lk_comm_split(g_world, R % 2, -R, &s), LK_OK);
+    assert_non_null(s);
+    int members = 0, pos = 0;
+    for (int r = 0; r < N; r++)
+        if (r % 2 == R % 2) {
+            members++;
+            if (r > R) pos++;
+        }
+    assert_int_equal(lk_comm_size(s), members);
+    assert_int_equal(lk_comm_rank(s), pos);
+    uint64_t sum = (uint64_t)R, expect = 0;
+    for (int r = R % 2; r < N; r += 2) expect += (uint64_t)r;
+    assert_int_equal(lk_comm_allreduce_u64(s, &sum, 1, LK_REDUCE_SUM), LK_OK);
+    assert_true(sum == expect);
+    lk_comm_free(s);
+    /* rank 0 opts out */
+    s = NULL;
+    assert_int_equal(lk_comm_split(g_world, R == 0 ? -1 : 1, 0, &s), LK_OK);
+    if (R == 0) assert_null(s);
+    else assert_int_equal(lk_comm_size(s), N - 1);
+    lk_comm_free(s);
+}
+
+static void test_agree(void **state) {
+    (void)state;
+    assert_int_equal(lk_comm_agree(g_world, LK_OK), LK_OK);
+    /* ranks >= 1 fail (rank 0 alone when N == 1): the lowest failing one wins */
+    int fails = N == 1 || R >= 1;
+    if (fails) lk_error(LK_ERR_IO, "disk on fire %d", R);
+    lk_status st = lk_comm_agree(g_world, fails ? LK_ERR_IO : LK_OK);
+    assert_int_equal(st, LK_ERR_IO);
+    char want[64];
+    snprintf(want, sizeof want, "rank %d: disk on fire %d", N == 1 ? 0 : 1, N == 1 ? 0 : 1);
+    assert_string_equal(lk_last_error(), want);
+}
+
+static void test_mesh(void **state) {
+    (void)state;
+    int shapes[3][2] = {{N, 1}, {1, N}, {N % 2 == 0 ? 2 : 1, N % 2 == 0 ? N / 2 : N}};
+    for (int k = 0; k < 3; k++) {
+        int rep = shapes[k][0], sh = shapes[k][1];
+        lk_mesh *m = NULL;
+        assert_int_equal(lk_mesh_create(g_world, rep, sh, &m), LK_OK);
+        assert_int_equal(lk_mesh_ndim(m), sh == 1 ? 1 : 2);
+        assert_int_equal(lk_mesh_dim_size(m, LK_MESH_REPLICATE), rep);
+        assert_int_equal(lk_mesh_dim_size(m, LK_MESH_SHARD), sh);
+        assert_int_equal(lk_comm_size(lk_mesh_dim_comm(m, LK_MESH_REPLICATE)), rep);
+        assert_int_equal(lk_comm_size(lk_mesh_dim_comm(m, LK_MESH_SHARD)), sh);
+        /* rank r sits at (r / shard, r % shard) */
+        assert_int_equal(lk_mesh_coord(m, LK_MESH_REPLICATE), R / sh);
+        assert_int_equal(lk_mesh_coord(m, LK_MESH_SHARD), R % sh);
+        /* the replicate dim groups equal shard indices: sum of their world ranks */
+        uint64_t v = (uint64_t)R, expect = 0;
+        for (int i = 0; i < rep; i++) expect += (uint64_t)(i * sh + R % sh);
+        assert_int_equal(lk_comm_allreduce_u64(lk_mesh_dim_comm(m, LK_MESH_REPLICATE), &v, 1, LK_REDUCE_SUM), LK_OK);
+        assert_true(v == expect);
+        lk_mesh_free(m);
+    }
+    lk_mesh *m = NULL;
+    assert_int_equal(lk_mesh_create(g_world, N + 1, 1, &m), LK_ERR_ARG);
+    assert_null(m);
+    if (N > 1) { /* ranks disagree: every rank fails, none hangs */
+        lk_status st = R == 0 ? lk_mesh_create(g_world, N, 1, &m) : lk_mesh_create(g_world, 1, N, &m);
+        assert_int_equal(st, LK_ERR_MISMATCH);
+        assert_null(m);
+    }
+}
+
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    setenv("CMOCKA_TEST_ABORT", "1", 1);
+    setenv("LORAKIT_COMM_CHUNK", "1000", 1);
+    if (lk_comm_from_mpi(MPI_COMM_WORLD, &g_world) != LK_OK) {
+        fprintf(stderr, "lk_comm_from_mpi: %s\n", lk_last_error());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    R = lk_comm_rank(g_world);
+    N = lk_comm_size(g_world);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_bcast_chunked), cmocka_unit_test(test_allreduce),
+        cmocka_unit_test(test_allgather),     cmocka_unit_test(test_split),
+        cmocka_unit_test(test_agree),         cmocka_unit_test(test_mesh),
+    };
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    lk_comm_free(g_world);
+    MPI_Finalize();
+    return rc;
+}
