@@ -54,6 +54,59 @@ static void test_exact_bytes(void **state) {
     free(p);
 }
 
+/* Byte vectors from the reference Rust crate's own unit tests
+ * (huggingface/safetensors, safetensors/src/tensor.rs: test_serialization,
+ * test_serialization_forced_alignement, test_empty): our writer must produce
+ * exactly these bytes and our reader must accept them. */
+static void check_ref_bytes(const lk_tensor *t, size_t nt, const char *const *meta, size_t nm,
+                            const unsigned char *want, size_t wn) {
+    char *dir = tu_mkdtemp();
+    char *p = tu_path(dir, "ref.safetensors");
+    assert_int_equal(lk_st_save(p, t, nt, meta, nm), LK_OK);
+    size_t n;
+    unsigned char *got = tu_read_file(p, &n);
+    assert_int_equal(n, wn);
+    assert_memory_equal(got, want, wn);
+    free(got);
+    lk_st *st;
+    assert_int_equal(lk_st_open_mem(want, wn, "ref", &st), LK_OK);
+    assert_int_equal(lk_st_count(st), nt);
+    lk_st_close(st);
+    tu_rmtree(dir);
+    free(dir);
+    free(p);
+}
+
+static void test_reference_vectors(void **state) {
+    (void)state;
+    float data[6] = {0, 1, 2, 3, 4, 5};
+    lk_tensor a = {.name = "attn.0", .dtype = LK_DTYPE_F32, .ndim = 3, .shape = {1, 2, 3}, .nbytes = 24, .data = data};
+    static const unsigned char ser[] = {
+        64, 0, 0, 0, 0, 0, 0, 0, 123, 34, 97, 116, 116, 110, 46, 48, 34, 58, 123, 34, 100,
+        116, 121, 112, 101, 34, 58, 34, 70, 51, 50, 34, 44, 34, 115, 104, 97, 112, 101, 34,
+        58, 91, 49, 44, 50, 44, 51, 93, 44, 34, 100, 97, 116, 97, 95, 111, 102, 102, 115,
+        101, 116, 115, 34, 58, 91, 48, 44, 50, 52, 93, 125, 125, 0, 0, 0, 0, 0, 0, 128, 63,
+        0, 0, 0, 64, 0, 0, 64, 64, 0, 0, 128, 64, 0, 0, 160, 64};
+    check_ref_bytes(&a, 1, NULL, 0, ser, sizeof ser);
+    lk_tensor b = {.name = "attn0", .dtype = LK_DTYPE_F32, .ndim = 4, .shape = {1, 1, 2, 3}, .nbytes = 24, .data = data};
+    static const unsigned char aligned[] = {
+        72, 0, 0, 0, 0, 0, 0, 0, 123, 34, 97, 116, 116, 110, 48, 34, 58, 123, 34, 100, 116,
+        121, 112, 101, 34, 58, 34, 70, 51, 50, 34, 44, 34, 115, 104, 97, 112, 101, 34, 58,
+        91, 49, 44, 49, 44, 50, 44, 51, 93, 44, 34, 100, 97, 116, 97, 95, 111, 102, 102,
+        115, 101, 116, 115, 34, 58, 91, 48, 44, 50, 52, 93, 125, 125, 32, 32, 32, 32, 32,
+        32, 32, 0, 0, 0, 0, 0, 0, 128, 63, 0, 0, 0, 64, 0, 0, 64, 64, 0, 0, 128, 64, 0, 0,
+        160, 64};
+    check_ref_bytes(&b, 1, NULL, 0, aligned, sizeof aligned);
+    static const unsigned char empty[] = {8, 0, 0, 0, 0, 0, 0, 0, 123, 125, 32, 32, 32, 32, 32, 32};
+    check_ref_bytes(NULL, 0, NULL, 0, empty, sizeof empty);
+    const char *meta[] = {"framework", "pt"};
+    static const unsigned char empty_meta[] = {
+        40, 0, 0, 0, 0, 0, 0, 0, 123, 34, 95, 95, 109, 101, 116, 97, 100, 97, 116, 97, 95,
+        95, 34, 58, 123, 34, 102, 114, 97, 109, 101, 119, 111, 114, 107, 34, 58, 34, 112,
+        116, 34, 125, 125, 32, 32, 32, 32, 32};
+    check_ref_bytes(NULL, 0, meta, 1, empty_meta, sizeof empty_meta);
+}
+
 /* A file written by hand (as another implementation would), read back. */
 static void test_read_handmade(void **state) {
     (void)state;
@@ -312,6 +365,7 @@ static void test_alloc_failures(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exact_bytes),
+        cmocka_unit_test(test_reference_vectors),
         cmocka_unit_test(test_read_handmade),
         cmocka_unit_test(test_roundtrip_all_dtypes),
         cmocka_unit_test(test_layout_order),
