@@ -11,7 +11,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 
-.PHONY: all deps build test test-asan demo install clean
+.PHONY: all deps build test test-asan demo install clean fuzz
 
 all: build
 
@@ -38,6 +38,14 @@ test-asan: deps
 demo: deps
 	$(MAKE) build
 	./$(BUILD)/lorakit demo
+
+# libFuzzer targets (clang, ASan + UBSan) in their own build dir; each runs
+# FUZZ_SECONDS seconds from the seeds in tests/fuzz/corpus/ (tests/fuzz/run.sh).
+FUZZ_BUILD ?= build-fuzz
+fuzz: deps
+	cmake -S tests/fuzz -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang
+	cmake --build $(FUZZ_BUILD) -j $(JOBS)
+	bash tests/fuzz/run.sh $(FUZZ_BUILD) $(FUZZ_SECONDS)
 
 install: build
 	cmake --install $(BUILD) --prefix $(PREFIX)

@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Makes the committed seed corpora in tests/fuzz/corpus/ (run once by hand;
+CI never runs it: the outputs are committed).
+
+Seeds are real-shaped: safetensors images come from the reference writer
+(`pip install numpy safetensors`, the Rust implementation Hugging Face ships),
+adapter key layouts follow what PEFT, diffusers, kohya sd-scripts and
+FastVideo save, adapter_config.json follows PEFT's LoraConfig.to_dict(), and
+the YAML and swap-plan seeds follow the fastvideo LoRA block and the plan in
+DESIGN.md. They are small on purpose (libFuzzer mutates small inputs faster);
+the shapes match the toy model the adapter target resolves against
+(tests/fuzz/fuzz_adapter.c: hidden 16, rank 4).
+
+    python3 tests/fuzz/make_corpus.py
+"""
+import json
+import os
+import struct
+
+import numpy as np
+from safetensors.numpy import save
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CORPUS = os.path.join(HERE, "corpus")
+rng = np.random.default_rng(7)
+
+
+def put(target, name, data):
+    d = os.path.join(CORPUS, target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+
+
+def arr(shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def bf16(shape):
+    """bf16 has no numpy dtype: the reference writer is fed through a raw
+    header instead (same layout rules: sorted by dtype alignment, then name)."""
+    return (arr(shape).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def raw_st(tensors, metadata=None):
+    """A safetensors image written by hand for dtypes numpy lacks (BF16,
+    F8): header JSON, padded with spaces to 8 bytes, as the Rust writer does."""
+    header, blobs, off = {}, [], 0
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, dtype, shape, data in tensors:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + len(data)]}
+        blobs.append(data)
+        off += len(data)
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    return struct.pack("<Q", len(h)) + h + b"".join(blobs)
+
+
+# ---- safetensors reader --------------------------------------------------
+put("safetensors", "f32_small", save({"w": arr((4, 4))}))
+put("safetensors", "mixed_dtypes", save({
+    "a.weight": arr((8, 4), np.float16), "b.bias": arr((8,)), "c.idx": np.arange(6, dtype=np.int64),
+    "d.mask": np.array([True, False, True]), "e.u8": np.arange(5, dtype=np.uint8),
+    "f.f64": arr((2, 3), np.float64), "g.i32": np.arange(4, dtype=np.int32)},
+    metadata={"format": "pt", "note": "mixed"}))
+put("safetensors", "scalar_and_empty", save({"s": np.array(3.5, np.float32), "e": np.zeros((0, 4), np.float32),
+                                             "z": np.zeros((2, 0, 3), np.float16)}))
+put("safetensors", "empty_file", save({}))
+put("safetensors", "metadata_only", save({}, metadata={"ss_network_dim": "4", "ss_network_alpha": "2"}))
+put("safetensors", "bf16_raw", raw_st([("x.weight", "BF16", (2, 3), bf16((2, 3)).tobytes()),
+                                       ("y", "F8_E4M3", (4,), bytes([0x38, 0x40, 0xB8, 0x7F]))],
+                                      {"format": "pt"}))
+put("safetensors", "high_rank", save({"t": arr((1, 2, 1, 2, 1, 2, 1, 2))}))
+put("safetensors", "unicode_names", save({"blöcks.0.ätt": arr((2,)), "\u65e5\u672c": arr((1,))}))
+
+# ---- adapters (format detection + key resolution) -------------------------
+R, H = 4, 16
+peft = {f"base_model.model.blocks.{b}.attn.{p}.lora_{ab}.weight": arr((R, H) if ab == "A" else (H, R))
+        for b in range(2) for p in ("to_q", "to_v") for ab in "AB"}
+put("adapter", "peft", save(peft, metadata={"format": "pt"}))
+put("adapter", "peft_default", save({
+    "base_model.model.blocks.0.attn.to_k.lora_A.default.weight": arr((R, H)),
+    "base_model.model.blocks.0.attn.to_k.lora_B.default.weight": arr((H, R))}))
+diff = {}
+for p in ("to_q", "to_k"):
+    diff[f"transformer.blocks.1.attn.{p}.lora_A.weight"] = arr((R, H), np.float16)
+    diff[f"transformer.blocks.1.attn.{p}.lora_B.weight"] = arr((H, R), np.float16)
+    diff[f"transformer.blocks.1.attn.{p}.alpha"] = np.array(8.0, np.float32)
+put("adapter", "diffusers", save(diff))
+put("adapter", "diffusers_noprefix", save({
+    "blocks.0.ff.net.0.proj.lora_A.weight": arr((R, H)),
+    "blocks.0.ff.net.0.proj.lora_B.weight": arr((2 * H, R))}))
+put("adapter", "comfy", save({
+    "diffusion_model.blocks.0.attn.to_out.0.lora_A.weight": arr((R, H)),
+    "diffusion_model.blocks.0.attn.to_out.0.lora_B.weight": arr((H, R))}))
+put("adapter", "kohya", save({
+    "lora_unet_blocks_0_attn_to_q.lora_down.weight": arr((R, H)),
+    "lora_unet_blocks_0_attn_to_q.lora_up.weight": arr((H, R)),
+    "lora_unet_blocks_0_attn_to_q.alpha": np.array(2.0, np.float32),
+    "lora_unet_blocks_1_ff_net_2.lora_down.weight": arr((R, 2 * H)),
+    "lora_unet_blocks_1_ff_net_2.lora_up.weight": arr((H, R))},
+    metadata={"ss_network_dim": "4", "ss_network_alpha": "2"}))
+put("adapter", "fastvideo", save({
+    "blocks.1.attn.to_v.lora_A": arr((R, H)), "blocks.1.attn.to_v.lora_B": arr((H, R))}))
+put("adapter", "bf16_peft", raw_st([
+    ("base_model.model.blocks.0.attn.to_q.lora_A.weight", "BF16", (R, H), bf16((R, H)).tobytes()),
+    ("base_model.model.blocks.0.attn.to_q.lora_B.weight", "BF16", (H, R), bf16((H, R)).tobytes())]))
+put("adapter", "unmatched", save({
+    "transformer.blocks.9.attn.to_q.lora_A.weight": arr((R, H)),
+    "transformer.blocks.9.attn.to_q.lora_B.weight": arr((H, R))}))
+put("adapter", "shape_mismatch", save({
+    "transformer.blocks.0.attn.to_q.lora_A.weight": arr((R, H + 1)),
+    "transformer.blocks.0.attn.to_q.lora_B.weight": arr((H, R))}))
+
+# ---- adapter_config.json (PEFT LoraConfig.to_dict()) -----------------------
+cfg = {
+    "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": "toy/model", "bias": "none",
+    "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+    "layer_replication": None, "layers_pattern": None, "layers_to_transform": None,
+    "loftq_config": {}, "lora_alpha": 8, "lora_dropout": 0.0, "megatron_config": None,
+    "megatron_core": "megatron.core", "modules_to_save": None, "peft_type": "LORA", "r": 4,
+    "rank_pattern": {}, "revision": None, "target_modules": ["to_q", "to_v"], "task_type": None,
+    "use_dora": False, "use_rslora": False}
+put("adapter_config", "peft_basic.json", json.dumps(cfg, indent=2))
+put("adapter_config", "peft_rslora.json", json.dumps(dict(cfg, use_rslora=True, lora_alpha=16), indent=2))
+put("adapter_config", "peft_patterns.json", json.dumps(dict(
+    cfg, rank_pattern={"blocks.0.attn.to_q": 2, "to_v": 4},
+    alpha_pattern={"blocks.1.attn.to_q": 3.5, "^blocks\\.0": 1}), indent=2))
+put("adapter_config", "peft_float_alpha.json", json.dumps(dict(cfg, lora_alpha=4.5, r=4)))
+put("adapter_config", "minimal.json", '{"r": 4, "lora_alpha": 4}')
+put("adapter_config", "target_regex.json", json.dumps(dict(cfg, target_modules=".*attn\\.to_[qv]")))
+
+# ---- YAML LoRA config (models.<role>.lora) --------------------------------
+put("yaml", "basic.yaml", """models:
+  transformer:
+    lora:
+      enable: true                       # default false
+      rank: 16
+      alpha: 32                          # defaults to rank when omitted
+      target_modules: [to_q, to_k, to_v, to_out]
+""")
+put("yaml", "disabled_rank.yaml", "models:\n  student:\n    lora:\n      enable: false\n      rank: 8\n")
+put("yaml", "block_targets.yaml", """models:
+  transformer:
+    lora:
+      enable: true
+      rank: 4
+      target_modules:
+        - q_proj
+        - k_proj
+        - to_gate_compress
+  vae:
+    lora: {enable: false}
+training:
+  seed: 42
+""")
+put("yaml", "unknown_key.yaml", "models:\n  transformer:\n    lora:\n      enable: true\n      rank: 4\n      dropout: 0.1\n")
+put("yaml", "anchors.yaml", """defaults: &d {enable: true, rank: 8, alpha: 8}
+models:
+  a: {lora: *d}
+  b:
+    lora:
+      <<: *d
+      rank: 2
+""")
+
+# ---- swap plan -------------------------------------------------------------
+put("plan", "design.yaml", """bucket_mb: 64          # optional
+no_lora_swap: false    # optional
+steps:
+  - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5}]
+  - loras: []          # reset
+""")
+put("plan", "block_style.yaml", """bucket_mb: 1
+steps:
+  - loras:
+      - path: adapters/style.safetensors
+        strength: 0.8
+  - loras:
+      - {path: adapters/style.safetensors, strength: 0.8}
+      - {path: adapters/detail, strength: -0.25}
+  - loras: [{path: adapters/detail, strength: 0}]
+""")
+put("plan", "no_swap.yaml", "no_lora_swap: true\nsteps:\n  - loras: [{path: x.safetensors, strength: 1}]\n")
+print("corpus written to", CORPUS)
