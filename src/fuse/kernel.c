@@ -1,0 +1,307 @@
+/* kernel.c — the one fusion kernel: W_out = W_in + sum_t scale_t * (B_t @ A_t).
+ *
+ * Shapes: W out x in (F32/F16/BF16), A_t r_t x in, B_t out x r_t (any mix of
+ * F32/F16/BF16). Every caller (lk_fuse_file, the hot-swap tracker, adapter
+ * export) goes through lk_fuse_tensor, so speed and determinism live here.
+ *
+ * How: the factors are small, so they are converted to fp32 once per call:
+ * Acat (R x in, all A_t stacked in the given term order) and Bs (out x R,
+ * each B_t scaled by its scale_t, rounded to fp32 once). Then for each chunk
+ * of rows and each column tile, one row of delta (a few KB, in L1) is
+ * computed as acc[j] = Bs[o,0]*A[0,j] + Bs[o,1]*A[1,j] + ... strictly left
+ * to right, added to W converted to fp32, and rounded once (RNE) into W's
+ * dtype. W is read once and written once; no out x in delta ever exists.
+ *
+ * Determinism: every element goes through the same sequence of fp32
+ * operations (no FMA contraction: fp-contract is off for this file, so the
+ * AVX-512, AVX2 and baseline clones all give the same bits), and the work
+ * split (chunks of rows handed out to threads) never changes what is
+ * computed for an element, only who computes it. Worker threads copy the
+ * caller's floating-point environment (rounding, FTZ/DAZ). Hence the bytes
+ * depend only on W, the terms and their order; callers fix the order. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+#include "lorakit/fuse.h"
+#include "lorakit/alloc.h"
+#include "fuse/fuse_internal.h"
+
+#include <fenv.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(LK_NO_CLONES)
+#define LK_KCLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define LK_KCLONES
+#endif
+
+#define ROWS_PER_CHUNK 16
+
+/* acc[j] = sum_k b[k] * A[k*lda + j], k ascending, j < n. The 4-way unroll
+ * keeps acc in a register across four k steps without changing the order
+ * of the additions. */
+LK_KCLONES static void delta_row(float *restrict acc, const float *restrict A, size_t lda,
+                                 const float *restrict b, size_t R, size_t n) {
+    for (size_t j = 0; j < n; j++) acc[j] = b[0] * A[j];
+    size_t k = 1;
+    for (; k + 4 <= R; k += 4) {
+        const float *a0 = A + k * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        const float b0 = b[k], b1 = b[k + 1], b2 = b[k + 2], b3 = b[k + 3];
+        for (size_t j = 0; j < n; j++) {
+            float s = acc[j];
+            float p0 = b0 * a0[j];
+            s = s + p0;
+            float p1 = b1 * a1[j];
+            s = s + p1;
+            float p2 = b2 * a2[j];
+            s = s + p2;
+            float p3 = b3 * a3[j];
+            acc[j] = s + p3;
+        }
+    }
+    for (; k < R; k++) {
+        const float *a = A + k * lda;
+        const float bk = b[k];
+        for (size_t j = 0; j < n; j++) {
+            float p = bk * a[j];
+            acc[j] = acc[j] + p;
+        }
+    }
+}
+
+/* |r| bits at or above lim round to Inf (or are NaN) in the weight dtype. */
+static uint32_t overflow_bits(lk_dtype dt) {
+    switch (dt) {
+    case LK_DTYPE_F16: return 0x477ff000u;  /* 65520.0f */
+    case LK_DTYPE_BF16: return 0x7f7f8000u; /* halfway to Inf, ties to the even Inf */
+    default: return 0x7f800000u;
+    }
+}
+
+/* w[j] += acc[j]; returns 1 when some finite w gives a result that is, or
+ * rounds to, a non-finite value in the weight dtype. */
+LK_KCLONES static int add_delta(float *restrict w, const float *restrict acc, size_t n, uint32_t lim) {
+    uint32_t bad = 0;
+    for (size_t j = 0; j < n; j++) {
+        float x = w[j];
+        float r = x + acc[j];
+        uint32_t ux, ur;
+        memcpy(&ux, &x, 4);
+        memcpy(&ur, &r, 4);
+        bad |= ((ux & 0x7fffffffu) < 0x7f800000u) & ((ur & 0x7fffffffu) >= lim);
+        w[j] = r;
+    }
+    return bad != 0;
+}
+
+typedef struct kjob {
+    void *w_out;
+    const void *w_in;
+    lk_dtype dt;
+    size_t esz, out, in, R, nc, n_chunks;
+    uint32_t lim;
+    const float *A;  /* R x in */
+    const float *Bs; /* out x R */
+    float *scratch;  /* per worker: acc[nc] + w[nc] */
+    atomic_size_t next;
+    fenv_t env;
+} kjob;
+
+typedef struct kworker {
+    kjob *job;
+    float *acc, *w;
+    size_t bad_at; /* first element index o*in+j that became non-finite, or SIZE_MAX */
+    float bad_w, bad_r;
+} kworker;
+
+static void run_worker(kworker *wk) {
+    kjob *jb = wk->job;
+    const size_t in = jb->in;
+    for (;;) {
+        size_t c = atomic_fetch_add_explicit(&jb->next, 1, memory_order_relaxed);
+        if (c >= jb->n_chunks) break;
+        size_t o0 = c * ROWS_PER_CHUNK;
+        size_t o1 = o0 + ROWS_PER_CHUNK < jb->out ? o0 + ROWS_PER_CHUNK : jb->out;
+        for (size_t j0 = 0; j0 < in; j0 += jb->nc) {
+            size_t n = in - j0 < jb->nc ? in - j0 : jb->nc;
+            for (size_t o = o0; o < o1; o++) {
+                size_t off = o * in + j0;
+                delta_row(wk->acc, jb->A + j0, in, jb->Bs + o * jb->R, jb->R, n);
+                lk_to_f32(wk->w, (const char *)jb->w_in + off * jb->esz, jb->dt, n);
+                if (add_delta(wk->w, wk->acc, n, jb->lim) && off < wk->bad_at) {
+                    /* Rare path: find the first offender for the message. */
+                    for (size_t j = 0; j < n && off + j < wk->bad_at; j++) {
+                        float orig;
+                        lk_to_f32(&orig, (const char *)jb->w_in + (off + j) * jb->esz, jb->dt, 1);
+                        uint16_t h;
+                        float rounded = wk->w[j];
+                        if (jb->dt != LK_DTYPE_F32) {
+                            lk_from_f32(&h, &rounded, jb->dt, 1);
+                            lk_to_f32(&rounded, &h, jb->dt, 1);
+                        }
+                        if (isfinite(orig) && !isfinite(rounded)) {
+                            wk->bad_at = off + j;
+                            wk->bad_w = orig;
+                            wk->bad_r = rounded;
+                        }
+                    }
+                }
+                lk_from_f32((char *)jb->w_out + off * jb->esz, wk->w, jb->dt, n);
+            }
+        }
+    }
+}
+
+static void *thread_main(void *arg) {
+    kworker *wk = arg;
+    fesetenv(&wk->job->env);
+    run_worker(wk);
+    return NULL;
+}
+
+int lk_fuse_default_threads(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    if (n < 1) n = 1;
+    if (n > LK_FUSE_MAX_THREADS) n = LK_FUSE_MAX_THREADS;
+    return (int)n;
+}
+
+static lk_status check_factor(const lk_tensor *t, const char *what, const char *name, size_t ti) {
+    if (!t) return lk_error(LK_ERR_ARG, "%s: term %zu: %s is NULL", name, ti, what);
+    if (!lk_dtype_is_fusable(t->dtype))
+        return lk_error(LK_ERR_DTYPE, "%s: term %zu: %s has dtype %s; only F32, F16 and BF16 can be fused",
+                        name, ti, what, lk_dtype_name(t->dtype));
+    if (t->ndim != 2)
+        return lk_error(LK_ERR_SHAPE, "%s: term %zu: %s has %d dimensions, expected 2", name, ti, what, t->ndim);
+    if (t->shape[0] <= 0 || t->shape[1] <= 0)
+        return lk_error(LK_ERR_SHAPE, "%s: term %zu: %s is %lldx%lld", name, ti, what,
+                        (long long)t->shape[0], (long long)t->shape[1]);
+    if (!t->data) return lk_error(LK_ERR_ARG, "%s: term %zu: %s has no data", name, ti, what);
+    return LK_OK;
+}
+
+lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                         const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts,
+                         const char *name) {
+    if (!name) name = "(tensor)";
+    if (!w_out || !w_in) return lk_error(LK_ERR_ARG, "%s: NULL weight buffer", name);
+    if (!lk_dtype_is_fusable(dtype))
+        return lk_error(LK_ERR_DTYPE, "%s: weight dtype %s cannot be fused (only F32, F16, BF16)", name,
+                        lk_dtype_name(dtype));
+    if (out <= 0 || in <= 0)
+        return lk_error(LK_ERR_SHAPE, "%s: weight shape %lldx%lld", name, (long long)out, (long long)in);
+    if (n_terms && !terms) return lk_error(LK_ERR_ARG, "%s: NULL terms", name);
+    const size_t esz = lk_dtype_size(dtype), O = (size_t)out, I = (size_t)in;
+    size_t numel, wbytes;
+    if ((uint64_t)out > SIZE_MAX || (uint64_t)in > SIZE_MAX || !lk_checked_mul(O, I, &numel) ||
+        !lk_checked_mul(numel, esz, &wbytes))
+        return lk_error(LK_ERR_SHAPE, "%s: weight %lldx%lld is too large", name, (long long)out, (long long)in);
+
+    /* Validate everything first; count the total rank R of the non-zero terms. */
+    size_t R = 0;
+    for (size_t t = 0; t < n_terms; t++) {
+        lk_status s;
+        if ((s = check_factor(terms[t].A, "A", name, t)) || (s = check_factor(terms[t].B, "B", name, t)))
+            return s;
+        const lk_tensor *A = terms[t].A, *B = terms[t].B;
+        if (A->shape[1] != in || B->shape[0] != out || B->shape[1] != A->shape[0])
+            return lk_error(LK_ERR_SHAPE, "%s: term %zu: A is %lldx%lld and B is %lldx%lld but the weight is %lldx%lld",
+                            name, t, (long long)A->shape[0], (long long)A->shape[1], (long long)B->shape[0],
+                            (long long)B->shape[1], (long long)out, (long long)in);
+        if (!isfinite(terms[t].scale))
+            return lk_error(LK_ERR_NONFINITE, "%s: term %zu: scale is %g", name, t, (double)terms[t].scale);
+        if (terms[t].scale != 0.0f && !lk_checked_add(R, (size_t)A->shape[0], &R))
+            return lk_error(LK_ERR_SHAPE, "%s: total rank overflows", name);
+    }
+    if (R == 0) { /* nothing to add: the bytes stay exactly as they are */
+        if (w_out != w_in) memmove(w_out, w_in, wbytes);
+        return LK_OK;
+    }
+
+    int threads = opts && opts->threads > 0 ? opts->threads : lk_fuse_default_threads();
+    if (threads > LK_FUSE_MAX_THREADS) threads = LK_FUSE_MAX_THREADS;
+    size_t n_chunks = (O + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
+    if ((size_t)threads > n_chunks) threads = (int)n_chunks;
+    /* Column tile: keep the R x nc slice of A near 64 KB so it stays in L2
+     * while a chunk's rows run over it; a multiple of 16 floats. */
+    size_t nc = (16384 / R) & ~(size_t)15;
+    if (nc < 64) nc = 64;
+    if (nc > I) nc = I;
+
+    size_t a_n, b_n, s_n, tot;
+    if (!lk_checked_mul(R, I, &a_n) || !lk_checked_mul(O, R, &b_n) ||
+        !lk_checked_mul((size_t)threads * 2, nc, &s_n) || !lk_checked_add(a_n, b_n, &tot) ||
+        !lk_checked_add(tot, s_n, &tot) || !lk_checked_mul(tot, sizeof(float), &tot))
+        return lk_error(LK_ERR_SHAPE, "%s: factors too large", name);
+    float *mem = lk_malloc(tot);
+    kworker *wks = lk_calloc((size_t)threads, sizeof *wks);
+    pthread_t *tids = lk_calloc((size_t)threads, sizeof *tids);
+    if (!mem || !wks || !tids) {
+        lk_free(mem);
+        lk_free(wks);
+        lk_free(tids);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the fusion factors (%zu bytes)", name, tot);
+    }
+    float *Acat = mem, *Bs = mem + a_n;
+    size_t koff = 0;
+    for (size_t t = 0; t < n_terms; t++) {
+        if (terms[t].scale == 0.0f) continue;
+        const lk_tensor *A = terms[t].A, *B = terms[t].B;
+        size_t r = (size_t)A->shape[0];
+        lk_to_f32(Acat + koff * I, A->data, A->dtype, r * I);
+        const size_t besz = lk_dtype_size(B->dtype);
+        const float sc = terms[t].scale;
+        for (size_t o = 0; o < O; o++) {
+            float *row = Bs + o * R + koff;
+            lk_to_f32(row, (const char *)B->data + o * r * besz, B->dtype, r);
+            for (size_t k = 0; k < r; k++) row[k] = sc * row[k];
+        }
+        koff += r;
+    }
+
+    kjob job = {.w_out = w_out, .w_in = w_in, .dt = dtype, .esz = esz, .out = O, .in = I, .R = R,
+                .nc = nc, .n_chunks = n_chunks, .lim = overflow_bits(dtype), .A = Acat, .Bs = Bs, .scratch = mem + a_n + b_n};
+    atomic_init(&job.next, 0);
+    fegetenv(&job.env);
+    for (int t = 0; t < threads; t++) {
+        wks[t].job = &job;
+        wks[t].acc = job.scratch + (size_t)t * 2 * nc;
+        wks[t].w = wks[t].acc + nc;
+        wks[t].bad_at = SIZE_MAX;
+    }
+    /* Threads that fail to start simply leave their share to the others. */
+    int started = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&tids[t], NULL, thread_main, &wks[t]) != 0) break;
+        started = t;
+    }
+    run_worker(&wks[0]);
+    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
+
+    size_t bad_at = SIZE_MAX;
+    float bw = 0, br = 0;
+    for (int t = 0; t <= started; t++)
+        if (wks[t].bad_at < bad_at) {
+            bad_at = wks[t].bad_at;
+            bw = wks[t].bad_w;
+            br = wks[t].bad_r;
+        }
+    lk_free(mem);
+    lk_free(wks);
+    lk_free(tids);
+    if (bad_at != SIZE_MAX && !(opts && opts->allow_nonfinite))
+        return lk_error(LK_ERR_NONFINITE,
+                        "%s: fusion made element [%zu, %zu] non-finite (weight %g became %g); "
+                        "allow_nonfinite (--allow-nonfinite) keeps it",
+                        name, bad_at / I, bad_at % I, (double)bw, (double)br);
+    return LK_OK;
+}

@@ -1,0 +1,92 @@
+/* adapter_ref.c — see adapter_ref.h. The reference is plain double loops,
+ * written independently of src/fuse (no tiling, no fp32 anywhere). */
+#include "adapter_ref.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void ar_tensor_rand(ar_tensor *at, const char *name, lk_dtype dt, int64_t rows, int64_t cols,
+                    tu_rng *rng, float lo, float hi) {
+    memset(at, 0, sizeof *at);
+    snprintf(at->name, sizeof at->name, "%s", name);
+    at->t.name = at->name;
+    at->t.dtype = dt;
+    at->t.ndim = 2;
+    at->t.shape[0] = rows;
+    at->t.shape[1] = cols;
+    size_t n = (size_t)rows * (size_t)cols;
+    at->t.nbytes = n * lk_dtype_size(dt);
+    at->t.data = malloc(at->t.nbytes ? at->t.nbytes : 1);
+    float *tmp = malloc((n ? n : 1) * sizeof(float));
+    for (size_t i = 0; i < n; i++) tmp[i] = tu_uniform(rng, lo, hi);
+    lk_from_f32(at->t.data, tmp, dt, n);
+    free(tmp);
+}
+
+void ar_tensor_scalar(ar_tensor *at, const char *name, lk_dtype dt, double v) {
+    memset(at, 0, sizeof *at);
+    snprintf(at->name, sizeof at->name, "%s", name);
+    at->t.name = at->name;
+    at->t.dtype = dt;
+    at->t.ndim = 0;
+    at->t.nbytes = lk_dtype_size(dt);
+    at->t.data = malloc(8);
+    if (dt == LK_DTYPE_F64) {
+        memcpy(at->t.data, &v, 8);
+    } else {
+        float f = (float)v;
+        lk_from_f32(at->t.data, &f, dt, 1);
+    }
+}
+
+void ar_tensor_free(ar_tensor *at) {
+    free(at->t.data);
+    at->t.data = NULL;
+}
+
+double ar_get(const lk_tensor *t, size_t i) {
+    float f;
+    lk_to_f32(&f, (const char *)t->data + i * lk_dtype_size(t->dtype), t->dtype, 1);
+    return f;
+}
+
+double ar_ulp(lk_dtype dt, double v) {
+    int mant = dt == LK_DTYPE_F32 ? 23 : dt == LK_DTYPE_BF16 ? 7 : 10;
+    int emin = dt == LK_DTYPE_F16 ? -14 : -126;
+    v = fabs(v);
+    int e = v > 0 ? (int)floor(log2(v)) : emin;
+    if (e < emin) e = emin;
+    return ldexp(1.0, e - mant);
+}
+
+size_t ar_check_fused(const void *fused, const void *w, lk_dtype dt, int64_t out, int64_t in,
+                      const ar_term *terms, size_t n_terms) {
+    size_t bad = 0, R = 0;
+    for (size_t t = 0; t < n_terms; t++) R += (size_t)terms[t].A->shape[0];
+    lk_tensor W = {.dtype = dt, .ndim = 2, .shape = {out, in}, .data = (void *)w};
+    lk_tensor F = W;
+    F.data = (void *)fused;
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t j = 0; j < in; j++) {
+            size_t idx = (size_t)o * (size_t)in + (size_t)j;
+            double ref = ar_get(&W, idx), mag = 0;
+            for (size_t t = 0; t < n_terms; t++) {
+                int64_t r = terms[t].A->shape[0];
+                for (int64_t k = 0; k < r; k++) {
+                    double p = terms[t].scale * ar_get(terms[t].B, (size_t)(o * r + k)) *
+                               ar_get(terms[t].A, (size_t)(k * in + j));
+                    ref += p;
+                    mag += fabs(p);
+                }
+            }
+            double got = ar_get(&F, idx);
+            double tol = ar_ulp(dt, ref) + (double)(R + 2) * ldexp(mag, -24);
+            int ok = (isnan(ref) && isnan(got)) || (isinf(ref) && got == ref) || fabs(got - ref) <= tol;
+            if (!ok && bad++ < 5)
+                fprintf(stderr, "element [%lld, %lld] (%s): got %.9g, reference %.9g, tolerance %.3g\n",
+                        (long long)o, (long long)j, lk_dtype_name(dt), got, ref, tol);
+        }
+    return bad;
+}

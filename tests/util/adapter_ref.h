@@ -1,0 +1,42 @@
+/* adapter_ref.h — test helpers for adapters and fusion: building tensors
+ * from doubles, and the independent double-precision reference of
+ * W + sum_t scale_t * (B_t @ A_t) with its tolerance check. */
+#ifndef LK_ADAPTER_REF_H
+#define LK_ADAPTER_REF_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "lorakit/lorakit.h"
+#include "testutil.h"
+
+/* A tensor owning its bytes (free with ar_tensor_free). */
+typedef struct ar_tensor {
+    lk_tensor t;
+    char name[256];
+} ar_tensor;
+
+/* rows x cols (ndim 2) of dtype, filled with uniform values in [lo, hi). */
+void ar_tensor_rand(ar_tensor *at, const char *name, lk_dtype dt, int64_t rows, int64_t cols,
+                    tu_rng *rng, float lo, float hi);
+/* 0-d scalar of dtype holding v (F32/F16/BF16/F64). */
+void ar_tensor_scalar(ar_tensor *at, const char *name, lk_dtype dt, double v);
+void ar_tensor_free(ar_tensor *at);
+/* Stored value i of a fusable tensor, as a double. */
+double ar_get(const lk_tensor *t, size_t i);
+/* One unit in the last place of v in dtype (F32/F16/BF16), for |v| >= 0. */
+double ar_ulp(lk_dtype dt, double v);
+
+typedef struct ar_term {
+    const lk_tensor *A, *B;
+    double scale; /* the float scale the kernel gets, as double */
+} ar_term;
+
+/* Checks every element of fused (dtype dt, out x in) against the double
+ * reference W + sum_t scale_t * sum_k B[o,k] A[k,j] computed from the stored
+ * values of w, allowing 1 ulp of the result's dtype plus the standard fp32
+ * accumulation bound (R + 2) * 2^-24 * sum |terms|. Returns the number of
+ * elements out of tolerance (and prints the first few). */
+size_t ar_check_fused(const void *fused, const void *w, lk_dtype dt, int64_t out, int64_t in,
+                      const ar_term *terms, size_t n_terms);
+
+#endif
