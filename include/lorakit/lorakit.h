@@ -15,5 +15,7 @@
 #include "lorakit/comm.h"
 #include "lorakit/mesh.h"
 #include "lorakit/lora.h"
+#include "lorakit/model.h"
+#include "lorakit/task.h"
 
 #endif
