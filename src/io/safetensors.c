@@ -263,7 +263,9 @@ static lk_status st_parse(lk_st *st) {
     if (!utf8_valid((const unsigned char *)h, (size_t)n))
         return lk_error(LK_ERR_FORMAT, "%s: header is not valid UTF-8", lbl);
     json_error_t jerr;
-    json_t *root = json_loadb(h, (size_t)n, JSON_REJECT_DUPLICATES, &jerr);
+    /* DECODE_ANY so a scalar header gets the specific "expected an object"
+     * message below; duplicate keys (tensor, metadata or field) are refused. */
+    json_t *root = json_loadb(h, (size_t)n, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
     if (!root)
         return lk_error(LK_ERR_FORMAT, "%s: header is not valid JSON (line %d, column %d): %s", lbl,
                         jerr.line, jerr.column, jerr.text);
