@@ -1,0 +1,50 @@
+#!/bin/bash
+# cli_io.sh — the foundation's CLI surface: --help/--version, `<cmd> --help`
+# for inspect/digest/demo/bench, usage errors (exit 2), a tiny `bench io`
+# run (JSON lines with the documented fields; figures not asserted), and
+# `demo` (its digests: reordered copy equal, changed copy different).
+# Usage: bash cli_io.sh <path-to-lorakit> <build-dir>   (as ctest runs it)
+set -uo pipefail
+LK=$1
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/lk-cli-io.XXXXXX")
+trap 'rm -rf "$TMP"' EXIT
+fail() { echo "cli_io.sh: FAIL: $*" >&2; exit 1; }
+
+# expect CODE CMD...: runs the CLI, checks the exit code; output in $TMP/out, $TMP/err.
+expect() {
+  local want=$1; shift
+  "$LK" "$@" >"$TMP/out" 2>"$TMP/err"
+  local rc=$?
+  [ "$rc" = "$want" ] || { cat "$TMP/err" >&2; fail "lorakit $* exited $rc, expected $want"; }
+  if grep -E "Sanitizer|runtime error" "$TMP/err" >/dev/null; then cat "$TMP/err" >&2; fail "sanitizer report: lorakit $*"; fi
+}
+
+expect 0 --help;            grep -E "^  (inspect|digest|demo|bench) " "$TMP/out" | wc -l | grep -x 4 >/dev/null || fail "--help lists the commands"
+expect 0 --version;         grep -E "^lorakit [0-9]+\.[0-9]+\.[0-9]+$" "$TMP/out" >/dev/null || fail "--version"
+for c in inspect digest demo bench; do
+  expect 0 "$c" --help;     grep "^usage: lorakit $c" "$TMP/out" >/dev/null || fail "$c --help"
+done
+expect 0 bench io --help;   grep "^usage: lorakit bench io" "$TMP/out" >/dev/null || fail "bench io --help"
+expect 2 bench;             grep "^usage: lorakit bench" "$TMP/err" >/dev/null || fail "bench without a name"
+expect 2 bench nosuch;      grep "unknown benchmark 'nosuch'" "$TMP/err" >/dev/null || fail "unknown bench"
+expect 2 bench io --tensors 0
+expect 2 digest a b
+expect 2 demo --bogus
+expect 2 nosuchcommand
+
+# bench io, small: four JSON lines with the documented fields.
+expect 0 bench io --json --tensors 200 --size-mb 2 --repeat 2 --dir "$TMP"
+[ "$(wc -l <"$TMP/out")" = 4 ] || { cat "$TMP/out"; fail "bench io: expected 4 JSON lines"; }
+grep '^{"bench":"io","case":"open_index","tensors":200,"runs":2,"seconds_min":[0-9.]*,"seconds_median":[0-9.]*,"lookup_ns_per_name":[0-9.]*}$' "$TMP/out" >/dev/null || fail "open_index line"
+grep '^{"bench":"io","case":"digest","bytes":2097152,"runs":2,.*"gb_per_s":[0-9.]*,"digest":"[0-9a-f]\{32\}"}$' "$TMP/out" >/dev/null || fail "digest line"
+[ -z "$(ls -A "$TMP" | grep lorakit-bench)" ] || fail "bench left files behind"
+
+# demo: writes three files, shows inspect and digest; digest lines agree as documented.
+expect 0 demo --out "$TMP/demo"
+for f in base reordered changed; do [ -f "$TMP/demo/$f.safetensors" ] || fail "demo: $f.safetensors missing"; done
+grep "blocks.0.attn.to_k.weight  BF16" "$TMP/out" >/dev/null || fail "demo shows inspect"
+D1=$("$LK" digest "$TMP/demo/base.safetensors"); D2=$("$LK" digest "$TMP/demo/reordered.safetensors"); D3=$("$LK" digest "$TMP/demo/changed.safetensors")
+[ "$D1" = "$D2" ] || fail "demo: reordered digest differs"
+[ "$D1" != "$D3" ] || fail "demo: changed digest equal"
+[ "$(grep -c "^$D1$" "$TMP/out")" = 2 ] || fail "demo output shows the digests"
+echo "cli_io.sh: OK"
