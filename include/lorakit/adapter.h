@@ -53,6 +53,15 @@ size_t lk_adapter_count(const lk_adapter *a);
 const lk_lora_module *lk_adapter_module(const lk_adapter *a, size_t i);
 /* 1 if the adapter uses rsLoRA scaling. */
 int lk_adapter_rslora(const lk_adapter *a);
+/* 1 if an adapter_config.json was read (PEFT folders). */
+int lk_adapter_has_config(const lk_adapter *a);
+/* Modules not covered by the config's target_modules (warned about). */
+size_t lk_adapter_untargeted(const lk_adapter *a);
+/* The safetensors file read (path itself, or the file inside the folder). */
+const char *lk_adapter_file(const lk_adapter *a);
+/* 1 if path is a folder, or a safetensors file with at least one LoRA
+ * factor key (lora_A/lora_B, lora_down/lora_up); never sets an error. */
+int lk_adapter_looks_like(const char *path);
 
 /* Maps every module onto one of the model's tensors (name + shape only are
  * used) and checks A is r x in, B is out x r against the 2-D weight out x in.

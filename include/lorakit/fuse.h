@@ -42,10 +42,18 @@ typedef struct lk_fuse_input {
     lk_adapter_format format;
 } lk_fuse_input;
 
+/* Progress report: called after each tensor is written (from the calling
+ * thread), with bytes of tensor data written so far and in total. */
+typedef void (*lk_fuse_progress_fn)(void *ctx, uint64_t bytes_done, uint64_t bytes_total,
+                                    size_t tensors_done, size_t tensors_total);
+
 typedef struct lk_fuse_file_opts {
     lk_fuse_opts fuse;
     int allow_unmatched;
-    int progress;         /* draw a progress bar on stderr */
+    int progress;         /* reserved: the library never prints; the CLI draws
+                             its bar from on_progress */
+    lk_fuse_progress_fn on_progress; /* may be NULL */
+    void *progress_ctx;
 } lk_fuse_file_opts;
 
 typedef struct lk_fuse_stats {
@@ -56,7 +64,16 @@ typedef struct lk_fuse_stats {
 } lk_fuse_stats;
 
 /* Fuses the inputs into base and writes out (atomically; on any error no
- * file exists at out). Refuses out equal to base. */
+ * file exists at out). Refuses out equal to base or to an adapter file (same
+ * st_dev/st_ino, whatever the path). Every adapter is opened, resolved and
+ * checked before the output is created. Terms are summed in the order of
+ * `inputs` (so callers wanting an order-insensitive result sort the inputs,
+ * e.g. by (path, strength)); a term's scale is (float)(strength * module
+ * scale). Tensors no module targets, and all non-float tensors, are copied
+ * byte for byte; the base's metadata is kept and "lorakit.fused" records the
+ * adapters (a JSON array of {"path", "strength", "format"}, appended to the
+ * base's own record when it has one). Peak memory: the largest fused tensor
+ * plus the factors of one tensor; the base and adapters are mmapped. */
 lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n,
                        const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
 

@@ -90,3 +90,48 @@ size_t ar_check_fused(const void *fused, const void *w, lk_dtype dt, int64_t out
         }
     return bad;
 }
+
+af_file *af_new(void) { return calloc(1, sizeof(af_file)); }
+
+void af_free(af_file *f) {
+    if (!f) return;
+    for (size_t i = 0; i < f->n; i++) ar_tensor_free(&f->own[i]);
+    free(f);
+}
+
+static lk_tensor *af_push(af_file *f) {
+    assert_true(f->n < AF_MAX);
+    size_t i = f->n++;
+    f->t[i] = f->own[i].t;
+    f->t[i].name = f->own[i].name;
+    return &f->t[i];
+}
+
+lk_tensor *af_rand(af_file *f, const char *name, lk_dtype dt, int64_t rows, int64_t cols, tu_rng *rng,
+                   float lo, float hi) {
+    ar_tensor_rand(&f->own[f->n], name, dt, rows, cols, rng, lo, hi);
+    return af_push(f);
+}
+
+lk_tensor *af_scalar(af_file *f, const char *name, lk_dtype dt, double v) {
+    ar_tensor_scalar(&f->own[f->n], name, dt, v);
+    return af_push(f);
+}
+
+lk_tensor *af_get(af_file *f, const char *name) {
+    for (size_t i = 0; i < f->n; i++)
+        if (!strcmp(f->t[i].name, name)) return &f->t[i];
+    fail_msg("no tensor %s in the fixture", name);
+    return NULL;
+}
+
+void af_save(const af_file *f, const char *path, const char *const *meta_kv, size_t n_meta) {
+    lk_status s = lk_st_save(path, f->t, f->n, meta_kv, n_meta);
+    if (s) fail_msg("lk_st_save %s: %s", path, lk_last_error());
+}
+
+void af_write_text(const char *dir, const char *name, const char *text) {
+    char *p = tu_path(dir, name);
+    assert_int_equal(tu_write_file(p, text, strlen(text)), 0);
+    free(p);
+}

@@ -40,3 +40,24 @@ size_t ar_check_fused(const void *fused, const void *w, lk_dtype dt, int64_t out
                       const ar_term *terms, size_t n_terms);
 
 #endif
+
+/* A set of named tensors to save as a safetensors file (a model or an
+ * adapter). Up to AF_MAX tensors; allocate with af_new. */
+#define AF_MAX 64
+typedef struct af_file {
+    ar_tensor own[AF_MAX];
+    lk_tensor t[AF_MAX]; /* views, in insertion order */
+    size_t n;
+} af_file;
+af_file *af_new(void);
+void af_free(af_file *f);
+/* Adds rows x cols random values in [lo, hi); returns the view. */
+lk_tensor *af_rand(af_file *f, const char *name, lk_dtype dt, int64_t rows, int64_t cols, tu_rng *rng,
+                   float lo, float hi);
+lk_tensor *af_scalar(af_file *f, const char *name, lk_dtype dt, double v);
+/* The view of the tensor called name (asserts it exists). */
+lk_tensor *af_get(af_file *f, const char *name);
+/* Writes the file with lk_st_save (metadata as key/value pairs); asserts success. */
+void af_save(const af_file *f, const char *path, const char *const *meta_kv, size_t n_meta);
+/* Writes text to dir/name. */
+void af_write_text(const char *dir, const char *name, const char *text);

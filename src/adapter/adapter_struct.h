@@ -1,0 +1,25 @@
+/* adapter_struct.h — the lk_adapter object, shared by adapter.c and
+ * resolve.c only (other modules use the accessors in lorakit/adapter.h). */
+#ifndef LK_ADAPTER_STRUCT_H
+#define LK_ADAPTER_STRUCT_H
+
+#include "lorakit/adapter.h"
+#include "lorakit/safetensors.h"
+#include "adapter/adapter_internal.h"
+
+struct lk_adapter {
+    char *path;             /* as given: file or folder */
+    char *file;             /* the safetensors file read */
+    lk_adapter_format format;
+    int has_config, rslora;
+    lk_peft_config cfg;     /* valid when has_config */
+    lk_st *st;              /* owns the factors' bytes (mmap) */
+    size_t n;               /* modules, sorted by stem */
+    lk_lora_module *mods;
+    char **names, **stems, **targets; /* owned strings behind mods[i] */
+    size_t *by_target;      /* resolved modules sorted by target */
+    size_t n_by_target;
+    size_t n_untargeted;    /* modules outside target_modules */
+};
+
+#endif

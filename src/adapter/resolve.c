@@ -1,0 +1,230 @@
+/* resolve.c — mapping adapter modules onto model weights.
+ *
+ * A module <m> targets the model key "<m>.weight" (diffusers files also try
+ * the name with their prefix kept, e.g. "transformer.<m>.weight", for models
+ * stored with it). kohya names lose the dots, so the model's own keys are
+ * turned into kohya form ("a.b_c.weight" -> "a_b_c") and looked up; two model
+ * keys with the same kohya form are reported when a module hits them, never
+ * guessed. Everything is computed into temporaries and committed only when
+ * every module checks out, so a failed resolve leaves the adapter as it was. */
+#include "lorakit/adapter.h"
+#include "lorakit/alloc.h"
+#include "lorakit/log.h"
+#include "adapter/adapter_struct.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct kname {
+    char *name; /* kohya form of a model key without ".weight" */
+    size_t idx;
+} kname;
+
+static int kname_cmp(const void *a, const void *b) {
+    return strcmp(((const kname *)a)->name, ((const kname *)b)->name);
+}
+
+static int idx_cmp(const void *pa, const void *pb, void *ctx) {
+    const lk_tensor *m = ctx;
+    return strcmp(m[*(const size_t *)pa].name, m[*(const size_t *)pb].name);
+}
+
+/* Index of the model tensor named exactly key, or SIZE_MAX. */
+static size_t find_model(const lk_tensor *model, const size_t *ord, size_t n, const char *key) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int c = strcmp(model[ord[mid]].name, key);
+        if (c == 0) return ord[mid];
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return SIZE_MAX;
+}
+
+static size_t find_with_suffix(const lk_tensor *model, const size_t *ord, size_t n, const char *base,
+                               char *buf, size_t cap) {
+    if ((size_t)snprintf(buf, cap, "%s.weight", base) >= cap) return SIZE_MAX;
+    return find_model(model, ord, n, buf);
+}
+
+static const char *kohya_rest(const char *m) {
+    static const char *const pre[] = {"lora_unet_", "lora_te1_", "lora_te2_", "lora_te_"};
+    for (size_t i = 0; i < 4; i++)
+        if (!strncmp(m, pre[i], strlen(pre[i]))) return m + strlen(pre[i]);
+    return m;
+}
+
+static lk_status kohya_names(const lk_tensor *model, size_t n_model, kname **out, size_t *n_out) {
+    kname *k = lk_calloc(n_model ? n_model : 1, sizeof *k);
+    if (!k) return lk_error(LK_ERR_NOMEM, "out of memory");
+    size_t n = 0;
+    for (size_t i = 0; i < n_model; i++) {
+        const char *nm = model[i].name;
+        size_t l = nm ? strlen(nm) : 0;
+        if (l <= 7 || strcmp(nm + l - 7, ".weight")) continue;
+        char *s = lk_malloc(l - 6);
+        if (!s) {
+            for (size_t j = 0; j < n; j++) lk_free(k[j].name);
+            lk_free(k);
+            return lk_error(LK_ERR_NOMEM, "out of memory");
+        }
+        for (size_t j = 0; j < l - 7; j++) s[j] = nm[j] == '.' ? '_' : nm[j];
+        s[l - 7] = '\0';
+        k[n].name = s;
+        k[n].idx = i;
+        n++;
+    }
+    qsort(k, n, sizeof *k, kname_cmp);
+    *out = k;
+    *n_out = n;
+    return LK_OK;
+}
+
+static void free_knames(kname *k, size_t n) {
+    for (size_t i = 0; i < n; i++) lk_free(k[i].name);
+    lk_free(k);
+}
+
+static lk_status check_target(const lk_adapter *a, const lk_lora_module *m, const lk_tensor *w) {
+    const int kohya = a->format == LK_FORMAT_KOHYA;
+    const char *an = kohya ? "lora_down" : "lora_A", *bn = kohya ? "lora_up" : "lora_B";
+    if (w->ndim != 2)
+        return lk_error(LK_ERR_SHAPE, "%s: %s: the model weight %s has %d dimensions; LoRA needs a 2-D weight", a->file,
+                        m->module, w->name, w->ndim);
+    if (!lk_dtype_is_fusable(w->dtype))
+        return lk_error(LK_ERR_DTYPE, "%s: %s: the model weight %s is %s; only F32, F16 and BF16 can be fused",
+                        a->file, m->module, w->name, lk_dtype_name(w->dtype));
+    if (m->B.shape[0] != w->shape[0])
+        return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %lldx%lld but the model weight is %lldx%lld", a->file, m->module,
+                        bn, (long long)m->B.shape[0], (long long)m->B.shape[1], (long long)w->shape[0],
+                        (long long)w->shape[1]);
+    if (m->A.shape[1] != w->shape[1])
+        return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %lldx%lld but the model weight is %lldx%lld", a->file, m->module,
+                        an, (long long)m->A.shape[0], (long long)m->A.shape[1], (long long)w->shape[0],
+                        (long long)w->shape[1]);
+    return LK_OK;
+}
+
+static int target_cmp(const void *pa, const void *pb, void *ctx) {
+    char **t = ctx;
+    return strcmp(t[*(const size_t *)pa], t[*(const size_t *)pb]);
+}
+
+lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_model, int allow_unmatched,
+                             size_t *n_unmatched) {
+    if (!a || (n_model && !model)) return lk_error(LK_ERR_ARG, "lk_adapter_resolve: NULL argument");
+    lk_status s = LK_OK;
+    size_t *ord = lk_malloc((n_model ? n_model : 1) * sizeof *ord);
+    size_t *tgt = lk_malloc((a->n ? a->n : 1) * sizeof *tgt);
+    char **tnames = lk_calloc(a->n ? a->n : 1, sizeof *tnames);
+    size_t *by = lk_malloc((a->n ? a->n : 1) * sizeof *by);
+    kname *kn = NULL;
+    size_t n_kn = 0, unmatched = 0, first_unmatched = SIZE_MAX, n_by = 0;
+    char buf[4096];
+    if (!ord || !tgt || !tnames || !by) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+        goto done;
+    }
+    for (size_t i = 0; i < n_model; i++) {
+        if (!model[i].name) {
+            s = lk_error(LK_ERR_ARG, "lk_adapter_resolve: model tensor %zu has no name", i);
+            goto done;
+        }
+        ord[i] = i;
+    }
+    qsort_r(ord, n_model, sizeof *ord, idx_cmp, (void *)model);
+    if (a->format == LK_FORMAT_KOHYA && (s = kohya_names(model, n_model, &kn, &n_kn))) goto done;
+
+    for (size_t i = 0; i < a->n; i++) {
+        const lk_lora_module *m = &a->mods[i];
+        size_t t = SIZE_MAX;
+        if (a->format == LK_FORMAT_KOHYA) {
+            kname key = {.name = (char *)kohya_rest(m->module)};
+            kname *hit = bsearch(&key, kn, n_kn, sizeof *kn, kname_cmp);
+            if (hit) {
+                kname *lo = hit, *hi = hit;
+                while (lo > kn && !strcmp(lo[-1].name, key.name)) lo--;
+                while (hi + 1 < kn + n_kn && !strcmp(hi[1].name, key.name)) hi++;
+                if (lo != hi) {
+                    s = lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model weights %s and %s", a->file,
+                                 m->module, model[lo->idx].name, model[lo[1].idx].name);
+                    goto done;
+                }
+                t = hit->idx;
+            }
+        } else {
+            t = find_with_suffix(model, ord, n_model, m->module, buf, sizeof buf);
+            if (t == SIZE_MAX && strcmp(a->stems[i], m->module))
+                t = find_with_suffix(model, ord, n_model, a->stems[i], buf, sizeof buf);
+        }
+        tgt[i] = t;
+        if (t == SIZE_MAX) {
+            if (unmatched++ == 0) first_unmatched = i;
+            continue;
+        }
+        if ((s = check_target(a, m, &model[t]))) goto done;
+        if (!(tnames[i] = lk_strdup(model[t].name))) {
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+            goto done;
+        }
+        by[n_by++] = i;
+    }
+    if (unmatched && !allow_unmatched) {
+        const lk_lora_module *m = &a->mods[first_unmatched];
+        if (a->format == LK_FORMAT_KOHYA)
+            s = lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (no key <x>.weight with x's dots as '_' = %s)%s",
+                         a->file, m->module, kohya_rest(m->module),
+                         unmatched > 1 ? " (and more modules; --allow-unmatched skips them)" : "");
+        else
+            s = lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (looked for %s.weight)%s", a->file,
+                         m->module, m->module, unmatched > 1 ? " (and more modules; --allow-unmatched skips them)" : "");
+        goto done;
+    }
+    qsort_r(by, n_by, sizeof *by, target_cmp, tnames);
+    for (size_t i = 1; i < n_by; i++)
+        if (!strcmp(tnames[by[i]], tnames[by[i - 1]])) {
+            s = lk_error(LK_ERR_FORMAT, "%s: modules %s and %s both target %s", a->file, a->mods[by[i - 1]].module,
+                         a->mods[by[i]].module, tnames[by[i]]);
+            goto done;
+        }
+    /* Commit. */
+    for (size_t i = 0; i < a->n; i++) {
+        lk_free(a->targets[i]);
+        a->targets[i] = tnames[i];
+        a->mods[i].target = tnames[i];
+        tnames[i] = NULL;
+    }
+    lk_free(a->by_target);
+    a->by_target = by;
+    a->n_by_target = n_by;
+    by = NULL;
+    if (unmatched)
+        lk_log(LK_LOG_WARN, "%s: %zu of %zu modules match no model weight and are skipped (first: %s)", a->path,
+               unmatched, a->n, a->mods[first_unmatched].module);
+    if (n_unmatched) *n_unmatched = unmatched;
+done:
+    if (tnames)
+        for (size_t i = 0; i < a->n; i++) lk_free(tnames[i]);
+    lk_free(tnames);
+    lk_free(ord);
+    lk_free(tgt);
+    lk_free(by);
+    free_knames(kn, n_kn);
+    return s;
+}
+
+const lk_lora_module *lk_adapter_find_target(const lk_adapter *a, const char *target) {
+    if (!a || !target) return NULL;
+    size_t lo = 0, hi = a->n_by_target;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        const lk_lora_module *m = &a->mods[a->by_target[mid]];
+        int c = strcmp(m->target, target);
+        if (c == 0) return m;
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return NULL;
+}

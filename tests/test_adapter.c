@@ -1,0 +1,517 @@
+/* test_adapter.c — adapter loading: every format, format detection and
+ * --format forcing, adapter_config.json (r, lora_alpha, use_rslora,
+ * rank_pattern / alpha_pattern with PEFT's dot-boundary rule), resolution
+ * against model keys (kohya included), and every validation error with its
+ * message. Expected ranks, alphas and scales are hand-computed from the
+ * values each test writes (scale = alpha / r, or alpha / sqrt(r)). */
+#include "adapter_ref.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define IN 10
+#define OUT 12
+
+static char *g_dir;
+static tu_rng g_rng = {1234};
+
+static int setup(void **state) {
+    (void)state;
+    g_dir = tu_mkdtemp();
+    return g_dir ? 0 : -1;
+}
+static int teardown(void **state) {
+    (void)state;
+    tu_rmtree(g_dir);
+    free(g_dir);
+    return 0;
+}
+
+/* The model: five linear weights and a norm, all F32. */
+static af_file *model(void) {
+    af_file *m = af_new();
+    const char *names[] = {"blocks.0.attn.to_q.weight", "blocks.0.attn.to_k.weight", "blocks.0.attn.my_to_k.weight",
+                           "blocks.1.attn.to_q.weight", "blocks.1.attn.to_k.weight"};
+    for (int i = 0; i < 5; i++) af_rand(m, names[i], LK_DTYPE_F32, OUT, IN, &g_rng, -1, 1);
+    af_rand(m, "norm.weight", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1);
+    return m;
+}
+
+/* Adds A (r x IN) and B (OUT x r) under "<stem><sa>" and "<stem><sb>". */
+static void pair(af_file *f, const char *stem, const char *sa, const char *sb, int r, lk_dtype dt) {
+    char a[256], b[256];
+    snprintf(a, sizeof a, "%s%s", stem, sa);
+    snprintf(b, sizeof b, "%s%s", stem, sb);
+    af_rand(f, a, dt, r, IN, &g_rng, -1, 1);
+    af_rand(f, b, dt, OUT, r, &g_rng, -1, 1);
+}
+
+static char *save(af_file *f, const char *name) {
+    char *p = tu_path(g_dir, name);
+    af_save(f, p, NULL, 0);
+    return p;
+}
+
+static const lk_lora_module *find_module(lk_adapter *a, const char *name) {
+    for (size_t i = 0; i < lk_adapter_count(a); i++)
+        if (!strcmp(lk_adapter_module(a, i)->module, name)) return lk_adapter_module(a, i);
+    fail_msg("module %s not found", name);
+    return NULL;
+}
+
+static void check_module(lk_adapter *a, const char *name, int rank, double alpha, double scale, const char *target) {
+    const lk_lora_module *m = find_module(a, name);
+    assert_int_equal(m->rank, rank);
+    assert_true(fabs(m->alpha - alpha) < 1e-6);
+    if (fabs(m->scale - scale) > 1e-6 * fabs(scale)) fail_msg("%s: scale %g, expected %g", name, m->scale, scale);
+    if (target) assert_string_equal(m->target, target);
+}
+
+/* Opens path, expects status s and a message containing msg. */
+static void expect_open_error(const char *path, lk_adapter_format fmt, lk_status s, const char *msg) {
+    lk_adapter *a = NULL;
+    lk_status got = lk_adapter_open(path, fmt, &a);
+    if (got != s) fail_msg("%s: expected %s, got %s (%s)", path, lk_status_str(s), lk_status_str(got), lk_last_error());
+    assert_null(a);
+    tu_assert_contains(lk_last_error(), msg);
+}
+
+static lk_adapter *open_ok(const char *path, lk_adapter_format fmt) {
+    lk_adapter *a = NULL;
+    if (lk_adapter_open(path, fmt, &a)) fail_msg("open %s: %s", path, lk_last_error());
+    return a;
+}
+
+static void resolve_ok(lk_adapter *a, af_file *m) {
+    if (lk_adapter_resolve(a, m->t, m->n, 0, NULL)) fail_msg("resolve: %s", lk_last_error());
+}
+
+static char *peft_folder(const char *name, const char *config, af_file *f) {
+    char *dir = tu_path(g_dir, name);
+    assert_int_equal(mkdir(dir, 0755), 0);
+    char *st = tu_path(dir, "adapter_model.safetensors");
+    af_save(f, st, NULL, 0);
+    free(st);
+    if (config) af_write_text(dir, "adapter_config.json", config);
+    return dir;
+}
+
+/* PEFT folder: r = 4, lora_alpha = 8; rank_pattern {"to_k": 2} hits
+ * blocks.*.attn.to_k at a dot boundary but not my_to_k; alpha_pattern
+ * {"blocks.1.attn.to_q": 3}. Scales: 8/4 = 2, 8/2 = 4, 3/4 = 0.75. */
+static void test_peft_folder_patterns(void **state) {
+    (void)state;
+    af_file *m = model(), *f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_BF16);
+    pair(f, "base_model.model.blocks.0.attn.to_k", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_BF16);
+    pair(f, "base_model.model.blocks.0.attn.my_to_k", ".lora_A.default.weight", ".lora_B.default.weight", 4,
+         LK_DTYPE_F16);
+    pair(f, "base_model.model.blocks.1.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    char *dir = peft_folder("peft1", "{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": 8, "
+                                     "\"rank_pattern\": {\"to_k\": 2}, \"alpha_pattern\": {\"blocks.1.attn.to_q\": 3}, "
+                                     "\"target_modules\": [\"to_q\", \"to_k\", \"my_to_k\"], \"fan_in_fan_out\": false}",
+                            f);
+    lk_adapter *a = open_ok(dir, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_get_format(a), LK_FORMAT_PEFT);
+    assert_int_equal(lk_adapter_count(a), 4);
+    assert_int_equal(lk_adapter_has_config(a), 1);
+    assert_int_equal(lk_adapter_untargeted(a), 0);
+    resolve_ok(a, m);
+    check_module(a, "blocks.0.attn.to_q", 4, 8, 2, "blocks.0.attn.to_q.weight");
+    check_module(a, "blocks.0.attn.to_k", 2, 8, 4, "blocks.0.attn.to_k.weight");
+    check_module(a, "blocks.0.attn.my_to_k", 4, 8, 2, "blocks.0.attn.my_to_k.weight");
+    check_module(a, "blocks.1.attn.to_q", 4, 3, 0.75, "blocks.1.attn.to_q.weight");
+    const lk_lora_module *t = lk_adapter_find_target(a, "blocks.0.attn.to_k.weight");
+    assert_non_null(t);
+    assert_string_equal(t->module, "blocks.0.attn.to_k");
+    assert_null(lk_adapter_find_target(a, "norm.weight"));
+    lk_adapter_free(a);
+    /* First matching pattern wins: {"attn.to_q": 5, "to_q": 6} gives 5 for
+     * both to_q modules; rsLoRA: scale = alpha / sqrt(r) = 5 / 2. */
+    af_file *g = af_new();
+    pair(g, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_BF16);
+    pair(g, "base_model.model.blocks.1.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_BF16);
+    char *dir2 = peft_folder("peft2", "{\"r\": 4, \"lora_alpha\": 1, \"use_rslora\": true, "
+                                      "\"alpha_pattern\": {\"attn.to_q\": 5, \"to_q\": 6}}",
+                             g);
+    a = open_ok(dir2, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_rslora(a), 1);
+    check_module(a, "blocks.0.attn.to_q", 4, 5, 2.5, NULL);
+    check_module(a, "blocks.1.attn.to_q", 4, 5, 2.5, NULL);
+    lk_adapter_free(a);
+    af_free(g);
+    free(dir2);
+    free(dir);
+    af_free(f);
+    af_free(m);
+}
+
+/* The PEFT file alone: alpha = r, scale 1. */
+static void test_peft_file_alone(void **state) {
+    (void)state;
+    af_file *m = model(), *f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 3, LK_DTYPE_F32);
+    char *p = save(f, "peft_alone.safetensors");
+    lk_adapter *a = open_ok(p, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_get_format(a), LK_FORMAT_PEFT);
+    resolve_ok(a, m);
+    check_module(a, "blocks.0.attn.to_q", 3, 3, 1, "blocks.0.attn.to_q.weight");
+    assert_int_equal(lk_adapter_looks_like(p), 1);
+    lk_adapter_free(a);
+    free(p);
+    af_free(f);
+    af_free(m);
+}
+
+/* diffusers / ComfyUI / LTX: each prefix and none; .alpha when present
+ * (alpha 2 at r 4 -> 0.5), else alpha = r. */
+static void test_diffusers_prefixes(void **state) {
+    (void)state;
+    af_file *m = model();
+    const char *prefixes[] = {"transformer.", "unet.", "diffusion_model.", ""};
+    for (int i = 0; i < 4; i++) {
+        af_file *f = af_new();
+        char stem[128], name[64];
+        snprintf(stem, sizeof stem, "%sblocks.0.attn.to_q", prefixes[i]);
+        pair(f, stem, ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_BF16);
+        snprintf(stem, sizeof stem, "%sblocks.0.attn.to_q.alpha", prefixes[i]);
+        af_scalar(f, stem, i == 3 ? LK_DTYPE_F64 : LK_DTYPE_F32, 2.0);
+        snprintf(stem, sizeof stem, "%sblocks.1.attn.to_k", prefixes[i]);
+        pair(f, stem, ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F16);
+        snprintf(name, sizeof name, "diff%d.safetensors", i);
+        char *p = save(f, name);
+        lk_adapter *a = open_ok(p, LK_FORMAT_AUTO);
+        assert_int_equal(lk_adapter_get_format(a), LK_FORMAT_DIFFUSERS);
+        assert_int_equal(lk_adapter_count(a), 2);
+        resolve_ok(a, m);
+        check_module(a, "blocks.0.attn.to_q", 4, 2, 0.5, "blocks.0.attn.to_q.weight");
+        check_module(a, "blocks.1.attn.to_k", 2, 2, 1, "blocks.1.attn.to_k.weight");
+        lk_adapter_free(a);
+        free(p);
+        af_free(f);
+    }
+    af_free(m);
+}
+
+/* kohya: lora_unet_<m with _>, lora_down/lora_up/alpha (alpha 1 at r 4 ->
+ * 0.25), resolved against the model's keys. */
+static void test_kohya(void **state) {
+    (void)state;
+    af_file *m = model(), *f = af_new();
+    pair(f, "lora_unet_blocks_0_attn_my_to_k", ".lora_down.weight", ".lora_up.weight", 4, LK_DTYPE_F16);
+    af_scalar(f, "lora_unet_blocks_0_attn_my_to_k.alpha", LK_DTYPE_BF16, 1.0);
+    pair(f, "lora_unet_blocks_1_attn_to_q", ".lora_down.weight", ".lora_up.weight", 8, LK_DTYPE_F32);
+    char *p = save(f, "kohya.safetensors");
+    lk_adapter *a = open_ok(p, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_get_format(a), LK_FORMAT_KOHYA);
+    resolve_ok(a, m);
+    check_module(a, "lora_unet_blocks_0_attn_my_to_k", 4, 1, 0.25, "blocks.0.attn.my_to_k.weight");
+    check_module(a, "lora_unet_blocks_1_attn_to_q", 8, 8, 1, "blocks.1.attn.to_q.weight");
+    lk_adapter_free(a);
+    /* Ambiguity: a.b_c and a_b.c both become a_b_c. */
+    af_file *amb = af_new();
+    af_rand(amb, "a.b_c.weight", LK_DTYPE_F32, OUT, IN, &g_rng, -1, 1);
+    af_rand(amb, "a_b.c.weight", LK_DTYPE_F32, OUT, IN, &g_rng, -1, 1);
+    af_file *g = af_new();
+    pair(g, "lora_unet_a_b_c", ".lora_down.weight", ".lora_up.weight", 2, LK_DTYPE_F32);
+    char *p2 = save(g, "kohya_amb.safetensors");
+    a = open_ok(p2, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_resolve(a, amb->t, amb->n, 0, NULL), LK_ERR_FORMAT);
+    tu_assert_contains(lk_last_error(), "lora_unet_a_b_c: ambiguous: matches both model weights a.b_c.weight and a_b.c.weight");
+    lk_adapter_free(a);
+    free(p2);
+    af_free(g);
+    af_free(amb);
+    free(p);
+    af_free(f);
+    af_free(m);
+}
+
+/* FastVideo legacy: <m>.lora_A / <m>.lora_B, alpha = r. */
+static void test_fastvideo(void **state) {
+    (void)state;
+    af_file *m = model(), *f = af_new();
+    pair(f, "blocks.1.attn.to_k", ".lora_A", ".lora_B", 6, LK_DTYPE_BF16);
+    char *p = save(f, "fv.safetensors");
+    lk_adapter *a = open_ok(p, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_get_format(a), LK_FORMAT_FASTVIDEO);
+    resolve_ok(a, m);
+    check_module(a, "blocks.1.attn.to_k", 6, 6, 1, "blocks.1.attn.to_k.weight");
+    lk_adapter_free(a);
+    free(p);
+    af_free(f);
+    af_free(m);
+}
+
+/* --format forces a reading: a PEFT-prefixed file read as diffusers keeps
+ * "base_model.model." in the module name (so it matches nothing); a
+ * diffusers file cannot be read as kohya. */
+static void test_format_forcing(void **state) {
+    (void)state;
+    af_file *m = model(), *f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32);
+    char *p = save(f, "force.safetensors");
+    lk_adapter *a = open_ok(p, LK_FORMAT_DIFFUSERS);
+    assert_int_equal(lk_adapter_get_format(a), LK_FORMAT_DIFFUSERS);
+    assert_string_equal(lk_adapter_module(a, 0)->module, "base_model.model.blocks.0.attn.to_q");
+    lk_adapter_free(a);
+    expect_open_error(p, LK_FORMAT_KOHYA, LK_ERR_FORMAT,
+                      "key 'base_model.model.blocks.0.attn.to_q.lora_A.weight' is not a kohya adapter key");
+    lk_adapter_format fmt;
+    assert_int_equal(lk_adapter_format_parse("kohya", &fmt), LK_OK);
+    assert_int_equal(fmt, LK_FORMAT_KOHYA);
+    assert_int_equal(lk_adapter_format_parse("lycoris", &fmt), LK_ERR_ARG);
+    tu_assert_contains(lk_last_error(), "unknown adapter format 'lycoris' (valid: auto, peft, diffusers, kohya, fastvideo)");
+    free(p);
+    af_free(f);
+    af_free(m);
+}
+
+/* Unmatched modules: an error naming the first; allowed, a count. */
+static void test_unmatched(void **state) {
+    (void)state;
+    af_file *m = model(), *f = af_new();
+    pair(f, "transformer.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32);
+    pair(f, "transformer.blocks.7.attn.to_q", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32);
+    pair(f, "transformer.blocks.8.attn.to_q", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32);
+    char *p = save(f, "unmatched.safetensors");
+    lk_adapter *a = open_ok(p, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_UNMATCHED);
+    tu_assert_contains(lk_last_error(), "unmatched.safetensors: blocks.7.attn.to_q matches no model weight (looked for blocks.7.attn.to_q.weight)");
+    assert_null(lk_adapter_module(a, 0)->target); /* failed resolve changed nothing */
+    size_t un = 99;
+    assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 1, &un), LK_OK);
+    assert_int_equal(un, 2);
+    assert_string_equal(find_module(a, "blocks.0.attn.to_q")->target, "blocks.0.attn.to_q.weight");
+    assert_null(find_module(a, "blocks.8.attn.to_q")->target);
+    lk_adapter_free(a);
+    /* kohya unmatched */
+    af_file *g = af_new();
+    pair(g, "lora_unet_blocks_9_ff", ".lora_down.weight", ".lora_up.weight", 2, LK_DTYPE_F32);
+    char *p2 = save(g, "kohya_un.safetensors");
+    a = open_ok(p2, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_UNMATCHED);
+    tu_assert_contains(lk_last_error(), "kohya_un.safetensors: lora_unet_blocks_9_ff matches no model weight");
+    lk_adapter_free(a);
+    free(p2);
+    af_free(g);
+    free(p);
+    af_free(f);
+    af_free(m);
+}
+
+/* One adapter file per broken case; each message is checked. */
+static void test_file_errors(void **state) {
+    (void)state;
+    af_file *f;
+    char *p;
+#define CASE(fname, body, status, message)   \
+    do {                                      \
+        f = af_new();                         \
+        body;                                 \
+        p = save(f, fname);                   \
+        expect_open_error(p, LK_FORMAT_AUTO, status, message); \
+        free(p);                              \
+        af_free(f);                           \
+    } while (0)
+    CASE("a_only.safetensors", af_rand(f, "x.lora_A.weight", LK_DTYPE_F32, 2, IN, &g_rng, -1, 1), LK_ERR_FORMAT,
+         "a_only.safetensors: x: lora_A without lora_B");
+    CASE("b_only.safetensors", af_rand(f, "x.lora_B.weight", LK_DTYPE_F32, OUT, 2, &g_rng, -1, 1), LK_ERR_FORMAT,
+         "b_only.safetensors: x: lora_B without lora_A");
+    CASE("down_only.safetensors",
+         af_rand(f, "lora_unet_x.lora_down.weight", LK_DTYPE_F32, 2, IN, &g_rng, -1, 1), LK_ERR_FORMAT,
+         "lora_unet_x: lora_down without lora_up");
+    CASE("alpha_only.safetensors",
+         (pair(f, "y", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32), af_scalar(f, "x.alpha", LK_DTYPE_F32, 1)),
+         LK_ERR_FORMAT, "alpha_only.safetensors: x: alpha without lora_A and lora_B");
+    CASE("ranks.safetensors",
+         (af_rand(f, "x.lora_A.weight", LK_DTYPE_F32, 4, IN, &g_rng, -1, 1),
+          af_rand(f, "x.lora_B.weight", LK_DTYPE_F32, OUT, 3, &g_rng, -1, 1)),
+         LK_ERR_SHAPE, "ranks.safetensors: x: lora_A is 4x10 but lora_B is 12x3 (ranks differ)");
+    CASE("rank0.safetensors",
+         (af_rand(f, "x.lora_A.weight", LK_DTYPE_F32, 0, IN, &g_rng, -1, 1),
+          af_rand(f, "x.lora_B.weight", LK_DTYPE_F32, OUT, 0, &g_rng, -1, 1)),
+         LK_ERR_SHAPE, "rank0.safetensors: x: lora_A is 0x10 and lora_B is 12x0: rank must be > 0");
+    CASE("int.safetensors",
+         (af_rand(f, "x.lora_A.weight", LK_DTYPE_F32, 2, IN, &g_rng, -1, 1),
+          f->t[f->n - 1].dtype = LK_DTYPE_I32,
+          af_rand(f, "x.lora_B.weight", LK_DTYPE_F32, OUT, 2, &g_rng, -1, 1)),
+         LK_ERR_DTYPE, "int.safetensors: x: lora_A has dtype I32; LoRA factors must be F32, F16 or BF16");
+    CASE("alpha_inf.safetensors",
+         (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
+          af_scalar(f, "x.alpha", LK_DTYPE_F32, INFINITY)),
+         LK_ERR_NONFINITE, "alpha_inf.safetensors: x.alpha: alpha is inf");
+    CASE("alpha_nan.safetensors",
+         (pair(f, "lora_unet_x", ".lora_down.weight", ".lora_up.weight", 2, LK_DTYPE_F32),
+          af_scalar(f, "lora_unet_x.alpha", LK_DTYPE_F16, NAN)),
+         LK_ERR_NONFINITE, "alpha_nan.safetensors: lora_unet_x.alpha: alpha is nan");
+    CASE("alpha_int.safetensors",
+         (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
+          af_scalar(f, "x.alpha", LK_DTYPE_F32, 1), f->t[f->n - 1].dtype = LK_DTYPE_I32),
+         LK_ERR_DTYPE, "alpha_int.safetensors: x.alpha: alpha has dtype I32; expected a float");
+    CASE("conv.safetensors",
+         (af_rand(f, "x.lora_A.weight", LK_DTYPE_F32, 2, IN, &g_rng, -1, 1), f->t[f->n - 1].ndim = 4,
+          f->t[f->n - 1].shape[2] = 1, f->t[f->n - 1].shape[3] = 1,
+          af_rand(f, "x.lora_B.weight", LK_DTYPE_F32, OUT, 2, &g_rng, -1, 1)),
+         LK_ERR_UNSUPPORTED, "conv.safetensors: x: lora_A is 4-D (a convolution LoRA)");
+    CASE("unknown.safetensors",
+         (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
+          af_rand(f, "x.dora_scale", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1)),
+         LK_ERR_FORMAT, "unknown.safetensors: key 'x.dora_scale' is not a LoRA factor or alpha");
+    CASE("mixed.safetensors",
+         (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
+          pair(f, "lora_unet_y", ".lora_down.weight", ".lora_up.weight", 2, LK_DTYPE_F32)),
+         LK_ERR_FORMAT, "mixed.safetensors: mixes PEFT/diffusers keys ('x.lora_A.weight') and kohya keys ('lora_unet_y.lora_down.weight')");
+    CASE("dup.safetensors",
+         (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
+          pair(f, "transformer.x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32)),
+         LK_ERR_FORMAT, "dup.safetensors: 'transformer.x' and 'x' are the same module x");
+    CASE("empty.safetensors", af_rand(f, "blocks.0.weight", LK_DTYPE_F32, 2, 2, &g_rng, -1, 1), LK_ERR_FORMAT,
+         "empty.safetensors: key 'blocks.0.weight' is not a LoRA factor or alpha");
+#undef CASE
+    char *missing = tu_path(g_dir, "nope.safetensors");
+    expect_open_error(missing, LK_FORMAT_AUTO, LK_ERR_IO, "nope.safetensors: no such file or directory");
+    free(missing);
+}
+
+/* adapter_config.json problems, each refused with its message. */
+static void test_config_errors(void **state) {
+    (void)state;
+    static const struct {
+        const char *json;
+        lk_status s;
+        const char *msg;
+    } cases[] = {
+        {"{\"r\": 0, \"lora_alpha\": 8}", LK_ERR_CONFIG, "adapter_config.json: r = 0: the rank must be a positive integer"},
+        {"{\"r\": -4}", LK_ERR_CONFIG, "adapter_config.json: r = -4: the rank must be a positive integer"},
+        {"{\"r\": 4, \"rank_pattern\": {\"to_q\": 0}}", LK_ERR_CONFIG,
+         "adapter_config.json: rank_pattern[\"to_q\"] = 0: a rank must be a positive integer"},
+        {"{\"r\": 4, \"lora_alpha\": \"8\"}", LK_ERR_CONFIG, "adapter_config.json: lora_alpha must be a finite number"},
+        {"{\"r\": 4, \"lora_alpha\": NaN}", LK_ERR_CONFIG, "adapter_config.json: invalid JSON"},
+        {"{\"r\": 4, \"fan_in_fan_out\": true}", LK_ERR_UNSUPPORTED,
+         "adapter_config.json: fan_in_fan_out = true (weights stored in x out, as GPT-2's Conv1D) is not supported"},
+        {"{\"r\": 4, \"use_dora\": true}", LK_ERR_UNSUPPORTED, "use_dora = true (DoRA) is not supported"},
+        {"{\"peft_type\": \"LOHA\"}", LK_ERR_UNSUPPORTED, "peft_type is \"LOHA\"; only LORA adapters can be fused"},
+        {"{\"r\": 4, \"alpha_pattern\": {\"(\": 1}}", LK_ERR_CONFIG, "alpha_pattern: \"(\" is not a valid pattern"},
+        {"{\"r\": 4, \"target_modules\": 5}", LK_ERR_CONFIG, "target_modules must be a list or a string"},
+        {"[1, 2]", LK_ERR_CONFIG, "adapter_config.json: not a JSON object"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        af_file *f = af_new();
+        pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+        char name[32];
+        snprintf(name, sizeof name, "cfg%zu", i);
+        char *dir = peft_folder(name, cases[i].json, f);
+        expect_open_error(dir, LK_FORMAT_AUTO, cases[i].s, cases[i].msg);
+        free(dir);
+        af_free(f);
+    }
+    /* Config ranks versus tensor ranks. */
+    af_file *f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    char *d1 = peft_folder("cfg_r", "{\"r\": 8, \"lora_alpha\": 8}", f);
+    expect_open_error(d1, LK_FORMAT_AUTO, LK_ERR_SHAPE,
+                      "blocks.0.attn.to_q: lora_A has rank 4 but adapter_config.json says r = 8");
+    char *d2 = peft_folder("cfg_rp", "{\"r\": 4, \"rank_pattern\": {\"to_q\": 16}}", f);
+    expect_open_error(d2, LK_FORMAT_AUTO, LK_ERR_SHAPE,
+                      "blocks.0.attn.to_q: lora_A has rank 4 but adapter_config.json says 16 (rank_pattern \"to_q\")");
+    /* A pattern must match at a dot boundary: "q" does not match "to_q". */
+    char *d3 = peft_folder("cfg_dot", "{\"r\": 4, \"rank_pattern\": {\"q\": 16}}", f);
+    lk_adapter *a = open_ok(d3, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_module(a, 0)->rank, 4);
+    lk_adapter_free(a);
+    /* target_modules not covering a module: loaded, counted. */
+    char *d4 = peft_folder("cfg_tm", "{\"r\": 4, \"target_modules\": [\"to_k\"]}", f);
+    a = open_ok(d4, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_untargeted(a), 1);
+    lk_adapter_free(a);
+    free(d1);
+    free(d2);
+    free(d3);
+    free(d4);
+    af_free(f);
+    /* A folder without safetensors but with a pickle. */
+    char *d5 = tu_path(g_dir, "pickle");
+    assert_int_equal(mkdir(d5, 0755), 0);
+    af_write_text(d5, "adapter_model.bin", "x");
+    expect_open_error(d5, LK_FORMAT_AUTO, LK_ERR_UNSUPPORTED, "adapter_model.bin (pickle) is not supported");
+    free(d5);
+}
+
+/* Shape and dtype checks against the model. */
+static void test_resolve_errors(void **state) {
+    (void)state;
+    af_file *m = model();
+    af_file *f = af_new();
+    af_rand(f, "blocks.0.attn.to_q.lora_A.weight", LK_DTYPE_F32, 2, IN, &g_rng, -1, 1);
+    af_rand(f, "blocks.0.attn.to_q.lora_B.weight", LK_DTYPE_F32, OUT + 1, 2, &g_rng, -1, 1);
+    char *p = save(f, "shape.safetensors");
+    lk_adapter *a = open_ok(p, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_SHAPE);
+    tu_assert_contains(lk_last_error(), "shape.safetensors: blocks.0.attn.to_q: lora_B is 13x2 but the model weight is 12x10");
+    lk_adapter_free(a);
+    af_free(f);
+    free(p);
+    f = af_new();
+    af_rand(f, "blocks.0.attn.to_q.lora_A.weight", LK_DTYPE_F32, 2, IN + 2, &g_rng, -1, 1);
+    af_rand(f, "blocks.0.attn.to_q.lora_B.weight", LK_DTYPE_F32, OUT, 2, &g_rng, -1, 1);
+    p = save(f, "shape2.safetensors");
+    a = open_ok(p, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_SHAPE);
+    tu_assert_contains(lk_last_error(), "blocks.0.attn.to_q: lora_A is 2x12 but the model weight is 12x10");
+    /* A quantised model weight cannot be fused. */
+    af_get(m, "blocks.0.attn.to_q.weight")->dtype = LK_DTYPE_I8;
+    lk_adapter_free(a);
+    af_free(f);
+    free(p);
+    f = af_new();
+    pair(f, "blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32);
+    p = save(f, "qweight.safetensors");
+    a = open_ok(p, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_DTYPE);
+    tu_assert_contains(lk_last_error(), "blocks.0.attn.to_q: the model weight blocks.0.attn.to_q.weight is I8; only F32, F16 and BF16 can be fused");
+    lk_adapter_free(a);
+    af_free(f);
+    free(p);
+    af_free(m);
+}
+
+/* Allocation failures while opening and resolving: a clean LK_ERR_NOMEM
+ * (or success) at every point, never a crash or leak (ASan checks). */
+static void test_alloc_failures(void **state) {
+    (void)state;
+    af_file *m = model(), *f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_BF16);
+    pair(f, "base_model.model.blocks.0.attn.to_k", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_BF16);
+    char *dir = peft_folder("peft_alloc", "{\"r\": 4, \"rank_pattern\": {\"to_k\": 2}}", f);
+    int ok = 0;
+    for (unsigned long k = 1; k < 200 && !ok; k++) {
+        lk_adapter *a = NULL;
+        lk_alloc_fail_at(k);
+        lk_status s = lk_adapter_open(dir, LK_FORMAT_AUTO, &a);
+        if (s == LK_OK) s = lk_adapter_resolve(a, m->t, m->n, 0, NULL);
+        lk_alloc_fail_at(0);
+        if (s == LK_OK) ok = 1;
+        else assert_int_equal(s, LK_ERR_NOMEM);
+        lk_adapter_free(a);
+    }
+    assert_true(ok);
+    free(dir);
+    af_free(f);
+    af_free(m);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_peft_folder_patterns), cmocka_unit_test(test_peft_file_alone),
+        cmocka_unit_test(test_diffusers_prefixes),   cmocka_unit_test(test_kohya),
+        cmocka_unit_test(test_fastvideo),            cmocka_unit_test(test_format_forcing),
+        cmocka_unit_test(test_unmatched),            cmocka_unit_test(test_file_errors),
+        cmocka_unit_test(test_config_errors),        cmocka_unit_test(test_resolve_errors),
+        cmocka_unit_test(test_alloc_failures),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
