@@ -1,0 +1,624 @@
+/* lora_model.c — a host program's named linear layers and the LoRA wrapping
+ * of them: targeting, freezing, seeded init, base checkpoint loading with key
+ * aliases, and the per-layer forward/backward.
+ *
+ * The host keeps its own weight memory (its model may be one allocation,
+ * llm.c style) and registers views of it; lorakit owns only what LoRA adds:
+ * the parameter set (one buffer, see params.c) and one scratch buffer for the
+ * backward. Targeting is the reference's substring rule: a layer is wrapped
+ * when its name contains a target and no exclude string. Every entry point
+ * checks everything first and then commits, so a failure leaves the model as
+ * it was. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lorakit/alloc.h"
+#include "lorakit/log.h"
+#include "lorakit/safetensors.h"
+#include "train_impl.h"
+
+struct lk_lora_layer {
+    char *name;
+    int in, out;
+    float *W, *b;
+    int wrapped, r;
+    float scale;
+    long pA, pB; /* parameter indices, -1 until wrapped */
+    lk_lora_model *m;
+};
+
+typedef struct {
+    char *name;
+    int ndim;
+    int64_t shape[LK_MAX_DIMS];
+    size_t numel;
+    float *data;
+} other_tensor;
+
+struct lk_lora_model {
+    lk_lora_layer **layers;
+    size_t n_layers, cap_layers;
+    other_tensor *tensors;
+    size_t n_tensors, cap_tensors;
+    int enabled;
+    int rank, alpha;
+    uint64_t seed;
+    lk_lora_params *params;
+    float *scratch;
+    size_t scratch_cap; /* floats */
+};
+
+lk_status lk_lora_model_create(lk_lora_model **out) {
+    if (!out) return lk_error(LK_ERR_ARG, "lk_lora_model_create: out is NULL");
+    *out = lk_calloc(1, sizeof **out);
+    return *out ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
+}
+
+void lk_lora_model_free(lk_lora_model *m) {
+    if (!m) return;
+    for (size_t i = 0; i < m->n_layers; i++) {
+        lk_free(m->layers[i]->name);
+        lk_free(m->layers[i]);
+    }
+    lk_free(m->layers);
+    for (size_t i = 0; i < m->n_tensors; i++) lk_free(m->tensors[i].name);
+    lk_free(m->tensors);
+    lk_lora_params_free(m->params);
+    lk_free(m->scratch);
+    lk_free(m);
+}
+
+/* "<base>.<suffix>" into a fresh string. */
+static char *join(const char *base, const char *suffix) {
+    size_t a = strlen(base), b = strlen(suffix);
+    char *s = lk_malloc(a + b + 2);
+    if (!s) return NULL;
+    memcpy(s, base, a);
+    s[a] = '.';
+    memcpy(s + a + 1, suffix, b + 1);
+    return s;
+}
+
+/* 1 if `state` is "<name>.<suffix>". */
+static int is_state_of(const char *state, const char *name, const char *suffix) {
+    size_t n = strlen(name);
+    return !strncmp(state, name, n) && state[n] == '.' && !strcmp(state + n + 1, suffix);
+}
+
+/* Is a registered state name already taken by `name` (as a layer or a tensor)? */
+static int name_taken(const lk_lora_model *m, const char *name, int as_layer) {
+    for (size_t i = 0; i < m->n_layers; i++) {
+        const char *ln = m->layers[i]->name;
+        if (as_layer && !strcmp(ln, name)) return 1;
+        if (!as_layer && (is_state_of(name, ln, "weight") || is_state_of(name, ln, "bias")))
+            return 1;
+    }
+    for (size_t i = 0; i < m->n_tensors; i++) {
+        const char *tn = m->tensors[i].name;
+        if (!as_layer && !strcmp(tn, name)) return 1;
+        if (as_layer && (is_state_of(tn, name, "weight") || is_state_of(tn, name, "bias"))) return 1;
+    }
+    return 0;
+}
+
+lk_status lk_lora_model_add_linear(lk_lora_model *m, const char *name, int in, int out,
+                                   float *weight, float *bias, lk_lora_layer **layer) {
+    if (layer) *layer = NULL;
+    if (!m || !name || !*name || !weight)
+        return lk_error(LK_ERR_ARG, "lk_lora_model_add_linear: missing model, name or weight");
+    if (m->enabled)
+        return lk_error(LK_ERR_STATE, "%s: cannot register layers after lk_lora_enable", name);
+    if (in <= 0 || out <= 0)
+        return lk_error(LK_ERR_SHAPE, "%s: linear shape %dx%d must be positive", name, out, in);
+    if (name_taken(m, name, 1)) return lk_error(LK_ERR_ARG, "%s: name registered twice", name);
+    if (m->n_layers == m->cap_layers) {
+        size_t cap = m->cap_layers ? 2 * m->cap_layers : 16;
+        lk_lora_layer **nl = lk_realloc(m->layers, cap * sizeof *nl);
+        if (!nl) return lk_error(LK_ERR_NOMEM, "out of memory");
+        m->layers = nl;
+        m->cap_layers = cap;
+    }
+    lk_lora_layer *l = lk_calloc(1, sizeof *l);
+    char *nm = lk_strdup(name);
+    if (!l || !nm) {
+        lk_free(l);
+        lk_free(nm);
+        return lk_error(LK_ERR_NOMEM, "out of memory");
+    }
+    *l = (lk_lora_layer){.name = nm, .in = in, .out = out, .W = weight, .b = bias,
+                         .pA = -1, .pB = -1, .m = m};
+    m->layers[m->n_layers++] = l;
+    if (layer) *layer = l;
+    return LK_OK;
+}
+
+lk_status lk_lora_model_add_tensor(lk_lora_model *m, const char *name, int ndim,
+                                   const int64_t *shape, float *data) {
+    if (!m || !name || !*name || !data || (ndim > 0 && !shape))
+        return lk_error(LK_ERR_ARG, "lk_lora_model_add_tensor: missing model, name, shape or data");
+    if (m->enabled)
+        return lk_error(LK_ERR_STATE, "%s: cannot register tensors after lk_lora_enable", name);
+    if (ndim < 0 || ndim > LK_MAX_DIMS)
+        return lk_error(LK_ERR_SHAPE, "%s: %d dimensions (at most %d)", name, ndim, LK_MAX_DIMS);
+    size_t numel = 1;
+    for (int d = 0; d < ndim; d++)
+        if (shape[d] <= 0 || !lk_checked_mul(numel, (size_t)shape[d], &numel))
+            return lk_error(LK_ERR_SHAPE, "%s: invalid dimension %d", name, d);
+    if (name_taken(m, name, 0)) return lk_error(LK_ERR_ARG, "%s: name registered twice", name);
+    if (m->n_tensors == m->cap_tensors) {
+        size_t cap = m->cap_tensors ? 2 * m->cap_tensors : 16;
+        other_tensor *nt = lk_realloc(m->tensors, cap * sizeof *nt);
+        if (!nt) return lk_error(LK_ERR_NOMEM, "out of memory");
+        m->tensors = nt;
+        m->cap_tensors = cap;
+    }
+    char *nm = lk_strdup(name);
+    if (!nm) return lk_error(LK_ERR_NOMEM, "out of memory");
+    other_tensor *t = &m->tensors[m->n_tensors++];
+    memset(t, 0, sizeof *t);
+    t->name = nm;
+    t->ndim = ndim;
+    for (int d = 0; d < ndim; d++) t->shape[d] = shape[d];
+    t->numel = numel;
+    t->data = data;
+    return LK_OK;
+}
+
+size_t lk_lora_model_layer_count(const lk_lora_model *m) { return m ? m->n_layers : 0; }
+lk_lora_layer *lk_lora_model_layer(lk_lora_model *m, size_t i) {
+    return m && i < m->n_layers ? m->layers[i] : NULL;
+}
+lk_lora_layer *lk_lora_model_find(lk_lora_model *m, const char *name) {
+    if (!m || !name) return NULL;
+    for (size_t i = 0; i < m->n_layers; i++)
+        if (!strcmp(m->layers[i]->name, name)) return m->layers[i];
+    return NULL;
+}
+lk_lora_params *lk_lora_model_params(lk_lora_model *m) { return m ? m->params : NULL; }
+
+static int contains_any(const char *name, char *const *list, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (list[i] && strstr(name, list[i])) return 1;
+    return 0;
+}
+
+static int excluded(const char *name, const char *const *exclude) {
+    for (size_t i = 0; exclude && exclude[i]; i++)
+        if (strstr(name, exclude[i])) return 1;
+    return 0;
+}
+
+/* Appends a bracketed list to buf for error messages. */
+static void list_str(char *buf, size_t cap, char *const *a, size_t n) {
+    size_t o = 0;
+    o += (size_t)snprintf(buf, cap, "[");
+    for (size_t i = 0; i < n && o < cap; i++)
+        o += (size_t)snprintf(buf + o, cap - o, "%s%s", i ? ", " : "", a[i]);
+    if (o < cap) snprintf(buf + o, cap - o, "]");
+}
+
+static void init_layer(lk_lora_layer *l, uint64_t seed) {
+    lk_lora_params *p = l->m->params;
+    lk_lora_rand_uniform(p->data + p->offset[l->pA], (size_t)l->r * (size_t)l->in, seed, p->names[l->pA],
+                         1.0f / sqrtf((float)l->in));
+    memset(p->data + p->offset[l->pB], 0, (size_t)l->out * (size_t)l->r * sizeof(float));
+}
+
+lk_status lk_lora_enable(lk_lora_model *m, const lk_lora_config *cfg, const char *const *exclude,
+                         uint64_t seed, size_t *count) {
+    if (count) *count = 0;
+    if (!m || !cfg) return lk_error(LK_ERR_ARG, "lk_lora_enable: missing model or config");
+    if (m->enabled) return lk_error(LK_ERR_STATE, "lk_lora_enable: LoRA is already enabled");
+    if (!cfg->configured || !cfg->enable)
+        return lk_error(LK_ERR_CONFIG, "lk_lora_enable: the LoRA config is not enabled");
+    if (cfg->rank <= 0)
+        return lk_error(LK_ERR_CONFIG, "lk_lora_enable: lora rank must be > 0, got %d", cfg->rank);
+    char *const *targets = cfg->targets;
+    size_t n_targets = cfg->n_targets;
+    if (!targets || !n_targets) {
+        targets = (char *const *)lk_lora_default_targets;
+        n_targets = 0;
+        while (lk_lora_default_targets[n_targets]) n_targets++;
+    }
+    size_t n = 0;
+    for (size_t i = 0; i < m->n_layers; i++)
+        if (contains_any(m->layers[i]->name, targets, n_targets) &&
+            !excluded(m->layers[i]->name, exclude))
+            n++;
+    if (n == 0) {
+        char tl[1024], el[512] = "[]";
+        list_str(tl, sizeof tl, targets, n_targets);
+        size_t ne = 0;
+        while (exclude && exclude[ne]) ne++;
+        if (ne) list_str(el, sizeof el, (char *const *)exclude, ne);
+        return lk_error(LK_ERR_CONFIG,
+                        "no LoRA-compatible layers were found for the requested target modules "
+                        "%s (excluded: %s; %zu linear layers registered)",
+                        tl, el, m->n_layers);
+    }
+    if ((size_t)cfg->rank > (size_t)INT32_MAX / 2)
+        return lk_error(LK_ERR_CONFIG, "lora rank %d too large", cfg->rank);
+    lk_lora_param_spec *specs = lk_calloc(2 * n, sizeof *specs);
+    char **names = lk_calloc(2 * n, sizeof(char *));
+    lk_status s = LK_OK;
+    if (!specs || !names) s = lk_error(LK_ERR_NOMEM, "out of memory");
+    size_t k = 0;
+    for (size_t i = 0; s == LK_OK && i < m->n_layers; i++) {
+        lk_lora_layer *l = m->layers[i];
+        if (!contains_any(l->name, targets, n_targets) || excluded(l->name, exclude)) continue;
+        names[k] = join(l->name, "lora_A");
+        names[k + 1] = join(l->name, "lora_B");
+        if (!names[k] || !names[k + 1]) {
+            s = lk_error(LK_ERR_NOMEM, "out of memory");
+            break;
+        }
+        specs[k] = (lk_lora_param_spec){names[k], cfg->rank, l->in};
+        specs[k + 1] = (lk_lora_param_spec){names[k + 1], l->out, cfg->rank};
+        k += 2;
+    }
+    lk_lora_params *p = NULL;
+    if (s == LK_OK) s = lk_lora_params_create(specs, 2 * n, &p);
+    if (s == LK_OK) {
+        /* Commit: nothing below can fail. */
+        m->params = p;
+        m->enabled = 1;
+        m->rank = cfg->rank;
+        m->alpha = cfg->alpha_given || cfg->alpha ? cfg->alpha : cfg->rank;
+        m->seed = seed;
+        k = 0;
+        for (size_t i = 0; i < m->n_layers; i++) {
+            lk_lora_layer *l = m->layers[i];
+            if (!contains_any(l->name, targets, n_targets) || excluded(l->name, exclude)) continue;
+            l->wrapped = 1;
+            l->r = cfg->rank;
+            l->scale = (float)m->alpha / (float)cfg->rank;
+            l->pA = lk_lora_params_find(p, names[k]);
+            l->pB = lk_lora_params_find(p, names[k + 1]);
+            init_layer(l, seed);
+            k += 2;
+        }
+        if (count) *count = n;
+        lk_log(LK_LOG_INFO, "enabled LoRA training with rank=%d alpha=%d on %zu layers", m->rank,
+               m->alpha, n);
+    }
+    for (size_t i = 0; names && i < 2 * n; i++) lk_free(names[i]);
+    lk_free(names);
+    lk_free(specs);
+    return s;
+}
+
+lk_status lk_lora_finalize(lk_lora_model *m, size_t *count) {
+    if (count) *count = 0;
+    if (!m) return lk_error(LK_ERR_ARG, "lk_lora_finalize: no model");
+    size_t n = 0;
+    for (size_t i = 0; i < m->n_layers; i++) {
+        lk_lora_layer *l = m->layers[i];
+        if (!l->wrapped) continue;
+        if (!m->params || l->pA < 0 || l->pB < 0)
+            return lk_error(LK_ERR_STATE, "%s: training LoRA wrapper is missing adapter parameters",
+                            l->name);
+        n++;
+    }
+    if (n == 0)
+        return lk_error(LK_ERR_STATE, "no training LoRA wrappers were found after checkpoint loading");
+    /* Frozen/trainable is a property of the state, not a flag a load can
+     * flip: base tensors never get gradients once enabled, adapters always. */
+    if (count) *count = n;
+    return LK_OK;
+}
+
+int lk_lora_model_is_trainable(const lk_lora_model *m, const char *state_name) {
+    if (!m || !state_name) return 0;
+    if (m->enabled) return lk_lora_params_find(m->params, state_name) >= 0;
+    for (size_t i = 0; i < m->n_layers; i++) {
+        const char *ln = m->layers[i]->name;
+        if (is_state_of(state_name, ln, "weight")) return 1;
+        if (m->layers[i]->b && is_state_of(state_name, ln, "bias")) return 1;
+    }
+    for (size_t i = 0; i < m->n_tensors; i++)
+        if (!strcmp(m->tensors[i].name, state_name)) return 1;
+    return 0;
+}
+
+/* ---- base checkpoint ---- */
+
+typedef struct {
+    float *dst;
+    size_t numel;
+    long src; /* tensor index in the file; -1: missing */
+    const char *what;
+} load_item;
+
+/* Finds the first of two candidate names; both present is ambiguous. */
+static lk_status find2(const lk_st *st, const char *path, const char *a, const char *b, long *idx) {
+    long ia = lk_st_find(st, a), ib = b ? lk_st_find(st, b) : -1;
+    if (ia >= 0 && ib >= 0)
+        return lk_error(LK_ERR_FORMAT, "%s: both '%s' and its alias '%s' are present", path, a, b);
+    *idx = ia >= 0 ? ia : ib;
+    return LK_OK;
+}
+
+static lk_status check_shape(const lk_st *st, const char *path, long i, int ndim,
+                             const int64_t *shape) {
+    const lk_tensor *t = lk_st_tensor(st, (size_t)i);
+    if (!lk_dtype_is_fusable(t->dtype))
+        return lk_error(LK_ERR_DTYPE, "%s: %s: dtype %s (expected F32, F16 or BF16)", path, t->name,
+                        lk_dtype_name(t->dtype));
+    int ok = t->ndim == ndim;
+    for (int d = 0; ok && d < ndim; d++) ok = t->shape[d] == shape[d];
+    if (!ok) {
+        char have[128], want[128];
+        lk_tensor w = {.ndim = ndim};
+        for (int d = 0; d < ndim; d++) w.shape[d] = shape[d];
+        lk_shape_str(t, have, sizeof have);
+        lk_shape_str(&w, want, sizeof want);
+        return lk_error(LK_ERR_SHAPE, "%s: %s is %s but the model expects %s", path, t->name, have,
+                        want);
+    }
+    return LK_OK;
+}
+
+lk_status lk_lora_model_load_base(lk_lora_model *m, const char *path, const lk_lora_load_opts *opts) {
+    if (!m || !path) return lk_error(LK_ERR_ARG, "lk_lora_model_load_base: missing model or path");
+    lk_lora_load_opts o = {0};
+    if (opts) o = *opts;
+    lk_st *st;
+    lk_status s = lk_st_open(path, &st);
+    if (s != LK_OK) return s;
+    size_t n_file = lk_st_count(st);
+    size_t cap = 4 * m->n_layers + m->n_tensors + 1;
+    load_item *items = lk_calloc(cap, sizeof *items);
+    unsigned char *used = lk_calloc(n_file ? n_file : 1, 1);
+    char *names[2] = {NULL, NULL};
+    size_t ni = 0;
+    if (!items || !used) s = lk_error(LK_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; s == LK_OK && i < m->n_layers; i++) {
+        lk_lora_layer *l = m->layers[i];
+        static const char *const parts[2] = {"weight", "bias"};
+        for (int part = 0; part < 2 && s == LK_OK; part++) {
+            float *dst = part ? l->b : l->W;
+            char based[1100];
+            names[0] = join(l->name, parts[part]);
+            snprintf(based, sizeof based, "%s.base_layer.%s", l->name, parts[part]);
+            if (!names[0]) {
+                s = lk_error(LK_ERR_NOMEM, "out of memory");
+                break;
+            }
+            long idx = -1;
+            /* The wrapped name first, the plain one as its alias (and the other
+             * way round before wrapping): both load the same weight. */
+            s = l->wrapped ? find2(st, path, based, names[0], &idx) : find2(st, path, names[0], based, &idx);
+            if (s == LK_OK && idx >= 0 && !dst)
+                s = lk_error(LK_ERR_SHAPE, "%s: %s: the model's layer has no bias", path,
+                             lk_st_tensor(st, (size_t)idx)->name);
+            if (s == LK_OK && dst) {
+                int64_t shape[2] = {l->out, l->in};
+                if (idx >= 0) s = check_shape(st, path, idx, part ? 1 : 2, shape);
+                else if (!o.allow_missing)
+                    s = lk_error(LK_ERR_FORMAT, "%s: missing tensor '%s' (nor '%s')", path,
+                                 l->wrapped ? based : names[0], l->wrapped ? names[0] : based);
+                items[ni++] = (load_item){dst, (size_t)l->out * (part ? 1 : (size_t)l->in), idx,
+                                          parts[part]};
+            }
+            lk_free(names[0]);
+            names[0] = NULL;
+        }
+        if (s != LK_OK || !l->wrapped) continue;
+        lk_lora_params *p = m->params;
+        for (int ab = 0; ab < 2 && s == LK_OK; ab++) {
+            long pi = ab ? l->pB : l->pA;
+            long idx = lk_st_find(st, p->names[pi]);
+            int64_t shape[2] = {p->rows[pi], p->cols[pi]};
+            if (idx >= 0) s = check_shape(st, path, idx, 2, shape);
+            items[ni++] = (load_item){p->data + p->offset[pi],
+                                      (size_t)(p->rows[pi] * p->cols[pi]), idx, ab ? "lora_B" : "lora_A"};
+        }
+    }
+    for (size_t i = 0; s == LK_OK && i < m->n_tensors; i++) {
+        other_tensor *t = &m->tensors[i];
+        long idx = lk_st_find(st, t->name);
+        if (idx >= 0) s = check_shape(st, path, idx, t->ndim, t->shape);
+        else if (!o.allow_missing) s = lk_error(LK_ERR_FORMAT, "%s: missing tensor '%s'", path, t->name);
+        items[ni++] = (load_item){t->data, t->numel, idx, "tensor"};
+    }
+    for (size_t i = 0; s == LK_OK && i < ni; i++)
+        if (items[i].src >= 0) used[items[i].src] = 1;
+    size_t n_unexpected = 0;
+    for (size_t i = 0; s == LK_OK && i < n_file; i++) {
+        if (used[i]) continue;
+        if (!o.allow_unexpected)
+            s = lk_error(LK_ERR_UNMATCHED, "%s: tensor '%s' matches nothing in the model", path,
+                         lk_st_tensor(st, i)->name);
+        n_unexpected++;
+    }
+    if (s == LK_OK) {
+        /* Commit: copy every present tensor; re-initialise absent adapters. */
+        size_t n_init = 0;
+        for (size_t i = 0; i < ni; i++)
+            if (items[i].src >= 0) {
+                const lk_tensor *t = lk_st_tensor(st, (size_t)items[i].src);
+                lk_to_f32(items[i].dst, t->data, t->dtype, items[i].numel);
+            }
+        for (size_t i = 0; i < m->n_layers; i++) {
+            lk_lora_layer *l = m->layers[i];
+            if (!l->wrapped) continue;
+            long ia = lk_st_find(st, m->params->names[l->pA]);
+            long ib = lk_st_find(st, m->params->names[l->pB]);
+            if (ia < 0 && ib < 0) {
+                init_layer(l, m->seed);
+                n_init++;
+            } else if (ia < 0 || ib < 0) {
+                /* Only one factor present: initialise the missing one alone. */
+                lk_lora_params *p = m->params;
+                if (ia < 0)
+                    lk_lora_rand_uniform(p->data + p->offset[l->pA], (size_t)l->r * (size_t)l->in,
+                                         m->seed, p->names[l->pA], 1.0f / sqrtf((float)l->in));
+                else
+                    memset(p->data + p->offset[l->pB], 0, (size_t)l->out * (size_t)l->r * sizeof(float));
+                n_init++;
+            }
+        }
+        lk_log(LK_LOG_INFO, "%s: loaded %zu tensors, %zu adapter layers initialised from the seed, %zu ignored",
+               path, n_file - n_unexpected, n_init, n_unexpected);
+    }
+    lk_free(items);
+    lk_free(used);
+    lk_st_close(st);
+    return s;
+}
+
+lk_status lk_lora_model_save_base(const lk_lora_model *m, const char *path) {
+    if (!m || !path) return lk_error(LK_ERR_ARG, "lk_lora_model_save_base: missing model or path");
+    size_t cap = 2 * m->n_layers + m->n_tensors;
+    if (cap == 0) return lk_error(LK_ERR_STATE, "%s: the model has no tensors to save", path);
+    lk_tensor *t = lk_calloc(cap, sizeof *t);
+    char **names = lk_calloc(cap, sizeof(char *));
+    size_t n = 0;
+    lk_status s = (t && names) ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; s == LK_OK && i < m->n_layers; i++) {
+        const lk_lora_layer *l = m->layers[i];
+        for (int part = 0; part < 2; part++) {
+            if (part && !l->b) continue;
+            names[n] = join(l->name, part ? "bias" : "weight");
+            if (!names[n]) {
+                s = lk_error(LK_ERR_NOMEM, "out of memory");
+                break;
+            }
+            lk_tensor *v = &t[n];
+            v->name = names[n];
+            v->dtype = LK_DTYPE_F32;
+            v->ndim = part ? 1 : 2;
+            v->shape[0] = l->out;
+            v->shape[1] = l->in;
+            v->nbytes = (size_t)l->out * (part ? 1 : (size_t)l->in) * sizeof(float);
+            v->data = part ? l->b : l->W;
+            n++;
+        }
+    }
+    for (size_t i = 0; s == LK_OK && i < m->n_tensors; i++) {
+        const other_tensor *o = &m->tensors[i];
+        lk_tensor *v = &t[n++];
+        v->name = o->name;
+        v->dtype = LK_DTYPE_F32;
+        v->ndim = o->ndim;
+        for (int d = 0; d < o->ndim; d++) v->shape[d] = o->shape[d];
+        v->nbytes = o->numel * sizeof(float);
+        v->data = o->data;
+    }
+    if (s == LK_OK) s = lk_st_save(path, t, n, NULL, 0);
+    for (size_t i = 0; names && i < cap; i++) lk_free(names[i]);
+    lk_free(names);
+    lk_free(t);
+    return s;
+}
+
+/* ---- layers ---- */
+
+const char *lk_lora_layer_name(const lk_lora_layer *l) { return l->name; }
+int lk_lora_layer_in(const lk_lora_layer *l) { return l->in; }
+int lk_lora_layer_out(const lk_lora_layer *l) { return l->out; }
+int lk_lora_layer_wrapped(const lk_lora_layer *l) { return l->wrapped; }
+int lk_lora_layer_rank(const lk_lora_layer *l) { return l->wrapped ? l->r : 0; }
+float lk_lora_layer_scale(const lk_lora_layer *l) { return l->wrapped ? l->scale : 0.0f; }
+static float *pptr(lk_lora_layer *l, long pi, int grad) {
+    if (!l->wrapped) return NULL;
+    lk_lora_params *p = l->m->params;
+    return (grad ? p->grad : p->data) + p->offset[pi];
+}
+float *lk_lora_layer_A(lk_lora_layer *l) { return pptr(l, l->pA, 0); }
+float *lk_lora_layer_B(lk_lora_layer *l) { return pptr(l, l->pB, 0); }
+float *lk_lora_layer_dA(lk_lora_layer *l) { return pptr(l, l->pA, 1); }
+float *lk_lora_layer_dB(lk_lora_layer *l) { return pptr(l, l->pB, 1); }
+const float *lk_lora_layer_weight(const lk_lora_layer *l) { return l->W; }
+const float *lk_lora_layer_bias(const lk_lora_layer *l) { return l->b; }
+
+/* Model scratch of at least `floats` floats. */
+static lk_status scratch(lk_lora_layer *l, size_t floats, float **out) {
+    lk_lora_model *m = l->m;
+    if (floats > m->scratch_cap) {
+        if (floats > SIZE_MAX / sizeof(float))
+            return lk_error(LK_ERR_NOMEM, "%s: scratch too large", l->name);
+        float *s = lk_realloc(m->scratch, floats * sizeof(float));
+        if (!s) return lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu scratch floats", l->name, floats);
+        m->scratch = s;
+        m->scratch_cap = floats;
+    }
+    *out = m->scratch;
+    return LK_OK;
+}
+
+static lk_status check_call(const lk_lora_layer *l, const void *y, const void *x, int n) {
+    if (!l || !y || (!x && n > 0) || n < 0)
+        return lk_error(LK_ERR_ARG, "%s: invalid LoRA layer call (n = %d)", l ? l->name : "?", n);
+    return LK_OK;
+}
+
+lk_status lk_lora_layer_forward(lk_lora_layer *l, float *y, const float *x, int n) {
+    lk_status s = check_call(l, y, x, n);
+    float *h = NULL;
+    if (s == LK_OK && l->wrapped) s = scratch(l, (size_t)n * (size_t)l->r, &h);
+    if (s != LK_OK) return s;
+    lk_lora_linear_forward(y, h, x, l->W, l->b, lk_lora_layer_A(l), lk_lora_layer_B(l), l->scale, n,
+                           l->in, l->out, l->wrapped ? l->r : 0);
+    return LK_OK;
+}
+
+lk_status lk_lora_layer_backward(lk_lora_layer *l, float *dx, const float *dy, const float *x, int n) {
+    lk_status s = check_call(l, dy, x, n);
+    float *h = NULL;
+    if (s == LK_OK && l->wrapped) s = scratch(l, 2 * (size_t)n * (size_t)l->r, &h);
+    if (s != LK_OK) return s;
+    int r = l->wrapped ? l->r : 0;
+    if (r) lk_train_sgemm(0, 1, n, r, l->in, 1.0f, x, l->in, lk_lora_layer_A(l), l->in, 0.0f, h, r);
+    lk_lora_linear_backward(dx, lk_lora_layer_dA(l), lk_lora_layer_dB(l), h ? h + (size_t)n * r : NULL,
+                            dy, x, h, l->W, lk_lora_layer_A(l), lk_lora_layer_B(l), l->scale, n, l->in,
+                            l->out, r);
+    return LK_OK;
+}
+
+lk_status lk_lora_layer_delta_forward(lk_lora_layer *l, float *y, const float *x, int n) {
+    lk_status s = check_call(l, y, x, n);
+    float *h = NULL;
+    if (s != LK_OK || !l->wrapped || n == 0) return s;
+    if ((s = scratch(l, (size_t)n * (size_t)l->r, &h)) != LK_OK) return s;
+    lk_train_sgemm(0, 1, n, l->r, l->in, 1.0f, x, l->in, lk_lora_layer_A(l), l->in, 0.0f, h, l->r);
+    lk_train_sgemm(0, 1, n, l->out, l->r, l->scale, h, l->r, lk_lora_layer_B(l), l->r, 1.0f, y, l->out);
+    return LK_OK;
+}
+
+lk_status lk_lora_layer_delta_backward(lk_lora_layer *l, float *dx, const float *dy, const float *x,
+                                       int n) {
+    lk_status s = check_call(l, dy, x, n);
+    float *h = NULL;
+    if (s != LK_OK || !l->wrapped || n == 0) return s;
+    if ((s = scratch(l, 2 * (size_t)n * (size_t)l->r, &h)) != LK_OK) return s;
+    lk_train_sgemm(0, 1, n, l->r, l->in, 1.0f, x, l->in, lk_lora_layer_A(l), l->in, 0.0f, h, l->r);
+    lk_lora_linear_backward(dx, lk_lora_layer_dA(l), lk_lora_layer_dB(l), h + (size_t)n * l->r, dy, x,
+                            h, NULL, lk_lora_layer_A(l), lk_lora_layer_B(l), l->scale, n, l->in,
+                            l->out, l->r);
+    return LK_OK;
+}
+
+lk_status lk_lora_layer_merged(const lk_lora_layer *l, float *dst) {
+    if (!l || !dst) return lk_error(LK_ERR_ARG, "lk_lora_layer_merged: missing layer or output");
+    const lk_lora_params *p = l->m->params;
+    const float *A = l->wrapped ? p->data + p->offset[l->pA] : NULL;
+    const float *B = l->wrapped ? p->data + p->offset[l->pB] : NULL;
+    for (int o = 0; o < l->out; o++)
+        for (int i = 0; i < l->in; i++) {
+            double acc = 0.0;
+            for (int k = 0; A && k < l->r; k++)
+                acc += (double)B[(size_t)o * l->r + k] * (double)A[(size_t)k * l->in + i];
+            dst[(size_t)o * l->in + i] =
+                (float)((double)l->W[(size_t)o * l->in + i] + (double)l->scale * acc);
+        }
+    return LK_OK;
+}
+
+/* Accessors used by peft.c (same module, not public). */
+int lk_lora_model_rank_alpha(const lk_lora_model *m, int *alpha) {
+    if (alpha) *alpha = m->alpha;
+    return m->enabled ? m->rank : 0;
+}

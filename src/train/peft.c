@@ -1,0 +1,243 @@
+/* peft.c — saving the trained adapter as a PEFT folder, and loading it back.
+ *
+ * PEFT's layout is what PEFT, diffusers and `lorakit fuse` all read:
+ * adapter_model.safetensors with "base_model.model.<m>.lora_A.weight"
+ * (r x in) and ".lora_B.weight" (out x r), plus adapter_config.json. The
+ * target_modules written are the exact wrapped module names: PEFT matches a
+ * target by equality or ".<target>" suffix, so exact names select exactly
+ * the layers we trained, whereas our substring targets (e.g. "to_out" for
+ * "attn.to_out.0") would not match in PEFT. Tensors are F32 so a resume is
+ * bit-identical. Both files are written to a temporary name and renamed. */
+#include <errno.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "lorakit/alloc.h"
+#include "lorakit/safetensors.h"
+#include "train_impl.h"
+
+#define PEFT_PREFIX "base_model.model."
+
+static char *path_join(const char *dir, const char *name) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *s = lk_malloc(n);
+    if (s) snprintf(s, n, "%s/%s", dir, name);
+    return s;
+}
+
+static char *peft_key(const char *module, const char *ab) {
+    size_t n = strlen(PEFT_PREFIX) + strlen(module) + 32;
+    char *s = lk_malloc(n);
+    if (s) snprintf(s, n, PEFT_PREFIX "%s.%s.weight", module, ab);
+    return s;
+}
+
+static lk_status write_json_atomic(const char *path, json_t *j) {
+    size_t n = strlen(path) + 16;
+    char *tmp = lk_malloc(n);
+    if (!tmp) return lk_error(LK_ERR_NOMEM, "out of memory");
+    snprintf(tmp, n, "%s.tmp%ld", path, (long)getpid());
+    lk_status s = LK_OK;
+    FILE *f = fopen(tmp, "wb");
+    if (!f) {
+        s = lk_error(LK_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+    } else {
+        int bad = json_dumpf(j, f, JSON_INDENT(2) | JSON_SORT_KEYS) != 0;
+        bad |= fputc('\n', f) == EOF;
+        bad |= fflush(f) != 0;
+        bad |= fsync(fileno(f)) != 0;
+        bad |= fclose(f) != 0;
+        if (bad) s = lk_error(LK_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));
+        else if (rename(tmp, path) != 0)
+            s = lk_error(LK_ERR_IO, "%s: cannot rename into place: %s", path, strerror(errno));
+        if (s != LK_OK) unlink(tmp);
+    }
+    lk_free(tmp);
+    return s;
+}
+
+lk_status lk_lora_save_peft(const lk_lora_model *cm, const char *dir) {
+    lk_lora_model *m = (lk_lora_model *)cm; /* only read below */
+    if (!m || !dir || !*dir) return lk_error(LK_ERR_ARG, "lk_lora_save_peft: missing model or folder");
+    int alpha;
+    int rank = lk_lora_model_rank_alpha(m, &alpha);
+    if (rank <= 0) return lk_error(LK_ERR_STATE, "%s: LoRA is not enabled on this model", dir);
+    if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+        return lk_error(LK_ERR_IO, "%s: cannot create folder: %s", dir, strerror(errno));
+    struct stat sb;
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return lk_error(LK_ERR_IO, "%s: not a folder", dir);
+
+    size_t nl = lk_lora_model_layer_count(m), nw = 0;
+    for (size_t i = 0; i < nl; i++) nw += (size_t)lk_lora_layer_wrapped(lk_lora_model_layer(m, i));
+    lk_tensor *t = lk_calloc(2 * nw, sizeof *t);
+    json_t *cfg = json_object(), *targets = json_array();
+    char *st_path = path_join(dir, "adapter_model.safetensors");
+    char *js_path = path_join(dir, "adapter_config.json");
+    lk_status s = (t && cfg && targets && st_path && js_path) ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
+    size_t k = 0;
+    for (size_t i = 0; s == LK_OK && i < nl; i++) {
+        lk_lora_layer *l = lk_lora_model_layer(m, i);
+        if (!lk_lora_layer_wrapped(l)) continue;
+        for (int ab = 0; ab < 2; ab++) {
+            lk_tensor *v = &t[k];
+            v->name = peft_key(lk_lora_layer_name(l), ab ? "lora_B" : "lora_A");
+            if (!v->name) {
+                s = lk_error(LK_ERR_NOMEM, "out of memory");
+                break;
+            }
+            v->dtype = LK_DTYPE_F32;
+            v->ndim = 2;
+            v->shape[0] = ab ? lk_lora_layer_out(l) : lk_lora_layer_rank(l);
+            v->shape[1] = ab ? lk_lora_layer_rank(l) : lk_lora_layer_in(l);
+            v->nbytes = (size_t)(v->shape[0] * v->shape[1]) * sizeof(float);
+            v->data = ab ? lk_lora_layer_B(l) : lk_lora_layer_A(l);
+            k++;
+        }
+        if (s == LK_OK && json_array_append_new(targets, json_string(lk_lora_layer_name(l))) != 0)
+            s = lk_error(LK_ERR_NOMEM, "out of memory");
+    }
+    if (s == LK_OK) {
+        int bad = 0;
+        bad |= json_object_set_new(cfg, "peft_type", json_string("LORA"));
+        bad |= json_object_set_new(cfg, "r", json_integer(rank));
+        bad |= json_object_set_new(cfg, "lora_alpha", json_integer(alpha));
+        bad |= json_object_set(cfg, "target_modules", targets);
+        bad |= json_object_set_new(cfg, "use_rslora", json_false());
+        bad |= json_object_set_new(cfg, "bias", json_string("none"));
+        bad |= json_object_set_new(cfg, "fan_in_fan_out", json_false());
+        bad |= json_object_set_new(cfg, "lora_dropout", json_real(0.0));
+        bad |= json_object_set_new(cfg, "inference_mode", json_true());
+        bad |= json_object_set_new(cfg, "init_lora_weights", json_true());
+        if (bad) s = lk_error(LK_ERR_NOMEM, "out of memory");
+    }
+    const char *kv[] = {"format", "pt", "lorakit.rank", NULL, "lorakit.alpha", NULL};
+    char rs[16], as[16];
+    snprintf(rs, sizeof rs, "%d", rank);
+    snprintf(as, sizeof as, "%d", alpha);
+    kv[3] = rs;
+    kv[5] = as;
+    if (s == LK_OK) s = lk_st_save(st_path, t, k, kv, 3);
+    if (s == LK_OK) s = write_json_atomic(js_path, cfg);
+    for (size_t i = 0; t && i < 2 * nw; i++) lk_free((char *)t[i].name);
+    lk_free(t);
+    json_decref(cfg);
+    json_decref(targets);
+    lk_free(st_path);
+    lk_free(js_path);
+    return s;
+}
+
+/* Reads r and lora_alpha from adapter_config.json and checks the type. */
+static lk_status read_peft_config(const char *path, int *r, int *alpha) {
+    json_error_t je;
+    json_t *j = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+    if (!j) return lk_error(errno == ENOENT ? LK_ERR_IO : LK_ERR_FORMAT, "%s:%d: %s", path, je.line, je.text);
+    lk_status s = LK_OK;
+    json_t *pt = json_object_get(j, "peft_type"), *jr = json_object_get(j, "r");
+    json_t *ja = json_object_get(j, "lora_alpha"), *rs = json_object_get(j, "use_rslora");
+    if (!json_is_object(j) || (pt && (!json_is_string(pt) || strcmp(json_string_value(pt), "LORA"))))
+        s = lk_error(LK_ERR_FORMAT, "%s: peft_type is not LORA", path);
+    else if (!json_is_integer(jr) || json_integer_value(jr) <= 0 || json_integer_value(jr) > 1 << 24)
+        s = lk_error(LK_ERR_FORMAT, "%s: r must be a positive integer", path);
+    else if (ja && !json_is_number(ja))
+        s = lk_error(LK_ERR_FORMAT, "%s: lora_alpha must be a number", path);
+    else if (rs && json_is_true(rs))
+        s = lk_error(LK_ERR_UNSUPPORTED, "%s: use_rslora adapters cannot resume a plain LoRA run", path);
+    if (s == LK_OK) {
+        *r = (int)json_integer_value(jr);
+        double a = ja ? json_number_value(ja) : (double)*r;
+        *alpha = (int)a;
+        if ((double)*alpha != a)
+            s = lk_error(LK_ERR_FORMAT, "%s: lora_alpha %g is not an integer", path, a);
+    }
+    json_decref(j);
+    return s;
+}
+
+lk_status lk_lora_load_peft(lk_lora_model *m, const char *dir) {
+    if (!m || !dir) return lk_error(LK_ERR_ARG, "lk_lora_load_peft: missing model or folder");
+    int alpha, rank = lk_lora_model_rank_alpha(m, &alpha);
+    if (rank <= 0) return lk_error(LK_ERR_STATE, "%s: LoRA is not enabled on this model", dir);
+    char *st_path = path_join(dir, "adapter_model.safetensors");
+    char *js_path = path_join(dir, "adapter_config.json");
+    if (!st_path || !js_path) {
+        lk_free(st_path);
+        lk_free(js_path);
+        return lk_error(LK_ERR_NOMEM, "out of memory");
+    }
+    int fr = 0, fa = 0;
+    lk_st *st = NULL;
+    lk_status s = read_peft_config(js_path, &fr, &fa);
+    if (s == LK_OK && (fr != rank || fa != alpha))
+        s = lk_error(LK_ERR_CONFIG, "%s: r=%d lora_alpha=%d but the model was enabled with rank=%d alpha=%d",
+                     js_path, fr, fa, rank, alpha);
+    if (s == LK_OK) s = lk_st_open(st_path, &st);
+    size_t nl = lk_lora_model_layer_count(m), nw = 0;
+    long *idx = s == LK_OK ? lk_calloc(2 * nl + 1, sizeof *idx) : NULL;
+    if (s == LK_OK && !idx) s = lk_error(LK_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; s == LK_OK && i < nl; i++) {
+        lk_lora_layer *l = lk_lora_model_layer(m, i);
+        if (!lk_lora_layer_wrapped(l)) continue;
+        for (int ab = 0; ab < 2 && s == LK_OK; ab++) {
+            char *key = peft_key(lk_lora_layer_name(l), ab ? "lora_B" : "lora_A");
+            if (!key) {
+                s = lk_error(LK_ERR_NOMEM, "out of memory");
+                break;
+            }
+            long ti = lk_st_find(st, key);
+            int64_t want0 = ab ? lk_lora_layer_out(l) : lk_lora_layer_rank(l), want1 = ab ? lk_lora_layer_rank(l) : lk_lora_layer_in(l);
+            if (ti < 0) {
+                s = lk_error(LK_ERR_FORMAT, "%s: missing '%s' for the wrapped layer %s", st_path, key, lk_lora_layer_name(l));
+            } else {
+                const lk_tensor *t = lk_st_tensor(st, (size_t)ti);
+                if (!lk_dtype_is_fusable(t->dtype))
+                    s = lk_error(LK_ERR_DTYPE, "%s: %s: dtype %s", st_path, key, lk_dtype_name(t->dtype));
+                else if (t->ndim != 2 || t->shape[0] != want0 || t->shape[1] != want1) {
+                    char have[96];
+                    lk_shape_str(t, have, sizeof have);
+                    s = lk_error(LK_ERR_SHAPE, "%s: %s: %s is %s but the model expects [%lld, %lld]", st_path,
+                                 lk_lora_layer_name(l), ab ? "lora_B" : "lora_A", have, (long long)want0, (long long)want1);
+                }
+            }
+            idx[2 * i + ab] = ti;
+            lk_free(key);
+        }
+        nw++;
+    }
+    if (s == LK_OK && lk_st_count(st) != 2 * nw) {
+        /* name one tensor that belongs to no wrapped layer */
+        const char *extra = "?";
+        for (size_t j = 0; j < lk_st_count(st); j++) {
+            int found = 0;
+            for (size_t i = 0; i < 2 * nl && !found; i++) {
+                lk_lora_layer *l = lk_lora_model_layer(m, i / 2);
+                found = lk_lora_layer_wrapped(l) && idx[i] == (long)j;
+            }
+            if (!found) {
+                extra = lk_st_tensor(st, j)->name;
+                break;
+            }
+        }
+        s = lk_error(LK_ERR_UNMATCHED, "%s: %zu tensors but the model has %zu adapter tensors; '%s' "
+                     "matches no wrapped layer", st_path, lk_st_count(st), 2 * nw, extra);
+    }
+    if (s == LK_OK)
+        for (size_t i = 0; i < nl; i++) {
+            lk_lora_layer *l = lk_lora_model_layer(m, i);
+            if (!lk_lora_layer_wrapped(l)) continue;
+            for (int ab = 0; ab < 2; ab++) {
+                const lk_tensor *t = lk_st_tensor(st, (size_t)idx[2 * i + ab]);
+                lk_to_f32(ab ? lk_lora_layer_B(l) : lk_lora_layer_A(l), t->data, t->dtype, lk_tensor_numel(t));
+            }
+        }
+    lk_free(idx);
+    lk_st_close(st);
+    lk_free(st_path);
+    lk_free(js_path);
+    return s;
+}
