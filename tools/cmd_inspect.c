@@ -129,8 +129,8 @@ static json_t *st_listing_json(const lk_st *st) {
 
 /* Prints a JSON value on one line; returns an exit code. */
 static int print_json(json_t *o) {
-    if (!o) {
-        lk_error(LK_ERR_NOMEM, "out of memory building JSON output");
+    if (!o) { /* jansson refuses non-UTF-8 strings (a path) as well as failed allocations */
+        lk_error(LK_ERR_NOMEM, "cannot build the JSON output (out of memory, or a path that is not UTF-8)");
         return lk_cli_fail();
     }
     char *s = json_dumps(o, JSON_COMPACT);
