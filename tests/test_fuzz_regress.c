@@ -25,6 +25,9 @@
 /* Invariant failures fail the test (with the expression) instead of abort. */
 #define FZ_CHECK(cond) assert_true(cond)
 #include "fuzz/fuzz_safetensors.c"
+#include "fuzz/fuzz_yaml.c"
+#include "fuzz/fuzz_adapter.c"
+#include "fuzz/fuzz_adapter_config.c"
 
 typedef void (*fz_fn)(const uint8_t *, size_t);
 
@@ -35,6 +38,9 @@ typedef struct {
 
 static const fz_target g_targets[] = {
     {"safetensors", fz_safetensors},
+    {"yaml", fz_yaml},
+    {"adapter", fz_adapter},
+    {"adapter_config", fz_adapter_config},
 };
 
 /* Calls cb(path) for every regular file of dir (sorted); returns the count.
@@ -72,6 +78,8 @@ static void replay(const fz_target *t, const char *path) {
 
 /* Replays path with allocation k failing, for k = 1, 2, ... until a run
  * makes fewer than k allocations (then every allocation has been failed). */
+static unsigned long g_injected; /* failures injected by replay_nomem */
+
 static void replay_nomem(const fz_target *t, const char *path) {
     size_t n;
     uint8_t *data = tu_read_file(path, &n);
@@ -82,6 +90,7 @@ static void replay_nomem(const fz_target *t, const char *path) {
         unsigned long made = lk_alloc_count();
         lk_alloc_fail_at(0);
         if (made < k) break;
+        g_injected++;
         assert_true(k < 100000); /* a parse of a seed never needs this many */
     }
     free(data);
@@ -115,8 +124,11 @@ static void test_seeds_under_allocation_failure(void **state) {
     for (size_t i = 0; i < sizeof g_targets / sizeof g_targets[0]; i++) {
         char *corpus = target_dir("corpus", g_targets[i].name);
         char *regress = target_dir("regress", g_targets[i].name);
+        g_injected = 0;
         for_each_file(corpus, replay_nomem, &g_targets[i]);
         for_each_file(regress, replay_nomem, &g_targets[i]);
+        print_message("fuzz regress %s: %lu injected allocation failures, all clean\n",
+                      g_targets[i].name, g_injected);
         free(corpus);
         free(regress);
     }

@@ -1,0 +1,93 @@
+/* fuzz_adapter_model.h — the toy model and the adapter invariants shared by
+ * fuzz_adapter.c and fuzz_adapter_config.c (see those files). */
+#ifndef LK_FUZZ_ADAPTER_MODEL_H
+#define LK_FUZZ_ADAPTER_MODEL_H
+
+#include <math.h>
+
+#include "fuzz_common.h"
+
+/* The toy model: names and shapes only (resolve reads nothing else). */
+static const struct {
+    const char *name;
+    int64_t out, in; /* in == 0: a 1-D tensor */
+} fz_model_keys[] = {
+    {"blocks.0.attn.to_q.weight", 16, 16},     {"blocks.0.attn.to_k.weight", 16, 16},
+    {"blocks.0.attn.to_v.weight", 16, 16},     {"blocks.0.attn.to_out.0.weight", 16, 16},
+    {"blocks.0.ff.net.0.proj.weight", 32, 16}, {"blocks.0.ff.net.2.weight", 16, 32},
+    {"blocks.1.attn.to_q.weight", 16, 16},     {"blocks.1.attn.to_k.weight", 16, 16},
+    {"blocks.1.attn.to_v.weight", 16, 16},     {"blocks.1.attn.to_out.0.weight", 16, 16},
+    {"blocks.1.ff.net.0.proj.weight", 32, 16}, {"blocks.1.ff.net.2.weight", 16, 32},
+    {"blocks.0.norm.weight", 16, 0},           {"blocks.0.attn.to_q.bias", 16, 0},
+};
+#define FZ_NMODEL (sizeof fz_model_keys / sizeof fz_model_keys[0])
+
+static inline const lk_tensor *fz_model(void) {
+    static lk_tensor m[FZ_NMODEL];
+    if (!m[0].name)
+        for (size_t i = 0; i < FZ_NMODEL; i++) {
+            m[i].name = fz_model_keys[i].name;
+            m[i].dtype = LK_DTYPE_F32;
+            m[i].ndim = fz_model_keys[i].in ? 2 : 1;
+            m[i].shape[0] = fz_model_keys[i].out;
+            m[i].shape[1] = fz_model_keys[i].in;
+            m[i].nbytes = (size_t)fz_model_keys[i].out *
+                          (size_t)(fz_model_keys[i].in ? fz_model_keys[i].in : 1) * 4;
+            m[i].data = NULL; /* never read */
+        }
+    return m;
+}
+
+static inline const lk_tensor *fz_model_find(const char *name) {
+    const lk_tensor *m = fz_model();
+    for (size_t i = 0; i < FZ_NMODEL; i++)
+        if (!strcmp(m[i].name, name)) return &m[i];
+    return NULL;
+}
+
+/* Invariants of an opened adapter (before resolve). */
+static inline void fz_adapter_check_open(const lk_adapter *a, lk_adapter_format asked) {
+    FZ_CHECK(lk_adapter_get_format(a) > LK_FORMAT_AUTO && lk_adapter_get_format(a) < LK_FORMAT_COUNT);
+    if (asked != LK_FORMAT_AUTO) FZ_CHECK(lk_adapter_get_format(a) == asked);
+    FZ_CHECK(lk_adapter_path(a) != NULL && lk_adapter_file(a) != NULL);
+    size_t n = lk_adapter_count(a);
+    for (size_t i = 0; i < n; i++) {
+        const lk_lora_module *m = lk_adapter_module(a, i);
+        FZ_CHECK(m != NULL && m->module != NULL);
+        fz_touch(m->module, strlen(m->module));
+        FZ_CHECK(m->rank > 0);
+        FZ_CHECK(m->A.ndim == 2 && m->B.ndim == 2);
+        FZ_CHECK(m->A.shape[0] == m->rank && m->B.shape[1] == m->rank);
+        FZ_CHECK(m->A.nbytes == lk_tensor_numel(&m->A) * lk_dtype_size(m->A.dtype));
+        FZ_CHECK(m->B.nbytes == lk_tensor_numel(&m->B) * lk_dtype_size(m->B.dtype));
+        fz_touch(m->A.data, m->A.nbytes);
+        fz_touch(m->B.data, m->B.nbytes);
+        if (isfinite(m->alpha) && fabsf(m->alpha) < 1e30f) {
+            double want = lk_adapter_rslora(a) ? m->alpha / sqrt((double)m->rank)
+                                               : (double)m->alpha / m->rank;
+            FZ_CHECK(fabs(m->scale - want) <= 1e-5 * fabs(want) + 1e-30);
+        }
+    }
+}
+
+/* Invariants after a successful resolve. */
+static inline void fz_adapter_check_resolved(const lk_adapter *a, int allow, size_t n_unmatched) {
+    size_t n = lk_adapter_count(a), none = 0;
+    for (size_t i = 0; i < n; i++) {
+        const lk_lora_module *m = lk_adapter_module(a, i);
+        if (!m->target) {
+            none++;
+            continue;
+        }
+        const lk_tensor *w = fz_model_find(m->target);
+        FZ_CHECK(w != NULL && w->ndim == 2);
+        FZ_CHECK(m->B.shape[0] == w->shape[0] && m->A.shape[1] == w->shape[1]);
+        const lk_lora_module *f = lk_adapter_find_target(a, m->target);
+        FZ_CHECK(f != NULL && f->target != NULL && !strcmp(f->target, m->target));
+    }
+    if (!allow) FZ_CHECK(none == 0);
+    else FZ_CHECK(none == n_unmatched);
+    FZ_CHECK(lk_adapter_find_target(a, "\x01no such key") == NULL);
+}
+
+#endif
