@@ -66,14 +66,19 @@ typedef struct lk_fuse_stats {
 /* Fuses the inputs into base and writes out (atomically; on any error no
  * file exists at out). Refuses out equal to base or to an adapter file (same
  * st_dev/st_ino, whatever the path). Every adapter is opened, resolved and
- * checked before the output is created. Terms are summed in the order of
- * `inputs` (so callers wanting an order-insensitive result sort the inputs,
- * e.g. by (path, strength)); a term's scale is (float)(strength * module
- * scale). Tensors no module targets, and all non-float tensors, are copied
+ * checked before the output is created. Terms are summed in the canonical
+ * order of lk_fuse_canonical_order, so the bytes do not depend on the order
+ * of `inputs`; a term's scale is (float)(strength * module scale). Tensors no module targets, and all non-float tensors, are copied
  * byte for byte; the base's metadata is kept and "lorakit.fused" records the
  * adapters (a JSON array of {"path", "strength", "format"}, appended to the
  * base's own record when it has one). Peak memory: the largest fused tensor
  * plus the factors of one tensor; the base and adapters are mmapped. */
+/* The canonical summation order of a request: order[] receives the indices
+ * of in[] sorted by (path, byte-wise; strength, ascending; index). Anyone
+ * fusing a set of adapters (lk_fuse_file, the hot-swap tracker) sums the
+ * terms in this order, so the same set gives the same bytes everywhere. */
+void lk_fuse_canonical_order(const lk_fuse_input *in, size_t n, size_t *order);
+
 lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n,
                        const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
 

@@ -1,0 +1,228 @@
+/* fuse_file.c — the offline fuse of a whole checkpoint (lk_fuse_file).
+ *
+ * Validate everything, then stream: every adapter is opened and resolved
+ * against the base's keys before the output is even created, so a bad
+ * request writes nothing. The output goes through the streaming
+ * safetensors writer tensor by tensor, in the base's order: untouched
+ * tensors are written straight from the base's mmap (byte for byte), fused
+ * ones from one reusable buffer the size of the largest fused tensor. The
+ * writer renames its temporary file into place only on commit, so on any
+ * error no output exists. */
+#include "lorakit/fuse.h"
+#include "lorakit/alloc.h"
+#include "lorakit/log.h"
+#include "lorakit/safetensors.h"
+
+#include <jansson.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#define FUSED_KEY "lorakit.fused"
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* LK_ERR_ARG when out names the same file as path (what says which input). */
+static lk_status refuse_same(const char *out, const char *path, const char *what) {
+    struct stat so, sp;
+    if (stat(out, &so) != 0 || stat(path, &sp) != 0) return LK_OK;
+    if (so.st_dev == sp.st_dev && so.st_ino == sp.st_ino)
+        return lk_error(LK_ERR_ARG, "output %s is the same file as the %s %s", out, what, path);
+    return LK_OK;
+}
+
+/* The lorakit.fused value: the base's record (when it is a JSON array)
+ * followed by this request. Returns a lk_malloc'd string or NULL. */
+static char *fused_record(const lk_st *st, const lk_fuse_input *in, size_t n) {
+    const char *old = lk_st_metadata_get(st, FUSED_KEY);
+    json_t *arr = NULL;
+    if (old) {
+        arr = json_loads(old, 0, NULL);
+        if (arr && !json_is_array(arr)) {
+            json_decref(arr);
+            arr = NULL;
+        }
+    }
+    if (!arr) arr = json_array();
+    if (!arr) return NULL;
+    for (size_t i = 0; i < n; i++) {
+        json_t *o = json_pack("{s:s, s:f, s:s}", "path", in[i].path, "strength", (double)in[i].strength, "format",
+                              lk_adapter_format_name(in[i].format));
+        if (!o || json_array_append_new(arr, o)) {
+            json_decref(arr);
+            return NULL;
+        }
+    }
+    char *js = json_dumps(arr, JSON_COMPACT);
+    json_decref(arr);
+    if (!js) return NULL;
+    char *r = lk_strdup(js);
+    free(js);
+    return r;
+}
+
+typedef struct fctx {
+    lk_st *st;
+    lk_adapter **ad;
+    size_t n_ad;
+    lk_tensor *model;
+    lk_fuse_term *terms;
+    size_t *order; /* canonical summation order of the inputs */
+    lk_st_writer *w;
+    void *buf;
+    char *record;
+} fctx;
+
+static void fctx_free(fctx *c) {
+    lk_st_writer_free(c->w);
+    for (size_t i = 0; i < c->n_ad; i++) lk_adapter_free(c->ad[i]);
+    lk_free(c->ad);
+    lk_free(c->model);
+    lk_free(c->terms);
+    lk_free(c->order);
+    lk_free(c->buf);
+    lk_free(c->record);
+    lk_st_close(c->st);
+}
+
+static int input_cmp(const void *pa, const void *pb, void *ctx) {
+    const lk_fuse_input *in = ctx;
+    size_t a = *(const size_t *)pa, b = *(const size_t *)pb;
+    int c = strcmp(in[a].path, in[b].path);
+    if (c) return c;
+    if (in[a].strength != in[b].strength) return in[a].strength < in[b].strength ? -1 : 1;
+    return a < b ? -1 : a > b;
+}
+
+void lk_fuse_canonical_order(const lk_fuse_input *in, size_t n, size_t *order) {
+    for (size_t i = 0; i < n; i++) order[i] = i;
+    qsort_r(order, n, sizeof *order, input_cmp, (void *)in);
+}
+
+/* Gathers the non-zero terms for model tensor t, in canonical order. */
+static size_t gather(const fctx *c, const lk_fuse_input *in, const lk_tensor *t, lk_fuse_term *terms) {
+    size_t k = 0;
+    for (size_t j = 0; j < c->n_ad; j++) {
+        size_t i = c->order[j];
+        const lk_lora_module *m = lk_adapter_find_target(c->ad[i], t->name);
+        if (!m) continue;
+        float sc = (float)((double)in[i].strength * (double)m->scale);
+        if (sc == 0.0f) continue;
+        terms[k++] = (lk_fuse_term){&m->A, &m->B, sc};
+    }
+    return k;
+}
+
+lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, const char *out,
+                       const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
+    static const lk_fuse_file_opts defaults;
+    if (!opts) opts = &defaults;
+    if (!base || !out || (n && !inputs)) return lk_error(LK_ERR_ARG, "lk_fuse_file: NULL argument");
+    double t0 = now_s();
+    lk_status s;
+    if ((s = refuse_same(out, base, "base"))) return s;
+    for (size_t i = 0; i < n; i++) {
+        if (!inputs[i].path) return lk_error(LK_ERR_ARG, "lk_fuse_file: adapter %zu has no path", i);
+        if (!isfinite(inputs[i].strength))
+            return lk_error(LK_ERR_ARG, "%s: strength %g is not finite", inputs[i].path, (double)inputs[i].strength);
+    }
+    fctx c;
+    memset(&c, 0, sizeof c);
+    lk_fuse_stats st = {0};
+    if ((s = lk_st_open(base, &c.st))) goto fail;
+    size_t nt = lk_st_count(c.st);
+    st.tensors_total = nt;
+    c.model = lk_malloc((nt ? nt : 1) * sizeof *c.model);
+    c.ad = lk_calloc(n ? n : 1, sizeof *c.ad);
+    c.order = lk_malloc((n ? n : 1) * sizeof *c.order);
+    if (!c.model || !c.ad || !c.order) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+        goto fail;
+    }
+    for (size_t i = 0; i < nt; i++) c.model[i] = *lk_st_tensor(c.st, i);
+    lk_fuse_canonical_order(inputs, n, c.order);
+
+    /* Open and validate every adapter before anything is written. */
+    size_t max_terms = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t un = 0;
+        if ((s = lk_adapter_open(inputs[i].path, inputs[i].format, &c.ad[i]))) goto fail;
+        c.n_ad = i + 1;
+        if ((s = refuse_same(out, lk_adapter_file(c.ad[i]), "adapter"))) goto fail;
+        if ((s = lk_adapter_resolve(c.ad[i], c.model, nt, opts->allow_unmatched, &un))) goto fail;
+        st.modules_unmatched += un;
+    }
+    max_terms = n;
+    c.terms = lk_malloc((max_terms ? max_terms : 1) * sizeof *c.terms);
+    size_t buf_bytes = 0;
+    uint64_t total_bytes = 0;
+    for (size_t i = 0; i < nt; i++) {
+        total_bytes += c.model[i].nbytes;
+        if (c.terms && gather(&c, inputs, &c.model[i], c.terms) && c.model[i].nbytes > buf_bytes)
+            buf_bytes = c.model[i].nbytes;
+    }
+    if (!c.terms || (buf_bytes && !(c.buf = lk_malloc(buf_bytes)))) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a %zu-byte tensor buffer", base, buf_bytes);
+        goto fail;
+    }
+    /* The recorded inputs carry the format each adapter was read as. */
+    lk_fuse_input *rec = lk_malloc((n ? n : 1) * sizeof *rec);
+    if (rec) {
+        for (size_t i = 0; i < n; i++) {
+            rec[i] = inputs[i];
+            rec[i].format = lk_adapter_get_format(c.ad[i]);
+        }
+        c.record = fused_record(c.st, rec, n);
+        lk_free(rec);
+    }
+    if (!c.record) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+        goto fail;
+    }
+
+    if ((s = lk_st_writer_create(out, &c.w))) goto fail;
+    for (size_t i = 0; i < lk_st_metadata_count(c.st); i++) {
+        const char *k, *v;
+        lk_st_metadata_at(c.st, i, &k, &v);
+        if (strcmp(k, FUSED_KEY) && (s = lk_st_writer_metadata(c.w, k, v))) goto fail;
+    }
+    if ((s = lk_st_writer_metadata(c.w, FUSED_KEY, c.record))) goto fail;
+    for (size_t i = 0; i < nt; i++)
+        if ((s = lk_st_writer_declare(c.w, c.model[i].name, c.model[i].dtype, c.model[i].ndim, c.model[i].shape,
+                                      NULL)))
+            goto fail;
+    if ((s = lk_st_writer_begin(c.w))) goto fail;
+
+    uint64_t done = 0;
+    for (size_t i = 0; i < nt; i++) {
+        const lk_tensor *t = &c.model[i];
+        size_t k = gather(&c, inputs, t, c.terms);
+        const void *src = t->data;
+        if (k) {
+            s = lk_fuse_tensor(c.buf, t->data, t->dtype, t->shape[0], t->shape[1], c.terms, k, &opts->fuse, t->name);
+            if (s) {
+                lk_error_prefix(s, "%s", base);
+                goto fail;
+            }
+            src = c.buf;
+            st.tensors_fused++;
+        }
+        if (t->nbytes && (s = lk_st_writer_write(c.w, i, 0, src, t->nbytes))) goto fail;
+        done += t->nbytes;
+        if (opts->on_progress) opts->on_progress(opts->progress_ctx, done, total_bytes, i + 1, nt);
+    }
+    if ((s = lk_st_writer_commit(c.w))) goto fail;
+    st.seconds = now_s() - t0;
+    if (stats) *stats = st;
+    fctx_free(&c);
+    return LK_OK;
+fail:
+    fctx_free(&c);
+    return s;
+}
