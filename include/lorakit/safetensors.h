@@ -33,7 +33,8 @@ void lk_st_close(lk_st *st);
 
 const char *lk_st_path(const lk_st *st);
 size_t lk_st_count(const lk_st *st);
-/* Tensors in header (file) order... i < count. data points into the mapping. */
+/* Tensor i < count, in file order (by data offset; empty tensors sharing an
+ * offset keep their header order). data points into the mapping. */
 const lk_tensor *lk_st_tensor(const lk_st *st, size_t i);
 /* Index of a tensor by name, or -1. O(log n). */
 long lk_st_find(const lk_st *st, const char *name);
