@@ -1,0 +1,50 @@
+/* lorakit/plan.h — the hot-swap plan of `lorakit swap` (DESIGN.md, CLI).
+ *
+ *   bucket_mb: 64          # optional (> 0)
+ *   no_lora_swap: false    # optional
+ *   steps:
+ *     - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]
+ *     - loras: []          # reset
+ *
+ * Relative adapter paths are taken relative to the plan file's directory.
+ * Parsing is strict: unknown keys, wrong types, non-finite strengths and
+ * anything past the size limits are LK_ERR_CONFIG naming file, line and key. */
+#ifndef LORAKIT_PLAN_H
+#define LORAKIT_PLAN_H
+
+#include <stddef.h>
+#include "lorakit/status.h"
+#include "lorakit/fuse.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LK_PLAN_MAX_BYTES (16u << 20) /* plan files past 16 MiB are refused */
+#define LK_PLAN_MAX_ENTRIES 65536     /* steps, and adapters over all steps */
+
+typedef struct lk_plan_step {
+    lk_fuse_input *loras; /* paths owned by the plan */
+    size_t n;
+    int line;             /* 1-based line of the step in the plan file */
+} lk_plan_step;
+
+typedef struct lk_plan {
+    long bucket_mb;       /* 0 when the plan does not set it */
+    int no_lora_swap;
+    lk_plan_step *steps;
+    size_t n_steps;
+} lk_plan;
+
+/* Reads and parses a plan file. */
+lk_status lk_plan_load(const char *path, lk_plan **out);
+/* Parses plan text; label names it in errors, base_dir (may be NULL) is
+ * prefixed to relative adapter paths. */
+lk_status lk_plan_parse(const char *text, size_t len, const char *label, const char *base_dir,
+                        lk_plan **out);
+void lk_plan_free(lk_plan *p);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

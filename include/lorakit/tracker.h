@@ -1,0 +1,92 @@
+/* lorakit/tracker.h — distributed LoRA hot-swap over a group of ranks that
+ * each hold a full working copy of the weights (DESIGN.md, Hot-swap tracker).
+ *
+ * The tracker references the caller's lk_weights and never owns them. Keys
+ * are owned by ranks by size (largest first onto the least-loaded rank,
+ * ties by name, then lowest rank), the same on every rank. An owner keeps
+ * the clean bytes of a key only once an adapter first touches it. apply and
+ * reset are collective: every rank of the group calls them together with
+ * its own copy of the request. apply:
+ *   1. agrees on the request (XXH3 of the sorted set, min/max allreduce):
+ *      ranks asking for different sets all get LK_ERR_MISMATCH;
+ *   2. skips when the set equals the current one; an empty set (or all
+ *      strengths 0) resets;
+ *   3. opens and validates every adapter, backs up newly touched owned keys,
+ *      and agrees on success: any rank's failure is every rank's error
+ *      ("rank R: <reason>"), with no weight changed;
+ *   4. owners recompute only the keys whose terms changed: restore from the
+ *      backup and fuse the new terms in one pass (lk_fuse_tensor), terms in
+ *      the sorted request order, so the bytes equal an offline lk_fuse_file
+ *      of the same sorted inputs; a failure on any rank rolls every owner
+ *      back, and every rank returns it;
+ *   5. broadcasts those keys owner by owner through one staging buffer of
+ *      bucket_mb MiB (tensors larger than it go in several rounds).
+ * A failed call leaves every rank's weights as they were, except after
+ * LK_ERR_COMM (the transport itself failed: the group is unusable).
+ *
+ * Adapter order never matters: the request is sorted by (path, strength,
+ * format) and entries with strength 0 are dropped before anything else. */
+#ifndef LORAKIT_TRACKER_H
+#define LORAKIT_TRACKER_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "lorakit/comm.h"
+#include "lorakit/fuse.h"
+#include "lorakit/weights.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct lk_tracker lk_tracker;
+
+typedef struct lk_tracker_opts {
+    long bucket_mb;   /* staging buffer size in MiB, > 0 (LTX default 256) */
+    int no_lora_swap; /* no backup: the first set is fused in place; any later
+                         change or reset is LK_ERR_STATE */
+    int threads;      /* fuse threads per rank, 0 = all cores */
+    int full;         /* benchmark baseline behaving like the reference: every
+                         owned key is backed up at creation, restored on every
+                         change, and every key is re-broadcast */
+} lk_tracker_opts;
+
+#define LK_TRACKER_OPTS_DEFAULT {64, 0, 0, 0}
+
+typedef struct lk_tracker_stats {
+    int skipped;               /* the request equalled the current set */
+    size_t keys_fused;         /* keys this rank fused (as owner) */
+    size_t keys_restored;      /* keys this rank restored to clean (as owner) */
+    size_t keys_broadcast;     /* keys sent over the group (same on every rank) */
+    uint64_t bytes_broadcast;  /* bytes sent over the group (same on every rank) */
+    uint64_t backup_bytes;     /* clean bytes held by this rank after the call */
+    double seconds_agree, seconds_load, seconds_fuse, seconds_broadcast;
+    double seconds;            /* whole call */
+} lk_tracker_stats;
+
+/* Collective. Ranks must hold weights of the same names, dtypes and shapes
+ * and pass the same options, else LK_ERR_MISMATCH on every rank. The
+ * tracker borrows group and weights; both must outlive it. */
+lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts,
+                            lk_tracker **out);
+void lk_tracker_free(lk_tracker *t);
+
+/* Collective: makes the fused set equal loras[0..n) (see above). stats may
+ * be NULL. */
+lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, lk_tracker_stats *stats);
+/* Collective: every touched key back to its clean bytes on every rank; a
+ * no-op when nothing is applied. Same as apply with an empty set. */
+lk_status lk_tracker_reset(lk_tracker *t, lk_tracker_stats *stats);
+
+/* The rank owning weight i. */
+int lk_tracker_owner(const lk_tracker *t, size_t i);
+/* Number of adapters currently fused (after dropping strength 0). */
+size_t lk_tracker_applied(const lk_tracker *t);
+/* Bytes of this rank's staging buffer (min(bucket_mb MiB, model bytes); 0 at
+ * one rank, where nothing is broadcast). */
+size_t lk_tracker_staging_bytes(const lk_tracker *t);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,47 @@
+/* lorakit/weights.h — a writable in-memory state of named tensors: the
+ * working weights an inference server holds and the hot-swap tracker
+ * rewrites in place.
+ *
+ * lk_weights_load copies a safetensors file into one allocation (tensor
+ * table, names and 64-byte-aligned data together). lk_weights_wrap instead
+ * borrows tensors the host program already holds (a server's own weight
+ * memory), so the tracker can work on them without a copy. Either way the
+ * tensor views are writable and lookups by name are O(log n). */
+#ifndef LORAKIT_WEIGHTS_H
+#define LORAKIT_WEIGHTS_H
+
+#include <stddef.h>
+#include "lorakit/status.h"
+#include "lorakit/tensor.h"
+#include "lorakit/digest.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct lk_weights lk_weights;
+
+/* Loads every tensor of a safetensors file into memory (one allocation). */
+lk_status lk_weights_load(const char *path, lk_weights **out);
+/* Borrows n tensors (names and data stay the caller's and must outlive the
+ * weights; data must be writable). The table itself is copied. Duplicate
+ * names or an nbytes that disagrees with dtype x shape are LK_ERR_ARG. */
+lk_status lk_weights_wrap(const lk_tensor *t, size_t n, lk_weights **out);
+void lk_weights_free(lk_weights *w);
+
+size_t lk_weights_count(const lk_weights *w);
+/* Tensor i (file order for loaded weights); its data is writable. */
+const lk_tensor *lk_weights_tensor(const lk_weights *w, size_t i);
+/* All count tensors as one array (for lk_adapter_resolve, lk_st_save). */
+const lk_tensor *lk_weights_tensors(const lk_weights *w);
+/* Index of the tensor named name, or -1. */
+long lk_weights_find(const lk_weights *w, const char *name);
+/* Total data bytes. */
+size_t lk_weights_nbytes(const lk_weights *w);
+/* The content digest (lorakit/digest.h) of the current bytes. */
+lk_status lk_weights_digest(const lk_weights *w, char hex[LK_DIGEST_HEX]);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

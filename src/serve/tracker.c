@@ -1,0 +1,551 @@
+/* tracker.c — the distributed hot-swap tracker (see lorakit/tracker.h).
+ *
+ * Why it is built this way:
+ * - Every decision that picks a collective (skip, reset, which keys to send,
+ *   who sends them) is computed from data all ranks have agreed on: the
+ *   request hash, then a hash of the per-key term signatures. So no rank can
+ *   enter a collective the others skip, even when files differ between ranks.
+ * - Each key carries the signature of the terms fused into it (0 = clean);
+ *   a key is recomputed and re-sent only when its signature changes, so
+ *   adding an adapter that touches other keys leaves the rest alone.
+ * - Transactional: validation and backups happen before the first
+ *   agreement; fusion writes only owned keys, and if any owner fails, every
+ *   owner rolls back (clean bytes from the backup plus the old terms, with
+ *   the old adapters still open) before anything is broadcast.
+ * - Keys are walked in byte-wise name order, never file order, so ranks
+ *   that loaded differently ordered files still agree on every round. */
+#include "lorakit/tracker.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+
+#include "lorakit/adapter.h"
+#include "lorakit/alloc.h"
+#include "lorakit/log.h"
+
+typedef struct key_state {
+    int owner;
+    void *backup;  /* clean bytes, owner only, once first touched */
+    uint64_t sig;  /* signature of the terms fused in now; 0 = clean */
+} key_state;
+
+/* A normalized request: strength-0 entries dropped, sorted, paths owned. */
+typedef struct request {
+    lk_fuse_input *e;
+    uint64_t *id;  /* per-entry identity hash */
+    lk_adapter **ad; /* opened adapters, once loaded */
+    size_t n;
+    uint64_t hash;
+} request;
+
+struct lk_tracker {
+    lk_comm *comm;
+    lk_weights *w;
+    lk_tracker_opts o;
+    int rank, size;
+    size_t n;
+    size_t *ord;        /* key indices in byte-wise name order */
+    key_state *k;
+    uint64_t *next;     /* scratch: each key's signature under the new set */
+    unsigned char *staging;
+    size_t staging_bytes;
+    request cur;        /* the set fused in now (adapters kept open for rollback) */
+    uint64_t backup_bytes;
+    int broken;         /* a rollback failed: every later call fails */
+};
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Agreement on a value: LK_OK and *same = 1 iff every rank passed h. */
+static lk_status agree_hash(lk_comm *c, uint64_t h, int *same) {
+    uint64_t v[2] = {h, ~h};
+    lk_status s = lk_comm_allreduce_u64(c, v, 2, LK_REDUCE_MIN);
+    *same = v[0] == ~v[1];
+    return s;
+}
+
+/* ---- requests ---- */
+
+static void request_clear(request *r) {
+    for (size_t i = 0; i < r->n; i++) {
+        if (r->ad) lk_adapter_free(r->ad[i]);
+        lk_free((void *)r->e[i].path);
+    }
+    lk_free(r->e);
+    lk_free(r->id);
+    lk_free(r->ad);
+    memset(r, 0, sizeof *r);
+}
+
+static int cmp_input(const void *a, const void *b) {
+    const lk_fuse_input *x = a, *y = b;
+    int c = strcmp(x->path, y->path);
+    if (c) return c;
+    if (x->strength != y->strength) return x->strength < y->strength ? -1 : 1;
+    return (int)x->format - (int)y->format;
+}
+
+static uint64_t entry_id(const lk_fuse_input *e) {
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    int32_t f = (int32_t)e->format;
+    XXH3_64bits_update(&st, e->path, strlen(e->path) + 1);
+    XXH3_64bits_update(&st, &e->strength, sizeof e->strength);
+    XXH3_64bits_update(&st, &f, sizeof f);
+    return XXH3_64bits_digest(&st);
+}
+
+/* Validates and normalizes the caller's request (local; no collectives). */
+static lk_status request_make(const lk_fuse_input *in, size_t n, request *r) {
+    memset(r, 0, sizeof *r);
+    if (n && !in) return lk_error(LK_ERR_ARG, "tracker apply: %zu adapters but a NULL list", n);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!in[i].path || !*in[i].path) return lk_error(LK_ERR_ARG, "tracker apply: adapter %zu has no path", i);
+        if (!isfinite(in[i].strength))
+            return lk_error(LK_ERR_ARG, "tracker apply: %s: strength %g is not finite", in[i].path, (double)in[i].strength);
+        if ((int)in[i].format < 0 || in[i].format >= LK_FORMAT_COUNT)
+            return lk_error(LK_ERR_ARG, "tracker apply: %s: unknown format %d", in[i].path, (int)in[i].format);
+        m += in[i].strength != 0.0f;
+    }
+    if (!m) return LK_OK;
+    r->e = lk_calloc(m, sizeof *r->e);
+    r->id = lk_calloc(m, sizeof *r->id);
+    if (!r->e || !r->id) goto nomem;
+    for (size_t i = 0; i < n; i++) {
+        if (in[i].strength == 0.0f) continue;
+        r->e[r->n] = in[i];
+        r->e[r->n].path = lk_strdup(in[i].path);
+        if (!r->e[r->n].path) goto nomem;
+        r->n++;
+    }
+    qsort(r->e, r->n, sizeof *r->e, cmp_input);
+    for (size_t i = 0; i < r->n; i++) r->id[i] = entry_id(&r->e[i]);
+    r->hash = XXH3_64bits_withSeed(r->id, r->n * sizeof *r->id, r->n);
+    return LK_OK;
+nomem:
+    request_clear(r);
+    return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory for the request");
+}
+
+static int request_equal(const request *a, const request *b) {
+    if (a->n != b->n || a->hash != b->hash) return 0;
+    for (size_t i = 0; i < a->n; i++)
+        if (cmp_input(&a->e[i], &b->e[i])) return 0;
+    return 1;
+}
+
+static void request_describe(const request *r, char *buf, size_t cap) {
+    size_t len = (size_t)snprintf(buf, cap, "%zu adapter%s", r->n, r->n == 1 ? "" : "s");
+    for (size_t i = 0; i < r->n && len < cap; i++)
+        len += (size_t)snprintf(buf + len, cap - len, "%s%s@%g", i ? ", " : ": ", r->e[i].path,
+                                (double)r->e[i].strength);
+}
+
+/* Opens and resolves every adapter of r against the model (local). */
+static lk_status request_load(lk_tracker *t, request *r) {
+    if (!r->n) return LK_OK;
+    r->ad = lk_calloc(r->n, sizeof *r->ad);
+    if (!r->ad) return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
+    for (size_t i = 0; i < r->n; i++) {
+        lk_status s = lk_adapter_open(r->e[i].path, r->e[i].format, &r->ad[i]);
+        if (!s) s = lk_adapter_resolve(r->ad[i], lk_weights_tensors(t->w), t->n, 0, NULL);
+        if (s) return s;
+    }
+    return LK_OK;
+}
+
+/* The terms of r for key i, in request order; returns their count. */
+static size_t key_terms(const lk_tracker *t, const request *r, size_t i, lk_fuse_term *terms) {
+    const char *name = lk_weights_tensor(t->w, i)->name;
+    size_t n = 0;
+    for (size_t j = 0; j < r->n; j++) {
+        const lk_lora_module *m = lk_adapter_find_target(r->ad[j], name);
+        /* the scale exactly as lk_fuse_file forms it, so the bytes agree */
+        float sc = m ? (float)((double)r->e[j].strength * (double)m->scale) : 0.0f;
+        if (sc == 0.0f) continue;
+        terms[n++] = (lk_fuse_term){&m->A, &m->B, sc};
+    }
+    return n;
+}
+
+/* Signature of the terms of r on every key into t->next; checks that each
+ * touched key is a fusable 2-D weight. */
+static lk_status key_signatures(lk_tracker *t, const request *r) {
+    memset(t->next, 0, t->n * sizeof *t->next);
+    for (size_t i = 0; i < t->n; i++) {
+        const lk_tensor *w = lk_weights_tensor(t->w, i);
+        uint64_t s = 0;
+        int touched = 0;
+        for (size_t j = 0; j < r->n; j++)
+            if (lk_adapter_find_target(r->ad[j], w->name)) {
+                s = XXH3_64bits_withSeed(&r->id[j], 8, s + 1);
+                touched = 1;
+            }
+        if (touched && (!lk_dtype_is_fusable(w->dtype) || w->ndim != 2))
+            return lk_error(LK_ERR_DTYPE, "%s: %s: the weight is %s with %d dims; only 2-D F32/F16/BF16 weights can be fused",
+                            r->e[0].path, w->name, lk_dtype_name(w->dtype), w->ndim);
+        t->next[i] = (touched && !s) ? 1 : s; /* 0 is reserved for clean */
+    }
+    return LK_OK;
+}
+
+/* ---- per-key work on the owner ---- */
+
+static int changed(const lk_tracker *t, size_t i) { return t->o.full || t->next[i] != t->k[i].sig; }
+
+/* Makes key i hold clean + terms of r (or clean when r has none for it). */
+static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_term *terms, int *fused) {
+    const lk_tensor *w = lk_weights_tensor(t->w, i);
+    const void *clean = t->k[i].backup ? t->k[i].backup : w->data; /* no_lora_swap: in place */
+    size_t nt = r->ad ? key_terms(t, r, i, terms) : 0;
+    *fused = nt > 0;
+    if (!nt) {
+        if (clean != w->data) memcpy(w->data, clean, w->nbytes);
+        return LK_OK;
+    }
+    lk_fuse_opts fo = {t->o.threads, 0};
+    return lk_fuse_tensor(w->data, clean, w->dtype, w->shape[0], w->shape[1], terms, nt, &fo, w->name);
+}
+
+/* ---- broadcast ---- */
+
+/* Sends every changed key of every owner, packed into staging-sized rounds. */
+static lk_status broadcast(lk_tracker *t, lk_tracker_stats *st) {
+    if (t->size == 1) return LK_OK;
+    const size_t cap = t->staging_bytes;
+    for (int o = 0; o < t->size; o++) {
+        size_t c = 0, off = 0; /* position: key ord[c], byte off */
+        for (;;) {
+            while (c < t->n && (t->k[t->ord[c]].owner != o || !changed(t, t->ord[c]))) c++;
+            if (c == t->n) break;
+            /* one round: pack from (c, off) up to cap bytes */
+            size_t used = 0, c0 = c, off0 = off;
+            while (c < t->n && used < cap) {
+                size_t i = t->ord[c];
+                if (t->k[i].owner != o || !changed(t, i)) { c++; continue; }
+                const lk_tensor *w = lk_weights_tensor(t->w, i);
+                size_t take = w->nbytes - off < cap - used ? w->nbytes - off : cap - used;
+                if (t->rank == o && take) memcpy(t->staging + used, (char *)w->data + off, take);
+                used += take;
+                off += take;
+                if (off == w->nbytes) {
+                    off = 0;
+                    c++;
+                    st->keys_broadcast++;
+                }
+            }
+            lk_status s = lk_comm_bcast(t->comm, t->staging, used, o);
+            if (s) return s;
+            st->bytes_broadcast += used;
+            if (t->rank == o) continue;
+            /* unpack by walking the same round again */
+            size_t u = 0;
+            for (size_t cc = c0, oo = off0; u < used; cc++, oo = 0) {
+                size_t i = t->ord[cc];
+                if (t->k[i].owner != o || !changed(t, i)) continue;
+                const lk_tensor *w = lk_weights_tensor(t->w, i);
+                size_t take = w->nbytes - oo < used - u ? w->nbytes - oo : used - u;
+                memcpy((char *)w->data + oo, t->staging + u, take);
+                u += take;
+            }
+        }
+    }
+    return LK_OK;
+}
+
+/* ---- create / free ---- */
+
+static lk_status backup_key(lk_tracker *t, size_t i) {
+    const lk_tensor *w = lk_weights_tensor(t->w, i);
+    t->k[i].backup = lk_malloc(w->nbytes ? w->nbytes : 1);
+    if (!t->k[i].backup)
+        return lk_error(LK_ERR_NOMEM, "tracker: out of memory backing up %s (%zu bytes)", w->name, w->nbytes);
+    memcpy(t->k[i].backup, w->data, w->nbytes);
+    t->backup_bytes += w->nbytes;
+    return LK_OK;
+}
+
+static void drop_backup(lk_tracker *t, size_t i) {
+    if (!t->k[i].backup) return;
+    lk_free(t->k[i].backup);
+    t->k[i].backup = NULL;
+    t->backup_bytes -= lk_weights_tensor(t->w, i)->nbytes;
+}
+
+typedef struct key_rank {
+    const char *name;
+    size_t nbytes, i;
+} key_rank;
+
+static int cmp_by_name(const void *a, const void *b) {
+    return strcmp(((const key_rank *)a)->name, ((const key_rank *)b)->name);
+}
+
+static int cmp_by_size(const void *a, const void *b) {
+    const key_rank *x = a, *y = b;
+    if (x->nbytes != y->nbytes) return x->nbytes > y->nbytes ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+/* Name order, ownership (largest first onto the least-loaded rank) and the
+ * structure hash every rank must share. Local. */
+static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash) {
+    key_rank *kr = lk_calloc(t->n ? t->n : 1, sizeof *kr);
+    uint64_t *load = lk_calloc((size_t)t->size, sizeof *load);
+    if (!kr || !load) {
+        lk_free(kr);
+        lk_free(load);
+        return lk_error(LK_ERR_NOMEM, "tracker: out of memory planning %zu keys", t->n);
+    }
+    for (size_t i = 0; i < t->n; i++) {
+        const lk_tensor *w = lk_weights_tensor(t->w, i);
+        kr[i] = (key_rank){w->name, w->nbytes, i};
+    }
+    qsort(kr, t->n, sizeof *kr, cmp_by_name);
+    XXH3_state_t hs;
+    XXH3_64bits_reset(&hs);
+    for (size_t c = 0; c < t->n; c++) {
+        const lk_tensor *w = lk_weights_tensor(t->w, kr[c].i);
+        int32_t hdr[2] = {(int32_t)w->dtype, w->ndim};
+        t->ord[c] = kr[c].i;
+        XXH3_64bits_update(&hs, w->name, strlen(w->name) + 1);
+        XXH3_64bits_update(&hs, hdr, sizeof hdr);
+        XXH3_64bits_update(&hs, w->shape, (size_t)w->ndim * sizeof w->shape[0]);
+    }
+    long opts[3] = {t->o.bucket_mb, t->o.no_lora_swap != 0, t->o.full != 0};
+    XXH3_64bits_update(&hs, opts, sizeof opts);
+    *shape_hash = XXH3_64bits_digest(&hs);
+    qsort(kr, t->n, sizeof *kr, cmp_by_size);
+    for (size_t c = 0; c < t->n; c++) {
+        int best = 0;
+        for (int r = 1; r < t->size; r++)
+            if (load[r] < load[best]) best = r;
+        t->k[kr[c].i].owner = best;
+        load[best] += kr[c].nbytes;
+    }
+    lk_free(kr);
+    lk_free(load);
+    return LK_OK;
+}
+
+void lk_tracker_free(lk_tracker *t) {
+    if (!t) return;
+    for (size_t i = 0; t->k && i < t->n; i++) lk_free(t->k[i].backup);
+    request_clear(&t->cur);
+    lk_free(t->k);
+    lk_free(t->ord);
+    lk_free(t->next);
+    lk_free(t->staging);
+    lk_free(t);
+}
+
+lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, lk_tracker **out) {
+    if (!group || !out) return lk_error(LK_ERR_ARG, "lk_tracker_create: NULL group or output");
+    *out = NULL;
+    lk_status local = LK_OK;
+    lk_tracker *t = lk_calloc(1, sizeof *t);
+    uint64_t shape_hash = 0;
+    if (!t) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory");
+    else if (!weights || !opts) local = lk_error(LK_ERR_ARG, "lk_tracker_create: NULL weights or options");
+    else if (opts->bucket_mb <= 0 || (unsigned long)opts->bucket_mb > (SIZE_MAX >> 20))
+        local = lk_error(LK_ERR_ARG, "tracker: bucket_mb must be > 0 (got %ld)", opts->bucket_mb);
+    else if (opts->threads < 0) local = lk_error(LK_ERR_ARG, "tracker: threads must be >= 0 (got %d)", opts->threads);
+    if (!local) {
+        t->comm = group;
+        t->w = weights;
+        t->o = *opts;
+        t->rank = lk_comm_rank(group);
+        t->size = lk_comm_size(group);
+        t->n = lk_weights_count(weights);
+        t->ord = lk_calloc(t->n ? t->n : 1, sizeof *t->ord);
+        t->k = lk_calloc(t->n ? t->n : 1, sizeof *t->k);
+        t->next = lk_calloc(t->n ? t->n : 1, sizeof *t->next);
+        if (!t->ord || !t->k || !t->next) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
+    }
+    if (!local) local = plan_keys(t, &shape_hash);
+    if (!local && t->size > 1) {
+        size_t total = lk_weights_nbytes(weights);
+        size_t cap = (size_t)opts->bucket_mb << 20;
+        t->staging_bytes = cap < total ? cap : (total ? total : 1);
+        t->staging = lk_malloc(t->staging_bytes);
+        if (!t->staging)
+            local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for the %zu-byte staging buffer", t->staging_bytes);
+    }
+    if (!local && opts->full && !opts->no_lora_swap) /* the reference clones every owned key up front */
+        for (size_t i = 0; !local && i < t->n; i++)
+            if (t->k[i].owner == t->rank) local = backup_key(t, i);
+    lk_status s = lk_comm_agree(group, local);
+    int same = 1;
+    if (!s) s = agree_hash(group, shape_hash, &same);
+    if (!s && !same)
+        s = lk_error(LK_ERR_MISMATCH, "tracker: ranks hold different weights (names, dtypes, shapes) or options "
+                                      "(bucket_mb %ld, no_lora_swap %d, full %d on rank %d)",
+                     opts->bucket_mb, opts->no_lora_swap, opts->full, t->rank);
+    if (s) {
+        lk_tracker_free(t);
+        return s;
+    }
+    *out = t;
+    return LK_OK;
+}
+
+/* ---- apply ---- */
+
+lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, lk_tracker_stats *stats) {
+    lk_tracker_stats st_local;
+    lk_tracker_stats *st = stats ? stats : &st_local;
+    memset(st, 0, sizeof *st);
+    if (!t) return lk_error(LK_ERR_ARG, "lk_tracker_apply: NULL tracker");
+    double t0 = now(), t1;
+
+    /* 1. agree on the request */
+    request req;
+    lk_status local = t->broken ? lk_error(LK_ERR_STATE, "tracker is unusable after a failed rollback")
+                                : request_make(loras, n, &req);
+    if (t->broken) memset(&req, 0, sizeof req);
+    lk_status s = lk_comm_agree(t->comm, local);
+    int same = 1;
+    if (!s) s = agree_hash(t->comm, req.hash, &same);
+    if (!s && !same) {
+        char desc[512];
+        request_describe(&req, desc, sizeof desc);
+        s = lk_error(LK_ERR_MISMATCH, "ranks disagree on the adapter request (rank %d asked for %s)", t->rank, desc);
+    }
+    st->backup_bytes = t->backup_bytes;
+    t1 = now();
+    st->seconds_agree = t1 - t0;
+    if (s) goto out;
+
+    /* 2. skip an unchanged set; no_lora_swap refuses any change */
+    if (request_equal(&req, &t->cur)) {
+        st->skipped = 1;
+        goto out;
+    }
+    if (t->o.no_lora_swap && t->cur.n) {
+        s = lk_error(LK_ERR_STATE, "no_lora_swap tracker cannot %s: it has no backup of the clean weights",
+                     req.n ? "change its adapters" : "reset");
+        goto out;
+    }
+
+    /* 3. load and validate; back up newly touched owned keys; agree */
+    size_t max_terms = (req.n > t->cur.n ? req.n : t->cur.n) + 1;
+    lk_fuse_term *terms = lk_calloc(max_terms, sizeof *terms);
+    size_t *fresh = lk_calloc(t->n ? t->n : 1, sizeof *fresh), n_fresh = 0;
+    local = (terms && fresh) ? LK_OK : lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
+    if (!local) local = request_load(t, &req);
+    if (!local) local = key_signatures(t, &req);
+    for (size_t i = 0; !local && i < t->n; i++) {
+        if (t->k[i].owner != t->rank || !t->next[i] || t->k[i].backup || t->o.no_lora_swap) continue;
+        local = backup_key(t, i);
+        if (!local) fresh[n_fresh++] = i;
+    }
+    if (!local && t->o.no_lora_swap) {
+        /* No backup to roll back to: fuse each owned key once into scratch
+         * first, so a failing term is found before anything is written. */
+        size_t big = 0;
+        for (size_t i = 0; i < t->n; i++)
+            if (t->k[i].owner == t->rank && t->next[i] && lk_weights_tensor(t->w, i)->nbytes > big)
+                big = lk_weights_tensor(t->w, i)->nbytes;
+        void *scratch = big ? lk_malloc(big) : NULL;
+        if (big && !scratch) local = lk_error(LK_ERR_NOMEM, "tracker apply: out of memory (%zu bytes)", big);
+        for (size_t i = 0; !local && i < t->n; i++) {
+            if (t->k[i].owner != t->rank || !t->next[i]) continue;
+            const lk_tensor *w = lk_weights_tensor(t->w, i);
+            lk_fuse_opts fo = {t->o.threads, 0};
+            size_t nt = key_terms(t, &req, i, terms);
+            local = lk_fuse_tensor(scratch, w->data, w->dtype, w->shape[0], w->shape[1], terms, nt, &fo, w->name);
+        }
+        lk_free(scratch);
+    }
+    t1 = now();
+    s = lk_comm_agree(t->comm, local);
+    if (!s) {
+        XXH3_state_t hs; /* in name order: file order may differ between ranks */
+        XXH3_64bits_reset(&hs);
+        for (size_t c = 0; c < t->n; c++) XXH3_64bits_update(&hs, &t->next[t->ord[c]], sizeof t->next[0]);
+        s = agree_hash(t->comm, XXH3_64bits_digest(&hs), &same);
+        if (!s && !same)
+            s = lk_error(LK_ERR_MISMATCH, "ranks resolved the adapters onto different weights "
+                                          "(do the adapter files differ between ranks?)");
+    }
+    st->seconds_load = t1 - t0 - st->seconds_agree;
+    st->seconds_agree += now() - t1;
+    if (s) {
+        for (size_t j = 0; j < n_fresh; j++) drop_backup(t, fresh[j]);
+        goto done;
+    }
+
+    /* 4. owners recompute the changed keys; roll back everywhere on failure */
+    t1 = now();
+    size_t done_upto = 0;
+    local = LK_OK;
+    for (size_t c = 0; c < t->n && !local; c++) {
+        size_t i = t->ord[c];
+        if (t->k[i].owner != t->rank || !changed(t, i)) continue;
+        int fused = 0;
+        done_upto = c + 1;
+        local = recompute(t, &req, i, terms, &fused);
+        if (fused) st->keys_fused++;
+        else st->keys_restored++;
+    }
+    s = lk_comm_agree(t->comm, local);
+    if (s) {
+        lk_status keep = s;
+        char msg[2048];
+        snprintf(msg, sizeof msg, "%s", lk_last_error());
+        for (size_t c = 0; c < done_upto; c++) {
+            size_t i = t->ord[c];
+            int fused;
+            if (t->k[i].owner != t->rank || !changed(t, i)) continue;
+            if (!t->k[i].backup || recompute(t, &t->cur, i, terms, &fused)) {
+                t->broken = 1;
+                lk_log(LK_LOG_ERROR, "tracker: %s could not be rolled back; the tracker is now unusable",
+                       lk_weights_tensor(t->w, i)->name);
+            }
+        }
+        for (size_t j = 0; j < n_fresh; j++) drop_backup(t, fresh[j]);
+        st->keys_fused = st->keys_restored = 0;
+        s = lk_error(keep, "%s", msg);
+        goto done;
+    }
+    st->seconds_fuse = now() - t1;
+
+    /* 5. broadcast the changed keys; commit */
+    t1 = now();
+    s = broadcast(t, st);
+    st->seconds_broadcast = now() - t1;
+    if (s) {
+        t->broken = 1;
+        goto done;
+    }
+    for (size_t i = 0; i < t->n; i++) t->k[i].sig = t->next[i];
+    request_clear(&t->cur);
+    t->cur = req;
+    memset(&req, 0, sizeof req);
+done:
+    lk_free(terms);
+    lk_free(fresh);
+out:
+    request_clear(&req);
+    st->backup_bytes = t->backup_bytes;
+    st->seconds = now() - t0;
+    return s;
+}
+
+lk_status lk_tracker_reset(lk_tracker *t, lk_tracker_stats *stats) { return lk_tracker_apply(t, NULL, 0, stats); }
+
+int lk_tracker_owner(const lk_tracker *t, size_t i) { return (t && i < t->n) ? t->k[i].owner : -1; }
+
+size_t lk_tracker_applied(const lk_tracker *t) { return t ? t->cur.n : 0; }
+
+size_t lk_tracker_staging_bytes(const lk_tracker *t) { return t ? t->staging_bytes : 0; }

@@ -1,0 +1,169 @@
+/* weights.c — in-memory working weights (see lorakit/weights.h).
+ *
+ * A loaded file becomes one allocation: the tensor table, a name-sorted
+ * index, the names, then the data at 64-byte alignment (llm.c style: one
+ * object, one free). The copy, rather than the reader's read-only mmap, is
+ * what makes the weights writable in place by the tracker. */
+#include "lorakit/weights.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lorakit/alloc.h"
+#include "lorakit/safetensors.h"
+
+struct lk_weights {
+    size_t n;
+    size_t nbytes;
+    lk_tensor *t;    /* n views */
+    const lk_tensor **sorted; /* the views in byte-wise name order */
+    void *block;     /* the single allocation (everything lives in it) */
+};
+
+static int cmp_name(const void *a, const void *b) {
+    return strcmp((*(const lk_tensor *const *)a)->name, (*(const lk_tensor *const *)b)->name);
+}
+
+/* Sorts the index and refuses duplicate names. */
+static lk_status build_index(lk_weights *w) {
+    for (size_t i = 0; i < w->n; i++) w->sorted[i] = &w->t[i];
+    if (w->n) qsort(w->sorted, w->n, sizeof *w->sorted, cmp_name);
+    for (size_t i = 1; i < w->n; i++)
+        if (!strcmp(w->sorted[i]->name, w->sorted[i - 1]->name))
+            return lk_error(LK_ERR_ARG, "weights: %s: tensor name appears twice", w->sorted[i]->name);
+    return LK_OK;
+}
+
+#define ALIGN_UP(x) (((x) + 63) & ~(size_t)63)
+
+lk_status lk_weights_load(const char *path, lk_weights **out) {
+    if (!path || !out) return lk_error(LK_ERR_ARG, "lk_weights_load: NULL argument");
+    *out = NULL;
+    lk_st *st = NULL;
+    lk_status s = lk_st_open(path, &st);
+    if (s) return s;
+    size_t n = lk_st_count(st);
+    /* layout: [lk_weights][n lk_tensor][n pointers][names][pad][data...] */
+    size_t off = ALIGN_UP(sizeof(lk_weights)), names_off, data_off, total, data = 0;
+    size_t tab_off = off;
+    int ok = lk_checked_mul(n, sizeof(lk_tensor) + sizeof(lk_tensor *), &total) &&
+             lk_checked_add(off, total, &off);
+    names_off = off;
+    for (size_t i = 0; ok && i < n; i++) {
+        const lk_tensor *t = lk_st_tensor(st, i);
+        ok = lk_checked_add(off, strlen(t->name) + 1, &off);
+        size_t a = ALIGN_UP(t->nbytes);
+        ok = ok && a >= t->nbytes && lk_checked_add(data, a, &data);
+    }
+    data_off = ALIGN_UP(off);
+    ok = ok && data_off >= off && lk_checked_add(data_off, data, &total) && lk_checked_add(total, 64, &total);
+    if (!ok) {
+        lk_st_close(st);
+        return lk_error(LK_ERR_NOMEM, "%s: the tensors' total size overflows", path);
+    }
+    unsigned char *raw = lk_malloc(total);
+    if (!raw) {
+        lk_st_close(st);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory loading %zu bytes of weights", path, total);
+    }
+    /* align the block start itself so data_off offsets stay 64-aligned */
+    unsigned char *b = raw + ((64 - ((uintptr_t)raw & 63)) & 63);
+    lk_weights *w = (lk_weights *)b;
+    w->block = raw;
+    w->n = n;
+    w->t = (lk_tensor *)(b + tab_off);
+    w->sorted = (const lk_tensor **)(b + tab_off + n * sizeof(lk_tensor));
+    char *names = (char *)(b + names_off);
+    unsigned char *d = b + data_off;
+    w->nbytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        const lk_tensor *src = lk_st_tensor(st, i);
+        size_t len = strlen(src->name) + 1;
+        w->t[i] = *src;
+        memcpy(names, src->name, len);
+        w->t[i].name = names;
+        names += len;
+        w->t[i].data = d;
+        if (src->nbytes) memcpy(d, src->data, src->nbytes);
+        d += ALIGN_UP(src->nbytes);
+        w->nbytes += src->nbytes;
+    }
+    lk_st_close(st);
+    s = build_index(w);
+    if (s) {
+        lk_free(raw);
+        return lk_error_prefix(s, "%s", path);
+    }
+    *out = w;
+    return LK_OK;
+}
+
+lk_status lk_weights_wrap(const lk_tensor *t, size_t n, lk_weights **out) {
+    if (!out || (n && !t)) return lk_error(LK_ERR_ARG, "lk_weights_wrap: NULL argument");
+    *out = NULL;
+    size_t total = 0;
+    if (!lk_checked_mul(n, sizeof(lk_tensor) + sizeof(lk_tensor *), &total) ||
+        !lk_checked_add(total, sizeof(lk_weights), &total))
+        return lk_error(LK_ERR_ARG, "lk_weights_wrap: %zu tensors is too many", n);
+    size_t nbytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t numel = 1, want = 0;
+        int ok = t[i].name && t[i].ndim >= 0 && t[i].ndim <= LK_MAX_DIMS && lk_dtype_size(t[i].dtype);
+        for (int d = 0; ok && d < t[i].ndim; d++)
+            ok = t[i].shape[d] >= 0 && lk_checked_mul(numel, (size_t)t[i].shape[d], &numel);
+        ok = ok && lk_checked_mul(numel, lk_dtype_size(t[i].dtype), &want) && want == t[i].nbytes &&
+             (!want || t[i].data) && lk_checked_add(nbytes, want, &nbytes);
+        if (!ok)
+            return lk_error(LK_ERR_ARG, "lk_weights_wrap: tensor %zu (%s): name, dtype, shape and nbytes disagree",
+                            i, t[i].name ? t[i].name : "(no name)");
+    }
+    unsigned char *raw = lk_malloc(total);
+    if (!raw) return lk_error(LK_ERR_NOMEM, "lk_weights_wrap: out of memory for %zu tensors", n);
+    lk_weights *w = (lk_weights *)raw;
+    w->block = raw;
+    w->n = n;
+    w->nbytes = nbytes;
+    w->t = (lk_tensor *)(raw + sizeof(lk_weights));
+    w->sorted = (const lk_tensor **)(raw + sizeof(lk_weights) + n * sizeof(lk_tensor));
+    if (n) memcpy(w->t, t, n * sizeof *t);
+    lk_status s = build_index(w);
+    if (s) {
+        lk_free(raw);
+        return s;
+    }
+    *out = w;
+    return LK_OK;
+}
+
+void lk_weights_free(lk_weights *w) {
+    if (w) lk_free(w->block);
+}
+
+size_t lk_weights_count(const lk_weights *w) { return w ? w->n : 0; }
+
+const lk_tensor *lk_weights_tensor(const lk_weights *w, size_t i) {
+    return (w && i < w->n) ? &w->t[i] : NULL;
+}
+
+const lk_tensor *lk_weights_tensors(const lk_weights *w) { return w ? w->t : NULL; }
+
+size_t lk_weights_nbytes(const lk_weights *w) { return w ? w->nbytes : 0; }
+
+long lk_weights_find(const lk_weights *w, const char *name) {
+    if (!w || !name) return -1;
+    size_t lo = 0, hi = w->n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        int c = strcmp(w->sorted[mid]->name, name);
+        if (c == 0) return (long)(w->sorted[mid] - w->t);
+        if (c < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    return -1;
+}
+
+lk_status lk_weights_digest(const lk_weights *w, char hex[LK_DIGEST_HEX]) {
+    if (!w) return lk_error(LK_ERR_ARG, "lk_weights_digest: NULL weights");
+    return lk_digest_tensors(w->t, w->n, hex);
+}

@@ -1,0 +1,149 @@
+/* test_plan.c — the swap plan parser. Expected values are the literal
+ * contents of each YAML text below; error messages are checked for the
+ * file label, the line and the key path the parser promises to name. */
+#include "testutil.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static lk_plan *parse(const char *text, lk_status want) {
+    lk_plan *p = (lk_plan *)1;
+    lk_status s = lk_plan_parse(text, strlen(text), "plan.yaml", "/plans", &p);
+    if (s != want) fprintf(stderr, "parse: got %s: %s\n", lk_status_str(s), lk_last_error());
+    assert_int_equal(s, want);
+    if (s) assert_null(p);
+    return s ? NULL : p;
+}
+
+static void test_full_plan(void **state) {
+    (void)state;
+    lk_plan *p = parse("bucket_mb: 32\n"
+                       "no_lora_swap: false\n"
+                       "steps:\n"
+                       "  - loras: [{path: a/, strength: 1.0}, {path: /abs/b.safetensors, strength: -0.5e0, format: kohya}]\n"
+                       "  - loras:\n"
+                       "      - path: \"c d.safetensors\"\n"
+                       "  - loras: []\n",
+                       LK_OK);
+    assert_int_equal(p->bucket_mb, 32);
+    assert_int_equal(p->no_lora_swap, 0);
+    assert_int_equal(p->n_steps, 3);
+    assert_int_equal(p->steps[0].n, 2);
+    assert_int_equal(p->steps[0].line, 4);
+    assert_string_equal(p->steps[0].loras[0].path, "/plans/a/"); /* relative to the plan's folder */
+    assert_true(p->steps[0].loras[0].strength == 1.0f);
+    assert_int_equal(p->steps[0].loras[0].format, LK_FORMAT_AUTO);
+    assert_string_equal(p->steps[0].loras[1].path, "/abs/b.safetensors");
+    assert_true(p->steps[0].loras[1].strength == -0.5f);
+    assert_int_equal(p->steps[0].loras[1].format, LK_FORMAT_KOHYA);
+    assert_string_equal(p->steps[1].loras[0].path, "/plans/c d.safetensors");
+    assert_true(p->steps[1].loras[0].strength == 1.0f); /* default */
+    assert_int_equal(p->steps[1].line, 5);
+    assert_int_equal(p->steps[2].n, 0);
+    lk_plan_free(p);
+
+    p = parse("steps: []\nno_lora_swap: yes\n", LK_OK);
+    assert_int_equal(p->bucket_mb, 0); /* unset */
+    assert_int_equal(p->no_lora_swap, 1);
+    assert_int_equal(p->n_steps, 0);
+    lk_plan_free(p);
+}
+
+static void test_errors(void **state) {
+    (void)state;
+    const struct {
+        const char *text;
+        const char *needle;
+    } cases[] = {
+        {"", "plan.yaml: the plan is empty"},
+        {"- 1\n", "plan.yaml:1: (top level): expected a mapping"},
+        {"bucket_mb: 0\nsteps: []\n", "plan.yaml:1: bucket_mb: expected a whole number"},
+        {"bucket_mb: 1.5\nsteps: []\n", "bucket_mb"},
+        {"bucket_mb: '8'\nsteps: []\n", "bucket_mb"},
+        {"no_lora_swap: maybe\nsteps: []\n", "plan.yaml:1: no_lora_swap: expected true or false"},
+        {"steps: []\ncolour: red\n", "plan.yaml:2: colour: unknown key"},
+        {"bucket_mb: 8\n", "plan.yaml:1: steps: expected a list"},
+        {"steps:\n  - {}\n", "plan.yaml:2: steps[0].loras: expected a list"},
+        {"steps:\n  - loras: [{strength: 1}]\n", "plan.yaml:2: steps[0].loras[0]: missing 'path'"},
+        {"steps:\n  - loras: []\n  - loras: [{path: a, strength: abc}]\n",
+         "plan.yaml:3: steps[1].loras[0].strength: expected a finite number, got abc"},
+        {"steps:\n  - loras: [{path: a, strength: .nan}]\n", "strength"},
+        {"steps:\n  - loras: [{path: a, strength: 1e999}]\n", "strength"},
+        {"steps:\n  - loras: [{path: a, strength: 1e39}]\n", "out of the float range"},
+        {"steps:\n  - loras: [{path: a, format: onnx}]\n", "plan.yaml:2: steps[0].loras[0].format: unknown adapter format 'onnx'"},
+        {"steps:\n  - loras: [{path: a, rank: 4}]\n", "steps[0].loras[0].rank: unknown key"},
+        {"steps:\n  - loras: [{path: \"a\\0b\"}]\n", "steps[0].loras[0].path"},
+        {"steps:\n  - loras: [{path: ''}]\n", "non-empty"},
+        {"steps:\n  - loras: [\n", "plan.yaml:3: YAML error"},
+        {"steps: []\n---\nsteps: []\n", "one YAML document"},
+        {"steps:\n  - loras: []\n    reset: true\n", "steps[0]: unknown key"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        lk_plan *p = (lk_plan *)1;
+        lk_status s = lk_plan_parse(cases[i].text, strlen(cases[i].text), "plan.yaml", NULL, &p);
+        assert_int_equal(s, LK_ERR_CONFIG);
+        assert_null(p);
+        tu_assert_contains(lk_last_error(), cases[i].needle);
+    }
+}
+
+/* Anchors reusing one list many times cannot blow up memory: the total
+ * number of adapters is bounded. */
+static void test_alias_fanout(void **state) {
+    (void)state;
+    char *text = malloc(1 << 20), *q = text;
+    q += sprintf(q, "x: &L [");
+    for (int i = 0; i < 1000; i++) q += sprintf(q, "%s{path: a}", i ? "," : "");
+    q += sprintf(q, "]\nsteps:\n");
+    for (int i = 0; i < 100; i++) q += sprintf(q, "  - loras: *L\n");
+    /* 'x' is an unknown key: first error; move it to be checked second */
+    lk_plan *p;
+    assert_int_equal(lk_plan_parse(text, strlen(text), "p", NULL, &p), LK_ERR_CONFIG);
+    q = text;
+    q += sprintf(q, "steps:\n  - loras: &L [");
+    for (int i = 0; i < 1000; i++) q += sprintf(q, "%s{path: a}", i ? "," : "");
+    q += sprintf(q, "]\n");
+    for (int i = 0; i < 100; i++) q += sprintf(q, "  - loras: *L\n");
+    assert_int_equal(lk_plan_parse(text, strlen(text), "p", NULL, &p), LK_ERR_CONFIG);
+    tu_assert_contains(lk_last_error(), "too many adapters");
+    free(text);
+}
+
+static void test_load_file(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp(), *path = tu_path(dir, "plan.yaml");
+    const char *text = "steps:\n  - loras: [{path: x.safetensors, strength: 2}]\n";
+    assert_int_equal(tu_write_file(path, text, strlen(text)), 0);
+    lk_plan *p;
+    assert_int_equal(lk_plan_load(path, &p), LK_OK);
+    char *want = tu_path(dir, "x.safetensors");
+    assert_string_equal(p->steps[0].loras[0].path, want);
+    lk_plan_free(p);
+    char *missing = tu_path(dir, "nope.yaml");
+    assert_int_equal(lk_plan_load(missing, &p), LK_ERR_IO);
+    tu_assert_contains(lk_last_error(), "nope.yaml");
+    /* every allocation failing in turn */
+    for (unsigned long k = 1; k < 1000; k++) {
+        lk_alloc_fail_at(k);
+        lk_status s = lk_plan_load(path, &p);
+        lk_alloc_fail_at(0);
+        if (!s) {
+            lk_plan_free(p);
+            break;
+        }
+        assert_int_equal(s, LK_ERR_NOMEM);
+    }
+    tu_rmtree(dir);
+    free(dir); free(path); free(want); free(missing);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_full_plan),
+        cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_alias_fanout),
+        cmocka_unit_test(test_load_file),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

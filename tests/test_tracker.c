@@ -1,0 +1,356 @@
+/* test_tracker.c — the hot-swap tracker at one rank (`self` communicator,
+ * no MPI): the same operations the MPI test runs at 1..4 ranks, plus
+ * injected allocation failures and a double-precision check of one fused
+ * element.
+ * Expectations: the digest of an offline lk_fuse_file of the same set, its
+ * inputs written here in sorted (path) order, and the base file's own digest
+ * for the reset state; key and byte counts are derived by hand from the
+ * fixture's layout (2 blocks x 4 attention + 2 feed-forward weights). */
+#include "testutil.h"
+#include "swap_fixture.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const swap_model M = {2, 96, 192, 1};
+static char *g_dir, *g_base, *g_a, *g_b, *g_huge, *g_shape, *g_corrupt, *g_missing;
+static char g_base_digest[LK_DIGEST_HEX];
+
+static int setup(void **state) {
+    (void)state;
+    g_dir = tu_mkdtemp();
+    g_base = tu_path(g_dir, "base.safetensors");
+    g_a = tu_path(g_dir, "a.safetensors");
+    g_b = tu_path(g_dir, "b.safetensors");
+    g_huge = tu_path(g_dir, "huge.safetensors");
+    g_shape = tu_path(g_dir, "shape.safetensors");
+    g_corrupt = tu_path(g_dir, "corrupt.safetensors");
+    g_missing = tu_path(g_dir, "missing.safetensors");
+    if (swap_write_base(g_base, &M, 1) || swap_write_adapter(g_a, &M, SWAP_ATTN, 4, 8.0f, 0.05f, 0, 2) ||
+        swap_write_adapter(g_b, &M, SWAP_FF, 2, 2.0f, 0.05f, 0, 3) ||
+        swap_write_adapter(g_huge, &M, SWAP_FF, 1, 1.0f, 1e19f, 0, 4) ||
+        swap_write_adapter(g_shape, &M, SWAP_ATTN, 2, 2.0f, 0.05f, 1, 5))
+        return -1;
+    size_t n;
+    char *bytes = tu_read_file(g_a, &n);
+    memset(bytes + n / 2, 0xFF, 64); /* the header survives, the data does not match the header? keep header: */
+    memcpy(bytes, "\xff\xff\xff\xff\xff\xff\xff\x7f", 8); /* header length past the file */
+    tu_write_file(g_corrupt, bytes, n);
+    free(bytes);
+    lk_st *st;
+    if (lk_st_open(g_base, &st)) return -1;
+    lk_digest_st(st, g_base_digest);
+    lk_st_close(st);
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    tu_rmtree(g_dir);
+    free(g_dir); free(g_base); free(g_a); free(g_b); free(g_huge); free(g_shape); free(g_corrupt); free(g_missing);
+    return 0;
+}
+
+/* Digest of the offline fuse of in[0..n) (given already in sorted order). */
+static void offline_digest(const lk_fuse_input *in, size_t n, char hex[LK_DIGEST_HEX]) {
+    char *out = tu_path(g_dir, "offline.safetensors");
+    assert_int_equal(lk_fuse_file(g_base, in, n, out, NULL, NULL), LK_OK);
+    lk_st *st;
+    assert_int_equal(lk_st_open(out, &st), LK_OK);
+    assert_int_equal(lk_digest_st(st, hex), LK_OK);
+    lk_st_close(st);
+    remove(out);
+    free(out);
+}
+
+static void digest_of(const lk_weights *w, char hex[LK_DIGEST_HEX]) {
+    assert_int_equal(lk_weights_digest(w, hex), LK_OK);
+}
+
+typedef struct fixture {
+    lk_comm *c;
+    lk_weights *w;
+    lk_tracker *t;
+} fixture;
+
+static void open_fixture(fixture *f, long bucket_mb, int no_lora_swap) {
+    assert_int_equal(lk_comm_self(&f->c), LK_OK);
+    assert_int_equal(lk_weights_load(g_base, &f->w), LK_OK);
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.bucket_mb = bucket_mb;
+    o.no_lora_swap = no_lora_swap;
+    o.threads = 1;
+    assert_int_equal(lk_tracker_create(f->c, f->w, &o, &f->t), LK_OK);
+}
+
+static void close_fixture(fixture *f) {
+    lk_tracker_free(f->t);
+    lk_weights_free(f->w);
+    lk_comm_free(f->c);
+}
+
+static void test_sequence(void **state) {
+    (void)state;
+    fixture f;
+    open_fixture(&f, 1, 0);
+    const size_t attn = swap_touched_bytes(f.w, SWAP_ATTN, NULL, 0), ff = swap_touched_bytes(f.w, SWAP_FF, NULL, 0);
+    char got[LK_DIGEST_HEX], want[LK_DIGEST_HEX];
+    lk_tracker_stats st;
+    digest_of(f.w, got);
+    assert_string_equal(got, g_base_digest);
+
+    /* 1: A */
+    lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(f.t, a1, 1, &st), LK_OK);
+    offline_digest(a1, 1, want);
+    digest_of(f.w, got);
+    assert_string_equal(got, want);
+    assert_int_equal(st.keys_fused, 8);
+    assert_int_equal(st.keys_restored, 0);
+    assert_int_equal(st.bytes_broadcast, 0); /* one rank: nothing to send */
+    assert_int_equal(st.backup_bytes, attn);
+
+    /* 2: A+B at other strengths, given out of order */
+    lk_fuse_input ab_req[] = {{g_b, -0.5f, LK_FORMAT_AUTO}, {g_a, 0.7f, LK_FORMAT_DIFFUSERS}};
+    lk_fuse_input ab_sorted[] = {{g_a, 0.7f, LK_FORMAT_DIFFUSERS}, {g_b, -0.5f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(f.t, ab_req, 2, &st), LK_OK);
+    offline_digest(ab_sorted, 2, want);
+    digest_of(f.w, got);
+    assert_string_equal(got, want);
+    assert_int_equal(st.keys_fused, 12);
+    assert_int_equal(st.backup_bytes, attn + ff);
+
+    /* the same set in the other order is a skip */
+    assert_int_equal(lk_tracker_apply(f.t, ab_sorted, 2, &st), LK_OK);
+    assert_int_equal(st.skipped, 1);
+    assert_int_equal(st.keys_fused + st.keys_restored, 0);
+
+    /* 3: B alone: attention restored, feed-forward refused at the new strength */
+    lk_fuse_input b1[] = {{g_b, 1.3f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(f.t, b1, 1, &st), LK_OK);
+    offline_digest(b1, 1, want);
+    digest_of(f.w, got);
+    assert_string_equal(got, want);
+    assert_int_equal(st.keys_fused, 4);
+    assert_int_equal(st.keys_restored, 8);
+
+    /* 4: reset, and a second reset is a no-op */
+    assert_int_equal(lk_tracker_reset(f.t, &st), LK_OK);
+    digest_of(f.w, got);
+    assert_string_equal(got, g_base_digest);
+    assert_int_equal(st.keys_restored, 4);
+    assert_int_equal(lk_tracker_applied(f.t), 0);
+    assert_int_equal(lk_tracker_reset(f.t, &st), LK_OK);
+    assert_int_equal(st.skipped, 1);
+
+    /* 5: A again; then A plus a strength-0 entry (dropped: a skip, not even opened) */
+    assert_int_equal(lk_tracker_apply(f.t, a1, 1, &st), LK_OK);
+    offline_digest(a1, 1, want);
+    digest_of(f.w, got);
+    assert_string_equal(got, want);
+    lk_fuse_input a_zero[] = {{g_missing, 0.0f, LK_FORMAT_AUTO}, {g_a, 1.0f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(f.t, a_zero, 2, &st), LK_OK);
+    assert_int_equal(st.skipped, 1);
+    /* every strength 0 means reset */
+    lk_fuse_input a0[] = {{g_a, 0.0f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(f.t, a0, 1, &st), LK_OK);
+    digest_of(f.w, got);
+    assert_string_equal(got, g_base_digest);
+    close_fixture(&f);
+}
+
+/* One fused element against W + s * alpha/r * sum_k B[o][k] A[k][i] in double. */
+static void test_element_reference(void **state) {
+    (void)state;
+    fixture f;
+    open_fixture(&f, 64, 0);
+    const float s = 0.7f;
+    lk_fuse_input in[] = {{g_a, s, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(f.t, in, 1, NULL), LK_OK);
+    lk_st *base, *ad;
+    assert_int_equal(lk_st_open(g_base, &base), LK_OK);
+    assert_int_equal(lk_st_open(g_a, &ad), LK_OK);
+    int checked = 0;
+    for (size_t i = 0; i < lk_weights_count(f.w); i++) {
+        const lk_tensor *w = lk_weights_tensor(f.w, i);
+        if (w->dtype != LK_DTYPE_F32 || !strstr(w->name, ".attn.")) continue;
+        char mod[160], key[200];
+        snprintf(mod, sizeof mod, "%.*s", (int)(strlen(w->name) - 7), w->name); /* drop ".weight" */
+        snprintf(key, sizeof key, "transformer.%s.lora_A.weight", mod);
+        const lk_tensor *A = lk_st_tensor(ad, (size_t)lk_st_find(ad, key));
+        snprintf(key, sizeof key, "transformer.%s.lora_B.weight", mod);
+        const lk_tensor *B = lk_st_tensor(ad, (size_t)lk_st_find(ad, key));
+        const lk_tensor *W0 = lk_st_tensor(base, (size_t)lk_st_find(base, w->name));
+        int64_t r = A->shape[0], n_in = A->shape[1];
+        for (int64_t o = 0; o < w->shape[0]; o += 17)
+            for (int64_t c = 0; c < n_in; c += 13) {
+                double d = 0;
+                for (int64_t k = 0; k < r; k++)
+                    d += (double)((const float *)B->data)[o * r + k] * (double)((const float *)A->data)[k * n_in + c];
+                double want = (double)((const float *)W0->data)[o * n_in + c] + (double)s * (8.0 / (double)r) * d;
+                double got = (double)((const float *)w->data)[o * n_in + c];
+                assert_true(fabs(got - want) <= 1e-6 * (1.0 + fabs(want)));
+                checked++;
+            }
+    }
+    assert_true(checked > 0);
+    lk_st_close(base);
+    lk_st_close(ad);
+    close_fixture(&f);
+}
+
+/* Each failure leaves the digest as it was and names the rank and the file. */
+static void test_failures(void **state) {
+    (void)state;
+    fixture f;
+    open_fixture(&f, 64, 0);
+    lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(f.t, a1, 1, NULL), LK_OK);
+    char before[LK_DIGEST_HEX], got[LK_DIGEST_HEX];
+    digest_of(f.w, before);
+    lk_tracker_stats st;
+    const struct {
+        const char *path;
+        lk_status want;
+        const char *needle;
+    } cases[] = {
+        {g_missing, LK_ERR_IO, "missing.safetensors"},
+        {g_corrupt, LK_ERR_FORMAT, "corrupt.safetensors"},
+        {g_shape, LK_ERR_SHAPE, "blocks.0.attn.to_q"},
+        /* finite inputs, infinite result: fails while fusing
+         * blocks.0.ff.net.0.proj, after block 0's attention keys were
+         * refused at the new strength; they are rolled back to A at 1.0 */
+        {g_huge, LK_ERR_NONFINITE, "blocks.0.ff.net.0.proj.weight"},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        lk_fuse_input in[] = {{g_a, 0.9f, LK_FORMAT_AUTO}, {cases[k].path, 1.0f, LK_FORMAT_AUTO}};
+        lk_status s = lk_tracker_apply(f.t, in, 2, &st);
+        assert_int_equal(s, cases[k].want);
+        tu_assert_contains(lk_last_error(), "rank 0: ");
+        tu_assert_contains(lk_last_error(), cases[k].needle);
+        digest_of(f.w, got);
+        assert_string_equal(got, before);
+        assert_int_equal(lk_tracker_applied(f.t), 1);
+        assert_int_equal(st.backup_bytes, swap_touched_bytes(f.w, SWAP_ATTN, NULL, 0));
+    }
+    /* bad arguments */
+    lk_fuse_input nan_in[] = {{g_a, NAN, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(f.t, nan_in, 1, NULL), LK_ERR_ARG);
+    assert_int_equal(lk_tracker_apply(f.t, NULL, 1, NULL), LK_ERR_ARG);
+    digest_of(f.w, got);
+    assert_string_equal(got, before);
+    close_fixture(&f);
+}
+
+static void test_no_lora_swap(void **state) {
+    (void)state;
+    fixture f;
+    open_fixture(&f, 64, 1);
+    lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}}, b1[] = {{g_b, 1.0f, LK_FORMAT_AUTO}};
+    char got[LK_DIGEST_HEX], want[LK_DIGEST_HEX];
+    lk_tracker_stats st;
+    /* a failing first set changes nothing, even without a backup */
+    lk_fuse_input bad[] = {{g_a, 1.0f, LK_FORMAT_AUTO}, {g_huge, 1.0f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(f.t, bad, 2, &st), LK_ERR_NONFINITE);
+    digest_of(f.w, got);
+    assert_string_equal(got, g_base_digest);
+    assert_int_equal(lk_tracker_apply(f.t, a1, 1, &st), LK_OK);
+    assert_int_equal(st.backup_bytes, 0);
+    offline_digest(a1, 1, want);
+    digest_of(f.w, got);
+    assert_string_equal(got, want);
+    assert_int_equal(lk_tracker_apply(f.t, a1, 1, &st), LK_OK); /* same set: fine */
+    assert_int_equal(st.skipped, 1);
+    assert_int_equal(lk_tracker_apply(f.t, b1, 1, &st), LK_ERR_STATE);
+    tu_assert_contains(lk_last_error(), "no_lora_swap");
+    assert_int_equal(lk_tracker_reset(f.t, &st), LK_ERR_STATE);
+    digest_of(f.w, got);
+    assert_string_equal(got, want);
+    close_fixture(&f);
+}
+
+static void test_create_args(void **state) {
+    (void)state;
+    lk_comm *c;
+    lk_weights *w;
+    lk_tracker *t = (lk_tracker *)1;
+    assert_int_equal(lk_comm_self(&c), LK_OK);
+    assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.bucket_mb = 0;
+    assert_int_equal(lk_tracker_create(c, w, &o, &t), LK_ERR_ARG);
+    assert_null(t);
+    tu_assert_contains(lk_last_error(), "bucket_mb must be > 0");
+    o.bucket_mb = -5;
+    assert_int_equal(lk_tracker_create(c, w, &o, &t), LK_ERR_ARG);
+    /* one rank owns everything; no staging buffer at one rank */
+    o.bucket_mb = 1;
+    assert_int_equal(lk_tracker_create(c, w, &o, &t), LK_OK);
+    for (size_t i = 0; i < lk_weights_count(w); i++) assert_int_equal(lk_tracker_owner(t, i), 0);
+    assert_int_equal(lk_tracker_staging_bytes(t), 0);
+    lk_tracker_free(t);
+    lk_weights_free(w);
+    lk_comm_free(c);
+}
+
+/* Every allocation of an apply fails in turn: LK_ERR_NOMEM, weights and
+ * backups as before; then the same apply succeeds. */
+static void test_alloc_failures(void **state) {
+    (void)state;
+    fixture f;
+    open_fixture(&f, 64, 0);
+    lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
+    lk_fuse_input ab[] = {{g_a, 1.0f, LK_FORMAT_AUTO}, {g_b, 0.5f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(f.t, a1, 1, NULL), LK_OK);
+    char before[LK_DIGEST_HEX], got[LK_DIGEST_HEX], want[LK_DIGEST_HEX];
+    digest_of(f.w, before);
+    lk_tracker_stats st;
+    unsigned long k;
+    for (k = 1; k < 10000; k++) {
+        lk_alloc_fail_at(k);
+        lk_status s = lk_tracker_apply(f.t, ab, 2, &st);
+        lk_alloc_fail_at(0);
+        if (s == LK_OK) break;
+        assert_int_equal(s, LK_ERR_NOMEM);
+        digest_of(f.w, got);
+        assert_string_equal(got, before);
+        assert_int_equal(st.backup_bytes, swap_touched_bytes(f.w, SWAP_ATTN, NULL, 0));
+    }
+    assert_true(k > 1);
+    offline_digest(ab, 2, want);
+    digest_of(f.w, got);
+    assert_string_equal(got, want);
+    close_fixture(&f);
+}
+
+static void test_weights_wrap(void **state) {
+    (void)state;
+    float data[6] = {1, 2, 3, 4, 5, 6};
+    lk_tensor t[2] = {{.name = "x", .dtype = LK_DTYPE_F32, .ndim = 2, .shape = {2, 3}, .nbytes = 24, .data = data},
+                      {.name = "y", .dtype = LK_DTYPE_F32, .ndim = 1, .shape = {2}, .nbytes = 8, .data = data}};
+    lk_weights *w = NULL;
+    assert_int_equal(lk_weights_wrap(t, 2, &w), LK_OK);
+    assert_int_equal(lk_weights_find(w, "y"), 1);
+    assert_int_equal(lk_weights_find(w, "z"), -1);
+    assert_int_equal(lk_weights_nbytes(w), 32);
+    assert_ptr_equal(lk_weights_tensor(w, 0)->data, data); /* borrowed, not copied */
+    lk_weights_free(w);
+    t[1].nbytes = 12; /* disagrees with F32 x [2] */
+    assert_int_equal(lk_weights_wrap(t, 2, &w), LK_ERR_ARG);
+    t[1].nbytes = 8;
+    t[1].name = "x";
+    assert_int_equal(lk_weights_wrap(t, 2, &w), LK_ERR_ARG);
+    tu_assert_contains(lk_last_error(), "appears twice");
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_sequence),    cmocka_unit_test(test_element_reference),
+        cmocka_unit_test(test_failures),    cmocka_unit_test(test_no_lora_swap),
+        cmocka_unit_test(test_create_args), cmocka_unit_test(test_alloc_failures),
+        cmocka_unit_test(test_weights_wrap),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
