@@ -218,8 +218,8 @@ void lk_lora_rand_uniform(float *dst, size_t n, uint64_t seed, const char *name,
 
 /* All adapter parameters of a model (or a standalone set, e.g. for a
  * benchmark) in ONE contiguous f32 buffer, gradients in another of equal
- * layout, ordered by name (byte-wise): "<m>.lora_A" then "<m>.lora_B" per
- * module, modules sorted. Owned by the model (lk_lora_model_params) or by the
+ * layout, ordered by parameter name (byte-wise strcmp; a model's parameters
+ * are named "<m>.lora_A" and "<m>.lora_B"). Owned by the model (lk_lora_model_params) or by the
  * caller (lk_lora_params_create / _free). */
 typedef struct lk_lora_param_spec {
     const char *name;

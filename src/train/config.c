@@ -178,9 +178,10 @@ static lk_status load_models(cfg_ctx *c, const char *yaml, size_t len, yaml_node
     yaml_parser_delete(&parser);
     yaml_node_t *root = yaml_document_get_root_node(&c->doc);
     if (!root || root->type != YAML_MAPPING_NODE) {
+        lk_status s = lk_error(LK_ERR_CONFIG, "%s:%zu: the config must be a mapping with a 'models' key",
+                               c->label, node_line(root));
         yaml_document_delete(&c->doc);
-        return lk_error(LK_ERR_CONFIG, "%s:%zu: the config must be a mapping with a 'models' key",
-                        c->label, node_line(root));
+        return s;
     }
     lk_status s = map_get(c, root, "models", "", models);
     if (s == LK_OK && !*models)
