@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "inspect_adapter.h"
 
 static const char *const INSPECT_USAGE =
     "usage: lorakit inspect FILE [--json]\n\n"
@@ -170,5 +171,6 @@ int lk_cmd_inspect(int argc, char **argv) {
     }
     if (!path) return lk_cli_usage("inspect", "missing FILE");
     /* Adapter inputs (a folder, or an adapter file) get their own branch here. */
+    if (lk_adapter_looks_like(path)) return lk_inspect_adapter(path, json);
     return inspect_safetensors(path, json);
 }

@@ -59,8 +59,10 @@ int lk_adapter_has_config(const lk_adapter *a);
 size_t lk_adapter_untargeted(const lk_adapter *a);
 /* The safetensors file read (path itself, or the file inside the folder). */
 const char *lk_adapter_file(const lk_adapter *a);
-/* 1 if path is a folder, or a safetensors file with at least one LoRA
- * factor key (lora_A/lora_B, lora_down/lora_up); never sets an error. */
+/* 1 if path is a folder, or a safetensors file whose keys are all LoRA
+ * keys (factors lora_A/lora_B, lora_down/lora_up, or .alpha), at least one
+ * a factor; a checkpoint that merely contains some is not. Never sets an
+ * error. */
 int lk_adapter_looks_like(const char *path);
 
 /* Maps every module onto one of the model's tensors (name + shape only are

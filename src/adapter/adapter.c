@@ -95,15 +95,16 @@ int lk_adapter_looks_like(const char *path) {
     if (S_ISDIR(sb.st_mode)) return 1;
     lk_st *st;
     if (lk_st_open(path, &st) != LK_OK) return 0;
-    int found = 0;
-    for (size_t i = 0; i < lk_st_count(st) && !found; i++) {
+    int found = 0, other = 0;
+    for (size_t i = 0; i < lk_st_count(st) && !other; i++) {
         enum role r;
         size_t sl;
         enum family f = classify(lk_st_tensor(st, i)->name, &r, &sl);
-        found = f != FAM_NONE && r != ROLE_ALPHA;
+        other = f == FAM_NONE;
+        found |= f != FAM_NONE && r != ROLE_ALPHA;
     }
     lk_st_close(st);
-    return found;
+    return found && !other;
 }
 
 /* ---- small accessors ---- */

@@ -1,0 +1,112 @@
+#!/bin/bash
+# fuse_cli.sh — `lorakit fuse` and `lorakit inspect` on adapters, over the
+# committed fixtures in tests/fixtures/adapters (made by make_fixtures.py):
+# every format fuses, usage errors exit 2, failures exit 1 with the message
+# and leave no OUT, OUT = BASE is refused by any path, --json fields,
+# digests independent of --threads and of the -l order, strength 0 gives
+# the base's tensors back, untouched tensors stay byte-identical.
+# Usage: bash fuse_cli.sh <path-to-lorakit> <build-dir>   (as ctest runs it)
+set -uo pipefail
+LK=$1
+FX=$(cd "$(dirname "$0")/fixtures/adapters" && pwd)
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/lk-fuse-cli.XXXXXX")
+trap 'rm -rf "$TMP"' EXIT
+fail() { echo "fuse_cli.sh: FAIL: $*" >&2; exit 1; }
+
+# expect CODE CMD...: runs the CLI, checks the exit code; output in $TMP/out, $TMP/err.
+expect() {
+  local want=$1; shift
+  "$LK" "$@" >"$TMP/out" 2>"$TMP/err"
+  local rc=$?
+  [ "$rc" = "$want" ] || { cat "$TMP/out" "$TMP/err" >&2; fail "lorakit $* exited $rc, expected $want"; }
+  if grep -E "Sanitizer|runtime error" "$TMP/err" >/dev/null; then cat "$TMP/err" >&2; fail "sanitizer report: lorakit $*"; fi
+}
+err_has() { grep -F -- "$1" "$TMP/err" >/dev/null || { cat "$TMP/err" >&2; fail "stderr lacks: $1"; }; }
+out_has() { grep -F -- "$1" "$TMP/out" >/dev/null || { cat "$TMP/out" >&2; fail "stdout lacks: $1"; }; }
+digest() { "$LK" digest "$1" || fail "digest $1"; }
+# tensor_hex FILE NAME: the bytes of one tensor, via inspect --json offsets.
+tensor_hex() {
+  local line off len
+  line=$("$LK" inspect "$1" --json | tr '{' '\n' | grep "\"name\":\"$2\"")
+  off=$(echo "$line" | sed 's/.*"offset":\([0-9]*\).*/\1/')
+  len=$(echo "$line" | sed 's/.*"bytes":\([0-9]*\).*/\1/')
+  od -An -tx1 -v -j "$off" -N "$len" "$1" | tr -d ' \n'
+}
+
+B=$FX/base.safetensors
+O=$TMP/out.safetensors
+
+# --help and usage errors.
+expect 0 fuse --help;  out_has "usage: lorakit fuse BASE -l ADAPTER[:STRENGTH]"
+expect 2 fuse;         err_has "missing BASE"
+expect 2 fuse "$B" -o "$O";                 err_has "at least one -l ADAPTER[:STRENGTH] is needed"
+expect 2 fuse "$B" -l "$FX/peft";           err_has "missing -o OUT"
+expect 2 fuse "$B" -l "$FX/peft" -o "$O" --threads x; err_has "--threads needs a number"
+expect 2 fuse "$B" -l "$FX/peft" -o "$O" --format lycoris; err_has "unknown adapter format 'lycoris'"
+expect 2 fuse "$B" -l "$FX/peft" -o "$O" --bogus;  err_has "unknown option '--bogus'"
+[ -e "$O" ] && fail "usage error wrote OUT"
+
+# Every format fuses (auto-detected), with the expected tensors touched.
+for a in peft diffusers.safetensors kohya.safetensors fastvideo.safetensors; do
+  expect 0 fuse "$B" -l "$FX/$a" -o "$O" --json
+  grep '^{"base":".*","out":".*","adapters":\[{"path":".*","strength":1.0}\],"tensors_total":5,"tensors_fused":[12],"modules_unmatched":0,"seconds":[0-9.e-]*}$' "$TMP/out" >/dev/null \
+    || { cat "$TMP/out"; fail "fuse --json line for $a"; }
+  [ "$(tensor_hex "$O" norm.bias)" = "$(tensor_hex "$B" norm.bias)" ] || fail "$a: norm.bias changed"
+  [ "$(tensor_hex "$O" ids)" = "$(tensor_hex "$B" ids)" ] || fail "$a: ids changed"
+  "$LK" inspect "$O" | grep -F 'lorakit.fused: [{"path":' >/dev/null || fail "$a: no lorakit.fused metadata"
+  "$LK" inspect "$O" | grep -F 'note: lorakit fixture' >/dev/null || fail "$a: base metadata lost"
+done
+# kohya touches only blocks.1.ff.
+expect 0 fuse "$B" -l "$FX/kohya.safetensors:0.5" -o "$O"
+out_has "fused 1 adapter into 1 of 5 tensors"
+[ "$(tensor_hex "$O" blocks.0.attn.to_q.weight)" = "$(tensor_hex "$B" blocks.0.attn.to_q.weight)" ] || fail "kohya changed to_q"
+[ "$(tensor_hex "$O" blocks.1.ff.weight)" != "$(tensor_hex "$B" blocks.1.ff.weight)" ] || fail "kohya did not change ff"
+
+# Mix with a negative strength: digests independent of threads and -l order.
+expect 0 fuse "$B" -l "$FX/peft:1" -l "$FX/kohya.safetensors:-0.5" -l "$FX/diffusers.safetensors:0.25" -o "$O" --threads 1
+D1=$(digest "$O")
+expect 0 fuse "$B" -l "$FX/diffusers.safetensors:0.25" -l "$FX/peft:1" -l "$FX/kohya.safetensors:-0.5" -o "$O" --threads 3
+[ "$(digest "$O")" = "$D1" ] || fail "digest depends on -l order / threads"
+expect 0 fuse "$B" -l "$FX/kohya.safetensors:-0.5" -l "$FX/diffusers.safetensors:0.25" -l "$FX/peft" -o "$O"
+[ "$(digest "$O")" = "$D1" ] || fail "digest depends on -l order / default threads"
+
+# Strength 0: the base's tensors, every byte.
+expect 0 fuse "$B" -l "$FX/peft:0" -l "$FX/kohya.safetensors:0" -o "$O"
+[ "$(digest "$O")" = "$(digest "$B")" ] || fail "strength 0 changed the tensors"
+
+# Failures: exit 1, message, no OUT.
+rm -f "$O"
+expect 1 fuse "$B" -l "$FX/peft" -o "$B";   err_has "is the same file as the base"
+expect 1 fuse "$B" -l "$FX/peft" -o "$FX/../adapters/base.safetensors"; err_has "is the same file as the base"
+ln -s "$B" "$TMP/link.safetensors"
+expect 1 fuse "$B" -l "$FX/peft" -o "$TMP/link.safetensors"; err_has "is the same file as the base"
+expect 1 fuse "$B" -l "$FX/bad_lone_a.safetensors" -o "$O"; err_has "bad_lone_a.safetensors: blocks.0.attn.to_q: lora_A without lora_B"
+[ -e "$O" ] && fail "failed fuse left OUT"
+expect 1 fuse "$B" -l "$FX/unmatched.safetensors" -o "$O"; err_has "unmatched.safetensors: blocks.9.attn.to_q matches no model weight (looked for blocks.9.attn.to_q.weight)"
+[ -e "$O" ] && fail "failed fuse left OUT"
+expect 0 fuse "$B" -l "$FX/unmatched.safetensors" -o "$O" --allow-unmatched --json
+err_has "1 of 2 modules match no model weight and are skipped"
+out_has '"modules_unmatched":1'
+rm -f "$O"
+expect 1 fuse "$B" -l "$FX/overflow.safetensors" -o "$O"; err_has "blocks.0.attn.to_k.weight: fusion made element [0, 0] non-finite"
+[ -e "$O" ] && fail "non-finite fuse left OUT"
+expect 0 fuse "$B" -l "$FX/overflow.safetensors" -o "$O" --allow-nonfinite
+expect 1 fuse "$B" -l "$FX/peft" -o "$O" --format kohya; err_has "is not a kohya adapter key"
+expect 1 fuse "$B" -l "$FX/nosuch" -o "$O"; err_has "nosuch: no such file or directory"
+expect 1 fuse "$TMP/nobase.safetensors" -l "$FX/peft" -o "$TMP/o2.safetensors"
+[ -e "$TMP/o2.safetensors" ] && fail "missing base left OUT"
+ls "$TMP" | grep -v -E '^(out|err|out\.safetensors|link\.safetensors)$' && fail "temporary files left behind"
+
+# inspect on adapters: format, modules, rank / alpha / scale.
+expect 0 inspect "$FX/peft"
+out_has "format:  peft (adapter_config.json)"; out_has "modules: 2"
+grep -E '^ +4 +4 +1 +1  blocks.0.attn.to_k$' "$TMP/out" >/dev/null || fail "inspect peft: to_k row"
+grep -E '^ +2 +4 +2 +1  blocks.0.attn.to_q$' "$TMP/out" >/dev/null || fail "inspect peft: to_q row"
+expect 0 inspect "$FX/diffusers.safetensors" --json
+out_has '"format":"diffusers"'; out_has '"module_count":2'
+out_has '{"module":"blocks.0.attn.to_q","rank":2,"alpha":1.0,"scale":0.5,"in":6,"out":8,"dtype_A":"F16","dtype_B":"F16"}'
+expect 0 inspect "$FX/kohya.safetensors";     out_has "format:  kohya"
+expect 0 inspect "$FX/fastvideo.safetensors"; out_has "format:  fastvideo"
+expect 1 inspect "$FX/bad_lone_a.safetensors"; err_has "lora_A without lora_B"
+expect 0 inspect "$B"; out_has "tensors (5):"
+echo "fuse_cli.sh: ok"
