@@ -28,6 +28,7 @@
 #include "fuzz/fuzz_yaml.c"
 #include "fuzz/fuzz_adapter.c"
 #include "fuzz/fuzz_adapter_config.c"
+#include "fuzz/fuzz_plan.c"
 
 typedef void (*fz_fn)(const uint8_t *, size_t);
 
@@ -41,6 +42,7 @@ static const fz_target g_targets[] = {
     {"yaml", fz_yaml},
     {"adapter", fz_adapter},
     {"adapter_config", fz_adapter_config},
+    {"plan", fz_plan},
 };
 
 /* Calls cb(path) for every regular file of dir (sorted); returns the count.
