@@ -193,7 +193,9 @@ lk_status lk_lora_layer_delta_forward(lk_lora_layer *l, float *y, const float *x
  * NULL. Same scratch rule as lk_lora_layer_backward. */
 lk_status lk_lora_layer_delta_backward(lk_lora_layer *l, float *dx, const float *dy,
                                        const float *x, int n);
-/* Merged weight W + c B A (out x in) into dst, accumulated in double. */
+/* Merged weight W + c B A (out x in) into dst (W itself when not wrapped),
+ * through the fuse kernel (lk_fuse_tensor): bit-identical to `lorakit fuse`
+ * of the adapter saved by lk_lora_save_peft onto lk_lora_model_save_base. */
 lk_status lk_lora_layer_merged(const lk_lora_layer *l, float *dst);
 
 /* The kernels under the layer calls, for hosts with their own layout.

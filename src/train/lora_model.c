@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "lorakit/alloc.h"
+#include "lorakit/fuse.h"
 #include "lorakit/log.h"
 #include "lorakit/safetensors.h"
 #include "train_impl.h"
@@ -603,18 +604,22 @@ lk_status lk_lora_layer_delta_backward(lk_lora_layer *l, float *dx, const float 
 
 lk_status lk_lora_layer_merged(const lk_lora_layer *l, float *dst) {
     if (!l || !dst) return lk_error(LK_ERR_ARG, "lk_lora_layer_merged: missing layer or output");
+    if (!l->wrapped) {
+        memcpy(dst, l->W, (size_t)l->out * (size_t)l->in * sizeof(float));
+        return LK_OK;
+    }
+    /* Through the fuse kernel, as `lorakit fuse` of the saved adapter: the
+     * same fp32 sequence, hence the same bits. */
     const lk_lora_params *p = l->m->params;
-    const float *A = l->wrapped ? p->data + p->offset[l->pA] : NULL;
-    const float *B = l->wrapped ? p->data + p->offset[l->pB] : NULL;
-    for (int o = 0; o < l->out; o++)
-        for (int i = 0; i < l->in; i++) {
-            double acc = 0.0;
-            for (int k = 0; A && k < l->r; k++)
-                acc += (double)B[(size_t)o * l->r + k] * (double)A[(size_t)k * l->in + i];
-            dst[(size_t)o * l->in + i] =
-                (float)((double)l->W[(size_t)o * l->in + i] + (double)l->scale * acc);
-        }
-    return LK_OK;
+    lk_tensor A = {.name = "lora_A", .dtype = LK_DTYPE_F32, .ndim = 2, .shape = {l->r, l->in},
+                   .nbytes = (size_t)l->r * (size_t)l->in * sizeof(float),
+                   .data = p->data + p->offset[l->pA]};
+    lk_tensor B = {.name = "lora_B", .dtype = LK_DTYPE_F32, .ndim = 2, .shape = {l->out, l->r},
+                   .nbytes = (size_t)l->out * (size_t)l->r * sizeof(float),
+                   .data = p->data + p->offset[l->pB]};
+    lk_fuse_term term = {&A, &B, l->scale};
+    lk_fuse_opts fo = {0};
+    return lk_fuse_tensor(dst, l->W, LK_DTYPE_F32, l->out, l->in, &term, 1, &fo, l->name);
 }
 
 /* Accessors used by peft.c (same module, not public). */
