@@ -1,0 +1,288 @@
+/* mpi_tracker.c — the hot-swap tracker over MPI (ctest runs it at 1..4
+ * ranks).
+ * Expectations: after every step, every rank's digest equals the digest of
+ * an offline lk_fuse_file of the same set (inputs written here in sorted
+ * path order), computed on rank 0 and broadcast, and the reset state equals
+ * the base file's digest; bytes broadcast and backup bytes are the sums of
+ * the touched weights' sizes (all of them, resp. this rank's own), derived
+ * from the fixture's layout, not from the tracker. Failures must reach every
+ * rank with the same status and leave every digest as it was. A failing
+ * assert aborts (CMOCKA_TEST_ABORT), so mpirun stops all ranks instead of
+ * leaving the others waiting in a collective. */
+#include <mpi.h>
+
+#include "testutil.h"
+#include "swap_fixture.h"
+#include "lorakit/comm_mpi.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* block 0's ff.net.2 and block 1's ff.net.0.proj are F32 1536x256 = 1.5 MiB:
+ * larger than a 1 MiB bucket, so they cross several rounds */
+static const swap_model M = {2, 256, 1536, 1};
+static lk_comm *W;
+static int R, N;
+static char g_dir[1024];
+static char *g_base, *g_a, *g_b, *g_huge, *g_shape, *g_corrupt;
+static char g_base_digest[LK_DIGEST_HEX];
+
+enum { S_A, S_AB, S_B, S_A2, N_SETS };
+static char g_want[N_SETS][LK_DIGEST_HEX];
+
+static char *join(const char *name) { return tu_path(g_dir, name); }
+
+/* Offline digest of in[0..n) (already sorted), on rank 0 only. */
+static void offline_digest(const lk_fuse_input *in, size_t n, char hex[LK_DIGEST_HEX]) {
+    char *out = join("offline.safetensors");
+    lk_st *st;
+    if (lk_fuse_file(g_base, in, n, out, NULL, NULL) || lk_st_open(out, &st)) {
+        fprintf(stderr, "offline fuse: %s\n", lk_last_error());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    lk_digest_st(st, hex);
+    lk_st_close(st);
+    remove(out);
+    free(out);
+}
+
+static int setup(void **state) {
+    (void)state;
+    if (R == 0) {
+        char *d = tu_mkdtemp();
+        snprintf(g_dir, sizeof g_dir, "%s", d);
+        free(d);
+    }
+    lk_comm_bcast(W, g_dir, sizeof g_dir, 0);
+    g_base = join("base.safetensors");
+    g_a = join("a.safetensors");
+    g_b = join("b.safetensors");
+    g_huge = join("huge.safetensors");
+    g_shape = join("shape.safetensors");
+    g_corrupt = join("corrupt.safetensors");
+    if (R == 0) {
+        char *only = join("r0/only.safetensors"), *r0 = join("r0");
+        mkdir(r0, 0700);
+        if (swap_write_base(g_base, &M, 11) || swap_write_adapter(g_a, &M, SWAP_ATTN, 4, 8.0f, 0.05f, 0, 12) ||
+            swap_write_adapter(g_b, &M, SWAP_FF, 2, 2.0f, 0.05f, 0, 13) ||
+            swap_write_adapter(g_huge, &M, SWAP_FF, 1, 1.0f, 1e19f, 0, 14) ||
+            swap_write_adapter(g_shape, &M, SWAP_ATTN, 2, 2.0f, 0.05f, 1, 15) ||
+            swap_write_adapter(only, &M, SWAP_FF, 2, 2.0f, 0.05f, 0, 16))
+            MPI_Abort(MPI_COMM_WORLD, 1);
+        const char junk[] = "{\"not\": \"a safetensors file\"}";
+        tu_write_file(g_corrupt, junk, sizeof junk);
+        lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
+        lk_fuse_input ab[] = {{g_a, 0.7f, LK_FORMAT_AUTO}, {g_b, -0.5f, LK_FORMAT_AUTO}};
+        lk_fuse_input b1[] = {{g_b, 1.3f, LK_FORMAT_AUTO}};
+        offline_digest(a1, 1, g_want[S_A]);
+        offline_digest(ab, 2, g_want[S_AB]);
+        offline_digest(b1, 1, g_want[S_B]);
+        memcpy(g_want[S_A2], g_want[S_A], LK_DIGEST_HEX);
+        lk_st *st;
+        lk_st_open(g_base, &st);
+        lk_digest_st(st, g_base_digest);
+        lk_st_close(st);
+        free(only);
+        free(r0);
+    } else {
+        char name[32];
+        snprintf(name, sizeof name, "r%d", R);
+        char *rd = join(name);
+        mkdir(rd, 0700);
+        free(rd);
+    }
+    lk_comm_bcast(W, g_want, sizeof g_want, 0);
+    lk_comm_bcast(W, g_base_digest, sizeof g_base_digest, 0);
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    lk_comm_barrier(W);
+    if (R == 0) tu_rmtree(g_dir);
+    free(g_base); free(g_a); free(g_b); free(g_huge); free(g_shape); free(g_corrupt);
+    return 0;
+}
+
+/* Asserts this rank's weights digest to want and that all ranks agree. */
+static void check_digest(const lk_weights *w, const char *want) {
+    char hex[LK_DIGEST_HEX], *all = malloc((size_t)N * LK_DIGEST_HEX);
+    assert_int_equal(lk_weights_digest(w, hex), LK_OK);
+    assert_int_equal(lk_comm_allgather(W, hex, LK_DIGEST_HEX, all), LK_OK);
+    for (int r = 0; r < N; r++) assert_string_equal(all + (size_t)r * LK_DIGEST_HEX, want);
+    free(all);
+}
+
+static lk_tracker *make(lk_weights *w, long bucket_mb, int no_lora_swap) {
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.bucket_mb = bucket_mb;
+    o.no_lora_swap = no_lora_swap;
+    o.threads = 1;
+    lk_tracker *t = NULL;
+    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_OK);
+    return t;
+}
+
+static void test_sequence_buckets(void **state) {
+    (void)state;
+    const long buckets[] = {1, 2, 1024 /* larger than the model */};
+    for (size_t bi = 0; bi < 3; bi++) {
+        lk_weights *w;
+        assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
+        lk_tracker *t = make(w, buckets[bi], 0);
+        const uint64_t attn = swap_touched_bytes(w, SWAP_ATTN, NULL, 0), ff = swap_touched_bytes(w, SWAP_FF, NULL, 0);
+        const uint64_t my_attn = swap_touched_bytes(w, SWAP_ATTN, t, R), my_ff = swap_touched_bytes(w, SWAP_FF, t, R);
+        const uint64_t sent = N > 1; /* nothing crosses a one-rank group */
+        lk_tracker_stats st;
+
+        lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
+        assert_int_equal(lk_tracker_apply(t, a1, 1, &st), LK_OK);
+        check_digest(w, g_want[S_A]);
+        assert_true(st.bytes_broadcast == sent * attn);
+        assert_int_equal(st.keys_broadcast, sent * 8);
+        assert_true(st.backup_bytes == my_attn); /* only what this rank owns and A touched */
+
+        lk_fuse_input ab[] = {{g_b, -0.5f, LK_FORMAT_AUTO}, {g_a, 0.7f, LK_FORMAT_AUTO}};
+        assert_int_equal(lk_tracker_apply(t, ab, 2, &st), LK_OK);
+        check_digest(w, g_want[S_AB]);
+        assert_true(st.bytes_broadcast == sent * (attn + ff));
+        assert_true(st.backup_bytes == my_attn + my_ff);
+
+        lk_fuse_input ba[] = {{g_a, 0.7f, LK_FORMAT_AUTO}, {g_b, -0.5f, LK_FORMAT_AUTO}};
+        assert_int_equal(lk_tracker_apply(t, ba, 2, &st), LK_OK);
+        assert_int_equal(st.skipped, 1);
+        assert_true(st.bytes_broadcast == 0);
+
+        lk_fuse_input b1[] = {{g_b, 1.3f, LK_FORMAT_AUTO}};
+        assert_int_equal(lk_tracker_apply(t, b1, 1, &st), LK_OK);
+        check_digest(w, g_want[S_B]);
+        assert_true(st.bytes_broadcast == sent * (attn + ff));
+
+        assert_int_equal(lk_tracker_reset(t, &st), LK_OK);
+        check_digest(w, g_base_digest);
+        assert_true(st.bytes_broadcast == sent * ff); /* only B's keys were dirty */
+        assert_true(st.backup_bytes == my_attn + my_ff);
+
+        assert_int_equal(lk_tracker_apply(t, a1, 1, &st), LK_OK);
+        check_digest(w, g_want[S_A2]);
+        lk_tracker_free(t);
+        lk_weights_free(w);
+    }
+}
+
+static void expect_failure(lk_tracker *t, const lk_weights *w, const lk_fuse_input *in, size_t n, lk_status want,
+                           const char *needle) {
+    char before[LK_DIGEST_HEX];
+    assert_int_equal(lk_weights_digest(w, before), LK_OK);
+    lk_status s = lk_tracker_apply(t, in, n, NULL);
+    if (s != want) fprintf(stderr, "rank %d: got %s: %s\n", R, lk_status_str(s), lk_last_error());
+    assert_int_equal(s, want);
+    tu_assert_contains(lk_last_error(), needle);
+    check_digest(w, before); /* unchanged, on every rank */
+    assert_int_equal(lk_tracker_applied(t), 1);
+}
+
+static void test_failures(void **state) {
+    (void)state;
+    lk_weights *w;
+    assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
+    lk_tracker *t = make(w, 1, 0);
+    lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(t, a1, 1, NULL), LK_OK);
+    char *missing = join("missing.safetensors");
+    lk_fuse_input in[2] = {{g_a, 0.9f, LK_FORMAT_AUTO}, {missing, 1.0f, LK_FORMAT_AUTO}};
+    expect_failure(t, w, in, 2, LK_ERR_IO, "rank 0: ");
+    tu_assert_contains(lk_last_error(), "missing.safetensors");
+    in[1].path = g_corrupt;
+    expect_failure(t, w, in, 2, LK_ERR_FORMAT, "corrupt.safetensors");
+    in[1].path = g_shape;
+    expect_failure(t, w, in, 2, LK_ERR_SHAPE, "lora_A is 2x257 but the model weight is 256x256");
+    /* fails in the fusion phase, on the owner of the first ff key only;
+     * every owner rolls its rewritten attention keys back */
+    in[1].path = g_huge;
+    char who[32];
+    snprintf(who, sizeof who, "rank %d: ", lk_tracker_owner(t, (size_t)lk_weights_find(w, "blocks.0.ff.net.0.proj.weight")));
+    expect_failure(t, w, in, 2, LK_ERR_NONFINITE, who);
+    if (N > 1) {
+        /* the same relative path names a file only rank 0's folder has */
+        char name[32];
+        snprintf(name, sizeof name, "r%d", R);
+        char *rd = join(name), cwd[4096];
+        assert_non_null(getcwd(cwd, sizeof cwd));
+        assert_int_equal(chdir(rd), 0);
+        in[1].path = "only.safetensors";
+        expect_failure(t, w, in, 2, LK_ERR_IO, "rank 1: only.safetensors");
+        assert_int_equal(chdir(cwd), 0);
+        free(rd);
+        /* ranks asking for different strengths, then different counts */
+        lk_fuse_input mine[2] = {{g_a, R == 0 ? 0.5f : 0.25f, LK_FORMAT_AUTO}, {g_b, 1.0f, LK_FORMAT_AUTO}};
+        expect_failure(t, w, mine, 2, LK_ERR_MISMATCH, "ranks disagree on the adapter request");
+        expect_failure(t, w, mine, R == 0 ? 1 : 2, LK_ERR_MISMATCH, "ranks disagree");
+        /* apply on some ranks, reset on others: also a mismatch, no hang */
+        expect_failure(t, w, mine, R == 0 ? 0 : 2, LK_ERR_MISMATCH, "ranks disagree");
+    }
+    /* still usable afterwards */
+    lk_fuse_input b1[] = {{g_b, 1.3f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(t, b1, 1, NULL), LK_OK);
+    check_digest(w, g_want[S_B]);
+    free(missing);
+    lk_tracker_free(t);
+    lk_weights_free(w);
+}
+
+static void test_no_lora_swap(void **state) {
+    (void)state;
+    lk_weights *w;
+    assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
+    lk_tracker *t = make(w, 1, 1);
+    lk_tracker_stats st;
+    lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}}, b1[] = {{g_b, 1.3f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(t, a1, 1, &st), LK_OK);
+    check_digest(w, g_want[S_A]);
+    assert_true(st.backup_bytes == 0);
+    assert_int_equal(lk_tracker_apply(t, b1, 1, &st), LK_ERR_STATE);
+    check_digest(w, g_want[S_A]);
+    assert_int_equal(lk_tracker_reset(t, &st), LK_ERR_STATE);
+    check_digest(w, g_want[S_A]);
+    lk_tracker_free(t);
+    lk_weights_free(w);
+}
+
+static void test_create_mismatch(void **state) {
+    (void)state;
+    if (N == 1) skip();
+    lk_weights *w;
+    assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.bucket_mb = R == 0 ? 1 : 2; /* the rounds would not line up */
+    lk_tracker *t = (lk_tracker *)1;
+    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_ERR_MISMATCH);
+    assert_null(t);
+    o.bucket_mb = R == N - 1 ? 0 : 1; /* invalid on one rank: every rank hears */
+    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_ERR_ARG);
+    char want[32];
+    snprintf(want, sizeof want, "rank %d: ", N - 1);
+    tu_assert_contains(lk_last_error(), want);
+    lk_weights_free(w);
+}
+
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    setenv("CMOCKA_TEST_ABORT", "1", 1);
+    if (lk_comm_from_mpi(MPI_COMM_WORLD, &W) != LK_OK) MPI_Abort(MPI_COMM_WORLD, 1);
+    R = lk_comm_rank(W);
+    N = lk_comm_size(W);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_sequence_buckets),
+        cmocka_unit_test(test_failures),
+        cmocka_unit_test(test_no_lora_swap),
+        cmocka_unit_test(test_create_mismatch),
+    };
+    int rc = cmocka_run_group_tests(tests, setup, teardown);
+    lk_comm_free(W);
+    MPI_Finalize();
+    return rc;
+}
