@@ -78,6 +78,66 @@ LK_KCLONES static void delta_row(float *restrict acc, const float *restrict A, s
     }
 }
 
+typedef float v16 __attribute__((vector_size(64)));
+/* Unaligned 16-float load/store (macros: passing vectors to functions
+ * would tie the ABI to the clone's ISA). */
+#define LD16(v, p) memcpy(&(v), (p), sizeof(v16))
+#define ST16(p, v) memcpy((p), &(v), sizeof(v16))
+
+/* The same sums as delta_row for four rows at once: acc[r*ldc + j] =
+ * sum_k b[r*R + k] * A[k*lda + j], k ascending, for r < 4, j < n. A 4 x 32
+ * block of sums lives in registers for the whole k loop, so each A value
+ * loaded serves four rows; A is read from Ap, a copy of A packed in panels
+ * of 32 columns (Ap[(j/32)*R*32 + k*32 + j%32], j a multiple of 32 here),
+ * so a block's k loop streams contiguous memory. Columns past the last full
+ * panel come from A. Every element still sees exactly the sequence s = p0,
+ * s = s + p1, ..., so the bits equal delta_row's. */
+LK_KCLONES static void delta_4rows(float *restrict acc, size_t ldc, const float *restrict A, size_t lda,
+                                   const float *restrict Ap, const float *restrict b, size_t R, size_t n) {
+    const float *b0 = b, *b1 = b + R, *b2 = b + 2 * R, *b3 = b + 3 * R;
+    size_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        const float *a = Ap + j * R; /* this block's panel: R x 32, contiguous */
+        v16 x0, x1;
+        LD16(x0, a);
+        LD16(x1, a + 16);
+        v16 c00 = b0[0] * x0, c01 = b0[0] * x1, c10 = b1[0] * x0, c11 = b1[0] * x1;
+        v16 c20 = b2[0] * x0, c21 = b2[0] * x1, c30 = b3[0] * x0, c31 = b3[0] * x1;
+        for (size_t k = 1; k < R; k++) {
+            a = Ap + j * R + k * 32;
+            LD16(x0, a);
+            LD16(x1, a + 16);
+            const float e0 = b0[k], e1 = b1[k], e2 = b2[k], e3 = b3[k];
+            c00 = c00 + e0 * x0;
+            c01 = c01 + e0 * x1;
+            c10 = c10 + e1 * x0;
+            c11 = c11 + e1 * x1;
+            c20 = c20 + e2 * x0;
+            c21 = c21 + e2 * x1;
+            c30 = c30 + e3 * x0;
+            c31 = c31 + e3 * x1;
+        }
+        ST16(acc + j, c00);
+        ST16(acc + j + 16, c01);
+        ST16(acc + ldc + j, c10);
+        ST16(acc + ldc + j + 16, c11);
+        ST16(acc + 2 * ldc + j, c20);
+        ST16(acc + 2 * ldc + j + 16, c21);
+        ST16(acc + 3 * ldc + j, c30);
+        ST16(acc + 3 * ldc + j + 16, c31);
+    }
+    for (; j < n; j++)
+        for (size_t r = 0; r < 4; r++) {
+            const float *br = b + r * R;
+            float sum = br[0] * A[j];
+            for (size_t k = 1; k < R; k++) {
+                float p = br[k] * A[k * lda + j];
+                sum = sum + p;
+            }
+            acc[r * ldc + j] = sum;
+        }
+}
+
 /* |r| bits at or above lim round to Inf (or are NaN) in the weight dtype. */
 static uint32_t overflow_bits(lk_dtype dt) {
     switch (dt) {
@@ -110,8 +170,9 @@ typedef struct kjob {
     size_t esz, out, in, R, nc, n_chunks;
     uint32_t lim;
     const float *A;  /* R x in */
+    const float *Ap; /* A in panels of 32 columns (see delta_4rows) */
     const float *Bs; /* out x R */
-    float *scratch;  /* per worker: acc[nc] + w[nc] */
+    float *scratch;  /* per worker: acc[4][nc] + w[nc] */
     atomic_size_t next;
     fenv_t env;
 } kjob;
@@ -123,39 +184,56 @@ typedef struct kworker {
     float bad_w, bad_r;
 } kworker;
 
+/* W[o, j0 .. j0+n) += acc, rounded once into w_out; notes the first
+ * element that became non-finite. */
+static void finish_row(kworker *wk, size_t o, size_t j0, size_t n, const float *acc) {
+    kjob *jb = wk->job;
+    size_t off = o * jb->in + j0;
+    lk_to_f32(wk->w, (const char *)jb->w_in + off * jb->esz, jb->dt, n);
+    if (add_delta(wk->w, acc, n, jb->lim) && off < wk->bad_at) {
+        /* Rare path: find the first offender for the message. */
+        for (size_t j = 0; j < n && off + j < wk->bad_at; j++) {
+            float orig;
+            lk_to_f32(&orig, (const char *)jb->w_in + (off + j) * jb->esz, jb->dt, 1);
+            uint16_t h;
+            float rounded = wk->w[j];
+            if (jb->dt != LK_DTYPE_F32) {
+                lk_from_f32(&h, &rounded, jb->dt, 1);
+                lk_to_f32(&rounded, &h, jb->dt, 1);
+            }
+            if (isfinite(orig) && !isfinite(rounded)) {
+                wk->bad_at = off + j;
+                wk->bad_w = orig;
+                wk->bad_r = rounded;
+            }
+        }
+    }
+    lk_from_f32((char *)jb->w_out + off * jb->esz, wk->w, jb->dt, n);
+}
+
 static void run_worker(kworker *wk) {
     kjob *jb = wk->job;
-    const size_t in = jb->in;
+    const size_t in = jb->in, R = jb->R, nc = jb->nc;
     for (;;) {
         size_t c = atomic_fetch_add_explicit(&jb->next, 1, memory_order_relaxed);
         if (c >= jb->n_chunks) break;
         size_t o0 = c * ROWS_PER_CHUNK;
         size_t o1 = o0 + ROWS_PER_CHUNK < jb->out ? o0 + ROWS_PER_CHUNK : jb->out;
-        for (size_t j0 = 0; j0 < in; j0 += jb->nc) {
-            size_t n = in - j0 < jb->nc ? in - j0 : jb->nc;
-            for (size_t o = o0; o < o1; o++) {
-                size_t off = o * in + j0;
-                delta_row(wk->acc, jb->A + j0, in, jb->Bs + o * jb->R, jb->R, n);
-                lk_to_f32(wk->w, (const char *)jb->w_in + off * jb->esz, jb->dt, n);
-                if (add_delta(wk->w, wk->acc, n, jb->lim) && off < wk->bad_at) {
-                    /* Rare path: find the first offender for the message. */
-                    for (size_t j = 0; j < n && off + j < wk->bad_at; j++) {
-                        float orig;
-                        lk_to_f32(&orig, (const char *)jb->w_in + (off + j) * jb->esz, jb->dt, 1);
-                        uint16_t h;
-                        float rounded = wk->w[j];
-                        if (jb->dt != LK_DTYPE_F32) {
-                            lk_from_f32(&h, &rounded, jb->dt, 1);
-                            lk_to_f32(&rounded, &h, jb->dt, 1);
-                        }
-                        if (isfinite(orig) && !isfinite(rounded)) {
-                            wk->bad_at = off + j;
-                            wk->bad_w = orig;
-                            wk->bad_r = rounded;
-                        }
-                    }
+        for (size_t j0 = 0; j0 < in; j0 += nc) {
+            size_t n = in - j0 < nc ? in - j0 : nc, o = o0;
+            for (; o + 4 <= o1; o += 4) {
+                /* Ask for these rows of W now; they arrive while the sums
+                 * are computed instead of stalling the add pass. */
+                for (size_t r = 0; r < 4; r++) {
+                    const char *p = (const char *)jb->w_in + ((o + r) * in + j0) * jb->esz;
+                    for (size_t b = 0; b < n * jb->esz; b += 64) __builtin_prefetch(p + b, 0, 2);
                 }
-                lk_from_f32((char *)jb->w_out + off * jb->esz, wk->w, jb->dt, n);
+                delta_4rows(wk->acc, nc, jb->A + j0, in, jb->Ap + j0 * R, jb->Bs + o * R, R, n);
+                for (size_t r = 0; r < 4; r++) finish_row(wk, o + r, j0, n, wk->acc + r * nc);
+            }
+            for (; o < o1; o++) {
+                delta_row(wk->acc, jb->A + j0, in, jb->Bs + o * R, R, n);
+                finish_row(wk, o, j0, n, wk->acc);
             }
         }
     }
@@ -231,15 +309,16 @@ lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t 
     if (threads > LK_FUSE_MAX_THREADS) threads = LK_FUSE_MAX_THREADS;
     size_t n_chunks = (O + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
     if ((size_t)threads > n_chunks) threads = (int)n_chunks;
-    /* Column tile: keep the R x nc slice of A near 64 KB so it stays in L2
-     * while a chunk's rows run over it; a multiple of 16 floats. */
-    size_t nc = (16384 / R) & ~(size_t)15;
+    /* Column tile: keep the R x nc slice of A near 256 KB so it stays in L2
+     * while a chunk's rows run over it; a multiple of 32 floats. */
+    size_t nc = (65536 / R) & ~(size_t)31;
     if (nc < 64) nc = 64;
     if (nc > I) nc = I;
 
     size_t a_n, b_n, s_n, tot;
-    if (!lk_checked_mul(R, I, &a_n) || !lk_checked_mul(O, R, &b_n) ||
-        !lk_checked_mul((size_t)threads * 2, nc, &s_n) || !lk_checked_add(a_n, b_n, &tot) ||
+    const size_t I32 = I & ~(size_t)31; /* columns in full panels */
+    if (!lk_checked_mul(R, I, &a_n) || !lk_checked_mul(O, R, &b_n) || !lk_checked_add(a_n, a_n, &tot) ||
+        !lk_checked_mul((size_t)threads * 5, nc, &s_n) || !lk_checked_add(tot, b_n, &tot) ||
         !lk_checked_add(tot, s_n, &tot) || !lk_checked_mul(tot, sizeof(float), &tot))
         return lk_error(LK_ERR_SHAPE, "%s: factors too large", name);
     float *mem = lk_malloc(tot);
@@ -251,7 +330,7 @@ lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t 
         lk_free(tids);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for the fusion factors (%zu bytes)", name, tot);
     }
-    float *Acat = mem, *Bs = mem + a_n;
+    float *Acat = mem, *Bs = mem + a_n, *Ap = Bs + b_n;
     size_t koff = 0;
     for (size_t t = 0; t < n_terms; t++) {
         if (terms[t].scale == 0.0f) continue;
@@ -268,14 +347,17 @@ lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t 
         koff += r;
     }
 
+    for (size_t jb = 0; jb < I32; jb += 32)
+        for (size_t k = 0; k < R; k++) memcpy(Ap + jb * R + k * 32, Acat + k * I + jb, 32 * sizeof(float));
+
     kjob job = {.w_out = w_out, .w_in = w_in, .dt = dtype, .esz = esz, .out = O, .in = I, .R = R,
-                .nc = nc, .n_chunks = n_chunks, .lim = overflow_bits(dtype), .A = Acat, .Bs = Bs, .scratch = mem + a_n + b_n};
+                .nc = nc, .n_chunks = n_chunks, .lim = overflow_bits(dtype), .A = Acat, .Ap = Ap, .Bs = Bs, .scratch = Ap + a_n};
     atomic_init(&job.next, 0);
     fegetenv(&job.env);
     for (int t = 0; t < threads; t++) {
         wks[t].job = &job;
-        wks[t].acc = job.scratch + (size_t)t * 2 * nc;
-        wks[t].w = wks[t].acc + nc;
+        wks[t].acc = job.scratch + (size_t)t * 5 * nc; /* 4 rows of sums */
+        wks[t].w = wks[t].acc + 4 * nc;
         wks[t].bad_at = SIZE_MAX;
     }
     /* Threads that fail to start simply leave their share to the others. */
