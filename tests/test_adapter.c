@@ -398,6 +398,16 @@ static void test_config_errors(void **state) {
         {"{\"r\": 4, \"alpha_pattern\": {\"(\": 1}}", LK_ERR_CONFIG, "alpha_pattern: \"(\" is not a valid pattern"},
         {"{\"r\": 4, \"target_modules\": 5}", LK_ERR_CONFIG, "target_modules must be a list or a string"},
         {"[1, 2]", LK_ERR_CONFIG, "adapter_config.json: not a JSON object"},
+        /* Regex bombs found by tests/fuzz/fuzz_adapter_config.c (glibc
+         * regcomp memory grows with repetition products): refused. */
+        {"{\"r\": 4, \"rank_pattern\": {\"t{0,32767}\": 2}}", LK_ERR_CONFIG,
+         "rank_pattern: pattern \"t{0,32767}\" uses a counted repetition {m,n}"},
+        {"{\"r\": 4, \"alpha_pattern\": {\"t+++++++++++++++++++++++++\": 2}}", LK_ERR_CONFIG,
+         "alpha_pattern: pattern \"t+++++++++++++++++++++++++\" stacks quantifiers"},
+        {"{\"r\": 4, \"target_modules\": \"((t{0,40}){0,40}){0,40}\"}", LK_ERR_CONFIG,
+         "target_modules: pattern \"((t{0,40}){0,40}){0,40}\" uses a counted repetition"},
+        {"{\"r\": 4, \"alpha_pattern\": {\"((t)?)?\": 2}}", LK_ERR_CONFIG,
+         "quantifies a group that holds quantifiers or groups"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         af_file *f = af_new();
@@ -423,6 +433,14 @@ static void test_config_errors(void **state) {
     lk_adapter *a = open_ok(d3, LK_FORMAT_AUTO);
     assert_int_equal(lk_adapter_module(a, 0)->rank, 4);
     lk_adapter_free(a);
+    /* A little regex is fine: "(attn\\.)?to_q" matches blocks.0.attn.to_q. */
+    char *d6 = peft_folder("cfg_re", "{\"r\": 4, \"rank_pattern\": {\"(attn\\\\.)?to_q\": 4}, "
+                                     "\"alpha_pattern\": {\"blocks\\\\.[0-9]\\\\.attn\\\\.to_.\": 2}}",
+                           f);
+    a = open_ok(d6, LK_FORMAT_AUTO);
+    assert_true(lk_adapter_module(a, 0)->alpha == 2.0f);
+    lk_adapter_free(a);
+    free(d6);
     /* target_modules not covering a module: loaded, counted. */
     char *d4 = peft_folder("cfg_tm", "{\"r\": 4, \"target_modules\": [\"to_k\"]}", f);
     a = open_ok(d4, LK_FORMAT_AUTO);

@@ -15,8 +15,62 @@
 #include <stdio.h>
 #include <string.h>
 
+/* Patterns come from downloaded files and glibc's regcomp copies a
+ * repeated subexpression once per repetition, so "t{0,32767}", "t+++..."
+ * or ((t+)+)+ cost gigabytes. PEFT keys are module names with at most a
+ * little regex, so anything that can multiply is refused: counted
+ * repetitions {m,n}, a quantifier after a quantifier, a quantified group
+ * that itself holds a quantifier or a group, more than 8 nested groups,
+ * keys over 256 bytes. What remains ("(attn\\.)?to_q", ".*_proj")
+ * compiles to a tree linear in the key's length. */
+static const char *pattern_problem(const char *k) {
+    if (strlen(k) > 256) return "is longer than 256 bytes";
+    int depth = 0, after_quant = 0, after_group = 0; /* after_group: 1 plain, 2 holds quantifiers/groups */
+    int inner[10] = {0};                             /* per open group: holds a quantifier or a group */
+    for (size_t i = 0; k[i]; i++) {
+        char c = k[i];
+        if (c == '\\') {
+            if (k[i + 1]) i++;
+            after_quant = after_group = 0;
+            continue;
+        }
+        if (c == '[') { /* a bracket expression: its characters are literal */
+            size_t j = i + 1;
+            if (k[j] == '^') j++;
+            if (k[j] == ']') j++;
+            while (k[j] && k[j] != ']') j++;
+            if (!k[j]) return NULL; /* unterminated: regcomp reports it */
+            i = j;
+            after_quant = after_group = 0;
+            continue;
+        }
+        if (c == '{') return "uses a counted repetition {m,n}";
+        if (c == '*' || c == '+' || c == '?') {
+            if (after_quant) return "stacks quantifiers";
+            if (after_group == 2) return "quantifies a group that holds quantifiers or groups";
+            inner[depth] = 1;
+            after_quant = 1;
+            after_group = 0;
+            continue;
+        }
+        after_quant = after_group = 0;
+        if (c == '(') {
+            if (depth == 8) return "nests more than 8 groups";
+            inner[depth] = 1;
+            inner[++depth] = 0;
+        } else if (c == ')' && depth > 0) {
+            after_group = inner[depth--] ? 2 : 1;
+        }
+    }
+    return NULL;
+}
+
 static lk_status compile_anchored(regex_t *re, const char *pre, const char *key, const char *label,
                                   const char *field) {
+    const char *why = pattern_problem(key);
+    if (why)
+        return lk_error(LK_ERR_CONFIG, "%s: %s: pattern \"%.80s\" %s (patterns are module names; lorakit refuses "
+                        "regex forms that can exhaust memory)", label, field, key, why);
     size_t n = strlen(pre) + strlen(key) + 8;
     char *src = lk_malloc(n);
     if (!src) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
