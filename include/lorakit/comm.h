@@ -21,6 +21,12 @@ typedef enum lk_reduce_op { LK_REDUCE_SUM, LK_REDUCE_MIN, LK_REDUCE_MAX } lk_red
 
 /* A one-process communicator (rank 0 of 1). */
 lk_status lk_comm_self(lk_comm **out);
+/* For command-line programs: every process launched together (mpirun), or
+ * just this one. Built with MPI, it initializes MPI when the host has not
+ * (lk_comm_free of this communicator then finalizes it) and wraps
+ * MPI_COMM_WORLD; built without, it is lk_comm_self. argc/argv may be NULL.
+ * Libraries embedded in a host that owns MPI use lk_comm_from_mpi. */
+lk_status lk_comm_world(int *argc, char ***argv, lk_comm **out);
 void lk_comm_free(lk_comm *c);
 
 int lk_comm_rank(const lk_comm *c);
@@ -45,7 +51,8 @@ lk_status lk_comm_split(lk_comm *c, int color, int key, lk_comm **out);
  * every rank passes its own status (its message in lk_last_error()). Returns
  * LK_OK on every rank when all passed LK_OK; otherwise every rank returns
  * the status of the lowest failing rank with the message
- * "rank R: <that rank's message>". Collective: call it on every path. */
+ * "rank R: <that rank's message>" (at one rank: local, message untouched).
+ * Collective: call it on every path. */
 lk_status lk_comm_agree(lk_comm *c, lk_status local);
 
 #ifdef __cplusplus

@@ -92,6 +92,7 @@ typedef struct agree_msg {
 
 lk_status lk_comm_agree(lk_comm *c, lk_status local) {
     if (!c) return lk_error(LK_ERR_ARG, "comm agree: communicator is NULL");
+    if (c->size == 1) return local; /* nothing to agree on; keep the message as it is */
     uint64_t first = local != LK_OK ? (uint64_t)c->rank : UINT64_MAX;
     if (c->ops->allreduce_u64(c, &first, 1, LK_REDUCE_MIN) != LK_OK)
         return lk_error_prefix(LK_ERR_COMM, "comm agree");
@@ -158,3 +159,10 @@ lk_status lk_comm_self(lk_comm **out) {
     if (!out) return lk_error(LK_ERR_ARG, "comm self: NULL output");
     return lk_comm_new(&g_self_ops, 0, 1, NULL, out);
 }
+
+#ifndef LK_HAVE_MPI
+lk_status lk_comm_world(int *argc, char ***argv, lk_comm **out) {
+    (void)argc; (void)argv;
+    return lk_comm_self(out);
+}
+#endif

@@ -18,7 +18,8 @@
 
 typedef struct mpi_impl {
     MPI_Comm comm;
-    size_t chunk; /* max bytes per MPI call, <= INT_MAX */
+    size_t chunk;  /* max bytes per MPI call, <= INT_MAX */
+    int finalize;  /* lk_comm_world initialized MPI: finalize on free */
 } mpi_impl;
 
 static MPI_Comm mc(const lk_comm *c) { return ((const mpi_impl *)c->impl)->comm; }
@@ -36,6 +37,7 @@ static void mpi_destroy(lk_comm *c) {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (!finalized && m->comm != MPI_COMM_NULL) MPI_Comm_free(&m->comm);
+    if (!finalized && m->finalize) MPI_Finalize();
     lk_free(m);
 }
 
@@ -125,6 +127,7 @@ static lk_status wrap(MPI_Comm comm, size_t chunk, lk_comm **out) {
     if (!m) return lk_error(LK_ERR_NOMEM, "comm mpi: out of memory");
     m->comm = comm;
     m->chunk = chunk;
+    m->finalize = 0;
     lk_status st = lk_comm_new(&g_mpi_ops, rank, size, m, out);
     if (st) lk_free(m);
     return st;
@@ -155,4 +158,22 @@ lk_status lk_comm_from_mpi(MPI_Comm c, lk_comm **out) {
     lk_status st = wrap(dup, chunk, out);
     if (st) MPI_Comm_free(&dup);
     return st;
+}
+
+lk_status lk_comm_world(int *argc, char ***argv, lk_comm **out) {
+    if (!out) return lk_error(LK_ERR_ARG, "comm world: NULL output");
+    *out = NULL;
+    int init = 0, fin = 0;
+    MPI_Initialized(&init);
+    MPI_Finalized(&fin);
+    if (fin) return lk_error(LK_ERR_STATE, "comm world: MPI is already finalized");
+    if (!init && MPI_Init(argc, argv) != MPI_SUCCESS)
+        return lk_error(LK_ERR_COMM, "comm world: MPI_Init failed");
+    lk_status s = lk_comm_from_mpi(MPI_COMM_WORLD, out);
+    if (s) {
+        if (!init) MPI_Finalize();
+        return s;
+    }
+    ((mpi_impl *)(*out)->impl)->finalize = !init;
+    return LK_OK;
 }

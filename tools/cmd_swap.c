@@ -1,0 +1,228 @@
+/* cmd_swap.c — `lorakit swap BASE --plan PLAN.yaml`: runs a hot-swap plan
+ * over a group of ranks (mpirun -n K, or alone for one rank), one result
+ * line per step from rank 0 (DESIGN.md, CLI).
+ *
+ * Every rank reads its own plan, so ranks may be handed different plans:
+ * every local step (argument parsing, plan, weights) ends in an agreement,
+ * and the step loop runs to the longest plan with a rank that has no such
+ * step failing it, so a disagreement is an error on that step on every rank,
+ * never a rank left waiting in a collective. */
+#include <jansson.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli.h"
+
+static const char *const SWAP_USAGE =
+    "usage: lorakit swap BASE --plan PLAN.yaml [--json] [--bucket-mb N] [--threads N]\n\n"
+    "Loads the safetensors checkpoint BASE into memory on every rank and\n"
+    "applies each step of the plan with the hot-swap tracker: ranks own keys by\n"
+    "size, owners refuse only the keys whose adapters changed and broadcast\n"
+    "them through one staging buffer. Run it as `mpirun -n K lorakit swap ...`\n"
+    "for K ranks, or alone for one. Each rank reads the plan path it is given.\n\n"
+    "plan (YAML; adapter paths are relative to the plan's folder):\n"
+    "  bucket_mb: 64          # optional: staging buffer in MiB\n"
+    "  no_lora_swap: false    # optional: fuse the first set in place, no backup\n"
+    "  steps:\n"
+    "    - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]\n"
+    "    - loras: []          # reset to the base weights\n\n"
+    "output: one line per step from rank 0; with --json one object per line:\n"
+    "  {\"step\": 1, \"status\": \"ok\"|\"error\", \"error\": \"...\", \"keys_fused\": N,\n"
+    "   \"keys_restored\": N, \"bytes_broadcast\": N, \"seconds\": X, \"digest\": \"<hex>\",\n"
+    "   \"digests_agree\": true, \"skipped\": false, \"backup_bytes_max\": N,\n"
+    "   \"phases\": {\"agree\": X, \"load\": X, \"fuse\": X, \"broadcast\": X}}\n"
+    "keys are summed over ranks, seconds are the slowest rank's, digest is the\n"
+    "content digest of the working weights (equal to `lorakit digest` of an\n"
+    "offline `lorakit fuse` of the same set).\n"
+    "A failed step leaves the weights as they were and the plan goes on.\n\n"
+    "options:\n"
+    "  --plan FILE      the plan (required)\n"
+    "  --json           JSON lines instead of text\n"
+    "  --bucket-mb N    staging buffer in MiB (overrides the plan; default 64)\n"
+    "  --threads N      fuse threads per rank (default: cores / ranks on this node)\n"
+    "  -h, --help       this text\n\n"
+    "exit codes: 0 every step succeeded, 1 a step (or setup) failed, 2 bad usage.\n";
+
+typedef struct swap_args {
+    const char *base, *plan;
+    int json;
+    long bucket_mb; /* 0: from the plan, else 64 */
+    long threads;   /* -1: automatic */
+} swap_args;
+
+/* Local parse; on error the message is in lk_last_error(). */
+static lk_status parse_args(int argc, char **argv, swap_args *a) {
+    memset(a, 0, sizeof *a);
+    a->threads = -1;
+    for (int i = 1; i < argc; i++) {
+        const char *o = argv[i];
+        if (!strcmp(o, "--json")) a->json = 1;
+        else if (!strcmp(o, "--plan") || !strcmp(o, "--bucket-mb") || !strcmp(o, "--threads")) {
+            if (i + 1 == argc) return lk_error(LK_ERR_ARG, "%s needs a value", o);
+            const char *v = argv[++i];
+            if (!strcmp(o, "--plan")) a->plan = v;
+            else if (!strcmp(o, "--bucket-mb")) {
+                if (!lk_cli_parse_int(v, &a->bucket_mb) || a->bucket_mb <= 0 || a->bucket_mb > (1L << 20))
+                    return lk_error(LK_ERR_ARG, "--bucket-mb expects a whole number of MiB in 1..1048576, got '%s'", v);
+            } else if (!lk_cli_parse_int(v, &a->threads) || a->threads < 0 || a->threads > 4096)
+                return lk_error(LK_ERR_ARG, "--threads expects 0..4096, got '%s'", v);
+        } else if (o[0] == '-' && o[1]) return lk_error(LK_ERR_ARG, "unknown option '%s'", o);
+        else if (a->base) return lk_error(LK_ERR_ARG, "one BASE expected, got '%s' and '%s'", a->base, o);
+        else a->base = o;
+    }
+    if (!a->base) return lk_error(LK_ERR_ARG, "missing BASE");
+    if (!a->plan) return lk_error(LK_ERR_ARG, "missing --plan PLAN.yaml");
+    return LK_OK;
+}
+
+/* Fuse threads per rank when not given: this node's cores shared by the
+ * ranks on it (Open MPI tells how many), at least one. */
+static int auto_threads(const lk_comm *c) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    const char *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    long local = ls ? atol(ls) : lk_comm_size(c);
+    if (cores < 1) cores = 1;
+    if (local < 1) local = 1;
+    return cores / local > 1 ? (int)(cores / local) : 1;
+}
+
+typedef struct step_result {
+    lk_status status;
+    char error[1024];
+    uint64_t v[6];  /* keys fused, keys restored (summed); backup max; skipped */
+    double phase[5]; /* agree, load, fuse, broadcast, total (max over ranks) */
+    uint64_t bytes_broadcast;
+    char digest[LK_DIGEST_HEX];
+    int agree;
+} step_result;
+
+/* Sums / maxima over the group; digests compared against rank 0's. */
+static lk_status gather(lk_comm *c, const lk_tracker_stats *st, const lk_weights *w, step_result *r) {
+    uint64_t sum[2] = {st->keys_fused, st->keys_restored};
+    uint64_t mx[6] = {st->backup_bytes};
+    const double ph[5] = {st->seconds_agree, st->seconds_load, st->seconds_fuse, st->seconds_broadcast, st->seconds};
+    for (int k = 0; k < 5; k++) mx[1 + k] = (uint64_t)(ph[k] * 1e9);
+    lk_status s = lk_comm_allreduce_u64(c, sum, 2, LK_REDUCE_SUM);
+    if (!s) s = lk_comm_allreduce_u64(c, mx, 6, LK_REDUCE_MAX);
+    if (s) return s;
+    r->v[0] = sum[0];
+    r->v[1] = sum[1];
+    r->v[2] = mx[0];
+    r->v[3] = (uint64_t)st->skipped;
+    for (int k = 0; k < 5; k++) r->phase[k] = (double)mx[1 + k] * 1e-9;
+    r->bytes_broadcast = st->bytes_broadcast;
+    /* a digest failure (out of memory) still joins the allgather, as zeros */
+    char hex[LK_DIGEST_HEX] = {0};
+    lk_status ds = lk_weights_digest(w, hex);
+    char *all = lk_malloc((size_t)lk_comm_size(c) * LK_DIGEST_HEX);
+    if (!all) return lk_error(LK_ERR_NOMEM, "swap: out of memory");
+    s = lk_comm_allgather(c, hex, LK_DIGEST_HEX, all);
+    r->agree = !s && !ds;
+    for (int k = 1; r->agree && k < lk_comm_size(c); k++)
+        r->agree = !memcmp(all, all + (size_t)k * LK_DIGEST_HEX, LK_DIGEST_HEX);
+    memcpy(r->digest, all, LK_DIGEST_HEX);
+    r->digest[LK_DIGEST_HEX - 1] = '\0';
+    lk_free(all);
+    return s;
+}
+
+static void print_step(size_t step, const step_result *r, int json) {
+    if (json) {
+        json_t *o = json_pack("{s:I, s:s}", "step", (json_int_t)step, "status", r->status ? "error" : "ok");
+        if (!o) return;
+        if (r->status) json_object_set_new(o, "error", json_string(r->error));
+        json_object_set_new(o, "keys_fused", json_integer((json_int_t)r->v[0]));
+        json_object_set_new(o, "keys_restored", json_integer((json_int_t)r->v[1]));
+        json_object_set_new(o, "bytes_broadcast", json_integer((json_int_t)r->bytes_broadcast));
+        json_object_set_new(o, "seconds", json_real(r->phase[4]));
+        json_object_set_new(o, "digest", json_string(r->digest));
+        json_object_set_new(o, "digests_agree", json_boolean(r->agree));
+        json_object_set_new(o, "skipped", json_boolean(r->v[3] != 0));
+        json_object_set_new(o, "backup_bytes_max", json_integer((json_int_t)r->v[2]));
+        json_object_set_new(o, "phases", json_pack("{s:f, s:f, s:f, s:f}", "agree", r->phase[0], "load", r->phase[1],
+                                                   "fuse", r->phase[2], "broadcast", r->phase[3]));
+        char *txt = json_dumps(o, JSON_COMPACT);
+        if (txt) printf("%s\n", txt);
+        free(txt);
+        json_decref(o);
+    } else if (r->status) {
+        printf("step %zu: error: %s (weights unchanged)\n", step, r->error);
+    } else {
+        printf("step %zu: ok%s: %llu keys fused, %llu restored, %.2f MiB broadcast, %.3f s, digest %s%s\n", step,
+               r->v[3] ? " (unchanged set, skipped)" : "", (unsigned long long)r->v[0], (unsigned long long)r->v[1],
+               (double)r->bytes_broadcast / 1048576.0, r->phase[4], r->digest,
+               r->agree ? "" : " (RANKS DISAGREE)");
+    }
+    fflush(stdout);
+}
+
+/* Runs every step; returns the exit code. */
+static int run_steps(lk_comm *c, lk_tracker *t, lk_weights *w, const lk_plan *plan, const char *plan_path, int json) {
+    uint64_t n_max = plan->n_steps;
+    if (lk_comm_allreduce_u64(c, &n_max, 1, LK_REDUCE_MAX)) return lk_cli_fail();
+    int failed = 0, rank0 = lk_comm_rank(c) == 0;
+    for (size_t i = 0; i < n_max; i++) {
+        step_result r;
+        memset(&r, 0, sizeof r);
+        lk_tracker_stats st;
+        memset(&st, 0, sizeof st);
+        lk_status s = i < plan->n_steps ? LK_OK
+                                        : lk_error(LK_ERR_MISMATCH, "%s has %zu steps; the other ranks' plans have more",
+                                                   plan_path, plan->n_steps);
+        s = lk_comm_agree(c, s);
+        if (!s) s = lk_tracker_apply(t, plan->steps[i].loras, plan->steps[i].n, &st);
+        r.status = s;
+        if (s) snprintf(r.error, sizeof r.error, "%s", lk_last_error());
+        if (s == LK_ERR_COMM || gather(c, &st, w, &r)) return lk_cli_fail(); /* the group is gone */
+        if (s || !r.agree) failed = 1;
+        if (rank0) print_step(i + 1, &r, json);
+    }
+    return failed ? LK_EXIT_FAIL : LK_EXIT_OK;
+}
+
+int lk_cmd_swap(int argc, char **argv) {
+    if (lk_cli_wants_help(argc, argv)) {
+        fputs(SWAP_USAGE, stdout);
+        return LK_EXIT_OK;
+    }
+    lk_comm *c = NULL;
+    if (lk_comm_world(NULL, NULL, &c)) return lk_cli_fail();
+    int rank0 = lk_comm_rank(c) == 0, rc = LK_EXIT_FAIL;
+    lk_log_set_rank(lk_comm_rank(c), lk_comm_size(c));
+    swap_args a;
+    lk_plan *plan = NULL;
+    lk_weights *w = NULL;
+    lk_tracker *t = NULL;
+    lk_status s = lk_comm_agree(c, parse_args(argc, argv, &a));
+    if (s) {
+        rc = s == LK_ERR_ARG ? LK_EXIT_USAGE : LK_EXIT_FAIL;
+        if (rank0) {
+            if (rc == LK_EXIT_USAGE) lk_cli_usage("swap", "%s", lk_last_error());
+            else lk_cli_fail();
+        }
+        goto out;
+    }
+    s = lk_comm_agree(c, lk_plan_load(a.plan, &plan));
+    if (!s) s = lk_comm_agree(c, lk_weights_load(a.base, &w));
+    if (!s) {
+        lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+        o.bucket_mb = a.bucket_mb ? a.bucket_mb : plan->bucket_mb ? plan->bucket_mb : o.bucket_mb;
+        o.no_lora_swap = plan->no_lora_swap;
+        o.threads = a.threads >= 0 ? (int)a.threads : auto_threads(c);
+        s = lk_tracker_create(c, w, &o, &t);
+    }
+    if (s) {
+        if (rank0) lk_cli_fail();
+        goto out;
+    }
+    rc = run_steps(c, t, w, plan, a.plan, a.json);
+out:
+    lk_tracker_free(t);
+    lk_weights_free(w);
+    lk_plan_free(plan);
+    lk_comm_free(c);
+    return rc;
+}
