@@ -11,6 +11,9 @@
 # -runs=10000 FILE) and copy it into tests/fuzz/regress/<name>/, which
 # tests/test_fuzz_regress.c replays in every `make test`.
 #
+# FUZZ_SEED fixes libFuzzer's seed (CI, where CI=true, uses 1 so a run on a
+# fresh clone replays the same mutation sequence); otherwise it is random.
+#
 # Prints one summary line per target: execs, execs/s, coverage (cov = edges,
 # ft = features, as libFuzzer counts them) and corpus size.
 set -uo pipefail
@@ -35,6 +38,10 @@ fi
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:allocator_may_return_null=1}"
 export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 export LORAKIT_LOG="${LORAKIT_LOG:-error}"
+seed="${FUZZ_SEED:-}"
+[ -z "$seed" ] && [ "${CI:-}" = true ] && seed=1
+seed_arg=()
+[ -n "$seed" ] && seed_arg=(-seed="$seed")
 
 failed=0
 summary=""
@@ -49,7 +56,7 @@ for t in "${targets[@]}"; do
   dict=()
   [ -f "$here/$t.dict" ] && dict=(-dict="$here/$t.dict")
   echo "fuzz: $t for ${secs}s (log: $log)"
-  "$bin" "$work" "${seeds[@]}" "${dict[@]}" \
+  "$bin" "$work" "${seeds[@]}" "${dict[@]}" "${seed_arg[@]}" \
     -max_total_time="$secs" -timeout=20 -rss_limit_mb=2048 -max_len=65536 \
     -print_final_stats=1 -artifact_prefix="$art/" >"$log" 2>&1
   rc=$?
