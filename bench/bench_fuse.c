@@ -76,7 +76,13 @@ static void rmw_range(void *ctx, size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; i++) w[i] ^= 0x0001000100010001ull;
 }
 
-/* (c) naive: delta rows, then the add pass. */
+/* (c) naive: delta rows, then the add pass; built for the same ISAs as
+ * the kernel so the comparison is about the method, not the instructions. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(LK_NO_CLONES)
+#define BENCH_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define BENCH_CLONES
+#endif
 typedef struct naive_ctx {
     uint16_t *w;
     const float *A, *B; /* r x dim, dim x r */
@@ -84,7 +90,7 @@ typedef struct naive_ctx {
     size_t dim, r;
 } naive_ctx;
 
-static void naive_delta(void *p, size_t lo, size_t hi) {
+BENCH_CLONES static void naive_delta(void *p, size_t lo, size_t hi) {
     naive_ctx *c = p;
     for (size_t o = lo; o < hi; o++) {
         float *d = c->delta + o * c->dim;
@@ -97,7 +103,7 @@ static void naive_delta(void *p, size_t lo, size_t hi) {
     }
 }
 
-static void naive_add(void *p, size_t lo, size_t hi) {
+BENCH_CLONES static void naive_add(void *p, size_t lo, size_t hi) {
     naive_ctx *c = p;
     float tmp[1024];
     for (size_t o = lo; o < hi; o++)

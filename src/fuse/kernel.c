@@ -163,6 +163,33 @@ LK_KCLONES static int add_delta(float *restrict w, const float *restrict acc, si
     return bad != 0;
 }
 
+/* As add_delta, reading W straight from its bytes (BF16 widens by a
+ * shift, F32 as is) into w: one pass instead of convert-then-add. The same
+ * fp32 addition, hence the same bits. Loads go through memcpy: tensors in
+ * a safetensors mmap need not be aligned to their element size. */
+#define LK_ADD_FROM(NAME, T, WIDEN)                                                                   \
+    LK_KCLONES static int NAME(float *restrict w, const unsigned char *restrict src,                \
+                               const float *restrict acc,                                           \
+                               size_t n, uint32_t lim) {                                            \
+        uint32_t bad = 0;                                                                           \
+        for (size_t j = 0; j < n; j++) {                                                            \
+            T v;                                                                                    \
+            memcpy(&v, src + j * sizeof(T), sizeof(T));                                             \
+            uint32_t ux = WIDEN(v), ur;                                                             \
+            float x, r;                                                                             \
+            memcpy(&x, &ux, 4);                                                                     \
+            r = x + acc[j];                                                                         \
+            memcpy(&ur, &r, 4);                                                                     \
+            bad |= ((ux & 0x7fffffffu) < 0x7f800000u) & ((ur & 0x7fffffffu) >= lim);               \
+            w[j] = r;                                                                               \
+        }                                                                                           \
+        return bad != 0;                                                                            \
+    }
+#define LK_WIDEN_BF16(h) ((uint32_t)(h) << 16)
+#define LK_WIDEN_F32(u) (u)
+LK_ADD_FROM(add_from_bf16, uint16_t, LK_WIDEN_BF16)
+LK_ADD_FROM(add_from_f32, uint32_t, LK_WIDEN_F32)
+
 typedef struct kjob {
     void *w_out;
     const void *w_in;
@@ -189,8 +216,17 @@ typedef struct kworker {
 static void finish_row(kworker *wk, size_t o, size_t j0, size_t n, const float *acc) {
     kjob *jb = wk->job;
     size_t off = o * jb->in + j0;
-    lk_to_f32(wk->w, (const char *)jb->w_in + off * jb->esz, jb->dt, n);
-    if (add_delta(wk->w, acc, n, jb->lim) && off < wk->bad_at) {
+    const void *src = (const char *)jb->w_in + off * jb->esz;
+    int bad;
+    if (jb->dt == LK_DTYPE_BF16) {
+        bad = add_from_bf16(wk->w, src, acc, n, jb->lim);
+    } else if (jb->dt == LK_DTYPE_F32) {
+        bad = add_from_f32(wk->w, src, acc, n, jb->lim);
+    } else {
+        lk_to_f32(wk->w, src, jb->dt, n);
+        bad = add_delta(wk->w, acc, n, jb->lim);
+    }
+    if (bad && off < wk->bad_at) {
         /* Rare path: find the first offender for the message. */
         for (size_t j = 0; j < n && off + j < wk->bad_at; j++) {
             float orig;
