@@ -1,0 +1,379 @@
+/* bench_swap.c — `lorakit bench swap`: the delta-aware hot-swap tracker
+ * against the reference's behaviour (`full` mode: every owned key cloned up
+ * front, restored on every change, every key re-broadcast) and against
+ * reloading the checkpoint from disk.
+ *
+ * Model: DiT blocks in BF16 (attn1.to_q/to_k/to_v/to_out.0 at d x d,
+ * ff.net.0.proj 4d x d, ff.net.2 d x 4d: attention is a third of the bytes),
+ * enough blocks for --size-mb. Two adapters on the attention projections
+ * only. Ops, each timed as the slowest rank's tracker call (median of
+ * --repeat runs): apply (A from clean), strength (A at 0.5), swap (B), reset.
+ * It relaunches itself under `mpirun -n RANKS` when started alone. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli.h"
+
+static const char *const SWAP_BENCH_USAGE =
+    "usage: lorakit bench swap [--json] [--ranks K] [--size-mb N] [--dim D] [--rank R]\n"
+    "                          [--bucket-mb N] [--repeat N] [--threads N] [--dir DIR]\n\n"
+    "Times the hot-swap tracker in its delta-aware mode and in the reference's\n"
+    "`full` mode (restore every owned key, re-broadcast every key) on a synthetic\n"
+    "BF16 DiT model of at least N MiB with adapters on the attention projections\n"
+    "(a third of the bytes): apply, change strength, swap to a second adapter,\n"
+    "reset; plus reloading the checkpoint from disk. Started alone, it relaunches\n"
+    "itself as `mpirun --oversubscribe -n K`; under mpirun it uses the ranks it has.\n\n"
+    "options:\n"
+    "  --json          one JSON object per result line\n"
+    "  --ranks K       ranks to relaunch with (default 4)\n"
+    "  --size-mb N     model size, MiB (default 512)\n"
+    "  --dim D         model width (default 1024)\n"
+    "  --rank R        adapter rank (default 16)\n"
+    "  --bucket-mb N   staging buffer, MiB (default 64)\n"
+    "  --repeat N      runs per op, the median is reported (default 3)\n"
+    "  --threads N     fuse threads per rank (default 1)\n"
+    "  --dir DIR       where the temporary files go (default $TMPDIR or /tmp)\n"
+    "  -h, --help      this text\n";
+
+typedef struct bopts {
+    int json;
+    long ranks, size_mb, dim, rank, bucket_mb, repeat, threads;
+    const char *dir;
+} bopts;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int parse(int argc, char **argv, bopts *o) {
+    *o = (bopts){0, 4, 512, 1024, 16, 64, 3, 1, NULL};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        long *dst = !strcmp(a, "--ranks") ? &o->ranks : !strcmp(a, "--size-mb") ? &o->size_mb
+                  : !strcmp(a, "--dim") ? &o->dim : !strcmp(a, "--rank") ? &o->rank
+                  : !strcmp(a, "--bucket-mb") ? &o->bucket_mb : !strcmp(a, "--repeat") ? &o->repeat
+                  : !strcmp(a, "--threads") ? &o->threads : NULL;
+        if (!strcmp(a, "--json")) o->json = 1;
+        else if (!strcmp(a, "--dir") && i + 1 < argc) o->dir = argv[++i];
+        else if (dst && i + 1 < argc) {
+            if (!lk_cli_parse_int(argv[++i], dst) || *dst < (dst == &o->threads ? 0 : 1) || *dst > (1L << 20))
+                return lk_cli_usage("bench swap", "%s expects a positive whole number, got '%s'", a, argv[i]);
+        } else return lk_cli_usage("bench swap", "unknown or incomplete option '%s'", a);
+    }
+    if (o->dim % 8) return lk_cli_usage("bench swap", "--dim must be a multiple of 8");
+    return -1;
+}
+
+/* ---- the synthetic model and adapters ---- */
+
+static const char *const LIN[6] = {"attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj",
+                                   "ff.net.2"};
+
+static void lin_shape(long d, int j, int64_t *out, int64_t *in) {
+    *out = j == 4 ? 4 * d : d;
+    *in = j == 5 ? 4 * d : d;
+}
+
+/* Uniform BF16 values in [-mag, mag) from a counter-based generator. */
+static void fill_bf16(uint16_t *dst, size_t n, uint64_t seed, float mag) {
+    for (size_t i = 0; i < n; i++) {
+        uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z ^= z >> 31;
+        float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+        dst[i] = lk_f32_to_bf16(mag * (2.0f * u - 1.0f));
+    }
+}
+
+typedef struct decl {
+    char name[160];
+    int64_t shape[2];
+    int ndim;
+} decl;
+
+/* Writes n declared BF16 tensors with random values, in 8 MiB chunks. */
+static lk_status write_file(const char *path, const decl *d, size_t n, uint64_t seed, float mag) {
+    lk_st_writer *w;
+    lk_status s = lk_st_writer_create(path, &w);
+    for (size_t i = 0; !s && i < n; i++) s = lk_st_writer_declare(w, d[i].name, LK_DTYPE_BF16, d[i].ndim, d[i].shape, NULL);
+    if (!s) s = lk_st_writer_begin(w);
+    const size_t chunk = 4u << 20; /* elements */
+    uint16_t *buf = s ? NULL : lk_malloc(chunk * 2);
+    if (!s && !buf) s = lk_error(LK_ERR_NOMEM, "bench swap: out of memory");
+    for (size_t i = 0; !s && i < n; i++) {
+        size_t numel = (size_t)d[i].shape[0] * (size_t)(d[i].ndim == 2 ? d[i].shape[1] : 1);
+        for (size_t off = 0; !s && off < numel; off += chunk) {
+            size_t k = numel - off < chunk ? numel - off : chunk;
+            fill_bf16(buf, k, seed * 1000003u + i * 7919u + off, mag);
+            s = lk_st_writer_write(w, i, off * 2, buf, k * 2);
+        }
+    }
+    if (!s) s = lk_st_writer_commit(w);
+    lk_free(buf);
+    lk_st_writer_free(w);
+    return s;
+}
+
+static lk_status write_model(const char *path, long d, long blocks) {
+    size_t n = (size_t)blocks * 7;
+    decl *t = lk_calloc(n, sizeof *t);
+    if (!t) return lk_error(LK_ERR_NOMEM, "bench swap: out of memory");
+    size_t k = 0;
+    for (long b = 0; b < blocks; b++) {
+        for (int j = 0; j < 6; j++, k++) {
+            snprintf(t[k].name, sizeof t[k].name, "transformer_blocks.%ld.%s.weight", b, LIN[j]);
+            lin_shape(d, j, &t[k].shape[0], &t[k].shape[1]);
+            t[k].ndim = 2;
+        }
+        snprintf(t[k].name, sizeof t[k].name, "transformer_blocks.%ld.norm1.weight", b);
+        t[k].shape[0] = d;
+        t[k++].ndim = 1;
+    }
+    lk_status s = write_file(path, t, n, 1, 0.05f);
+    lk_free(t);
+    return s;
+}
+
+/* diffusers-format adapter on the attention projections (alpha = rank). */
+static lk_status write_adapter(const char *path, long d, long blocks, long r, uint64_t seed) {
+    size_t n = (size_t)blocks * 8;
+    decl *t = lk_calloc(n, sizeof *t);
+    if (!t) return lk_error(LK_ERR_NOMEM, "bench swap: out of memory");
+    size_t k = 0;
+    for (long b = 0; b < blocks; b++)
+        for (int j = 0; j < 4; j++) {
+            snprintf(t[k].name, sizeof t[k].name, "transformer.transformer_blocks.%ld.%s.lora_A.weight", b, LIN[j]);
+            t[k].shape[0] = r;
+            t[k].shape[1] = d;
+            t[k++].ndim = 2;
+            snprintf(t[k].name, sizeof t[k].name, "transformer.transformer_blocks.%ld.%s.lora_B.weight", b, LIN[j]);
+            t[k].shape[0] = d;
+            t[k].shape[1] = r;
+            t[k++].ndim = 2;
+        }
+    lk_status s = write_file(path, t, n, seed, 0.02f);
+    lk_free(t);
+    return s;
+}
+
+/* ---- measuring ---- */
+
+typedef struct result {
+    double seconds;  /* slowest rank */
+    double phase[4]; /* agree, load, fuse, broadcast: slowest rank each */
+    uint64_t bytes_broadcast, backup_max, keys_fused, keys_restored;
+} result;
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* One tracker call on every rank, reduced over the group. */
+static lk_status timed_apply(lk_comm *c, lk_tracker *t, const lk_fuse_input *in, size_t n, result *r) {
+    lk_tracker_stats st;
+    lk_status s = lk_comm_barrier(c);
+    if (!s) s = lk_tracker_apply(t, in, n, &st);
+    if (s) return s;
+    const double ph[5] = {st.seconds, st.seconds_agree, st.seconds_load, st.seconds_fuse, st.seconds_broadcast};
+    uint64_t mx[6] = {st.backup_bytes}, sum[2] = {st.keys_fused, st.keys_restored};
+    for (int k = 0; k < 5; k++) mx[1 + k] = (uint64_t)(ph[k] * 1e9);
+    s = lk_comm_allreduce_u64(c, mx, 6, LK_REDUCE_MAX);
+    if (!s) s = lk_comm_allreduce_u64(c, sum, 2, LK_REDUCE_SUM);
+    *r = (result){(double)mx[1] * 1e-9, {0}, st.bytes_broadcast, mx[0], sum[0], sum[1]};
+    for (int k = 0; k < 4; k++) r->phase[k] = (double)mx[2 + k] * 1e-9;
+    return s;
+}
+
+static void print_result(const bopts *o, int ranks, const char *mode, const char *op, const result *r, size_t staging) {
+    if (o->json)
+        printf("{\"bench\": \"swap\", \"mode\": \"%s\", \"op\": \"%s\", \"ranks\": %d, \"seconds\": %.6f, "
+               "\"bytes_broadcast\": %llu, \"backup_bytes_max\": %llu, \"keys_fused\": %llu, "
+               "\"keys_restored\": %llu, \"staging_bytes\": %zu, \"phases\": {\"agree\": %.6f, \"load\": %.6f, "
+               "\"fuse\": %.6f, \"broadcast\": %.6f}}\n",
+               mode, op, ranks, r->seconds, (unsigned long long)r->bytes_broadcast,
+               (unsigned long long)r->backup_max, (unsigned long long)r->keys_fused,
+               (unsigned long long)r->keys_restored, staging, r->phase[0], r->phase[1], r->phase[2], r->phase[3]);
+    else
+        printf("%-6s %-9s %7.3f s (load %.3f fuse %.3f bcast %.3f)  %6.1f MiB sent  backup/rank %6.1f MiB  "
+               "fused %3llu  restored %3llu\n",
+               mode, op, r->seconds, r->phase[1], r->phase[2], r->phase[3], (double)r->bytes_broadcast / 1048576.0,
+               (double)r->backup_max / 1048576.0, (unsigned long long)r->keys_fused,
+               (unsigned long long)r->keys_restored);
+    fflush(stdout);
+}
+
+enum { OP_APPLY, OP_STRENGTH, OP_SWAP, OP_RESET, N_OPS };
+static const char *const OPS[N_OPS] = {"apply", "strength", "swap", "reset"};
+
+/* Runs the four ops --repeat times in one mode; med[] gets the medians. */
+static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int full, const char *pa, const char *pb,
+                          result med[N_OPS], size_t *staging) {
+    lk_tracker_opts to = LK_TRACKER_OPTS_DEFAULT;
+    to.bucket_mb = o->bucket_mb;
+    to.threads = (int)o->threads;
+    to.full = full;
+    lk_tracker *t;
+    lk_status s = lk_tracker_create(c, w, &to, &t);
+    if (s) return s;
+    *staging = lk_tracker_staging_bytes(t);
+    lk_fuse_input a1[] = {{pa, 1.0f, LK_FORMAT_AUTO}}, a05[] = {{pa, 0.5f, LK_FORMAT_AUTO}},
+                  b1[] = {{pb, 1.0f, LK_FORMAT_AUTO}};
+    const lk_fuse_input *req[N_OPS] = {a1, a05, b1, NULL};
+    result *runs = lk_calloc((size_t)o->repeat * N_OPS, sizeof *runs);
+    double *sec = lk_calloc((size_t)o->repeat, sizeof *sec);
+    if (!runs || !sec) s = lk_error(LK_ERR_NOMEM, "bench swap: out of memory");
+    for (long k = 0; !s && k < o->repeat; k++)
+        for (int op = 0; !s && op < N_OPS; op++)
+            s = timed_apply(c, t, req[op], req[op] ? 1 : 0, &runs[k * N_OPS + op]);
+    for (int op = 0; !s && op < N_OPS; op++) {
+        for (long k = 0; k < o->repeat; k++) sec[k] = runs[k * N_OPS + op].seconds;
+        qsort(sec, (size_t)o->repeat, sizeof *sec, cmp_d);
+        med[op] = runs[op]; /* counts are the same every run */
+        med[op].seconds = sec[o->repeat / 2];
+    }
+    lk_free(runs);
+    lk_free(sec);
+    lk_tracker_free(t);
+    return s;
+}
+
+/* Starts `mpirun --oversubscribe -n K <this program> bench swap <args>`. */
+static int relaunch(long ranks, int argc, char **argv) {
+    char exe[4096], nbuf[32];
+    ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (len <= 0) return -1;
+    exe[len] = '\0';
+    snprintf(nbuf, sizeof nbuf, "%ld", ranks);
+    char **av = calloc((size_t)argc + 8, sizeof *av);
+    if (!av) return -1;
+    int k = 0;
+    av[k++] = "mpirun";
+    av[k++] = "--oversubscribe";
+    av[k++] = "-n";
+    av[k++] = nbuf;
+    av[k++] = exe;
+    av[k++] = "bench";
+    for (int i = 0; i < argc; i++) av[k++] = argv[i];
+    fflush(stdout);
+    execvp("mpirun", av);
+    free(av);
+    return -1; /* exec failed: run here, one rank */
+}
+
+int lk_bench_swap(int argc, char **argv) {
+    if (lk_cli_wants_help(argc, argv)) {
+        fputs(SWAP_BENCH_USAGE, stdout);
+        return LK_EXIT_OK;
+    }
+    bopts o;
+    int prc = parse(argc, argv, &o);
+    if (prc >= 0) return prc;
+#ifdef LK_HAVE_MPI
+    if (o.ranks > 1 && !getenv("OMPI_COMM_WORLD_SIZE") && !getenv("PMIX_RANK")) relaunch(o.ranks, argc, argv);
+#endif
+    lk_comm *c;
+    if (lk_comm_world(NULL, NULL, &c)) return lk_cli_fail();
+    int rank = lk_comm_rank(c), ranks = lk_comm_size(c), rc = LK_EXIT_FAIL;
+    lk_log_set_rank(rank, ranks);
+    const long d = o.dim, block_bytes = 12 * d * d * 2;
+    const long blocks = (long)(((unsigned long long)o.size_mb << 20) + (unsigned long long)block_bytes - 1) / block_bytes;
+    char dir[4096] = {0};
+    char pm[4200], pa[4200], pb[4200];
+    lk_weights *w = NULL;
+    lk_status s = LK_OK;
+    if (rank == 0) {
+        const char *base = o.dir ? o.dir : getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+        snprintf(dir, sizeof dir, "%s/lkbench_swap.XXXXXX", base);
+        if (!mkdtemp(dir)) s = lk_error(LK_ERR_IO, "bench swap: cannot create a folder under %s", base);
+    }
+    s = lk_comm_agree(c, s);
+    if (!s) s = lk_comm_bcast(c, dir, sizeof dir, 0);
+    snprintf(pm, sizeof pm, "%s/model.safetensors", dir);
+    snprintf(pa, sizeof pa, "%s/a.safetensors", dir);
+    snprintf(pb, sizeof pb, "%s/b.safetensors", dir);
+    if (!s && rank == 0) {
+        s = write_model(pm, d, blocks);
+        if (!s) s = write_adapter(pa, d, blocks, o.rank, 2);
+        if (!s) s = write_adapter(pb, d, blocks, o.rank, 3);
+    }
+    if (!s) s = lk_comm_agree(c, s);
+    if (!s) s = lk_comm_agree(c, lk_weights_load(pm, &w));
+    if (s) {
+        if (rank == 0) lk_cli_fail();
+        goto out;
+    }
+    /* bytes the adapters touch, and the largest tensor */
+    uint64_t touched = 0, largest = 0, total = lk_weights_nbytes(w);
+    for (size_t i = 0; i < lk_weights_count(w); i++) {
+        const lk_tensor *t = lk_weights_tensor(w, i);
+        if (strstr(t->name, ".attn1.")) touched += t->nbytes;
+        if (t->nbytes > largest) largest = t->nbytes;
+    }
+    if (rank == 0 && !o.json)
+        printf("model %.1f MiB (%ld blocks, d=%ld, BF16), adapters rank %ld on attention (%.1f%% of bytes), %d ranks, "
+               "bucket %ld MiB, median of %ld\n",
+               (double)total / 1048576.0, blocks, d, o.rank, 100.0 * (double)touched / (double)total, ranks,
+               o.bucket_mb, o.repeat);
+    result res[2][N_OPS];
+    size_t staging[2];
+    for (int mode = 0; mode < 2 && !s; mode++) {
+        s = run_mode(c, w, &o, mode, pa, pb, res[mode], &staging[mode]);
+        for (int op = 0; !s && rank == 0 && op < N_OPS; op++)
+            print_result(&o, ranks, mode ? "full" : "delta", OPS[op], &res[mode][op], staging[mode]);
+    }
+    /* the naive alternative: every rank reloads the checkpoint */
+    double reload[64];
+    long nr = o.repeat < 64 ? o.repeat : 64;
+    for (long k = 0; !s && k < nr; k++) {
+        lk_weights *w2 = NULL;
+        s = lk_comm_barrier(c);
+        double t0 = now_s();
+        lk_status ls = lk_weights_load(pm, &w2);
+        uint64_t ns = (uint64_t)((now_s() - t0) * 1e9);
+        lk_weights_free(w2);
+        if (!s) s = lk_comm_agree(c, ls);
+        if (!s) s = lk_comm_allreduce_u64(c, &ns, 1, LK_REDUCE_MAX);
+        reload[k] = (double)ns * 1e-9;
+    }
+    if (s) {
+        if (rank == 0) lk_cli_fail();
+        goto out;
+    }
+    if (rank == 0) {
+        qsort(reload, (size_t)nr, sizeof *reload, cmp_d);
+        result rr = {reload[nr / 2], {0}, 0, 0, 0, 0};
+        print_result(&o, ranks, "reload", "reload", &rr, 0);
+        double ratio = res[0][OP_SWAP].seconds / res[1][OP_SWAP].seconds;
+        uint64_t backup_target = touched / (uint64_t)ranks + largest;
+        if (o.json)
+            printf("{\"bench\": \"swap\", \"mode\": \"summary\", \"ranks\": %d, \"model_bytes\": %llu, "
+                   "\"touched_bytes\": %llu, \"largest_tensor_bytes\": %llu, \"swap_delta_over_full\": %.3f, "
+                   "\"backup_bytes_max\": %llu, \"backup_target\": %llu, \"staging_bytes\": %zu}\n",
+                   ranks, (unsigned long long)total, (unsigned long long)touched, (unsigned long long)largest, ratio,
+                   (unsigned long long)res[0][OP_SWAP].backup_max, (unsigned long long)backup_target, staging[0]);
+        else
+            printf("swap: delta / full = %.2f (target <= 0.5); backup per rank %.1f MiB (target <= %.1f MiB = "
+                   "touched/ranks + largest tensor); staging %.1f MiB\n",
+                   ratio, (double)res[0][OP_SWAP].backup_max / 1048576.0, (double)backup_target / 1048576.0,
+                   (double)staging[0] / 1048576.0);
+    }
+    rc = LK_EXIT_OK;
+out:
+    lk_weights_free(w);
+    lk_comm_barrier(c);
+    if (rank == 0 && dir[0]) {
+        remove(pm);
+        remove(pa);
+        remove(pb);
+        rmdir(dir);
+    }
+    lk_comm_free(c);
+    return rc;
+}
