@@ -121,7 +121,8 @@ lk_lora_layer *lk_lora_model_layer(lk_lora_model *m, size_t i); /* registration 
 lk_lora_layer *lk_lora_model_find(lk_lora_model *m, const char *name); /* or NULL */
 
 /* Wraps every registered linear layer whose name contains one of
- * cfg->targets and none of `exclude` (NULL-terminated, may be NULL), with
+ * cfg->targets (lk_lora_default_targets when cfg->targets is NULL) and none
+ * of `exclude` (NULL-terminated, may be NULL), with
  * rank cfg->rank and scale cfg->alpha / cfg->rank; freezes every base tensor
  * (linear and other); initialises A kaiming-uniform (bound 1/sqrt(in)) and B
  * to zero from (seed, "<name>.lora_A") — identical on every rank, whatever
