@@ -126,13 +126,33 @@ static lk_tracker *make(lk_weights *w, long bucket_mb, int no_lora_swap) {
     return t;
 }
 
+/* Bytes of all weights this rank owns (the full mode's backup). */
+static uint64_t owned_bytes(const lk_weights *w, const lk_tracker *t) {
+    uint64_t sum = 0;
+    for (size_t i = 0; i < lk_weights_count(w); i++)
+        if (lk_tracker_owner(t, i) == R) sum += lk_weights_tensor(w, i)->nbytes;
+    return sum;
+}
+
 static void test_sequence_buckets(void **state) {
     (void)state;
-    const long buckets[] = {1, 2, 1024 /* larger than the model */};
-    for (size_t bi = 0; bi < 3; bi++) {
+    /* bucket sizes 1 MiB .. larger than the model, and the reference-like
+     * full mode, which must give the same bytes while moving all of them */
+    const struct {
+        long bucket_mb;
+        int full;
+    } cfg[] = {{1, 0}, {2, 0}, {1024, 0}, {1, 1}};
+    for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++) {
         lk_weights *w;
         assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
-        lk_tracker *t = make(w, buckets[bi], 0);
+        lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+        o.bucket_mb = cfg[ci].bucket_mb;
+        o.full = cfg[ci].full;
+        o.threads = 1;
+        lk_tracker *t = NULL;
+        assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_OK);
+        const int full = cfg[ci].full;
+        const uint64_t all = lk_weights_nbytes(w), mine = owned_bytes(w, t);
         const uint64_t attn = swap_touched_bytes(w, SWAP_ATTN, NULL, 0), ff = swap_touched_bytes(w, SWAP_FF, NULL, 0);
         const uint64_t my_attn = swap_touched_bytes(w, SWAP_ATTN, t, R), my_ff = swap_touched_bytes(w, SWAP_FF, t, R);
         const uint64_t sent = N > 1; /* nothing crosses a one-rank group */
@@ -141,15 +161,16 @@ static void test_sequence_buckets(void **state) {
         lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
         assert_int_equal(lk_tracker_apply(t, a1, 1, &st), LK_OK);
         check_digest(w, g_want[S_A]);
-        assert_true(st.bytes_broadcast == sent * attn);
-        assert_int_equal(st.keys_broadcast, sent * 8);
-        assert_true(st.backup_bytes == my_attn); /* only what this rank owns and A touched */
+        assert_true(st.bytes_broadcast == sent * (full ? all : attn));
+        assert_int_equal(st.keys_broadcast, sent * (full ? lk_weights_count(w) : 8));
+        /* only what this rank owns and A touched (full: everything it owns) */
+        assert_true(st.backup_bytes == (full ? mine : my_attn));
 
         lk_fuse_input ab[] = {{g_b, -0.5f, LK_FORMAT_AUTO}, {g_a, 0.7f, LK_FORMAT_AUTO}};
         assert_int_equal(lk_tracker_apply(t, ab, 2, &st), LK_OK);
         check_digest(w, g_want[S_AB]);
-        assert_true(st.bytes_broadcast == sent * (attn + ff));
-        assert_true(st.backup_bytes == my_attn + my_ff);
+        assert_true(st.bytes_broadcast == sent * (full ? all : attn + ff));
+        assert_true(st.backup_bytes == (full ? mine : my_attn + my_ff));
 
         lk_fuse_input ba[] = {{g_a, 0.7f, LK_FORMAT_AUTO}, {g_b, -0.5f, LK_FORMAT_AUTO}};
         assert_int_equal(lk_tracker_apply(t, ba, 2, &st), LK_OK);
@@ -159,12 +180,12 @@ static void test_sequence_buckets(void **state) {
         lk_fuse_input b1[] = {{g_b, 1.3f, LK_FORMAT_AUTO}};
         assert_int_equal(lk_tracker_apply(t, b1, 1, &st), LK_OK);
         check_digest(w, g_want[S_B]);
-        assert_true(st.bytes_broadcast == sent * (attn + ff));
+        assert_true(st.bytes_broadcast == sent * (full ? all : attn + ff));
 
         assert_int_equal(lk_tracker_reset(t, &st), LK_OK);
         check_digest(w, g_base_digest);
-        assert_true(st.bytes_broadcast == sent * ff); /* only B's keys were dirty */
-        assert_true(st.backup_bytes == my_attn + my_ff);
+        assert_true(st.bytes_broadcast == sent * (full ? all : ff)); /* delta: only B's keys were dirty */
+        assert_true(st.backup_bytes == (full ? mine : my_attn + my_ff));
 
         assert_int_equal(lk_tracker_apply(t, a1, 1, &st), LK_OK);
         check_digest(w, g_want[S_A2]);

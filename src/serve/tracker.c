@@ -209,9 +209,10 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
     const void *clean = t->k[i].backup ? t->k[i].backup : w->data; /* no_lora_swap: in place */
     size_t nt = r->ad ? key_terms(t, r, i, terms) : 0;
     *fused = nt > 0;
-    if (!nt) {
+    if (!nt || t->o.full) { /* full mode copies first and fuses in place, as the reference does */
         if (clean != w->data) memcpy(w->data, clean, w->nbytes);
-        return LK_OK;
+        clean = w->data;
+        if (!nt) return LK_OK;
     }
     lk_fuse_opts fo = {t->o.threads, 0};
     return lk_fuse_tensor(w->data, clean, w->dtype, w->shape[0], w->shape[1], terms, nt, &fo, w->name);
