@@ -372,11 +372,52 @@ static void test_errors(void **state) {
     free(ad);
 }
 
+/* tests/fixtures/adapters/ref: the expected output was computed by
+ * make_reference.py in float64 with numpy, with PEFT's and kohya's rules
+ * applied in Python (re-based pattern matching), rounded once: lorakit's
+ * fused values must be within 1 ulp of it, the untouched tensor identical. */
+static void test_python_reference(void **state) {
+    (void)state;
+    char *out = tu_path(g_dir, "ref_out.safetensors");
+    const char *fx = LK_TEST_SRC_DIR "/tests/fixtures/adapters/ref";
+    char base[512], peft[512], kohya[512], expected[512];
+    snprintf(base, sizeof base, "%s/base.safetensors", fx);
+    snprintf(peft, sizeof peft, "%s/peft", fx);
+    snprintf(kohya, sizeof kohya, "%s/kohya.safetensors", fx);
+    snprintf(expected, sizeof expected, "%s/expected.safetensors", fx);
+    lk_fuse_input in[2] = {{peft, 0.8f, LK_FORMAT_AUTO}, {kohya, -0.6f, LK_FORMAT_AUTO}};
+    lk_fuse_stats stats;
+    if (lk_fuse_file(base, in, 2, out, NULL, &stats)) fail_msg("fuse: %s", lk_last_error());
+    assert_int_equal(stats.tensors_fused, 3);
+    lk_st *got = open_st(out), *want = open_st(expected);
+    assert_int_equal(lk_st_count(got), lk_st_count(want));
+    for (size_t i = 0; i < lk_st_count(want); i++) {
+        const lk_tensor *w = lk_st_tensor(want, i);
+        long k = lk_st_find(got, w->name);
+        assert_true(k >= 0);
+        const lk_tensor *g = lk_st_tensor(got, (size_t)k);
+        assert_int_equal(g->dtype, w->dtype);
+        assert_int_equal(g->nbytes, w->nbytes);
+        if (w->dtype == LK_DTYPE_F32) { /* untouched */
+            assert_memory_equal(g->data, w->data, w->nbytes);
+            continue;
+        }
+        for (size_t j = 0; j < lk_tensor_numel(w); j++) {
+            double a = ar_get(g, j), b = ar_get(w, j);
+            if (fabs(a - b) > ar_ulp(w->dtype, b)) fail_msg("%s[%zu]: lorakit %.9g, numpy %.9g", w->name, j, a, b);
+        }
+    }
+    lk_st_close(got);
+    lk_st_close(want);
+    free(out);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_formats_dtypes),
         cmocka_unit_test(test_mix),
         cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_python_reference),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -1,6 +1,7 @@
 /* test_fuse_kernel.c — lk_fuse_tensor against an independent double
  * reference (tests/util/adapter_ref.c: plain double loops over the stored
- * values, 1 ulp + the fp32 accumulation bound), plus byte-level invariants:
+ * values; 1 ulp for F16/BF16 weights, 1 ulp + the fp32 summation bound for
+ * F32 weights), plus byte-level invariants:
  * the same bytes for any thread count, in place or not; strength 0 leaves
  * bytes untouched; non-finite results and bad arguments are errors. */
 #include "adapter_ref.h"
