@@ -185,16 +185,16 @@ static lk_status key_signatures(lk_tracker *t, const request *r) {
     for (size_t i = 0; i < t->n; i++) {
         const lk_tensor *w = lk_weights_tensor(t->w, i);
         uint64_t s = 0;
-        int touched = 0;
+        size_t first = SIZE_MAX; /* the first adapter touching the key */
         for (size_t j = 0; j < r->n; j++)
             if (lk_adapter_find_target(r->ad[j], w->name)) {
                 s = XXH3_64bits_withSeed(&r->id[j], 8, s + 1);
-                touched = 1;
+                if (first == SIZE_MAX) first = j;
             }
-        if (touched && (!lk_dtype_is_fusable(w->dtype) || w->ndim != 2))
+        if (first != SIZE_MAX && (!lk_dtype_is_fusable(w->dtype) || w->ndim != 2))
             return lk_error(LK_ERR_DTYPE, "%s: %s: the weight is %s with %d dims; only 2-D F32/F16/BF16 weights can be fused",
-                            r->e[0].path, w->name, lk_dtype_name(w->dtype), w->ndim);
-        t->next[i] = (touched && !s) ? 1 : s; /* 0 is reserved for clean */
+                            r->e[first].path, w->name, lk_dtype_name(w->dtype), w->ndim);
+        t->next[i] = (first != SIZE_MAX && !s) ? 1 : s; /* 0 is reserved for clean */
     }
     return LK_OK;
 }
