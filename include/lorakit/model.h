@@ -33,7 +33,10 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include "lorakit/comm.h"
+#include "lorakit/lora.h"
 #include "lorakit/status.h"
+#include "lorakit/task.h"
 #include "lorakit/tensor.h"
 
 #ifdef __cplusplus
@@ -146,6 +149,101 @@ void lk_model_linear_info(lk_model *m, size_t i, int *in_f, int *out_f,
  * ctx is borrowed. */
 void lk_model_set_linear_hook(lk_model *m, size_t i,
                               const lk_model_linear_hook *hook, void *ctx);
+
+/* ---- LoRA through the training API (src/model/model_lora.c) ----
+ * Registers every linear and every other parameter of m with a new
+ * lk_lora_model (weights borrowed from m), calls lk_lora_enable with cfg
+ * (targets, rank, alpha; seeded init identical on every rank), attaches a
+ * hook to each wrapped linear (lk_lora_layer_delta_forward/backward) and
+ * freezes the base (lk_model_set_train_base(m, 0)). The lk_lora_model gives
+ * the adapter parameters, PEFT save/load and base loading with key aliases.
+ * m must outlive the attachment; detach (or free) before freeing m. */
+typedef struct lk_model_lora lk_model_lora;
+lk_status lk_model_lora_attach(lk_model *m, const lk_lora_config *cfg, uint64_t seed,
+                               lk_model_lora **out);
+lk_lora_model *lk_model_lora_get(lk_model_lora *ml);
+/* Removes the hooks, unfreezes the base and frees the LoRA state. */
+void lk_model_lora_detach(lk_model *m, lk_model_lora *ml);
+
+/* ---- a training run (src/model/train.c): what `lorakit train` does ---- */
+
+#define LK_TRAIN_PATH_MAX 1024
+
+/* The YAML of `lorakit train` (every key but `models` is lorakit's; unknown
+ * keys are errors; relative paths are relative to the config's directory):
+ *
+ *   model: {d_model: 64, n_layers: 2, n_heads: 4, d_ff: 256}  # or:
+ *   base: out/base/model.safetensors    # start from a checkpoint (dims from it)
+ *   task: reverse                       # copy | reverse | sort | increment
+ *   digits: 6
+ *   steps: 600
+ *   global_batch: 64                    # split evenly over the ranks
+ *   lr: 0.01
+ *   weight_decay: 0.0                   # optional
+ *   clip: 1.0                           # optional, 0 = off
+ *   schedule: cosine                    # optional: cosine (default) | constant
+ *   seed: 1
+ *   log_every: 50                       # optional
+ *   eval_examples: 500                  # optional, 0 = skip the final evaluation
+ *   output: out/reverse
+ *   models:
+ *     student:
+ *       lora: {enable: true, rank: 8, alpha: 16, target_modules: [to_q, ff.net.2]}
+ *
+ * With LoRA enabled the adapter is trained on a frozen base (which then must
+ * be given), else the whole model is. */
+typedef struct lk_train_config {
+    lk_model_config model;
+    char base[LK_TRAIN_PATH_MAX];     /* "" = create from `model` and seed */
+    lk_task_kind task;
+    int digits;
+    long steps;
+    int global_batch;
+    float lr, weight_decay, clip;
+    int cosine;
+    uint64_t seed;
+    int log_every;
+    int eval_examples;
+    char output[LK_TRAIN_PATH_MAX];
+    char role[64];
+    lk_lora_config lora;              /* models.<role>.lora */
+} lk_train_config;
+
+/* Parses path; role NULL = the first role under `models` (none: no LoRA). */
+lk_status lk_train_config_load(const char *path, const char *role, lk_train_config *out);
+void lk_train_config_clear(lk_train_config *cfg);
+
+typedef struct lk_train_progress {
+    long step;            /* 1-based */
+    long steps;
+    float loss;           /* mean over the global batch */
+    float grad_norm;      /* before clipping */
+    double tokens_per_s;  /* global tokens (batch x positions) per second */
+    double elapsed;       /* seconds since the first step began */
+} lk_train_progress;
+
+/* Called on every rank after every step (the values are the same on every
+ * rank); a non-zero return stops the run with LK_ERR_STATE. */
+typedef int (*lk_train_progress_fn)(void *ctx, const lk_train_progress *p);
+
+typedef struct lk_train_result {
+    long steps;
+    float first_loss, final_loss;
+    double seconds;
+    size_t trainable;    /* trained floats */
+    size_t lora_layers;  /* wrapped layers (0: full model) */
+    double accuracy;     /* greedy exact-match on eval_examples held-out examples */
+    int replicas_agree;  /* 1 when every rank ended with identical parameters */
+    char saved[LK_TRAIN_PATH_MAX]; /* adapter directory or model file written */
+} lk_train_result;
+
+/* Runs the whole training on `world` (collective; comm_self for one
+ * process): data-parallel over the ranks, gradients averaged with
+ * lk_lora_sync_grads, clipping, AdamW; checks the replicas at the end; rank 0
+ * writes the output (PEFT adapter in `output/`, or `output/model.safetensors`
+ * for full-model training). */
+lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_progress_fn fn,
+                       void *ctx, lk_train_result *res);
 
 #ifdef __cplusplus
 }

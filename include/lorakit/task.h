@@ -16,12 +16,13 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include "lorakit/model.h"
 #include "lorakit/status.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+typedef struct lk_model lk_model;
 
 #define LK_TASK_SEP 10
 #define LK_TASK_VOCAB 11

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "lorakit/alloc.h"
+#include "lorakit/model.h"
 #include "lorakit/task.h"
 
 static const char *const k_names[LK_TASK_COUNT] = {"copy", "reverse", "sort", "increment"};

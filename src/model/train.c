@@ -1,0 +1,458 @@
+/* train.c — one training run of the small transformer: what `lorakit train`
+ * does, as a library call so that tests (including the MPI test comparing 1
+ * and K ranks) run exactly the code the CLI runs.
+ *
+ * Data parallel in the simplest exact form: example i of step s is a pure
+ * function of (seed, s * global_batch + i) (lorakit/task.h), rank r takes a
+ * contiguous slice of the global batch, every rank's loss is a mean over the
+ * same number of scored tokens, so averaging gradients over the ranks
+ * (lk_lora_sync_grads) gives the full-batch gradient and the runs at any
+ * rank count agree up to float summation order. Full-model training reuses
+ * the same parameter-set machinery (sync, clip, AdamW, replica check) by
+ * mirroring the model's parameters into an lk_lora_params set. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <yaml.h>
+
+#include "lorakit/alloc.h"
+#include "lorakit/log.h"
+#include "lorakit/mesh.h"
+#include "lorakit/model.h"
+
+/* ---------------------------------------------------------------- config */
+
+static const char *const k_keys[] = {"model", "base", "task", "digits", "steps", "global_batch",
+                                     "lr", "weight_decay", "clip", "schedule", "seed",
+                                     "log_every", "eval_examples", "output", "models", NULL};
+
+static int line_of(const yaml_node_t *n) { return (int)n->start_mark.line + 1; }
+
+static const char *scalar(const yaml_node_t *n) {
+    return n && n->type == YAML_SCALAR_NODE ? (const char *)n->data.scalar.value : NULL;
+}
+
+static lk_status get_long(const char *path, const char *key, const yaml_node_t *n, long lo,
+                          long hi, long *out) {
+    const char *s = scalar(n);
+    char *end;
+    errno = 0;
+    long v = s ? strtol(s, &end, 10) : 0;
+    if (!s || !*s || errno || *end || v < lo || v > hi)
+        return lk_error(LK_ERR_CONFIG, "%s:%d: %s: expected an integer in %ld..%ld, got \"%s\"",
+                        path, n ? line_of(n) : 0, key, lo, hi, s ? s : "(not a scalar)");
+    *out = v;
+    return LK_OK;
+}
+
+static lk_status get_float(const char *path, const char *key, const yaml_node_t *n, double lo,
+                           double hi, float *out) {
+    const char *s = scalar(n);
+    char *end;
+    errno = 0;
+    double v = s ? strtod(s, &end) : 0;
+    if (!s || !*s || errno || *end || !isfinite(v) || v < lo || v > hi)
+        return lk_error(LK_ERR_CONFIG, "%s:%d: %s: expected a number in %g..%g, got \"%s\"", path,
+                        n ? line_of(n) : 0, key, lo, hi, s ? s : "(not a scalar)");
+    *out = (float)v;
+    return LK_OK;
+}
+
+/* dst = path relative to the config's directory (absolute paths kept). */
+static lk_status get_path(const char *cfgpath, const char *key, const yaml_node_t *n, char *dst) {
+    const char *s = scalar(n);
+    if (!s || !*s)
+        return lk_error(LK_ERR_CONFIG, "%s:%d: %s: expected a path", cfgpath, n ? line_of(n) : 0,
+                        key);
+    const char *slash = strrchr(cfgpath, '/');
+    int dirlen = s[0] == '/' || !slash ? 0 : (int)(slash - cfgpath) + 1;
+    int w = snprintf(dst, LK_TRAIN_PATH_MAX, "%.*s%s", dirlen, cfgpath, s);
+    if (w < 0 || w >= LK_TRAIN_PATH_MAX)
+        return lk_error(LK_ERR_CONFIG, "%s:%d: %s: path too long", cfgpath, line_of(n), key);
+    return LK_OK;
+}
+
+static lk_status parse_model(const char *path, yaml_document_t *doc, yaml_node_t *n,
+                             lk_model_config *mc) {
+    if (n->type != YAML_MAPPING_NODE)
+        return lk_error(LK_ERR_CONFIG, "%s:%d: model: expected a mapping", path, line_of(n));
+    for (yaml_node_pair_t *p = n->data.mapping.pairs.start; p < n->data.mapping.pairs.top; p++) {
+        const char *k = scalar(yaml_document_get_node(doc, p->key));
+        yaml_node_t *v = yaml_document_get_node(doc, p->value);
+        int *dst = !k ? NULL
+                   : !strcmp(k, "d_model")  ? &mc->d_model
+                   : !strcmp(k, "n_layers") ? &mc->n_layers
+                   : !strcmp(k, "n_heads")  ? &mc->n_heads
+                   : !strcmp(k, "d_ff")     ? &mc->d_ff
+                                            : NULL;
+        if (!dst)
+            return lk_error(LK_ERR_CONFIG, "%s:%d: model.%s: unknown key (valid: d_model, "
+                            "n_layers, n_heads, d_ff)", path, line_of(v), k ? k : "?");
+        long x;
+        char full[64];
+        snprintf(full, sizeof full, "model.%s", k);
+        lk_status st = get_long(path, full, v, 1, 1 << 16, &x);
+        if (st) return st;
+        *dst = (int)x;
+    }
+    return LK_OK;
+}
+
+static lk_status parse_doc(const char *path, yaml_document_t *doc, lk_train_config *c) {
+    yaml_node_t *root = yaml_document_get_root_node(doc);
+    if (!root || root->type != YAML_MAPPING_NODE)
+        return lk_error(LK_ERR_CONFIG, "%s: expected a mapping at the top level", path);
+    int have_model = 0, have_task = 0, have_steps = 0, have_batch = 0, have_lr = 0,
+        have_out = 0;
+    lk_status st = LK_OK;
+    for (yaml_node_pair_t *p = root->data.mapping.pairs.start; p < root->data.mapping.pairs.top;
+         p++) {
+        yaml_node_t *kn = yaml_document_get_node(doc, p->key);
+        yaml_node_t *v = yaml_document_get_node(doc, p->value);
+        const char *k = scalar(kn);
+        long x;
+        if (!k) return lk_error(LK_ERR_CONFIG, "%s:%d: keys must be strings", path, line_of(kn));
+        if (!strcmp(k, "model")) {
+            st = parse_model(path, doc, v, &c->model);
+            have_model = 1;
+        } else if (!strcmp(k, "base")) {
+            st = get_path(path, k, v, c->base);
+        } else if (!strcmp(k, "task")) {
+            const char *s = scalar(v);
+            st = lk_task_from_name(s, &c->task);
+            if (st) lk_error_prefix(st, "%s:%d: task", path, line_of(v));
+            have_task = 1;
+        } else if (!strcmp(k, "digits")) {
+            if (!(st = get_long(path, k, v, 1, LK_TASK_MAX_DIGITS, &x))) c->digits = (int)x;
+        } else if (!strcmp(k, "steps")) {
+            st = get_long(path, k, v, 1, 100000000L, &c->steps);
+            have_steps = 1;
+        } else if (!strcmp(k, "global_batch")) {
+            if (!(st = get_long(path, k, v, 1, 1 << 20, &x))) c->global_batch = (int)x;
+            have_batch = 1;
+        } else if (!strcmp(k, "lr")) {
+            st = get_float(path, k, v, 1e-9, 10.0, &c->lr);
+            have_lr = 1;
+        } else if (!strcmp(k, "weight_decay")) {
+            st = get_float(path, k, v, 0.0, 100.0, &c->weight_decay);
+        } else if (!strcmp(k, "clip")) {
+            st = get_float(path, k, v, 0.0, 1e6, &c->clip);
+        } else if (!strcmp(k, "schedule")) {
+            const char *s = scalar(v);
+            if (s && !strcmp(s, "cosine")) c->cosine = 1;
+            else if (s && !strcmp(s, "constant")) c->cosine = 0;
+            else st = lk_error(LK_ERR_CONFIG, "%s:%d: schedule: expected cosine or constant, got "
+                               "\"%s\"", path, line_of(v), s ? s : "(not a scalar)");
+        } else if (!strcmp(k, "seed")) {
+            if (!(st = get_long(path, k, v, 0, 0x7fffffffL, &x))) c->seed = (uint64_t)x;
+        } else if (!strcmp(k, "log_every")) {
+            if (!(st = get_long(path, k, v, 1, 100000000L, &x))) c->log_every = (int)x;
+        } else if (!strcmp(k, "eval_examples")) {
+            if (!(st = get_long(path, k, v, 0, 1000000L, &x))) c->eval_examples = (int)x;
+        } else if (!strcmp(k, "output")) {
+            st = get_path(path, k, v, c->output);
+            have_out = 1;
+        } else if (!strcmp(k, "models")) {
+            /* parsed by lk_lora_config_load */
+        } else {
+            char valid[256] = "";
+            for (int i = 0; k_keys[i]; i++) {
+                strcat(valid, i ? ", " : "");
+                strcat(valid, k_keys[i]);
+            }
+            return lk_error(LK_ERR_CONFIG, "%s:%d: %s: unknown key (valid: %s)", path,
+                            line_of(kn), k, valid);
+        }
+        if (st) return st;
+    }
+    const char *missing = !have_task ? "task" : !have_steps ? "steps" : !have_batch ? "global_batch"
+                          : !have_lr ? "lr" : !have_out ? "output"
+                          : (!have_model && !c->base[0]) ? "model (or base)" : NULL;
+    if (missing) return lk_error(LK_ERR_CONFIG, "%s: %s is required", path, missing);
+    if (have_model && c->base[0])
+        return lk_error(LK_ERR_CONFIG, "%s: give either model (dims) or base (a checkpoint), "
+                        "not both", path);
+    if (have_model) {
+        c->model.vocab = LK_TASK_VOCAB;
+        c->model.max_seq = lk_task_train_len(c->digits);
+        if ((st = lk_model_config_check(&c->model))) return lk_error_prefix(st, "%s", path);
+    }
+    return LK_OK;
+}
+
+lk_status lk_train_config_load(const char *path, const char *role, lk_train_config *out) {
+    if (!path || !out) return lk_error(LK_ERR_ARG, "lk_train_config_load: NULL argument");
+    lk_train_config c;
+    memset(&c, 0, sizeof c);
+    c.digits = 6;
+    c.clip = 1.0f;
+    c.cosine = 1;
+    c.seed = 1;
+    c.log_every = 50;
+    c.eval_examples = 500;
+    c.model.n_heads = 4;
+    FILE *f = fopen(path, "rb");
+    if (!f) return lk_error(LK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    yaml_parser_t parser;
+    yaml_document_t doc;
+    lk_status st = LK_OK;
+    if (!yaml_parser_initialize(&parser)) {
+        fclose(f);
+        return lk_error(LK_ERR_NOMEM, "%s: cannot initialise the YAML parser", path);
+    }
+    yaml_parser_set_input_file(&parser, f);
+    if (!yaml_parser_load(&parser, &doc)) {
+        st = lk_error(LK_ERR_FORMAT, "%s:%d: malformed YAML: %s", path,
+                      (int)parser.problem_mark.line + 1,
+                      parser.problem ? parser.problem : "parse error");
+        yaml_parser_delete(&parser);
+        fclose(f);
+        return st;
+    }
+    st = parse_doc(path, &doc, &c);
+    yaml_document_delete(&doc);
+    yaml_parser_delete(&parser);
+    fclose(f);
+    if (st) return st;
+
+    /* the LoRA block: models.<role>.lora, through the training config module */
+    char **roles = NULL;
+    size_t nroles = 0;
+    if (!role) {
+        st = lk_lora_config_roles(path, &roles, &nroles);
+        if (st == LK_OK && nroles) role = roles[0];
+        else if (st != LK_OK) lk_error_clear();
+        st = LK_OK;
+    }
+    if (role) {
+        snprintf(c.role, sizeof c.role, "%s", role);
+        st = lk_lora_config_load(path, role, &c.lora);
+    }
+    lk_lora_roles_free(roles, nroles);
+    if (st) return st;
+    if (c.lora.enable && !c.base[0]) {
+        lk_lora_config_clear(&c.lora);
+        return lk_error(LK_ERR_CONFIG, "%s: models.%s.lora is enabled but no base checkpoint is "
+                        "given (base: PATH): an adapter trains on a frozen base", path, c.role);
+    }
+    *out = c;
+    return LK_OK;
+}
+
+void lk_train_config_clear(lk_train_config *cfg) {
+    if (cfg) lk_lora_config_clear(&cfg->lora);
+}
+
+/* ------------------------------------------------------------------- run */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static lk_status mkdir_p(const char *dir) {
+    char buf[LK_TRAIN_PATH_MAX];
+    size_t n = strlen(dir);
+    if (n >= sizeof buf) return lk_error(LK_ERR_IO, "%s: path too long", dir);
+    memcpy(buf, dir, n + 1);
+    for (size_t i = 1; i <= n; i++) {
+        if (buf[i] == '/' || buf[i] == 0) {
+            char c = buf[i];
+            buf[i] = 0;
+            if (mkdir(buf, 0777) && errno != EEXIST)
+                return lk_error(LK_ERR_IO, "%s: cannot create directory: %s", buf,
+                                strerror(errno));
+            buf[i] = c;
+        }
+    }
+    return LK_OK;
+}
+
+/* Full-model training: mirror the model's parameters in a parameter set. */
+static lk_status full_params(lk_model *m, lk_lora_params **out) {
+    size_t n = lk_model_param_count(m);
+    lk_lora_param_spec *specs = lk_calloc(n, sizeof *specs);
+    if (!specs) return lk_error(LK_ERR_NOMEM, "train: out of memory");
+    for (size_t i = 0; i < n; i++) {
+        const lk_model_param *p = lk_model_param_at(m, i);
+        specs[i].name = p->name;
+        specs[i].rows = p->shape[0];
+        specs[i].cols = p->ndim == 2 ? p->shape[1] : 1;
+    }
+    lk_status st = lk_lora_params_create(specs, n, out);
+    lk_free(specs);
+    return st;
+}
+
+/* dir 0: model -> set (data), 1: model grads -> set grads, 2: set -> model */
+static void mirror(lk_model *m, lk_lora_params *p, int dir) {
+    for (size_t i = 0; i < lk_model_param_count(m); i++) {
+        const lk_model_param *mp = lk_model_param_at(m, i);
+        long j = lk_lora_params_find(p, mp->name);
+        size_t off = lk_lora_params_offset(p, (size_t)j);
+        size_t nb = mp->numel * sizeof(float);
+        if (dir == 0) memcpy(lk_lora_params_data(p) + off, lk_model_params(m) + mp->offset, nb);
+        if (dir == 1) memcpy(lk_lora_params_grad(p) + off, lk_model_grads(m) + mp->offset, nb);
+        if (dir == 2) memcpy(lk_model_params(m) + mp->offset, lk_lora_params_data(p) + off, nb);
+    }
+}
+
+/* Every rank learns whether any rank failed; returns the first failure (this
+ * rank's own, or LK_ERR_MISMATCH naming the rank). */
+static lk_status agree(lk_comm *world, lk_status mine, const char *what) {
+    uint64_t v = mine ? 1 : 0;
+    if (lk_comm_allreduce_u64(world, &v, 1, LK_REDUCE_MAX)) return LK_ERR_COMM;
+    if (mine) return mine;
+    if (v) return lk_error(LK_ERR_MISMATCH, "%s failed on another rank", what);
+    return LK_OK;
+}
+
+lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_progress_fn fn,
+                       void *ctx, lk_train_result *res) {
+    if (!cfg || !world) return lk_error(LK_ERR_ARG, "lk_train_run: NULL argument");
+    int rank = lk_comm_rank(world), K = lk_comm_size(world);
+    if (cfg->global_batch % K)
+        return lk_error(LK_ERR_CONFIG, "global_batch %d does not split evenly over %d ranks",
+                        cfg->global_batch, K);
+    lk_train_result r;
+    memset(&r, 0, sizeof r);
+    int Bl = cfg->global_batch / K, T = lk_task_train_len(cfg->digits);
+    lk_model *m = NULL;
+    lk_model_lora *ml = NULL;
+    lk_lora_params *p = NULL, *own = NULL;
+    lk_mesh *mesh = NULL;
+    lk_adamw *opt = NULL;
+    int *in = NULL, *tg = NULL;
+    lk_status st;
+
+    /* model: from the base checkpoint or fresh from the seed */
+    if (cfg->base[0]) st = lk_model_load(cfg->base, &m);
+    else st = lk_model_create(&cfg->model, cfg->seed, &m);
+    if (!st) {
+        const lk_model_config *mc = lk_model_get_config(m);
+        if (mc->vocab < LK_TASK_VOCAB || mc->max_seq < T)
+            st = lk_error(LK_ERR_CONFIG, "%s: the model has vocab %d and max_seq %d; the task "
+                          "needs %d and %d", cfg->base, mc->vocab, mc->max_seq, LK_TASK_VOCAB, T);
+    }
+    if ((st = agree(world, st, "loading the model"))) goto done;
+    if (cfg->lora.enable) {
+        st = lk_model_lora_attach(m, &cfg->lora, cfg->seed, &ml);
+        if (!st) {
+            p = lk_lora_model_params(lk_model_lora_get(ml));
+            st = lk_lora_finalize(lk_model_lora_get(ml), &r.lora_layers);
+        }
+    } else {
+        st = full_params(m, &own);
+        if (!st) {
+            p = own;
+            mirror(m, p, 0);
+        }
+    }
+    if (!st) st = lk_mesh_create(world, K, 1, &mesh);
+    if (!st) {
+        lk_adamw_opts o = {.lr = cfg->lr, .weight_decay = cfg->weight_decay};
+        st = lk_adamw_create(p, &o, &opt);
+    }
+    if (!st) {
+        in = lk_malloc((size_t)Bl * T * sizeof(int));
+        tg = lk_malloc((size_t)Bl * T * sizeof(int));
+        if (!in || !tg) st = lk_error(LK_ERR_NOMEM, "train: out of memory for the batch");
+    }
+    if ((st = agree(world, st, "setting up training"))) goto done;
+    r.trainable = lk_lora_params_numel(p);
+
+    double t0 = now_s();
+    for (long s = 0; s < cfg->steps; s++) {
+        float lr = cfg->lr;
+        if (cfg->cosine && cfg->steps > 1)
+            lr = cfg->lr * (0.1f + 0.9f * 0.5f * (1.0f + cosf(3.14159265f * (float)s /
+                                                               (float)(cfg->steps - 1))));
+        lk_adamw_set_lr(opt, lr);
+        uint64_t first = (uint64_t)s * (uint64_t)cfg->global_batch + (uint64_t)rank * Bl;
+        float loss = 0.0f, norm = 0.0f;
+        st = lk_task_batch(cfg->task, cfg->digits, cfg->seed, first, Bl, in, tg);
+        if (!st) st = lk_model_forward(m, in, tg, Bl, T, &loss);
+        if (!st) {
+            if (ml) lk_lora_params_zero_grad(p);
+            else lk_model_zero_grad(m);
+            st = lk_model_backward(m);
+        }
+        if (!st && !ml) mirror(m, p, 1);
+        if ((st = agree(world, st, "the forward/backward pass"))) goto done;
+        /* every rank, every step: the collective count never depends on data */
+        if ((st = lk_lora_sync_grads(p, mesh, NULL))) goto done;
+        st = lk_lora_clip_grad_norm(p, cfg->clip, &norm);
+        if (!st) st = lk_adamw_step(opt, p);
+        if ((st = agree(world, st, "the optimizer step"))) goto done;
+        if (!ml) mirror(m, p, 2);
+        if ((st = lk_comm_allreduce_f32_sum(world, &loss, 1))) goto done;
+        loss /= (float)K;
+        if (s == 0) r.first_loss = loss;
+        r.final_loss = loss;
+        r.steps = s + 1;
+        lk_train_progress pr = {.step = s + 1, .steps = cfg->steps, .loss = loss,
+                                .grad_norm = norm};
+        pr.elapsed = now_s() - t0;
+        pr.tokens_per_s = pr.elapsed > 0 ? (double)(s + 1) * cfg->global_batch * T / pr.elapsed
+                                         : 0.0;
+        if (fn && fn(ctx, &pr)) {
+            st = lk_error(LK_ERR_STATE, "training stopped at step %ld", s + 1);
+            goto done;
+        }
+    }
+    r.seconds = now_s() - t0;
+
+    /* the replicas must be bit-identical: same data order, same averaged
+     * gradients, same optimizer arithmetic */
+    size_t drifted = 0;
+    st = lk_lora_check_replicas(p, mesh, &drifted);
+    if (st && st != LK_ERR_MISMATCH) goto done;
+    r.replicas_agree = st == LK_OK;
+    if (st) goto done;
+
+    /* held-out accuracy, sharded over the ranks */
+    if (cfg->eval_examples > 0) {
+        int per = (cfg->eval_examples + K - 1) / K;
+        int lo = rank * per, hi = lo + per > cfg->eval_examples ? cfg->eval_examples : lo + per;
+        lk_task_eval ev = {0, 0, 0.0};
+        st = LK_OK;
+        if (hi > lo)
+            st = lk_task_evaluate(m, cfg->task, cfg->digits, cfg->seed + 1000003u, (uint64_t)lo,
+                                  hi - lo, 250, &ev, NULL);
+        if ((st = agree(world, st, "evaluation"))) goto done;
+        uint64_t c = (uint64_t)ev.correct;
+        if ((st = lk_comm_allreduce_u64(world, &c, 1, LK_REDUCE_SUM))) goto done;
+        r.accuracy = (double)c / cfg->eval_examples;
+    }
+
+    /* rank 0 writes; everyone learns whether it worked */
+    st = LK_OK;
+    if (rank == 0) {
+        st = mkdir_p(cfg->output);
+        if (!st && ml) {
+            st = lk_lora_save_peft(lk_model_lora_get(ml), cfg->output);
+            snprintf(r.saved, sizeof r.saved, "%s", cfg->output);
+        } else if (!st) {
+            int w = snprintf(r.saved, sizeof r.saved, "%s/model.safetensors", cfg->output);
+            st = w >= (int)sizeof r.saved ? lk_error(LK_ERR_IO, "%s: path too long", cfg->output)
+                                          : lk_model_save(m, r.saved);
+        }
+    }
+    st = agree(world, st, "saving on rank 0");
+
+done:
+    if (res) *res = r;
+    lk_free(in);
+    lk_free(tg);
+    lk_adamw_free(opt);
+    lk_mesh_free(mesh);
+    lk_lora_params_free(own);
+    lk_model_lora_detach(m, ml);
+    lk_model_free(m);
+    return st;
+}

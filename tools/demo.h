@@ -1,0 +1,29 @@
+/* demo.h — `lorakit demo`: the parent (demo_main.c) pretrains the base,
+ * trains two adapters and starts the hot-swap stage (demo_swap.c), each as a
+ * child `lorakit` process under mpirun. */
+#ifndef LK_DEMO_H
+#define LK_DEMO_H
+
+#include "lorakit/lorakit.h"
+
+#define LK_DEMO_PATH 1024
+/* held-out examples: a stream no training run draws from */
+#define LK_DEMO_EVAL_SEED 777
+
+typedef struct lk_demo_opts {
+    char out[LK_DEMO_PATH];  /* absolute */
+    int ranks;
+    int quick;
+    int digits;
+    int eval;                /* held-out examples per task and step */
+    lk_task_kind tasks[2];   /* the two adapters: reverse, sort (or increment) */
+    double min_acc;          /* adapter accuracy expected on its task */
+    double max_base;         /* base accuracy expected below this on both */
+} lk_demo_opts;
+
+/* The whole demo (argv as given to `lorakit demo`). */
+int lk_demo_main(int argc, char **argv);
+/* Step 3, run on every rank of the hot-swap group. */
+int lk_demo_swap_stage(const lk_demo_opts *o);
+
+#endif
