@@ -179,6 +179,7 @@ static int run_steps(lk_comm *c, lk_tracker *t, lk_weights *w, const lk_plan *pl
         if (s == LK_ERR_COMM || gather(c, &st, w, &r)) return lk_cli_fail(); /* the group is gone */
         if (s || !r.agree) failed = 1;
         if (rank0) print_step(i + 1, &r, json);
+        if (rank0 && s) fprintf(stderr, "lorakit: step %zu: %s\n", i + 1, r.error);
     }
     return failed ? LK_EXIT_FAIL : LK_EXIT_OK;
 }
