@@ -109,6 +109,28 @@ expect 0 inspect "$FX/kohya.safetensors";     out_has "format:  kohya"
 expect 0 inspect "$FX/fastvideo.safetensors"; out_has "format:  fastvideo"
 expect 1 inspect "$FX/bad_lone_a.safetensors"; err_has "lora_A without lora_B"
 expect 0 inspect "$B"; out_has "tensors (5):"
+# Streaming: fusing into a 128 MB model (16 BF16 weights of 8 MB, zeros)
+# keeps the peak resident set far below the model size: the base's pages are
+# released once each tensor is written. Needs GNU time for the peak RSS.
+if [ -x /usr/bin/time ]; then
+  h="{"; off=0; sz=$((1024 * 4096 * 2))
+  for ((i = 0; i < 16; i++)); do
+    h+="\"blocks.$i.w.weight\":{\"dtype\":\"BF16\",\"shape\":[1024,4096],\"data_offsets\":[$off,$((off + sz))]}"
+    off=$((off + sz)); [ $i -lt 15 ] && h+=","
+  done
+  h+="}"
+  # 8-byte little-endian header length (padded to 2048), header, zeros.
+  { printf '\x00\x08\x00\x00\x00\x00\x00\x00'; printf '%s%*s' "$h" $((2048 - ${#h})) ""; head -c $off /dev/zero; } >"$TMP/big.safetensors"
+  h='{"blocks.3.w.lora_A":{"dtype":"BF16","shape":[2,4096],"data_offsets":[0,16384]},"blocks.3.w.lora_B":{"dtype":"BF16","shape":[1024,2],"data_offsets":[16384,20480]}}'
+  { printf '\x00\x01\x00\x00\x00\x00\x00\x00'; printf '%s%*s' "$h" $((256 - ${#h})) ""; head -c 20480 /dev/zero; } >"$TMP/bigad.safetensors"
+  /usr/bin/time -f "%M" -o "$TMP/rss" "$LK" fuse "$TMP/big.safetensors" -l "$TMP/bigad.safetensors" -o "$TMP/bigout.safetensors" >"$TMP/out" 2>"$TMP/err" \
+    || { cat "$TMP/err"; fail "fuse of the 128 MB model"; }
+  out_has "fused 1 adapter into 1 of 16 tensors"
+  rss=$(tail -1 "$TMP/rss"); echo "fuse_cli.sh: peak RSS fusing a 128 MB model: ${rss} KB"
+  [ "$rss" -lt 65536 ] || fail "peak RSS ${rss} KB while fusing a 128 MB model (expected < 64 MB)"
+  rm -f "$TMP/big.safetensors" "$TMP/bigad.safetensors" "$TMP/bigout.safetensors" "$TMP/rss"
+fi
+
 # bench fuse, tiny: the documented JSON lines (figures not asserted).
 expect 0 bench fuse --help; out_has "usage: lorakit bench fuse"
 expect 2 bench fuse --dim 0
