@@ -232,11 +232,11 @@ static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int full, c
     for (long k = 0; !s && k < o->repeat; k++)
         for (int op = 0; !s && op < N_OPS; op++)
             s = timed_apply(c, t, req[op], req[op] ? 1 : 0, &runs[k * N_OPS + op]);
-    for (int op = 0; !s && op < N_OPS; op++) {
+    for (int op = 0; !s && op < N_OPS; op++) { /* report the whole median run */
         for (long k = 0; k < o->repeat; k++) sec[k] = runs[k * N_OPS + op].seconds;
         qsort(sec, (size_t)o->repeat, sizeof *sec, cmp_d);
-        med[op] = runs[op]; /* counts are the same every run */
-        med[op].seconds = sec[o->repeat / 2];
+        for (long k = 0; k < o->repeat; k++)
+            if (runs[k * N_OPS + op].seconds == sec[o->repeat / 2]) med[op] = runs[k * N_OPS + op];
     }
     lk_free(runs);
     lk_free(sec);
