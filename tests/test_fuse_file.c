@@ -155,7 +155,7 @@ static void test_formats_dtypes(void **state) {
             check_output(out, m, ex, s, 2);
             lk_st *st = open_st(out);
             char want[512];
-            snprintf(want, sizeof want, "[{\"path\":\"%s\",\"strength\":0.69999998807907104,\"format\":\"%s\"}]", ad,
+            snprintf(want, sizeof want, "[{\"path\":\"%s\",\"strength\":0.7,\"format\":\"%s\"}]", ad,
                      lk_adapter_format_name(fmts[f]));
             assert_string_equal(lk_st_metadata_get(st, "lorakit.fused"), want);
             lk_st_close(st);

@@ -169,12 +169,13 @@ int lk_cmd_fuse(int argc, char **argv) {
     if (json) {
         json_t *ads = json_array();
         for (size_t i = 0; i < n; i++)
-            json_array_append_new(ads, json_pack("{s:s, s:f}", "path", in[i].path, "strength", (double)in[i].strength));
+            json_array_append_new(ads, json_pack("{s:s, s:f}", "path", in[i].path, "strength",
+                                                 lk_fuse_strength_value(in[i].strength)));
         json_t *o = json_pack("{s:s, s:s, s:o, s:I, s:I, s:I, s:f}", "base", base, "out", out, "adapters", ads,
                               "tensors_total", (json_int_t)st.tensors_total, "tensors_fused",
                               (json_int_t)st.tensors_fused, "modules_unmatched", (json_int_t)st.modules_unmatched,
                               "seconds", st.seconds);
-        char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        char *s = o ? json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(15)) : NULL;
         if (s) printf("%s\n", s);
         free(s);
         json_decref(o);

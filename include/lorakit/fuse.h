@@ -73,6 +73,10 @@ typedef struct lk_fuse_stats {
  * adapters (a JSON array of {"path", "strength", "format"}, appended to the
  * base's own record when it has one). Peak memory: the largest fused tensor
  * plus the factors of one tensor; the base and adapters are mmapped. */
+/* A strength as a double for display and JSON: the shortest decimal that
+ * reads back as the same float (0.8f -> 0.8, not 0.800000011920929). */
+double lk_fuse_strength_value(float strength);
+
 /* The canonical summation order of a request: order[] receives the indices
  * of in[] sorted by (path, byte-wise; strength, ascending; index). Anyone
  * fusing a set of adapters (lk_fuse_file, the hot-swap tracker) sums the

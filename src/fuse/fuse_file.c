@@ -17,6 +17,7 @@
 
 #include <jansson.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -59,6 +60,16 @@ static lk_status refuse_same(const char *out, const char *path, const char *what
     return LK_OK;
 }
 
+double lk_fuse_strength_value(float f) {
+    char buf[32];
+    for (int p = 1; p <= 9; p++) {
+        snprintf(buf, sizeof buf, "%.*g", p, (double)f);
+        double d = strtod(buf, NULL);
+        if ((float)d == f) return d;
+    }
+    return (double)f;
+}
+
 /* The lorakit.fused value: the base's record (when it is a JSON array)
  * followed by this request. Returns a lk_malloc'd string or NULL. */
 static char *fused_record(const lk_st *st, const lk_fuse_input *in, size_t n) {
@@ -74,14 +85,14 @@ static char *fused_record(const lk_st *st, const lk_fuse_input *in, size_t n) {
     if (!arr) arr = json_array();
     if (!arr) return NULL;
     for (size_t i = 0; i < n; i++) {
-        json_t *o = json_pack("{s:s, s:f, s:s}", "path", in[i].path, "strength", (double)in[i].strength, "format",
+        json_t *o = json_pack("{s:s, s:f, s:s}", "path", in[i].path, "strength", lk_fuse_strength_value(in[i].strength), "format",
                               lk_adapter_format_name(in[i].format));
         if (!o || json_array_append_new(arr, o)) {
             json_decref(arr);
             return NULL;
         }
     }
-    char *js = json_dumps(arr, JSON_COMPACT);
+    char *js = json_dumps(arr, JSON_COMPACT | JSON_REAL_PRECISION(15));
     json_decref(arr);
     if (!js) return NULL;
     char *r = lk_strdup(js);
