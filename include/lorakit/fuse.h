@@ -78,7 +78,7 @@ typedef struct lk_fuse_stats {
 double lk_fuse_strength_value(float strength);
 
 /* The canonical summation order of a request: order[] receives the indices
- * of in[] sorted by (path, byte-wise; strength, ascending; index). Anyone
+ * of in[] sorted by (path, byte-wise; strength, ascending; format; index). Anyone
  * fusing a set of adapters (lk_fuse_file, the hot-swap tracker) sums the
  * terms in this order, so the same set gives the same bytes everywhere. */
 void lk_fuse_canonical_order(const lk_fuse_input *in, size_t n, size_t *order);

@@ -130,6 +130,7 @@ static int input_cmp(const void *pa, const void *pb, void *ctx) {
     int c = strcmp(in[a].path, in[b].path);
     if (c) return c;
     if (in[a].strength != in[b].strength) return in[a].strength < in[b].strength ? -1 : 1;
+    if (in[a].format != in[b].format) return in[a].format < in[b].format ? -1 : 1;
     return a < b ? -1 : a > b;
 }
 
