@@ -127,7 +127,7 @@ int lk_cmd_train(int argc, char **argv) {
     lk_train_result res;
     int rc = LK_EXIT_OK;
     if (lk_train_config_load(cfgpath, role, &cfg)) {
-        rc = rank == 0 ? lk_cli_fail() : LK_EXIT_FAIL;
+        rc = rank == 0 ? lk_cli_fail() : LK_EXIT_FAIL; /* the same on every rank */
         lk_demo_world_finish(world);
         return rc;
     }
@@ -145,7 +145,10 @@ int lk_cmd_train(int argc, char **argv) {
     }
     lk_status st = lk_train_run(&cfg, world, on_step, &c, &res);
     if (st) {
-        rc = rank == 0 || st != LK_ERR_MISMATCH ? lk_cli_fail() : LK_EXIT_FAIL;
+        /* config errors are the same on every rank: rank 0 reports them; a
+         * rank's own failure is also reported by that rank */
+        rc = rank == 0 || (st != LK_ERR_MISMATCH && st != LK_ERR_CONFIG) ? lk_cli_fail()
+                                                                          : LK_EXIT_FAIL;
     } else if (rank == 0) {
         rc = write_outputs(&cfg, &res, c.loss, K, quiet);
     }

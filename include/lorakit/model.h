@@ -172,7 +172,7 @@ void lk_model_lora_detach(lk_model *m, lk_model_lora *ml);
 /* The YAML of `lorakit train` (every key but `models` is lorakit's; unknown
  * keys are errors; relative paths are relative to the config's directory):
  *
- *   model: {d_model: 64, n_layers: 2, n_heads: 4, d_ff: 256}  # or:
+ *   model: {d_model: 64, n_layers: 2, n_heads: 4, d_ff: 256}  # (defaults; d_ff 4*d_model) or:
  *   base: out/base/model.safetensors    # start from a checkpoint (dims from it)
  *   task: reverse                       # copy | reverse | sort | increment
  *   digits: 6

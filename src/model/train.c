@@ -194,6 +194,8 @@ lk_status lk_train_config_load(const char *path, const char *role, lk_train_conf
     c.seed = 1;
     c.log_every = 50;
     c.eval_examples = 500;
+    c.model.d_model = 64; /* model: defaults for keys not given */
+    c.model.n_layers = 2;
     c.model.n_heads = 4;
     FILE *f = fopen(path, "rb");
     if (!f) return lk_error(LK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
