@@ -153,10 +153,29 @@ static void test_full_training_lowers_loss_then_lora(void **state) {
     free(dir);
 }
 
+/* the shipped examples stay valid configs */
+static void test_examples_parse(void **state) {
+    (void)state;
+    const char *ex[] = {"train_base_copy.yaml", "train_reverse_lora.yaml", "train_sort_lora.yaml"};
+    for (int i = 0; i < 3; i++) {
+        char p[1024];
+        snprintf(p, sizeof p, "%s/examples/%s", LK_TEST_SRC_DIR, ex[i]);
+        lk_train_config c;
+        lk_status st = lk_train_config_load(p, NULL, &c);
+        if (st) fprintf(stderr, "%s\n", lk_last_error());
+        assert_int_equal(st, LK_OK);
+        assert_int_equal(c.digits, 5);
+        assert_int_equal(c.lora.enable, i > 0);
+        if (i) assert_int_equal(c.lora.rank, 8);
+        lk_train_config_clear(&c);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_config),
         cmocka_unit_test(test_full_training_lowers_loss_then_lora),
+        cmocka_unit_test(test_examples_parse),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

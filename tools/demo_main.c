@@ -205,7 +205,7 @@ int lk_demo_main(int argc, char **argv) {
     o.min_acc = 0.95;
     o.max_base = 0.20;
     if (o.quick) {
-        z = (demo_sizes){32, 2, 4, 150, 200, 300, 32};
+        z = (demo_sizes){32, 2, 4, 150, 200, 500, 32};
         o.eval = 200;
         o.min_acc = 0.80;
         o.max_base = 0.25;
@@ -239,6 +239,7 @@ int lk_demo_main(int argc, char **argv) {
     setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
     setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
     setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    setenv("OMPI_MCA_mpi_yield_when_idle", "1", 0); /* ranks may share cores */
     if (o.ranks > 1 && !have_mpirun()) {
         printf("note: mpirun was not found (install openmpi-bin, see scripts/setup.sh): "
                "running with 1 rank instead of %d\n", o.ranks);

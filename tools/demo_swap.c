@@ -157,6 +157,9 @@ int lk_demo_swap_stage(const lk_demo_opts *o) {
         }
         r->ms = ts.seconds * 1e3;
         r->bytes = ts.bytes_broadcast;
+        /* each owner fuses/restores its own keys: show the group's totals */
+        uint64_t keys[2] = {ts.keys_fused, ts.keys_restored};
+        if ((st = lk_comm_allreduce_u64(w, keys, 2, LK_REDUCE_SUM))) goto done;
         if ((st = digests_agree(wts, w, r->digest, &r->agree))) goto done;
         int first[N_EVAL_TASKS][LK_TASK_MAX_DIGITS];
         for (int t = 0; t < N_EVAL_TASKS; t++)
@@ -167,9 +170,10 @@ int lk_demo_swap_stage(const lk_demo_opts *o) {
             char b[32];
             fmt_bytes(r->bytes, b, sizeof b);
             printf("\n[%d/%d] %s\n", i + 1, MAX_STEPS, r->label);
-            printf("  swap %.2f ms, %zu keys fused, %zu restored, %s broadcast; ranks agree: %s "
-                   "(digest %.12s...)\n",
-                   r->ms, ts.keys_fused, ts.keys_restored, b, yes(r->agree), r->digest);
+            printf("  swap %.2f ms: %llu keys fused, %llu restored (by their owners), %s "
+                   "broadcast; ranks agree: %s (digest %.12s...)\n",
+                   r->ms, (unsigned long long)keys[0], (unsigned long long)keys[1], b,
+                   yes(r->agree), r->digest);
             printf("  accuracy (%d held-out examples each):", o->eval);
             for (int t = 0; t < N_EVAL_TASKS; t++)
                 printf("  %s %.1f%%", lk_task_name(eval_tasks[t]), 100.0 * r->acc[t]);
