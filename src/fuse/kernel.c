@@ -5,12 +5,17 @@
  * export) goes through lk_fuse_tensor, so speed and determinism live here.
  *
  * How: the factors are small, so they are converted to fp32 once per call:
- * Acat (R x in, all A_t stacked in the given term order) and Bs (out x R,
- * each B_t scaled by its scale_t, rounded to fp32 once). Then for each chunk
- * of rows and each column tile, one row of delta (a few KB, in L1) is
- * computed as acc[j] = Bs[o,0]*A[0,j] + Bs[o,1]*A[1,j] + ... strictly left
- * to right, added to W converted to fp32, and rounded once (RNE) into W's
- * dtype. W is read once and written once; no out x in delta ever exists.
+ * Acat (R x in, all A_t stacked in the given term order; also copied into
+ * panels of 32 columns), and Bs (out x R, each B_t scaled by its scale_t,
+ * rounded to fp32 once). Threads take chunks of 16 rows; within a chunk,
+ * for each column tile (A's slice kept near 256 KB, in L2), four rows at a
+ * time get their delta in a 4 x 32 register block, acc[j] = Bs[o,0]*A[0,j]
+ * + Bs[o,1]*A[1,j] + ... strictly left to right; each row segment of W is
+ * then read (prefetched during the sums), added in fp32, and rounded once
+ * (RNE) into W's dtype. W is read once and written once; the delta exists
+ * only four row segments at a time, never out x in. On a 2-vCPU Zen 4 the
+ * sums run near the FP pipes' peak (mul and add on separate pipes, so FMA
+ * would not be faster); at low rank the W pass dominates.
  *
  * Determinism: every element goes through the same sequence of fp32
  * operations (no FMA contraction: fp-contract is off for this file, so the
