@@ -120,6 +120,16 @@ static void test_load_file(void **state) {
     char *want = tu_path(dir, "x.safetensors");
     assert_string_equal(p->steps[0].loras[0].path, want);
     lk_plan_free(p);
+    /* one byte past the size limit: refused before parsing */
+    size_t big = LK_PLAN_MAX_BYTES + 1;
+    char *huge = malloc(big);
+    memset(huge, '#', big);
+    char *hp = tu_path(dir, "huge.yaml");
+    assert_int_equal(tu_write_file(hp, huge, big), 0);
+    assert_int_equal(lk_plan_load(hp, &p), LK_ERR_CONFIG);
+    tu_assert_contains(lk_last_error(), "limit");
+    free(huge);
+    free(hp);
     char *missing = tu_path(dir, "nope.yaml");
     assert_int_equal(lk_plan_load(missing, &p), LK_ERR_IO);
     tu_assert_contains(lk_last_error(), "nope.yaml");

@@ -99,8 +99,9 @@ typedef struct step_result {
     int agree;
 } step_result;
 
-/* Sums / maxima over the group; digests compared against rank 0's. */
-static lk_status gather(lk_comm *c, const lk_tracker_stats *st, const lk_weights *w, step_result *r) {
+/* Sums / maxima over the group; digests compared against rank 0's (all:
+ * room for every rank's digest). */
+static lk_status gather(lk_comm *c, const lk_tracker_stats *st, const lk_weights *w, char *all, step_result *r) {
     uint64_t sum[2] = {st->keys_fused, st->keys_restored};
     uint64_t mx[6] = {st->backup_bytes};
     const double ph[5] = {st->seconds_agree, st->seconds_load, st->seconds_fuse, st->seconds_broadcast, st->seconds};
@@ -117,15 +118,12 @@ static lk_status gather(lk_comm *c, const lk_tracker_stats *st, const lk_weights
     /* a digest failure (out of memory) still joins the allgather, as zeros */
     char hex[LK_DIGEST_HEX] = {0};
     lk_status ds = lk_weights_digest(w, hex);
-    char *all = lk_malloc((size_t)lk_comm_size(c) * LK_DIGEST_HEX);
-    if (!all) return lk_error(LK_ERR_NOMEM, "swap: out of memory");
     s = lk_comm_allgather(c, hex, LK_DIGEST_HEX, all);
     r->agree = !s && !ds;
     for (int k = 1; r->agree && k < lk_comm_size(c); k++)
         r->agree = !memcmp(all, all + (size_t)k * LK_DIGEST_HEX, LK_DIGEST_HEX);
     memcpy(r->digest, all, LK_DIGEST_HEX);
     r->digest[LK_DIGEST_HEX - 1] = '\0';
-    lk_free(all);
     return s;
 }
 
@@ -162,25 +160,35 @@ static void print_step(size_t step, const step_result *r, int json) {
 /* Runs every step; returns the exit code. */
 static int run_steps(lk_comm *c, lk_tracker *t, lk_weights *w, const lk_plan *plan, const char *plan_path, int json) {
     uint64_t n_max = plan->n_steps;
-    if (lk_comm_allreduce_u64(c, &n_max, 1, LK_REDUCE_MAX)) return lk_cli_fail();
+    char *all = lk_malloc((size_t)lk_comm_size(c) * LK_DIGEST_HEX);
+    lk_status s = lk_comm_agree(c, all ? LK_OK : lk_error(LK_ERR_NOMEM, "swap: out of memory"));
+    if (!s) s = lk_comm_allreduce_u64(c, &n_max, 1, LK_REDUCE_MAX);
+    if (s) {
+        lk_free(all);
+        return lk_cli_fail();
+    }
     int failed = 0, rank0 = lk_comm_rank(c) == 0;
     for (size_t i = 0; i < n_max; i++) {
         step_result r;
         memset(&r, 0, sizeof r);
         lk_tracker_stats st;
         memset(&st, 0, sizeof st);
-        lk_status s = i < plan->n_steps ? LK_OK
-                                        : lk_error(LK_ERR_MISMATCH, "%s has %zu steps; the other ranks' plans have more",
-                                                   plan_path, plan->n_steps);
+        s = i < plan->n_steps ? LK_OK
+                              : lk_error(LK_ERR_MISMATCH, "%s has %zu steps; the other ranks' plans have more",
+                                         plan_path, plan->n_steps);
         s = lk_comm_agree(c, s);
         if (!s) s = lk_tracker_apply(t, plan->steps[i].loras, plan->steps[i].n, &st);
         r.status = s;
         if (s) snprintf(r.error, sizeof r.error, "%s", lk_last_error());
-        if (s == LK_ERR_COMM || gather(c, &st, w, &r)) return lk_cli_fail(); /* the group is gone */
+        if (s == LK_ERR_COMM || gather(c, &st, w, all, &r)) { /* the group is gone */
+            lk_free(all);
+            return lk_cli_fail();
+        }
         if (s || !r.agree) failed = 1;
         if (rank0) print_step(i + 1, &r, json);
         if (rank0 && s) fprintf(stderr, "lorakit: step %zu: %s\n", i + 1, r.error);
     }
+    lk_free(all);
     return failed ? LK_EXIT_FAIL : LK_EXIT_OK;
 }
 

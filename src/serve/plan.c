@@ -230,12 +230,17 @@ lk_status lk_plan_load(const char *path, lk_plan **out) {
     *out = NULL;
     FILE *f = fopen(path, "rb");
     if (!f) return lk_error(LK_ERR_IO, "%s: cannot open plan: %s", path, strerror(errno));
-    char *buf = lk_malloc(LK_PLAN_MAX_BYTES + 1);
+    /* size the buffer from the file; one byte more lets a file past the
+     * limit be recognised as such by lk_plan_parse */
+    long size = (fseek(f, 0, SEEK_END) == 0) ? ftell(f) : -1;
+    if (size < 0 || fseek(f, 0, SEEK_SET) != 0) size = LK_PLAN_MAX_BYTES; /* not seekable: read up to the limit */
+    if (size > (long)LK_PLAN_MAX_BYTES) size = LK_PLAN_MAX_BYTES;
+    char *buf = lk_malloc((size_t)size + 2);
     if (!buf) {
         fclose(f);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
     }
-    size_t len = fread(buf, 1, LK_PLAN_MAX_BYTES + 1, f);
+    size_t len = fread(buf, 1, (size_t)size + 1, f);
     int err = ferror(f);
     fclose(f);
     lk_status s;
