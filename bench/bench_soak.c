@@ -18,7 +18,14 @@
  * F32/BF16/F16 factors, on overlapping modules of a BF16/F16/F32 DiT-like
  * model, so every loader and dtype path is exercised thousands of times.
  * Run it under mpirun (`mpirun -n 4 lorakit bench soak`); alone it is one
- * rank. Exit 1 when any apply fails or any check differs. */
+ * rank. Exit 1 when any apply fails or any check differs.
+ *
+ * Leak check (issue 7): mpirun -n 2 valgrind --leak-check=full
+ *   --suppressions=/usr/share/openmpi/openmpi-valgrind.supp --log-file=vg.%p
+ *   lorakit bench soak --steps 20 --check-every 5 --dim 128 --blocks 2
+ * then count loss records whose stack has a lorakit frame and no Open MPI,
+ * PMIx, hwloc or libevent frame (Open MPI keeps its own allocations past
+ * MPI_Finalize by design). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
