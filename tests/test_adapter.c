@@ -230,6 +230,37 @@ static void test_kohya(void **state) {
     af_free(m);
 }
 
+/* A checkpoint saved with a wrapper prefix (ComfyUI's
+ * "model.diffusion_model."): the one key ending in ".<m>.weight" is the
+ * target; two such keys are an ambiguity error. */
+static void test_prefixed_model(void **state) {
+    (void)state;
+    af_file *m = af_new();
+    af_rand(m, "model.diffusion_model.blocks.0.attn.to_q.weight", LK_DTYPE_BF16, OUT, IN, &g_rng, -1, 1);
+    af_rand(m, "model.diffusion_model.blocks.1.attn.to_q.weight", LK_DTYPE_BF16, OUT, IN, &g_rng, -1, 1);
+    af_rand(m, "first.x.weight", LK_DTYPE_BF16, OUT, IN, &g_rng, -1, 1);
+    af_rand(m, "second.x.weight", LK_DTYPE_BF16, OUT, IN, &g_rng, -1, 1);
+    af_file *f = af_new();
+    pair(f, "transformer.blocks.1.attn.to_q", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32);
+    char *p = save(f, "prefixed.safetensors");
+    lk_adapter *a = open_ok(p, LK_FORMAT_AUTO);
+    resolve_ok(a, m);
+    check_module(a, "blocks.1.attn.to_q", 2, 2, 1, "model.diffusion_model.blocks.1.attn.to_q.weight");
+    lk_adapter_free(a);
+    af_file *g = af_new();
+    pair(g, "x", ".lora_A", ".lora_B", 2, LK_DTYPE_F32);
+    char *p2 = save(g, "amb_suffix.safetensors");
+    a = open_ok(p2, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_FORMAT);
+    tu_assert_contains(lk_last_error(), "amb_suffix.safetensors: x: ambiguous: matches both model weights first.x.weight and second.x.weight");
+    lk_adapter_free(a);
+    free(p);
+    free(p2);
+    af_free(f);
+    af_free(g);
+    af_free(m);
+}
+
 /* FastVideo legacy: <m>.lora_A / <m>.lora_B, alpha = r. */
 static void test_fastvideo(void **state) {
     (void)state;
@@ -527,6 +558,7 @@ int main(void) {
         cmocka_unit_test(test_peft_folder_patterns), cmocka_unit_test(test_peft_file_alone),
         cmocka_unit_test(test_diffusers_prefixes),   cmocka_unit_test(test_kohya),
         cmocka_unit_test(test_fastvideo),            cmocka_unit_test(test_format_forcing),
+        cmocka_unit_test(test_prefixed_model),
         cmocka_unit_test(test_unmatched),            cmocka_unit_test(test_file_errors),
         cmocka_unit_test(test_config_errors),        cmocka_unit_test(test_resolve_errors),
         cmocka_unit_test(test_alloc_failures),

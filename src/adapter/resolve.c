@@ -2,7 +2,9 @@
  *
  * A module <m> targets the model key "<m>.weight" (diffusers files also try
  * the name with their prefix kept, e.g. "transformer.<m>.weight", for models
- * stored with it). kohya names lose the dots, so the model's own keys are
+ * stored with it); failing both, the one model key ending in ".<m>.weight"
+ * (a checkpoint saved with a wrapper prefix, e.g. ComfyUI's
+ * "model.diffusion_model."); two such keys are an ambiguity error. kohya names lose the dots, so the model's own keys are
  * turned into kohya form ("a.b_c.weight" -> "a_b_c") and looked up; two model
  * keys with the same kohya form are reported when a module hits them, never
  * guessed. Everything is computed into temporaries and committed only when
@@ -47,6 +49,26 @@ static size_t find_with_suffix(const lk_tensor *model, const size_t *ord, size_t
                                char *buf, size_t cap) {
     if ((size_t)snprintf(buf, cap, "%s.weight", base) >= cap) return SIZE_MAX;
     return find_model(model, ord, n, buf);
+}
+
+/* The single model key ending in ".<m>.weight"; SIZE_MAX when none; sets
+ * *other to a second one when the suffix is ambiguous. */
+static size_t find_by_suffix(const lk_tensor *model, size_t n, const char *m, size_t *other) {
+    size_t ml = strlen(m), hit = SIZE_MAX;
+    *other = SIZE_MAX;
+    for (size_t i = 0; i < n; i++) {
+        const char *k = model[i].name;
+        size_t kl = strlen(k);
+        if (kl < ml + 8 || strcmp(k + kl - 7, ".weight") || k[kl - 8 - ml] != '.' ||
+            memcmp(k + kl - 7 - ml, m, ml))
+            continue;
+        if (hit != SIZE_MAX) {
+            *other = i;
+            return hit;
+        }
+        hit = i;
+    }
+    return hit;
 }
 
 static const char *kohya_rest(const char *m) {
@@ -158,6 +180,15 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
             t = find_with_suffix(model, ord, n_model, m->module, buf, sizeof buf);
             if (t == SIZE_MAX && strcmp(a->stems[i], m->module))
                 t = find_with_suffix(model, ord, n_model, a->stems[i], buf, sizeof buf);
+            if (t == SIZE_MAX) {
+                size_t other;
+                t = find_by_suffix(model, n_model, m->module, &other);
+                if (other != SIZE_MAX) {
+                    s = lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model weights %s and %s", a->file,
+                                 m->module, model[t].name, model[other].name);
+                    goto done;
+                }
+            }
         }
         tgt[i] = t;
         if (t == SIZE_MAX) {
