@@ -50,6 +50,7 @@ void lk_adapter_free(lk_adapter *a);
 const char *lk_adapter_path(const lk_adapter *a);
 lk_adapter_format lk_adapter_get_format(const lk_adapter *a);
 size_t lk_adapter_count(const lk_adapter *a);
+/* Module i (0 <= i < count), in byte-wise order of the key stems. */
 const lk_lora_module *lk_adapter_module(const lk_adapter *a, size_t i);
 /* 1 if the adapter uses rsLoRA scaling. */
 int lk_adapter_rslora(const lk_adapter *a);
@@ -66,7 +67,12 @@ const char *lk_adapter_file(const lk_adapter *a);
 int lk_adapter_looks_like(const char *path);
 
 /* Maps every module onto one of the model's tensors (name + shape only are
- * used) and checks A is r x in, B is out x r against the 2-D weight out x in.
+ * used) and checks A is r x in, B is out x r against the 2-D weight out x in
+ * (which must be F32/F16/BF16). Module <m> targets "<m>.weight", else (a
+ * diffusers file) "<prefix>.<m>.weight", else the only key ending in
+ * ".<m>.weight"; kohya names match a model key whose dots, as '_', give the
+ * name after "lora_unet_" / "lora_te[12]_". Two candidates are an error
+ * (LK_ERR_FORMAT), as are two modules targeting one weight.
  * Unmatched modules are LK_ERR_UNMATCHED naming the first one, unless
  * allow_unmatched, in which case their count goes to *n_unmatched (may be
  * NULL), they keep target == NULL, and callers skip them. */
