@@ -270,6 +270,31 @@ static void test_no_lora_swap(void **state) {
     close_fixture(&f);
 }
 
+/* An adapter overwritten on disk between two applies (same path, same
+ * modules, new bytes): keys it touches are recomputed from the new bytes,
+ * not kept because path and strength did not change. */
+static void test_adapter_rewritten(void **state) {
+    (void)state;
+    char *a2 = tu_path(g_dir, "a2.safetensors");
+    assert_int_equal(swap_write_adapter(a2, &M, SWAP_ATTN, 4, 8.0f, 0.05f, 0, 2), 0);
+    fixture f;
+    open_fixture(&f, 64, 0);
+    lk_fuse_input a1[] = {{a2, 1.0f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(f.t, a1, 1, NULL), LK_OK);
+    assert_int_equal(swap_write_adapter(a2, &M, SWAP_ATTN, 4, 8.0f, 0.05f, 0, 77), 0); /* new values */
+    lk_fuse_input ab[] = {{a2, 1.0f, LK_FORMAT_AUTO}, {g_b, 1.0f, LK_FORMAT_AUTO}};
+    lk_tracker_stats st;
+    assert_int_equal(lk_tracker_apply(f.t, ab, 2, &st), LK_OK);
+    assert_int_equal(st.keys_fused, 12); /* 8 attention (new bytes) + 4 feed-forward */
+    char got[LK_DIGEST_HEX], want[LK_DIGEST_HEX];
+    offline_digest(ab, 2, want);
+    digest_of(f.w, got);
+    assert_string_equal(got, want);
+    close_fixture(&f);
+    remove(a2);
+    free(a2);
+}
+
 static void test_create_args(void **state) {
     (void)state;
     lk_comm *c;
@@ -349,6 +374,7 @@ int main(void) {
         cmocka_unit_test(test_sequence),    cmocka_unit_test(test_element_reference),
         cmocka_unit_test(test_failures),    cmocka_unit_test(test_no_lora_swap),
         cmocka_unit_test(test_create_args), cmocka_unit_test(test_alloc_failures),
+        cmocka_unit_test(test_adapter_rewritten),
         cmocka_unit_test(test_weights_wrap),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

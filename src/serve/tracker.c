@@ -5,9 +5,11 @@
  *   who sends them) is computed from data all ranks have agreed on: the
  *   request hash, then a hash of the per-key term signatures. So no rank can
  *   enter a collective the others skip, even when files differ between ranks.
- * - Each key carries the signature of the terms fused into it (0 = clean);
- *   a key is recomputed and re-sent only when its signature changes, so
- *   adding an adapter that touches other keys leaves the rest alone.
+ * - Each key carries the signature of the terms fused into it (0 = clean):
+ *   each term's path, strength, format and the adapter's content hash. A key
+ *   is recomputed and re-sent only when its signature changes, so adding an
+ *   adapter that touches other keys leaves the rest alone, and ranks whose
+ *   files differ (same path, other bytes) disagree and fail together.
  * - Transactional: validation and backups happen before the first
  *   agreement; fusion writes only owned keys, and if any owner fails, every
  *   owner rolls back (clean bytes from the backup plus the old terms, with
@@ -37,8 +39,9 @@ typedef struct key_state {
 /* A normalized request: strength-0 entries dropped, sorted, paths owned. */
 typedef struct request {
     lk_fuse_input *e;
-    uint64_t *id;  /* per-entry identity hash */
+    uint64_t *id;  /* per-entry identity hash (path, strength, format) */
     lk_adapter **ad; /* opened adapters, once loaded */
+    uint64_t *content; /* per-entry hash of the adapter's modules and bytes, once loaded */
     size_t n;
     uint64_t hash;
 } request;
@@ -83,6 +86,7 @@ static void request_clear(request *r) {
     lk_free(r->e);
     lk_free(r->id);
     lk_free(r->ad);
+    lk_free(r->content);
     memset(r, 0, sizeof *r);
 }
 
@@ -151,15 +155,41 @@ static void request_describe(const request *r, char *buf, size_t cap) {
                                 (double)r->e[i].strength);
 }
 
+static void hash_tensor(XXH3_state_t *h, const lk_tensor *x) {
+    int32_t hdr[2] = {(int32_t)x->dtype, x->ndim};
+    XXH3_64bits_update(h, hdr, sizeof hdr);
+    XXH3_64bits_update(h, x->shape, (size_t)x->ndim * sizeof x->shape[0]);
+    XXH3_64bits_update(h, x->data, x->nbytes);
+}
+
+/* What an adapter contributes: every module's target, scale and factor
+ * bytes. Ranks compare it, so a file that differs between ranks' reads
+ * (same path, other bytes) is a mismatch, not silently different weights. */
+static uint64_t adapter_content(const lk_adapter *a) {
+    XXH3_state_t h;
+    XXH3_64bits_reset(&h);
+    for (size_t m = 0; m < lk_adapter_count(a); m++) {
+        const lk_lora_module *mod = lk_adapter_module(a, m);
+        const char *tgt = mod->target ? mod->target : "";
+        XXH3_64bits_update(&h, tgt, strlen(tgt) + 1);
+        XXH3_64bits_update(&h, &mod->scale, sizeof mod->scale);
+        hash_tensor(&h, &mod->A);
+        hash_tensor(&h, &mod->B);
+    }
+    return XXH3_64bits_digest(&h);
+}
+
 /* Opens and resolves every adapter of r against the model (local). */
 static lk_status request_load(lk_tracker *t, request *r) {
     if (!r->n) return LK_OK;
     r->ad = lk_calloc(r->n, sizeof *r->ad);
-    if (!r->ad) return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
+    r->content = lk_calloc(r->n, sizeof *r->content);
+    if (!r->ad || !r->content) return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
     for (size_t i = 0; i < r->n; i++) {
         lk_status s = lk_adapter_open(r->e[i].path, r->e[i].format, &r->ad[i]);
         if (!s) s = lk_adapter_resolve(r->ad[i], lk_weights_tensors(t->w), t->n, 0, NULL);
         if (s) return s;
+        r->content[i] = adapter_content(r->ad[i]);
     }
     return LK_OK;
 }
@@ -188,7 +218,8 @@ static lk_status key_signatures(lk_tracker *t, const request *r) {
         size_t first = SIZE_MAX; /* the first adapter touching the key */
         for (size_t j = 0; j < r->n; j++)
             if (lk_adapter_find_target(r->ad[j], w->name)) {
-                s = XXH3_64bits_withSeed(&r->id[j], 8, s + 1);
+                const uint64_t who[2] = {r->id[j], r->content[j]}; /* same name, new bytes: recompute */
+                s = XXH3_64bits_withSeed(who, sizeof who, s + 1);
                 if (first == SIZE_MAX) first = j;
             }
         if (first != SIZE_MAX && (!lk_dtype_is_fusable(w->dtype) || w->ndim != 2))
@@ -476,8 +507,8 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         for (size_t c = 0; c < t->n; c++) XXH3_64bits_update(&hs, &t->next[t->ord[c]], sizeof t->next[0]);
         s = agree_hash(t->comm, XXH3_64bits_digest(&hs), &same);
         if (!s && !same)
-            s = lk_error(LK_ERR_MISMATCH, "ranks resolved the adapters onto different weights "
-                                          "(do the adapter files differ between ranks?)");
+            s = lk_error(LK_ERR_MISMATCH, "ranks read different adapter contents or resolved them onto "
+                                          "different weights (do the adapter files differ between ranks?)");
     }
     st->seconds_load = t1 - t0 - st->seconds_agree;
     st->seconds_agree += now() - t1;
