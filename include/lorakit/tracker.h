@@ -13,7 +13,9 @@
  *      strengths 0) resets;
  *   3. opens and validates every adapter, backs up newly touched owned keys,
  *      and agrees on success: any rank's failure is every rank's error
- *      ("rank R: <reason>"), with no weight changed;
+ *      ("rank R: <reason>"), with no weight changed; then agrees on what
+ *      was read (a hash of each adapter's modules and bytes, and of the
+ *      keys they touch), so files differing between ranks are a mismatch;
  *   4. owners recompute only the keys whose terms changed: restore from the
  *      backup and fuse the new terms in one pass (lk_fuse_tensor), terms in
  *      the sorted request order, so the bytes equal an offline lk_fuse_file
