@@ -530,6 +530,48 @@ static void test_enable_alloc_failures(void **state) {
     assert_true(ok);
 }
 
+/* Names far longer than any fixed buffer: every path keeps them whole. */
+static void test_long_names(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    char *base = tu_path(dir, "base.safetensors"), *ad = tu_path(dir, "adapter");
+    char name[1600];
+    memset(name, 'x', sizeof name);
+    memcpy(name + 1500, ".attn.to_q", 11);
+    float W[6] = {1, 2, 3, 4, 5, 6}, b[2] = {7, 8};
+    lk_lora_model *m;
+    assert_int_equal(lk_lora_model_create(&m), LK_OK);
+    assert_int_equal(lk_lora_model_add_linear(m, name, 3, 2, W, b, NULL), LK_OK);
+    lk_lora_config c = cfg_of(1, 1, NULL, 0);
+    assert_int_equal(lk_lora_enable(m, &c, NULL, 3, NULL), LK_OK);
+    lk_lora_layer *l = lk_lora_model_find(m, name);
+    assert_int_equal(lk_lora_model_save_base(m, base), LK_OK);
+    W[0] = -1;
+    assert_int_equal(lk_lora_model_load_base(m, base, NULL), LK_OK); /* via the <m>.weight alias */
+    assert_float_equal(W[0], 1.0f, 0.0f);
+    lk_lora_layer_B(l)[1] = 0.5f;
+    float a0 = lk_lora_layer_A(l)[2];
+    assert_int_equal(lk_lora_save_peft(m, ad), LK_OK);
+    lk_lora_layer_A(l)[2] = 0;
+    lk_lora_layer_B(l)[1] = 0;
+    assert_int_equal(lk_lora_load_peft(m, ad), LK_OK);
+    assert_float_equal(lk_lora_layer_A(l)[2], a0, 0.0f);
+    assert_float_equal(lk_lora_layer_B(l)[1], 0.5f, 0.0f);
+    lk_lora_params *p = lk_lora_model_params(m);
+    lk_adamw_opts o = {.lr = 0.1f};
+    lk_adamw *opt;
+    assert_int_equal(lk_adamw_create(p, &o, &opt), LK_OK);
+    lk_lora_params_grad(p)[0] = 1;
+    assert_int_equal(lk_adamw_step(opt, p), LK_OK);
+    assert_int_equal(lk_adamw_save(opt, p, ad), LK_OK);
+    assert_int_equal(lk_adamw_load(opt, p, ad), LK_OK);
+    assert_int_equal(lk_adamw_steps(opt), 1);
+    lk_adamw_free(opt);
+    lk_lora_model_free(m);
+    tu_rmtree(dir);
+    free(dir); free(base); free(ad);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_targeting_and_freezing),
@@ -541,6 +583,7 @@ int main(void) {
         cmocka_unit_test(test_adamw),
         cmocka_unit_test(test_peft_roundtrip),
         cmocka_unit_test(test_enable_alloc_failures),
+        cmocka_unit_test(test_long_names),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

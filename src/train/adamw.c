@@ -160,11 +160,17 @@ lk_status lk_adamw_load(lk_adamw *o, const lk_lora_params *p, const char *dir) {
     if (s == LK_OK && !idx) s = lk_error(LK_ERR_NOMEM, "out of memory");
     for (size_t k = 0; s == LK_OK && k < p->count; k++)
         for (int j = 0; j < 2 && s == LK_OK; j++) {
-            char nm[1200];
-            snprintf(nm, sizeof nm, "%s.%s", p->names[k], j ? "exp_avg_sq" : "exp_avg");
+            size_t len = strlen(p->names[k]) + 16;
+            char *nm = lk_malloc(len);
+            if (!nm) {
+                s = lk_error(LK_ERR_NOMEM, "out of memory");
+                break;
+            }
+            snprintf(nm, len, "%s.%s", p->names[k], j ? "exp_avg_sq" : "exp_avg");
             long i = lk_st_find(st, nm);
             if (i < 0) {
                 s = lk_error(LK_ERR_FORMAT, "%s: missing optimizer state '%s'", path, nm);
+                lk_free(nm);
                 break;
             }
             const lk_tensor *t = lk_st_tensor(st, (size_t)i);
@@ -176,6 +182,7 @@ lk_status lk_adamw_load(lk_adamw *o, const lk_lora_params *p, const char *dir) {
                              path, nm, lk_dtype_name(t->dtype), have, (long long)p->rows[k],
                              (long long)p->cols[k]);
             }
+            lk_free(nm);
             idx[2 * k + j] = i;
         }
     if (s == LK_OK && lk_st_count(st) != 2 * p->count)

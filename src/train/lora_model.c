@@ -380,10 +380,12 @@ lk_status lk_lora_model_load_base(lk_lora_model *m, const char *path, const lk_l
         static const char *const parts[2] = {"weight", "bias"};
         for (int part = 0; part < 2 && s == LK_OK; part++) {
             float *dst = part ? l->b : l->W;
-            char based[1100];
             names[0] = join(l->name, parts[part]);
-            snprintf(based, sizeof based, "%s.base_layer.%s", l->name, parts[part]);
-            if (!names[0]) {
+            names[1] = join(l->name, part ? "base_layer.bias" : "base_layer.weight");
+            const char *based = names[1];
+            if (!names[0] || !names[1]) {
+                lk_free(names[0]);
+                lk_free(names[1]);
                 s = lk_error(LK_ERR_NOMEM, "out of memory");
                 break;
             }
@@ -404,7 +406,8 @@ lk_status lk_lora_model_load_base(lk_lora_model *m, const char *path, const lk_l
                                           parts[part]};
             }
             lk_free(names[0]);
-            names[0] = NULL;
+            lk_free(names[1]);
+            names[0] = names[1] = NULL;
         }
         if (s != LK_OK || !l->wrapped) continue;
         lk_lora_params *p = m->params;
