@@ -402,6 +402,38 @@ static void test_save_load_roundtrip(void **state) {
     free(dir);
 }
 
+/* Every allocation of a first forward (activations, batch copies) failing
+ * in turn: a clean LK_ERR_NOMEM, and the model still works afterwards with
+ * the same result as a model that never failed. */
+static void test_forward_allocation_failures(void **state) {
+    (void)state;
+    lk_model_config c = tiny_cfg();
+    lk_model *m, *ref;
+    assert_int_equal(lk_model_create(&c, 1, &m), LK_OK);
+    assert_int_equal(lk_model_create(&c, 1, &ref), LK_OK);
+    int in[16], tg[16];
+    tu_rng r = {3};
+    rand_batch(&r, in, tg, 16, c.vocab);
+    float want, got;
+    assert_int_equal(lk_model_forward(ref, in, tg, 2, 8, &want), LK_OK);
+    int failures = 0;
+    for (unsigned long k = 1; k < 20; k++) {
+        lk_alloc_fail_at(k);
+        lk_status st = lk_model_forward(m, in, tg, 2, 8, &got);
+        lk_alloc_fail_at(0);
+        if (st == LK_OK) break;
+        assert_int_equal(st, LK_ERR_NOMEM);
+        assert_null(lk_model_logits(m));
+        assert_int_equal(lk_model_backward(m), LK_ERR_STATE);
+        failures++;
+    }
+    assert_true(failures >= 2);
+    assert_int_equal(lk_model_forward(m, in, tg, 2, 8, &got), LK_OK);
+    assert_true(got == want);
+    lk_model_free(m);
+    lk_model_free(ref);
+}
+
 static void test_config_errors(void **state) {
     (void)state;
     lk_model *m = NULL;
@@ -437,6 +469,7 @@ int main(void) {
         cmocka_unit_test(test_training_lowers_loss),
         cmocka_unit_test(test_set_tensors),
         cmocka_unit_test(test_save_load_roundtrip),
+        cmocka_unit_test(test_forward_allocation_failures),
         cmocka_unit_test(test_config_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -153,6 +153,56 @@ static void test_full_training_lowers_loss_then_lora(void **state) {
     free(dir);
 }
 
+/* failures name what is wrong, on the run's side */
+static void test_run_errors(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    lk_comm *self;
+    assert_int_equal(lk_comm_self(&self), LK_OK);
+    lk_train_config c;
+    char *p = write_cfg(dir, "a.yaml",
+                        "base: nothere.safetensors\ntask: copy\nsteps: 2\nglobal_batch: 2\n"
+                        "lr: 0.01\noutput: o\nmodels:\n  s:\n    lora: {enable: true, rank: 2}\n");
+    assert_int_equal(lk_train_config_load(p, NULL, &c), LK_OK);
+    assert_int_equal(lk_train_run(&c, self, NULL, NULL, NULL), LK_ERR_IO);
+    tu_assert_contains(lk_last_error(), "nothere.safetensors: cannot open");
+    lk_train_config_clear(&c);
+    free(p);
+
+    /* a base too short for the task's sequences */
+    lk_model_config mc = {.vocab = LK_TASK_VOCAB, .max_seq = 6, .d_model = 8, .n_layers = 1,
+                          .n_heads = 2, .d_ff = 0};
+    lk_model *m;
+    char *bp = tu_path(dir, "short.safetensors");
+    assert_int_equal(lk_model_create(&mc, 1, &m), LK_OK);
+    assert_int_equal(lk_model_save(m, bp), LK_OK);
+    lk_model_free(m);
+    p = write_cfg(dir, "b.yaml",
+                  "base: short.safetensors\ntask: copy\ndigits: 5\nsteps: 2\nglobal_batch: 2\n"
+                  "lr: 0.01\noutput: o\nmodels:\n  s:\n    lora: {enable: true, rank: 2}\n");
+    assert_int_equal(lk_train_config_load(p, NULL, &c), LK_OK);
+    assert_int_equal(lk_train_run(&c, self, NULL, NULL, NULL), LK_ERR_CONFIG);
+    tu_assert_contains(lk_last_error(), "short.safetensors: the model has vocab 11 and max_seq 6; "
+                                        "the task needs 11 and 10");
+    lk_train_config_clear(&c);
+    free(p);
+
+    /* targets that match no layer: the training API's error */
+    p = write_cfg(dir, "c.yaml",
+                  "base: short.safetensors\ntask: copy\ndigits: 3\nsteps: 2\nglobal_batch: 2\n"
+                  "lr: 0.01\noutput: o\nmodels:\n  s:\n    lora: {enable: true, rank: 2, "
+                  "target_modules: [q_proj]}\n");
+    assert_int_equal(lk_train_config_load(p, NULL, &c), LK_OK);
+    assert_int_equal(lk_train_run(&c, self, NULL, NULL, NULL), LK_ERR_CONFIG);
+    tu_assert_contains(lk_last_error(), "q_proj");
+    lk_train_config_clear(&c);
+    free(p);
+    free(bp);
+    lk_comm_free(self);
+    tu_rmtree(dir);
+    free(dir);
+}
+
 /* the shipped examples stay valid configs */
 static void test_examples_parse(void **state) {
     (void)state;
@@ -176,6 +226,7 @@ int main(void) {
         cmocka_unit_test(test_config),
         cmocka_unit_test(test_full_training_lowers_loss_then_lora),
         cmocka_unit_test(test_examples_parse),
+        cmocka_unit_test(test_run_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
