@@ -306,8 +306,10 @@ int lk_demo_main(int argc, char **argv) {
     double t3 = now_s();
     printf("\ntime: base %.1fs%s, adapters %.1fs, hot-swap group %.1fs; total %.1fs\n", t1 - t0,
            reuse ? " (reused)" : "", t2 - t1, t3 - t2, t3 - t0);
-    printf("files: %s/{base,reverse,sort}/ (model, PEFT adapters, loss.csv, loss.png), "
-           "demo_results.txt\n", o.out);
+    printf("files in %s: base/ (model), %s/ and %s/ (PEFT adapters), each with loss.csv, "
+           "loss.png, train.json; the configs (*.yaml); fused_%s_0.5.safetensors; "
+           "demo_results.txt\n", o.out, lk_task_name(o.tasks[0]), lk_task_name(o.tasks[1]),
+           lk_task_name(o.tasks[0]));
     if (rc) {
         fprintf(stderr, "lorakit: demo: %s\n",
                 rc == 1 ? "some checks failed (see the table above)" : "the hot-swap stage failed");
