@@ -245,6 +245,8 @@ int lk_demo_main(int argc, char **argv) {
                "running with 1 rank instead of %d\n", o.ranks);
         o.ranks = 1;
     }
+    /* the global batch must split evenly over the ranks */
+    z.batch = (z.batch + o.ranks - 1) / o.ranks * o.ranks;
     printf("lorakit demo: output in %s, %d rank%s%s\n", o.out, o.ranks, o.ranks == 1 ? "" : "s",
            o.quick ? ", quick run" : "");
     printf("tasks: %d digits, a separator, the answer; e.g. copy `3 1 4 1 5 | 3 1 4 1 5`, "
