@@ -26,6 +26,7 @@
 
 #include "cli.h"
 #include "demo.h"
+#include "demo_world.h"
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -240,7 +241,11 @@ int lk_demo_main(int argc, char **argv) {
     setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
     setenv("OPENBLAS_NUM_THREADS", "1", 1);
     setenv("OMPI_MCA_mpi_yield_when_idle", "1", 0); /* ranks may share cores */
-    if (o.ranks > 1 && !have_mpirun()) {
+    if (o.ranks > 1 && !lk_demo_have_mpi()) {
+        printf("note: this lorakit was built without MPI: running with 1 rank instead of %d\n",
+               o.ranks);
+        o.ranks = 1;
+    } else if (o.ranks > 1 && !have_mpirun()) {
         printf("note: mpirun was not found (install openmpi-bin, see scripts/setup.sh): "
                "running with 1 rank instead of %d\n", o.ranks);
         o.ranks = 1;

@@ -13,6 +13,14 @@
 #include "lorakit/comm_mpi.h"
 #endif
 
+int lk_demo_have_mpi(void) {
+#ifdef LK_HAVE_MPI
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int lk_demo_under_mpi(void) {
     static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
                                        "MPI_LOCALNRANKS", NULL};
@@ -43,6 +51,11 @@ lk_status lk_demo_world_init(int *argc, char ***argv, lk_comm **world) {
 #else
     (void)argc;
     (void)argv;
+    const char *n = getenv("OMPI_COMM_WORLD_SIZE");
+    if (!n) n = getenv("PMI_SIZE");
+    if (n && atoi(n) > 1)
+        return lk_error(LK_ERR_UNSUPPORTED, "started as one of %s MPI ranks, but this lorakit "
+                        "was built without MPI (install Open MPI and rebuild)", n);
 #endif
     return lk_comm_self(world);
 }

@@ -11,6 +11,8 @@
  * released with lk_demo_world_finish). */
 lk_status lk_demo_world_init(int *argc, char ***argv, lk_comm **world);
 void lk_demo_world_finish(lk_comm *world);
+/* 1 when this lorakit was built with MPI. */
+int lk_demo_have_mpi(void);
 /* 1 when this process was started by an MPI launcher. */
 int lk_demo_under_mpi(void);
 
