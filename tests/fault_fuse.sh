@@ -15,10 +15,6 @@
 # is in tests/test_fault_fuse.c. Test files are written here with printf (no
 # Python in CI): a 4-tensor F32 base of 256 KiB and a diffusers adapter.
 set -euo pipefail
-LK="$1"
-work="$(mktemp -d "${TMPDIR:-/tmp}/lkfault.XXXXXX")"
-chmod 755 "$work"
-trap 'rm -rf "$work"' EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # mk_st OUT HEADER_JSON DATA_FILE: a safetensors file (8-byte LE header
@@ -36,33 +32,61 @@ mk_st() {
     cat "$3"
   } >"$1"
 }
-# pattern N OUT: N bytes of small finite F32 values (0.5 -0.25 0.125 1.0 ...).
+# pattern N OUT [SKIP]: N bytes of small finite F32 values (0.5 -0.25 0.125
+# 1.0 ...), starting SKIP values into the cycle.
 pattern() {
   printf '\x00\x00\x00\x3f\x00\x00\x80\xbe\x00\x00\x00\x3e\x00\x00\x80\x3f' >"$2"
-  while [ "$(stat -c %s "$2")" -lt "$1" ]; do cat "$2" "$2" >"$2.t" && mv "$2.t" "$2"; done
-  truncate -s "$1" "$2"
+  while [ "$(stat -c %s "$2")" -lt $(( $1 + 16 )) ]; do cat "$2" "$2" >"$2.t" && mv "$2.t" "$2"; done
+  dd if="$2" of="$2.t" bs=65536 iflag=skip_bytes,count_bytes skip=$(( 4 * ${3:-0} )) count="$1" status=none
+  mv "$2.t" "$2"
 }
-
+# mk_adapter OUT SKIP MODULE...: a diffusers adapter (rank R) on the given
+# attention projections of block 0, values from pattern SKIP.
+mk_adapter() {
+  local out="$1" skip="$2" hdr="{" off=0 sep="" m
+  shift 2
+  pattern $(( $# * (A + B) )) "$out.data" "$skip"
+  for m in "$@"; do
+    hdr="$hdr$sep\"transformer.blocks.0.attn.$m.lora_A.weight\":{\"dtype\":\"F32\",\"shape\":[$R,$I],\"data_offsets\":[$off,$((off + A))]}"
+    off=$(( off + A )) sep=","
+    hdr="$hdr,\"transformer.blocks.0.attn.$m.lora_B.weight\":{\"dtype\":\"F32\",\"shape\":[$O,$R],\"data_offsets\":[$off,$((off + B))]}"
+    off=$(( off + B ))
+  done
+  mk_st "$out" "$hdr}" "$out.data"
+  rm -f "$out.data"
+}
+# make_fixtures DIR: DIR/base.safetensors (four F32 64x256 weights, 256 KiB),
+# DIR/adapter.safetensors (to_q, to_v), DIR/adapter2.safetensors (to_k, other
+# values), DIR/nan.safetensors (adapter.safetensors with lora_B[0] = NaN).
 O=64 I=256 R=4
 W=$(( O * I * 4 )) A=$(( R * I * 4 )) B=$(( O * R * 4 ))
-pattern $(( 4 * W )) "$work/wdata"
-hdr="{\"__metadata__\":{\"format\":\"pt\"}"
-off=0
-for m in to_q to_k to_v to_out.0; do
-  hdr="$hdr,\"blocks.0.attn.$m.weight\":{\"dtype\":\"F32\",\"shape\":[$O,$I],\"data_offsets\":[$off,$((off + W))]}"
-  off=$(( off + W ))
-done
-mk_st "$work/base.safetensors" "$hdr}" "$work/wdata"
-pattern $(( 2 * (A + B) )) "$work/adata"
-hdr="{" off=0 sep=""
-for m in to_q to_v; do
-  hdr="$hdr$sep\"transformer.blocks.0.attn.$m.lora_A.weight\":{\"dtype\":\"F32\",\"shape\":[$R,$I],\"data_offsets\":[$off,$((off + A))]}"
-  off=$(( off + A )) sep=","
-  hdr="$hdr,\"transformer.blocks.0.attn.$m.lora_B.weight\":{\"dtype\":\"F32\",\"shape\":[$O,$R],\"data_offsets\":[$off,$((off + B))]}"
-  off=$(( off + B ))
-done
-mk_st "$work/adapter.safetensors" "$hdr}" "$work/adata"
-chmod 644 "$work"/*.safetensors
+make_fixtures() {
+  local d="$1" hdr off=0 m
+  pattern $(( 4 * W )) "$d/wdata"
+  hdr="{\"__metadata__\":{\"format\":\"pt\"}"
+  for m in to_q to_k to_v to_out.0; do
+    hdr="$hdr,\"blocks.0.attn.$m.weight\":{\"dtype\":\"F32\",\"shape\":[$O,$I],\"data_offsets\":[$off,$((off + W))]}"
+    off=$(( off + W ))
+  done
+  mk_st "$d/base.safetensors" "$hdr}" "$d/wdata"
+  rm -f "$d/wdata"
+  mk_adapter "$d/adapter.safetensors" 0 to_q to_v
+  mk_adapter "$d/adapter2.safetensors" 1 to_k
+  cp "$d/adapter.safetensors" "$d/nan.safetensors"
+  local hl
+  hl=$(od -An -tu4 -N4 "$d/nan.safetensors" | tr -d ' ')
+  printf '\x00\x00\xc0\x7f' | dd of="$d/nan.safetensors" bs=1 seek=$(( 8 + hl + A )) conv=notrunc status=none
+  chmod 644 "$d"/*.safetensors
+}
+
+# Sourced by fault_swap.sh for the helpers above.
+if [ -n "${LK_FAULT_LIB:-}" ]; then return 0; fi
+
+LK="$1"
+work="$(mktemp -d "${TMPDIR:-/tmp}/lkfault.XXXXXX")"
+chmod 755 "$work"
+trap 'rm -rf "$work"' EXIT
+make_fixtures "$work"
 base_sum=$(cksum <"$work/base.safetensors")
 
 # The baseline: the same fuse works when nothing goes wrong.
