@@ -136,7 +136,7 @@ expect 0 bench fuse --help; out_has "usage: lorakit bench fuse"
 expect 2 bench fuse --dim 0
 expect 0 bench fuse --json --dim 96 --repeat 1 --threads 2
 [ "$(wc -l <"$TMP/out")" = 17 ] || { cat "$TMP/out"; fail "bench fuse: expected 17 JSON lines"; }
-grep -E '^\{"bench":"bandwidth","bytes":18432,"threads":2,"seconds":[0-9.]+,"gbps":[0-9.]+\}$' "$TMP/out" >/dev/null || fail "bandwidth line"
+grep -E '^\{"bench":"bandwidth","bytes":18432,"threads":2,"gbps":[0-9.]+,"gbps_1_thread":[0-9.]+,"gbps_all_threads":[0-9.]+\}$' "$TMP/out" >/dev/null || fail "bandwidth line"
 for m in naive lorakit; do for r in 8 16 64 128; do for t in 1 2; do
   grep -E "^\{\"bench\":\"fuse\",\"method\":\"$m\",\"dtype\":\"bf16\",\"rank\":$r,\"threads\":$t,\"seconds\":[0-9.]+,\"gbps\":[0-9.]+,\"ratio_to_bandwidth\":[0-9.]+" "$TMP/out" >/dev/null \
     || { cat "$TMP/out"; fail "bench fuse line $m r=$r t=$t"; }
