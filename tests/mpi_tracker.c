@@ -38,7 +38,7 @@ static char *join(const char *name) { return tu_path(g_dir, name); }
 /* Offline digest of in[0..n) (already sorted), on rank 0 only. */
 static void offline_digest(const lk_fuse_input *in, size_t n, char hex[LK_DIGEST_HEX]) {
     char *out = join("offline.safetensors");
-    lk_st *st;
+    lk_st *st = NULL;
     if (lk_fuse_file(g_base, in, n, out, NULL, NULL) || lk_st_open(out, &st)) {
         fprintf(stderr, "offline fuse: %s\n", lk_last_error());
         MPI_Abort(MPI_COMM_WORLD, 1);
