@@ -55,6 +55,11 @@ static int write_outputs(const lk_train_config *cfg, const lk_train_result *r, c
                          int ranks, int quiet) {
     char path[LK_TRAIN_PATH_MAX + 32], png[LK_TRAIN_PATH_MAX + 32];
     snprintf(path, sizeof path, "%s/loss.csv", cfg->output);
+    if (!loss) {
+        fprintf(stderr, "lorakit: warning: no memory to record %ld losses: no loss.csv\n",
+                r->steps);
+        return 0;
+    }
     FILE *f = fopen(path, "w");
     if (!f) {
         fprintf(stderr, "lorakit: %s: cannot write\n", path);
