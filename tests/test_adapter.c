@@ -15,20 +15,8 @@
 #define IN 10
 #define OUT 12
 
-static char *g_dir;
+#define g_dir ar_dir /* the group's temporary folder (ar_setup_dir) */
 static tu_rng g_rng = {1234};
-
-static int setup(void **state) {
-    (void)state;
-    g_dir = tu_mkdtemp();
-    return g_dir ? 0 : -1;
-}
-static int teardown(void **state) {
-    (void)state;
-    tu_rmtree(g_dir);
-    free(g_dir);
-    return 0;
-}
 
 /* The model: five linear weights and a norm, all F32. */
 static af_file *model(void) {
@@ -563,5 +551,5 @@ int main(void) {
         cmocka_unit_test(test_config_errors),        cmocka_unit_test(test_resolve_errors),
         cmocka_unit_test(test_alloc_failures),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }

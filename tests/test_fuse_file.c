@@ -18,20 +18,8 @@
 #define IN 40
 #define OUT 24
 
-static char *g_dir;
+#define g_dir ar_dir /* the group's temporary folder (ar_setup_dir) */
 static tu_rng g_rng = {99};
-
-static int setup(void **state) {
-    (void)state;
-    g_dir = tu_mkdtemp();
-    return g_dir ? 0 : -1;
-}
-static int teardown(void **state) {
-    (void)state;
-    tu_rmtree(g_dir);
-    free(g_dir);
-    return 0;
-}
 
 static const char *const BASE_META[] = {"format", "pt", "note", "base model"};
 
@@ -419,5 +407,5 @@ int main(void) {
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_python_reference),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }

@@ -137,3 +137,19 @@ void af_write_text(const char *dir, const char *name, const char *text) {
     assert_int_equal(tu_write_file(p, text, strlen(text)), 0);
     free(p);
 }
+
+char *ar_dir;
+
+int ar_setup_dir(void **state) {
+    (void)state;
+    ar_dir = tu_mkdtemp();
+    return ar_dir ? 0 : -1;
+}
+
+int ar_teardown_dir(void **state) {
+    (void)state;
+    tu_rmtree(ar_dir);
+    free(ar_dir);
+    ar_dir = NULL;
+    return 0;
+}

@@ -60,5 +60,11 @@ lk_tensor *af_scalar(af_file *f, const char *name, lk_dtype dt, double v);
 lk_tensor *af_get(af_file *f, const char *name);
 /* Writes the file with lk_st_save (metadata as key/value pairs); asserts success. */
 void af_save(const af_file *f, const char *path, const char *const *meta_kv, size_t n_meta);
+/* cmocka group setup/teardown: a fresh temporary folder in ar_dir, removed
+ * afterwards. */
+extern char *ar_dir;
+int ar_setup_dir(void **state);
+int ar_teardown_dir(void **state);
+
 /* Writes text to dir/name. */
 void af_write_text(const char *dir, const char *name, const char *text);
