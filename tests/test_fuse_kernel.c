@@ -90,6 +90,56 @@ static void test_thread_invariance(void **state) {
     ar_tensor_free(&B2);
 }
 
+/* The documented arithmetic, emulated element by element in fp32: with
+ * Bs_t = (float)(scale_t * B_t) and the terms' ranks concatenated in order,
+ * s = Bs[o,0]*A[0,j], then s = s + Bs[o,k]*A[k,j] for k = 1.., then
+ * round(float(W) + s) once into W's dtype. The kernel must give exactly
+ * these bits (whatever its blocking or vector width) for every dtype, on
+ * shapes with row and column tails. */
+static void test_bit_exact_order(void **state) {
+    (void)state;
+    tu_rng rng = {5};
+    const int64_t out = 23, in = 100; /* 23 = 5 x 4 + 3 rows, 100 = 3 x 32 + 4 columns */
+    for (int d = 0; d < 3; d++) {
+        ar_tensor W, A[2], B[2];
+        ar_tensor_rand(&W, "w", DTS[d], out, in, &rng, -1, 1);
+        const int rk[2] = {5, 3};
+        const float sc[2] = {0.3f, -1.7f};
+        lk_fuse_term terms[2];
+        for (int t = 0; t < 2; t++) {
+            ar_tensor_rand(&A[t], "A", DTS[(d + t) % 3], rk[t], in, &rng, -1, 1);
+            ar_tensor_rand(&B[t], "B", DTS[(d + 2 * t) % 3], out, rk[t], &rng, -1, 1);
+            terms[t] = (lk_fuse_term){&A[t].t, &B[t].t, sc[t]};
+        }
+        char *res = malloc(W.t.nbytes), *want = malloc(W.t.nbytes);
+        lk_fuse_opts o = {.threads = 2};
+        assert_int_equal(lk_fuse_tensor(res, W.t.data, DTS[d], out, in, terms, 2, &o, "w"), LK_OK);
+        size_t esz = lk_dtype_size(DTS[d]);
+        for (int64_t i = 0; i < out; i++)
+            for (int64_t j = 0; j < in; j++) {
+                volatile float s = 0; /* volatile: no contraction, no reassociation */
+                int first = 1;
+                for (int t = 0; t < 2; t++)
+                    for (int k = 0; k < rk[t]; k++) {
+                        volatile float bs = sc[t] * (float)ar_get(&B[t].t, (size_t)(i * rk[t] + k));
+                        volatile float p = bs * (float)ar_get(&A[t].t, (size_t)(k * in + j));
+                        s = first ? p : s + p;
+                        first = 0;
+                    }
+                float r = (float)ar_get(&W.t, (size_t)(i * in + j)) + s;
+                lk_from_f32(want + (size_t)(i * in + j) * esz, &r, DTS[d], 1);
+            }
+        assert_memory_equal(res, want, W.t.nbytes);
+        free(res);
+        free(want);
+        ar_tensor_free(&W);
+        for (int t = 0; t < 2; t++) {
+            ar_tensor_free(&A[t]);
+            ar_tensor_free(&B[t]);
+        }
+    }
+}
+
 /* Weights straight from a safetensors mmap need not be aligned to their
  * element size: an F32 weight at an address = 2 mod 4 and a BF16 one at an
  * odd address give the same bytes as aligned copies (UBSan would flag a
@@ -213,7 +263,7 @@ int main(void) {
         cmocka_unit_test(test_matches_reference), cmocka_unit_test(test_thread_invariance),
         cmocka_unit_test(test_zero_strength_identity), cmocka_unit_test(test_hand_computed),
         cmocka_unit_test(test_nonfinite), cmocka_unit_test(test_errors),
-        cmocka_unit_test(test_misaligned_weight),
+        cmocka_unit_test(test_misaligned_weight), cmocka_unit_test(test_bit_exact_order),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
