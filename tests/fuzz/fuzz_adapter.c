@@ -9,8 +9,32 @@
  * module has rank r > 0 with A r x in and B out x r; after a resolve, every
  * module either has a target that is a model key whose 2-D shape is out x in,
  * findable by lk_adapter_find_target, or (allowed only then) none, and the
- * unmatched count says how many. A refusal is a clean error. */
+ * unmatched count says how many. A refusal is a clean error. Resolved
+ * modules are then fused into the toy weights with the real kernel. */
 #include "fuzz_adapter_model.h"
+
+/* Fuses every resolved module into an F32 copy of its toy weight (values
+ * i/64), as a fuse or a swap would: hostile factor values (NaN, Inf, huge)
+ * must give a clean LK_ERR_NONFINITE, or pass with allow_nonfinite. */
+static void fz_adapter_fuse(const lk_adapter *a) {
+    static float w[32 * 32], out[32 * 32];
+    for (size_t i = 0; i < sizeof w / sizeof w[0]; i++) w[i] = (float)(i % 64) / 64.0f;
+    for (size_t i = 0; i < lk_adapter_count(a); i++) {
+        const lk_lora_module *m = lk_adapter_module(a, i);
+        if (!m->target) continue;
+        const lk_tensor *t = fz_model_find(m->target);
+        lk_fuse_term term = {&m->A, &m->B, m->scale};
+        lk_fuse_opts o = {1, 0};
+        lk_status s = lk_fuse_tensor(out, w, LK_DTYPE_F32, t->shape[0], t->shape[1], &term, 1, &o, t->name);
+        if (s != LK_OK) {
+            fz_clean_error(s);
+            o.allow_nonfinite = 1;
+            s = lk_fuse_tensor(out, w, LK_DTYPE_F32, t->shape[0], t->shape[1], &term, 1, &o, t->name);
+            if (s != LK_OK) fz_clean_error(s);
+        }
+        fz_touch(out, sizeof(float) * (size_t)(t->shape[0] * t->shape[1]));
+    }
+}
 
 /* Opens path with format fmt and resolves it; returns the open status. */
 static lk_status fz_adapter_try(const char *path, lk_adapter_format fmt, int allow) {
@@ -25,7 +49,10 @@ static lk_status fz_adapter_try(const char *path, lk_adapter_format fmt, int all
     size_t unmatched = 12345;
     lk_status r = lk_adapter_resolve(a, fz_model(), FZ_NMODEL, allow, &unmatched);
     if (r != LK_OK) fz_clean_error(r);
-    else fz_adapter_check_resolved(a, allow, unmatched);
+    else {
+        fz_adapter_check_resolved(a, allow, unmatched);
+        fz_adapter_fuse(a);
+    }
     lk_adapter_free(a);
     return s;
 }
