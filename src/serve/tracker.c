@@ -90,12 +90,8 @@ static void request_clear(request *r) {
     memset(r, 0, sizeof *r);
 }
 
-static int cmp_input(const void *a, const void *b) {
-    const lk_fuse_input *x = a, *y = b;
-    int c = strcmp(x->path, y->path);
-    if (c) return c;
-    if (x->strength != y->strength) return x->strength < y->strength ? -1 : 1;
-    return (int)x->format - (int)y->format;
+static int same_input(const lk_fuse_input *x, const lk_fuse_input *y) {
+    return !strcmp(x->path, y->path) && x->strength == y->strength && x->format == y->format;
 }
 
 static uint64_t entry_id(const lk_fuse_input *e) {
@@ -122,21 +118,28 @@ static lk_status request_make(const lk_fuse_input *in, size_t n, request *r) {
         m += in[i].strength != 0.0f;
     }
     if (!m) return LK_OK;
+    /* the canonical order lk_fuse_file sums in, so the bytes agree with it */
+    lk_fuse_input *kept = lk_calloc(m, sizeof *kept);
+    size_t *order = lk_calloc(m, sizeof *order), k = 0;
     r->e = lk_calloc(m, sizeof *r->e);
     r->id = lk_calloc(m, sizeof *r->id);
-    if (!r->e || !r->id) goto nomem;
-    for (size_t i = 0; i < n; i++) {
-        if (in[i].strength == 0.0f) continue;
-        r->e[r->n] = in[i];
-        r->e[r->n].path = lk_strdup(in[i].path);
+    if (!kept || !order || !r->e || !r->id) goto nomem;
+    for (size_t i = 0; i < n; i++)
+        if (in[i].strength != 0.0f) kept[k++] = in[i];
+    lk_fuse_canonical_order(kept, m, order);
+    for (; r->n < m; r->n++) {
+        r->e[r->n] = kept[order[r->n]];
+        r->e[r->n].path = lk_strdup(kept[order[r->n]].path);
         if (!r->e[r->n].path) goto nomem;
-        r->n++;
     }
-    qsort(r->e, r->n, sizeof *r->e, cmp_input);
+    lk_free(kept);
+    lk_free(order);
     for (size_t i = 0; i < r->n; i++) r->id[i] = entry_id(&r->e[i]);
     r->hash = XXH3_64bits_withSeed(r->id, r->n * sizeof *r->id, r->n);
     return LK_OK;
 nomem:
+    lk_free(kept);
+    lk_free(order);
     request_clear(r);
     return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory for the request");
 }
@@ -144,7 +147,7 @@ nomem:
 static int request_equal(const request *a, const request *b) {
     if (a->n != b->n || a->hash != b->hash) return 0;
     for (size_t i = 0; i < a->n; i++)
-        if (cmp_input(&a->e[i], &b->e[i])) return 0;
+        if (!same_input(&a->e[i], &b->e[i])) return 0;
     return 1;
 }
 
