@@ -18,16 +18,16 @@
  *      keys they touch), so files differing between ranks are a mismatch;
  *   4. owners recompute only the keys whose terms changed: restore from the
  *      backup and fuse the new terms in one pass (lk_fuse_tensor), terms in
- *      the sorted request order, so the bytes equal an offline lk_fuse_file
- *      of the same sorted inputs; a failure on any rank rolls every owner
+ *      lk_fuse_canonical_order, so the bytes equal an offline lk_fuse_file
+ *      of the same set; a failure on any rank rolls every owner
  *      back, and every rank returns it;
  *   5. broadcasts those keys owner by owner through one staging buffer of
  *      bucket_mb MiB (tensors larger than it go in several rounds).
  * A failed call leaves every rank's weights as they were, except after
  * LK_ERR_COMM (the transport itself failed: the group is unusable).
  *
- * Adapter order never matters: the request is sorted by (path, strength,
- * format) and entries with strength 0 are dropped before anything else. */
+ * Adapter order never matters: entries with strength 0 are dropped, the rest
+ * put in canonical (path, strength, format) order before anything else. */
 #ifndef LORAKIT_TRACKER_H
 #define LORAKIT_TRACKER_H
 
