@@ -133,7 +133,7 @@ static const char *k_lora_block =
     "      alpha: 16\n"
     "      target_modules: [to_q, to_k, to_v, to_out, ff.net.0.proj, ff.net.2]\n";
 
-static void base_yaml(char *buf, size_t cap, const demo_sizes *z, int digits) {
+static void base_yaml(char *buf, size_t cap, const demo_sizes *z, int digits, int eval) {
     snprintf(buf, cap,
              "# lorakit demo, stage 1: pretrain the base on `copy` (full model).\n"
              "# Weight decay keeps the base's attention soft enough for adapters to\n"
@@ -147,13 +147,13 @@ static void base_yaml(char *buf, size_t cap, const demo_sizes *z, int digits) {
              "weight_decay: 1.0\n"
              "seed: 1\n"
              "log_every: 50\n"
-             "eval_examples: 500\n"
+             "eval_examples: %d\n"
              "output: base\n",
-             z->d_model, z->n_layers, z->n_heads, digits, z->base_steps, z->batch);
+             z->d_model, z->n_layers, z->n_heads, digits, z->base_steps, z->batch, eval);
 }
 
 static void adapter_yaml(char *buf, size_t cap, lk_task_kind task, int steps, int batch,
-                         int digits, int seed) {
+                         int digits, int seed, int eval) {
     snprintf(buf, cap,
              "# lorakit demo, stage 2: a LoRA adapter for `%s` on the frozen base.\n"
              "base: base/model.safetensors\n"
@@ -165,9 +165,9 @@ static void adapter_yaml(char *buf, size_t cap, lk_task_kind task, int steps, in
              "clip: 1.0\n"
              "seed: %d\n"
              "log_every: 100\n"
-             "eval_examples: 500\n"
+             "eval_examples: %d\n"
              "output: %s\n%s",
-             lk_task_name(task), lk_task_name(task), digits, steps, batch, seed,
+             lk_task_name(task), lk_task_name(task), digits, steps, batch, seed, eval,
              lk_task_name(task), k_lora_block);
 }
 
@@ -207,7 +207,7 @@ int lk_demo_main(int argc, char **argv) {
     o.max_base = 0.20;
     if (o.quick) {
         z = (demo_sizes){32, 2, 4, 150, 200, 500, 32};
-        o.eval = 200;
+        o.eval = 100;
         o.min_acc = 0.80;
         o.max_base = 0.25;
     }
@@ -261,7 +261,7 @@ int lk_demo_main(int argc, char **argv) {
     /* 1. base */
     printf("\n== 1. base model: a %d-layer transformer (d_model %d) pretrained on copy ==\n",
            z.n_layers, z.d_model);
-    base_yaml(text, sizeof text, &z, o.digits);
+    base_yaml(text, sizeof text, &z, o.digits, o.eval);
     snprintf(path, sizeof path, "%s/base.yaml", o.out);
     char *old = read_text(path);
     char model_path[LK_DEMO_PATH + 64];
@@ -291,7 +291,7 @@ int lk_demo_main(int argc, char **argv) {
         printf("\n== 2.%d. LoRA adapter for %s: rank 8 on to_q/to_k/to_v/to_out.0/ff.net.0.proj/"
                "ff.net.2, %d rank%s ==\n", a + 1, lk_task_name(o.tasks[a]), o.ranks,
                o.ranks == 1 ? "" : "s");
-        adapter_yaml(text, sizeof text, o.tasks[a], steps[a], z.batch, o.digits, 2 + a);
+        adapter_yaml(text, sizeof text, o.tasks[a], steps[a], z.batch, o.digits, 2 + a, o.eval);
         snprintf(path, sizeof path, "%s/%s.yaml", o.out, lk_task_name(o.tasks[a]));
         if (write_text(path, text)) {
             fprintf(stderr, "lorakit: %s: cannot write\n", path);
