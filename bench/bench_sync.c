@@ -4,7 +4,7 @@
  *  1. Gradient sync (run under `mpirun -n 4`): the rank-16 LoRA parameters of
  *     N DiT blocks (attn.to_q/to_k/to_v/to_out.0 d x d, ff.net.0.proj d->4d,
  *     ff.net.2 4d->d: 12 parameters a block), 100 to 1,000 parameters, synced
- *     with lk_lora_sync_grads_ex bucketed (one allreduce per 25 MiB bucket)
+ *     with lk_lora_sync_grads_ex bucketed (one allreduce per 4 MiB bucket)
  *     versus one allreduce per parameter (the reference's way), on a 4 x 1
  *     mesh and, at 4 ranks, a 2 x 2 mesh too. Seconds are the slowest rank's,
  *     best of --repeat runs after one warm-up (medians reported alongside);
@@ -33,7 +33,8 @@
 
 static const char *const SYNC_USAGE =
     "usage: mpirun -n 4 lorakit bench sync [--json] [--dim D] [--rank R] [--repeat N]\n"
-    "                                      [--bucket-mb M] [--tokens T] [--linear-dim N]\n"
+    "                                      [--bucket-mb M | --bucket-kb K] [--tokens T]\n"
+    "                                      [--linear-dim N]\n"
     "                                      [--no-linear] [--no-sync]\n\n"
     "Times the LoRA gradient sync of 100, 300 and 1000 rank-R parameters of\n"
     "DiT blocks of width D (default 1152, R = 16) over 4 ranks, bucketed versus\n"
@@ -45,7 +46,8 @@ static const char *const SYNC_USAGE =
     "  --dim D         DiT hidden width (default 1152; the MLP is 4D)\n"
     "  --rank R        LoRA rank (default 16)\n"
     "  --repeat N      timed runs per case (default 5)\n"
-    "  --bucket-mb M   bucket size of the bucketed sync (default 25)\n"
+    "  --bucket-mb M   bucket size of the bucketed sync (default 4, the library's)\n"
+    "  --bucket-kb K   the same in KiB (for small-bucket sweeps)\n"
     "  --tokens T      tokens of the linear case (default 512)\n"
     "  --linear-dim N  in = out of the linear case (default 4096)\n"
     "  --no-linear     skip the linear case; --no-sync skips the sync cases\n"
@@ -257,7 +259,7 @@ int lk_bench_sync(int argc, char **argv) {
         return LK_EXIT_OK;
     }
     ctx c = {.repeat = 5};
-    long dim = 1152, rank = 16, bucket_mb = 25, tokens = 512, ldim = 4096;
+    long dim = 1152, rank = 16, bucket_mb = 4, bucket_kb = 0, tokens = 512, ldim = 4096;
     int do_linear = 1, do_sync = 1;
     for (int i = 1; i < argc; i++) {
         long *dst = NULL;
@@ -268,6 +270,7 @@ int lk_bench_sync(int argc, char **argv) {
         else if (!strcmp(argv[i], "--dim")) dst = &dim;
         else if (!strcmp(argv[i], "--rank")) dst = &rank;
         else if (!strcmp(argv[i], "--bucket-mb")) dst = &bucket_mb;
+        else if (!strcmp(argv[i], "--bucket-kb")) dst = &bucket_kb;
         else if (!strcmp(argv[i], "--tokens")) dst = &tokens;
         else if (!strcmp(argv[i], "--linear-dim")) dst = &ldim;
         else if (!strcmp(argv[i], "--repeat")) dst = &repeat;
@@ -304,12 +307,13 @@ int lk_bench_sync(int argc, char **argv) {
     else if (do_sync && N != 4 && R == 0)
         fprintf(stderr, "lorakit bench sync: measuring on %d ranks; the reference figures are for "
                         "`mpirun -n 4`\n", N);
+    size_t bucket_bytes = bucket_kb ? (size_t)bucket_kb << 10 : (size_t)bucket_mb << 20;
     if (do_sync && N > 1) {
         static const int counts[3] = {100, 300, 1000};
         for (int k = 0; k < 3 && s == LK_OK; k++)
-            s = bench_sync_case(&c, counts[k], (int)dim, (int)rank, N, 1, (size_t)bucket_mb << 20);
+            s = bench_sync_case(&c, counts[k], (int)dim, (int)rank, N, 1, bucket_bytes);
         if (s == LK_OK && N == 4)
-            s = bench_sync_case(&c, 1000, (int)dim, (int)rank, 2, 2, (size_t)bucket_mb << 20);
+            s = bench_sync_case(&c, 1000, (int)dim, (int)rank, 2, 2, bucket_bytes);
     }
     if (s == LK_OK && do_linear) {
         if (R == 0) s = bench_linear(&c, (int)ldim, (int)rank, (int)tokens);

@@ -248,7 +248,7 @@ void lk_lora_params_zero_grad(lk_lora_params *p);
 /* --------------------------------------------------------- distributed */
 
 typedef struct lk_lora_sync_opts {
-    size_t bucket_bytes; /* 0: 25 MiB. One allreduce per bucket per mesh dim. */
+    size_t bucket_bytes; /* 0: 4 MiB. One allreduce per bucket per mesh dim. */
     int per_param;       /* 1: one allreduce per parameter (the reference's
                             way; for benchmarks and comparison only) */
 } lk_lora_sync_opts;
