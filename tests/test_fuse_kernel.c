@@ -228,6 +228,37 @@ static void test_nonfinite(void **state) {
     assert_int_equal(lk_fuse_tensor(res, w, LK_DTYPE_F16, 1, 3, &t, 1, NULL, "blk.0.w"), LK_OK);
 }
 
+/* The same through the BF16 register-block path: a non-finite result inside
+ * a full 4 x 32 block sends that block down the checked path, which names
+ * the first element; with allow_nonfinite the block is written like any
+ * other (Inf there, every other element as the emulated fp32 sum). */
+static void test_nonfinite_bf16_block(void **state) {
+    (void)state;
+    tu_rng rng = {17};
+    const int64_t out = 9, in = 70;
+    ar_tensor W;
+    ar_tensor_rand(&W, "w", LK_DTYPE_BF16, out, in, &rng, -1, 1);
+    ((uint16_t *)W.t.data)[5 * in + 40] = lk_f32_to_bf16(3.0e38f);
+    float a[70], b[9];
+    for (int j = 0; j < in; j++) a[j] = 1.0f;
+    for (int i = 0; i < out; i++) b[i] = i == 5 ? 1.0e38f : 0.001f;
+    lk_tensor A = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, in}, .nbytes = sizeof a, .data = a};
+    lk_tensor B = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {out, 1}, .nbytes = sizeof b, .data = b};
+    lk_fuse_term t = {&A, &B, 1.0f};
+    uint16_t res[9 * 70];
+    assert_int_equal(lk_fuse_tensor(res, W.t.data, LK_DTYPE_BF16, out, in, &t, 1, NULL, "blk"), LK_ERR_NONFINITE);
+    tu_assert_contains(lk_last_error(), "blk: fusion made element [5, 40] non-finite");
+    lk_fuse_opts o = {.allow_nonfinite = 1};
+    assert_int_equal(lk_fuse_tensor(res, W.t.data, LK_DTYPE_BF16, out, in, &t, 1, &o, "blk"), LK_OK);
+    for (int i = 0; i < out; i++)
+        for (int j = 0; j < in; j++) {
+            float r = lk_bf16_to_f32(((uint16_t *)W.t.data)[i * in + j]) + b[i] * a[j];
+            assert_int_equal(res[i * in + j], lk_f32_to_bf16(r));
+        }
+    assert_int_equal(res[5 * in + 40], 0x7f80);
+    ar_tensor_free(&W);
+}
+
 static void test_errors(void **state) {
     (void)state;
     float w[6] = {0}, res[6], a[6] = {0}, b[6] = {0};
@@ -264,6 +295,7 @@ int main(void) {
         cmocka_unit_test(test_zero_strength_identity), cmocka_unit_test(test_hand_computed),
         cmocka_unit_test(test_nonfinite), cmocka_unit_test(test_errors),
         cmocka_unit_test(test_misaligned_weight), cmocka_unit_test(test_bit_exact_order),
+        cmocka_unit_test(test_nonfinite_bf16_block),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -10,9 +10,10 @@
  * rounded to fp32 once). Threads take chunks of 16 rows; within a chunk,
  * for each column tile (A's slice kept near 256 KB, in L2), four rows at a
  * time get their delta in a 4 x 32 register block, acc[j] = Bs[o,0]*A[0,j]
- * + Bs[o,1]*A[1,j] + ... strictly left to right; each row segment of W is
- * then read (prefetched during the sums), added in fp32, and rounded once
- * (RNE) into W's dtype. W is read once and written once; the delta exists
+ * + Bs[o,1]*A[1,j] + ... strictly left to right; for BF16 weights the block
+ * is added to W and rounded right there in registers, for the other dtypes
+ * each row segment of W is read (prefetched during the sums), added in
+ * fp32 and rounded once (RNE) into W's dtype. W is read once and written once; the delta exists
  * only four row segments at a time, never out x in. On a 2-vCPU Zen 4 the
  * sums run near the FP pipes' peak (mul and add on separate pipes, so FMA
  * would not be faster); at low rank the W pass dominates.
@@ -97,39 +98,40 @@ typedef float v16 __attribute__((vector_size(64)));
  * so a block's k loop streams contiguous memory. Columns past the last full
  * panel come from A. Every element still sees exactly the sequence s = p0,
  * s = s + p1, ..., so the bits equal delta_row's. */
+/* The sums of one 4 x 32 block into v16 c[4][2]: row r, columns j .. j+31,
+ * k ascending (shared by delta_4rows and fused_4rows_bf16). */
+#define LK_BLOCK_4X32(c, Ap, b, R, j)                                                   \
+    do {                                                                               \
+        const float *a_ = (Ap) + (j) * (R);                                            \
+        v16 x0_, x1_;                                                                  \
+        LD16(x0_, a_);                                                                 \
+        LD16(x1_, a_ + 16);                                                            \
+        for (int r_ = 0; r_ < 4; r_++) {                                               \
+            c[r_][0] = (b)[r_ * (R)] * x0_;                                            \
+            c[r_][1] = (b)[r_ * (R)] * x1_;                                            \
+        }                                                                              \
+        for (size_t k_ = 1; k_ < (R); k_++) {                                          \
+            a_ = (Ap) + (j) * (R) + k_ * 32;                                           \
+            LD16(x0_, a_);                                                             \
+            LD16(x1_, a_ + 16);                                                        \
+            for (int r_ = 0; r_ < 4; r_++) {                                           \
+                const float e_ = (b)[r_ * (R) + k_];                                   \
+                c[r_][0] = c[r_][0] + e_ * x0_;                                        \
+                c[r_][1] = c[r_][1] + e_ * x1_;                                        \
+            }                                                                          \
+        }                                                                              \
+    } while (0)
+
 LK_KCLONES static void delta_4rows(float *restrict acc, size_t ldc, const float *restrict A, size_t lda,
                                    const float *restrict Ap, const float *restrict b, size_t R, size_t n) {
-    const float *b0 = b, *b1 = b + R, *b2 = b + 2 * R, *b3 = b + 3 * R;
     size_t j = 0;
     for (; j + 32 <= n; j += 32) {
-        const float *a = Ap + j * R; /* this block's panel: R x 32, contiguous */
-        v16 x0, x1;
-        LD16(x0, a);
-        LD16(x1, a + 16);
-        v16 c00 = b0[0] * x0, c01 = b0[0] * x1, c10 = b1[0] * x0, c11 = b1[0] * x1;
-        v16 c20 = b2[0] * x0, c21 = b2[0] * x1, c30 = b3[0] * x0, c31 = b3[0] * x1;
-        for (size_t k = 1; k < R; k++) {
-            a = Ap + j * R + k * 32;
-            LD16(x0, a);
-            LD16(x1, a + 16);
-            const float e0 = b0[k], e1 = b1[k], e2 = b2[k], e3 = b3[k];
-            c00 = c00 + e0 * x0;
-            c01 = c01 + e0 * x1;
-            c10 = c10 + e1 * x0;
-            c11 = c11 + e1 * x1;
-            c20 = c20 + e2 * x0;
-            c21 = c21 + e2 * x1;
-            c30 = c30 + e3 * x0;
-            c31 = c31 + e3 * x1;
+        v16 c[4][2];
+        LK_BLOCK_4X32(c, Ap, b, R, j);
+        for (int r = 0; r < 4; r++) {
+            ST16(acc + r * ldc + j, c[r][0]);
+            ST16(acc + r * ldc + j + 16, c[r][1]);
         }
-        ST16(acc + j, c00);
-        ST16(acc + j + 16, c01);
-        ST16(acc + ldc + j, c10);
-        ST16(acc + ldc + j + 16, c11);
-        ST16(acc + 2 * ldc + j, c20);
-        ST16(acc + 2 * ldc + j + 16, c21);
-        ST16(acc + 3 * ldc + j, c30);
-        ST16(acc + 3 * ldc + j + 16, c31);
     }
     for (; j < n; j++)
         for (size_t r = 0; r < 4; r++) {
@@ -141,6 +143,61 @@ LK_KCLONES static void delta_4rows(float *restrict acc, size_t ldc, const float 
             }
             acc[r * ldc + j] = sum;
         }
+}
+
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+/* BF16 weights, the common case: delta_4rows' sums for each full 4 x 32
+ * block are added to W and rounded while still in registers, so W is read
+ * and written once with no trip through acc. The rounding is dtype.c's
+ * f32 -> bf16 (RNE; NaN kept, quiet bit when the kept payload is 0), in
+ * vector form: tests/test_fuse_kernel.c checks the bits against
+ * lk_from_f32. A block in which some finite weight would become
+ * non-finite is not written: its sums go to acc and its column is
+ * returned, for the caller to finish on the checked path. Returns n when
+ * every full block is done. win and wout may be the same memory. */
+LK_KCLONES static size_t fused_4rows_bf16(const unsigned char *win, unsigned char *wout, size_t ldw,
+                                          float *restrict acc, size_t ldc, const float *restrict Ap,
+                                          const float *restrict b, size_t R, size_t j, size_t n, uint32_t lim) {
+    for (; j + 32 <= n; j += 32) {
+        v16 c[4][2];
+        LK_BLOCK_4X32(c, Ap, b, R, j);
+        v16u res[4][2], bad = {0};
+        for (int r = 0; r < 4; r++)
+            for (int h = 0; h < 2; h++) {
+                v16h w16;
+                memcpy(&w16, win + r * ldw + (j + 16 * (size_t)h) * 2, sizeof w16);
+                v16u u = __builtin_convertvector(w16, v16u) << 16;
+                v16 x, sum;
+                memcpy(&x, &u, sizeof x);
+                sum = x + c[r][h];
+                memcpy(&res[r][h], &sum, sizeof sum);
+                bad |= (v16u)((u & 0x7fffffffu) < 0x7f800000u) & (v16u)((res[r][h] & 0x7fffffffu) >= lim);
+            }
+        /* horizontal OR in four shuffles (no lane-by-lane extraction) */
+        bad |= __builtin_shuffle(bad, (v16u){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+        bad |= __builtin_shuffle(bad, (v16u){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
+        bad |= __builtin_shuffle(bad, (v16u){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
+        bad |= __builtin_shuffle(bad, (v16u){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+        if (bad[0]) {
+            for (int r = 0; r < 4; r++) {
+                ST16(acc + r * ldc + j, c[r][0]);
+                ST16(acc + r * ldc + j + 16, c[r][1]);
+            }
+            return j;
+        }
+        for (int r = 0; r < 4; r++)
+            for (int h = 0; h < 2; h++) {
+                v16u u = res[r][h], t = u >> 16;
+                v16u rn = (u + 0x7fffu + (t & 1u)) >> 16;
+                v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
+                v16u q = t | ((v16u)((t & 0x7fu) == 0u) & 0x40u);
+                v16h o16 = __builtin_convertvector((nan & q) | (~nan & rn), v16h);
+                memcpy(wout + r * ldw + (j + 16 * (size_t)h) * 2, &o16, sizeof o16);
+            }
+    }
+    return n;
 }
 
 /* |r| bits at or above lim round to Inf (or are NaN) in the weight dtype. */
@@ -265,9 +322,24 @@ static void run_worker(kworker *wk) {
             for (; o + 4 <= o1; o += 4) {
                 /* Ask for these rows of W now; they arrive while the sums
                  * are computed instead of stalling the add pass. */
-                for (size_t r = 0; r < 4; r++) {
+                for (size_t r = 0; r < 4 && jb->dt != LK_DTYPE_BF16; r++) {
                     const char *p = (const char *)jb->w_in + ((o + r) * in + j0) * jb->esz;
                     for (size_t b = 0; b < n * jb->esz; b += 64) __builtin_prefetch(p + b, 0, 2);
+                }
+                if (jb->dt == LK_DTYPE_BF16) {
+                    const size_t n32 = n & ~(size_t)31, ldw = in * 2, base = (o * in + j0) * 2;
+                    size_t j = 0;
+                    while ((j = fused_4rows_bf16((const unsigned char *)jb->w_in + base, (unsigned char *)jb->w_out + base,
+                                                 ldw, wk->acc, nc, jb->Ap + j0 * R, jb->Bs + o * R, R, j, n32,
+                                                 jb->lim)) < n32) {
+                        for (size_t r = 0; r < 4; r++) finish_row(wk, o + r, j0 + j, 32, wk->acc + r * nc + j);
+                        j += 32;
+                    }
+                    if (n32 < n) {
+                        delta_4rows(wk->acc, nc, jb->A + j0 + n32, in, jb->Ap, jb->Bs + o * R, R, n - n32);
+                        for (size_t r = 0; r < 4; r++) finish_row(wk, o + r, j0 + n32, n - n32, wk->acc + r * nc);
+                    }
+                    continue;
                 }
                 delta_4rows(wk->acc, nc, jb->A + j0, in, jb->Ap + j0 * R, jb->Bs + o * R, R, n);
                 for (size_t r = 0; r < 4; r++) finish_row(wk, o + r, j0, n, wk->acc + r * nc);
