@@ -146,6 +146,11 @@ LK_KCLONES static void delta_4rows(float *restrict acc, size_t ldc, const float 
 }
 
 typedef uint32_t v16u __attribute__((vector_size(64)));
+#if defined(__clang__) || __GNUC__ >= 12
+#define LK_SHUF(v, ...) __builtin_shufflevector((v), (v), __VA_ARGS__)
+#else
+#define LK_SHUF(v, ...) __builtin_shuffle((v), (v16u){__VA_ARGS__})
+#endif
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
 /* BF16 weights, the common case: delta_4rows' sums for each full 4 x 32
@@ -176,10 +181,10 @@ LK_KCLONES static size_t fused_4rows_bf16(const unsigned char *win, unsigned cha
                 bad |= (v16u)((u & 0x7fffffffu) < 0x7f800000u) & (v16u)((res[r][h] & 0x7fffffffu) >= lim);
             }
         /* horizontal OR in four shuffles (no lane-by-lane extraction) */
-        bad |= __builtin_shuffle(bad, (v16u){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-        bad |= __builtin_shuffle(bad, (v16u){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3});
-        bad |= __builtin_shuffle(bad, (v16u){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1});
-        bad |= __builtin_shuffle(bad, (v16u){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});
+        bad |= LK_SHUF(bad, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+        bad |= LK_SHUF(bad, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+        bad |= LK_SHUF(bad, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+        bad |= LK_SHUF(bad, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
         if (bad[0]) {
             for (int r = 0; r < 4; r++) {
                 ST16(acc + r * ldc + j, c[r][0]);
