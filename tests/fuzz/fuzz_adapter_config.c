@@ -43,24 +43,7 @@ static const char *fz_peft_dir(void) {
     return dir;
 }
 
-/* OPEN FINDING (tests/fuzz/crashes/adapter_config/): pattern keys and a
- * string target_modules go to glibc regcomp, whose memory grows with the
- * product of nested or counted repetitions ("t{0,32767}": > 6 GB). Until the
- * adapter module bounds patterns, inputs that can build one are skipped so
- * the fuzzer keeps exploring everything else: "{" followed by a digit or ","
- * (never valid JSON outside a string) or more than 10 of '+' and '*'. */
-static int fz_regex_bomb(const uint8_t *d, size_t n) {
-    size_t reps = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (d[i] == '+' || d[i] == '*') reps++;
-        if (d[i] == '{' && i + 1 < n && ((d[i + 1] >= '0' && d[i + 1] <= '9') || d[i + 1] == ','))
-            return 1;
-    }
-    return reps > 10;
-}
-
 static void fz_adapter_config(const uint8_t *data, size_t size) {
-    if (fz_regex_bomb(data, size)) return;
     const char *dir = fz_peft_dir();
     fz_write_tmp("peft/adapter_config.json", data, size);
     lk_adapter *a = NULL;
