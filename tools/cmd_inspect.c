@@ -15,10 +15,13 @@
 #include "inspect_adapter.h"
 
 static const char *const INSPECT_USAGE =
-    "usage: lorakit inspect FILE [--json]\n\n"
+    "usage: lorakit inspect FILE|DIR [--json]\n\n"
     "Lists a safetensors file: its metadata, then one line per tensor (name,\n"
     "dtype, shape, bytes) in file order, then totals by dtype. The file is\n"
-    "fully validated first; a malformed file is an error (exit 1).\n\n"
+    "fully validated first; a malformed file is an error (exit 1).\n"
+    "An adapter (a PEFT folder, or a file whose keys are all LoRA keys) is\n"
+    "shown as an adapter instead: detected format, module count, and the\n"
+    "rank, alpha and resulting scale per module group.\n\n"
     "options:\n"
     "  --json     print one JSON object: {path, file_bytes, header_bytes,\n"
     "             metadata, tensors: [{name, dtype, shape, bytes, offset}],\n"

@@ -20,7 +20,7 @@ static const char *const SWAP_USAGE =
     "usage: lorakit swap BASE --plan PLAN.yaml [--json] [--bucket-mb N] [--threads N]\n\n"
     "Loads the safetensors checkpoint BASE into memory on every rank and\n"
     "applies each step of the plan with the hot-swap tracker: ranks own keys by\n"
-    "size, owners refuse only the keys whose adapters changed and broadcast\n"
+    "size, owners recompute only the keys whose adapters changed and broadcast\n"
     "them through one staging buffer. Run it as `mpirun -n K lorakit swap ...`\n"
     "for K ranks, or alone for one. Each rank reads the plan path it is given.\n\n"
     "plan (YAML; adapter paths are relative to the plan's folder):\n"
