@@ -41,6 +41,7 @@ has base "$TMP/base/loss.csv" "^step,loss$"
 has base "$TMP/base/loss.csv" "^30,[0-9.]+$"
 has base "$TMP/base/train.json" '"steps": 30, "global_batch": 8'
 [ -f "$TMP/base/model.safetensors" ] || { echo "FAIL model.safetensors"; fail=1; }
+[ -f "$TMP/base/optimizer.safetensors" ] || { echo "FAIL optimizer.safetensors"; fail=1; }
 if command -v gnuplot >/dev/null; then
   [ -s "$TMP/base/loss.png" ] || { echo "FAIL loss.png"; fail=1; }
 fi

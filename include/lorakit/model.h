@@ -241,7 +241,7 @@ typedef struct lk_train_result {
  * process): data-parallel over the ranks, gradients averaged with
  * lk_lora_sync_grads, clipping, AdamW; checks the replicas at the end; rank 0
  * writes the output (PEFT adapter in `output/`, or `output/model.safetensors`
- * for full-model training). */
+ * for full-model training) and the AdamW state (`output/optimizer.safetensors`). */
 lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_progress_fn fn,
                        void *ctx, lk_train_result *res);
 

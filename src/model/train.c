@@ -444,6 +444,8 @@ lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_prog
             st = w >= (int)sizeof r.saved ? lk_error(LK_ERR_IO, "%s: path too long", cfg->output)
                                           : lk_model_save(m, r.saved);
         }
+        /* the optimizer state, for resuming: OUTPUT/optimizer.safetensors */
+        if (!st) st = lk_adamw_save(opt, p, cfg->output);
     }
     st = agree(world, st, "saving on rank 0");
 
