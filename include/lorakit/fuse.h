@@ -71,8 +71,13 @@ typedef struct lk_fuse_stats {
  * of `inputs`; a term's scale is (float)(strength * module scale). Tensors no module targets, and all non-float tensors, are copied
  * byte for byte; the base's metadata is kept and "lorakit.fused" records the
  * adapters (a JSON array of {"path", "strength", "format"}, appended to the
- * base's own record when it has one). Peak memory: the largest fused tensor
- * plus the factors of one tensor; the base and adapters are mmapped. */
+ * base's own record when it has one). Peak memory: one tensor buffer (the
+ * largest fused tensor, at least min(8 MiB, the largest copied tensor))
+ * plus the adapters' factors (held in memory from open) and the f32 factors
+ * of one tensor. The base's tensor bytes are read with pread, never through
+ * its mmap: a base truncated or rewritten by another process during the fuse
+ * is LK_ERR_IO naming the file and tensor ("changed on disk while being
+ * read"), with no output left. */
 /* A strength as a double for display and JSON: the shortest decimal that
  * reads back as the same float (0.8f -> 0.8, not 0.800000011920929). */
 double lk_fuse_strength_value(float strength);

@@ -3,7 +3,9 @@
  *
  * Reader: lk_st_open maps the file and validates the header exactly as the
  * reference implementation does (see src/io/safetensors.c); tensors are
- * zero-copy views into the mapping, looked up by name in O(log n).
+ * zero-copy views into the mapping, looked up by name in O(log n); the
+ * descriptor stays open until lk_st_close, so lk_st_read can copy a tensor's
+ * bytes with pread instead (a truncated file is then an error, not a SIGBUS).
  * Writer: declare every tensor, then lk_st_writer_begin, then supply each
  * tensor's bytes (whole or in chunks, any order), then lk_st_writer_commit,
  * which fsyncs a temporary file in the destination directory and renames it
@@ -42,6 +44,14 @@ long lk_st_find(const lk_st *st, const char *name);
 uint64_t lk_st_file_offset(const lk_st *st, size_t i);
 /* Size of the JSON header in bytes (the N of the 8-byte prefix). */
 uint64_t lk_st_header_len(const lk_st *st);
+/* Copies n bytes at byte offset off within tensor i into dst, read with
+ * pread from the descriptor the reader keeps open since lk_st_open (memory
+ * images: a memcpy). Unlike touching the mapping, a file that shrank since it
+ * was opened is an error, not a SIGBUS: LK_ERR_IO "<file>: <tensor>: changed
+ * on disk while being read: expected N bytes at offset O, got M" (O counted
+ * from the start of the file). For callers that must survive another process
+ * rewriting their input (lk_fuse_file, adapter loading). */
+lk_status lk_st_read(const lk_st *st, size_t i, uint64_t off, void *dst, size_t n);
 
 size_t lk_st_metadata_count(const lk_st *st);
 void lk_st_metadata_at(const lk_st *st, size_t i, const char **key, const char **value);

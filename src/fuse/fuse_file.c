@@ -3,13 +3,16 @@
  * Validate everything, then stream: every adapter is opened and resolved
  * against the base's keys before the output is even created, so a bad
  * request writes nothing. The output goes through the streaming
- * safetensors writer tensor by tensor, in the base's order: untouched
- * tensors are written straight from the base's mmap (byte for byte), fused
- * ones from one reusable buffer the size of the largest fused tensor, and
- * the base's pages are released once written, so the resident set stays
- * near the largest tensor plus the adapters. The writer renames its
- * temporary file into place only on commit, so on any error no output
- * exists. */
+ * safetensors writer tensor by tensor, in the base's order. The base's
+ * tensor bytes are never touched through the reader's mmap (only its header
+ * is): they are read with pread (lk_st_read) from the descriptor the reader
+ * keeps open, fused ones whole into one reusable buffer the size of the
+ * largest fused tensor and fused there in place, untouched ones copied byte
+ * for byte through the same buffer in chunks. So the resident set stays near
+ * the largest fused tensor plus the adapters, and a base that another
+ * process truncates while we read it is LK_ERR_IO ("changed on disk while
+ * being read"), not a SIGBUS. The writer renames its temporary file into
+ * place only on commit, so on any error no output exists. */
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
@@ -20,7 +23,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -33,23 +35,10 @@ static double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Tells the kernel the base's pages of a tensor already written will not be
- * needed again, so the resident set stays near one tensor instead of
- * growing to the whole (mmapped) model. MADV_PAGEOUT only reclaims: clean
- * file pages are dropped, anything else would be paged out, never lost.
- * Only whole pages inside [p, p+n) are touched. A hint: errors ignored. */
-static void drop_pages(const void *p, size_t n) {
-#ifdef MADV_PAGEOUT
-    long ps = sysconf(_SC_PAGESIZE);
-    if (ps <= 0 || !p || n < (size_t)ps) return;
-    uintptr_t lo = ((uintptr_t)p + (uintptr_t)ps - 1) & ~((uintptr_t)ps - 1);
-    uintptr_t hi = ((uintptr_t)p + n) & ~((uintptr_t)ps - 1);
-    if (hi > lo) madvise((void *)lo, hi - lo, MADV_PAGEOUT);
-#else
-    (void)p;
-    (void)n;
-#endif
-}
+/* Untouched tensors are copied through the tensor buffer in chunks of at
+ * most this many bytes (the buffer grows to it only when no fused tensor is
+ * larger already). */
+#define COPY_CHUNK ((size_t)8 << 20)
 
 /* LK_ERR_ARG when out names the same file as path (what says which input). */
 static lk_status refuse_same(const char *out, const char *path, const char *what) {
@@ -194,13 +183,19 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     }
     max_terms = n;
     c.terms = lk_malloc((max_terms ? max_terms : 1) * sizeof *c.terms);
-    size_t buf_bytes = 0;
+    size_t buf_bytes = 0, copy_bytes = 0;
     uint64_t total_bytes = 0;
     for (size_t i = 0; i < nt; i++) {
-        total_bytes += c.model[i].nbytes;
-        if (c.terms && gather(&c, inputs, &c.model[i], c.terms) && c.model[i].nbytes > buf_bytes)
-            buf_bytes = c.model[i].nbytes;
+        size_t nb = c.model[i].nbytes;
+        total_bytes += nb;
+        if (c.terms && gather(&c, inputs, &c.model[i], c.terms)) {
+            if (nb > buf_bytes) buf_bytes = nb;
+        } else if (nb > copy_bytes) {
+            copy_bytes = nb;
+        }
     }
+    if (copy_bytes > COPY_CHUNK) copy_bytes = COPY_CHUNK;
+    if (copy_bytes > buf_bytes) buf_bytes = copy_bytes;
     if (!c.terms || (buf_bytes && !(c.buf = lk_malloc(buf_bytes)))) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a %zu-byte tensor buffer", base, buf_bytes);
         goto fail;
@@ -237,18 +232,23 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     for (size_t i = 0; i < nt; i++) {
         const lk_tensor *t = &c.model[i];
         size_t k = gather(&c, inputs, t, c.terms);
-        const void *src = t->data;
         if (k) {
-            s = lk_fuse_tensor(c.buf, t->data, t->dtype, t->shape[0], t->shape[1], c.terms, k, &opts->fuse, t->name);
+            if ((s = lk_st_read(c.st, i, 0, c.buf, t->nbytes))) goto fail;
+            s = lk_fuse_tensor(c.buf, c.buf, t->dtype, t->shape[0], t->shape[1], c.terms, k, &opts->fuse, t->name);
             if (s) {
                 lk_error_prefix(s, "%s", base);
                 goto fail;
             }
-            src = c.buf;
+            if ((s = lk_st_writer_write(c.w, i, 0, c.buf, t->nbytes))) goto fail;
             st.tensors_fused++;
+        } else {
+            for (size_t off = 0; off < t->nbytes;) {
+                size_t len = t->nbytes - off < buf_bytes ? t->nbytes - off : buf_bytes;
+                if ((s = lk_st_read(c.st, i, off, c.buf, len)) || (s = lk_st_writer_write(c.w, i, off, c.buf, len)))
+                    goto fail;
+                off += len;
+            }
         }
-        if (t->nbytes && (s = lk_st_writer_write(c.w, i, 0, src, t->nbytes))) goto fail;
-        drop_pages(t->data, t->nbytes);
         done += t->nbytes;
         if (opts->on_progress) opts->on_progress(opts->progress_ctx, done, total_bytes, i + 1, nt);
     }

@@ -51,6 +51,7 @@ struct lk_st {
     unsigned char *base;  /* whole file image */
     size_t len;
     int mapped;           /* base from mmap (else lk_malloc) */
+    int fd;               /* kept open for lk_st_read (-1 for memory images) */
     uint64_t header_len;
     size_t n;
     lk_tensor *t;         /* file (offset) order */
@@ -200,6 +201,7 @@ void lk_st_close(lk_st *st) {
         if (st->mapped) munmap(st->base, st->len);
         else lk_free(st->base);
     }
+    if (st->fd >= 0) close(st->fd);
     for (size_t i = 0; i < st->n_meta; i++) {
         lk_free(st->meta[i].k);
         lk_free(st->meta[i].v);
@@ -365,6 +367,7 @@ static lk_status st_new(const char *label, lk_st **out) {
         lk_free(st);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory", label ? label : "(memory)");
     }
+    st->fd = -1;
     *out = st;
     return LK_OK;
 }
@@ -380,15 +383,14 @@ lk_status lk_st_open(const char *path, lk_st **out) {
         s = lk_error(LK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
         goto fail;
     }
+    st->fd = fd; /* closed by lk_st_close */
     struct stat sb;
     if (fstat(fd, &sb) != 0) {
         s = lk_error(LK_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
-        close(fd);
         goto fail;
     }
     if (!S_ISREG(sb.st_mode)) {
         s = lk_error(LK_ERR_IO, "%s: not a regular file", path);
-        close(fd);
         goto fail;
     }
     st->len = (size_t)sb.st_size;
@@ -396,13 +398,11 @@ lk_status lk_st_open(const char *path, lk_st **out) {
         void *m = mmap(NULL, st->len, PROT_READ, MAP_PRIVATE, fd, 0);
         if (m == MAP_FAILED) {
             s = lk_error(LK_ERR_IO, "%s: cannot mmap %zu bytes: %s", path, st->len, strerror(errno));
-            close(fd);
             goto fail;
         }
         st->base = m;
         st->mapped = 1;
     }
-    close(fd);
     if ((s = st_parse(st)) != LK_OK) goto fail;
     *out = st;
     return LK_OK;
@@ -437,6 +437,35 @@ size_t lk_st_count(const lk_st *st) { return st->n; }
 const lk_tensor *lk_st_tensor(const lk_st *st, size_t i) { return i < st->n ? &st->t[i] : NULL; }
 uint64_t lk_st_file_offset(const lk_st *st, size_t i) { return i < st->n ? st->off[i] : 0; }
 uint64_t lk_st_header_len(const lk_st *st) { return st->header_len; }
+
+lk_status lk_st_read(const lk_st *st, size_t i, uint64_t off, void *dst, size_t n) {
+    if (!st || i >= st->n || (n && !dst)) return lk_error(LK_ERR_ARG, "lk_st_read: bad argument");
+    const lk_tensor *t = &st->t[i];
+    if (off > t->nbytes || n > t->nbytes - off)
+        return lk_error(LK_ERR_ARG, "%s: %s: read of %zu bytes at %llu is past the tensor's %zu bytes", st->path,
+                        t->name, n, (unsigned long long)off, t->nbytes);
+    uint64_t at = st->off[i] + off;
+    if (st->fd < 0) { /* a memory image cannot change */
+        if (n) memcpy(dst, st->base + at, n);
+        return LK_OK;
+    }
+    size_t got = 0;
+    while (got < n) {
+        size_t want = n - got;
+        if (want > ((size_t)1 << 30)) want = (size_t)1 << 30; /* Linux caps one read below 2 GiB */
+        ssize_t r = pread(st->fd, (unsigned char *)dst + got, want, (off_t)(at + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0)
+            return lk_error(LK_ERR_IO, "%s: %s: cannot read %zu bytes at offset %llu: %s", st->path, t->name, n,
+                            (unsigned long long)at, strerror(errno));
+        if (r == 0) break;
+        got += (size_t)r;
+    }
+    if (got < n)
+        return lk_error(LK_ERR_IO, "%s: %s: changed on disk while being read: expected %zu bytes at offset %llu, got %zu",
+                        st->path, t->name, n, (unsigned long long)at, got);
+    return LK_OK;
+}
 
 long lk_st_find(const lk_st *st, const char *name) {
     size_t lo = 0, hi = st->n;
