@@ -4,8 +4,10 @@
  * format, reads adapter_config.json where there is one, and pairs lora_A /
  * lora_B per module with its rank, alpha and scale. lk_adapter_resolve then
  * maps every module onto a model weight key and checks shapes, so a fuse or a
- * swap is fully validated before anything is written. Tensors are borrowed
- * from the adapter's mmap and stay valid until lk_adapter_free. */
+ * swap is fully validated before anything is written. The factors are
+ * copied into memory at open (read with pread, never through the mmap, so an
+ * adapter file changed on disk later cannot crash the process) and stay
+ * valid until lk_adapter_free. */
 #ifndef LORAKIT_ADAPTER_H
 #define LORAKIT_ADAPTER_H
 

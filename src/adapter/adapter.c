@@ -7,8 +7,12 @@
  * role (A, B, alpha); keys are then sorted by stem so that pairing is
  * independent of the order in the file, and every key must find its place:
  * an unknown key, a lone factor, a duplicate or a mix of families is an
- * error naming the key, never silently skipped. The factors stay borrowed
- * from the adapter's mmap. */
+ * error naming the key, never silently skipped. Once paired, the factors
+ * are copied out of the file into one allocation with pread (lk_st_read),
+ * never read through the mmap: adapters are small next to the model, and a
+ * file that another process truncates or rewrites later can then no longer
+ * crash a fuse or a serving rank with SIGBUS (a change during the copy is
+ * LK_ERR_IO). */
 #include "lorakit/adapter.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
@@ -133,6 +137,7 @@ void lk_adapter_free(lk_adapter *a) {
     lk_free(a->mods);
     lk_free(a->by_target);
     lk_peft_config_free(&a->cfg);
+    lk_free(a->factors);
     lk_st_close(a->st);
     lk_free(a->file);
     lk_free(a->path);
@@ -272,15 +277,25 @@ static char *module_name(lk_adapter_format f, const char *stem, size_t len) {
     return m;
 }
 
-static lk_status read_alpha(const char *file, const lk_tensor *t, double *out) {
+/* Index of tensor t (a view returned by lk_st_tensor) in st. */
+static size_t st_index(const lk_st *st, const lk_tensor *t) { return (size_t)lk_st_find(st, t->name); }
+
+static lk_status read_alpha(const lk_adapter *a, const lk_tensor *t, double *out) {
+    const char *file = a->file;
     if (lk_tensor_numel(t) != 1)
         return lk_error(LK_ERR_SHAPE, "%s: %s: alpha must hold one value, not %zu", file, t->name, lk_tensor_numel(t));
     double v;
+    unsigned char raw[8] = {0}; /* one element of at most 8 bytes (numel is 1) */
+    if (t->nbytes > sizeof raw)
+        return lk_error(LK_ERR_DTYPE, "%s: %s: alpha has dtype %s; expected a float", file, t->name,
+                        lk_dtype_name(t->dtype));
+    lk_status s = lk_st_read(a->st, st_index(a->st, t), 0, raw, t->nbytes);
+    if (s) return s;
     if (t->dtype == LK_DTYPE_F64) {
-        memcpy(&v, t->data, 8);
+        memcpy(&v, raw, 8);
     } else if (lk_dtype_is_fusable(t->dtype)) {
         float f;
-        lk_to_f32(&f, t->data, t->dtype, 1);
+        lk_to_f32(&f, raw, t->dtype, 1);
         v = f;
     } else {
         return lk_error(LK_ERR_DTYPE, "%s: %s: alpha has dtype %s; expected a float", file, t->name,
@@ -334,7 +349,7 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *A, const
         alpha = ap ? ap->value : a->cfg.alpha;
         if (!lk_peft_targets(&a->cfg, m)) a->n_untargeted++;
     }
-    if (alpha_t && (s = read_alpha(f, alpha_t, &alpha))) return s;
+    if (alpha_t && (s = read_alpha(a, alpha_t, &alpha))) return s;
     double scale = a->rslora ? alpha / sqrt((double)r) : alpha / (double)r;
     if (!isfinite((float)scale))
         return lk_error(LK_ERR_NONFINITE, "%s: %s: scale alpha/%s = %g is not finite as a float", f, m,
@@ -412,6 +427,33 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
     return s;
 }
 
+/* Copies every module's A and B out of the file into a->factors (one
+ * allocation, each factor 16-byte aligned) and points the modules at it. */
+static lk_status copy_factors(lk_adapter *a) {
+    size_t total = 0;
+    for (size_t i = 0; i < a->n; i++) {
+        const lk_tensor *t2[2] = {&a->mods[i].A, &a->mods[i].B};
+        for (int k = 0; k < 2; k++) {
+            size_t nb = t2[k]->nbytes;
+            if (!lk_checked_add(nb, 15, &nb) || !lk_checked_add(total, nb & ~(size_t)15, &total))
+                return lk_error(LK_ERR_NOMEM, "%s: the factors' size overflows", a->file);
+        }
+    }
+    a->factors = lk_malloc(total ? total : 1);
+    if (!a->factors) return lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of LoRA factors", a->file, total);
+    unsigned char *p = a->factors;
+    for (size_t i = 0; i < a->n; i++) {
+        lk_tensor *t2[2] = {&a->mods[i].A, &a->mods[i].B};
+        for (int k = 0; k < 2; k++) {
+            lk_status s = lk_st_read(a->st, st_index(a->st, t2[k]), 0, p, t2[k]->nbytes);
+            if (s) return s;
+            t2[k]->data = p;
+            p += (t2[k]->nbytes + 15) & ~(size_t)15;
+        }
+    }
+    return LK_OK;
+}
+
 lk_status lk_adapter_open(const char *path, lk_adapter_format format, lk_adapter **out) {
     if (!path || !out) return lk_error(LK_ERR_ARG, "lk_adapter_open: NULL argument");
     if ((int)format < 0 || format >= LK_FORMAT_COUNT)
@@ -448,6 +490,7 @@ lk_status lk_adapter_open(const char *path, lk_adapter_format format, lk_adapter
     a->rslora = a->has_config && a->cfg.rslora;
     qsort(ki, n, sizeof *ki, key_cmp);
     if ((s = pair(a, ki, n))) goto fail;
+    if ((s = copy_factors(a))) goto fail;
     if (a->n_untargeted)
         lk_log(LK_LOG_WARN, "%s: %zu of %zu modules are not covered by target_modules in adapter_config.json",
                a->path, a->n_untargeted, a->n);

@@ -13,7 +13,8 @@ struct lk_adapter {
     lk_adapter_format format;
     int has_config, rslora;
     lk_peft_config cfg;     /* valid when has_config */
-    lk_st *st;              /* owns the factors' bytes (mmap) */
+    lk_st *st;              /* the file; owns the tensor names */
+    void *factors;          /* every module's A and B, copied at open */
     size_t n;               /* modules, sorted by stem */
     lk_lora_module *mods;
     char **names, **stems, **targets; /* owned strings behind mods[i] */
