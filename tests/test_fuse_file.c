@@ -5,7 +5,8 @@
  * stored values with scales hand-derived from what each test wrote
  * (alpha / r or alpha / sqrt(r), times the strength); untouched tensors
  * must be byte-identical. Then thread-count and adapter-order invariance
- * (identical bytes / digests) and every error path (nothing written). */
+ * (identical bytes / digests) and every error path (nothing written), and
+ * inputs truncated on disk after they were opened. */
 #include "adapter_ref.h"
 
 #include <math.h>
@@ -400,8 +401,64 @@ static void test_python_reference(void **state) {
     free(out);
 }
 
+/* Files changed on disk after they were opened. Expected values come from
+ * this test: the bytes it wrote, and the offsets and lengths it truncated to.
+ * (The whole lk_fuse_file path under a truncated base is test_fault_fuse.) */
+static void test_changed_on_disk(void **state) {
+    (void)state;
+    char *bp = tu_path(g_dir, "shrink_base.safetensors");
+    af_file *base = base_model(LK_DTYPE_F32, bp);
+    lk_st *st = open_st(bp);
+    long k = lk_st_find(st, "blocks.1.attn.to_q.weight");
+    assert_true(k >= 0);
+    const lk_tensor *t = lk_st_tensor(st, (size_t)k);
+    uint64_t off = lk_st_file_offset(st, (size_t)k);
+    const lk_tensor *want = af_get(base, "blocks.1.attn.to_q.weight");
+    /* The file now ends 12 bytes into this tensor: lk_st_read reports it
+     * (the mapping would raise SIGBUS on the lost pages). */
+    assert_int_equal(truncate(bp, (off_t)(off + 12)), 0);
+    unsigned char *buf = malloc(t->nbytes);
+    assert_int_equal(lk_st_read(st, (size_t)k, 0, buf, 12), LK_OK);
+    assert_memory_equal(buf, want->data, 12);
+    assert_int_equal(lk_st_read(st, (size_t)k, 0, buf, t->nbytes), LK_ERR_IO);
+    char msg[512];
+    snprintf(msg, sizeof msg,
+             "%s: blocks.1.attn.to_q.weight: changed on disk while being read: expected %zu bytes at offset %llu, got 12",
+             bp, t->nbytes, (unsigned long long)off);
+    assert_string_equal(lk_last_error(), msg);
+    assert_int_equal(lk_st_read(st, (size_t)k, 8, buf, t->nbytes), LK_ERR_ARG); /* past the tensor */
+    free(buf);
+    lk_st_close(st);
+    af_free(base);
+    free(bp);
+
+    /* An adapter truncated to nothing after lk_adapter_open: its factors were
+     * copied at open, so they still read back as written. */
+    char *ap = tu_path(g_dir, "shrink_adapter.safetensors");
+    af_file *keep;
+    expect ex[2];
+    write_adapter(LK_FORMAT_DIFFUSERS, ap, LK_DTYPE_BF16, &keep, ex);
+    lk_adapter *a;
+    assert_int_equal(lk_adapter_open(ap, LK_FORMAT_AUTO, &a), LK_OK);
+    assert_int_equal(truncate(ap, 0), 0);
+    assert_int_equal(lk_adapter_count(a), 2);
+    for (size_t i = 0; i < 2; i++) {
+        const lk_lora_module *m = lk_adapter_module(a, i);
+        /* modules are in stem order: to_k before to_q */
+        const expect *e = &ex[strstr(m->module, "to_q") ? 0 : 1];
+        assert_int_equal(m->A.nbytes, e->A->nbytes);
+        assert_int_equal(m->B.nbytes, e->B->nbytes);
+        assert_memory_equal(m->A.data, e->A->data, e->A->nbytes);
+        assert_memory_equal(m->B.data, e->B->data, e->B->nbytes);
+    }
+    lk_adapter_free(a);
+    af_free(keep);
+    free(ap);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_changed_on_disk),
         cmocka_unit_test(test_formats_dtypes),
         cmocka_unit_test(test_mix),
         cmocka_unit_test(test_errors),
