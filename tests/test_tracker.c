@@ -1,7 +1,8 @@
 /* test_tracker.c — the hot-swap tracker at one rank (`self` communicator,
  * no MPI): the same operations the MPI test runs at 1..4 ranks, plus
- * injected allocation failures and a double-precision check of one fused
- * element.
+ * injected allocation failures, a double-precision check of one fused
+ * element, and a NaN adapter refused by default and kept with
+ * allow_nonfinite.
  * Expectations: the digest of an offline lk_fuse_file of the same set, its
  * inputs written here in sorted (path) order, and the base file's own digest
  * for the reset state; key and byte counts are derived by hand from the
@@ -295,6 +296,117 @@ static void test_adapter_rewritten(void **state) {
     free(a2);
 }
 
+/* An adapter with one NaN in a lora_A. Default: refused with
+ * LK_ERR_NONFINITE naming the weight, weights unchanged. With
+ * allow_nonfinite: applied; column c of that weight is NaN in every row
+ * (B[o][0] * NaN), every other element equals W + s * alpha/r * B@A computed
+ * here in double, and the bytes equal an offline fuse with allow_nonfinite. */
+static void test_allow_nonfinite(void **state) {
+    (void)state;
+    char *np = tu_path(g_dir, "nan.safetensors");
+    assert_int_equal(swap_write_adapter(np, &M, SWAP_ATTN, 4, 8.0f, 0.05f, 0, 11), 0);
+    lk_st *base;
+    assert_int_equal(lk_st_open(g_base, &base), LK_OK);
+    /* the first F32 attention weight (the fixture cycles dtypes) */
+    const lk_tensor *W0 = NULL;
+    for (size_t i = 0; i < lk_st_count(base) && !W0; i++) {
+        const lk_tensor *w = lk_st_tensor(base, i);
+        if (w->dtype == LK_DTYPE_F32 && w->ndim == 2 && strstr(w->name, ".attn.")) W0 = w;
+    }
+    assert_non_null(W0);
+    char mod[160], key[200];
+    snprintf(mod, sizeof mod, "%.*s", (int)(strlen(W0->name) - 7), W0->name); /* drop ".weight" */
+    const int64_t c = 5, n_in = W0->shape[1];
+    { /* poke NaN into A[0][c] of that module, in the file's bytes */
+        lk_st *ad;
+        assert_int_equal(lk_st_open(np, &ad), LK_OK);
+        snprintf(key, sizeof key, "transformer.%s.lora_A.weight", mod);
+        long k = lk_st_find(ad, key);
+        assert_true(k >= 0);
+        uint64_t off = lk_st_file_offset(ad, (size_t)k) + (uint64_t)c * 4;
+        lk_st_close(ad);
+        size_t n;
+        unsigned char *bytes = tu_read_file(np, &n);
+        const float nan = NAN;
+        memcpy(bytes + off, &nan, 4);
+        assert_int_equal(tu_write_file(np, bytes, n), 0);
+        free(bytes);
+    }
+    const float s = 0.5f;
+    lk_fuse_input in[] = {{np, s, LK_FORMAT_AUTO}};
+    char got[LK_DIGEST_HEX], want[LK_DIGEST_HEX];
+
+    /* default: refused, nothing changed */
+    fixture f;
+    open_fixture(&f, 64, 0);
+    assert_int_equal(lk_tracker_apply(f.t, in, 1, NULL), LK_ERR_NONFINITE);
+    tu_assert_contains(lk_last_error(), "non-finite");
+    tu_assert_contains(lk_last_error(), W0->name);
+    digest_of(f.w, got);
+    assert_string_equal(got, g_base_digest);
+    assert_int_equal(lk_tracker_applied(f.t), 0);
+    close_fixture(&f);
+
+    /* allow_nonfinite */
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.threads = 1;
+    o.allow_nonfinite = 1;
+    assert_int_equal(lk_comm_self(&f.c), LK_OK);
+    assert_int_equal(lk_weights_load(g_base, &f.w), LK_OK);
+    assert_int_equal(lk_tracker_create(f.c, f.w, &o, &f.t), LK_OK);
+    assert_int_equal(lk_tracker_apply(f.t, in, 1, NULL), LK_OK);
+    assert_int_equal(lk_tracker_applied(f.t), 1);
+    lk_st *ad;
+    assert_int_equal(lk_st_open(np, &ad), LK_OK);
+    snprintf(key, sizeof key, "transformer.%s.lora_A.weight", mod);
+    const float *A = lk_st_tensor(ad, (size_t)lk_st_find(ad, key))->data;
+    snprintf(key, sizeof key, "transformer.%s.lora_B.weight", mod);
+    const lk_tensor *Bt = lk_st_tensor(ad, (size_t)lk_st_find(ad, key));
+    const float *B = Bt->data;
+    const int64_t r = Bt->shape[1];
+    const float *w = lk_weights_tensor(f.w, (size_t)lk_weights_find(f.w, W0->name))->data;
+    const float *w0 = W0->data;
+    size_t nans = 0;
+    for (int64_t oo = 0; oo < W0->shape[0]; oo++)
+        for (int64_t i = 0; i < n_in; i++) {
+            double d = 0;
+            for (int64_t k = 0; k < r; k++) d += (double)B[oo * r + k] * (double)A[k * n_in + i];
+            double e = (double)w0[oo * n_in + i] + (double)s * (8.0 / (double)r) * d; /* NaN in column c */
+            double g = w[oo * n_in + i];
+            if (isnan(e)) {
+                assert_true(i == c);
+                assert_true(isnan(g));
+                nans++;
+            } else {
+                assert_true(fabs(g - e) <= 1e-6 * (1.0 + fabs(e)));
+            }
+        }
+    assert_int_equal(nans, (size_t)W0->shape[0]);
+    /* the same bytes as the offline fuse allowed to keep non-finite values */
+    char *out = tu_path(g_dir, "offline_nan.safetensors");
+    lk_fuse_file_opts fo = {.fuse = {.threads = 1}};
+    assert_int_equal(lk_fuse_file(g_base, in, 1, out, &fo, NULL), LK_ERR_NONFINITE);
+    fo.fuse.allow_nonfinite = 1;
+    assert_int_equal(lk_fuse_file(g_base, in, 1, out, &fo, NULL), LK_OK);
+    lk_st *off_st;
+    assert_int_equal(lk_st_open(out, &off_st), LK_OK);
+    assert_int_equal(lk_digest_st(off_st, want), LK_OK);
+    lk_st_close(off_st);
+    digest_of(f.w, got);
+    assert_string_equal(got, want);
+    /* reset brings the clean bytes back */
+    assert_int_equal(lk_tracker_reset(f.t, NULL), LK_OK);
+    digest_of(f.w, got);
+    assert_string_equal(got, g_base_digest);
+    close_fixture(&f);
+    lk_st_close(ad);
+    lk_st_close(base);
+    remove(out);
+    remove(np);
+    free(out);
+    free(np);
+}
+
 static void test_create_args(void **state) {
     (void)state;
     lk_comm *c;
@@ -374,7 +486,7 @@ int main(void) {
         cmocka_unit_test(test_sequence),    cmocka_unit_test(test_element_reference),
         cmocka_unit_test(test_failures),    cmocka_unit_test(test_no_lora_swap),
         cmocka_unit_test(test_create_args), cmocka_unit_test(test_alloc_failures),
-        cmocka_unit_test(test_adapter_rewritten),
+        cmocka_unit_test(test_adapter_rewritten), cmocka_unit_test(test_allow_nonfinite),
         cmocka_unit_test(test_weights_wrap),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

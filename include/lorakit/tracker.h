@@ -51,9 +51,13 @@ typedef struct lk_tracker_opts {
     int full;         /* benchmark baseline behaving like the reference: every
                          owned key is backed up at creation, restored on every
                          change, and every key is re-broadcast */
+    int allow_nonfinite; /* passed to lk_fuse_tensor: 0 (default) refuses a
+                         fused weight that turns NaN/Inf from finite inputs, or
+                         factors holding NaN/Inf (LK_ERR_NONFINITE on every
+                         rank, weights unchanged); 1 fuses them as they come */
 } lk_tracker_opts;
 
-#define LK_TRACKER_OPTS_DEFAULT {64, 0, 0, 0}
+#define LK_TRACKER_OPTS_DEFAULT {64, 0, 0, 0, 0}
 
 typedef struct lk_tracker_stats {
     int skipped;               /* the request equalled the current set */

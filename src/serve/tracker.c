@@ -248,7 +248,7 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
         clean = w->data;
         if (!nt) return LK_OK;
     }
-    lk_fuse_opts fo = {t->o.threads, 0};
+    lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite};
     return lk_fuse_tensor(w->data, clean, w->dtype, w->shape[0], w->shape[1], terms, nt, &fo, w->name);
 }
 
@@ -357,7 +357,7 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash) {
         XXH3_64bits_update(&hs, hdr, sizeof hdr);
         XXH3_64bits_update(&hs, w->shape, (size_t)w->ndim * sizeof w->shape[0]);
     }
-    long opts[3] = {t->o.bucket_mb, t->o.no_lora_swap != 0, t->o.full != 0};
+    long opts[4] = {t->o.bucket_mb, t->o.no_lora_swap != 0, t->o.full != 0, t->o.allow_nonfinite != 0};
     XXH3_64bits_update(&hs, opts, sizeof opts);
     *shape_hash = XXH3_64bits_digest(&hs);
     qsort(kr, t->n, sizeof *kr, cmp_by_size);
@@ -424,8 +424,8 @@ lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracke
     if (!s) s = agree_hash(group, shape_hash, &same);
     if (!s && !same)
         s = lk_error(LK_ERR_MISMATCH, "tracker: ranks hold different weights (names, dtypes, shapes) or options "
-                                      "(bucket_mb %ld, no_lora_swap %d, full %d on rank %d)",
-                     opts->bucket_mb, opts->no_lora_swap, opts->full, t->rank);
+                                      "(bucket_mb %ld, no_lora_swap %d, full %d, allow_nonfinite %d on rank %d)",
+                     opts->bucket_mb, opts->no_lora_swap, opts->full, opts->allow_nonfinite, t->rank);
     if (s) {
         lk_tracker_free(t);
         return s;
@@ -496,7 +496,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         for (size_t i = 0; !local && i < t->n; i++) {
             if (t->k[i].owner != t->rank || !t->next[i]) continue;
             const lk_tensor *w = lk_weights_tensor(t->w, i);
-            lk_fuse_opts fo = {t->o.threads, 0};
+            lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite};
             size_t nt = key_terms(t, &req, i, terms);
             local = lk_fuse_tensor(scratch, w->data, w->dtype, w->shape[0], w->shape[1], terms, nt, &fo, w->name);
         }
