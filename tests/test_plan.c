@@ -28,6 +28,7 @@ static void test_full_plan(void **state) {
                        LK_OK);
     assert_int_equal(p->bucket_mb, 32);
     assert_int_equal(p->no_lora_swap, 0);
+    assert_int_equal(p->allow_nonfinite, 0); /* unset: off */
     assert_int_equal(p->n_steps, 3);
     assert_int_equal(p->steps[0].n, 2);
     assert_int_equal(p->steps[0].line, 4);
@@ -48,6 +49,14 @@ static void test_full_plan(void **state) {
     assert_int_equal(p->no_lora_swap, 1);
     assert_int_equal(p->n_steps, 0);
     lk_plan_free(p);
+
+    p = parse("allow_nonfinite: true\nsteps: []\n", LK_OK);
+    assert_int_equal(p->allow_nonfinite, 1);
+    assert_int_equal(p->no_lora_swap, 0);
+    lk_plan_free(p);
+    p = parse("steps: []\nallow_nonfinite: false\n", LK_OK);
+    assert_int_equal(p->allow_nonfinite, 0);
+    lk_plan_free(p);
 }
 
 static void test_errors(void **state) {
@@ -62,7 +71,10 @@ static void test_errors(void **state) {
         {"bucket_mb: 1.5\nsteps: []\n", "bucket_mb"},
         {"bucket_mb: '8'\nsteps: []\n", "bucket_mb"},
         {"no_lora_swap: maybe\nsteps: []\n", "plan.yaml:1: no_lora_swap: expected true or false"},
-        {"steps: []\ncolour: red\n", "plan.yaml:2: colour: unknown key"},
+        {"steps: []\nallow_nonfinite: 1\n", "plan.yaml:2: allow_nonfinite: expected true or false"},
+        {"bucket_mb: 8\nsteps: []\nallow_nonfinite: 'true'\n", "plan.yaml:3: allow_nonfinite: expected true or false"},
+        {"allow_nonfinite: [true]\nsteps: []\n", "plan.yaml:1: allow_nonfinite: expected true or false"},
+        {"steps: []\ncolour: red\n", "plan.yaml:2: colour: unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, steps)"},
         {"bucket_mb: 8\n", "plan.yaml:1: steps: expected a list"},
         {"steps:\n  - {}\n", "plan.yaml:2: steps[0].loras: expected a list"},
         {"steps:\n  - loras: [{strength: 1}]\n", "plan.yaml:2: steps[0].loras[0]: missing 'path'"},

@@ -2,6 +2,7 @@
  *
  *   bucket_mb: 64          # optional (> 0)
  *   no_lora_swap: false    # optional
+ *   allow_nonfinite: false # optional: lk_tracker_opts.allow_nonfinite
  *   steps:
  *     - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]
  *     - loras: []          # reset
@@ -32,6 +33,7 @@ typedef struct lk_plan_step {
 typedef struct lk_plan {
     long bucket_mb;       /* 0 when the plan does not set it */
     int no_lora_swap;
+    int allow_nonfinite;  /* 0 when the plan does not set it */
     lk_plan_step *steps;
     size_t n_steps;
 } lk_plan;

@@ -156,10 +156,13 @@ static lk_status parse_root(pctx *c, lk_plan *p) {
         } else if (!strcmp(k, "no_lora_swap")) {
             lk_status s = get_bool(c, vn, "no_lora_swap", &p->no_lora_swap);
             if (s) return s;
+        } else if (!strcmp(k, "allow_nonfinite")) {
+            lk_status s = get_bool(c, vn, "allow_nonfinite", &p->allow_nonfinite);
+            if (s) return s;
         } else if (!strcmp(k, "steps")) {
             steps = vn;
         } else {
-            return perr(c, kn, k, "unknown key (valid: bucket_mb, no_lora_swap, steps)", NULL);
+            return perr(c, kn, k, "unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, steps)", NULL);
         }
     }
     if (!steps || steps->type != YAML_SEQUENCE_NODE)
