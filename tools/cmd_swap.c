@@ -17,7 +17,8 @@
 #include "cli.h"
 
 static const char *const SWAP_USAGE =
-    "usage: lorakit swap BASE --plan PLAN.yaml [--json] [--bucket-mb N] [--threads N]\n\n"
+    "usage: lorakit swap BASE --plan PLAN.yaml [--json] [--bucket-mb N] [--threads N]\n"
+    "                    [--allow-nonfinite]\n\n"
     "Loads the safetensors checkpoint BASE into memory on every rank and\n"
     "applies each step of the plan with the hot-swap tracker: ranks own keys by\n"
     "size, owners recompute only the keys whose adapters changed and broadcast\n"
@@ -26,6 +27,7 @@ static const char *const SWAP_USAGE =
     "plan (YAML; adapter paths are relative to the plan's folder):\n"
     "  bucket_mb: 64          # optional: staging buffer in MiB\n"
     "  no_lora_swap: false    # optional: fuse the first set in place, no backup\n"
+    "  allow_nonfinite: false # optional: keep NaN/Inf fused results (see below)\n"
     "  steps:\n"
     "    - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]\n"
     "    - loras: []          # reset to the base weights\n\n"
@@ -43,6 +45,10 @@ static const char *const SWAP_USAGE =
     "  --json           JSON lines instead of text\n"
     "  --bucket-mb N    staging buffer in MiB (overrides the plan; default 64)\n"
     "  --threads N      fuse threads per rank (default: cores / ranks on this node)\n"
+    "  --allow-nonfinite  apply a set even when fusing turns a finite weight into\n"
+    "                   NaN or Inf (e.g. a NaN in an adapter); by default such a\n"
+    "                   step fails and the weights stay as they were. Same as\n"
+    "                   allow_nonfinite: true in the plan (either one turns it on)\n"
     "  -h, --help       this text\n\n"
     "exit codes: 0 every step succeeded, 1 a step (or setup) failed, 2 bad usage.\n";
 
@@ -51,6 +57,7 @@ typedef struct swap_args {
     int json;
     long bucket_mb; /* 0: from the plan, else 64 */
     long threads;   /* -1: automatic */
+    int allow_nonfinite;
 } swap_args;
 
 /* Local parse; on error the message is in lk_last_error(). */
@@ -60,6 +67,7 @@ static lk_status parse_args(int argc, char **argv, swap_args *a) {
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         if (!strcmp(o, "--json")) a->json = 1;
+        else if (!strcmp(o, "--allow-nonfinite")) a->allow_nonfinite = 1;
         else if (!strcmp(o, "--plan") || !strcmp(o, "--bucket-mb") || !strcmp(o, "--threads")) {
             if (i + 1 == argc) return lk_error(LK_ERR_ARG, "%s needs a value", o);
             const char *v = argv[++i];
@@ -220,6 +228,7 @@ int lk_cmd_swap(int argc, char **argv) {
         lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
         o.bucket_mb = a.bucket_mb ? a.bucket_mb : plan->bucket_mb ? plan->bucket_mb : o.bucket_mb;
         o.no_lora_swap = plan->no_lora_swap;
+        o.allow_nonfinite = a.allow_nonfinite || plan->allow_nonfinite;
         o.threads = a.threads >= 0 ? (int)a.threads : auto_threads(c);
         s = lk_tracker_create(c, w, &o, &t);
     }
