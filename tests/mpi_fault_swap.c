@@ -141,14 +141,17 @@ static void check_all_failed(lk_status s, lk_status want) {
     assert_true(lk_last_error()[0] != '\0');
 }
 
-static lk_tracker *make(lk_weights *w) {
+static lk_tracker *make_ex(lk_weights *w, int allow_nonfinite) {
     lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
     o.bucket_mb = 1;
     o.threads = 1;
+    o.allow_nonfinite = allow_nonfinite;
     lk_tracker *t;
     if (lk_tracker_create(W, w, &o, &t) != LK_OK) die("tracker create");
     return t;
 }
+
+static lk_tracker *make(lk_weights *w) { return make_ex(w, 0); }
 
 /* The same relative path names a different file on rank 0 than on the
  * others (same modules and shapes, other values): as if the file changed
@@ -230,7 +233,9 @@ static void test_adapter_deleted_mid_plan(void **state) {
 }
 
 /* A NaN in one lora_B: refused with LK_ERR_NONFINITE on every rank, from
- * the clean state and on top of a fused set; nothing changes. */
+ * the clean state and on top of a fused set; nothing changes. With
+ * allow_nonfinite the same set is applied and equals the offline fuse made
+ * with allow_nonfinite (NaN bytes included). */
 static void test_nan_adapter(void **state) {
     (void)state;
     lk_weights *w;
@@ -244,6 +249,27 @@ static void test_nan_adapter(void **state) {
     lk_fuse_input bn[2] = {{g_b, 1.0f, LK_FORMAT_AUTO}, {g_nan, 0.5f, LK_FORMAT_AUTO}};
     check_all_failed(lk_tracker_apply(t, bn, 2, NULL), LK_ERR_NONFINITE);
     check_digest(w, g_d_b);
+    lk_tracker_free(t);
+    lk_weights_free(w);
+
+    char want[LK_DIGEST_HEX] = {0};
+    if (R == 0) {
+        char *out = join("nan_offline.safetensors");
+        lk_fuse_file_opts fo = {.fuse = {.allow_nonfinite = 1}};
+        lk_st *st;
+        if (lk_fuse_file(g_base, bn, 2, out, &fo, NULL) || lk_st_open(out, &st)) die("offline NaN fuse");
+        lk_digest_st(st, want);
+        lk_st_close(st);
+        remove(out);
+        free(out);
+    }
+    lk_comm_bcast(W, want, sizeof want, 0);
+    assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
+    t = make_ex(w, 1);
+    assert_int_equal(lk_tracker_apply(t, bn, 2, NULL), LK_OK);
+    check_digest(w, want);
+    assert_int_equal(lk_tracker_reset(t, NULL), LK_OK);
+    check_digest(w, g_d_base);
     lk_tracker_free(t);
     lk_weights_free(w);
 }
