@@ -60,7 +60,7 @@ static void test_inspect_text(void **state) {
     assert_int_equal(tu_run_cli(&out, &err, "inspect '%s' extra", p), 2);
     free(out); free(err);
     assert_int_equal(tu_run_cli(&out, &err, "inspect --help"), 0);
-    tu_assert_contains(out, "usage: lorakit inspect FILE [--json]");
+    tu_assert_contains(out, "usage: lorakit inspect FILE|DIR [--json]");
     free(out); free(err);
     tu_rmtree(dir);
     free(dir);

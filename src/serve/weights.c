@@ -85,7 +85,12 @@ lk_status lk_weights_load(const char *path, lk_weights **out) {
         w->t[i].name = names;
         names += len;
         w->t[i].data = d;
-        if (src->nbytes) memcpy(d, src->data, src->nbytes);
+        /* pread, not the mmap: a file truncated while loading is an error, not SIGBUS. */
+        if (src->nbytes && (s = lk_st_read(st, i, 0, d, src->nbytes)) != LK_OK) {
+            lk_st_close(st);
+            lk_free(raw);
+            return s;
+        }
         d += ALIGN_UP(src->nbytes);
         w->nbytes += src->nbytes;
     }
