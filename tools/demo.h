@@ -1,4 +1,4 @@
-/* demo.h — `lorakit demo`: the parent (demo_main.c) pretrains the base,
+/* demo.h — `lorakit demo`: the parent (cmd_demo.c) pretrains the base,
  * trains two adapters and starts the hot-swap stage (demo_swap.c), each as a
  * child `lorakit` process under mpirun. */
 #ifndef LK_DEMO_H
@@ -21,8 +21,6 @@ typedef struct lk_demo_opts {
     double max_base;         /* base accuracy expected below this on both */
 } lk_demo_opts;
 
-/* The whole demo (argv as given to `lorakit demo`). */
-int lk_demo_main(int argc, char **argv);
 /* Step 3, run on every rank of the hot-swap group. */
 int lk_demo_swap_stage(const lk_demo_opts *o);
 
