@@ -38,6 +38,14 @@ has norole "$TMP/e" "no role 'nobody' (roles: 'student', 'teacher', 'critic')"
 "$BIN" config check "$TMP/missing.yaml" >"$TMP/o" 2>"$TMP/e"; check missing 1 $?
 has missing "$TMP/e" "missing.yaml: cannot open"
 
+# a config with no models block (a full-model training config): nothing configured, exit 0;
+# asking for a role in it is still an error
+printf 'task: copy\nsteps: 10\n' >"$TMP/nomodels.yaml"
+"$BIN" config check "$TMP/nomodels.yaml" >"$TMP/o" 2>"$TMP/e"; check nomodels 0 $?
+has nomodels "$TMP/o" "no roles under models: lora not configured"
+"$BIN" config check "$TMP/nomodels.yaml" --role student >"$TMP/o" 2>"$TMP/e"; check nomodels_role 1 $?
+has nomodels_role "$TMP/e" "nomodels.yaml: no 'models' key"
+
 "$BIN" config >"$TMP/o" 2>"$TMP/e"; check usage1 2 $?
 "$BIN" config check >"$TMP/o" 2>"$TMP/e"; check usage2 2 $?
 "$BIN" config check a.yaml --bogus >"$TMP/o" 2>"$TMP/e"; check usage3 2 $?

@@ -60,7 +60,7 @@ int lk_cmd_config(int argc, char **argv) {
     size_t n;
     if (lk_lora_config_roles(path, &roles, &n) != LK_OK) return lk_cli_fail();
     int rc = LK_EXIT_OK;
-    if (n == 0) printf("(no roles under models)\n");
+    if (n == 0) printf("no roles under models: lora not configured\n");
     for (size_t i = 0; i < n; i++)
         if (check_role(path, roles[i]) != LK_EXIT_OK) rc = LK_EXIT_FAIL;
     lk_lora_roles_free(roles, n);

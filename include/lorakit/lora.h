@@ -84,7 +84,8 @@ lk_status lk_lora_config_load(const char *path, const char *role, lk_lora_config
 /* The same from YAML text in memory; label stands for the file name in errors. */
 lk_status lk_lora_config_parse(const char *yaml, size_t len, const char *label,
                                const char *role, lk_lora_config *out);
-/* The role names under `models`, in file order (*roles is lk_malloc'd, each
+/* The role names under `models`, in file order; none (n = 0) when the config
+ * has no `models` key (*roles is lk_malloc'd, each
  * string too: free with lk_lora_roles_free). */
 lk_status lk_lora_config_roles(const char *path, char ***roles, size_t *n);
 void lk_lora_roles_free(char **roles, size_t n);

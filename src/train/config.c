@@ -159,7 +159,10 @@ static lk_status read_file(const char *path, char **buf, size_t *len) {
 }
 
 /* Parses the YAML and returns the `models` mapping node. */
-static lk_status load_models(cfg_ctx *c, const char *yaml, size_t len, yaml_node_t **models) {
+/* With allow_missing, a config without a 'models' key is not an error:
+ * *models is NULL and the document stays loaded for the caller to delete. */
+static lk_status load_models(cfg_ctx *c, const char *yaml, size_t len, yaml_node_t **models,
+                             int allow_missing) {
     yaml_parser_t parser;
     if (len > CFG_MAX_BYTES)
         return lk_error(LK_ERR_FORMAT, "%s: config larger than %u bytes", c->label, CFG_MAX_BYTES);
@@ -184,6 +187,7 @@ static lk_status load_models(cfg_ctx *c, const char *yaml, size_t len, yaml_node
         return s;
     }
     lk_status s = map_get(c, root, "models", "", models);
+    if (s == LK_OK && !*models && allow_missing) return LK_OK;
     if (s == LK_OK && !*models)
         s = lk_error(LK_ERR_CONFIG, "%s: no 'models' key", c->label);
     else if (s == LK_OK && (*models)->type != YAML_MAPPING_NODE)
@@ -346,7 +350,7 @@ lk_status lk_lora_config_parse(const char *yaml, size_t len, const char *label, 
     if (!yaml || !role || !*role) return lk_error(LK_ERR_ARG, "lk_lora_config_parse: no YAML or no role");
     cfg_ctx c = {.label = label ? label : "<config>", .role = role};
     yaml_node_t *models;
-    lk_status s = load_models(&c, yaml, len, &models);
+    lk_status s = load_models(&c, yaml, len, &models, 0);
     if (s != LK_OK) return s;
     yaml_node_t *r = NULL, *lora = NULL;
     s = map_get(&c, models, role, "models", &r);
@@ -415,9 +419,13 @@ lk_status lk_lora_config_roles(const char *path, char ***roles, size_t *n) {
     if (s != LK_OK) return s;
     cfg_ctx c = {.label = path, .role = ""};
     yaml_node_t *models;
-    s = load_models(&c, buf, len, &models);
+    s = load_models(&c, buf, len, &models, 1);
     lk_free(buf);
     if (s != LK_OK) return s;
+    if (!models) { /* no models block: no roles, LoRA not configured anywhere */
+        yaml_document_delete(&c.doc);
+        return LK_OK;
+    }
     size_t cnt = (size_t)(models->data.mapping.pairs.top - models->data.mapping.pairs.start);
     char **r = lk_calloc(cnt ? cnt : 1, sizeof(char *));
     if (!r) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
