@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "bench_util.h"
 
 static const char *const FUSE_BENCH_USAGE =
     "usage: lorakit bench fuse [--json] [--dim N] [--repeat N] [--threads N]\n\n"
@@ -36,20 +37,6 @@ static const char *const FUSE_BENCH_USAGE =
     "  --repeat N    timed runs per case, best taken (default 3)\n"
     "  --threads N   the 'all threads' count (default: online CPUs)\n"
     "  -h, --help    this text\n";
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* CPU time of the whole process (all threads): with wall time it shows how
- * much of the machine a run actually got on a shared host. */
-static double cpu_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* ---- a tiny fork/join over row ranges, for (a) and (c) ---- */
 
@@ -200,9 +187,9 @@ int lk_bench_fuse(int argc, char **argv) {
     double best[2] = {1e30, 1e30};
     for (int ti = 0; ti < 2; ti++)
         for (long r = 0; r <= repeat; r++) {
-            double t0 = now_s();
+            double t0 = lk_bench_now();
             par_for(ti ? (int)all : 1, wbytes / 8, rmw_range, buf);
-            double t = now_s() - t0;
+            double t = lk_bench_now() - t0;
             if (r && t < best[ti]) best[ti] = t; /* run 0 warms up */
         }
     const double bw1 = 2.0 * (double)wbytes / best[0] / 1e9, bwn = 2.0 * (double)wbytes / best[1] / 1e9;
@@ -228,27 +215,27 @@ int lk_bench_fuse(int argc, char **argv) {
             /* naive first, so the lorakit line can report the speedup */
             double nbest = 1e30, ncpu = 0;
             for (long k = 0; k <= repeat; k++) {
-                double t0 = now_s(), c0 = cpu_s();
+                double t0 = lk_bench_now(), c0 = lk_bench_cpu();
                 par_for(th, D, naive_delta, &nc);
                 par_for(th, D, naive_add, &nc);
-                double t = now_s() - t0;
+                double t = lk_bench_now() - t0;
                 if (k && t < nbest) {
                     nbest = t;
-                    ncpu = cpu_s() - c0;
+                    ncpu = lk_bench_cpu() - c0;
                 }
             }
             lk_fuse_opts o = {.threads = th, .allow_nonfinite = 1};
             double fbest = 1e30, fcpu = 0;
             for (long k = 0; k <= repeat; k++) {
-                double t0 = now_s(), c0 = cpu_s();
+                double t0 = lk_bench_now(), c0 = lk_bench_cpu();
                 if (lk_fuse_tensor(w, w, LK_DTYPE_BF16, dim, dim, &term, 1, &o, "bench") != LK_OK) {
                     free(w); free(a16); free(b16); free(delta); free(af); free(bf); free(buf);
                     return lk_cli_fail();
                 }
-                double t = now_s() - t0;
+                double t = lk_bench_now() - t0;
                 if (k && t < fbest) {
                     fbest = t;
-                    fcpu = cpu_s() - c0;
+                    fcpu = lk_bench_cpu() - c0;
                 }
             }
             emit(json, "naive", (long)r, th, nbest, ncpu, 2.0 * (double)wbytes / nbest / 1e9, bw, 0);

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "bench_util.h"
 
 static const char *const IO_USAGE =
     "usage: lorakit bench io [--json] [--tensors N] [--size-mb N] [--repeat N] [--dir DIR]\n\n"
@@ -31,17 +32,6 @@ static const char *const IO_USAGE =
     "  --repeat N    timed runs per case (default 5)\n"
     "  --dir DIR     where the temporary folder goes\n"
     "  -h, --help    this text\n";
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 static void report(int json, const char *cases, const char *fmt_json, const char *fmt_text, ...)
     __attribute__((format(printf, 4, 5)));
@@ -174,33 +164,33 @@ int lk_bench_io(int argc, char **argv) {
     if (!t) goto out;
 
     /* ---- open + index ---- */
-    double t0 = now_s();
+    double t0 = lk_bench_now();
     unsigned long long isz = write_index_file(p_index, ntensors);
     if (!isz) goto out;
-    double tw = now_s() - t0;
+    double tw = lk_bench_now() - t0;
     report(json, "write_index", "\"tensors\":%ld,\"file_bytes\":%llu,\"seconds\":%.6f",
            "%ld tensors, %llu bytes written in %.6f s", ntensors, isz, tw);
     double tl = 0;
     for (long r = 0; r < repeat; r++) {
         lk_st *st;
-        t0 = now_s();
+        t0 = lk_bench_now();
         if (lk_st_open(p_index, &st)) goto out;
-        t[r] = now_s() - t0;
+        t[r] = lk_bench_now() - t0;
         if (r == 0) { /* every name looked up once */
-            t0 = now_s();
+            t0 = lk_bench_now();
             for (size_t i = 0; i < lk_st_count(st); i++)
                 if (lk_st_find(st, lk_st_tensor(st, i)->name) != (long)i) {
                     lk_error(LK_ERR_STATE, "bench: lookup of %s failed", lk_st_tensor(st, i)->name);
                     lk_st_close(st);
                     goto out;
                 }
-            tl = now_s() - t0;
+            tl = lk_bench_now() - t0;
         }
-        t0 = now_s();
+        t0 = lk_bench_now();
         lk_st_close(st);
-        t[r] += now_s() - t0;
+        t[r] += lk_bench_now() - t0;
     }
-    qsort(t, (size_t)repeat, sizeof *t, cmp_double);
+    qsort(t, (size_t)repeat, sizeof *t, lk_bench_cmp_double);
     report(json, "open_index",
            "\"tensors\":%ld,\"runs\":%ld,\"seconds_min\":%.6f,\"seconds_median\":%.6f,\"lookup_ns_per_name\":%.1f",
            "%ld tensors, %ld runs: min %.6f s, median %.6f s; lookup %.1f ns/name", ntensors, repeat, t[0],
@@ -208,20 +198,20 @@ int lk_bench_io(int argc, char **argv) {
     unlink(p_index);
 
     /* ---- digest ---- */
-    t0 = now_s();
+    t0 = lk_bench_now();
     if (write_big_file(p_big, size_mb)) goto out;
-    tw = now_s() - t0;
+    tw = lk_bench_now() - t0;
     double bytes = (double)size_mb * 1048576.0;
     report(json, "write_digest", "\"bytes\":%.0f,\"seconds\":%.6f,\"gb_per_s\":%.3f",
            "%.0f bytes written in %.6f s (%.3f GB/s, streamed, fsync'ed)", bytes, tw, bytes / tw / 1e9);
     char hex[LK_DIGEST_HEX], first[LK_DIGEST_HEX] = "";
     for (long r = 0; r < repeat; r++) {
         lk_st *st;
-        t0 = now_s();
+        t0 = lk_bench_now();
         if (lk_st_open(p_big, &st)) goto out;
         lk_status s = lk_digest_st(st, hex);
         lk_st_close(st);
-        t[r] = now_s() - t0;
+        t[r] = lk_bench_now() - t0;
         if (s) goto out;
         if (r == 0) memcpy(first, hex, sizeof hex);
         else if (strcmp(first, hex)) {
@@ -230,7 +220,7 @@ int lk_bench_io(int argc, char **argv) {
         }
     }
     double first_run = t[0];
-    qsort(t, (size_t)repeat, sizeof *t, cmp_double);
+    qsort(t, (size_t)repeat, sizeof *t, lk_bench_cmp_double);
     report(json, "digest",
            "\"bytes\":%.0f,\"runs\":%ld,\"seconds_first\":%.6f,\"seconds_min\":%.6f,\"gb_per_s\":%.3f,\"digest\":\"%s\"",
            "%.0f bytes, %ld runs: first %.6f s, min %.6f s, %.3f GB/s (%s)", bytes, repeat, first_run, t[0],

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "bench_util.h"
 
 static const char *const SWAP_BENCH_USAGE =
     "usage: lorakit bench swap [--json] [--ranks K] [--size-mb N] [--dim D] [--rank R]\n"
@@ -44,12 +45,6 @@ typedef struct bopts {
     long ranks, size_mb, dim, rank, bucket_mb, repeat, threads;
     const char *dir;
 } bopts;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int parse(int argc, char **argv, bopts *o) {
     *o = (bopts){0, 4, 512, 1024, 16, 64, 3, 1, NULL};
@@ -334,9 +329,9 @@ int lk_bench_swap(int argc, char **argv) {
     for (long k = 0; !s && k < nr; k++) {
         lk_weights *w2 = NULL;
         s = lk_comm_barrier(c);
-        double t0 = now_s();
+        double t0 = lk_bench_now();
         lk_status ls = lk_weights_load(pm, &w2);
-        uint64_t ns = (uint64_t)((now_s() - t0) * 1e9);
+        uint64_t ns = (uint64_t)((lk_bench_now() - t0) * 1e9);
         lk_weights_free(w2);
         if (!s) s = lk_comm_agree(c, ls);
         if (!s) s = lk_comm_allreduce_u64(c, &ns, 1, LK_REDUCE_MAX);

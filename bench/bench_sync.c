@@ -32,6 +32,7 @@
 #ifdef LK_HAVE_MPI
 #include <mpi.h>
 #include "lorakit/comm_mpi.h"
+#include "bench_util.h"
 #endif
 
 static const char *const SYNC_USAGE =
@@ -55,22 +56,6 @@ static const char *const SYNC_USAGE =
     "  --linear-dim N  in = out of the linear case (default 4096)\n"
     "  --no-linear     skip the linear case; --no-sync skips the sync cases\n"
     "  -h, --help      this text\n";
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 static double minimum(const double *v, int n) {
     double m = v[0];
@@ -112,9 +97,9 @@ typedef struct {
 static lk_status time_sync(ctx *c, lk_lora_params *p, lk_mesh *mesh, const lk_lora_sync_opts *o,
                            double *secs, size_t *calls) {
     lk_status s = lk_comm_barrier(c->world);
-    double t0 = now_s();
+    double t0 = lk_bench_now();
     if (s == LK_OK) s = lk_lora_sync_grads_ex(p, mesh, o, NULL, calls);
-    uint64_t ns = (uint64_t)((now_s() - t0) * 1e9);
+    uint64_t ns = (uint64_t)((lk_bench_now() - t0) * 1e9);
     if (s == LK_OK) s = lk_comm_allreduce_u64(c->world, &ns, 1, LK_REDUCE_MAX);
     *secs = (double)ns * 1e-9;
     return s;
@@ -149,7 +134,7 @@ static lk_status bench_sync_case(ctx *c, int n_params, int dim, int rank, int re
     }
     if (s == LK_OK && lk_comm_rank(c->world) == 0) {
         /* best of N (interference only adds time); medians alongside */
-        double medb = median(tb, c->repeat), medp = median(tp, c->repeat);
+        double medb = lk_bench_median(tb, c->repeat), medp = lk_bench_median(tp, c->repeat);
         double mb = minimum(tb, c->repeat), mp = minimum(tp, c->repeat);
         double bytes = (double)n * sizeof(float);
         if (c->json)
@@ -212,17 +197,17 @@ static lk_status bench_linear(ctx *c, int dim, int r, int T) {
          * dx = dy W; the two variants alternate which goes first */
         for (int pass = 0; pass < 2; pass++) {
             int lora = (pass + k) % 2 != 0;
-            double t0 = now_s();
+            double t0 = lk_bench_now();
             lk_lora_linear_forward(y, lora ? h : NULL, x, W, NULL, A, B, 2.0f, T, dim, dim, lora ? r : 0);
             lk_lora_linear_backward(dx, dA, dB, dh, dy, x, h, W, A, B, 2.0f, T, dim, dim, lora ? r : 0);
-            if (k >= 0) (lora ? tl : tb)[k] = now_s() - t0;
+            if (k >= 0) (lora ? tl : tb)[k] = lk_bench_now() - t0;
         }
     }
     for (int k = -1; k < nd && s == LK_OK; k++) {
-        double t0 = now_s();
+        double t0 = lk_bench_now();
         s = lk_lora_layer_delta_forward(layer, y, x, T);
         if (s == LK_OK) s = lk_lora_layer_delta_backward(layer, dx, dy, x, T);
-        if (k >= 0) td[k] = now_s() - t0;
+        if (k >= 0) td[k] = lk_bench_now() - t0;
     }
     if (s == LK_OK) {
         /* best of N: the machine may be shared, and interference only adds time */
