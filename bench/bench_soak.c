@@ -31,9 +31,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "cli.h"
 
 static const char *const SOAK_USAGE =
@@ -261,12 +261,6 @@ static long rss_kb(void) {
     return resident * (sysconf(_SC_PAGESIZE) / 1024);
 }
 
-static double soak_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* The digest an offline fuse of in[0..n) (path order) gives; rank 0. */
 static lk_status offline_digest(const char *dir, const char *base, const lk_fuse_input *in, size_t n, long threads,
                                 char hex[LK_DIGEST_HEX]) {
@@ -388,7 +382,7 @@ static lk_status soak_run(lk_comm *c, const soak_opts *o, const char *dir, soak_
     uint64_t rng = (uint64_t)o->seed * 0x2545f4914f6cdd1dull;
     lk_fuse_input req[4], sorted[4];
     size_t n = 0;
-    double t0 = soak_now();
+    double t0 = lk_bench_now();
     for (long step = 1; !s && step <= o->steps; step++) {
         uint64_t roll = soak_next(&rng) % 20;
         if (roll == 0) {
@@ -422,7 +416,7 @@ static lk_status soak_run(lk_comm *c, const soak_opts *o, const char *dir, soak_
             s = soak_check(c, o, dir, base, w, sorted, n, step, res);
         }
     }
-    res->seconds = soak_now() - t0;
+    res->seconds = lk_bench_now() - t0;
     lk_tracker_free(t);
     lk_weights_free(w);
     return s;
