@@ -8,6 +8,7 @@
  * matches module n when n matches (.*\.)?(k)$; patterns are compiled once
  * here so a bad one is reported with the config, not at fuse time. */
 #include "adapter/adapter_internal.h"
+#include "core/file.h"
 #include "lorakit/alloc.h"
 
 #include <jansson.h>
@@ -243,34 +244,11 @@ done:
 }
 
 lk_status lk_peft_config_load(const char *path, lk_peft_config *out) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return lk_error(LK_ERR_IO, "%s: cannot open", path);
-    char *buf = NULL;
-    size_t len = 0, cap = 0;
-    lk_status s = LK_OK;
-    for (;;) {
-        if (len == cap) {
-            if (cap >= (size_t)64 << 20) {
-                s = lk_error(LK_ERR_CONFIG, "%s: larger than 64 MB", path);
-                break;
-            }
-            size_t nc = cap ? cap * 2 : 4096;
-            char *nb = lk_realloc(buf, nc);
-            if (!nb) {
-                s = lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
-                break;
-            }
-            buf = nb;
-            cap = nc;
-        }
-        size_t r = fread(buf + len, 1, cap - len, f);
-        len += r;
-        if (r == 0) {
-            if (ferror(f)) s = lk_error(LK_ERR_IO, "%s: read error", path);
-            break;
-        }
-    }
-    fclose(f);
+    char *buf;
+    size_t len;
+    lk_status s = lk_read_file(path, (size_t)64 << 20, &buf, &len);
+    if (s) return s;
+    if (len > (size_t)64 << 20) s = lk_error(LK_ERR_CONFIG, "%s: larger than 64 MB", path);
     if (!s) s = lk_peft_config_parse(buf, len, path, out);
     lk_free(buf);
     return s;

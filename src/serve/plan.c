@@ -5,6 +5,7 @@
  * ("plan.yaml:4: steps[1].loras[0].strength: ..."). The input is hostile:
  * scalars may hold NUL bytes, anchors may fan one list out many times, so
  * sizes and entry counts are bounded and every scalar is checked before use. */
+#include "core/file.h"
 #include "lorakit/plan.h"
 
 #include <errno.h>
@@ -231,38 +232,25 @@ lk_status lk_plan_parse(const char *text, size_t len, const char *label, const c
 lk_status lk_plan_load(const char *path, lk_plan **out) {
     if (!path || !out) return lk_error(LK_ERR_ARG, "lk_plan_load: NULL argument");
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return lk_error(LK_ERR_IO, "%s: cannot open plan: %s", path, strerror(errno));
-    /* size the buffer from the file; one byte more lets a file past the
-     * limit be recognised as such by lk_plan_parse */
-    long size = (fseek(f, 0, SEEK_END) == 0) ? ftell(f) : -1;
-    if (size < 0 || fseek(f, 0, SEEK_SET) != 0) size = LK_PLAN_MAX_BYTES; /* not seekable: read up to the limit */
-    if (size > (long)LK_PLAN_MAX_BYTES) size = LK_PLAN_MAX_BYTES;
-    char *buf = lk_malloc((size_t)size + 2);
-    if (!buf) {
-        fclose(f);
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
-    }
-    size_t len = fread(buf, 1, (size_t)size + 1, f);
-    int err = ferror(f);
-    fclose(f);
-    lk_status s;
-    if (err) s = lk_error(LK_ERR_IO, "%s: read error", path);
-    else {
-        const char *slash = strrchr(path, '/');
-        char *dir = NULL;
-        if (slash) {
-            size_t dl = slash == path ? 1 : (size_t)(slash - path);
-            dir = lk_malloc(dl + 1);
-            if (dir) {
-                memcpy(dir, path, dl);
-                dir[dl] = '\0';
-            }
+    /* a file past the limit comes back as LK_PLAN_MAX_BYTES + 1 bytes, which
+     * lk_plan_parse reports */
+    char *buf;
+    size_t len;
+    lk_status s = lk_read_file(path, LK_PLAN_MAX_BYTES, &buf, &len);
+    if (s != LK_OK) return s;
+    const char *slash = strrchr(path, '/');
+    char *dir = NULL;
+    if (slash) {
+        size_t dl = slash == path ? 1 : (size_t)(slash - path);
+        dir = lk_malloc(dl + 1);
+        if (dir) {
+            memcpy(dir, path, dl);
+            dir[dl] = '\0';
         }
-        s = (slash && !dir) ? lk_error(LK_ERR_NOMEM, "%s: out of memory", path)
-                            : lk_plan_parse(buf, len, path, dir, out);
-        lk_free(dir);
     }
+    s = (slash && !dir) ? lk_error(LK_ERR_NOMEM, "%s: out of memory", path)
+                        : lk_plan_parse(buf, len, path, dir, out);
+    lk_free(dir);
     lk_free(buf);
     return s;
 }

@@ -14,6 +14,7 @@
  * every error its file:line. Hostile input: the file is capped at 16 MiB,
  * aliases are never expanded (we only walk three fixed levels), duplicate keys
  * on the walked path are errors instead of "last one wins". */
+#include "core/file.h"
 #include "lorakit/lora.h"
 
 #include <errno.h>
@@ -135,32 +136,18 @@ static lk_status map_get(cfg_ctx *c, yaml_node_t *map, const char *key, const ch
 }
 
 static lk_status read_file(const char *path, char **buf, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return lk_error(LK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    char *b = lk_malloc(CFG_MAX_BYTES + 1);
-    if (!b) {
-        fclose(f);
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory reading the config", path);
-    }
-    size_t n = fread(b, 1, CFG_MAX_BYTES + 1, f);
-    int err = ferror(f);
-    fclose(f);
-    if (err) {
-        lk_free(b);
-        return lk_error(LK_ERR_IO, "%s: read error", path);
-    }
-    if (n > CFG_MAX_BYTES) {
-        lk_free(b);
+    lk_status s = lk_read_file(path, CFG_MAX_BYTES, buf, len);
+    if (s == LK_OK && *len > CFG_MAX_BYTES) {
+        lk_free(*buf);
+        *buf = NULL;
         return lk_error(LK_ERR_FORMAT, "%s: config larger than %u bytes", path, CFG_MAX_BYTES);
     }
-    *buf = b;
-    *len = n;
-    return LK_OK;
+    return s;
 }
 
-/* Parses the YAML and returns the `models` mapping node. */
-/* With allow_missing, a config without a 'models' key is not an error:
- * *models is NULL and the document stays loaded for the caller to delete. */
+/* Parses the YAML and returns the `models` mapping node. With
+ * allow_missing, a config without a 'models' key is not an error: *models
+ * is NULL and the document stays loaded for the caller to delete. */
 static lk_status load_models(cfg_ctx *c, const char *yaml, size_t len, yaml_node_t **models,
                              int allow_missing) {
     yaml_parser_t parser;
