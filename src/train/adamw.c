@@ -61,11 +61,18 @@ void lk_adamw_set_lr(lk_adamw *o, float lr) {
     if (o) o->o.lr = lr;
 }
 
-lk_status lk_adamw_step(lk_adamw *o, lk_lora_params *p) {
-    if (!o || !p) return lk_error(LK_ERR_ARG, "lk_adamw_step: missing optimizer or parameters");
+/* The optimizer state belongs to one parameter layout; every use checks it. */
+static lk_status check_layout(const lk_adamw *o, const lk_lora_params *p) {
     if (p->numel != o->numel)
         return lk_error(LK_ERR_SHAPE, "AdamW: state for %zu floats but the parameters have %zu",
                         o->numel, p->numel);
+    return LK_OK;
+}
+
+lk_status lk_adamw_step(lk_adamw *o, lk_lora_params *p) {
+    if (!o || !p) return lk_error(LK_ERR_ARG, "lk_adamw_step: missing optimizer or parameters");
+    lk_status ls = check_layout(o, p);
+    if (ls != LK_OK) return ls;
     o->t++;
     const float lr = o->o.lr, b1 = o->o.beta1, b2 = o->o.beta2, eps = o->o.eps;
     const float bc1 = 1.0f - powf(b1, (float)o->t);
@@ -90,24 +97,29 @@ static char *state_path(const char *dir) {
     return s;
 }
 
+/* "<param>.exp_avg" (j = 0) or "<param>.exp_avg_sq" (j = 1), as torch names them. */
+static char *state_name(const lk_lora_params *p, size_t k, int j) {
+    size_t len = strlen(p->names[k]) + 16;
+    char *nm = lk_malloc(len);
+    if (nm) snprintf(nm, len, "%s.%s", p->names[k], j ? "exp_avg_sq" : "exp_avg");
+    return nm;
+}
+
 lk_status lk_adamw_save(const lk_adamw *o, const lk_lora_params *p, const char *dir) {
     if (!o || !p || !dir) return lk_error(LK_ERR_ARG, "lk_adamw_save: missing argument");
-    if (p->numel != o->numel)
-        return lk_error(LK_ERR_SHAPE, "AdamW: state for %zu floats but the parameters have %zu",
-                        o->numel, p->numel);
+    lk_status ls = check_layout(o, p);
+    if (ls != LK_OK) return ls;
     char *path = state_path(dir);
     lk_tensor *t = lk_calloc(2 * p->count, sizeof *t);
     char **names = lk_calloc(2 * p->count, sizeof(char *));
     lk_status s = (path && t && names) ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
     for (size_t k = 0; s == LK_OK && k < p->count; k++)
         for (int j = 0; j < 2; j++) {
-            size_t len = strlen(p->names[k]) + 16;
-            char *nm = lk_malloc(len);
+            char *nm = state_name(p, k, j);
             if (!nm) {
                 s = lk_error(LK_ERR_NOMEM, "out of memory");
                 break;
             }
-            snprintf(nm, len, "%s.%s", p->names[k], j ? "exp_avg_sq" : "exp_avg");
             names[2 * k + j] = nm;
             lk_tensor *v = &t[2 * k + j];
             v->name = nm;
@@ -137,9 +149,8 @@ lk_status lk_adamw_save(const lk_adamw *o, const lk_lora_params *p, const char *
 
 lk_status lk_adamw_load(lk_adamw *o, const lk_lora_params *p, const char *dir) {
     if (!o || !p || !dir) return lk_error(LK_ERR_ARG, "lk_adamw_load: missing argument");
-    if (p->numel != o->numel)
-        return lk_error(LK_ERR_SHAPE, "AdamW: state for %zu floats but the parameters have %zu",
-                        o->numel, p->numel);
+    lk_status ls = check_layout(o, p);
+    if (ls != LK_OK) return ls;
     char *path = state_path(dir);
     if (!path) return lk_error(LK_ERR_NOMEM, "out of memory");
     lk_st *st;
@@ -160,13 +171,11 @@ lk_status lk_adamw_load(lk_adamw *o, const lk_lora_params *p, const char *dir) {
     if (s == LK_OK && !idx) s = lk_error(LK_ERR_NOMEM, "out of memory");
     for (size_t k = 0; s == LK_OK && k < p->count; k++)
         for (int j = 0; j < 2 && s == LK_OK; j++) {
-            size_t len = strlen(p->names[k]) + 16;
-            char *nm = lk_malloc(len);
+            char *nm = state_name(p, k, j);
             if (!nm) {
                 s = lk_error(LK_ERR_NOMEM, "out of memory");
                 break;
             }
-            snprintf(nm, len, "%s.%s", p->names[k], j ? "exp_avg_sq" : "exp_avg");
             long i = lk_st_find(st, nm);
             if (i < 0) {
                 s = lk_error(LK_ERR_FORMAT, "%s: missing optimizer state '%s'", path, nm);
