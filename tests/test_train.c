@@ -21,6 +21,25 @@ static char *write_cfg(const char *dir, const char *name, const char *text) {
     return p;
 }
 
+/* writes the config and loads it; it must be valid */
+static void load_cfg(const char *dir, const char *name, const char *text, lk_train_config *c) {
+    char *p = write_cfg(dir, name, text);
+    lk_status st = lk_train_config_load(p, NULL, c);
+    if (st) fprintf(stderr, "%s\n", lk_last_error());
+    assert_int_equal(st, LK_OK);
+    free(p);
+}
+
+/* a valid config whose run must fail with `code` and a message containing `msg` */
+static void expect_run_error(const char *dir, lk_comm *comm, const char *text, lk_status code,
+                             const char *msg) {
+    lk_train_config c;
+    load_cfg(dir, "run.yaml", text, &c);
+    assert_int_equal(lk_train_run(&c, comm, NULL, NULL, NULL), code);
+    tu_assert_contains(lk_last_error(), msg);
+    lk_train_config_clear(&c);
+}
+
 static void expect_error(const char *dir, const char *text, lk_status code, const char *msg) {
     char *p = write_cfg(dir, "bad.yaml", text);
     lk_train_config c;
@@ -32,12 +51,12 @@ static void expect_error(const char *dir, const char *text, lk_status code, cons
 static void test_config(void **state) {
     (void)state;
     char *dir = tu_mkdtemp();
-    char *p = write_cfg(dir, "ok.yaml",
-                        "model: {d_model: 32, n_layers: 1, n_heads: 2}\n"
-                        "task: sort\ndigits: 4\nsteps: 10\nglobal_batch: 8\nlr: 0.001\n"
-                        "schedule: constant\nseed: 9\noutput: out/x\n");
     lk_train_config c;
-    assert_int_equal(lk_train_config_load(p, NULL, &c), LK_OK);
+    load_cfg(dir, "ok.yaml",
+             "model: {d_model: 32, n_layers: 1, n_heads: 2}\n"
+             "task: sort\ndigits: 4\nsteps: 10\nglobal_batch: 8\nlr: 0.001\n"
+             "schedule: constant\nseed: 9\noutput: out/x\n",
+             &c);
     assert_int_equal(c.task, LK_TASK_SORT);
     assert_int_equal(c.model.d_model, 32);
     assert_int_equal(c.model.d_ff, 128);           /* 4 * d_model */
@@ -50,7 +69,6 @@ static void test_config(void **state) {
     snprintf(want, sizeof want, "%s/out/x", dir);  /* relative to the config */
     assert_string_equal(c.output, want);
     lk_train_config_clear(&c);
-    free(p);
 
     expect_error(dir, "task: copy\nsteps: 1\nglobal_batch: 1\nlr: 0.1\noutput: o\nbatch: 3\n"
                       "model: {d_model: 8}\n",
@@ -93,12 +111,12 @@ static int count_steps(void *ctx, const lk_train_progress *p) {
 static void test_full_training_lowers_loss_then_lora(void **state) {
     (void)state;
     char *dir = tu_mkdtemp();
-    char *p = write_cfg(dir, "base.yaml",
-                        "model: {d_model: 32, n_layers: 2, n_heads: 4}\n"
-                        "task: copy\ndigits: 4\nsteps: 120\nglobal_batch: 32\nlr: 0.003\n"
-                        "weight_decay: 1.0\nseed: 1\neval_examples: 200\noutput: base\n");
     lk_train_config c;
-    assert_int_equal(lk_train_config_load(p, NULL, &c), LK_OK);
+    load_cfg(dir, "base.yaml",
+             "model: {d_model: 32, n_layers: 2, n_heads: 4}\n"
+             "task: copy\ndigits: 4\nsteps: 120\nglobal_batch: 32\nlr: 0.003\n"
+             "weight_decay: 1.0\nseed: 1\neval_examples: 200\noutput: base\n",
+             &c);
     lk_comm *self;
     assert_int_equal(lk_comm_self(&self), LK_OK);
     lk_train_result r;
@@ -113,19 +131,18 @@ static void test_full_training_lowers_loss_then_lora(void **state) {
     assert_true(r.accuracy > 0.5);
     assert_true(r.replicas_agree);
     lk_train_config_clear(&c);
-    free(p);
 
     /* a LoRA adapter for increment on that (frozen) base */
     char *bpath = tu_path(dir, "base/model.safetensors");
     size_t blen;
     void *before = tu_read_file(bpath, &blen);
     assert_non_null(before);
-    p = write_cfg(dir, "inc.yaml",
-                  "base: base/model.safetensors\ntask: increment\ndigits: 4\nsteps: 60\n"
-                  "global_batch: 32\nlr: 0.01\nseed: 2\neval_examples: 200\noutput: inc\n"
-                  "models:\n  student:\n    lora: {enable: true, rank: 4, alpha: 8,\n"
-                  "      target_modules: [to_v, to_out, ff.net.0.proj, ff.net.2]}\n");
-    assert_int_equal(lk_train_config_load(p, NULL, &c), LK_OK);
+    load_cfg(dir, "inc.yaml",
+             "base: base/model.safetensors\ntask: increment\ndigits: 4\nsteps: 60\n"
+             "global_batch: 32\nlr: 0.01\nseed: 2\neval_examples: 200\noutput: inc\n"
+             "models:\n  student:\n    lora: {enable: true, rank: 4, alpha: 8,\n"
+             "      target_modules: [to_v, to_out, ff.net.0.proj, ff.net.2]}\n",
+             &c);
     assert_string_equal(c.role, "student");
     assert_int_equal(c.lora.rank, 4);
     assert_int_equal(lk_train_run(&c, self, NULL, NULL, &r), LK_OK);
@@ -147,7 +164,6 @@ static void test_full_training_lowers_loss_then_lora(void **state) {
     free(after);
     free(bpath);
     lk_train_config_clear(&c);
-    free(p);
     lk_comm_free(self);
     tu_rmtree(dir);
     free(dir);
@@ -159,15 +175,10 @@ static void test_run_errors(void **state) {
     char *dir = tu_mkdtemp();
     lk_comm *self;
     assert_int_equal(lk_comm_self(&self), LK_OK);
-    lk_train_config c;
-    char *p = write_cfg(dir, "a.yaml",
-                        "base: nothere.safetensors\ntask: copy\nsteps: 2\nglobal_batch: 2\n"
-                        "lr: 0.01\noutput: o\nmodels:\n  s:\n    lora: {enable: true, rank: 2}\n");
-    assert_int_equal(lk_train_config_load(p, NULL, &c), LK_OK);
-    assert_int_equal(lk_train_run(&c, self, NULL, NULL, NULL), LK_ERR_IO);
-    tu_assert_contains(lk_last_error(), "nothere.safetensors: cannot open");
-    lk_train_config_clear(&c);
-    free(p);
+    expect_run_error(dir, self,
+                     "base: nothere.safetensors\ntask: copy\nsteps: 2\nglobal_batch: 2\n"
+                     "lr: 0.01\noutput: o\nmodels:\n  s:\n    lora: {enable: true, rank: 2}\n",
+                     LK_ERR_IO, "nothere.safetensors: cannot open");
 
     /* a base too short for the task's sequences */
     lk_model_config mc = {.vocab = LK_TASK_VOCAB, .max_seq = 6, .d_model = 8, .n_layers = 1,
@@ -177,26 +188,18 @@ static void test_run_errors(void **state) {
     assert_int_equal(lk_model_create(&mc, 1, &m), LK_OK);
     assert_int_equal(lk_model_save(m, bp), LK_OK);
     lk_model_free(m);
-    p = write_cfg(dir, "b.yaml",
-                  "base: short.safetensors\ntask: copy\ndigits: 5\nsteps: 2\nglobal_batch: 2\n"
-                  "lr: 0.01\noutput: o\nmodels:\n  s:\n    lora: {enable: true, rank: 2}\n");
-    assert_int_equal(lk_train_config_load(p, NULL, &c), LK_OK);
-    assert_int_equal(lk_train_run(&c, self, NULL, NULL, NULL), LK_ERR_CONFIG);
-    tu_assert_contains(lk_last_error(), "short.safetensors: the model has vocab 11 and max_seq 6; "
-                                        "the task needs 11 and 10");
-    lk_train_config_clear(&c);
-    free(p);
+    expect_run_error(dir, self,
+                     "base: short.safetensors\ntask: copy\ndigits: 5\nsteps: 2\nglobal_batch: 2\n"
+                     "lr: 0.01\noutput: o\nmodels:\n  s:\n    lora: {enable: true, rank: 2}\n",
+                     LK_ERR_CONFIG,
+                     "short.safetensors: the model has vocab 11 and max_seq 6; the task needs 11 and 10");
 
     /* targets that match no layer: the training API's error */
-    p = write_cfg(dir, "c.yaml",
-                  "base: short.safetensors\ntask: copy\ndigits: 3\nsteps: 2\nglobal_batch: 2\n"
-                  "lr: 0.01\noutput: o\nmodels:\n  s:\n    lora: {enable: true, rank: 2, "
-                  "target_modules: [q_proj]}\n");
-    assert_int_equal(lk_train_config_load(p, NULL, &c), LK_OK);
-    assert_int_equal(lk_train_run(&c, self, NULL, NULL, NULL), LK_ERR_CONFIG);
-    tu_assert_contains(lk_last_error(), "q_proj");
-    lk_train_config_clear(&c);
-    free(p);
+    expect_run_error(dir, self,
+                     "base: short.safetensors\ntask: copy\ndigits: 3\nsteps: 2\nglobal_batch: 2\n"
+                     "lr: 0.01\noutput: o\nmodels:\n  s:\n    lora: {enable: true, rank: 2, "
+                     "target_modules: [q_proj]}\n",
+                     LK_ERR_CONFIG, "q_proj");
     free(bp);
     lk_comm_free(self);
     tu_rmtree(dir);
