@@ -95,6 +95,10 @@ static void test_config(void **state) {
                  "task: copy\nsteps: 1\nglobal_batch: 1\nlr: 0.1\noutput: o\nbase: b\n"
                  "models:\n  student:\n    lora: {enable: true, rank: 0}\n",
                  LK_ERR_CONFIG, "rank");
+    /* a malformed models block is an error, not "LoRA not configured" */
+    expect_error(dir, "task: copy\nsteps: 1\nglobal_batch: 1\nlr: 0.1\noutput: o\n"
+                      "model: {d_model: 8}\nmodels: 5\n",
+                 LK_ERR_CONFIG, "bad.yaml:7: models: must be a mapping of roles");
     assert_int_equal(lk_train_config_load("/nonexistent/x.yaml", NULL, &c), LK_ERR_IO);
     tu_rmtree(dir);
     free(dir);

@@ -225,12 +225,11 @@ lk_status lk_train_config_load(const char *path, const char *role, lk_train_conf
     char **roles = NULL;
     size_t nroles = 0;
     if (!role) {
+        /* no models block is "LoRA not configured"; a malformed one is an error */
         st = lk_lora_config_roles(path, &roles, &nroles);
         if (st == LK_OK && nroles) role = roles[0];
-        else if (st != LK_OK) lk_error_clear();
-        st = LK_OK;
     }
-    if (role) {
+    if (st == LK_OK && role) {
         snprintf(c.role, sizeof c.role, "%s", role);
         st = lk_lora_config_load(path, role, &c.lora);
     }
