@@ -700,13 +700,17 @@ static lk_status build_header(lk_st_writer *w, st_wt **order, char **out) {
             s = LK_ERR_NOMEM;
             break;
         }
-        for (int d = 0; d < t->ndim; d++) json_array_append_new(sh, json_integer(t->shape[d]));
-        json_array_append_new(of, json_integer((json_int_t)pos));
-        json_array_append_new(of, json_integer((json_int_t)(pos + t->nbytes)));
-        json_object_set_new(e, "dtype", json_string(lk_dtype_name(t->dtype)));
-        json_object_set_new(e, "shape", sh);
-        json_object_set_new(e, "data_offsets", of);
-        if (json_object_set_new(root, t->name, e)) s = LK_ERR_NOMEM;
+        /* Every insertion is checked: a lost one (jansson out of memory)
+         * would otherwise write a header that names the wrong layout. */
+        int bad = 0;
+        for (int d = 0; d < t->ndim; d++) bad |= json_array_append_new(sh, json_integer(t->shape[d]));
+        bad |= json_array_append_new(of, json_integer((json_int_t)pos));
+        bad |= json_array_append_new(of, json_integer((json_int_t)(pos + t->nbytes)));
+        bad |= json_object_set_new(e, "dtype", json_string(lk_dtype_name(t->dtype)));
+        bad |= json_object_set_new(e, "shape", sh);
+        bad |= json_object_set_new(e, "data_offsets", of);
+        bad |= json_object_set_new(root, t->name, e);
+        if (bad) s = LK_ERR_NOMEM;
         t->off = pos; /* relative for now */
         pos += t->nbytes;
     }
