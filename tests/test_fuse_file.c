@@ -332,6 +332,17 @@ static void test_errors(void **state) {
     expect_fuse_error(base, &kin, 1, out, NULL, LK_ERR_FORMAT, "is not a kohya adapter key");
     assert_false(tu_exists(out));
 
+    /* An adapter whose path is not UTF-8 opens, but lorakit.fused cannot
+     * record it: a clear LK_ERR_ARG (once reported as out of memory), no
+     * output. */
+    char *latin1 = tu_path(g_dir, "ead-\xe9.safetensors"); /* Latin-1 e-acute: not UTF-8 */
+    assert_int_equal(link(ad, latin1), 0);
+    lk_fuse_input lin = {latin1, 1.0f, LK_FORMAT_AUTO};
+    expect_fuse_error(base, &lin, 1, out, NULL, LK_ERR_ARG, "adapter path is not valid UTF-8");
+    assert_false(tu_exists(out));
+    unlink(latin1);
+    free(latin1);
+
     /* Allocation failures anywhere: LK_ERR_NOMEM and no output, until it
      * succeeds. */
     int ok = 0;

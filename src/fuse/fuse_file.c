@@ -60,8 +60,11 @@ double lk_fuse_strength_value(float f) {
 }
 
 /* The lorakit.fused value: the base's record (when it is a JSON array)
- * followed by this request. Returns a lk_malloc'd string or NULL. */
-static char *fused_record(const lk_st *st, const lk_fuse_input *in, size_t n) {
+ * followed by this request, into *out (lk_malloc'd). An adapter path that
+ * is not UTF-8 cannot be recorded in JSON and is named as such (jansson
+ * gives no reason, so without the check it would read as out of memory). */
+static lk_status fused_record(const lk_st *st, const lk_fuse_input *in, size_t n, char **out) {
+    const char *base = lk_st_path(st);
     const char *old = lk_st_metadata_get(st, FUSED_KEY);
     json_t *arr = NULL;
     if (old) {
@@ -72,21 +75,27 @@ static char *fused_record(const lk_st *st, const lk_fuse_input *in, size_t n) {
         }
     }
     if (!arr) arr = json_array();
-    if (!arr) return NULL;
+    if (!arr) return lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
     for (size_t i = 0; i < n; i++) {
-        json_t *o = json_pack("{s:s, s:f, s:s}", "path", in[i].path, "strength", lk_fuse_strength_value(in[i].strength), "format",
+        json_t *p = json_string(in[i].path); /* NULL: not UTF-8 (or out of memory) */
+        if (!p) {
+            json_decref(arr);
+            return lk_error(LK_ERR_ARG, "%s: adapter path is not valid UTF-8, so it cannot be recorded in %s's "
+                            FUSED_KEY " metadata", in[i].path, base);
+        }
+        json_t *o = json_pack("{s:o, s:f, s:s}", "path", p, "strength", lk_fuse_strength_value(in[i].strength), "format",
                               lk_adapter_format_name(in[i].format));
         if (!o || json_array_append_new(arr, o)) {
             json_decref(arr);
-            return NULL;
+            return lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
         }
     }
     char *js = json_dumps(arr, JSON_COMPACT | JSON_REAL_PRECISION(15));
     json_decref(arr);
-    if (!js) return NULL;
-    char *r = lk_strdup(js);
+    if (!js) return lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+    *out = lk_strdup(js);
     free(js);
-    return r;
+    return *out ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
 }
 
 typedef struct fctx {
@@ -202,18 +211,17 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     }
     /* The recorded inputs carry the format each adapter was read as. */
     lk_fuse_input *rec = lk_malloc((n ? n : 1) * sizeof *rec);
-    if (rec) {
-        for (size_t i = 0; i < n; i++) {
-            rec[i] = inputs[i];
-            rec[i].format = lk_adapter_get_format(c.ad[i]);
-        }
-        c.record = fused_record(c.st, rec, n);
-        lk_free(rec);
-    }
-    if (!c.record) {
+    if (!rec) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
         goto fail;
     }
+    for (size_t i = 0; i < n; i++) {
+        rec[i] = inputs[i];
+        rec[i].format = lk_adapter_get_format(c.ad[i]);
+    }
+    s = fused_record(c.st, rec, n, &c.record);
+    lk_free(rec);
+    if (s) goto fail;
 
     if ((s = lk_st_writer_create(out, &c.w))) goto fail;
     for (size_t i = 0; i < lk_st_metadata_count(c.st); i++) {
