@@ -95,6 +95,11 @@ static void test_config(void **state) {
                  "task: copy\nsteps: 1\nglobal_batch: 1\nlr: 0.1\noutput: o\nbase: b\n"
                  "models:\n  student:\n    lora: {enable: true, rank: 0}\n",
                  LK_ERR_CONFIG, "rank");
+    /* a repeated key is an error, not "last one wins" */
+    expect_error(dir, "task: copy\nsteps: 1\nglobal_batch: 1\nsteps: 2\n", LK_ERR_CONFIG,
+                 "bad.yaml:4: steps: duplicate key (first at line 2)");
+    expect_error(dir, "model: {d_model: 8,\n  d_model: 16}\n", LK_ERR_CONFIG,
+                 "bad.yaml:2: model.d_model: duplicate key (first at line 1)");
     /* a malformed models block is an error, not "LoRA not configured" */
     expect_error(dir, "task: copy\nsteps: 1\nglobal_batch: 1\nlr: 0.1\noutput: o\n"
                       "model: {d_model: 8}\nmodels: 5\n",

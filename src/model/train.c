@@ -36,6 +36,17 @@ static const char *scalar(const yaml_node_t *n) {
     return n && n->type == YAML_SCALAR_NODE ? (const char *)n->data.scalar.value : NULL;
 }
 
+/* YAML mappings may repeat a key ("last one wins"); a config must not: the
+ * line of the earlier copy of pair p's key, or 0 if it is the first. */
+static int earlier_line(yaml_document_t *doc, const yaml_node_t *map, const yaml_node_pair_t *p,
+                        const char *k) {
+    for (const yaml_node_pair_t *q = map->data.mapping.pairs.start; q < p; q++) {
+        const yaml_node_t *qk = yaml_document_get_node(doc, q->key);
+        if (scalar(qk) && !strcmp(scalar(qk), k)) return line_of(qk);
+    }
+    return 0;
+}
+
 static lk_status get_long(const char *path, const char *key, const yaml_node_t *n, long lo,
                           long hi, long *out) {
     const char *s = scalar(n);
@@ -92,6 +103,10 @@ static lk_status parse_model(const char *path, yaml_document_t *doc, yaml_node_t
         if (!dst)
             return lk_error(LK_ERR_CONFIG, "%s:%d: model.%s: unknown key (valid: d_model, "
                             "n_layers, n_heads, d_ff)", path, line_of(v), k ? k : "?");
+        int first = earlier_line(doc, n, p, k);
+        if (first)
+            return lk_error(LK_ERR_CONFIG, "%s:%d: model.%s: duplicate key (first at line %d)",
+                            path, line_of(v), k, first);
         long x;
         char full[64];
         snprintf(full, sizeof full, "model.%s", k);
@@ -116,6 +131,10 @@ static lk_status parse_doc(const char *path, yaml_document_t *doc, lk_train_conf
         const char *k = scalar(kn);
         long x;
         if (!k) return lk_error(LK_ERR_CONFIG, "%s:%d: keys must be strings", path, line_of(kn));
+        int first = earlier_line(doc, root, p, k);
+        if (first)
+            return lk_error(LK_ERR_CONFIG, "%s:%d: %s: duplicate key (first at line %d)", path,
+                            line_of(kn), k, first);
         if (!strcmp(k, "model")) {
             st = parse_model(path, doc, v, &c->model);
             have_model = 1;
