@@ -6,10 +6,7 @@
  * base and base+size-1 (beyond 2^53, so a double-based reduction would be
  * caught). A failing assert aborts (CMOCKA_TEST_ABORT), so mpirun stops every
  * rank rather than leaving the others in a collective. */
-#include <mpi.h>
-
-#include "testutil.h"
-#include "lorakit/comm_mpi.h"
+#include "mpi_testutil.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -145,13 +142,8 @@ static void test_mesh(void **state) {
 }
 
 int main(int argc, char **argv) {
-    MPI_Init(&argc, &argv);
-    setenv("CMOCKA_TEST_ABORT", "1", 1);
     setenv("LORAKIT_COMM_CHUNK", "1000", 1);
-    if (lk_comm_from_mpi(MPI_COMM_WORLD, &g_world) != LK_OK) {
-        fprintf(stderr, "lk_comm_from_mpi: %s\n", lk_last_error());
-        MPI_Abort(MPI_COMM_WORLD, 1);
-    }
+    g_world = tu_mpi_init(&argc, &argv);
     R = lk_comm_rank(g_world);
     N = lk_comm_size(g_world);
     const struct CMUnitTest tests[] = {
@@ -159,8 +151,5 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_allgather),     cmocka_unit_test(test_split),
         cmocka_unit_test(test_agree),         cmocka_unit_test(test_mesh),
     };
-    int rc = cmocka_run_group_tests(tests, NULL, NULL);
-    lk_comm_free(g_world);
-    MPI_Finalize();
-    return rc;
+    return tu_mpi_finish(g_world, cmocka_run_group_tests(tests, NULL, NULL));
 }

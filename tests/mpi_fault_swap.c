@@ -11,11 +11,8 @@
  * (CMOCKA_TEST_ABORT) so mpirun stops every rank instead of leaving the
  * others waiting in a collective. Fixtures come from tests/util/swap_fixture
  * (the tracker tests' DiT-like model and diffusers adapters). */
-#include <mpi.h>
-
-#include "testutil.h"
+#include "mpi_testutil.h"
 #include "swap_fixture.h"
-#include "lorakit/comm_mpi.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -34,19 +31,12 @@ static char g_d_base[LK_DIGEST_HEX], g_d_a[LK_DIGEST_HEX], g_d_ab[LK_DIGEST_HEX]
 
 static char *join(const char *name) { return tu_path(g_dir, name); }
 
-static void die(const char *what) {
-    fprintf(stderr, "rank %d: %s: %s\n", R, what, lk_last_error());
-    MPI_Abort(MPI_COMM_WORLD, 1);
-}
+#define die tu_mpi_die
 
 /* Offline digest of in[0..n) (sorted by path), on rank 0 only. */
 static void offline_digest(const lk_fuse_input *in, size_t n, char hex[LK_DIGEST_HEX]) {
     char *out = join("offline.safetensors");
-    lk_st *st;
-    if (lk_fuse_file(g_base, in, n, out, NULL, NULL) || lk_st_open(out, &st)) die("offline fuse");
-    lk_digest_st(st, hex);
-    lk_st_close(st);
-    remove(out);
+    if (swap_offline_digest(g_base, in, n, out, hex)) die("offline fuse");
     free(out);
 }
 
@@ -74,12 +64,7 @@ static void write_nan_copy(const char *src, const char *dst) {
 
 static int setup(void **state) {
     (void)state;
-    if (R == 0) {
-        char *d = tu_mkdtemp();
-        snprintf(g_dir, sizeof g_dir, "%s", d);
-        free(d);
-    }
-    lk_comm_bcast(W, g_dir, sizeof g_dir, 0);
+    tu_mpi_tmpdir(W, g_dir, sizeof g_dir);
     g_base = join("base.safetensors");
     g_a = join("a.safetensors");
     g_b = join("b.safetensors");
@@ -119,16 +104,7 @@ static int teardown(void **state) {
 }
 
 /* Every rank's weights digest to want. */
-static void check_digest(const lk_weights *w, const char *want) {
-    char hex[LK_DIGEST_HEX], *all = malloc((size_t)N * LK_DIGEST_HEX);
-    assert_int_equal(lk_weights_digest(w, hex), LK_OK);
-    assert_int_equal(lk_comm_allgather(W, hex, LK_DIGEST_HEX, all), LK_OK);
-    for (int r = 0; r < N; r++) {
-        if (strcmp(all + (size_t)r * LK_DIGEST_HEX, want) != 0)
-            fail_msg("rank %d holds digest %s, want %s", r, all + (size_t)r * LK_DIGEST_HEX, want);
-    }
-    free(all);
-}
+static void check_digest(const lk_weights *w, const char *want) { tu_mpi_check_digest(W, w, want); }
 
 /* Every rank got the same status s (not OK) and a message. */
 static void check_all_failed(lk_status s, lk_status want) {
@@ -332,9 +308,7 @@ static void test_every_allocation_fails_in_a_swap_step(void **state) {
 }
 
 int main(int argc, char **argv) {
-    MPI_Init(&argc, &argv);
-    setenv("CMOCKA_TEST_ABORT", "1", 1);
-    if (lk_comm_from_mpi(MPI_COMM_WORLD, &W) != LK_OK) MPI_Abort(MPI_COMM_WORLD, 1);
+    W = tu_mpi_init(&argc, &argv);
     R = lk_comm_rank(W);
     N = lk_comm_size(W);
     lk_log_set_level(LK_LOG_ERROR);
@@ -344,8 +318,5 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_nan_adapter),
         cmocka_unit_test(test_every_allocation_fails_in_a_swap_step),
     };
-    int rc = cmocka_run_group_tests(tests, setup, teardown);
-    lk_comm_free(W);
-    MPI_Finalize();
-    return rc;
+    return tu_mpi_finish(W, cmocka_run_group_tests(tests, setup, teardown));
 }

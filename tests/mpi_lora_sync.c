@@ -10,13 +10,11 @@
  * rank hung. A failing assert aborts (CMOCKA_TEST_ABORT), so mpirun stops
  * every rank instead of leaving the others waiting in a collective. */
 #include <math.h>
-#include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "testutil.h"
-#include "lorakit/comm_mpi.h"
+#include "mpi_testutil.h"
 
 static lk_comm *g_world;
 static int R, N;
@@ -283,12 +281,7 @@ static void test_layout_mismatch(void **state) {
 }
 
 int main(int argc, char **argv) {
-    MPI_Init(&argc, &argv);
-    setenv("CMOCKA_TEST_ABORT", "1", 1);
-    if (lk_comm_from_mpi(MPI_COMM_WORLD, &g_world) != LK_OK) {
-        fprintf(stderr, "lk_comm_from_mpi: %s\n", lk_last_error());
-        MPI_Abort(MPI_COMM_WORLD, 1);
-    }
+    g_world = tu_mpi_init(&argc, &argv);
     R = lk_comm_rank(g_world);
     N = lk_comm_size(g_world);
     const struct CMUnitTest tests[] = {
@@ -296,8 +289,5 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_mesh_2x2),            cmocka_unit_test(test_model_skip_and_init),
         cmocka_unit_test(test_drift_detected),      cmocka_unit_test(test_layout_mismatch),
     };
-    int rc = cmocka_run_group_tests(tests, NULL, NULL);
-    lk_comm_free(g_world);
-    MPI_Finalize();
-    return rc;
+    return tu_mpi_finish(g_world, cmocka_run_group_tests(tests, NULL, NULL));
 }

@@ -9,11 +9,8 @@
  * rank with the same status and leave every digest as it was. A failing
  * assert aborts (CMOCKA_TEST_ABORT), so mpirun stops all ranks instead of
  * leaving the others waiting in a collective. */
-#include <mpi.h>
-
-#include "testutil.h"
+#include "mpi_testutil.h"
 #include "swap_fixture.h"
-#include "lorakit/comm_mpi.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,25 +35,13 @@ static char *join(const char *name) { return tu_path(g_dir, name); }
 /* Offline digest of in[0..n) (already sorted), on rank 0 only. */
 static void offline_digest(const lk_fuse_input *in, size_t n, char hex[LK_DIGEST_HEX]) {
     char *out = join("offline.safetensors");
-    lk_st *st = NULL;
-    if (lk_fuse_file(g_base, in, n, out, NULL, NULL) || lk_st_open(out, &st)) {
-        fprintf(stderr, "offline fuse: %s\n", lk_last_error());
-        MPI_Abort(MPI_COMM_WORLD, 1);
-    }
-    lk_digest_st(st, hex);
-    lk_st_close(st);
-    remove(out);
+    if (swap_offline_digest(g_base, in, n, out, hex)) tu_mpi_die("offline fuse");
     free(out);
 }
 
 static int setup(void **state) {
     (void)state;
-    if (R == 0) {
-        char *d = tu_mkdtemp();
-        snprintf(g_dir, sizeof g_dir, "%s", d);
-        free(d);
-    }
-    lk_comm_bcast(W, g_dir, sizeof g_dir, 0);
+    tu_mpi_tmpdir(W, g_dir, sizeof g_dir);
     g_base = join("base.safetensors");
     g_a = join("a.safetensors");
     g_b = join("b.safetensors");
@@ -71,7 +56,7 @@ static int setup(void **state) {
             swap_write_adapter(g_huge, &M, SWAP_FF, 1, 1.0f, 1e19f, 0, 14) ||
             swap_write_adapter(g_shape, &M, SWAP_ATTN, 2, 2.0f, 0.05f, 1, 15) ||
             swap_write_adapter(only, &M, SWAP_FF, 2, 2.0f, 0.05f, 0, 16))
-            MPI_Abort(MPI_COMM_WORLD, 1);
+            tu_mpi_die("fixtures");
         const char junk[] = "{\"not\": \"a safetensors file\"}";
         tu_write_file(g_corrupt, junk, sizeof junk);
         lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
@@ -107,14 +92,8 @@ static int teardown(void **state) {
     return 0;
 }
 
-/* Asserts this rank's weights digest to want and that all ranks agree. */
-static void check_digest(const lk_weights *w, const char *want) {
-    char hex[LK_DIGEST_HEX], *all = malloc((size_t)N * LK_DIGEST_HEX);
-    assert_int_equal(lk_weights_digest(w, hex), LK_OK);
-    assert_int_equal(lk_comm_allgather(W, hex, LK_DIGEST_HEX, all), LK_OK);
-    for (int r = 0; r < N; r++) assert_string_equal(all + (size_t)r * LK_DIGEST_HEX, want);
-    free(all);
-}
+/* Asserts that every rank's weights digest to want. */
+static void check_digest(const lk_weights *w, const char *want) { tu_mpi_check_digest(W, w, want); }
 
 static lk_tracker *make(lk_weights *w, long bucket_mb, int no_lora_swap) {
     lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
@@ -291,9 +270,7 @@ static void test_create_mismatch(void **state) {
 }
 
 int main(int argc, char **argv) {
-    MPI_Init(&argc, &argv);
-    setenv("CMOCKA_TEST_ABORT", "1", 1);
-    if (lk_comm_from_mpi(MPI_COMM_WORLD, &W) != LK_OK) MPI_Abort(MPI_COMM_WORLD, 1);
+    W = tu_mpi_init(&argc, &argv);
     R = lk_comm_rank(W);
     N = lk_comm_size(W);
     const struct CMUnitTest tests[] = {
@@ -302,8 +279,5 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_no_lora_swap),
         cmocka_unit_test(test_create_mismatch),
     };
-    int rc = cmocka_run_group_tests(tests, setup, teardown);
-    lk_comm_free(W);
-    MPI_Finalize();
-    return rc;
+    return tu_mpi_finish(W, cmocka_run_group_tests(tests, setup, teardown));
 }

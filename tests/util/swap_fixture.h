@@ -42,4 +42,10 @@ int swap_write_adapter(const char *path, const swap_model *m, int which, int ran
  * to those owned by `rank` under `tr` (all ranks when tr is NULL). */
 size_t swap_touched_bytes(const lk_weights *w, int which, const lk_tracker *tr, int rank);
 
+/* The independent expectation for a swap: the digest of an offline
+ * lk_fuse_file of in[0..n) (inputs in sorted path order) onto base, written
+ * to scratch and removed again. Returns 0, or -1 with lk_last_error() set. */
+int swap_offline_digest(const char *base, const lk_fuse_input *in, size_t n, const char *scratch,
+                        char hex[LK_DIGEST_HEX]);
+
 #endif

@@ -1,0 +1,70 @@
+/* mpi_testutil.h — what every tests/mpi_*.c program shares: start-up and
+ * shut-down around MPI_COMM_WORLD, aborting every rank on a setup failure, a
+ * scratch directory all ranks see, and the "every rank holds this digest"
+ * check. Header-only (static inline) because lktestutil is also linked into
+ * the non-MPI tests, which must build where MPI is missing. */
+#ifndef LK_MPI_TESTUTIL_H
+#define LK_MPI_TESTUTIL_H
+
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "testutil.h"
+#include "lorakit/comm_mpi.h"
+
+/* Prints what failed (with lk_last_error()) and stops every rank: a rank
+ * that returned instead would leave the others waiting in a collective. */
+static inline void tu_mpi_die(const char *what) {
+    int rank = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    fprintf(stderr, "rank %d: %s: %s\n", rank, what, lk_last_error());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+/* MPI_Init and the world communicator. A failing assert aborts
+ * (CMOCKA_TEST_ABORT), so mpirun stops all ranks instead of leaving the
+ * others waiting in a collective. */
+static inline lk_comm *tu_mpi_init(int *argc, char ***argv) {
+    MPI_Init(argc, argv);
+    setenv("CMOCKA_TEST_ABORT", "1", 1);
+    lk_comm *world = NULL;
+    if (lk_comm_from_mpi(MPI_COMM_WORLD, &world) != LK_OK) tu_mpi_die("lk_comm_from_mpi");
+    return world;
+}
+
+/* Frees the world communicator, finalizes MPI and passes rc through. */
+static inline int tu_mpi_finish(lk_comm *world, int rc) {
+    lk_comm_free(world);
+    MPI_Finalize();
+    return rc;
+}
+
+/* A fresh temporary directory made by rank 0, its path broadcast into
+ * dir[cap] on every rank (the ranks share one file system). */
+static inline void tu_mpi_tmpdir(lk_comm *world, char *dir, size_t cap) {
+    if (lk_comm_rank(world) == 0) {
+        char *d = tu_mkdtemp();
+        snprintf(dir, cap, "%s", d);
+        free(d);
+    }
+    if (lk_comm_bcast(world, dir, cap, 0) != LK_OK) tu_mpi_die("broadcast the temp dir");
+}
+
+/* Asserts that every rank's weights digest to want, naming the first rank
+ * that does not. */
+static inline void tu_mpi_check_digest(lk_comm *world, const lk_weights *w, const char *want) {
+    int n = lk_comm_size(world);
+    char hex[LK_DIGEST_HEX], *all = malloc((size_t)n * LK_DIGEST_HEX);
+    assert_non_null(all);
+    assert_int_equal(lk_weights_digest(w, hex), LK_OK);
+    assert_int_equal(lk_comm_allgather(world, hex, LK_DIGEST_HEX, all), LK_OK);
+    for (int r = 0; r < n; r++) {
+        if (strcmp(all + (size_t)r * LK_DIGEST_HEX, want) != 0)
+            fail_msg("rank %d holds digest %s, want %s", r, all + (size_t)r * LK_DIGEST_HEX, want);
+    }
+    free(all);
+}
+
+#endif
