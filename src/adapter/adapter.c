@@ -321,8 +321,7 @@ static lk_status check_factor(const char *file, const char *m, const lk_tensor *
 static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *A, const lk_tensor *B,
                               const lk_tensor *alpha_t) {
     const char *f = a->file, *m = a->names[i];
-    const int kohya = a->format == LK_FORMAT_KOHYA;
-    const char *an = kohya ? "lora_down" : "lora_A", *bn = kohya ? "lora_up" : "lora_B";
+    const char *an = lk_adapter_factor_name(a, 0), *bn = lk_adapter_factor_name(a, 1);
     lk_status s;
     if ((s = check_factor(f, m, A, an)) || (s = check_factor(f, m, B, bn))) return s;
     int64_t r = A->shape[0];
@@ -373,8 +372,7 @@ static int name_cmp_idx(const void *pa, const void *pb, void *ctx) {
 /* Pairs the sorted keys into modules. */
 static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
     const char *f = a->file;
-    const int kohya = a->format == LK_FORMAT_KOHYA;
-    const char *rn[3] = {kohya ? "lora_down" : "lora_A", kohya ? "lora_up" : "lora_B", "alpha"};
+    const char *rn[3] = {lk_adapter_factor_name(a, 0), lk_adapter_factor_name(a, 1), "alpha"};
     size_t cap = n / 2 + 1;
     a->mods = lk_calloc(cap, sizeof *a->mods);
     a->names = lk_calloc(cap, sizeof *a->names);

@@ -23,4 +23,10 @@ struct lk_adapter {
     size_t n_untargeted;    /* modules outside target_modules */
 };
 
+/* The name of a factor in the adapter's format: A (b = 0) or B (b = 1). */
+static inline const char *lk_adapter_factor_name(const lk_adapter *a, int b) {
+    if (a->format == LK_FORMAT_KOHYA) return b ? "lora_up" : "lora_down";
+    return b ? "lora_B" : "lora_A";
+}
+
 #endif

@@ -78,9 +78,9 @@ static const char *kohya_rest(const char *m) {
     return m;
 }
 
-static lk_status kohya_names(const lk_tensor *model, size_t n_model, kname **out, size_t *n_out) {
+static lk_status kohya_names(const char *file, const lk_tensor *model, size_t n_model, kname **out, size_t *n_out) {
     kname *k = lk_calloc(n_model ? n_model : 1, sizeof *k);
-    if (!k) return lk_error(LK_ERR_NOMEM, "out of memory");
+    if (!k) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the model's kohya names", file);
     size_t n = 0;
     for (size_t i = 0; i < n_model; i++) {
         const char *nm = model[i].name;
@@ -90,7 +90,7 @@ static lk_status kohya_names(const lk_tensor *model, size_t n_model, kname **out
         if (!s) {
             for (size_t j = 0; j < n; j++) lk_free(k[j].name);
             lk_free(k);
-            return lk_error(LK_ERR_NOMEM, "out of memory");
+            return lk_error(LK_ERR_NOMEM, "%s: out of memory for the model's kohya names", file);
         }
         for (size_t j = 0; j < l - 7; j++) s[j] = nm[j] == '.' ? '_' : nm[j];
         s[l - 7] = '\0';
@@ -110,8 +110,7 @@ static void free_knames(kname *k, size_t n) {
 }
 
 static lk_status check_target(const lk_adapter *a, const lk_lora_module *m, const lk_tensor *w) {
-    const int kohya = a->format == LK_FORMAT_KOHYA;
-    const char *an = kohya ? "lora_down" : "lora_A", *bn = kohya ? "lora_up" : "lora_B";
+    const char *an = lk_adapter_factor_name(a, 0), *bn = lk_adapter_factor_name(a, 1);
     if (w->ndim != 2)
         return lk_error(LK_ERR_SHAPE, "%s: %s: the model weight %s has %d dimensions; LoRA needs a 2-D weight", a->file,
                         m->module, w->name, w->ndim);
@@ -139,13 +138,12 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
     if (!a || (n_model && !model)) return lk_error(LK_ERR_ARG, "lk_adapter_resolve: NULL argument");
     lk_status s = LK_OK;
     size_t *ord = lk_malloc((n_model ? n_model : 1) * sizeof *ord);
-    size_t *tgt = lk_malloc((a->n ? a->n : 1) * sizeof *tgt);
     char **tnames = lk_calloc(a->n ? a->n : 1, sizeof *tnames);
     size_t *by = lk_malloc((a->n ? a->n : 1) * sizeof *by);
     kname *kn = NULL;
     size_t n_kn = 0, unmatched = 0, first_unmatched = SIZE_MAX, n_by = 0;
     char buf[4096];
-    if (!ord || !tgt || !tnames || !by) {
+    if (!ord || !tnames || !by) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
         goto done;
     }
@@ -157,7 +155,7 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
         ord[i] = i;
     }
     qsort_r(ord, n_model, sizeof *ord, idx_cmp, (void *)model);
-    if (a->format == LK_FORMAT_KOHYA && (s = kohya_names(model, n_model, &kn, &n_kn))) goto done;
+    if (a->format == LK_FORMAT_KOHYA && (s = kohya_names(a->file, model, n_model, &kn, &n_kn))) goto done;
 
     for (size_t i = 0; i < a->n; i++) {
         const lk_lora_module *m = &a->mods[i];
@@ -190,7 +188,6 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
                 }
             }
         }
-        tgt[i] = t;
         if (t == SIZE_MAX) {
             if (unmatched++ == 0) first_unmatched = i;
             continue;
@@ -240,7 +237,6 @@ done:
         for (size_t i = 0; i < a->n; i++) lk_free(tnames[i]);
     lk_free(tnames);
     lk_free(ord);
-    lk_free(tgt);
     lk_free(by);
     free_knames(kn, n_kn);
     return s;
