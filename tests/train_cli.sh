@@ -65,6 +65,11 @@ has nognuplot "$TMP/e" "^lorakit: warning: no loss curve: gnuplot is not install
 [ ! -e "$TMP/rev/loss.png" ] || { echo "FAIL loss.png without gnuplot"; fail=1; }
 [ -s "$TMP/rev/adapter_model.safetensors" ] && [ -s "$TMP/rev/adapter_config.json" ] || { echo "FAIL PEFT files"; fail=1; }
 has peft "$TMP/rev/adapter_config.json" '"r": 2'
+# an output file that cannot be written fails the run and says why
+rm -f "$TMP/rev/train.json" && mkdir "$TMP/rev/train.json"
+PATH=/nonexistent "$BIN" train --quiet "$TMP/rev.yaml" >"$TMP/o" 2>"$TMP/e"; check unwritable 1 $?
+has unwritable "$TMP/e" "^lorakit: .*rev/train.json: cannot write: Is a directory"
+rmdir "$TMP/rev/train.json"
 
 if command -v mpirun >/dev/null; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1

@@ -3,6 +3,7 @@
  * data-parallel under mpirun. The work is lk_train_run (src/model/train.c);
  * this file adds the user-facing parts on rank 0: progress lines, loss.csv,
  * the loss-curve PNG and a summary. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,45 +53,45 @@ static int on_step(void *ctx, const lk_train_progress *p) {
     return 0;
 }
 
+/* Reports an output file that could not be written, with the reason. */
+static int write_failed(const char *path) {
+    fprintf(stderr, "lorakit: %s: cannot write: %s\n", path, strerror(errno));
+    return 1;
+}
+
 static int write_outputs(const lk_train_config *cfg, const lk_train_result *r, const float *loss,
                          int ranks, int quiet) {
     char path[LK_TRAIN_PATH_MAX + 32], png[LK_TRAIN_PATH_MAX + 32];
     snprintf(path, sizeof path, "%s/loss.csv", cfg->output);
     if (!loss) {
+        /* only the curve is lost: train.json and the summary still follow */
         fprintf(stderr, "lorakit: warning: no memory to record %ld losses: no loss.csv\n",
                 r->steps);
-        return 0;
+    } else {
+        FILE *f = fopen(path, "w");
+        if (!f) return write_failed(path);
+        fprintf(f, "step,loss\n");
+        for (long i = 0; i < r->steps; i++) fprintf(f, "%ld,%.6f\n", i + 1, loss[i]);
+        if (fclose(f)) return write_failed(path);
+        snprintf(png, sizeof png, "%s/loss.png", cfg->output);
+        char title[160], why[256];
+        snprintf(title, sizeof title, "lorakit train: %s, %s", lk_task_name(cfg->task),
+                 r->lora_layers ? "LoRA adapter" : "full model");
+        if (lk_demo_plot_loss(path, png, title, why, sizeof why))
+            fprintf(stderr, "lorakit: warning: no loss curve: %s\n", why);
     }
-    FILE *f = fopen(path, "w");
-    if (!f) {
-        fprintf(stderr, "lorakit: %s: cannot write\n", path);
-        return 1;
-    }
-    fprintf(f, "step,loss\n");
-    for (long i = 0; i < r->steps; i++) fprintf(f, "%ld,%.6f\n", i + 1, loss[i]);
-    if (fclose(f)) {
-        fprintf(stderr, "lorakit: %s: write failed\n", path);
-        return 1;
-    }
-    snprintf(png, sizeof png, "%s/loss.png", cfg->output);
-    char title[160], why[256];
-    snprintf(title, sizeof title, "lorakit train: %s, %s", lk_task_name(cfg->task),
-             r->lora_layers ? "LoRA adapter" : "full model");
-    if (lk_demo_plot_loss(path, png, title, why, sizeof why))
-        fprintf(stderr, "lorakit: warning: no loss curve: %s\n", why);
     snprintf(path, sizeof path, "%s/train.json", cfg->output);
-    f = fopen(path, "w");
-    if (f) {
-        fprintf(f,
-                "{\"task\": \"%s\", \"lora\": %s, \"lora_layers\": %zu, \"trainable\": %zu, "
-                "\"ranks\": %d, \"steps\": %ld, \"global_batch\": %d, \"first_loss\": %.6f, "
-                "\"final_loss\": %.6f, \"accuracy\": %.6f, \"eval_examples\": %d, "
-                "\"seconds\": %.3f, \"replicas_agree\": %s}\n",
-                lk_task_name(cfg->task), r->lora_layers ? "true" : "false", r->lora_layers,
-                r->trainable, ranks, r->steps, cfg->global_batch, r->first_loss, r->final_loss,
-                r->accuracy, cfg->eval_examples, r->seconds, r->replicas_agree ? "true" : "false");
-        fclose(f);
-    }
+    FILE *f = fopen(path, "w");
+    if (!f) return write_failed(path);
+    fprintf(f,
+            "{\"task\": \"%s\", \"lora\": %s, \"lora_layers\": %zu, \"trainable\": %zu, "
+            "\"ranks\": %d, \"steps\": %ld, \"global_batch\": %d, \"first_loss\": %.6f, "
+            "\"final_loss\": %.6f, \"accuracy\": %.6f, \"eval_examples\": %d, "
+            "\"seconds\": %.3f, \"replicas_agree\": %s}\n",
+            lk_task_name(cfg->task), r->lora_layers ? "true" : "false", r->lora_layers,
+            r->trainable, ranks, r->steps, cfg->global_batch, r->first_loss, r->final_loss,
+            r->accuracy, cfg->eval_examples, r->seconds, r->replicas_agree ? "true" : "false");
+    if (fclose(f)) return write_failed(path);
     if (!quiet) {
         printf("trained %s on %s: %ld steps on %d rank%s in %.1fs, loss %.4f -> %.4f",
                r->lora_layers ? "a LoRA adapter" : "the full model", lk_task_name(cfg->task),
