@@ -181,7 +181,6 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     lk_fuse_canonical_order(inputs, n, c.order);
 
     /* Open and validate every adapter before anything is written. */
-    size_t max_terms = 0;
     for (size_t i = 0; i < n; i++) {
         size_t un = 0;
         if ((s = lk_adapter_open(inputs[i].path, inputs[i].format, &c.ad[i]))) goto fail;
@@ -190,14 +189,17 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
         if ((s = lk_adapter_resolve(c.ad[i], c.model, nt, opts->allow_unmatched, &un))) goto fail;
         st.modules_unmatched += un;
     }
-    max_terms = n;
-    c.terms = lk_malloc((max_terms ? max_terms : 1) * sizeof *c.terms);
+    /* At most one term per adapter for any tensor. */
+    if (!(c.terms = lk_malloc((n ? n : 1) * sizeof *c.terms))) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+        goto fail;
+    }
     size_t buf_bytes = 0, copy_bytes = 0;
     uint64_t total_bytes = 0;
     for (size_t i = 0; i < nt; i++) {
         size_t nb = c.model[i].nbytes;
         total_bytes += nb;
-        if (c.terms && gather(&c, inputs, &c.model[i], c.terms)) {
+        if (gather(&c, inputs, &c.model[i], c.terms)) {
             if (nb > buf_bytes) buf_bytes = nb;
         } else if (nb > copy_bytes) {
             copy_bytes = nb;
@@ -205,7 +207,7 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     }
     if (copy_bytes > COPY_CHUNK) copy_bytes = COPY_CHUNK;
     if (copy_bytes > buf_bytes) buf_bytes = copy_bytes;
-    if (!c.terms || (buf_bytes && !(c.buf = lk_malloc(buf_bytes)))) {
+    if (buf_bytes && !(c.buf = lk_malloc(buf_bytes))) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a %zu-byte tensor buffer", base, buf_bytes);
         goto fail;
     }
