@@ -141,6 +141,29 @@ static void test_mesh(void **state) {
     }
 }
 
+/* Every allocation of lk_mesh_create failing in turn on the last rank: every
+ * rank gets LK_ERR_NOMEM and no mesh (lk_comm_agree), and none is left
+ * waiting in a split the failing rank skipped (the test would time out). */
+static void test_mesh_alloc_fails_on_one_rank(void **state) {
+    (void)state;
+    int rep = N % 2 == 0 ? 2 : 1, sh = N / rep;
+    unsigned long k = 1;
+    for (;; k++) {
+        lk_mesh *m = NULL;
+        if (R == N - 1) lk_alloc_fail_at(k);
+        lk_status st = lk_mesh_create(g_world, rep, sh, &m);
+        lk_alloc_fail_at(0);
+        if (st == LK_OK) {
+            assert_non_null(m);
+            lk_mesh_free(m);
+            break;
+        }
+        assert_int_equal(st, LK_ERR_NOMEM);
+        assert_null(m);
+    }
+    assert_true(k > 3); /* the mesh and both sub-communicators allocate */
+}
+
 int main(int argc, char **argv) {
     setenv("LORAKIT_COMM_CHUNK", "1000", 1);
     g_world = tu_mpi_init(&argc, &argv);
@@ -150,6 +173,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_bcast_chunked), cmocka_unit_test(test_allreduce),
         cmocka_unit_test(test_allgather),     cmocka_unit_test(test_split),
         cmocka_unit_test(test_agree),         cmocka_unit_test(test_mesh),
+        cmocka_unit_test(test_mesh_alloc_fails_on_one_rank),
     };
     return tu_mpi_finish(g_world, cmocka_run_group_tests(tests, NULL, NULL));
 }

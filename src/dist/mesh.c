@@ -32,11 +32,14 @@ lk_status lk_mesh_create(lk_comm *world, int replicate, int shard, lk_mesh **out
                         replicate, shard, size);
     lk_mesh *m = lk_calloc(1, sizeof *m);
     lk_status local = m ? LK_OK : lk_error(LK_ERR_NOMEM, "mesh: out of memory");
-    /* Every rank takes part in both splits even if its allocation failed. */
+    /* Every rank takes part in both splits even if its allocation or the
+     * first split failed locally: skipping the second would leave the
+     * others waiting in it. */
     lk_comm *sub[2] = {NULL, NULL};
-    st = lk_comm_split(world, rank % shard, rank / shard, &sub[LK_MESH_REPLICATE]);
-    if (!st) st = lk_comm_split(world, rank / shard, rank % shard, &sub[LK_MESH_SHARD]);
-    if (st) local = st;
+    lk_status s0 = lk_comm_split(world, rank % shard, rank / shard, &sub[LK_MESH_REPLICATE]);
+    lk_status s1 = lk_comm_split(world, rank / shard, rank % shard, &sub[LK_MESH_SHARD]);
+    if (s1) local = s1;
+    else if (s0) local = s0;
     st = lk_comm_agree(world, local);
     if (st) {
         lk_comm_free(sub[0]);
