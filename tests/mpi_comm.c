@@ -164,6 +164,26 @@ static void test_mesh_alloc_fails_on_one_rank(void **state) {
     assert_true(k > 3); /* the mesh and both sub-communicators allocate */
 }
 
+/* A bad LORAKIT_COMM_CHUNK on one rank only: that rank fails naming the
+ * value, the others get their communicator, and nobody is left waiting in
+ * the collective MPI_Comm_dup (the test would time out). */
+static void test_bad_chunk_on_one_rank(void **state) {
+    (void)state;
+    if (R == N - 1) setenv("LORAKIT_COMM_CHUNK", "0", 1);
+    lk_comm *c = NULL;
+    lk_status st = lk_comm_from_mpi(MPI_COMM_WORLD, &c);
+    setenv("LORAKIT_COMM_CHUNK", "1000", 1);
+    if (R == N - 1) {
+        assert_int_equal(st, LK_ERR_CONFIG);
+        assert_null(c);
+        tu_assert_contains(lk_last_error(), "LORAKIT_COMM_CHUNK=0");
+    } else {
+        assert_int_equal(st, LK_OK);
+        assert_int_equal(lk_comm_size(c), N);
+    }
+    lk_comm_free(c);
+}
+
 int main(int argc, char **argv) {
     setenv("LORAKIT_COMM_CHUNK", "1000", 1);
     g_world = tu_mpi_init(&argc, &argv);
@@ -173,7 +193,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_bcast_chunked), cmocka_unit_test(test_allreduce),
         cmocka_unit_test(test_allgather),     cmocka_unit_test(test_split),
         cmocka_unit_test(test_agree),         cmocka_unit_test(test_mesh),
-        cmocka_unit_test(test_mesh_alloc_fails_on_one_rank),
+        cmocka_unit_test(test_mesh_alloc_fails_on_one_rank), cmocka_unit_test(test_bad_chunk_on_one_rank),
     };
     return tu_mpi_finish(g_world, cmocka_run_group_tests(tests, NULL, NULL));
 }

@@ -143,19 +143,22 @@ lk_status lk_comm_from_mpi(MPI_Comm c, lk_comm **out) {
         return lk_error(LK_ERR_STATE, "comm mpi: MPI is %s (the host program owns MPI_Init/MPI_Finalize)",
                         fin ? "already finalized" : "not initialized");
     if (c == MPI_COMM_NULL) return lk_error(LK_ERR_ARG, "comm mpi: MPI_COMM_NULL");
+    /* The dup is collective: every rank makes it before anything local (the
+     * environment may differ between ranks) can fail. */
+    MPI_Comm dup;
+    int rc = MPI_Comm_dup(c, &dup);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "dup");
     size_t chunk = (size_t)1 << 30;
+    lk_status st = LK_OK;
     const char *e = getenv("LORAKIT_COMM_CHUNK");
     if (e && *e) {
         char *end;
         unsigned long long v = strtoull(e, &end, 10);
         if (*end || v == 0 || v > INT_MAX)
-            return lk_error(LK_ERR_CONFIG, "comm mpi: LORAKIT_COMM_CHUNK=%s is not in 1..%d", e, INT_MAX);
+            st = lk_error(LK_ERR_CONFIG, "comm mpi: LORAKIT_COMM_CHUNK=%s is not in 1..%d", e, INT_MAX);
         chunk = (size_t)v;
     }
-    MPI_Comm dup;
-    int rc = MPI_Comm_dup(c, &dup);
-    if (rc != MPI_SUCCESS) return mpi_fail(rc, "dup");
-    lk_status st = wrap(dup, chunk, out);
+    if (!st) st = wrap(dup, chunk, out);
     if (st) MPI_Comm_free(&dup);
     return st;
 }
