@@ -225,8 +225,35 @@ static void test_table_and_f32(void **state) {
     assert_true(lk_dtype_is_fusable(LK_DTYPE_BF16) && !lk_dtype_is_fusable(LK_DTYPE_F64));
 }
 
+/* Bulk conversion from and to an odd address (a tensor in a file whose
+ * header length is odd), over more elements than one internal chunk.
+ * Expectation by hand: small integers are exact in F16 and BF16, so the
+ * round trip is the identity; 1.0 is F16 0x3c00 / BF16 0x3f80 and -2.0 is
+ * 0xc000 in both (IEEE 754 binary16 and the top half of binary32). */
+static void test_unaligned(void **state) {
+    (void)state;
+    enum { N = 1500 };
+    static float src[N], back[N];
+    static unsigned char raw[2 * N + 1];
+    for (int i = 0; i < N; i++) src[i] = (float)(i % 256 - 128);
+    src[0] = 1.0f;
+    src[N - 1] = -2.0f;
+    const lk_dtype dts[2] = {LK_DTYPE_F16, LK_DTYPE_BF16};
+    const unsigned one[2] = {0x3c00, 0x3f80};
+    for (int k = 0; k < 2; k++) {
+        unsigned char *odd = raw + 1;
+        lk_from_f32(odd, src, dts[k], N);
+        assert_int_equal(odd[0] | odd[1] << 8, one[k]);
+        assert_int_equal(odd[2 * N - 2] | odd[2 * N - 1] << 8, 0xc000);
+        memset(back, 0, sizeof back);
+        lk_to_f32(back, odd, dts[k], N);
+        assert_memory_equal(back, src, sizeof src);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_unaligned),
         cmocka_unit_test(test_reference_known),
         cmocka_unit_test(test_table_and_f32),
         cmocka_unit_test(test_bf16_all_patterns),

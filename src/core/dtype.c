@@ -10,6 +10,7 @@
 #include "lorakit/dtype.h"
 #include "lorakit/tensor.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -128,21 +129,52 @@ LK_CLONES static void f32_to_f16_n(uint16_t *restrict d, const float *restrict s
     for (size_t i = 0; i < n; i++) d[i] = f32_to_f16(s[i]);
 }
 
+/* The 16-bit loops read and write uint16_t, which needs 2-byte alignment,
+ * but src/dst may be a tensor inside a file image at any address (the
+ * header length of a safetensors file need not be even). Such buffers go
+ * through an aligned stack buffer in chunks; the common aligned case runs
+ * the loops directly. */
+#define BOUNCE 512
+
+static int odd(const void *p) { return ((uintptr_t)p & 1u) != 0; }
+
 void lk_to_f32(float *dst, const void *src, lk_dtype d, size_t n) {
+    void (*conv)(float *restrict, const uint16_t *restrict, size_t);
     switch (d) {
-    case LK_DTYPE_F32: memmove(dst, src, n * 4); break;
-    case LK_DTYPE_BF16: bf16_to_f32_n(dst, src, n); break;
-    case LK_DTYPE_F16: f16_to_f32_n(dst, src, n); break;
-    default: break; /* callers check lk_dtype_is_fusable */
+    case LK_DTYPE_F32: memmove(dst, src, n * 4); return;
+    case LK_DTYPE_BF16: conv = bf16_to_f32_n; break;
+    case LK_DTYPE_F16: conv = f16_to_f32_n; break;
+    default: return; /* callers check lk_dtype_is_fusable */
+    }
+    if (!odd(src)) {
+        conv(dst, src, n);
+        return;
+    }
+    uint16_t tmp[BOUNCE];
+    for (size_t i = 0; i < n; i += BOUNCE) {
+        size_t k = n - i < BOUNCE ? n - i : BOUNCE;
+        memcpy(tmp, (const unsigned char *)src + 2 * i, 2 * k);
+        conv(dst + i, tmp, k);
     }
 }
 
 void lk_from_f32(void *dst, const float *src, lk_dtype d, size_t n) {
+    void (*conv)(uint16_t *restrict, const float *restrict, size_t);
     switch (d) {
-    case LK_DTYPE_F32: memmove(dst, src, n * 4); break;
-    case LK_DTYPE_BF16: f32_to_bf16_n(dst, src, n); break;
-    case LK_DTYPE_F16: f32_to_f16_n(dst, src, n); break;
-    default: break;
+    case LK_DTYPE_F32: memmove(dst, src, n * 4); return;
+    case LK_DTYPE_BF16: conv = f32_to_bf16_n; break;
+    case LK_DTYPE_F16: conv = f32_to_f16_n; break;
+    default: return;
+    }
+    if (!odd(dst)) {
+        conv(dst, src, n);
+        return;
+    }
+    uint16_t tmp[BOUNCE];
+    for (size_t i = 0; i < n; i += BOUNCE) {
+        size_t k = n - i < BOUNCE ? n - i : BOUNCE;
+        conv(tmp, src + i, k);
+        memcpy((unsigned char *)dst + 2 * i, tmp, 2 * k);
     }
 }
 
