@@ -214,7 +214,6 @@ static size_t key_terms(const lk_tracker *t, const request *r, size_t i, lk_fuse
 /* Signature of the terms of r on every key into t->next; checks that each
  * touched key is a fusable 2-D weight. */
 static lk_status key_signatures(lk_tracker *t, const request *r) {
-    memset(t->next, 0, t->n * sizeof *t->next);
     for (size_t i = 0; i < t->n; i++) {
         const lk_tensor *w = lk_weights_tensor(t->w, i);
         uint64_t s = 0;
@@ -444,10 +443,9 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
     double t0 = now(), t1;
 
     /* 1. agree on the request */
-    request req;
+    request req = {0};
     lk_status local = t->broken ? lk_error(LK_ERR_STATE, "tracker is unusable after a failed rollback")
                                 : request_make(loras, n, &req);
-    if (t->broken) memset(&req, 0, sizeof req);
     lk_status s = lk_comm_agree(t->comm, local);
     int same = 1;
     if (!s) s = agree_hash(t->comm, req.hash, &same);
