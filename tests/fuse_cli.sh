@@ -56,6 +56,14 @@ for a in peft diffusers.safetensors kohya.safetensors fastvideo.safetensors; do
   "$LK" inspect "$O" | grep -F 'lorakit.fused: [{"path":' >/dev/null || fail "$a: no lorakit.fused metadata"
   "$LK" inspect "$O" | grep -F 'note: lorakit fixture' >/dev/null || fail "$a: base metadata lost"
 done
+# --json with a path that is not UTF-8 (Latin-1 e-acute): JSON cannot hold
+# it, so the summary is refused with exit 1 and a message, never exit 0
+# with an empty stdout.
+LAT=$TMP/out-$'\xe9'.safetensors
+expect 1 fuse "$B" -l "$FX/diffusers.safetensors" -o "$LAT" --json
+err_has "the --json summary cannot be built"
+[ -s "$TMP/out" ] && fail "--json printed something it could not build"
+rm -f "$LAT"
 # kohya touches only blocks.1.ff.
 expect 0 fuse "$B" -l "$FX/kohya.safetensors:0.5" -o "$O"
 out_has "fused 1 adapter into 1 of 5 tensors"

@@ -176,9 +176,15 @@ int lk_cmd_fuse(int argc, char **argv) {
                               (json_int_t)st.tensors_fused, "modules_unmatched", (json_int_t)st.modules_unmatched,
                               "seconds", st.seconds);
         char *s = o ? json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(15)) : NULL;
-        if (s) printf("%s\n", s);
-        free(s);
         json_decref(o);
+        if (!s) { /* OUT is written; only the summary is missing: say so, not exit 0 with no output */
+            lk_error(LK_ERR_NOMEM, "%s written, but the --json summary cannot be built (out of memory, or a path "
+                     "that is not UTF-8)", out);
+            rc = lk_cli_fail();
+            goto done;
+        }
+        printf("%s\n", s);
+        free(s);
     } else {
         printf("fused %zu adapter%s into %zu of %zu tensors -> %s (%.2f s)\n", n, n == 1 ? "" : "s",
                st.tensors_fused, st.tensors_total, out, st.seconds);
