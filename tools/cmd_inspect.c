@@ -131,10 +131,9 @@ static json_t *st_listing_json(const lk_st *st) {
     return o;
 }
 
-/* Prints a JSON value on one line; returns an exit code. */
-static int print_json(json_t *o) {
-    if (!o) { /* jansson refuses non-UTF-8 strings (a path) as well as failed allocations */
-        lk_error(LK_ERR_NOMEM, "cannot build the JSON output (out of memory, or a path that is not UTF-8)");
+int lk_inspect_print_json(json_t *o) {
+    if (!o) {
+        lk_error(LK_ERR_NOMEM, "cannot build the JSON output (out of memory, or a name or path that is not UTF-8)");
         return lk_cli_fail();
     }
     char *s = json_dumps(o, JSON_COMPACT);
@@ -152,7 +151,7 @@ static int inspect_safetensors(const char *path, int json) {
     lk_st *st;
     if (lk_st_open(path, &st) != LK_OK) return lk_cli_fail();
     int rc = LK_EXIT_OK;
-    if (json) rc = print_json(st_listing_json(st));
+    if (json) rc = lk_inspect_print_json(st_listing_json(st));
     else st_listing_text(st, stdout);
     lk_st_close(st);
     return rc;

@@ -77,16 +77,7 @@ int lk_inspect_adapter(const char *path, int json) {
         lk_error(LK_ERR_NOMEM, "out of memory");
         rc = lk_cli_fail();
     } else if (json) {
-        json_t *o = adapter_json(a, g, ng);
-        char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
-        json_decref(o);
-        if (s) {
-            puts(s);
-            free(s);
-        } else {
-            lk_error(LK_ERR_NOMEM, "cannot build the JSON output (out of memory, or a name that is not UTF-8)");
-            rc = lk_cli_fail();
-        }
+        rc = lk_inspect_print_json(adapter_json(a, g, ng));
     } else {
         printf("%s: LoRA adapter\n", path);
         printf("  file:    %s\n", lk_adapter_file(a));
