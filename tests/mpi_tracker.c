@@ -113,6 +113,42 @@ static uint64_t owned_bytes(const lk_weights *w, const lk_tracker *t) {
     return sum;
 }
 
+static const lk_weights *g_sort_w; /* for by_size_desc */
+
+static int by_size_desc(const void *a, const void *b) {
+    const lk_tensor *x = lk_weights_tensor(g_sort_w, *(const size_t *)a);
+    const lk_tensor *y = lk_weights_tensor(g_sort_w, *(const size_t *)b);
+    if (x->nbytes != y->nbytes) return x->nbytes > y->nbytes ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+/* Ownership against a reference written here from DESIGN.md, not taken
+ * from the tracker: keys largest first (ties by name), each onto the least
+ * loaded rank (the lowest on ties). The byte counts below rely on it. */
+static void test_ownership(void **state) {
+    (void)state;
+    lk_weights *w;
+    assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
+    lk_tracker *t = make(w, 64, 0);
+    size_t n = lk_weights_count(w), *idx = malloc(n * sizeof *idx);
+    uint64_t *load = calloc((size_t)N, sizeof *load);
+    assert_true(idx && load);
+    for (size_t i = 0; i < n; i++) idx[i] = i;
+    g_sort_w = w;
+    qsort(idx, n, sizeof *idx, by_size_desc);
+    for (size_t c = 0; c < n; c++) {
+        int best = 0;
+        for (int r = 1; r < N; r++)
+            if (load[r] < load[best]) best = r;
+        assert_int_equal(lk_tracker_owner(t, idx[c]), best);
+        load[best] += lk_weights_tensor(w, idx[c])->nbytes;
+    }
+    free(idx);
+    free(load);
+    lk_tracker_free(t);
+    lk_weights_free(w);
+}
+
 static void test_sequence_buckets(void **state) {
     (void)state;
     /* bucket sizes 1 MiB .. larger than the model, and the reference-like
@@ -274,6 +310,7 @@ int main(int argc, char **argv) {
     R = lk_comm_rank(W);
     N = lk_comm_size(W);
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_ownership),
         cmocka_unit_test(test_sequence_buckets),
         cmocka_unit_test(test_failures),
         cmocka_unit_test(test_no_lora_swap),
