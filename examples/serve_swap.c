@@ -4,7 +4,10 @@
  *   mpirun -n 2 ./serve_swap BASE.safetensors ADAPTER_A ADAPTER_B
  *
  * The server owns MPI (init/finalize) and its weights; lorakit borrows
- * both. Every lk_tracker_* call is collective: all ranks call it together.
+ * both. Every lk_tracker_* call is collective: all ranks call it together,
+ * so a local step that can fail on one rank only (loading the weights) is
+ * followed by lk_comm_agree: every rank then stops, none waits in
+ * lk_tracker_create for a rank that has left.
  * Prints the weights' digest after each step (rank 0). */
 #include <mpi.h>
 #include <stdio.h>
@@ -40,7 +43,7 @@ int main(int argc, char **argv) {
     lk_tracker_opts opts = LK_TRACKER_OPTS_DEFAULT; /* 64 MiB staging buffer */
 
     if (check(lk_comm_from_mpi(MPI_COMM_WORLD, &comm), "communicator") ||
-        check(lk_weights_load(argv[1], &w), "load weights") ||  /* or lk_weights_wrap(your tensors) */
+        check(lk_comm_agree(comm, lk_weights_load(argv[1], &w)), "load weights") || /* or lk_weights_wrap */
         check(lk_tracker_create(comm, w, &opts, &t), "tracker"))
         goto out;
 
