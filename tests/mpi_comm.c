@@ -164,9 +164,10 @@ static void test_mesh_alloc_fails_on_one_rank(void **state) {
     assert_true(k > 3); /* the mesh and both sub-communicators allocate */
 }
 
-/* A bad LORAKIT_COMM_CHUNK on one rank only: that rank fails naming the
- * value, the others get their communicator, and nobody is left waiting in
- * the collective MPI_Comm_dup (the test would time out). */
+/* A bad LORAKIT_COMM_CHUNK on one rank only: every rank fails (that one
+ * naming the value), and nobody is left waiting in the collective
+ * MPI_Comm_dup (the test would time out). Differing valid values agree on
+ * the smallest, so every rank splits an operation into the same rounds. */
 static void test_bad_chunk_on_one_rank(void **state) {
     (void)state;
     if (R == N - 1) setenv("LORAKIT_COMM_CHUNK", "0", 1);
@@ -178,9 +179,18 @@ static void test_bad_chunk_on_one_rank(void **state) {
         assert_null(c);
         tu_assert_contains(lk_last_error(), "LORAKIT_COMM_CHUNK=0");
     } else {
-        assert_int_equal(st, LK_OK);
-        assert_int_equal(lk_comm_size(c), N);
+        assert_int_equal(st, LK_ERR_CONFIG);
+        assert_null(c);
+        tu_assert_contains(lk_last_error(), "invalid on another rank");
     }
+    /* chunks of 1000 and 7 bytes: a 100-byte broadcast must still arrive */
+    if (R == N - 1) setenv("LORAKIT_COMM_CHUNK", "7", 1);
+    assert_int_equal(lk_comm_from_mpi(MPI_COMM_WORLD, &c), LK_OK);
+    setenv("LORAKIT_COMM_CHUNK", "1000", 1);
+    unsigned char b[100];
+    for (int i = 0; i < 100; i++) b[i] = R == 0 ? (unsigned char)(i * 3 + 1) : 0;
+    assert_int_equal(lk_comm_bcast(c, b, sizeof b, 0), LK_OK);
+    for (int i = 0; i < 100; i++) assert_int_equal(b[i], (unsigned char)(i * 3 + 1));
     lk_comm_free(c);
 }
 

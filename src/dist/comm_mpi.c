@@ -5,7 +5,8 @@
  * the duplicate so a transport failure becomes LK_ERR_COMM instead of an
  * abort. MPI counts are int: every operation is split into rounds of at most
  * `chunk` bytes (1 GiB; LORAKIT_COMM_CHUNK overrides it, read once at
- * creation, so tests can exercise the splitting with small buffers). */
+ * creation and agreed over the ranks, so tests can exercise the splitting
+ * with small buffers). */
 #include "lorakit/comm_mpi.h"
 
 #include <limits.h>
@@ -156,8 +157,15 @@ lk_status lk_comm_from_mpi(MPI_Comm c, lk_comm **out) {
         unsigned long long v = strtoull(e, &end, 10);
         if (*end || v == 0 || v > INT_MAX)
             st = lk_error(LK_ERR_CONFIG, "comm mpi: LORAKIT_COMM_CHUNK=%s is not in 1..%d", e, INT_MAX);
-        chunk = (size_t)v;
+        else chunk = (size_t)v;
     }
+    /* Every rank must split an operation into the same rounds: agree on the
+     * smallest chunk, and fail everywhere if any rank's value is bad. */
+    uint64_t v[2] = {st != LK_OK, ~(uint64_t)chunk}; /* max of ~chunk = ~(min chunk) */
+    rc = MPI_Allreduce(MPI_IN_PLACE, v, 2, MPI_UINT64_T, MPI_MAX, dup);
+    if (rc != MPI_SUCCESS) st = mpi_fail(rc, "agree on the chunk size");
+    else if (!st && v[0]) st = lk_error(LK_ERR_CONFIG, "comm mpi: LORAKIT_COMM_CHUNK is invalid on another rank");
+    chunk = (size_t)~v[1];
     if (!st) st = wrap(dup, chunk, out);
     if (st) MPI_Comm_free(&dup);
     return st;
