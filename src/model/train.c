@@ -19,10 +19,13 @@
 #include <time.h>
 #include <yaml.h>
 
+#include "core/file.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 #include "lorakit/mesh.h"
 #include "lorakit/model.h"
+
+#define CONFIG_MAX_BYTES (16u << 20) /* as src/train/config.c */
 
 /* ---------------------------------------------------------------- config */
 
@@ -216,28 +219,34 @@ lk_status lk_train_config_load(const char *path, const char *role, lk_train_conf
     c.model.d_model = 64; /* model: defaults for keys not given */
     c.model.n_layers = 2;
     c.model.n_heads = 4;
-    FILE *f = fopen(path, "rb");
-    if (!f) return lk_error(LK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    /* read whole and bounded, with the same limit as the lora block's reader */
+    char *text;
+    size_t len;
+    lk_status st = lk_read_file(path, CONFIG_MAX_BYTES, &text, &len);
+    if (st) return st;
+    if (len > CONFIG_MAX_BYTES) {
+        lk_free(text);
+        return lk_error(LK_ERR_FORMAT, "%s: config larger than %u bytes", path, CONFIG_MAX_BYTES);
+    }
     yaml_parser_t parser;
     yaml_document_t doc;
-    lk_status st = LK_OK;
     if (!yaml_parser_initialize(&parser)) {
-        fclose(f);
+        lk_free(text);
         return lk_error(LK_ERR_NOMEM, "%s: cannot initialise the YAML parser", path);
     }
-    yaml_parser_set_input_file(&parser, f);
+    yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
     if (!yaml_parser_load(&parser, &doc)) {
         st = lk_error(LK_ERR_FORMAT, "%s:%d: malformed YAML: %s", path,
                       (int)parser.problem_mark.line + 1,
                       parser.problem ? parser.problem : "parse error");
         yaml_parser_delete(&parser);
-        fclose(f);
+        lk_free(text);
         return st;
     }
     st = parse_doc(path, &doc, &c);
     yaml_document_delete(&doc);
     yaml_parser_delete(&parser);
-    fclose(f);
+    lk_free(text);
     if (st) return st;
 
     /* the LoRA block: models.<role>.lora, through the training config module */
