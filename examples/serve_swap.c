@@ -13,6 +13,8 @@
 #include <stdio.h>
 
 #include "lorakit/lorakit.h"
+#include "app/model.h"
+#include "app/task.h"
 #include "lorakit/comm_mpi.h"
 
 static int check(lk_status s, const char *what) {

@@ -3,7 +3,8 @@
 # Idempotent: does nothing (and needs no network) when every package is present.
 set -euo pipefail
 PKGS="build-essential cmake pkg-config libyaml-dev libjansson-dev libopenmpi-dev openmpi-bin \
-libopenblas-dev libxxhash-dev libcmocka-dev gnuplot-nox clang libclang-rt-14-dev"
+libopenblas-dev libxxhash-dev libcmocka-dev libpcre2-dev gnuplot-nox clang libclang-rt-14-dev \
+python3-dev python3-numpy python3-pytest python3-mpi4py"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

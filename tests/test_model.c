@@ -16,8 +16,8 @@
 #include <string.h>
 
 #include "testutil.h"
-#include "lorakit/model.h"
-#include "lorakit/task.h"
+#include "app/model.h"
+#include "app/task.h"
 
 static lk_model_config tiny_cfg(void) {
     lk_model_config c = {.vocab = 11, .max_seq = 8, .d_model = 8, .n_layers = 2, .n_heads = 2,

@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "testutil.h"
-#include "lorakit/model.h"
+#include "app/model.h"
 
 static lk_model_config cfg(void) {
     lk_model_config c = {.vocab = LK_TASK_VOCAB, .max_seq = 8, .d_model = 8, .n_layers = 2,

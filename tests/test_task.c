@@ -12,7 +12,7 @@
 #include <string.h>
 
 #include "testutil.h"
-#include "lorakit/task.h"
+#include "app/task.h"
 
 static void test_names(void **state) {
     (void)state;

@@ -13,7 +13,7 @@
 #include <string.h>
 
 #include "testutil.h"
-#include "lorakit/model.h"
+#include "app/model.h"
 
 static char *write_cfg(const char *dir, const char *name, const char *text) {
     char *p = tu_path(dir, name);

@@ -5,6 +5,8 @@
 #define LORAKIT_CLI_H
 
 #include "lorakit/lorakit.h"
+#include "app/model.h"
+#include "app/task.h"
 
 #define LK_EXIT_OK 0
 #define LK_EXIT_FAIL 1

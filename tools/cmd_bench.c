@@ -7,7 +7,7 @@
 #include "cli.h"
 
 #define LK_BENCH(name, summary) int lk_bench_##name(int argc, char **argv);
-#include "../bench/benches.def"
+#include "bench/benches.def"
 #undef LK_BENCH
 
 static const struct {
@@ -16,7 +16,7 @@ static const struct {
     int (*fn)(int, char **);
 } g_benches[] = {
 #define LK_BENCH(name, summary) {#name, summary, lk_bench_##name},
-#include "../bench/benches.def"
+#include "bench/benches.def"
 #undef LK_BENCH
 };
 

@@ -26,7 +26,7 @@
 
 #include "cli.h"
 #include "demo.h"
-#include "demo_world.h"
+#include "mpi_boot.h"
 
 static void usage(FILE *f) {
     fprintf(f,

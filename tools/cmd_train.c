@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "cli.h"
-#include "demo_world.h"
+#include "mpi_boot.h"
 
 static void usage(FILE *f) {
     fprintf(f,

@@ -5,6 +5,8 @@
 #define LK_DEMO_H
 
 #include "lorakit/lorakit.h"
+#include "app/model.h"
+#include "app/task.h"
 
 #define LK_DEMO_PATH 1024
 /* held-out examples: a stream no training run draws from */

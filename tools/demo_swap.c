@@ -18,7 +18,7 @@
 
 #include "cli.h"
 #include "demo.h"
-#include "demo_world.h"
+#include "mpi_boot.h"
 
 #define N_EVAL_TASKS 3
 #define MAX_STEPS 5

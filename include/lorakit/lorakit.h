@@ -18,7 +18,5 @@
 #include "lorakit/tracker.h"
 #include "lorakit/plan.h"
 #include "lorakit/lora.h"
-#include "lorakit/model.h"
-#include "lorakit/task.h"
 
 #endif

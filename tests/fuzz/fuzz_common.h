@@ -29,6 +29,8 @@
 #include <unistd.h>
 
 #include "lorakit/lorakit.h"
+#include "app/model.h"
+#include "app/task.h"
 
 #ifndef FZ_CHECK
 #define FZ_CHECK(cond)                                                              \

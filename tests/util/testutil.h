@@ -10,6 +10,8 @@
 #include <cmocka.h>
 
 #include "lorakit/lorakit.h"
+#include "app/model.h"
+#include "app/task.h"
 
 /* A fresh directory under $TMPDIR (or /tmp); removed by tu_rmtree. */
 char *tu_mkdtemp(void);

@@ -1,4 +1,4 @@
-/* demo_world.c — see demo_world.h. MPI is initialised only when a launcher
+/* mpi_boot.c — see mpi_boot.h. MPI is initialised only when a launcher
  * started us: a plain `lorakit train` must not pay for (or depend on) an MPI
  * singleton start, and the library never calls MPI_Init itself. */
 #include <stdio.h>
@@ -6,7 +6,7 @@
 #include <string.h>
 #include <sys/wait.h>
 
-#include "demo_world.h"
+#include "mpi_boot.h"
 #include "lorakit/log.h"
 
 #ifdef LK_HAVE_MPI

@@ -7,8 +7,8 @@
 #include <string.h>
 
 #include "lorakit/alloc.h"
-#include "lorakit/model.h"
-#include "lorakit/task.h"
+#include "app/model.h"
+#include "app/task.h"
 
 static const char *const k_names[LK_TASK_COUNT] = {"copy", "reverse", "sort", "increment"};
 

@@ -8,7 +8,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "model/kernels.h"
+#include "app/kernels.h"
 
 #ifdef LK_HAVE_BLAS
 #include <cblas.h>

@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "lorakit/alloc.h"
-#include "lorakit/model.h"
+#include "app/model.h"
 
 struct lk_model_lora {
     lk_lora_model *lm;

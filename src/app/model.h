@@ -1,4 +1,4 @@
-/* lorakit/model.h — a small decoder-only transformer in plain C (f32), used by
+/* app/model.h — a small decoder-only transformer in plain C (f32), used by
  * `lorakit train`, `lorakit demo` and the training tests.
  *
  * Token + position embedding, n_layers blocks of pre-norm causal
@@ -36,7 +36,7 @@
 #include "lorakit/comm.h"
 #include "lorakit/lora.h"
 #include "lorakit/status.h"
-#include "lorakit/task.h"
+#include "app/task.h"
 #include "lorakit/tensor.h"
 
 #ifdef __cplusplus

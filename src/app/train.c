@@ -23,7 +23,7 @@
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 #include "lorakit/mesh.h"
-#include "lorakit/model.h"
+#include "app/model.h"
 
 #define CONFIG_MAX_BYTES (16u << 20) /* as src/train/config.c */
 

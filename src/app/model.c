@@ -16,9 +16,9 @@
 #include "lorakit/alloc.h"
 #include "lorakit/dtype.h"
 #include "lorakit/log.h"
-#include "lorakit/model.h"
+#include "app/model.h"
 #include "lorakit/safetensors.h"
-#include "model/kernels.h"
+#include "app/kernels.h"
 
 /* Per-block parameters, in storage order. */
 enum {

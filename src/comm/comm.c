@@ -7,7 +7,7 @@
  * one-rank communicator whose collectives are copies or no-ops. The MPI
  * backend lives in comm_mpi.c, compiled only when MPI is found. Arguments are
  * checked here once, so backends only move bytes. */
-#include "dist/comm_impl.h"
+#include "comm/comm_impl.h"
 
 #include <string.h>
 

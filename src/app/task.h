@@ -1,5 +1,5 @@
-/* lorakit/task.h — generated sequence tasks for training and evaluating the
- * small transformer (lorakit/model.h); no downloaded data.
+/* app/task.h — generated sequence tasks for training and evaluating the
+ * small transformer (app/model.h); no downloaded data.
  *
  * An example is n digits, a separator, then the answer's n digits:
  *   copy       3 1 4 1 5 | 3 1 4 1 5

@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dist/comm_impl.h"
+#include "comm/comm_impl.h"
 #include "lorakit/alloc.h"
 
 typedef struct mpi_impl {

@@ -1,4 +1,4 @@
-/* demo_world.h — the process group of `lorakit train` and the demo's
+/* mpi_boot.h — the process group of `lorakit train` and the demo's
  * hot-swap stage: MPI when the process was started by mpirun (or any PMI/PMIx
  * launcher), else a one-process communicator, so the same command works with
  * and without MPI. Also the small shared helpers of train/demo output. */
