@@ -4,7 +4,6 @@
  * stderr when stderr is a terminal (the library never prints; it reports
  * progress through a callback), and a summary (text or one JSON object).
  * All validation and the atomic write are the library's. */
-#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -167,16 +166,7 @@ int lk_cmd_fuse(int argc, char **argv) {
         goto done;
     }
     if (json) {
-        json_t *ads = json_array();
-        for (size_t i = 0; i < n; i++)
-            json_array_append_new(ads, json_pack("{s:s, s:f}", "path", in[i].path, "strength",
-                                                 lk_fuse_strength_value(in[i].strength)));
-        json_t *o = json_pack("{s:s, s:s, s:o, s:I, s:I, s:I, s:f}", "base", base, "out", out, "adapters", ads,
-                              "tensors_total", (json_int_t)st.tensors_total, "tensors_fused",
-                              (json_int_t)st.tensors_fused, "modules_unmatched", (json_int_t)st.modules_unmatched,
-                              "seconds", st.seconds);
-        char *s = o ? json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(15)) : NULL;
-        json_decref(o);
+        char *s = lk_fuse_summary_json(base, out, in, n, &st);
         if (!s) { /* OUT is written; only the summary is missing: say so, not exit 0 with no output */
             lk_error(LK_ERR_NOMEM, "%s written, but the --json summary cannot be built (out of memory, or a path "
                      "that is not UTF-8)", out);
@@ -184,7 +174,7 @@ int lk_cmd_fuse(int argc, char **argv) {
             goto done;
         }
         printf("%s\n", s);
-        free(s);
+        lk_free(s);
     } else {
         printf("fused %zu adapter%s into %zu of %zu tensors -> %s (%.2f s)\n", n, n == 1 ? "" : "s",
                st.tensors_fused, st.tensors_total, out, st.seconds);

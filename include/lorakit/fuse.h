@@ -91,6 +91,25 @@ void lk_fuse_canonical_order(const lk_fuse_input *in, size_t n, size_t *order);
 lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n,
                        const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
 
+/* The in-memory form of lk_fuse_file: fuses the inputs into the caller's
+ * tensors in place (data must be writable). Same validation, strictness
+ * (allow_unmatched), canonical term order and kernel as lk_fuse_file, so the
+ * bytes equal those of an offline fuse of a file holding these tensors.
+ * Every adapter is opened and resolved before anything is written; the
+ * touched tensors are copied into one backup allocation first (peak extra
+ * memory: their bytes), and any failure restores them, so on error every
+ * tensor holds its old bytes. on_progress is not called. */
+lk_status lk_fuse_tensors(lk_tensor *tensors, size_t n_tensors, const lk_fuse_input *inputs, size_t n,
+                          const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
+
+/* The one-object JSON summary of a fuse (`lorakit fuse --json`): {base, out,
+ * adapters: [{path, strength}], tensors_total, tensors_fused,
+ * modules_unmatched, seconds}; base and out are left out when NULL (an
+ * in-memory fuse). Returns an lk_malloc'd string to lk_free, or NULL when it
+ * cannot be built (out of memory, or a path that is not UTF-8). */
+char *lk_fuse_summary_json(const char *base, const char *out, const lk_fuse_input *inputs, size_t n,
+                           const lk_fuse_stats *stats);
+
 #ifdef __cplusplus
 }
 #endif

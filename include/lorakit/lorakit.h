@@ -12,6 +12,7 @@
 #include "lorakit/digest.h"
 #include "lorakit/adapter.h"
 #include "lorakit/fuse.h"
+#include "lorakit/inspect.h"
 #include "lorakit/comm.h"
 #include "lorakit/mesh.h"
 #include "lorakit/weights.h"

@@ -151,6 +151,36 @@ static size_t gather(const fctx *c, const lk_fuse_input *in, const lk_tensor *t,
     return k;
 }
 
+/* Shared by lk_fuse_file and lk_fuse_tensors, so both refuse and sum
+ * exactly alike: checks the inputs, opens every adapter, resolves it against
+ * model[0..nt) (strict unless allow_unmatched) and sizes the term list.
+ * label names the model in errors; out (may be NULL) is refused as an
+ * adapter file. Nothing is written. */
+static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, size_t nt, const lk_fuse_input *inputs,
+                         size_t n, int allow_unmatched, const char *out, lk_fuse_stats *st) {
+    lk_status s;
+    for (size_t i = 0; i < n; i++) {
+        if (!inputs[i].path) return lk_error(LK_ERR_ARG, "%s: adapter %zu has no path", label, i);
+        if (!isfinite(inputs[i].strength))
+            return lk_error(LK_ERR_ARG, "%s: strength %g is not finite", inputs[i].path, (double)inputs[i].strength);
+    }
+    c->ad = lk_calloc(n ? n : 1, sizeof *c->ad);
+    c->order = lk_malloc((n ? n : 1) * sizeof *c->order);
+    c->terms = lk_malloc((n ? n : 1) * sizeof *c->terms); /* at most one term per adapter for any tensor */
+    if (!c->ad || !c->order || !c->terms) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    lk_fuse_canonical_order(inputs, n, c->order);
+    /* Open and validate every adapter before anything is written. */
+    for (size_t i = 0; i < n; i++) {
+        size_t un = 0;
+        if ((s = lk_adapter_open(inputs[i].path, inputs[i].format, &c->ad[i]))) return s;
+        c->n_ad = i + 1;
+        if (out && (s = refuse_same(out, lk_adapter_file(c->ad[i]), "adapter"))) return s;
+        if ((s = lk_adapter_resolve(c->ad[i], model, nt, allow_unmatched, &un))) return s;
+        st->modules_unmatched += un;
+    }
+    return LK_OK;
+}
+
 lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, const char *out,
                        const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
     static const lk_fuse_file_opts defaults;
@@ -159,41 +189,18 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     double t0 = now_s();
     lk_status s;
     if ((s = refuse_same(out, base, "base"))) return s;
-    for (size_t i = 0; i < n; i++) {
-        if (!inputs[i].path) return lk_error(LK_ERR_ARG, "lk_fuse_file: adapter %zu has no path", i);
-        if (!isfinite(inputs[i].strength))
-            return lk_error(LK_ERR_ARG, "%s: strength %g is not finite", inputs[i].path, (double)inputs[i].strength);
-    }
     fctx c;
     memset(&c, 0, sizeof c);
     lk_fuse_stats st = {0};
     if ((s = lk_st_open(base, &c.st))) goto fail;
     size_t nt = lk_st_count(c.st);
     st.tensors_total = nt;
-    c.model = lk_malloc((nt ? nt : 1) * sizeof *c.model);
-    c.ad = lk_calloc(n ? n : 1, sizeof *c.ad);
-    c.order = lk_malloc((n ? n : 1) * sizeof *c.order);
-    if (!c.model || !c.ad || !c.order) {
+    if (!(c.model = lk_malloc((nt ? nt : 1) * sizeof *c.model))) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
         goto fail;
     }
     for (size_t i = 0; i < nt; i++) c.model[i] = *lk_st_tensor(c.st, i);
-    lk_fuse_canonical_order(inputs, n, c.order);
-
-    /* Open and validate every adapter before anything is written. */
-    for (size_t i = 0; i < n; i++) {
-        size_t un = 0;
-        if ((s = lk_adapter_open(inputs[i].path, inputs[i].format, &c.ad[i]))) goto fail;
-        c.n_ad = i + 1;
-        if ((s = refuse_same(out, lk_adapter_file(c.ad[i]), "adapter"))) goto fail;
-        if ((s = lk_adapter_resolve(c.ad[i], c.model, nt, opts->allow_unmatched, &un))) goto fail;
-        st.modules_unmatched += un;
-    }
-    /* At most one term per adapter for any tensor. */
-    if (!(c.terms = lk_malloc((n ? n : 1) * sizeof *c.terms))) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
-        goto fail;
-    }
+    if ((s = prepare(&c, base, c.model, nt, inputs, n, opts->allow_unmatched, out, &st))) goto fail;
     size_t buf_bytes = 0, copy_bytes = 0;
     uint64_t total_bytes = 0;
     for (size_t i = 0; i < nt; i++) {
@@ -270,4 +277,88 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
 fail:
     fctx_free(&c);
     return s;
+}
+
+lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *inputs, size_t n,
+                          const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
+    static const lk_fuse_file_opts defaults;
+    if (!opts) opts = &defaults;
+    if ((nt && !tensors) || (n && !inputs)) return lk_error(LK_ERR_ARG, "lk_fuse_tensors: NULL argument");
+    double t0 = now_s();
+    const char *label = "tensors";
+    fctx c;
+    memset(&c, 0, sizeof c);
+    lk_fuse_stats st = {0};
+    st.tensors_total = nt;
+    lk_status s = prepare(&c, label, tensors, nt, inputs, n, opts->allow_unmatched, NULL, &st);
+    if (s) goto fail;
+    /* The backup of every touched tensor is taken in one allocation before
+     * the first write, so running out of memory changes nothing, and a
+     * kernel failure (LK_ERR_NONFINITE) part-way restores every tensor. */
+    size_t backup_bytes = 0;
+    for (size_t i = 0; i < nt; i++) {
+        if (!tensors[i].data && tensors[i].nbytes) {
+            s = lk_error(LK_ERR_ARG, "%s: %s has no data", label, tensors[i].name);
+            goto fail;
+        }
+        if (gather(&c, inputs, &tensors[i], c.terms)) backup_bytes += tensors[i].nbytes;
+    }
+    if (backup_bytes && !(c.buf = lk_malloc(backup_bytes))) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a %zu-byte backup of the fused tensors", label,
+                     backup_bytes);
+        goto fail;
+    }
+    size_t off = 0, i = 0;
+    for (; i < nt; i++) {
+        lk_tensor *t = &tensors[i];
+        size_t k = gather(&c, inputs, t, c.terms);
+        if (!k) continue;
+        memcpy((char *)c.buf + off, t->data, t->nbytes);
+        off += t->nbytes;
+        s = lk_fuse_tensor(t->data, t->data, t->dtype, t->shape[0], t->shape[1], c.terms, k, &opts->fuse, t->name);
+        if (s) break;
+        st.tensors_fused++;
+    }
+    if (s) { /* every tensor up to and including i back to its bytes */
+        size_t back = 0;
+        for (size_t j = 0; j <= i && j < nt; j++) {
+            if (!gather(&c, inputs, &tensors[j], c.terms)) continue;
+            memcpy(tensors[j].data, (char *)c.buf + back, tensors[j].nbytes);
+            back += tensors[j].nbytes;
+        }
+        goto fail;
+    }
+    st.seconds = now_s() - t0;
+    if (stats) *stats = st;
+    fctx_free(&c);
+    return LK_OK;
+fail:
+    fctx_free(&c);
+    return s;
+}
+
+char *lk_fuse_summary_json(const char *base, const char *out, const lk_fuse_input *inputs, size_t n,
+                           const lk_fuse_stats *st) {
+    json_t *ads = json_array();
+    int bad = !ads;
+    for (size_t i = 0; i < n && !bad; i++)
+        bad |= json_array_append_new(ads, json_pack("{s:s, s:f}", "path", inputs[i].path, "strength",
+                                                    lk_fuse_strength_value(inputs[i].strength)));
+    json_t *o = bad ? NULL : json_object();
+    if (!o) {
+        json_decref(ads);
+        return NULL;
+    }
+    if (base) bad |= json_object_set_new(o, "base", json_string(base));
+    if (out) bad |= json_object_set_new(o, "out", json_string(out));
+    bad |= json_object_set_new(o, "adapters", ads);
+    bad |= json_object_set_new(o, "tensors_total", json_integer((json_int_t)st->tensors_total));
+    bad |= json_object_set_new(o, "tensors_fused", json_integer((json_int_t)st->tensors_fused));
+    bad |= json_object_set_new(o, "modules_unmatched", json_integer((json_int_t)st->modules_unmatched));
+    bad |= json_object_set_new(o, "seconds", json_real(st->seconds));
+    char *js = bad ? NULL : json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(15));
+    json_decref(o);
+    char *r = js ? lk_strdup(js) : NULL;
+    free(js);
+    return r;
 }

@@ -1,0 +1,28 @@
+/* lorakit/inspect.h — what a checkpoint or adapter holds, as one JSON
+ * object: the content of `lorakit inspect --json`, shared by the CLI and the
+ * Python package so both describe a file the same way. */
+#ifndef LORAKIT_INSPECT_H
+#define LORAKIT_INSPECT_H
+
+#include "lorakit/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Validates path and describes it in *json (lk_malloc'd, lk_free it).
+ * An adapter (a PEFT folder, or a file whose keys are all LoRA keys, see
+ * lk_adapter_looks_like): {path, file, format, config, rslora, module_count,
+ * untargeted, groups: [{rank, alpha, scale, count, example}], modules:
+ * [{module, rank, alpha, scale, in, out, dtype_A, dtype_B}]}, groups being
+ * the modules of equal (rank, alpha, scale) in ascending order. Otherwise a
+ * safetensors file: {path, file_bytes, header_bytes, metadata, tensors:
+ * [{name, dtype, shape, bytes, offset}] in file order, totals: {DTYPE:
+ * {tensors, bytes}}, tensor_count, total_bytes}. A name or path that is not
+ * UTF-8 cannot be put in JSON: LK_ERR_UNSUPPORTED. */
+lk_status lk_inspect_json(const char *path, char **json);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
