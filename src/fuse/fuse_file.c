@@ -326,13 +326,12 @@ lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *in
             memcpy(tensors[j].data, (char *)c.buf + back, tensors[j].nbytes);
             back += tensors[j].nbytes;
         }
-        goto fail;
     }
-    st.seconds = now_s() - t0;
-    if (stats) *stats = st;
-    fctx_free(&c);
-    return LK_OK;
 fail:
+    if (!s && stats) {
+        st.seconds = now_s() - t0;
+        *stats = st;
+    }
     fctx_free(&c);
     return s;
 }
