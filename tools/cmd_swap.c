@@ -97,106 +97,54 @@ static int auto_threads(const lk_comm *c) {
     return cores / local > 1 ? (int)(cores / local) : 1;
 }
 
-typedef struct step_result {
-    lk_status status;
-    char error[1024];
-    uint64_t v[6];  /* keys fused, keys restored (summed); backup max; skipped */
-    double phase[5]; /* agree, load, fuse, broadcast, total (max over ranks) */
-    uint64_t bytes_broadcast;
-    char digest[LK_DIGEST_HEX];
-    int agree;
-} step_result;
-
-/* Sums / maxima over the group; digests compared against rank 0's (all:
- * room for every rank's digest). */
-static lk_status gather(lk_comm *c, const lk_tracker_stats *st, const lk_weights *w, char *all, step_result *r) {
-    uint64_t sum[2] = {st->keys_fused, st->keys_restored};
-    uint64_t mx[6] = {st->backup_bytes};
-    const double ph[5] = {st->seconds_agree, st->seconds_load, st->seconds_fuse, st->seconds_broadcast, st->seconds};
-    for (int k = 0; k < 5; k++) mx[1 + k] = (uint64_t)(ph[k] * 1e9);
-    lk_status s = lk_comm_allreduce_u64(c, sum, 2, LK_REDUCE_SUM);
-    if (!s) s = lk_comm_allreduce_u64(c, mx, 6, LK_REDUCE_MAX);
-    if (s) return s;
-    r->v[0] = sum[0];
-    r->v[1] = sum[1];
-    r->v[2] = mx[0];
-    r->v[3] = (uint64_t)st->skipped;
-    for (int k = 0; k < 5; k++) r->phase[k] = (double)mx[1 + k] * 1e-9;
-    r->bytes_broadcast = st->bytes_broadcast;
-    /* a digest failure (out of memory) still joins the allgather, as zeros */
-    char hex[LK_DIGEST_HEX] = {0};
-    lk_status ds = lk_weights_digest(w, hex);
-    s = lk_comm_allgather(c, hex, LK_DIGEST_HEX, all);
-    r->agree = !s && !ds;
-    for (int k = 1; r->agree && k < lk_comm_size(c); k++)
-        r->agree = !memcmp(all, all + (size_t)k * LK_DIGEST_HEX, LK_DIGEST_HEX);
-    memcpy(r->digest, all, LK_DIGEST_HEX);
-    r->digest[LK_DIGEST_HEX - 1] = '\0';
-    return s;
-}
-
-static void print_step(size_t step, const step_result *r, int json) {
+/* Prints one step's report (lk_tracker_report_json) as it is, or as text
+ * read back from it. */
+static void print_step(size_t step, const char *js, int json) {
     if (json) {
-        json_t *o = json_pack("{s:I, s:s}", "step", (json_int_t)step, "status", r->status ? "error" : "ok");
-        if (!o) return;
-        if (r->status) json_object_set_new(o, "error", json_string(r->error));
-        json_object_set_new(o, "keys_fused", json_integer((json_int_t)r->v[0]));
-        json_object_set_new(o, "keys_restored", json_integer((json_int_t)r->v[1]));
-        json_object_set_new(o, "bytes_broadcast", json_integer((json_int_t)r->bytes_broadcast));
-        json_object_set_new(o, "seconds", json_real(r->phase[4]));
-        json_object_set_new(o, "digest", json_string(r->digest));
-        json_object_set_new(o, "digests_agree", json_boolean(r->agree));
-        json_object_set_new(o, "skipped", json_boolean(r->v[3] != 0));
-        json_object_set_new(o, "backup_bytes_max", json_integer((json_int_t)r->v[2]));
-        json_object_set_new(o, "phases", json_pack("{s:f, s:f, s:f, s:f}", "agree", r->phase[0], "load", r->phase[1],
-                                                   "fuse", r->phase[2], "broadcast", r->phase[3]));
-        char *txt = json_dumps(o, JSON_COMPACT);
-        if (txt) printf("%s\n", txt);
-        free(txt);
-        json_decref(o);
-    } else if (r->status) {
-        printf("step %zu: error: %s (weights unchanged)\n", step, r->error);
-    } else {
-        printf("step %zu: ok%s: %llu keys fused, %llu restored, %.2f MiB broadcast, %.3f s, digest %s%s\n", step,
-               r->v[3] ? " (unchanged set, skipped)" : "", (unsigned long long)r->v[0], (unsigned long long)r->v[1],
-               (double)r->bytes_broadcast / 1048576.0, r->phase[4], r->digest,
-               r->agree ? "" : " (RANKS DISAGREE)");
+        printf("%s\n", js);
+        fflush(stdout);
+        return;
     }
+    json_t *o = json_loads(js, 0, NULL);
+    if (!o) return;
+    if (strcmp(json_string_value(json_object_get(o, "status")), "ok")) {
+        printf("step %zu: error: %s (weights unchanged)\n", step, json_string_value(json_object_get(o, "error")));
+    } else {
+        printf("step %zu: ok%s: %lld keys fused, %lld restored, %.2f MiB broadcast, %.3f s, digest %s%s\n", step,
+               json_is_true(json_object_get(o, "skipped")) ? " (unchanged set, skipped)" : "",
+               (long long)json_integer_value(json_object_get(o, "keys_fused")),
+               (long long)json_integer_value(json_object_get(o, "keys_restored")),
+               (double)json_integer_value(json_object_get(o, "bytes_broadcast")) / 1048576.0,
+               json_real_value(json_object_get(o, "seconds")), json_string_value(json_object_get(o, "digest")),
+               json_is_true(json_object_get(o, "digests_agree")) ? "" : " (RANKS DISAGREE)");
+    }
+    json_decref(o);
     fflush(stdout);
 }
 
 /* Runs every step; returns the exit code. */
 static int run_steps(lk_comm *c, lk_tracker *t, lk_weights *w, const lk_plan *plan, const char *plan_path, int json) {
     uint64_t n_max = plan->n_steps;
-    char *all = lk_malloc((size_t)lk_comm_size(c) * LK_DIGEST_HEX);
-    lk_status s = lk_comm_agree(c, all ? LK_OK : lk_error(LK_ERR_NOMEM, "swap: out of memory"));
-    if (!s) s = lk_comm_allreduce_u64(c, &n_max, 1, LK_REDUCE_MAX);
-    if (s) {
-        lk_free(all);
-        return lk_cli_fail();
-    }
+    if (lk_comm_allreduce_u64(c, &n_max, 1, LK_REDUCE_MAX)) return lk_cli_fail();
     int failed = 0, rank0 = lk_comm_rank(c) == 0;
     for (size_t i = 0; i < n_max; i++) {
-        step_result r;
-        memset(&r, 0, sizeof r);
         lk_tracker_stats st;
         memset(&st, 0, sizeof st);
-        s = i < plan->n_steps ? LK_OK
-                              : lk_error(LK_ERR_MISMATCH, "%s has %zu steps; the other ranks' plans have more",
-                                         plan_path, plan->n_steps);
+        lk_status s = i < plan->n_steps ? LK_OK
+                                        : lk_error(LK_ERR_MISMATCH, "%s has %zu steps; the other ranks' plans have more",
+                                                   plan_path, plan->n_steps);
         s = lk_comm_agree(c, s);
         if (!s) s = lk_tracker_apply(t, plan->steps[i].loras, plan->steps[i].n, &st);
-        r.status = s;
-        if (s) snprintf(r.error, sizeof r.error, "%s", lk_last_error());
-        if (s == LK_ERR_COMM || gather(c, &st, w, all, &r)) { /* the group is gone */
-            lk_free(all);
+        char error[1024];
+        snprintf(error, sizeof error, "%s", s ? lk_last_error() : "");
+        char *js = NULL;
+        if (s == LK_ERR_COMM || lk_tracker_report_json(c, w, i + 1, s, error, &st, 1, &js)) /* the group is gone */
             return lk_cli_fail();
-        }
-        if (s || !r.agree) failed = 1;
-        if (rank0) print_step(i + 1, &r, json);
-        if (rank0 && s) fprintf(stderr, "lorakit: step %zu: %s\n", i + 1, r.error);
+        if (s || !strstr(js, "\"digests_agree\":true")) failed = 1;
+        if (rank0) print_step(i + 1, js, json);
+        if (rank0 && s) fprintf(stderr, "lorakit: step %zu: %s\n", i + 1, error);
+        lk_free(js);
     }
-    lk_free(all);
     return failed ? LK_EXIT_FAIL : LK_EXIT_OK;
 }
 

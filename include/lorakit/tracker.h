@@ -92,6 +92,19 @@ size_t lk_tracker_applied(const lk_tracker *t);
  * one rank, where nothing is broadcast). */
 size_t lk_tracker_staging_bytes(const lk_tracker *t);
 
+/* Collective: the group's summary of one apply/reset as one JSON object
+ * (a line of `lorakit swap --json`): {"step" (when step > 0), "status":
+ * "ok"|"error", "error" (when status != LK_OK; message is that call's
+ * lk_last_error), "keys_fused", "keys_restored" (summed over ranks),
+ * "bytes_broadcast", "seconds" (slowest rank), "digest", "digests_agree"
+ * (content digest of every rank's weights compared with rank 0's; null
+ * both when digest is 0), "skipped", "backup_bytes_max", "phases": {agree,
+ * load, fuse, broadcast}}. Every rank gets the same *json (lk_malloc'd).
+ * Call it on every rank after each call, whatever its status, except after
+ * LK_ERR_COMM (the group is gone). */
+lk_status lk_tracker_report_json(lk_comm *c, const lk_weights *w, size_t step, lk_status status, const char *message,
+                                 const lk_tracker_stats *stats, int digest, char **json);
+
 #ifdef __cplusplus
 }
 #endif
