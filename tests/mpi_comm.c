@@ -194,6 +194,32 @@ static void test_bad_chunk_on_one_rank(void **state) {
     lk_comm_free(c);
 }
 
+/* lk_comm_average_f32 over scattered buffers (one empty) with a 7-float
+ * bucket, so buffers span buckets and buckets span buffers. Oracle: rank r
+ * holds r * 1000 + 10 * i + j, so the mean is (N - 1) * 500 + 10 * i + j,
+ * exact in float for these sizes. Then a layout mismatch on the last rank:
+ * LK_ERR_MISMATCH on every rank, buffers unchanged. */
+static void test_average_f32(void **state) {
+    (void)state;
+    const size_t counts[4] = {5, 0, 13, 3};
+    float b0[5], b2[13], b3[3];
+    float *bufs[4] = {b0, NULL, b2, b3};
+    for (size_t i = 0; i < 4; i++)
+        for (size_t j = 0; j < counts[i]; j++) bufs[i][j] = (float)(R * 1000 + 10 * (int)i + (int)j);
+    size_t calls = 0;
+    assert_int_equal(lk_comm_average_f32(g_world, bufs, counts, 4, 7 * sizeof(float), &calls), LK_OK);
+    for (size_t i = 0; i < 4; i++)
+        for (size_t j = 0; j < counts[i]; j++)
+            assert_true(bufs[i][j] == (float)((N - 1) * 500.0 + 10.0 * (double)i + (double)j));
+    assert_int_equal(calls, N > 1 ? 3 : 0); /* 21 floats in 7-float buckets */
+    if (N == 1) return;
+    size_t bad[4] = {5, 0, 13, R == N - 1 ? 2 : 3};
+    float before = b3[0];
+    assert_int_equal(lk_comm_average_f32(g_world, bufs, bad, 4, 0, NULL), LK_ERR_MISMATCH);
+    tu_assert_contains(lk_last_error(), "different buffer sets");
+    assert_true(b3[0] == before);
+}
+
 int main(int argc, char **argv) {
     setenv("LORAKIT_COMM_CHUNK", "1000", 1);
     g_world = tu_mpi_init(&argc, &argv);
@@ -204,6 +230,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_allgather),     cmocka_unit_test(test_split),
         cmocka_unit_test(test_agree),         cmocka_unit_test(test_mesh),
         cmocka_unit_test(test_mesh_alloc_fails_on_one_rank), cmocka_unit_test(test_bad_chunk_on_one_rank),
+        cmocka_unit_test(test_average_f32),
     };
     return tu_mpi_finish(g_world, cmocka_run_group_tests(tests, NULL, NULL));
 }

@@ -55,6 +55,18 @@ lk_status lk_comm_split(lk_comm *c, int color, int key, lk_comm **out);
  * Collective: call it on every path. */
 lk_status lk_comm_agree(lk_comm *c, lk_status local);
 
+/* Averages n float buffers over the ranks, in place: bufs[i] holds
+ * counts[i] floats; each element becomes the sum over ranks divided by the
+ * rank count (a division, as torch's div_, so equal values stay exact).
+ * The buffers travel packed into buckets of at most bucket_bytes (0: 4 MiB;
+ * one allreduce per bucket, a buffer larger than a bucket spans several),
+ * so many small gradients cost a few collectives. The ranks first agree on
+ * the layout (n and every count): a rank holding a different set makes it
+ * LK_ERR_MISMATCH on every rank, nothing changed, never a hang.
+ * *n_collectives (may be NULL) gets the number of bucket allreduces. */
+lk_status lk_comm_average_f32(lk_comm *c, float *const *bufs, const size_t *counts, size_t n, size_t bucket_bytes,
+                              size_t *n_collectives);
+
 #ifdef __cplusplus
 }
 #endif

@@ -166,3 +166,75 @@ lk_status lk_comm_world(int *argc, char ***argv, lk_comm **out) {
     return lk_comm_self(out);
 }
 #endif
+
+/* The layout of an lk_comm_average_f32 request: FNV-1a over n and counts. */
+static uint64_t layout_hash(const size_t *counts, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i <= n; i++) {
+        uint64_t v = i < n ? (uint64_t)counts[i] : (uint64_t)n;
+        for (int b = 0; b < 8; b++) {
+            h ^= (v >> (8 * b)) & 0xff;
+            h *= 1099511628211ull;
+        }
+    }
+    return h;
+}
+
+lk_status lk_comm_average_f32(lk_comm *c, float *const *bufs, const size_t *counts, size_t n, size_t bucket_bytes,
+                              size_t *n_collectives) {
+    if (n_collectives) *n_collectives = 0;
+    size_t bucket = (bucket_bytes ? bucket_bytes : ((size_t)4 << 20)) / sizeof(float), total = 0;
+    if (bucket == 0) bucket = 1;
+    lk_status local = (n && (!bufs || !counts)) ? lk_error(LK_ERR_ARG, "comm average: NULL buffers") : LK_OK;
+    for (size_t i = 0; !local && i < n; i++) {
+        if (!bufs[i] && counts[i]) local = lk_error(LK_ERR_ARG, "comm average: buffer %zu is NULL", i);
+        total += counts[i];
+    }
+    if (lk_comm_size(c) <= 1) return local;
+    size_t stage_n = total < bucket ? total : bucket;
+    float *stage = local || !stage_n ? NULL : lk_malloc(stage_n * sizeof *stage);
+    if (!local && stage_n && !stage) local = lk_error(LK_ERR_NOMEM, "comm average: out of memory for a %zu-float bucket", stage_n);
+    lk_status s = lk_comm_agree(c, local);
+    if (s) {
+        lk_free(stage);
+        return s;
+    }
+    /* max of x and of ~x gives max and ~min in one collective */
+    uint64_t h = layout_hash(counts, n), v[4] = {h, ~h, total, ~(uint64_t)total};
+    if ((s = lk_comm_allreduce_u64(c, v, 4, LK_REDUCE_MAX))) {
+        lk_free(stage);
+        return s;
+    }
+    if (v[0] != ~v[1] || v[2] != ~v[3]) {
+        lk_free(stage);
+        return lk_error(LK_ERR_MISMATCH, "comm average: the ranks hold different buffer sets (this rank: %zu buffers, "
+                        "%zu floats; totals across ranks range from %llu to %llu floats)", n, total,
+                        (unsigned long long)~v[3], (unsigned long long)v[2]);
+    }
+    const float fs = (float)lk_comm_size(c);
+    size_t calls = 0, k = 0, off = 0; /* the next float to pack: bufs[k][off] */
+    while (k < n) {
+        size_t kk = k, oo = off, fill = 0;
+        while (kk < n && fill < stage_n) { /* pack */
+            size_t len = counts[kk] - oo < stage_n - fill ? counts[kk] - oo : stage_n - fill;
+            memcpy(stage + fill, bufs[kk] + oo, len * sizeof *stage);
+            fill += len;
+            oo += len;
+            if (oo == counts[kk]) kk++, oo = 0;
+        }
+        if (fill && (s = lk_comm_allreduce_f32_sum(c, stage, fill))) break;
+        calls += fill != 0;
+        for (size_t done = 0; done < fill;) { /* unpack, averaged */
+            size_t len = counts[k] - off < fill - done ? counts[k] - off : fill - done;
+            for (size_t j = 0; j < len; j++) bufs[k][off + j] = stage[done + j] / fs;
+            done += len;
+            off += len;
+            if (off == counts[k]) k++, off = 0;
+        }
+        while (k < n && counts[k] == 0) k++; /* empty buffers at the end */
+        if (!fill) break;
+    }
+    lk_free(stage);
+    if (n_collectives) *n_collectives = calls;
+    return s;
+}
