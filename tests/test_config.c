@@ -222,6 +222,12 @@ static void test_structure_errors(void **state) {
     tu_assert_contains(lk_last_error(), "t.yaml:2: models.student: must be a mapping");
     assert_int_equal(parse("models:\n  student:\n    lora: {rank: 1, rank: 2}\n", &c), LK_ERR_CONFIG);
     tu_assert_contains(lk_last_error(), "models.student.lora.rank: duplicate key");
+    /* a repeated key anywhere in the file, not only on the walked path, names both lines */
+    assert_int_equal(parse("models:\n  student:\n    lora: {rank: 1}\nother:\n  a: 1\n  a: 2\n", &c),
+                     LK_ERR_CONFIG);
+    tu_assert_contains(lk_last_error(), "t.yaml:6: other.a: duplicate key (first at line 5)");
+    assert_int_equal(parse("models:\n  student: {}\n  student: {}\n", &c), LK_ERR_CONFIG);
+    tu_assert_contains(lk_last_error(), "t.yaml:3: models.student: duplicate key (first at line 2)");
     assert_int_equal(parse("models:\n  student:\n    lora: {enable: true\n", &c), LK_ERR_FORMAT);
     tu_assert_contains(lk_last_error(), "t.yaml:4: invalid YAML");
     assert_int_equal(lk_lora_config_load("/nonexistent/x.yaml", "student", &c), LK_ERR_IO);

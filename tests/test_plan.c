@@ -79,7 +79,7 @@ static void test_errors(void **state) {
         {"steps:\n  - {}\n", "plan.yaml:2: steps[0].loras: expected a list"},
         {"steps:\n  - loras: [{strength: 1}]\n", "plan.yaml:2: steps[0].loras[0]: missing 'path'"},
         {"steps:\n  - loras: []\n  - loras: [{path: a, strength: abc}]\n",
-         "plan.yaml:3: steps[1].loras[0].strength: expected a finite number, got abc"},
+         "plan.yaml:3: steps[1].loras[0].strength: expected a finite number, got 'abc'"},
         {"steps:\n  - loras: [{path: a, strength: .nan}]\n", "strength"},
         {"steps:\n  - loras: [{path: a, strength: 1e999}]\n", "strength"},
         {"steps:\n  - loras: [{path: a, strength: 1e39}]\n", "out of the float range"},
@@ -87,9 +87,15 @@ static void test_errors(void **state) {
         {"steps:\n  - loras: [{path: a, rank: 4}]\n", "steps[0].loras[0].rank: unknown key"},
         {"steps:\n  - loras: [{path: \"a\\0b\"}]\n", "steps[0].loras[0].path"},
         {"steps:\n  - loras: [{path: ''}]\n", "non-empty"},
-        {"steps:\n  - loras: [\n", "plan.yaml:3: YAML error"},
         {"steps: []\n---\nsteps: []\n", "one YAML document"},
-        {"steps:\n  - loras: []\n    reset: true\n", "steps[0]: unknown key"},
+        /* a repeated key anywhere is an error naming both lines (the last one does not win) */
+        {"steps:\n  - loras: [{path: a}]\n    loras: []\n", "plan.yaml:3: steps[0].loras: duplicate key (first at line 2)"},
+        {"steps:\n  - loras: [{path: a, strength: 1,\n      strength: 2}]\n",
+         "plan.yaml:3: steps[0].loras[0].strength: duplicate key (first at line 2)"},
+        {"x: {a: 1, a: 2}\nsteps: []\n", "plan.yaml:1: x.a: duplicate key (first at line 1)"},
+        /* YAML's plain-scalar rules, the same as every lorakit YAML file: no mixed-case booleans */
+        {"no_lora_swap: tRuE\nsteps: []\n", "plan.yaml:1: no_lora_swap: expected true or false"},
+        {"steps:\n  - loras: []\n    reset: true\n", "plan.yaml:3: steps[0].reset: unknown key (valid: loras)"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         lk_plan *p = (lk_plan *)1;
@@ -98,6 +104,12 @@ static void test_errors(void **state) {
         assert_null(p);
         tu_assert_contains(lk_last_error(), cases[i].needle);
     }
+    /* malformed YAML is a format error, with its line */
+    const char *bad = "steps:\n  - loras: [\n";
+    lk_plan *p = (lk_plan *)1;
+    assert_int_equal(lk_plan_parse(bad, strlen(bad), "plan.yaml", NULL, &p), LK_ERR_FORMAT);
+    assert_null(p);
+    tu_assert_contains(lk_last_error(), "plan.yaml:3: invalid YAML");
 }
 
 /* Anchors reusing one list many times cannot blow up memory: the total

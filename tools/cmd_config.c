@@ -1,11 +1,12 @@
 /* cmd_config.c — `lorakit config check CONFIG.yaml [--role ROLE]`: resolves
  * the `models.<role>.lora` block of every role (or one) with the training
- * rules of src/train/config.c and prints one line per role, so a config can
+ * rules of src/lora/config.c and prints one line per role, so a config can
  * be validated before a run is launched. Exit 1 if any role is invalid. */
 #include <stdio.h>
 #include <string.h>
 
 #include "cli.h"
+#include "lora/lora_config.h"
 
 static const char *const CONFIG_USAGE =
     "usage: lorakit config check CONFIG.yaml [--role ROLE]\n\n"
@@ -24,9 +25,9 @@ static const char *const CONFIG_USAGE =
     "  --role ROLE   check only this role (an error if it does not exist)\n"
     "  -h, --help    this text\n";
 
-static int check_role(const char *path, const char *role) {
+static int check_role(const lk_ydoc *doc, const char *role) {
     lk_lora_config cfg;
-    if (lk_lora_config_load(path, role, &cfg) != LK_OK) return lk_cli_fail();
+    if (lk_lora_config_from_doc(doc, role, &cfg) != LK_OK) return lk_cli_fail();
     char line[2048];
     lk_lora_config_describe(&cfg, line, sizeof line);
     printf("%s: %s\n", role, line);
@@ -55,14 +56,24 @@ int lk_cmd_config(int argc, char **argv) {
         }
     }
     if (!path) return lk_cli_usage("config", "missing CONFIG.yaml");
-    if (role) return check_role(path, role);
-    char **roles;
-    size_t n;
-    if (lk_lora_config_roles(path, &roles, &n) != LK_OK) return lk_cli_fail();
+    /* the file is read and parsed once, every role checked on that tree */
+    lk_ydoc *doc;
+    if (lk_ydoc_load(path, &doc) != LK_OK) return lk_cli_fail();
     int rc = LK_EXIT_OK;
-    if (n == 0) printf("no roles under models: lora not configured\n");
-    for (size_t i = 0; i < n; i++)
-        if (check_role(path, roles[i]) != LK_EXIT_OK) rc = LK_EXIT_FAIL;
-    lk_lora_roles_free(roles, n);
+    if (role) {
+        rc = check_role(doc, role);
+    } else {
+        char **roles;
+        size_t n;
+        if (lk_lora_config_roles_doc(doc, &roles, &n) != LK_OK) {
+            lk_ydoc_free(doc);
+            return lk_cli_fail();
+        }
+        if (n == 0) printf("no roles under models: lora not configured\n");
+        for (size_t i = 0; i < n; i++)
+            if (check_role(doc, roles[i]) != LK_EXIT_OK) rc = LK_EXIT_FAIL;
+        lk_lora_roles_free(roles, n);
+    }
+    lk_ydoc_free(doc);
     return rc;
 }

@@ -43,6 +43,9 @@ extern "C" {
 
 typedef struct lk_tracker lk_tracker;
 
+/* The staging buffer's size range in MiB, for the tracker, plans and the CLI. */
+#define LK_BUCKET_MB_MAX 1048576
+
 typedef struct lk_tracker_opts {
     long bucket_mb;   /* staging buffer size in MiB, > 0 (LTX default 256) */
     int no_lora_swap; /* no backup: the first set is fused in place; any later

@@ -14,6 +14,7 @@
  * crash a fuse or a serving rank with SIGBUS (a change during the copy is
  * LK_ERR_IO). */
 #include "lorakit/adapter.h"
+#include "core/file.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 #include "lorakit/safetensors.h"
@@ -161,13 +162,6 @@ static int key_cmp(const void *pa, const void *pb) {
     return (int)a->role - (int)b->role;
 }
 
-static char *join(const char *dir, const char *name) {
-    size_t n = strlen(dir) + strlen(name) + 2;
-    char *p = lk_malloc(n);
-    if (p) snprintf(p, n, "%s/%s", dir, name);
-    return p;
-}
-
 static int file_exists(const char *p) {
     struct stat sb;
     return p && stat(p, &sb) == 0 && S_ISREG(sb.st_mode);
@@ -183,7 +177,7 @@ static lk_status locate(lk_adapter *a) {
     }
     static const char *const names[] = {"adapter_model.safetensors", "pytorch_lora_weights.safetensors"};
     for (size_t i = 0; i < 2; i++) {
-        char *p = join(a->path, names[i]);
+        char *p = lk_path_join(a->path, names[i]);
         if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->path);
         if (file_exists(p)) {
             a->file = p;
@@ -192,7 +186,7 @@ static lk_status locate(lk_adapter *a) {
         lk_free(p);
     }
     if (!a->file) {
-        char *bin = join(a->path, "adapter_model.bin");
+        char *bin = lk_path_join(a->path, "adapter_model.bin");
         int has_bin = file_exists(bin);
         lk_free(bin);
         if (has_bin)
@@ -201,7 +195,7 @@ static lk_status locate(lk_adapter *a) {
                             a->path);
         return lk_error(LK_ERR_IO, "%s: folder has no adapter_model.safetensors", a->path);
     }
-    char *cfg = join(a->path, "adapter_config.json");
+    char *cfg = lk_path_join(a->path, "adapter_config.json");
     if (!cfg) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->path);
     lk_status s = LK_OK;
     if (file_exists(cfg)) {

@@ -246,10 +246,9 @@ done:
 lk_status lk_peft_config_load(const char *path, lk_peft_config *out) {
     char *buf;
     size_t len;
-    lk_status s = lk_read_file(path, (size_t)64 << 20, &buf, &len);
+    lk_status s = lk_read_config(path, &buf, &len);
     if (s) return s;
-    if (len > (size_t)64 << 20) s = lk_error(LK_ERR_CONFIG, "%s: larger than 64 MB", path);
-    if (!s) s = lk_peft_config_parse(buf, len, path, out);
+    s = lk_peft_config_parse(buf, len, path, out);
     lk_free(buf);
     return s;
 }

@@ -16,16 +16,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
-#include <yaml.h>
 
 #include "core/file.h"
+#include "core/clock.h"
+#include "io/yaml_doc.h"
+#include "lora/lora_config.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 #include "lorakit/mesh.h"
 #include "app/model.h"
-
-#define CONFIG_MAX_BYTES (16u << 20) /* as src/train/config.c */
 
 /* ---------------------------------------------------------------- config */
 
@@ -33,161 +32,120 @@ static const char *const k_keys[] = {"model", "base", "task", "digits", "steps",
                                      "lr", "weight_decay", "clip", "schedule", "seed",
                                      "log_every", "eval_examples", "output", "models", NULL};
 
-static int line_of(const yaml_node_t *n) { return (int)n->start_mark.line + 1; }
-
-static const char *scalar(const yaml_node_t *n) {
-    return n && n->type == YAML_SCALAR_NODE ? (const char *)n->data.scalar.value : NULL;
-}
-
-/* YAML mappings may repeat a key ("last one wins"); a config must not: the
- * line of the earlier copy of pair p's key, or 0 if it is the first. */
-static int earlier_line(yaml_document_t *doc, const yaml_node_t *map, const yaml_node_pair_t *p,
-                        const char *k) {
-    for (const yaml_node_pair_t *q = map->data.mapping.pairs.start; q < p; q++) {
-        const yaml_node_t *qk = yaml_document_get_node(doc, q->key);
-        if (scalar(qk) && !strcmp(scalar(qk), k)) return line_of(qk);
+static lk_status get_long(const lk_ydoc *d, const lk_ynode *n, long lo, long hi, long *out) {
+    long long v = 0;
+    if (!lk_ynode_int(n, lo, hi, &v)) {
+        const char *s = lk_ynode_str(n);
+        return lk_yerr(d, n, NULL, "expected an integer in %ld..%ld, got \"%s\"", lo, hi,
+                       s ? s : "(not a scalar)");
     }
-    return 0;
-}
-
-static lk_status get_long(const char *path, const char *key, const yaml_node_t *n, long lo,
-                          long hi, long *out) {
-    const char *s = scalar(n);
-    char *end;
-    errno = 0;
-    long v = s ? strtol(s, &end, 10) : 0;
-    if (!s || !*s || errno || *end || v < lo || v > hi)
-        return lk_error(LK_ERR_CONFIG, "%s:%d: %s: expected an integer in %ld..%ld, got \"%s\"",
-                        path, n ? line_of(n) : 0, key, lo, hi, s ? s : "(not a scalar)");
-    *out = v;
+    *out = (long)v;
     return LK_OK;
 }
 
-static lk_status get_float(const char *path, const char *key, const yaml_node_t *n, double lo,
-                           double hi, float *out) {
-    const char *s = scalar(n);
-    char *end;
-    errno = 0;
-    double v = s ? strtod(s, &end) : 0;
-    if (!s || !*s || errno || *end || !isfinite(v) || v < lo || v > hi)
-        return lk_error(LK_ERR_CONFIG, "%s:%d: %s: expected a number in %g..%g, got \"%s\"", path,
-                        n ? line_of(n) : 0, key, lo, hi, s ? s : "(not a scalar)");
+static lk_status get_float(const lk_ydoc *d, const lk_ynode *n, double lo, double hi, float *out) {
+    double v;
+    if (!lk_ynode_num(n, &v) || v < lo || v > hi) {
+        const char *s = lk_ynode_str(n);
+        return lk_yerr(d, n, NULL, "expected a number in %g..%g, got \"%s\"", lo, hi,
+                       s ? s : "(not a scalar)");
+    }
     *out = (float)v;
     return LK_OK;
 }
 
-/* dst = path relative to the config's directory (absolute paths kept). */
-static lk_status get_path(const char *cfgpath, const char *key, const yaml_node_t *n, char *dst) {
-    const char *s = scalar(n);
-    if (!s || !*s)
-        return lk_error(LK_ERR_CONFIG, "%s:%d: %s: expected a path", cfgpath, n ? line_of(n) : 0,
-                        key);
-    const char *slash = strrchr(cfgpath, '/');
-    int dirlen = s[0] == '/' || !slash ? 0 : (int)(slash - cfgpath) + 1;
-    int w = snprintf(dst, LK_TRAIN_PATH_MAX, "%.*s%s", dirlen, cfgpath, s);
-    if (w < 0 || w >= LK_TRAIN_PATH_MAX)
-        return lk_error(LK_ERR_CONFIG, "%s:%d: %s: path too long", cfgpath, line_of(n), key);
-    return LK_OK;
+/* dst = the path relative to the config's directory (absolute paths kept). */
+static lk_status get_path(const lk_ydoc *d, const char *cfgdir, const lk_ynode *n, char *dst) {
+    const char *s = lk_ynode_str(n);
+    if (!s || !*s) return lk_yerr(d, n, NULL, "expected a path");
+    char *full = lk_path_join(cfgdir, s);
+    if (!full) return lk_error(LK_ERR_NOMEM, "%s: out of memory", lk_ydoc_label(d));
+    size_t len = strlen(full);
+    if (len < LK_TRAIN_PATH_MAX) memcpy(dst, full, len + 1);
+    lk_free(full);
+    return len < LK_TRAIN_PATH_MAX ? LK_OK : lk_yerr(d, n, NULL, "path too long");
 }
 
-static lk_status parse_model(const char *path, yaml_document_t *doc, yaml_node_t *n,
-                             lk_model_config *mc) {
-    if (n->type != YAML_MAPPING_NODE)
-        return lk_error(LK_ERR_CONFIG, "%s:%d: model: expected a mapping", path, line_of(n));
-    for (yaml_node_pair_t *p = n->data.mapping.pairs.start; p < n->data.mapping.pairs.top; p++) {
-        const char *k = scalar(yaml_document_get_node(doc, p->key));
-        yaml_node_t *v = yaml_document_get_node(doc, p->value);
+static lk_status parse_model(const lk_ydoc *d, const lk_ynode *n, lk_model_config *mc) {
+    if (n->type != LK_Y_MAP) return lk_yerr(d, n, NULL, "expected a mapping");
+    for (size_t i = 0; i < n->n; i++) {
+        const lk_ynode *kn = lk_ymap_key(n, i), *v = lk_ymap_val(n, i);
+        const char *k = lk_ynode_str(kn);
         int *dst = !k ? NULL
                    : !strcmp(k, "d_model")  ? &mc->d_model
                    : !strcmp(k, "n_layers") ? &mc->n_layers
                    : !strcmp(k, "n_heads")  ? &mc->n_heads
                    : !strcmp(k, "d_ff")     ? &mc->d_ff
                                             : NULL;
-        if (!dst)
-            return lk_error(LK_ERR_CONFIG, "%s:%d: model.%s: unknown key (valid: d_model, "
-                            "n_layers, n_heads, d_ff)", path, line_of(v), k ? k : "?");
-        int first = earlier_line(doc, n, p, k);
-        if (first)
-            return lk_error(LK_ERR_CONFIG, "%s:%d: model.%s: duplicate key (first at line %d)",
-                            path, line_of(v), k, first);
-        long x;
-        char full[64];
-        snprintf(full, sizeof full, "model.%s", k);
-        lk_status st = get_long(path, full, v, 1, 1 << 16, &x);
+        if (!dst) return lk_yerr(d, kn, NULL, "unknown key (valid: d_model, n_layers, n_heads, d_ff)");
+        long x = 0;
+        lk_status st = get_long(d, v, 1, 1 << 16, &x);
         if (st) return st;
         *dst = (int)x;
     }
     return LK_OK;
 }
 
-static lk_status parse_doc(const char *path, yaml_document_t *doc, lk_train_config *c) {
-    yaml_node_t *root = yaml_document_get_root_node(doc);
-    if (!root || root->type != YAML_MAPPING_NODE)
+static lk_status parse_doc(const lk_ydoc *d, const char *cfgdir, lk_train_config *c) {
+    const char *path = lk_ydoc_label(d);
+    const lk_ynode *root = lk_ydoc_root(d);
+    if (!root || root->type != LK_Y_MAP)
         return lk_error(LK_ERR_CONFIG, "%s: expected a mapping at the top level", path);
     int have_model = 0, have_task = 0, have_steps = 0, have_batch = 0, have_lr = 0,
         have_out = 0;
     lk_status st = LK_OK;
-    for (yaml_node_pair_t *p = root->data.mapping.pairs.start; p < root->data.mapping.pairs.top;
-         p++) {
-        yaml_node_t *kn = yaml_document_get_node(doc, p->key);
-        yaml_node_t *v = yaml_document_get_node(doc, p->value);
-        const char *k = scalar(kn);
-        long x;
-        if (!k) return lk_error(LK_ERR_CONFIG, "%s:%d: keys must be strings", path, line_of(kn));
-        int first = earlier_line(doc, root, p, k);
-        if (first)
-            return lk_error(LK_ERR_CONFIG, "%s:%d: %s: duplicate key (first at line %d)", path,
-                            line_of(kn), k, first);
+    for (size_t i = 0; i < root->n; i++) {
+        const lk_ynode *kn = lk_ymap_key(root, i), *v = lk_ymap_val(root, i);
+        const char *k = lk_ynode_str(kn);
+        long x = 0;
+        if (!k) return lk_yerr(d, kn, NULL, "keys must be strings");
         if (!strcmp(k, "model")) {
-            st = parse_model(path, doc, v, &c->model);
+            st = parse_model(d, v, &c->model);
             have_model = 1;
         } else if (!strcmp(k, "base")) {
-            st = get_path(path, k, v, c->base);
+            st = get_path(d, cfgdir, v, c->base);
         } else if (!strcmp(k, "task")) {
-            const char *s = scalar(v);
-            st = lk_task_from_name(s, &c->task);
-            if (st) lk_error_prefix(st, "%s:%d: task", path, line_of(v));
+            st = lk_task_from_name(lk_ynode_str(v), &c->task);
+            if (st) lk_error_prefix(st, "%s:%d: task", path, v->line);
             have_task = 1;
         } else if (!strcmp(k, "digits")) {
-            if (!(st = get_long(path, k, v, 1, LK_TASK_MAX_DIGITS, &x))) c->digits = (int)x;
+            if (!(st = get_long(d, v, 1, LK_TASK_MAX_DIGITS, &x))) c->digits = (int)x;
         } else if (!strcmp(k, "steps")) {
-            st = get_long(path, k, v, 1, 100000000L, &c->steps);
+            st = get_long(d, v, 1, 100000000L, &c->steps);
             have_steps = 1;
         } else if (!strcmp(k, "global_batch")) {
-            if (!(st = get_long(path, k, v, 1, 1 << 20, &x))) c->global_batch = (int)x;
+            if (!(st = get_long(d, v, 1, 1 << 20, &x))) c->global_batch = (int)x;
             have_batch = 1;
         } else if (!strcmp(k, "lr")) {
-            st = get_float(path, k, v, 1e-9, 10.0, &c->lr);
+            st = get_float(d, v, 1e-9, 10.0, &c->lr);
             have_lr = 1;
         } else if (!strcmp(k, "weight_decay")) {
-            st = get_float(path, k, v, 0.0, 100.0, &c->weight_decay);
+            st = get_float(d, v, 0.0, 100.0, &c->weight_decay);
         } else if (!strcmp(k, "clip")) {
-            st = get_float(path, k, v, 0.0, 1e6, &c->clip);
+            st = get_float(d, v, 0.0, 1e6, &c->clip);
         } else if (!strcmp(k, "schedule")) {
-            const char *s = scalar(v);
+            const char *s = lk_ynode_str(v);
             if (s && !strcmp(s, "cosine")) c->cosine = 1;
             else if (s && !strcmp(s, "constant")) c->cosine = 0;
-            else st = lk_error(LK_ERR_CONFIG, "%s:%d: schedule: expected cosine or constant, got "
-                               "\"%s\"", path, line_of(v), s ? s : "(not a scalar)");
+            else st = lk_yerr(d, v, NULL, "expected cosine or constant, got \"%s\"", s ? s : "(not a scalar)");
         } else if (!strcmp(k, "seed")) {
-            if (!(st = get_long(path, k, v, 0, 0x7fffffffL, &x))) c->seed = (uint64_t)x;
+            if (!(st = get_long(d, v, 0, 0x7fffffffL, &x))) c->seed = (uint64_t)x;
         } else if (!strcmp(k, "log_every")) {
-            if (!(st = get_long(path, k, v, 1, 100000000L, &x))) c->log_every = (int)x;
+            if (!(st = get_long(d, v, 1, 100000000L, &x))) c->log_every = (int)x;
         } else if (!strcmp(k, "eval_examples")) {
-            if (!(st = get_long(path, k, v, 0, 1000000L, &x))) c->eval_examples = (int)x;
+            if (!(st = get_long(d, v, 0, 1000000L, &x))) c->eval_examples = (int)x;
         } else if (!strcmp(k, "output")) {
-            st = get_path(path, k, v, c->output);
+            st = get_path(d, cfgdir, v, c->output);
             have_out = 1;
         } else if (!strcmp(k, "models")) {
-            /* parsed by lk_lora_config_load */
+            /* the lora block: lk_lora_config_from_doc */
         } else {
             char valid[256] = "";
-            for (int i = 0; k_keys[i]; i++) {
-                strcat(valid, i ? ", " : "");
-                strcat(valid, k_keys[i]);
+            for (int j = 0; k_keys[j]; j++) {
+                strcat(valid, j ? ", " : "");
+                strcat(valid, k_keys[j]);
             }
-            return lk_error(LK_ERR_CONFIG, "%s:%d: %s: unknown key (valid: %s)", path,
-                            line_of(kn), k, valid);
+            return lk_yerr(d, kn, NULL, "unknown key (valid: %s)", valid);
         }
         if (st) return st;
     }
@@ -206,6 +164,34 @@ static lk_status parse_doc(const char *path, yaml_document_t *doc, lk_train_conf
     return LK_OK;
 }
 
+/* The whole config from its tree: the run's keys, then the lora block of
+ * role (or of the first role under models when role is NULL). */
+static lk_status config_from_doc(const lk_ydoc *d, const char *cfgdir, const char *role,
+                                 lk_train_config *c) {
+    const char *path = lk_ydoc_label(d);
+    lk_status st = parse_doc(d, cfgdir, c);
+    if (st) return st;
+    char **roles = NULL;
+    size_t nroles = 0;
+    if (!role) {
+        /* no models block is "LoRA not configured"; a malformed one is an error */
+        st = lk_lora_config_roles_doc(d, &roles, &nroles);
+        if (st == LK_OK && nroles) role = roles[0];
+    }
+    if (st == LK_OK && role) {
+        snprintf(c->role, sizeof c->role, "%s", role);
+        st = lk_lora_config_from_doc(d, role, &c->lora);
+    }
+    lk_lora_roles_free(roles, nroles);
+    if (st) return st;
+    if (c->lora.enable && !c->base[0]) {
+        lk_lora_config_clear(&c->lora);
+        return lk_error(LK_ERR_CONFIG, "%s: models.%s.lora is enabled but no base checkpoint is "
+                        "given (base: PATH): an adapter trains on a frozen base", path, c->role);
+    }
+    return LK_OK;
+}
+
 lk_status lk_train_config_load(const char *path, const char *role, lk_train_config *out) {
     if (!path || !out) return lk_error(LK_ERR_ARG, "lk_train_config_load: NULL argument");
     lk_train_config c;
@@ -219,55 +205,15 @@ lk_status lk_train_config_load(const char *path, const char *role, lk_train_conf
     c.model.d_model = 64; /* model: defaults for keys not given */
     c.model.n_layers = 2;
     c.model.n_heads = 4;
-    /* read whole and bounded, with the same limit as the lora block's reader */
-    char *text;
-    size_t len;
-    lk_status st = lk_read_file(path, CONFIG_MAX_BYTES, &text, &len);
+    /* read once, bounded; the lora block is read from the same tree */
+    char *dir = NULL;
+    lk_ydoc *d = NULL;
+    lk_status st = lk_path_dir(path, &dir);
+    if (!st) st = lk_ydoc_load(path, &d);
+    if (!st) st = config_from_doc(d, dir, role, &c);
+    lk_ydoc_free(d);
+    lk_free(dir);
     if (st) return st;
-    if (len > CONFIG_MAX_BYTES) {
-        lk_free(text);
-        return lk_error(LK_ERR_FORMAT, "%s: config larger than %u bytes", path, CONFIG_MAX_BYTES);
-    }
-    yaml_parser_t parser;
-    yaml_document_t doc;
-    if (!yaml_parser_initialize(&parser)) {
-        lk_free(text);
-        return lk_error(LK_ERR_NOMEM, "%s: cannot initialise the YAML parser", path);
-    }
-    yaml_parser_set_input_string(&parser, (const unsigned char *)text, len);
-    if (!yaml_parser_load(&parser, &doc)) {
-        st = lk_error(LK_ERR_FORMAT, "%s:%d: malformed YAML: %s", path,
-                      (int)parser.problem_mark.line + 1,
-                      parser.problem ? parser.problem : "parse error");
-        yaml_parser_delete(&parser);
-        lk_free(text);
-        return st;
-    }
-    st = parse_doc(path, &doc, &c);
-    yaml_document_delete(&doc);
-    yaml_parser_delete(&parser);
-    lk_free(text);
-    if (st) return st;
-
-    /* the LoRA block: models.<role>.lora, through the training config module */
-    char **roles = NULL;
-    size_t nroles = 0;
-    if (!role) {
-        /* no models block is "LoRA not configured"; a malformed one is an error */
-        st = lk_lora_config_roles(path, &roles, &nroles);
-        if (st == LK_OK && nroles) role = roles[0];
-    }
-    if (st == LK_OK && role) {
-        snprintf(c.role, sizeof c.role, "%s", role);
-        st = lk_lora_config_load(path, role, &c.lora);
-    }
-    lk_lora_roles_free(roles, nroles);
-    if (st) return st;
-    if (c.lora.enable && !c.base[0]) {
-        lk_lora_config_clear(&c.lora);
-        return lk_error(LK_ERR_CONFIG, "%s: models.%s.lora is enabled but no base checkpoint is "
-                        "given (base: PATH): an adapter trains on a frozen base", path, c.role);
-    }
     *out = c;
     return LK_OK;
 }
@@ -277,12 +223,6 @@ void lk_train_config_clear(lk_train_config *cfg) {
 }
 
 /* ------------------------------------------------------------------- run */
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static lk_status mkdir_p(const char *dir) {
     char buf[LK_TRAIN_PATH_MAX];
@@ -395,7 +335,7 @@ lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_prog
     if ((st = agree(world, st, "setting up training"))) goto done;
     r.trainable = lk_lora_params_numel(p);
 
-    double t0 = now_s();
+    double t0 = lk_now_s();
     for (long s = 0; s < cfg->steps; s++) {
         float lr = cfg->lr;
         if (cfg->cosine && cfg->steps > 1)
@@ -426,7 +366,7 @@ lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_prog
         r.steps = s + 1;
         lk_train_progress pr = {.step = s + 1, .steps = cfg->steps, .loss = loss,
                                 .grad_norm = norm};
-        pr.elapsed = now_s() - t0;
+        pr.elapsed = lk_now_s() - t0;
         pr.tokens_per_s = pr.elapsed > 0 ? (double)(s + 1) * cfg->global_batch * T / pr.elapsed
                                          : 0.0;
         if (fn && fn(ctx, &pr)) {
@@ -434,7 +374,7 @@ lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_prog
             goto done;
         }
     }
-    r.seconds = now_s() - t0;
+    r.seconds = lk_now_s() - t0;
 
     /* the replicas must be bit-identical: same data order, same averaged
      * gradients, same optimizer arithmetic */

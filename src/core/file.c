@@ -53,3 +53,42 @@ lk_status lk_read_file(const char *path, size_t max, char **buf, size_t *len) {
     *len = n;
     return LK_OK;
 }
+
+lk_status lk_read_config(const char *path, char **buf, size_t *len) {
+    lk_status s = lk_read_file(path, LK_CONFIG_MAX_BYTES, buf, len);
+    if (s == LK_OK && *len > LK_CONFIG_MAX_BYTES) {
+        lk_free(*buf);
+        *buf = NULL;
+        *len = 0;
+        return lk_error(LK_ERR_CONFIG, "%s: larger than the %u-byte limit for a config file", path,
+                        LK_CONFIG_MAX_BYTES);
+    }
+    return s;
+}
+
+char *lk_path_join(const char *dir, const char *name) {
+    size_t dl = (dir && name[0] != '/') ? strlen(dir) : 0, nl = strlen(name);
+    char *p = lk_malloc(dl + nl + 2);
+    if (!p) return NULL;
+    size_t o = 0;
+    if (dl) {
+        memcpy(p, dir, dl);
+        p[dl] = '/';
+        o = dl + 1;
+    }
+    memcpy(p + o, name, nl + 1);
+    return p;
+}
+
+lk_status lk_path_dir(const char *path, char **dir) {
+    *dir = NULL;
+    const char *slash = strrchr(path, '/');
+    if (!slash) return LK_OK;
+    size_t dl = slash == path ? 1 : (size_t)(slash - path);
+    char *d = lk_malloc(dl + 1);
+    if (!d) return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
+    memcpy(d, path, dl);
+    d[dl] = '\0';
+    *dir = d;
+    return LK_OK;
+}

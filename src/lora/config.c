@@ -5,30 +5,24 @@
  * under enable and a non-integer rank are errors; rank while disabled is
  * accepted and logged at info; alpha defaults to rank; unknown keys are a
  * warning listing the valid ones; a non-mapping block is an error; no block
- * means "not configured". Two deliberate tightenings, both errors rather than
- * Python's silent coercions: `enable` must be a YAML boolean (Python's
- * bool("false") is True), and target_modules must be a list (Python's
- * list("to_q") is four one-letter targets).
+ * means "not configured". rank and alpha may be quoted integers ("16"), as
+ * the reference's int() coerces them. Two deliberate tightenings, both errors
+ * rather than Python's silent coercions: `enable` must be a YAML boolean
+ * (Python's bool("false") is True), and target_modules must be a list
+ * (Python's list("to_q") is four one-letter targets).
  *
- * libyaml's document loader builds a node graph with line marks, which gives
- * every error its file:line. Hostile input: the file is capped at 16 MiB,
- * aliases are never expanded (we only walk three fixed levels), duplicate keys
- * on the walked path are errors instead of "last one wins". */
-#include "core/file.h"
-#include "lorakit/lora.h"
+ * The YAML front-end (io/yaml_doc.h) reads and types the file and refuses
+ * repeated keys anywhere in it; this file walks three fixed levels of the
+ * tree, so aliases cost nothing. */
+#include "lora/lora_config.h"
 
-#include <errno.h>
 #include <limits.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <yaml.h>
 
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
-
-#define CFG_MAX_BYTES (16u << 20)
 
 const char *const lk_lora_default_targets[] = {
     "q_proj", "k_proj", "v_proj", "o_proj", "to_q", "to_k",
@@ -39,161 +33,27 @@ static const char *const g_valid_keys[] = {"enable", "rank", "alpha", "target_mo
 #define N_VALID_KEYS 4
 
 typedef struct {
-    yaml_document_t doc;
+    const lk_ydoc *doc;
     const char *label;
     const char *role;
 } cfg_ctx;
 
-static size_t node_line(const yaml_node_t *n) { return n ? n->start_mark.line + 1 : 0; }
+static int is_null(const lk_ynode *n) { return n && n->type == LK_Y_NULL; }
 
-static int scalar_is(const yaml_node_t *n, const char *s) {
-    return n && n->type == YAML_SCALAR_NODE && n->data.scalar.length == strlen(s) &&
-           !memcmp(n->data.scalar.value, s, n->data.scalar.length);
-}
-
-static int is_plain(const yaml_node_t *n) {
-    return n->type == YAML_SCALAR_NODE && n->data.scalar.style == YAML_PLAIN_SCALAR_STYLE;
-}
-
-/* YAML 1.1 null, as PyYAML resolves it: ~, null, Null, NULL or empty (plain). */
-static int is_null(const yaml_node_t *n) {
-    if (!is_plain(n)) return 0;
-    return n->data.scalar.length == 0 || scalar_is(n, "~") || scalar_is(n, "null") ||
-           scalar_is(n, "Null") || scalar_is(n, "NULL");
-}
-
-/* YAML 1.1 booleans (plain scalars only); returns -1 if not one. */
-static int as_bool(const yaml_node_t *n) {
-    static const char *const t[] = {"true", "True", "TRUE", "yes", "Yes", "YES", "on", "On", "ON"};
-    static const char *const f[] = {"false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF"};
-    if (!is_plain(n)) return -1;
-    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
-        if (scalar_is(n, t[i])) return 1;
-    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++)
-        if (scalar_is(n, f[i])) return 0;
-    return -1;
-}
-
-/* A decimal integer (optional sign) fitting in int, as Python's int(str)
- * accepts it (surrounding spaces aside). Returns 1 on success. */
-static int as_int(const yaml_node_t *n, long *out) {
-    if (n->type != YAML_SCALAR_NODE) return 0;
-    const char *s = (const char *)n->data.scalar.value;
-    size_t len = n->data.scalar.length, i = 0;
-    if (len == 0 || len > 20) return 0;
-    if (s[0] == '+' || s[0] == '-') i = 1;
-    if (i == len) return 0;
-    for (size_t j = i; j < len; j++)
-        if (s[j] < '0' || s[j] > '9') return 0;
-    char buf[24];
-    memcpy(buf, s, len);
-    buf[len] = '\0';
-    errno = 0;
-    long v = strtol(buf, NULL, 10);
-    if (errno || v > INT_MAX || v < INT_MIN) return 0;
-    *out = v;
-    return 1;
-}
-
-/* A printable excerpt of a scalar (or the node kind) for messages. */
-static void node_repr(const yaml_node_t *n, char *buf, size_t cap) {
-    if (n->type == YAML_MAPPING_NODE) {
-        snprintf(buf, cap, "a mapping");
-    } else if (n->type == YAML_SEQUENCE_NODE) {
-        snprintf(buf, cap, "a list");
-    } else {
-        size_t len = n->data.scalar.length;
-        if (len > 40) len = 40;
-        size_t o = 0;
-        if (cap < 4) return;
-        buf[o++] = '\'';
-        for (size_t i = 0; i < len && o + 3 < cap; i++) {
-            unsigned char c = n->data.scalar.value[i];
-            buf[o++] = (c >= 0x20 && c < 0x7f) ? (char)c : '?';
-        }
-        if (n->data.scalar.length > len && o + 6 < cap) {
-            memcpy(buf + o, "...", 3);
-            o += 3;
-        }
-        buf[o++] = '\'';
-        buf[o] = '\0';
-    }
-}
-
-/* Finds `key` in a mapping node; duplicate keys are an error. */
-static lk_status map_get(cfg_ctx *c, yaml_node_t *map, const char *key, const char *path,
-                         yaml_node_t **out) {
-    *out = NULL;
-    for (yaml_node_pair_t *p = map->data.mapping.pairs.start; p < map->data.mapping.pairs.top; p++) {
-        yaml_node_t *k = yaml_document_get_node(&c->doc, p->key);
-        if (!scalar_is(k, key)) continue;
-        if (*out)
-            return lk_error(LK_ERR_CONFIG, "%s:%zu: %s%s%s: duplicate key", c->label,
-                            node_line(k), path, *path ? "." : "", key);
-        *out = yaml_document_get_node(&c->doc, p->value);
-    }
+/* The `models` mapping of the document. With allow_missing, a config
+ * without a 'models' key is not an error: *models is NULL. */
+static lk_status find_models(cfg_ctx *c, const lk_ynode **models, int allow_missing) {
+    const lk_ynode *root = lk_ydoc_root(c->doc);
+    *models = NULL;
+    if (!root || root->type != LK_Y_MAP)
+        return lk_error(LK_ERR_CONFIG, "%s:%d: the config must be a mapping with a 'models' key",
+                        c->label, root ? root->line : 0);
+    const lk_ynode *m = lk_ymap_get(root, "models");
+    if (!m && allow_missing) return LK_OK;
+    if (!m) return lk_error(LK_ERR_CONFIG, "%s: no 'models' key", c->label);
+    if (m->type != LK_Y_MAP) return lk_yerr(c->doc, m, NULL, "must be a mapping of roles");
+    *models = m;
     return LK_OK;
-}
-
-static lk_status read_file(const char *path, char **buf, size_t *len) {
-    lk_status s = lk_read_file(path, CFG_MAX_BYTES, buf, len);
-    if (s == LK_OK && *len > CFG_MAX_BYTES) {
-        lk_free(*buf);
-        *buf = NULL;
-        return lk_error(LK_ERR_FORMAT, "%s: config larger than %u bytes", path, CFG_MAX_BYTES);
-    }
-    return s;
-}
-
-/* Parses the YAML and returns the `models` mapping node. With
- * allow_missing, a config without a 'models' key is not an error: *models
- * is NULL and the document stays loaded for the caller to delete. */
-static lk_status load_models(cfg_ctx *c, const char *yaml, size_t len, yaml_node_t **models,
-                             int allow_missing) {
-    yaml_parser_t parser;
-    if (len > CFG_MAX_BYTES)
-        return lk_error(LK_ERR_FORMAT, "%s: config larger than %u bytes", c->label, CFG_MAX_BYTES);
-    if (!yaml_parser_initialize(&parser))
-        return lk_error(LK_ERR_NOMEM, "%s: cannot initialise the YAML parser", c->label);
-    yaml_parser_set_input_string(&parser, (const unsigned char *)yaml, len);
-    if (!yaml_parser_load(&parser, &c->doc)) {
-        lk_status s = lk_error(parser.error == YAML_MEMORY_ERROR ? LK_ERR_NOMEM : LK_ERR_FORMAT,
-                               "%s:%zu: invalid YAML: %s%s%s", c->label,
-                               (size_t)parser.problem_mark.line + 1,
-                               parser.problem ? parser.problem : "parse error",
-                               parser.context ? " " : "", parser.context ? parser.context : "");
-        yaml_parser_delete(&parser);
-        return s;
-    }
-    yaml_parser_delete(&parser);
-    yaml_node_t *root = yaml_document_get_root_node(&c->doc);
-    if (!root || root->type != YAML_MAPPING_NODE) {
-        lk_status s = lk_error(LK_ERR_CONFIG, "%s:%zu: the config must be a mapping with a 'models' key",
-                               c->label, node_line(root));
-        yaml_document_delete(&c->doc);
-        return s;
-    }
-    lk_status s = map_get(c, root, "models", "", models);
-    if (s == LK_OK && !*models && allow_missing) return LK_OK;
-    if (s == LK_OK && !*models)
-        s = lk_error(LK_ERR_CONFIG, "%s: no 'models' key", c->label);
-    else if (s == LK_OK && (*models)->type != YAML_MAPPING_NODE)
-        s = lk_error(LK_ERR_CONFIG, "%s:%zu: models: must be a mapping of roles", c->label,
-                     node_line(*models));
-    if (s != LK_OK) yaml_document_delete(&c->doc);
-    return s;
-}
-
-static lk_status cfg_err(cfg_ctx *c, const yaml_node_t *n, const char *key, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static lk_status cfg_err(cfg_ctx *c, const yaml_node_t *n, const char *key, const char *fmt, ...) {
-    char msg[768];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    return lk_error(LK_ERR_CONFIG, "%s:%zu: models.%s.lora%s%s: %s", c->label, node_line(n),
-                    c->role, key ? "." : "", key ? key : "", msg);
 }
 
 static lk_status set_default_targets(lk_lora_config *cfg) {
@@ -209,44 +69,47 @@ static lk_status set_default_targets(lk_lora_config *cfg) {
     return LK_OK;
 }
 
-static lk_status parse_targets(cfg_ctx *c, yaml_node_t *v, lk_lora_config *cfg) {
+static lk_status parse_targets(cfg_ctx *c, const lk_ynode *v, lk_lora_config *cfg) {
     if (is_null(v)) return LK_OK;
-    if (v->type != YAML_SEQUENCE_NODE) {
+    if (v->type != LK_Y_SEQ) {
         char r[64];
-        node_repr(v, r, sizeof r);
-        return cfg_err(c, v, "target_modules", "must be a list of module name substrings, got %s", r);
+        lk_ynode_repr(v, r, sizeof r);
+        return lk_yerr(c->doc, v, NULL, "must be a list of module name substrings, got %s", r);
     }
-    size_t n = (size_t)(v->data.sequence.items.top - v->data.sequence.items.start);
+    size_t n = v->n;
     if (n == 0) return LK_OK; /* [] falls back to the defaults, as `or` does in the reference */
     cfg->targets = lk_calloc(n, sizeof(char *));
     if (!cfg->targets) return lk_error(LK_ERR_NOMEM, "out of memory");
     for (size_t i = 0; i < n; i++) {
-        yaml_node_t *it = yaml_document_get_node(&c->doc, v->data.sequence.items.start[i]);
-        if (!it || it->type != YAML_SCALAR_NODE || it->data.scalar.length == 0 || is_null(it) ||
-            memchr(it->data.scalar.value, '\0', it->data.scalar.length)) {
-            char r[64] = "?";
-            if (it) node_repr(it, r, sizeof r);
-            return cfg_err(c, it ? it : v, "target_modules",
-                           "item %zu must be a non-empty string, got %s", i, r);
+        const lk_ynode *it = v->kids[i];
+        const char *t = lk_ynode_str(it);
+        if (!t || !*t) {
+            char r[64];
+            lk_ynode_repr(it, r, sizeof r);
+            /* the list's path: an item reached through an alias has another */
+            char where[512];
+            lk_ynode_path(v, where, sizeof where);
+            return lk_error(LK_ERR_CONFIG, "%s:%d: %s: item %zu must be a non-empty string, got %s",
+                            c->label, it->line, where, i, r);
         }
-        cfg->targets[i] = lk_malloc(it->data.scalar.length + 1);
+        cfg->targets[i] = lk_strdup(t);
         if (!cfg->targets[i]) return lk_error(LK_ERR_NOMEM, "out of memory");
-        memcpy(cfg->targets[i], it->data.scalar.value, it->data.scalar.length);
-        cfg->targets[i][it->data.scalar.length] = '\0';
         cfg->n_targets = i + 1;
     }
     cfg->targets_given = 1;
     return LK_OK;
 }
 
-static lk_status parse_int_key(cfg_ctx *c, yaml_node_t *v, const char *key, int *val, int *given) {
-    long x;
+/* An integer, or a string holding one (the reference's int()); null: unset. */
+static lk_status parse_int_key(cfg_ctx *c, const lk_ynode *v, int *val, int *given) {
+    long long x;
     *given = 0;
     if (is_null(v)) return LK_OK;
-    if (!as_int(v, &x)) {
+    if (!lk_ynode_int(v, INT_MIN, INT_MAX, &x) &&
+        !(v->type == LK_Y_STR && lk_ytext_int(v->text, v->len, INT_MIN, INT_MAX, &x))) {
         char r[64];
-        node_repr(v, r, sizeof r);
-        return cfg_err(c, v, key, "must be an integer, got %s", r);
+        lk_ynode_repr(v, r, sizeof r);
+        return lk_yerr(c->doc, v, NULL, "must be an integer, got %s", r);
     }
     *val = (int)x;
     *given = 1;
@@ -254,24 +117,20 @@ static lk_status parse_int_key(cfg_ctx *c, yaml_node_t *v, const char *key, int 
 }
 
 /* The lora mapping itself. */
-static lk_status parse_block(cfg_ctx *c, yaml_node_t *lora, lk_lora_config *cfg) {
-    yaml_node_t *v[N_VALID_KEYS] = {0};
+static lk_status parse_block(cfg_ctx *c, const lk_ynode *lora, lk_lora_config *cfg) {
+    const lk_ynode *v[N_VALID_KEYS];
     lk_status s;
-    /* Known keys (duplicates are errors), then unknown ones (a warning). */
-    for (int k = 0; k < N_VALID_KEYS; k++) {
-        char path[320];
-        snprintf(path, sizeof path, "models.%s.lora", c->role);
-        if ((s = map_get(c, lora, g_valid_keys[k], path, &v[k])) != LK_OK) return s;
-    }
+    for (int k = 0; k < N_VALID_KEYS; k++) v[k] = lk_ymap_get(lora, g_valid_keys[k]);
     char unknown[384] = "";
     size_t ulen = 0;
-    for (yaml_node_pair_t *p = lora->data.mapping.pairs.start; p < lora->data.mapping.pairs.top; p++) {
-        yaml_node_t *k = yaml_document_get_node(&c->doc, p->key);
+    for (size_t i = 0; i < lora->n; i++) {
+        const lk_ynode *k = lk_ymap_key(lora, i);
+        const char *kt = lk_ynode_str(k);
         int known = 0;
-        for (int j = 0; j < N_VALID_KEYS && !known; j++) known = scalar_is(k, g_valid_keys[j]);
+        for (int j = 0; j < N_VALID_KEYS && kt && !known; j++) known = !strcmp(kt, g_valid_keys[j]);
         if (known) continue;
         char r[64];
-        node_repr(k, r, sizeof r);
+        lk_ynode_repr(k, r, sizeof r);
         cfg->n_unknown_keys++;
         if (ulen < sizeof unknown - 1) {
             int w = snprintf(unknown + ulen, sizeof unknown - ulen, "%s%s", ulen ? ", " : "", r);
@@ -279,45 +138,43 @@ static lk_status parse_block(cfg_ctx *c, yaml_node_t *lora, lk_lora_config *cfg)
             if (ulen >= sizeof unknown) ulen = sizeof unknown - 1;
         }
     }
-    yaml_node_t *enable = v[0], *rank = v[1], *alpha = v[2], *targets = v[3];
+    const lk_ynode *enable = v[0], *rank = v[1], *alpha = v[2], *targets = v[3];
     if (enable && !is_null(enable)) {
-        int b = as_bool(enable);
-        if (b < 0) {
+        if (!lk_ynode_bool(enable, &cfg->enable)) {
             char r[64];
-            node_repr(enable, r, sizeof r);
-            return cfg_err(c, enable, "enable", "must be true or false, got %s", r);
+            lk_ynode_repr(enable, r, sizeof r);
+            return lk_yerr(c->doc, enable, NULL, "must be true or false, got %s", r);
         }
-        cfg->enable = b;
     }
     int rank_given = 0;
-    if (rank && (s = parse_int_key(c, rank, "rank", &cfg->rank, &rank_given)) != LK_OK) return s;
-    if (alpha && (s = parse_int_key(c, alpha, "alpha", &cfg->alpha, &cfg->alpha_given)) != LK_OK)
+    if (rank && (s = parse_int_key(c, rank, &cfg->rank, &rank_given)) != LK_OK) return s;
+    if (alpha && (s = parse_int_key(c, alpha, &cfg->alpha, &cfg->alpha_given)) != LK_OK)
         return s;
     if (targets && (s = parse_targets(c, targets, cfg)) != LK_OK) return s;
     if (!cfg->targets && (s = set_default_targets(cfg)) != LK_OK) return s;
 
     if (cfg->enable) {
         if (!rank_given)
-            return cfg_err(c, rank ? rank : lora, "rank",
+            return lk_yerr(c->doc, rank ? rank : lora, rank ? NULL : "rank",
                            "enable is true but rank is unset: an explicit positive rank is "
                            "required to enable LoRA");
-        if (cfg->rank <= 0) return cfg_err(c, rank, "rank", "must be > 0, got %d", cfg->rank);
+        if (cfg->rank <= 0) return lk_yerr(c->doc, rank, NULL, "must be > 0, got %d", cfg->rank);
     }
     if (!cfg->alpha_given) cfg->alpha = rank_given ? cfg->rank : 0;
     if (!rank_given) cfg->rank = 0;
 
     if (cfg->n_unknown_keys) {
         snprintf(cfg->warning, sizeof cfg->warning,
-                 "%s:%zu: models.%s.lora: ignoring unrecognized lora keys [%s] (valid keys: "
+                 "%s:%d: models.%s.lora: ignoring unrecognized lora keys [%s] (valid keys: "
                  "enable, rank, alpha, target_modules)",
-                 c->label, node_line(lora), c->role, unknown);
+                 c->label, lora->line, c->role, unknown);
         lk_log(LK_LOG_WARN, "%s", cfg->warning);
     }
     if (!cfg->enable && rank_given) {
         snprintf(cfg->info, sizeof cfg->info,
-                 "%s:%zu: models.%s.lora.rank=%d is set but lora.enable is false: LoRA will "
+                 "%s:%d: models.%s.lora.rank=%d is set but lora.enable is false: LoRA will "
                  "NOT be applied (the model trains on its normal trainable path)",
-                 c->label, node_line(rank), c->role, cfg->rank);
+                 c->label, rank->line, c->role, cfg->rank);
         lk_log(LK_LOG_INFO, "%s", cfg->info);
     }
     return LK_OK;
@@ -330,50 +187,55 @@ void lk_lora_config_clear(lk_lora_config *cfg) {
     memset(cfg, 0, sizeof *cfg);
 }
 
-lk_status lk_lora_config_parse(const char *yaml, size_t len, const char *label, const char *role,
-                               lk_lora_config *out) {
+lk_status lk_lora_config_from_doc(const lk_ydoc *d, const char *role, lk_lora_config *out) {
     if (!out) return lk_error(LK_ERR_ARG, "lk_lora_config_parse: out is NULL");
     memset(out, 0, sizeof *out);
-    if (!yaml || !role || !*role) return lk_error(LK_ERR_ARG, "lk_lora_config_parse: no YAML or no role");
-    cfg_ctx c = {.label = label ? label : "<config>", .role = role};
-    yaml_node_t *models;
-    lk_status s = load_models(&c, yaml, len, &models, 0);
-    if (s != LK_OK) return s;
-    yaml_node_t *r = NULL, *lora = NULL;
-    s = map_get(&c, models, role, "models", &r);
+    if (!d || !role || !*role) return lk_error(LK_ERR_ARG, "lk_lora_config_parse: no YAML or no role");
+    cfg_ctx c = {.doc = d, .label = lk_ydoc_label(d), .role = role};
+    const lk_ynode *models, *r = NULL, *lora = NULL;
+    lk_status s = find_models(&c, &models, 0);
+    if (s == LK_OK) r = lk_ymap_get(models, role);
     if (s == LK_OK && !r) {
         char names[512] = "";
         size_t o = 0;
-        for (yaml_node_pair_t *p = models->data.mapping.pairs.start;
-             p < models->data.mapping.pairs.top && o < sizeof names - 1; p++) {
+        for (size_t i = 0; i < models->n && o < sizeof names - 1; i++) {
             char rr[64];
-            node_repr(yaml_document_get_node(&c.doc, p->key), rr, sizeof rr);
+            lk_ynode_repr(lk_ymap_key(models, i), rr, sizeof rr);
             int w = snprintf(names + o, sizeof names - o, "%s%s", o ? ", " : "", rr);
             if (w > 0) o += (size_t)w;
         }
-        s = lk_error(LK_ERR_CONFIG, "%s:%zu: models: no role '%s' (roles: %s)", c.label,
-                     node_line(models), role, o ? names : "none");
+        s = lk_yerr(d, models, NULL, "no role '%s' (roles: %s)", role, o ? names : "none");
     } else if (s == LK_OK && is_null(r)) {
         /* `student:` with nothing under it: no lora block either. */
-    } else if (s == LK_OK && r->type != YAML_MAPPING_NODE) {
-        s = lk_error(LK_ERR_CONFIG, "%s:%zu: models.%s: must be a mapping", c.label, node_line(r), role);
+    } else if (s == LK_OK && r->type != LK_Y_MAP) {
+        s = lk_yerr(d, r, NULL, "must be a mapping");
     } else if (s == LK_OK) {
-        char path[320];
-        snprintf(path, sizeof path, "models.%s", role);
-        s = map_get(&c, r, "lora", path, &lora);
+        lora = lk_ymap_get(r, "lora");
     }
     if (s == LK_OK && lora && !is_null(lora)) {
-        if (lora->type != YAML_MAPPING_NODE) {
+        if (lora->type != LK_Y_MAP) {
             char rr[64];
-            node_repr(lora, rr, sizeof rr);
-            s = cfg_err(&c, lora, NULL, "must be a mapping, got %s", rr);
+            lk_ynode_repr(lora, rr, sizeof rr);
+            s = lk_yerr(d, lora, NULL, "must be a mapping, got %s", rr);
         } else {
             out->configured = 1;
             s = parse_block(&c, lora, out);
         }
     }
-    yaml_document_delete(&c.doc);
     if (s != LK_OK) lk_lora_config_clear(out);
+    return s;
+}
+
+lk_status lk_lora_config_parse(const char *yaml, size_t len, const char *label, const char *role,
+                               lk_lora_config *out) {
+    if (!out) return lk_error(LK_ERR_ARG, "lk_lora_config_parse: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (!yaml || !role || !*role) return lk_error(LK_ERR_ARG, "lk_lora_config_parse: no YAML or no role");
+    lk_ydoc *d;
+    lk_status s = lk_ydoc_parse(yaml, len, label ? label : "<config>", &d);
+    if (s != LK_OK) return s;
+    s = lk_lora_config_from_doc(d, role, out);
+    lk_ydoc_free(d);
     return s;
 }
 
@@ -381,12 +243,12 @@ lk_status lk_lora_config_load(const char *path, const char *role, lk_lora_config
     if (!out) return lk_error(LK_ERR_ARG, "lk_lora_config_load: out is NULL");
     memset(out, 0, sizeof *out);
     if (!path) return lk_error(LK_ERR_ARG, "lk_lora_config_load: path is NULL");
-    char *buf;
-    size_t len;
-    lk_status s = read_file(path, &buf, &len);
+    if (!role || !*role) return lk_error(LK_ERR_ARG, "lk_lora_config_parse: no YAML or no role");
+    lk_ydoc *d;
+    lk_status s = lk_ydoc_load(path, &d);
     if (s != LK_OK) return s;
-    s = lk_lora_config_parse(buf, len, path, role, out);
-    lk_free(buf);
+    s = lk_lora_config_from_doc(d, role, out);
+    lk_ydoc_free(d);
     return s;
 }
 
@@ -396,44 +258,21 @@ void lk_lora_roles_free(char **roles, size_t n) {
     lk_free(roles);
 }
 
-lk_status lk_lora_config_roles(const char *path, char ***roles, size_t *n) {
-    if (!roles || !n || !path) return lk_error(LK_ERR_ARG, "lk_lora_config_roles: NULL argument");
+lk_status lk_lora_config_roles_doc(const lk_ydoc *d, char ***roles, size_t *n) {
     *roles = NULL;
     *n = 0;
-    char *buf;
-    size_t len;
-    lk_status s = read_file(path, &buf, &len);
-    if (s != LK_OK) return s;
-    cfg_ctx c = {.label = path, .role = ""};
-    yaml_node_t *models;
-    s = load_models(&c, buf, len, &models, 1);
-    lk_free(buf);
-    if (s != LK_OK) return s;
-    if (!models) { /* no models block: no roles, LoRA not configured anywhere */
-        yaml_document_delete(&c.doc);
-        return LK_OK;
-    }
-    size_t cnt = (size_t)(models->data.mapping.pairs.top - models->data.mapping.pairs.start);
+    cfg_ctx c = {.doc = d, .label = lk_ydoc_label(d), .role = ""};
+    const lk_ynode *models;
+    lk_status s = find_models(&c, &models, 1);
+    if (s != LK_OK || !models) return s; /* no models block: no roles, LoRA not configured */
+    size_t cnt = models->n;
     char **r = lk_calloc(cnt ? cnt : 1, sizeof(char *));
-    if (!r) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
-    size_t i = 0;
-    for (; s == LK_OK && i < cnt; i++) {
-        yaml_node_t *k = yaml_document_get_node(&c.doc, models->data.mapping.pairs.start[i].key);
-        if (!k || k->type != YAML_SCALAR_NODE ||
-            memchr(k->data.scalar.value, '\0', k->data.scalar.length)) {
-            s = lk_error(LK_ERR_CONFIG, "%s:%zu: models: role names must be strings", path,
-                         node_line(k));
-            break;
-        }
-        r[i] = lk_malloc(k->data.scalar.length + 1);
-        if (!r[i]) {
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
-            break;
-        }
-        memcpy(r[i], k->data.scalar.value, k->data.scalar.length);
-        r[i][k->data.scalar.length] = '\0';
+    if (!r) return lk_error(LK_ERR_NOMEM, "%s: out of memory", c.label);
+    for (size_t i = 0; s == LK_OK && i < cnt; i++) {
+        const char *k = lk_ynode_str(lk_ymap_key(models, i));
+        if (!k) s = lk_yerr(d, models, NULL, "role names must be strings");
+        else if (!(r[i] = lk_strdup(k))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", c.label);
     }
-    yaml_document_delete(&c.doc);
     if (s != LK_OK) {
         lk_lora_roles_free(r, cnt);
         return s;
@@ -441,6 +280,18 @@ lk_status lk_lora_config_roles(const char *path, char ***roles, size_t *n) {
     *roles = r;
     *n = cnt;
     return LK_OK;
+}
+
+lk_status lk_lora_config_roles(const char *path, char ***roles, size_t *n) {
+    if (!roles || !n || !path) return lk_error(LK_ERR_ARG, "lk_lora_config_roles: NULL argument");
+    *roles = NULL;
+    *n = 0;
+    lk_ydoc *d;
+    lk_status s = lk_ydoc_load(path, &d);
+    if (s != LK_OK) return s;
+    s = lk_lora_config_roles_doc(d, roles, n);
+    lk_ydoc_free(d);
+    return s;
 }
 
 int lk_lora_config_describe(const lk_lora_config *cfg, char *buf, size_t cap) {

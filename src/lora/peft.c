@@ -16,18 +16,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "core/file.h"
 #include "lorakit/alloc.h"
 #include "lorakit/safetensors.h"
 #include "train_impl.h"
 
 #define PEFT_PREFIX "base_model.model."
-
-static char *path_join(const char *dir, const char *name) {
-    size_t n = strlen(dir) + strlen(name) + 2;
-    char *s = lk_malloc(n);
-    if (s) snprintf(s, n, "%s/%s", dir, name);
-    return s;
-}
 
 static char *peft_key(const char *module, const char *ab) {
     size_t n = strlen(PEFT_PREFIX) + strlen(module) + 32;
@@ -76,8 +70,8 @@ lk_status lk_lora_save_peft(const lk_lora_model *cm, const char *dir) {
     for (size_t i = 0; i < nl; i++) nw += (size_t)lk_lora_layer_wrapped(lk_lora_model_layer(m, i));
     lk_tensor *t = lk_calloc(2 * nw, sizeof *t);
     json_t *cfg = json_object(), *targets = json_array();
-    char *st_path = path_join(dir, "adapter_model.safetensors");
-    char *js_path = path_join(dir, "adapter_config.json");
+    char *st_path = lk_path_join(dir, "adapter_model.safetensors");
+    char *js_path = lk_path_join(dir, "adapter_config.json");
     lk_status s = (t && cfg && targets && st_path && js_path) ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
     size_t k = 0;
     for (size_t i = 0; s == LK_OK && i < nl; i++) {
@@ -135,8 +129,13 @@ lk_status lk_lora_save_peft(const lk_lora_model *cm, const char *dir) {
 /* Reads r and lora_alpha from adapter_config.json and checks the type. */
 static lk_status read_peft_config(const char *path, int *r, int *alpha) {
     json_error_t je;
-    json_t *j = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
-    if (!j) return lk_error(errno == ENOENT ? LK_ERR_IO : LK_ERR_FORMAT, "%s:%d: %s", path, je.line, je.text);
+    char *text;
+    size_t len;
+    lk_status rd = lk_read_config(path, &text, &len); /* bounded, like every config */
+    if (rd) return rd;
+    json_t *j = json_loadb(text, len, JSON_REJECT_DUPLICATES, &je);
+    lk_free(text);
+    if (!j) return lk_error(LK_ERR_FORMAT, "%s:%d: %s", path, je.line, je.text);
     lk_status s = LK_OK;
     json_t *pt = json_object_get(j, "peft_type"), *jr = json_object_get(j, "r");
     json_t *ja = json_object_get(j, "lora_alpha"), *rs = json_object_get(j, "use_rslora");
@@ -163,8 +162,8 @@ lk_status lk_lora_load_peft(lk_lora_model *m, const char *dir) {
     if (!m || !dir) return lk_error(LK_ERR_ARG, "lk_lora_load_peft: missing model or folder");
     int alpha, rank = lk_lora_model_rank_alpha(m, &alpha);
     if (rank <= 0) return lk_error(LK_ERR_STATE, "%s: LoRA is not enabled on this model", dir);
-    char *st_path = path_join(dir, "adapter_model.safetensors");
-    char *js_path = path_join(dir, "adapter_config.json");
+    char *st_path = lk_path_join(dir, "adapter_model.safetensors");
+    char *js_path = lk_path_join(dir, "adapter_config.json");
     if (!st_path || !js_path) {
         lk_free(st_path);
         lk_free(js_path);
