@@ -29,6 +29,7 @@
 #include "fuzz/fuzz_adapter.c"
 #include "fuzz/fuzz_adapter_config.c"
 #include "fuzz/fuzz_plan.c"
+#include "fuzz/fuzz_ckpt_index.c"
 
 typedef void (*fz_fn)(const uint8_t *, size_t);
 
@@ -43,6 +44,7 @@ static const fz_target g_targets[] = {
     {"adapter", fz_adapter},
     {"adapter_config", fz_adapter_config},
     {"plan", fz_plan},
+    {"ckpt_index", fz_ckpt_index},
 };
 
 /* Calls cb(path) for every regular file of dir (sorted); returns the count.

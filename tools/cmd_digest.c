@@ -8,8 +8,10 @@
 #include "cli.h"
 
 static const char *const DIGEST_USAGE =
-    "usage: lorakit digest FILE\n\n"
-    "Prints the content digest of a safetensors file: XXH3-128 over, for each\n"
+    "usage: lorakit digest FILE|INDEX|DIR\n\n"
+    "Prints the content digest of a checkpoint (a safetensors file, or a\n"
+    "sharded set given by its *.safetensors.index*.json or its folder; the\n"
+    "digest is over all shards' tensors): XXH3-128 over, for each\n"
     "tensor in byte-wise sorted name order, the name, a NUL, the dtype, a NUL,\n"
     "the shape as little-endian i64s, then the raw bytes; 32 lowercase hex\n"
     "digits. Metadata and tensor order in the file do not matter.\n\n"
@@ -29,11 +31,11 @@ int lk_cmd_digest(int argc, char **argv) {
         else path = argv[i];
     }
     if (!path) return lk_cli_usage("digest", "missing FILE");
-    lk_st *st;
-    if (lk_st_open(path, &st) != LK_OK) return lk_cli_fail();
+    lk_ckpt *ck;
+    if (lk_ckpt_open(path, &ck) != LK_OK) return lk_cli_fail();
     char hex[LK_DIGEST_HEX];
-    lk_status s = lk_digest_st(st, hex);
-    lk_st_close(st);
+    lk_status s = lk_digest_ckpt(ck, hex);
+    lk_ckpt_close(ck);
     if (s != LK_OK) return lk_cli_fail();
     printf("%s\n", hex);
     return LK_EXIT_OK;

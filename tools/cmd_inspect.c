@@ -1,8 +1,8 @@
-/* cmd_inspect.c — `lorakit inspect FILE [--json]`: prints lk_inspect_json
+/* cmd_inspect.c — `lorakit inspect FILE|INDEX|DIR [--json]`: prints lk_inspect_json
  * (the library describes the file, shared with the Python package) as it is
  * with --json, or as text read back from it.
  *
- * For a safetensors file the text is the metadata, one line per tensor
+ * For a checkpoint the text is the metadata, the shards of a sharded set, one line per tensor
  * (name, dtype, shape, bytes) in file order, then totals by dtype; for an
  * adapter, inspect_adapter.c's grouped summary. */
 #include <jansson.h>
@@ -15,37 +15,61 @@
 
 static const char *const INSPECT_USAGE =
     "usage: lorakit inspect FILE|DIR [--json]\n\n"
-    "Lists a safetensors file: its metadata, then one line per tensor (name,\n"
-    "dtype, shape, bytes) in file order, then totals by dtype. The file is\n"
-    "fully validated first; a malformed file is an error (exit 1).\n"
+    "Lists a checkpoint (a safetensors file, or a sharded set given by its\n"
+    "*.safetensors.index*.json or its folder): its metadata (the index's for a\n"
+    "sharded set), its shards, then one line per tensor (name, dtype, shape,\n"
+    "bytes, shard) in file order, then totals by dtype. Every file is fully\n"
+    "validated first; a malformed file or index is an error (exit 1).\n"
     "An adapter (a PEFT folder, or a file whose keys are all LoRA keys) is\n"
     "shown as an adapter instead: detected format, module count, and the\n"
     "rank, alpha and resulting scale per module group.\n\n"
     "options:\n"
     "  --json     print one JSON object: {path, file_bytes, header_bytes,\n"
     "             metadata, tensors: [{name, dtype, shape, bytes, offset}],\n"
+    "             (sharded: also index, shards: [{name, tensors, bytes}],\n"
+    "             a shard per tensor, offset within that shard)\n"
     "             totals: {DTYPE: {tensors, bytes}}, tensor_count, total_bytes}\n"
     "  -h, --help this text\n";
 
 /* The human-readable listing, from the JSON description. */
 static void st_listing_text(json_t *o, FILE *out) {
     json_t *tensors = json_object_get(o, "tensors"), *meta = json_object_get(o, "metadata");
+    json_t *shards = json_object_get(o, "shards");
     size_t n = json_array_size(tensors);
-    fprintf(out, "%s: %zu tensors, %lld data bytes, header %lld bytes\n", json_string_value(json_object_get(o, "path")),
-            n, (long long)json_integer_value(json_object_get(o, "total_bytes")),
-            (long long)json_integer_value(json_object_get(o, "header_bytes")));
-    fprintf(out, "metadata (%zu):\n", json_object_size(meta));
+    if (shards)
+        fprintf(out, "%s: %zu tensors in %zu shards, %lld data bytes, headers %lld bytes\n",
+                json_string_value(json_object_get(o, "path")), n, json_array_size(shards),
+                (long long)json_integer_value(json_object_get(o, "total_bytes")),
+                (long long)json_integer_value(json_object_get(o, "header_bytes")));
+    else
+        fprintf(out, "%s: %zu tensors, %lld data bytes, header %lld bytes\n",
+                json_string_value(json_object_get(o, "path")), n,
+                (long long)json_integer_value(json_object_get(o, "total_bytes")),
+                (long long)json_integer_value(json_object_get(o, "header_bytes")));
+    fprintf(out, "metadata%s (%zu):\n", shards ? " (index)" : "", json_object_size(meta));
     const char *k;
     json_t *v;
-    json_object_foreach(meta, k, v) fprintf(out, "  %s: %s\n", k, json_string_value(v));
+    json_object_foreach(meta, k, v) {
+        /* index metadata may hold numbers (total_size) */
+        char *txt = json_is_string(v) ? NULL : json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+        fprintf(out, "  %s: %s\n", k, json_is_string(v) ? json_string_value(v) : txt ? txt : "?");
+        free(txt);
+    }
     size_t w = 4, i;
+    if (shards) {
+        fprintf(out, "shards (%zu):\n", json_array_size(shards));
+        json_array_foreach(shards, i, v)
+            fprintf(out, "  %s  %lld tensors  %lld bytes\n", json_string_value(json_object_get(v, "name")),
+                    (long long)json_integer_value(json_object_get(v, "tensors")),
+                    (long long)json_integer_value(json_object_get(v, "bytes")));
+    }
     json_array_foreach(tensors, i, v) {
         size_t l = strlen(json_string_value(json_object_get(v, "name")));
         if (l > w) w = l;
     }
     if (w > 80) w = 80;
     fprintf(out, "tensors (%zu):\n", n);
-    if (n) fprintf(out, "  %-*s  %-7s  %-20s  %s\n", (int)w, "name", "dtype", "shape", "bytes");
+    if (n) fprintf(out, "  %-*s  %-7s  %-20s  %s%s\n", (int)w, "name", "dtype", "shape", "bytes", shards ? "  shard" : "");
     json_array_foreach(tensors, i, v) {
         char shape[256];
         size_t off = (size_t)snprintf(shape, sizeof shape, "[");
@@ -54,9 +78,10 @@ static void st_listing_text(json_t *o, FILE *out) {
         json_array_foreach(sh, j, d) if (off < sizeof shape) off += (size_t)snprintf(
             shape + off, sizeof shape - off, j ? ", %lld" : "%lld", (long long)json_integer_value(d));
         if (off < sizeof shape) snprintf(shape + off, sizeof shape - off, "]");
-        fprintf(out, "  %-*s  %-7s  %-20s  %lld\n", (int)w, json_string_value(json_object_get(v, "name")),
+        const char *shard = json_string_value(json_object_get(v, "shard"));
+        fprintf(out, "  %-*s  %-7s  %-20s  %lld%s%s\n", (int)w, json_string_value(json_object_get(v, "name")),
                 json_string_value(json_object_get(v, "dtype")), shape,
-                (long long)json_integer_value(json_object_get(v, "bytes")));
+                (long long)json_integer_value(json_object_get(v, "bytes")), shard ? "  " : "", shard ? shard : "");
     }
     fprintf(out, "totals by dtype:\n");
     json_object_foreach(json_object_get(o, "totals"), k, v)

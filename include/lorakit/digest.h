@@ -12,6 +12,7 @@
 #include "lorakit/status.h"
 #include "lorakit/tensor.h"
 #include "lorakit/safetensors.h"
+#include "lorakit/checkpoint.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -21,8 +22,12 @@ extern "C" {
 
 /* Digest of n tensor views (any order; sorted internally). */
 lk_status lk_digest_tensors(const lk_tensor *t, size_t n, char hex[LK_DIGEST_HEX]);
-/* Digest of every tensor of an open file. */
+/* Digest of every tensor of an open file; the bytes are read with pread
+ * (lk_st_read), so a file truncated meanwhile is LK_ERR_IO, not a SIGBUS. */
 lk_status lk_digest_st(const lk_st *st, char hex[LK_DIGEST_HEX]);
+/* Digest of every tensor of a checkpoint (all shards; equal to the digest
+ * of one file holding the same tensors), read the same way. */
+lk_status lk_digest_ckpt(const lk_ckpt *ck, char hex[LK_DIGEST_HEX]);
 
 #ifdef __cplusplus
 }

@@ -16,9 +16,12 @@ extern "C" {
  * untargeted, groups: [{rank, alpha, scale, count, example}], modules:
  * [{module, rank, alpha, scale, in, out, dtype_A, dtype_B}]}, groups being
  * the modules of equal (rank, alpha, scale) in ascending order. Otherwise a
- * safetensors file: {path, file_bytes, header_bytes, metadata, tensors:
- * [{name, dtype, shape, bytes, offset}] in file order, totals: {DTYPE:
- * {tensors, bytes}}, tensor_count, total_bytes}. A name or path that is not
+ * checkpoint (lk_ckpt_open: a safetensors file, an index, or a folder
+ * without adapter files): {path, file_bytes, header_bytes, metadata,
+ * tensors: [{name, dtype, shape, bytes, offset}] in file order, totals:
+ * {DTYPE: {tensors, bytes}}, tensor_count, total_bytes}; a sharded set adds
+ * index, shards: [{name, tensors, bytes}] and a shard per tensor (offset
+ * within it), and its metadata is the index's (values may be numbers). A name or path that is not
  * UTF-8 cannot be put in JSON: LK_ERR_UNSUPPORTED. */
 lk_status lk_inspect_json(const char *path, char **json);
 

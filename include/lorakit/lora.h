@@ -149,7 +149,8 @@ typedef struct lk_lora_load_opts {
     int allow_unexpected; /* file tensors matching nothing are ignored (else error) */
 } lk_lora_load_opts;
 
-/* Loads a base checkpoint (F32/F16/BF16 safetensors) into the registered
+/* Loads a base checkpoint (F32/F16/BF16; a safetensors file, a sharded
+ * set's index or a folder: lk_ckpt_open) into the registered
  * tensors. Each state name is looked up as-is, and for a wrapped layer
  * "<m>.base_layer.weight|bias" also as "<m>.weight|bias" (the key alias).
  * "<m>.lora_A" / "<m>.lora_B" are loaded when the file has them, else

@@ -9,6 +9,7 @@
 #include "lorakit/dtype.h"
 #include "lorakit/tensor.h"
 #include "lorakit/safetensors.h"
+#include "lorakit/checkpoint.h"
 #include "lorakit/digest.h"
 #include "lorakit/adapter.h"
 #include "lorakit/fuse.h"

@@ -2,7 +2,7 @@
  * working weights an inference server holds and the hot-swap tracker
  * rewrites in place.
  *
- * lk_weights_load copies a safetensors file into one allocation (tensor
+ * lk_weights_load copies a checkpoint (file or sharded set) into one allocation (tensor
  * table, names and 64-byte-aligned data together). lk_weights_wrap instead
  * borrows tensors the host program already holds (a server's own weight
  * memory), so the tracker can work on them without a copy. Either way the
@@ -21,7 +21,9 @@ extern "C" {
 
 typedef struct lk_weights lk_weights;
 
-/* Loads every tensor of a safetensors file into memory (one allocation). */
+/* Loads every tensor of a checkpoint (a safetensors file, an index of a
+ * sharded set, or a folder holding one: lk_ckpt_open) into memory (one
+ * allocation; tensors in shard then file order). */
 lk_status lk_weights_load(const char *path, lk_weights **out);
 /* Borrows n tensors (names and data stay the caller's and must outlive the
  * weights; data must be writable). The table itself is copied. Duplicate

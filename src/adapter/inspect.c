@@ -6,11 +6,14 @@
 #include "lorakit/inspect.h"
 #include "lorakit/adapter.h"
 #include "lorakit/alloc.h"
+#include "lorakit/checkpoint.h"
 #include "lorakit/safetensors.h"
 
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 typedef struct group {
     int rank;
@@ -76,47 +79,79 @@ static json_t *adapter_json(const lk_adapter *a) {
                      groups, "modules", mods);
 }
 
-/* NULL when out of memory or a string is not UTF-8. */
-static json_t *st_json(const lk_st *st) {
-    size_t n = lk_st_count(st), nm = lk_st_metadata_count(st);
+/* The metadata shown: a single file's own, or a sharded set's index
+ * metadata (whose values may be numbers), as a JSON object. */
+static json_t *ck_metadata(const lk_ckpt *ck) {
+    if (lk_ckpt_sharded(ck)) return json_loads(lk_ckpt_index_metadata(ck), 0, NULL);
+    const lk_st *st = lk_ckpt_shard(ck, 0);
+    json_t *meta = json_object();
+    for (size_t i = 0; meta && i < lk_st_metadata_count(st); i++) {
+        const char *k, *v;
+        lk_st_metadata_at(st, i, &k, &v);
+        if (json_object_set_new(meta, k, json_string(v))) {
+            json_decref(meta);
+            return NULL;
+        }
+    }
+    return meta;
+}
+
+/* NULL when out of memory or a string is not UTF-8. A sharded set adds
+ * "index" (its file name), "shards" ([{name, tensors, bytes}]) and a
+ * "shard" per tensor; "offset" is then within that shard's file, and
+ * file_bytes / header_bytes are summed over the shards. */
+static json_t *ck_json(const lk_ckpt *ck) {
+    size_t n = lk_ckpt_count(ck), ns = lk_ckpt_shard_count(ck);
+    int sharded = lk_ckpt_sharded(ck);
     size_t count[LK_DTYPE_COUNT] = {0};
-    unsigned long long bytes[LK_DTYPE_COUNT] = {0}, total = 0;
+    unsigned long long bytes[LK_DTYPE_COUNT] = {0}, total = 0, header = 0;
     for (size_t i = 0; i < n; i++) {
-        const lk_tensor *x = lk_st_tensor(st, i);
+        const lk_tensor *x = lk_ckpt_tensor(ck, i);
         count[x->dtype]++;
         bytes[x->dtype] += x->nbytes;
         total += x->nbytes;
     }
-    json_t *o = json_object(), *meta = json_object(), *arr = json_array(), *tj = json_object();
+    for (size_t j = 0; j < ns; j++) header += lk_st_header_len(lk_ckpt_shard(ck, j));
+    json_t *o = json_object(), *meta = ck_metadata(ck), *arr = json_array(), *tj = json_object();
     if (!o || !meta || !arr || !tj) {
         json_decref(o); json_decref(meta); json_decref(arr); json_decref(tj);
         return NULL;
     }
     int bad = 0;
-    uint64_t file_bytes = 8 + lk_st_header_len(st) + total;
-    bad |= json_object_set_new(o, "path", json_string(lk_st_path(st)));
-    bad |= json_object_set_new(o, "file_bytes", json_integer((json_int_t)file_bytes));
-    bad |= json_object_set_new(o, "header_bytes", json_integer((json_int_t)lk_st_header_len(st)));
-    for (size_t i = 0; i < nm; i++) {
-        const char *k, *v;
-        lk_st_metadata_at(st, i, &k, &v);
-        bad |= json_object_set_new(meta, k, json_string(v));
-    }
+    bad |= json_object_set_new(o, "path", json_string(lk_ckpt_path(ck)));
+    bad |= json_object_set_new(o, "file_bytes", json_integer((json_int_t)(8 * ns + header + total)));
+    bad |= json_object_set_new(o, "header_bytes", json_integer((json_int_t)header));
     bad |= json_object_set_new(o, "metadata", meta);
+    if (sharded) {
+        json_t *sh = json_array();
+        bad |= !sh;
+        for (size_t j = 0; sh && j < ns; j++) {
+            const lk_st *st = lk_ckpt_shard(ck, j);
+            json_int_t b = 0;
+            for (size_t i = 0; i < lk_st_count(st); i++) b += (json_int_t)lk_st_tensor(st, i)->nbytes;
+            bad |= json_array_append_new(sh, json_pack("{s:s,s:I,s:I}", "name", lk_ckpt_shard_name(ck, j), "tensors",
+                                                       (json_int_t)lk_st_count(st), "bytes", b));
+        }
+        bad |= json_object_set_new(o, "index", json_string(lk_ckpt_index_name(ck)));
+        bad |= json_object_set_new(o, "shards", sh);
+    }
     for (size_t i = 0; i < n && !bad; i++) {
-        const lk_tensor *t = lk_st_tensor(st, i);
+        const lk_tensor *t = lk_ckpt_tensor(ck, i);
         json_t *e = json_object(), *sh = json_array();
         if (!e || !sh) {
             json_decref(e); json_decref(sh);
             bad = 1;
             break;
         }
+        size_t j = lk_ckpt_tensor_shard(ck, i);
         for (int d = 0; d < t->ndim; d++) bad |= json_array_append_new(sh, json_integer(t->shape[d]));
         bad |= json_object_set_new(e, "name", json_string(t->name));
         bad |= json_object_set_new(e, "dtype", json_string(lk_dtype_name(t->dtype)));
         bad |= json_object_set_new(e, "shape", sh);
         bad |= json_object_set_new(e, "bytes", json_integer((json_int_t)t->nbytes));
-        bad |= json_object_set_new(e, "offset", json_integer((json_int_t)lk_st_file_offset(st, i)));
+        bad |= json_object_set_new(e, "offset", json_integer((json_int_t)lk_st_file_offset(lk_ckpt_shard(ck, j),
+                                                                                           lk_ckpt_tensor_local(ck, i))));
+        if (sharded) bad |= json_object_set_new(e, "shard", json_string(lk_ckpt_shard_name(ck, j)));
         bad |= json_array_append_new(arr, e);
     }
     bad |= json_object_set_new(o, "tensors", arr);
@@ -135,22 +170,36 @@ static json_t *st_json(const lk_st *st) {
     return o;
 }
 
+/* A folder holding neither adapter_model.safetensors nor adapter_config.json
+ * is a checkpoint folder (a sharded set or one .safetensors file). */
+static int is_checkpoint_dir(const char *path) {
+    struct stat sb;
+    if (stat(path, &sb) != 0 || !S_ISDIR(sb.st_mode)) return 0;
+    static const char *const adapter_files[] = {"adapter_model.safetensors", "adapter_config.json"};
+    for (size_t i = 0; i < 2; i++) {
+        char p[4096];
+        if (snprintf(p, sizeof p, "%s/%s", path, adapter_files[i]) >= (int)sizeof p) return 0;
+        if (access(p, F_OK) == 0) return 0;
+    }
+    return 1;
+}
+
 lk_status lk_inspect_json(const char *path, char **out) {
     if (!path || !out) return lk_error(LK_ERR_ARG, "lk_inspect_json: NULL argument");
     *out = NULL;
     json_t *o;
-    if (lk_adapter_looks_like(path)) {
+    if (lk_adapter_looks_like(path) && !is_checkpoint_dir(path)) {
         lk_adapter *a;
         lk_status s = lk_adapter_open(path, LK_FORMAT_AUTO, &a);
         if (s) return s;
         o = adapter_json(a);
         lk_adapter_free(a);
     } else {
-        lk_st *st;
-        lk_status s = lk_st_open(path, &st);
+        lk_ckpt *ck;
+        lk_status s = lk_ckpt_open(path, &ck);
         if (s) return s;
-        o = st_json(st);
-        lk_st_close(st);
+        o = ck_json(ck);
+        lk_ckpt_close(ck);
     }
     /* jansson refuses a string that is not UTF-8 the same way as a failed
      * allocation; the former is the likely one */

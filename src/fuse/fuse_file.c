@@ -12,11 +12,20 @@
  * the largest fused tensor plus the adapters, and a base that another
  * process truncates while we read it is LK_ERR_IO ("changed on disk while
  * being read"), not a SIGBUS. The writer renames its temporary file into
- * place only on commit, so on any error no output exists. */
+ * place only on commit, so on any error no output exists.
+ *
+ * The base is a checkpoint (lorakit/checkpoint.h): one file or a sharded
+ * set. A sharded base fused to a folder keeps its layout (io/out_dir.c):
+ * every shard gets its own writer, all open at once (so a weight and a
+ * companion in another shard can be written in any order), inside a fresh
+ * temporary folder next to OUT_DIR that is renamed onto it only when every
+ * shard, the new index and the copied small files are complete. */
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
+#include "lorakit/checkpoint.h"
 #include "lorakit/safetensors.h"
+#include "io/out_dir.h"
 
 #include <jansson.h>
 #include <math.h>
@@ -63,9 +72,7 @@ double lk_fuse_strength_value(float f) {
  * followed by this request, into *out (lk_malloc'd). An adapter path that
  * is not UTF-8 cannot be recorded in JSON and is named as such (jansson
  * gives no reason, so without the check it would read as out of memory). */
-static lk_status fused_record(const lk_st *st, const lk_fuse_input *in, size_t n, char **out) {
-    const char *base = lk_st_path(st);
-    const char *old = lk_st_metadata_get(st, FUSED_KEY);
+static lk_status fused_record(const char *base, const char *old, const lk_fuse_input *in, size_t n, char **out) {
     json_t *arr = NULL;
     if (old) {
         arr = json_loads(old, 0, NULL);
@@ -99,19 +106,23 @@ static lk_status fused_record(const lk_st *st, const lk_fuse_input *in, size_t n
 }
 
 typedef struct fctx {
-    lk_st *st;
+    lk_ckpt *ck;
     lk_adapter **ad;
     size_t n_ad;
     lk_tensor *model;
     lk_fuse_term *terms;
     size_t *order; /* canonical summation order of the inputs */
-    lk_st_writer *w;
+    lk_st_writer **w; /* one per output file */
+    size_t n_w;
+    lk_out_dir *od;   /* sharded output: the temporary folder */
     void *buf;
     char *record;
 } fctx;
 
 static void fctx_free(fctx *c) {
-    lk_st_writer_free(c->w);
+    for (size_t j = 0; j < c->n_w; j++) lk_st_writer_free(c->w[j]);
+    lk_free(c->w);
+    lk_out_dir_abort(c->od);
     for (size_t i = 0; i < c->n_ad; i++) lk_adapter_free(c->ad[i]);
     lk_free(c->ad);
     lk_free(c->model);
@@ -119,7 +130,41 @@ static void fctx_free(fctx *c) {
     lk_free(c->order);
     lk_free(c->buf);
     lk_free(c->record);
-    lk_st_close(c->st);
+    lk_ckpt_close(c->ck);
+}
+
+/* The record already in the base: a single file's metadata, or the index
+ * metadata of a sharded set (a string there too when lorakit wrote it). */
+static const char *base_record(const lk_ckpt *ck, json_t **hold) {
+    *hold = NULL;
+    if (!lk_ckpt_sharded(ck)) return lk_st_metadata_get(lk_ckpt_shard(ck, 0), FUSED_KEY);
+    json_t *m = json_loads(lk_ckpt_index_metadata(ck), 0, NULL);
+    json_t *v = m ? json_object_get(m, FUSED_KEY) : NULL;
+    if (!json_is_string(v)) {
+        json_decref(m);
+        return NULL;
+    }
+    *hold = m;
+    return json_string_value(v);
+}
+
+/* Writer j's metadata: shard j's own (all shards' for a single output from
+ * a sharded base, first value of a key wins) without an old record, then
+ * the new record. */
+static lk_status writer_metadata(fctx *c, size_t j, int one_file) {
+    size_t j0 = one_file ? 0 : j, j1 = one_file ? lk_ckpt_shard_count(c->ck) : j + 1;
+    lk_status s = LK_OK;
+    for (size_t q = j0; q < j1 && !s; q++) {
+        const lk_st *sh = lk_ckpt_shard(c->ck, q);
+        for (size_t i = 0; i < lk_st_metadata_count(sh) && !s; i++) {
+            const char *k, *v;
+            lk_st_metadata_at(sh, i, &k, &v);
+            int seen = 0;
+            for (size_t r = j0; r < q && !seen; r++) seen = lk_st_metadata_get(lk_ckpt_shard(c->ck, r), k) != NULL;
+            if (!seen && strcmp(k, FUSED_KEY)) s = lk_st_writer_metadata(c->w[j], k, v);
+        }
+    }
+    return s ? s : lk_st_writer_metadata(c->w[j], FUSED_KEY, c->record);
 }
 
 static int input_cmp(const void *pa, const void *pb, void *ctx) {
@@ -192,14 +237,14 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     fctx c;
     memset(&c, 0, sizeof c);
     lk_fuse_stats st = {0};
-    if ((s = lk_st_open(base, &c.st))) goto fail;
-    size_t nt = lk_st_count(c.st);
+    if ((s = lk_ckpt_open(base, &c.ck))) goto fail;
+    size_t nt = lk_ckpt_count(c.ck);
     st.tensors_total = nt;
     if (!(c.model = lk_malloc((nt ? nt : 1) * sizeof *c.model))) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
         goto fail;
     }
-    for (size_t i = 0; i < nt; i++) c.model[i] = *lk_st_tensor(c.st, i);
+    for (size_t i = 0; i < nt; i++) c.model[i] = *lk_ckpt_tensor(c.ck, i);
     if ((s = prepare(&c, base, c.model, nt, inputs, n, opts->allow_unmatched, out, &st))) goto fail;
     size_t buf_bytes = 0, copy_bytes = 0;
     uint64_t total_bytes = 0;
@@ -228,40 +273,60 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
         rec[i] = inputs[i];
         rec[i].format = lk_adapter_get_format(c.ad[i]);
     }
-    s = fused_record(c.st, rec, n, &c.record);
+    json_t *hold;
+    const char *old = base_record(c.ck, &hold);
+    s = fused_record(lk_ckpt_path(c.ck), old, rec, n, &c.record);
+    json_decref(hold);
     lk_free(rec);
     if (s) goto fail;
 
-    if ((s = lk_st_writer_create(out, &c.w))) goto fail;
-    for (size_t i = 0; i < lk_st_metadata_count(c.st); i++) {
-        const char *k, *v;
-        lk_st_metadata_at(c.st, i, &k, &v);
-        if (strcmp(k, FUSED_KEY) && (s = lk_st_writer_metadata(c.w, k, v))) goto fail;
+    /* One output file, or (a sharded base fused to a folder) one per shard. */
+    int one_file = !lk_ckpt_sharded(c.ck) || lk_out_is_file(out);
+    c.n_w = one_file ? 1 : lk_ckpt_shard_count(c.ck);
+    if (!(c.w = lk_calloc(c.n_w, sizeof *c.w))) {
+        c.n_w = 0;
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+        goto fail;
     }
-    if ((s = lk_st_writer_metadata(c.w, FUSED_KEY, c.record))) goto fail;
-    for (size_t i = 0; i < nt; i++)
-        if ((s = lk_st_writer_declare(c.w, c.model[i].name, c.model[i].dtype, c.model[i].ndim, c.model[i].shape,
-                                      NULL)))
+    if (!one_file && (s = lk_out_dir_begin(out, &c.od))) goto fail;
+    for (size_t j = 0; j < c.n_w; j++) {
+        char *wp = one_file ? NULL : lk_out_dir_file(c.od, lk_ckpt_shard_name(c.ck, j));
+        if (!one_file && !wp) {
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
             goto fail;
-    if ((s = lk_st_writer_begin(c.w))) goto fail;
+        }
+        s = lk_st_writer_create(one_file ? out : wp, &c.w[j]);
+        lk_free(wp);
+        if (s || (s = writer_metadata(&c, j, one_file))) goto fail;
+    }
+    /* Declared in checkpoint order, so a tensor's index in its writer is its
+     * index in the checkpoint (one file) or in its shard. */
+    for (size_t i = 0; i < nt; i++)
+        if ((s = lk_st_writer_declare(c.w[one_file ? 0 : lk_ckpt_tensor_shard(c.ck, i)], c.model[i].name,
+                                      c.model[i].dtype, c.model[i].ndim, c.model[i].shape, NULL)))
+            goto fail;
+    for (size_t j = 0; j < c.n_w; j++)
+        if ((s = lk_st_writer_begin(c.w[j]))) goto fail;
 
     uint64_t done = 0;
     for (size_t i = 0; i < nt; i++) {
         const lk_tensor *t = &c.model[i];
+        lk_st_writer *w = c.w[one_file ? 0 : lk_ckpt_tensor_shard(c.ck, i)];
+        size_t wi = one_file ? i : lk_ckpt_tensor_local(c.ck, i);
         size_t k = gather(&c, inputs, t, c.terms);
         if (k) {
-            if ((s = lk_st_read(c.st, i, 0, c.buf, t->nbytes))) goto fail;
+            if ((s = lk_ckpt_read(c.ck, i, 0, c.buf, t->nbytes))) goto fail;
             s = lk_fuse_tensor(c.buf, c.buf, t->dtype, t->shape[0], t->shape[1], c.terms, k, &opts->fuse, t->name);
             if (s) {
                 lk_error_prefix(s, "%s", base);
                 goto fail;
             }
-            if ((s = lk_st_writer_write(c.w, i, 0, c.buf, t->nbytes))) goto fail;
+            if ((s = lk_st_writer_write(w, wi, 0, c.buf, t->nbytes))) goto fail;
             st.tensors_fused++;
         } else {
             for (size_t off = 0; off < t->nbytes;) {
                 size_t len = t->nbytes - off < buf_bytes ? t->nbytes - off : buf_bytes;
-                if ((s = lk_st_read(c.st, i, off, c.buf, len)) || (s = lk_st_writer_write(c.w, i, off, c.buf, len)))
+                if ((s = lk_ckpt_read(c.ck, i, off, c.buf, len)) || (s = lk_st_writer_write(w, wi, off, c.buf, len)))
                     goto fail;
                 off += len;
             }
@@ -269,7 +334,14 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
         done += t->nbytes;
         if (opts->on_progress) opts->on_progress(opts->progress_ctx, done, total_bytes, i + 1, nt);
     }
-    if ((s = lk_st_writer_commit(c.w))) goto fail;
+    for (size_t j = 0; j < c.n_w; j++)
+        if ((s = lk_st_writer_commit(c.w[j]))) goto fail;
+    if (c.od) {
+        if ((s = lk_out_dir_index(c.od, c.ck, FUSED_KEY, c.record)) || (s = lk_out_dir_copy_small(c.od, c.ck)) ||
+            (s = lk_out_dir_commit(c.od)))
+            goto fail;
+        c.od = NULL;
+    }
     st.seconds = now_s() - t0;
     if (stats) *stats = st;
     fctx_free(&c);

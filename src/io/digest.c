@@ -14,24 +14,44 @@
 #include <string.h>
 #include <xxhash.h>
 
-static int cmp_name(const void *a, const void *b) {
-    return strcmp((*(const lk_tensor *const *)a)->name, (*(const lk_tensor *const *)b)->name);
+
+/* Tensor bytes read from files go through pread in chunks of this size (a
+ * file changed underneath is LK_ERR_IO, never a SIGBUS from the mmap). */
+#define READ_CHUNK ((size_t)4 << 20)
+
+typedef lk_status (*read_fn)(const void *src, size_t i, uint64_t off, void *dst, size_t n);
+
+static int cmp_idx_name(const void *a, const void *b, void *ctx) {
+    const lk_tensor *const *t = ctx;
+    return strcmp(t[*(const size_t *)a]->name, t[*(const size_t *)b]->name);
 }
 
-/* Digest of n views given as pointers (sorted in place). */
-static lk_status digest_ptrs(const lk_tensor **p, size_t n, char hex[LK_DIGEST_HEX]) {
+/* The digest of n tensors whose headers are views[] and whose bytes come
+ * from rd(src, i, ...). */
+static lk_status digest_read(const lk_tensor *const *views, size_t n, read_fn rd, const void *src,
+                             const char *label, char hex[LK_DIGEST_HEX]) {
+    size_t *ord = lk_malloc((n ? n : 1) * sizeof *ord);
+    size_t maxb = 0;
     for (size_t i = 0; i < n; i++)
-        if (!p[i]->name || (p[i]->nbytes && !p[i]->data))
-            return lk_error(LK_ERR_ARG, "digest: tensor %zu has no name or no data", i);
-    qsort(p, n, sizeof *p, cmp_name);
-    for (size_t i = 1; i < n; i++)
-        if (!strcmp(p[i]->name, p[i - 1]->name))
-            return lk_error(LK_ERR_ARG, "digest: %s: tensor name appears twice", p[i]->name);
+        if (views[i]->nbytes > maxb) maxb = views[i]->nbytes;
+    size_t cap = maxb < READ_CHUNK ? maxb : READ_CHUNK;
+    unsigned char *buf = lk_malloc(cap ? cap : 1);
     XXH3_state_t *st = XXH3_createState();
-    if (!st) return lk_error(LK_ERR_NOMEM, "digest: out of memory");
+    lk_status s = LK_OK;
+    if (!ord || !buf || !st) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for the digest", label);
+        goto done;
+    }
+    for (size_t i = 0; i < n; i++) ord[i] = i;
+    qsort_r(ord, n, sizeof *ord, cmp_idx_name, (void *)views);
+    for (size_t i = 1; i < n; i++)
+        if (!strcmp(views[ord[i]]->name, views[ord[i - 1]]->name)) {
+            s = lk_error(LK_ERR_ARG, "%s: %s: tensor name appears twice", label, views[ord[i]]->name);
+            goto done;
+        }
     XXH3_128bits_reset(st);
-    for (size_t i = 0; i < n; i++) {
-        const lk_tensor *t = p[i];
+    for (size_t k = 0; k < n && !s; k++) {
+        const lk_tensor *t = views[ord[k]];
         const char *dn = lk_dtype_name(t->dtype);
         unsigned char shp[8 * LK_MAX_DIMS];
         int nd = t->ndim < 0 ? 0 : t->ndim > LK_MAX_DIMS ? LK_MAX_DIMS : t->ndim;
@@ -40,11 +60,35 @@ static lk_status digest_ptrs(const lk_tensor **p, size_t n, char hex[LK_DIGEST_H
         XXH3_128bits_update(st, t->name, strlen(t->name) + 1);
         XXH3_128bits_update(st, dn, strlen(dn) + 1);
         XXH3_128bits_update(st, shp, 8 * (size_t)nd);
-        if (t->nbytes) XXH3_128bits_update(st, t->data, t->nbytes);
+        for (uint64_t off = 0; off < t->nbytes && !s;) {
+            size_t len = t->nbytes - off < cap ? (size_t)(t->nbytes - off) : cap;
+            if (!(s = rd(src, ord[k], off, buf, len))) XXH3_128bits_update(st, buf, len);
+            off += len;
+        }
     }
-    XXH128_hash_t h = XXH3_128bits_digest(st);
+    if (!s) {
+        XXH128_hash_t h = XXH3_128bits_digest(st);
+        snprintf(hex, LK_DIGEST_HEX, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
+    }
+done:
     XXH3_freeState(st);
-    snprintf(hex, LK_DIGEST_HEX, "%016llx%016llx", (unsigned long long)h.high64, (unsigned long long)h.low64);
+    lk_free(buf);
+    lk_free(ord);
+    return s;
+}
+
+static lk_status st_rd(const void *src, size_t i, uint64_t off, void *dst, size_t n) {
+    return lk_st_read(src, i, off, dst, n);
+}
+
+static lk_status ckpt_rd(const void *src, size_t i, uint64_t off, void *dst, size_t n) {
+    return lk_ckpt_read(src, i, off, dst, n);
+}
+
+/* In-memory views: the bytes are the views' own. */
+static lk_status mem_rd(const void *src, size_t i, uint64_t off, void *dst, size_t n) {
+    const lk_tensor *const *v = src;
+    memcpy(dst, (const unsigned char *)v[i]->data + off, n);
     return LK_OK;
 }
 
@@ -52,8 +96,13 @@ lk_status lk_digest_tensors(const lk_tensor *t, size_t n, char hex[LK_DIGEST_HEX
     if ((n && !t) || !hex) return lk_error(LK_ERR_ARG, "lk_digest_tensors: NULL argument");
     const lk_tensor **p = lk_malloc((n ? n : 1) * sizeof *p);
     if (!p) return lk_error(LK_ERR_NOMEM, "digest: out of memory for %zu tensors", n);
-    for (size_t i = 0; i < n; i++) p[i] = &t[i];
-    lk_status s = digest_ptrs(p, n, hex);
+    lk_status s = LK_OK;
+    for (size_t i = 0; i < n; i++) {
+        p[i] = &t[i];
+        if (!s && (!t[i].name || (t[i].nbytes && !t[i].data)))
+            s = lk_error(LK_ERR_ARG, "digest: tensor %zu has no name or no data", i);
+    }
+    if (!s) s = digest_read(p, n, mem_rd, p, "digest", hex);
     lk_free(p);
     return s;
 }
@@ -64,8 +113,18 @@ lk_status lk_digest_st(const lk_st *st, char hex[LK_DIGEST_HEX]) {
     const lk_tensor **p = lk_malloc((n ? n : 1) * sizeof *p);
     if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu tensors", lk_st_path(st), n);
     for (size_t i = 0; i < n; i++) p[i] = lk_st_tensor(st, i);
-    lk_status s = digest_ptrs(p, n, hex);
+    lk_status s = digest_read(p, n, st_rd, st, lk_st_path(st), hex);
     lk_free(p);
-    if (s) lk_error_prefix(s, "%s", lk_st_path(st));
+    return s;
+}
+
+lk_status lk_digest_ckpt(const lk_ckpt *ck, char hex[LK_DIGEST_HEX]) {
+    if (!ck || !hex) return lk_error(LK_ERR_ARG, "lk_digest_ckpt: NULL argument");
+    size_t n = lk_ckpt_count(ck);
+    const lk_tensor **p = lk_malloc((n ? n : 1) * sizeof *p);
+    if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu tensors", lk_ckpt_path(ck), n);
+    for (size_t i = 0; i < n; i++) p[i] = lk_ckpt_tensor(ck, i);
+    lk_status s = digest_read(p, n, ckpt_rd, ck, lk_ckpt_path(ck), hex);
+    lk_free(p);
     return s;
 }

@@ -17,6 +17,7 @@
 #include "lorakit/alloc.h"
 #include "lorakit/fuse.h"
 #include "lorakit/log.h"
+#include "lorakit/checkpoint.h"
 #include "lorakit/safetensors.h"
 #include "train_impl.h"
 
@@ -333,17 +334,17 @@ typedef struct {
 } load_item;
 
 /* Finds the first of two candidate names; both present is ambiguous. */
-static lk_status find2(const lk_st *st, const char *path, const char *a, const char *b, long *idx) {
-    long ia = lk_st_find(st, a), ib = b ? lk_st_find(st, b) : -1;
+static lk_status find2(const lk_ckpt *st, const char *path, const char *a, const char *b, long *idx) {
+    long ia = lk_ckpt_find(st, a), ib = b ? lk_ckpt_find(st, b) : -1;
     if (ia >= 0 && ib >= 0)
         return lk_error(LK_ERR_FORMAT, "%s: both '%s' and its alias '%s' are present", path, a, b);
     *idx = ia >= 0 ? ia : ib;
     return LK_OK;
 }
 
-static lk_status check_shape(const lk_st *st, const char *path, long i, int ndim,
+static lk_status check_shape(const lk_ckpt *st, const char *path, long i, int ndim,
                              const int64_t *shape) {
-    const lk_tensor *t = lk_st_tensor(st, (size_t)i);
+    const lk_tensor *t = lk_ckpt_tensor(st, (size_t)i);
     if (!lk_dtype_is_fusable(t->dtype))
         return lk_error(LK_ERR_DTYPE, "%s: %s: dtype %s (expected F32, F16 or BF16)", path, t->name,
                         lk_dtype_name(t->dtype));
@@ -365,10 +366,10 @@ lk_status lk_lora_model_load_base(lk_lora_model *m, const char *path, const lk_l
     if (!m || !path) return lk_error(LK_ERR_ARG, "lk_lora_model_load_base: missing model or path");
     lk_lora_load_opts o = {0};
     if (opts) o = *opts;
-    lk_st *st;
-    lk_status s = lk_st_open(path, &st);
+    lk_ckpt *st;
+    lk_status s = lk_ckpt_open(path, &st);
     if (s != LK_OK) return s;
-    size_t n_file = lk_st_count(st);
+    size_t n_file = lk_ckpt_count(st);
     size_t cap = 4 * m->n_layers + m->n_tensors + 1;
     load_item *items = lk_calloc(cap, sizeof *items);
     unsigned char *used = lk_calloc(n_file ? n_file : 1, 1);
@@ -395,7 +396,7 @@ lk_status lk_lora_model_load_base(lk_lora_model *m, const char *path, const lk_l
             s = l->wrapped ? find2(st, path, based, names[0], &idx) : find2(st, path, names[0], based, &idx);
             if (s == LK_OK && idx >= 0 && !dst)
                 s = lk_error(LK_ERR_SHAPE, "%s: %s: the model's layer has no bias", path,
-                             lk_st_tensor(st, (size_t)idx)->name);
+                             lk_ckpt_tensor(st, (size_t)idx)->name);
             if (s == LK_OK && dst) {
                 int64_t shape[2] = {l->out, l->in};
                 if (idx >= 0) s = check_shape(st, path, idx, part ? 1 : 2, shape);
@@ -413,7 +414,7 @@ lk_status lk_lora_model_load_base(lk_lora_model *m, const char *path, const lk_l
         lk_lora_params *p = m->params;
         for (int ab = 0; ab < 2 && s == LK_OK; ab++) {
             long pi = ab ? l->pB : l->pA;
-            long idx = lk_st_find(st, p->names[pi]);
+            long idx = lk_ckpt_find(st, p->names[pi]);
             int64_t shape[2] = {p->rows[pi], p->cols[pi]};
             if (idx >= 0) s = check_shape(st, path, idx, 2, shape);
             items[ni++] = (load_item){p->data + p->offset[pi],
@@ -422,7 +423,7 @@ lk_status lk_lora_model_load_base(lk_lora_model *m, const char *path, const lk_l
     }
     for (size_t i = 0; s == LK_OK && i < m->n_tensors; i++) {
         other_tensor *t = &m->tensors[i];
-        long idx = lk_st_find(st, t->name);
+        long idx = lk_ckpt_find(st, t->name);
         if (idx >= 0) s = check_shape(st, path, idx, t->ndim, t->shape);
         else if (!o.allow_missing) s = lk_error(LK_ERR_FORMAT, "%s: missing tensor '%s'", path, t->name);
         items[ni++] = (load_item){t->data, t->numel, idx, "tensor"};
@@ -434,22 +435,39 @@ lk_status lk_lora_model_load_base(lk_lora_model *m, const char *path, const lk_l
         if (used[i]) continue;
         if (!o.allow_unexpected)
             s = lk_error(LK_ERR_UNMATCHED, "%s: tensor '%s' matches nothing in the model", path,
-                         lk_st_tensor(st, i)->name);
+                         lk_ckpt_tensor(st, i)->name);
         n_unexpected++;
     }
+    /* Read every present tensor (pread, not the mapping: a file truncated
+     * meanwhile is an error, not a SIGBUS) before writing any: on a read
+     * error the model is unchanged. */
+    unsigned char *stage = NULL;
+    size_t *at = NULL;
     if (s == LK_OK) {
-        /* Commit: copy every present tensor; re-initialise absent adapters. */
+        size_t total = 0;
+        at = lk_malloc((ni ? ni : 1) * sizeof *at);
+        for (size_t i = 0; at && i < ni; i++) {
+            at[i] = total;
+            if (items[i].src >= 0) total += lk_ckpt_tensor(st, (size_t)items[i].src)->nbytes;
+        }
+        stage = at ? lk_malloc(total ? total : 1) : NULL;
+        if (!stage) s = lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu tensors", path, ni);
+        for (size_t i = 0; s == LK_OK && i < ni; i++)
+            if (items[i].src >= 0)
+                s = lk_ckpt_read(st, (size_t)items[i].src, 0, stage + at[i],
+                                 lk_ckpt_tensor(st, (size_t)items[i].src)->nbytes);
+    }
+    if (s == LK_OK) {
+        /* Commit: convert every present tensor; re-initialise absent adapters. */
         size_t n_init = 0;
         for (size_t i = 0; i < ni; i++)
-            if (items[i].src >= 0) {
-                const lk_tensor *t = lk_st_tensor(st, (size_t)items[i].src);
-                lk_to_f32(items[i].dst, t->data, t->dtype, items[i].numel);
-            }
+            if (items[i].src >= 0)
+                lk_to_f32(items[i].dst, stage + at[i], lk_ckpt_tensor(st, (size_t)items[i].src)->dtype, items[i].numel);
         for (size_t i = 0; i < m->n_layers; i++) {
             lk_lora_layer *l = m->layers[i];
             if (!l->wrapped) continue;
-            long ia = lk_st_find(st, m->params->names[l->pA]);
-            long ib = lk_st_find(st, m->params->names[l->pB]);
+            long ia = lk_ckpt_find(st, m->params->names[l->pA]);
+            long ib = lk_ckpt_find(st, m->params->names[l->pB]);
             if (ia < 0 && ib < 0) {
                 init_layer(l, m->seed);
                 n_init++;
@@ -467,9 +485,11 @@ lk_status lk_lora_model_load_base(lk_lora_model *m, const char *path, const lk_l
         lk_log(LK_LOG_INFO, "%s: loaded %zu tensors, %zu adapter layers initialised from the seed, %zu ignored",
                path, n_file - n_unexpected, n_init, n_unexpected);
     }
+    lk_free(stage);
+    lk_free(at);
     lk_free(items);
     lk_free(used);
-    lk_st_close(st);
+    lk_ckpt_close(st);
     return s;
 }
 

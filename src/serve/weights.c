@@ -1,6 +1,7 @@
 /* weights.c — in-memory working weights (see lorakit/weights.h).
  *
- * A loaded file becomes one allocation: the tensor table, a name-sorted
+ * A loaded checkpoint (one file or a sharded set, lorakit/checkpoint.h)
+ * becomes one allocation: the tensor table, a name-sorted
  * index, the names, then the data at 64-byte alignment (llm.c style: one
  * object, one free). The copy, rather than the reader's read-only mmap, is
  * what makes the weights writable in place by the tracker. */
@@ -11,7 +12,7 @@
 #include <string.h>
 
 #include "lorakit/alloc.h"
-#include "lorakit/safetensors.h"
+#include "lorakit/checkpoint.h"
 
 struct lk_weights {
     size_t n;
@@ -40,10 +41,10 @@ static lk_status build_index(lk_weights *w) {
 lk_status lk_weights_load(const char *path, lk_weights **out) {
     if (!path || !out) return lk_error(LK_ERR_ARG, "lk_weights_load: NULL argument");
     *out = NULL;
-    lk_st *st = NULL;
-    lk_status s = lk_st_open(path, &st);
+    lk_ckpt *st = NULL;
+    lk_status s = lk_ckpt_open(path, &st);
     if (s) return s;
-    size_t n = lk_st_count(st);
+    size_t n = lk_ckpt_count(st);
     /* layout: [lk_weights][n lk_tensor][n pointers][names][pad][data...] */
     size_t off = ALIGN_UP(sizeof(lk_weights)), names_off, data_off, total, data = 0;
     size_t tab_off = off;
@@ -51,7 +52,7 @@ lk_status lk_weights_load(const char *path, lk_weights **out) {
              lk_checked_add(off, total, &off);
     names_off = off;
     for (size_t i = 0; ok && i < n; i++) {
-        const lk_tensor *t = lk_st_tensor(st, i);
+        const lk_tensor *t = lk_ckpt_tensor(st, i);
         ok = lk_checked_add(off, strlen(t->name) + 1, &off);
         size_t a = ALIGN_UP(t->nbytes);
         ok = ok && a >= t->nbytes && lk_checked_add(data, a, &data);
@@ -59,12 +60,12 @@ lk_status lk_weights_load(const char *path, lk_weights **out) {
     data_off = ALIGN_UP(off);
     ok = ok && data_off >= off && lk_checked_add(data_off, data, &total) && lk_checked_add(total, 64, &total);
     if (!ok) {
-        lk_st_close(st);
+        lk_ckpt_close(st);
         return lk_error(LK_ERR_NOMEM, "%s: the tensors' total size overflows", path);
     }
     unsigned char *raw = lk_malloc(total);
     if (!raw) {
-        lk_st_close(st);
+        lk_ckpt_close(st);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory loading %zu bytes of weights", path, total);
     }
     /* align the block start itself so data_off offsets stay 64-aligned */
@@ -78,7 +79,7 @@ lk_status lk_weights_load(const char *path, lk_weights **out) {
     unsigned char *d = b + data_off;
     w->nbytes = 0;
     for (size_t i = 0; i < n; i++) {
-        const lk_tensor *src = lk_st_tensor(st, i);
+        const lk_tensor *src = lk_ckpt_tensor(st, i);
         size_t len = strlen(src->name) + 1;
         w->t[i] = *src;
         memcpy(names, src->name, len);
@@ -86,15 +87,15 @@ lk_status lk_weights_load(const char *path, lk_weights **out) {
         names += len;
         w->t[i].data = d;
         /* pread, not the mmap: a file truncated while loading is an error, not SIGBUS. */
-        if (src->nbytes && (s = lk_st_read(st, i, 0, d, src->nbytes)) != LK_OK) {
-            lk_st_close(st);
+        if (src->nbytes && (s = lk_ckpt_read(st, i, 0, d, src->nbytes)) != LK_OK) {
+            lk_ckpt_close(st);
             lk_free(raw);
             return s;
         }
         d += ALIGN_UP(src->nbytes);
         w->nbytes += src->nbytes;
     }
-    lk_st_close(st);
+    lk_ckpt_close(st);
     s = build_index(w);
     if (s) {
         lk_free(raw);

@@ -1,0 +1,39 @@
+/* out_dir.h — writing a sharded checkpoint folder atomically (internal to
+ * the library; used by lk_fuse_file).
+ *
+ * lk_out_dir_begin checks that OUT_DIR is new or an empty folder and makes a
+ * fresh temporary folder next to it (".<name>.lorakit-tmp-<pid>-<n>"); the
+ * caller writes every shard into it (lk_out_dir_file gives the paths), then
+ * lk_out_dir_index writes the new index and lk_out_dir_copy_small the base
+ * folder's other small files; lk_out_dir_commit fsyncs and renames the whole
+ * folder onto OUT_DIR in one rename(2), so OUT_DIR never holds a partial
+ * set. lk_out_dir_abort removes the temporary folder and everything in it. */
+#ifndef LK_IO_OUT_DIR_H
+#define LK_IO_OUT_DIR_H
+
+#include "lorakit/checkpoint.h"
+#include "lorakit/status.h"
+
+typedef struct lk_out_dir lk_out_dir;
+
+/* 1 when out names one file (ends in ".safetensors" and is not a folder). */
+int lk_out_is_file(const char *out);
+/* 1 for an index file name ("*.safetensors.index.json", "*.safetensors.index.<variant>.json"). */
+int lk_ckpt_is_index_name(const char *name);
+
+lk_status lk_out_dir_begin(const char *out, lk_out_dir **od);
+/* The temporary path of file `name` (lk_malloc'd; NULL when out of memory). */
+char *lk_out_dir_file(const lk_out_dir *od, const char *name);
+/* Writes ck's index under its own name: the same weight_map, the metadata
+ * kept with total_size recomputed and key = value added. */
+lk_status lk_out_dir_index(lk_out_dir *od, const lk_ckpt *ck, const char *key, const char *value);
+/* Copies the regular files of ck's folder that are not checkpoints (no
+ * .safetensors, no index, no hidden file; config.json and the like), up to
+ * 64 MiB each (larger ones are skipped with a warning). */
+lk_status lk_out_dir_copy_small(lk_out_dir *od, const lk_ckpt *ck);
+/* Renames the folder into place; frees od on success (else abort it). */
+lk_status lk_out_dir_commit(lk_out_dir *od);
+/* Removes the temporary folder and frees od (NULL: nothing). */
+void lk_out_dir_abort(lk_out_dir *od);
+
+#endif
