@@ -1,0 +1,914 @@
+/* _lorakit.c — the CPython extension under `import lorakit` (python/lorakit/
+ * __init__.py is the Python face; this file is the thin C layer under it).
+ *
+ * Why it is built this way:
+ * - Zero copy: every tensor is borrowed where it lives, through the buffer
+ *   protocol (NumPy: it tells dtype, strides and read-only) or DLPack
+ *   (`__dlpack__`: PyTorch CPU tensors, including bfloat16 and FP8, which
+ *   the buffer protocol cannot describe). The borrowed views become
+ *   lk_tensor views and go straight into the C library.
+ * - Validate everything first: every value is checked (dtype, contiguity,
+ *   writable, CPU) and all views taken before any library call, so a bad
+ *   value raises ValueError/TypeError naming its key and nothing is written.
+ * - Collective calls never raise on one rank alone: a local failure (a bad
+ *   value, a malformed argument found by the Python layer) goes through
+ *   lk_comm_agree before anything else, so every rank raises (the failing
+ *   one its own ValueError/TypeError, the others LoraError "rank R: ...").
+ * - The GIL is released around every fuse, swap, digest and collective;
+ *   the views keep their owners alive (a reference, or the DLPack deleter
+ *   called only when the view is released).
+ * - Every lorakit failure is LoraError(message) with .status the lk_status
+ *   name ("LK_ERR_UNMATCHED", ...). */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#include "lorakit/lorakit.h"
+#ifdef LK_HAVE_MPI
+#include "lorakit/comm_mpi.h"
+#endif
+
+#ifndef LK_PY_VERSION
+#define LK_PY_VERSION "0.0.0"
+#endif
+
+static PyObject *LoraError;
+
+/* Raises LoraError for s with lk_last_error() (or msg when given). */
+static PyObject *raise_lk(lk_status s, const char *msg) {
+    PyObject *e = PyObject_CallFunction(LoraError, "s", msg ? msg : lk_last_error());
+    if (!e) return NULL;
+    PyObject *name = PyUnicode_FromString(lk_status_str(s));
+    if (!name || PyObject_SetAttrString(e, "status", name) < 0) {
+        Py_XDECREF(name);
+        Py_DECREF(e);
+        return NULL;
+    }
+    Py_DECREF(name);
+    PyErr_SetObject(LoraError, e);
+    Py_DECREF(e);
+    return NULL;
+}
+
+/* ---- DLPack (the v0.x ABI every exporter offers by default) ---- */
+
+typedef struct { int32_t device_type, device_id; } DLDevice;
+typedef struct { uint8_t code, bits; uint16_t lanes; } DLDataType;
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape, *strides;
+    uint64_t byte_offset;
+} DLTensor;
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+
+enum { kDLCPU = 1 };
+enum { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLBool = 6, kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12 };
+
+static lk_dtype dl_dtype(DLDataType t) {
+    if (t.lanes != 1) return LK_DTYPE_INVALID;
+    switch (t.code) {
+    case kDLFloat: return t.bits == 32 ? LK_DTYPE_F32 : t.bits == 16 ? LK_DTYPE_F16 : t.bits == 64 ? LK_DTYPE_F64 : LK_DTYPE_INVALID;
+    case kDLBfloat: return t.bits == 16 ? LK_DTYPE_BF16 : LK_DTYPE_INVALID;
+    case kDLFloat8_e4m3fn: return t.bits == 8 ? LK_DTYPE_F8_E4M3 : LK_DTYPE_INVALID;
+    case kDLFloat8_e5m2: return t.bits == 8 ? LK_DTYPE_F8_E5M2 : LK_DTYPE_INVALID;
+    case kDLBool: return t.bits == 8 ? LK_DTYPE_BOOL : LK_DTYPE_INVALID;
+    case kDLInt:
+        return t.bits == 8 ? LK_DTYPE_I8 : t.bits == 16 ? LK_DTYPE_I16 : t.bits == 32 ? LK_DTYPE_I32
+             : t.bits == 64 ? LK_DTYPE_I64 : LK_DTYPE_INVALID;
+    case kDLUInt:
+        return t.bits == 8 ? LK_DTYPE_U8 : t.bits == 16 ? LK_DTYPE_U16 : t.bits == 32 ? LK_DTYPE_U32
+             : t.bits == 64 ? LK_DTYPE_U64 : LK_DTYPE_INVALID;
+    }
+    return LK_DTYPE_INVALID;
+}
+
+/* A buffer-protocol format string (native, standard sizes) as a dtype. */
+static lk_dtype fmt_dtype(const char *f, Py_ssize_t itemsize) {
+    if (!f) return itemsize == 1 ? LK_DTYPE_U8 : LK_DTYPE_INVALID;
+    if (*f == '@' || *f == '=' || *f == '<') f++;
+    if (f[0] && f[1]) return LK_DTYPE_INVALID;
+    switch (*f) {
+    case 'f': return itemsize == 4 ? LK_DTYPE_F32 : LK_DTYPE_INVALID;
+    case 'e': return itemsize == 2 ? LK_DTYPE_F16 : LK_DTYPE_INVALID;
+    case 'd': return itemsize == 8 ? LK_DTYPE_F64 : LK_DTYPE_INVALID;
+    case '?': return LK_DTYPE_BOOL;
+    case 'b': return LK_DTYPE_I8;
+    case 'B': return LK_DTYPE_U8;
+    case 'h': return LK_DTYPE_I16;
+    case 'H': return LK_DTYPE_U16;
+    case 'i': case 'l': case 'q':
+        return itemsize == 4 ? LK_DTYPE_I32 : itemsize == 8 ? LK_DTYPE_I64 : LK_DTYPE_INVALID;
+    case 'I': case 'L': case 'Q':
+        return itemsize == 4 ? LK_DTYPE_U32 : itemsize == 8 ? LK_DTYPE_U64 : LK_DTYPE_INVALID;
+    }
+    return LK_DTYPE_INVALID;
+}
+
+/* ---- views: borrowed tensors ---- */
+
+typedef struct view {
+    lk_tensor t;
+    PyObject *name;  /* the key as a str (t.name points into its UTF-8) */
+    int has_buf;
+    Py_buffer buf;
+    DLManagedTensor *dl;
+} view;
+
+static void view_release(view *v) {
+    if (v->has_buf) PyBuffer_Release(&v->buf);
+    if (v->dl && v->dl->deleter) v->dl->deleter(v->dl);
+    Py_XDECREF(v->name);
+    memset(v, 0, sizeof *v);
+}
+
+static void views_free(view *v, size_t n) {
+    if (!v) return;
+    for (size_t i = 0; i < n; i++) view_release(&v[i]);
+    PyMem_Free(v);
+}
+
+enum { NEED_WRITE = 1, NEED_F32 = 2 };
+
+static int set_shape(view *v, int ndim, const int64_t *shape, const Py_ssize_t *pyshape) {
+    if (ndim > LK_MAX_DIMS) {
+        PyErr_Format(PyExc_ValueError, "%s: %d dimensions, lorakit handles at most %d", v->t.name, ndim, LK_MAX_DIMS);
+        return -1;
+    }
+    v->t.ndim = ndim;
+    size_t numel = 1;
+    for (int d = 0; d < ndim; d++) {
+        v->t.shape[d] = shape ? shape[d] : (int64_t)pyshape[d];
+        numel *= (size_t)v->t.shape[d];
+    }
+    v->t.nbytes = numel * lk_dtype_size(v->t.dtype);
+    return 0;
+}
+
+static int check_dtype(view *v, lk_dtype d, int flags, const char *what) {
+    if (d == LK_DTYPE_INVALID) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s: dtype %s is not one lorakit reads (float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, "
+                     "float64, integers, bool)", v->t.name, what);
+        return -1;
+    }
+    if ((flags & NEED_F32) && d != LK_DTYPE_F32) {
+        PyErr_Format(PyExc_TypeError, "%s: dtype %s, float32 expected", v->t.name, lk_dtype_name(d));
+        return -1;
+    }
+    v->t.dtype = d;
+    return 0;
+}
+
+/* Borrows obj (keyed by name) into v: the buffer protocol first, then
+ * DLPack. dtype_hint (may be NULL): the lorakit dtype of a raw-integer
+ * NumPy view the Python layer made of an ml_dtypes array ("BF16" over
+ * uint16). On failure v holds nothing and an exception is set. */
+static int view_acquire(view *v, PyObject *name, PyObject *obj, const char *dtype_hint, int flags) {
+    memset(v, 0, sizeof *v);
+    Py_INCREF(name);
+    v->name = name;
+    v->t.name = PyUnicode_AsUTF8(name);
+    if (!v->t.name) goto fail;
+    if (PyObject_CheckBuffer(obj)) {
+        if (PyObject_GetBuffer(obj, &v->buf, PyBUF_RECORDS_RO) < 0) goto fail;
+        v->has_buf = 1;
+        lk_dtype d = dtype_hint ? lk_dtype_from_name(dtype_hint, strlen(dtype_hint)) : fmt_dtype(v->buf.format, v->buf.itemsize);
+        if (dtype_hint && lk_dtype_size(d) != (size_t)v->buf.itemsize) d = LK_DTYPE_INVALID;
+        if (check_dtype(v, d, flags, dtype_hint ? dtype_hint : v->buf.format ? v->buf.format : "?") < 0) goto fail;
+        if (!PyBuffer_IsContiguous(&v->buf, 'C')) {
+            PyErr_Format(PyExc_ValueError, "%s: not contiguous (lorakit works in place on C-contiguous memory; "
+                         "pass a contiguous array)", v->t.name);
+            goto fail;
+        }
+        if ((flags & NEED_WRITE) && v->buf.readonly) {
+            PyErr_Format(PyExc_ValueError, "%s: read-only (lorakit writes it in place)", v->t.name);
+            goto fail;
+        }
+        if (set_shape(v, v->buf.ndim, NULL, v->buf.shape) < 0) goto fail;
+        if ((Py_ssize_t)v->t.nbytes != v->buf.len) {
+            PyErr_Format(PyExc_ValueError, "%s: buffer of %zd bytes for %zu expected", v->t.name, v->buf.len, v->t.nbytes);
+            goto fail;
+        }
+        v->t.data = v->buf.buf;
+        return 0;
+    }
+    PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
+    if (!cap) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s: %.200s is neither an array (buffer protocol) nor a tensor with "
+                         "__dlpack__", v->t.name, Py_TYPE(obj)->tp_name);
+        } else { /* e.g. a tensor that requires grad */
+            PyObject *et, *ev, *tb;
+            PyErr_Fetch(&et, &ev, &tb);
+            PyObject *msg = ev ? PyObject_Str(ev) : NULL;
+            PyErr_Format(PyExc_ValueError, "%s: cannot be borrowed through DLPack: %s", v->t.name,
+                         msg ? PyUnicode_AsUTF8(msg) : "?");
+            Py_XDECREF(msg);
+            Py_XDECREF(et); Py_XDECREF(ev); Py_XDECREF(tb);
+        }
+        goto fail;
+    }
+    DLManagedTensor *dl = PyCapsule_GetPointer(cap, "dltensor");
+    if (!dl) {
+        Py_DECREF(cap);
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: __dlpack__ did not return a DLPack capsule", v->t.name);
+        goto fail;
+    }
+    /* consumed: the deleter is now ours to call (view_release) */
+    PyCapsule_SetName(cap, "used_dltensor");
+    Py_DECREF(cap);
+    v->dl = dl;
+    DLTensor *t = &dl->dl_tensor;
+    if (t->device.device_type != kDLCPU) {
+        PyErr_Format(PyExc_ValueError, "%s: on device type %d; lorakit works on CPU memory (move it with .cpu())",
+                     v->t.name, (int)t->device.device_type);
+        goto fail;
+    }
+    char what[32];
+    snprintf(what, sizeof what, "(DLPack code %u, %u bits)", (unsigned)t->dtype.code, (unsigned)t->dtype.bits);
+    lk_dtype d = dl_dtype(t->dtype);
+    if (dtype_hint) { /* a raw unsigned view of a dtype the exporter cannot name */
+        lk_dtype h = lk_dtype_from_name(dtype_hint, strlen(dtype_hint));
+        d = t->dtype.code == kDLUInt && t->dtype.lanes == 1 && (size_t)t->dtype.bits == 8 * lk_dtype_size(h) ? h
+                                                                                                           : LK_DTYPE_INVALID;
+    }
+    if (check_dtype(v, d, flags, what) < 0) goto fail;
+    if (t->ndim < 0 || set_shape(v, t->ndim, t->shape, NULL) < 0) goto fail;
+    if (t->strides) { /* row-major compact, ignoring dims of size 1 */
+        int64_t want = 1;
+        for (int d = t->ndim - 1; d >= 0; d--) {
+            if (t->shape[d] != 1 && t->strides[d] != want) {
+                PyErr_Format(PyExc_ValueError, "%s: not contiguous (lorakit works in place on contiguous memory; "
+                             "call .contiguous() first)", v->t.name);
+                goto fail;
+            }
+            want *= t->shape[d];
+        }
+    }
+    v->t.data = (char *)t->data + t->byte_offset;
+    return 0;
+fail:
+    view_release(v);
+    return -1;
+}
+
+/* items: a sequence of (name: str, value, dtype_hint: str | None). On
+ * failure nothing is held and an exception is set. */
+static view *views_from(PyObject *items, int flags, size_t *n_out) {
+    PyObject *seq = PySequence_Fast(items, "tensors must be a sequence of (name, tensor, hint) items");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    view *v = PyMem_Calloc(n ? (size_t)n : 1, sizeof *v);
+    if (!v) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        PyObject *it = PySequence_Fast_GET_ITEM(seq, i), *name, *val, *hint;
+        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 3) {
+            PyErr_SetString(PyExc_TypeError, "internal: tensors items must be (name, tensor, hint)");
+            break;
+        }
+        name = PyTuple_GET_ITEM(it, 0);
+        val = PyTuple_GET_ITEM(it, 1);
+        hint = PyTuple_GET_ITEM(it, 2);
+        if (!PyUnicode_Check(name)) {
+            PyErr_Format(PyExc_TypeError, "tensor names must be str, got %.100s", Py_TYPE(name)->tp_name);
+            break;
+        }
+        const char *h = hint == Py_None ? NULL : PyUnicode_AsUTF8(hint);
+        if (hint != Py_None && !h) break;
+        if (view_acquire(&v[i], name, val, h, flags) < 0) break;
+    }
+    Py_DECREF(seq);
+    if (i < n) {
+        views_free(v, (size_t)i);
+        return NULL;
+    }
+    *n_out = (size_t)n;
+    return v;
+}
+
+static lk_tensor *tensor_table(view *v, size_t n) {
+    lk_tensor *t = PyMem_Calloc(n ? n : 1, sizeof *t);
+    if (!t) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) t[i] = v[i].t;
+    return t;
+}
+
+/* ---- adapter requests ---- */
+
+typedef struct request {
+    lk_fuse_input *in;
+    PyObject **paths; /* bytes objects the paths point into */
+    size_t n;
+} request;
+
+static void request_free(request *r) {
+    for (size_t i = 0; i < r->n; i++) Py_XDECREF(r->paths[i]);
+    PyMem_Free(r->in);
+    PyMem_Free(r->paths);
+    memset(r, 0, sizeof *r);
+}
+
+/* loras: a sequence of (path: bytes, strength: float, format: str). */
+static int request_from(PyObject *loras, request *r) {
+    memset(r, 0, sizeof *r);
+    PyObject *seq = PySequence_Fast(loras, "loras must be a sequence");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    r->in = PyMem_Calloc(n ? (size_t)n : 1, sizeof *r->in);
+    r->paths = PyMem_Calloc(n ? (size_t)n : 1, sizeof *r->paths);
+    if (!r->in || !r->paths) {
+        Py_DECREF(seq);
+        request_free(r);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *path;
+        double strength;
+        const char *fmt;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Sds", &path, &strength, &fmt)) goto fail;
+        Py_INCREF(path);
+        r->paths[i] = path;
+        r->n = (size_t)i + 1;
+        r->in[i].path = PyBytes_AS_STRING(path);
+        r->in[i].strength = (float)strength;
+        if (lk_adapter_format_parse(fmt, &r->in[i].format)) {
+            raise_lk(LK_ERR_ARG, NULL);
+            goto fail;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+fail:
+    Py_DECREF(seq);
+    request_free(r);
+    return -1;
+}
+
+/* ---- communicators ---- */
+
+typedef struct {
+    PyObject_HEAD
+    lk_comm *c;
+} CommObject;
+
+static void Comm_dealloc(CommObject *self) {
+    lk_comm_free(self->c); /* the MPI backend skips MPI_Comm_free after MPI_Finalize */
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Comm(address): address is None (one process) or the address of an
+ * MPI_Comm (mpi4py's MPI._addressof(comm)); collective (MPI_Comm_dup). */
+static int Comm_init(CommObject *self, PyObject *args, PyObject *kw) {
+    PyObject *addr = Py_None;
+    static char *kwl[] = {"address", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", kwl, &addr)) return -1;
+    if (self->c) {
+        PyErr_SetString(PyExc_RuntimeError, "Comm already initialised");
+        return -1;
+    }
+    lk_status s;
+    if (addr == Py_None) {
+        s = lk_comm_self(&self->c);
+    } else {
+#ifdef LK_HAVE_MPI
+        void *p = PyLong_AsVoidPtr(addr);
+        if (!p) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "comm: NULL MPI_Comm address");
+            return -1;
+        }
+        MPI_Comm mc = *(MPI_Comm *)p;
+        int init = 0;
+        MPI_Initialized(&init);
+        if (!init) {
+            raise_lk(LK_ERR_STATE, "comm: MPI is not initialised (import mpi4py.MPI first)");
+            return -1;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        s = lk_comm_from_mpi(mc, &self->c);
+        Py_END_ALLOW_THREADS
+#else
+        raise_lk(LK_ERR_UNSUPPORTED, "comm: this lorakit was built without MPI; only comm=None works");
+        return -1;
+#endif
+    }
+    if (s) {
+        raise_lk(s, NULL);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Comm_rank(CommObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(self->c ? lk_comm_rank(self->c) : 0);
+}
+static PyObject *Comm_size(CommObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(self->c ? lk_comm_size(self->c) : 1);
+}
+
+static PyGetSetDef Comm_getset[] = {
+    {"rank", (getter)Comm_rank, NULL, "this process's rank", NULL},
+    {"size", (getter)Comm_size, NULL, "number of ranks", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CommType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lorakit._lorakit.Comm",
+    .tp_basicsize = sizeof(CommObject),
+    .tp_dealloc = (destructor)Comm_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "a lorakit communicator (one process, or a duplicate of an MPI communicator)",
+    .tp_init = (initproc)Comm_init,
+    .tp_new = PyType_GenericNew,
+    .tp_getset = Comm_getset,
+};
+
+static lk_comm *comm_of(PyObject *o) {
+    if (!PyObject_TypeCheck(o, &CommType) || !((CommObject *)o)->c) {
+        PyErr_SetString(PyExc_TypeError, "internal: expected a lorakit Comm");
+        return NULL;
+    }
+    return ((CommObject *)o)->c;
+}
+
+/* The agreement every collective entry point starts with: ok is whether
+ * this rank's local preparation succeeded (its exception, if any, is
+ * pending). Returns 0 when every rank succeeded; else -1 with this rank's
+ * own exception when it failed, LoraError "rank R: ..." otherwise. */
+static int agree_local(lk_comm *c, int ok) {
+    PyObject *et = NULL, *ev = NULL, *tb = NULL;
+    lk_status local = LK_OK;
+    if (!ok) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "invalid argument");
+        PyErr_Fetch(&et, &ev, &tb);
+        PyErr_NormalizeException(&et, &ev, &tb);
+        PyObject *msg = ev ? PyObject_Str(ev) : NULL;
+        const char *m = msg ? PyUnicode_AsUTF8(msg) : NULL;
+        local = lk_error(LK_ERR_ARG, "%s", m ? m : "invalid argument");
+        PyErr_Clear();
+        Py_XDECREF(msg);
+    }
+    lk_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = lk_comm_agree(c, local);
+    Py_END_ALLOW_THREADS
+    if (!ok) {
+        PyErr_Restore(et, ev, tb);
+        return -1;
+    }
+    if (s) {
+        raise_lk(s, NULL);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- module functions ---- */
+
+static PyObject *json_result(lk_status s, char *js) {
+    if (s) return raise_lk(s, NULL);
+    PyObject *r = PyUnicode_FromString(js);
+    lk_free(js);
+    return r;
+}
+
+static PyObject *py_digest(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *path;
+    if (!PyArg_ParseTuple(args, "O&", PyUnicode_FSConverter, &path)) return NULL;
+    char hex[LK_DIGEST_HEX];
+    lk_status s;
+    lk_st *st = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    s = lk_st_open(PyBytes_AS_STRING(path), &st);
+    if (!s) s = lk_digest_st(st, hex);
+    lk_st_close(st);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(path);
+    if (s) return raise_lk(s, NULL);
+    return PyUnicode_FromString(hex);
+}
+
+static PyObject *py_digest_tensors(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *items;
+    if (!PyArg_ParseTuple(args, "O", &items)) return NULL;
+    size_t n = 0;
+    view *v = views_from(items, 0, &n);
+    if (!v) return NULL;
+    lk_tensor *t = tensor_table(v, n);
+    char hex[LK_DIGEST_HEX];
+    lk_status s = LK_OK;
+    if (t) {
+        Py_BEGIN_ALLOW_THREADS
+        s = lk_digest_tensors(t, n, hex);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(t);
+    views_free(v, n);
+    if (!t) return NULL;
+    if (s) return raise_lk(s, NULL);
+    return PyUnicode_FromString(hex);
+}
+
+static PyObject *py_inspect(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *path;
+    if (!PyArg_ParseTuple(args, "O&", PyUnicode_FSConverter, &path)) return NULL;
+    char *js = NULL;
+    lk_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = lk_inspect_json(PyBytes_AS_STRING(path), &js);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(path);
+    return json_result(s, js);
+}
+
+static PyObject *py_fuse(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *base, *out, *loras;
+    lk_fuse_file_opts o = {0};
+    if (!PyArg_ParseTuple(args, "O&O&Oiii", PyUnicode_FSConverter, &base, PyUnicode_FSConverter, &out, &loras,
+                          &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite))
+        return NULL;
+    request r;
+    PyObject *res = NULL;
+    if (request_from(loras, &r) == 0) {
+        lk_fuse_stats st;
+        char *js = NULL;
+        lk_status s;
+        const char *b = PyBytes_AS_STRING(base), *ou = PyBytes_AS_STRING(out);
+        Py_BEGIN_ALLOW_THREADS
+        s = lk_fuse_file(b, r.in, r.n, ou, &o, &st);
+        if (!s && !(js = lk_fuse_summary_json(b, ou, r.in, r.n, &st)))
+            s = lk_error(LK_ERR_UNSUPPORTED, "%s written, but its summary cannot be built (a path that is not UTF-8)", ou);
+        Py_END_ALLOW_THREADS
+        res = json_result(s, js);
+        request_free(&r);
+    }
+    Py_DECREF(base);
+    Py_DECREF(out);
+    return res;
+}
+
+static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *items, *loras;
+    lk_fuse_file_opts o = {0};
+    if (!PyArg_ParseTuple(args, "OOiii", &items, &loras, &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite))
+        return NULL;
+    request r;
+    if (request_from(loras, &r) < 0) return NULL;
+    size_t n = 0;
+    view *v = views_from(items, NEED_WRITE, &n);
+    lk_tensor *t = v ? tensor_table(v, n) : NULL;
+    PyObject *res = NULL;
+    if (t) {
+        lk_fuse_stats st;
+        char *js = NULL;
+        lk_status s;
+        Py_BEGIN_ALLOW_THREADS
+        s = lk_fuse_tensors(t, n, r.in, r.n, &o, &st);
+        if (!s && !(js = lk_fuse_summary_json(NULL, NULL, r.in, r.n, &st)))
+            s = lk_error(LK_ERR_UNSUPPORTED, "fused, but the summary cannot be built (a path that is not UTF-8)");
+        Py_END_ALLOW_THREADS
+        res = json_result(s, js);
+    }
+    PyMem_Free(t);
+    views_free(v, n);
+    request_free(&r);
+    return res;
+}
+
+/* sync_grads(comm, items, bucket_bytes) -> collectives: averages float32
+ * tensors over comm in place. */
+static PyObject *py_sync_grads(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *co, *items;
+    Py_ssize_t bucket;
+    int ok = 1;
+    if (!PyArg_ParseTuple(args, "OOn", &co, &items, &bucket)) return NULL;
+    lk_comm *c = comm_of(co);
+    if (!c) return NULL;
+    if (bucket < 0) {
+        PyErr_SetString(PyExc_ValueError, "bucket_mb must be positive");
+        ok = 0;
+    }
+    size_t n = 0;
+    view *v = ok ? views_from(items, NEED_WRITE | NEED_F32, &n) : NULL;
+    float **bufs = v ? PyMem_Calloc(n ? n : 1, sizeof *bufs) : NULL;
+    size_t *counts = v ? PyMem_Calloc(n ? n : 1, sizeof *counts) : NULL;
+    if (v && (!bufs || !counts)) PyErr_NoMemory();
+    PyObject *res = NULL;
+    if (agree_local(c, bufs && counts) == 0) {
+        for (size_t i = 0; i < n; i++) {
+            bufs[i] = v[i].t.data;
+            counts[i] = v[i].t.nbytes / sizeof(float);
+        }
+        lk_status s;
+        size_t calls = 0;
+        Py_BEGIN_ALLOW_THREADS
+        s = lk_comm_average_f32(c, bufs, counts, n, (size_t)bucket, &calls);
+        Py_END_ALLOW_THREADS
+        res = s ? raise_lk(s, NULL) : PyLong_FromSize_t(calls);
+    }
+    PyMem_Free(bufs);
+    PyMem_Free(counts);
+    views_free(v, n);
+    return res;
+}
+
+/* check_replicas(comm, items) -> bool: every rank's tensors digest the
+ * same (names, dtypes, shapes and bytes). */
+static PyObject *py_check_replicas(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *co, *items;
+    if (!PyArg_ParseTuple(args, "OO", &co, &items)) return NULL;
+    lk_comm *c = comm_of(co);
+    if (!c) return NULL;
+    size_t n = 0, size = (size_t)lk_comm_size(c);
+    view *v = views_from(items, 0, &n);
+    lk_tensor *t = v ? tensor_table(v, n) : NULL;
+    char *all = t ? PyMem_Calloc(size, LK_DIGEST_HEX) : NULL;
+    if (t && !all) PyErr_NoMemory();
+    PyObject *res = NULL;
+    if (agree_local(c, all != NULL) == 0) {
+        char hex[LK_DIGEST_HEX] = {0};
+        lk_status s, ds;
+        Py_BEGIN_ALLOW_THREADS
+        ds = lk_digest_tensors(t, n, hex); /* a failure joins the allgather as zeros */
+        s = lk_comm_allgather(c, hex, LK_DIGEST_HEX, all);
+        Py_END_ALLOW_THREADS
+        if (!s) s = lk_comm_agree(c, ds);
+        if (s) {
+            raise_lk(s, NULL);
+        } else {
+            int same = 1;
+            for (size_t k = 1; k < size; k++) same &= !memcmp(all, all + k * LK_DIGEST_HEX, LK_DIGEST_HEX);
+            res = PyBool_FromLong(same);
+        }
+    }
+    PyMem_Free(all);
+    PyMem_Free(t);
+    views_free(v, n);
+    return res;
+}
+
+/* agree_error(comm, message): the Python layer failed while preparing a
+ * collective call; this joins that call's first agreement as failed (the
+ * other ranks raise LoraError "rank R: message") and returns None, for the
+ * caller to raise its own exception. */
+static PyObject *py_agree_error(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *co;
+    const char *msg;
+    if (!PyArg_ParseTuple(args, "Os", &co, &msg)) return NULL;
+    lk_comm *c = comm_of(co);
+    if (!c) return NULL;
+    lk_status local = lk_error(LK_ERR_ARG, "%s", msg);
+    Py_BEGIN_ALLOW_THREADS
+    lk_comm_agree(c, local);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ---- Tracker ---- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *comm; /* CommObject */
+    view *v;
+    size_t n;
+    lk_weights *w;
+    lk_tracker *t;
+    PyObject *loras; /* list of (path: str, strength: float) as applied */
+} TrackerObject;
+
+static void Tracker_clear(TrackerObject *self) {
+    lk_tracker_free(self->t);
+    self->t = NULL;
+    lk_weights_free(self->w);
+    self->w = NULL;
+    views_free(self->v, self->n);
+    self->v = NULL;
+    self->n = 0;
+    Py_CLEAR(self->loras);
+    Py_CLEAR(self->comm);
+}
+
+static void Tracker_dealloc(TrackerObject *self) {
+    Tracker_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Tracker(comm, items, bucket_mb, no_lora_swap, threads, allow_nonfinite) */
+static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
+    (void)kw;
+    PyObject *co, *items;
+    long bucket_mb;
+    int no_swap, threads, nonfinite, ok = 1;
+    if (!PyArg_ParseTuple(args, "OOlpii", &co, &items, &bucket_mb, &no_swap, &threads, &nonfinite)) return -1;
+    lk_comm *c = comm_of(co);
+    if (!c) return -1;
+    if (self->comm) {
+        PyErr_SetString(PyExc_RuntimeError, "Tracker already initialised");
+        return -1;
+    }
+    Py_INCREF(co);
+    self->comm = co;
+    self->loras = PyList_New(0);
+    if (!self->loras) return -1;
+    if (ok && bucket_mb <= 0) {
+        PyErr_Format(PyExc_ValueError, "bucket_mb must be positive, got %ld", bucket_mb);
+        ok = 0;
+    }
+    if (ok && !(self->v = views_from(items, NEED_WRITE, &self->n))) ok = 0;
+    lk_tensor *t = ok ? tensor_table(self->v, self->n) : NULL;
+    if (ok && !t) ok = 0;
+    lk_status s = LK_OK;
+    if (t && (s = lk_weights_wrap(t, self->n, &self->w))) {
+        raise_lk(s, NULL);
+        ok = 0;
+    }
+    PyMem_Free(t);
+    if (agree_local(c, ok) < 0) return -1;
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.bucket_mb = bucket_mb;
+    o.no_lora_swap = no_swap;
+    o.threads = threads;
+    o.allow_nonfinite = nonfinite;
+    Py_BEGIN_ALLOW_THREADS
+    s = lk_tracker_create(c, self->w, &o, &self->t);
+    Py_END_ALLOW_THREADS
+    if (s) {
+        raise_lk(s, NULL);
+        return -1;
+    }
+    return 0;
+}
+
+static int tracker_ready(TrackerObject *self) {
+    if (!self->t) {
+        raise_lk(LK_ERR_STATE, "Tracker is closed or was not created");
+        return 0;
+    }
+    return 1;
+}
+
+/* One collective call (apply when r is given, else reset), then the
+ * group's report. */
+static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int digest, PyObject *new_loras) {
+    lk_comm *c = ((CommObject *)self->comm)->c;
+    if (agree_local(c, ok) < 0) return NULL;
+    lk_tracker_stats st;
+    memset(&st, 0, sizeof st);
+    lk_status s, rs;
+    char msg[2048] = "", *js = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    s = r ? lk_tracker_apply(self->t, r->in, r->n, &st) : lk_tracker_reset(self->t, &st);
+    if (s) snprintf(msg, sizeof msg, "%s", lk_last_error());
+    /* every rank fails or succeeds together (the tracker agrees), so the
+     * report, a collective, is made on success only */
+    rs = s ? s : lk_tracker_report_json(c, self->w, 0, s, msg, &st, digest, &js);
+    Py_END_ALLOW_THREADS
+    if (s) {
+        lk_free(js);
+        return raise_lk(s, msg);
+    }
+    if (rs) return raise_lk(rs, NULL);
+    if (new_loras) {
+        Py_INCREF(new_loras);
+        Py_SETREF(self->loras, new_loras);
+    } else if (!r) {
+        PyObject *empty = PyList_New(0);
+        if (!empty) {
+            lk_free(js);
+            return NULL;
+        }
+        Py_SETREF(self->loras, empty);
+    }
+    return json_result(LK_OK, js);
+}
+
+/* apply(loras, digest, applied): applied is the list the loras property
+ * shows after success. */
+static PyObject *Tracker_apply(TrackerObject *self, PyObject *args) {
+    PyObject *loras, *applied;
+    int digest, ok = 1;
+    if (!PyArg_ParseTuple(args, "OpO", &loras, &digest, &applied)) return NULL;
+    if (!tracker_ready(self)) return NULL;
+    request r = {0};
+    if (request_from(loras, &r) < 0) ok = 0;
+    PyObject *res = tracker_call(self, &r, ok, digest, applied);
+    request_free(&r);
+    return res;
+}
+
+static PyObject *Tracker_reset(TrackerObject *self, PyObject *args) {
+    int digest;
+    if (!PyArg_ParseTuple(args, "p", &digest)) return NULL;
+    if (!tracker_ready(self)) return NULL;
+    return tracker_call(self, NULL, 1, digest, NULL);
+}
+
+static PyObject *Tracker_close(TrackerObject *self, PyObject *noargs) {
+    (void)noargs;
+    Tracker_clear(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Tracker_loras(TrackerObject *self, void *closure) {
+    (void)closure;
+    return PySequence_List(self->loras ? self->loras : Py_None);
+}
+
+static PyObject *Tracker_staging_bytes(TrackerObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromSize_t(self->t ? lk_tracker_staging_bytes(self->t) : 0);
+}
+
+static PyMethodDef Tracker_methods[] = {
+    {"apply", (PyCFunction)Tracker_apply, METH_VARARGS, NULL},
+    {"reset", (PyCFunction)Tracker_reset, METH_VARARGS, NULL},
+    {"close", (PyCFunction)Tracker_close, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Tracker_getset[] = {
+    {"loras", (getter)Tracker_loras, NULL, NULL, NULL},
+    {"staging_bytes", (getter)Tracker_staging_bytes, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject TrackerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lorakit._lorakit.Tracker",
+    .tp_basicsize = sizeof(TrackerObject),
+    .tp_dealloc = (destructor)Tracker_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "the C hot-swap tracker over borrowed tensors (use lorakit.Tracker)",
+    .tp_init = (initproc)Tracker_init,
+    .tp_new = PyType_GenericNew,
+    .tp_methods = Tracker_methods,
+    .tp_getset = Tracker_getset,
+};
+
+static PyMethodDef methods[] = {
+    {"digest", py_digest, METH_VARARGS, NULL},
+    {"digest_tensors", py_digest_tensors, METH_VARARGS, NULL},
+    {"inspect", py_inspect, METH_VARARGS, NULL},
+    {"fuse", py_fuse, METH_VARARGS, NULL},
+    {"fuse_", py_fuse_inplace, METH_VARARGS, NULL},
+    {"sync_grads", py_sync_grads, METH_VARARGS, NULL},
+    {"check_replicas", py_check_replicas, METH_VARARGS, NULL},
+    {"agree_error", py_agree_error, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {
+    PyModuleDef_HEAD_INIT, "_lorakit", "lorakit's C layer (see the lorakit package)", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__lorakit(void) {
+    if (PyType_Ready(&CommType) < 0 || PyType_Ready(&TrackerType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moddef);
+    if (!m) return NULL;
+    LoraError = PyErr_NewExceptionWithDoc("lorakit.LoraError",
+                                          "A lorakit failure; .status is the lk_status name (e.g. LK_ERR_UNMATCHED).",
+                                          PyExc_RuntimeError, NULL);
+    if (!LoraError || PyModule_AddObjectRef(m, "LoraError", LoraError) < 0 ||
+        PyModule_AddObjectRef(m, "Comm", (PyObject *)&CommType) < 0 ||
+        PyModule_AddObjectRef(m, "Tracker", (PyObject *)&TrackerType) < 0 ||
+        PyModule_AddStringConstant(m, "__version__", LK_PY_VERSION) < 0 ||
+#ifdef LK_HAVE_MPI
+        PyModule_AddIntConstant(m, "HAVE_MPI", 1) < 0
+#else
+        PyModule_AddIntConstant(m, "HAVE_MPI", 0) < 0
+#endif
+    ) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

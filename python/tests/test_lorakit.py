@@ -1,0 +1,248 @@
+"""lorakit's Python package in one process, on NumPy arrays (PyTorch cases
+in test_torch.py). Oracles: the lorakit CLI's own output (digests, --json)
+for the same files, a float64 reference of W + sum s * c * B A written here
+(within 1 ulp of the weight's dtype), the digest of a file written by our
+independent NumPy safetensors writer (st_io), and byte copies taken before
+every failing call."""
+import copy
+import json
+import os
+
+import numpy as np
+import pytest
+
+import lorakit
+import st_io
+from conftest import IN, OUT, cli, load_numpy
+
+Q, K = "blocks.0.attn.to_q.weight", "blocks.0.attn.to_k.weight"
+
+
+def snapshot(d):
+    return {k: v.copy() for k, v in d.items()}
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].tobytes() == b[k].tobytes(), k
+
+
+def cli_fuse_digest(m, loras, tmp="cli_out.safetensors", *extra):
+    out = os.path.join(m["dir"], tmp)
+    args = ["fuse", m["base"], "-o", out, "--json", *extra]
+    for p, s in loras:
+        args += ["-l", f"{p}:{s}"]
+    summary = json.loads(cli(*args).stdout)
+    return cli("digest", out).stdout.strip(), summary, out
+
+
+def test_version_and_error_type():
+    assert lorakit.__version__.count(".") == 2
+    assert issubclass(lorakit.LoraError, RuntimeError)
+
+
+def test_digest_and_inspect_match_cli(model):
+    assert lorakit.digest(model["base"]) == cli("digest", model["base"]).stdout.strip()
+    for p in (model["base"], model["a1"]):
+        assert lorakit.inspect(p) == json.loads(cli("inspect", p, "--json").stdout)
+    info = lorakit.inspect(model["a1"])
+    assert info["format"] == "diffusers" and info["module_count"] == 2
+    with pytest.raises(lorakit.LoraError) as e:
+        lorakit.digest(os.path.join(model["dir"], "missing.safetensors"))
+    assert e.value.status == "LK_ERR_IO" and "missing.safetensors" in str(e.value)
+
+
+def test_digest_tensors_equals_file_digest(model):
+    # NumPy round trip: arrays -> our writer -> lorakit.digest == digest_tensors
+    t = load_numpy(model["base"])
+    assert lorakit.digest_tensors(t) == lorakit.digest(model["base"])
+    p = os.path.join(model["dir"], "rt.safetensors")
+    t[Q][0, 0] += 1.0
+    st_io.write(p, {k: ({np.float32: "F32", np.float16: "F16", np.int64: "I64"}[v.dtype.type], v)
+                    for k, v in t.items()})
+    assert lorakit.digest_tensors(t) == lorakit.digest(p) != lorakit.digest(model["base"])
+
+
+def test_fuse_file_matches_cli(model):
+    loras = [(model["a1"], 0.8), (model["a2"], -1.25)]
+    want, cli_sum, _ = cli_fuse_digest(model, loras)
+    out = os.path.join(model["dir"], "py_out.safetensors")
+    s = lorakit.fuse(model["base"], loras, out)
+    assert lorakit.digest(out) == want
+    for k in ("adapters", "tensors_total", "tensors_fused", "modules_unmatched", "base"):
+        assert s[k] == cli_sum[k], k
+    assert s["out"] == out
+
+
+def test_fuse_inplace_equals_cli_and_reference(model):
+    loras = [(model["a2"], -1.25), (model["a1"], 0.8)]
+    want, cli_sum, _ = cli_fuse_digest(model, loras)
+    t = load_numpy(model["base"])
+    base = snapshot(t)
+    ids = {k: id(v) for k, v in t.items()}
+    s = lorakit.fuse_(t, loras, threads=2)
+    assert {k: id(v) for k, v in t.items()} == ids  # in place: the same arrays
+    assert lorakit.digest_tensors(t) == want
+    assert s["tensors_fused"] == cli_sum["tensors_fused"] == 2 and s["tensors_total"] == 4
+    assert "base" not in s and s["adapters"] == [{"path": model["a2"], "strength": -1.25},
+                                                 {"path": model["a1"], "strength": 0.8}]
+    # float64 reference: a1 has alpha 2 (scale 2/4 on to_q, 2/2 on to_k), a2 none (scale 1)
+    a1, a2 = st_io.read(model["a1"]), st_io.read(model["a2"])
+
+    def term(ad, m, s, c):
+        A = ad[f"transformer.{m}.lora_A.weight"][1].astype(np.float64)
+        B = ad[f"transformer.{m}.lora_B.weight"][1].astype(np.float64)
+        # the kernel's scale: (float)(strength as float * module scale)
+        sc = np.float64(np.float32(np.float64(np.float32(s)) * c))
+        return sc * (B @ A), abs(sc) * (np.abs(B) @ np.abs(A)), A.shape[0]
+
+    def check(got, w, terms, dt):
+        ref = w.astype(np.float64) + sum(t[0] for t in terms)
+        tol = np.spacing(np.abs(ref).astype(dt)).astype(np.float64)
+        if dt == np.float32:  # plus the fp32 summation bound, as tests/util/adapter_ref.c allows
+            tol += (sum(t[2] for t in terms) + 2) * 2.0 ** -24 * sum(t[1] for t in terms)
+        assert np.all(np.abs(got.astype(np.float64) - ref) <= tol)
+
+    check(t[Q], base[Q], [term(a1, "blocks.0.attn.to_q", 0.8, 0.5), term(a2, "blocks.0.attn.to_q", -1.25, 1.0)],
+          np.float32)
+    check(t[K], base[K], [term(a1, "blocks.0.attn.to_k", 0.8, 1.0)], np.float16)
+    assert t["blocks.0.attn.to_q.bias"].tobytes() == base["blocks.0.attn.to_q.bias"].tobytes()
+    assert t["pos_ids"].tobytes() == base["pos_ids"].tobytes()
+
+
+def test_strength_zero_and_empty_leave_bytes(model):
+    t = load_numpy(model["base"])
+    before = snapshot(t)
+    assert lorakit.fuse_(t, [(model["a1"], 0.0)])["tensors_fused"] == 0
+    assert lorakit.fuse_(t, [])["tensors_fused"] == 0
+    assert_same(t, before)
+
+
+def expect_unchanged(t, exc, match, fn):
+    before = snapshot(t)
+    with pytest.raises(exc, match=match) as e:
+        fn()
+    assert_same(t, before)
+    return e.value
+
+
+def test_fuse_inplace_errors_change_nothing(model):
+    t = load_numpy(model["base"])
+    a1 = [(model["a1"], 1.0)]
+    # every value is checked before any write: the bad one comes after Q, which a1 would fuse
+    for bad, exc, match in (
+        (np.zeros((OUT, 2 * IN), np.float32)[:, ::2], ValueError, "extra: not contiguous"),
+        (np.zeros(3, np.complex64), TypeError, "extra: dtype"),
+        ([1.0, 2.0], TypeError, "extra: list is neither"),
+    ):
+        t2 = dict(t, extra=bad)
+        expect_unchanged(t, exc, match, lambda: lorakit.fuse_(t2, a1))
+    ro = t[Q].copy()
+    ro.flags.writeable = False
+    t3 = dict(t)
+    t3[Q] = ro
+    expect_unchanged(t3, ValueError, f"{Q}: read-only", lambda: lorakit.fuse_(t3, a1))
+    expect_unchanged(t, TypeError, "names must be str", lambda: lorakit.fuse_({**t, 3: t[Q]}, a1))
+    expect_unchanged(t, TypeError, "None is not a tensor", lambda: lorakit.fuse_({**t, "x": None}, a1))
+    expect_unchanged(t, TypeError, "mapping", lambda: lorakit.fuse_(list(t.values()), a1))
+    # adapter failures (LoraError, with the lk_status name)
+    for loras, status, match in (
+        ([(model["unmatched"], 1.0)], "LK_ERR_UNMATCHED", "blocks.9.ff"),
+        ([(model["a1"], 1.0), (model["badshape"], 1.0)], "LK_ERR_SHAPE", "blocks.0.attn.to_q"),
+        ([(os.path.join(model["dir"], "nope.safetensors"), 1.0)], "LK_ERR_IO", "nope.safetensors"),
+        ([(model["a1"], float("nan"))], "LK_ERR_ARG", "not finite"),
+        ([(model["a1"], 1.0, "nosuchformat")], "LK_ERR_ARG", "nosuchformat"),
+        ([(model["overflow"], 1.0)], "LK_ERR_NONFINITE", K),  # to_q is fused first, then rolled back
+    ):
+        e = expect_unchanged(t, lorakit.LoraError, match, lambda: lorakit.fuse_(t, loras))
+        assert e.status == status, (loras, e.status, str(e))
+    for loras in ([("x", "strong")], [42], "a.safetensors", [(model["a1"],)]):
+        expect_unchanged(t, TypeError, "loras", lambda: lorakit.fuse_(t, loras))
+
+
+def test_allow_unmatched(model):
+    t = load_numpy(model["base"])
+    s = lorakit.fuse_(t, [(model["unmatched"], 1.0)], allow_unmatched=True)
+    assert s["modules_unmatched"] == 1 and s["tensors_fused"] == 1
+    want, _, _ = cli_fuse_digest(model, [(model["unmatched"], 1.0)], "u.safetensors", "--allow-unmatched")
+    assert lorakit.digest_tensors(t) == want
+
+
+def test_float64_target_is_refused_by_name(model):
+    t = load_numpy(model["base"])
+    t[Q] = t[Q].astype(np.float64)
+    e = expect_unchanged(t, lorakit.LoraError, Q, lambda: lorakit.fuse_(t, [(model["a1"], 1.0)]))
+    assert e.status in ("LK_ERR_DTYPE", "LK_ERR_SHAPE", "LK_ERR_UNSUPPORTED")
+
+
+def test_tracker_one_process(model):
+    t = load_numpy(model["base"])
+    clean = snapshot(t)
+    tr = lorakit.Tracker(t, bucket_mb=1)
+    assert tr.loras == []
+    r = tr.apply([(model["a1"], 0.8), (model["a2"], -1.25)], digest=True)
+    want, _, _ = cli_fuse_digest(model, [(model["a1"], 0.8), (model["a2"], -1.25)])
+    assert r["status"] == "ok" and r["digest"] == want and r["digests_agree"] is True
+    assert lorakit.digest_tensors(t) == want
+    assert r["keys_fused"] == 2 and set(r) >= {"keys_restored", "bytes_broadcast", "seconds", "skipped", "phases"}
+    assert tr.loras == [(model["a1"], 0.8), (model["a2"], -1.25)]
+    assert tr.apply([(model["a2"], -1.25), (model["a1"], 0.8)])["skipped"] is True  # order-insensitive
+    # a failed apply leaves the tensors and the applied set as they were
+    fused = snapshot(t)
+    for loras, status in (([(model["a1"], 1.0), (model["unmatched"], 1.0)], "LK_ERR_UNMATCHED"),
+                          ([(model["overflow"], 1.0)], "LK_ERR_NONFINITE")):
+        e = expect_unchanged(t, lorakit.LoraError, "", lambda: tr.apply(loras))
+        assert e.status == status
+    expect_unchanged(t, TypeError, "loras", lambda: tr.apply([(model["a1"], "x")]))
+    assert_same(t, fused)
+    assert sorted(tr.loras) == [(model["a1"], 0.8), (model["a2"], -1.25)]
+    want1, _, _ = cli_fuse_digest(model, [(model["a1"], 1.0)], "one.safetensors")
+    r = tr.apply([model["a1"]])
+    assert lorakit.digest_tensors(t) == want1 and r["keys_fused"] == 2
+    r = tr.reset(digest=True)
+    assert r["digest"] == lorakit.digest(model["base"])
+    assert_same(t, clean)
+    assert tr.loras == []
+    tr.close()
+    with pytest.raises(lorakit.LoraError, match="closed"):
+        tr.apply([])
+
+
+def test_tracker_no_lora_swap_and_args(model):
+    t = load_numpy(model["base"])
+    tr = lorakit.Tracker(t, no_lora_swap=True)
+    tr.apply([(model["a1"], 1.0)])
+    with pytest.raises(lorakit.LoraError) as e:
+        tr.apply([(model["a2"], 1.0)])
+    assert e.value.status == "LK_ERR_STATE"
+    with pytest.raises(ValueError, match="bucket_mb"):
+        lorakit.Tracker(load_numpy(model["base"]), bucket_mb=0)
+    ro = load_numpy(model["base"])
+    ro[K].flags.writeable = False
+    with pytest.raises(ValueError, match=f"{K}: read-only"):
+        lorakit.Tracker(ro)
+    with pytest.raises(TypeError, match="comm"):
+        lorakit.Tracker(t, comm="world")
+
+
+def test_sync_grads_one_process():
+    g = [np.arange(6, dtype=np.float32).reshape(2, 3), None]
+    like = [None, np.ones((4,), np.float32)]
+    out = lorakit.sync_grads(g, None, like=like)
+    assert out[0] is g[0] and out[0].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert out[1].shape == (4,) and not out[1].any()
+    with pytest.raises(TypeError, match=r"grads\[0\]: dtype F16, float32 expected"):
+        lorakit.sync_grads([np.zeros(3, np.float16)], None)
+    with pytest.raises(ValueError, match=r"grads\[0\] is None"):
+        lorakit.sync_grads([None], None)
+    assert lorakit.check_replicas({"a": g[0]}, None) is True
+
+
+def test_ml_dtypes_bfloat16(model_bf16):
+    ml = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed (BF16 NumPy arrays need it)")
+    t = {k: (a.view(ml.bfloat16) if dt == "BF16" else a) for k, (dt, a) in st_io.read(model_bf16["base"]).items()}
+    loras = [(model_bf16["a1"], 1.0), (model_bf16["a2"], 0.5)]
+    want, _, _ = cli_fuse_digest(model_bf16, loras)
+    lorakit.fuse_(t, loras)
+    assert lorakit.digest_tensors(t) == want
