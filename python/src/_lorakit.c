@@ -499,11 +499,11 @@ static PyObject *py_digest(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O&", PyUnicode_FSConverter, &path)) return NULL;
     char hex[LK_DIGEST_HEX];
     lk_status s;
-    lk_st *st = NULL;
+    lk_ckpt *ck = NULL;
     Py_BEGIN_ALLOW_THREADS
-    s = lk_st_open(PyBytes_AS_STRING(path), &st);
-    if (!s) s = lk_digest_st(st, hex);
-    lk_st_close(st);
+    s = lk_ckpt_open(PyBytes_AS_STRING(path), &ck);
+    if (!s) s = lk_digest_ckpt(ck, hex);
+    lk_ckpt_close(ck);
     Py_END_ALLOW_THREADS
     Py_DECREF(path);
     if (s) return raise_lk(s, NULL);

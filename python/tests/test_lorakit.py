@@ -192,7 +192,7 @@ def test_tracker_one_process(model):
     fused = snapshot(t)
     for loras, status in (([(model["a1"], 1.0), (model["unmatched"], 1.0)], "LK_ERR_UNMATCHED"),
                           ([(model["overflow"], 1.0)], "LK_ERR_NONFINITE")):
-        e = expect_unchanged(t, lorakit.LoraError, "", lambda: tr.apply(loras))
+        e = expect_unchanged(t, lorakit.LoraError, None, lambda: tr.apply(loras))
         assert e.status == status
     expect_unchanged(t, TypeError, "loras", lambda: tr.apply([(model["a1"], "x")]))
     assert_same(t, fused)

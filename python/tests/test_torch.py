@@ -1,0 +1,97 @@
+"""The package on PyTorch CPU tensors (DLPack). Skipped, with the reason
+shown, where torch is not importable (CI installs no PyTorch). Oracles: the
+lorakit CLI's offline fuse of the same files (digests), the digest of a
+file our own writer (st_io) wrote, and clones taken before failing calls."""
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (CI has none); run with a Python that has it")
+
+import lorakit  # noqa: E402
+import st_io  # noqa: E402
+from conftest import cli  # noqa: E402
+
+Q, K, Q1 = "blocks.0.attn.to_q.weight", "blocks.0.attn.to_k.weight", "blocks.1.attn.to_q.weight"
+
+
+def load_torch(path):
+    out = {}
+    for k, (dt, a) in st_io.read(path).items():
+        t = torch.from_numpy(a)
+        out[k] = t.view(torch.bfloat16) if dt == "BF16" else t
+    return out
+
+
+def cli_digest(m, loras, name):
+    out = os.path.join(m["dir"], name)
+    args = ["fuse", m["base"], "-o", out]
+    for p, s in loras:
+        args += ["-l", f"{p}:{s}"]
+    cli(*args)
+    return cli("digest", out).stdout.strip()
+
+
+def test_fuse_inplace_f32_f16_bf16(model_bf16):
+    m = model_bf16
+    t = load_torch(m["base"])
+    assert t[Q1].dtype == torch.bfloat16
+    ptrs = {k: v.data_ptr() for k, v in t.items()}
+    loras = [(m["a1"], 0.7), (m["a2"], 1.5)]
+    s = lorakit.fuse_(t, loras)
+    assert s["tensors_fused"] == 3
+    assert {k: v.data_ptr() for k, v in t.items()} == ptrs
+    assert lorakit.digest_tensors(t) == cli_digest(m, loras, "f.safetensors")
+
+
+def test_tracker_on_module_state_dict(model_bf16):
+    m = model_bf16
+    # a module holding the checkpoint's tensors; its state_dict() shares their storage
+    names = list(load_torch(m["base"]))
+    net = torch.nn.Module()
+    for i, (k, v) in enumerate(load_torch(m["base"]).items()):
+        net.register_buffer(f"b{i}", v.clone())
+    sd = {names[int(k[1:])]: v for k, v in net.state_dict().items()}
+    clean = {k: v.clone() for k, v in sd.items()}
+    tr = lorakit.Tracker(sd)
+    r = tr.apply([(m["a2"], 1.0)], digest=True)
+    assert r["digest"] == cli_digest(m, [(m["a2"], 1.0)], "t.safetensors")
+    buf = getattr(net, f"b{names.index(Q1)}")
+    assert not torch.equal(buf, clean[Q1])  # the module sees the swap
+    tr.reset()
+    assert all(torch.equal(sd[k], clean[k]) for k in sd)
+    tr.close()
+
+
+def test_torch_errors_name_the_key(model):
+    t = load_torch(model["base"])
+    before = {k: v.clone() for k, v in t.items()}
+    a1 = [(model["a1"], 1.0)]
+    cases = [
+        ({**t, "p": torch.zeros(3, requires_grad=True)}, ValueError, "p: cannot be borrowed through DLPack"),
+        ({**t, "nc": torch.zeros(4, 6)[:, ::2]}, ValueError, "nc: not contiguous"),
+        ({**t, "tr": torch.zeros(4, 6).t()}, ValueError, "tr: not contiguous"),
+        ({**t, "c": torch.zeros(3, dtype=torch.complex64)}, TypeError, "c: dtype"),
+    ]
+    for d, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            lorakit.fuse_(d, a1)
+        assert all(torch.equal(t[k], before[k]) for k in t)
+    assert lorakit.fuse_({"tr": torch.zeros(1, 6).t()}, [])["tensors_total"] == 1  # size-1 dims: contiguous
+
+
+def test_fp8_tensors_are_borrowed(tmp_path):
+    x = torch.randn(4, 8).to(torch.float8_e4m3fn)
+    y = torch.randn(3).to(torch.float8_e5m2)
+    p = str(tmp_path / "f8.safetensors")
+    st_io.write(p, {"x": ("F8_E4M3", x.view(torch.uint8).numpy()), "y": ("F8_E5M2", y.view(torch.uint8).numpy())})
+    assert lorakit.digest_tensors({"x": x, "y": y}) == lorakit.digest(p)
+
+
+def test_sync_param_grads_one_process():
+    lin = torch.nn.Linear(3, 2)
+    lin.weight.grad = torch.ones(2, 3)
+    params = lorakit.sync_param_grads(lin.parameters(), None)
+    assert torch.equal(params[0].grad, torch.ones(2, 3))
+    assert params[1].grad is not None and params[1].grad.shape == (2,) and not params[1].grad.any()
