@@ -345,7 +345,7 @@ static void test_file_errors(void **state) {
          "lora_unet_x: lora_down without lora_up");
     CASE("alpha_only.safetensors",
          (pair(f, "y", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32), af_scalar(f, "x.alpha", LK_DTYPE_F32, 1)),
-         LK_ERR_FORMAT, "alpha_only.safetensors: x: alpha without lora_A and lora_B");
+         LK_ERR_FORMAT, "alpha_only.safetensors: x: 'x.alpha' without lora_A and lora_B");
     CASE("ranks.safetensors",
          (af_rand(f, "x.lora_A.weight", LK_DTYPE_F32, 4, IN, &g_rng, -1, 1),
           af_rand(f, "x.lora_B.weight", LK_DTYPE_F32, OUT, 3, &g_rng, -1, 1)),
@@ -379,7 +379,16 @@ static void test_file_errors(void **state) {
     CASE("unknown.safetensors",
          (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
           af_rand(f, "x.dora_scale", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1)),
-         LK_ERR_FORMAT, "unknown.safetensors: key 'x.dora_scale' is not a LoRA factor or alpha");
+         LK_ERR_UNSUPPORTED, "unknown.safetensors: key 'x.dora_scale' is a kohya-style DoRA magnitude (dora_scale), which lorakit does not fuse");
+    CASE("unknown2.safetensors",
+         (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
+          af_rand(f, "x.something", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1)),
+         LK_ERR_FORMAT, "unknown2.safetensors: key 'x.something' is not a LoRA factor or alpha");
+    CASE("peft_saved_nocfg.safetensors",
+         (pair(f, "base_model.model.x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
+          af_rand(f, "base_model.model.pooler.dense.weight", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1)),
+         LK_ERR_FORMAT, "key 'base_model.model.pooler.dense.weight' is not a LoRA factor; PEFT saves such tensors for "
+         "modules_to_save or bias, which need the adapter_config.json that is not beside the file");
     CASE("mixed.safetensors",
          (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
           pair(f, "lora_unet_y", ".lora_down.weight", ".lora_up.weight", 2, LK_DTYPE_F32)),
@@ -411,22 +420,22 @@ static void test_config_errors(void **state) {
         {"{\"r\": 4, \"lora_alpha\": \"8\"}", LK_ERR_CONFIG, "adapter_config.json: lora_alpha must be a finite number"},
         {"{\"r\": 4, \"lora_alpha\": NaN}", LK_ERR_CONFIG, "adapter_config.json: invalid JSON"},
         {"{\"r\": 4, \"fan_in_fan_out\": true}", LK_ERR_UNSUPPORTED,
-         "adapter_config.json: fan_in_fan_out = true (weights stored in x out, as GPT-2's Conv1D) is not supported"},
-        {"{\"r\": 4, \"use_dora\": true}", LK_ERR_UNSUPPORTED, "use_dora = true (DoRA) is not supported"},
-        {"{\"peft_type\": \"LOHA\"}", LK_ERR_UNSUPPORTED, "peft_type is \"LOHA\"; only LORA adapters can be fused"},
-        {"{\"r\": 4, \"alpha_pattern\": {\"(\": 1}}", LK_ERR_CONFIG, "alpha_pattern: \"(\" is not a valid pattern"},
+         "adapter_config.json: fan_in_fan_out = true: weights stored in x out (GPT-2's Conv1D) are not supported"},
+        {"{\"peft_type\": \"LOHA\"}", LK_ERR_UNSUPPORTED, "peft_type = \"LOHA\"; only LORA adapters can be fused"},
+        {"{\"r\": 4, \"use_qalora\": true}", LK_ERR_UNSUPPORTED, "use_qalora = true: QA-LoRA"},
+        {"{\"r\": 4, \"alora_invocation_tokens\": [1, 2]}", LK_ERR_UNSUPPORTED, "alora_invocation_tokens = [1,2]"},
+        {"{\"r\": 4, \"layer_replication\": [[0, 1]]}", LK_ERR_UNSUPPORTED, "layer_replication = [[0,1]]"},
+        {"{\"r\": 4, \"target_parameters\": [\"experts.w\"]}", LK_ERR_UNSUPPORTED, "target_parameters = [\"experts.w\"]"},
+        {"{\"r\": 4, \"trainable_token_indices\": [3]}", LK_ERR_UNSUPPORTED, "trainable_token_indices = [3]"},
+        {"{\"r\": 4, \"loftq_config\": {\"loftq_bits\": 4}}", LK_ERR_UNSUPPORTED, "loftq_config = {\"loftq_bits\":4}"},
+        {"{\"r\": 4, \"init_lora_weights\": \"pissa_niter_4\"}", LK_ERR_UNSUPPORTED,
+         "init_lora_weights = \"pissa_niter_4\": this initialisation changes the base weights"},
+        {"{\"r\": 4, \"bias\": \"ia3_only\"}", LK_ERR_UNSUPPORTED, "bias = \"ia3_only\""},
+        {"{\"r\": 4, \"alpha_pattern\": {\"(\": 1}}", LK_ERR_CONFIG,
+         "alpha_pattern: \"(\" is not a valid pattern (PCRE2: missing closing parenthesis)"},
         {"{\"r\": 4, \"target_modules\": 5}", LK_ERR_CONFIG, "target_modules must be a list or a string"},
+        {"{\"r\": 4, \"layers_to_transform\": \"0\"}", LK_ERR_CONFIG, "layers_to_transform must be an integer"},
         {"[1, 2]", LK_ERR_CONFIG, "adapter_config.json: not a JSON object"},
-        /* Regex bombs found by tests/fuzz/fuzz_adapter_config.c (glibc
-         * regcomp memory grows with repetition products): refused. */
-        {"{\"r\": 4, \"rank_pattern\": {\"t{0,32767}\": 2}}", LK_ERR_CONFIG,
-         "rank_pattern: pattern \"t{0,32767}\" uses a counted repetition {m,n}"},
-        {"{\"r\": 4, \"alpha_pattern\": {\"t+++++++++++++++++++++++++\": 2}}", LK_ERR_CONFIG,
-         "alpha_pattern: pattern \"t+++++++++++++++++++++++++\" stacks quantifiers"},
-        {"{\"r\": 4, \"target_modules\": \"((t{0,40}){0,40}){0,40}\"}", LK_ERR_CONFIG,
-         "target_modules: pattern \"((t{0,40}){0,40}){0,40}\" uses a counted repetition"},
-        {"{\"r\": 4, \"alpha_pattern\": {\"((t)?)?\": 2}}", LK_ERR_CONFIG,
-         "quantifies a group that holds quantifiers or groups"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         af_file *f = af_new();
@@ -443,10 +452,10 @@ static void test_config_errors(void **state) {
     pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
     char *d1 = peft_folder("cfg_r", "{\"r\": 8, \"lora_alpha\": 8}", f);
     expect_open_error(d1, LK_FORMAT_AUTO, LK_ERR_SHAPE,
-                      "blocks.0.attn.to_q: lora_A has rank 4 but adapter_config.json says r = 8");
+                      "/adapter_config.json says r = 8");
     char *d2 = peft_folder("cfg_rp", "{\"r\": 4, \"rank_pattern\": {\"to_q\": 16}}", f);
     expect_open_error(d2, LK_FORMAT_AUTO, LK_ERR_SHAPE,
-                      "blocks.0.attn.to_q: lora_A has rank 4 but adapter_config.json says 16 (rank_pattern \"to_q\")");
+                      "/adapter_config.json says 16 (rank_pattern \"to_q\")");
     /* A pattern must match at a dot boundary: "q" does not match "to_q". */
     char *d3 = peft_folder("cfg_dot", "{\"r\": 4, \"rank_pattern\": {\"q\": 16}}", f);
     lk_adapter *a = open_ok(d3, LK_FORMAT_AUTO);

@@ -42,7 +42,23 @@ typedef struct lk_lora_module {
     float scale;        /* alpha / rank, or alpha / sqrt(rank) with rsLoRA */
     lk_tensor A;        /* rank x in  (lora_A / lora_down) */
     lk_tensor B;        /* out x rank (lora_B / lora_up) */
+    /* Where alpha came from: "config" (lora_alpha), "alpha_pattern \"<key>\"",
+     * ".alpha tensor", "metadata lora_adapter_metadata", "metadata
+     * alpha_pattern \"<key>\"", "metadata ss_network_alpha" or "default r". */
+    const char *alpha_source;
+    lk_tensor magnitude;     /* DoRA: lora_magnitude_vector, [out]; data NULL when not DoRA */
+    lk_tensor bias;          /* lora_bias: lora_B.bias, [out]; data NULL when absent */
+    const char *bias_target; /* the model's "<m>.bias" once resolved (bias set), else NULL */
 } lk_lora_module;
+
+/* A tensor the adapter replaces whole (PEFT's modules_to_save, and the
+ * biases saved with bias = "all" / "lora_only"). */
+typedef struct lk_adapter_tensor {
+    const char *key;    /* as named in the adapter file */
+    const char *target; /* model key; NULL until resolved or when unmatched */
+    const char *why;    /* "modules_to_save" or "bias" */
+    lk_tensor t;
+} lk_adapter_tensor;
 
 typedef struct lk_adapter lk_adapter;
 
@@ -54,18 +70,25 @@ lk_adapter_format lk_adapter_get_format(const lk_adapter *a);
 size_t lk_adapter_count(const lk_adapter *a);
 /* Module i (0 <= i < count), in byte-wise order of the key stems. */
 const lk_lora_module *lk_adapter_module(const lk_adapter *a, size_t i);
+/* Replaced tensors (modules_to_save, saved biases), in key order. */
+size_t lk_adapter_replacement_count(const lk_adapter *a);
+const lk_adapter_tensor *lk_adapter_replacement(const lk_adapter *a, size_t i);
+/* 1 if the adapter is DoRA (its modules carry lora_magnitude_vector). */
+int lk_adapter_dora(const lk_adapter *a);
 /* 1 if the adapter uses rsLoRA scaling. */
 int lk_adapter_rslora(const lk_adapter *a);
-/* 1 if an adapter_config.json was read (PEFT folders). */
+/* 1 if an adapter_config.json was read (a PEFT folder, or one beside the file). */
 int lk_adapter_has_config(const lk_adapter *a);
 /* Modules not covered by the config's target_modules (warned about). */
 size_t lk_adapter_untargeted(const lk_adapter *a);
 /* The safetensors file read (path itself, or the file inside the folder). */
 const char *lk_adapter_file(const lk_adapter *a);
 /* 1 if path is a folder, or a safetensors file whose keys are all LoRA
- * keys (factors lora_A/lora_B, lora_down/lora_up, or .alpha), at least one
- * a factor; a checkpoint that merely contains some is not. Never sets an
- * error. */
+ * keys (factors lora_A/lora_B, lora_down/lora_up, .alpha, DoRA magnitudes,
+ * lora_B biases), at least one a factor, or a file with an
+ * adapter_config.json beside it whose keys are all PEFT's
+ * ("base_model.model."); a checkpoint that merely contains some is not.
+ * Never sets an error. */
 int lk_adapter_looks_like(const char *path);
 
 /* Maps every module onto one of the model's tensors (name + shape only are
@@ -75,13 +98,21 @@ int lk_adapter_looks_like(const char *path);
  * ".<m>.weight"; kohya names match a model key whose dots, as '_', give the
  * name after "lora_unet_" / "lora_te[12]_". Two candidates are an error
  * (LK_ERR_FORMAT), as are two modules targeting one weight.
- * Unmatched modules are LK_ERR_UNMATCHED naming the first one, unless
+ * A module with lora_B.bias also needs the model's "<m>.bias" (1-D, out);
+ * a replacement maps onto the model key of the same name (else the only
+ * key ending in "." + that name) with the same shape; a replaced tensor
+ * that a LoRA module of this adapter also targets is an error.
+ * Unmatched modules (and replacements) are LK_ERR_UNMATCHED naming the first one, unless
  * allow_unmatched, in which case their count goes to *n_unmatched (may be
  * NULL), they keep target == NULL, and callers skip them. */
 lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_model,
                              int allow_unmatched, size_t *n_unmatched);
 /* The module targeting model key `target`, or NULL (after resolve). */
 const lk_lora_module *lk_adapter_find_target(const lk_adapter *a, const char *target);
+/* The module whose lora_B.bias adds to model key `target` ("<m>.bias"), or NULL. */
+const lk_lora_module *lk_adapter_find_bias_target(const lk_adapter *a, const char *target);
+/* The replacement for model key `target`, or NULL (after resolve). */
+const lk_adapter_tensor *lk_adapter_find_replacement(const lk_adapter *a, const char *target);
 
 #ifdef __cplusplus
 }

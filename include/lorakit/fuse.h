@@ -88,6 +88,34 @@ double lk_fuse_strength_value(float strength);
  * terms in this order, so the same set gives the same bytes everywhere. */
 void lk_fuse_canonical_order(const lk_fuse_input *in, size_t n, size_t *order);
 
+/* The per-key plan shared by lk_fuse_file and the hot-swap tracker: what
+ * one model tensor becomes under opened, resolved adapters ad[0..n) (in the
+ * canonical order, strength[i] for ad[i]). terms (capacity n) receives the
+ * LoRA terms of a 2-D weight (scale = (float)(strength * module scale)) or,
+ * for a layer's 1-D bias, its lora_B bias terms (A = NULL, B = the bias
+ * vector). A replacement (modules_to_save, a saved bias) or a DoRA module
+ * is noted in the plan. Two adapters replacing one tensor, or a DoRA
+ * module with anything else on the same key, is LK_ERR_ARG naming both. */
+typedef struct lk_fuse_key {
+    const lk_tensor *replace;    /* tensor replacing the key whole, or NULL */
+    float replace_strength;
+    const lk_lora_module *dora;  /* DoRA module on the key, or NULL */
+    float dora_strength;
+    size_t n_terms;
+} lk_fuse_key;
+
+lk_status lk_fuse_key_plan(lk_adapter *const *ad, const float *strength, size_t n, const lk_tensor *t,
+                           lk_fuse_term *terms, lk_fuse_key *out);
+/* 1 if the plan changes the key. */
+int lk_fuse_key_touches(const lk_fuse_key *k);
+/* Applies a plan to tensor t: w_out (may equal w_in) = what the plan makes
+ * of w_in. Plain LoRA terms go through lk_fuse_tensor; replacements, DoRA
+ * (W + s (m / ||W + c B A||_row (W + c B A) - W)) and bias terms are
+ * computed in double and rounded once. On error w_out may be partly
+ * written. */
+lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, const lk_fuse_key *k,
+                            const lk_fuse_term *terms, const lk_fuse_opts *opts);
+
 lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n,
                        const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
 

@@ -20,6 +20,7 @@
 #include "lorakit/safetensors.h"
 #include "adapter/adapter_internal.h"
 
+#include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -48,7 +49,7 @@ lk_status lk_adapter_format_parse(const char *name, lk_adapter_format *out) {
 /* ---- key classification ---- */
 
 enum family { FAM_NONE = 0, FAM_AB, FAM_KOHYA, FAM_FV };
-enum role { ROLE_A = 0, ROLE_B = 1, ROLE_ALPHA = 2 };
+enum role { ROLE_A = 0, ROLE_B = 1, ROLE_ALPHA = 2, ROLE_MAG = 3, ROLE_BBIAS = 4, ROLE_COUNT = 5 };
 
 static const char *const g_fam_names[] = {"unknown", "PEFT/diffusers", "kohya", "FastVideo"};
 
@@ -59,6 +60,9 @@ static const struct {
 } g_suffixes[] = {
     {".lora_A.default.weight", FAM_AB, ROLE_A}, {".lora_B.default.weight", FAM_AB, ROLE_B},
     {".lora_A.weight", FAM_AB, ROLE_A},         {".lora_B.weight", FAM_AB, ROLE_B},
+    {".lora_B.default.bias", FAM_AB, ROLE_BBIAS}, {".lora_B.bias", FAM_AB, ROLE_BBIAS},
+    {".lora_magnitude_vector.default.weight", FAM_AB, ROLE_MAG}, {".lora_magnitude_vector.default", FAM_AB, ROLE_MAG},
+    {".lora_magnitude_vector.weight", FAM_AB, ROLE_MAG}, {".lora_magnitude_vector", FAM_AB, ROLE_MAG},
     {".lora_down.weight", FAM_KOHYA, ROLE_A},   {".lora_up.weight", FAM_KOHYA, ROLE_B},
     {".lora_A", FAM_FV, ROLE_A},                {".lora_B", FAM_FV, ROLE_B},
 };
@@ -94,21 +98,31 @@ static enum family family_of(lk_adapter_format f) {
     }
 }
 
+static int file_exists(const char *p);
+static char *sidecar_config(const char *file);
+
 int lk_adapter_looks_like(const char *path) {
     struct stat sb;
     if (!path || stat(path, &sb) != 0) return 0;
     if (S_ISDIR(sb.st_mode)) return 1;
     lk_st *st;
     if (lk_st_open(path, &st) != LK_OK) return 0;
-    int found = 0, other = 0;
-    for (size_t i = 0; i < lk_st_count(st) && !other; i++) {
+    int found = 0, other = 0, all_peft = 1;
+    for (size_t i = 0; i < lk_st_count(st); i++) {
         enum role r;
         size_t sl;
-        enum family f = classify(lk_st_tensor(st, i)->name, &r, &sl);
-        other = f == FAM_NONE;
-        found |= f != FAM_NONE && r != ROLE_ALPHA;
+        const char *k = lk_st_tensor(st, i)->name;
+        enum family f = classify(k, &r, &sl);
+        other |= f == FAM_NONE;
+        found |= f != FAM_NONE && (r == ROLE_A || r == ROLE_B);
+        all_peft &= !strncmp(k, "base_model.model.", 17);
     }
     lk_st_close(st);
+    if (found && other && all_peft) { /* PEFT's modules_to_save / biases: only with a config */
+        char *cfg = sidecar_config(path);
+        other = !file_exists(cfg);
+        lk_free(cfg);
+    }
     return found && !other;
 }
 
@@ -120,26 +134,45 @@ size_t lk_adapter_count(const lk_adapter *a) { return a ? a->n : 0; }
 const lk_lora_module *lk_adapter_module(const lk_adapter *a, size_t i) {
     return a && i < a->n ? &a->mods[i] : NULL;
 }
+size_t lk_adapter_replacement_count(const lk_adapter *a) { return a ? a->n_rep : 0; }
+const lk_adapter_tensor *lk_adapter_replacement(const lk_adapter *a, size_t i) {
+    return a && i < a->n_rep ? &a->reps[i] : NULL;
+}
+int lk_adapter_dora(const lk_adapter *a) { return a ? a->dora : 0; }
 int lk_adapter_rslora(const lk_adapter *a) { return a ? a->rslora : 0; }
 int lk_adapter_has_config(const lk_adapter *a) { return a ? a->has_config : 0; }
 size_t lk_adapter_untargeted(const lk_adapter *a) { return a ? a->n_untargeted : 0; }
 const char *lk_adapter_file(const lk_adapter *a) { return a ? a->file : NULL; }
 
+static void free_strv(char **v, size_t n) {
+    if (!v) return;
+    for (size_t i = 0; i < n; i++) lk_free(v[i]);
+    lk_free(v);
+}
+
 void lk_adapter_free(lk_adapter *a) {
     if (!a) return;
-    for (size_t i = 0; i < a->n; i++) {
-        lk_free(a->names[i]);
-        lk_free(a->stems[i]);
-        lk_free(a->targets[i]);
-    }
-    lk_free(a->names);
-    lk_free(a->stems);
-    lk_free(a->targets);
+    free_strv(a->names, a->n);
+    free_strv(a->stems, a->n);
+    free_strv(a->targets, a->n);
+    free_strv(a->bias_targets, a->n);
+    free_strv(a->sources, a->n);
+    free_strv(a->rep_names, a->n_rep);
+    free_strv(a->rep_targets, a->n_rep);
+    lk_free(a->reps);
+    lk_free(a->rep_by_target);
     lk_free(a->mods);
     lk_free(a->by_target);
+    lk_free(a->by_bias);
+    for (size_t i = 0; i < a->n_meta; i++) {
+        lk_free(a->meta[i].prefix);
+        lk_peft_config_free(&a->meta[i].cfg);
+    }
+    lk_free(a->meta);
     lk_peft_config_free(&a->cfg);
     lk_free(a->factors);
     lk_st_close(a->st);
+    lk_free(a->config_path);
     lk_free(a->file);
     lk_free(a->path);
     lk_free(a);
@@ -167,13 +200,43 @@ static int file_exists(const char *p) {
     return p && stat(p, &sb) == 0 && S_ISREG(sb.st_mode);
 }
 
-/* Finds the safetensors file (and config) of a path. */
+/* "<folder of file>/adapter_config.json" (lk_malloc'd; NULL without memory). */
+static char *sidecar_config(const char *file) {
+    const char *slash = strrchr(file, '/');
+    if (!slash) return lk_strdup("adapter_config.json");
+    size_t dl = (size_t)(slash - file) + 1, n = dl + sizeof "adapter_config.json";
+    char *p = lk_malloc(n);
+    if (p) snprintf(p, n, "%.*sadapter_config.json", (int)dl, file);
+    return p;
+}
+
+static lk_status read_config(lk_adapter *a, char *cfg) {
+    if (!file_exists(cfg)) {
+        lk_free(cfg);
+        return LK_OK;
+    }
+    lk_status s = lk_peft_config_load(cfg, &a->cfg);
+    if (s) {
+        lk_free(cfg);
+        return s;
+    }
+    a->has_config = 1;
+    a->config_path = cfg;
+    return LK_OK;
+}
+
+/* Finds the safetensors file and the config: the folder's, or (a file
+ * given) the adapter_config.json beside it, read exactly as the folder's. */
 static lk_status locate(lk_adapter *a) {
     struct stat sb;
     if (stat(a->path, &sb) != 0) return lk_error(LK_ERR_IO, "%s: no such file or directory", a->path);
     if (!S_ISDIR(sb.st_mode)) {
-        a->file = lk_strdup(a->path);
-        return a->file ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", a->path);
+        if (!(a->file = lk_strdup(a->path))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->path);
+        char *cfg = sidecar_config(a->file);
+        if (!cfg) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->path);
+        lk_status s = read_config(a, cfg);
+        if (!s && a->has_config) lk_log(LK_LOG_INFO, "%s: reading %s beside it", a->path, a->config_path);
+        return s;
     }
     static const char *const names[] = {"adapter_model.safetensors", "pytorch_lora_weights.safetensors"};
     for (size_t i = 0; i < 2; i++) {
@@ -197,16 +260,78 @@ static lk_status locate(lk_adapter *a) {
     }
     char *cfg = lk_path_join(a->path, "adapter_config.json");
     if (!cfg) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->path);
-    lk_status s = LK_OK;
-    if (file_exists(cfg)) {
-        s = lk_peft_config_load(cfg, &a->cfg);
-        if (!s) a->has_config = 1;
-    }
-    lk_free(cfg);
-    return s;
+    return read_config(a, cfg);
 }
 
-/* The format from the families present; keys of no family are errors. */
+/* Keys of other adapter methods, named when refused. */
+static const struct {
+    const char *part, *what;
+} g_foreign[] = {
+    {".lora_embedding_A", "an embedding LoRA (lora_embedding_A/B)"},
+    {".lora_embedding_B", "an embedding LoRA (lora_embedding_A/B)"},
+    {".dora_scale", "a kohya-style DoRA magnitude (dora_scale)"},
+    {".hada_w", "a LoHa (LyCORIS) factor"},
+    {".lokr_w", "a LoKr (LyCORIS) factor"},
+    {".oft_", "an OFT factor"},
+    {".boft_", "a BOFT factor"},
+    {".ia3_l", "an IA3 vector"},
+    {".vera_lambda", "a VeRA vector"},
+    {".lora_E", "an AdaLoRA singular-value vector (lora_E)"},
+    {".trainable_tokens_delta", "a trainable-tokens delta"},
+};
+
+/* A key that is not a LoRA factor: a tensor PEFT saved whole (its
+ * modules_to_save, or a bias with bias = "all" / "lora_only"), or an error
+ * saying what it is. *name gets the model key it replaces (lk_malloc'd). */
+static lk_status other_key(const lk_adapter *a, const char *k, char **name, const char **why) {
+    const char *f = a->file;
+    *name = NULL;
+    for (size_t i = 0; i < sizeof g_foreign / sizeof g_foreign[0]; i++)
+        if (strstr(k, g_foreign[i].part))
+            return lk_error(LK_ERR_UNSUPPORTED, "%s: key '%s' is %s, which lorakit does not fuse", f, k,
+                            g_foreign[i].what);
+    const char *rest = !strncmp(k, "base_model.model.", 17) ? k + 17 : NULL;
+    if (!a->has_config || !rest || !*rest) {
+        if (rest)
+            return lk_error(LK_ERR_FORMAT,
+                            "%s: key '%s' is not a LoRA factor; PEFT saves such tensors for modules_to_save or bias, "
+                            "which need the adapter_config.json that is not beside the file", f, k);
+        return lk_error(LK_ERR_FORMAT,
+                        "%s: key '%s' is not a LoRA factor or alpha (expected lora_A/lora_B, lora_down/lora_up)", f, k);
+    }
+    size_t rl = strlen(rest);
+    int is_bias = rl >= 4 && !strcmp(rest + rl - 4, "bias") && (rl == 4 || rest[rl - 5] == '.');
+    /* the module the tensor belongs to: rest without its last component */
+    const char *dot = strrchr(rest, '.');
+    size_t ml = dot ? (size_t)(dot - rest) : 0;
+    char *mod = lk_malloc(ml + 1);
+    if (!mod) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+    memcpy(mod, rest, ml);
+    mod[ml] = '\0';
+    int saved = ml && lk_peft_saved_module(&a->cfg, mod);
+    lk_free(mod);
+    static const char bl[] = ".base_layer.bias";
+    size_t bll = sizeof bl - 1;
+    int base_layer = rl > bll && !strcmp(rest + rl - bll, bl);
+    if (saved || (is_bias && a->cfg.bias != LK_PEFT_BIAS_NONE)) {
+        /* bias = "lora_only" before PEFT 0.7 saved <m>.bias (the LoRA layer
+         * held it); check_replacements verifies <m> is a LoRA module */
+        char *n = lk_malloc(rl + 1);
+        if (!n) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+        if (base_layer) snprintf(n, rl + 1, "%.*s.bias", (int)(rl - bll), rest);
+        else memcpy(n, rest, rl + 1);
+        *name = n;
+        *why = saved ? "modules_to_save" : "bias";
+        return LK_OK;
+    }
+    if (is_bias)
+        return lk_error(LK_ERR_FORMAT, "%s: key '%s' is a saved bias, but %s has bias = \"none\"", f, k, a->config_path);
+    return lk_error(LK_ERR_FORMAT,
+                    "%s: key '%s' is not a LoRA factor, and %s's modules_to_save (%zu entries) does not cover it", f,
+                    k, a->config_path, a->cfg.n_to_save);
+}
+
+/* The format from the families present (every key here has a family). */
 static lk_status detect(lk_adapter *a, const keyinfo *ki, const enum family *fam, size_t n,
                         lk_adapter_format forced) {
     const char *f = a->file;
@@ -223,10 +348,6 @@ static lk_status detect(lk_adapter *a, const keyinfo *ki, const enum family *fam
         a->format = forced;
         return LK_OK;
     }
-    if (first[FAM_NONE] != SIZE_MAX)
-        return lk_error(LK_ERR_FORMAT,
-                        "%s: key '%s' is not a LoRA factor or alpha (expected lora_A/lora_B, lora_down/lora_up)", f,
-                        ki[first[FAM_NONE]].t->name);
     enum family found = FAM_NONE;
     for (int k = FAM_AB; k <= FAM_FV; k++) {
         if (first[k] == SIZE_MAX) continue;
@@ -271,6 +392,104 @@ static char *module_name(lk_adapter_format f, const char *stem, size_t len) {
     return m;
 }
 
+/* ---- alpha and rank from the file's metadata ---- */
+
+#define LK_META_KEY "lora_adapter_metadata"
+
+/* diffusers' lora_adapter_metadata: a LoraConfig dict, or one packed per
+ * component ({"transformer.r": 4, "transformer.lora_alpha": 8, ...}).
+ * kohya's ss_network_alpha. Only for adapters without an adapter_config.json. */
+static lk_status read_metadata(lk_adapter *a) {
+    const char *f = a->file;
+    const char *ssa = lk_st_metadata_get(a->st, "ss_network_alpha");
+    if (ssa) {
+        char *end;
+        double v = strtod(ssa, &end);
+        if (end != ssa && !*end && isfinite(v)) {
+            a->has_ss_alpha = 1;
+            a->ss_alpha = v;
+        }
+    }
+    const char *js = lk_st_metadata_get(a->st, LK_META_KEY);
+    if (!js) return LK_OK;
+    char label[600];
+    snprintf(label, sizeof label, "%s: metadata %s", f, LK_META_KEY);
+    json_error_t je;
+    json_t *root = json_loads(js, JSON_REJECT_DUPLICATES, &je);
+    if (!root || !json_is_object(root)) {
+        json_decref(root);
+        return lk_error(LK_ERR_CONFIG, "%s: not a JSON object", label);
+    }
+    lk_status s = LK_OK;
+    int packed = !json_object_get(root, "r") && !json_object_get(root, "lora_alpha") &&
+                 !json_object_get(root, "peft_type");
+    size_t cap = packed ? json_object_size(root) : 1;
+    a->meta = lk_calloc(cap ? cap : 1, sizeof *a->meta);
+    if (!a->meta) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+    if (!s && !packed) {
+        char *txt = json_dumps(root, JSON_COMPACT);
+        if (!txt) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+        else s = lk_peft_config_parse(txt, strlen(txt), label, &a->meta[0].cfg);
+        free(txt);
+        if (!s) a->n_meta = 1;
+    }
+    const char *k;
+    json_t *v;
+    if (!s && packed) json_object_foreach(root, k, v) {
+        const char *dot = strchr(k, '.');
+        if (!dot || dot == k) continue;
+        size_t pl = (size_t)(dot - k), j = 0;
+        while (j < a->n_meta && (strlen(a->meta[j].prefix) != pl || strncmp(a->meta[j].prefix, k, pl))) j++;
+        if (j < a->n_meta) continue; /* component already built */
+        json_t *sub = json_object();
+        char *prefix = lk_malloc(pl + 1);
+        if (!sub || !prefix) {
+            json_decref(sub);
+            lk_free(prefix);
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+            break;
+        }
+        memcpy(prefix, k, pl);
+        prefix[pl] = '\0';
+        const char *k2;
+        json_t *v2;
+        json_object_foreach(root, k2, v2) if (!strncmp(k2, prefix, pl) && k2[pl] == '.' && k2[pl + 1]) {
+            if (json_object_set(sub, k2 + pl + 1, v2)) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+        }
+        char *txt = s ? NULL : json_dumps(sub, JSON_COMPACT);
+        json_decref(sub);
+        if (!s && !txt) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+        char plabel[700];
+        snprintf(plabel, sizeof plabel, "%s (%s)", label, prefix);
+        if (!s) s = lk_peft_config_parse(txt, strlen(txt), plabel, &a->meta[a->n_meta].cfg);
+        free(txt);
+        if (s) {
+            lk_free(prefix);
+            break;
+        }
+        a->meta[a->n_meta++].prefix = prefix;
+    }
+    json_decref(root);
+    return s;
+}
+
+/* The metadata config for a module with stem `stem`, and the name its
+ * patterns see; NULL when none applies. */
+static const lk_peft_config *meta_for(const lk_adapter *a, const char *stem, const char *module, const char **name) {
+    for (size_t i = 0; i < a->n_meta; i++) {
+        if (!a->meta[i].prefix) {
+            *name = module;
+            return &a->meta[i].cfg;
+        }
+        size_t pl = strlen(a->meta[i].prefix);
+        if (!strncmp(stem, a->meta[i].prefix, pl) && stem[pl] == '.') {
+            *name = stem + pl + 1;
+            return &a->meta[i].cfg;
+        }
+    }
+    return NULL;
+}
+
 /* Index of tensor t (a view returned by lk_st_tensor) in st. */
 static size_t st_index(const lk_st *st, const lk_tensor *t) { return (size_t)lk_st_find(st, t->name); }
 
@@ -311,11 +530,59 @@ static lk_status check_factor(const char *file, const char *m, const lk_tensor *
     return LK_OK;
 }
 
-/* Fills module i from its A, B and optional alpha tensors. */
-static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *A, const lk_tensor *B,
-                              const lk_tensor *alpha_t) {
+/* A [out] vector of a module (DoRA magnitude, lora_B bias). */
+static lk_status check_vector(const char *file, const char *m, const lk_tensor *t, const char *role, int64_t out) {
+    if (!lk_dtype_is_fusable(t->dtype))
+        return lk_error(LK_ERR_DTYPE, "%s: %s: %s has dtype %s; it must be F32, F16 or BF16", file, m, role,
+                        lk_dtype_name(t->dtype));
+    int64_t len = t->ndim == 1 ? t->shape[0] : t->ndim == 2 && t->shape[1] == 1 ? t->shape[0] : -1;
+    if (t->ndim == 4 || (t->ndim > 2 && len < 0))
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: %s has %d dimensions (a convolution layer's); only linear layers "
+                        "are supported", file, m, role, t->ndim);
+    if (len != out)
+        return lk_error(LK_ERR_SHAPE, "%s: %s: %s has %lld values but lora_B has %lld rows", file, m, role,
+                        (long long)(t->ndim ? t->shape[0] : 1), (long long)out);
+    return LK_OK;
+}
+
+static char *source_str(const char *what, const char *key) {
+    size_t n = strlen(what) + (key ? strlen(key) + 4 : 0) + 1;
+    char *p = lk_malloc(n);
+    if (p) {
+        if (key) snprintf(p, n, "%s \"%s\"", what, key);
+        else snprintf(p, n, "%s", what);
+    }
+    return p;
+}
+
+/* Rank check and alpha from a PEFT-style config (the file's or metadata's). */
+static lk_status config_alpha(lk_adapter *a, const lk_peft_config *c, const char *name, const char *m, const char *an,
+                              int64_t r, const char *src_prefix, double *alpha, char **source) {
+    const char *f = a->file;
+    const lk_pattern *rp, *ap;
+    lk_status s;
+    if ((s = lk_peft_pattern_find(c, 0, name, &rp))) return s;
+    long want = rp ? (long)rp->value : c->r;
+    if (want != r) {
+        if (rp)
+            return lk_error(LK_ERR_SHAPE, "%s: %s: %s has rank %lld but %s says %ld (rank_pattern \"%s\")", f, m, an,
+                            (long long)r, c->label, want, rp->key);
+        return lk_error(LK_ERR_SHAPE, "%s: %s: %s has rank %lld but %s says r = %ld", f, m, an, (long long)r, c->label,
+                        want);
+    }
+    if ((s = lk_peft_pattern_find(c, 1, name, &ap))) return s;
+    *alpha = ap ? ap->value : c->alpha;
+    char what[64];
+    snprintf(what, sizeof what, "%s%s", src_prefix, ap ? "alpha_pattern" : (*src_prefix ? LK_META_KEY : "config"));
+    *source = source_str(what, ap ? ap->key : NULL);
+    return *source ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+}
+
+/* Fills module i from its tensors (by role; A and B present). */
+static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *by_role) {
     const char *f = a->file, *m = a->names[i];
     const char *an = lk_adapter_factor_name(a, 0), *bn = lk_adapter_factor_name(a, 1);
+    const lk_tensor *A = by_role[ROLE_A], *B = by_role[ROLE_B], *alpha_t = by_role[ROLE_ALPHA];
     lk_status s;
     if ((s = check_factor(f, m, A, an)) || (s = check_factor(f, m, B, bn))) return s;
     int64_t r = A->shape[0];
@@ -327,22 +594,46 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *A, const
         return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %lldx%lld but %s is %lldx%lld (ranks differ)", f, m, an,
                         (long long)A->shape[0], (long long)A->shape[1], bn, (long long)B->shape[0],
                         (long long)B->shape[1]);
-    double alpha = (double)r;
-    if (a->format == LK_FORMAT_PEFT && a->has_config) {
-        const lk_pattern *rp = lk_peft_pattern_find(a->cfg.rank_pat, a->cfg.n_rank_pat, m);
-        long want = rp ? (long)rp->value : a->cfg.r;
-        if (want != r) {
-            if (rp)
-                return lk_error(LK_ERR_SHAPE, "%s: %s: %s has rank %lld but adapter_config.json says %ld (rank_pattern \"%s\")",
-                                f, m, an, (long long)r, want, rp->key);
-            return lk_error(LK_ERR_SHAPE, "%s: %s: %s has rank %lld but adapter_config.json says r = %ld", f, m, an,
-                            (long long)r, want);
-        }
-        const lk_pattern *ap = lk_peft_pattern_find(a->cfg.alpha_pat, a->cfg.n_alpha_pat, m);
-        alpha = ap ? ap->value : a->cfg.alpha;
-        if (!lk_peft_targets(&a->cfg, m)) a->n_untargeted++;
+    const lk_tensor *mag = by_role[ROLE_MAG], *bb = by_role[ROLE_BBIAS];
+    if (mag) {
+        if (a->has_config && !a->cfg.use_dora)
+            return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' is a DoRA magnitude but %s has use_dora = false", f, m,
+                            mag->name, a->config_path);
+        if ((s = check_vector(f, m, mag, "lora_magnitude_vector", B->shape[0]))) return s;
     }
-    if (alpha_t && (s = read_alpha(a, alpha_t, &alpha))) return s;
+    if (bb) {
+        if (a->has_config && !a->cfg.lora_bias)
+            return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' is a lora_B bias but %s has lora_bias = false", f, m,
+                            bb->name, a->config_path);
+        if ((s = check_vector(f, m, bb, "lora_B.bias", B->shape[0]))) return s;
+    }
+    double alpha = (double)r;
+    char *source = NULL;
+    if (a->format == LK_FORMAT_PEFT && a->has_config) {
+        if ((s = config_alpha(a, &a->cfg, m, m, an, r, "", &alpha, &source))) return s;
+        int hit;
+        if ((s = lk_peft_targets(&a->cfg, m, &hit))) {
+            lk_free(source);
+            return s;
+        }
+        if (!hit) a->n_untargeted++;
+    } else if (alpha_t) {
+        if ((s = read_alpha(a, alpha_t, &alpha))) return s;
+        source = source_str(".alpha tensor", NULL);
+    } else {
+        const char *pname = m;
+        const lk_peft_config *mc = meta_for(a, a->stems[i], m, &pname);
+        if (mc) {
+            if ((s = config_alpha(a, mc, pname, m, an, r, "metadata ", &alpha, &source))) return s;
+        } else if (a->has_ss_alpha) {
+            alpha = a->ss_alpha;
+            source = source_str("metadata ss_network_alpha", NULL);
+        } else {
+            source = source_str("default r", NULL);
+        }
+    }
+    if (!source) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+    a->sources[i] = source;
     double scale = a->rslora ? alpha / sqrt((double)r) : alpha / (double)r;
     if (!isfinite((float)scale))
         return lk_error(LK_ERR_NONFINITE, "%s: %s: scale alpha/%s = %g is not finite as a float", f, m,
@@ -355,6 +646,9 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *A, const
     mod->scale = (float)scale;
     mod->A = *A;
     mod->B = *B;
+    mod->alpha_source = source;
+    if (mag) mod->magnitude = *mag;
+    if (bb) mod->bias = *bb;
     return LK_OK;
 }
 
@@ -366,16 +660,20 @@ static int name_cmp_idx(const void *pa, const void *pb, void *ctx) {
 /* Pairs the sorted keys into modules. */
 static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
     const char *f = a->file;
-    const char *rn[3] = {lk_adapter_factor_name(a, 0), lk_adapter_factor_name(a, 1), "alpha"};
+    const char *rn[ROLE_COUNT] = {lk_adapter_factor_name(a, 0), lk_adapter_factor_name(a, 1), "alpha",
+                                  "lora_magnitude_vector", "lora_B bias"};
     size_t cap = n / 2 + 1;
     a->mods = lk_calloc(cap, sizeof *a->mods);
     a->names = lk_calloc(cap, sizeof *a->names);
     a->stems = lk_calloc(cap, sizeof *a->stems);
     a->targets = lk_calloc(cap, sizeof *a->targets);
-    if (!a->mods || !a->names || !a->stems || !a->targets) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+    a->bias_targets = lk_calloc(cap, sizeof *a->bias_targets);
+    a->sources = lk_calloc(cap, sizeof *a->sources);
+    if (!a->mods || !a->names || !a->stems || !a->targets || !a->bias_targets || !a->sources)
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
     for (size_t i = 0; i < n;) {
         size_t j = i;
-        const lk_tensor *by_role[3] = {NULL, NULL, NULL};
+        const lk_tensor *by_role[ROLE_COUNT] = {NULL, NULL, NULL, NULL, NULL};
         for (; j < n && ki[j].stem_len == ki[i].stem_len && !memcmp(ki[j].t->name, ki[i].t->name, ki[i].stem_len);
              j++) {
             if (by_role[ki[j].role])
@@ -384,6 +682,7 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
             by_role[ki[j].role] = ki[j].t;
         }
         size_t k = a->n;
+        if (k == cap) return lk_error(LK_ERR_FORMAT, "%s: more modules than factor pairs", f);
         char *stem = lk_malloc(ki[i].stem_len + 1);
         if (!stem) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
         memcpy(stem, ki[i].t->name, ki[i].stem_len);
@@ -393,18 +692,27 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
         a->n = k + 1; /* owned strings are freed from here on */
         if (!a->names[k]) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
         if (!by_role[ROLE_A] || !by_role[ROLE_B]) {
+            const lk_tensor *only = NULL;
+            for (int r = ROLE_COUNT - 1; r >= 0; r--)
+                if (by_role[r]) only = by_role[r];
             if (!by_role[ROLE_A] && !by_role[ROLE_B])
-                return lk_error(LK_ERR_FORMAT, "%s: %s: alpha without %s and %s", f, a->names[k], rn[0], rn[1]);
+                return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' without %s and %s", f, a->names[k], only->name, rn[0],
+                                rn[1]);
             return lk_error(LK_ERR_FORMAT, "%s: %s: %s without %s", f, a->names[k],
                             by_role[ROLE_A] ? rn[0] : rn[1], by_role[ROLE_A] ? rn[1] : rn[0]);
         }
         if (a->format == LK_FORMAT_PEFT && by_role[ROLE_ALPHA])
             return lk_error(LK_ERR_FORMAT, "%s: %s: PEFT adapters keep alpha in adapter_config.json, not in '%s'", f,
                             a->names[k], by_role[ROLE_ALPHA]->name);
-        lk_status s = build_module(a, k, by_role[ROLE_A], by_role[ROLE_B], by_role[ROLE_ALPHA]);
+        if (by_role[ROLE_MAG]) a->dora = 1;
+        lk_status s = build_module(a, k, by_role);
         if (s) return s;
         i = j;
     }
+    for (size_t i = 0; i < a->n; i++)
+        if (a->dora && !a->mods[i].magnitude.name)
+            return lk_error(LK_ERR_FORMAT, "%s: %s has no lora_magnitude_vector but other modules do (DoRA)", f,
+                            a->names[i]);
     /* Two stems giving one module name (e.g. "transformer.x" and "x"). */
     size_t *ord = lk_malloc((a->n ? a->n : 1) * sizeof *ord);
     if (!ord) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
@@ -419,14 +727,39 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
     return s;
 }
 
-/* Copies every module's A and B out of the file into a->factors (one
- * allocation, each factor 16-byte aligned) and points the modules at it. */
+/* Checks the replacements against the modules: a module both LoRA-wrapped
+ * and in modules_to_save, and (bias = "lora_only", PEFT < 0.7 layout) a
+ * "<m>.bias" whose <m> is no LoRA module. */
+static lk_status check_replacements(const lk_adapter *a) {
+    for (size_t r = 0; r < a->n_rep; r++) {
+        const char *nm = a->rep_names[r];
+        const char *dot = strrchr(nm, '.');
+        size_t ml = dot ? (size_t)(dot - nm) : 0;
+        int is_lora = 0;
+        for (size_t i = 0; i < a->n && !is_lora; i++)
+            is_lora = strlen(a->names[i]) == ml && !strncmp(a->names[i], nm, ml);
+        if (is_lora && !strcmp(a->reps[r].why, "modules_to_save"))
+            return lk_error(LK_ERR_FORMAT, "%s: '%s' is saved whole (modules_to_save) but %.*s also has LoRA factors",
+                            a->file, a->reps[r].key, (int)ml, nm);
+        if (!strcmp(a->reps[r].why, "bias") && a->cfg.bias == LK_PEFT_BIAS_LORA_ONLY && !is_lora &&
+            !strstr(a->reps[r].key, ".base_layer.bias"))
+            return lk_error(LK_ERR_FORMAT, "%s: '%s' is a bias, but with bias = \"lora_only\" PEFT saves only the "
+                            "biases of LoRA modules", a->file, a->reps[r].key);
+    }
+    return LK_OK;
+}
+
+/* Copies every module's tensors and the replacements out of the file into
+ * a->factors (one allocation, each tensor 16-byte aligned). */
 static lk_status copy_factors(lk_adapter *a) {
-    size_t total = 0;
-    for (size_t i = 0; i < a->n; i++) {
-        const lk_tensor *t2[2] = {&a->mods[i].A, &a->mods[i].B};
-        for (int k = 0; k < 2; k++) {
-            size_t nb = t2[k]->nbytes;
+    size_t total = 0, per = 4;
+    for (size_t i = 0; i < a->n + a->n_rep; i++) {
+        const lk_tensor *t4[4] = {NULL, NULL, NULL, NULL};
+        if (i < a->n) t4[0] = &a->mods[i].A, t4[1] = &a->mods[i].B, t4[2] = &a->mods[i].magnitude, t4[3] = &a->mods[i].bias;
+        else t4[0] = &a->reps[i - a->n].t;
+        for (size_t k = 0; k < per; k++) {
+            if (!t4[k] || !t4[k]->name) continue;
+            size_t nb = t4[k]->nbytes;
             if (!lk_checked_add(nb, 15, &nb) || !lk_checked_add(total, nb & ~(size_t)15, &total))
                 return lk_error(LK_ERR_NOMEM, "%s: the factors' size overflows", a->file);
         }
@@ -434,13 +767,16 @@ static lk_status copy_factors(lk_adapter *a) {
     a->factors = lk_malloc(total ? total : 1);
     if (!a->factors) return lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of LoRA factors", a->file, total);
     unsigned char *p = a->factors;
-    for (size_t i = 0; i < a->n; i++) {
-        lk_tensor *t2[2] = {&a->mods[i].A, &a->mods[i].B};
-        for (int k = 0; k < 2; k++) {
-            lk_status s = lk_st_read(a->st, st_index(a->st, t2[k]), 0, p, t2[k]->nbytes);
+    for (size_t i = 0; i < a->n + a->n_rep; i++) {
+        lk_tensor *t4[4] = {NULL, NULL, NULL, NULL};
+        if (i < a->n) t4[0] = &a->mods[i].A, t4[1] = &a->mods[i].B, t4[2] = &a->mods[i].magnitude, t4[3] = &a->mods[i].bias;
+        else t4[0] = &a->reps[i - a->n].t;
+        for (size_t k = 0; k < per; k++) {
+            if (!t4[k] || !t4[k]->name) continue;
+            lk_status s = lk_st_read(a->st, st_index(a->st, t4[k]), 0, p, t4[k]->nbytes);
             if (s) return s;
-            t2[k]->data = p;
-            p += (t2[k]->nbytes + 15) & ~(size_t)15;
+            t4[k]->data = p;
+            p += (t4[k]->nbytes + 15) & ~(size_t)15;
         }
     }
     return LK_OK;
@@ -461,31 +797,63 @@ lk_status lk_adapter_open(const char *path, lk_adapter_format format, lk_adapter
     }
     if ((s = locate(a))) goto fail;
     if ((s = lk_st_open(a->file, &a->st))) goto fail;
-    size_t n = lk_st_count(a->st);
+    size_t n = lk_st_count(a->st), nl = 0;
     ki = lk_malloc((n ? n : 1) * sizeof *ki);
     fam = lk_malloc((n ? n : 1) * sizeof *fam);
-    if (!ki || !fam) {
+    a->reps = lk_calloc(n ? n : 1, sizeof *a->reps);
+    a->rep_names = lk_calloc(n ? n : 1, sizeof *a->rep_names);
+    a->rep_targets = lk_calloc(n ? n : 1, sizeof *a->rep_targets);
+    if (!ki || !fam || !a->reps || !a->rep_names || !a->rep_targets) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
         goto fail;
     }
+    /* LoRA keys to ki; every other key must be a tensor PEFT saved whole */
     for (size_t i = 0; i < n; i++) {
-        ki[i].t = lk_st_tensor(a->st, i);
-        fam[i] = classify(ki[i].t->name, &ki[i].role, &ki[i].stem_len);
+        const lk_tensor *t = lk_st_tensor(a->st, i);
+        ki[nl].t = t;
+        fam[nl] = classify(t->name, &ki[nl].role, &ki[nl].stem_len);
+        if (fam[nl] != FAM_NONE) {
+            nl++;
+            continue;
+        }
+        if (format != LK_FORMAT_AUTO && format != LK_FORMAT_PEFT) {
+            s = lk_error(LK_ERR_FORMAT, "%s: key '%s' is not a %s adapter key", a->file, t->name,
+                         lk_adapter_format_name(format));
+            goto fail;
+        }
+        const char *why = NULL;
+        if ((s = other_key(a, t->name, &a->rep_names[a->n_rep], &why))) goto fail;
+        a->reps[a->n_rep] = (lk_adapter_tensor){.key = t->name, .why = why, .t = *t};
+        a->n_rep++;
     }
-    if ((s = detect(a, ki, fam, n, format))) goto fail;
+    if ((s = detect(a, ki, fam, nl, format))) goto fail;
+    if (a->n_rep && a->format != LK_FORMAT_PEFT) {
+        s = lk_error(LK_ERR_FORMAT, "%s: key '%s' is saved whole, which only PEFT adapters do, but the file reads as %s",
+                     a->file, a->reps[0].key, lk_adapter_format_name(a->format));
+        goto fail;
+    }
     if (a->has_config && a->format != LK_FORMAT_PEFT) {
-        lk_log(LK_LOG_WARN, "%s: adapter_config.json ignored: the adapter is read as %s", a->path,
+        lk_log(LK_LOG_WARN, "%s: %s ignored: the adapter is read as %s", a->path, a->config_path,
                lk_adapter_format_name(a->format));
         lk_peft_config_free(&a->cfg);
         a->has_config = 0;
     }
-    a->rslora = a->has_config && a->cfg.rslora;
-    qsort(ki, n, sizeof *ki, key_cmp);
-    if ((s = pair(a, ki, n))) goto fail;
+    if (!a->has_config && (s = read_metadata(a))) goto fail;
+    a->rslora = a->has_config ? a->cfg.rslora : (a->n_meta == 1 && a->meta[0].cfg.rslora);
+    qsort(ki, nl, sizeof *ki, key_cmp);
+    if ((s = pair(a, ki, nl))) goto fail;
+    if ((s = check_replacements(a))) goto fail;
     if ((s = copy_factors(a))) goto fail;
     if (a->n_untargeted)
         lk_log(LK_LOG_WARN, "%s: %zu of %zu modules are not covered by target_modules in adapter_config.json",
                a->path, a->n_untargeted, a->n);
+    if (a->format == LK_FORMAT_PEFT && !a->has_config && !a->n_meta) {
+        size_t dflt = 0;
+        for (size_t i = 0; i < a->n; i++) dflt += !strcmp(a->sources[i], "default r");
+        if (dflt)
+            lk_log(LK_LOG_WARN, "%s: no adapter_config.json beside it or alpha in its metadata: alpha defaults to r "
+                   "(scale 1) for %zu of %zu modules", a->path, dflt, a->n);
+    }
     lk_free(ki);
     lk_free(fam);
     *out = a;

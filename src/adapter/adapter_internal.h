@@ -1,47 +1,86 @@
 /* adapter_internal.h — shared by the files of src/adapter (not public):
- * the parsed adapter_config.json and PEFT's pattern rule. */
+ * the parsed adapter_config.json (PEFT's LoraConfig) and PEFT's pattern
+ * rules, evaluated with PCRE2 (which reads Python's `re` dialect). */
 #ifndef LK_ADAPTER_INTERNAL_H
 #define LK_ADAPTER_INTERNAL_H
 
-#include <regex.h>
 #include <stddef.h>
 #include "lorakit/status.h"
+
+/* Which PEFT release's pattern rule a config follows (peft_version in the
+ * config; absent means the current rule: PEFT records it only since 0.18). */
+typedef enum lk_peft_rule {
+    LK_PEFT_RULE_CURRENT = 0, /* >= 0.15: re.match(r"(.*\.)?(key)$", name), per pattern dict */
+    LK_PEFT_RULE_014,         /* 0.14: re.match(r".*\.key$", name), per pattern dict, exact-name fallback */
+    LK_PEFT_RULE_013          /* <= 0.13: as 0.14 but one key list (rank keys first) picks both r and alpha */
+} lk_peft_rule;
+
+typedef enum lk_peft_bias { LK_PEFT_BIAS_NONE = 0, LK_PEFT_BIAS_ALL, LK_PEFT_BIAS_LORA_ONLY } lk_peft_bias;
 
 typedef struct lk_pattern {
     char *key;     /* as written in the config */
     double value;  /* rank or alpha */
-    regex_t re;    /* ^(.*\.)?(key)$, PEFT's rule */
+    void *re;      /* pcre2_code: PEFT's wrapper around key */
 } lk_pattern;
 
+/* A target_modules / exclude_modules value: a list (exact names or
+ * ".name" suffixes) or one regex string (re.fullmatch). */
+typedef struct lk_peft_match {
+    char **list;
+    size_t n;
+    int has_list;   /* a list was given (may be empty) */
+    char *str;      /* the string form, or NULL */
+    void *re;       /* pcre2_code for str (NULL for "all-linear") */
+} lk_peft_match;
+
 typedef struct lk_peft_config {
+    char *label;       /* file (or metadata key) named in errors */
     long r;            /* default 8, as PEFT's LoraConfig */
     double alpha;      /* lora_alpha, default 8 */
-    int rslora;
+    int rslora, use_dora, lora_bias;
+    lk_peft_bias bias;
+    lk_peft_rule rule;
+    char version[32];  /* peft_version as written, or "" */
     lk_pattern *rank_pat;
     size_t n_rank_pat;
     lk_pattern *alpha_pat;
     size_t n_alpha_pat;
-    char **targets;    /* target_modules as a list (NULL if absent or a string) */
-    size_t n_targets;
-    char *target_str;  /* target_modules as one string (regex, or "all-linear") */
-    regex_t target_re; /* ^(target_str)$ when target_str is a regex */
-    int has_target_re;
+    lk_peft_match target, exclude;
+    long *layers;      /* layers_to_transform (NULL: all) */
+    size_t n_layers;
+    void **layers_re;  /* layers_pattern, compiled per PEFT's rule (none: any layer name) */
+    size_t n_layers_re;
+    char **to_save;    /* modules_to_save */
+    void **to_save_re; /* (^|.*\.)entry($|\..*): PEFT keeps LoRA off these */
+    size_t n_to_save;
+    void *mctx;        /* pcre2_match_context with the match/depth/heap limits */
 } lk_peft_config;
 
-/* Parses the JSON text of an adapter_config.json; label names it in errors.
- * Rejects r <= 0, a non-finite or non-numeric lora_alpha, rank_pattern
- * values <= 0, fan_in_fan_out = true, use_dora = true and a peft_type other
- * than LORA. */
+/* Parses the JSON text of an adapter_config.json (or a LoraConfig dict found
+ * in a file's metadata); label names it in errors. Fields that change the
+ * fused result in a way lorakit does not implement are refused by name
+ * (LK_ERR_UNSUPPORTED naming the key and value); see config.c. */
 lk_status lk_peft_config_parse(const char *text, size_t len, const char *label, lk_peft_config *out);
 lk_status lk_peft_config_load(const char *path, lk_peft_config *out);
 void lk_peft_config_free(lk_peft_config *c);
 
-/* PEFT's rule: the first pattern whose key k matches name as the regex
- * (.*\.)?(k)$ (the whole name); NULL if none. */
-const lk_pattern *lk_peft_pattern_find(const lk_pattern *p, size_t n, const char *name);
-/* 1 when name is covered by target_modules (always 1 when it is absent or
- * "all-linear"): a list entry t matches name == t or name ending in ".t";
- * a string is a regex matched against the whole name. */
-int lk_peft_targets(const lk_peft_config *c, const char *name);
+/* PEFT's rank_pattern / alpha_pattern lookup for module `name` (without the
+ * "base_model.model." prefix): *out = the pattern whose key wins, or NULL.
+ * which: 0 rank_pattern, 1 alpha_pattern. A pattern that hits PCRE2's match
+ * limits on this name is an error naming the key, pattern and module. */
+lk_status lk_peft_pattern_find(const lk_peft_config *c, int which, const char *name, const lk_pattern **out);
+/* PEFT's check_target_module_exists: *hit = 1 when name is targeted
+ * (exclude_modules, modules_to_save, target_modules list/regex,
+ * layers_to_transform / layers_pattern); 1 when target_modules is absent or
+ * "all-linear". */
+lk_status lk_peft_targets(const lk_peft_config *c, const char *name, int *hit);
+/* 1 when module `name` is (inside) a modules_to_save module: some prefix of
+ * name ending at a '.' (or name itself) ends with an entry, PEFT's
+ * `key.endswith(entry)`. */
+int lk_peft_saved_module(const lk_peft_config *c, const char *name);
+
+/* Python `re` pattern text -> PCRE2 pattern text (lk_malloc'd): `{,n}`
+ * becomes `{0,n}`, `\Z` becomes `\z`. NULL when out of memory. */
+char *lk_py_regex_to_pcre2(const char *py);
 
 #endif

@@ -10,17 +10,34 @@
 struct lk_adapter {
     char *path;             /* as given: file or folder */
     char *file;             /* the safetensors file read */
+    char *config_path;      /* the adapter_config.json read, or NULL */
     lk_adapter_format format;
-    int has_config, rslora;
+    int has_config, rslora, dora;
     lk_peft_config cfg;     /* valid when has_config */
     lk_st *st;              /* the file; owns the tensor names */
-    void *factors;          /* every module's A and B, copied at open */
+    void *factors;          /* every module's tensors and the replacements, copied at open */
     size_t n;               /* modules, sorted by stem */
     lk_lora_module *mods;
-    char **names, **stems, **targets; /* owned strings behind mods[i] */
+    char **names, **stems, **targets, **bias_targets, **sources; /* owned strings behind mods[i] */
     size_t *by_target;      /* resolved modules sorted by target */
     size_t n_by_target;
+    size_t *by_bias;        /* resolved modules with a lora_B.bias, sorted by bias target */
+    size_t n_by_bias;
+    size_t n_rep;           /* replacements, sorted by key */
+    lk_adapter_tensor *reps;
+    char **rep_names;       /* model name of each replacement (key without prefix / base_layer) */
+    char **rep_targets;
+    size_t *rep_by_target;  /* resolved replacements sorted by target */
+    size_t n_rep_by_target;
     size_t n_untargeted;    /* modules outside target_modules */
+    /* alpha/rank from the file's own metadata (files without a config) */
+    struct lk_meta_cfg {
+        char *prefix;       /* component ("transformer") of a packed diffusers record, or NULL */
+        lk_peft_config cfg;
+    } *meta;
+    size_t n_meta;
+    int has_ss_alpha;       /* kohya's ss_network_alpha */
+    double ss_alpha;
 };
 
 /* The name of a factor in the adapter's format: A (b = 0) or B (b = 1). */

@@ -18,6 +18,7 @@
 typedef struct group {
     int rank;
     float alpha, scale;
+    const char *source; /* where alpha came from */
     size_t count;
     const char *example;
 } group;
@@ -27,17 +28,17 @@ static int group_cmp(const void *pa, const void *pb) {
     if (a->rank != b->rank) return a->rank < b->rank ? -1 : 1;
     if (a->alpha != b->alpha) return a->alpha < b->alpha ? -1 : 1;
     if (a->scale != b->scale) return a->scale < b->scale ? -1 : 1;
-    return 0;
+    return strcmp(a->source, b->source);
 }
 
-/* Groups of equal (rank, alpha, scale), sorted; *ng gets their count. */
+/* Groups of equal (rank, alpha, scale, alpha source), sorted; *ng gets their count. */
 static group *make_groups(const lk_adapter *a, size_t *ng) {
     size_t n = lk_adapter_count(a), k = 0;
     group *g = lk_calloc(n ? n : 1, sizeof *g);
     if (!g) return NULL;
     for (size_t i = 0; i < n; i++) {
         const lk_lora_module *m = lk_adapter_module(a, i);
-        group key = {m->rank, m->alpha, m->scale, 1, m->module};
+        group key = {m->rank, m->alpha, m->scale, m->alpha_source, 1, m->module};
         size_t j = 0;
         while (j < k && group_cmp(&g[j], &key)) j++;
         if (j < k) g[j].count++;
@@ -52,31 +53,39 @@ static group *make_groups(const lk_adapter *a, size_t *ng) {
 static json_t *adapter_json(const lk_adapter *a) {
     size_t ng = 0;
     group *g = make_groups(a, &ng);
-    json_t *groups = json_array(), *mods = json_array();
-    int bad = !g || !groups || !mods;
+    json_t *groups = json_array(), *mods = json_array(), *reps = json_array();
+    int bad = !g || !groups || !mods || !reps;
     for (size_t i = 0; i < ng && !bad; i++)
-        bad |= json_array_append_new(groups, json_pack("{s:i, s:f, s:f, s:I, s:s}", "rank", g[i].rank, "alpha",
-                                                       (double)g[i].alpha, "scale", (double)g[i].scale, "count",
-                                                       (json_int_t)g[i].count, "example", g[i].example));
+        bad |= json_array_append_new(groups, json_pack("{s:i, s:f, s:f, s:s, s:I, s:s}", "rank", g[i].rank, "alpha",
+                                                       (double)g[i].alpha, "scale", (double)g[i].scale, "alpha_source",
+                                                       g[i].source, "count", (json_int_t)g[i].count, "example",
+                                                       g[i].example));
     for (size_t i = 0; i < lk_adapter_count(a) && !bad; i++) {
         const lk_lora_module *m = lk_adapter_module(a, i);
         bad |= json_array_append_new(
-            mods, json_pack("{s:s, s:i, s:f, s:f, s:I, s:I, s:s, s:s}", "module", m->module, "rank", m->rank, "alpha",
-                            (double)m->alpha, "scale", (double)m->scale, "in", (json_int_t)m->A.shape[1], "out",
-                            (json_int_t)m->B.shape[0], "dtype_A", lk_dtype_name(m->A.dtype), "dtype_B",
-                            lk_dtype_name(m->B.dtype)));
+            mods, json_pack("{s:s, s:i, s:f, s:f, s:s, s:I, s:I, s:s, s:s, s:b, s:b}", "module", m->module, "rank",
+                            m->rank, "alpha", (double)m->alpha, "scale", (double)m->scale, "alpha_source",
+                            m->alpha_source, "in", (json_int_t)m->A.shape[1], "out", (json_int_t)m->B.shape[0],
+                            "dtype_A", lk_dtype_name(m->A.dtype), "dtype_B", lk_dtype_name(m->B.dtype), "dora",
+                            m->magnitude.data != NULL, "lora_bias", m->bias.data != NULL));
+    }
+    for (size_t i = 0; i < lk_adapter_replacement_count(a) && !bad; i++) {
+        const lk_adapter_tensor *r = lk_adapter_replacement(a, i);
+        bad |= json_array_append_new(reps, json_pack("{s:s, s:s, s:s}", "key", r->key, "kind", r->why, "dtype",
+                                                     lk_dtype_name(r->t.dtype)));
     }
     lk_free(g);
     if (bad) {
         json_decref(groups);
         json_decref(mods);
+        json_decref(reps);
         return NULL;
     }
-    return json_pack("{s:s, s:s, s:s, s:b, s:b, s:I, s:I, s:o, s:o}", "path", lk_adapter_path(a), "file",
+    return json_pack("{s:s, s:s, s:s, s:b, s:b, s:b, s:I, s:I, s:o, s:o, s:o}", "path", lk_adapter_path(a), "file",
                      lk_adapter_file(a), "format", lk_adapter_format_name(lk_adapter_get_format(a)), "config",
-                     lk_adapter_has_config(a), "rslora", lk_adapter_rslora(a), "module_count",
-                     (json_int_t)lk_adapter_count(a), "untargeted", (json_int_t)lk_adapter_untargeted(a), "groups",
-                     groups, "modules", mods);
+                     lk_adapter_has_config(a), "rslora", lk_adapter_rslora(a), "dora", lk_adapter_dora(a),
+                     "module_count", (json_int_t)lk_adapter_count(a), "untargeted",
+                     (json_int_t)lk_adapter_untargeted(a), "groups", groups, "modules", mods, "replaced", reps);
 }
 
 /* The metadata shown: a single file's own, or a sharded set's index

@@ -71,6 +71,24 @@ static size_t find_by_suffix(const lk_tensor *model, size_t n, const char *m, si
     return hit;
 }
 
+/* The single model key ending in "." + name; SIZE_MAX when none; *other
+ * gets a second one when ambiguous. */
+static size_t find_by_suffix_key(const lk_tensor *model, size_t n, const char *name, size_t *other) {
+    size_t nl = strlen(name), hit = SIZE_MAX;
+    *other = SIZE_MAX;
+    for (size_t i = 0; i < n; i++) {
+        const char *k = model[i].name;
+        size_t kl = strlen(k);
+        if (kl <= nl || k[kl - nl - 1] != '.' || strcmp(k + kl - nl, name)) continue;
+        if (hit != SIZE_MAX) {
+            *other = i;
+            return hit;
+        }
+        hit = i;
+    }
+    return hit;
+}
+
 static const char *kohya_rest(const char *m) {
     static const char *const pre[] = {"lora_unet_", "lora_te1_", "lora_te2_", "lora_te_"};
     for (size_t i = 0; i < 4; i++)
@@ -140,10 +158,15 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
     size_t *ord = lk_malloc((n_model ? n_model : 1) * sizeof *ord);
     char **tnames = lk_calloc(a->n ? a->n : 1, sizeof *tnames);
     size_t *by = lk_malloc((a->n ? a->n : 1) * sizeof *by);
+    char **bnames = lk_calloc(a->n ? a->n : 1, sizeof *bnames);
+    size_t *bby = lk_malloc((a->n ? a->n : 1) * sizeof *bby), n_bby = 0;
+    char **rnames = lk_calloc(a->n_rep ? a->n_rep : 1, sizeof *rnames);
+    size_t *rby = lk_malloc((a->n_rep ? a->n_rep : 1) * sizeof *rby), n_rby = 0;
     kname *kn = NULL;
     size_t n_kn = 0, unmatched = 0, first_unmatched = SIZE_MAX, n_by = 0;
+    const char *first_unmatched_rep = NULL;
     char buf[4096];
-    if (!ord || !tnames || !by) {
+    if (!ord || !tnames || !by || !bnames || !bby || !rnames || !rby) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
         goto done;
     }
@@ -198,6 +221,72 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
             goto done;
         }
         by[n_by++] = i;
+        if (m->bias.name) { /* lora_bias: the layer's own bias, "<m>.bias" */
+            size_t tl = strlen(model[t].name);
+            if ((size_t)snprintf(buf, sizeof buf, "%.*sbias", (int)(tl - 6), model[t].name) >= sizeof buf) buf[0] = 0;
+            size_t b = find_model(model, ord, n_model, buf);
+            if (b == SIZE_MAX) {
+                s = lk_error(LK_ERR_UNMATCHED, "%s: %s has a lora_B bias but the model has no %s to add it to", a->file,
+                             m->module, buf);
+                goto done;
+            }
+            const lk_tensor *bw = &model[b];
+            if (bw->ndim != 1 || bw->shape[0] != m->B.shape[0] || !lk_dtype_is_fusable(bw->dtype)) {
+                s = lk_error(LK_ERR_SHAPE, "%s: %s: the model's %s is %s with %d dims; lora_bias needs a 1-D "
+                             "F32/F16/BF16 bias of %lld values", a->file, m->module, bw->name, lk_dtype_name(bw->dtype),
+                             bw->ndim, (long long)m->B.shape[0]);
+                goto done;
+            }
+            if (!(bnames[i] = lk_strdup(bw->name))) {
+                s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+                goto done;
+            }
+            bby[n_bby++] = i;
+        }
+    }
+    for (size_t r = 0; r < a->n_rep; r++) { /* tensors saved whole: the model key of that name */
+        const lk_adapter_tensor *rp = &a->reps[r];
+        const char *nm = a->rep_names[r];
+        size_t t = find_model(model, ord, n_model, nm);
+        if (t == SIZE_MAX) {
+            size_t other;
+            t = find_by_suffix_key(model, n_model, nm, &other);
+            if (other != SIZE_MAX) {
+                s = lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model tensors %s and %s", a->file, rp->key,
+                             model[t].name, model[other].name);
+                goto done;
+            }
+        }
+        if (t == SIZE_MAX) {
+            if (unmatched++ == 0) first_unmatched_rep = rp->key;
+            continue;
+        }
+        const lk_tensor *w = &model[t];
+        int same = w->ndim == rp->t.ndim;
+        for (int d = 0; same && d < w->ndim; d++) same = w->shape[d] == rp->t.shape[d];
+        char ws[64], rs[64];
+        if (!same) {
+            lk_shape_str(w, ws, sizeof ws);
+            lk_shape_str(&rp->t, rs, sizeof rs);
+            s = lk_error(LK_ERR_SHAPE, "%s: '%s' (%s) is %s but the model's %s is %s", a->file, rp->key, rp->why, rs,
+                         w->name, ws);
+            goto done;
+        }
+        if (!(lk_dtype_is_fusable(w->dtype) && lk_dtype_is_fusable(rp->t.dtype)) && w->dtype != rp->t.dtype) {
+            s = lk_error(LK_ERR_DTYPE, "%s: '%s' (%s) is %s but the model's %s is %s", a->file, rp->key, rp->why,
+                         lk_dtype_name(rp->t.dtype), w->name, lk_dtype_name(w->dtype));
+            goto done;
+        }
+        if (!(rnames[r] = lk_strdup(w->name))) {
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+            goto done;
+        }
+        rby[n_rby++] = r;
+    }
+    if (unmatched && !allow_unmatched && first_unmatched == SIZE_MAX) {
+        s = lk_error(LK_ERR_UNMATCHED, "%s: '%s' matches no model tensor%s", a->file, first_unmatched_rep,
+                     unmatched > 1 ? " (and more; --allow-unmatched skips them)" : "");
+        goto done;
     }
     if (unmatched && !allow_unmatched) {
         const lk_lora_module *m = &a->mods[first_unmatched];
@@ -217,41 +306,107 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
                          a->mods[by[i]].module, tnames[by[i]]);
             goto done;
         }
+    qsort_r(rby, n_rby, sizeof *rby, target_cmp, rnames);
+    for (size_t i = 1; i < n_rby; i++)
+        if (!strcmp(rnames[rby[i]], rnames[rby[i - 1]])) {
+            s = lk_error(LK_ERR_FORMAT, "%s: '%s' and '%s' both replace %s", a->file, a->reps[rby[i - 1]].key,
+                         a->reps[rby[i]].key, rnames[rby[i]]);
+            goto done;
+        }
+    for (size_t i = 0; i < n_rby; i++) { /* a tensor both replaced and LoRA-fused by this adapter */
+        size_t lo = 0, hi = n_by, r = rby[i];
+        while (lo < hi) {
+            size_t mid = lo + (hi - lo) / 2;
+            int c = strcmp(tnames[by[mid]], rnames[r]);
+            if (!c) {
+                s = lk_error(LK_ERR_FORMAT, "%s: '%s' replaces %s, which module %s also fuses into", a->file,
+                             a->reps[r].key, rnames[r], a->mods[by[mid]].module);
+                goto done;
+            }
+            if (c < 0) lo = mid + 1;
+            else hi = mid;
+        }
+    }
+    qsort_r(bby, n_bby, sizeof *bby, target_cmp, bnames);
     /* Commit. */
     for (size_t i = 0; i < a->n; i++) {
         lk_free(a->targets[i]);
         a->targets[i] = tnames[i];
         a->mods[i].target = tnames[i];
         tnames[i] = NULL;
+        lk_free(a->bias_targets[i]);
+        a->bias_targets[i] = bnames[i];
+        a->mods[i].bias_target = bnames[i];
+        bnames[i] = NULL;
+    }
+    for (size_t r = 0; r < a->n_rep; r++) {
+        lk_free(a->rep_targets[r]);
+        a->rep_targets[r] = rnames[r];
+        a->reps[r].target = rnames[r];
+        rnames[r] = NULL;
     }
     lk_free(a->by_target);
     a->by_target = by;
     a->n_by_target = n_by;
     by = NULL;
+    lk_free(a->by_bias);
+    a->by_bias = bby;
+    a->n_by_bias = n_bby;
+    bby = NULL;
+    lk_free(a->rep_by_target);
+    a->rep_by_target = rby;
+    a->n_rep_by_target = n_rby;
+    rby = NULL;
     if (unmatched)
-        lk_log(LK_LOG_WARN, "%s: %zu of %zu modules match no model weight and are skipped (first: %s)", a->path,
-               unmatched, a->n, a->mods[first_unmatched].module);
+        lk_log(LK_LOG_WARN, "%s: %zu of %zu modules%s match no model weight and are skipped (first: %s)", a->path,
+               unmatched, a->n + a->n_rep, a->n_rep ? " and saved tensors" : "",
+               first_unmatched != SIZE_MAX ? a->mods[first_unmatched].module : first_unmatched_rep);
     if (n_unmatched) *n_unmatched = unmatched;
 done:
     if (tnames)
         for (size_t i = 0; i < a->n; i++) lk_free(tnames[i]);
     lk_free(tnames);
+    if (bnames)
+        for (size_t i = 0; i < a->n; i++) lk_free(bnames[i]);
+    lk_free(bnames);
+    if (rnames)
+        for (size_t i = 0; i < a->n_rep; i++) lk_free(rnames[i]);
+    lk_free(rnames);
+    lk_free(bby);
+    lk_free(rby);
     lk_free(ord);
     lk_free(by);
     free_knames(kn, n_kn);
     return s;
 }
 
-const lk_lora_module *lk_adapter_find_target(const lk_adapter *a, const char *target) {
-    if (!a || !target) return NULL;
-    size_t lo = 0, hi = a->n_by_target;
+/* Binary search of idx[0..n) whose names[idx[k]] are sorted; SIZE_MAX if absent. */
+static size_t find_sorted(char *const *names, const size_t *idx, size_t n, const char *key) {
+    size_t lo = 0, hi = n;
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
-        const lk_lora_module *m = &a->mods[a->by_target[mid]];
-        int c = strcmp(m->target, target);
-        if (c == 0) return m;
+        int c = strcmp(names[idx[mid]], key);
+        if (c == 0) return idx[mid];
         if (c < 0) lo = mid + 1;
         else hi = mid;
     }
-    return NULL;
+    return SIZE_MAX;
+}
+
+const lk_lora_module *lk_adapter_find_target(const lk_adapter *a, const char *target) {
+    if (!a || !target) return NULL;
+    size_t i = find_sorted(a->targets, a->by_target, a->n_by_target, target);
+    return i == SIZE_MAX ? NULL : &a->mods[i];
+}
+
+const lk_lora_module *lk_adapter_find_bias_target(const lk_adapter *a, const char *target) {
+    if (!a || !target) return NULL;
+    size_t i = find_sorted(a->bias_targets, a->by_bias, a->n_by_bias, target);
+    return i == SIZE_MAX ? NULL : &a->mods[i];
+}
+
+const lk_adapter_tensor *lk_adapter_find_replacement(const lk_adapter *a, const char *target) {
+    if (!a || !target) return NULL;
+    size_t i = find_sorted(a->rep_targets, a->rep_by_target, a->n_rep_by_target, target);
+    return i == SIZE_MAX ? NULL : &a->reps[i];
 }

@@ -112,6 +112,8 @@ typedef struct fctx {
     lk_tensor *model;
     lk_fuse_term *terms;
     size_t *order; /* canonical summation order of the inputs */
+    lk_adapter **ord_ad; /* the adapters and strengths in that order */
+    float *ord_s;
     lk_st_writer **w; /* one per output file */
     size_t n_w;
     lk_out_dir *od;   /* sharded output: the temporary folder */
@@ -128,6 +130,8 @@ static void fctx_free(fctx *c) {
     lk_free(c->model);
     lk_free(c->terms);
     lk_free(c->order);
+    lk_free(c->ord_ad);
+    lk_free(c->ord_s);
     lk_free(c->buf);
     lk_free(c->record);
     lk_ckpt_close(c->ck);
@@ -182,18 +186,9 @@ void lk_fuse_canonical_order(const lk_fuse_input *in, size_t n, size_t *order) {
     qsort_r(order, n, sizeof *order, input_cmp, (void *)in);
 }
 
-/* Gathers the non-zero terms for model tensor t, in canonical order. */
-static size_t gather(const fctx *c, const lk_fuse_input *in, const lk_tensor *t, lk_fuse_term *terms) {
-    size_t k = 0;
-    for (size_t j = 0; j < c->n_ad; j++) {
-        size_t i = c->order[j];
-        const lk_lora_module *m = lk_adapter_find_target(c->ad[i], t->name);
-        if (!m) continue;
-        float sc = (float)((double)in[i].strength * (double)m->scale);
-        if (sc == 0.0f) continue;
-        terms[k++] = (lk_fuse_term){&m->A, &m->B, sc};
-    }
-    return k;
+/* The plan for model tensor t (the tracker uses the same one). */
+static lk_status gather(const fctx *c, const lk_tensor *t, lk_fuse_key *k) {
+    return lk_fuse_key_plan(c->ord_ad, c->ord_s, c->n_ad, t, c->terms, k);
 }
 
 /* Shared by lk_fuse_file and lk_fuse_tensors, so both refuse and sum
@@ -223,6 +218,24 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
         if ((s = lk_adapter_resolve(c->ad[i], model, nt, allow_unmatched, &un))) return s;
         st->modules_unmatched += un;
     }
+    c->ord_ad = lk_malloc((n ? n : 1) * sizeof *c->ord_ad);
+    c->ord_s = lk_malloc((n ? n : 1) * sizeof *c->ord_s);
+    if (!c->ord_ad || !c->ord_s) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    size_t live = 0;
+    for (size_t j = 0; j < n; j++) {
+        c->ord_ad[j] = c->ad[c->order[j]];
+        c->ord_s[j] = inputs[c->order[j]].strength;
+        live += c->ord_s[j] != 0.0f;
+    }
+    for (size_t j = 0; j < n; j++)
+        if (live > 1 && c->ord_s[j] != 0.0f && lk_adapter_dora(c->ord_ad[j]))
+            return lk_error(LK_ERR_ARG, "%s: a DoRA adapter must be the only adapter in its request (%zu given)",
+                            lk_adapter_path(c->ord_ad[j]), live);
+    /* every key's plan is checked here, before anything is written */
+    for (size_t i = 0; i < nt; i++) {
+        lk_fuse_key plan;
+        if ((s = gather(c, &model[i], &plan))) return s;
+    }
     return LK_OK;
 }
 
@@ -251,7 +264,9 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     for (size_t i = 0; i < nt; i++) {
         size_t nb = c.model[i].nbytes;
         total_bytes += nb;
-        if (gather(&c, inputs, &c.model[i], c.terms)) {
+        lk_fuse_key plan;
+        if ((s = gather(&c, &c.model[i], &plan))) goto fail;
+        if (lk_fuse_key_touches(&plan)) {
             if (nb > buf_bytes) buf_bytes = nb;
         } else if (nb > copy_bytes) {
             copy_bytes = nb;
@@ -313,10 +328,11 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
         const lk_tensor *t = &c.model[i];
         lk_st_writer *w = c.w[one_file ? 0 : lk_ckpt_tensor_shard(c.ck, i)];
         size_t wi = one_file ? i : lk_ckpt_tensor_local(c.ck, i);
-        size_t k = gather(&c, inputs, t, c.terms);
-        if (k) {
+        lk_fuse_key plan;
+        if ((s = gather(&c, t, &plan))) goto fail;
+        if (lk_fuse_key_touches(&plan)) {
             if ((s = lk_ckpt_read(c.ck, i, 0, c.buf, t->nbytes))) goto fail;
-            s = lk_fuse_tensor(c.buf, c.buf, t->dtype, t->shape[0], t->shape[1], c.terms, k, &opts->fuse, t->name);
+            s = lk_fuse_key_apply(c.buf, c.buf, t, &plan, c.terms, &opts->fuse);
             if (s) {
                 lk_error_prefix(s, "%s", base);
                 goto fail;
@@ -373,7 +389,9 @@ lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *in
             s = lk_error(LK_ERR_ARG, "%s: %s has no data", label, tensors[i].name);
             goto fail;
         }
-        if (gather(&c, inputs, &tensors[i], c.terms)) backup_bytes += tensors[i].nbytes;
+        lk_fuse_key plan;
+        if ((s = gather(&c, &tensors[i], &plan))) goto fail;
+        if (lk_fuse_key_touches(&plan)) backup_bytes += tensors[i].nbytes;
     }
     if (backup_bytes && !(c.buf = lk_malloc(backup_bytes))) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a %zu-byte backup of the fused tensors", label,
@@ -383,18 +401,20 @@ lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *in
     size_t off = 0, i = 0;
     for (; i < nt; i++) {
         lk_tensor *t = &tensors[i];
-        size_t k = gather(&c, inputs, t, c.terms);
-        if (!k) continue;
+        lk_fuse_key plan;
+        if ((s = gather(&c, t, &plan))) break;
+        if (!lk_fuse_key_touches(&plan)) continue;
         memcpy((char *)c.buf + off, t->data, t->nbytes);
         off += t->nbytes;
-        s = lk_fuse_tensor(t->data, t->data, t->dtype, t->shape[0], t->shape[1], c.terms, k, &opts->fuse, t->name);
+        s = lk_fuse_key_apply(t->data, t->data, t, &plan, c.terms, &opts->fuse);
         if (s) break;
         st.tensors_fused++;
     }
     if (s) { /* every tensor up to and including i back to its bytes */
         size_t back = 0;
         for (size_t j = 0; j <= i && j < nt; j++) {
-            if (!gather(&c, inputs, &tensors[j], c.terms)) continue;
+            lk_fuse_key plan;
+            if (gather(&c, &tensors[j], &plan) || !lk_fuse_key_touches(&plan)) continue;
             memcpy(tensors[j].data, (char *)c.buf + back, tensors[j].nbytes);
             back += tensors[j].nbytes;
         }

@@ -39,6 +39,7 @@ typedef struct key_state {
 /* A normalized request: strength-0 entries dropped, sorted, paths owned. */
 typedef struct request {
     lk_fuse_input *e;
+    float *s;      /* e[i].strength, for the per-key plan */
     uint64_t *id;  /* per-entry identity hash (path, strength, format) */
     lk_adapter **ad; /* opened adapters, once loaded */
     uint64_t *content; /* per-entry hash of the adapter's modules and bytes, once loaded */
@@ -84,6 +85,7 @@ static void request_clear(request *r) {
         lk_free((void *)r->e[i].path);
     }
     lk_free(r->e);
+    lk_free(r->s);
     lk_free(r->id);
     lk_free(r->ad);
     lk_free(r->content);
@@ -122,8 +124,9 @@ static lk_status request_make(const lk_fuse_input *in, size_t n, request *r) {
     lk_fuse_input *kept = lk_calloc(m, sizeof *kept);
     size_t *order = lk_calloc(m, sizeof *order), k = 0;
     r->e = lk_calloc(m, sizeof *r->e);
+    r->s = lk_calloc(m, sizeof *r->s);
     r->id = lk_calloc(m, sizeof *r->id);
-    if (!kept || !order || !r->e || !r->id) goto nomem;
+    if (!kept || !order || !r->e || !r->s || !r->id) goto nomem;
     for (size_t i = 0; i < n; i++)
         if (in[i].strength != 0.0f) kept[k++] = in[i];
     lk_fuse_canonical_order(kept, m, order);
@@ -134,7 +137,10 @@ static lk_status request_make(const lk_fuse_input *in, size_t n, request *r) {
     }
     lk_free(kept);
     lk_free(order);
-    for (size_t i = 0; i < r->n; i++) r->id[i] = entry_id(&r->e[i]);
+    for (size_t i = 0; i < r->n; i++) {
+        r->id[i] = entry_id(&r->e[i]);
+        r->s[i] = r->e[i].strength;
+    }
     r->hash = XXH3_64bits_withSeed(r->id, r->n * sizeof *r->id, r->n);
     return LK_OK;
 nomem:
@@ -178,6 +184,18 @@ static uint64_t adapter_content(const lk_adapter *a) {
         XXH3_64bits_update(&h, &mod->scale, sizeof mod->scale);
         hash_tensor(&h, &mod->A);
         hash_tensor(&h, &mod->B);
+        if (mod->magnitude.data) hash_tensor(&h, &mod->magnitude);
+        if (mod->bias.data) {
+            const char *bt = mod->bias_target ? mod->bias_target : "";
+            XXH3_64bits_update(&h, bt, strlen(bt) + 1);
+            hash_tensor(&h, &mod->bias);
+        }
+    }
+    for (size_t i = 0; i < lk_adapter_replacement_count(a); i++) {
+        const lk_adapter_tensor *r = lk_adapter_replacement(a, i);
+        const char *tgt = r->target ? r->target : "";
+        XXH3_64bits_update(&h, tgt, strlen(tgt) + 1);
+        hash_tensor(&h, &r->t);
     }
     return XXH3_64bits_digest(&h);
 }
@@ -193,40 +211,41 @@ static lk_status request_load(lk_tracker *t, request *r) {
         if (!s) s = lk_adapter_resolve(r->ad[i], lk_weights_tensors(t->w), t->n, 0, NULL);
         if (s) return s;
         r->content[i] = adapter_content(r->ad[i]);
+        if (r->n > 1 && lk_adapter_dora(r->ad[i]))
+            return lk_error(LK_ERR_ARG, "%s: a DoRA adapter must be the only adapter in its request (%zu given)",
+                            r->e[i].path, r->n);
     }
     return LK_OK;
 }
 
-/* The terms of r for key i, in request order; returns their count. */
-static size_t key_terms(const lk_tracker *t, const request *r, size_t i, lk_fuse_term *terms) {
-    const char *name = lk_weights_tensor(t->w, i)->name;
-    size_t n = 0;
-    for (size_t j = 0; j < r->n; j++) {
-        const lk_lora_module *m = lk_adapter_find_target(r->ad[j], name);
-        /* the scale exactly as lk_fuse_file forms it, so the bytes agree */
-        float sc = m ? (float)((double)r->e[j].strength * (double)m->scale) : 0.0f;
-        if (sc == 0.0f) continue;
-        terms[n++] = (lk_fuse_term){&m->A, &m->B, sc};
-    }
-    return n;
+/* The plan of r for key i (lk_fuse_file's, so the bytes agree). */
+static lk_status key_terms(const lk_tracker *t, const request *r, size_t i, lk_fuse_term *terms, lk_fuse_key *plan) {
+    return lk_fuse_key_plan(r->ad, r->s, r->n, lk_weights_tensor(t->w, i), terms, plan);
 }
 
-/* Signature of the terms of r on every key into t->next; checks that each
- * touched key is a fusable 2-D weight. */
-static lk_status key_signatures(lk_tracker *t, const request *r) {
+static int touches(const lk_adapter *a, const char *name) {
+    return lk_adapter_find_target(a, name) || lk_adapter_find_replacement(a, name) ||
+           lk_adapter_find_bias_target(a, name);
+}
+
+/* Signature of the terms of r on every key into t->next; checks each
+ * touched key's plan (two replacements, DoRA with anything else). */
+static lk_status key_signatures(lk_tracker *t, const request *r, lk_fuse_term *terms) {
     for (size_t i = 0; i < t->n; i++) {
         const lk_tensor *w = lk_weights_tensor(t->w, i);
         uint64_t s = 0;
         size_t first = SIZE_MAX; /* the first adapter touching the key */
         for (size_t j = 0; j < r->n; j++)
-            if (lk_adapter_find_target(r->ad[j], w->name)) {
+            if (touches(r->ad[j], w->name)) {
                 const uint64_t who[2] = {r->id[j], r->content[j]}; /* same name, new bytes: recompute */
                 s = XXH3_64bits_withSeed(who, sizeof who, s + 1);
                 if (first == SIZE_MAX) first = j;
             }
-        if (first != SIZE_MAX && (!lk_dtype_is_fusable(w->dtype) || w->ndim != 2))
-            return lk_error(LK_ERR_DTYPE, "%s: %s: the weight is %s with %d dims; only 2-D F32/F16/BF16 weights can be fused",
-                            r->e[first].path, w->name, lk_dtype_name(w->dtype), w->ndim);
+        if (first != SIZE_MAX) {
+            lk_fuse_key plan;
+            lk_status st = key_terms(t, r, i, terms, &plan);
+            if (st) return st;
+        }
         t->next[i] = (first != SIZE_MAX && !s) ? 1 : s; /* 0 is reserved for clean */
     }
     return LK_OK;
@@ -240,15 +259,20 @@ static int changed(const lk_tracker *t, size_t i) { return t->o.full || t->next[
 static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_term *terms, int *fused) {
     const lk_tensor *w = lk_weights_tensor(t->w, i);
     const void *clean = t->k[i].backup ? t->k[i].backup : w->data; /* no_lora_swap: in place */
-    size_t nt = r->ad ? key_terms(t, r, i, terms) : 0;
-    *fused = nt > 0;
+    lk_fuse_key plan = {0};
+    if (r->ad) {
+        lk_status s = key_terms(t, r, i, terms, &plan);
+        if (s) return s;
+    }
+    int nt = lk_fuse_key_touches(&plan);
+    *fused = nt;
     if (!nt || t->o.full) { /* full mode copies first and fuses in place, as the reference does */
         if (clean != w->data) memcpy(w->data, clean, w->nbytes);
         clean = w->data;
         if (!nt) return LK_OK;
     }
     lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite};
-    return lk_fuse_tensor(w->data, clean, w->dtype, w->shape[0], w->shape[1], terms, nt, &fo, w->name);
+    return lk_fuse_key_apply(w->data, clean, w, &plan, terms, &fo);
 }
 
 /* ---- broadcast ---- */
@@ -476,7 +500,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
     size_t *fresh = lk_calloc(t->n ? t->n : 1, sizeof *fresh), n_fresh = 0;
     local = (terms && fresh) ? LK_OK : lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
     if (!local) local = request_load(t, &req);
-    if (!local) local = key_signatures(t, &req);
+    if (!local) local = key_signatures(t, &req, terms);
     for (size_t i = 0; !local && i < t->n; i++) {
         if (t->k[i].owner != t->rank || !t->next[i] || t->k[i].backup || t->o.no_lora_swap) continue;
         local = backup_key(t, i);
@@ -495,8 +519,9 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
             if (t->k[i].owner != t->rank || !t->next[i]) continue;
             const lk_tensor *w = lk_weights_tensor(t->w, i);
             lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite};
-            size_t nt = key_terms(t, &req, i, terms);
-            local = lk_fuse_tensor(scratch, w->data, w->dtype, w->shape[0], w->shape[1], terms, nt, &fo, w->name);
+            lk_fuse_key plan;
+            local = key_terms(t, &req, i, terms, &plan);
+            if (!local) local = lk_fuse_key_apply(scratch, w->data, w, &plan, terms, &fo);
         }
         lk_free(scratch);
     }
