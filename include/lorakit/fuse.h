@@ -1,10 +1,13 @@
 /* lorakit/fuse.h — the fusion kernel and the offline fuse of a whole file.
  *
  * One kernel: W_out = W_in + sum_i scale_i * (B_i @ A_i), for any mix of
- * F32/F16/BF16 weights and factors, accumulated in fp32 in the order the
- * terms are given, rounded once (RNE) into the weight's dtype. W is read once
- * and written once, tile by tile; no out x in delta is ever materialised.
- * The result bytes do not depend on the thread count. */
+ * F32/F16/BF16 weights and factors: an FMA chain over the terms in the order
+ * given (fp32 for F16/BF16 weights, fp64 for F32 weights), then W + delta
+ * rounded once into the weight's dtype (the canonical arithmetic: the full
+ * statement is at the top of src/fuse/kernel.c and in the README). W is read
+ * once and written once, tile by tile; no out x in delta is ever
+ * materialised. The result bytes do not depend on the thread count or on
+ * the CPU path (LORAKIT_KERNEL=avx512|avx2|portable forces one). */
 #ifndef LORAKIT_FUSE_H
 #define LORAKIT_FUSE_H
 

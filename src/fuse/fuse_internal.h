@@ -1,10 +1,111 @@
-/* fuse_internal.h — shared between the files of src/fuse (not public). */
+/* fuse_internal.h — shared between the files of src/fuse, and the internal
+ * API other modules use to reproduce the fuse kernel's arithmetic exactly
+ * (DoRA's row norms, FP8 weights). Not installed, not public.
+ *
+ * The canonical arithmetic (the full statement is at the top of kernel.c
+ * and in the README): for a weight element W[o, j] and the terms t in the
+ * order given, with ranks r_t stacked into k = 0 .. R-1,
+ *   narrow (BF16, F16, FP8 weights):  B'[o,k] = fl32(scale_t * B_t[o,k'])
+ *       d = fl32(B'[o,0] * A[0,j]);  d = fmaf(B'[o,k], A[k,j], d), k = 1 .. R-1
+ *   wide (F32 weights):               B'[o,k] = (double)scale_t * B_t[o,k'] (exact)
+ *       d = fl64(B'[o,0] * A[0,j]);  d = fma (B'[o,k], A[k,j], d), k = 1 .. R-1
+ * then W + d is rounded once into the weight's dtype: the sum is rounded
+ * to odd in the accumulator's format (lk_fuse_add_odd_f32/_f64 below), and
+ * that value is rounded to nearest-even into the weight's dtype. Because
+ * the accumulator has at least two more bits than the weight's dtype, this
+ * equals the correctly rounded value of the exact W + d. */
 #ifndef LK_FUSE_INTERNAL_H
 #define LK_FUSE_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "lorakit/fuse.h"
 
 #define LK_FUSE_MAX_THREADS 256
 
 /* Online CPUs, clamped to [1, LK_FUSE_MAX_THREADS]. */
 int lk_fuse_default_threads(void);
+
+/* The canonical delta of rows [row0, row0 + rows) of an out x in weight:
+ * delta[i * ld + j] = d for element (row0 + i, j), with d the narrow chain
+ * above (lk_fuse_delta_f32: what BF16/F16/FP8 weights use) or the wide one
+ * (lk_fuse_delta_f64: what F32 weights use). Terms with scale 0 are
+ * skipped, exactly as lk_fuse_tensor skips them; the order of `terms` is
+ * the summation order (callers pass the canonical order). Rows with no
+ * non-zero term get d = +0. The factors are validated as lk_fuse_tensor
+ * validates them (same errors, naming `name`); A is converted once per
+ * call, so call with many rows at a time, not one. Thread-free.
+ *
+ * Byte-for-byte agreement with lk_fuse_tensor, for a BF16 or F16 weight w:
+ *   lk_from_f32(out, &(float){lk_fuse_round_f32(w_as_f32, d)}, dtype, 1)
+ * and for an F32 weight: lk_fuse_round_f64_to_f32(w, d). */
+lk_status lk_fuse_delta_f32(float *delta, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                            const lk_fuse_term *terms, size_t n_terms, const char *name);
+lk_status lk_fuse_delta_f64(double *delta, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                            const lk_fuse_term *terms, size_t n_terms, const char *name);
+
+/* w + d rounded to odd (round toward zero, then set the last bit if the
+ * sum was inexact): a value that, rounded to nearest-even into any format
+ * with at least two fewer significant bits (BF16, F16, FP8 from f32; F32
+ * from f64), gives the correctly rounded w + d. Inf and NaN sums are
+ * returned as the plain w + d. */
+float lk_fuse_add_odd_f32(float w, float d);
+double lk_fuse_add_odd_f64(double w, double d);
+
+/* One element as the kernel writes it, before the final narrowing:
+ * lk_fuse_add_odd_f32 plus the NaN rule: a NaN weight stays that NaN with
+ * its quiet bit set; a NaN made from a non-NaN weight (Inf - Inf) is the
+ * positive quiet NaN 0x7fc00000. Narrow with lk_from_f32 (RNE). */
+float lk_fuse_round_f32(float w, float d);
+/* An F32 weight's element, final bits: w + d (d from the wide chain)
+ * rounded once to f32 with the same NaN rule. */
+uint32_t lk_fuse_round_f64_to_f32(uint32_t w_bits, double d);
+
+/* The kernel path lk_fuse_tensor uses now: "avx512", "avx2" or "portable".
+ * Chosen from the CPU's features; the environment variable LORAKIT_KERNEL
+ * (avx512 | avx2 | portable) forces a path the CPU supports (tests use it
+ * to check that every path gives the same bytes). */
+const char *lk_fuse_kernel_path(void);
+/* 1 when the CPU can run path `name`. */
+int lk_fuse_kernel_supported(const char *name);
+
+/* ---- between kernel.c and its per-ISA block functions ---- */
+
+#define LK_PW32 64 /* columns per packed panel, f32 accumulator */
+#define LK_PW64 32 /* columns per packed panel, f64 accumulator */
+
+typedef struct lk_kjob lk_kjob;
+typedef struct lk_kworker {
+    const lk_kjob *job;
+    size_t bad_at; /* first element o*in+j that became non-finite, or SIZE_MAX */
+    double bad_w, bad_r;
+} lk_kworker;
+
+/* Rows [o, o + mr) (mr 1..4) x panels [p0, p1) of the job: the delta block
+ * in registers, then W rounded once and written. */
+typedef void (*lk_kblock_fn)(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
+
+struct lk_kjob {
+    void *w_out;
+    const void *w_in;
+    int dt;           /* lk_dtype of W */
+    int wide;         /* f64 accumulator (F32 weights) */
+    size_t out, in, R, npan, pan_tile, n_chunks, rows_per_chunk;
+    const float *Ap32, *Bs32;  /* narrow: panels [p][k][LK_PW32], B' out x R */
+    const double *Ap64, *Bs64; /* wide:   panels [p][k][LK_PW64], B' out x R */
+    lk_kblock_fn block;
+};
+
+/* Records the first element of row o, columns col0 .. col0+n, that went
+ * from a finite weight to a non-finite result (win, res: n elements of the
+ * weight before and of the result, in the weight's dtype). Rare path. */
+void lk_kernel_note_bad(lk_kworker *wk, size_t o, size_t col0, size_t n, const void *win, const void *res);
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LK_KERNEL_X86 1
+void lk_kblock_avx512(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
+void lk_kblock_avx2(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
+#endif
+void lk_kblock_portable(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
 
 #endif

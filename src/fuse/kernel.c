@@ -4,27 +4,44 @@
  * F32/F16/BF16). Every caller (lk_fuse_file, the hot-swap tracker, adapter
  * export) goes through lk_fuse_tensor, so speed and determinism live here.
  *
- * How: the factors are small, so they are converted to fp32 once per call:
- * Acat (R x in, all A_t stacked in the given term order; also copied into
- * panels of 32 columns), and Bs (out x R, each B_t scaled by its scale_t,
- * rounded to fp32 once). Threads take chunks of 16 rows; within a chunk,
- * for each column tile (A's slice kept near 256 KB, in L2), four rows at a
- * time get their delta in a 4 x 32 register block, acc[j] = Bs[o,0]*A[0,j]
- * + Bs[o,1]*A[1,j] + ... strictly left to right; for BF16 weights the block
- * is added to W and rounded right there in registers, for the other dtypes
- * each row segment of W is read (prefetched during the sums), added in
- * fp32 and rounded once (RNE) into W's dtype. W is read once and written once; the delta exists
- * only four row segments at a time, never out x in. On a 2-vCPU Zen 4 the
- * sums run near the FP pipes' peak (mul and add on separate pipes, so FMA
- * would not be faster); at low rank the W pass dominates.
+ * THE CANONICAL ARITHMETIC (the same bits on every path and every machine):
+ *  1. The terms with a non-zero scale, in the order given (callers pass the
+ *     canonical order of lk_fuse_canonical_order), are stacked: k = 0 .. R-1
+ *     runs over term 0's ranks, then term 1's, ..., R = sum of r_t.
+ *  2. Scaled B. Narrow accumulator (BF16 and F16 weights; FP8 weights use
+ *     the same chain through lk_fuse_delta_f32): B'[o,k] = fl32(scale_t *
+ *     B_t[o,k']), the product of two floats rounded once to f32. Wide
+ *     accumulator (F32 weights): B'[o,k] = (double)scale_t * B_t[o,k'], exact
+ *     in f64 (24 x 24 bits fit in 53).
+ *  3. The delta, per element, an FMA chain with k ascending, starting from
+ *     the first product (not from 0): d = fl(B'[o,0] * A[0,j]), then
+ *     d = fma(B'[o,k], A[k,j], d) for k = 1 .. R-1, in f32 (narrow: fmaf)
+ *     or f64 (wide: fma). A's values are its stored values (exact in f32).
+ *  4. W + d rounded ONCE into W's dtype: s = W + d is rounded to odd in the
+ *     accumulator's format (round to nearest, exact error by TwoSum, and if
+ *     inexact with an even last bit, one step toward the exact sum), then
+ *     rounded to nearest-even into W's dtype. The accumulator has at least
+ *     two more significant bits than W's dtype (24 vs 8/11; 53 vs 24), so
+ *     this is the correctly rounded value of the exact W + d.
+ *  5. NaN: a NaN weight stays that NaN with its quiet bit set; a NaN made
+ *     from a non-NaN weight (Inf - Inf) is the positive quiet NaN. A finite
+ *     weight that becomes Inf or NaN is an error unless allow_nonfinite.
+ *  6. The FP environment does not matter: the kernel runs in the default
+ *     one (round to nearest, no flush-to-zero) and restores the caller's.
+ * FMA is correctly rounded, so AVX-512, AVX2, the portable fmaf fallback
+ * (and NEON, CUDA later) give identical bytes; the work split (row chunks
+ * to threads, column tiles, panel blocking) never changes what is computed
+ * for an element, only who computes it and when.
  *
- * Determinism: every element goes through the same sequence of fp32
- * operations (no FMA contraction: fp-contract is off for this file, so the
- * AVX-512, AVX2 and baseline clones all give the same bits), and the work
- * split (chunks of rows handed out to threads) never changes what is
- * computed for an element, only who computes it. Worker threads copy the
- * caller's floating-point environment (rounding, FTZ/DAZ). Hence the bytes
- * depend only on W, the terms and their order; callers fix the order. */
+ * How (speed): the factors are small, so they are converted once per call:
+ * B' (out x R) and A packed into zero-padded panels of 64 f32 (32 f64)
+ * columns, [panel][k][column], so a block's k loop streams contiguous
+ * memory. Threads take chunks of 16 rows; within a chunk, for each column
+ * tile (A's slice kept near 256 KB, in L2), blocks of 4 rows x 1 panel get
+ * their delta in registers and are added to W, rounded and stored at once
+ * (kernel_avx512.c, kernel_generic.c). W is read once and written once; no
+ * out x in delta is ever materialised. The path is picked at run time from
+ * the CPU's features (LORAKIT_KERNEL=avx512|avx2|portable forces one). */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")
 #endif
@@ -34,333 +51,118 @@
 
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
+#include "lorakit/log.h"
 #include "fuse/fuse_internal.h"
+#include "fuse/kernel_scalar.h"
 
 #include <fenv.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(LK_NO_CLONES)
-#define LK_KCLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define LK_KCLONES
-#endif
-
 #define ROWS_PER_CHUNK 16
+#define TILE_BYTES (256u * 1024u)
 
-/* acc[j] = sum_k b[k] * A[k*lda + j], k ascending, j < n. The 4-way unroll
- * keeps acc in a register across four k steps without changing the order
- * of the additions. */
-LK_KCLONES static void delta_row(float *restrict acc, const float *restrict A, size_t lda,
-                                 const float *restrict b, size_t R, size_t n) {
-    for (size_t j = 0; j < n; j++) acc[j] = b[0] * A[j];
-    size_t k = 1;
-    for (; k + 4 <= R; k += 4) {
-        const float *a0 = A + k * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
-        const float b0 = b[k], b1 = b[k + 1], b2 = b[k + 2], b3 = b[k + 3];
-        for (size_t j = 0; j < n; j++) {
-            float s = acc[j];
-            float p0 = b0 * a0[j];
-            s = s + p0;
-            float p1 = b1 * a1[j];
-            s = s + p1;
-            float p2 = b2 * a2[j];
-            s = s + p2;
-            float p3 = b3 * a3[j];
-            acc[j] = s + p3;
-        }
-    }
-    for (; k < R; k++) {
-        const float *a = A + k * lda;
-        const float bk = b[k];
-        for (size_t j = 0; j < n; j++) {
-            float p = bk * a[j];
-            acc[j] = acc[j] + p;
-        }
-    }
-}
+float lk_fuse_add_odd_f32(float w, float d) { return lk_k_add_odd_f32(w, d); }
+double lk_fuse_add_odd_f64(double w, double d) { return lk_k_add_odd_f64(w, d); }
+float lk_fuse_round_f32(float w, float d) { return lk_k_round_f32(w, d); }
+uint32_t lk_fuse_round_f64_to_f32(uint32_t w_bits, double d) { return lk_k_round_f64_to_f32(w_bits, d); }
 
-typedef float v16 __attribute__((vector_size(64)));
-/* Unaligned 16-float load/store (macros: passing vectors to functions
- * would tie the ABI to the clone's ISA). */
-#define LD16(v, p) memcpy(&(v), (p), sizeof(v16))
-#define ST16(p, v) memcpy((p), &(v), sizeof(v16))
+/* ---- path selection ---- */
 
-/* The same sums as delta_row for four rows at once: acc[r*ldc + j] =
- * sum_k b[r*R + k] * A[k*lda + j], k ascending, for r < 4, j < n. A 4 x 32
- * block of sums lives in registers for the whole k loop, so each A value
- * loaded serves four rows; A is read from Ap, a copy of A packed in panels
- * of 32 columns (Ap[(j/32)*R*32 + k*32 + j%32], j a multiple of 32 here),
- * so a block's k loop streams contiguous memory. Columns past the last full
- * panel come from A. Every element still sees exactly the sequence s = p0,
- * s = s + p1, ..., so the bits equal delta_row's. */
-/* The sums of one 4 x 32 block into v16 c[4][2]: row r, columns j .. j+31,
- * k ascending (shared by delta_4rows and fused_4rows_bf16). */
-#define LK_BLOCK_4X32(c, Ap, b, R, j)                                                   \
-    do {                                                                               \
-        const float *a_ = (Ap) + (j) * (R);                                            \
-        v16 x0_, x1_;                                                                  \
-        LD16(x0_, a_);                                                                 \
-        LD16(x1_, a_ + 16);                                                            \
-        for (int r_ = 0; r_ < 4; r_++) {                                               \
-            c[r_][0] = (b)[r_ * (R)] * x0_;                                            \
-            c[r_][1] = (b)[r_ * (R)] * x1_;                                            \
-        }                                                                              \
-        for (size_t k_ = 1; k_ < (R); k_++) {                                          \
-            a_ = (Ap) + (j) * (R) + k_ * 32;                                           \
-            LD16(x0_, a_);                                                             \
-            LD16(x1_, a_ + 16);                                                        \
-            for (int r_ = 0; r_ < 4; r_++) {                                           \
-                const float e_ = (b)[r_ * (R) + k_];                                   \
-                c[r_][0] = c[r_][0] + e_ * x0_;                                        \
-                c[r_][1] = c[r_][1] + e_ * x1_;                                        \
-            }                                                                          \
-        }                                                                              \
-    } while (0)
-
-LK_KCLONES static void delta_4rows(float *restrict acc, size_t ldc, const float *restrict A, size_t lda,
-                                   const float *restrict Ap, const float *restrict b, size_t R, size_t n) {
-    size_t j = 0;
-    for (; j + 32 <= n; j += 32) {
-        v16 c[4][2];
-        LK_BLOCK_4X32(c, Ap, b, R, j);
-        for (int r = 0; r < 4; r++) {
-            ST16(acc + r * ldc + j, c[r][0]);
-            ST16(acc + r * ldc + j + 16, c[r][1]);
-        }
-    }
-    for (; j < n; j++)
-        for (size_t r = 0; r < 4; r++) {
-            const float *br = b + r * R;
-            float sum = br[0] * A[j];
-            for (size_t k = 1; k < R; k++) {
-                float p = br[k] * A[k * lda + j];
-                sum = sum + p;
-            }
-            acc[r * ldc + j] = sum;
-        }
-}
-
-typedef uint32_t v16u __attribute__((vector_size(64)));
-#if defined(__clang__) || __GNUC__ >= 12
-#define LK_SHUF(v, ...) __builtin_shufflevector((v), (v), __VA_ARGS__)
-#else
-#define LK_SHUF(v, ...) __builtin_shuffle((v), (v16u){__VA_ARGS__})
+int lk_fuse_kernel_supported(const char *name) {
+    if (!strcmp(name, "portable")) return 1;
+#ifdef LK_KERNEL_X86
+    __builtin_cpu_init();
+    if (!strcmp(name, "avx2"))
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (!strcmp(name, "avx512"))
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
-typedef uint16_t v16h __attribute__((vector_size(32)));
-
-/* BF16 weights, the common case: delta_4rows' sums for each full 4 x 32
- * block are added to W and rounded while still in registers, so W is read
- * and written once with no trip through acc. The rounding is dtype.c's
- * f32 -> bf16 (RNE; NaN kept, quiet bit when the kept payload is 0), in
- * vector form: tests/test_fuse_kernel.c checks the bits against
- * lk_from_f32. A block in which some finite weight would become
- * non-finite is not written: its sums go to acc and its column is
- * returned, for the caller to finish on the checked path. Returns n when
- * every full block is done. win and wout may be the same memory. */
-LK_KCLONES static size_t fused_4rows_bf16(const unsigned char *win, unsigned char *wout, size_t ldw,
-                                          float *restrict acc, size_t ldc, const float *restrict Ap,
-                                          const float *restrict b, size_t R, size_t j, size_t n, uint32_t lim) {
-    for (; j + 32 <= n; j += 32) {
-        v16 c[4][2];
-        LK_BLOCK_4X32(c, Ap, b, R, j);
-        v16u res[4][2], bad = {0};
-        for (int r = 0; r < 4; r++)
-            for (int h = 0; h < 2; h++) {
-                v16h w16;
-                memcpy(&w16, win + r * ldw + (j + 16 * (size_t)h) * 2, sizeof w16);
-                v16u u = __builtin_convertvector(w16, v16u) << 16;
-                v16 x, sum;
-                memcpy(&x, &u, sizeof x);
-                sum = x + c[r][h];
-                memcpy(&res[r][h], &sum, sizeof sum);
-                bad |= (v16u)((u & 0x7fffffffu) < 0x7f800000u) & (v16u)((res[r][h] & 0x7fffffffu) >= lim);
-            }
-        /* horizontal OR in four shuffles (no lane-by-lane extraction) */
-        bad |= LK_SHUF(bad, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-        bad |= LK_SHUF(bad, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
-        bad |= LK_SHUF(bad, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
-        bad |= LK_SHUF(bad, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
-        if (bad[0]) {
-            for (int r = 0; r < 4; r++) {
-                ST16(acc + r * ldc + j, c[r][0]);
-                ST16(acc + r * ldc + j + 16, c[r][1]);
-            }
-            return j;
-        }
-        for (int r = 0; r < 4; r++)
-            for (int h = 0; h < 2; h++) {
-                v16u u = res[r][h], t = u >> 16;
-                v16u rn = (u + 0x7fffu + (t & 1u)) >> 16;
-                v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
-                v16u q = t | ((v16u)((t & 0x7fu) == 0u) & 0x40u);
-                v16h o16 = __builtin_convertvector((nan & q) | (~nan & rn), v16h);
-                memcpy(wout + r * ldw + (j + 16 * (size_t)h) * 2, &o16, sizeof o16);
-            }
-    }
-    return n;
+    return 0;
 }
 
-/* |r| bits at or above lim round to Inf (or are NaN) in the weight dtype. */
-static uint32_t overflow_bits(lk_dtype dt) {
-    switch (dt) {
-    case LK_DTYPE_F16: return 0x477ff000u;  /* 65520.0f */
-    case LK_DTYPE_BF16: return 0x7f7f8000u; /* halfway to Inf, ties to the even Inf */
-    default: return 0x7f800000u;
+const char *lk_fuse_kernel_path(void) {
+    const char *want = getenv("LORAKIT_KERNEL");
+    if (want && *want && strcmp(want, "auto")) {
+        if ((!strcmp(want, "avx512") || !strcmp(want, "avx2") || !strcmp(want, "portable")) &&
+            lk_fuse_kernel_supported(want))
+            return !strcmp(want, "avx512") ? "avx512" : !strcmp(want, "avx2") ? "avx2" : "portable";
+        lk_log(LK_LOG_WARN, "LORAKIT_KERNEL=%s: not a path this CPU runs (avx512, avx2, portable); choosing by CPU",
+               want);
     }
+    if (lk_fuse_kernel_supported("avx512")) return "avx512";
+    if (lk_fuse_kernel_supported("avx2")) return "avx2";
+    return "portable";
 }
 
-/* w[j] += acc[j]; returns 1 when some finite w gives a result that is, or
- * rounds to, a non-finite value in the weight dtype. */
-LK_KCLONES static int add_delta(float *restrict w, const float *restrict acc, size_t n, uint32_t lim) {
-    uint32_t bad = 0;
+static lk_kblock_fn path_block(const char *path) {
+#ifdef LK_KERNEL_X86
+    if (!strcmp(path, "avx512")) return lk_kblock_avx512;
+    if (!strcmp(path, "avx2")) return lk_kblock_avx2;
+#endif
+    (void)path;
+    return lk_kblock_portable;
+}
+
+/* ---- non-finite results ---- */
+
+void lk_kernel_note_bad(lk_kworker *wk, size_t o, size_t col0, size_t n, const void *win, const void *res) {
+    const lk_kjob *jb = wk->job;
+    const size_t esz = lk_dtype_size((lk_dtype)jb->dt);
     for (size_t j = 0; j < n; j++) {
-        float x = w[j];
-        float r = x + acc[j];
-        uint32_t ux, ur;
-        memcpy(&ux, &x, 4);
-        memcpy(&ur, &r, 4);
-        bad |= ((ux & 0x7fffffffu) < 0x7f800000u) & ((ur & 0x7fffffffu) >= lim);
-        w[j] = r;
-    }
-    return bad != 0;
-}
-
-/* As add_delta, reading W straight from its bytes (BF16 widens by a
- * shift, F32 as is) into w: one pass instead of convert-then-add. The same
- * fp32 addition, hence the same bits. Loads go through memcpy: tensors in
- * a safetensors mmap need not be aligned to their element size. */
-#define LK_ADD_FROM(NAME, T, WIDEN)                                                                   \
-    LK_KCLONES static int NAME(float *restrict w, const unsigned char *restrict src,                \
-                               const float *restrict acc,                                           \
-                               size_t n, uint32_t lim) {                                            \
-        uint32_t bad = 0;                                                                           \
-        for (size_t j = 0; j < n; j++) {                                                            \
-            T v;                                                                                    \
-            memcpy(&v, src + j * sizeof(T), sizeof(T));                                             \
-            uint32_t ux = WIDEN(v), ur;                                                             \
-            float x, r;                                                                             \
-            memcpy(&x, &ux, 4);                                                                     \
-            r = x + acc[j];                                                                         \
-            memcpy(&ur, &r, 4);                                                                     \
-            bad |= ((ux & 0x7fffffffu) < 0x7f800000u) & ((ur & 0x7fffffffu) >= lim);               \
-            w[j] = r;                                                                               \
-        }                                                                                           \
-        return bad != 0;                                                                            \
-    }
-#define LK_WIDEN_BF16(h) ((uint32_t)(h) << 16)
-#define LK_WIDEN_F32(u) (u)
-LK_ADD_FROM(add_from_bf16, uint16_t, LK_WIDEN_BF16)
-LK_ADD_FROM(add_from_f32, uint32_t, LK_WIDEN_F32)
-
-typedef struct kjob {
-    void *w_out;
-    const void *w_in;
-    lk_dtype dt;
-    size_t esz, out, in, R, nc, n_chunks;
-    uint32_t lim;
-    const float *A;  /* R x in */
-    const float *Ap; /* A in panels of 32 columns (see delta_4rows) */
-    const float *Bs; /* out x R */
-    float *scratch;  /* per worker: acc[4][nc] + w[nc] */
-    atomic_size_t next;
-    fenv_t env;
-} kjob;
-
-typedef struct kworker {
-    kjob *job;
-    float *acc, *w;
-    size_t bad_at; /* first element index o*in+j that became non-finite, or SIZE_MAX */
-    float bad_w, bad_r;
-} kworker;
-
-/* W[o, j0 .. j0+n) += acc, rounded once into w_out; notes the first
- * element that became non-finite. */
-static void finish_row(kworker *wk, size_t o, size_t j0, size_t n, const float *acc) {
-    kjob *jb = wk->job;
-    size_t off = o * jb->in + j0;
-    const void *src = (const char *)jb->w_in + off * jb->esz;
-    int bad;
-    if (jb->dt == LK_DTYPE_BF16) {
-        bad = add_from_bf16(wk->w, src, acc, n, jb->lim);
-    } else if (jb->dt == LK_DTYPE_F32) {
-        bad = add_from_f32(wk->w, src, acc, n, jb->lim);
-    } else {
-        lk_to_f32(wk->w, src, jb->dt, n);
-        bad = add_delta(wk->w, acc, n, jb->lim);
-    }
-    if (bad && off < wk->bad_at) {
-        /* Rare path: find the first offender for the message. */
-        for (size_t j = 0; j < n && off + j < wk->bad_at; j++) {
-            float orig;
-            lk_to_f32(&orig, (const char *)jb->w_in + (off + j) * jb->esz, jb->dt, 1);
-            uint16_t h;
-            float rounded = wk->w[j];
-            if (jb->dt != LK_DTYPE_F32) {
-                lk_from_f32(&h, &rounded, jb->dt, 1);
-                lk_to_f32(&rounded, &h, jb->dt, 1);
-            }
-            if (isfinite(orig) && !isfinite(rounded)) {
-                wk->bad_at = off + j;
-                wk->bad_w = orig;
-                wk->bad_r = rounded;
-            }
+        size_t off = o * jb->in + col0 + j;
+        if (off >= wk->bad_at) break;
+        float wv, rv;
+        lk_to_f32(&wv, (const char *)win + j * esz, (lk_dtype)jb->dt, 1);
+        lk_to_f32(&rv, (const char *)res + j * esz, (lk_dtype)jb->dt, 1);
+        if (isfinite(wv) && !isfinite(rv)) {
+            wk->bad_at = off;
+            wk->bad_w = wv;
+            wk->bad_r = rv;
+            break;
         }
     }
-    lk_from_f32((char *)jb->w_out + off * jb->esz, wk->w, jb->dt, n);
 }
 
-static void run_worker(kworker *wk) {
-    kjob *jb = wk->job;
-    const size_t in = jb->in, R = jb->R, nc = jb->nc;
+/* ---- the work split ---- */
+
+typedef struct kshared {
+    lk_kjob job;
+    atomic_size_t next;
+} kshared;
+
+typedef struct kthread {
+    kshared *sh;
+    lk_kworker wk;
+} kthread;
+
+static void run_worker(kthread *t) {
+    const lk_kjob *jb = &t->sh->job;
     for (;;) {
-        size_t c = atomic_fetch_add_explicit(&jb->next, 1, memory_order_relaxed);
+        size_t c = atomic_fetch_add_explicit(&t->sh->next, 1, memory_order_relaxed);
         if (c >= jb->n_chunks) break;
-        size_t o0 = c * ROWS_PER_CHUNK;
-        size_t o1 = o0 + ROWS_PER_CHUNK < jb->out ? o0 + ROWS_PER_CHUNK : jb->out;
-        for (size_t j0 = 0; j0 < in; j0 += nc) {
-            size_t n = in - j0 < nc ? in - j0 : nc, o = o0;
-            for (; o + 4 <= o1; o += 4) {
-                /* Ask for these rows of W now; they arrive while the sums
-                 * are computed instead of stalling the add pass. */
-                for (size_t r = 0; r < 4 && jb->dt != LK_DTYPE_BF16; r++) {
-                    const char *p = (const char *)jb->w_in + ((o + r) * in + j0) * jb->esz;
-                    for (size_t b = 0; b < n * jb->esz; b += 64) __builtin_prefetch(p + b, 0, 2);
-                }
-                if (jb->dt == LK_DTYPE_BF16) {
-                    const size_t n32 = n & ~(size_t)31, ldw = in * 2, base = (o * in + j0) * 2;
-                    size_t j = 0;
-                    while ((j = fused_4rows_bf16((const unsigned char *)jb->w_in + base, (unsigned char *)jb->w_out + base,
-                                                 ldw, wk->acc, nc, jb->Ap + j0 * R, jb->Bs + o * R, R, j, n32,
-                                                 jb->lim)) < n32) {
-                        for (size_t r = 0; r < 4; r++) finish_row(wk, o + r, j0 + j, 32, wk->acc + r * nc + j);
-                        j += 32;
-                    }
-                    if (n32 < n) {
-                        delta_4rows(wk->acc, nc, jb->A + j0 + n32, in, jb->Ap, jb->Bs + o * R, R, n - n32);
-                        for (size_t r = 0; r < 4; r++) finish_row(wk, o + r, j0 + n32, n - n32, wk->acc + r * nc);
-                    }
-                    continue;
-                }
-                delta_4rows(wk->acc, nc, jb->A + j0, in, jb->Ap + j0 * R, jb->Bs + o * R, R, n);
-                for (size_t r = 0; r < 4; r++) finish_row(wk, o + r, j0, n, wk->acc + r * nc);
-            }
-            for (; o < o1; o++) {
-                delta_row(wk->acc, jb->A + j0, in, jb->Bs + o * R, R, n);
-                finish_row(wk, o, j0, n, wk->acc);
+        size_t o0 = c * jb->rows_per_chunk;
+        size_t o1 = o0 + jb->rows_per_chunk < jb->out ? o0 + jb->rows_per_chunk : jb->out;
+        for (size_t pt = 0; pt < jb->npan; pt += jb->pan_tile) {
+            size_t pe = pt + jb->pan_tile < jb->npan ? pt + jb->pan_tile : jb->npan;
+            for (size_t o = o0; o < o1; o += 4) {
+                int mr = o1 - o < 4 ? (int)(o1 - o) : 4;
+                jb->block(jb, &t->wk, o, mr, pt, pe);
             }
         }
     }
 }
 
 static void *thread_main(void *arg) {
-    kworker *wk = arg;
-    fesetenv(&wk->job->env);
-    run_worker(wk);
+    fesetenv(FE_DFL_ENV);
+    run_worker(arg);
     return NULL;
 }
 
@@ -370,6 +172,8 @@ int lk_fuse_default_threads(void) {
     if (n > LK_FUSE_MAX_THREADS) n = LK_FUSE_MAX_THREADS;
     return (int)n;
 }
+
+/* ---- validation and factor preparation ---- */
 
 static lk_status check_factor(const lk_tensor *t, const char *what, const char *name, size_t ti) {
     if (!t) return lk_error(LK_ERR_ARG, "%s: term %zu: %s is NULL", name, ti, what);
@@ -385,25 +189,12 @@ static lk_status check_factor(const lk_tensor *t, const char *what, const char *
     return LK_OK;
 }
 
-lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
-                         const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts,
-                         const char *name) {
-    if (!name) name = "(tensor)";
-    if (!w_out || !w_in) return lk_error(LK_ERR_ARG, "%s: NULL weight buffer", name);
-    if (!lk_dtype_is_fusable(dtype))
-        return lk_error(LK_ERR_DTYPE, "%s: weight dtype %s cannot be fused (only F32, F16, BF16)", name,
-                        lk_dtype_name(dtype));
-    if (out <= 0 || in <= 0)
-        return lk_error(LK_ERR_SHAPE, "%s: weight shape %lldx%lld", name, (long long)out, (long long)in);
+/* Validates the terms against an out x in weight; *R = total rank of the
+ * terms with a non-zero scale. */
+static lk_status check_terms(int64_t out, int64_t in, const lk_fuse_term *terms, size_t n_terms, const char *name,
+                             size_t *R) {
     if (n_terms && !terms) return lk_error(LK_ERR_ARG, "%s: NULL terms", name);
-    const size_t esz = lk_dtype_size(dtype), O = (size_t)out, I = (size_t)in;
-    size_t numel, wbytes;
-    if ((uint64_t)out > SIZE_MAX || (uint64_t)in > SIZE_MAX || !lk_checked_mul(O, I, &numel) ||
-        !lk_checked_mul(numel, esz, &wbytes))
-        return lk_error(LK_ERR_SHAPE, "%s: weight %lldx%lld is too large", name, (long long)out, (long long)in);
-
-    /* Validate everything first; count the total rank R of the non-zero terms. */
-    size_t R = 0;
+    *R = 0;
     for (size_t t = 0; t < n_terms; t++) {
         lk_status s;
         if ((s = check_factor(terms[t].A, "A", name, t)) || (s = check_factor(terms[t].B, "B", name, t)))
@@ -415,93 +206,265 @@ lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t 
                             (long long)B->shape[1], (long long)out, (long long)in);
         if (!isfinite(terms[t].scale))
             return lk_error(LK_ERR_NONFINITE, "%s: term %zu: scale is %g", name, t, (double)terms[t].scale);
-        if (terms[t].scale != 0.0f && !lk_checked_add(R, (size_t)A->shape[0], &R))
+        if (terms[t].scale != 0.0f && !lk_checked_add(*R, (size_t)A->shape[0], R))
             return lk_error(LK_ERR_SHAPE, "%s: total rank overflows", name);
     }
+    return LK_OK;
+}
+
+/* B' of rows [row0, row0 + rows), rows x R: narrow (f32) or wide (f64). */
+static void make_bs(void *bs, int wide, size_t R, size_t row0, size_t rows, const lk_fuse_term *terms, size_t n_terms,
+                    float *tmp) {
+    size_t koff = 0;
+    for (size_t t = 0; t < n_terms; t++) {
+        if (terms[t].scale == 0.0f) continue;
+        const lk_tensor *B = terms[t].B;
+        const size_t r = (size_t)B->shape[1], besz = lk_dtype_size(B->dtype);
+        const float sc = terms[t].scale;
+        for (size_t i = 0; i < rows; i++) {
+            lk_to_f32(tmp, (const char *)B->data + (row0 + i) * r * besz, B->dtype, r);
+            if (wide) {
+                double *row = (double *)bs + i * R + koff;
+                for (size_t k = 0; k < r; k++) row[k] = (double)sc * (double)tmp[k];
+            } else {
+                float *row = (float *)bs + i * R + koff;
+                for (size_t k = 0; k < r; k++) row[k] = sc * tmp[k];
+            }
+        }
+        koff += r;
+    }
+}
+
+/* A packed into zero-padded panels of pw columns: ap[(p*R + k)*pw + c] =
+ * A[k, p*pw + c] (f32 or f64), zero past column in. Rows go through tmp. */
+static void make_panels(void *ap, int wide, size_t pw, size_t R, size_t in, const lk_fuse_term *terms,
+                        size_t n_terms, float *tmp) {
+    const size_t npan = (in + pw - 1) / pw;
+    size_t k = 0;
+    for (size_t t = 0; t < n_terms; t++) {
+        if (terms[t].scale == 0.0f) continue;
+        const lk_tensor *A = terms[t].A;
+        const size_t r = (size_t)A->shape[0], aesz = lk_dtype_size(A->dtype);
+        for (size_t i = 0; i < r; i++, k++) {
+            lk_to_f32(tmp, (const char *)A->data + i * in * aesz, A->dtype, in);
+            for (size_t p = 0; p < npan; p++) {
+                const size_t c0 = p * pw, n = in - c0 < pw ? in - c0 : pw;
+                if (wide) {
+                    double *dst = (double *)ap + (p * R + k) * pw;
+                    for (size_t c = 0; c < n; c++) dst[c] = tmp[c0 + c];
+                    for (size_t c = n; c < pw; c++) dst[c] = 0.0;
+                } else {
+                    float *dst = (float *)ap + (p * R + k) * pw;
+                    memcpy(dst, tmp + c0, n * sizeof(float));
+                    for (size_t c = n; c < pw; c++) dst[c] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
+lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                         const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts,
+                         const char *name) {
+    if (!name) name = "(tensor)";
+    if (!w_out || !w_in) return lk_error(LK_ERR_ARG, "%s: NULL weight buffer", name);
+    if (!lk_dtype_is_fusable(dtype))
+        return lk_error(LK_ERR_DTYPE, "%s: weight dtype %s cannot be fused (only F32, F16, BF16)", name,
+                        lk_dtype_name(dtype));
+    if (out <= 0 || in <= 0)
+        return lk_error(LK_ERR_SHAPE, "%s: weight shape %lldx%lld", name, (long long)out, (long long)in);
+    const size_t esz = lk_dtype_size(dtype), O = (size_t)out, I = (size_t)in;
+    size_t numel, wbytes;
+    if ((uint64_t)out > SIZE_MAX || (uint64_t)in > SIZE_MAX || !lk_checked_mul(O, I, &numel) ||
+        !lk_checked_mul(numel, esz, &wbytes))
+        return lk_error(LK_ERR_SHAPE, "%s: weight %lldx%lld is too large", name, (long long)out, (long long)in);
+
+    size_t R;
+    lk_status st = check_terms(out, in, terms, n_terms, name, &R);
+    if (st) return st;
     if (R == 0) { /* nothing to add: the bytes stay exactly as they are */
         if (w_out != w_in) memmove(w_out, w_in, wbytes);
         return LK_OK;
     }
 
+    const int wide = dtype == LK_DTYPE_F32;
+    const size_t pw = wide ? LK_PW64 : LK_PW32, vsz = wide ? sizeof(double) : sizeof(float);
+    const size_t npan = (I + pw - 1) / pw;
     int threads = opts && opts->threads > 0 ? opts->threads : lk_fuse_default_threads();
     if (threads > LK_FUSE_MAX_THREADS) threads = LK_FUSE_MAX_THREADS;
-    size_t n_chunks = (O + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
+    const size_t n_chunks = (O + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
     if ((size_t)threads > n_chunks) threads = (int)n_chunks;
-    /* Column tile: keep the R x nc slice of A near 256 KB so it stays in L2
-     * while a chunk's rows run over it; a multiple of 32 floats. */
-    size_t nc = (65536 / R) & ~(size_t)31;
-    if (nc < 64) nc = 64;
-    if (nc > I) nc = I;
 
-    size_t a_n, b_n, s_n, tot;
-    const size_t I32 = I & ~(size_t)31; /* columns in full panels */
-    if (!lk_checked_mul(R, I, &a_n) || !lk_checked_mul(O, R, &b_n) || !lk_checked_add(a_n, a_n, &tot) ||
-        !lk_checked_mul((size_t)threads * 5, nc, &s_n) || !lk_checked_add(tot, b_n, &tot) ||
-        !lk_checked_add(tot, s_n, &tot) || !lk_checked_mul(tot, sizeof(float), &tot))
+    /* One allocation: B' (O x R), the panels (npan x R x pw), a row of A or B. */
+    size_t b_n, a_n, tot;
+    if (!lk_checked_mul(O, R, &b_n) || !lk_checked_mul(npan * pw, R, &a_n) || !lk_checked_add(a_n, b_n, &tot) ||
+        !lk_checked_mul(tot, vsz, &tot) || !lk_checked_add(tot, ((I > R ? I : R) + 16) * sizeof(float), &tot))
         return lk_error(LK_ERR_SHAPE, "%s: factors too large", name);
-    float *mem = lk_malloc(tot);
-    kworker *wks = lk_calloc((size_t)threads, sizeof *wks);
+    unsigned char *mem = lk_malloc(tot);
+    kthread *ths = lk_calloc((size_t)threads, sizeof *ths);
     pthread_t *tids = lk_calloc((size_t)threads, sizeof *tids);
-    if (!mem || !wks || !tids) {
+    kshared *sh = lk_malloc(sizeof *sh);
+    if (!mem || !ths || !tids || !sh) {
         lk_free(mem);
-        lk_free(wks);
+        lk_free(ths);
         lk_free(tids);
+        lk_free(sh);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for the fusion factors (%zu bytes)", name, tot);
     }
-    float *Acat = mem, *Bs = mem + a_n, *Ap = Bs + b_n;
-    size_t koff = 0;
-    for (size_t t = 0; t < n_terms; t++) {
-        if (terms[t].scale == 0.0f) continue;
-        const lk_tensor *A = terms[t].A, *B = terms[t].B;
-        size_t r = (size_t)A->shape[0];
-        lk_to_f32(Acat + koff * I, A->data, A->dtype, r * I);
-        const size_t besz = lk_dtype_size(B->dtype);
-        const float sc = terms[t].scale;
-        for (size_t o = 0; o < O; o++) {
-            float *row = Bs + o * R + koff;
-            lk_to_f32(row, (const char *)B->data + o * r * besz, B->dtype, r);
-            for (size_t k = 0; k < r; k++) row[k] = sc * row[k];
-        }
-        koff += r;
+    void *ap = mem, *bs = mem + a_n * vsz;
+    float *tmp = (float *)(mem + (a_n + b_n) * vsz);
+    make_bs(bs, wide, R, 0, O, terms, n_terms, tmp);
+    make_panels(ap, wide, pw, R, I, terms, n_terms, tmp);
+
+    size_t pan_tile = TILE_BYTES / (R * pw * vsz);
+    if (pan_tile < 1) pan_tile = 1;
+    memset(sh, 0, sizeof *sh);
+    sh->job = (lk_kjob){.w_out = w_out, .w_in = w_in, .dt = (int)dtype, .wide = wide, .out = O, .in = I, .R = R,
+                        .npan = npan, .pan_tile = pan_tile, .n_chunks = n_chunks, .rows_per_chunk = ROWS_PER_CHUNK,
+                        .block = path_block(lk_fuse_kernel_path())};
+    if (wide) {
+        sh->job.Ap64 = ap;
+        sh->job.Bs64 = bs;
+    } else {
+        sh->job.Ap32 = ap;
+        sh->job.Bs32 = bs;
     }
-
-    for (size_t jb = 0; jb < I32; jb += 32)
-        for (size_t k = 0; k < R; k++) memcpy(Ap + jb * R + k * 32, Acat + k * I + jb, 32 * sizeof(float));
-
-    kjob job = {.w_out = w_out, .w_in = w_in, .dt = dtype, .esz = esz, .out = O, .in = I, .R = R,
-                .nc = nc, .n_chunks = n_chunks, .lim = overflow_bits(dtype), .A = Acat, .Ap = Ap, .Bs = Bs, .scratch = Ap + a_n};
-    atomic_init(&job.next, 0);
-    fegetenv(&job.env);
+    atomic_init(&sh->next, 0);
     for (int t = 0; t < threads; t++) {
-        wks[t].job = &job;
-        wks[t].acc = job.scratch + (size_t)t * 5 * nc; /* 4 rows of sums */
-        wks[t].w = wks[t].acc + 4 * nc;
-        wks[t].bad_at = SIZE_MAX;
+        ths[t].sh = sh;
+        ths[t].wk = (lk_kworker){.job = &sh->job, .bad_at = SIZE_MAX};
     }
+    fenv_t saved;
+    fegetenv(&saved);
+    fesetenv(FE_DFL_ENV);
     /* Threads that fail to start simply leave their share to the others. */
     int started = 0;
     for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tids[t], NULL, thread_main, &wks[t]) != 0) break;
+        if (pthread_create(&tids[t], NULL, thread_main, &ths[t]) != 0) break;
         started = t;
     }
-    run_worker(&wks[0]);
+    run_worker(&ths[0]);
     for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
+    fesetenv(&saved);
 
     size_t bad_at = SIZE_MAX;
-    float bw = 0, br = 0;
+    double bw = 0, br = 0;
     for (int t = 0; t <= started; t++)
-        if (wks[t].bad_at < bad_at) {
-            bad_at = wks[t].bad_at;
-            bw = wks[t].bad_w;
-            br = wks[t].bad_r;
+        if (ths[t].wk.bad_at < bad_at) {
+            bad_at = ths[t].wk.bad_at;
+            bw = ths[t].wk.bad_w;
+            br = ths[t].wk.bad_r;
         }
     lk_free(mem);
-    lk_free(wks);
+    lk_free(ths);
     lk_free(tids);
+    lk_free(sh);
     if (bad_at != SIZE_MAX && !(opts && opts->allow_nonfinite))
         return lk_error(LK_ERR_NONFINITE,
                         "%s: fusion made element [%zu, %zu] non-finite (weight %g became %g); "
                         "allow_nonfinite (--allow-nonfinite) keeps it",
-                        name, bad_at / I, bad_at % I, (double)bw, (double)br);
+                        name, bad_at / I, bad_at % I, bw, br);
     return LK_OK;
+}
+
+/* ---- the delta alone (fuse_internal.h) ---- */
+
+#define LK_AI static inline __attribute__((always_inline))
+
+/* d[i*ld + j] = the chain of step 3 for rows i < rows: one row of d is
+ * built in place, k ascending, so the inner loop is a plain vector fma. */
+LK_AI void delta_rows32(float *d, size_t ld, const float *A, const float *bs, size_t R, size_t in, size_t rows) {
+    for (size_t i = 0; i < rows; i++) {
+        float *row = d + i * ld;
+        const float *b = bs + i * R;
+        for (size_t j = 0; j < in; j++) row[j] = b[0] * A[j];
+        for (size_t k = 1; k < R; k++) {
+            const float bk = b[k], *a = A + k * in;
+            for (size_t j = 0; j < in; j++) row[j] = fmaf(bk, a[j], row[j]);
+        }
+    }
+}
+
+LK_AI void delta_rows64(double *d, size_t ld, const double *A, const double *bs, size_t R, size_t in, size_t rows) {
+    for (size_t i = 0; i < rows; i++) {
+        double *row = d + i * ld;
+        const double *b = bs + i * R;
+        for (size_t j = 0; j < in; j++) row[j] = b[0] * A[j];
+        for (size_t k = 1; k < R; k++) {
+            const double bk = b[k], *a = A + k * in;
+            for (size_t j = 0; j < in; j++) row[j] = fma(bk, a[j], row[j]);
+        }
+    }
+}
+
+static void delta32_portable(float *d, size_t ld, const float *A, const float *bs, size_t R, size_t in, size_t rows) {
+    delta_rows32(d, ld, A, bs, R, in, rows);
+}
+static void delta64_portable(double *d, size_t ld, const double *A, const double *bs, size_t R, size_t in,
+                             size_t rows) {
+    delta_rows64(d, ld, A, bs, R, in, rows);
+}
+#ifdef LK_KERNEL_X86
+__attribute__((target("avx2,fma"))) static void delta32_avx2(float *d, size_t ld, const float *A, const float *bs,
+                                                            size_t R, size_t in, size_t rows) {
+    delta_rows32(d, ld, A, bs, R, in, rows);
+}
+__attribute__((target("avx2,fma"))) static void delta64_avx2(double *d, size_t ld, const double *A, const double *bs,
+                                                            size_t R, size_t in, size_t rows) {
+    delta_rows64(d, ld, A, bs, R, in, rows);
+}
+#endif
+
+static lk_status fuse_delta(void *delta, int wide, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                            const lk_fuse_term *terms, size_t n_terms, const char *name) {
+    if (!name) name = "(tensor)";
+    if (out <= 0 || in <= 0)
+        return lk_error(LK_ERR_SHAPE, "%s: weight shape %lldx%lld", name, (long long)out, (long long)in);
+    if (row0 < 0 || rows < 0 || row0 > out || rows > out - row0)
+        return lk_error(LK_ERR_ARG, "%s: rows [%lld, %lld) outside a weight of %lld rows", name, (long long)row0,
+                        (long long)row0 + (long long)rows, (long long)out);
+    if (rows == 0) return LK_OK;
+    if (!delta || ld < (size_t)in) return lk_error(LK_ERR_ARG, "%s: NULL delta or row stride below %lld", name, (long long)in);
+    size_t R;
+    lk_status st = check_terms(out, in, terms, n_terms, name, &R);
+    if (st) return st;
+    const size_t I = (size_t)in, n = (size_t)rows, vsz = wide ? sizeof(double) : sizeof(float);
+    if (R == 0) {
+        for (size_t i = 0; i < n; i++) memset((char *)delta + i * ld * vsz, 0, I * vsz);
+        return LK_OK;
+    }
+    size_t a_n, b_n, tot;
+    if (!lk_checked_mul(R, I, &a_n) || !lk_checked_mul(n, R, &b_n) || !lk_checked_add(a_n, b_n, &tot) ||
+        !lk_checked_mul(tot, vsz, &tot) || !lk_checked_add(tot, ((I > R ? I : R) + 16) * sizeof(float), &tot))
+        return lk_error(LK_ERR_SHAPE, "%s: factors too large", name);
+    unsigned char *mem = lk_malloc(tot);
+    if (!mem) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the fusion factors (%zu bytes)", name, tot);
+    void *A = mem, *bs = mem + a_n * vsz;
+    float *tmp = (float *)(mem + (a_n + b_n) * vsz);
+    make_bs(bs, wide, R, (size_t)row0, n, terms, n_terms, tmp);
+    make_panels(A, wide, I, R, I, terms, n_terms, tmp); /* one panel as wide as the row: plain R x in */
+    fenv_t saved;
+    fegetenv(&saved);
+    fesetenv(FE_DFL_ENV);
+    int fast = 0;
+#ifdef LK_KERNEL_X86
+    fast = strcmp(lk_fuse_kernel_path(), "portable") != 0;
+    if (fast && wide) delta64_avx2(delta, ld, A, bs, R, I, n);
+    else if (fast) delta32_avx2(delta, ld, A, bs, R, I, n);
+#endif
+    if (!fast && wide) delta64_portable(delta, ld, A, bs, R, I, n);
+    else if (!fast) delta32_portable(delta, ld, A, bs, R, I, n);
+    fesetenv(&saved);
+    lk_free(mem);
+    return LK_OK;
+}
+
+lk_status lk_fuse_delta_f32(float *delta, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                            const lk_fuse_term *terms, size_t n_terms, const char *name) {
+    return fuse_delta(delta, 0, ld, out, in, row0, rows, terms, n_terms, name);
+}
+
+lk_status lk_fuse_delta_f64(double *delta, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                            const lk_fuse_term *terms, size_t n_terms, const char *name) {
+    return fuse_delta(delta, 1, ld, out, in, row0, rows, terms, n_terms, name);
 }

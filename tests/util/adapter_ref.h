@@ -34,9 +34,9 @@ typedef struct ar_term {
 /* Checks every element of fused (dtype dt, out x in) against the double
  * reference W + sum_t scale_t * sum_k B[o,k] A[k,j] computed from the stored
  * values of w, allowing 1 ulp of the result's dtype (F16, BF16); for F32
- * weights, whose ulp is that of the fp32 accumulation itself, 1 ulp plus
- * the standard fp32 summation bound (R + 2) * 2^-24 * sum |terms|. Returns
- * the number of elements out of tolerance (and prints the first few). */
+ * weights 1 ulp plus the error bound of double sums of 2R products
+ * ((2R + 2) * 2^-53 * sum |terms|: this reference is itself a double sum).
+ * Returns the number of elements out of tolerance (and prints the first few). */
 size_t ar_check_fused(const void *fused, const void *w, lk_dtype dt, int64_t out, int64_t in,
                       const ar_term *terms, size_t n_terms);
 

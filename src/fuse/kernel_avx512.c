@@ -1,0 +1,268 @@
+/* kernel_avx512.c — the fuse kernel's block function for AVX-512 (F, BW,
+ * VL, DQ) with FMA: the path that runs at the memory system's limit.
+ *
+ * Blocking: 4 rows x one panel (64 f32 columns, or 32 f64 columns) of the
+ * delta live in 16 zmm accumulators for the whole k loop; per k, the
+ * panel's 4 vectors are loaded once (contiguous, packed by kernel.c) and
+ * each row's B'[o,k] is broadcast: 16 FMAs per 4 loads + 4 broadcasts,
+ * enough independent chains to keep both FMA pipes busy. Then the
+ * epilogue reads the 4 row segments of W, adds with round-to-odd
+ * (TwoSum + last-bit step, the rule of kernel_scalar.h lane by lane),
+ * rounds to nearest-even into W's dtype, applies the NaN rule and writes.
+ * W is read once and written once; the next panel's W lines are
+ * prefetched while the sums run. Column tails use masked loads/stores
+ * (the packed panels are zero-padded, so the sums need no tail code).
+ *
+ * The bits equal the portable path's: the chain is the same sequence of
+ * correctly rounded fmas, and the epilogue is the same integer rules. */
+#include "fuse/fuse_internal.h"
+
+#ifdef LK_KERNEL_X86
+#include <immintrin.h>
+#include <string.h>
+
+#include "lorakit/dtype.h"
+
+#define LK_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define LK_TI static inline __attribute__((always_inline)) LK_T
+
+/* W lines this far ahead (bytes) are prefetched, per row. */
+#define PF_AHEAD 512
+
+LK_TI __m512 odd_add_ps(__m512 w, __m512 d) {
+    const __m512 s = _mm512_add_ps(w, d);
+    const __m512 bb = _mm512_sub_ps(s, w);
+    const __m512 e = _mm512_add_ps(_mm512_sub_ps(w, _mm512_sub_ps(s, bb)), _mm512_sub_ps(d, bb));
+    const __m512i us = _mm512_castps_si512(s), ue = _mm512_castps_si512(e);
+    const __m512i one = _mm512_set1_epi32(1), expm = _mm512_set1_epi32(0x7f800000);
+    __mmask16 m = _mm512_cmpneq_epi32_mask(_mm512_and_si512(us, expm), expm);
+    m &= _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    m &= _mm512_testn_epi32_mask(us, one);
+    const __m512i step = _mm512_or_si512(_mm512_srai_epi32(_mm512_xor_si512(us, ue), 31), one);
+    return _mm512_castsi512_ps(_mm512_mask_add_epi32(us, m, us, step));
+}
+
+LK_TI __m512d odd_add_pd(__m512d w, __m512d d) {
+    const __m512d s = _mm512_add_pd(w, d);
+    const __m512d bb = _mm512_sub_pd(s, w);
+    const __m512d e = _mm512_add_pd(_mm512_sub_pd(w, _mm512_sub_pd(s, bb)), _mm512_sub_pd(d, bb));
+    const __m512i us = _mm512_castpd_si512(s), ue = _mm512_castpd_si512(e);
+    const __m512i one = _mm512_set1_epi64(1), expm = _mm512_set1_epi64(0x7ff0000000000000ll);
+    __mmask8 m = _mm512_cmpneq_epi64_mask(_mm512_and_si512(us, expm), expm);
+    m &= _mm512_cmp_pd_mask(e, _mm512_setzero_pd(), _CMP_NEQ_OQ);
+    m &= _mm512_testn_epi64_mask(us, one);
+    const __m512i step = _mm512_or_si512(_mm512_srai_epi64(_mm512_xor_si512(us, ue), 63), one);
+    return _mm512_castsi512_pd(_mm512_mask_add_epi64(us, m, us, step));
+}
+
+/* 16 lanes of a BF16 or F16 weight: w16 in, d the delta; returns the 16
+ * result halves and sets *bad for lanes where a finite weight became
+ * Inf/NaN. */
+LK_TI __m256i round16(__m256i w16, __m512 d, int bf, __mmask16 *bad) {
+    __m256i out;
+    __mmask16 wnan, wfin;
+    if (bf) {
+        const __m512i wu = _mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16);
+        const __m512i su = _mm512_castps_si512(odd_add_ps(_mm512_castsi512_ps(wu), d));
+        const __m512i t = _mm512_srli_epi32(su, 16);
+        __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(su, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(t, _mm512_set1_epi32(1)))),
+            16);
+        const __m512i absu = _mm512_and_si512(su, _mm512_set1_epi32(0x7fffffff));
+        r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(absu, _mm512_set1_epi32(0x7f800000)),
+                                  _mm512_set1_epi32(0x7fc0));
+        out = _mm512_cvtepi32_epi16(r);
+        const __m256i wabs = _mm256_and_si256(w16, _mm256_set1_epi16(0x7fff));
+        wnan = _mm256_cmpgt_epu16_mask(wabs, _mm256_set1_epi16(0x7f80));
+        wfin = _mm256_cmplt_epu16_mask(wabs, _mm256_set1_epi16(0x7f80));
+        out = _mm256_mask_mov_epi16(out, wnan, _mm256_or_si256(w16, _mm256_set1_epi16(0x0040)));
+        const __m256i oabs = _mm256_and_si256(out, _mm256_set1_epi16(0x7f80));
+        *bad = wfin & _mm256_cmpeq_epi16_mask(oabs, _mm256_set1_epi16(0x7f80));
+    } else {
+        const __m512 w = _mm512_cvtph_ps(w16);
+        const __m512 s = odd_add_ps(w, d);
+        out = _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i absu = _mm512_and_si512(_mm512_castps_si512(s), _mm512_set1_epi32(0x7fffffff));
+        out = _mm256_mask_mov_epi16(out, _mm512_cmpgt_epu32_mask(absu, _mm512_set1_epi32(0x7f800000)),
+                                    _mm256_set1_epi16(0x7e00));
+        const __m256i wabs = _mm256_and_si256(w16, _mm256_set1_epi16(0x7fff));
+        wnan = _mm256_cmpgt_epu16_mask(wabs, _mm256_set1_epi16(0x7c00));
+        wfin = _mm256_cmplt_epu16_mask(wabs, _mm256_set1_epi16(0x7c00));
+        out = _mm256_mask_mov_epi16(out, wnan, _mm256_or_si256(w16, _mm256_set1_epi16(0x0200)));
+        const __m256i oabs = _mm256_and_si256(out, _mm256_set1_epi16(0x7c00));
+        *bad = wfin & _mm256_cmpeq_epi16_mask(oabs, _mm256_set1_epi16(0x7c00));
+    }
+    return out;
+}
+
+/* 8 lanes of an F32 weight with an f64 delta. */
+LK_TI __m256i round32w(__m256i w32, __m512d d, __mmask8 *bad) {
+    const __m512d s = odd_add_pd(_mm512_cvtps_pd(_mm256_castsi256_ps(w32)), d);
+    __m256i out = _mm256_castps_si256(_mm512_cvtpd_ps(s)); /* RNE: the one rounding */
+    const __m256i expm = _mm256_set1_epi32(0x7f800000);
+    const __m256i oabs = _mm256_and_si256(out, _mm256_set1_epi32(0x7fffffff));
+    out = _mm256_mask_mov_epi32(out, _mm256_cmpgt_epu32_mask(oabs, expm), _mm256_set1_epi32(0x7fc00000));
+    const __m256i wabs = _mm256_and_si256(w32, _mm256_set1_epi32(0x7fffffff));
+    const __mmask8 wnan = _mm256_cmpgt_epu32_mask(wabs, expm);
+    out = _mm256_mask_or_epi32(out, wnan, w32, _mm256_set1_epi32(0x00400000));
+    *bad = _mm256_cmplt_epu32_mask(wabs, expm) &
+           _mm256_cmpeq_epi32_mask(_mm256_and_si256(out, expm), expm);
+    return out;
+}
+
+/* Lanes [0, n) of a 16-lane group, n may be <= 0 or >= 16. */
+LK_TI __mmask16 lanes16(long n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
+LK_TI __mmask8 lanes8(long n) { return n >= 8 ? (__mmask8)0xff : n <= 0 ? 0 : (__mmask8)((1u << n) - 1u); }
+
+/* The MR x 64 f32 block and its BF16/F16 epilogue. MR is a constant in
+ * each instantiation, so acc lives in registers. */
+LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, size_t p0, size_t p1) {
+    const size_t R = jb->R, in = jb->in, ldw = in * 2;
+    const int bf = jb->dt == LK_DTYPE_BF16;
+    const float *bs = jb->Bs32 + o * R;
+    const unsigned char *win = (const unsigned char *)jb->w_in + o * ldw;
+    unsigned char *wout = (unsigned char *)jb->w_out + o * ldw;
+    for (size_t p = p0; p < p1; p++) {
+        const size_t col0 = p * LK_PW32;
+        const long n = (long)(in - col0);
+        const float *ap = jb->Ap32 + p * R * LK_PW32;
+        __m512 acc[4][4];
+        {
+            const __m512 a0 = _mm512_loadu_ps(ap), a1 = _mm512_loadu_ps(ap + 16), a2 = _mm512_loadu_ps(ap + 32),
+                         a3 = _mm512_loadu_ps(ap + 48);
+            for (int r = 0; r < MR; r++) {
+                const __m512 b = _mm512_set1_ps(bs[(size_t)r * R]);
+                acc[r][0] = _mm512_mul_ps(b, a0);
+                acc[r][1] = _mm512_mul_ps(b, a1);
+                acc[r][2] = _mm512_mul_ps(b, a2);
+                acc[r][3] = _mm512_mul_ps(b, a3);
+            }
+        }
+        for (int r = 0; r < MR; r++) _mm_prefetch((const char *)win + (size_t)r * ldw + col0 * 2 + PF_AHEAD, _MM_HINT_T0);
+        for (size_t k = 1; k < R; k++) {
+            const float *a = ap + k * LK_PW32;
+            const __m512 a0 = _mm512_loadu_ps(a), a1 = _mm512_loadu_ps(a + 16), a2 = _mm512_loadu_ps(a + 32),
+                         a3 = _mm512_loadu_ps(a + 48);
+            for (int r = 0; r < MR; r++) {
+                const __m512 b = _mm512_set1_ps(bs[(size_t)r * R + k]);
+                acc[r][0] = _mm512_fmadd_ps(b, a0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(b, a1, acc[r][1]);
+                acc[r][2] = _mm512_fmadd_ps(b, a2, acc[r][2]);
+                acc[r][3] = _mm512_fmadd_ps(b, a3, acc[r][3]);
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            const unsigned char *src = win + (size_t)r * ldw + col0 * 2;
+            unsigned char *dst = wout + (size_t)r * ldw + col0 * 2;
+            if (n >= LK_PW32) {
+                for (int h = 0; h < 4; h++) {
+                    __mmask16 b;
+                    const __m256i w16 = _mm256_loadu_si256((const __m256i *)(src + 32 * h));
+                    const __m256i o16 = round16(w16, acc[r][h], bf, &b);
+                    if (__builtin_expect(b != 0, 0)) { /* keep W for the message */
+                        unsigned char wcopy[32];
+                        memcpy(wcopy, src + 32 * h, 32);
+                        _mm256_storeu_si256((__m256i *)(dst + 32 * h), o16);
+                        lk_kernel_note_bad(wk, o + (size_t)r, col0 + 16 * (size_t)h, 16, wcopy, dst + 32 * h);
+                        continue;
+                    }
+                    _mm256_storeu_si256((__m256i *)(dst + 32 * h), o16);
+                }
+            } else {
+                for (int h = 0; h < 4; h++) {
+                    const __mmask16 m = lanes16(n - 16 * h);
+                    if (!m) break;
+                    __mmask16 b;
+                    const __m256i w16 = _mm256_maskz_loadu_epi16(m, src + 32 * h);
+                    const __m256i o16 = round16(w16, acc[r][h], bf, &b);
+                    if (__builtin_expect((b & m) != 0, 0)) {
+                        unsigned char wcopy[32];
+                        memcpy(wcopy, src + 32 * h, (size_t)__builtin_popcount(m) * 2);
+                        _mm256_mask_storeu_epi16(dst + 32 * h, m, o16);
+                        lk_kernel_note_bad(wk, o + (size_t)r, col0 + 16 * (size_t)h, (size_t)__builtin_popcount(m),
+                                           wcopy, dst + 32 * h);
+                        continue;
+                    }
+                    _mm256_mask_storeu_epi16(dst + 32 * h, m, o16);
+                }
+            }
+        }
+    }
+}
+
+/* The MR x 32 f64 block and its F32 epilogue. */
+LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, size_t p0, size_t p1) {
+    const size_t R = jb->R, in = jb->in, ldw = in * 4;
+    const double *bs = jb->Bs64 + o * R;
+    const unsigned char *win = (const unsigned char *)jb->w_in + o * ldw;
+    unsigned char *wout = (unsigned char *)jb->w_out + o * ldw;
+    for (size_t p = p0; p < p1; p++) {
+        const size_t col0 = p * LK_PW64;
+        const long n = (long)(in - col0);
+        const double *ap = jb->Ap64 + p * R * LK_PW64;
+        __m512d acc[4][4];
+        {
+            const __m512d a0 = _mm512_loadu_pd(ap), a1 = _mm512_loadu_pd(ap + 8), a2 = _mm512_loadu_pd(ap + 16),
+                          a3 = _mm512_loadu_pd(ap + 24);
+            for (int r = 0; r < MR; r++) {
+                const __m512d b = _mm512_set1_pd(bs[(size_t)r * R]);
+                acc[r][0] = _mm512_mul_pd(b, a0);
+                acc[r][1] = _mm512_mul_pd(b, a1);
+                acc[r][2] = _mm512_mul_pd(b, a2);
+                acc[r][3] = _mm512_mul_pd(b, a3);
+            }
+        }
+        for (int r = 0; r < MR; r++) _mm_prefetch((const char *)win + (size_t)r * ldw + col0 * 4 + PF_AHEAD, _MM_HINT_T0);
+        for (size_t k = 1; k < R; k++) {
+            const double *a = ap + k * LK_PW64;
+            const __m512d a0 = _mm512_loadu_pd(a), a1 = _mm512_loadu_pd(a + 8), a2 = _mm512_loadu_pd(a + 16),
+                          a3 = _mm512_loadu_pd(a + 24);
+            for (int r = 0; r < MR; r++) {
+                const __m512d b = _mm512_set1_pd(bs[(size_t)r * R + k]);
+                acc[r][0] = _mm512_fmadd_pd(b, a0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_pd(b, a1, acc[r][1]);
+                acc[r][2] = _mm512_fmadd_pd(b, a2, acc[r][2]);
+                acc[r][3] = _mm512_fmadd_pd(b, a3, acc[r][3]);
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            const unsigned char *src = win + (size_t)r * ldw + col0 * 4;
+            unsigned char *dst = wout + (size_t)r * ldw + col0 * 4;
+            for (int h = 0; h < 4; h++) {
+                const __mmask8 m = lanes8(n - 8 * h);
+                if (!m) break;
+                __mmask8 b;
+                const __m256i w32 = _mm256_maskz_loadu_epi32(m, src + 32 * h);
+                const __m256i o32 = round32w(w32, acc[r][h], &b);
+                if (__builtin_expect((b & m) != 0, 0)) {
+                    unsigned char wcopy[32];
+                    const size_t cnt = (size_t)__builtin_popcount(m);
+                    memcpy(wcopy, src + 32 * h, cnt * 4);
+                    _mm256_mask_storeu_epi32(dst + 32 * h, m, o32);
+                    lk_kernel_note_bad(wk, o + (size_t)r, col0 + 8 * (size_t)h, cnt, wcopy, dst + 32 * h);
+                    continue;
+                }
+                _mm256_mask_storeu_epi32(dst + 32 * h, m, o32);
+            }
+        }
+    }
+}
+
+LK_T void lk_kblock_avx512(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1) {
+    if (jb->wide) {
+        switch (mr) {
+        case 4: block32(jb, wk, o, 4, p0, p1); break;
+        case 3: block32(jb, wk, o, 3, p0, p1); break;
+        case 2: block32(jb, wk, o, 2, p0, p1); break;
+        default: block32(jb, wk, o, 1, p0, p1); break;
+        }
+        return;
+    }
+    switch (mr) {
+    case 4: block16(jb, wk, o, 4, p0, p1); break;
+    case 3: block16(jb, wk, o, 3, p0, p1); break;
+    case 2: block16(jb, wk, o, 2, p0, p1); break;
+    default: block16(jb, wk, o, 1, p0, p1); break;
+    }
+}
+#endif
