@@ -217,7 +217,7 @@ lk_status lk_comm_average_f32(lk_comm *c, float *const *bufs, const size_t *coun
         size_t kk = k, oo = off, fill = 0;
         while (kk < n && fill < stage_n) { /* pack */
             size_t len = counts[kk] - oo < stage_n - fill ? counts[kk] - oo : stage_n - fill;
-            memcpy(stage + fill, bufs[kk] + oo, len * sizeof *stage);
+            if (len) memcpy(stage + fill, bufs[kk] + oo, len * sizeof *stage); /* an empty buffer may be NULL */
             fill += len;
             oo += len;
             if (oo == counts[kk]) kk++, oo = 0;
