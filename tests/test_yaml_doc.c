@@ -169,10 +169,10 @@ static void test_documents_aliases_limits(void **state) {
     lk_ydoc_free(d);
     /* the size limit: in memory, and from a file (read bounded, never whole) */
     size_t big = LK_CONFIG_MAX_BYTES + 1;
-    char *huge = malloc(big);
+    char *huge = malloc(big + 1);
     memset(huge, '#', big);
+    huge[big] = '\0';
     expect_fail(huge, LK_ERR_CONFIG, "limit");
-    (void)huge;
     char *dir = tu_mkdtemp(), *p = tu_path(dir, "huge.yaml");
     assert_int_equal(tu_write_file(p, huge, big), 0);
     d = (lk_ydoc *)1;

@@ -10,6 +10,7 @@
 #include <cmocka.h>
 
 #include "lorakit/lorakit.h"
+#include "core/alloc_hook.h" /* lk_alloc_fail_at, lk_alloc_count */
 #include "app/model.h"
 #include "app/task.h"
 
