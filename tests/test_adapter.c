@@ -5,6 +5,8 @@
  * message. Expected ranks, alphas and scales are hand-computed from the
  * values each test writes (scale = alpha / r, or alpha / sqrt(r)). */
 #include "adapter_ref.h"
+#include "adapter/adapter_internal.h"
+#include "lorakit/alloc.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -30,7 +32,7 @@ static af_file *model(void) {
 
 /* Adds A (r x IN) and B (OUT x r) under "<stem><sa>" and "<stem><sb>". */
 static void pair(af_file *f, const char *stem, const char *sa, const char *sb, int r, lk_dtype dt) {
-    char a[256], b[256];
+    char a[512], b[512];
     snprintf(a, sizeof a, "%s%s", stem, sa);
     snprintf(b, sizeof b, "%s%s", stem, sb);
     af_rand(f, a, dt, r, IN, &g_rng, -1, 1);
@@ -135,6 +137,172 @@ static void test_peft_folder_patterns(void **state) {
     free(dir);
     af_free(f);
     af_free(m);
+}
+
+/* Python `re` syntax through PCRE2: \d, (?:...), {m,n}, Python's {,n},
+ * lookahead. Scales hand-computed: r = 4, lora_alpha = 8. */
+static void test_python_patterns(void **state) {
+    (void)state;
+    /* the translation itself (Python's documented differences from PCRE2 10.42) */
+    static const char *const tr[][2] = {
+        {"a{,2}", "a{0,2}"}, {"a{,}", "a{0,}"}, {"[{,2}]", "[{,2}]"}, {"a\\{,2}", "a\\{,2}"},
+        {"a{,x}", "a{,x}"},  {"x\\Z", "x\\z"},  {"[\\Z]", "[\\Z]"},   {"[]{,2}]{,3}", "[]{,2}]{0,3}"},
+    };
+    for (size_t i = 0; i < sizeof tr / sizeof tr[0]; i++) {
+        char *o = lk_py_regex_to_pcre2(tr[i][0]);
+        assert_string_equal(o, tr[i][1]);
+        lk_free(o);
+    }
+    af_file *m = model(), *f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    pair(f, "base_model.model.blocks.1.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    pair(f, "base_model.model.blocks.0.attn.to_k", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32);
+    pair(f, "base_model.model.blocks.1.attn.to_k", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    /* \d (POSIX ERE would read a literal 'd'), {,1} = {0,1}, a lookahead,
+     * and a regex target_modules with (?:...) and {m,n} */
+    char *d = peft_folder("pyre", "{\"r\": 4, \"lora_alpha\": 8, "
+                                  "\"rank_pattern\": {\"blocks\\\\.0\\\\.attn\\\\.to_k\": 2}, "
+                                  "\"alpha_pattern\": {\"blocks\\\\.\\\\d\\\\.attn\\\\.to_q{,1}\": 3, "
+                                  "\"(?=blocks\\\\.1)blocks\\\\.\\\\d\\\\.attn\\\\.to_k\": 6}, "
+                                  "\"target_modules\": \"blocks\\\\.[0-9]{1,2}\\\\.attn\\\\.(?:to_q|to_k)\"}",
+                          f);
+    lk_adapter *a = open_ok(d, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_untargeted(a), 0);
+    check_module(a, "blocks.0.attn.to_q", 4, 3, 0.75, NULL);
+    check_module(a, "blocks.1.attn.to_q", 4, 3, 0.75, NULL);
+    check_module(a, "blocks.0.attn.to_k", 2, 8, 4, NULL);
+    check_module(a, "blocks.1.attn.to_k", 4, 6, 1.5, NULL);
+    assert_string_equal(find_module(a, "blocks.1.attn.to_k")->alpha_source,
+                        "alpha_pattern \"(?=blocks\\.1)blocks\\.\\d\\.attn\\.to_k\"");
+    assert_string_equal(find_module(a, "blocks.0.attn.to_k")->alpha_source, "config");
+    lk_adapter_free(a);
+    /* PEFT 0.14's rule (recorded version): re.match(".*\.key$"), so
+     * "to_k|to_q" reads as ".*\.to_k" (no end anchor) or "to_q$" from the
+     * start: the to_k modules match, the to_q ones do not (checked with
+     * Python's re); the current rule (.*\.)?(to_k|to_q)$ matches all four. */
+    char *d14 = peft_folder("pyre14", "{\"r\": 4, \"lora_alpha\": 8, \"peft_version\": \"0.14.0\", "
+                                      "\"rank_pattern\": {\"blocks.0.attn.to_k\": 2}, \"alpha_pattern\": {\"to_k|to_q\": 2}}",
+                            f);
+    a = open_ok(d14, LK_FORMAT_AUTO);
+    check_module(a, "blocks.0.attn.to_q", 4, 8, 2, NULL);
+    check_module(a, "blocks.1.attn.to_k", 4, 2, 0.5, NULL);
+    check_module(a, "blocks.0.attn.to_k", 2, 2, 1, NULL);
+    lk_adapter_free(a);
+    char *d21 = peft_folder("pyre21", "{\"r\": 4, \"lora_alpha\": 8, \"peft_version\": \"0.21.2\", "
+                                      "\"rank_pattern\": {\"blocks.0.attn.to_k\": 2}, \"alpha_pattern\": {\"to_k|to_q\": 2}}",
+                            f);
+    a = open_ok(d21, LK_FORMAT_AUTO);
+    check_module(a, "blocks.0.attn.to_q", 4, 2, 0.5, NULL);
+    check_module(a, "blocks.0.attn.to_k", 2, 2, 1, NULL);
+    lk_adapter_free(a);
+    free(d);
+    free(d14);
+    free(d21);
+    af_free(f);
+    af_free(m);
+}
+
+/* Catastrophic backtracking on a long module name: (a+)+$ and friends
+ * finish in bounded time (the ctest timeout; milliseconds in practice),
+ * with an error naming key and module, or a result; a repetition whose
+ * compiled form would be huge is refused at compile time ("too large"). Oracle: PCRE2's
+ * documented match/depth limits. */
+static void test_hostile_patterns(void **state) {
+    (void)state;
+    af_file *f = af_new();
+    char stem[200];
+    memset(stem, 'a', sizeof stem);
+    memcpy(stem, "base_model.model.x.", 19);
+    stem[sizeof stem - 2] = 'b';
+    stem[sizeof stem - 1] = '\0';
+    pair(f, stem, ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    static const char *const bombs[] = {"(a+)+$", "(a|aa)+$", "(a|a)*b?c", "((a*)*)*$", "(?:a+){1,65535}c"};
+    for (size_t i = 0; i < sizeof bombs / sizeof bombs[0]; i++) {
+        char cfg[256], name[32];
+        snprintf(cfg, sizeof cfg, "{\"r\": 4, \"lora_alpha\": 4, \"alpha_pattern\": {\"%s\": 2}}", bombs[i]);
+        snprintf(name, sizeof name, "bomb%zu", i);
+        char *d = peft_folder(name, cfg, f);
+        lk_adapter *a = NULL;
+        lk_status s = lk_adapter_open(d, LK_FORMAT_AUTO, &a);
+        print_message("%-20s -> %s%s%s\n", bombs[i], lk_status_str(s), s ? ": " : "", s ? lk_last_error() : "");
+        if (s) {
+            assert_int_equal(s, LK_ERR_CONFIG);
+            tu_assert_contains(lk_last_error(), bombs[i]);
+            if (!strstr(lk_last_error(), "within lorakit's limits") && !strstr(lk_last_error(), "too large"))
+                fail_msg("unexpected error: %s", lk_last_error());
+        }
+        lk_adapter_free(a);
+        free(d);
+    }
+    af_free(f);
+}
+
+/* Where alpha comes from without an adapter_config.json beside the file:
+ * the config beside a file counts as the folder's; diffusers'
+ * lora_adapter_metadata (plain and packed per component); kohya's
+ * ss_network_alpha when a module has no .alpha tensor; else r. */
+static void test_alpha_sources(void **state) {
+    (void)state;
+    af_file *f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    char *d = peft_folder("side", "{\"r\": 4, \"lora_alpha\": 12}", f);
+    char *file = tu_path(d, "adapter_model.safetensors");
+    lk_adapter *a = open_ok(file, LK_FORMAT_AUTO); /* the file, not the folder */
+    assert_int_equal(lk_adapter_has_config(a), 1);
+    check_module(a, "blocks.0.attn.to_q", 4, 12, 3, NULL);
+    assert_string_equal(find_module(a, "blocks.0.attn.to_q")->alpha_source, "config");
+    lk_adapter_free(a);
+    char *p = save(f, "peft_nocfg.safetensors");
+    a = open_ok(p, LK_FORMAT_AUTO);
+    assert_string_equal(find_module(a, "blocks.0.attn.to_q")->alpha_source, "default r");
+    lk_adapter_free(a);
+    free(p);
+    af_file *g = af_new();
+    pair(g, "transformer.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    pair(g, "transformer.blocks.1.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    const char *plain[] = {"lora_adapter_metadata",
+                           "{\"r\": 4, \"lora_alpha\": 2, \"alpha_pattern\": {\"blocks\\\\.1\\\\.attn\\\\.to_q\": 6}}"};
+    p = tu_path(g_dir, "diff_meta.safetensors");
+    af_save(g, p, plain, 1);
+    a = open_ok(p, LK_FORMAT_AUTO);
+    check_module(a, "blocks.0.attn.to_q", 4, 2, 0.5, NULL);
+    check_module(a, "blocks.1.attn.to_q", 4, 6, 1.5, NULL);
+    assert_string_equal(find_module(a, "blocks.0.attn.to_q")->alpha_source, "metadata lora_adapter_metadata");
+    assert_string_equal(find_module(a, "blocks.1.attn.to_q")->alpha_source,
+                        "metadata alpha_pattern \"blocks\\.1\\.attn\\.to_q\"");
+    lk_adapter_free(a);
+    free(p);
+    const char *packed[] = {"lora_adapter_metadata", "{\"transformer.r\": 4, \"transformer.lora_alpha\": 1}"};
+    p = tu_path(g_dir, "diff_meta_packed.safetensors");
+    af_save(g, p, packed, 1);
+    a = open_ok(p, LK_FORMAT_AUTO);
+    check_module(a, "blocks.1.attn.to_q", 4, 1, 0.25, NULL);
+    lk_adapter_free(a);
+    free(p);
+    const char *wrong_r[] = {"lora_adapter_metadata", "{\"r\": 8, \"lora_alpha\": 1}"};
+    p = tu_path(g_dir, "diff_meta_r.safetensors");
+    af_save(g, p, wrong_r, 1);
+    expect_open_error(p, LK_FORMAT_AUTO, LK_ERR_SHAPE, "metadata lora_adapter_metadata says r = 8");
+    free(p);
+    af_file *k = af_new();
+    pair(k, "lora_unet_blocks_0_attn_to_q", ".lora_down.weight", ".lora_up.weight", 4, LK_DTYPE_F32);
+    pair(k, "lora_unet_blocks_1_attn_to_q", ".lora_down.weight", ".lora_up.weight", 4, LK_DTYPE_F32);
+    af_scalar(k, "lora_unet_blocks_1_attn_to_q.alpha", LK_DTYPE_F32, 3);
+    const char *ss[] = {"ss_network_alpha", "2.0", "ss_network_dim", "4"};
+    p = tu_path(g_dir, "kohya_ss.safetensors");
+    af_save(k, p, ss, 2);
+    a = open_ok(p, LK_FORMAT_AUTO);
+    check_module(a, "lora_unet_blocks_0_attn_to_q", 4, 2, 0.5, NULL);
+    check_module(a, "lora_unet_blocks_1_attn_to_q", 4, 3, 0.75, NULL);
+    assert_string_equal(find_module(a, "lora_unet_blocks_0_attn_to_q")->alpha_source, "metadata ss_network_alpha");
+    assert_string_equal(find_module(a, "lora_unet_blocks_1_attn_to_q")->alpha_source, ".alpha tensor");
+    lk_adapter_free(a);
+    free(p);
+    af_free(k);
+    af_free(g);
+    free(file);
+    free(d);
+    af_free(f);
 }
 
 /* The PEFT file alone: alpha = r, scale 1. */
@@ -552,7 +720,8 @@ static void test_alloc_failures(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_peft_folder_patterns), cmocka_unit_test(test_peft_file_alone),
+        cmocka_unit_test(test_peft_folder_patterns), cmocka_unit_test(test_python_patterns),
+        cmocka_unit_test(test_hostile_patterns), cmocka_unit_test(test_alpha_sources), cmocka_unit_test(test_peft_file_alone),
         cmocka_unit_test(test_diffusers_prefixes),   cmocka_unit_test(test_kohya),
         cmocka_unit_test(test_fastvideo),            cmocka_unit_test(test_format_forcing),
         cmocka_unit_test(test_prefixed_model),

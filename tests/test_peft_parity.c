@@ -1,0 +1,217 @@
+/* test_peft_parity.c — adapters written by the real `peft` package fuse
+ * exactly as PEFT merges them.
+ *
+ * Oracle: tests/fixtures/peft/, made by make_peft_fixtures.py with peft
+ * 0.21.2 (and 0.13.2 for old013) on a small BERT: each case's adapter as
+ * save_pretrained wrote it, and the float64 tensors PEFT's own
+ * merge_and_unload produced from the base of each dtype (base + s (merged -
+ * base) for a strength s != 1, lorakit's documented convention). The
+ * cases: Python-regex rank/alpha patterns, a regex target_modules,
+ * layers_to_transform, the config beside a file (rsLoRA), modules_to_save,
+ * bias = "all" / "lora_only", lora_bias, DoRA, and PEFT 0.13's pattern rule.
+ *
+ * Each is fused with lk_fuse_file into BF16, F16 and F32 bases. Every tensor
+ * the merge changed must be within 1 ulp of the float64 expectation, except
+ * F32 weights that go through the fuse kernel, which accumulates in fp32:
+ * there the documented bound is 1 ulp + (r + 2) 2^-24 sum_k |c B_ik A_kj|
+ * per element (computed here from the adapter's factors). Every other tensor
+ * must be byte-identical to the base. */
+#include "testutil.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lorakit/adapter.h"
+#include "lorakit/dtype.h"
+#include "lorakit/fuse.h"
+#include "lorakit/safetensors.h"
+
+#define FX LK_TEST_SRC_DIR "/tests/fixtures/peft"
+
+static char *g_dir;
+
+static const struct {
+    const char *name;
+    int file;            /* fuse through <case>/adapter_model.safetensors */
+    float strengths[2];  /* 0 ends the list */
+} g_cases[] = {
+    {"patterns", 0, {1.0f}},          {"target_regex", 0, {1.0f}},        {"layers", 0, {1.0f}},
+    {"sidecar", 1, {1.0f}},           {"modules_to_save", 0, {1.0f, 0.5f}}, {"bias_all", 0, {1.0f}},
+    {"bias_lora_only", 0, {1.0f}},    {"lora_bias", 0, {1.0f, 0.5f}},      {"dora", 0, {1.0f, 0.5f}},
+    {"old013", 0, {1.0f}},
+};
+static const char *const g_dtypes[3] = {"bf16", "f16", "f32"};
+
+static double ulp_of(double x, lk_dtype d) {
+    int mant = d == LK_DTYPE_BF16 ? 7 : d == LK_DTYPE_F16 ? 10 : 23;
+    int emin = d == LK_DTYPE_F16 ? -14 : -126;
+    int e = x == 0 ? emin : ilogb(x);
+    if (e < emin) e = emin;
+    return ldexp(1.0, e - mant);
+}
+
+static double value(const lk_tensor *t, size_t j) {
+    if (t->dtype == LK_DTYPE_F64) {
+        double v;
+        memcpy(&v, (const char *)t->data + 8 * j, 8);
+        return v;
+    }
+    float f;
+    lk_to_f32(&f, (const char *)t->data + j * lk_dtype_size(t->dtype), t->dtype, 1);
+    return f;
+}
+
+/* sum_k |c B[o,k] A[k,j]| of the module fusing into key (0 if none). */
+static double abs_terms(const lk_adapter *a, const char *key, float strength, size_t o, size_t j) {
+    const lk_lora_module *m = lk_adapter_find_target(a, key);
+    if (!m || m->magnitude.data) return 0.0;
+    double c = fabs((double)strength * m->scale), s = 0;
+    size_t r = (size_t)m->rank, in = (size_t)m->A.shape[1];
+    for (size_t k = 0; k < r; k++) s += c * fabs(value(&m->B, o * r + k) * value(&m->A, k * in + j));
+    return s;
+}
+
+static void check_case(size_t ci, int di, float s) {
+    const char *name = g_cases[ci].name;
+    char base[512], adapter[512], out[512], exp[512];
+    snprintf(base, sizeof base, FX "/base_%s.safetensors", g_dtypes[di]);
+    snprintf(adapter, sizeof adapter, FX "/%s%s", name, g_cases[ci].file ? "/adapter_model.safetensors" : "");
+    snprintf(out, sizeof out, "%s/%s_%s.safetensors", g_dir, name, g_dtypes[di]);
+    snprintf(exp, sizeof exp, FX "/expected/%s_%s_s%g.safetensors", name, g_dtypes[di], (double)s);
+    lk_fuse_input in = {adapter, s, LK_FORMAT_AUTO};
+    lk_fuse_stats st;
+    if (lk_fuse_file(base, &in, 1, out, NULL, &st)) fail_msg("%s: %s", name, lk_last_error());
+    lk_st *b, *o, *e;
+    assert_int_equal(lk_st_open(base, &b), LK_OK);
+    assert_int_equal(lk_st_open(out, &o), LK_OK);
+    assert_int_equal(lk_st_open(exp, &e), LK_OK);
+    lk_adapter *a; /* for the F32 kernel bound */
+    assert_int_equal(lk_adapter_open(adapter, LK_FORMAT_AUTO, &a), LK_OK);
+    lk_tensor *model = calloc(lk_st_count(b), sizeof *model);
+    for (size_t i = 0; i < lk_st_count(b); i++) model[i] = *lk_st_tensor(b, i);
+    assert_int_equal(lk_adapter_resolve(a, model, lk_st_count(b), 0, NULL), LK_OK);
+    free(model);
+    assert_int_equal(lk_st_count(o), lk_st_count(b));
+    size_t changed = 0;
+    double worst = 0;
+    for (size_t i = 0; i < lk_st_count(b); i++) {
+        const lk_tensor *tb = lk_st_tensor(b, i);
+        long oi = lk_st_find(o, tb->name), ei = lk_st_find(e, tb->name);
+        assert_true(oi >= 0);
+        const lk_tensor *to = lk_st_tensor(o, (size_t)oi);
+        assert_int_equal(to->nbytes, tb->nbytes);
+        if (ei < 0) { /* untouched: byte-identical */
+            if (memcmp(to->data, tb->data, tb->nbytes)) fail_msg("%s %s: %s changed", name, g_dtypes[di], tb->name);
+            continue;
+        }
+        changed++;
+        const lk_tensor *te = lk_st_tensor(e, (size_t)ei);
+        size_t n = lk_tensor_numel(tb), cols = tb->ndim == 2 ? (size_t)tb->shape[1] : n;
+        int kernel = tb->dtype == LK_DTYPE_F32 && !lk_adapter_dora(a) && lk_adapter_find_target(a, tb->name);
+        for (size_t j = 0; j < n; j++) {
+            double g = value(to, j), x = value(te, j), u = ulp_of(fabs(x), tb->dtype);
+            double bound = u;
+            if (kernel) bound += ldexp(abs_terms(a, tb->name, s, j / cols, j % cols), -24) * 6.0;
+            if (!(fabs(g - x) <= bound))
+                fail_msg("%s %s s=%g: %s[%zu] = %.9g, PEFT's merge gives %.17g (off %.3g ulp, bound %.3g ulp)", name,
+                         g_dtypes[di], (double)s, tb->name, j, g, x, fabs(g - x) / u, bound / u);
+            if (!kernel && fabs(g - x) / u > worst) worst = fabs(g - x) / u;
+        }
+    }
+    assert_int_equal(changed, lk_st_count(e)); /* every expected tensor exists in the base */
+    assert_int_equal(st.tensors_fused, changed);
+    print_message("%-16s %s s=%-4g %2zu tensors fused, worst %.3f ulp (exact paths)\n", name, g_dtypes[di], (double)s,
+                  changed, worst);
+    lk_adapter_free(a);
+    lk_st_close(b);
+    lk_st_close(o);
+    lk_st_close(e);
+}
+
+static void test_parity(void **state) {
+    (void)state;
+    for (size_t ci = 0; ci < sizeof g_cases / sizeof g_cases[0]; ci++)
+        for (int di = 0; di < 3; di++)
+            for (int k = 0; k < 2 && g_cases[ci].strengths[k] != 0.0f; k++) check_case(ci, di, g_cases[ci].strengths[k]);
+}
+
+/* What lorakit reads from each config: ranks, alphas and where each alpha
+ * came from. Hand-derived from the generator's LoraConfig arguments and
+ * PEFT's rules (first matching key; (.*\.)?(key)$ since 0.15; 0.13: one key
+ * list for both patterns). */
+static void test_alpha_sources(void **state) {
+    (void)state;
+    static const struct {
+        const char *adapter, *module;
+        int rank;
+        double alpha, scale;
+        const char *source;
+    } cases[] = {
+        {"patterns", "encoder.layer.1.attention.self.value", 4, 3, 0.75,
+         "alpha_pattern \"layer\\.\\d\\.attention\\.self\\.value\""},
+        {"patterns", "encoder.layer.2.attention.output.dense", 2, 8, 4, "config"},
+        {"patterns", "encoder.layer.0.attention.self.query", 4, 8, 2, "config"},
+        {"sidecar/adapter_model.safetensors", "encoder.layer.0.attention.self.key", 4, 8, 4, "config"},
+        {"old013", "encoder.layer.0.attention.self.query", 2, 8, 4, "config"},
+        {"old013", "encoder.layer.1.attention.self.query", 4, 16, 4, "alpha_pattern \"query\""},
+        {"dora", "encoder.layer.2.intermediate.dense", 4, 8, 2, "config"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char p[512];
+        snprintf(p, sizeof p, FX "/%s", cases[i].adapter);
+        lk_adapter *a;
+        if (lk_adapter_open(p, LK_FORMAT_AUTO, &a)) fail_msg("%s: %s", p, lk_last_error());
+        assert_int_equal(lk_adapter_has_config(a), 1);
+        assert_int_equal(lk_adapter_untargeted(a), 0); /* PEFT's targeting rule agrees with what PEFT wrote */
+        const lk_lora_module *m = NULL;
+        for (size_t k = 0; k < lk_adapter_count(a); k++)
+            if (!strcmp(lk_adapter_module(a, k)->module, cases[i].module)) m = lk_adapter_module(a, k);
+        if (!m) fail_msg("%s: no module %s", p, cases[i].module);
+        assert_int_equal(m->rank, cases[i].rank);
+        assert_true(m->alpha == (float)cases[i].alpha);
+        assert_true(m->scale == (float)cases[i].scale);
+        assert_string_equal(m->alpha_source, cases[i].source);
+        lk_adapter_free(a);
+    }
+}
+
+/* Requests lorakit refuses for these adapters, each by name. */
+static void test_refusals(void **state) {
+    (void)state;
+    char out[512];
+    snprintf(out, sizeof out, "%s/refused.safetensors", g_dir);
+    lk_fuse_input two_dora[2] = {{FX "/dora", 1.0f, LK_FORMAT_AUTO}, {FX "/patterns", 1.0f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_fuse_file(FX "/base_f32.safetensors", two_dora, 2, out, NULL, NULL), LK_ERR_ARG);
+    tu_assert_contains(lk_last_error(), "a DoRA adapter must be the only adapter in its request");
+    assert_false(tu_exists(out));
+    /* two adapters replacing pooler.dense: both named */
+    lk_fuse_input two_rep[2] = {{FX "/modules_to_save", 1.0f, LK_FORMAT_AUTO},
+                                {FX "/modules_to_save/adapter_model.safetensors", 0.5f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_fuse_file(FX "/base_f32.safetensors", two_rep, 2, out, NULL, NULL), LK_ERR_ARG);
+    tu_assert_contains(lk_last_error(), "modules_to_save and " FX "/modules_to_save/adapter_model.safetensors both replace pooler.dense.");
+    assert_false(tu_exists(out));
+}
+
+static int setup(void **state) {
+    (void)state;
+    g_dir = tu_mkdtemp();
+    return 0;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    tu_rmtree(g_dir);
+    free(g_dir);
+    return 0;
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_parity),
+        cmocka_unit_test(test_alpha_sources),
+        cmocka_unit_test(test_refusals),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}
