@@ -142,11 +142,15 @@ fi
 # bench fuse, tiny: the documented JSON lines (figures not asserted).
 expect 0 bench fuse --help; out_has "usage: lorakit bench fuse"
 expect 2 bench fuse --dim 0
-expect 0 bench fuse --json --dim 96 --repeat 1 --threads 2
-[ "$(wc -l <"$TMP/out")" = 17 ] || { cat "$TMP/out"; fail "bench fuse: expected 17 JSON lines"; }
-grep -E '^\{"bench":"bandwidth","bytes":18432,"threads":2,"gbps":[0-9.]+,"gbps_1_thread":[0-9.]+,"gbps_all_threads":[0-9.]+\}$' "$TMP/out" >/dev/null || fail "bandwidth line"
-for m in naive lorakit; do for r in 8 16 64 128; do for t in 1 2; do
-  grep -E "^\{\"bench\":\"fuse\",\"method\":\"$m\",\"dtype\":\"bf16\",\"rank\":$r,\"threads\":$t,\"seconds\":[0-9.]+,\"gbps\":[0-9.]+,\"ratio_to_bandwidth\":[0-9.]+" "$TMP/out" >/dev/null \
-    || { cat "$TMP/out"; fail "bench fuse line $m r=$r t=$t"; }
+expect 0 bench fuse --json --dim 96 --repeat 1 --threads 2 --dram-mb 1
+[ "$(wc -l <"$TMP/out")" = 28 ] || { cat "$TMP/out"; fail "bench fuse: expected 28 JSON lines"; }
+for t in 1 2; do
+  grep -E "^\{\"bench\":\"bandwidth\",\"kind\":\"cache\",\"bytes\":18432,\"threads\":$t,\"gbps\":[0-9.]+\}$" "$TMP/out" >/dev/null || fail "cache bandwidth line t=$t"
+  grep -E "^\{\"bench\":\"bandwidth\",\"kind\":\"dram\",\"bytes\":1032192,\"llc_bytes\":[0-9]+,\"threads\":$t,\"gbps\":[0-9.]+\}$" "$TMP/out" >/dev/null || fail "dram bandwidth line t=$t"
+done
+for ms in naive:tensor lorakit:tensor lorakit:model; do for r in 8 16 64 128; do for t in 1 2; do
+  m=${ms%%:*}; sc=${ms##*:}
+  grep -E "^\{\"bench\":\"fuse\",\"method\":\"$m\",\"scope\":\"$sc\",\"dtype\":\"bf16\",\"rank\":$r,\"threads\":$t,\"tensors\":[0-9]+,\"bytes\":[0-9]+,\"seconds\":[0-9.]+,\"gbps\":[0-9.]+,\"ratio_to_dram\":[0-9.]+,\"ratio_to_cache\":[0-9.]+" "$TMP/out" >/dev/null \
+    || { cat "$TMP/out"; fail "bench fuse line $m $sc r=$r t=$t"; }
 done; done; done
 echo "fuse_cli.sh: ok"

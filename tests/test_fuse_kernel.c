@@ -314,7 +314,8 @@ static void test_canonical_bytes(void **state) {
 /* Hand-computed cases where rounding W + d twice (to the accumulator's
  * format, then to W's) gives the wrong answer and rounding once does not:
  *  BF16: 1 + (2^-8 + 2^-30): the f32 sum is the BF16 midpoint 1 + 2^-8,
- *        whose tie goes to 1.0; the exact sum is above it: 1 + 2^-7 (0x3f81).
+ *        whose tie goes to 1.0; the exact sum is above it: 1 + 2^-7 (0x3f81);
+ *        and one just below a midpoint whose tie would go up.
  *  F16:  1 + (2^-11 + 2^-34): likewise, 1 + 2^-10 (0x3c01), not 1.0.
  *  F32:  1 + (2^-24 + 2^-60), two rank terms: an f32 chain loses 2^-60 and
  *        ties to 1.0; the f64 chain keeps it: 1 + 2^-23 (0x3f800001). */
@@ -327,6 +328,12 @@ static void test_single_rounding_hand(void **state) {
         lk_tensor B = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, 1}, .nbytes = 4, .data = b1};
         lk_fuse_term t = {&A, &B, 1.0f};
         uint16_t w16 = 0x3f80, r16;
+        assert_int_equal(lk_fuse_tensor(&r16, &w16, LK_DTYPE_BF16, 1, 1, &t, 1, NULL, "w"), LK_OK);
+        assert_int_equal(r16, 0x3f81);
+        /* below a midpoint whose even neighbour is the upper one:
+         * (1 + 2^-6) - (2^-8 + 2^-30) = 1 + 2^-7 + 2^-8 - 2^-30 -> 0x3f81 */
+        b1[0] = -(ldexpf(1, -8) + ldexpf(1, -30));
+        w16 = 0x3f82;
         assert_int_equal(lk_fuse_tensor(&r16, &w16, LK_DTYPE_BF16, 1, 1, &t, 1, NULL, "w"), LK_OK);
         assert_int_equal(r16, 0x3f81);
         b1[0] = ldexpf(1, -11) + ldexpf(1, -34);

@@ -101,6 +101,14 @@ struct lk_kjob {
  * weight before and of the result, in the weight's dtype). Rare path. */
 void lk_kernel_note_bad(lk_kworker *wk, size_t o, size_t col0, size_t n, const void *win, const void *res);
 
+/* The rare lanes of a vector path: elements [col0, col0 + n) of row o
+ * (n <= 64), W read from src (the weight's dtype; may equal dst), the
+ * delta from d32 (narrow) or d64 (wide), written to dst with every rule of
+ * the scalar definition (NaN, Inf), noting a finite weight made
+ * non-finite. */
+void lk_kernel_finish_slow(lk_kworker *wk, size_t o, size_t col0, size_t n, const void *src, const float *d32,
+                           const double *d64, void *dst);
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define LK_KERNEL_X86 1
 void lk_kblock_avx512(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);

@@ -131,6 +131,35 @@ void lk_kernel_note_bad(lk_kworker *wk, size_t o, size_t col0, size_t n, const v
     }
 }
 
+void lk_kernel_finish_slow(lk_kworker *wk, size_t o, size_t col0, size_t n, const void *src, const float *d32,
+                           const double *d64, void *dst) {
+    const lk_kjob *jb = wk->job;
+    const lk_dtype dt = (lk_dtype)jb->dt;
+    const size_t esz = lk_dtype_size(dt);
+    unsigned char win[64 * 4], res[64 * 4];
+    memcpy(win, src, n * esz);
+    int bad = 0;
+    for (size_t j = 0; j < n; j++) {
+        if (dt == LK_DTYPE_F32) {
+            uint32_t wb, rb;
+            memcpy(&wb, win + j * 4, 4);
+            rb = lk_k_round_f64_to_f32(wb, d64[j]);
+            memcpy(res + j * 4, &rb, 4);
+            bad |= ((rb & 0x7f800000u) == 0x7f800000u) & ((wb & 0x7f800000u) != 0x7f800000u);
+        } else {
+            float wv, rv;
+            lk_to_f32(&wv, win + j * esz, dt, 1);
+            rv = lk_k_round_f32(wv, d32[j]);
+            lk_from_f32(res + j * esz, &rv, dt, 1);
+            float back;
+            lk_to_f32(&back, res + j * esz, dt, 1);
+            bad |= isfinite(wv) && !isfinite(back);
+        }
+    }
+    memcpy(dst, res, n * esz);
+    if (bad) lk_kernel_note_bad(wk, o, col0, n, win, res);
+}
+
 /* ---- the work split ---- */
 
 typedef struct kshared {

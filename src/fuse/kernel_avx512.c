@@ -6,9 +6,11 @@
  * panel's 4 vectors are loaded once (contiguous, packed by kernel.c) and
  * each row's B'[o,k] is broadcast: 16 FMAs per 4 loads + 4 broadcasts,
  * enough independent chains to keep both FMA pipes busy. Then the
- * epilogue reads the 4 row segments of W, adds with round-to-odd
- * (TwoSum + last-bit step, the rule of kernel_scalar.h lane by lane),
- * rounds to nearest-even into W's dtype, applies the NaN rule and writes.
+ * epilogue reads the 4 row segments of W, adds and rounds once into W's
+ * dtype (TwoSum; round_bf16 explains the BF16 shortcut, F16 and F32 use
+ * the odd step of kernel_scalar.h lane by lane) and writes; a group of
+ * lanes with an Inf or NaN result is redone by lk_kernel_finish_slow
+ * (the NaN rule, the non-finite check), so the fast case has no NaN code.
  * W is read once and written once; the next panel's W lines are
  * prefetched while the sums run. Column tails use masked loads/stores
  * (the packed panels are zero-padded, so the sums need no tail code).
@@ -55,58 +57,45 @@ LK_TI __m512d odd_add_pd(__m512d w, __m512d d) {
     return _mm512_castsi512_pd(_mm512_mask_add_epi64(us, m, us, step));
 }
 
-/* 16 lanes of a BF16 or F16 weight: w16 in, d the delta; returns the 16
- * result halves and sets *bad for lanes where a finite weight became
- * Inf/NaN. */
-LK_TI __m256i round16(__m256i w16, __m512 d, int bf, __mmask16 *bad) {
-    __m256i out;
-    __mmask16 wnan, wfin;
-    if (bf) {
-        const __m512i wu = _mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16);
-        const __m512i su = _mm512_castps_si512(odd_add_ps(_mm512_castsi512_ps(wu), d));
-        const __m512i t = _mm512_srli_epi32(su, 16);
-        __m512i r = _mm512_srli_epi32(
-            _mm512_add_epi32(su, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(t, _mm512_set1_epi32(1)))),
-            16);
-        const __m512i absu = _mm512_and_si512(su, _mm512_set1_epi32(0x7fffffff));
-        r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(absu, _mm512_set1_epi32(0x7f800000)),
-                                  _mm512_set1_epi32(0x7fc0));
-        out = _mm512_cvtepi32_epi16(r);
-        const __m256i wabs = _mm256_and_si256(w16, _mm256_set1_epi16(0x7fff));
-        wnan = _mm256_cmpgt_epu16_mask(wabs, _mm256_set1_epi16(0x7f80));
-        wfin = _mm256_cmplt_epu16_mask(wabs, _mm256_set1_epi16(0x7f80));
-        out = _mm256_mask_mov_epi16(out, wnan, _mm256_or_si256(w16, _mm256_set1_epi16(0x0040)));
-        const __m256i oabs = _mm256_and_si256(out, _mm256_set1_epi16(0x7f80));
-        *bad = wfin & _mm256_cmpeq_epi16_mask(oabs, _mm256_set1_epi16(0x7f80));
-    } else {
-        const __m512 w = _mm512_cvtph_ps(w16);
-        const __m512 s = odd_add_ps(w, d);
-        out = _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512i absu = _mm512_and_si512(_mm512_castps_si512(s), _mm512_set1_epi32(0x7fffffff));
-        out = _mm256_mask_mov_epi16(out, _mm512_cmpgt_epu32_mask(absu, _mm512_set1_epi32(0x7f800000)),
-                                    _mm256_set1_epi16(0x7e00));
-        const __m256i wabs = _mm256_and_si256(w16, _mm256_set1_epi16(0x7fff));
-        wnan = _mm256_cmpgt_epu16_mask(wabs, _mm256_set1_epi16(0x7c00));
-        wfin = _mm256_cmplt_epu16_mask(wabs, _mm256_set1_epi16(0x7c00));
-        out = _mm256_mask_mov_epi16(out, wnan, _mm256_or_si256(w16, _mm256_set1_epi16(0x0200)));
-        const __m256i oabs = _mm256_and_si256(out, _mm256_set1_epi16(0x7c00));
-        *bad = wfin & _mm256_cmpeq_epi16_mask(oabs, _mm256_set1_epi16(0x7c00));
-    }
+/* 16 lanes of a BF16 weight, the fast case: returns the 16 result
+ * halves and sets *special for lanes whose result is Inf or NaN (then the
+ * caller redoes the group with the full rules, lk_kernel_finish_slow).
+ * BF16's single rounding needs no odd step: RN32(w + d) differs from the
+ * exact sum only by TwoSum's e, and that changes the RNE to BF16 only when
+ * s is exactly a BF16 midpoint; there the tie goes toward the exact sum
+ * (up in magnitude when e has s's sign), elsewhere the usual ties-to-even
+ * bias applies. The same bits as round-to-odd-then-RNE, fewer operations. */
+LK_TI __m256i round_bf16(__m256i w16, __m512 d, __mmask16 *special) {
+    const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16));
+    const __m512 s = _mm512_add_ps(w, d);
+    const __m512 bb = _mm512_sub_ps(s, w);
+    const __m512 e = _mm512_add_ps(_mm512_sub_ps(w, _mm512_sub_ps(s, bb)), _mm512_sub_ps(d, bb));
+    const __m512i su = _mm512_castps_si512(s), one = _mm512_set1_epi32(1);
+    const __m512i tie_even = _mm512_and_si512(_mm512_srli_epi32(su, 16), one);
+    const __m512i toward = _mm512_andnot_si512(_mm512_srli_epi32(_mm512_xor_si512(su, _mm512_castps_si512(e)), 31), one);
+    const __mmask16 inexact = _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_mask_mov_epi32(tie_even, inexact, toward));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(su, bias), 16);
+    const __m512i em = _mm512_set1_epi32(0x7f80);
+    *special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(r, em), em);
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* The same for F16: odd rounding in f32, then the hardware's RNE. */
+LK_TI __m256i round_f16(__m256i w16, __m512 d, __mmask16 *special) {
+    const __m512 s = odd_add_ps(_mm512_cvtph_ps(w16), d);
+    const __m256i out = _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256i em = _mm256_set1_epi16(0x7c00);
+    *special = _mm256_cmpeq_epi16_mask(_mm256_and_si256(out, em), em);
     return out;
 }
 
 /* 8 lanes of an F32 weight with an f64 delta. */
-LK_TI __m256i round32w(__m256i w32, __m512d d, __mmask8 *bad) {
+LK_TI __m256i round_f32w(__m256i w32, __m512d d, __mmask8 *special) {
     const __m512d s = odd_add_pd(_mm512_cvtps_pd(_mm256_castsi256_ps(w32)), d);
-    __m256i out = _mm256_castps_si256(_mm512_cvtpd_ps(s)); /* RNE: the one rounding */
-    const __m256i expm = _mm256_set1_epi32(0x7f800000);
-    const __m256i oabs = _mm256_and_si256(out, _mm256_set1_epi32(0x7fffffff));
-    out = _mm256_mask_mov_epi32(out, _mm256_cmpgt_epu32_mask(oabs, expm), _mm256_set1_epi32(0x7fc00000));
-    const __m256i wabs = _mm256_and_si256(w32, _mm256_set1_epi32(0x7fffffff));
-    const __mmask8 wnan = _mm256_cmpgt_epu32_mask(wabs, expm);
-    out = _mm256_mask_or_epi32(out, wnan, w32, _mm256_set1_epi32(0x00400000));
-    *bad = _mm256_cmplt_epu32_mask(wabs, expm) &
-           _mm256_cmpeq_epi32_mask(_mm256_and_si256(out, expm), expm);
+    const __m256i out = _mm256_castps_si256(_mm512_cvtpd_ps(s)); /* RNE: the one rounding */
+    const __m256i em = _mm256_set1_epi32(0x7f800000);
+    *special = _mm256_cmpeq_epi32_mask(_mm256_and_si256(out, em), em);
     return out;
 }
 
@@ -154,35 +143,21 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
         for (int r = 0; r < MR; r++) {
             const unsigned char *src = win + (size_t)r * ldw + col0 * 2;
             unsigned char *dst = wout + (size_t)r * ldw + col0 * 2;
-            if (n >= LK_PW32) {
-                for (int h = 0; h < 4; h++) {
-                    __mmask16 b;
-                    const __m256i w16 = _mm256_loadu_si256((const __m256i *)(src + 32 * h));
-                    const __m256i o16 = round16(w16, acc[r][h], bf, &b);
-                    if (__builtin_expect(b != 0, 0)) { /* keep W for the message */
-                        unsigned char wcopy[32];
-                        memcpy(wcopy, src + 32 * h, 32);
-                        _mm256_storeu_si256((__m256i *)(dst + 32 * h), o16);
-                        lk_kernel_note_bad(wk, o + (size_t)r, col0 + 16 * (size_t)h, 16, wcopy, dst + 32 * h);
-                        continue;
-                    }
+            for (int h = 0; h < 4; h++) {
+                const __mmask16 m = lanes16(n - 16 * h);
+                if (!m) break;
+                __mmask16 sp;
+                const __m256i w16 = m == 0xffff ? _mm256_loadu_si256((const __m256i *)(src + 32 * h))
+                                                : _mm256_maskz_loadu_epi16(m, src + 32 * h);
+                const __m256i o16 = bf ? round_bf16(w16, acc[r][h], &sp) : round_f16(w16, acc[r][h], &sp);
+                if (__builtin_expect((sp & m) != 0, 0)) {
+                    float dv[16];
+                    _mm512_storeu_ps(dv, acc[r][h]);
+                    lk_kernel_finish_slow(wk, o + (size_t)r, col0 + 16 * (size_t)h, (size_t)__builtin_popcount(m),
+                                          src + 32 * h, dv, NULL, dst + 32 * h);
+                } else if (m == 0xffff) {
                     _mm256_storeu_si256((__m256i *)(dst + 32 * h), o16);
-                }
-            } else {
-                for (int h = 0; h < 4; h++) {
-                    const __mmask16 m = lanes16(n - 16 * h);
-                    if (!m) break;
-                    __mmask16 b;
-                    const __m256i w16 = _mm256_maskz_loadu_epi16(m, src + 32 * h);
-                    const __m256i o16 = round16(w16, acc[r][h], bf, &b);
-                    if (__builtin_expect((b & m) != 0, 0)) {
-                        unsigned char wcopy[32];
-                        memcpy(wcopy, src + 32 * h, (size_t)__builtin_popcount(m) * 2);
-                        _mm256_mask_storeu_epi16(dst + 32 * h, m, o16);
-                        lk_kernel_note_bad(wk, o + (size_t)r, col0 + 16 * (size_t)h, (size_t)__builtin_popcount(m),
-                                           wcopy, dst + 32 * h);
-                        continue;
-                    }
+                } else {
                     _mm256_mask_storeu_epi16(dst + 32 * h, m, o16);
                 }
             }
@@ -231,18 +206,17 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
             for (int h = 0; h < 4; h++) {
                 const __mmask8 m = lanes8(n - 8 * h);
                 if (!m) break;
-                __mmask8 b;
+                __mmask8 sp;
                 const __m256i w32 = _mm256_maskz_loadu_epi32(m, src + 32 * h);
-                const __m256i o32 = round32w(w32, acc[r][h], &b);
-                if (__builtin_expect((b & m) != 0, 0)) {
-                    unsigned char wcopy[32];
-                    const size_t cnt = (size_t)__builtin_popcount(m);
-                    memcpy(wcopy, src + 32 * h, cnt * 4);
+                const __m256i o32 = round_f32w(w32, acc[r][h], &sp);
+                if (__builtin_expect((sp & m) != 0, 0)) {
+                    double dv[8];
+                    _mm512_storeu_pd(dv, acc[r][h]);
+                    lk_kernel_finish_slow(wk, o + (size_t)r, col0 + 8 * (size_t)h, (size_t)__builtin_popcount(m),
+                                          src + 32 * h, NULL, dv, dst + 32 * h);
+                } else {
                     _mm256_mask_storeu_epi32(dst + 32 * h, m, o32);
-                    lk_kernel_note_bad(wk, o + (size_t)r, col0 + 8 * (size_t)h, cnt, wcopy, dst + 32 * h);
-                    continue;
                 }
-                _mm256_mask_storeu_epi32(dst + 32 * h, m, o32);
             }
         }
     }

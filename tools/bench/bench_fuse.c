@@ -1,17 +1,22 @@
 /* bench_fuse.c — `lorakit bench fuse`: how close the fusion kernel gets to
  * the memory system, and how it compares with the naive method.
  *
- * In one run, on a dim x dim BF16 weight (default 4096):
- *  (a) bandwidth: in-place read-modify-write of a buffer of the same size
- *      (every 64-bit word read, changed, written back), the better of 1
- *      thread and all threads — the ceiling for any in-place fuse, since
- *      fusing must read and write W;
- *  (b) lorakit: lk_fuse_tensor in place at r = 8, 16, 64, 128 with 1 thread
- *      and with all threads; GB/s counts W traffic only (read + write =
- *      2 x W bytes) and is also given as a ratio to (a);
- *  (c) naive: materialise delta = B @ A in fp32 (dim x dim floats), then
- *      W = round(W + delta) in a second pass, same threads, same data.
- * Each figure is the best of --repeat runs (first touch excluded), with the
+ * In one run:
+ *  (a) bandwidth, two figures, each with 1 thread and with all threads:
+ *      "cache": in-place read-modify-write of one dim x dim BF16 weight
+ *      (32 MiB at the default dim, which may sit in a large L3), and
+ *      "dram": the same pass over a buffer at least twice the last-level
+ *      cache (its size read from sysfs; default at least 1 GiB), which is
+ *      the honest ceiling for fusing a whole model;
+ *  (b) lorakit, model scope: lk_fuse_tensor in place on every dim x dim
+ *      tensor of that DRAM-sized buffer in turn (as the tracker and the
+ *      offline fuse do: one call per weight), at r = 8, 16, 64, 128 with 1
+ *      thread and with all; GB/s counts W traffic (read + write = 2 x W
+ *      bytes); ratio_to_dram divides by (a)'s DRAM figure at the same
+ *      thread count;
+ *  (c) lorakit, tensor scope, and (d) naive (materialise delta = B @ A in
+ *      fp32, then W = round(W + delta) in a second pass) on one tensor.
+ * Each figure is the best of --repeat runs (first run excluded), with the
  * process CPU time of that run (on a shared host, cpu < threads x seconds
  * means the run did not get all its cores). Figures are printed, never
  * asserted. */
@@ -26,14 +31,19 @@
 #include "bench_util.h"
 
 static const char *const FUSE_BENCH_USAGE =
-    "usage: lorakit bench fuse [--json] [--dim N] [--repeat N] [--threads N]\n\n"
-    "Measures (a) in-place read-modify-write bandwidth over a buffer the size\n"
-    "of a dim x dim BF16 weight, (b) lk_fuse_tensor on that weight at rank\n"
-    "8, 16, 64, 128 with 1 thread and all threads (GB/s of W traffic, read +\n"
-    "write, and the ratio to (a)), (c) the naive method (fp32 delta, then add).\n\n"
+    "usage: lorakit bench fuse [--json] [--dim N] [--dram-mb N] [--repeat N] [--threads N]\n\n"
+    "Measures (a) in-place read-modify-write bandwidth over one dim x dim BF16\n"
+    "weight (cache) and over a buffer of at least twice the last-level cache\n"
+    "(dram), (b) lk_fuse_tensor on every dim x dim tensor of that buffer (a\n"
+    "whole model's worth), (c) on one tensor, (d) the naive method (fp32\n"
+    "delta, then add), at rank 8, 16, 64, 128 with 1 thread and all threads.\n"
+    "GB/s of W traffic (read + write); ratio_to_dram against (a)'s DRAM pass\n"
+    "at the same thread count.\n\n"
     "options:\n"
     "  --json        one JSON object per line on stdout\n"
-    "  --dim N       weight is N x N (default 4096)\n"
+    "  --dim N       weights are N x N (default 4096)\n"
+    "  --dram-mb N   the DRAM buffer in MiB (default: 2 x the last-level\n"
+    "                cache from sysfs, at least 1024)\n"
     "  --repeat N    timed runs per case, best taken (default 3)\n"
     "  --threads N   the 'all threads' count (default: online CPUs)\n"
     "  -h, --help    this text\n";
@@ -115,20 +125,68 @@ BENCH_CLONES static void naive_add(void *p, size_t lo, size_t hi) {
         }
 }
 
-static void emit(int json, const char *method, long rank, int threads, double secs, double cpu, double gbps,
-                 double bw, double naive_s) {
+/* The largest cache size in sysfs (the last level), or 0. */
+static size_t llc_bytes(void) {
+    size_t best = 0;
+    for (int i = 0; i < 16; i++) {
+        char path[128], buf[64];
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        if (fgets(buf, sizeof buf, f)) {
+            char *end;
+            unsigned long long v = strtoull(buf, &end, 10);
+            if (*end == 'K') v <<= 10;
+            else if (*end == 'M') v <<= 20;
+            else if (*end == 'G') v <<= 30;
+            if (v > best) best = (size_t)v;
+        }
+        fclose(f);
+    }
+    return best;
+}
+
+/* Best-of-repeat in-place RMW over n bytes with th threads: GB/s (r + w). */
+static double rmw_gbps(uint64_t *buf, size_t bytes, int th, long repeat) {
+    double best = 1e30;
+    for (long r = 0; r <= repeat; r++) {
+        double t0 = lk_bench_now();
+        par_for(th, bytes / 8, rmw_range, buf);
+        double t = lk_bench_now() - t0;
+        if (r && t < best) best = t; /* run 0 warms up */
+    }
+    return 2.0 * (double)bytes / best / 1e9;
+}
+
+typedef struct row {
+    const char *method, *scope;
+    long rank;
+    int threads;
+    size_t tensors, bytes;
+    double secs, cpu, dram, cache, naive_s;
+} row;
+
+static void emit(int json, const row *r) {
+    const double gbps = 2.0 * (double)r->bytes / r->secs / 1e9;
     if (json) {
-        printf("{\"bench\":\"fuse\",\"method\":\"%s\",\"dtype\":\"bf16\",\"rank\":%ld,\"threads\":%d,"
-               "\"seconds\":%.6f,\"gbps\":%.3f,\"ratio_to_bandwidth\":%.3f,\"cpu_seconds\":%.6f",
-               method, rank, threads, secs, gbps, gbps / bw, cpu);
-        if (naive_s > 0) printf(",\"speedup_vs_naive\":%.2f", naive_s / secs);
+        printf("{\"bench\":\"fuse\",\"method\":\"%s\",\"scope\":\"%s\",\"dtype\":\"bf16\",\"rank\":%ld,"
+               "\"threads\":%d,\"tensors\":%zu,\"bytes\":%zu,\"seconds\":%.6f,\"gbps\":%.3f,\"ratio_to_dram\":%.3f,"
+               "\"ratio_to_cache\":%.3f,\"cpu_seconds\":%.6f",
+               r->method, r->scope, r->rank, r->threads, r->tensors, r->bytes, r->secs, gbps, gbps / r->dram,
+               gbps / r->cache, r->cpu);
+        if (r->naive_s > 0) printf(",\"speedup_vs_naive\":%.2f", r->naive_s / r->secs);
         printf("}\n");
     } else {
-        printf("%-8s rank %4ld  threads %3d  %9.3f ms (cpu %9.3f ms)  %8.2f GB/s  %5.2f x bandwidth", method, rank,
-               threads, secs * 1e3, cpu * 1e3, gbps, gbps / bw);
-        if (naive_s > 0) printf("  %5.2f x naive", naive_s / secs);
+        printf("%-8s %-6s rank %4ld  threads %3d  %9.3f ms (cpu %9.3f ms)  %8.2f GB/s  %5.2f x dram  %5.2f x cache",
+               r->method, r->scope, r->rank, r->threads, r->secs * 1e3, r->cpu * 1e3, gbps, gbps / r->dram,
+               gbps / r->cache);
+        if (r->naive_s > 0) printf("  %5.2f x naive", r->naive_s / r->secs);
         printf("\n");
     }
+}
+
+static void free_all(void **p, int n) {
+    for (int i = 0; i < n; i++) free(p[i]);
 }
 
 int lk_bench_fuse(int argc, char **argv) {
@@ -137,13 +195,14 @@ int lk_bench_fuse(int argc, char **argv) {
         return LK_EXIT_OK;
     }
     int json = 0;
-    long dim = 4096, repeat = 3, all = 0;
+    long dim = 4096, repeat = 3, all = 0, dram_mb = 0;
     for (int i = 1; i < argc; i++) {
         long *dst = NULL;
         if (!strcmp(argv[i], "--json")) { json = 1; continue; }
         if (!strcmp(argv[i], "--dim")) dst = &dim;
         else if (!strcmp(argv[i], "--repeat")) dst = &repeat;
         else if (!strcmp(argv[i], "--threads")) dst = &all;
+        else if (!strcmp(argv[i], "--dram-mb")) dst = &dram_mb;
         else return lk_cli_usage("bench fuse", "unknown option '%s'", argv[i]);
         if (i + 1 >= argc || !lk_cli_parse_int(argv[i + 1], dst) || *dst < 1 || *dst > 65536)
             return lk_cli_usage("bench fuse", "%s needs a number from 1 to 65536", argv[i]);
@@ -154,15 +213,26 @@ int lk_bench_fuse(int argc, char **argv) {
         all = n > 0 ? n : 1;
     }
     if (all > 256) all = 256;
+    const size_t llc = llc_bytes();
+    if (!dram_mb) {
+        size_t want = 2 * llc > ((size_t)1 << 30) ? 2 * llc : (size_t)1 << 30;
+        dram_mb = (long)((want + ((size_t)1 << 20) - 1) >> 20);
+    }
     const size_t D = (size_t)dim, N = D * D, wbytes = N * 2;
+    size_t n_model = ((size_t)dram_mb << 20) / wbytes;
+    if (n_model < 1) n_model = 1;
+    const size_t mbytes = n_model * wbytes;
     const long ranks[4] = {8, 16, 64, 128};
     const size_t rmax = 128;
     uint16_t *w = malloc(wbytes), *a16 = malloc(rmax * D * 2), *b16 = malloc(D * rmax * 2);
     float *delta = malloc(N * sizeof(float)), *af = malloc(rmax * D * 4), *bf = malloc(D * rmax * 4);
     uint64_t *buf = malloc(wbytes);
-    if (!w || !a16 || !b16 || !delta || !af || !bf || !buf) {
-        free(w); free(a16); free(b16); free(delta); free(af); free(bf); free(buf);
-        lk_error(LK_ERR_NOMEM, "bench fuse: out of memory for a %ldx%ld weight", dim, dim);
+    uint16_t *model = malloc(mbytes);
+    void *owned[8] = {w, a16, b16, delta, af, bf, buf, model};
+    if (!w || !a16 || !b16 || !delta || !af || !bf || !buf || !model) {
+        free_all(owned, 8);
+        lk_error(LK_ERR_NOMEM, "bench fuse: out of memory for a %ldx%ld weight and a %zu MiB model", dim, dim,
+                 mbytes >> 20);
         return lk_cli_fail();
     }
     /* Deterministic data: W in [-1, 1), factors small so no overflow. */
@@ -180,29 +250,35 @@ int lk_bench_fuse(int argc, char **argv) {
     lk_to_f32(af, a16, LK_DTYPE_BF16, rmax * D);
     lk_to_f32(bf, b16, LK_DTYPE_BF16, rmax * D);
     memcpy(buf, w, wbytes);
+    for (size_t t = 0; t < n_model; t++) memcpy(model + t * N, w, wbytes);
     memset(delta, 0, N * sizeof(float));
 
-    /* (a): with 1 thread and with all; the machine's figure is the better
-     * of the two (on a shared host "all threads" can lose to one). */
-    double best[2] = {1e30, 1e30};
-    for (int ti = 0; ti < 2; ti++)
-        for (long r = 0; r <= repeat; r++) {
-            double t0 = lk_bench_now();
-            par_for(ti ? (int)all : 1, wbytes / 8, rmw_range, buf);
-            double t = lk_bench_now() - t0;
-            if (r && t < best[ti]) best[ti] = t; /* run 0 warms up */
-        }
-    const double bw1 = 2.0 * (double)wbytes / best[0] / 1e9, bwn = 2.0 * (double)wbytes / best[1] / 1e9;
-    const double bw = bw1 > bwn ? bw1 : bwn;
-    if (json)
-        printf("{\"bench\":\"bandwidth\",\"bytes\":%zu,\"threads\":%ld,\"gbps\":%.3f,\"gbps_1_thread\":%.3f,"
-               "\"gbps_all_threads\":%.3f}\n",
-               wbytes, all, bw, bw1, bwn);
-    else
-        printf("bandwidth (in-place read-modify-write, %zu MB): %.2f GB/s (1 thread %.2f, %ld threads %.2f)\n",
-               wbytes >> 20, bw, bw1, all, bwn);
-
+    /* (a): cache-sized and DRAM-sized, 1 thread and all. */
     const int tcount[2] = {1, (int)all};
+    const int nth = all > 1 ? 2 : 1;
+    double cache_bw[2], dram_bw[2];
+    for (int ti = 0; ti < nth; ti++) {
+        cache_bw[ti] = rmw_gbps(buf, wbytes, tcount[ti], repeat);
+        dram_bw[ti] = rmw_gbps((uint64_t *)model, mbytes, tcount[ti], repeat);
+    }
+    if (nth == 1) {
+        cache_bw[1] = cache_bw[0];
+        dram_bw[1] = dram_bw[0];
+    }
+    for (int ti = 0; ti < nth; ti++) {
+        if (json) {
+            printf("{\"bench\":\"bandwidth\",\"kind\":\"cache\",\"bytes\":%zu,\"threads\":%d,\"gbps\":%.3f}\n", wbytes,
+                   tcount[ti], cache_bw[ti]);
+            printf("{\"bench\":\"bandwidth\",\"kind\":\"dram\",\"bytes\":%zu,\"llc_bytes\":%zu,\"threads\":%d,"
+                   "\"gbps\":%.3f}\n",
+                   mbytes, llc, tcount[ti], dram_bw[ti]);
+        } else {
+            printf("bandwidth, in-place read-modify-write, %d thread(s): cache (%zu MiB) %.2f GB/s, dram (%zu MiB, "
+                   "LLC %zu MiB) %.2f GB/s\n",
+                   tcount[ti], wbytes >> 20, cache_bw[ti], mbytes >> 20, llc >> 20, dram_bw[ti]);
+        }
+    }
+
     for (int ri = 0; ri < 4; ri++) {
         const size_t r = (size_t)ranks[ri];
         lk_tensor A = {.dtype = LK_DTYPE_BF16, .ndim = 2, .shape = {(int64_t)r, dim}, .nbytes = r * D * 2, .data = a16};
@@ -210,7 +286,7 @@ int lk_bench_fuse(int argc, char **argv) {
         lk_tensor B = {.dtype = LK_DTYPE_BF16, .ndim = 2, .shape = {dim, (int64_t)r}, .nbytes = r * D * 2, .data = b16};
         lk_fuse_term term = {&A, &B, 1.0f};
         naive_ctx nc = {.w = w, .A = af, .B = bf, .delta = delta, .dim = D, .r = r};
-        for (int ti = 0; ti < (all > 1 ? 2 : 1); ti++) {
+        for (int ti = 0; ti < nth; ti++) {
             const int th = tcount[ti];
             /* naive first, so the lorakit line can report the speedup */
             double nbest = 1e30, ncpu = 0;
@@ -225,11 +301,11 @@ int lk_bench_fuse(int argc, char **argv) {
                 }
             }
             lk_fuse_opts o = {.threads = th, .allow_nonfinite = 1};
-            double fbest = 1e30, fcpu = 0;
+            double fbest = 1e30, fcpu = 0, mbest = 1e30, mcpu = 0;
             for (long k = 0; k <= repeat; k++) {
                 double t0 = lk_bench_now(), c0 = lk_bench_cpu();
                 if (lk_fuse_tensor(w, w, LK_DTYPE_BF16, dim, dim, &term, 1, &o, "bench") != LK_OK) {
-                    free(w); free(a16); free(b16); free(delta); free(af); free(bf); free(buf);
+                    free_all(owned, 8);
                     return lk_cli_fail();
                 }
                 double t = lk_bench_now() - t0;
@@ -238,10 +314,26 @@ int lk_bench_fuse(int argc, char **argv) {
                     fcpu = lk_bench_cpu() - c0;
                 }
             }
-            emit(json, "naive", (long)r, th, nbest, ncpu, 2.0 * (double)wbytes / nbest / 1e9, bw, 0);
-            emit(json, "lorakit", (long)r, th, fbest, fcpu, 2.0 * (double)wbytes / fbest / 1e9, bw, nbest);
+            for (long k = 0; k <= repeat; k++) {
+                double t0 = lk_bench_now(), c0 = lk_bench_cpu();
+                for (size_t t = 0; t < n_model; t++)
+                    if (lk_fuse_tensor(model + t * N, model + t * N, LK_DTYPE_BF16, dim, dim, &term, 1, &o, "bench") !=
+                        LK_OK) {
+                        free_all(owned, 8);
+                        return lk_cli_fail();
+                    }
+                double t = lk_bench_now() - t0;
+                if (k && t < mbest) {
+                    mbest = t;
+                    mcpu = lk_bench_cpu() - c0;
+                }
+            }
+            const double dr = dram_bw[ti], ca = cache_bw[ti];
+            emit(json, &(row){"naive", "tensor", (long)r, th, 1, wbytes, nbest, ncpu, dr, ca, 0});
+            emit(json, &(row){"lorakit", "tensor", (long)r, th, 1, wbytes, fbest, fcpu, dr, ca, nbest});
+            emit(json, &(row){"lorakit", "model", (long)r, th, n_model, mbytes, mbest, mcpu, dr, ca, 0});
         }
     }
-    free(w); free(a16); free(b16); free(delta); free(af); free(bf); free(buf);
+    free_all(owned, 8);
     return LK_EXIT_OK;
 }
