@@ -206,6 +206,12 @@ class Tracker:
         return self._t.loras
 
     @property
+    def busy(self):
+        """True while another thread is inside apply/reset (they release the
+        GIL; a second concurrent call is refused with LK_ERR_STATE)."""
+        return self._t.busy
+
+    @property
     def staging_bytes(self):
         return self._t.staging_bytes
 

@@ -703,6 +703,7 @@ typedef struct {
     lk_weights *w;
     lk_tracker *t;
     PyObject *loras; /* list of (path: str, strength: float) as applied */
+    int busy;        /* a call is running with the GIL released */
 } TrackerObject;
 
 static void Tracker_clear(TrackerObject *self) {
@@ -768,9 +769,15 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+/* Calls release the GIL, so another thread could reach the same tracker
+ * meanwhile: it is refused rather than run concurrently (or freed). */
 static int tracker_ready(TrackerObject *self) {
     if (!self->t) {
         raise_lk(LK_ERR_STATE, "Tracker is closed or was not created");
+        return 0;
+    }
+    if (self->busy) {
+        raise_lk(LK_ERR_STATE, "Tracker is in use by another thread (calls are collective and not concurrent)");
         return 0;
     }
     return 1;
@@ -780,11 +787,15 @@ static int tracker_ready(TrackerObject *self) {
  * group's report. */
 static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int digest, PyObject *new_loras) {
     lk_comm *c = ((CommObject *)self->comm)->c;
-    if (agree_local(c, ok) < 0) return NULL;
+    self->busy = 1;
+    int agreed = agree_local(c, ok);
+    self->busy = 0;
+    if (agreed < 0) return NULL;
     lk_tracker_stats st;
     memset(&st, 0, sizeof st);
     lk_status s, rs;
     char msg[2048] = "", *js = NULL;
+    self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     s = r ? lk_tracker_apply(self->t, r->in, r->n, &st) : lk_tracker_reset(self->t, &st);
     if (s) snprintf(msg, sizeof msg, "%s", lk_last_error());
@@ -792,6 +803,7 @@ static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int diges
      * report, a collective, is made on success only */
     rs = s ? s : lk_tracker_report_json(c, self->w, 0, s, msg, &st, digest, &js);
     Py_END_ALLOW_THREADS
+    self->busy = 0;
     if (s) {
         lk_free(js);
         return raise_lk(s, msg);
@@ -834,6 +846,7 @@ static PyObject *Tracker_reset(TrackerObject *self, PyObject *args) {
 
 static PyObject *Tracker_close(TrackerObject *self, PyObject *noargs) {
     (void)noargs;
+    if (self->busy) return raise_lk(LK_ERR_STATE, "Tracker is in use by another thread");
     Tracker_clear(self);
     Py_RETURN_NONE;
 }
@@ -855,8 +868,14 @@ static PyMethodDef Tracker_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *Tracker_busy(TrackerObject *self, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(self->busy);
+}
+
 static PyGetSetDef Tracker_getset[] = {
     {"loras", (getter)Tracker_loras, NULL, NULL, NULL},
+    {"busy", (getter)Tracker_busy, NULL, NULL, NULL},
     {"staging_bytes", (getter)Tracker_staging_bytes, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

@@ -246,3 +246,51 @@ def test_ml_dtypes_bfloat16(model_bf16):
     want, _, _ = cli_fuse_digest(model_bf16, loras)
     lorakit.fuse_(t, loras)
     assert lorakit.digest_tensors(t) == want
+
+
+
+def test_gil_released_during_tracker_calls(tmp_path):
+    # Thread A applies a set (a long call); this thread watches tr.busy
+    # meanwhile. It sees True across most of the C call only if A released
+    # the GIL for it; held, this thread could run only around the call (the
+    # agreement's GIL release gives it one switch interval, 5 ms). Oracle:
+    # the span of True observations against the call's own seconds. Then a
+    # second call during A's is refused, not run concurrently.
+    import threading
+    import time
+
+    rng = np.random.default_rng(1)
+    n, d = 200, 192
+    sd = {f"l{i}.weight": rng.standard_normal((d, d), dtype=np.float32) for i in range(n)}
+    ad = {}
+    for i in range(n):
+        ad[f"l{i}.lora_A.weight"] = ("F32", rng.standard_normal((16, d), dtype=np.float32))
+        ad[f"l{i}.lora_B.weight"] = ("F32", rng.standard_normal((d, 16), dtype=np.float32))
+    p = str(tmp_path / "big.safetensors")
+    st_io.write(p, ad)
+    tr = lorakit.Tracker(sd, threads=1)
+    seen, span, res = [], [], {}
+
+    def apply():
+        try:
+            res.update(tr.apply([(p, 0.01)]))
+        except lorakit.LoraError as e:
+            seen.append(str(e))
+
+    th = threading.Thread(target=apply)
+    th.start()
+    refused = None
+    while th.is_alive():
+        if tr.busy:
+            span.append(time.perf_counter())
+            if refused is None:
+                try:
+                    tr.reset()
+                except lorakit.LoraError as e:
+                    refused = str(e)
+    th.join()
+    assert not seen and tr.loras == [(p, 0.01)]
+    assert res["seconds"] > 0.03, res  # long enough to tell 5 ms from the call
+    assert span and span[-1] - span[0] >= 0.5 * res["seconds"], (span[-1] - span[0] if span else None, res)
+    assert refused is None or "in use by another thread" in refused
+    tr.close()
