@@ -11,11 +11,9 @@
  * bias = "all" / "lora_only", lora_bias, DoRA, and PEFT 0.13's pattern rule.
  *
  * Each is fused with lk_fuse_file into BF16, F16 and F32 bases. Every tensor
- * the merge changed must be within 1 ulp of the float64 expectation, except
- * F32 weights that go through the fuse kernel, which accumulates in fp32:
- * there the documented bound is 1 ulp + (r + 2) 2^-24 sum_k |c B_ik A_kj|
- * per element (computed here from the adapter's factors). Every other tensor
- * must be byte-identical to the base. */
+ * the merge changed must be within 1 ulp of the float64 expectation (the
+ * kernel's canonical arithmetic: fp64 accumulation for F32 weights, one
+ * rounding); every other tensor must be byte-identical to the base. */
 #include "testutil.h"
 
 #include <math.h>
@@ -63,16 +61,6 @@ static double value(const lk_tensor *t, size_t j) {
     return f;
 }
 
-/* sum_k |c B[o,k] A[k,j]| of the module fusing into key (0 if none). */
-static double abs_terms(const lk_adapter *a, const char *key, float strength, size_t o, size_t j) {
-    const lk_lora_module *m = lk_adapter_find_target(a, key);
-    if (!m || m->magnitude.data) return 0.0;
-    double c = fabs((double)strength * m->scale), s = 0;
-    size_t r = (size_t)m->rank, in = (size_t)m->A.shape[1];
-    for (size_t k = 0; k < r; k++) s += c * fabs(value(&m->B, o * r + k) * value(&m->A, k * in + j));
-    return s;
-}
-
 static void check_case(size_t ci, int di, float s) {
     const char *name = g_cases[ci].name;
     char base[512], adapter[512], out[512], exp[512];
@@ -87,12 +75,6 @@ static void check_case(size_t ci, int di, float s) {
     assert_int_equal(lk_st_open(base, &b), LK_OK);
     assert_int_equal(lk_st_open(out, &o), LK_OK);
     assert_int_equal(lk_st_open(exp, &e), LK_OK);
-    lk_adapter *a; /* for the F32 kernel bound */
-    assert_int_equal(lk_adapter_open(adapter, LK_FORMAT_AUTO, &a), LK_OK);
-    lk_tensor *model = calloc(lk_st_count(b), sizeof *model);
-    for (size_t i = 0; i < lk_st_count(b); i++) model[i] = *lk_st_tensor(b, i);
-    assert_int_equal(lk_adapter_resolve(a, model, lk_st_count(b), 0, NULL), LK_OK);
-    free(model);
     assert_int_equal(lk_st_count(o), lk_st_count(b));
     size_t changed = 0;
     double worst = 0;
@@ -108,23 +90,19 @@ static void check_case(size_t ci, int di, float s) {
         }
         changed++;
         const lk_tensor *te = lk_st_tensor(e, (size_t)ei);
-        size_t n = lk_tensor_numel(tb), cols = tb->ndim == 2 ? (size_t)tb->shape[1] : n;
-        int kernel = tb->dtype == LK_DTYPE_F32 && !lk_adapter_dora(a) && lk_adapter_find_target(a, tb->name);
+        size_t n = lk_tensor_numel(tb);
         for (size_t j = 0; j < n; j++) {
             double g = value(to, j), x = value(te, j), u = ulp_of(fabs(x), tb->dtype);
-            double bound = u;
-            if (kernel) bound += ldexp(abs_terms(a, tb->name, s, j / cols, j % cols), -24) * 6.0;
-            if (!(fabs(g - x) <= bound))
-                fail_msg("%s %s s=%g: %s[%zu] = %.9g, PEFT's merge gives %.17g (off %.3g ulp, bound %.3g ulp)", name,
-                         g_dtypes[di], (double)s, tb->name, j, g, x, fabs(g - x) / u, bound / u);
-            if (!kernel && fabs(g - x) / u > worst) worst = fabs(g - x) / u;
+            if (!(fabs(g - x) <= u))
+                fail_msg("%s %s s=%g: %s[%zu] = %.9g, PEFT's merge gives %.17g (off %.3g ulp)", name, g_dtypes[di],
+                         (double)s, tb->name, j, g, x, fabs(g - x) / u);
+            if (fabs(g - x) / u > worst) worst = fabs(g - x) / u;
         }
     }
     assert_int_equal(changed, lk_st_count(e)); /* every expected tensor exists in the base */
     assert_int_equal(st.tensors_fused, changed);
-    print_message("%-16s %s s=%-4g %2zu tensors fused, worst %.3f ulp (exact paths)\n", name, g_dtypes[di], (double)s,
-                  changed, worst);
-    lk_adapter_free(a);
+    print_message("%-16s %s s=%-4g %2zu tensors fused, worst %.3f ulp\n", name, g_dtypes[di], (double)s, changed,
+                  worst);
     lk_st_close(b);
     lk_st_close(o);
     lk_st_close(e);

@@ -15,13 +15,18 @@
  *                                 V = W + c B A, the norm per output row
  *   plus any LoRA / bias terms:   + sum_t s_t c_t (B_t A_t)
  * Strength on replacements and DoRA is lorakit's convention (PEFT has
- * none): s = 1 is PEFT's merge, s = 0 the base. Products of two floats are
- * exact in double, the sums are fma chains in a fixed order (k ascending,
- * terms in canonical order), and the final rounding goes through round-to-
- * odd f32 so that BF16/F16 see a single correct rounding of the double. */
+ * none): s = 1 is PEFT's merge, s = 0 the base. The B A part (DoRA's V, or
+ * other adapters' LoRA terms next to a replacement) comes from the fuse
+ * kernel's own delta chain (fuse_internal.h: f32 for BF16/F16 weights, f64
+ * for F32), so it is the kernel's arithmetic; the rest is in double (the
+ * row norm an fma chain, j ascending; lora_B bias terms exact products in
+ * an fma chain, terms in canonical order), and the final rounding goes
+ * through round-to-odd f32 so that BF16/F16 see a single correct rounding
+ * of the double. */
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "lorakit/dtype.h"
+#include "fuse/fuse_internal.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -88,21 +93,11 @@ static lk_status finite_check(double x, const char *name, size_t j, const lk_fus
     return lk_error(LK_ERR_NONFINITE, "%s: element %zu of the fused tensor is %g", name, j, x);
 }
 
-/* sum_t c_t sum_k B_t[o,k] A_t[k,j] for one row o into d[0..in) (2-D terms). */
-static lk_status row_delta(double *d, const lk_fuse_term *terms, size_t nt, int64_t o, int64_t in, float *fa,
-                           float *fb) {
-    for (int64_t j = 0; j < in; j++) d[j] = 0.0;
-    for (size_t t = 0; t < nt; t++) {
-        const lk_tensor *A = terms[t].A, *B = terms[t].B;
-        int64_t r = A->shape[0];
-        lk_to_f32(fb, (const char *)B->data + (size_t)(o * r) * lk_dtype_size(B->dtype), B->dtype, (size_t)r);
-        for (int64_t k = 0; k < r; k++) {
-            double cb = (double)terms[t].scale * (double)fb[k]; /* exact */
-            lk_to_f32(fa, (const char *)A->data + (size_t)(k * in) * lk_dtype_size(A->dtype), A->dtype, (size_t)in);
-            for (int64_t j = 0; j < in; j++) d[j] = fma(cb, (double)fa[j], d[j]);
-        }
-    }
-    return LK_OK;
+/* Rows per call of the kernel's delta API (it converts A once per call). */
+static int64_t chunk_rows(int64_t rows, int64_t cols) {
+    int64_t c = ((int64_t)1 << 18) / (cols ? cols : 1);
+    if (c < 1) c = 1;
+    return c < rows ? c : rows;
 }
 
 lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, const lk_fuse_key *k,
@@ -123,60 +118,80 @@ lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, c
         return LK_OK;
     }
     size_t numel = lk_tensor_numel(t);
-    int two_d = t->ndim == 2 && (k->dora || (k->n_terms && terms[0].A));
-    int64_t rows = two_d ? t->shape[0] : 1, cols = two_d ? t->shape[1] : (int64_t)numel;
-    size_t maxr = 1;
-    for (size_t i = 0; i < k->n_terms; i++)
-        if (terms[i].A && (size_t)terms[i].A->shape[0] > maxr) maxr = (size_t)terms[i].A->shape[0];
-    if (k->dora && (size_t)k->dora->A.shape[0] > maxr) maxr = (size_t)k->dora->A.shape[0];
-    double *acc = lk_malloc(2 * (size_t)cols * sizeof *acc);
-    float *fa = lk_malloc(((size_t)cols + maxr) * sizeof *fa);
-    if (!acc || !fa) {
-        lk_free(acc);
-        lk_free(fa);
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory for a %lld-element row", name, (long long)cols);
+    /* the 2-D LoRA part (DoRA's c B A, or other adapters' terms next to a
+     * replacement) comes from the kernel's own delta chain: f32 for narrow
+     * weights, f64 for F32 weights, exactly as lk_fuse_tensor sums it */
+    lk_fuse_term dterm;
+    const lk_fuse_term *lt = NULL;
+    size_t n_lt = 0;
+    if (k->dora) {
+        dterm = (lk_fuse_term){&k->dora->A, &k->dora->B, k->dora->scale}; /* PEFT's scaling, not the strength */
+        lt = &dterm;
+        n_lt = 1;
+    } else if (k->n_terms && terms[0].A) {
+        lt = terms;
+        n_lt = k->n_terms;
     }
-    double *delta = acc + cols;
-    float *fb = fa + cols;
+    int two_d = n_lt > 0, wide = d == LK_DTYPE_F32;
+    int64_t rows = two_d ? t->shape[0] : 1, cols = two_d ? t->shape[1] : (int64_t)numel;
+    int64_t chunk = two_d ? chunk_rows(rows, cols) : 1;
+    double *acc = lk_malloc((size_t)cols * sizeof *acc);
+    void *dl = two_d ? lk_malloc((size_t)(chunk * cols) * (wide ? sizeof(double) : sizeof(float))) : NULL;
+    if (!acc || (two_d && !dl)) {
+        lk_free(acc);
+        lk_free(dl);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for %lld rows of %lld", name, (long long)chunk,
+                        (long long)cols);
+    }
     lk_status s = LK_OK;
-    for (int64_t o = 0; o < rows && !s; o++) {
-        size_t base = (size_t)(o * cols);
-        for (int64_t j = 0; j < cols; j++) acc[j] = load(w_in, base + (size_t)j, d);
-        if (k->dora) {
-            const lk_lora_module *m = k->dora;
-            lk_fuse_term dt = {&m->A, &m->B, m->scale}; /* PEFT's scaling, not the strength */
-            row_delta(delta, &dt, 1, o, cols, fa, fb);
-            double ss = 0.0;
-            for (int64_t j = 0; j < cols; j++) {
-                delta[j] += acc[j]; /* V = W + c B A */
-                ss = fma(delta[j], delta[j], ss);
-            }
-            double mag = load(m->magnitude.data, (size_t)o, m->magnitude.dtype);
-            double f = mag / sqrt(ss), sd = (double)k->dora_strength;
-            for (int64_t j = 0; j < cols; j++) acc[j] = sd == 1.0 ? f * delta[j] : acc[j] + sd * (f * delta[j] - acc[j]);
-        } else {
-            if (k->replace) {
-                double sr = (double)k->replace_strength;
+    for (int64_t r0 = 0; r0 < rows && !s; r0 += chunk) {
+        int64_t nr = rows - r0 < chunk ? rows - r0 : chunk;
+        if (two_d) {
+            s = wide ? lk_fuse_delta_f64(dl, (size_t)cols, rows, cols, r0, nr, lt, n_lt, name)
+                     : lk_fuse_delta_f32(dl, (size_t)cols, rows, cols, r0, nr, lt, n_lt, name);
+            if (s) break;
+        }
+        for (int64_t o = r0; o < r0 + nr && !s; o++) {
+            size_t base = (size_t)(o * cols), drow = (size_t)((o - r0) * cols);
+#define DELTA(j) (wide ? ((const double *)dl)[drow + (size_t)(j)] : (double)((const float *)dl)[drow + (size_t)(j)])
+            for (int64_t j = 0; j < cols; j++) acc[j] = load(w_in, base + (size_t)j, d);
+            if (k->dora) { /* V = W + c B A; W' = m / ||V|| V; W + s (W' - W) */
+                double ss = 0.0;
                 for (int64_t j = 0; j < cols; j++) {
-                    double r = load(k->replace->data, base + (size_t)j, k->replace->dtype);
-                    acc[j] = sr == 1.0 ? r : acc[j] + sr * (r - acc[j]);
+                    double v = acc[j] + DELTA(j);
+                    ss = fma(v, v, ss);
+                }
+                double f = load(k->dora->magnitude.data, (size_t)o, k->dora->magnitude.dtype) / sqrt(ss);
+                double sd = (double)k->dora_strength;
+                for (int64_t j = 0; j < cols; j++) {
+                    double v = acc[j] + DELTA(j);
+                    acc[j] = sd == 1.0 ? f * v : acc[j] + sd * (f * v - acc[j]);
+                }
+            } else {
+                if (k->replace) {
+                    double sr = (double)k->replace_strength;
+                    for (int64_t j = 0; j < cols; j++) {
+                        double r = load(k->replace->data, base + (size_t)j, k->replace->dtype);
+                        acc[j] = sr == 1.0 ? r : acc[j] + sr * (r - acc[j]);
+                    }
+                }
+                if (two_d) {
+                    for (int64_t j = 0; j < cols; j++) acc[j] += DELTA(j);
+                } else if (k->n_terms) { /* lora_B bias terms on a 1-D bias: exact products, fma chain */
+                    for (int64_t j = 0; j < cols; j++) {
+                        double dj = 0.0;
+                        for (size_t i = 0; i < k->n_terms; i++)
+                            dj = fma((double)terms[i].scale, load(terms[i].B->data, (size_t)j, terms[i].B->dtype), dj);
+                        acc[j] += dj;
+                    }
                 }
             }
-            if (two_d) {
-                row_delta(delta, terms, k->n_terms, o, cols, fa, fb);
-                for (int64_t j = 0; j < cols; j++) acc[j] += delta[j];
-            } else if (k->n_terms) { /* lora_B bias terms on a 1-D bias */
-                for (int64_t j = 0; j < cols; j++) delta[j] = 0.0;
-                for (size_t i = 0; i < k->n_terms; i++)
-                    for (int64_t j = 0; j < cols; j++)
-                        delta[j] = fma((double)terms[i].scale, load(terms[i].B->data, (size_t)j, terms[i].B->dtype), delta[j]);
-                for (int64_t j = 0; j < cols; j++) acc[j] += delta[j];
-            }
+#undef DELTA
+            for (int64_t j = 0; j < cols && !s; j++) s = finite_check(acc[j], name, base + (size_t)j, opts);
+            for (int64_t j = 0; j < cols && !s; j++) store(w_out, base + (size_t)j, acc[j], d);
         }
-        for (int64_t j = 0; j < cols && !s; j++) s = finite_check(acc[j], name, base + (size_t)j, opts);
-        for (int64_t j = 0; j < cols && !s; j++) store(w_out, base + (size_t)j, acc[j], d);
     }
     lk_free(acc);
-    lk_free(fa);
+    lk_free(dl);
     return s;
 }
