@@ -119,7 +119,7 @@ static void check_all_failed(lk_status s, lk_status want) {
 
 static lk_tracker *make_ex(lk_weights *w, int allow_nonfinite) {
     lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
-    o.bucket_mb = 1;
+    o.bucket_bytes = (size_t)1 << 20;
     o.threads = 1;
     o.allow_nonfinite = allow_nonfinite;
     lk_tracker *t;

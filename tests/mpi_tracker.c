@@ -11,6 +11,7 @@
  * leaving the others waiting in a collective. */
 #include "mpi_testutil.h"
 #include "swap_fixture.h"
+#include "serve/tracker_internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -97,7 +98,7 @@ static void check_digest(const lk_weights *w, const char *want) { tu_mpi_check_d
 
 static lk_tracker *make(lk_weights *w, long bucket_mb, int no_lora_swap) {
     lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
-    o.bucket_mb = bucket_mb;
+    o.bucket_bytes = (size_t)bucket_mb << 20;
     o.no_lora_swap = no_lora_swap;
     o.threads = 1;
     lk_tracker *t = NULL;
@@ -161,11 +162,10 @@ static void test_sequence_buckets(void **state) {
         lk_weights *w;
         assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
         lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
-        o.bucket_mb = cfg[ci].bucket_mb;
-        o.full = cfg[ci].full;
+        o.bucket_bytes = (size_t)cfg[ci].bucket_mb << 20;
         o.threads = 1;
         lk_tracker *t = NULL;
-        assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_OK);
+        assert_int_equal(lk_tracker_create_ex(W, w, &o, cfg[ci].full, &t), LK_OK);
         const int full = cfg[ci].full;
         const uint64_t all = lk_weights_nbytes(w), mine = owned_bytes(w, t);
         const uint64_t attn = swap_touched_bytes(w, SWAP_ATTN, NULL, 0), ff = swap_touched_bytes(w, SWAP_FF, NULL, 0);
@@ -293,11 +293,12 @@ static void test_create_mismatch(void **state) {
     lk_weights *w;
     assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
     lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
-    o.bucket_mb = R == 0 ? 1 : 2; /* the rounds would not line up */
+    o.bucket_bytes = (size_t)(R == 0 ? 1 : 2) << 20; /* the rounds would not line up */
     lk_tracker *t = (lk_tracker *)1;
     assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_ERR_MISMATCH);
     assert_null(t);
-    o.bucket_mb = R == N - 1 ? 0 : 1; /* invalid on one rank: every rank hears */
+    o.bucket_bytes = (size_t)1 << 20;
+    o.threads = R == N - 1 ? -1 : 1; /* invalid on one rank: every rank hears */
     assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_ERR_ARG);
     char want[32];
     snprintf(want, sizeof want, "rank %d: ", N - 1);

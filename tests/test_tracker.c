@@ -75,7 +75,7 @@ static void open_fixture(fixture *f, long bucket_mb, int no_lora_swap) {
     assert_int_equal(lk_comm_self(&f->c), LK_OK);
     assert_int_equal(lk_weights_load(g_base, &f->w), LK_OK);
     lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
-    o.bucket_mb = bucket_mb;
+    o.bucket_bytes = (size_t)bucket_mb << 20;
     o.no_lora_swap = no_lora_swap;
     o.threads = 1;
     assert_int_equal(lk_tracker_create(f->c, f->w, &o, &f->t), LK_OK);
@@ -410,14 +410,13 @@ static void test_create_args(void **state) {
     assert_int_equal(lk_comm_self(&c), LK_OK);
     assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
     lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
-    o.bucket_mb = 0;
+    o.threads = -1;
     assert_int_equal(lk_tracker_create(c, w, &o, &t), LK_ERR_ARG);
     assert_null(t);
-    tu_assert_contains(lk_last_error(), "bucket_mb must be > 0");
-    o.bucket_mb = -5;
-    assert_int_equal(lk_tracker_create(c, w, &o, &t), LK_ERR_ARG);
-    /* one rank owns everything; no staging buffer at one rank */
-    o.bucket_mb = 1;
+    tu_assert_contains(lk_last_error(), "threads must be >= 0 (got -1)");
+    o.threads = 0;
+    /* one rank owns everything; no staging buffer at one rank (bucket 0 is the default size) */
+    o.bucket_bytes = 0;
     assert_int_equal(lk_tracker_create(c, w, &o, &t), LK_OK);
     for (size_t i = 0; i < lk_weights_count(w); i++) assert_int_equal(lk_tracker_owner(t, i), 0);
     assert_int_equal(lk_tracker_staging_bytes(t), 0);

@@ -73,8 +73,9 @@ static lk_status parse_args(int argc, char **argv, swap_args *a) {
             const char *v = argv[++i];
             if (!strcmp(o, "--plan")) a->plan = v;
             else if (!strcmp(o, "--bucket-mb")) {
-                if (!lk_cli_parse_int(v, &a->bucket_mb) || a->bucket_mb <= 0 || a->bucket_mb > (1L << 20))
-                    return lk_error(LK_ERR_ARG, "--bucket-mb expects a whole number of MiB in 1..1048576, got '%s'", v);
+                if (!lk_cli_parse_int(v, &a->bucket_mb) || a->bucket_mb <= 0 || a->bucket_mb > LK_BUCKET_MB_MAX)
+                    return lk_error(LK_ERR_ARG, "--bucket-mb expects a whole number of MiB in 1..%d, got '%s'",
+                                    LK_BUCKET_MB_MAX, v);
             } else if (!lk_cli_parse_int(v, &a->threads) || a->threads < 0 || a->threads > 4096)
                 return lk_error(LK_ERR_ARG, "--threads expects 0..4096, got '%s'", v);
         } else if (o[0] == '-' && o[1]) return lk_error(LK_ERR_ARG, "unknown option '%s'", o);
@@ -174,7 +175,8 @@ int lk_cmd_swap(int argc, char **argv) {
     if (!s) s = lk_comm_agree(c, lk_weights_load(a.base, &w));
     if (!s) {
         lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
-        o.bucket_mb = a.bucket_mb ? a.bucket_mb : plan->bucket_mb ? plan->bucket_mb : o.bucket_mb;
+        long mb = a.bucket_mb ? a.bucket_mb : plan->bucket_mb;
+        if (mb) o.bucket_bytes = (size_t)mb << 20;
         o.no_lora_swap = plan->no_lora_swap;
         o.allow_nonfinite = a.allow_nonfinite || plan->allow_nonfinite;
         o.threads = a.threads >= 0 ? (int)a.threads : auto_threads(c);

@@ -53,9 +53,7 @@ typedef void (*lk_fuse_progress_fn)(void *ctx, uint64_t bytes_done, uint64_t byt
 typedef struct lk_fuse_file_opts {
     lk_fuse_opts fuse;
     int allow_unmatched;
-    int progress;         /* reserved: the library never prints; the CLI draws
-                             its bar from on_progress */
-    lk_fuse_progress_fn on_progress; /* may be NULL */
+    lk_fuse_progress_fn on_progress; /* may be NULL (the library never prints) */
     void *progress_ctx;
 } lk_fuse_file_opts;
 

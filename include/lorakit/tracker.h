@@ -22,7 +22,7 @@
  *      of the same set; a failure on any rank rolls every owner
  *      back, and every rank returns it;
  *   5. broadcasts those keys owner by owner through one staging buffer of
- *      bucket_mb MiB (tensors larger than it go in several rounds).
+ *      bucket_bytes (tensors larger than it go in several rounds).
  * A failed call leaves every rank's weights as they were, except after
  * LK_ERR_COMM (the transport itself failed: the group is unusable).
  *
@@ -43,24 +43,27 @@ extern "C" {
 
 typedef struct lk_tracker lk_tracker;
 
-/* The staging buffer's size range in MiB, for the tracker, plans and the CLI. */
+/* Bucket sizes given in MiB by people (swap plans, the CLI's --bucket-mb,
+ * the benches) are 1..LK_BUCKET_MB_MAX; the library itself takes bytes. */
 #define LK_BUCKET_MB_MAX 1048576
 
 typedef struct lk_tracker_opts {
-    long bucket_mb;   /* staging buffer size in MiB, > 0 (LTX default 256) */
-    int no_lora_swap; /* no backup: the first set is fused in place; any later
-                         change or reset is LK_ERR_STATE */
-    int threads;      /* fuse threads per rank, 0 = all cores */
-    int full;         /* benchmark baseline behaving like the reference: every
-                         owned key is backed up at creation, restored on every
-                         change, and every key is re-broadcast */
+    size_t bucket_bytes; /* staging buffer per rank, as lk_lora_sync_opts.bucket_bytes;
+                            0: 64 MiB, LK_TRACKER_BUCKET_DEFAULT (LTX's tracker
+                            defaults to 256 MiB) */
+    int no_lora_swap;    /* no backup: the first set is fused in place; any later
+                            change or reset is LK_ERR_STATE */
+    int threads;         /* fuse threads per rank, 0 = all cores */
     int allow_nonfinite; /* passed to lk_fuse_tensor: 0 (default) refuses a
-                         fused weight that turns NaN/Inf from finite inputs, or
-                         factors holding NaN/Inf (LK_ERR_NONFINITE on every
-                         rank, weights unchanged); 1 fuses them as they come */
+                            fused weight that turns NaN/Inf from finite inputs, or
+                            factors holding NaN/Inf (LK_ERR_NONFINITE on every
+                            rank, weights unchanged); 1 fuses them as they come */
 } lk_tracker_opts;
 
-#define LK_TRACKER_OPTS_DEFAULT {64, 0, 0, 0, 0}
+#define LK_TRACKER_BUCKET_DEFAULT ((size_t)64 << 20)
+#define LK_TRACKER_OPTS_DEFAULT                                                               \
+    {.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT, .no_lora_swap = 0, .threads = 0,             \
+     .allow_nonfinite = 0}
 
 typedef struct lk_tracker_stats {
     int skipped;               /* the request equalled the current set */
@@ -91,7 +94,7 @@ lk_status lk_tracker_reset(lk_tracker *t, lk_tracker_stats *stats);
 int lk_tracker_owner(const lk_tracker *t, size_t i);
 /* Number of adapters currently fused (after dropping strength 0). */
 size_t lk_tracker_applied(const lk_tracker *t);
-/* Bytes of this rank's staging buffer (min(bucket_mb MiB, model bytes); 0 at
+/* Bytes of this rank's staging buffer (min(bucket_bytes, model bytes); 0 at
  * one rank, where nothing is broadcast). */
 size_t lk_tracker_staging_bytes(const lk_tracker *t);
 

@@ -740,8 +740,8 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     self->comm = co;
     self->loras = PyList_New(0);
     if (!self->loras) return -1;
-    if (ok && bucket_mb <= 0) {
-        PyErr_Format(PyExc_ValueError, "bucket_mb must be positive, got %ld", bucket_mb);
+    if (ok && (bucket_mb <= 0 || bucket_mb > LK_BUCKET_MB_MAX)) {
+        PyErr_Format(PyExc_ValueError, "bucket_mb must be in 1..%d, got %ld", LK_BUCKET_MB_MAX, bucket_mb);
         ok = 0;
     }
     if (ok && !(self->v = views_from(items, NEED_WRITE, &self->n))) ok = 0;
@@ -755,7 +755,7 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     PyMem_Free(t);
     if (agree_local(c, ok) < 0) return -1;
     lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
-    o.bucket_mb = bucket_mb;
+    o.bucket_bytes = (size_t)bucket_mb << 20;
     o.no_lora_swap = no_swap;
     o.threads = threads;
     o.allow_nonfinite = nonfinite;

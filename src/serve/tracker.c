@@ -17,6 +17,7 @@
  * - Keys are walked in byte-wise name order, never file order, so ranks
  *   that loaded differently ordered files still agree on every round. */
 #include "lorakit/tracker.h"
+#include "serve/tracker_internal.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -51,6 +52,7 @@ struct lk_tracker {
     lk_comm *comm;
     lk_weights *w;
     lk_tracker_opts o;
+    int full;           /* the reference-like baseline (tracker_internal.h) */
     int rank, size;
     size_t n;
     size_t *ord;        /* key indices in byte-wise name order */
@@ -253,7 +255,7 @@ static lk_status key_signatures(lk_tracker *t, const request *r, lk_fuse_term *t
 
 /* ---- per-key work on the owner ---- */
 
-static int changed(const lk_tracker *t, size_t i) { return t->o.full || t->next[i] != t->k[i].sig; }
+static int changed(const lk_tracker *t, size_t i) { return t->full || t->next[i] != t->k[i].sig; }
 
 /* Makes key i hold clean + terms of r (or clean when r has none for it). */
 static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_term *terms, int *fused) {
@@ -266,7 +268,7 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
     }
     int nt = lk_fuse_key_touches(&plan);
     *fused = nt;
-    if (!nt || t->o.full) { /* full mode copies first and fuses in place, as the reference does */
+    if (!nt || t->full) { /* full mode copies first and fuses in place, as the reference does */
         if (clean != w->data) memcpy(w->data, clean, w->nbytes);
         clean = w->data;
         if (!nt) return LK_OK;
@@ -380,7 +382,7 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash) {
         XXH3_64bits_update(&hs, hdr, sizeof hdr);
         XXH3_64bits_update(&hs, w->shape, (size_t)w->ndim * sizeof w->shape[0]);
     }
-    long opts[4] = {t->o.bucket_mb, t->o.no_lora_swap != 0, t->o.full != 0, t->o.allow_nonfinite != 0};
+    uint64_t opts[4] = {t->o.bucket_bytes, t->o.no_lora_swap != 0, t->full != 0, t->o.allow_nonfinite != 0};
     XXH3_64bits_update(&hs, opts, sizeof opts);
     *shape_hash = XXH3_64bits_digest(&hs);
     qsort(kr, t->n, sizeof *kr, cmp_by_size);
@@ -408,6 +410,11 @@ void lk_tracker_free(lk_tracker *t) {
 }
 
 lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, lk_tracker **out) {
+    return lk_tracker_create_ex(group, weights, opts, 0, out);
+}
+
+lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, int full,
+                               lk_tracker **out) {
     if (!group || !out) return lk_error(LK_ERR_ARG, "lk_tracker_create: NULL group or output");
     *out = NULL;
     lk_status local = LK_OK;
@@ -415,13 +422,13 @@ lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracke
     uint64_t shape_hash = 0;
     if (!t) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory");
     else if (!weights || !opts) local = lk_error(LK_ERR_ARG, "lk_tracker_create: NULL weights or options");
-    else if (opts->bucket_mb <= 0 || (unsigned long)opts->bucket_mb > (SIZE_MAX >> 20))
-        local = lk_error(LK_ERR_ARG, "tracker: bucket_mb must be > 0 (got %ld)", opts->bucket_mb);
     else if (opts->threads < 0) local = lk_error(LK_ERR_ARG, "tracker: threads must be >= 0 (got %d)", opts->threads);
     if (!local) {
         t->comm = group;
         t->w = weights;
         t->o = *opts;
+        if (!t->o.bucket_bytes) t->o.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT;
+        t->full = full != 0;
         t->rank = lk_comm_rank(group);
         t->size = lk_comm_size(group);
         t->n = lk_weights_count(weights);
@@ -433,13 +440,13 @@ lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracke
     if (!local) local = plan_keys(t, &shape_hash);
     if (!local && t->size > 1) {
         size_t total = lk_weights_nbytes(weights);
-        size_t cap = (size_t)opts->bucket_mb << 20;
+        size_t cap = t->o.bucket_bytes;
         t->staging_bytes = cap < total ? cap : (total ? total : 1);
         t->staging = lk_malloc(t->staging_bytes);
         if (!t->staging)
             local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for the %zu-byte staging buffer", t->staging_bytes);
     }
-    if (!local && opts->full && !opts->no_lora_swap) /* the reference clones every owned key up front */
+    if (!local && full && !opts->no_lora_swap) /* the reference clones every owned key up front */
         for (size_t i = 0; !local && i < t->n; i++)
             if (t->k[i].owner == t->rank) local = backup_key(t, i);
     lk_status s = lk_comm_agree(group, local);
@@ -447,8 +454,8 @@ lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracke
     if (!s) s = agree_hash(group, shape_hash, &same);
     if (!s && !same)
         s = lk_error(LK_ERR_MISMATCH, "tracker: ranks hold different weights (names, dtypes, shapes) or options "
-                                      "(bucket_mb %ld, no_lora_swap %d, full %d, allow_nonfinite %d on rank %d)",
-                     opts->bucket_mb, opts->no_lora_swap, opts->full, opts->allow_nonfinite, t->rank);
+                                      "(bucket_bytes %zu, no_lora_swap %d, full %d, allow_nonfinite %d on rank %d)",
+                     t->o.bucket_bytes, opts->no_lora_swap, full != 0, opts->allow_nonfinite, t->rank);
     if (s) {
         lk_tracker_free(t);
         return s;

@@ -18,6 +18,7 @@
 
 #include "cli.h"
 #include "bench_util.h"
+#include "serve/tracker_internal.h"
 
 static const char *const SWAP_BENCH_USAGE =
     "usage: lorakit bench swap [--json] [--ranks K] [--size-mb N] [--dim D] [--rank R]\n"
@@ -211,11 +212,10 @@ static const char *const OPS[N_OPS] = {"apply", "strength", "swap", "reset"};
 static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int full, const char *pa, const char *pb,
                           result med[N_OPS], size_t *staging) {
     lk_tracker_opts to = LK_TRACKER_OPTS_DEFAULT;
-    to.bucket_mb = o->bucket_mb;
+    to.bucket_bytes = (size_t)o->bucket_mb << 20;
     to.threads = (int)o->threads;
-    to.full = full;
     lk_tracker *t;
-    lk_status s = lk_tracker_create(c, w, &to, &t);
+    lk_status s = lk_tracker_create_ex(c, w, &to, full, &t);
     if (s) return s;
     *staging = lk_tracker_staging_bytes(t);
     lk_fuse_input a1[] = {{pa, 1.0f, LK_FORMAT_AUTO}}, a05[] = {{pa, 0.5f, LK_FORMAT_AUTO}},
