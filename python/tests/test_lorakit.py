@@ -73,6 +73,13 @@ def test_fuse_file_matches_cli(model):
     for k in ("adapters", "tensors_total", "tensors_fused", "modules_unmatched", "base"):
         assert s[k] == cli_sum[k], k
     assert s["out"] == out
+    # a failing fuse writes nothing
+    bad = os.path.join(model["dir"], "bad_out.safetensors")
+    with pytest.raises(lorakit.LoraError) as e:
+        lorakit.fuse(model["base"], [(model["unmatched"], 1.0)], bad)
+    assert e.value.status == "LK_ERR_UNMATCHED" and not os.path.exists(bad)
+    with pytest.raises(lorakit.LoraError, match="same file"):
+        lorakit.fuse(model["base"], [(model["a1"], 1.0)], model["base"])
 
 
 def test_fuse_inplace_equals_cli_and_reference(model):

@@ -148,3 +148,16 @@ def test_sync_grads_disagreements_raise_on_all():
     if R == N - 1:
         t["w"][3] = 2.0
     assert lorakit.check_replicas(t, W) is False
+
+
+def test_sync_param_grads_torch():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (CI has none)")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(5, 3)  # same parameters on every rank
+    if R != 0:  # rank 0 skipped the layer: its grads stay None
+        lin.weight.grad = torch.full((3, 5), float(R))
+        lin.bias.grad = torch.full((3,), float(2 * R))
+    lorakit.sync_param_grads(lin.parameters(), W, bucket_mb=1)
+    # closed form: mean over ranks of R (rank 0 contributes zeros)
+    assert torch.equal(lin.weight.grad, torch.full((3, 5), sum(range(N)) / N))
+    assert torch.equal(lin.bias.grad, torch.full((3,), 2 * sum(range(N)) / N))
