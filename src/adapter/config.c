@@ -193,12 +193,12 @@ static void free_patterns(lk_pattern *p, size_t n) {
 }
 
 static void free_strs(char **s, size_t n) {
-    for (size_t i = 0; i < n; i++) lk_free(s[i]);
+    for (size_t i = 0; s && i < n; i++) lk_free(s[i]);
     lk_free(s);
 }
 
 static void free_codes(void **r, size_t n) {
-    for (size_t i = 0; i < n; i++) pcre2_code_free(r[i]);
+    for (size_t i = 0; r && i < n; i++) pcre2_code_free(r[i]);
     lk_free(r);
 }
 

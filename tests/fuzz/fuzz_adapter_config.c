@@ -7,8 +7,13 @@
  * lk_adapter_open reads it like a user's download. Accepted configs must
  * leave modules with consistent rank/alpha/scale (rank_pattern cannot make
  * a module's rank disagree with its tensors) and must resolve like any
- * adapter; refusals are clean errors. */
+ * adapter; refusals are clean errors. Inputs starting with "re:" go to the
+ * PCRE2 pattern path alone (fz_patterns). */
 #include "fuzz_adapter_model.h"
+#include "adapter/adapter_internal.h"
+#include "lorakit/alloc.h"
+
+#include <jansson.h>
 
 #define FZ_R 4
 #define FZ_H 16
@@ -43,7 +48,66 @@ static const char *fz_peft_dir(void) {
     return dir;
 }
 
+/* The PCRE2 path on its own: the input (as UTF-8 text) becomes every kind
+ * of pattern PEFT has (rank/alpha_pattern key, target_modules and
+ * exclude_modules strings, layers_pattern, modules_to_save), each compiled
+ * with its template and matched against module names, one of them long, so
+ * a catastrophic pattern runs into the match limits. Compiling and matching
+ * either works or is a clean error. */
+static void fz_patterns(const uint8_t *data, size_t size) {
+    char *tr_in = malloc(size + 1);
+    if (!tr_in) return;
+    memcpy(tr_in, data, size);
+    tr_in[size] = '\0';
+    char *tr = lk_py_regex_to_pcre2(tr_in);
+    if (tr) FZ_CHECK(strlen(tr) <= 2 * strlen(tr_in));
+    lk_free(tr);
+    free(tr_in);
+    json_t *key = json_stringn((const char *)data, size); /* NULL: not UTF-8 */
+    if (!key) return;
+    const char *k = json_string_value(key);
+    json_t *cfg = json_pack("{s:i, s:i, s:{s:i}, s:{s:f}, s:O, s:O, s:[i], s:O, s:[O]}", "r", 4, "lora_alpha", 8,
+                            "rank_pattern", k, 4, "alpha_pattern", k, 2.0, "target_modules", key, "exclude_modules",
+                            key, "layers_to_transform", 1, "layers_pattern", key, "modules_to_save", key);
+    char *txt = cfg ? json_dumps(cfg, JSON_COMPACT) : NULL;
+    json_decref(cfg);
+    json_decref(key);
+    if (!txt) return;
+    lk_peft_config c;
+    lk_status s = lk_peft_config_parse(txt, strlen(txt), "fuzz", &c);
+    free(txt);
+    if (s) {
+        fz_clean_error(s);
+        return;
+    }
+    static char long_name[400];
+    if (!long_name[0]) {
+        memset(long_name, 'a', sizeof long_name - 1);
+        memcpy(long_name, "blocks.0.attn.", 14);
+        long_name[sizeof long_name - 2] = 'b';
+    }
+    const char *names[] = {"blocks.0.attn.to_q", "blocks.12.mlp.fc1", "to_q", "", long_name};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        const lk_pattern *p;
+        int hit;
+        for (int w = 0; w < 2; w++) {
+            s = lk_peft_pattern_find(&c, w, names[i], &p);
+            if (s) fz_clean_error(s);
+            else FZ_CHECK(!p || p == (w ? c.alpha_pat : c.rank_pat));
+        }
+        if ((s = lk_peft_targets(&c, names[i], &hit))) fz_clean_error(s);
+        else FZ_CHECK(hit == 0 || hit == 1);
+        (void)lk_peft_saved_module(&c, names[i]);
+    }
+    lk_peft_config_free(&c);
+}
+
 static void fz_adapter_config(const uint8_t *data, size_t size) {
+    /* inputs starting with "re:" fuzz the pattern path alone */
+    if (size >= 3 && !memcmp(data, "re:", 3)) {
+        fz_patterns(data + 3, size - 3);
+        return;
+    }
     const char *dir = fz_peft_dir();
     fz_write_tmp("peft/adapter_config.json", data, size);
     lk_adapter *a = NULL;

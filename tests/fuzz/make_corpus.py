@@ -130,6 +130,17 @@ put("adapter_config", "peft_patterns.json", json.dumps(dict(
 put("adapter_config", "peft_float_alpha.json", json.dumps(dict(cfg, lora_alpha=4.5, r=4)))
 put("adapter_config", "minimal.json", '{"r": 4, "lora_alpha": 4}')
 put("adapter_config", "target_regex.json", json.dumps(dict(cfg, target_modules=".*attn\\.to_[qv]")))
+# PEFT 0.21 fields and Python-re patterns (PCRE2): \d, (?:...), {m,n}, {,n}, lookahead
+put("adapter_config", "peft021_python_re.json", json.dumps(dict(
+    cfg, peft_version="0.21.2", rank_pattern={"blocks\\.\\d\\.attn\\.to_q": 4},
+    alpha_pattern={"(?=blocks\\.1)blocks\\.\\d{1,2}\\.attn\\.to_v{,1}": 2},
+    target_modules="blocks\\.[0-9]{1,2}\\.attn\\.(?:to_q|to_v)", exclude_modules=["ff"],
+    modules_to_save=["norm"], bias="lora_only", lora_bias=False, use_dora=False), indent=2))
+put("adapter_config", "peft014_layers.json", json.dumps(dict(
+    cfg, peft_version="0.14.0", layers_to_transform=[0, 1], layers_pattern="blocks",
+    rank_pattern={"to_q|to_v": 4})))
+put("adapter_config", "re_backtrack.txt", "re:(a+)+$")
+put("adapter_config", "re_python.txt", "re:blocks\\.\\d{,2}\\.(?:attn|mlp)\\.to_[qv]\\Z")
 
 # ---- YAML LoRA config (models.<role>.lora) --------------------------------
 put("yaml", "basic.yaml", """models:
