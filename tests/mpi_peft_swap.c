@@ -36,7 +36,7 @@ static void test_peft_plan(void **state) {
         char clean[LK_DIGEST_HEX];
         assert_int_equal(lk_weights_digest(w, clean), LK_OK);
         lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
-        o.bucket_mb = 1;
+        o.bucket_bytes = (size_t)1 << 20;
         lk_tracker *tr;
         if (lk_tracker_create(W, w, &o, &tr)) fail_msg("%s", lk_last_error());
         lk_fuse_input dora1 = {FX "/dora", 1.0f, LK_FORMAT_AUTO}, dora05 = {FX "/dora", 0.5f, LK_FORMAT_AUTO};
