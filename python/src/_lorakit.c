@@ -201,12 +201,15 @@ static int view_acquire(view *v, PyObject *name, PyObject *obj, const char *dtyp
         v->t.data = v->buf.buf;
         return 0;
     }
-    PyObject *cap = PyObject_CallMethod(obj, "__dlpack__", NULL);
+    /* a DLPack capsule itself (torch.utils.dlpack.to_dlpack) is consumed as
+     * the protocol says; anything else is asked for one */
+    PyObject *cap = PyCapsule_IsValid(obj, "dltensor") ? (Py_INCREF(obj), obj)
+                                                       : PyObject_CallMethod(obj, "__dlpack__", NULL);
     if (!cap) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
             PyErr_Clear();
             PyErr_Format(PyExc_TypeError, "%s: %.200s is neither an array (buffer protocol) nor a tensor with "
-                         "__dlpack__", v->t.name, Py_TYPE(obj)->tp_name);
+                         "__dlpack__ (or an unused DLPack capsule)", v->t.name, Py_TYPE(obj)->tp_name);
         } else { /* e.g. a tensor that requires grad */
             PyObject *et, *ev, *tb;
             PyErr_Fetch(&et, &ev, &tb);

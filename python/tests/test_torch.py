@@ -81,6 +81,15 @@ def test_torch_errors_name_the_key(model):
     assert lorakit.fuse_({"tr": torch.zeros(1, 6).t()}, [])["tensors_total"] == 1  # size-1 dims: contiguous
 
 
+def test_dlpack_capsules_are_consumed(model):
+    t = load_torch(model["base"])
+    want = lorakit.digest_tensors(t)
+    caps = {k: torch.utils.dlpack.to_dlpack(v) for k, v in t.items()}
+    assert lorakit.digest_tensors(caps) == want
+    with pytest.raises(TypeError, match="neither an array"):  # a used capsule is not taken twice
+        lorakit.digest_tensors(caps)
+
+
 def test_fp8_tensors_are_borrowed(tmp_path):
     x = torch.randn(4, 8).to(torch.float8_e4m3fn)
     y = torch.randn(3).to(torch.float8_e5m2)
