@@ -37,6 +37,9 @@ def _item(name, value):
         raw = _NUMPY_RAW.get(value.dtype.name)
         if raw is not None:
             return (name, value.view(raw[1]), raw[0])
+        if value.dtype.kind not in "fiub" or value.dtype.itemsize > 8 or value.dtype.name == "longdouble":
+            raise TypeError(f"{name}: dtype {value.dtype} is not one lorakit reads (float32, float16, bfloat16, "
+                            "float8_e4m3fn, float8_e5m2, float64, integers, bool)")
     return (name, value, None)
 
 
