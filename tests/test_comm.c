@@ -3,6 +3,7 @@
  * identity (allgather copies its one block), and agreement reports rank 0. */
 #include "testutil.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 static void test_self_collectives(void **state) {
@@ -92,8 +93,34 @@ static void test_self_alloc_failure(void **state) {
     lk_comm_free(c);
 }
 
+/* lk_comm_world, the one start-up path of the CLI: a process no MPI launcher
+ * started gets the self communicator (no MPI singleton start), whether or
+ * not lorakit was built with MPI. Oracle: the launcher contract written in
+ * comm.h. */
+static void test_world_without_launcher(void **state) {
+    (void)state;
+    static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS",
+                                       "PMIX_RANK", "PMI_RANK", NULL};
+    for (int i = 0; vars[i]; i++) unsetenv(vars[i]);
+    lk_comm *c = NULL;
+    assert_int_equal(lk_comm_world(NULL, NULL, &c), LK_OK);
+    assert_string_equal(lk_comm_backend(c), "self");
+    assert_int_equal(lk_comm_size(c), 1);
+    lk_comm_free(c);
+#ifndef LK_HAVE_MPI
+    /* built without MPI but started as one of 3 ranks: refused, not 3 lone copies */
+    setenv("OMPI_COMM_WORLD_SIZE", "3", 1);
+    c = (lk_comm *)1;
+    assert_int_equal(lk_comm_world(NULL, NULL, &c), LK_ERR_UNSUPPORTED);
+    assert_null(c);
+    tu_assert_contains(lk_last_error(), "one of 3 MPI ranks");
+    unsetenv("OMPI_COMM_WORLD_SIZE");
+#endif
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_world_without_launcher),
         cmocka_unit_test(test_self_collectives),
         cmocka_unit_test(test_self_agree),
         cmocka_unit_test(test_self_mesh),

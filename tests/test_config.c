@@ -1,4 +1,4 @@
-/* test_config.c — the `models.<role>.lora` rules (src/train/config.c).
+/* test_config.c — the `models.<role>.lora` rules (src/lora/config.c).
  *
  * One test per rule of fastvideo's LoraConfig (shared/reference/
  * fastvideo_train_lora_utils.py.txt): the expectations are the reference's

@@ -68,7 +68,9 @@ has peft "$TMP/rev/adapter_config.json" '"r": 2'
 # an output file that cannot be written fails the run and says why
 rm -f "$TMP/rev/train.json" && mkdir "$TMP/rev/train.json"
 PATH=/nonexistent "$BIN" train --quiet "$TMP/rev.yaml" >"$TMP/o" 2>"$TMP/e"; check unwritable 1 $?
-has unwritable "$TMP/e" "^lorakit: .*rev/train.json: cannot write: Is a directory"
+has unwritable "$TMP/e" "^lorakit: .*rev/train.json: cannot rename .* into place: Is a directory"
+# written through a temporary file and a rename: nothing half-written is left
+[ -z "$(ls "$TMP/rev" | grep '\.tmp\.')" ] || { echo "FAIL temporary files left in rev/"; fail=1; }
 rmdir "$TMP/rev/train.json"
 
 if command -v mpirun >/dev/null; then

@@ -21,12 +21,12 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
 #include "demo.h"
-#include "mpi_boot.h"
+#include "core/clock.h"
+#include "io/out_file.h"
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -52,12 +52,6 @@ static void usage(FILE *f) {
             "  --quick     a smaller, faster run (used by the test suite); thresholds relaxed\n"
             "              to 80%% / 25%%\n"
             "Exit status 0 when every check passes.\n");
-}
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 static int have_mpirun(void) { return system("command -v mpirun >/dev/null 2>&1") == 0; }
@@ -103,10 +97,7 @@ static int run_lorakit(const char *exe, int ranks, const char *const *args) {
 }
 
 static int write_text(const char *path, const char *text) {
-    FILE *f = fopen(path, "w");
-    if (!f) return -1;
-    int ok = fputs(text, f) >= 0;
-    return (fclose(f) == 0 && ok) ? 0 : -1;
+    return lk_out_file_write(path, text, strlen(text)) == LK_OK ? 0 : -1;
 }
 
 static char *read_text(const char *path) {
@@ -221,7 +212,7 @@ int lk_cmd_demo(int argc, char **argv) {
     }
     if (swap_stage) return lk_demo_swap_stage(&o);
 
-    double t0 = now_s();
+    double t0 = lk_now_s();
     char exe[PATH_MAX];
     const char *env_bin = getenv("LORAKIT_DEMO_BIN");
     if (env_bin && *env_bin) {
@@ -241,7 +232,11 @@ int lk_cmd_demo(int argc, char **argv) {
     setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
     setenv("OPENBLAS_NUM_THREADS", "1", 1);
     setenv("OMPI_MCA_mpi_yield_when_idle", "1", 0); /* ranks may share cores */
-    if (o.ranks > 1 && !lk_demo_have_mpi()) {
+    int built_with_mpi = 0;
+#ifdef LK_HAVE_MPI
+    built_with_mpi = 1;
+#endif
+    if (o.ranks > 1 && !built_with_mpi) {
         printf("note: this lorakit was built without MPI: running with 1 rank instead of %d\n",
                o.ranks);
         o.ranks = 1;
@@ -250,6 +245,7 @@ int lk_cmd_demo(int argc, char **argv) {
                "running with 1 rank instead of %d\n", o.ranks);
         o.ranks = 1;
     }
+
     /* the global batch must split evenly over the ranks */
     z.batch = (z.batch + o.ranks - 1) / o.ranks * o.ranks;
     printf("lorakit demo: output in %s, %d rank%s%s\n", o.out, o.ranks, o.ranks == 1 ? "" : "s",
@@ -283,7 +279,7 @@ int lk_cmd_demo(int argc, char **argv) {
             return LK_EXIT_FAIL;
         }
     }
-    double t1 = now_s();
+    double t1 = lk_now_s();
 
     /* 2. adapters */
     const int steps[2] = {z.steps_a, z.steps_b};
@@ -304,13 +300,13 @@ int lk_cmd_demo(int argc, char **argv) {
             return LK_EXIT_FAIL;
         }
     }
-    double t2 = now_s();
+    double t2 = lk_now_s();
 
     /* 3 + 4. hot-swap group */
     const char *args[] = {"demo", "--swap-stage", "--out", o.out, o.quick ? "--quick" : NULL,
                           NULL};
     rc = run_lorakit(exe, o.ranks, args);
-    double t3 = now_s();
+    double t3 = lk_now_s();
     printf("\ntime: base %.1fs%s, adapters %.1fs, hot-swap group %.1fs; total %.1fs\n", t1 - t0,
            reuse ? " (reused)" : "", t2 - t1, t3 - t2, t3 - t0);
     printf("files in %s: base/ (model), %s/ and %s/ (PEFT adapters), each with loss.csv, "

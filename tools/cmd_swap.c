@@ -157,7 +157,6 @@ int lk_cmd_swap(int argc, char **argv) {
     lk_comm *c = NULL;
     if (lk_comm_world(NULL, NULL, &c)) return lk_cli_fail();
     int rank0 = lk_comm_rank(c) == 0, rc = LK_EXIT_FAIL;
-    lk_log_set_rank(lk_comm_rank(c), lk_comm_size(c));
     swap_args a;
     lk_plan *plan = NULL;
     lk_weights *w = NULL;

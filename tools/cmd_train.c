@@ -1,15 +1,16 @@
 /* cmd_train.c — `lorakit train CONFIG.yaml`: trains the small transformer
  * (LoRA adapter or full model) on a generated task, in one process or
- * data-parallel under mpirun. The work is lk_train_run (src/model/train.c);
+ * data-parallel under mpirun. The work is lk_train_run (src/app/train.c);
  * this file adds the user-facing parts on rank 0: progress lines, loss.csv,
- * the loss-curve PNG and a summary. */
-#include <errno.h>
+ * the loss-curve PNG and a summary. The files are written like every output
+ * of lorakit (io/out_file.h): whole, through a temporary file and a rename. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
-#include "mpi_boot.h"
+#include "io/out_file.h"
+#include "loss_plot.h"
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -53,45 +54,71 @@ static int on_step(void *ctx, const lk_train_progress *p) {
     return 0;
 }
 
-/* Reports an output file that could not be written, with the reason. */
-static int write_failed(const char *path) {
-    fprintf(stderr, "lorakit: %s: cannot write: %s\n", path, strerror(errno));
-    return 1;
+/* Writes the text printed by fn(f, ctx) to path, whole or not at all.
+ * Returns 0, or reports why on stderr and returns LK_EXIT_FAIL. */
+static int write_output(const char *path, void (*fn)(FILE *f, const void *ctx), const void *ctx) {
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) {
+        fprintf(stderr, "lorakit: %s: cannot write: out of memory\n", path);
+        return LK_EXIT_FAIL;
+    }
+    fn(f, ctx);
+    int bad = ferror(f);
+    bad |= fclose(f) != 0;
+    lk_status s = bad ? lk_error(LK_ERR_NOMEM, "%s: out of memory", path) : lk_out_file_write(path, text, len);
+    free(text);
+    return s ? lk_cli_fail() : 0;
 }
 
-static int write_outputs(const lk_train_config *cfg, const lk_train_result *r, const float *loss,
-                         int ranks, int quiet) {
-    char path[LK_TRAIN_PATH_MAX + 32], png[LK_TRAIN_PATH_MAX + 32];
-    snprintf(path, sizeof path, "%s/loss.csv", cfg->output);
-    if (!loss) {
-        /* only the curve is lost: train.json and the summary still follow */
-        fprintf(stderr, "lorakit: warning: no memory to record %ld losses: no loss.csv\n",
-                r->steps);
-    } else {
-        FILE *f = fopen(path, "w");
-        if (!f) return write_failed(path);
-        fprintf(f, "step,loss\n");
-        for (long i = 0; i < r->steps; i++) fprintf(f, "%ld,%.6f\n", i + 1, loss[i]);
-        if (fclose(f)) return write_failed(path);
-        snprintf(png, sizeof png, "%s/loss.png", cfg->output);
-        char title[160], why[256];
-        snprintf(title, sizeof title, "lorakit train: %s, %s", lk_task_name(cfg->task),
-                 r->lora_layers ? "LoRA adapter" : "full model");
-        if (lk_demo_plot_loss(path, png, title, why, sizeof why))
-            fprintf(stderr, "lorakit: warning: no loss curve: %s\n", why);
-    }
-    snprintf(path, sizeof path, "%s/train.json", cfg->output);
-    FILE *f = fopen(path, "w");
-    if (!f) return write_failed(path);
+typedef struct {
+    const lk_train_config *cfg;
+    const lk_train_result *r;
+    const float *loss;
+    int ranks;
+} train_out;
+
+static void print_csv(FILE *f, const void *ctx) {
+    const train_out *o = ctx;
+    fprintf(f, "step,loss\n");
+    for (long i = 0; i < o->r->steps; i++) fprintf(f, "%ld,%.6f\n", i + 1, o->loss[i]);
+}
+
+static void print_json(FILE *f, const void *ctx) {
+    const train_out *o = ctx;
+    const lk_train_config *cfg = o->cfg;
+    const lk_train_result *r = o->r;
     fprintf(f,
             "{\"task\": \"%s\", \"lora\": %s, \"lora_layers\": %zu, \"trainable\": %zu, "
             "\"ranks\": %d, \"steps\": %ld, \"global_batch\": %d, \"first_loss\": %.6f, "
             "\"final_loss\": %.6f, \"accuracy\": %.6f, \"eval_examples\": %d, "
             "\"seconds\": %.3f, \"replicas_agree\": %s}\n",
             lk_task_name(cfg->task), r->lora_layers ? "true" : "false", r->lora_layers,
-            r->trainable, ranks, r->steps, cfg->global_batch, r->first_loss, r->final_loss,
+            r->trainable, o->ranks, r->steps, cfg->global_batch, r->first_loss, r->final_loss,
             r->accuracy, cfg->eval_examples, r->seconds, r->replicas_agree ? "true" : "false");
-    if (fclose(f)) return write_failed(path);
+}
+
+static int write_outputs(const lk_train_config *cfg, const lk_train_result *r, const float *loss,
+                         int ranks, int quiet) {
+    char path[LK_TRAIN_PATH_MAX + 32], png[LK_TRAIN_PATH_MAX + 32];
+    train_out o = {cfg, r, loss, ranks};
+    snprintf(path, sizeof path, "%s/loss.csv", cfg->output);
+    if (!loss) {
+        /* only the curve is lost: train.json and the summary still follow */
+        fprintf(stderr, "lorakit: warning: no memory to record %ld losses: no loss.csv\n",
+                r->steps);
+    } else {
+        if (write_output(path, print_csv, &o)) return LK_EXIT_FAIL;
+        snprintf(png, sizeof png, "%s/loss.png", cfg->output);
+        char title[160], why[256];
+        snprintf(title, sizeof title, "lorakit train: %s, %s", lk_task_name(cfg->task),
+                 r->lora_layers ? "LoRA adapter" : "full model");
+        if (lk_plot_loss(path, png, title, why, sizeof why))
+            fprintf(stderr, "lorakit: warning: no loss curve: %s\n", why);
+    }
+    snprintf(path, sizeof path, "%s/train.json", cfg->output);
+    if (write_output(path, print_json, &o)) return LK_EXIT_FAIL;
     if (!quiet) {
         printf("trained %s on %s: %ld steps on %d rank%s in %.1fs, loss %.4f -> %.4f",
                r->lora_layers ? "a LoRA adapter" : "the full model", lk_task_name(cfg->task),
@@ -128,14 +155,14 @@ int lk_cmd_train(int argc, char **argv) {
     if (!cfgpath) return lk_cli_usage("train", "missing CONFIG.yaml");
 
     lk_comm *world = NULL;
-    if (lk_demo_world_init(&argc, &argv, &world)) return lk_cli_fail();
+    if (lk_comm_world(&argc, &argv, &world)) return lk_cli_fail();
     int rank = lk_comm_rank(world), K = lk_comm_size(world);
     lk_train_config cfg;
     lk_train_result res;
     int rc = LK_EXIT_OK;
     if (lk_train_config_load(cfgpath, role, &cfg)) {
         rc = rank == 0 ? lk_cli_fail() : LK_EXIT_FAIL; /* the same on every rank */
-        lk_demo_world_finish(world);
+        lk_comm_free(world);
         return rc;
     }
     train_cli c = {rank, quiet, cfg.log_every, NULL, cfg.steps};
@@ -161,6 +188,6 @@ int lk_cmd_train(int argc, char **argv) {
     }
     free(c.loss);
     lk_train_config_clear(&cfg);
-    lk_demo_world_finish(world);
+    lk_comm_free(world);
     return rc;
 }

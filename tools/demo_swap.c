@@ -18,7 +18,7 @@
 
 #include "cli.h"
 #include "demo.h"
-#include "mpi_boot.h"
+#include "io/out_file.h"
 
 #define N_EVAL_TASKS 3
 #define MAX_STEPS 5
@@ -99,7 +99,7 @@ static lk_status offline_fuse_digest(const char *base, const char *adapter, floa
 
 int lk_demo_swap_stage(const lk_demo_opts *o) {
     lk_comm *w = NULL;
-    if (lk_demo_world_init(NULL, NULL, &w)) return lk_cli_fail();
+    if (lk_comm_world(NULL, NULL, &w)) return lk_cli_fail();
     int rank = lk_comm_rank(w), K = lk_comm_size(w);
     char base[LK_DEMO_PATH + 64], adapter[2][LK_DEMO_PATH + 64];
     snprintf(base, sizeof base, "%s/base/model.safetensors", o->out);
@@ -260,7 +260,9 @@ done:
         fflush(stdout);
         char path[LK_DEMO_PATH + 32];
         snprintf(path, sizeof path, "%s/demo_results.txt", o->out);
-        FILE *f = fopen(path, "w");
+        char *text = NULL;
+        size_t len = 0;
+        FILE *f = open_memstream(&text, &len);
         if (f) {
             fprintf(f, "ranks=%d\ntask_a=%s\ntask_b=%s\n", K, lk_task_name(o->tasks[0]),
                     lk_task_name(o->tasks[1]));
@@ -272,7 +274,9 @@ done:
             fprintf(f, "offline_fuse_same=%d\nhalf_a_digest=%s\noffline_digest=%s\n",
                     offline_same, res[3].digest, off_digest);
             for (int i = 0; i < MAX_STEPS; i++) fprintf(f, "swap_ms_%d=%.3f\n", i + 1, res[i].ms);
-            fclose(f);
+            if (fclose(f) == 0 && lk_out_file_write(path, text, len))
+                fprintf(stderr, "lorakit: warning: %s\n", lk_last_error());
+            free(text);
         }
         if (!(ok0 && ok1 && okb && reset_exact && all_agree && offline_same)) rc = LK_EXIT_FAIL;
     }
@@ -280,6 +284,6 @@ done:
     lk_weights_free(wts);
     free(views);
     lk_model_free(m);
-    lk_demo_world_finish(w);
+    lk_comm_free(w);
     return rc;
 }

@@ -21,11 +21,17 @@ typedef enum lk_reduce_op { LK_REDUCE_SUM, LK_REDUCE_MIN, LK_REDUCE_MAX } lk_red
 
 /* A one-process communicator (rank 0 of 1). */
 lk_status lk_comm_self(lk_comm **out);
-/* For command-line programs: every process launched together (mpirun), or
- * just this one. Built with MPI, it initializes MPI when the host has not
- * (lk_comm_free of this communicator then finalizes it) and wraps
- * MPI_COMM_WORLD; built without, it is lk_comm_self. argc/argv may be NULL.
- * Libraries embedded in a host that owns MPI use lk_comm_from_mpi. */
+/* The one start-up path for programs (the lorakit CLI, benches, examples):
+ * every process launched together, or just this one. Built with MPI:
+ *   - MPI already initialized by the host: wraps MPI_COMM_WORLD;
+ *   - started by an MPI launcher (mpirun, PMI/PMIx): initializes MPI and
+ *     wraps MPI_COMM_WORLD (lk_comm_free of this communicator finalizes it);
+ *   - otherwise: lk_comm_self, so a plain command never pays for an MPI
+ *     singleton start.
+ * Built without MPI: lk_comm_self, and LK_ERR_UNSUPPORTED when a launcher
+ * started this process as one of several ranks. With more than one rank the
+ * logger prefixes lines with the rank (lk_log_set_rank). argc/argv may be
+ * NULL. A host that owns MPI's lifetime may use lk_comm_from_mpi instead. */
 lk_status lk_comm_world(int *argc, char ***argv, lk_comm **out);
 void lk_comm_free(lk_comm *c);
 

@@ -189,7 +189,7 @@ lk_status lk_lora_layer_forward(lk_lora_layer *l, float *y, const float *x, int 
 lk_status lk_lora_layer_backward(lk_lora_layer *l, float *dx, const float *dy,
                                  const float *x, int n);
 /* The LoRA term alone, for hosts that compute x W^T + b themselves (e.g. a
- * linear hook, as src/model does): y += c (x A^T) B^T (y is n x out,
+ * linear hook, as src/app does): y += c (x A^T) B^T (y is n x out,
  * accumulated); nothing when the layer is not wrapped. */
 lk_status lk_lora_layer_delta_forward(lk_lora_layer *l, float *y, const float *x, int n);
 /* Its backward: dA, dB accumulate as above; dx += c (dy B) A when dx is not

@@ -1,4 +1,4 @@
-/* kernels.h — the layer kernels of the small transformer (src/model/model.c).
+/* kernels.h — the layer kernels of the small transformer (src/app/model.c).
  *
  * Paired forward/backward functions in the llm.c style: outputs first, then
  * inputs, then sizes; shapes in the comment of each; backward functions

@@ -27,7 +27,7 @@
  * LoRA (or any other additive delta) attaches to a linear through a hook: the
  * forward adds the hook's output to y = x W^T + b, the backward lets the hook
  * accumulate its own gradients and its share of dL/dx. The model knows nothing
- * of LoRA itself; src/model/model_lora.c connects it to the training API. */
+ * of LoRA itself; src/app/model_lora.c connects it to the training API. */
 #ifndef LORAKIT_MODEL_H
 #define LORAKIT_MODEL_H
 
@@ -150,7 +150,7 @@ void lk_model_linear_info(lk_model *m, size_t i, int *in_f, int *out_f,
 void lk_model_set_linear_hook(lk_model *m, size_t i,
                               const lk_model_linear_hook *hook, void *ctx);
 
-/* ---- LoRA through the training API (src/model/model_lora.c) ----
+/* ---- LoRA through the training API (src/app/model_lora.c) ----
  * Registers every linear and every other parameter of m with a new
  * lk_lora_model (weights borrowed from m), calls lk_lora_enable with cfg
  * (targets, rank, alpha; seeded init identical on every rank), attaches a
@@ -165,7 +165,7 @@ lk_lora_model *lk_model_lora_get(lk_model_lora *ml);
 /* Removes the hooks, unfreezes the base and frees the LoRA state. */
 void lk_model_lora_detach(lk_model *m, lk_model_lora *ml);
 
-/* ---- a training run (src/model/train.c): what `lorakit train` does ---- */
+/* ---- a training run (src/app/train.c): what `lorakit train` does ---- */
 
 #define LK_TRAIN_PATH_MAX 1024
 

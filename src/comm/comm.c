@@ -9,6 +9,7 @@
  * checked here once, so backends only move bytes. */
 #include "comm/comm_impl.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 #include "lorakit/alloc.h"
@@ -160,9 +161,27 @@ lk_status lk_comm_self(lk_comm **out) {
     return lk_comm_new(&g_self_ops, 0, 1, NULL, out);
 }
 
+int lk_comm_launcher_size(void) {
+    /* Open MPI's mpirun, then PMI-1/PMI-2 (MPICH, Slurm) and PMIx launchers */
+    static const char *const vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS", NULL};
+    for (int i = 0; vars[i]; i++) {
+        const char *v = getenv(vars[i]);
+        if (v && atoi(v) > 0) return atoi(v);
+    }
+    /* launchers that export a rank but not the size */
+    return getenv("PMIX_RANK") || getenv("PMI_RANK") ? 1 : 0;
+}
+
 #ifndef LK_HAVE_MPI
 lk_status lk_comm_world(int *argc, char ***argv, lk_comm **out) {
-    (void)argc; (void)argv;
+    (void)argc;
+    (void)argv;
+    if (!out) return lk_error(LK_ERR_ARG, "comm world: NULL output");
+    *out = NULL;
+    int n = lk_comm_launcher_size();
+    if (n > 1)
+        return lk_error(LK_ERR_UNSUPPORTED, "started as one of %d MPI ranks, but this lorakit was built "
+                        "without MPI (install Open MPI and rebuild)", n);
     return lk_comm_self(out);
 }
 #endif

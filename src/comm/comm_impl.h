@@ -1,11 +1,11 @@
-/* comm_impl.h — the backend vtable behind lk_comm (private to src/dist).
+/* comm_impl.h — the backend vtable behind lk_comm (private to src/comm).
  *
  * A backend fills an lk_comm_ops table and allocates its lk_comm with
  * lk_comm_new; the public functions in comm.c check arguments once and
  * dispatch, so each backend only moves bytes. Counts reaching a backend are
  * already validated; backends split them as their transport requires. */
-#ifndef LK_DIST_COMM_IMPL_H
-#define LK_DIST_COMM_IMPL_H
+#ifndef LK_COMM_COMM_IMPL_H
+#define LK_COMM_COMM_IMPL_H
 
 #include "lorakit/comm.h"
 
@@ -27,6 +27,10 @@ struct lk_comm {
     int size;
     void *impl; /* backend state */
 };
+
+/* The rank count an MPI launcher (mpirun, PMI/PMIx) announced in the
+ * environment, 0 when none started this process. */
+int lk_comm_launcher_size(void);
 
 /* Allocates a communicator of the given backend (LK_ERR_NOMEM on failure). */
 lk_status lk_comm_new(const lk_comm_ops *ops, int rank, int size, void *impl, lk_comm **out);

@@ -16,6 +16,7 @@
 
 #include "comm/comm_impl.h"
 #include "lorakit/alloc.h"
+#include "lorakit/log.h"
 
 typedef struct mpi_impl {
     MPI_Comm comm;
@@ -178,6 +179,7 @@ lk_status lk_comm_world(int *argc, char ***argv, lk_comm **out) {
     MPI_Initialized(&init);
     MPI_Finalized(&fin);
     if (fin) return lk_error(LK_ERR_STATE, "comm world: MPI is already finalized");
+    if (!init && !lk_comm_launcher_size()) return lk_comm_self(out); /* no launcher: no MPI singleton */
     if (!init && MPI_Init(argc, argv) != MPI_SUCCESS)
         return lk_error(LK_ERR_COMM, "comm world: MPI_Init failed");
     lk_status s = lk_comm_from_mpi(MPI_COMM_WORLD, out);
@@ -186,5 +188,6 @@ lk_status lk_comm_world(int *argc, char ***argv, lk_comm **out) {
         return s;
     }
     ((mpi_impl *)(*out)->impl)->finalize = !init;
+    lk_log_set_rank(lk_comm_rank(*out), lk_comm_size(*out));
     return LK_OK;
 }

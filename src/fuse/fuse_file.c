@@ -20,6 +20,7 @@
  * companion in another shard can be written in any order), inside a fresh
  * temporary folder next to OUT_DIR that is renamed onto it only when every
  * shard, the new index and the copied small files are complete. */
+#include "core/clock.h"
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
@@ -33,16 +34,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #define FUSED_KEY "lorakit.fused"
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* Untouched tensors are copied through the tensor buffer in chunks of at
  * most this many bytes (the buffer grows to it only when no fused tensor is
@@ -244,7 +239,7 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     static const lk_fuse_file_opts defaults;
     if (!opts) opts = &defaults;
     if (!base || !out || (n && !inputs)) return lk_error(LK_ERR_ARG, "lk_fuse_file: NULL argument");
-    double t0 = now_s();
+    double t0 = lk_now_s();
     lk_status s;
     if ((s = refuse_same(out, base, "base"))) return s;
     fctx c;
@@ -358,7 +353,7 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
             goto fail;
         c.od = NULL;
     }
-    st.seconds = now_s() - t0;
+    st.seconds = lk_now_s() - t0;
     if (stats) *stats = st;
     fctx_free(&c);
     return LK_OK;
@@ -372,7 +367,7 @@ lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *in
     static const lk_fuse_file_opts defaults;
     if (!opts) opts = &defaults;
     if ((nt && !tensors) || (n && !inputs)) return lk_error(LK_ERR_ARG, "lk_fuse_tensors: NULL argument");
-    double t0 = now_s();
+    double t0 = lk_now_s();
     const char *label = "tensors";
     fctx c;
     memset(&c, 0, sizeof c);
@@ -421,7 +416,7 @@ lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *in
     }
 fail:
     if (!s && stats) {
-        st.seconds = now_s() - t0;
+        st.seconds = lk_now_s() - t0;
         *stats = st;
     }
     fctx_free(&c);

@@ -26,6 +26,7 @@
  * that every byte was written, fsyncs, renames into place and fsyncs the
  * directory; any failure (or free without commit) unlinks the temporary. */
 #include "lorakit/safetensors.h"
+#include "io/out_file.h"
 #include "lorakit/alloc.h"
 
 #include <errno.h>
@@ -522,8 +523,7 @@ typedef struct {
 
 struct lk_st_writer {
     char *path;
-    char *tmp;
-    int fd;
+    lk_out_file of; /* the temporary file (io/out_file.h) */
     int begun, failed;
     st_wt *t;
     size_t n, cap;
@@ -539,18 +539,14 @@ lk_status lk_st_writer_create(const char *path, lk_st_writer **out) {
         lk_free(w);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
     }
-    w->fd = -1;
+    w->of = (lk_out_file)LK_OUT_FILE_INIT;
     *out = w;
     return LK_OK;
 }
 
 void lk_st_writer_free(lk_st_writer *w) {
     if (!w) return;
-    if (w->fd >= 0) close(w->fd);
-    if (w->tmp) {
-        unlink(w->tmp);
-        lk_free(w->tmp);
-    }
+    lk_out_file_abort(&w->of);
     for (size_t i = 0; i < w->n; i++) {
         lk_free(w->t[i].name);
         lk_free(w->t[i].spans);
@@ -662,11 +658,11 @@ static lk_status write_all(lk_st_writer *w, const void *buf, size_t n, uint64_t 
     const char *p = buf;
     while (n > 0) {
         size_t chunk = n > ((size_t)1 << 30) ? ((size_t)1 << 30) : n;
-        ssize_t k = pwrite(w->fd, p, chunk, (off_t)off);
+        ssize_t k = pwrite(w->of.fd, p, chunk, (off_t)off);
         if (k < 0) {
             if (errno == EINTR) continue;
             w->failed = 1;
-            return lk_error(LK_ERR_IO, "%s: write failed: %s", w->tmp, strerror(errno));
+            return lk_error(LK_ERR_IO, "%s: write failed: %s", w->of.tmp, strerror(errno));
         }
         p += k;
         off += (uint64_t)k;
@@ -721,23 +717,6 @@ static lk_status build_header(lk_st_writer *w, st_wt **order, char **out) {
     return LK_OK;
 }
 
-static lk_status open_tmp(lk_st_writer *w) {
-    size_t l = strlen(w->path) + 64;
-    w->tmp = lk_malloc(l);
-    if (!w->tmp) return lk_error(LK_ERR_NOMEM, "%s: out of memory", w->path);
-    static unsigned counter; /* uniqueness only; races are resolved by O_EXCL */
-    for (int tries = 0; tries < 100; tries++) {
-        snprintf(w->tmp, l, "%s.tmp.%ld.%u", w->path, (long)getpid(), counter++ + (unsigned)tries * 7919u);
-        w->fd = open(w->tmp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-        if (w->fd >= 0) return LK_OK;
-        if (errno != EEXIST) break;
-    }
-    lk_status s = lk_error(LK_ERR_IO, "%s: cannot create temporary file %s: %s", w->path, w->tmp, strerror(errno));
-    lk_free(w->tmp);
-    w->tmp = NULL;
-    return s;
-}
-
 lk_status lk_st_writer_begin(lk_st_writer *w) {
     lk_status s = w_state(w, 0, "begin");
     if (s) return s;
@@ -767,7 +746,7 @@ lk_status lk_st_writer_begin(lk_st_writer *w) {
         return lk_error(LK_ERR_ARG, "%s: header of %llu bytes exceeds the %llu-byte limit", w->path,
                         (unsigned long long)n, (unsigned long long)LK_ST_MAX_HEADER);
     }
-    if ((s = open_tmp(w)) != LK_OK) {
+    if ((s = lk_out_file_begin(&w->of, w->path)) != LK_OK) {
         free(hdr);
         return s;
     }
@@ -783,9 +762,9 @@ lk_status lk_st_writer_begin(lk_st_writer *w) {
     s = write_all(w, buf, 8 + n, 0);
     lk_free(buf);
     if (s) return s;
-    if (ftruncate(w->fd, (off_t)(8 + n + data_len)) != 0) {
+    if (ftruncate(w->of.fd, (off_t)(8 + n + data_len)) != 0) {
         w->failed = 1;
-        return lk_error(LK_ERR_IO, "%s: cannot size to %llu bytes: %s", w->tmp,
+        return lk_error(LK_ERR_IO, "%s: cannot size to %llu bytes: %s", w->of.tmp,
                         (unsigned long long)(8 + n + data_len), strerror(errno));
     }
     w->begun = 1;
@@ -850,35 +829,9 @@ lk_status lk_st_writer_commit(lk_st_writer *w) {
             return lk_error(LK_ERR_STATE, "%s: %s: data incomplete (%llu of %llu bytes written from the start)",
                             w->path, t->name, (unsigned long long)done, (unsigned long long)t->nbytes);
     }
-    if (fsync(w->fd) != 0) {
+    if ((s = lk_out_file_commit(&w->of, w->path)) != LK_OK) {
         w->failed = 1;
-        return lk_error(LK_ERR_IO, "%s: fsync failed: %s", w->tmp, strerror(errno));
-    }
-    int fd = w->fd;
-    w->fd = -1;
-    if (close(fd) != 0) {
-        w->failed = 1;
-        return lk_error(LK_ERR_IO, "%s: close failed: %s", w->tmp, strerror(errno));
-    }
-    if (rename(w->tmp, w->path) != 0) {
-        w->failed = 1;
-        return lk_error(LK_ERR_IO, "%s: cannot rename %s into place: %s", w->path, w->tmp, strerror(errno));
-    }
-    lk_free(w->tmp);
-    w->tmp = NULL;
-    /* Make the rename durable: fsync the directory (best effort). */
-    char *dir = lk_strdup(w->path);
-    if (dir) {
-        char *slash = strrchr(dir, '/');
-        const char *d = ".";
-        if (slash == dir) d = "/";
-        else if (slash) { *slash = '\0'; d = dir; }
-        int dfd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        if (dfd >= 0) {
-            (void)fsync(dfd);
-            close(dfd);
-        }
-        lk_free(dir);
+        return s;
     }
     w->begun = 0;
     w->failed = 1; /* committed: no further use */

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "core/file.h"
+#include "io/out_file.h"
 #include "lorakit/alloc.h"
 #include "lorakit/safetensors.h"
 #include "train_impl.h"
@@ -30,27 +31,20 @@ static char *peft_key(const char *module, const char *ab) {
     return s;
 }
 
+/* adapter_config.json, whole or not at all (io/out_file.h) */
 static lk_status write_json_atomic(const char *path, json_t *j) {
-    size_t n = strlen(path) + 16;
-    char *tmp = lk_malloc(n);
-    if (!tmp) return lk_error(LK_ERR_NOMEM, "out of memory");
-    snprintf(tmp, n, "%s.tmp%ld", path, (long)getpid());
-    lk_status s = LK_OK;
-    FILE *f = fopen(tmp, "wb");
-    if (!f) {
-        s = lk_error(LK_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-    } else {
-        int bad = json_dumpf(j, f, JSON_INDENT(2) | JSON_SORT_KEYS) != 0;
-        bad |= fputc('\n', f) == EOF;
-        bad |= fflush(f) != 0;
-        bad |= fsync(fileno(f)) != 0;
-        bad |= fclose(f) != 0;
-        if (bad) s = lk_error(LK_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));
-        else if (rename(tmp, path) != 0)
-            s = lk_error(LK_ERR_IO, "%s: cannot rename into place: %s", path, strerror(errno));
-        if (s != LK_OK) unlink(tmp);
+    char *text = json_dumps(j, JSON_INDENT(2) | JSON_SORT_KEYS);
+    if (!text) return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
+    size_t n = strlen(text);
+    char *full = lk_malloc(n + 2);
+    lk_status s = full ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
+    if (full) {
+        memcpy(full, text, n);
+        full[n] = '\n';
+        s = lk_out_file_write(path, full, n + 1);
     }
-    lk_free(tmp);
+    lk_free(full);
+    free(text);
     return s;
 }
 

@@ -1,9 +1,9 @@
-/* train_impl.h — internals shared by the src/train files (not installed).
+/* train_impl.h — internals shared by the src/lora files (not installed).
  * One GEMM entry point so every kernel goes through the same BLAS call (or
  * the plain-C fallback when OpenBLAS is absent), and the parameter-set
  * internals that the model, sync, optimizer and PEFT files all read. */
-#ifndef LK_TRAIN_IMPL_H
-#define LK_TRAIN_IMPL_H
+#ifndef LK_LORA_TRAIN_IMPL_H
+#define LK_LORA_TRAIN_IMPL_H
 
 #include <stddef.h>
 #include <stdint.h>

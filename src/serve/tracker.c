@@ -16,6 +16,7 @@
  *   the old adapters still open) before anything is broadcast.
  * - Keys are walked in byte-wise name order, never file order, so ranks
  *   that loaded differently ordered files still agree on every round. */
+#include "core/clock.h"
 #include "lorakit/tracker.h"
 #include "serve/tracker_internal.h"
 
@@ -23,7 +24,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
@@ -65,11 +65,6 @@ struct lk_tracker {
     int broken;         /* a rollback failed: every later call fails */
 };
 
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* Agreement on a value: LK_OK and *same = 1 iff every rank passed h. */
 static lk_status agree_hash(lk_comm *c, uint64_t h, int *same) {
@@ -471,7 +466,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
     lk_tracker_stats *st = stats ? stats : &st_local;
     memset(st, 0, sizeof *st);
     if (!t) return lk_error(LK_ERR_ARG, "lk_tracker_apply: NULL tracker");
-    double t0 = now(), t1;
+    double t0 = lk_now_s(), t1;
 
     /* 1. agree on the request */
     request req = {0};
@@ -486,7 +481,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         s = lk_error(LK_ERR_MISMATCH, "ranks disagree on the adapter request (rank %d asked for %s)", t->rank, desc);
     }
     st->backup_bytes = t->backup_bytes;
-    t1 = now();
+    t1 = lk_now_s();
     st->seconds_agree = t1 - t0;
     if (s) goto out;
 
@@ -532,7 +527,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         }
         lk_free(scratch);
     }
-    t1 = now();
+    t1 = lk_now_s();
     s = lk_comm_agree(t->comm, local);
     if (!s) {
         XXH3_state_t hs; /* in name order: file order may differ between ranks */
@@ -544,14 +539,14 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
                                           "different weights (do the adapter files differ between ranks?)");
     }
     st->seconds_load = t1 - t0 - st->seconds_agree;
-    st->seconds_agree += now() - t1;
+    st->seconds_agree += lk_now_s() - t1;
     if (s) {
         for (size_t j = 0; j < n_fresh; j++) drop_backup(t, fresh[j]);
         goto done;
     }
 
     /* 4. owners recompute the changed keys; roll back everywhere on failure */
-    t1 = now();
+    t1 = lk_now_s();
     size_t done_upto = 0;
     local = LK_OK;
     for (size_t c = 0; c < t->n && !local; c++) {
@@ -583,12 +578,12 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         s = lk_error(keep, "%s", msg);
         goto done;
     }
-    st->seconds_fuse = now() - t1;
+    st->seconds_fuse = lk_now_s() - t1;
 
     /* 5. broadcast the changed keys; commit */
-    t1 = now();
+    t1 = lk_now_s();
     s = broadcast(t, st);
-    st->seconds_broadcast = now() - t1;
+    st->seconds_broadcast = lk_now_s() - t1;
     if (s) {
         t->broken = 1;
         goto done;
@@ -603,7 +598,7 @@ done:
 out:
     request_clear(&req);
     st->backup_bytes = t->backup_bytes;
-    st->seconds = now() - t0;
+    st->seconds = lk_now_s() - t0;
     return s;
 }
 

@@ -150,9 +150,9 @@ static size_t llc_bytes(void) {
 static double rmw_gbps(uint64_t *buf, size_t bytes, int th, long repeat) {
     double best = 1e30;
     for (long r = 0; r <= repeat; r++) {
-        double t0 = lk_bench_now();
+        double t0 = lk_now_s();
         par_for(th, bytes / 8, rmw_range, buf);
-        double t = lk_bench_now() - t0;
+        double t = lk_now_s() - t0;
         if (r && t < best) best = t; /* run 0 warms up */
     }
     return 2.0 * (double)bytes / best / 1e9;
@@ -291,10 +291,10 @@ int lk_bench_fuse(int argc, char **argv) {
             /* naive first, so the lorakit line can report the speedup */
             double nbest = 1e30, ncpu = 0;
             for (long k = 0; k <= repeat; k++) {
-                double t0 = lk_bench_now(), c0 = lk_bench_cpu();
+                double t0 = lk_now_s(), c0 = lk_bench_cpu();
                 par_for(th, D, naive_delta, &nc);
                 par_for(th, D, naive_add, &nc);
-                double t = lk_bench_now() - t0;
+                double t = lk_now_s() - t0;
                 if (k && t < nbest) {
                     nbest = t;
                     ncpu = lk_bench_cpu() - c0;
@@ -303,26 +303,26 @@ int lk_bench_fuse(int argc, char **argv) {
             lk_fuse_opts o = {.threads = th, .allow_nonfinite = 1};
             double fbest = 1e30, fcpu = 0, mbest = 1e30, mcpu = 0;
             for (long k = 0; k <= repeat; k++) {
-                double t0 = lk_bench_now(), c0 = lk_bench_cpu();
+                double t0 = lk_now_s(), c0 = lk_bench_cpu();
                 if (lk_fuse_tensor(w, w, LK_DTYPE_BF16, dim, dim, &term, 1, &o, "bench") != LK_OK) {
                     free_all(owned, 8);
                     return lk_cli_fail();
                 }
-                double t = lk_bench_now() - t0;
+                double t = lk_now_s() - t0;
                 if (k && t < fbest) {
                     fbest = t;
                     fcpu = lk_bench_cpu() - c0;
                 }
             }
             for (long k = 0; k <= repeat; k++) {
-                double t0 = lk_bench_now(), c0 = lk_bench_cpu();
+                double t0 = lk_now_s(), c0 = lk_bench_cpu();
                 for (size_t t = 0; t < n_model; t++)
                     if (lk_fuse_tensor(model + t * N, model + t * N, LK_DTYPE_BF16, dim, dim, &term, 1, &o, "bench") !=
                         LK_OK) {
                         free_all(owned, 8);
                         return lk_cli_fail();
                     }
-                double t = lk_bench_now() - t0;
+                double t = lk_now_s() - t0;
                 if (k && t < mbest) {
                     mbest = t;
                     mcpu = lk_bench_cpu() - c0;

@@ -164,31 +164,31 @@ int lk_bench_io(int argc, char **argv) {
     if (!t) goto out;
 
     /* ---- open + index ---- */
-    double t0 = lk_bench_now();
+    double t0 = lk_now_s();
     unsigned long long isz = write_index_file(p_index, ntensors);
     if (!isz) goto out;
-    double tw = lk_bench_now() - t0;
+    double tw = lk_now_s() - t0;
     report(json, "write_index", "\"tensors\":%ld,\"file_bytes\":%llu,\"seconds\":%.6f",
            "%ld tensors, %llu bytes written in %.6f s", ntensors, isz, tw);
     double tl = 0;
     for (long r = 0; r < repeat; r++) {
         lk_st *st;
-        t0 = lk_bench_now();
+        t0 = lk_now_s();
         if (lk_st_open(p_index, &st)) goto out;
-        t[r] = lk_bench_now() - t0;
+        t[r] = lk_now_s() - t0;
         if (r == 0) { /* every name looked up once */
-            t0 = lk_bench_now();
+            t0 = lk_now_s();
             for (size_t i = 0; i < lk_st_count(st); i++)
                 if (lk_st_find(st, lk_st_tensor(st, i)->name) != (long)i) {
                     lk_error(LK_ERR_STATE, "bench: lookup of %s failed", lk_st_tensor(st, i)->name);
                     lk_st_close(st);
                     goto out;
                 }
-            tl = lk_bench_now() - t0;
+            tl = lk_now_s() - t0;
         }
-        t0 = lk_bench_now();
+        t0 = lk_now_s();
         lk_st_close(st);
-        t[r] += lk_bench_now() - t0;
+        t[r] += lk_now_s() - t0;
     }
     qsort(t, (size_t)repeat, sizeof *t, lk_bench_cmp_double);
     report(json, "open_index",
@@ -198,20 +198,20 @@ int lk_bench_io(int argc, char **argv) {
     unlink(p_index);
 
     /* ---- digest ---- */
-    t0 = lk_bench_now();
+    t0 = lk_now_s();
     if (write_big_file(p_big, size_mb)) goto out;
-    tw = lk_bench_now() - t0;
+    tw = lk_now_s() - t0;
     double bytes = (double)size_mb * 1048576.0;
     report(json, "write_digest", "\"bytes\":%.0f,\"seconds\":%.6f,\"gb_per_s\":%.3f",
            "%.0f bytes written in %.6f s (%.3f GB/s, streamed, fsync'ed)", bytes, tw, bytes / tw / 1e9);
     char hex[LK_DIGEST_HEX], first[LK_DIGEST_HEX] = "";
     for (long r = 0; r < repeat; r++) {
         lk_st *st;
-        t0 = lk_bench_now();
+        t0 = lk_now_s();
         if (lk_st_open(p_big, &st)) goto out;
         lk_status s = lk_digest_st(st, hex);
         lk_st_close(st);
-        t[r] = lk_bench_now() - t0;
+        t[r] = lk_now_s() - t0;
         if (s) goto out;
         if (r == 0) memcpy(first, hex, sizeof hex);
         else if (strcmp(first, hex)) {

@@ -382,7 +382,7 @@ static lk_status soak_run(lk_comm *c, const soak_opts *o, const char *dir, soak_
     uint64_t rng = (uint64_t)o->seed * 0x2545f4914f6cdd1dull;
     lk_fuse_input req[4], sorted[4];
     size_t n = 0;
-    double t0 = lk_bench_now();
+    double t0 = lk_now_s();
     for (long step = 1; !s && step <= o->steps; step++) {
         uint64_t roll = soak_next(&rng) % 20;
         if (roll == 0) {
@@ -416,7 +416,7 @@ static lk_status soak_run(lk_comm *c, const soak_opts *o, const char *dir, soak_
             s = soak_check(c, o, dir, base, w, sorted, n, step, res);
         }
     }
-    res->seconds = lk_bench_now() - t0;
+    res->seconds = lk_now_s() - t0;
     lk_tracker_free(t);
     lk_weights_free(w);
     return s;
@@ -433,7 +433,6 @@ int lk_bench_soak(int argc, char **argv) {
     lk_comm *c;
     if (lk_comm_world(NULL, NULL, &c)) return lk_cli_fail();
     int rank = lk_comm_rank(c), ranks = lk_comm_size(c);
-    lk_log_set_rank(rank, ranks);
     char dir[4096] = {0};
     lk_status s = LK_OK;
     if (rank == 0) {

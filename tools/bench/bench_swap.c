@@ -276,7 +276,6 @@ int lk_bench_swap(int argc, char **argv) {
     lk_comm *c;
     if (lk_comm_world(NULL, NULL, &c)) return lk_cli_fail();
     int rank = lk_comm_rank(c), ranks = lk_comm_size(c), rc = LK_EXIT_FAIL;
-    lk_log_set_rank(rank, ranks);
     const long d = o.dim, block_bytes = 12 * d * d * 2;
     const long blocks = (long)(((unsigned long long)o.size_mb << 20) + (unsigned long long)block_bytes - 1) / block_bytes;
     char dir[4096] = {0};
@@ -329,9 +328,9 @@ int lk_bench_swap(int argc, char **argv) {
     for (long k = 0; !s && k < nr; k++) {
         lk_weights *w2 = NULL;
         s = lk_comm_barrier(c);
-        double t0 = lk_bench_now();
+        double t0 = lk_now_s();
         lk_status ls = lk_weights_load(pm, &w2);
-        uint64_t ns = (uint64_t)((lk_bench_now() - t0) * 1e9);
+        uint64_t ns = (uint64_t)((lk_now_s() - t0) * 1e9);
         lk_weights_free(w2);
         if (!s) s = lk_comm_agree(c, ls);
         if (!s) s = lk_comm_allreduce_u64(c, &ns, 1, LK_REDUCE_MAX);

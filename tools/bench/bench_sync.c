@@ -97,9 +97,9 @@ typedef struct {
 static lk_status time_sync(ctx *c, lk_lora_params *p, lk_mesh *mesh, const lk_lora_sync_opts *o,
                            double *secs, size_t *calls) {
     lk_status s = lk_comm_barrier(c->world);
-    double t0 = lk_bench_now();
+    double t0 = lk_now_s();
     if (s == LK_OK) s = lk_lora_sync_grads_ex(p, mesh, o, NULL, calls);
-    uint64_t ns = (uint64_t)((lk_bench_now() - t0) * 1e9);
+    uint64_t ns = (uint64_t)((lk_now_s() - t0) * 1e9);
     if (s == LK_OK) s = lk_comm_allreduce_u64(c->world, &ns, 1, LK_REDUCE_MAX);
     *secs = (double)ns * 1e-9;
     return s;
@@ -197,17 +197,17 @@ static lk_status bench_linear(ctx *c, int dim, int r, int T) {
          * dx = dy W; the two variants alternate which goes first */
         for (int pass = 0; pass < 2; pass++) {
             int lora = (pass + k) % 2 != 0;
-            double t0 = lk_bench_now();
+            double t0 = lk_now_s();
             lk_lora_linear_forward(y, lora ? h : NULL, x, W, NULL, A, B, 2.0f, T, dim, dim, lora ? r : 0);
             lk_lora_linear_backward(dx, dA, dB, dh, dy, x, h, W, A, B, 2.0f, T, dim, dim, lora ? r : 0);
-            if (k >= 0) (lora ? tl : tb)[k] = lk_bench_now() - t0;
+            if (k >= 0) (lora ? tl : tb)[k] = lk_now_s() - t0;
         }
     }
     for (int k = -1; k < nd && s == LK_OK; k++) {
-        double t0 = lk_bench_now();
+        double t0 = lk_now_s();
         s = lk_lora_layer_delta_forward(layer, y, x, T);
         if (s == LK_OK) s = lk_lora_layer_delta_backward(layer, dx, dy, x, T);
-        if (k >= 0) td[k] = lk_bench_now() - t0;
+        if (k >= 0) td[k] = lk_now_s() - t0;
     }
     if (s == LK_OK) {
         /* best of N: the machine may be shared, and interference only adds time */
@@ -231,10 +231,6 @@ static lk_status bench_linear(ctx *c, int dim, int r, int T) {
 }
 
 #ifdef LK_HAVE_MPI
-static int launched_by_mpirun(void) {
-    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMIX_RANK") || getenv("PMI_RANK");
-}
-
 /* Waits for rank 0 without spinning on the cores it is timing. */
 static void quiet_barrier(void) {
     MPI_Request req;
@@ -276,23 +272,9 @@ int lk_bench_sync(int argc, char **argv) {
             if (dst == &repeat) c.repeat = (int)repeat;
         }
     }
-    int mpi = 0;
-#ifdef LK_HAVE_MPI
-    if (launched_by_mpirun()) {
-        int inited = 0;
-        MPI_Initialized(&inited);
-        if (!inited) MPI_Init(&argc, &argv);
-        mpi = 1;
-        if (lk_comm_from_mpi(MPI_COMM_WORLD, &c.world) != LK_OK) {
-            int rc = lk_cli_fail();
-            MPI_Finalize();
-            return rc;
-        }
-    }
-#endif
-    if (!mpi && lk_comm_self(&c.world) != LK_OK) return lk_cli_fail();
+    if (lk_comm_world(&argc, &argv, &c.world) != LK_OK) return lk_cli_fail();
+    const int mpi = !strcmp(lk_comm_backend(c.world), "mpi");
     int R = lk_comm_rank(c.world), N = lk_comm_size(c.world);
-    lk_log_set_rank(R, N);
     lk_status s = LK_OK;
     if (do_sync && N == 1 && R == 0)
         fprintf(stderr, "lorakit bench sync: the gradient-sync cases need 4 ranks: run "
@@ -316,9 +298,6 @@ int lk_bench_sync(int argc, char **argv) {
 #endif
     }
     int rc = s == LK_OK ? LK_EXIT_OK : lk_cli_fail();
-    lk_comm_free(c.world);
-#ifdef LK_HAVE_MPI
-    if (mpi) MPI_Finalize();
-#endif
+    lk_comm_free(c.world); /* finalizes MPI when lk_comm_world started it */
     return rc;
 }

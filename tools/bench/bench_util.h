@@ -1,4 +1,4 @@
-/* bench_util.h — timing helpers shared by the benchmarks in bench/.
+/* bench_util.h — timing helpers shared by the benchmarks in tools/bench/.
  * Header-only (static inline) because each benchmark is one file and they
  * are all linked into the one lorakit binary. */
 #ifndef LK_BENCH_UTIL_H
@@ -7,12 +7,7 @@
 #include <stdlib.h>
 #include <time.h>
 
-/* Wall-clock seconds from a monotonic clock. */
-static inline double lk_bench_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
+#include "core/clock.h" /* lk_now_s: wall-clock seconds, monotonic */
 
 /* CPU seconds of the whole process (all threads): next to wall time it shows
  * how much of a shared machine a run actually got. */
