@@ -32,9 +32,10 @@ expect 2 digest a b
 expect 2 demo --bogus
 expect 2 nosuchcommand
 
-# bench io, small: four JSON lines with the documented fields.
+# bench io, small: five JSON lines with the documented fields.
 expect 0 bench io --json --tensors 200 --size-mb 2 --repeat 2 --dir "$TMP"
-[ "$(wc -l <"$TMP/out")" = 4 ] || { cat "$TMP/out"; fail "bench io: expected 4 JSON lines"; }
+[ "$(wc -l <"$TMP/out")" = 5 ] || { cat "$TMP/out"; fail "bench io: expected 5 JSON lines"; }
+grep '^{"bench":"fuse_file","seconds":[0-9.]*,"floor_seconds":[0-9.]*,"ratio_to_floor":[0-9.]*,"bytes":2097152,"fused_bytes":2097152,"rank":16,"runs":2}$' "$TMP/out" >/dev/null || fail "fuse_file line"
 grep '^{"bench":"io","case":"open_index","tensors":200,"runs":2,"seconds_min":[0-9.]*,"seconds_median":[0-9.]*,"lookup_ns_per_name":[0-9.]*}$' "$TMP/out" >/dev/null || fail "open_index line"
 grep '^{"bench":"io","case":"digest","bytes":2097152,"runs":2,.*"gb_per_s":[0-9.]*,"digest":"[0-9a-f]\{32\}"}$' "$TMP/out" >/dev/null || fail "digest line"
 [ -z "$(ls -A "$TMP" | grep lorakit-bench)" ] || fail "bench left files behind"
