@@ -27,6 +27,44 @@ static void test_bcast_chunked(void **state) {
     free(b);
 }
 
+/* Vectored broadcast: 300 segments of lengths 0..2500 (more than one
+ * datatype round of 256 pieces, and rounds of <= 1000 bytes that split
+ * segments), laid out differently on each rank (a rank-dependent gap
+ * between segments) but with the same lengths: every rank ends up with
+ * the root's bytes, i*31+7 of the stream offset, and the gaps untouched. */
+static void test_bcastv(void **state) {
+    (void)state;
+    enum { NS = 300 };
+    lk_comm_seg seg[NS];
+    size_t total = 0, gap = (size_t)R + 1, span = 0;
+    for (int i = 0; i < NS; i++) span += (size_t)(i * 37 % 2501) + gap;
+    unsigned char *mem = malloc(span);
+    memset(mem, 0xee, span);
+    size_t at = 0;
+    for (int i = 0; i < NS; i++) {
+        size_t len = (size_t)(i * 37 % 2501);
+        seg[i] = (lk_comm_seg){mem + at, len};
+        at += len + gap;
+        total += len;
+    }
+    for (int root = 0; root < N; root++) {
+        size_t pos = 0;
+        for (int i = 0; i < NS; i++)
+            for (size_t j = 0; j < seg[i].n; j++, pos++)
+                ((unsigned char *)seg[i].p)[j] = R == root ? (unsigned char)(pos * 31 + 7) : 0;
+        assert_int_equal(lk_comm_bcastv(g_world, seg, NS, root), LK_OK);
+        pos = 0;
+        for (int i = 0; i < NS; i++) {
+            for (size_t j = 0; j < seg[i].n; j++, pos++)
+                assert_int_equal(((unsigned char *)seg[i].p)[j], (unsigned char)(pos * 31 + 7));
+            for (size_t j = 0; j < gap; j++) assert_int_equal(((unsigned char *)seg[i].p)[seg[i].n + j], 0xee);
+        }
+        assert_int_equal(pos, total);
+    }
+    assert_int_equal(lk_comm_bcastv(g_world, seg, NS, N), LK_ERR_ARG);
+    free(mem);
+}
+
 static void test_allreduce(void **state) {
     (void)state;
     size_t n = 1000; /* 4000 bytes: 4 rounds */
@@ -226,7 +264,7 @@ int main(int argc, char **argv) {
     R = lk_comm_rank(g_world);
     N = lk_comm_size(g_world);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_bcast_chunked), cmocka_unit_test(test_allreduce),
+        cmocka_unit_test(test_bcast_chunked), cmocka_unit_test(test_bcastv), cmocka_unit_test(test_allreduce),
         cmocka_unit_test(test_allgather),     cmocka_unit_test(test_split),
         cmocka_unit_test(test_agree),         cmocka_unit_test(test_mesh),
         cmocka_unit_test(test_mesh_alloc_fails_on_one_rank), cmocka_unit_test(test_bad_chunk_on_one_rank),

@@ -43,6 +43,17 @@ const char *lk_comm_backend(const lk_comm *c);
 lk_status lk_comm_barrier(lk_comm *c);
 /* Broadcasts n bytes from root into buf on every rank. */
 lk_status lk_comm_bcast(lk_comm *c, void *buf, size_t n, int root);
+/* One piece of memory of a vectored broadcast. */
+typedef struct lk_comm_seg {
+    void *p;
+    size_t n;
+} lk_comm_seg;
+
+/* Broadcasts the bytes of root's segments, in order, into every other
+ * rank's segments: scattered memory moved with no staging copy by the
+ * caller (MPI: one derived datatype per round). Every rank must pass the
+ * same number of segments with the same lengths (the addresses differ). */
+lk_status lk_comm_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root);
 /* In-place elementwise sum of n floats over all ranks. */
 lk_status lk_comm_allreduce_f32_sum(lk_comm *c, float *buf, size_t n);
 /* In-place elementwise reduction of n u64s. */

@@ -21,8 +21,10 @@
  *      lk_fuse_canonical_order, so the bytes equal an offline lk_fuse_file
  *      of the same set; a failure on any rank rolls every owner
  *      back, and every rank returns it;
- *   5. broadcasts those keys owner by owner through one staging buffer of
- *      bucket_bytes (tensors larger than it go in several rounds).
+ *   5. broadcasts those keys owner by owner in rounds of bucket_bytes
+ *      (tensors larger than it go in several rounds), each round one
+ *      vectored broadcast straight from the owner's weights into every
+ *      receiver's (no staging copy).
  * A failed call leaves every rank's weights as they were, except after
  * LK_ERR_COMM (the transport itself failed: the group is unusable).
  *
@@ -48,7 +50,7 @@ typedef struct lk_tracker lk_tracker;
 #define LK_BUCKET_MB_MAX 1048576
 
 typedef struct lk_tracker_opts {
-    size_t bucket_bytes; /* staging buffer per rank, as lk_lora_sync_opts.bucket_bytes;
+    size_t bucket_bytes; /* broadcast round size, as lk_lora_sync_opts.bucket_bytes;
                             0: 64 MiB, LK_TRACKER_BUCKET_DEFAULT (LTX's tracker
                             defaults to 256 MiB) */
     int no_lora_swap;    /* no backup: the first set is fused in place; any later
@@ -94,8 +96,9 @@ lk_status lk_tracker_reset(lk_tracker *t, lk_tracker_stats *stats);
 int lk_tracker_owner(const lk_tracker *t, size_t i);
 /* Number of adapters currently fused (after dropping strength 0). */
 size_t lk_tracker_applied(const lk_tracker *t);
-/* Bytes of this rank's staging buffer (min(bucket_bytes, model bytes); 0 at
- * one rank, where nothing is broadcast). */
+/* Bytes per broadcast round (min(bucket_bytes, model bytes); 0 at one
+ * rank, where nothing is broadcast). No buffer of that size is allocated:
+ * rounds move straight between the ranks' weights. */
 size_t lk_tracker_staging_bytes(const lk_tracker *t);
 
 /* Collective: the group's summary of one apply/reset as one JSON object

@@ -55,6 +55,20 @@ lk_status lk_comm_bcast(lk_comm *c, void *buf, size_t n, int root) {
     return c->ops->bcast(c, buf, n, root);
 }
 
+lk_status lk_comm_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root) {
+    lk_status st = check(c, seg, nseg, "bcastv");
+    if (st) return st;
+    if (root < 0 || root >= c->size)
+        return lk_error(LK_ERR_ARG, "comm bcastv: root %d is not a rank of a %d-rank communicator",
+                        root, c->size);
+    for (size_t i = 0; i < nseg; i++)
+        if (seg[i].n && !seg[i].p) return lk_error(LK_ERR_ARG, "comm bcastv: segment %zu is NULL", i);
+    if (c->ops->bcastv) return c->ops->bcastv(c, seg, nseg, root);
+    for (size_t i = 0; i < nseg && !st; i++)
+        if (seg[i].n) st = c->ops->bcast(c, seg[i].p, seg[i].n, root);
+    return st;
+}
+
 lk_status lk_comm_allreduce_f32_sum(lk_comm *c, float *buf, size_t n) {
     lk_status st = check(c, buf, n, "allreduce_f32_sum");
     return st ? st : c->ops->allreduce_f32_sum(c, buf, n);

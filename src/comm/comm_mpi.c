@@ -58,6 +58,45 @@ static lk_status mpi_bcast(lk_comm *c, void *buf, size_t n, int root) {
     return LK_OK;
 }
 
+/* Rounds of at most `chunk` bytes and SEGS_PER_ROUND pieces, each one
+ * MPI_Bcast of an hindexed datatype over the pieces' absolute addresses.
+ * The rounds depend only on the segment lengths, which every rank passes
+ * alike, so every rank makes the same calls. */
+#define SEGS_PER_ROUND 256
+static lk_status mpi_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root) {
+    const size_t step = chunk_of(c);
+    int lens[SEGS_PER_ROUND];
+    MPI_Aint disp[SEGS_PER_ROUND];
+    size_t i = 0, off = 0;
+    while (i < nseg) {
+        int k = 0;
+        size_t bytes = 0;
+        while (i < nseg && k < SEGS_PER_ROUND && bytes < step) {
+            size_t take = seg[i].n - off < step - bytes ? seg[i].n - off : step - bytes;
+            if (take) {
+                lens[k] = (int)take;
+                MPI_Get_address((char *)seg[i].p + off, &disp[k]);
+                k++;
+                bytes += take;
+            }
+            off += take;
+            if (off == seg[i].n) {
+                i++;
+                off = 0;
+            }
+        }
+        if (!k) continue;
+        MPI_Datatype t;
+        int rc = MPI_Type_create_hindexed(k, lens, disp, MPI_BYTE, &t);
+        if (rc == MPI_SUCCESS && (rc = MPI_Type_commit(&t)) != MPI_SUCCESS) MPI_Type_free(&t);
+        if (rc != MPI_SUCCESS) return mpi_fail(rc, "bcastv datatype");
+        rc = MPI_Bcast(MPI_BOTTOM, 1, t, root, mc(c));
+        MPI_Type_free(&t);
+        if (rc != MPI_SUCCESS) return mpi_fail(rc, "bcastv");
+    }
+    return LK_OK;
+}
+
 static lk_status allreduce(lk_comm *c, void *buf, size_t n, size_t esize, MPI_Datatype t,
                            MPI_Op op, const char *name) {
     size_t step = chunk_of(c) / esize;
@@ -113,6 +152,7 @@ static const lk_comm_ops g_mpi_ops = {
     .destroy = mpi_destroy,
     .barrier = mpi_barrier,
     .bcast = mpi_bcast,
+    .bcastv = mpi_bcastv,
     .allreduce_f32_sum = mpi_sum,
     .allreduce_u64 = mpi_u64,
     .allgather = mpi_allgather,

@@ -58,8 +58,8 @@ struct lk_tracker {
     size_t *ord;        /* key indices in byte-wise name order */
     key_state *k;
     uint64_t *next;     /* scratch: each key's signature under the new set */
-    unsigned char *staging;
-    size_t staging_bytes;
+    lk_comm_seg *segs;  /* one broadcast round's pieces: at most one per key, plus one */
+    size_t staging_bytes; /* bytes per broadcast round (bucket_bytes, at most the model) */
     request cur;        /* the set fused in now (adapters kept open for rollback) */
     uint64_t backup_bytes;
     int broken;         /* a rollback failed: every later call fails */
@@ -274,48 +274,42 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
 
 /* ---- broadcast ---- */
 
-/* Sends every changed key of every owner, packed into staging-sized rounds. */
+/* Sends every changed key of every owner in rounds of at most
+ * staging_bytes (bucket_bytes), in name order, a large key split across
+ * rounds. A round is a list of pieces of the weights themselves, moved by
+ * one vectored broadcast (lk_comm_bcastv) straight from the owner's
+ * weights into every receiver's: no staging copy on either side. The
+ * pieces' lengths come from sizes all ranks agreed on in lk_tracker_create,
+ * so every rank builds the same rounds. */
 static lk_status broadcast(lk_tracker *t, lk_tracker_stats *st) {
     if (t->size == 1) return LK_OK;
     const size_t cap = t->staging_bytes;
-    for (int o = 0; o < t->size; o++) {
-        size_t c = 0, off = 0; /* position: key ord[c], byte off */
-        for (;;) {
-            while (c < t->n && (t->k[t->ord[c]].owner != o || !changed(t, t->ord[c]))) c++;
-            if (c == t->n) break;
-            /* one round: pack from (c, off) up to cap bytes */
-            size_t used = 0, c0 = c, off0 = off;
-            while (c < t->n && used < cap) {
-                size_t i = t->ord[c];
-                if (t->k[i].owner != o || !changed(t, i)) { c++; continue; }
-                const lk_tensor *w = lk_weights_tensor(t->w, i);
+    lk_status s = LK_OK;
+    for (int o = 0; o < t->size && !s; o++) {
+        size_t used = 0, ns = 0;
+        for (size_t c = 0; c < t->n && !s; c++) {
+            size_t i = t->ord[c];
+            if (t->k[i].owner != o || !changed(t, i)) continue;
+            const lk_tensor *w = lk_weights_tensor(t->w, i);
+            for (size_t off = 0; off < w->nbytes && !s;) {
                 size_t take = w->nbytes - off < cap - used ? w->nbytes - off : cap - used;
-                if (t->rank == o && take) memcpy(t->staging + used, (char *)w->data + off, take);
+                t->segs[ns++] = (lk_comm_seg){(char *)w->data + off, take};
                 used += take;
                 off += take;
-                if (off == w->nbytes) {
-                    off = 0;
-                    c++;
-                    st->keys_broadcast++;
+                if (used == cap) {
+                    s = lk_comm_bcastv(t->comm, t->segs, ns, o);
+                    st->bytes_broadcast += used;
+                    used = ns = 0;
                 }
             }
-            lk_status s = lk_comm_bcast(t->comm, t->staging, used, o);
-            if (s) return s;
+            st->keys_broadcast++;
+        }
+        if (!s && used) {
+            s = lk_comm_bcastv(t->comm, t->segs, ns, o);
             st->bytes_broadcast += used;
-            if (t->rank == o) continue;
-            /* unpack by walking the same round again */
-            size_t u = 0;
-            for (size_t cc = c0, oo = off0; u < used; cc++, oo = 0) {
-                size_t i = t->ord[cc];
-                if (t->k[i].owner != o || !changed(t, i)) continue;
-                const lk_tensor *w = lk_weights_tensor(t->w, i);
-                size_t take = w->nbytes - oo < used - u ? w->nbytes - oo : used - u;
-                memcpy((char *)w->data + oo, t->staging + u, take);
-                u += take;
-            }
         }
     }
-    return LK_OK;
+    return s;
 }
 
 /* ---- create / free ---- */
@@ -400,7 +394,7 @@ void lk_tracker_free(lk_tracker *t) {
     lk_free(t->k);
     lk_free(t->ord);
     lk_free(t->next);
-    lk_free(t->staging);
+    lk_free(t->segs);
     lk_free(t);
 }
 
@@ -437,9 +431,8 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         size_t total = lk_weights_nbytes(weights);
         size_t cap = t->o.bucket_bytes;
         t->staging_bytes = cap < total ? cap : (total ? total : 1);
-        t->staging = lk_malloc(t->staging_bytes);
-        if (!t->staging)
-            local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for the %zu-byte staging buffer", t->staging_bytes);
+        t->segs = lk_calloc(t->n + 1, sizeof *t->segs);
+        if (!t->segs) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
     }
     if (!local && full && !opts->no_lora_swap) /* the reference clones every owned key up front */
         for (size_t i = 0; !local && i < t->n; i++)

@@ -8,6 +8,10 @@
  * enough blocks for --size-mb. Two adapters on the attention projections
  * only. Ops, each timed as the slowest rank's tracker call (median of
  * --repeat runs): apply (A from clean), strength (A at 0.5), swap (B), reset.
+ * Next to each op, in the same run: a bare broadcast of exactly the bytes
+ * that op broadcast, in rounds of the same bucket size, each rank the root
+ * of its share (as owners are), buffer to buffer with nothing else: the
+ * summary's swap_over_bare_bcast says how close the swap gets to it.
  * It relaunches itself under `mpirun -n RANKS` when started alone. */
 #include <stdint.h>
 #include <stdio.h>
@@ -239,6 +243,38 @@ static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int full, c
     return s;
 }
 
+/* The bare broadcast of `bytes` in rounds of at most `bucket` bytes:
+ * rank r is the root of the r-th share (in order), straight from/into one
+ * buffer; median over repeat of the slowest rank's time. */
+static lk_status bare_bcast(lk_comm *c, uint64_t bytes, size_t bucket, long repeat, double *sec) {
+    const int size = lk_comm_size(c);
+    unsigned char *buf = lk_malloc(bytes ? (size_t)bytes : 1);
+    double *t = lk_calloc((size_t)repeat, sizeof *t);
+    lk_status s = buf && t ? LK_OK : lk_error(LK_ERR_NOMEM, "bench swap: out of memory for %llu bytes",
+                                              (unsigned long long)bytes);
+    s = lk_comm_agree(c, s);
+    if (!s) memset(buf, 1, (size_t)bytes);
+    for (long k = 0; !s && k < repeat; k++) {
+        s = lk_comm_barrier(c);
+        double t0 = lk_now_s();
+        for (int r = 0; !s && r < size; r++) {
+            uint64_t lo = bytes * (uint64_t)r / (uint64_t)size, hi = bytes * (uint64_t)(r + 1) / (uint64_t)size;
+            for (uint64_t off = lo; !s && off < hi; off += bucket)
+                s = lk_comm_bcast(c, buf + off, hi - off < bucket ? (size_t)(hi - off) : bucket, r);
+        }
+        uint64_t ns = (uint64_t)((lk_now_s() - t0) * 1e9);
+        if (!s) s = lk_comm_allreduce_u64(c, &ns, 1, LK_REDUCE_MAX);
+        t[k] = (double)ns * 1e-9;
+    }
+    if (!s) {
+        qsort(t, (size_t)repeat, sizeof *t, cmp_d);
+        *sec = t[repeat / 2];
+    }
+    lk_free(buf);
+    lk_free(t);
+    return s;
+}
+
 /* Starts `mpirun --oversubscribe -n K <this program> bench swap <args>`. */
 static int relaunch(long ranks, int argc, char **argv) {
     char exe[4096], nbuf[32];
@@ -322,6 +358,14 @@ int lk_bench_swap(int argc, char **argv) {
         for (int op = 0; !s && rank == 0 && op < N_OPS; op++)
             print_result(&o, ranks, mode ? "full" : "delta", OPS[op], &res[mode][op], staging[mode]);
     }
+    /* the bare broadcast of each delta op's bytes, same bucket size */
+    double bare[N_OPS] = {0};
+    for (int op = 0; !s && op < N_OPS; op++)
+        s = bare_bcast(c, res[0][op].bytes_broadcast, staging[0], o.repeat, &bare[op]);
+    for (int op = 0; !s && rank == 0 && op < N_OPS; op++) {
+        result rb = {bare[op], {0}, res[0][op].bytes_broadcast, 0, 0, 0};
+        print_result(&o, ranks, "bare_bcast", OPS[op], &rb, staging[0]);
+    }
     /* the naive alternative: every rank reloads the checkpoint */
     double reload[64];
     long nr = o.repeat < 64 ? o.repeat : 64;
@@ -340,6 +384,7 @@ int lk_bench_swap(int argc, char **argv) {
         if (rank == 0) lk_cli_fail();
         goto out;
     }
+#define RATIO(op) (bare[op] > 0 ? res[0][op].seconds / bare[op] : 0.0)
     if (rank == 0) {
         qsort(reload, (size_t)nr, sizeof *reload, cmp_d);
         result rr = {reload[nr / 2], {0}, 0, 0, 0, 0};
@@ -349,14 +394,22 @@ int lk_bench_swap(int argc, char **argv) {
         if (o.json)
             printf("{\"bench\": \"swap\", \"mode\": \"summary\", \"ranks\": %d, \"model_bytes\": %llu, "
                    "\"touched_bytes\": %llu, \"largest_tensor_bytes\": %llu, \"swap_delta_over_full\": %.3f, "
-                   "\"backup_bytes_max\": %llu, \"backup_target\": %llu, \"staging_bytes\": %zu}\n",
+                   "\"backup_bytes_max\": %llu, \"backup_target\": %llu, \"staging_bytes\": %zu, "
+                   "\"swap_over_bare_bcast\": {\"apply\": %.3f, \"strength\": %.3f, \"swap\": %.3f, \"reset\": %.3f}}\n",
                    ranks, (unsigned long long)total, (unsigned long long)touched, (unsigned long long)largest, ratio,
-                   (unsigned long long)res[0][OP_SWAP].backup_max, (unsigned long long)backup_target, staging[0]);
+                   (unsigned long long)res[0][OP_SWAP].backup_max, (unsigned long long)backup_target, staging[0],
+                   RATIO(OP_APPLY), RATIO(OP_STRENGTH),
+                   RATIO(OP_SWAP), RATIO(OP_RESET));
         else
             printf("swap: delta / full = %.2f (target <= 0.5); backup per rank %.1f MiB (target <= %.1f MiB = "
                    "touched/ranks + largest tensor); staging %.1f MiB\n",
                    ratio, (double)res[0][OP_SWAP].backup_max / 1048576.0, (double)backup_target / 1048576.0,
                    (double)staging[0] / 1048576.0);
+        if (!o.json)
+            printf("swap / bare broadcast of the same bytes: apply %.2f, strength %.2f, swap %.2f, reset %.2f "
+                   "(target <= 1.3)\n",
+                   RATIO(OP_APPLY), RATIO(OP_STRENGTH),
+                   RATIO(OP_SWAP), RATIO(OP_RESET));
     }
     rc = LK_EXIT_OK;
 out:
