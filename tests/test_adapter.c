@@ -305,6 +305,90 @@ static void test_alpha_sources(void **state) {
     af_free(f);
 }
 
+/* Adds a 1-D F32 vector of n values named name. */
+static void vec(af_file *f, const char *name, int64_t n) {
+    lk_tensor *t = af_rand(f, name, LK_DTYPE_F32, 1, n, &g_rng, -1, 1);
+    t->ndim = 1;
+    t->shape[0] = n;
+}
+
+/* The tensors PEFT saves besides the factors, read by the config's rules,
+ * and each inconsistency refused naming the key and the config field. */
+static void test_peft_saved_tensors(void **state) {
+    (void)state;
+    af_file *m = model();
+    vec(m, "blocks.0.attn.to_q.bias", OUT);
+    vec(m, "blocks.1.attn.to_k.bias", OUT);
+    /* bias = "lora_only" in PEFT < 0.7's layout: <m>.bias of a LoRA module */
+    af_file *f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    vec(f, "base_model.model.blocks.0.attn.to_q.bias", OUT);
+    char *d = peft_folder("lo_old", "{\"r\": 4, \"bias\": \"lora_only\"}", f);
+    lk_adapter *a = open_ok(d, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_replacement_count(a), 1);
+    resolve_ok(a, m);
+    assert_string_equal(lk_adapter_replacement(a, 0)->target, "blocks.0.attn.to_q.bias");
+    assert_string_equal(lk_adapter_replacement(a, 0)->why, "bias");
+    assert_non_null(lk_adapter_find_replacement(a, "blocks.0.attn.to_q.bias"));
+    lk_adapter_free(a);
+    free(d);
+    d = peft_folder("lo_none", "{\"r\": 4, \"bias\": \"none\"}", f);
+    expect_open_error(d, LK_FORMAT_AUTO, LK_ERR_FORMAT,
+                      "key 'base_model.model.blocks.0.attn.to_q.bias' is a saved bias, but");
+    free(d);
+    af_free(f);
+    f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    vec(f, "base_model.model.blocks.1.attn.to_k.bias", OUT);
+    d = peft_folder("lo_other", "{\"r\": 4, \"bias\": \"lora_only\"}", f);
+    expect_open_error(d, LK_FORMAT_AUTO, LK_ERR_FORMAT, "with bias = \"lora_only\" PEFT saves only the biases of LoRA modules");
+    free(d);
+    af_free(f);
+    /* lora_B.bias: needs lora_bias = true and the layer's own bias */
+    f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_k", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    vec(f, "base_model.model.blocks.0.attn.to_k.lora_B.bias", OUT);
+    d = peft_folder("lb_off", "{\"r\": 4}", f);
+    expect_open_error(d, LK_FORMAT_AUTO, LK_ERR_FORMAT, "is a lora_B bias but");
+    free(d);
+    d = peft_folder("lb_on", "{\"r\": 4, \"lora_bias\": true}", f);
+    a = open_ok(d, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_UNMATCHED);
+    tu_assert_contains(lk_last_error(), "has a lora_B bias but the model has no blocks.0.attn.to_k.bias");
+    lk_adapter_free(a);
+    free(d);
+    af_free(f);
+    /* DoRA magnitude with use_dora = false; a module both LoRA and saved whole */
+    f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    vec(f, "base_model.model.blocks.0.attn.to_q.lora_magnitude_vector", OUT);
+    d = peft_folder("dora_off", "{\"r\": 4}", f);
+    expect_open_error(d, LK_FORMAT_AUTO, LK_ERR_FORMAT, "is a DoRA magnitude but");
+    free(d);
+    d = peft_folder("dora_on", "{\"r\": 4, \"use_dora\": true}", f);
+    a = open_ok(d, LK_FORMAT_AUTO);
+    assert_int_equal(lk_adapter_dora(a), 1);
+    lk_adapter_free(a);
+    free(d);
+    af_free(f);
+    f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    af_rand(f, "base_model.model.blocks.0.attn.to_q.weight", LK_DTYPE_F32, OUT, IN, &g_rng, -1, 1);
+    d = peft_folder("mts_lora", "{\"r\": 4, \"modules_to_save\": [\"to_q\"]}", f);
+    expect_open_error(d, LK_FORMAT_AUTO, LK_ERR_FORMAT, "is saved whole (modules_to_save) but blocks.0.attn.to_q also has LoRA factors");
+    free(d);
+    af_free(f);
+    /* another method's keys are refused by what they are */
+    f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    af_rand(f, "base_model.model.embed.lora_embedding_A", LK_DTYPE_F32, 4, IN, &g_rng, -1, 1);
+    d = peft_folder("emb", "{\"r\": 4}", f);
+    expect_open_error(d, LK_FORMAT_AUTO, LK_ERR_UNSUPPORTED, "is an embedding LoRA (lora_embedding_A/B), which lorakit does not fuse");
+    free(d);
+    af_free(f);
+    af_free(m);
+}
+
 /* The PEFT file alone: alpha = r, scale 1. */
 static void test_peft_file_alone(void **state) {
     (void)state;
@@ -721,7 +805,8 @@ static void test_alloc_failures(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_peft_folder_patterns), cmocka_unit_test(test_python_patterns),
-        cmocka_unit_test(test_hostile_patterns), cmocka_unit_test(test_alpha_sources), cmocka_unit_test(test_peft_file_alone),
+        cmocka_unit_test(test_hostile_patterns), cmocka_unit_test(test_alpha_sources),
+        cmocka_unit_test(test_peft_saved_tensors), cmocka_unit_test(test_peft_file_alone),
         cmocka_unit_test(test_diffusers_prefixes),   cmocka_unit_test(test_kohya),
         cmocka_unit_test(test_fastvideo),            cmocka_unit_test(test_format_forcing),
         cmocka_unit_test(test_prefixed_model),

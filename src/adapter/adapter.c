@@ -410,6 +410,12 @@ static lk_status read_metadata(lk_adapter *a) {
             a->ss_alpha = v;
         }
     }
+    const char *ssd = lk_st_metadata_get(a->st, "ss_network_dim");
+    if (ssd) {
+        char *end;
+        long v = strtol(ssd, &end, 10);
+        if (end != ssd && !*end && v > 0) a->ss_dim = v;
+    }
     const char *js = lk_st_metadata_get(a->st, LK_META_KEY);
     if (!js) return LK_OK;
     char label[600];
@@ -628,6 +634,7 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *b
         } else if (a->has_ss_alpha) {
             alpha = a->ss_alpha;
             source = source_str("metadata ss_network_alpha", NULL);
+            if (a->ss_dim && a->ss_dim != r) a->n_ss_dim_off++;
         } else {
             source = source_str("default r", NULL);
         }
@@ -847,6 +854,9 @@ lk_status lk_adapter_open(const char *path, lk_adapter_format format, lk_adapter
     if (a->n_untargeted)
         lk_log(LK_LOG_WARN, "%s: %zu of %zu modules are not covered by target_modules in adapter_config.json",
                a->path, a->n_untargeted, a->n);
+    if (a->n_ss_dim_off)
+        lk_log(LK_LOG_WARN, "%s: %zu modules take alpha from ss_network_alpha = %g but their rank is not "
+               "ss_network_dim = %ld", a->path, a->n_ss_dim_off, a->ss_alpha, a->ss_dim);
     if (a->format == LK_FORMAT_PEFT && !a->has_config && !a->n_meta) {
         size_t dflt = 0;
         for (size_t i = 0; i < a->n; i++) dflt += !strcmp(a->sources[i], "default r");

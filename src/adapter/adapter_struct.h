@@ -38,6 +38,8 @@ struct lk_adapter {
     size_t n_meta;
     int has_ss_alpha;       /* kohya's ss_network_alpha */
     double ss_alpha;
+    long ss_dim;            /* kohya's ss_network_dim (0: absent or "Dynamic") */
+    size_t n_ss_dim_off;    /* modules using ss_network_alpha whose rank is not ss_network_dim */
 };
 
 /* The name of a factor in the adapter's format: A (b = 0) or B (b = 1). */
