@@ -332,25 +332,44 @@ static void test_peft_saved_tensors(void **state) {
     assert_non_null(lk_adapter_find_replacement(a, "blocks.0.attn.to_q.bias"));
     lk_adapter_free(a);
     free(d);
-    d = peft_folder("lo_none", "{\"r\": 4, \"bias\": \"none\"}", f);
-    expect_open_error(d, LK_FORMAT_AUTO, LK_ERR_FORMAT,
-                      "key 'base_model.model.blocks.0.attn.to_q.bias' is a saved bias, but");
-    free(d);
     af_free(f);
-    f = af_new();
-    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
-    vec(f, "base_model.model.blocks.1.attn.to_k.bias", OUT);
-    d = peft_folder("lo_other", "{\"r\": 4, \"bias\": \"lora_only\"}", f);
-    expect_open_error(d, LK_FORMAT_AUTO, LK_ERR_FORMAT, "with bias = \"lora_only\" PEFT saves only the biases of LoRA modules");
-    free(d);
-    af_free(f);
-    /* lora_B.bias: needs lora_bias = true and the layer's own bias */
+    /* a factor pair plus one more key, refused naming the key and the config field */
+    static const struct {
+        const char *module, *extra, *config, *msg;
+        int vector;
+        lk_status s;
+    } bad[] = {
+        {"blocks.0.attn.to_q", "blocks.0.attn.to_q.bias", "{\"r\": 4, \"bias\": \"none\"}",
+         "key 'base_model.model.blocks.0.attn.to_q.bias' is a saved bias, but", 1, LK_ERR_FORMAT},
+        {"blocks.0.attn.to_q", "blocks.1.attn.to_k.bias", "{\"r\": 4, \"bias\": \"lora_only\"}",
+         "with bias = \"lora_only\" PEFT saves only the biases of LoRA modules", 1, LK_ERR_FORMAT},
+        {"blocks.0.attn.to_k", "blocks.0.attn.to_k.lora_B.bias", "{\"r\": 4}", "is a lora_B bias but", 1,
+         LK_ERR_FORMAT},
+        {"blocks.0.attn.to_q", "blocks.0.attn.to_q.lora_magnitude_vector", "{\"r\": 4}", "is a DoRA magnitude but", 1,
+         LK_ERR_FORMAT},
+        {"blocks.0.attn.to_q", "blocks.0.attn.to_q.weight", "{\"r\": 4, \"modules_to_save\": [\"to_q\"]}",
+         "is saved whole (modules_to_save) but blocks.0.attn.to_q also has LoRA factors", 0, LK_ERR_FORMAT},
+        {"blocks.0.attn.to_q", "embed.lora_embedding_A", "{\"r\": 4}",
+         "is an embedding LoRA (lora_embedding_A/B), which lorakit does not fuse", 0, LK_ERR_UNSUPPORTED},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char stem[128], extra[128], name[16];
+        snprintf(stem, sizeof stem, "base_model.model.%s", bad[i].module);
+        snprintf(extra, sizeof extra, "base_model.model.%s", bad[i].extra);
+        snprintf(name, sizeof name, "saved%zu", i);
+        f = af_new();
+        pair(f, stem, ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+        if (bad[i].vector) vec(f, extra, OUT);
+        else af_rand(f, extra, LK_DTYPE_F32, OUT, IN, &g_rng, -1, 1);
+        d = peft_folder(name, bad[i].config, f);
+        expect_open_error(d, LK_FORMAT_AUTO, bad[i].s, bad[i].msg);
+        free(d);
+        af_free(f);
+    }
+    /* lora_B.bias with lora_bias = true needs the layer's own bias in the model */
     f = af_new();
     pair(f, "base_model.model.blocks.0.attn.to_k", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
     vec(f, "base_model.model.blocks.0.attn.to_k.lora_B.bias", OUT);
-    d = peft_folder("lb_off", "{\"r\": 4}", f);
-    expect_open_error(d, LK_FORMAT_AUTO, LK_ERR_FORMAT, "is a lora_B bias but");
-    free(d);
     d = peft_folder("lb_on", "{\"r\": 4, \"lora_bias\": true}", f);
     a = open_ok(d, LK_FORMAT_AUTO);
     assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_UNMATCHED);
@@ -358,32 +377,14 @@ static void test_peft_saved_tensors(void **state) {
     lk_adapter_free(a);
     free(d);
     af_free(f);
-    /* DoRA magnitude with use_dora = false; a module both LoRA and saved whole */
+    /* a DoRA magnitude with use_dora = true */
     f = af_new();
     pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
     vec(f, "base_model.model.blocks.0.attn.to_q.lora_magnitude_vector", OUT);
-    d = peft_folder("dora_off", "{\"r\": 4}", f);
-    expect_open_error(d, LK_FORMAT_AUTO, LK_ERR_FORMAT, "is a DoRA magnitude but");
-    free(d);
     d = peft_folder("dora_on", "{\"r\": 4, \"use_dora\": true}", f);
     a = open_ok(d, LK_FORMAT_AUTO);
     assert_int_equal(lk_adapter_dora(a), 1);
     lk_adapter_free(a);
-    free(d);
-    af_free(f);
-    f = af_new();
-    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
-    af_rand(f, "base_model.model.blocks.0.attn.to_q.weight", LK_DTYPE_F32, OUT, IN, &g_rng, -1, 1);
-    d = peft_folder("mts_lora", "{\"r\": 4, \"modules_to_save\": [\"to_q\"]}", f);
-    expect_open_error(d, LK_FORMAT_AUTO, LK_ERR_FORMAT, "is saved whole (modules_to_save) but blocks.0.attn.to_q also has LoRA factors");
-    free(d);
-    af_free(f);
-    /* another method's keys are refused by what they are */
-    f = af_new();
-    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
-    af_rand(f, "base_model.model.embed.lora_embedding_A", LK_DTYPE_F32, 4, IN, &g_rng, -1, 1);
-    d = peft_folder("emb", "{\"r\": 4}", f);
-    expect_open_error(d, LK_FORMAT_AUTO, LK_ERR_UNSUPPORTED, "is an embedding LoRA (lora_embedding_A/B), which lorakit does not fuse");
     free(d);
     af_free(f);
     af_free(m);
