@@ -3,7 +3,6 @@
  * (lk_inspect_json), which --json prints as it is. */
 #include <stdio.h>
 
-#include "cli.h"
 #include "inspect_adapter.h"
 
 void lk_inspect_adapter_text(const char *path, json_t *o, FILE *out) {

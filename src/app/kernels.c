@@ -2,17 +2,15 @@
  *
  * Written for clarity first, as a reference implementation would be: plain
  * loops, one layer per pair of functions. The matmuls, which are nearly all
- * of the work, go to OpenBLAS sgemm when it was found at build time
- * (LK_HAVE_BLAS); the loop fallback computes the same sums. Everything else is
+ * of the work, go through lk_sgemm, lorakit's one GEMM entry point (OpenBLAS
+ * when it was found at build time, else a plain loop). Everything else is
  * small at the model sizes lorakit trains (T <= a few dozen). */
 #include <math.h>
 #include <string.h>
 
 #include "app/kernels.h"
 
-#ifdef LK_HAVE_BLAS
-#include <cblas.h>
-#endif
+#include "lora/gemm.h"
 
 void lk_k_embed_forward(float *out, const int *inp, const float *wte, const float *wpe,
                         int B, int T, int C) {
@@ -91,55 +89,16 @@ void lk_k_layernorm_backward(float *dinp, float *dw, float *db, const float *dou
 
 void lk_k_matmul_forward(float *out, const float *inp, const float *W, const float *b,
                          int N, int C, int OC) {
-#ifdef LK_HAVE_BLAS
-    if (b) {
+    /* out = inp W^T (+ b): the bias rows first, then one GEMM accumulating */
+    if (b)
         for (int n = 0; n < N; n++) memcpy(out + (size_t)n * OC, b, (size_t)OC * sizeof(float));
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, W, C,
-                b ? 1.0f : 0.0f, out, OC);
-#else
-    for (int n = 0; n < N; n++) {
-        const float *x = inp + (size_t)n * C;
-        float *o = out + (size_t)n * OC;
-        for (int j = 0; j < OC; j++) {
-            const float *wr = W + (size_t)j * C;
-            float acc = b ? b[j] : 0.0f;
-            for (int i = 0; i < C; i++) acc += x[i] * wr[i];
-            o[j] = acc;
-        }
-    }
-#endif
+    lk_sgemm(0, 1, N, OC, C, 1.0f, inp, C, W, C, b ? 1.0f : 0.0f, out, OC);
 }
 
 void lk_k_matmul_backward(float *dinp, float *dW, float *db, const float *dout,
                           const float *inp, const float *W, int N, int C, int OC) {
-#ifdef LK_HAVE_BLAS
-    if (dinp)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, W, C,
-                    1.0f, dinp, C);
-    if (dW)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C,
-                    1.0f, dW, C);
-#else
-    if (dinp)
-        for (int n = 0; n < N; n++) {
-            const float *d = dout + (size_t)n * OC;
-            float *dx = dinp + (size_t)n * C;
-            for (int j = 0; j < OC; j++) {
-                const float *wr = W + (size_t)j * C;
-                for (int i = 0; i < C; i++) dx[i] += d[j] * wr[i];
-            }
-        }
-    if (dW)
-        for (int n = 0; n < N; n++) {
-            const float *d = dout + (size_t)n * OC;
-            const float *x = inp + (size_t)n * C;
-            for (int j = 0; j < OC; j++) {
-                float *dwr = dW + (size_t)j * C;
-                for (int i = 0; i < C; i++) dwr[i] += d[j] * x[i];
-            }
-        }
-#endif
+    if (dinp) lk_sgemm(0, 0, N, C, OC, 1.0f, dout, OC, W, C, 1.0f, dinp, C);  /* += dout W */
+    if (dW) lk_sgemm(1, 0, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dW, C);     /* += dout^T inp */
     if (db)
         for (int n = 0; n < N; n++) {
             const float *d = dout + (size_t)n * OC;

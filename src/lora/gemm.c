@@ -1,7 +1,8 @@
-/* gemm.c — the one matrix-multiply entry point of the training code.
+/* gemm.c — the one matrix-multiply entry point (gemm.h): the LoRA layers
+ * and the demo transformer's kernels.
  * OpenBLAS sgemm when LK_HAVE_BLAS; otherwise a plain loop nest (correct,
  * slow: it exists so the library still builds and tests without BLAS). */
-#include "train_impl.h"
+#include "lora/gemm.h"
 
 #include <stddef.h>
 
@@ -9,8 +10,8 @@
 #include <cblas.h>
 #endif
 
-void lk_train_sgemm(int transA, int transB, int M, int N, int K, float alpha, const float *A,
-                    int lda, const float *B, int ldb, float beta, float *C, int ldc) {
+void lk_sgemm(int transA, int transB, int M, int N, int K, float alpha, const float *A, int lda,
+              const float *B, int ldb, float beta, float *C, int ldc) {
     if (M <= 0 || N <= 0) return;
 #ifdef LK_HAVE_BLAS
     if (K > 0) {

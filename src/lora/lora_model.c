@@ -595,7 +595,7 @@ lk_status lk_lora_layer_backward(lk_lora_layer *l, float *dx, const float *dy, c
     if (s == LK_OK && l->wrapped) s = scratch(l, 2 * (size_t)n * (size_t)l->r, &h);
     if (s != LK_OK) return s;
     int r = l->wrapped ? l->r : 0;
-    if (r) lk_train_sgemm(0, 1, n, r, l->in, 1.0f, x, l->in, lk_lora_layer_A(l), l->in, 0.0f, h, r);
+    if (r) lk_sgemm(0, 1, n, r, l->in, 1.0f, x, l->in, lk_lora_layer_A(l), l->in, 0.0f, h, r);
     lk_lora_linear_backward(dx, lk_lora_layer_dA(l), lk_lora_layer_dB(l), h ? h + (size_t)n * r : NULL,
                             dy, x, h, l->W, lk_lora_layer_A(l), lk_lora_layer_B(l), l->scale, n, l->in,
                             l->out, r);
@@ -607,8 +607,8 @@ lk_status lk_lora_layer_delta_forward(lk_lora_layer *l, float *y, const float *x
     float *h = NULL;
     if (s != LK_OK || !l->wrapped || n == 0) return s;
     if ((s = scratch(l, (size_t)n * (size_t)l->r, &h)) != LK_OK) return s;
-    lk_train_sgemm(0, 1, n, l->r, l->in, 1.0f, x, l->in, lk_lora_layer_A(l), l->in, 0.0f, h, l->r);
-    lk_train_sgemm(0, 1, n, l->out, l->r, l->scale, h, l->r, lk_lora_layer_B(l), l->r, 1.0f, y, l->out);
+    lk_sgemm(0, 1, n, l->r, l->in, 1.0f, x, l->in, lk_lora_layer_A(l), l->in, 0.0f, h, l->r);
+    lk_sgemm(0, 1, n, l->out, l->r, l->scale, h, l->r, lk_lora_layer_B(l), l->r, 1.0f, y, l->out);
     return LK_OK;
 }
 
@@ -618,7 +618,7 @@ lk_status lk_lora_layer_delta_backward(lk_lora_layer *l, float *dx, const float 
     float *h = NULL;
     if (s != LK_OK || !l->wrapped || n == 0) return s;
     if ((s = scratch(l, 2 * (size_t)n * (size_t)l->r, &h)) != LK_OK) return s;
-    lk_train_sgemm(0, 1, n, l->r, l->in, 1.0f, x, l->in, lk_lora_layer_A(l), l->in, 0.0f, h, l->r);
+    lk_sgemm(0, 1, n, l->r, l->in, 1.0f, x, l->in, lk_lora_layer_A(l), l->in, 0.0f, h, l->r);
     lk_lora_linear_backward(dx, lk_lora_layer_dA(l), lk_lora_layer_dB(l), h + (size_t)n * l->r, dy, x,
                             h, NULL, lk_lora_layer_A(l), lk_lora_layer_B(l), l->scale, n, l->in,
                             l->out, l->r);

@@ -1,7 +1,6 @@
 /* train_impl.h — internals shared by the src/lora files (not installed).
- * One GEMM entry point so every kernel goes through the same BLAS call (or
- * the plain-C fallback when OpenBLAS is absent), and the parameter-set
- * internals that the model, sync, optimizer and PEFT files all read. */
+ * The parameter-set internals that the model, sync, optimizer and PEFT files
+ * all read (and lk_sgemm, the one GEMM entry point, from gemm.h). */
 #ifndef LK_LORA_TRAIN_IMPL_H
 #define LK_LORA_TRAIN_IMPL_H
 
@@ -9,11 +8,7 @@
 #include <stdint.h>
 #include "lorakit/lora.h"
 
-/* Row-major C[M,N] = alpha * op(A)[M,K] @ op(B)[K,N] + beta * C, where
- * op(X) = X^T when transX. lda/ldb/ldc are the row strides of the stored
- * matrices. With beta == 0, C is overwritten (never read). */
-void lk_train_sgemm(int transA, int transB, int M, int N, int K, float alpha, const float *A,
-                    int lda, const float *B, int ldb, float beta, float *C, int ldc);
+#include "lora/gemm.h" /* lk_sgemm, the one GEMM entry point */
 
 struct lk_lora_params {
     size_t count;     /* parameter tensors, sorted by name */

@@ -27,7 +27,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cli.h"
+#include "cli_util.h"
+#include "lorakit/lorakit.h"
 #include "bench_util.h"
 
 static const char *const FUSE_BENCH_USAGE =

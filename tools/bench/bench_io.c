@@ -23,7 +23,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cli.h"
+#include "cli_util.h"
+#include "lorakit/lorakit.h"
 #include "bench_util.h"
 
 static const char *const IO_USAGE =

@@ -34,7 +34,8 @@
 #include <unistd.h>
 
 #include "bench_util.h"
-#include "cli.h"
+#include "cli_util.h"
+#include "lorakit/lorakit.h"
 
 static const char *const SOAK_USAGE =
     "usage: mpirun -n RANKS lorakit bench soak [--steps N] [--check-every K] [--json]\n"

@@ -20,7 +20,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cli.h"
+#include "cli_util.h"
+#include "lorakit/lorakit.h"
 #include "bench_util.h"
 #include "serve/tracker_internal.h"
 

@@ -27,7 +27,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "cli.h"
+#include "cli_util.h"
+#include "lorakit/lorakit.h"
 
 #ifdef LK_HAVE_MPI
 #include <mpi.h>

@@ -1,0 +1,51 @@
+/* cli_util.c — see cli_util.h. */
+#include "cli_util.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lorakit/status.h"
+
+int lk_cli_fail(void) {
+    fprintf(stderr, "lorakit: %s\n", lk_last_error()[0] ? lk_last_error() : "operation failed");
+    return LK_EXIT_FAIL;
+}
+
+int lk_cli_usage(const char *cmd, const char *fmt, ...) {
+    va_list ap;
+    fputs("lorakit: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\n(see 'lorakit %s --help')\n", cmd ? cmd : "");
+    return LK_EXIT_USAGE;
+}
+
+int lk_cli_wants_help(int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--")) break;
+        if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) return 1;
+    }
+    return 0;
+}
+
+int lk_cli_parse_int(const char *s, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end) return 0;
+    *out = v;
+    return 1;
+}
+
+int lk_cli_parse_double(const char *s, double *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end) return 0;
+    *out = v;
+    return 1;
+}

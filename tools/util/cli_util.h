@@ -1,0 +1,25 @@
+/* cli_util.h — what every lorakit program shares, the subcommands in tools/
+ * and the benchmarks in tools/bench/ alike: exit codes, error and usage
+ * reporting, strict number parsing. It sits below both, so neither includes
+ * the other's headers: tools/ -> tools/bench/ -> tools/util/, no cycle.
+ * Exit codes: 0 success, 1 the operation failed, 2 bad usage. Every error is
+ * printed once, as "lorakit: <message>" on stderr. */
+#ifndef LK_TOOLS_CLI_UTIL_H
+#define LK_TOOLS_CLI_UTIL_H
+
+#define LK_EXIT_OK 0
+#define LK_EXIT_FAIL 1
+#define LK_EXIT_USAGE 2
+
+/* Prints "lorakit: <lk_last_error()>" and returns LK_EXIT_FAIL. */
+int lk_cli_fail(void);
+/* Prints "lorakit: <msg>" plus a hint to --help; returns LK_EXIT_USAGE. */
+int lk_cli_usage(const char *cmd, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* 1 if argv holds -h or --help. */
+int lk_cli_wants_help(int argc, char **argv);
+/* Parses a strictly decimal int / double; returns 0 on failure. */
+int lk_cli_parse_int(const char *s, long *out);
+int lk_cli_parse_double(const char *s, double *out);
+
+#endif
