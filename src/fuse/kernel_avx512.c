@@ -7,9 +7,9 @@
  * each row's B'[o,k] is broadcast: 16 FMAs per 4 loads + 4 broadcasts,
  * enough independent chains to keep both FMA pipes busy. Then the
  * epilogue reads the 4 row segments of W, adds and rounds once into W's
- * dtype (TwoSum; round_bf16 explains the BF16 shortcut, F16 and F32 use
- * the odd step of kernel_scalar.h lane by lane) and writes; a group of
- * lanes with an Inf or NaN result is redone by lk_kernel_finish_slow
+ * dtype (round_bf16 explains the BF16 shortcut; F16 and F32 use TwoSum
+ * and the odd step of kernel_scalar.h lane by lane) and writes; a group of
+ * lanes with an Inf or NaN result (or a BF16 tie) is redone by lk_kernel_finish_slow
  * (the NaN rule, the non-finite check), so the fast case has no NaN code.
  * W is read once and written once; the next panel's W lines are
  * prefetched while the sums run. Column tails use masked loads/stores
@@ -58,26 +58,23 @@ LK_TI __m512d odd_add_pd(__m512d w, __m512d d) {
 }
 
 /* 16 lanes of a BF16 weight, the fast case: returns the 16 result
- * halves and sets *special for lanes whose result is Inf or NaN (then the
- * caller redoes the group with the full rules, lk_kernel_finish_slow).
- * BF16's single rounding needs no odd step: RN32(w + d) differs from the
- * exact sum only by TwoSum's e, and that changes the RNE to BF16 only when
- * s is exactly a BF16 midpoint; there the tie goes toward the exact sum
- * (up in magnitude when e has s's sign), elsewhere the usual ties-to-even
- * bias applies. The same bits as round-to-odd-then-RNE, fewer operations. */
+ * halves and sets *special for lanes the caller must redo with the full
+ * rules (lk_kernel_finish_slow). s = RN32(w + d) rounds to BF16 exactly
+ * as the exact sum does unless s is itself a BF16 midpoint (low 16 bits
+ * 0x8000): a midpoint is an f32, so if the exact sum were on its other
+ * side, the midpoint would be nearer to it than s is. Only those lanes
+ * (about 2^-16 of them) need TwoSum's error to break the tie, and they
+ * go to the slow path with the Inf/NaN lanes; every other lane is one
+ * add and the RNE shift. */
 LK_TI __m256i round_bf16(__m256i w16, __m512 d, __mmask16 *special) {
     const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16));
-    const __m512 s = _mm512_add_ps(w, d);
-    const __m512 bb = _mm512_sub_ps(s, w);
-    const __m512 e = _mm512_add_ps(_mm512_sub_ps(w, _mm512_sub_ps(s, bb)), _mm512_sub_ps(d, bb));
-    const __m512i su = _mm512_castps_si512(s), one = _mm512_set1_epi32(1);
-    const __m512i tie_even = _mm512_and_si512(_mm512_srli_epi32(su, 16), one);
-    const __m512i toward = _mm512_andnot_si512(_mm512_srli_epi32(_mm512_xor_si512(su, _mm512_castps_si512(e)), 31), one);
-    const __mmask16 inexact = _mm512_cmp_ps_mask(e, _mm512_setzero_ps(), _CMP_NEQ_UQ);
-    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_mask_mov_epi32(tie_even, inexact, toward));
+    const __m512i su = _mm512_castps_si512(_mm512_add_ps(w, d));
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                          _mm512_and_si512(_mm512_srli_epi32(su, 16), _mm512_set1_epi32(1)));
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(su, bias), 16);
     const __m512i em = _mm512_set1_epi32(0x7f80);
-    *special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(r, em), em);
+    *special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(su, _mm512_set1_epi32(0xffff)), _mm512_set1_epi32(0x8000)) |
+               _mm512_cmpeq_epi32_mask(_mm512_and_si512(r, em), em);
     return _mm512_cvtepi32_epi16(r);
 }
 
