@@ -349,8 +349,8 @@ static void test_peft_saved_tensors(void **state) {
          LK_ERR_FORMAT},
         {"blocks.0.attn.to_q", "blocks.0.attn.to_q.weight", "{\"r\": 4, \"modules_to_save\": [\"to_q\"]}",
          "is saved whole (modules_to_save) but blocks.0.attn.to_q also has LoRA factors", 0, LK_ERR_FORMAT},
-        {"blocks.0.attn.to_q", "embed.lora_embedding_A", "{\"r\": 4}",
-         "is an embedding LoRA (lora_embedding_A/B), which lorakit does not fuse", 0, LK_ERR_UNSUPPORTED},
+        {"blocks.0.attn.to_q", "embed.hada_w1_a", "{\"r\": 4}", "is a LoHa (LyCORIS) factor, which lorakit does not fuse",
+         0, LK_ERR_UNSUPPORTED},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char stem[128], extra[128], name[16];
@@ -375,6 +375,30 @@ static void test_peft_saved_tensors(void **state) {
     assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_UNMATCHED);
     tu_assert_contains(lk_last_error(), "has a lora_B bias but the model has no blocks.0.attn.to_k.bias");
     lk_adapter_free(a);
+    free(d);
+    af_free(f);
+    /* fan_in_fan_out: a weight stored in x out (Conv1D) gets the factors
+     * transposed (B' = A^T, A' = B^T); an out x in (nn.Linear) weight keeps
+     * them, as PEFT turns fan_in_fan_out off for Linear layers */
+    f = af_new();
+    pair(f, "base_model.model.blocks.0.attn.to_q", ".lora_A.weight", ".lora_B.weight", 4, LK_DTYPE_F32);
+    d = peft_folder("fifo", "{\"r\": 4, \"fan_in_fan_out\": true}", f);
+    for (int conv = 0; conv < 2; conv++) {
+        af_file *mm = af_new();
+        af_rand(mm, "blocks.0.attn.to_q.weight", LK_DTYPE_F32, conv ? IN : OUT, conv ? OUT : IN, &g_rng, -1, 1);
+        a = open_ok(d, LK_FORMAT_AUTO);
+        resolve_ok(a, mm);
+        const lk_lora_module *q = find_module(a, "blocks.0.attn.to_q");
+        assert_int_equal(q->B.shape[0], conv ? IN : OUT);
+        assert_int_equal(q->A.shape[1], conv ? OUT : IN);
+        if (conv) { /* B'[i][k] = A[k][i] */
+            const lk_tensor *fa = af_get(f, "base_model.model.blocks.0.attn.to_q.lora_A.weight");
+            for (int i = 0; i < IN; i++)
+                for (int k = 0; k < 4; k++) assert_true(ar_get(&q->B, (size_t)(i * 4 + k)) == ar_get(fa, (size_t)(k * IN + i)));
+        }
+        lk_adapter_free(a);
+        af_free(mm);
+    }
     free(d);
     af_free(f);
     /* a DoRA magnitude with use_dora = true */
@@ -672,8 +696,6 @@ static void test_config_errors(void **state) {
          "adapter_config.json: rank_pattern[\"to_q\"] = 0: a rank must be a positive integer"},
         {"{\"r\": 4, \"lora_alpha\": \"8\"}", LK_ERR_CONFIG, "adapter_config.json: lora_alpha must be a finite number"},
         {"{\"r\": 4, \"lora_alpha\": NaN}", LK_ERR_CONFIG, "adapter_config.json: invalid JSON"},
-        {"{\"r\": 4, \"fan_in_fan_out\": true}", LK_ERR_UNSUPPORTED,
-         "adapter_config.json: fan_in_fan_out = true: weights stored in x out (GPT-2's Conv1D) are not supported"},
         {"{\"peft_type\": \"LOHA\"}", LK_ERR_UNSUPPORTED, "peft_type = \"LOHA\"; only LORA adapters can be fused"},
         {"{\"r\": 4, \"use_qalora\": true}", LK_ERR_UNSUPPORTED, "use_qalora = true: QA-LoRA"},
         {"{\"r\": 4, \"alora_invocation_tokens\": [1, 2]}", LK_ERR_UNSUPPORTED, "alora_invocation_tokens = [1,2]"},

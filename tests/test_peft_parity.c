@@ -8,7 +8,8 @@
  * base) for a strength s != 1, lorakit's documented convention). The
  * cases: Python-regex rank/alpha patterns, a regex target_modules,
  * layers_to_transform, the config beside a file (rsLoRA), modules_to_save,
- * bias = "all" / "lora_only", lora_bias, DoRA, and PEFT 0.13's pattern rule.
+ * bias = "all" / "lora_only", lora_bias, DoRA, PEFT 0.13's pattern rule, an
+ * embedding LoRA, and GPT-2's Conv1D layers (fan_in_fan_out, one square).
  *
  * Each is fused with lk_fuse_file into BF16, F16 and F32 bases. Every tensor
  * the merge changed must be within 1 ulp of the float64 expectation (the
@@ -34,11 +35,14 @@ static const struct {
     const char *name;
     int file;            /* fuse through <case>/adapter_model.safetensors */
     float strengths[2];  /* 0 ends the list */
+    const char *base;    /* base_<dtype> (BERT) or base_gpt2_<dtype> */
 } g_cases[] = {
-    {"patterns", 0, {1.0f}},          {"target_regex", 0, {1.0f}},        {"layers", 0, {1.0f}},
-    {"sidecar", 1, {1.0f}},           {"modules_to_save", 0, {1.0f, 0.5f}}, {"bias_all", 0, {1.0f}},
-    {"bias_lora_only", 0, {1.0f}},    {"lora_bias", 0, {1.0f, 0.5f}},      {"dora", 0, {1.0f, 0.5f}},
-    {"old013", 0, {1.0f}},
+    {"patterns", 0, {1.0f}, "base"},          {"target_regex", 0, {1.0f}, "base"},
+    {"layers", 0, {1.0f}, "base"},            {"sidecar", 1, {1.0f}, "base"},
+    {"modules_to_save", 0, {1.0f, 0.5f}, "base"}, {"bias_all", 0, {1.0f}, "base"},
+    {"bias_lora_only", 0, {1.0f}, "base"},    {"lora_bias", 0, {1.0f, 0.5f}, "base"},
+    {"dora", 0, {1.0f, 0.5f}, "base"},        {"old013", 0, {1.0f}, "base"},
+    {"embedding", 0, {1.0f, 0.5f}, "base"},   {"gpt2_conv1d", 0, {1.0f}, "base_gpt2"},
 };
 static const char *const g_dtypes[3] = {"bf16", "f16", "f32"};
 
@@ -64,7 +68,7 @@ static double value(const lk_tensor *t, size_t j) {
 static void check_case(size_t ci, int di, float s) {
     const char *name = g_cases[ci].name;
     char base[512], adapter[512], out[512], exp[512];
-    snprintf(base, sizeof base, FX "/base_%s.safetensors", g_dtypes[di]);
+    snprintf(base, sizeof base, FX "/%s_%s.safetensors", g_cases[ci].base, g_dtypes[di]);
     snprintf(adapter, sizeof adapter, FX "/%s%s", name, g_cases[ci].file ? "/adapter_model.safetensors" : "");
     snprintf(out, sizeof out, "%s/%s_%s.safetensors", g_dir, name, g_dtypes[di]);
     snprintf(exp, sizeof exp, FX "/expected/%s_%s_s%g.safetensors", name, g_dtypes[di], (double)s);

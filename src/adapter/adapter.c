@@ -60,6 +60,7 @@ static const struct {
 } g_suffixes[] = {
     {".lora_A.default.weight", FAM_AB, ROLE_A}, {".lora_B.default.weight", FAM_AB, ROLE_B},
     {".lora_A.weight", FAM_AB, ROLE_A},         {".lora_B.weight", FAM_AB, ROLE_B},
+    {".lora_embedding_A", FAM_AB, ROLE_A},      {".lora_embedding_B", FAM_AB, ROLE_B},
     {".lora_B.default.bias", FAM_AB, ROLE_BBIAS}, {".lora_B.bias", FAM_AB, ROLE_BBIAS},
     {".lora_magnitude_vector.default.weight", FAM_AB, ROLE_MAG}, {".lora_magnitude_vector.default", FAM_AB, ROLE_MAG},
     {".lora_magnitude_vector.weight", FAM_AB, ROLE_MAG}, {".lora_magnitude_vector", FAM_AB, ROLE_MAG},
@@ -162,6 +163,10 @@ void lk_adapter_free(lk_adapter *a) {
     lk_free(a->reps);
     lk_free(a->rep_by_target);
     lk_free(a->mods);
+    lk_free(a->fa);
+    lk_free(a->fb);
+    lk_free(a->embed);
+    lk_free(a->tfactors);
     lk_free(a->by_target);
     lk_free(a->by_bias);
     for (size_t i = 0; i < a->n_meta; i++) {
@@ -267,8 +272,6 @@ static lk_status locate(lk_adapter *a) {
 static const struct {
     const char *part, *what;
 } g_foreign[] = {
-    {".lora_embedding_A", "an embedding LoRA (lora_embedding_A/B)"},
-    {".lora_embedding_B", "an embedding LoRA (lora_embedding_A/B)"},
     {".dora_scale", "a kohya-style DoRA magnitude (dora_scale)"},
     {".hada_w", "a LoHa (LyCORIS) factor"},
     {".lokr_w", "a LoKr (LyCORIS) factor"},
@@ -601,6 +604,8 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *b
                         (long long)A->shape[0], (long long)A->shape[1], bn, (long long)B->shape[0],
                         (long long)B->shape[1]);
     const lk_tensor *mag = by_role[ROLE_MAG], *bb = by_role[ROLE_BBIAS];
+    if (mag && a->embed[i])
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: DoRA on an embedding layer is not supported", f, m);
     if (mag) {
         if (a->has_config && !a->cfg.use_dora)
             return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' is a DoRA magnitude but %s has use_dora = false", f, m,
@@ -676,7 +681,8 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
     a->targets = lk_calloc(cap, sizeof *a->targets);
     a->bias_targets = lk_calloc(cap, sizeof *a->bias_targets);
     a->sources = lk_calloc(cap, sizeof *a->sources);
-    if (!a->mods || !a->names || !a->stems || !a->targets || !a->bias_targets || !a->sources)
+    a->embed = lk_calloc(cap, sizeof *a->embed);
+    if (!a->mods || !a->names || !a->stems || !a->targets || !a->bias_targets || !a->sources || !a->embed)
         return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
     for (size_t i = 0; i < n;) {
         size_t j = i;
@@ -712,6 +718,13 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
             return lk_error(LK_ERR_FORMAT, "%s: %s: PEFT adapters keep alpha in adapter_config.json, not in '%s'", f,
                             a->names[k], by_role[ROLE_ALPHA]->name);
         if (by_role[ROLE_MAG]) a->dora = 1;
+        size_t an = strlen(by_role[ROLE_A]->name), bn = strlen(by_role[ROLE_B]->name);
+        int ea = an >= 16 && !strcmp(by_role[ROLE_A]->name + an - 16, "lora_embedding_A");
+        int eb = bn >= 16 && !strcmp(by_role[ROLE_B]->name + bn - 16, "lora_embedding_B");
+        if (ea != eb)
+            return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' and '%s' mix an embedding LoRA and a linear one", f,
+                            a->names[k], by_role[ROLE_A]->name, by_role[ROLE_B]->name);
+        a->embed[k] = (unsigned char)ea;
         lk_status s = build_module(a, k, by_role);
         if (s) return s;
         i = j;
@@ -851,6 +864,13 @@ lk_status lk_adapter_open(const char *path, lk_adapter_format format, lk_adapter
     if ((s = pair(a, ki, nl))) goto fail;
     if ((s = check_replacements(a))) goto fail;
     if ((s = copy_factors(a))) goto fail;
+    a->fa = lk_malloc((a->n ? a->n : 1) * sizeof *a->fa);
+    a->fb = lk_malloc((a->n ? a->n : 1) * sizeof *a->fb);
+    if (!a->fa || !a->fb) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+        goto fail;
+    }
+    for (size_t i = 0; i < a->n; i++) a->fa[i] = a->mods[i].A, a->fb[i] = a->mods[i].B;
     if (a->n_untargeted)
         lk_log(LK_LOG_WARN, "%s: %zu of %zu modules are not covered by target_modules in adapter_config.json",
                a->path, a->n_untargeted, a->n);

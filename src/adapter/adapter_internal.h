@@ -37,7 +37,7 @@ typedef struct lk_peft_config {
     char *label;       /* file (or metadata key) named in errors */
     long r;            /* default 8, as PEFT's LoraConfig */
     double alpha;      /* lora_alpha, default 8 */
-    int rslora, use_dora, lora_bias;
+    int rslora, use_dora, lora_bias, fan_in_fan_out;
     lk_peft_bias bias;
     lk_peft_rule rule;
     char version[32];  /* peft_version as written, or "" */

@@ -18,6 +18,10 @@ struct lk_adapter {
     void *factors;          /* every module's tensors and the replacements, copied at open */
     size_t n;               /* modules, sorted by stem */
     lk_lora_module *mods;
+    lk_tensor *fa, *fb;     /* each module's A and B as the file holds them */
+    unsigned char *embed;   /* module i is an embedding LoRA (lora_embedding_A/B) */
+    void *tfactors;         /* transposed factors of the modules resolve found
+                               transposed (embeddings, Conv1D with fan_in_fan_out) */
     char **names, **stems, **targets, **bias_targets, **sources; /* owned strings behind mods[i] */
     size_t *by_target;      /* resolved modules sorted by target */
     size_t n_by_target;

@@ -3,9 +3,9 @@
  * Every LoraConfig field is either read (r, lora_alpha, use_rslora,
  * rank_pattern, alpha_pattern, target_modules, exclude_modules,
  * layers_to_transform, layers_pattern, modules_to_save, bias, lora_bias,
- * use_dora, peft_version), known not to change the merged weights (training
+ * use_dora, fan_in_fan_out, peft_version), known not to change the merged weights (training
  * and bookkeeping fields), or refused by name when set, because lorakit does
- * not implement what it does to the merge (fan_in_fan_out, QA-LoRA, aLoRA,
+ * not implement what it does to the merge (QA-LoRA, aLoRA,
  * layer_replication, target_parameters, trainable tokens, LoftQ, residual
  * initialisations such as PiSSA, the other LoRA variants). A field lorakit
  * does not know is logged as a warning, never silently trusted.
@@ -392,7 +392,6 @@ static void value_text(json_t *v, char *buf, size_t cap) {
 static const struct {
     const char *key, *why;
 } g_refused[] = {
-    {"fan_in_fan_out", "weights stored in x out (GPT-2's Conv1D) are not supported"},
     {"use_qalora", "QA-LoRA merges through quantization groups, which lorakit does not implement"},
     {"alora_invocation_tokens", "an activated LoRA (aLoRA) applies only after its invocation tokens and cannot be merged"},
     {"layer_replication", "layer replication changes the model's structure"},
@@ -414,7 +413,7 @@ static const char *const g_known[] = {
     "use_rslora", "modules_to_save", "init_lora_weights", "layers_to_transform", "layers_pattern",
     "rank_pattern", "alpha_pattern", "megatron_core", "eva_config", "corda_config", "lora_ga_config",
     "use_dora", "qalora_group_size", "runtime_config", "lora_bias", "ensure_weight_tying",
-    "target_modules_to_tie",
+    "target_modules_to_tie", "fan_in_fan_out",
 };
 
 static lk_status check_fields(lk_peft_config *c, json_t *root) {
@@ -521,6 +520,7 @@ lk_status lk_peft_config_parse(const char *text, size_t len, const char *label, 
     c.rslora = json_is_true(json_object_get(root, "use_rslora"));
     c.use_dora = json_is_true(json_object_get(root, "use_dora"));
     c.lora_bias = json_is_true(json_object_get(root, "lora_bias"));
+    c.fan_in_fan_out = json_is_true(json_object_get(root, "fan_in_fan_out"));
     if ((v = json_object_get(root, "bias")) && !json_is_null(v)) {
         const char *b = json_is_string(v) ? json_string_value(v) : "";
         if (!strcmp(b, "none")) c.bias = LK_PEFT_BIAS_NONE;

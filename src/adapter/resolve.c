@@ -127,6 +127,53 @@ static void free_knames(kname *k, size_t n) {
     lk_free(k);
 }
 
+/* Whether module i's factors apply transposed to weight w, as PEFT's
+ * transpose(B @ A, fan_in_fan_out): always for an embedding LoRA (the
+ * weight is num_embeddings x dim, lora_embedding_A r x num_embeddings);
+ * with fan_in_fan_out (PEFT keeps it only for Conv1D layers, whose weight is
+ * in x out) when the weight has the in x out shape, which a square Conv1D
+ * weight also has. */
+static int is_transposed(const lk_adapter *a, size_t i, const lk_tensor *w) {
+    if (a->embed[i]) return 1;
+    if (!(a->format == LK_FORMAT_PEFT && a->has_config && a->cfg.fan_in_fan_out) || w->ndim != 2) return 0;
+    return w->shape[0] == a->fa[i].shape[1] && w->shape[1] == a->fb[i].shape[0];
+}
+
+/* dst (cols x rows) = src^T (src rows x cols), elements of es bytes. */
+static void transpose_into(void *dst, const lk_tensor *src) {
+    size_t rows = (size_t)src->shape[0], cols = (size_t)src->shape[1], es = lk_dtype_size(src->dtype);
+    const unsigned char *s = src->data;
+    unsigned char *d = dst;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = 0; c < cols; c++) memcpy(d + (c * rows + r) * es, s + (r * cols + c) * es, es);
+}
+
+/* The module's factors oriented for the kernel (W += B A): the file's, or
+ * for a transposed module B' = A^T (in x r), A' = B^T (r x out), copied
+ * into *buf (advanced). Without buf only the shapes are set. */
+static void orient(const lk_adapter *a, size_t i, int transposed, lk_tensor *A, lk_tensor *B, unsigned char **buf) {
+    if (!transposed) {
+        *A = a->fa[i];
+        *B = a->fb[i];
+        return;
+    }
+    const lk_tensor *fa = &a->fa[i], *fb = &a->fb[i];
+    *A = *fb;
+    A->shape[0] = fb->shape[1];
+    A->shape[1] = fb->shape[0];
+    *B = *fa;
+    B->shape[0] = fa->shape[1];
+    B->shape[1] = fa->shape[0];
+    if (buf) {
+        A->data = *buf;
+        transpose_into(*buf, fb);
+        *buf += (fb->nbytes + 15) & ~(size_t)15;
+        B->data = *buf;
+        transpose_into(*buf, fa);
+        *buf += (fa->nbytes + 15) & ~(size_t)15;
+    }
+}
+
 static lk_status check_target(const lk_adapter *a, const lk_lora_module *m, const lk_tensor *w) {
     const char *an = lk_adapter_factor_name(a, 0), *bn = lk_adapter_factor_name(a, 1);
     if (w->ndim != 2)
@@ -161,12 +208,14 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
     char **bnames = lk_calloc(a->n ? a->n : 1, sizeof *bnames);
     size_t *bby = lk_malloc((a->n ? a->n : 1) * sizeof *bby), n_bby = 0;
     char **rnames = lk_calloc(a->n_rep ? a->n_rep : 1, sizeof *rnames);
+    unsigned char *trans = lk_calloc(a->n ? a->n : 1, sizeof *trans);
+    size_t tbytes = 0;
     size_t *rby = lk_malloc((a->n_rep ? a->n_rep : 1) * sizeof *rby), n_rby = 0;
     kname *kn = NULL;
     size_t n_kn = 0, unmatched = 0, first_unmatched = SIZE_MAX, n_by = 0;
     const char *first_unmatched_rep = NULL;
     char buf[4096];
-    if (!ord || !tnames || !by || !bnames || !bby || !rnames || !rby) {
+    if (!ord || !tnames || !by || !bnames || !bby || !rnames || !rby || !trans) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
         goto done;
     }
@@ -215,7 +264,23 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
             if (unmatched++ == 0) first_unmatched = i;
             continue;
         }
-        if ((s = check_target(a, m, &model[t]))) goto done;
+        int tr = is_transposed(a, i, &model[t]);
+        if (tr && m->magnitude.name) {
+            s = lk_error(LK_ERR_UNSUPPORTED, "%s: %s: DoRA on a transposed (fan_in_fan_out) weight is not supported",
+                         a->file, m->module);
+            goto done;
+        }
+        lk_lora_module om = *m; /* shapes as the kernel will see them */
+        orient(a, i, tr, &om.A, &om.B, NULL);
+        if ((s = check_target(a, &om, &model[t]))) goto done;
+        if (tr) {
+            size_t nb = ((a->fa[i].nbytes + 15) & ~(size_t)15) + ((a->fb[i].nbytes + 15) & ~(size_t)15);
+            if (!lk_checked_add(tbytes, nb, &tbytes)) {
+                s = lk_error(LK_ERR_NOMEM, "%s: the transposed factors' size overflows", a->file);
+                goto done;
+            }
+            trans[i] = 1;
+        }
         if (!(tnames[i] = lk_strdup(model[t].name))) {
             s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
             goto done;
@@ -231,10 +296,10 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
                 goto done;
             }
             const lk_tensor *bw = &model[b];
-            if (bw->ndim != 1 || bw->shape[0] != m->B.shape[0] || !lk_dtype_is_fusable(bw->dtype)) {
+            if (bw->ndim != 1 || bw->shape[0] != a->fb[i].shape[0] || !lk_dtype_is_fusable(bw->dtype)) {
                 s = lk_error(LK_ERR_SHAPE, "%s: %s: the model's %s is %s with %d dims; lora_bias needs a 1-D "
                              "F32/F16/BF16 bias of %lld values", a->file, m->module, bw->name, lk_dtype_name(bw->dtype),
-                             bw->ndim, (long long)m->B.shape[0]);
+                             bw->ndim, (long long)a->fb[i].shape[0]);
                 goto done;
             }
             if (!(bnames[i] = lk_strdup(bw->name))) {
@@ -328,7 +393,16 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
         }
     }
     qsort_r(bby, n_bby, sizeof *bby, target_cmp, bnames);
+    void *tf = tbytes ? lk_malloc(tbytes) : NULL;
+    if (tbytes && !tf) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of transposed factors", a->file, tbytes);
+        goto done;
+    }
     /* Commit. */
+    unsigned char *tp = tf;
+    for (size_t i = 0; i < a->n; i++) orient(a, i, trans[i], &a->mods[i].A, &a->mods[i].B, &tp);
+    lk_free(a->tfactors);
+    a->tfactors = tf;
     for (size_t i = 0; i < a->n; i++) {
         lk_free(a->targets[i]);
         a->targets[i] = tnames[i];
@@ -374,6 +448,7 @@ done:
     lk_free(rnames);
     lk_free(bby);
     lk_free(rby);
+    lk_free(trans);
     lk_free(ord);
     lk_free(by);
     free_knames(kn, n_kn);
