@@ -73,7 +73,7 @@ static lk_status parse_args(int argc, char **argv, swap_args *a) {
             const char *v = argv[++i];
             if (!strcmp(o, "--plan")) a->plan = v;
             else if (!strcmp(o, "--bucket-mb")) {
-                if (!lk_cli_parse_int(v, &a->bucket_mb) || a->bucket_mb <= 0 || a->bucket_mb > LK_BUCKET_MB_MAX)
+                if (!lk_cli_parse_int(v, &a->bucket_mb) || !lk_bucket_mb_valid(a->bucket_mb))
                     return lk_error(LK_ERR_ARG, "--bucket-mb expects a whole number of MiB in 1..%d, got '%s'",
                                     LK_BUCKET_MB_MAX, v);
             } else if (!lk_cli_parse_int(v, &a->threads) || a->threads < 0 || a->threads > 4096)

@@ -48,6 +48,8 @@ typedef struct lk_tracker lk_tracker;
 /* Bucket sizes given in MiB by people (swap plans, the CLI's --bucket-mb,
  * the benches) are 1..LK_BUCKET_MB_MAX; the library itself takes bytes. */
 #define LK_BUCKET_MB_MAX 1048576
+/* The one range check for them: 1 when mb is in 1..LK_BUCKET_MB_MAX. */
+static inline int lk_bucket_mb_valid(long long mb) { return mb >= 1 && mb <= LK_BUCKET_MB_MAX; }
 
 typedef struct lk_tracker_opts {
     size_t bucket_bytes; /* broadcast round size, as lk_lora_sync_opts.bucket_bytes;

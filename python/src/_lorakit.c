@@ -743,7 +743,7 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     self->comm = co;
     self->loras = PyList_New(0);
     if (!self->loras) return -1;
-    if (ok && (bucket_mb <= 0 || bucket_mb > LK_BUCKET_MB_MAX)) {
+    if (ok && !lk_bucket_mb_valid(bucket_mb)) {
         PyErr_Format(PyExc_ValueError, "bucket_mb must be in 1..%d, got %ld", LK_BUCKET_MB_MAX, bucket_mb);
         ok = 0;
     }

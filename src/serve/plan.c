@@ -10,6 +10,7 @@
 #include "lorakit/plan.h"
 
 #include <float.h>
+#include <limits.h>
 #include <string.h>
 
 #include "core/file.h"
@@ -104,7 +105,7 @@ static lk_status parse_root(pctx *c, lk_plan *p) {
         if (!k) return lk_yerr(c->doc, kn, "(top level)", "keys must be strings");
         if (!strcmp(k, "bucket_mb")) {
             long long b;
-            if (!lk_ynode_int(vn, 1, LK_BUCKET_MB_MAX, &b)) {
+            if (!lk_ynode_int(vn, LLONG_MIN, LLONG_MAX, &b) || !lk_bucket_mb_valid(b)) {
                 char r[64];
                 lk_ynode_repr(vn, r, sizeof r);
                 return lk_yerr(c->doc, vn, NULL, "expected a whole number of MiB in 1..%d, got %s",

@@ -175,8 +175,11 @@ models:
       <<: *d
       rank: 2
 """)
+# a repeated key: the front-end refuses it naming both lines
+put("yaml", "duplicate_role.yaml", "models:\n  student:\n    lora: {enable: true, rank: 4}\n  student:\n    lora: {enable: false}\n")
 
 # ---- swap plan -------------------------------------------------------------
+put("plan", "duplicate_loras.yaml", "bucket_mb: 4\nsteps:\n  - loras: [{path: a/, strength: 1.0}]\n    loras: []\n")
 put("plan", "design.yaml", """bucket_mb: 64          # optional
 no_lora_swap: false    # optional
 steps:
