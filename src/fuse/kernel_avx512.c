@@ -29,7 +29,9 @@
 #define LK_TI static inline __attribute__((always_inline)) LK_T
 
 /* W lines this far ahead (bytes) are prefetched, per row. */
+#ifndef PF_AHEAD
 #define PF_AHEAD 512
+#endif
 
 LK_TI __m512 odd_add_ps(__m512 w, __m512 d) {
     const __m512 s = _mm512_add_ps(w, d);
@@ -136,6 +138,32 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
                 acc[r][2] = _mm512_fmadd_ps(b, a2, acc[r][2]);
                 acc[r][3] = _mm512_fmadd_ps(b, a3, acc[r][3]);
             }
+        }
+        if (n >= LK_PW32) { /* the common case: whole panel, one test per row */
+            for (int r = 0; r < MR; r++) {
+                const unsigned char *src = win + (size_t)r * ldw + col0 * 2;
+                unsigned char *dst = wout + (size_t)r * ldw + col0 * 2;
+                __m256i o16[4];
+                __mmask16 sp[4];
+                for (int h = 0; h < 4; h++)
+                    o16[h] = bf ? round_bf16(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), acc[r][h], &sp[h])
+                                : round_f16(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), acc[r][h], &sp[h]);
+                if (__builtin_expect((sp[0] | sp[1] | sp[2] | sp[3]) != 0, 0)) {
+                    for (int h = 0; h < 4; h++) {
+                        if (!sp[h]) {
+                            _mm256_storeu_si256((__m256i *)(dst + 32 * h), o16[h]);
+                            continue;
+                        }
+                        float dv[16];
+                        _mm512_storeu_ps(dv, acc[r][h]);
+                        lk_kernel_finish_slow(wk, o + (size_t)r, col0 + 16 * (size_t)h, 16, src + 32 * h, dv, NULL,
+                                              dst + 32 * h);
+                    }
+                    continue;
+                }
+                for (int h = 0; h < 4; h++) _mm256_storeu_si256((__m256i *)(dst + 32 * h), o16[h]);
+            }
+            continue;
         }
         for (int r = 0; r < MR; r++) {
             const unsigned char *src = win + (size_t)r * ldw + col0 * 2;
