@@ -76,6 +76,7 @@ typedef struct lk_lora_config {
  *  - target_modules: a list of non-empty strings; absent, null or [] gives
  *    the default list; anything else          -> LK_ERR_CONFIG
  *  - unknown keys: a warning listing them and the valid keys (cfg->warning)
+ *  - a key repeated anywhere in the file      -> LK_ERR_CONFIG naming both lines
  *  - a missing file, malformed YAML, `models` missing or not a mapping, or
  *    no such role                             -> LK_ERR_IO / LK_ERR_FORMAT / LK_ERR_CONFIG
  * Errors name the file, line and key: "cfg.yaml:7: models.student.lora.rank:

@@ -8,8 +8,11 @@
  *     - loras: []          # reset
  *
  * Relative adapter paths are taken relative to the plan file's directory.
- * Parsing is strict: unknown keys, wrong types, non-finite strengths and
- * anything past the size limits are LK_ERR_CONFIG naming file, line and key. */
+ * Parsing is strict: unknown keys, wrong types, non-finite strengths, a key
+ * repeated anywhere (e.g. two `loras:` in one step) and anything past the
+ * size limits are LK_ERR_CONFIG naming file, line and key path; text that is
+ * not YAML is LK_ERR_FORMAT. Scalars follow lorakit's one YAML rule set
+ * (README, "config check and train"). */
 #ifndef LORAKIT_PLAN_H
 #define LORAKIT_PLAN_H
 
