@@ -351,6 +351,8 @@ static void test_peft_saved_tensors(void **state) {
          "is saved whole (modules_to_save) but blocks.0.attn.to_q also has LoRA factors", 0, LK_ERR_FORMAT},
         {"blocks.0.attn.to_q", "embed.hada_w1_a", "{\"r\": 4}", "is a LoHa (LyCORIS) factor, which lorakit does not fuse",
          0, LK_ERR_UNSUPPORTED},
+        {"blocks.0.attn.to_q", "blocks.0.attn.to_q.base_layer.weight", "{\"r\": 4}",
+         "is a LoRA layer's base weight (PEFT's save_embedding_layers", 0, LK_ERR_UNSUPPORTED},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char stem[128], extra[128], name[16];

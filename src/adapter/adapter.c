@@ -329,6 +329,11 @@ static lk_status other_key(const lk_adapter *a, const char *k, char **name, cons
     }
     if (is_bias)
         return lk_error(LK_ERR_FORMAT, "%s: key '%s' is a saved bias, but %s has bias = \"none\"", f, k, a->config_path);
+    static const char bw[] = ".base_layer.weight";
+    if (rl > sizeof bw - 1 && !strcmp(rest + rl - (sizeof bw - 1), bw))
+        return lk_error(LK_ERR_UNSUPPORTED,
+                        "%s: key '%s' is a LoRA layer's base weight (PEFT's save_embedding_layers, for a resized "
+                        "vocabulary), which lorakit does not fuse", f, k);
     return lk_error(LK_ERR_FORMAT,
                     "%s: key '%s' is not a LoRA factor, and %s's modules_to_save (%zu entries) does not cover it", f,
                     k, a->config_path, a->cfg.n_to_save);
