@@ -225,6 +225,31 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
                 acc[r][3] = _mm512_fmadd_pd(b, a3, acc[r][3]);
             }
         }
+        if (n >= LK_PW64) { /* whole panel: one test per row */
+            for (int r = 0; r < MR; r++) {
+                const unsigned char *src = win + (size_t)r * ldw + col0 * 4;
+                unsigned char *dst = wout + (size_t)r * ldw + col0 * 4;
+                __m256i o32[4];
+                __mmask8 sp[4];
+                for (int h = 0; h < 4; h++)
+                    o32[h] = round_f32w(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), acc[r][h], &sp[h]);
+                if (__builtin_expect((sp[0] | sp[1] | sp[2] | sp[3]) != 0, 0)) {
+                    for (int h = 0; h < 4; h++) {
+                        if (!sp[h]) {
+                            _mm256_storeu_si256((__m256i *)(dst + 32 * h), o32[h]);
+                            continue;
+                        }
+                        double dv[8];
+                        _mm512_storeu_pd(dv, acc[r][h]);
+                        lk_kernel_finish_slow(wk, o + (size_t)r, col0 + 8 * (size_t)h, 8, src + 32 * h, NULL, dv,
+                                              dst + 32 * h);
+                    }
+                    continue;
+                }
+                for (int h = 0; h < 4; h++) _mm256_storeu_si256((__m256i *)(dst + 32 * h), o32[h]);
+            }
+            continue;
+        }
         for (int r = 0; r < MR; r++) {
             const unsigned char *src = win + (size_t)r * ldw + col0 * 4;
             unsigned char *dst = wout + (size_t)r * ldw + col0 * 4;
