@@ -203,7 +203,7 @@ static void test_python_patterns(void **state) {
 }
 
 /* Catastrophic backtracking on a long module name: (a+)+$ and friends
- * finish in bounded time (the ctest timeout; milliseconds in practice),
+ * finish in bounded time (PCRE2's match limit; the ctest timeout here),
  * with an error naming key and module, or a result; a repetition whose
  * compiled form would be huge is refused at compile time ("too large"). Oracle: PCRE2's
  * documented match/depth limits. */

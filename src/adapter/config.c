@@ -34,8 +34,8 @@
 #include <string.h>
 
 /* Bounds for one match of a pattern against one module name. PEFT's
- * patterns need a few hundred steps; these stop (a+)+$ on a long name in
- * milliseconds. */
+ * patterns need a few hundred steps; these stop (a+)+$ on a long name after
+ * a million. */
 #define LK_RE_MATCH_LIMIT 1000000u
 #define LK_RE_DEPTH_LIMIT 10000u
 #define LK_RE_HEAP_KIB 16384u
