@@ -63,6 +63,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#ifdef LK_KERNEL_X86
+#include <cpuid.h>
+#endif
 
 #define ROWS_PER_CHUNK 16
 #define TILE_BYTES (256u * 1024u)
@@ -74,16 +77,25 @@ uint32_t lk_fuse_round_f64_to_f32(uint32_t w_bits, double d) { return lk_k_round
 
 /* ---- path selection ---- */
 
+#ifdef LK_KERNEL_X86
+/* F16C from CPUID leaf 1 (ECX bit 29): clang before 16 has no "f16c" for
+ * __builtin_cpu_supports, and the fuzz build uses clang. */
+static int cpu_has_f16c(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+}
+#endif
+
 int lk_fuse_kernel_supported(const char *name) {
     if (!strcmp(name, "portable")) return 1;
 #ifdef LK_KERNEL_X86
     __builtin_cpu_init();
     if (!strcmp(name, "avx2"))
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
     if (!strcmp(name, "avx512"))
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-               __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+               __builtin_cpu_supports("fma") && cpu_has_f16c();
 #endif
     return 0;
 }
