@@ -1,4 +1,4 @@
-/* dtype.c — safetensors dtype table and F32/F16/BF16 conversion.
+/* dtype.c — safetensors dtype table and F32/F16/BF16/FP8 conversion.
  *
  * The scalar converters are written branch-free (selects, not ifs) so that
  * the bulk loops below auto-vectorise; target_clones builds an AVX2 copy of
@@ -10,6 +10,7 @@
 #include "lorakit/dtype.h"
 #include "lorakit/tensor.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -105,6 +106,97 @@ static inline uint16_t f32_to_f16(float f) {
     return (uint16_t)(r | sign);
 }
 
+/* ---- FP8 ----
+ * F8_E4M3 is e4m3fn (OCP/NVIDIA, torch.float8_e4m3fn): bias 7, 3 mantissa
+ * bits, no infinities, S.1111.111 the only NaN per sign, so the largest
+ * finite is S.1111.110 = 448. F8_E5M2 is IEEE-like: bias 15, 2 mantissa
+ * bits, S.11111.00 = Inf, S.11111.xx NaN, largest finite 57344.
+ * Decoding is exact (every FP8 value is a float). Encoding takes a double
+ * and rounds once: to nearest, ties to even, with an unbounded exponent,
+ * then checks the range (so for e4m3fn exactly 464 = halfway between 448
+ * and the would-be 480 ties to 448, whose mantissa 110 is even, and only
+ * |x| > 464 overflows; for e5m2 57344's mantissa 11 is odd, so 61440 ties
+ * up, and |x| >= 61440 overflows), or stochastically. Subnormals round on
+ * the fixed quantum 2^(1-bias-mbits). */
+typedef struct {
+    int mbits, bias;
+    double max;
+    uint8_t maxcode, nancode, infcode; /* infcode 0: no infinities */
+} fp8fmt;
+
+static const fp8fmt FP8_E4M3 = {3, 7, 448.0, 0x7e, 0x7f, 0};
+static const fp8fmt FP8_E5M2 = {2, 15, 57344.0, 0x7b, 0x7e, 0x7c};
+
+int lk_dtype_is_fp8(lk_dtype d) { return d == LK_DTYPE_F8_E4M3 || d == LK_DTYPE_F8_E5M2; }
+
+double lk_fp8_max(lk_dtype d) { return d == LK_DTYPE_F8_E5M2 ? FP8_E5M2.max : FP8_E4M3.max; }
+
+static inline float fp8_to_f32(uint8_t c, const fp8fmt *f) {
+    uint32_t sign = (uint32_t)(c & 0x80u) << 24;
+    uint32_t e = (c & 0x7fu) >> f->mbits, m = c & ((1u << f->mbits) - 1u);
+    uint32_t emax = 0x7fu >> f->mbits;
+    float v;
+    if (f->infcode && e == emax) {
+        v = m ? u2f(0x7fc00000u) : u2f(0x7f800000u);
+    } else if (!f->infcode && (c & 0x7fu) == 0x7fu) {
+        v = u2f(0x7fc00000u);
+    } else if (e == 0) { /* subnormal: m * 2^(1 - bias - mbits), exact */
+        v = (float)m * u2f((uint32_t)(127 + 1 - f->bias - f->mbits) << 23);
+    } else {
+        v = u2f(((e - (uint32_t)f->bias + 127u) << 23) | (m << (23 - f->mbits)));
+    }
+    return u2f(f2u(v) | sign);
+}
+
+float lk_fp8_to_f32(uint8_t code, lk_dtype d) {
+    return fp8_to_f32(code, d == LK_DTYPE_F8_E5M2 ? &FP8_E5M2 : &FP8_E4M3);
+}
+
+int lk_fp8_from_double(double x, lk_dtype d, int stochastic, uint32_t rbits, uint8_t *code) {
+    const fp8fmt *f = d == LK_DTYPE_F8_E5M2 ? &FP8_E5M2 : &FP8_E4M3;
+    uint8_t sign = signbit(x) ? 0x80u : 0u;
+    if (isnan(x)) {
+        *code = sign | f->nancode;
+        return 0;
+    }
+    double a = fabs(x);
+    if (a == 0.0) {
+        *code = sign;
+        return 0;
+    }
+    if (isinf(a) || (stochastic && a > f->max)) {
+        *code = sign | f->maxcode;
+        return 1;
+    }
+    int k;
+    (void)frexp(a, &k); /* a in [2^(k-1), 2^k) */
+    int emin = 1 - f->bias, e = k - 1;
+    int qe = (e < emin ? emin : e) - f->mbits; /* the quantum's exponent */
+    double n = ldexp(a, -qe);                  /* exact: a power-of-two scaling */
+    double r = floor(n), frac = n - r;         /* exact: n < 2^(mbits+1) */
+    if (stochastic) {
+        if ((double)rbits * 0x1p-32 < frac) r += 1.0;
+    } else if (frac > 0.5 || (frac == 0.5 && fmod(r, 2.0) != 0.0)) {
+        r += 1.0;
+    }
+    if (ldexp(r, qe) > f->max) {
+        *code = sign | f->maxcode;
+        return 1;
+    }
+    unsigned ri = (unsigned)r, one = 1u << f->mbits;
+    if (ri >= 2 * one) { /* rounded up to the next binade */
+        ri >>= 1;
+        qe++;
+    }
+    if (ri < one) { /* subnormal (qe is the smallest quantum) or zero */
+        *code = sign | (uint8_t)ri;
+        return 0;
+    }
+    unsigned E = (unsigned)(qe + f->mbits + f->bias);
+    *code = sign | (uint8_t)((E << f->mbits) | (ri - one));
+    return 0;
+}
+
 float lk_bf16_to_f32(uint16_t h) { return bf16_to_f32(h); }
 uint16_t lk_f32_to_bf16(float f) { return f32_to_bf16(f); }
 float lk_f16_to_f32(uint16_t h) { return f16_to_f32(h); }
@@ -144,7 +236,14 @@ void lk_to_f32(float *dst, const void *src, lk_dtype d, size_t n) {
     case LK_DTYPE_F32: memmove(dst, src, n * 4); return;
     case LK_DTYPE_BF16: conv = bf16_to_f32_n; break;
     case LK_DTYPE_F16: conv = f16_to_f32_n; break;
-    default: return; /* callers check lk_dtype_is_fusable */
+    case LK_DTYPE_F8_E4M3:
+    case LK_DTYPE_F8_E5M2: {
+        const fp8fmt *f = d == LK_DTYPE_F8_E5M2 ? &FP8_E5M2 : &FP8_E4M3;
+        const uint8_t *b = src;
+        for (size_t i = 0; i < n; i++) dst[i] = fp8_to_f32(b[i], f);
+        return;
+    }
+    default: return; /* callers check lk_dtype_is_fusable / lk_dtype_is_fp8 */
     }
     if (!odd(src)) {
         conv(dst, src, n);
