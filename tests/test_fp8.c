@@ -1,6 +1,6 @@
 /* test_fp8.c — FP8 (F8_E4M3 = e4m3fn, F8_E5M2) decoding and rounding.
  *
- * Oracle: a double-precision reference written here, by bit manipulation
+ * Oracle: a double-precision reference (tests/util/fp8_ref.h), by bit manipulation
  * and by a different algorithm than src/core/dtype.c: decode takes the
  * sign/exponent/mantissa fields apart by the formats' definitions (OCP FP8:
  * e4m3fn has no Inf and S.1111.111 as its only NaN; e5m2 is IEEE-like);
@@ -11,85 +11,12 @@
  * and on a million random values drawn to hit ties, subnormals, the
  * largest values and overflow. */
 #include "testutil.h"
+#include "fp8_ref.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-typedef struct {
-    lk_dtype dt;
-    int ebits, mbits, bias;
-    int has_inf;
-} ref_fmt;
-
-static const ref_fmt E4M3 = {LK_DTYPE_F8_E4M3, 4, 3, 7, 0};
-static const ref_fmt E5M2 = {LK_DTYPE_F8_E5M2, 5, 2, 15, 1};
-
-/* Decoded value of code c (NAN for NaN codes). */
-static double ref_decode(const ref_fmt *f, unsigned c) {
-    unsigned s = c >> 7, e = (c >> f->mbits) & ((1u << f->ebits) - 1u), m = c & ((1u << f->mbits) - 1u);
-    unsigned emax = (1u << f->ebits) - 1u;
-    double v;
-    if (f->has_inf && e == emax) v = m ? NAN : INFINITY;
-    else if (!f->has_inf && e == emax && m == (1u << f->mbits) - 1u) v = NAN;
-    else if (e == 0) v = ldexp((double)m, 1 - f->bias - f->mbits);
-    else v = ldexp(1.0 + ldexp((double)m, -f->mbits), (int)e - f->bias);
-    return s ? -v : v;
-}
-
-/* The finite non-negative values in increasing order, codes 0.. up to the
- * largest finite; returns their count. */
-static int ref_table(const ref_fmt *f, double *val, unsigned *code) {
-    int n = 0;
-    for (unsigned c = 0; c < 128; c++) {
-        double v = ref_decode(f, c);
-        if (isnan(v) || isinf(v)) break;
-        val[n] = v;
-        code[n++] = c;
-    }
-    return n;
-}
-
-/* Reference RNE of x: *code, returns 1 on overflow (code = +-max). */
-static int ref_encode(const ref_fmt *f, double x, unsigned *out) {
-    static double val[2][128];
-    static unsigned code[2][128];
-    static int n[2];
-    int w = f == &E5M2;
-    if (!n[w]) n[w] = ref_table(f, val[w], code[w]);
-    unsigned sign = signbit(x) ? 0x80u : 0u;
-    double a = fabs(x);
-    int cnt = n[w];
-    double top = val[w][cnt - 1];
-    /* the step past the largest finite: the next value of its binade */
-    double next = top + (top - val[w][cnt - 2]);
-    unsigned next_code = code[w][cnt - 1] + 1; /* its would-be code (parity only) */
-    if (a >= next) {
-        *out = sign | code[w][cnt - 1];
-        return 1;
-    }
-    if (a > top) { /* between max and the virtual next value */
-        double dl = a - top, dh = next - a;
-        int up = dh < dl || (dh == dl && (next_code & 1u) == 0);
-        *out = sign | code[w][cnt - 1];
-        return up;
-    }
-    int lo = 0, hi = cnt - 1; /* largest index with val <= a */
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (val[w][mid] <= a) lo = mid;
-        else hi = mid - 1;
-    }
-    if (val[w][lo] == a || lo == cnt - 1) {
-        *out = sign | code[w][lo];
-        return 0;
-    }
-    double dl = a - val[w][lo], dh = val[w][lo + 1] - a;
-    int up = dh < dl || (dh == dl && (code[w][lo + 1] & 1u) == 0);
-    *out = sign | code[w][lo + up];
-    return 0;
-}
 
 static void check_decode(const ref_fmt *f) {
     for (unsigned c = 0; c < 256; c++) {

@@ -26,9 +26,27 @@ typedef struct lk_fuse_term {
     float scale;        /* strength * alpha-derived scale */
 } lk_fuse_term;
 
+/* FP8 weights (lk_fuse_fp8): how the fused value is rounded into FP8 and
+ * what happens to the weight's scale. All zero = the defaults. */
+typedef enum lk_fp8_rounding {
+    LK_FP8_NEAREST = 0,    /* round to nearest, ties to even */
+    LK_FP8_STOCHASTIC = 1  /* reproducible: bits keyed by (seed, tensor name, element index) */
+} lk_fp8_rounding;
+typedef enum lk_fp8_scale_mode {
+    LK_FP8_RESCALE = 0,    /* recompute the scale from the fused values (LTX-2's formula) */
+    LK_FP8_KEEP = 1        /* keep the scale; values beyond it overflow */
+} lk_fp8_scale_mode;
+typedef struct lk_fp8_opts {
+    lk_fp8_rounding rounding;
+    uint64_t seed;         /* stochastic rounding's seed */
+    lk_fp8_scale_mode scale;
+    int saturate;          /* clamp overflowing values to +-max instead of failing */
+} lk_fp8_opts;
+
 typedef struct lk_fuse_opts {
     int threads;          /* 0 = all cores */
     int allow_nonfinite;  /* else a non-finite result from finite input is LK_ERR_NONFINITE */
+    lk_fp8_opts fp8;      /* FP8 weights only */
 } lk_fuse_opts;
 
 /* w_out may equal w_in (in place); both are out x in of dtype `dtype`.
@@ -37,6 +55,36 @@ typedef struct lk_fuse_opts {
 lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t out,
                          int64_t in, const lk_fuse_term *terms, size_t n_terms,
                          const lk_fuse_opts *opts, const char *name);
+
+/* Fuses terms into an FP8 weight w (out x in codes of dtype F8_E4M3 or
+ * F8_E5M2, in place) whose real value is code x scale: scale (may be NULL:
+ * plain FP8, scale 1) holds n_scale values (1, or one per row) of sdtype
+ * F32/BF16/F16 and is rewritten in place under LK_FP8_RESCALE. The delta is
+ * lk_fuse_tensor's canonical fp32 chain; code x scale + delta is divided by
+ * the (new or kept) scale and rounded once into FP8 (src/fuse/fp8.c says
+ * exactly how). Overflow beyond the format's largest finite value is
+ * LK_ERR_NONFINITE naming the tensor and the element count, unless
+ * opts->fp8.saturate. The bytes do not depend on the thread count. On error
+ * w and scale may be partly written (callers keep a copy). */
+lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void *scale, lk_dtype sdtype,
+                      int64_t n_scale, const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts,
+                      const char *name);
+
+/* The scale tensor of FP8 weight model[wi] among model[0..n): *scale = its
+ * index, or -1 for plain FP8. Recognised: "<m>.weight_scale" (F32/BF16/F16
+ * of shape [], [1], [out] or [out, 1]) and ComfyUI's "<m>.scale_weight"
+ * when the file holds the "scaled_fp8" marker tensor. "<m>.input_scale" and
+ * "<m>.scale_input" are activation scales (left alone). Any other sibling
+ * "<m>.<...scale...>" (block-wise "weight_scale_inv", NVFP4's
+ * "weight_scale_2", ...) or another shape is LK_ERR_UNSUPPORTED naming it:
+ * never fused as if plain. */
+lk_status lk_fp8_scale_of(const lk_tensor *model, size_t n, size_t wi, long *scale);
+
+/* Stochastic rounding's generator: the key of a tensor's stream and the 32
+ * bits for its element index (SplitMix64's finaliser; counter-based, so
+ * any split of the elements gives the same bits). */
+uint64_t lk_fp8_stream_key(uint64_t seed, const char *name);
+uint32_t lk_fp8_random_bits(uint64_t key, uint64_t index);
 
 /* One adapter of a fuse request. */
 typedef struct lk_fuse_input {

@@ -62,12 +62,14 @@ typedef struct lk_tracker_opts {
                             fused weight that turns NaN/Inf from finite inputs, or
                             factors holding NaN/Inf (LK_ERR_NONFINITE on every
                             rank, weights unchanged); 1 fuses them as they come */
+    lk_fp8_opts fp8;     /* FP8 weights: rounding, seed, scale mode, saturate
+                            (lorakit/fuse.h); must be equal on every rank */
 } lk_tracker_opts;
 
 #define LK_TRACKER_BUCKET_DEFAULT ((size_t)64 << 20)
 #define LK_TRACKER_OPTS_DEFAULT                                                               \
     {.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT, .no_lora_swap = 0, .threads = 0,             \
-     .allow_nonfinite = 0}
+     .allow_nonfinite = 0, .fp8 = {LK_FP8_NEAREST, 0, LK_FP8_RESCALE, 0}}
 
 typedef struct lk_tracker_stats {
     int skipped;               /* the request equalled the current set */

@@ -179,8 +179,8 @@ static lk_status check_target(const lk_adapter *a, const lk_lora_module *m, cons
     if (w->ndim != 2)
         return lk_error(LK_ERR_SHAPE, "%s: %s: the model weight %s has %d dimensions; LoRA needs a 2-D weight", a->file,
                         m->module, w->name, w->ndim);
-    if (!lk_dtype_is_fusable(w->dtype))
-        return lk_error(LK_ERR_DTYPE, "%s: %s: the model weight %s is %s; only F32, F16 and BF16 can be fused",
+    if (!lk_dtype_is_fusable(w->dtype) && !lk_dtype_is_fp8(w->dtype))
+        return lk_error(LK_ERR_DTYPE, "%s: %s: the model weight %s is %s; only F32, F16, BF16 and FP8 can be fused",
                         a->file, m->module, w->name, lk_dtype_name(w->dtype));
     if (m->B.shape[0] != w->shape[0])
         return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %lldx%lld but the model weight is %lldx%lld", a->file, m->module,

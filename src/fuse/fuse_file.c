@@ -112,6 +112,9 @@ typedef struct fctx {
     lk_st_writer **w; /* one per output file */
     size_t n_w;
     lk_out_dir *od;   /* sharded output: the temporary folder */
+    long *scale_of;   /* fused FP8 weight: index of its scale tensor, else -1 */
+    unsigned char *is_scale; /* 1: the scale of a fused FP8 weight (written with it) */
+    void *sbuf;       /* one scale tensor's bytes */
     void *buf;
     char *record;
 } fctx;
@@ -120,6 +123,9 @@ static void fctx_free(fctx *c) {
     for (size_t j = 0; j < c->n_w; j++) lk_st_writer_free(c->w[j]);
     lk_free(c->w);
     lk_out_dir_abort(c->od);
+    lk_free(c->scale_of);
+    lk_free(c->is_scale);
+    lk_free(c->sbuf);
     for (size_t i = 0; i < c->n_ad; i++) lk_adapter_free(c->ad[i]);
     lk_free(c->ad);
     lk_free(c->model);
@@ -254,18 +260,45 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     }
     for (size_t i = 0; i < nt; i++) c.model[i] = *lk_ckpt_tensor(c.ck, i);
     if ((s = prepare(&c, base, c.model, nt, inputs, n, opts->allow_unmatched, out, &st))) goto fail;
-    size_t buf_bytes = 0, copy_bytes = 0;
+    size_t buf_bytes = 0, copy_bytes = 0, sbuf_bytes = 0;
     uint64_t total_bytes = 0;
+    c.scale_of = lk_malloc((nt ? nt : 1) * sizeof *c.scale_of);
+    c.is_scale = lk_calloc(nt ? nt : 1, 1);
+    if (!c.scale_of || !c.is_scale) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+        goto fail;
+    }
     for (size_t i = 0; i < nt; i++) {
         size_t nb = c.model[i].nbytes;
         total_bytes += nb;
         lk_fuse_key plan;
+        c.scale_of[i] = -1;
         if ((s = gather(&c, &c.model[i], &plan))) goto fail;
         if (lk_fuse_key_touches(&plan)) {
             if (nb > buf_bytes) buf_bytes = nb;
+            /* an FP8 weight's layout is checked before anything is written */
+            if (lk_dtype_is_fp8(c.model[i].dtype)) {
+                if (plan.replace || plan.dora) {
+                    s = lk_error(LK_ERR_UNSUPPORTED, "%s: %s: %s on an FP8 weight is not supported (LoRA terms only)",
+                                 base, c.model[i].name, plan.dora ? "DoRA" : "a replacement (modules_to_save, bias)");
+                    goto fail;
+                }
+                if ((s = lk_fp8_scale_of(c.model, nt, i, &c.scale_of[i]))) {
+                    lk_error_prefix(s, "%s", base);
+                    goto fail;
+                }
+                if (c.scale_of[i] >= 0) {
+                    c.is_scale[c.scale_of[i]] = 1;
+                    if (c.model[c.scale_of[i]].nbytes > sbuf_bytes) sbuf_bytes = c.model[c.scale_of[i]].nbytes;
+                }
+            }
         } else if (nb > copy_bytes) {
             copy_bytes = nb;
         }
+    }
+    if (sbuf_bytes && !(c.sbuf = lk_malloc(sbuf_bytes))) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+        goto fail;
     }
     if (copy_bytes > COPY_CHUNK) copy_bytes = COPY_CHUNK;
     if (copy_bytes > buf_bytes) buf_bytes = copy_bytes;
@@ -324,8 +357,30 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
         lk_st_writer *w = c.w[one_file ? 0 : lk_ckpt_tensor_shard(c.ck, i)];
         size_t wi = one_file ? i : lk_ckpt_tensor_local(c.ck, i);
         lk_fuse_key plan;
-        if ((s = gather(&c, t, &plan))) goto fail;
-        if (lk_fuse_key_touches(&plan)) {
+        if (c.is_scale[i]) {
+            plan = (lk_fuse_key){0}; /* written with its FP8 weight (possibly rescaled) */
+        } else if ((s = gather(&c, t, &plan))) {
+            goto fail;
+        }
+        if (c.is_scale[i]) {
+        } else if (lk_fuse_key_touches(&plan) && lk_dtype_is_fp8(t->dtype)) {
+            long si = c.scale_of[i];
+            const lk_tensor *sc = si >= 0 ? &c.model[si] : NULL;
+            if ((s = lk_ckpt_read(c.ck, i, 0, c.buf, t->nbytes))) goto fail;
+            if (sc && (s = lk_ckpt_read(c.ck, (size_t)si, 0, c.sbuf, sc->nbytes))) goto fail;
+            s = lk_fuse_fp8(c.buf, t->dtype, t->shape[0], t->shape[1], sc ? c.sbuf : NULL, sc ? sc->dtype : LK_DTYPE_F32,
+                            sc ? (int64_t)lk_tensor_numel(sc) : 0, c.terms, plan.n_terms, &opts->fuse, t->name);
+            if (s) {
+                lk_error_prefix(s, "%s", base);
+                goto fail;
+            }
+            if ((s = lk_st_writer_write(w, wi, 0, c.buf, t->nbytes))) goto fail;
+            if (sc && (s = lk_st_writer_write(c.w[one_file ? 0 : lk_ckpt_tensor_shard(c.ck, (size_t)si)],
+                                              one_file ? (size_t)si : lk_ckpt_tensor_local(c.ck, (size_t)si), 0,
+                                              c.sbuf, sc->nbytes)))
+                goto fail;
+            st.tensors_fused++;
+        } else if (lk_fuse_key_touches(&plan)) {
             if ((s = lk_ckpt_read(c.ck, i, 0, c.buf, t->nbytes))) goto fail;
             s = lk_fuse_key_apply(c.buf, c.buf, t, &plan, c.terms, &opts->fuse);
             if (s) {

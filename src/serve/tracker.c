@@ -15,7 +15,11 @@
  *   owner rolls back (clean bytes from the backup plus the old terms, with
  *   the old adapters still open) before anything is broadcast.
  * - Keys are walked in byte-wise name order, never file order, so ranks
- *   that loaded differently ordered files still agree on every round. */
+ *   that loaded differently ordered files still agree on every round.
+ * - An FP8 weight's scale tensor (lk_fp8_scale_of) is its companion: owned
+ *   by the weight's owner, given the weight's signature, backed up,
+ *   restored and broadcast with it, and rewritten only by the weight's
+ *   recompute (lk_fuse_fp8 rescales it), never on its own. */
 #include "core/clock.h"
 #include "lorakit/tracker.h"
 #include "serve/tracker_internal.h"
@@ -35,6 +39,9 @@ typedef struct key_state {
     int owner;
     void *backup;  /* clean bytes, owner only, once first touched */
     uint64_t sig;  /* signature of the terms fused in now; 0 = clean */
+    long scale;    /* FP8 weight: index of its scale key, else -1 */
+    long weight;   /* a scale key: index of its FP8 weight, else -1 */
+    int fp8_bad;   /* FP8 weight whose scale siblings lk_fp8_scale_of refuses */
 } key_state;
 
 /* A normalized request: strength-0 entries dropped, sorted, paths owned. */
@@ -242,15 +249,39 @@ static lk_status key_signatures(lk_tracker *t, const request *r, lk_fuse_term *t
             lk_fuse_key plan;
             lk_status st = key_terms(t, r, i, terms, &plan);
             if (st) return st;
+            if (lk_dtype_is_fp8(w->dtype) && (plan.replace || plan.dora))
+                return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: %s on an FP8 weight is not supported (LoRA terms only)",
+                                r->e[first].path, w->name, plan.dora ? "DoRA" : "a replacement (modules_to_save, bias)");
+            if (lk_dtype_is_fp8(w->dtype) && t->k[i].fp8_bad) {
+                long sc;
+                lk_status bad = lk_fp8_scale_of(lk_weights_tensors(t->w), t->n, i, &sc);
+                return lk_error_prefix(bad ? bad : LK_ERR_UNSUPPORTED, "%s", r->e[first].path);
+            }
         }
         t->next[i] = (first != SIZE_MAX && !s) ? 1 : s; /* 0 is reserved for clean */
     }
+    /* a scale follows its weight */
+    for (size_t i = 0; i < t->n; i++)
+        if (t->k[i].weight >= 0) t->next[i] = t->next[t->k[i].weight];
     return LK_OK;
 }
 
 /* ---- per-key work on the owner ---- */
 
 static int changed(const lk_tracker *t, size_t i) { return t->full || t->next[i] != t->k[i].sig; }
+
+/* An FP8 weight (with its scale, if any) from clean + terms: restored from
+ * the backups, then fused in place (lk_fuse_fp8 rewrites the scale). */
+static lk_status recompute_fp8(lk_tracker *t, size_t i, const lk_fuse_term *terms, size_t nt) {
+    const lk_tensor *w = lk_weights_tensor(t->w, i);
+    const lk_tensor *sc = t->k[i].scale >= 0 ? lk_weights_tensor(t->w, (size_t)t->k[i].scale) : NULL;
+    if (t->k[i].backup) memcpy(w->data, t->k[i].backup, w->nbytes);
+    if (sc && t->k[t->k[i].scale].backup) memcpy(sc->data, t->k[t->k[i].scale].backup, sc->nbytes);
+    if (!nt) return LK_OK;
+    lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite, t->o.fp8};
+    return lk_fuse_fp8(w->data, w->dtype, w->shape[0], w->shape[1], sc ? sc->data : NULL,
+                       sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, nt, &fo, w->name);
+}
 
 /* Makes key i hold clean + terms of r (or clean when r has none for it). */
 static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_term *terms, int *fused) {
@@ -263,12 +294,13 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
     }
     int nt = lk_fuse_key_touches(&plan);
     *fused = nt;
+    if (lk_dtype_is_fp8(w->dtype)) return recompute_fp8(t, i, terms, nt ? plan.n_terms : 0);
     if (!nt || t->full) { /* full mode copies first and fuses in place, as the reference does */
         if (clean != w->data) memcpy(w->data, clean, w->nbytes);
         clean = w->data;
         if (!nt) return LK_OK;
     }
-    lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite};
+    lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite, t->o.fp8};
     return lk_fuse_key_apply(w->data, clean, w, &plan, terms, &fo);
 }
 
@@ -346,6 +378,25 @@ static int cmp_by_size(const void *a, const void *b) {
     return strcmp(x->name, y->name);
 }
 
+/* Pairs every FP8 weight with its scale key (lk_fp8_scale_of); a weight
+ * whose siblings are refused is marked, and refused only if an adapter
+ * touches it. Local and deterministic from the names. */
+static void find_scales(lk_tracker *t) {
+    for (size_t i = 0; i < t->n; i++) t->k[i].scale = t->k[i].weight = -1;
+    for (size_t i = 0; i < t->n; i++) {
+        const lk_tensor *w = lk_weights_tensor(t->w, i);
+        if (!lk_dtype_is_fp8(w->dtype) || w->ndim != 2) continue;
+        long sc = -1;
+        if (lk_fp8_scale_of(lk_weights_tensors(t->w), t->n, i, &sc) != LK_OK) {
+            t->k[i].fp8_bad = 1;
+            continue;
+        }
+        t->k[i].scale = sc;
+        if (sc >= 0) t->k[sc].weight = (long)i;
+    }
+    lk_error_clear();
+}
+
 /* Name order, ownership (largest first onto the least-loaded rank) and the
  * structure hash every rank must share. Local. */
 static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash) {
@@ -371,7 +422,8 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash) {
         XXH3_64bits_update(&hs, hdr, sizeof hdr);
         XXH3_64bits_update(&hs, w->shape, (size_t)w->ndim * sizeof w->shape[0]);
     }
-    uint64_t opts[4] = {t->o.bucket_bytes, t->o.no_lora_swap != 0, t->full != 0, t->o.allow_nonfinite != 0};
+    uint64_t opts[8] = {t->o.bucket_bytes, t->o.no_lora_swap != 0, t->full != 0, t->o.allow_nonfinite != 0,
+                        (uint64_t)t->o.fp8.rounding, t->o.fp8.seed, (uint64_t)t->o.fp8.scale, t->o.fp8.saturate != 0};
     XXH3_64bits_update(&hs, opts, sizeof opts);
     *shape_hash = XXH3_64bits_digest(&hs);
     qsort(kr, t->n, sizeof *kr, cmp_by_size);
@@ -382,6 +434,8 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash) {
         t->k[kr[c].i].owner = best;
         load[best] += kr[c].nbytes;
     }
+    for (size_t i = 0; i < t->n; i++) /* a scale goes with its FP8 weight */
+        if (t->k[i].weight >= 0) t->k[i].owner = t->k[t->k[i].weight].owner;
     lk_free(kr);
     lk_free(load);
     return LK_OK;
@@ -426,6 +480,7 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         t->next = lk_calloc(t->n ? t->n : 1, sizeof *t->next);
         if (!t->ord || !t->k || !t->next) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
     }
+    if (!local) find_scales(t);
     if (!local) local = plan_keys(t, &shape_hash);
     if (!local && t->size > 1) {
         size_t total = lk_weights_nbytes(weights);
@@ -513,9 +568,24 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         for (size_t i = 0; !local && i < t->n; i++) {
             if (t->k[i].owner != t->rank || !t->next[i]) continue;
             const lk_tensor *w = lk_weights_tensor(t->w, i);
-            lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite};
+            lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite, t->o.fp8};
             lk_fuse_key plan;
+            if (t->k[i].weight >= 0) continue; /* a scale: tried with its weight */
             local = key_terms(t, &req, i, terms, &plan);
+            if (!local && lk_dtype_is_fp8(w->dtype)) {
+                const lk_tensor *sc = t->k[i].scale >= 0 ? lk_weights_tensor(t->w, (size_t)t->k[i].scale) : NULL;
+                unsigned char *sbuf = sc ? lk_malloc(sc->nbytes) : NULL;
+                if (sc && !sbuf) {
+                    local = lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
+                    break;
+                }
+                memcpy(scratch, w->data, w->nbytes);
+                if (sc) memcpy(sbuf, sc->data, sc->nbytes);
+                local = lk_fuse_fp8(scratch, w->dtype, w->shape[0], w->shape[1], sbuf, sc ? sc->dtype : LK_DTYPE_F32,
+                                    sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, plan.n_terms, &fo, w->name);
+                lk_free(sbuf);
+                continue;
+            }
             if (!local) local = lk_fuse_key_apply(scratch, w->data, w, &plan, terms, &fo);
         }
         lk_free(scratch);
@@ -544,7 +614,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
     local = LK_OK;
     for (size_t c = 0; c < t->n && !local; c++) {
         size_t i = t->ord[c];
-        if (t->k[i].owner != t->rank || !changed(t, i)) continue;
+        if (t->k[i].owner != t->rank || !changed(t, i) || t->k[i].weight >= 0) continue; /* scales: with their weight */
         int fused = 0;
         done_upto = c + 1;
         local = recompute(t, &req, i, terms, &fused);
@@ -559,7 +629,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         for (size_t c = 0; c < done_upto; c++) {
             size_t i = t->ord[c];
             int fused;
-            if (t->k[i].owner != t->rank || !changed(t, i)) continue;
+            if (t->k[i].owner != t->rank || !changed(t, i) || t->k[i].weight >= 0) continue;
             if (!t->k[i].backup || recompute(t, &t->cur, i, terms, &fused)) {
                 t->broken = 1;
                 lk_log(LK_LOG_ERROR, "tracker: %s could not be rolled back; the tracker is now unusable",
