@@ -795,7 +795,7 @@ static void test_resolve_errors(void **state) {
     p = save(f, "qweight.safetensors");
     a = open_ok(p, LK_FORMAT_AUTO);
     assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_DTYPE);
-    tu_assert_contains(lk_last_error(), "blocks.0.attn.to_q: the model weight blocks.0.attn.to_q.weight is I8; only F32, F16 and BF16 can be fused");
+    tu_assert_contains(lk_last_error(), "blocks.0.attn.to_q: the model weight blocks.0.attn.to_q.weight is I8; only F32, F16, BF16 and FP8 can be fused");
     lk_adapter_free(a);
     af_free(f);
     free(p);

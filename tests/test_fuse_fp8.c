@@ -431,6 +431,21 @@ static void test_stochastic(void **state) {
     assert_string_equal(hex[0], hex[1]);
     assert_string_equal(hex[0], hex[2]);
     assert_string_not_equal(hex[0], hex[3]);
+    /* the CLI options reach the same bytes; a bad value is a usage error */
+    char *o = NULL, *e = NULL;
+    assert_int_equal(tu_run_cli(&o, &e, "fuse '%s' -l '%s' -o '%s' --threads 2 --fp8-rounding stochastic --fp8-seed 42",
+                                bp, ad, op), 0);
+    free(o);
+    free(e);
+    assert_int_equal(tu_run_cli(&o, NULL, "digest '%s'", op), 0);
+    tu_assert_contains(o, hex[0]);
+    free(o);
+    assert_int_equal(tu_run_cli(NULL, &e, "fuse '%s' -l '%s' -o '%s' --fp8-rounding up", bp, ad, op), 2);
+    tu_assert_contains(e, "valid: nearest, stochastic");
+    free(e);
+    assert_int_equal(tu_run_cli(NULL, &e, "fuse '%s' -l '%s' -o '%s' --fp8-scale x", bp, ad, op), 2);
+    tu_assert_contains(e, "valid: rescale, keep");
+    free(e);
     file_free(&base);
     unlink(op);
     free(op);

@@ -16,7 +16,9 @@ static const char *const FUSE_USAGE =
     "Fuses LoRA adapters into a safetensors checkpoint and writes a new one:\n"
     "W <- W + sum_i strength_i * scale_i * (B_i @ A_i), accumulated in fp32 and\n"
     "rounded once (round-to-nearest-even) into each weight's dtype (F32, F16,\n"
-    "BF16). scale = alpha / r (alpha / sqrt(r) with rsLoRA). ADAPTER is a PEFT\n"
+    "BF16; FP8 F8_E4M3/F8_E5M2, plain or with a <m>.weight_scale or ComfyUI\n"
+    "<m>.scale_weight: decoded exactly, divided by the new or kept scale and\n"
+    "rounded once). scale = alpha / r (alpha / sqrt(r) with rsLoRA). ADAPTER is a PEFT\n"
     "folder (adapter_config.json + adapter_model.safetensors) or a .safetensors\n"
     "file in PEFT, diffusers/ComfyUI/LTX, kohya or FastVideo form (detected).\n"
     "BASE is a .safetensors file, a sharded set's *.safetensors.index*.json,\n"
@@ -43,6 +45,7 @@ static const char *const FUSE_USAGE =
     "                         (one warning with the count) instead of failing\n"
     "  --allow-nonfinite      keep Inf/NaN values created by fusion instead of\n"
     "                         failing\n"
+    LK_CLI_FP8_HELP
     "  --json                 print one JSON object: {base, out, adapters:\n"
     "                         [{path, strength}], tensors_total, tensors_fused,\n"
     "                         modules_unmatched, seconds}\n"
@@ -89,6 +92,7 @@ int lk_cmd_fuse(int argc, char **argv) {
     int json = 0;
     lk_adapter_format fmt = LK_FORMAT_AUTO;
     lk_fuse_file_opts opts = {0};
+    int f8;
     lk_fuse_input *in = calloc((size_t)argc, sizeof *in);
     size_t n = 0;
     int rc = LK_EXIT_USAGE;
@@ -138,6 +142,8 @@ int lk_cmd_fuse(int argc, char **argv) {
             opts.fuse.allow_nonfinite = 1;
         } else if (!strcmp(a, "--json")) {
             json = 1;
+        } else if ((f8 = lk_cli_fp8_option("fuse", argc, argv, &i, &opts.fuse.fp8)) != 0) {
+            if (f8 < 0) goto done;
         } else if (a[0] == '-' && a[1]) {
             lk_cli_usage("fuse", "unknown option '%s'", a);
             goto done;

@@ -43,6 +43,11 @@ typedef struct lk_fp8_opts {
     int saturate;          /* clamp overflowing values to +-max instead of failing */
 } lk_fp8_opts;
 
+/* "nearest" | "stochastic" and "rescale" | "keep" (LK_ERR_ARG naming the
+ * value and the valid ones). */
+lk_status lk_fp8_rounding_parse(const char *s, lk_fp8_rounding *out);
+lk_status lk_fp8_scale_parse(const char *s, lk_fp8_scale_mode *out);
+
 typedef struct lk_fuse_opts {
     int threads;          /* 0 = all cores */
     int allow_nonfinite;  /* else a non-finite result from finite input is LK_ERR_NONFINITE */

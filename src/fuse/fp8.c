@@ -234,3 +234,17 @@ lk_status lk_fp8_scale_of(const lk_tensor *model, size_t n, size_t wi, long *sca
     *scale = si;
     return LK_OK;
 }
+
+lk_status lk_fp8_rounding_parse(const char *s, lk_fp8_rounding *out) {
+    if (s && !strcmp(s, "nearest")) *out = LK_FP8_NEAREST;
+    else if (s && !strcmp(s, "stochastic")) *out = LK_FP8_STOCHASTIC;
+    else return lk_error(LK_ERR_ARG, "FP8 rounding '%s' (valid: nearest, stochastic)", s ? s : "");
+    return LK_OK;
+}
+
+lk_status lk_fp8_scale_parse(const char *s, lk_fp8_scale_mode *out) {
+    if (s && !strcmp(s, "rescale")) *out = LK_FP8_RESCALE;
+    else if (s && !strcmp(s, "keep")) *out = LK_FP8_KEEP;
+    else return lk_error(LK_ERR_ARG, "FP8 scale mode '%s' (valid: rescale, keep)", s ? s : "");
+    return LK_OK;
+}

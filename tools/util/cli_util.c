@@ -49,3 +49,37 @@ int lk_cli_parse_double(const char *s, double *out) {
     *out = v;
     return 1;
 }
+
+int lk_cli_fp8_option(const char *cmd, int argc, char **argv, int *i, lk_fp8_opts *o) {
+    const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+    if (!strcmp(a, "--fp8-saturate")) {
+        o->saturate = 1;
+        return 1;
+    }
+    int r = !strcmp(a, "--fp8-rounding"), sc = !strcmp(a, "--fp8-scale"), sd = !strcmp(a, "--fp8-seed");
+    if (!r && !sc && !sd) return 0;
+    if (!v) {
+        lk_cli_usage(cmd, "%s needs a value", a);
+        return -1;
+    }
+    if (r && lk_fp8_rounding_parse(v, &o->rounding)) {
+        lk_cli_usage(cmd, "%s", lk_last_error());
+        return -1;
+    }
+    if (sc && lk_fp8_scale_parse(v, &o->scale)) {
+        lk_cli_usage(cmd, "%s", lk_last_error());
+        return -1;
+    }
+    if (sd) {
+        char *end;
+        errno = 0;
+        unsigned long long x = strtoull(v, &end, 10);
+        if (errno || end == v || *end || v[0] == '-') {
+            lk_cli_usage(cmd, "--fp8-seed needs a number from 0 to 2^64-1, got '%s'", v);
+            return -1;
+        }
+        o->seed = (uint64_t)x;
+    }
+    (*i)++;
+    return 1;
+}

@@ -22,4 +22,19 @@ int lk_cli_wants_help(int argc, char **argv);
 int lk_cli_parse_int(const char *s, long *out);
 int lk_cli_parse_double(const char *s, double *out);
 
+#include "lorakit/fuse.h"
+/* The FP8 options of fuse at argv[*i]: --fp8-rounding nearest|stochastic,
+ * --fp8-seed N, --fp8-scale rescale|keep, --fp8-saturate. Returns 1 when it
+ * took the option (and its value: *i advanced), 0 when argv[*i] is not one,
+ * -1 after printing a usage error. */
+int lk_cli_fp8_option(const char *cmd, int argc, char **argv, int *i, lk_fp8_opts *o);
+/* Their --help lines. */
+#define LK_CLI_FP8_HELP                                                                  \
+    "  --fp8-rounding R       FP8 weights: nearest (default; ties to even) or\n"         \
+    "                         stochastic (reproducible: seeded per tensor/element)\n"    \
+    "  --fp8-seed N           stochastic rounding's seed (default 0)\n"                 \
+    "  --fp8-scale M          rescale (default: new scale from the fused values,\n"     \
+    "                         LTX-2's formula) or keep the weight's scale\n"            \
+    "  --fp8-saturate         clamp values beyond the FP8 range instead of failing\n"
+
 #endif
