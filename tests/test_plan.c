@@ -56,6 +56,17 @@ static void test_full_plan(void **state) {
     lk_plan_free(p);
     p = parse("steps: []\nallow_nonfinite: false\n", LK_OK);
     assert_int_equal(p->allow_nonfinite, 0);
+    assert_int_equal(p->fp8.rounding, LK_FP8_NEAREST); /* unset: the defaults */
+    assert_int_equal(p->fp8.scale, LK_FP8_RESCALE);
+    assert_int_equal(p->fp8.seed, 0);
+    assert_int_equal(p->fp8.saturate, 0);
+    lk_plan_free(p);
+    p = parse("fp8_rounding: stochastic\nfp8_seed: 12345678901\nfp8_scale: keep\nfp8_saturate: true\nsteps: []\n",
+              LK_OK);
+    assert_int_equal(p->fp8.rounding, LK_FP8_STOCHASTIC);
+    assert_true(p->fp8.seed == 12345678901ull);
+    assert_int_equal(p->fp8.scale, LK_FP8_KEEP);
+    assert_int_equal(p->fp8.saturate, 1);
     lk_plan_free(p);
 }
 
@@ -74,7 +85,12 @@ static void test_errors(void **state) {
         {"steps: []\nallow_nonfinite: 1\n", "plan.yaml:2: allow_nonfinite: expected true or false"},
         {"bucket_mb: 8\nsteps: []\nallow_nonfinite: 'true'\n", "plan.yaml:3: allow_nonfinite: expected true or false"},
         {"allow_nonfinite: [true]\nsteps: []\n", "plan.yaml:1: allow_nonfinite: expected true or false"},
-        {"steps: []\ncolour: red\n", "plan.yaml:2: colour: unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, steps)"},
+        {"steps: []\ncolour: red\n", "plan.yaml:2: colour: unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, "
+                                    "fp8_rounding, fp8_seed, fp8_scale, fp8_saturate, steps)"},
+        {"fp8_rounding: up\nsteps: []\n", "plan.yaml:1: fp8_rounding: expected nearest or stochastic"},
+        {"fp8_scale: [keep]\nsteps: []\n", "plan.yaml:1: fp8_scale: expected rescale or keep"},
+        {"fp8_seed: -1\nsteps: []\n", "plan.yaml:1: fp8_seed: expected a whole number >= 0"},
+        {"fp8_saturate: 2\nsteps: []\n", "plan.yaml:1: fp8_saturate: expected true or false"},
         {"bucket_mb: 8\n", "plan.yaml:1: steps: expected a list"},
         {"steps:\n  - {}\n", "plan.yaml:2: steps[0].loras: expected a list"},
         {"steps:\n  - loras: [{strength: 1}]\n", "plan.yaml:2: steps[0].loras[0]: missing 'path'"},

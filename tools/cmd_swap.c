@@ -28,6 +28,10 @@ static const char *const SWAP_USAGE =
     "  bucket_mb: 64          # optional: staging buffer in MiB\n"
     "  no_lora_swap: false    # optional: fuse the first set in place, no backup\n"
     "  allow_nonfinite: false # optional: keep NaN/Inf fused results (see below)\n"
+    "  fp8_rounding: nearest  # optional, FP8 weights: nearest | stochastic\n"
+    "  fp8_seed: 0            # optional: stochastic rounding's seed\n"
+    "  fp8_scale: rescale     # optional: rescale | keep the weights' scales\n"
+    "  fp8_saturate: false    # optional: clamp instead of failing on overflow\n"
     "  steps:\n"
     "    - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]\n"
     "    - loras: []          # reset to the base weights\n\n"
@@ -178,6 +182,7 @@ int lk_cmd_swap(int argc, char **argv) {
         if (mb) o.bucket_bytes = (size_t)mb << 20;
         o.no_lora_swap = plan->no_lora_swap;
         o.allow_nonfinite = a.allow_nonfinite || plan->allow_nonfinite;
+        o.fp8 = plan->fp8;
         o.threads = a.threads >= 0 ? (int)a.threads : auto_threads(c);
         s = lk_tracker_create(c, w, &o, &t);
     }

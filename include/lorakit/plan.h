@@ -37,6 +37,7 @@ typedef struct lk_plan {
     long bucket_mb;       /* 0 when the plan does not set it */
     int no_lora_swap;
     int allow_nonfinite;  /* 0 when the plan does not set it */
+    lk_fp8_opts fp8;      /* fp8_rounding, fp8_seed, fp8_scale, fp8_saturate (all zero: nearest, seed 0, rescale, no) */
     lk_plan_step *steps;
     size_t n_steps;
 } lk_plan;

@@ -115,9 +115,23 @@ static lk_status parse_root(pctx *c, lk_plan *p) {
         } else if (!strcmp(k, "no_lora_swap") || !strcmp(k, "allow_nonfinite")) {
             int *dst = k[0] == 'n' ? &p->no_lora_swap : &p->allow_nonfinite;
             if (!lk_ynode_bool(vn, dst)) return lk_yerr(c->doc, vn, NULL, "expected true or false");
+        } else if (!strcmp(k, "fp8_rounding") || !strcmp(k, "fp8_scale")) {
+            const char *v = lk_ynode_str(vn);
+            lk_status bad = !v ? LK_ERR_ARG
+                            : k[4] == 'r' ? lk_fp8_rounding_parse(v, &p->fp8.rounding)
+                                          : lk_fp8_scale_parse(v, &p->fp8.scale);
+            if (bad)
+                return lk_yerr(c->doc, vn, NULL, "expected %s", k[4] == 'r' ? "nearest or stochastic" : "rescale or keep");
+        } else if (!strcmp(k, "fp8_seed")) {
+            long long v;
+            if (!lk_ynode_int(vn, 0, LLONG_MAX, &v)) return lk_yerr(c->doc, vn, NULL, "expected a whole number >= 0");
+            p->fp8.seed = (uint64_t)v;
+        } else if (!strcmp(k, "fp8_saturate")) {
+            if (!lk_ynode_bool(vn, &p->fp8.saturate)) return lk_yerr(c->doc, vn, NULL, "expected true or false");
         } else if (strcmp(k, "steps")) {
             return lk_yerr(c->doc, kn, NULL,
-                           "unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, steps)");
+                           "unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, fp8_rounding, fp8_seed, "
+                           "fp8_scale, fp8_saturate, steps)");
         }
     }
     const lk_ynode *steps = lk_ymap_get(root, "steps");
