@@ -375,6 +375,108 @@ static void test_sharded_base(void **state) {
     free(dir);
 }
 
+/* FP8 base: plain e4m3, e4m3 + F32 [] weight_scale, e4m3 + BF16 [out, 1]
+ * weight_scale (per channel), e5m2 plain, and a BF16 weight; rank 0. */
+#define F8O 48
+#define F8I 64
+static void write_fp8_fixtures(const char *base, const char *ad) {
+    static uint8_t w[4][F8O * F8I];
+    static uint16_t bf[F8O * F8I], sc_bf[F8O];
+    static float A[4][4 * F8I], B[4][F8O * 4];
+    float sc_f = 0.0025f;
+    tu_rng r = {4242};
+    for (int k = 0; k < 4; k++)
+        for (int i = 0; i < F8O * F8I; i++) {
+            uint8_t c = (uint8_t)(tu_next(&r) & 0xb7); /* finite, |x| < 256 (e4m3) / small (e5m2) */
+            w[k][i] = c;
+        }
+    for (int i = 0; i < F8O * F8I; i++) bf[i] = lk_f32_to_bf16(tu_uniform(&r, -1, 1));
+    for (int o = 0; o < F8O; o++) sc_bf[o] = lk_f32_to_bf16(0.001f * (float)(1 + o % 5));
+    const char *mods[4] = {"blocks.0.attn.to_q", "blocks.0.attn.to_k", "blocks.0.attn.to_v", "blocks.1.attn.to_q"};
+    lk_tensor t[8];
+    char names[8][64];
+    lk_dtype dts[4] = {LK_DTYPE_F8_E4M3, LK_DTYPE_F8_E4M3, LK_DTYPE_F8_E4M3, LK_DTYPE_F8_E5M2};
+    for (int k = 0; k < 4; k++) {
+        snprintf(names[k], sizeof names[k], "%s.weight", mods[k]);
+        t[k] = (lk_tensor){.name = names[k], .dtype = dts[k], .ndim = 2, .shape = {F8O, F8I}, .nbytes = F8O * F8I,
+                           .data = w[k]};
+    }
+    t[4] = (lk_tensor){.name = "blocks.0.attn.to_k.weight_scale", .dtype = LK_DTYPE_F32, .ndim = 0, .nbytes = 4,
+                       .data = &sc_f};
+    t[5] = (lk_tensor){.name = "blocks.0.attn.to_v.weight_scale", .dtype = LK_DTYPE_BF16, .ndim = 2,
+                       .shape = {F8O, 1}, .nbytes = sizeof sc_bf, .data = sc_bf};
+    t[6] = (lk_tensor){.name = "blocks.1.ff.weight", .dtype = LK_DTYPE_BF16, .ndim = 2, .shape = {F8O, F8I},
+                       .nbytes = sizeof bf, .data = bf};
+    if (lk_st_save(base, t, 7, NULL, 0)) tu_mpi_die("save fp8 base");
+    lk_tensor at[8];
+    char an[8][96];
+    for (int k = 0; k < 4; k++) {
+        for (int i = 0; i < 4 * F8I; i++) A[k][i] = tu_uniform(&r, -1, 1);
+        for (int i = 0; i < F8O * 4; i++) B[k][i] = tu_uniform(&r, -0.01f, 0.01f);
+        snprintf(an[2 * k], sizeof an[0], "%s.lora_A.weight", mods[k]);
+        snprintf(an[2 * k + 1], sizeof an[0], "%s.lora_B.weight", mods[k]);
+        at[2 * k] = (lk_tensor){.name = an[2 * k], .dtype = LK_DTYPE_F32, .ndim = 2, .shape = {4, F8I},
+                                .nbytes = sizeof A[k], .data = A[k]};
+        at[2 * k + 1] = (lk_tensor){.name = an[2 * k + 1], .dtype = LK_DTYPE_F32, .ndim = 2, .shape = {F8O, 4},
+                                    .nbytes = sizeof B[k], .data = B[k]};
+    }
+    if (lk_st_save(ad, at, 8, NULL, 0)) tu_mpi_die("save fp8 adapter");
+}
+
+/* A swap over an FP8 base (nearest and seeded stochastic, saturating the
+ * plain weights) equals the offline fuse with the same options by digest
+ * at every rank count; reset restores the FP8 bytes and scales bit for bit. */
+static void test_fp8_base(void **state) {
+    (void)state;
+    char *base = join("fp8_base.safetensors"), *ad = join("fp8_ad.safetensors");
+    char want[2][2][LK_DIGEST_HEX], base_d[LK_DIGEST_HEX];
+    const float strengths[2] = {1.0f, -0.6f};
+    for (int mode = 0; mode < 2; mode++) {
+        lk_fp8_opts f8 = {mode ? LK_FP8_STOCHASTIC : LK_FP8_NEAREST, 7, LK_FP8_RESCALE, 1};
+        if (R == 0) {
+            if (mode == 0) write_fp8_fixtures(base, ad);
+            for (int k = 0; k < 2; k++) {
+                lk_fuse_input in = {ad, strengths[k], LK_FORMAT_AUTO};
+                lk_fuse_file_opts fo = {0};
+                fo.fuse.fp8 = f8;
+                char *out = join("fp8_off.safetensors");
+                lk_st *st = NULL;
+                if (lk_fuse_file(base, &in, 1, out, &fo, NULL) || lk_st_open(out, &st) ||
+                    lk_digest_st(st, want[mode][k]))
+                    tu_mpi_die("fp8 offline fuse");
+                lk_st_close(st);
+                remove(out);
+                free(out);
+            }
+            lk_st *st = NULL;
+            if (lk_st_open(base, &st) || lk_digest_st(st, base_d)) tu_mpi_die("fp8 base digest");
+            lk_st_close(st);
+        }
+        lk_comm_bcast(W, want, sizeof want, 0);
+        lk_comm_bcast(W, base_d, sizeof base_d, 0);
+        lk_weights *w;
+        assert_int_equal(lk_comm_agree(W, lk_weights_load(base, &w)), LK_OK);
+        lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+        o.bucket_mb = 1;
+        o.threads = 1 + R % 2; /* thread counts differ between ranks */
+        o.fp8 = f8;
+        lk_tracker *t = NULL;
+        assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_OK);
+        for (int k = 0; k < 2; k++) {
+            lk_fuse_input in = {ad, strengths[k], LK_FORMAT_AUTO};
+            assert_int_equal(lk_tracker_apply(t, &in, 1, NULL), LK_OK);
+            check_digest(w, want[mode][k]);
+        }
+        assert_int_equal(lk_tracker_reset(t, NULL), LK_OK);
+        check_digest(w, base_d);
+        lk_tracker_free(t);
+        lk_weights_free(w);
+    }
+    assert_string_not_equal(want[0][0], want[1][0]); /* stochastic rounded differently */
+    free(base);
+    free(ad);
+}
+
 int main(int argc, char **argv) {
     W = tu_mpi_init(&argc, &argv);
     R = lk_comm_rank(W);
@@ -386,6 +488,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_no_lora_swap),
         cmocka_unit_test(test_create_mismatch),
         cmocka_unit_test(test_sharded_base),
+        cmocka_unit_test(test_fp8_base),
     };
     return tu_mpi_finish(W, cmocka_run_group_tests(tests, setup, teardown));
 }
