@@ -3,9 +3,9 @@
  *
  * The arithmetic, per element, in one chain whatever the thread or rank
  * count:
- *   1. the delta d = sum_t s_t * (B_t @ A_t) comes from lk_fuse_tensor on an
- *      F32 zero block (0 + d = d exactly), so it is the canonical fp32 chain
- *      every other dtype uses;
+ *   1. the delta d = sum_t s_t * (B_t @ A_t) is the canonical narrow fp32
+ *      chain (lk_fuse_delta_f32, fuse_internal.h), the one BF16 and F16
+ *      weights use;
  *   2. the real weight is decoded exactly: w = code * scale (an FP8 value
  *      has 4 significant bits, a scale 24, so the product is exact in
  *      double), and v = w + d in double;
@@ -33,6 +33,7 @@
  * rescale the delta is computed twice (once for the amax, once to round). */
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
+#include "fuse/fuse_internal.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -69,20 +70,10 @@ static double scale_put(void *p, lk_dtype d, size_t i, float f) {
     return scale_get(p, d, i);
 }
 
-/* The delta of rows [r0, r0 + rows) into blk (rows x in, F32). */
-static lk_status block_delta(float *blk, size_t r0, size_t rows, int64_t in, const lk_fuse_term *terms, size_t k,
-                             lk_tensor *bsl, lk_fuse_term *tsl, const lk_fuse_opts *opts, const char *name) {
-    memset(blk, 0, rows * (size_t)in * sizeof *blk);
-    for (size_t t = 0; t < k; t++) {
-        bsl[t] = *terms[t].B;
-        bsl[t].shape[0] = (int64_t)rows;
-        bsl[t].data = (unsigned char *)terms[t].B->data + r0 * (size_t)terms[t].B->shape[1] * lk_dtype_size(bsl[t].dtype);
-        bsl[t].nbytes = rows * (size_t)terms[t].B->shape[1] * lk_dtype_size(bsl[t].dtype);
-        tsl[t] = terms[t];
-        tsl[t].B = &bsl[t];
-    }
-    lk_fuse_opts o = opts ? *opts : (lk_fuse_opts){0};
-    return lk_fuse_tensor(blk, blk, LK_DTYPE_F32, (int64_t)rows, in, tsl, k, &o, name);
+/* The canonical narrow delta of rows [r0, r0 + rows) into blk (rows x in). */
+static lk_status block_delta(float *blk, size_t r0, size_t rows, int64_t out, int64_t in, const lk_fuse_term *terms,
+                             size_t k, const char *name) {
+    return lk_fuse_delta_f32(blk, (size_t)in, out, in, (int64_t)r0, (int64_t)rows, terms, k, name);
 }
 
 lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void *scale, lk_dtype sdtype,
@@ -110,14 +101,12 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     if (rb < 1) rb = 1;
     if (rb > O) rb = O;
     float *blk = lk_malloc(rb * I * sizeof *blk);
-    lk_tensor *bsl = lk_malloc((k ? k : 1) * sizeof *bsl);
-    lk_fuse_term *tsl = lk_malloc((k ? k : 1) * sizeof *tsl);
     const size_t NS = per_row ? O : 1;
     double *s0 = lk_malloc(2 * NS * sizeof *s0); /* the scale each row was stored with */
     double *sc = s0 ? s0 + NS : NULL;            /* the scale each row divides by */
     float *amax = rescale ? lk_calloc(per_row ? O : 1, sizeof *amax) : NULL;
     lk_status s = LK_OK;
-    if (!blk || !bsl || !tsl || !s0 || (rescale && !amax)) {
+    if (!blk || !s0 || (rescale && !amax)) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 fuse", name);
         goto done;
     }
@@ -125,7 +114,7 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     if (rescale) { /* pass 1: amax of the fused values, as float32 */
         for (size_t r0 = 0; r0 < O && !s; r0 += rb) {
             size_t rows = O - r0 < rb ? O - r0 : rb;
-            if ((s = block_delta(blk, r0, rows, in, terms, k, bsl, tsl, opts, name))) break;
+            if ((s = block_delta(blk, r0, rows, out, in, terms, k, name))) break;
             for (size_t r = 0; r < rows; r++) {
                 size_t row = r0 + r;
                 double s_old = s0[per_row ? row : 0];
@@ -154,13 +143,19 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     size_t over = 0;
     for (size_t r0 = 0; r0 < O && !s; r0 += rb) {
         size_t rows = O - r0 < rb ? O - r0 : rb;
-        if ((s = block_delta(blk, r0, rows, in, terms, k, bsl, tsl, opts, name))) break;
+        if ((s = block_delta(blk, r0, rows, out, in, terms, k, name))) break;
         for (size_t r = 0; r < rows; r++) {
             size_t row = r0 + r;
             double s_old = s0[per_row ? row : 0], s_new = sc[per_row ? row : 0];
             for (size_t j = 0; j < I; j++) {
                 size_t e = row * I + j;
-                double v = (double)lk_fp8_to_f32(w[e], dtype) * s_old + (double)blk[r * I + j];
+                double w0 = (double)lk_fp8_to_f32(w[e], dtype) * s_old;
+                double v = w0 + (double)blk[r * I + j];
+                if (!isfinite(v) && isfinite(w0) && !opts->allow_nonfinite) {
+                    s = lk_error(LK_ERR_NONFINITE, "%s: element [%zu, %zu] becomes %g from finite inputs", name, row, j,
+                                 v);
+                    goto done;
+                }
                 uint8_t c;
                 over += (size_t)lk_fp8_from_double(v / s_new, dtype, stoch, stoch ? lk_fp8_random_bits(key, e) : 0, &c);
                 w[e] = c;
@@ -174,8 +169,6 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
                      scale && !rescale ? ", --fp8-scale rescale recomputes the scale" : "");
 done:
     lk_free(blk);
-    lk_free(bsl);
-    lk_free(tsl);
     lk_free(s0);
     lk_free(amax);
     return s;
