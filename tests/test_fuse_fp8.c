@@ -20,7 +20,7 @@
  * ranks), other bytes for another seed, and unbiased: the mean of
  * (decoded - v) / ulp over 65536 elements is within 5 standard deviations
  * (sd <= 0.5 / sqrt(N)) of 0. */
-#include "testutil.h"
+#include "adapter_ref.h"
 #include "fp8_ref.h"
 
 #include <math.h>
@@ -34,7 +34,7 @@
 #define IN 40
 #define R 4
 
-static char *g_dir;
+#define g_dir ar_dir /* the group's temporary folder (ar_setup_dir) */
 
 typedef struct ten {
     char name[96];
@@ -512,24 +512,11 @@ static void test_sharded_scale(void **state) {
     free(o2);
 }
 
-static int setup(void **state) {
-    (void)state;
-    g_dir = tu_mkdtemp();
-    return 0;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    tu_rmtree(g_dir);
-    free(g_dir);
-    return 0;
-}
-
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_layouts_nearest), cmocka_unit_test(test_overflow),
         cmocka_unit_test(test_refused_layouts), cmocka_unit_test(test_stochastic),
         cmocka_unit_test(test_sharded_scale),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }
