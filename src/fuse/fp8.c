@@ -28,19 +28,22 @@
  * rounding boundary.
  * Overflow (lk_fp8_from_double's rule) under --fp8-scale keep or for plain
  * FP8 is LK_ERR_NONFINITE naming the tensor and the count of elements, or
- * clamps to +-max with saturate. Memory: one F32 block of at most ~4 MiB of
- * rows at a time, so a weight of any size is fused in bounded memory; with
+ * clamps to +-max with saturate. Memory: one F32 block of rows per thread
+ * (~256 KiB), so a weight of any size is fused in bounded memory; with
  * rescale the delta is computed twice (once for the amax, once to round). */
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "fuse/fuse_internal.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <xxhash.h>
 
-#define BLOCK_FLOATS ((size_t)1 << 20)
+#define BLOCK_FLOATS ((size_t)1 << 16) /* a block of rows: ~256 KiB of f32 delta, per thread */
 
 static uint64_t mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -70,10 +73,96 @@ static double scale_put(void *p, lk_dtype d, size_t i, float f) {
     return scale_get(p, d, i);
 }
 
-/* The canonical narrow delta of rows [r0, r0 + rows) into blk (rows x in). */
-static lk_status block_delta(float *blk, size_t r0, size_t rows, int64_t out, int64_t in, const lk_fuse_term *terms,
-                             size_t k, const char *name) {
-    return lk_fuse_delta_f32(blk, (size_t)in, out, in, (int64_t)r0, (int64_t)rows, terms, k, name);
+/* ---- row blocks, shared by the threads ----
+ * Threads take blocks of rows from an atomic counter; what an element gets
+ * does not depend on who computes it: the delta is per element, the amax a
+ * max (order-free), the stochastic bits keyed by the element's index. */
+
+typedef struct fjob {
+    uint8_t *w;
+    lk_dtype dtype;
+    size_t O, I, rb, n_blocks;
+    int per_row, pass, stoch, allow_nonfinite;
+    const lk_fuse_term *terms;
+    size_t k;
+    const double *s0, *sc; /* stored scale, divide-by scale (per row, or [0]) */
+    float *amax_row;       /* pass 1 with per-row scales: one per row */
+    uint64_t key;
+    const char *name;
+    atomic_size_t next;
+} fjob;
+
+typedef struct fworker {
+    fjob *job;
+    float *blk;
+    float amax;   /* pass 1, per-tensor scale */
+    size_t over;  /* pass 2: overflowing elements */
+    size_t bad_e; /* pass 2: first element made non-finite, or SIZE_MAX */
+    double bad_v;
+    lk_status st;
+    char msg[512];
+} fworker;
+
+static void fp8_block(fworker *wk, size_t b) {
+    fjob *j = wk->job;
+    size_t r0 = b * j->rb, rows = j->O - r0 < j->rb ? j->O - r0 : j->rb, I = j->I;
+    lk_status s = lk_fuse_delta_f32(wk->blk, I, (int64_t)j->O, (int64_t)I, (int64_t)r0, (int64_t)rows, j->terms,
+                                    j->k, j->name);
+    if (s) {
+        wk->st = s;
+        snprintf(wk->msg, sizeof wk->msg, "%s", lk_last_error());
+        return;
+    }
+    for (size_t r = 0; r < rows; r++) {
+        size_t row = r0 + r, si = j->per_row ? row : 0;
+        uint8_t *wr = j->w + row * I;
+        const float *d = wk->blk + r * I;
+        double s_old = j->s0[si];
+        if (j->pass == 1) {
+            float m = j->per_row ? 0.0f : wk->amax;
+            for (size_t c = 0; c < I; c++)
+                m = fmaxf(m, fabsf((float)((double)lk_fp8_to_f32(wr[c], j->dtype) * s_old + (double)d[c])));
+            if (j->per_row) j->amax_row[row] = m;
+            else wk->amax = m;
+            continue;
+        }
+        double s_new = j->sc[si];
+        for (size_t c = 0; c < I; c++) {
+            size_t e = row * I + c;
+            double w0 = (double)lk_fp8_to_f32(wr[c], j->dtype) * s_old, v = w0 + (double)d[c];
+            if (!isfinite(v) && isfinite(w0) && !j->allow_nonfinite && e < wk->bad_e) {
+                wk->bad_e = e;
+                wk->bad_v = v;
+            }
+            uint8_t code;
+            wk->over += (size_t)lk_fp8_from_double(v / s_new, j->dtype, j->stoch,
+                                                   j->stoch ? lk_fp8_random_bits(j->key, e) : 0, &code);
+            wr[c] = code;
+        }
+    }
+}
+
+static void *fp8_worker(void *arg) {
+    fworker *wk = arg;
+    for (;;) {
+        size_t b = atomic_fetch_add(&wk->job->next, 1);
+        if (b >= wk->job->n_blocks || wk->st) break;
+        fp8_block(wk, b);
+    }
+    return NULL;
+}
+
+/* One pass over every block on nw workers (worker 0 is this thread; a
+ * thread that does not start leaves its blocks to the others). */
+static void fp8_pass(fjob *j, fworker *wk, int nw, int pass) {
+    j->pass = pass;
+    atomic_store(&j->next, 0);
+    pthread_t tid[LK_FUSE_MAX_THREADS];
+    int started[LK_FUSE_MAX_THREADS] = {0};
+    for (int t = 1; t < nw; t++) started[t] = pthread_create(&tid[t], NULL, fp8_worker, &wk[t]) == 0;
+    fp8_worker(&wk[0]);
+    for (int t = 1; t < nw; t++)
+        if (started[t]) pthread_join(tid[t], NULL);
 }
 
 lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void *scale, lk_dtype sdtype,
@@ -97,80 +186,78 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     const size_t O = (size_t)out, I = (size_t)in;
     const int per_row = scale && n_scale == out && out > 1;
     const int rescale = scale && fo->scale == LK_FP8_RESCALE;
-    size_t rb = BLOCK_FLOATS / I;
-    if (rb < 1) rb = 1;
-    if (rb > O) rb = O;
-    float *blk = lk_malloc(rb * I * sizeof *blk);
     const size_t NS = per_row ? O : 1;
-    double *s0 = lk_malloc(2 * NS * sizeof *s0); /* the scale each row was stored with */
-    double *sc = s0 ? s0 + NS : NULL;            /* the scale each row divides by */
-    float *amax = rescale ? lk_calloc(per_row ? O : 1, sizeof *amax) : NULL;
+    int nw = opts->threads > 0 ? opts->threads : lk_fuse_default_threads();
+    if (nw > LK_FUSE_MAX_THREADS) nw = LK_FUSE_MAX_THREADS;
+    /* blocks of rows: ~BLOCK_FLOATS each, at least 4 per thread when the
+     * tensor has the rows for it, never under 16 rows (or the whole) */
+    size_t rb = BLOCK_FLOATS / I, per = (O + 4 * (size_t)nw - 1) / (4 * (size_t)nw);
+    if (rb > per) rb = per;
+    if (rb < 16) rb = 16;
+    if (rb > O) rb = O;
+    size_t n_blocks = (O + rb - 1) / rb;
+    if ((size_t)nw > n_blocks) nw = (int)n_blocks;
     lk_status s = LK_OK;
-    if (!blk || !s0 || (rescale && !amax)) {
+    double *s0 = lk_malloc(2 * NS * sizeof *s0); /* the stored scales, then the divide-by ones */
+    float *amax_row = per_row && rescale ? lk_malloc(O * sizeof *amax_row) : NULL;
+    fworker *wk = lk_calloc((size_t)nw, sizeof *wk);
+    float *blks = wk ? lk_malloc((size_t)nw * rb * I * sizeof *blks) : NULL;
+    if (!s0 || !wk || !blks || (per_row && rescale && !amax_row)) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 fuse", name);
         goto done;
     }
+    /* the factors are validated once here, so the message is this thread's */
+    if ((s = lk_fuse_delta_f32(blks, I, out, in, 0, 1, terms, k, name))) goto done;
+    double *sc = s0 + NS;
     for (size_t r = 0; r < NS; r++) s0[r] = sc[r] = scale ? scale_get(scale, sdtype, r) : 1.0;
+    fjob job = {.w = w, .dtype = dtype, .O = O, .I = I, .rb = rb, .n_blocks = n_blocks, .per_row = per_row,
+                .stoch = fo->rounding == LK_FP8_STOCHASTIC, .allow_nonfinite = opts->allow_nonfinite,
+                .terms = terms, .k = k, .s0 = s0, .sc = sc, .amax_row = amax_row,
+                .key = lk_fp8_stream_key(fo->seed, name), .name = name};
+    for (int t = 0; t < nw; t++) wk[t] = (fworker){.job = &job, .blk = blks + (size_t)t * rb * I, .bad_e = SIZE_MAX};
     if (rescale) { /* pass 1: amax of the fused values, as float32 */
-        for (size_t r0 = 0; r0 < O && !s; r0 += rb) {
-            size_t rows = O - r0 < rb ? O - r0 : rb;
-            if ((s = block_delta(blk, r0, rows, out, in, terms, k, name))) break;
-            for (size_t r = 0; r < rows; r++) {
-                size_t row = r0 + r;
-                double s_old = s0[per_row ? row : 0];
-                float m = amax[per_row ? row : 0];
-                for (size_t j = 0; j < I; j++) {
-                    double v = (double)lk_fp8_to_f32(w[row * I + j], dtype) * s_old + (double)blk[r * I + j];
-                    m = fmaxf(m, fabsf((float)v));
-                }
-                amax[per_row ? row : 0] = m;
-            }
+        fp8_pass(&job, wk, nw, 1);
+        float amax = 0.0f;
+        for (int t = 0; t < nw && !s; t++) {
+            if (wk[t].st) s = lk_error(wk[t].st, "%s", wk[t].msg);
+            amax = fmaxf(amax, wk[t].amax);
         }
         if (s) goto done;
         /* LTX-2: scale = fp8_max / amax (float32); stored: 1 / scale (float32) */
         const float fmax = (float)lk_fp8_max(dtype);
         for (size_t r = 0; r < NS; r++) {
-            if (!(amax[r] > 0.0f) || !isfinite(amax[r])) continue; /* all zero (or NaN): keep */
-            float inv = fmax / amax[r];
+            float m = per_row ? amax_row[r] : amax;
+            if (!(m > 0.0f) || !isfinite(m)) continue; /* all zero (or NaN): keep */
+            float inv = fmax / m;
             float stored = 1.0f / inv;
             if (!(stored > 0.0f) || !isfinite(stored)) continue;
-            sc[r] = scale_put(scale, sdtype, per_row ? r : 0, stored);
+            sc[r] = scale_put(scale, sdtype, r, stored);
         }
     }
-    /* pass 2: round once into FP8, in place */
-    uint64_t key = lk_fp8_stream_key(fo->seed, name);
-    int stoch = fo->rounding == LK_FP8_STOCHASTIC;
-    size_t over = 0;
-    for (size_t r0 = 0; r0 < O && !s; r0 += rb) {
-        size_t rows = O - r0 < rb ? O - r0 : rb;
-        if ((s = block_delta(blk, r0, rows, out, in, terms, k, name))) break;
-        for (size_t r = 0; r < rows; r++) {
-            size_t row = r0 + r;
-            double s_old = s0[per_row ? row : 0], s_new = sc[per_row ? row : 0];
-            for (size_t j = 0; j < I; j++) {
-                size_t e = row * I + j;
-                double w0 = (double)lk_fp8_to_f32(w[e], dtype) * s_old;
-                double v = w0 + (double)blk[r * I + j];
-                if (!isfinite(v) && isfinite(w0) && !opts->allow_nonfinite) {
-                    s = lk_error(LK_ERR_NONFINITE, "%s: element [%zu, %zu] becomes %g from finite inputs", name, row, j,
-                                 v);
-                    goto done;
-                }
-                uint8_t c;
-                over += (size_t)lk_fp8_from_double(v / s_new, dtype, stoch, stoch ? lk_fp8_random_bits(key, e) : 0, &c);
-                w[e] = c;
-            }
+    fp8_pass(&job, wk, nw, 2); /* round once into FP8, in place */
+    size_t over = 0, bad_e = SIZE_MAX;
+    double bad_v = 0;
+    for (int t = 0; t < nw; t++) {
+        if (wk[t].st && !s) s = lk_error(wk[t].st, "%s", wk[t].msg);
+        over += wk[t].over;
+        if (wk[t].bad_e < bad_e) {
+            bad_e = wk[t].bad_e;
+            bad_v = wk[t].bad_v;
         }
     }
+    if (!s && bad_e != SIZE_MAX)
+        s = lk_error(LK_ERR_NONFINITE, "%s: element [%zu, %zu] becomes %g from finite inputs", name, bad_e / I,
+                     bad_e % I, bad_v);
     if (!s && over && !fo->saturate)
         s = lk_error(LK_ERR_NONFINITE, "%s: %zu of %zu elements overflow %s (beyond +-%g after dividing by the %s "
                      "scale); --fp8-saturate clamps them%s", name, over, O * I, lk_dtype_name(dtype),
                      lk_fp8_max(dtype), rescale ? "new" : scale ? "kept" : "(plain, 1)",
                      scale && !rescale ? ", --fp8-scale rescale recomputes the scale" : "");
 done:
-    lk_free(blk);
+    lk_free(blks);
+    lk_free(wk);
     lk_free(s0);
-    lk_free(amax);
+    lk_free(amax_row);
     return s;
 }
 
