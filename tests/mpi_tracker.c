@@ -457,7 +457,7 @@ static void test_fp8_base(void **state) {
         lk_weights *w;
         assert_int_equal(lk_comm_agree(W, lk_weights_load(base, &w)), LK_OK);
         lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
-        o.bucket_mb = 1;
+        o.bucket_bytes = (size_t)1 << 20;
         o.threads = 1 + R % 2; /* thread counts differ between ranks */
         o.fp8 = f8;
         lk_tracker *t = NULL;

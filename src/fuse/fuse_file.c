@@ -417,6 +417,19 @@ fail:
     return s;
 }
 
+/* Checks an FP8 weight's plan (LoRA terms only) and finds its scale into
+ * c->scale_of[i], marking the scale in c->is_scale. */
+static lk_status fp8_prepare(fctx *c, const char *label, const lk_tensor *model, size_t nt, size_t i,
+                             const lk_fuse_key *plan) {
+    if (plan->replace || plan->dora)
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: %s on an FP8 weight is not supported (LoRA terms only)", label,
+                        model[i].name, plan->dora ? "DoRA" : "a replacement (modules_to_save, bias)");
+    lk_status s = lk_fp8_scale_of(model, nt, i, &c->scale_of[i]);
+    if (s) return lk_error_prefix(s, "%s", label);
+    if (c->scale_of[i] >= 0) c->is_scale[c->scale_of[i]] = 1;
+    return LK_OK;
+}
+
 lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *inputs, size_t n,
                           const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
     static const lk_fuse_file_opts defaults;
@@ -428,45 +441,71 @@ lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *in
     memset(&c, 0, sizeof c);
     lk_fuse_stats st = {0};
     st.tensors_total = nt;
+    size_t *bk = NULL, n_bk = 0; /* tensors backed up, in order */
     lk_status s = prepare(&c, label, tensors, nt, inputs, n, opts->allow_unmatched, NULL, &st);
     if (s) goto fail;
-    /* The backup of every touched tensor is taken in one allocation before
-     * the first write, so running out of memory changes nothing, and a
-     * kernel failure (LK_ERR_NONFINITE) part-way restores every tensor. */
+    c.scale_of = lk_malloc((nt ? nt : 1) * sizeof *c.scale_of);
+    c.is_scale = lk_calloc(nt ? nt : 1, 1);
+    bk = lk_malloc((nt ? nt : 1) * sizeof *bk);
+    if (!c.scale_of || !c.is_scale || !bk) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+        goto fail;
+    }
+    /* The backup of every touched tensor (and an FP8 weight's scale) is
+     * taken in one allocation before the first write, so running out of
+     * memory changes nothing, and a kernel failure (LK_ERR_NONFINITE)
+     * part-way restores every tensor. */
     size_t backup_bytes = 0;
     for (size_t i = 0; i < nt; i++) {
+        c.scale_of[i] = -1;
         if (!tensors[i].data && tensors[i].nbytes) {
             s = lk_error(LK_ERR_ARG, "%s: %s has no data", label, tensors[i].name);
             goto fail;
         }
         lk_fuse_key plan;
         if ((s = gather(&c, &tensors[i], &plan))) goto fail;
-        if (lk_fuse_key_touches(&plan)) backup_bytes += tensors[i].nbytes;
+        if (!lk_fuse_key_touches(&plan)) continue;
+        backup_bytes += tensors[i].nbytes;
+        if (lk_dtype_is_fp8(tensors[i].dtype)) {
+            if ((s = fp8_prepare(&c, label, tensors, nt, i, &plan))) goto fail;
+            if (c.scale_of[i] >= 0) backup_bytes += tensors[c.scale_of[i]].nbytes;
+        }
     }
     if (backup_bytes && !(c.buf = lk_malloc(backup_bytes))) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a %zu-byte backup of the fused tensors", label,
                      backup_bytes);
         goto fail;
     }
-    size_t off = 0, i = 0;
-    for (; i < nt; i++) {
+    size_t off = 0;
+    for (size_t i = 0; i < nt && !s; i++) {
         lk_tensor *t = &tensors[i];
         lk_fuse_key plan;
+        if (c.is_scale[i]) continue; /* with its weight */
         if ((s = gather(&c, t, &plan))) break;
         if (!lk_fuse_key_touches(&plan)) continue;
+        long si = c.scale_of[i];
+        lk_tensor *sc = si >= 0 ? &tensors[si] : NULL;
         memcpy((char *)c.buf + off, t->data, t->nbytes);
         off += t->nbytes;
-        s = lk_fuse_key_apply(t->data, t->data, t, &plan, c.terms, &opts->fuse);
-        if (s) break;
-        st.tensors_fused++;
+        bk[n_bk++] = i;
+        if (sc) {
+            memcpy((char *)c.buf + off, sc->data, sc->nbytes);
+            off += sc->nbytes;
+            bk[n_bk++] = (size_t)si;
+        }
+        if (lk_dtype_is_fp8(t->dtype))
+            s = lk_fuse_fp8(t->data, t->dtype, t->shape[0], t->shape[1], sc ? sc->data : NULL,
+                            sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, c.terms,
+                            plan.n_terms, &opts->fuse, t->name);
+        else
+            s = lk_fuse_key_apply(t->data, t->data, t, &plan, c.terms, &opts->fuse);
+        if (!s) st.tensors_fused++;
     }
-    if (s) { /* every tensor up to and including i back to its bytes */
+    if (s) { /* every tensor backed up so far back to its bytes */
         size_t back = 0;
-        for (size_t j = 0; j <= i && j < nt; j++) {
-            lk_fuse_key plan;
-            if (gather(&c, &tensors[j], &plan) || !lk_fuse_key_touches(&plan)) continue;
-            memcpy(tensors[j].data, (char *)c.buf + back, tensors[j].nbytes);
-            back += tensors[j].nbytes;
+        for (size_t j = 0; j < n_bk; j++) {
+            memcpy(tensors[bk[j]].data, (char *)c.buf + back, tensors[bk[j]].nbytes);
+            back += tensors[bk[j]].nbytes;
         }
     }
 fail:
@@ -474,6 +513,7 @@ fail:
         st.seconds = lk_now_s() - t0;
         *stats = st;
     }
+    lk_free(bk);
     fctx_free(&c);
     return s;
 }
