@@ -116,6 +116,13 @@ static void check_rne(const ref_fmt *f) {
     assert_true(isnan(lk_fp8_to_f32(c, f->dt)));
     assert_int_equal(lk_fp8_from_double(-0.0, f->dt, 0, 0, &c), 0);
     assert_int_equal(c, 0x80);
+    /* far below the smallest subnormal, double subnormals included */
+    const double tiny[] = {1e-30, -1e-300, 4.9406564584124654e-324, ldexp(1.0, 1 - f->bias - f->mbits - 1)};
+    for (int i = 0; i < 4; i++) check_one(f, tiny[i]);
+    assert_int_equal(lk_fp8_from_double(1e-30, f->dt, 1, 0, &c), 0);
+    assert_int_equal(c, 0x01); /* stochastic: up with probability ~1e-30 / quantum, here rbits = 0 */
+    assert_int_equal(lk_fp8_from_double(1e-30, f->dt, 1, 1, &c), 0);
+    assert_int_equal(c, 0x00);
 }
 
 static void test_round_nearest_even(void **state) {

@@ -152,48 +152,80 @@ float lk_fp8_to_f32(uint8_t code, lk_dtype d) {
     return fp8_to_f32(code, d == LK_DTYPE_F8_E5M2 ? &FP8_E5M2 : &FP8_E4M3);
 }
 
+/* Integer rounding on the double's bits (no FP environment dependence, no
+ * libm): the significand m (53 bits with the hidden one) is shifted right
+ * so its last kept bit is the FP8 quantum 2^(max(e, emin) - mbits); the
+ * dropped bits decide the rounding. */
 int lk_fp8_from_double(double x, lk_dtype d, int stochastic, uint32_t rbits, uint8_t *code) {
     const fp8fmt *f = d == LK_DTYPE_F8_E5M2 ? &FP8_E5M2 : &FP8_E4M3;
-    uint8_t sign = signbit(x) ? 0x80u : 0u;
-    if (isnan(x)) {
+    uint64_t u;
+    memcpy(&u, &x, 8);
+    uint8_t sign = (uint8_t)((u >> 56) & 0x80u);
+    uint64_t a = u & 0x7fffffffffffffffull;
+    if (a > 0x7ff0000000000000ull) { /* NaN */
         *code = sign | f->nancode;
         return 0;
     }
-    double a = fabs(x);
-    if (a == 0.0) {
+    if (a == 0) {
         *code = sign;
         return 0;
     }
-    if (isinf(a) || (stochastic && a > f->max)) {
+    if (a == 0x7ff0000000000000ull) {
         *code = sign | f->maxcode;
         return 1;
     }
-    int k;
-    (void)frexp(a, &k); /* a in [2^(k-1), 2^k) */
-    int emin = 1 - f->bias, e = k - 1;
+    int be = (int)(a >> 52);
+    uint64_t m = a & 0xfffffffffffffull;
+    int e;
+    if (be == 0) { /* a double subnormal: far below any FP8 value */
+        e = -1074 + 63 - __builtin_clzll(m);
+        m <<= 52 - (e + 1074); /* normalise so the leading one is bit 52 */
+    } else {
+        e = be - 1023;
+        m |= 1ull << 52;
+    }
+    const int emin = 1 - f->bias, emax = (0x7f >> f->mbits) - f->bias; /* emax: top binade incl. NaN/Inf codes */
+    if (e > emax) {
+        *code = sign | f->maxcode;
+        return 1;
+    }
     int qe = (e < emin ? emin : e) - f->mbits; /* the quantum's exponent */
-    double n = ldexp(a, -qe);                  /* exact: a power-of-two scaling */
-    double r = floor(n), frac = n - r;         /* exact: n < 2^(mbits+1) */
-    if (stochastic) {
-        if ((double)rbits * 0x1p-32 < frac) r += 1.0;
-    } else if (frac > 0.5 || (frac == 0.5 && fmod(r, 2.0) != 0.0)) {
-        r += 1.0;
+    int shift = 52 - (e - qe);                  /* bits of m below the quantum */
+    uint64_t r, rem;
+    int up;
+    if (shift >= 64) {
+        r = 0;
+        rem = m; /* fraction m / 2^shift < 2^-10 */
+        up = stochastic ? ((double)rbits < ldexp((double)m, 32 - shift)) : 0;
+    } else {
+        r = m >> shift;
+        rem = m & ((1ull << shift) - 1);
+        if (stochastic) {
+            /* up iff rbits * 2^-32 < rem * 2^-shift */
+            up = shift >= 32 ? ((uint64_t)rbits << (shift - 32)) < rem : (uint64_t)rbits < (rem << (32 - shift));
+        } else {
+            uint64_t half = 1ull << (shift - 1);
+            up = rem > half || (rem == half && (r & 1));
+        }
     }
-    if (ldexp(r, qe) > f->max) {
+    r += (uint64_t)up;
+    if (stochastic && fabs(x) > f->max) {
         *code = sign | f->maxcode;
         return 1;
     }
-    unsigned ri = (unsigned)r, one = 1u << f->mbits;
-    if (ri >= 2 * one) { /* rounded up to the next binade */
-        ri >>= 1;
+    unsigned one = 1u << f->mbits;
+    if (r >= 2 * one) { /* rounded up into the next binade */
+        r >>= 1;
         qe++;
     }
-    if (ri < one) { /* subnormal (qe is the smallest quantum) or zero */
-        *code = sign | (uint8_t)ri;
-        return 0;
+    unsigned c;
+    if (r < one) c = (unsigned)r; /* subnormal (or zero) */
+    else c = ((unsigned)(qe + f->mbits + f->bias) << f->mbits) | ((unsigned)r - one);
+    if (c > f->maxcode) {
+        *code = sign | f->maxcode;
+        return 1;
     }
-    unsigned E = (unsigned)(qe + f->mbits + f->bias);
-    *code = sign | (uint8_t)((E << f->mbits) | (ri - one));
+    *code = sign | (uint8_t)c;
     return 0;
 }
 

@@ -89,6 +89,7 @@ typedef struct fjob {
     float *amax_row;       /* pass 1 with per-row scales: one per row */
     uint64_t key;
     const char *name;
+    float dec[256];        /* every code's value */
     atomic_size_t next;
 } fjob;
 
@@ -121,7 +122,7 @@ static void fp8_block(fworker *wk, size_t b) {
         if (j->pass == 1) {
             float m = j->per_row ? 0.0f : wk->amax;
             for (size_t c = 0; c < I; c++)
-                m = fmaxf(m, fabsf((float)((double)lk_fp8_to_f32(wr[c], j->dtype) * s_old + (double)d[c])));
+                m = fmaxf(m, fabsf((float)((double)j->dec[wr[c]] * s_old + (double)d[c])));
             if (j->per_row) j->amax_row[row] = m;
             else wk->amax = m;
             continue;
@@ -129,13 +130,13 @@ static void fp8_block(fworker *wk, size_t b) {
         double s_new = j->sc[si];
         for (size_t c = 0; c < I; c++) {
             size_t e = row * I + c;
-            double w0 = (double)lk_fp8_to_f32(wr[c], j->dtype) * s_old, v = w0 + (double)d[c];
+            double w0 = (double)j->dec[wr[c]] * s_old, v = w0 + (double)d[c];
             if (!isfinite(v) && isfinite(w0) && !j->allow_nonfinite && e < wk->bad_e) {
                 wk->bad_e = e;
                 wk->bad_v = v;
             }
             uint8_t code;
-            wk->over += (size_t)lk_fp8_from_double(v / s_new, j->dtype, j->stoch,
+            wk->over += (size_t)lk_fp8_from_double(s_new == 1.0 ? v : v / s_new, j->dtype, j->stoch,
                                                    j->stoch ? lk_fp8_random_bits(j->key, e) : 0, &code);
             wr[c] = code;
         }
@@ -214,6 +215,7 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
                 .stoch = fo->rounding == LK_FP8_STOCHASTIC, .allow_nonfinite = opts->allow_nonfinite,
                 .terms = terms, .k = k, .s0 = s0, .sc = sc, .amax_row = amax_row,
                 .key = lk_fp8_stream_key(fo->seed, name), .name = name};
+    for (int c = 0; c < 256; c++) job.dec[c] = lk_fp8_to_f32((uint8_t)c, dtype);
     for (int t = 0; t < nw; t++) wk[t] = (fworker){.job = &job, .blk = blks + (size_t)t * rb * I, .bad_e = SIZE_MAX};
     if (rescale) { /* pass 1: amax of the fused values, as float32 */
         fp8_pass(&job, wk, nw, 1);

@@ -15,7 +15,10 @@
  *      bytes); ratio_to_dram divides by (a)'s DRAM figure at the same
  *      thread count;
  *  (c) lorakit, tensor scope, and (d) naive (materialise delta = B @ A in
- *      fp32, then W = round(W + delta) in a second pass) on one tensor.
+ *      fp32, then W = round(W + delta) in a second pass) on one tensor;
+ *  (e) FP8 (lk_fuse_fp8) on one dim x dim F8_E4M3 weight at rank 16, plain
+ *      and scaled (F32 [] scale, rescaled: two passes), nearest and
+ *      stochastic, with GB/s and ratio_to_dram as for BF16.
  * Each figure is the best of --repeat runs (first run excluded), with the
  * process CPU time of that run (on a shared host, cpu < threads x seconds
  * means the run did not get all its cores). Figures are printed, never
@@ -37,7 +40,8 @@ static const char *const FUSE_BENCH_USAGE =
     "weight (cache) and over a buffer of at least twice the last-level cache\n"
     "(dram), (b) lk_fuse_tensor on every dim x dim tensor of that buffer (a\n"
     "whole model's worth), (c) on one tensor, (d) the naive method (fp32\n"
-    "delta, then add), at rank 8, 16, 64, 128 with 1 thread and all threads.\n"
+    "delta, then add), at rank 8, 16, 64, 128 with 1 thread and all threads,\n"
+    "(e) FP8 e4m3fn weights at rank 16: plain / scaled x nearest / stochastic.\n"
     "GB/s of W traffic (read + write); ratio_to_dram against (a)'s DRAM pass\n"
     "at the same thread count.\n\n"
     "options:\n"
@@ -184,6 +188,49 @@ static void emit(int json, const row *r) {
         if (r->naive_s > 0) printf("  %5.2f x naive", r->naive_s / r->secs);
         printf("\n");
     }
+}
+
+/* (e) FP8: lk_fuse_fp8 in place on one dim x dim F8_E4M3 weight, plain
+ * (scale 1, saturating) or with an F32 [] weight_scale (rescaled: two
+ * passes over W), nearest or stochastic; GB/s counts W traffic of one pass
+ * (read + write = 2 x W bytes), ratio_to_dram against (a) as for BF16. */
+static int fp8_rows(int json, uint8_t *w8, size_t D, long r, const lk_fuse_term *term, const int *tcount, int nth,
+                    const double *dram_bw, const double *cache_bw, long repeat) {
+    const size_t bytes = D * D;
+    for (int scaled = 0; scaled < 2; scaled++)
+        for (int sto = 0; sto < 2; sto++)
+            for (int ti = 0; ti < nth; ti++) {
+                lk_fuse_opts o = {.threads = tcount[ti], .allow_nonfinite = 1};
+                o.fp8.rounding = sto ? LK_FP8_STOCHASTIC : LK_FP8_NEAREST;
+                o.fp8.saturate = 1;
+                float scale = 1.0f / 448.0f;
+                double best = 1e30, cpu = 0;
+                for (long k = 0; k <= repeat; k++) {
+                    double t0 = lk_bench_now(), c0 = lk_bench_cpu();
+                    if (lk_fuse_fp8(w8, LK_DTYPE_F8_E4M3, (int64_t)D, (int64_t)D, scaled ? &scale : NULL, LK_DTYPE_F32,
+                                    1, term, 1, &o, "bench") != LK_OK)
+                        return -1;
+                    double t = lk_bench_now() - t0;
+                    if (k && t < best) {
+                        best = t;
+                        cpu = lk_bench_cpu() - c0;
+                    }
+                }
+                const double gbps = 2.0 * (double)bytes / best / 1e9;
+                const char *layout = scaled ? "scaled" : "plain", *rnd = sto ? "stochastic" : "nearest";
+                if (json)
+                    printf("{\"bench\":\"fuse\",\"method\":\"lorakit\",\"scope\":\"tensor\",\"dtype\":\"f8_e4m3\","
+                           "\"layout\":\"%s\",\"rounding\":\"%s\",\"rank\":%ld,\"threads\":%d,\"tensors\":1,"
+                           "\"bytes\":%zu,\"seconds\":%.6f,\"gbps\":%.3f,\"ratio_to_dram\":%.3f,\"ratio_to_cache\":%.3f,"
+                           "\"cpu_seconds\":%.6f}\n",
+                           layout, rnd, r, tcount[ti], bytes, best, gbps, gbps / dram_bw[ti], gbps / cache_bw[ti], cpu);
+                else
+                    printf("lorakit  fp8 %-6s %-10s rank %4ld  threads %3d  %9.3f ms (cpu %9.3f ms)  %8.2f GB/s  %5.2f x "
+                           "dram  %5.2f x cache\n",
+                           layout, rnd, r, tcount[ti], best * 1e3, cpu * 1e3, gbps, gbps / dram_bw[ti],
+                           gbps / cache_bw[ti]);
+            }
+    return 0;
 }
 
 static void free_all(void **p, int n) {
@@ -333,6 +380,21 @@ int lk_bench_fuse(int argc, char **argv) {
             emit(json, &(row){"naive", "tensor", (long)r, th, 1, wbytes, nbest, ncpu, dr, ca, 0});
             emit(json, &(row){"lorakit", "tensor", (long)r, th, 1, wbytes, fbest, fcpu, dr, ca, nbest});
             emit(json, &(row){"lorakit", "model", (long)r, th, n_model, mbytes, mbest, mcpu, dr, ca, 0});
+        }
+        if (r == 16) { /* FP8 rows at rank 16: one e4m3fn weight, codes of values in [-1, 1) */
+            uint8_t *w8 = malloc(N);
+            if (!w8) {
+                free_all(owned, 8);
+                lk_error(LK_ERR_NOMEM, "bench fuse: out of memory for the FP8 weight");
+                return lk_cli_fail();
+            }
+            for (size_t i = 0; i < N; i++) lk_fp8_from_double(lk_bf16_to_f32(w[i]), LK_DTYPE_F8_E4M3, 0, 0, &w8[i]);
+            int bad = fp8_rows(json, w8, D, (long)r, &term, tcount, nth, dram_bw, cache_bw, repeat);
+            free(w8);
+            if (bad) {
+                free_all(owned, 8);
+                return lk_cli_fail();
+            }
         }
     }
     free_all(owned, 8);
