@@ -34,6 +34,7 @@
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "fuse/fuse_internal.h"
+#include "core/fp8_impl.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -90,6 +91,7 @@ typedef struct fjob {
     uint64_t key;
     const char *name;
     float dec[256];        /* every code's value */
+    const fp8fmt *fmt;
     atomic_size_t next;
 } fjob;
 
@@ -122,7 +124,10 @@ static void fp8_block(fworker *wk, size_t b) {
         if (j->pass == 1) {
             float m = j->per_row ? 0.0f : wk->amax;
             for (size_t c = 0; c < I; c++)
-                m = fmaxf(m, fabsf((float)((double)j->dec[wr[c]] * s_old + (double)d[c])));
+                {
+                float a = fabsf((float)((double)j->dec[wr[c]] * s_old + (double)d[c]));
+                m = a > m ? a : m; /* NaN never wins */
+            }
             if (j->per_row) j->amax_row[row] = m;
             else wk->amax = m;
             continue;
@@ -136,7 +141,7 @@ static void fp8_block(fworker *wk, size_t b) {
                 wk->bad_v = v;
             }
             uint8_t code;
-            wk->over += (size_t)lk_fp8_from_double(s_new == 1.0 ? v : v / s_new, j->dtype, j->stoch,
+            wk->over += (size_t)fp8_from_double(s_new == 1.0 ? v : v / s_new, j->fmt, j->stoch,
                                                    j->stoch ? lk_fp8_random_bits(j->key, e) : 0, &code);
             wr[c] = code;
         }
@@ -215,7 +220,8 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
                 .stoch = fo->rounding == LK_FP8_STOCHASTIC, .allow_nonfinite = opts->allow_nonfinite,
                 .terms = terms, .k = k, .s0 = s0, .sc = sc, .amax_row = amax_row,
                 .key = lk_fp8_stream_key(fo->seed, name), .name = name};
-    for (int c = 0; c < 256; c++) job.dec[c] = lk_fp8_to_f32((uint8_t)c, dtype);
+    job.fmt = dtype == LK_DTYPE_F8_E5M2 ? &LK_FP8_E5M2_FMT : &LK_FP8_E4M3_FMT;
+    for (int c = 0; c < 256; c++) job.dec[c] = fp8_to_f32((uint8_t)c, job.fmt);
     for (int t = 0; t < nw; t++) wk[t] = (fworker){.job = &job, .blk = blks + (size_t)t * rb * I, .bad_e = SIZE_MAX};
     if (rescale) { /* pass 1: amax of the fused values, as float32 */
         fp8_pass(&job, wk, nw, 1);
