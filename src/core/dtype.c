@@ -9,6 +9,7 @@
  * becomes Inf; f16/bf16 -> f32 -> f16/bf16 is the identity on all patterns. */
 #include "lorakit/dtype.h"
 #include "lorakit/tensor.h"
+#include "core/bits.h"
 #include "core/fp8_impl.h"
 
 #include <math.h>
@@ -50,16 +51,8 @@ int lk_dtype_is_fusable(lk_dtype d) {
     return d == LK_DTYPE_F32 || d == LK_DTYPE_F16 || d == LK_DTYPE_BF16;
 }
 
-static inline uint32_t f2u(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-static inline float u2f(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#define f2u lk_f2u
+#define u2f lk_u2f
 
 static inline float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
 

@@ -8,17 +8,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-static inline uint32_t fp8_f2u(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-static inline float fp8_u2f(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "core/bits.h"
 
 /* ---- FP8 ----
  * F8_E4M3 is e4m3fn (OCP/NVIDIA, torch.float8_e4m3fn): bias 7, 3 mantissa
@@ -47,15 +37,15 @@ static inline float fp8_to_f32(uint8_t c, const fp8fmt *f) {
     uint32_t emax = 0x7fu >> f->mbits;
     float v;
     if (f->infcode && e == emax) {
-        v = m ? fp8_u2f(0x7fc00000u) : fp8_u2f(0x7f800000u);
+        v = m ? lk_u2f(0x7fc00000u) : lk_u2f(0x7f800000u);
     } else if (!f->infcode && (c & 0x7fu) == 0x7fu) {
-        v = fp8_u2f(0x7fc00000u);
+        v = lk_u2f(0x7fc00000u);
     } else if (e == 0) { /* subnormal: m * 2^(1 - bias - mbits), exact */
-        v = (float)m * fp8_u2f((uint32_t)(127 + 1 - f->bias - f->mbits) << 23);
+        v = (float)m * lk_u2f((uint32_t)(127 + 1 - f->bias - f->mbits) << 23);
     } else {
-        v = fp8_u2f(((e - (uint32_t)f->bias + 127u) << 23) | (m << (23 - f->mbits)));
+        v = lk_u2f(((e - (uint32_t)f->bias + 127u) << 23) | (m << (23 - f->mbits)));
     }
-    return fp8_u2f(fp8_f2u(v) | sign);
+    return lk_u2f(lk_f2u(v) | sign);
 }
 
 /* Integer rounding on the double's bits (no FP environment dependence, no

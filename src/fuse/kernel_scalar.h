@@ -8,27 +8,13 @@
 
 #include <stdint.h>
 #include <string.h>
+#include "core/bits.h"
 
-static inline uint32_t lk_k_f2u(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-static inline float lk_k_u2f(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline uint64_t lk_k_d2u(double f) {
-    uint64_t u;
-    memcpy(&u, &f, 8);
-    return u;
-}
-static inline double lk_k_u2d(uint64_t u) {
-    double f;
-    memcpy(&f, &u, 8);
-    return f;
-}
+/* the core's bit casts (core/bits.h) under the kernel's names */
+#define lk_k_f2u lk_f2u
+#define lk_k_u2f lk_u2f
+#define lk_k_d2u lk_d2u
+#define lk_k_u2d lk_u2d
 
 /* Round to odd from round to nearest: s = RN(w + d) and its exact error e
  * (TwoSum: six operations, no branch, no magnitude test). If the sum was
