@@ -206,11 +206,11 @@ static int fp8_rows(int json, uint8_t *w8, size_t D, long r, const lk_fuse_term 
                 float scale = 1.0f / 448.0f;
                 double best = 1e30, cpu = 0;
                 for (long k = 0; k <= repeat; k++) {
-                    double t0 = lk_bench_now(), c0 = lk_bench_cpu();
+                    double t0 = lk_now_s(), c0 = lk_bench_cpu();
                     if (lk_fuse_fp8(w8, LK_DTYPE_F8_E4M3, (int64_t)D, (int64_t)D, scaled ? &scale : NULL, LK_DTYPE_F32,
                                     1, term, 1, &o, "bench") != LK_OK)
                         return -1;
-                    double t = lk_bench_now() - t0;
+                    double t = lk_now_s() - t0;
                     if (k && t < best) {
                         best = t;
                         cpu = lk_bench_cpu() - c0;
