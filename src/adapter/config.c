@@ -155,11 +155,9 @@ static lk_status match(const lk_peft_config *c, void *re_v, const char *field, c
     if (rc >= 0) {
         *hit = 1;
         if (idx) {
-            PCRE2_SIZE len = 0;
             PCRE2_UCHAR buf[24];
             PCRE2_SIZE bl = sizeof buf;
             *idx = -1;
-            (void)len;
             if (pcre2_substring_copy_byname(md, (PCRE2_SPTR) "idx", buf, &bl) == 0 && bl > 0 && bl < 19) {
                 long v = 0;
                 size_t k = 0;
