@@ -81,7 +81,11 @@ typedef struct lk_kworker {
     double bad_w, bad_r;
 } lk_kworker;
 
-/* Rows [o, o + mr) (mr 1..4) x panels [p0, p1) of the job: the delta block
+/* Rows per register block: the AVX-512 block keeps LK_KMR x 4 vectors of
+ * the delta in registers (24 of the 32 zmm), so each A load serves 6 rows. */
+#define LK_KMR 6
+
+/* Rows [o, o + mr) (mr 1..LK_KMR) x panels [p0, p1) of the job: the delta block
  * in registers, then W rounded once and written. */
 typedef void (*lk_kblock_fn)(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
 

@@ -36,9 +36,11 @@
  * How (speed): the factors are small, so they are converted once per call:
  * B' (out x R) and A packed into zero-padded panels of 64 f32 (32 f64)
  * columns, [panel][k][column], so a block's k loop streams contiguous
- * memory. Threads take chunks of 16 rows; within a chunk, for each column
- * tile (A's slice kept near 256 KB, in L2), blocks of 4 rows x 1 panel get
- * their delta in registers and are added to W, rounded and stored at once
+ * memory (the panels start on a cache line). Threads take chunks of 24
+ * rows; within a chunk, for each column tile (A's slice kept near 24 KB, so
+ * it stays in L1 while all the chunk's rows use it), blocks of 6 rows x 1
+ * panel get their delta in registers (each A vector serves 6 rows) and are
+ * added to W, rounded and stored at once
  * (kernel_avx512.c, kernel_generic.c). W is read once and written once; no
  * out x in delta is ever materialised. The path is picked at run time from
  * the CPU's features (LORAKIT_KERNEL=avx512|avx2|portable forces one). */
@@ -67,8 +69,8 @@
 #include <cpuid.h>
 #endif
 
-#define ROWS_PER_CHUNK 16
-#define TILE_BYTES (256u * 1024u)
+#define ROWS_PER_CHUNK (4 * LK_KMR)
+#define TILE_BYTES (24u * 1024u)
 
 float lk_fuse_add_odd_f32(float w, float d) { return lk_k_add_odd_f32(w, d); }
 double lk_fuse_add_odd_f64(double w, double d) { return lk_k_add_odd_f64(w, d); }
@@ -193,8 +195,8 @@ static void run_worker(kthread *t) {
         size_t o1 = o0 + jb->rows_per_chunk < jb->out ? o0 + jb->rows_per_chunk : jb->out;
         for (size_t pt = 0; pt < jb->npan; pt += jb->pan_tile) {
             size_t pe = pt + jb->pan_tile < jb->npan ? pt + jb->pan_tile : jb->npan;
-            for (size_t o = o0; o < o1; o += 4) {
-                int mr = o1 - o < 4 ? (int)(o1 - o) : 4;
+            for (size_t o = o0; o < o1; o += LK_KMR) {
+                int mr = o1 - o < LK_KMR ? (int)(o1 - o) : LK_KMR;
                 jb->block(jb, &t->wk, o, mr, pt, pe);
             }
         }
@@ -339,7 +341,7 @@ lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t 
     /* One allocation: B' (O x R), the panels (npan x R x pw), a row of A or B. */
     size_t b_n, a_n, tot;
     if (!lk_checked_mul(O, R, &b_n) || !lk_checked_mul(npan * pw, R, &a_n) || !lk_checked_add(a_n, b_n, &tot) ||
-        !lk_checked_mul(tot, vsz, &tot) || !lk_checked_add(tot, ((I > R ? I : R) + 16) * sizeof(float), &tot))
+        !lk_checked_mul(tot, vsz, &tot) || !lk_checked_add(tot, ((I > R ? I : R) + 32) * sizeof(float), &tot))
         return lk_error(LK_ERR_SHAPE, "%s: factors too large", name);
     unsigned char *mem = lk_malloc(tot);
     kthread *ths = lk_calloc((size_t)threads, sizeof *ths);
@@ -352,8 +354,12 @@ lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t 
         lk_free(sh);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for the fusion factors (%zu bytes)", name, tot);
     }
-    void *ap = mem, *bs = mem + a_n * vsz;
-    float *tmp = (float *)(mem + (a_n + b_n) * vsz);
+    /* The panels start on a cache line (malloc gives 16 bytes), so no zmm
+     * load of A splits two lines; a_n * vsz is a multiple of 256, so B'
+     * is aligned too. The 16 floats of slack added above pay for this. */
+    unsigned char *al = mem + ((64u - ((uintptr_t)mem & 63u)) & 63u);
+    void *ap = al, *bs = al + a_n * vsz;
+    float *tmp = (float *)(al + (a_n + b_n) * vsz);
     make_bs(bs, wide, R, 0, O, terms, n_terms, tmp);
     make_panels(ap, wide, pw, R, I, terms, n_terms, tmp);
 

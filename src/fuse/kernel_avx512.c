@@ -1,18 +1,19 @@
 /* kernel_avx512.c — the fuse kernel's block function for AVX-512 (F, BW,
  * VL, DQ) with FMA: the path that runs at the memory system's limit.
  *
- * Blocking: 4 rows x one panel (64 f32 columns, or 32 f64 columns) of the
- * delta live in 16 zmm accumulators for the whole k loop; per k, the
- * panel's 4 vectors are loaded once (contiguous, packed by kernel.c) and
- * each row's B'[o,k] is broadcast: 16 FMAs per 4 loads + 4 broadcasts,
- * enough independent chains to keep both FMA pipes busy. Then the
+ * Blocking: LK_KMR (6) rows x one panel (64 f32 columns, or 32 f64
+ * columns) of the delta live in 24 zmm accumulators for the whole k loop;
+ * per k, the panel's 4 vectors are loaded once (contiguous, cache-line
+ * aligned, packed by kernel.c, L1-resident) and each row's B'[o,k] is
+ * broadcast: 24 FMAs per 4 loads + 6 broadcasts, enough independent chains
+ * to keep both FMA pipes busy (4 rows x 4 was 16 per 8). Then the
  * epilogue reads the 4 row segments of W, adds and rounds once into W's
  * dtype (round_bf16 explains the BF16 shortcut; F16 and F32 use TwoSum
  * and the odd step of kernel_scalar.h lane by lane) and writes; a group of
  * lanes with an Inf or NaN result (or a BF16 tie) is redone by lk_kernel_finish_slow
  * (the NaN rule, the non-finite check), so the fast case has no NaN code.
- * W is read once and written once; the next panel's W lines are
- * prefetched while the sums run. Column tails use masked loads/stores
+ * W is read once and written once; W's lines a few panels ahead (both
+ * lines of each row's 128-byte segment) are prefetched while the sums run. Column tails use masked loads/stores
  * (the packed panels are zero-padded, so the sums need no tail code).
  *
  * The bits equal the portable path's: the chain is the same sequence of
@@ -114,7 +115,7 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
         const size_t col0 = p * LK_PW32;
         const long n = (long)(in - col0);
         const float *ap = jb->Ap32 + p * R * LK_PW32;
-        __m512 acc[4][4];
+        __m512 acc[LK_KMR][4];
         {
             const __m512 a0 = _mm512_loadu_ps(ap), a1 = _mm512_loadu_ps(ap + 16), a2 = _mm512_loadu_ps(ap + 32),
                          a3 = _mm512_loadu_ps(ap + 48);
@@ -126,7 +127,11 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
                 acc[r][3] = _mm512_mul_ps(b, a3);
             }
         }
-        for (int r = 0; r < MR; r++) _mm_prefetch((const char *)win + (size_t)r * ldw + col0 * 2 + PF_AHEAD, _MM_HINT_T0);
+        for (int r = 0; r < MR; r++) { /* a panel's row segment is 128 bytes: two lines */
+            const char *pf = (const char *)win + (size_t)r * ldw + col0 * 2 + PF_AHEAD;
+            _mm_prefetch(pf, _MM_HINT_T0);
+            _mm_prefetch(pf + 64, _MM_HINT_T0);
+        }
         for (size_t k = 1; k < R; k++) {
             const float *a = ap + k * LK_PW32;
             const __m512 a0 = _mm512_loadu_ps(a), a1 = _mm512_loadu_ps(a + 16), a2 = _mm512_loadu_ps(a + 32),
@@ -200,7 +205,7 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
         const size_t col0 = p * LK_PW64;
         const long n = (long)(in - col0);
         const double *ap = jb->Ap64 + p * R * LK_PW64;
-        __m512d acc[4][4];
+        __m512d acc[LK_KMR][4];
         {
             const __m512d a0 = _mm512_loadu_pd(ap), a1 = _mm512_loadu_pd(ap + 8), a2 = _mm512_loadu_pd(ap + 16),
                           a3 = _mm512_loadu_pd(ap + 24);
@@ -212,7 +217,11 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
                 acc[r][3] = _mm512_mul_pd(b, a3);
             }
         }
-        for (int r = 0; r < MR; r++) _mm_prefetch((const char *)win + (size_t)r * ldw + col0 * 4 + PF_AHEAD, _MM_HINT_T0);
+        for (int r = 0; r < MR; r++) { /* a panel's row segment is 128 bytes: two lines */
+            const char *pf = (const char *)win + (size_t)r * ldw + col0 * 4 + PF_AHEAD;
+            _mm_prefetch(pf, _MM_HINT_T0);
+            _mm_prefetch(pf + 64, _MM_HINT_T0);
+        }
         for (size_t k = 1; k < R; k++) {
             const double *a = ap + k * LK_PW64;
             const __m512d a0 = _mm512_loadu_pd(a), a1 = _mm512_loadu_pd(a + 8), a2 = _mm512_loadu_pd(a + 16),
@@ -275,6 +284,8 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
 LK_T void lk_kblock_avx512(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1) {
     if (jb->wide) {
         switch (mr) {
+        case 6: block32(jb, wk, o, 6, p0, p1); break;
+        case 5: block32(jb, wk, o, 5, p0, p1); break;
         case 4: block32(jb, wk, o, 4, p0, p1); break;
         case 3: block32(jb, wk, o, 3, p0, p1); break;
         case 2: block32(jb, wk, o, 2, p0, p1); break;
@@ -283,6 +294,8 @@ LK_T void lk_kblock_avx512(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, 
         return;
     }
     switch (mr) {
+    case 6: block16(jb, wk, o, 6, p0, p1); break;
+    case 5: block16(jb, wk, o, 5, p0, p1); break;
     case 4: block16(jb, wk, o, 4, p0, p1); break;
     case 3: block16(jb, wk, o, 3, p0, p1); break;
     case 2: block16(jb, wk, o, 2, p0, p1); break;

@@ -31,7 +31,7 @@ LK_AI int nonfinite16(int dt, uint16_t h) {
 LK_AI void gen_block(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1) {
     const size_t R = jb->R, in = jb->in;
     if (!jb->wide) {
-        float acc[4][LK_PW32], wv[LK_PW32], rv[LK_PW32];
+        float acc[LK_KMR][LK_PW32], wv[LK_PW32], rv[LK_PW32];
         uint16_t wb[LK_PW32], ob[LK_PW32];
         for (size_t p = p0; p < p1; p++) {
             const size_t col0 = p * LK_PW32, n = in - col0 < LK_PW32 ? in - col0 : LK_PW32;
@@ -58,7 +58,7 @@ LK_AI void gen_block(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t
         }
         return;
     }
-    double acc[4][LK_PW64];
+    double acc[LK_KMR][LK_PW64];
     uint32_t wb[LK_PW64], ob[LK_PW64];
     for (size_t p = p0; p < p1; p++) {
         const size_t col0 = p * LK_PW64, n = in - col0 < LK_PW64 ? in - col0 : LK_PW64;
