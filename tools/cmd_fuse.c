@@ -14,9 +14,10 @@
 static const char *const FUSE_USAGE =
     "usage: lorakit fuse BASE -l ADAPTER[:STRENGTH] [-l ...] -o OUT [options]\n\n"
     "Fuses LoRA adapters into a safetensors checkpoint and writes a new one:\n"
-    "W <- W + sum_i strength_i * scale_i * (B_i @ A_i), accumulated in fp32 and\n"
-    "rounded once (round-to-nearest-even) into each weight's dtype (F32, F16,\n"
-    "BF16; FP8 F8_E4M3/F8_E5M2, plain or with a <m>.weight_scale or ComfyUI\n"
+    "W <- W + sum_i strength_i * scale_i * (B_i @ A_i): the delta an FMA chain\n"
+    "in a fixed order (fp32 for BF16/F16/FP8 weights, fp64 for F32 weights),\n"
+    "W + delta rounded once (round-to-nearest-even) into the weight's dtype\n"
+    "(F32, F16, BF16; FP8 F8_E4M3/F8_E5M2, plain or with a <m>.weight_scale or ComfyUI\n"
     "<m>.scale_weight: decoded exactly, divided by the new or kept scale and\n"
     "rounded once). scale = alpha / r (alpha / sqrt(r) with rsLoRA). ADAPTER is a PEFT\n"
     "folder (adapter_config.json + adapter_model.safetensors) or a .safetensors\n"
