@@ -106,10 +106,9 @@ static void check_output(const char *out, af_file *base, const expect *ex, const
         size_t nt = 0;
         for (size_t e = 0; e < n_ex; e++)
             if (!strcmp(ex[e].target, b->name) && strength[e] != 0)
-                /* the float scale the kernel gets (fuse.h): the float
-                 * strength times the module's float scale, rounded to float */
-                terms[nt++] = (ar_term){ex[e].A, ex[e].B,
-                                        (float)((double)(float)strength[e] * (double)(float)ex[e].scale)};
+                /* the scale the kernel gets (fuse.h): the float strength
+                 * times the module's double alpha / r (computed here) */
+                terms[nt++] = (ar_term){ex[e].A, ex[e].B, (double)(float)strength[e] * ex[e].scale};
         if (nt == 0) {
             assert_memory_equal(o->data, b->data, b->nbytes);
         } else {

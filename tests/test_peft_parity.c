@@ -153,7 +153,7 @@ static void test_alpha_sources(void **state) {
         if (!m) fail_msg("%s: no module %s", p, cases[i].module);
         assert_int_equal(m->rank, cases[i].rank);
         assert_true(m->alpha == (float)cases[i].alpha);
-        assert_true(m->scale == (float)cases[i].scale);
+        assert_true(m->scale == cases[i].scale);
         assert_string_equal(m->alpha_source, cases[i].source);
         lk_adapter_free(a);
     }

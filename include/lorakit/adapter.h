@@ -39,7 +39,7 @@ typedef struct lk_lora_module {
                            or when unmatched */
     int rank;
     float alpha;
-    float scale;        /* alpha / rank, or alpha / sqrt(rank) with rsLoRA */
+    double scale;       /* alpha / rank, or alpha / sqrt(rank) with rsLoRA (double: PEFT's scaling is a Python float) */
     lk_tensor A;        /* rank x in  (lora_A / lora_down) */
     lk_tensor B;        /* out x rank (lora_B / lora_up) */
     /* Where alpha came from: "config" (lora_alpha), "alpha_pattern \"<key>\"",

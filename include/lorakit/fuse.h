@@ -23,7 +23,7 @@ extern "C" {
 typedef struct lk_fuse_term {
     const lk_tensor *A; /* r x in */
     const lk_tensor *B; /* out x r */
-    float scale;        /* strength * alpha-derived scale */
+    double scale;       /* (double)strength * the module's alpha-derived scale */
 } lk_fuse_term;
 
 /* FP8 weights (lk_fuse_fp8): how the fused value is rounded into FP8 and

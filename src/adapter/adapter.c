@@ -660,7 +660,7 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *b
     mod->target = NULL;
     mod->rank = (int)r;
     mod->alpha = (float)alpha;
-    mod->scale = (float)scale;
+    mod->scale = scale;
     mod->A = *A;
     mod->B = *B;
     mod->alpha_source = source;

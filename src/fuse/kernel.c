@@ -9,10 +9,11 @@
  *     canonical order of lk_fuse_canonical_order), are stacked: k = 0 .. R-1
  *     runs over term 0's ranks, then term 1's, ..., R = sum of r_t.
  *  2. Scaled B. Narrow accumulator (BF16 and F16 weights; FP8 weights use
- *     the same chain through lk_fuse_delta_f32): B'[o,k] = fl32(scale_t *
- *     B_t[o,k']), the product of two floats rounded once to f32. Wide
- *     accumulator (F32 weights): B'[o,k] = (double)scale_t * B_t[o,k'], exact
- *     in f64 (24 x 24 bits fit in 53).
+ *     the same chain through lk_fuse_delta_f32): B'[o,k] =
+ *     (float)(scale_t * (double)B_t[o,k']), the product formed in f64 (the
+ *     term's scale is a double: strength x alpha/r, as PEFT's Python float)
+ *     and then rounded to f32. Wide accumulator (F32 weights): B'[o,k] =
+ *     scale_t * (double)B_t[o,k'], rounded once in f64.
  *  3. The delta, per element, an FMA chain with k ascending, starting from
  *     the first product (not from 0): d = fl(B'[o,0] * A[0,j]), then
  *     d = fma(B'[o,k], A[k,j], d) for k = 1 .. R-1, in f32 (narrow: fmaf)
@@ -249,7 +250,7 @@ static lk_status check_terms(int64_t out, int64_t in, const lk_fuse_term *terms,
                             (long long)B->shape[1], (long long)out, (long long)in);
         if (!isfinite(terms[t].scale))
             return lk_error(LK_ERR_NONFINITE, "%s: term %zu: scale is %g", name, t, (double)terms[t].scale);
-        if (terms[t].scale != 0.0f && !lk_checked_add(*R, (size_t)A->shape[0], R))
+        if (terms[t].scale != 0.0 && !lk_checked_add(*R, (size_t)A->shape[0], R))
             return lk_error(LK_ERR_SHAPE, "%s: total rank overflows", name);
     }
     return LK_OK;
@@ -260,18 +261,18 @@ static void make_bs(void *bs, int wide, size_t R, size_t row0, size_t rows, cons
                     float *tmp) {
     size_t koff = 0;
     for (size_t t = 0; t < n_terms; t++) {
-        if (terms[t].scale == 0.0f) continue;
+        if (terms[t].scale == 0.0) continue;
         const lk_tensor *B = terms[t].B;
         const size_t r = (size_t)B->shape[1], besz = lk_dtype_size(B->dtype);
-        const float sc = terms[t].scale;
+        const double sc = terms[t].scale;
         for (size_t i = 0; i < rows; i++) {
             lk_to_f32(tmp, (const char *)B->data + (row0 + i) * r * besz, B->dtype, r);
             if (wide) {
                 double *row = (double *)bs + i * R + koff;
-                for (size_t k = 0; k < r; k++) row[k] = (double)sc * (double)tmp[k];
+                for (size_t k = 0; k < r; k++) row[k] = sc * (double)tmp[k];
             } else {
                 float *row = (float *)bs + i * R + koff;
-                for (size_t k = 0; k < r; k++) row[k] = sc * tmp[k];
+                for (size_t k = 0; k < r; k++) row[k] = (float)(sc * (double)tmp[k]);
             }
         }
         koff += r;
@@ -285,7 +286,7 @@ static void make_panels(void *ap, int wide, size_t pw, size_t R, size_t in, cons
     const size_t npan = (in + pw - 1) / pw;
     size_t k = 0;
     for (size_t t = 0; t < n_terms; t++) {
-        if (terms[t].scale == 0.0f) continue;
+        if (terms[t].scale == 0.0) continue;
         const lk_tensor *A = terms[t].A;
         const size_t r = (size_t)A->shape[0], aesz = lk_dtype_size(A->dtype);
         for (size_t i = 0; i < r; i++, k++) {

@@ -3,7 +3,7 @@
  * (serve/tracker.c) both use, so the two give the same bytes.
  *
  * A key gets, from the adapters in canonical order: LoRA terms (2-D
- * weights; scale = (float)(strength * module scale), the one place this
+ * weights; scale = (double)strength * module scale (a double), the one place this
  * product is formed), lora_B bias terms (the layer's 1-D bias: strength *
  * scale * lora_B.bias), a replacement (PEFT's modules_to_save and saved
  * biases) or a DoRA module. A key with only LoRA terms goes through the fuse
@@ -55,12 +55,12 @@ lk_status lk_fuse_key_plan(lk_adapter *const *ad, const float *strength, size_t 
             out->dora = m;
             out->dora_strength = strength[i];
         } else if (m) {
-            float sc = (float)((double)strength[i] * (double)m->scale);
-            if (sc != 0.0f) terms[out->n_terms++] = (lk_fuse_term){&m->A, &m->B, sc};
+            double sc = (double)strength[i] * m->scale;
+            if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){&m->A, &m->B, sc};
         }
         if (b) {
-            float sc = (float)((double)strength[i] * (double)b->scale);
-            if (sc != 0.0f) terms[out->n_terms++] = (lk_fuse_term){NULL, &b->bias, sc};
+            double sc = (double)strength[i] * b->scale;
+            if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){NULL, &b->bias, sc};
         }
     }
     if (dora_from != SIZE_MAX && (out->n_terms || out->replace))

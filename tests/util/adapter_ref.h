@@ -28,7 +28,7 @@ double ar_ulp(lk_dtype dt, double v);
 
 typedef struct ar_term {
     const lk_tensor *A, *B;
-    double scale; /* the float scale the kernel gets, as double */
+    double scale; /* the scale the kernel gets: (double)strength * alpha / r */
 } ar_term;
 
 /* Checks every element of fused (dtype dt, out x in) against the double
