@@ -31,10 +31,17 @@
  * clamps to +-max with saturate. Memory: one F32 block of rows per thread
  * (~256 KiB), so a weight of any size is fused in bounded memory; with
  * rescale the delta is computed twice (once for the amax, once to round). */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "fuse/fuse_internal.h"
-#include "core/fp8_impl.h"
+#include "fuse/fp8_internal.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -44,7 +51,7 @@
 #include <string.h>
 #include <xxhash.h>
 
-#define BLOCK_FLOATS ((size_t)1 << 16) /* a block of rows: ~256 KiB of f32 delta, per thread */
+#define BLOCK_FLOATS ((size_t)1 << 18) /* a block of rows: ~1 MiB of f32 delta, per thread */
 
 static uint64_t mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -83,28 +90,52 @@ typedef struct fjob {
     uint8_t *w;
     lk_dtype dtype;
     size_t O, I, rb, n_blocks;
-    int per_row, pass, stoch, allow_nonfinite;
+    int per_row, pass;
     const lk_fuse_term *terms;
     size_t k;
     const double *s0, *sc; /* stored scale, divide-by scale (per row, or [0]) */
     float *amax_row;       /* pass 1 with per-row scales: one per row */
-    uint64_t key;
     const char *name;
-    float dec[256];        /* every code's value */
-    const fp8fmt *fmt;
+    lk_fp8_ctx x;
+    lk_fp8_amax_fn amax;
+    lk_fp8_round_fn round;
     atomic_size_t next;
 } fjob;
 
 typedef struct fworker {
     fjob *job;
     float *blk;
-    float amax;   /* pass 1, per-tensor scale */
-    size_t over;  /* pass 2: overflowing elements */
-    size_t bad_e; /* pass 2: first element made non-finite, or SIZE_MAX */
-    double bad_v;
+    float amax;         /* pass 1, per-tensor scale */
+    lk_fp8_stats stats; /* pass 2 */
     lk_status st;
     char msg[512];
 } fworker;
+
+/* ---- the per-row epilogue, plain C (fp8_internal.h) ---- */
+
+float lk_fp8_amax_portable(const lk_fp8_ctx *x, const uint8_t *w, const float *d, size_t n, double s_old, float m) {
+    for (size_t c = 0; c < n; c++) {
+        float a = fabsf((float)((double)x->dec[w[c]] * s_old + (double)d[c]));
+        m = a > m ? a : m; /* NaN never wins */
+    }
+    return m;
+}
+
+void lk_fp8_round_portable(const lk_fp8_ctx *x, uint8_t *w, const float *d, size_t n, double s_old, double s_new,
+                           size_t e0, lk_fp8_stats *st) {
+    for (size_t c = 0; c < n; c++) {
+        size_t e = e0 + c;
+        double w0 = (double)x->dec[w[c]] * s_old, v = w0 + (double)d[c];
+        if (!isfinite(v) && isfinite(w0) && e < st->bad_e) {
+            st->bad_e = e;
+            st->bad_v = v;
+        }
+        uint8_t code;
+        st->over += (size_t)fp8_from_double(s_new == 1.0 ? v : v / s_new, x->fmt, x->stoch,
+                                            x->stoch ? lk_fp8_random_bits(x->key, e) : 0, &code);
+        w[c] = code;
+    }
+}
 
 static void fp8_block(fworker *wk, size_t b) {
     fjob *j = wk->job;
@@ -120,31 +151,13 @@ static void fp8_block(fworker *wk, size_t b) {
         size_t row = r0 + r, si = j->per_row ? row : 0;
         uint8_t *wr = j->w + row * I;
         const float *d = wk->blk + r * I;
-        double s_old = j->s0[si];
         if (j->pass == 1) {
-            float m = j->per_row ? 0.0f : wk->amax;
-            for (size_t c = 0; c < I; c++)
-                {
-                float a = fabsf((float)((double)j->dec[wr[c]] * s_old + (double)d[c]));
-                m = a > m ? a : m; /* NaN never wins */
-            }
+            float m = j->amax(&j->x, wr, d, I, j->s0[si], j->per_row ? 0.0f : wk->amax);
             if (j->per_row) j->amax_row[row] = m;
             else wk->amax = m;
             continue;
         }
-        double s_new = j->sc[si];
-        for (size_t c = 0; c < I; c++) {
-            size_t e = row * I + c;
-            double w0 = (double)j->dec[wr[c]] * s_old, v = w0 + (double)d[c];
-            if (!isfinite(v) && isfinite(w0) && !j->allow_nonfinite && e < wk->bad_e) {
-                wk->bad_e = e;
-                wk->bad_v = v;
-            }
-            uint8_t code;
-            wk->over += (size_t)fp8_from_double(s_new == 1.0 ? v : v / s_new, j->fmt, j->stoch,
-                                                   j->stoch ? lk_fp8_random_bits(j->key, e) : 0, &code);
-            wr[c] = code;
-        }
+        j->round(&j->x, wr, d, I, j->s0[si], j->sc[si], row * I, &wk->stats);
     }
 }
 
@@ -216,13 +229,22 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     if ((s = lk_fuse_delta_f32(blks, I, out, in, 0, 1, terms, k, name))) goto done;
     double *sc = s0 + NS;
     for (size_t r = 0; r < NS; r++) s0[r] = sc[r] = scale ? scale_get(scale, sdtype, r) : 1.0;
+    float dec[256]; /* every code's value */
+    const fp8fmt *fmt = dtype == LK_DTYPE_F8_E5M2 ? &LK_FP8_E5M2_FMT : &LK_FP8_E4M3_FMT;
+    for (int c = 0; c < 256; c++) dec[c] = fp8_to_f32((uint8_t)c, fmt);
     fjob job = {.w = w, .dtype = dtype, .O = O, .I = I, .rb = rb, .n_blocks = n_blocks, .per_row = per_row,
-                .stoch = fo->rounding == LK_FP8_STOCHASTIC, .allow_nonfinite = opts->allow_nonfinite,
-                .terms = terms, .k = k, .s0 = s0, .sc = sc, .amax_row = amax_row,
-                .key = lk_fp8_stream_key(fo->seed, name), .name = name};
-    job.fmt = dtype == LK_DTYPE_F8_E5M2 ? &LK_FP8_E5M2_FMT : &LK_FP8_E4M3_FMT;
-    for (int c = 0; c < 256; c++) job.dec[c] = fp8_to_f32((uint8_t)c, job.fmt);
-    for (int t = 0; t < nw; t++) wk[t] = (fworker){.job = &job, .blk = blks + (size_t)t * rb * I, .bad_e = SIZE_MAX};
+                .terms = terms, .k = k, .s0 = s0, .sc = sc, .amax_row = amax_row, .name = name,
+                .x = {.fmt = fmt, .stoch = fo->rounding == LK_FP8_STOCHASTIC,
+                      .key = lk_fp8_stream_key(fo->seed, name), .dec = dec},
+                .amax = lk_fp8_amax_portable, .round = lk_fp8_round_portable};
+#ifdef LK_FP8_X86
+    if (!strcmp(lk_fuse_kernel_path(), "avx512")) {
+        job.amax = lk_fp8_amax_avx512;
+        job.round = lk_fp8_round_avx512;
+    }
+#endif
+    for (int t = 0; t < nw; t++)
+        wk[t] = (fworker){.job = &job, .blk = blks + (size_t)t * rb * I, .stats = {.bad_e = SIZE_MAX}};
     if (rescale) { /* pass 1: amax of the fused values, as float32 */
         fp8_pass(&job, wk, nw, 1);
         float amax = 0.0f;
@@ -247,13 +269,13 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     double bad_v = 0;
     for (int t = 0; t < nw; t++) {
         if (wk[t].st && !s) s = lk_error(wk[t].st, "%s", wk[t].msg);
-        over += wk[t].over;
-        if (wk[t].bad_e < bad_e) {
-            bad_e = wk[t].bad_e;
-            bad_v = wk[t].bad_v;
+        over += wk[t].stats.over;
+        if (wk[t].stats.bad_e < bad_e) {
+            bad_e = wk[t].stats.bad_e;
+            bad_v = wk[t].stats.bad_v;
         }
     }
-    if (!s && bad_e != SIZE_MAX)
+    if (!s && bad_e != SIZE_MAX && !opts->allow_nonfinite)
         s = lk_error(LK_ERR_NONFINITE, "%s: element [%zu, %zu] becomes %g from finite inputs", name, bad_e / I,
                      bad_e % I, bad_v);
     if (!s && over && !fo->saturate)
