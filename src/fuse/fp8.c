@@ -31,13 +31,6 @@
  * clamps to +-max with saturate. Memory: one F32 block of rows per thread
  * (~256 KiB), so a weight of any size is fused in bounded memory; with
  * rescale the delta is computed twice (once for the amax, once to round). */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#endif
-
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "fuse/fuse_internal.h"

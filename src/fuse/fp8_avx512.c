@@ -17,13 +17,6 @@
  *   q's last bit (zero, double subnormals). So in the fast lanes the result
  *   is a finite code and nothing overflows: the counters are the scalar
  *   path's. Row tails (n % 8) are scalar too. */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#endif
-
 #include "fuse/fp8_internal.h"
 
 #ifdef LK_FP8_X86

@@ -7,6 +7,14 @@
 #ifndef LK_FUSE_FP8_INTERNAL_H
 #define LK_FUSE_FP8_INTERNAL_H
 
+/* The chain's mul and add stay two roundings: no FMA contraction in the
+ * files that include this (fp8.c, fp8_avx512.c). */
+#ifdef __clang__
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 #include <stddef.h>
 #include <stdint.h>
 #include "core/fp8_impl.h"
