@@ -27,22 +27,29 @@ static void test_bcast_chunked(void **state) {
     free(b);
 }
 
-/* Vectored broadcast: 300 segments of lengths 0..2500 (more than one
- * datatype round of 256 pieces, and rounds of <= 1000 bytes that split
- * segments), laid out differently on each rank (a rank-dependent gap
- * between segments) but with the same lengths: every rank ends up with
- * the root's bytes, i*31+7 of the stream offset, and the gaps untouched. */
+/* Vectored broadcast: 300 segments, mostly of lengths 0..2500 (more than
+ * one hindexed round of 256 pieces, and rounds of <= 1000 bytes that split
+ * segments), three of at least 1 MiB (each sent alone as contiguous bytes:
+ * the first, one between small ones, the last), laid out differently on
+ * each rank (a rank-dependent gap between segments) but with the same
+ * lengths: every rank ends up with the root's bytes, i*31+7 of the stream
+ * offset, and the gaps untouched. */
+static size_t seg_len(int i) {
+    if (i == 0 || i == 150 || i == 299) return ((size_t)1 << 20) + (size_t)i * 7;
+    return (size_t)(i * 37 % 2501);
+}
+
 static void test_bcastv(void **state) {
     (void)state;
     enum { NS = 300 };
     lk_comm_seg seg[NS];
     size_t total = 0, gap = (size_t)R + 1, span = 0;
-    for (int i = 0; i < NS; i++) span += (size_t)(i * 37 % 2501) + gap;
+    for (int i = 0; i < NS; i++) span += seg_len(i) + gap;
     unsigned char *mem = malloc(span);
     memset(mem, 0xee, span);
     size_t at = 0;
     for (int i = 0; i < NS; i++) {
-        size_t len = (size_t)(i * 37 % 2501);
+        size_t len = seg_len(i);
         seg[i] = (lk_comm_seg){mem + at, len};
         at += len + gap;
         total += len;

@@ -58,12 +58,21 @@ static lk_status mpi_bcast(lk_comm *c, void *buf, size_t n, int root) {
     return LK_OK;
 }
 
-/* Rounds of at most `chunk` bytes and SEGS_PER_ROUND pieces, each one
- * MPI_Bcast of an hindexed datatype over the pieces' absolute addresses.
- * The rounds depend only on the segment lengths, which every rank passes
+/* A segment of at least BCASTV_CONTIG bytes is broadcast by itself as
+ * contiguous bytes (mpi_bcast): Open MPI moves a contiguous buffer without
+ * packing, while an hindexed datatype goes through its convertor (4 ranks
+ * on the 2-vCPU development VM, 160 MiB in 8 MiB pieces, six runs: hindexed
+ * rounds took 0.94-1.9x the time of the same pieces as contiguous
+ * broadcasts, median 1.3x; the contiguous ones matched one flat buffer's
+ * broadcast). Smaller segments are
+ * gathered, in order, into rounds of at most `chunk` bytes and
+ * SEGS_PER_ROUND pieces, each one MPI_Bcast of an hindexed datatype over
+ * the pieces' absolute addresses (one collective for many small keys).
+ * Both choices depend only on the segment lengths, which every rank passes
  * alike, so every rank makes the same calls. */
 #define SEGS_PER_ROUND 256
-static lk_status mpi_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root) {
+#define BCASTV_CONTIG ((size_t)1 << 20)
+static lk_status bcast_small(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root) {
     const size_t step = chunk_of(c);
     int lens[SEGS_PER_ROUND];
     MPI_Aint disp[SEGS_PER_ROUND];
@@ -93,6 +102,19 @@ static lk_status mpi_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int
         rc = MPI_Bcast(MPI_BOTTOM, 1, t, root, mc(c));
         MPI_Type_free(&t);
         if (rc != MPI_SUCCESS) return mpi_fail(rc, "bcastv");
+    }
+    return LK_OK;
+}
+
+static lk_status mpi_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root) {
+    size_t i = 0;
+    while (i < nseg) {
+        size_t j = i; /* [i, j): a run of small segments */
+        while (j < nseg && seg[j].n < BCASTV_CONTIG) j++;
+        lk_status s = j > i ? bcast_small(c, seg + i, j - i, root) : LK_OK;
+        if (!s && j < nseg) s = mpi_bcast(c, seg[j].p, seg[j].n, root);
+        if (s) return s;
+        i = j + 1;
     }
     return LK_OK;
 }
