@@ -28,9 +28,15 @@
  * rounding boundary.
  * Overflow (lk_fp8_from_double's rule) under --fp8-scale keep or for plain
  * FP8 is LK_ERR_NONFINITE naming the tensor and the count of elements, or
- * clamps to +-max with saturate. Memory: one F32 block of rows per thread
- * (~256 KiB), so a weight of any size is fused in bounded memory; with
- * rescale the delta is computed twice (once for the amax, once to round). */
+ * clamps to +-max with saturate.
+ * How: threads take blocks of rows; a block's delta is computed in one
+ * lk_fuse_delta_f32 call into a per-thread F32 buffer (~1 MiB, so a weight
+ * of any size is fused in bounded memory and the buffer stays in L2), then
+ * steps 2-4 run row by row on it: plain C (lk_fp8_*_portable below) or
+ * 8 double lanes (fp8_avx512.c, when lk_fuse_kernel_path is avx512), the
+ * same bits. A per-row rescale takes the row's amax and rounds it in the
+ * same pass; a per-tensor rescale needs the whole tensor's amax first, so
+ * its delta is computed twice (once for the amax, once to round). */
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "fuse/fuse_internal.h"
@@ -74,6 +80,18 @@ static double scale_put(void *p, lk_dtype d, size_t i, float f) {
     return scale_get(p, d, i);
 }
 
+/* LTX-2's new scale for amax m: s = fp8_max / m (float32), stored as the
+ * float32 1 / s, then in the scale's dtype (element i of scale): sets *sc
+ * to the stored value. A zero or non-finite amax (or stored value) keeps
+ * the scale (LTX would store 0). */
+static void rescale_one(void *scale, lk_dtype sdtype, size_t i, float fmax, float m, double *sc) {
+    if (!(m > 0.0f) || !isfinite(m)) return;
+    float inv = fmax / m;
+    float stored = 1.0f / inv;
+    if (!(stored > 0.0f) || !isfinite(stored)) return;
+    *sc = scale_put(scale, sdtype, i, stored);
+}
+
 /* ---- row blocks, shared by the threads ----
  * Threads take blocks of rows from an atomic counter; what an element gets
  * does not depend on who computes it: the delta is per element, the amax a
@@ -86,8 +104,12 @@ typedef struct fjob {
     int per_row, pass;
     const lk_fuse_term *terms;
     size_t k;
-    const double *s0, *sc; /* stored scale, divide-by scale (per row, or [0]) */
-    float *amax_row;       /* pass 1 with per-row scales: one per row */
+    const double *s0;      /* the stored scales (per row, or [0]) */
+    double *sc;            /* the divide-by scales: kept or new */
+    void *scale;           /* pass 2 with row_rescale: rewritten row by row */
+    lk_dtype sdtype;
+    float fmax;
+    int row_rescale;       /* per-row scales, rescaled in the rounding pass */
     const char *name;
     lk_fp8_ctx x;
     lk_fp8_amax_fn amax;
@@ -145,11 +167,11 @@ static void fp8_block(fworker *wk, size_t b) {
         uint8_t *wr = j->w + row * I;
         const float *d = wk->blk + r * I;
         if (j->pass == 1) {
-            float m = j->amax(&j->x, wr, d, I, j->s0[si], j->per_row ? 0.0f : wk->amax);
-            if (j->per_row) j->amax_row[row] = m;
-            else wk->amax = m;
+            wk->amax = j->amax(&j->x, wr, d, I, j->s0[si], wk->amax);
             continue;
         }
+        if (j->row_rescale) /* this row's amax, from the delta still in cache */
+            rescale_one(j->scale, j->sdtype, row, j->fmax, j->amax(&j->x, wr, d, I, j->s0[si], 0.0f), &j->sc[si]);
         j->round(&j->x, wr, d, I, j->s0[si], j->sc[si], row * I, &wk->stats);
     }
 }
@@ -211,10 +233,9 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     if ((size_t)nw > n_blocks) nw = (int)n_blocks;
     lk_status s = LK_OK;
     double *s0 = lk_malloc(2 * NS * sizeof *s0); /* the stored scales, then the divide-by ones */
-    float *amax_row = per_row && rescale ? lk_malloc(O * sizeof *amax_row) : NULL;
     fworker *wk = lk_calloc((size_t)nw, sizeof *wk);
     float *blks = wk ? lk_malloc((size_t)nw * rb * I * sizeof *blks) : NULL;
-    if (!s0 || !wk || !blks || (per_row && rescale && !amax_row)) {
+    if (!s0 || !wk || !blks) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 fuse", name);
         goto done;
     }
@@ -226,7 +247,8 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     const fp8fmt *fmt = dtype == LK_DTYPE_F8_E5M2 ? &LK_FP8_E5M2_FMT : &LK_FP8_E4M3_FMT;
     for (int c = 0; c < 256; c++) dec[c] = fp8_to_f32((uint8_t)c, fmt);
     fjob job = {.w = w, .dtype = dtype, .O = O, .I = I, .rb = rb, .n_blocks = n_blocks, .per_row = per_row,
-                .terms = terms, .k = k, .s0 = s0, .sc = sc, .amax_row = amax_row, .name = name,
+                .terms = terms, .k = k, .s0 = s0, .sc = sc, .name = name,
+                .scale = scale, .sdtype = sdtype, .fmax = (float)lk_fp8_max(dtype), .row_rescale = rescale && per_row,
                 .x = {.fmt = fmt, .stoch = fo->rounding == LK_FP8_STOCHASTIC,
                       .key = lk_fp8_stream_key(fo->seed, name), .dec = dec},
                 .amax = lk_fp8_amax_portable, .round = lk_fp8_round_portable};
@@ -238,7 +260,7 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
 #endif
     for (int t = 0; t < nw; t++)
         wk[t] = (fworker){.job = &job, .blk = blks + (size_t)t * rb * I, .stats = {.bad_e = SIZE_MAX}};
-    if (rescale) { /* pass 1: amax of the fused values, as float32 */
+    if (rescale && !per_row) { /* pass 1: amax of the fused values, as float32, over the whole tensor */
         fp8_pass(&job, wk, nw, 1);
         float amax = 0.0f;
         for (int t = 0; t < nw && !s; t++) {
@@ -246,18 +268,9 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
             amax = fmaxf(amax, wk[t].amax);
         }
         if (s) goto done;
-        /* LTX-2: scale = fp8_max / amax (float32); stored: 1 / scale (float32) */
-        const float fmax = (float)lk_fp8_max(dtype);
-        for (size_t r = 0; r < NS; r++) {
-            float m = per_row ? amax_row[r] : amax;
-            if (!(m > 0.0f) || !isfinite(m)) continue; /* all zero (or NaN): keep */
-            float inv = fmax / m;
-            float stored = 1.0f / inv;
-            if (!(stored > 0.0f) || !isfinite(stored)) continue;
-            sc[r] = scale_put(scale, sdtype, r, stored);
-        }
+        rescale_one(scale, sdtype, 0, job.fmax, amax, &sc[0]);
     }
-    fp8_pass(&job, wk, nw, 2); /* round once into FP8, in place */
+    fp8_pass(&job, wk, nw, 2); /* (per-row rescale and) round once into FP8, in place */
     size_t over = 0, bad_e = SIZE_MAX;
     double bad_v = 0;
     for (int t = 0; t < nw; t++) {
@@ -280,7 +293,6 @@ done:
     lk_free(blks);
     lk_free(wk);
     lk_free(s0);
-    lk_free(amax_row);
     return s;
 }
 
