@@ -32,9 +32,11 @@
  * How: threads take blocks of rows; a block's delta is computed in one
  * lk_fuse_delta_f32 call into a per-thread F32 buffer (~1 MiB, so a weight
  * of any size is fused in bounded memory and the buffer stays in L2), then
- * steps 2-4 run row by row on it: plain C (lk_fp8_*_portable below) or
- * 8 double lanes (fp8_avx512.c, when lk_fuse_kernel_path is avx512), the
- * same bits. A per-row rescale takes the row's amax and rounds it in the
+ * steps 2-4 run row by row on it: 8 double lanes with AVX-512
+ * (fp8_avx512.c) when lk_fuse_kernel_path is avx512, else branch-free C in
+ * groups of 64 (round_generic below; compiled for AVX2 on the avx2 path,
+ * where GCC vectorises it), both falling back to the per-element
+ * definition (lk_fp8_round_portable) for rare lanes: the same bits. A per-row rescale takes the row's amax and rounds it in the
  * same pass; a per-tensor rescale needs the whole tensor's amax first, so
  * its delta is computed twice (once for the amax, once to round). */
 #include "lorakit/fuse.h"
@@ -52,7 +54,9 @@
 
 #define BLOCK_FLOATS ((size_t)1 << 18) /* a block of rows: ~1 MiB of f32 delta, per thread */
 
-static uint64_t mix64(uint64_t z) {
+#define LK_FP8_AI static inline __attribute__((always_inline))
+
+LK_FP8_AI uint64_t mix64(uint64_t z) {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
@@ -62,9 +66,11 @@ uint64_t lk_fp8_stream_key(uint64_t seed, const char *name) {
     return mix64(XXH3_64bits(name, strlen(name)) ^ mix64(seed + 0x9e3779b97f4a7c15ull));
 }
 
-uint32_t lk_fp8_random_bits(uint64_t key, uint64_t index) {
+LK_FP8_AI uint32_t random_bits(uint64_t key, uint64_t index) {
     return (uint32_t)(mix64(key + (index + 1) * 0x9e3779b97f4a7c15ull) >> 32);
 }
+
+uint32_t lk_fp8_random_bits(uint64_t key, uint64_t index) { return random_bits(key, index); }
 
 static double scale_get(const void *p, lk_dtype d, size_t i) {
     float f;
@@ -151,6 +157,89 @@ void lk_fp8_round_portable(const lk_fp8_ctx *x, uint8_t *w, const float *d, size
         w[c] = code;
     }
 }
+
+/* ---- the same epilogue, branch-free plain C (the avx2 and portable
+ * paths): groups of 8 elements computed lane by lane with selects instead
+ * of branches (so the compiler vectorises the group loop), exactly
+ * fp8_avx512.c's method in C; the lanes it does not cover (an Inf/NaN
+ * code, a non-finite v, |q| beyond max, in stochastic mode a q below 2^-63
+ * quanta) are redone by lk_fp8_round_portable. */
+
+#define GRP 64
+
+LK_FP8_AI void round_group(const lk_fp8_ctx *x, uint8_t *w, const float *d, double s_old, double s_new, size_t e0,
+                           lk_fp8_stats *st, const int mb, const int bias, const int special, const double fmax,
+                           const int stoch, const int divide) {
+    const int64_t emin = 1 - bias;
+    const double quantum = lk_u2d((uint64_t)(1023 + 1 - bias - mb) << 52);
+    uint8_t out[GRP];
+    int rare[GRP];
+    for (int i = 0; i < GRP; i++) {
+        const uint64_t c = w[i], mag = c & 0x7f, is_sub = -(uint64_t)(mag < (1u << mb));
+        /* decode: a normal code's fields rebiased; a subnormal's integer
+         * times the quantum (both exact); selected by mask, not branch */
+        const uint64_t nb = (mag << (52 - mb)) + ((uint64_t)(1023 - bias) << 52);
+        const uint64_t sb = lk_d2u((double)(int32_t)mag * quantum);
+        const double v = lk_u2d((sb & is_sub) | (nb & ~is_sub) | (c & 0x80) << 56) * s_old + (double)d[i];
+        const double q = divide ? v / s_new : v;
+        const uint64_t u = lk_d2u(q);
+        const int64_t e = (int64_t)((u >> 52) & 0x7ff) - 1023;
+        const uint64_t m = (u & 0xfffffffffffffull) | 1ull << 52;
+        const int64_t ec = e < emin ? emin : e;
+        const int64_t sh = ec - e + 52 - mb;
+        rare[i] = (mag >= (uint64_t)special) | !(fabs(v) <= 1.7976931348623157e308) | !(fabs(q) <= fmax) |
+                  (stoch & (sh > 63));
+        const uint64_t shu = (uint64_t)(sh > 63 ? 63 : sh); /* nearest: as in fp8_avx512.c */
+        const uint64_t r = m >> shu, rem = m - (r << shu);
+        uint64_t up;
+        if (stoch) {
+            const uint64_t rb = random_bits(x->key, e0 + (size_t)i);
+            up = (rb << (shu - 32)) < rem;
+        } else {
+            /* the dropped bits moved to the top (shu is 49..63): half is 2^63 */
+            const uint64_t t = rem << (64 - shu), half = 1ull << 63;
+            up = (t > half) | ((t == half) & r);
+        }
+        out[i] = (uint8_t)((((uint64_t)(ec + bias - 1) << mb) + r + (up & 1)) | (u >> 56 & 0x80));
+    }
+    for (int i = 0; i < GRP; i++)
+        if (rare[i]) lk_fp8_round_portable(x, w + i, d + i, 1, s_old, s_new, e0 + (size_t)i, st);
+        else w[i] = out[i];
+}
+
+LK_FP8_AI void round_generic(const lk_fp8_ctx *x, uint8_t *w, const float *d, size_t n, double s_old,
+                             double s_new, size_t e0, lk_fp8_stats *st) {
+    /* one instance per format x rounding x division (a constant each, so
+     * the group loop has no branch left) */
+    const int sel = (x->fmt->mbits == 3) * 4 + x->stoch * 2 + (s_new != 1.0);
+    size_t c = 0;
+#define GROUP(mb, bias, special, fmax, sto, dv) \
+    round_group(x, w + c, d + c, s_old, s_new, e0 + c, st, mb, bias, special, fmax, sto, dv)
+    for (; c + GRP <= n; c += GRP) switch (sel) {
+        case 7: GROUP(3, 7, 0x7f, 448.0, 1, 1); break;
+        case 6: GROUP(3, 7, 0x7f, 448.0, 1, 0); break;
+        case 5: GROUP(3, 7, 0x7f, 448.0, 0, 1); break;
+        case 4: GROUP(3, 7, 0x7f, 448.0, 0, 0); break;
+        case 3: GROUP(2, 15, 0x7c, 57344.0, 1, 1); break;
+        case 2: GROUP(2, 15, 0x7c, 57344.0, 1, 0); break;
+        case 1: GROUP(2, 15, 0x7c, 57344.0, 0, 1); break;
+        default: GROUP(2, 15, 0x7c, 57344.0, 0, 0); break;
+        }
+#undef GROUP
+    lk_fp8_round_portable(x, w + c, d + c, n - c, s_old, s_new, e0 + c, st);
+}
+
+static void round_generic_base(const lk_fp8_ctx *x, uint8_t *w, const float *d, size_t n, double s_old,
+                               double s_new, size_t e0, lk_fp8_stats *st) {
+    round_generic(x, w, d, n, s_old, s_new, e0, st);
+}
+#ifdef LK_FP8_X86
+__attribute__((target("avx2,fma"))) static void round_generic_avx2(const lk_fp8_ctx *x, uint8_t *w, const float *d,
+                                                                  size_t n, double s_old, double s_new, size_t e0,
+                                                                  lk_fp8_stats *st) {
+    round_generic(x, w, d, n, s_old, s_new, e0, st);
+}
+#endif
 
 static void fp8_block(fworker *wk, size_t b) {
     fjob *j = wk->job;
@@ -251,11 +340,14 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
                 .scale = scale, .sdtype = sdtype, .fmax = (float)lk_fp8_max(dtype), .row_rescale = rescale && per_row,
                 .x = {.fmt = fmt, .stoch = fo->rounding == LK_FP8_STOCHASTIC,
                       .key = lk_fp8_stream_key(fo->seed, name), .dec = dec},
-                .amax = lk_fp8_amax_portable, .round = lk_fp8_round_portable};
+                .amax = lk_fp8_amax_portable, .round = round_generic_base};
 #ifdef LK_FP8_X86
-    if (!strcmp(lk_fuse_kernel_path(), "avx512")) {
+    const char *path = lk_fuse_kernel_path();
+    if (!strcmp(path, "avx512")) {
         job.amax = lk_fp8_amax_avx512;
         job.round = lk_fp8_round_avx512;
+    } else if (!strcmp(path, "avx2")) {
+        job.round = round_generic_avx2;
     }
 #endif
     for (int t = 0; t < nw; t++)

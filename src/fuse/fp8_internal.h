@@ -1,5 +1,7 @@
-/* fp8_internal.h — the FP8 fuse's per-row epilogue (src/fuse/fp8.c), in
- * plain C and for AVX-512 (fp8_avx512.c). Both compute, element by
+/* fp8_internal.h — the FP8 fuse's per-row epilogue (src/fuse/fp8.c): the
+ * per-element definition in plain C (lk_fp8_*_portable), and the AVX-512
+ * one (fp8_avx512.c); fp8.c also has a branch-free C version for the avx2
+ * and portable paths. All compute, element by
  * element, exactly the chain fp8.c's header states (decode, w0 = code *
  * s_old, v = w0 + d, q = v / s_new in double, one FP8 rounding), so they
  * give identical bytes; fp8.c picks one per call from lk_fuse_kernel_path.
