@@ -61,10 +61,10 @@ static lk_status mpi_bcast(lk_comm *c, void *buf, size_t n, int root) {
 /* A segment of at least BCASTV_CONTIG bytes is broadcast by itself as
  * contiguous bytes (mpi_bcast): Open MPI moves a contiguous buffer without
  * packing, while an hindexed datatype goes through its convertor (4 ranks
- * on the 2-vCPU development VM, 160 MiB in 8 MiB pieces, six runs: hindexed
- * rounds took 0.94-1.9x the time of the same pieces as contiguous
- * broadcasts, median 1.3x; the contiguous ones matched one flat buffer's
- * broadcast). Smaller segments are
+ * on the shared 2-vCPU development VM, hindexed rounds over the time of the
+ * same pieces as contiguous broadcasts: 160 MiB in 8 MiB pieces 0.94-1.9x,
+ * median 1.3x, six runs; 176 MiB in 2 MiB pieces 0.74-1.6x, four runs).
+ * Smaller segments are
  * gathered, in order, into rounds of at most `chunk` bytes and
  * SEGS_PER_ROUND pieces, each one MPI_Bcast of an hindexed datatype over
  * the pieces' absolute addresses (one collective for many small keys).
