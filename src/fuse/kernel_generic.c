@@ -28,6 +28,69 @@ LK_AI int nonfinite16(int dt, uint16_t h) {
     return dt == LK_DTYPE_BF16 ? (h & 0x7f80u) == 0x7f80u : (h & 0x7c00u) == 0x7c00u;
 }
 
+/* kernel_scalar.h's lk_k_round_f32 over a row segment (n <= LK_PW32),
+ * split into a float pass (the sum and its TwoSum error) and an integer
+ * pass (the odd step and the NaN rule) with no branches or mixed-type
+ * selects, so the compiler vectorizes both; the bits are lk_k_round_f32's
+ * (e != 0 is tested on its bits: when s is finite e is finite, and when s
+ * is not the step is off anyway). */
+LK_AI void round_row_f32(float *rv, const float *wv, const float *d, size_t n) {
+    float sv[LK_PW32], ev[LK_PW32];
+    uint32_t us[LK_PW32], ue[LK_PW32], uw[LK_PW32];
+    for (size_t c = 0; c < n; c++) {
+        const float s = wv[c] + d[c], bb = s - wv[c];
+        ev[c] = (wv[c] - (s - bb)) + (d[c] - bb);
+        sv[c] = s;
+    }
+    memcpy(us, sv, n * 4);
+    memcpy(ue, ev, n * 4);
+    memcpy(uw, wv, n * 4);
+    for (size_t c = 0; c < n; c++) {
+        uint32_t u = us[c];
+        const uint32_t on = (uint32_t)((u & 0x7f800000u) != 0x7f800000u) & (uint32_t)((ue[c] & 0x7fffffffu) != 0u) &
+                            (uint32_t)((u & 1u) == 0u);
+        u += on * (1u - 2u * ((u ^ ue[c]) >> 31));
+        const uint32_t wnan = -(uint32_t)((uw[c] & 0x7fffffffu) > 0x7f800000u);
+        const uint32_t rnan = -(uint32_t)((u & 0x7fffffffu) > 0x7f800000u);
+        u = (wnan & (uw[c] | 0x00400000u)) | (~wnan & ((rnan & 0x7fc00000u) | (~rnan & u)));
+        us[c] = u;
+    }
+    memcpy(rv, us, n * 4);
+}
+
+/* lk_k_round_f64_to_f32 over a row segment (n <= LK_PW64), split the same
+ * way: odd sum in f64, then one RNE conversion to f32, then the NaN rule. */
+LK_AI void round_row_f64(uint32_t *ob, const uint32_t *wb, const double *d, size_t n) {
+    double sv[LK_PW64], ev[LK_PW64];
+    uint64_t us[LK_PW64], ue[LK_PW64];
+    float fv[LK_PW64], wf[LK_PW64];
+    uint32_t ur[LK_PW64];
+    memcpy(wf, wb, n * 4);
+    for (size_t c = 0; c < n; c++) {
+        const double w = (double)wf[c], s = w + d[c], bb = s - w;
+        ev[c] = (w - (s - bb)) + (d[c] - bb);
+        sv[c] = s;
+    }
+    memcpy(us, sv, n * 8);
+    memcpy(ue, ev, n * 8);
+    for (size_t c = 0; c < n; c++) {
+        uint64_t u = us[c];
+        const uint64_t on = (uint64_t)((u & 0x7ff0000000000000ull) != 0x7ff0000000000000ull) &
+                            (uint64_t)((ue[c] & 0x7fffffffffffffffull) != 0u) & (uint64_t)((u & 1u) == 0u);
+        u += on * (1u - 2u * ((u ^ ue[c]) >> 63));
+        us[c] = u;
+    }
+    memcpy(sv, us, n * 8);
+    for (size_t c = 0; c < n; c++) fv[c] = (float)sv[c];
+    memcpy(ur, fv, n * 4);
+    for (size_t c = 0; c < n; c++) {
+        const uint32_t uw = wb[c], u = ur[c];
+        const uint32_t wnan = -(uint32_t)((uw & 0x7fffffffu) > 0x7f800000u);
+        const uint32_t rnan = -(uint32_t)((u & 0x7fffffffu) > 0x7f800000u);
+        ob[c] = (wnan & (uw | 0x00400000u)) | (~wnan & ((rnan & 0x7fc00000u) | (~rnan & u)));
+    }
+}
+
 LK_AI void gen_block(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1) {
     const size_t R = jb->R, in = jb->in;
     if (!jb->wide) {
@@ -48,7 +111,7 @@ LK_AI void gen_block(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t
                 const size_t off = ((o + (size_t)r) * in + col0) * 2;
                 memcpy(wb, (const char *)jb->w_in + off, n * 2);
                 lk_to_f32(wv, wb, (lk_dtype)jb->dt, n);
-                for (size_t c = 0; c < n; c++) rv[c] = lk_k_round_f32(wv[c], acc[r][c]);
+                round_row_f32(rv, wv, acc[r], n);
                 lk_from_f32(ob, rv, (lk_dtype)jb->dt, n);
                 int bad = 0;
                 for (size_t c = 0; c < n; c++) bad |= nonfinite16(jb->dt, ob[c]) & !nonfinite16(jb->dt, wb[c]);
@@ -74,11 +137,10 @@ LK_AI void gen_block(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t
         for (int r = 0; r < mr; r++) {
             const size_t off = ((o + (size_t)r) * in + col0) * 4;
             memcpy(wb, (const char *)jb->w_in + off, n * 4);
+            round_row_f64(ob, wb, acc[r], n);
             uint32_t bad = 0;
-            for (size_t c = 0; c < n; c++) {
-                ob[c] = lk_k_round_f64_to_f32(wb[c], acc[r][c]);
+            for (size_t c = 0; c < n; c++)
                 bad |= ((ob[c] & 0x7f800000u) == 0x7f800000u) & ((wb[c] & 0x7f800000u) != 0x7f800000u);
-            }
             memcpy((char *)jb->w_out + off, ob, n * 4);
             if (bad) lk_kernel_note_bad(wk, o + (size_t)r, col0, n, wb, ob);
         }
