@@ -28,34 +28,37 @@ LK_AI int nonfinite16(int dt, uint16_t h) {
     return dt == LK_DTYPE_BF16 ? (h & 0x7f80u) == 0x7f80u : (h & 0x7c00u) == 0x7c00u;
 }
 
-/* kernel_scalar.h's lk_k_round_f32 over a row segment (n <= LK_PW32),
- * split into a float pass (the sum and its TwoSum error) and an integer
- * pass (the odd step and the NaN rule) with no branches or mixed-type
- * selects, so the compiler vectorizes both; the bits are lk_k_round_f32's
- * (e != 0 is tested on its bits: when s is finite e is finite, and when s
- * is not the step is off anyway). */
-LK_AI void round_row_f32(float *rv, const float *wv, const float *d, size_t n) {
-    float sv[LK_PW32], ev[LK_PW32];
-    uint32_t us[LK_PW32], ue[LK_PW32], uw[LK_PW32];
-    for (size_t c = 0; c < n; c++) {
-        const float s = wv[c] + d[c], bb = s - wv[c];
-        ev[c] = (wv[c] - (s - bb)) + (d[c] - bb);
-        sv[c] = s;
+/* kernel_scalar.h's lk_k_round_f32 over a row segment (n <= LK_PW32) in
+ * GCC vector types, 8 lanes at a time (the auto-vectorizer would not take
+ * the float/bit reinterpretation): TwoSum, the odd step and the NaN rule
+ * with masks instead of branches; the bits are lk_k_round_f32's (e != 0 is
+ * tested on its bits: when s is finite e is finite, and when s is not the
+ * step is off anyway). */
+typedef float lk_v8f __attribute__((vector_size(32)));
+typedef uint32_t lk_v8u __attribute__((vector_size(32)));
+
+LK_AI void round_row_f32(float *rv, float *wv, const float *d, size_t n) {
+    /* whole vectors of 8: wv (LK_PW32 long) is zeroed past n so the lanes
+     * past the segment compute on defined values; they are not stored back
+     * into W (the caller converts n values) */
+    if (n < LK_PW32) memset(wv + n, 0, (LK_PW32 - n) * sizeof *wv);
+    for (size_t c = 0; c < n; c += 8) {
+        lk_v8f w, x;
+        memcpy(&w, wv + c, sizeof w);
+        memcpy(&x, d + c, sizeof x);
+        const lk_v8f s = w + x, bb = s - w, e = (w - (s - bb)) + (x - bb);
+        lk_v8u us, ue, uw;
+        memcpy(&us, &s, sizeof us);
+        memcpy(&ue, &e, sizeof ue);
+        memcpy(&uw, &w, sizeof uw);
+        const lk_v8u on = (lk_v8u)((us & 0x7f800000u) != 0x7f800000u) & (lk_v8u)((ue & 0x7fffffffu) != 0u) &
+                          (lk_v8u)((us & 1u) == 0u);
+        us += on & (1u - 2u * ((us ^ ue) >> 31));
+        const lk_v8u wnan = (lk_v8u)((uw & 0x7fffffffu) > 0x7f800000u);
+        const lk_v8u rnan = (lk_v8u)((us & 0x7fffffffu) > 0x7f800000u);
+        us = (wnan & (uw | 0x00400000u)) | (~wnan & ((rnan & 0x7fc00000u) | (~rnan & us)));
+        memcpy(rv + c, &us, sizeof us);
     }
-    memcpy(us, sv, n * 4);
-    memcpy(ue, ev, n * 4);
-    memcpy(uw, wv, n * 4);
-    for (size_t c = 0; c < n; c++) {
-        uint32_t u = us[c];
-        const uint32_t on = (uint32_t)((u & 0x7f800000u) != 0x7f800000u) & (uint32_t)((ue[c] & 0x7fffffffu) != 0u) &
-                            (uint32_t)((u & 1u) == 0u);
-        u += on * (1u - 2u * ((u ^ ue[c]) >> 31));
-        const uint32_t wnan = -(uint32_t)((uw[c] & 0x7fffffffu) > 0x7f800000u);
-        const uint32_t rnan = -(uint32_t)((u & 0x7fffffffu) > 0x7f800000u);
-        u = (wnan & (uw[c] | 0x00400000u)) | (~wnan & ((rnan & 0x7fc00000u) | (~rnan & u)));
-        us[c] = u;
-    }
-    memcpy(rv, us, n * 4);
 }
 
 /* lk_k_round_f64_to_f32 over a row segment (n <= LK_PW64), split the same
