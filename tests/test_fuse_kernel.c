@@ -252,6 +252,11 @@ static void test_canonical_bytes(void **state) {
         {9, 257, 1, {33}, {-0.37f}},
         {130, 70, 1, {2}, {1.5f}},
         {5, 32, 2, {4, 12}, {0.9f, 0.1f}},
+        {14, 200, 1, {128}, {0.05f}},            /* R = 128, 2-row and 8-column tails */
+        {7, 97, 1, {1}, {1.5f}},                 /* R = 1 */
+        {12, 16, 2, {3, 2}, {0.7f, -0.2f}},      /* one AVX2 sub-block wide */
+        {6, 24, 1, {9}, {1.1f}},
+        {25, 300, 3, {40, 1, 23}, {0.2f, 3.0f, -0.6f}}, /* R = 64 over 3 terms, a row chunk + 1 */
     };
     tu_rng rng = {2026};
     unsigned long checked = 0;
@@ -309,6 +314,78 @@ static void test_canonical_bytes(void **state) {
             }
         }
     assert_true(checked >= 9 * 3 * 3); /* at least the portable path ran everything */
+}
+
+/* Rounding ties inside full vector blocks (and tails) on every path: W =
+ * +-2^e (1 + k ulp) and a rank-2 delta 2^e (c0 h + c1 h 2^-x), h half an
+ * ulp of W's dtype at 1, c0, c1 in {-1, 0, 1}, x = 22 (BF16/F16: exact in
+ * f32) or 40 (F32: exact in f64): where c0 is not 0, W + d is a midpoint of
+ * W's dtype (c1 = 0: an exact tie, to even) or just beside one, closer than
+ * the accumulator resolves (its rounded sum is the midpoint; only the
+ * exact sum's side decides), so a vector path that rounds twice, or breaks
+ * a tie wrongly, differs. Plus NaN and Inf weights
+ * inside blocks. Oracle: the replayed specification (rf_fuse); 13 x 150
+ * gives row tails of 1 (blocks of 6) and column tails of 22 and 6. */
+static void test_ties_in_blocks(void **state) {
+    (void)state;
+    const int64_t out = 13, in = 150;
+    for (int wd = 0; wd < 3; wd++) {
+        const lk_dtype dt = DTS[wd];
+        const int p = dt == LK_DTYPE_F32 ? 24 : dt == LK_DTYPE_F16 ? 11 : 8; /* significand bits */
+        const float h = ldexpf(1, -p), ulp = ldexpf(1, 1 - p);
+        float *a = malloc(2 * (size_t)in * sizeof *a), *b = malloc(2 * (size_t)out * sizeof *b);
+        float *wf = malloc((size_t)(out * in) * sizeof *wf);
+        for (int64_t j = 0; j < in; j++) {
+            a[j] = h * (float)(j % 3 - 1);
+            a[in + j] = ldexpf(h, dt == LK_DTYPE_F32 ? -40 : -22) * (float)((j / 3) % 3 - 1);
+        }
+        for (int64_t o = 0; o < out; o++) {
+            const float sc = ldexpf(1, (int)(o % 5) - 2);
+            b[2 * o] = b[2 * o + 1] = sc;
+            for (int64_t j = 0; j < in; j++)
+                wf[o * in + j] = ((o + j / 9) % 2 ? -sc : sc) * (1.0f + (float)((j * 7 + o) % 100) * ulp);
+        }
+        wf[2 * in + 5] = NAN;
+        wf[3 * in + 70] = -INFINITY;
+        lk_tensor A = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {2, in}, .nbytes = 8 * (size_t)in, .data = a};
+        lk_tensor B = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {out, 2}, .nbytes = 8 * (size_t)out, .data = b};
+        const size_t esz = lk_dtype_size(dt), nb = (size_t)(out * in) * esz;
+        lk_tensor W = {.dtype = dt, .ndim = 2, .shape = {out, in}, .nbytes = nb, .data = malloc(nb)};
+        for (int64_t i = 0; i < out * in; i++) { /* every value is exact in dt */
+            uint32_t u;
+            memcpy(&u, &wf[i], 4);
+            uint16_t v = dt == LK_DTYPE_BF16 ? (uint16_t)(u >> 16) : lk_f32_to_f16(wf[i]);
+            if (dt == LK_DTYPE_F32) memcpy((char *)W.data + (size_t)i * 4, &u, 4);
+            else memcpy((char *)W.data + (size_t)i * 2, &v, 2);
+        }
+        lk_fuse_term t = {&A, &B, 1.0};
+        rf_term rt = {&A, &B, 1.0};
+        char *want = malloc(nb), *res = malloc(nb);
+        rf_fuse(want, &W, &rt, 1);
+        for (int pth = 0; pth < 3; pth++) {
+            if (!force_path(PATHS[pth])) continue;
+            for (int th = 1; th <= 3; th += 2) {
+                lk_fuse_opts o = {.threads = th, .allow_nonfinite = 1};
+                memset(res, 0xa5, nb);
+                assert_int_equal(lk_fuse_tensor(res, W.data, dt, out, in, &t, 1, &o, "w"), LK_OK);
+                for (size_t i = 0; i < (size_t)(out * in); i++)
+                    if (memcmp(res + i * esz, want + i * esz, esz))
+                        fail_msg("%s path %s threads %d: element [%zu, %zu] differs from the specification",
+                                 lk_dtype_name(dt), PATHS[pth], th, i / (size_t)in, i % (size_t)in);
+            }
+            memcpy(res, W.data, nb); /* in place */
+            lk_fuse_opts o = {.threads = 2, .allow_nonfinite = 1};
+            assert_int_equal(lk_fuse_tensor(res, res, dt, out, in, &t, 1, &o, "w"), LK_OK);
+            assert_memory_equal(res, want, nb);
+        }
+        unsetenv("LORAKIT_KERNEL");
+        free(want);
+        free(res);
+        free(W.data);
+        free(wf);
+        free(a);
+        free(b);
+    }
 }
 
 /* Hand-computed cases where rounding W + d twice (to the accumulator's
@@ -626,7 +703,7 @@ int main(void) {
         cmocka_unit_test(test_misaligned_weight), cmocka_unit_test(test_canonical_bytes),
         cmocka_unit_test(test_nonfinite_bf16_block), cmocka_unit_test(test_single_rounding_hand),
         cmocka_unit_test(test_f32_cancellation), cmocka_unit_test(test_delta_api),
-        cmocka_unit_test(test_add_odd_hand),
+        cmocka_unit_test(test_add_odd_hand), cmocka_unit_test(test_ties_in_blocks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

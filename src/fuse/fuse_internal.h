@@ -85,6 +85,20 @@ typedef struct lk_kworker {
  * the delta in registers (24 of the 32 zmm), so each A load serves 6 rows. */
 #define LK_KMR 6
 
+/* CALL(M) with the row count mr (1..LK_KMR) as a compile-time constant M,
+ * so a block function instantiated per M keeps its accumulators in
+ * registers. */
+#define LK_KMR_SWITCH(mr, CALL)                                                                            \
+    switch (mr) {                                                                                          \
+    case 6: CALL(6); break;                                                                                \
+    case 5: CALL(5); break;                                                                                \
+    case 4: CALL(4); break;                                                                                \
+    case 3: CALL(3); break;                                                                                \
+    case 2: CALL(2); break;                                                                                \
+    default: CALL(1); break;                                                                               \
+    }
+_Static_assert(LK_KMR == 6, "LK_KMR_SWITCH instantiates rows 1..6");
+
 /* Rows [o, o + mr) (mr 1..LK_KMR) x panels [p0, p1) of the job: the delta block
  * in registers, then W rounded once and written. */
 typedef void (*lk_kblock_fn)(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);

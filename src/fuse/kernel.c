@@ -41,8 +41,9 @@
  * rows; within a chunk, for each column tile (A's slice kept near 24 KB, so
  * it stays in L1 while all the chunk's rows use it), blocks of 6 rows x 1
  * panel get their delta in registers (each A vector serves 6 rows) and are
- * added to W, rounded and stored at once
- * (kernel_avx512.c, kernel_generic.c). W is read once and written once; no
+ * added to W, rounded and stored at once (kernel_avx512.c; kernel_avx2.c
+ * does each 6 x 64 block as four 6 x 16 ones in 12 ymm; kernel_generic.c
+ * is the portable C). W is read once and written once; no
  * out x in delta is ever materialised. The path is picked at run time from
  * the CPU's features (LORAKIT_KERNEL=avx512|avx2|portable forces one). */
 #if defined(__GNUC__) && !defined(__clang__)

@@ -1,12 +1,12 @@
 /* kernel_generic.c — the fuse kernel's block function in plain C: the
- * portable path (any CPU, libm's fmaf/fma), and the same source compiled
- * for AVX2 + FMA (x86-64), where the compiler turns fmaf into vfmadd.
+ * portable path (any CPU, libm's fmaf/fma; built and tested everywhere).
  *
  * It computes exactly the canonical chain (kernel.c's header): per
  * element d = B'[0]*A[0], then d = fma(B'[k], A[k], d) for k ascending,
  * then W + d rounded once (kernel_scalar.h). fma is correctly rounded by
  * definition, so however the compiler vectorizes these loops the bits are
- * those of the specification; kernel_avx512.c is the hand-blocked path. */
+ * those of the specification; kernel_avx512.c and kernel_avx2.c are the
+ * hand-blocked paths. */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")
 #endif
@@ -153,10 +153,3 @@ LK_AI void gen_block(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t
 void lk_kblock_portable(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1) {
     gen_block(jb, wk, o, mr, p0, p1);
 }
-
-#ifdef LK_KERNEL_X86
-__attribute__((target("avx2,fma,f16c"))) void lk_kblock_avx2(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr,
-                                                             size_t p0, size_t p1) {
-    gen_block(jb, wk, o, mr, p0, p1);
-}
-#endif

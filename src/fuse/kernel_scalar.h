@@ -1,8 +1,8 @@
 /* kernel_scalar.h — the kernel's per-element rounding rules as inline
  * scalar code, shared by kernel.c (the exported lk_fuse_add_odd_* and
  * lk_fuse_round_* of fuse_internal.h) and the generic block functions.
- * The vector paths (kernel_avx512.c) implement the same rules lane-wise;
- * tests/test_fuse_kernel.c checks the bytes of every path. */
+ * The vector paths (kernel_avx512.c, kernel_avx2.c) implement the same
+ * rules lane-wise; tests/test_fuse_kernel.c checks the bytes of every path. */
 #ifndef LK_KERNEL_SCALAR_H
 #define LK_KERNEL_SCALAR_H
 
