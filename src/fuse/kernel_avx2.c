@@ -69,7 +69,9 @@ LK_TI __m256d odd_add_pd(__m256d w, __m256d d) { return ODD_ADD(v4u, 63, 0x7ff00
  * fast case (kernel_avx512.c's round_bf16 explains it): r = the RNE of
  * s = RN32(w + d) to BF16, in the low 16 bits of each lane; *sp marks the
  * lanes to redo: s Inf/NaN, r Inf (overflow by rounding) or s a BF16
- * midpoint (the tie needs TwoSum's error). */
+ * midpoint (the tie needs TwoSum's error). s itself is tested: a NaN s
+ * such as 0x7fffffff (a factor's NaN carried through the chain) wraps
+ * to 0x8000 when the bias is added, so r alone would not show it. */
 LK_TI __m256i round_bf16_8(__m256i w32, __m256 d, __m256i *sp) {
     const __m256i su = _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w32, 16)), d));
     const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
