@@ -143,14 +143,15 @@ fi
 expect 0 bench fuse --help; out_has "usage: lorakit bench fuse"
 expect 2 bench fuse --dim 0
 expect 0 bench fuse --json --dim 96 --repeat 1 --threads 2 --dram-mb 1
-[ "$(wc -l <"$TMP/out")" = 36 ] || { cat "$TMP/out"; fail "bench fuse: expected 36 JSON lines"; }
+[ "$(wc -l <"$TMP/out")" = 38 ] || { cat "$TMP/out"; fail "bench fuse: expected 38 JSON lines"; }
 for t in 1 2; do
   grep -E "^\{\"bench\":\"bandwidth\",\"kind\":\"cache\",\"bytes\":18432,\"threads\":$t,\"gbps\":[0-9.]+\}$" "$TMP/out" >/dev/null || fail "cache bandwidth line t=$t"
   grep -E "^\{\"bench\":\"bandwidth\",\"kind\":\"dram\",\"bytes\":1032192,\"llc_bytes\":[0-9]+,\"threads\":$t,\"gbps\":[0-9.]+\}$" "$TMP/out" >/dev/null || fail "dram bandwidth line t=$t"
+  grep -E "^\{\"bench\":\"fma_peak\",\"isa\":\"(avx512|avx2|scalar)\",\"threads\":$t,\"glanes_per_s\":[0-9.]+\}$" "$TMP/out" >/dev/null || fail "fma_peak line t=$t"
 done
 for ms in naive:tensor lorakit:tensor lorakit:model; do for r in 8 16 64 128; do for t in 1 2; do
   m=${ms%%:*}; sc=${ms##*:}
-  grep -E "^\{\"bench\":\"fuse\",\"method\":\"$m\",\"scope\":\"$sc\",\"dtype\":\"bf16\",\"rank\":$r,\"threads\":$t,\"tensors\":[0-9]+,\"bytes\":[0-9]+,\"seconds\":[0-9.]+,\"gbps\":[0-9.]+,\"ratio_to_dram\":[0-9.]+,\"ratio_to_cache\":[0-9.]+" "$TMP/out" >/dev/null \
+  grep -E "^\{\"bench\":\"fuse\",\"method\":\"$m\",\"scope\":\"$sc\",\"dtype\":\"bf16\",\"rank\":$r,\"threads\":$t,\"tensors\":[0-9]+,\"bytes\":[0-9]+,\"seconds\":[0-9.]+,\"gbps\":[0-9.]+,\"ratio_to_dram\":[0-9.]+,\"ratio_to_cache\":[0-9.]+,.*\"fma_fraction\":[0-9.]+,\"fma_fraction_at_dram\":[0-9.]+\}$" "$TMP/out" >/dev/null \
     || { cat "$TMP/out"; fail "bench fuse line $m $sc r=$r t=$t"; }
 done; done; done
 for lay in plain scaled; do for rd in nearest stochastic; do for t in 1 2; do

@@ -15,6 +15,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 static const lk_dtype DTS[3] = {LK_DTYPE_F32, LK_DTYPE_F16, LK_DTYPE_BF16};
@@ -143,7 +144,8 @@ static void rf_fuse(void *want, const lk_tensor *W, const rf_term *t, size_t nt)
         }
 }
 
-static const char *const PATHS[3] = {"avx512", "avx2", "portable"};
+#define N_PATHS 4
+static const char *const PATHS[N_PATHS] = {"avx512bf16", "avx512", "avx2", "portable"};
 
 /* Sets LORAKIT_KERNEL to path; 0 if the CPU cannot run it (skipped). */
 static int force_path(const char *path) {
@@ -208,7 +210,7 @@ static void test_thread_invariance(void **state) {
     lk_fuse_term terms[2] = {{&A1.t, &B1.t, 1.5f}, {&A2.t, &B2.t, -0.5f}};
     void *first = malloc(W.t.nbytes), *res = malloc(W.t.nbytes);
     const int th[6] = {1, 2, 3, 5, 8, 0};
-    for (int pth = 0; pth < 3; pth++) {
+    for (int pth = 0; pth < N_PATHS; pth++) {
         if (!force_path(PATHS[pth])) continue;
         for (int i = 0; i < 6; i++) {
             lk_fuse_opts o = {.threads = th[i]};
@@ -283,7 +285,7 @@ static void test_canonical_bytes(void **state) {
             }
             char *want = malloc(W.t.nbytes), *res = malloc(W.t.nbytes);
             rf_fuse(want, &W.t, rt, (size_t)f->nt);
-            for (int pth = 0; pth < 3; pth++) {
+            for (int pth = 0; pth < N_PATHS; pth++) {
                 if (!force_path(PATHS[pth])) continue;
                 for (int th = 1; th <= 3; th++) {
                     lk_fuse_opts o = {.threads = th, .allow_nonfinite = 1};
@@ -362,7 +364,7 @@ static void test_ties_in_blocks(void **state) {
         rf_term rt = {&A, &B, 1.0};
         char *want = malloc(nb), *res = malloc(nb);
         rf_fuse(want, &W, &rt, 1);
-        for (int pth = 0; pth < 3; pth++) {
+        for (int pth = 0; pth < N_PATHS; pth++) {
             if (!force_path(PATHS[pth])) continue;
             for (int th = 1; th <= 3; th += 2) {
                 lk_fuse_opts o = {.threads = th, .allow_nonfinite = 1};
@@ -398,7 +400,7 @@ static void test_ties_in_blocks(void **state) {
  *        ties to 1.0; the f64 chain keeps it: 1 + 2^-23 (0x3f800001). */
 static void test_single_rounding_hand(void **state) {
     (void)state;
-    for (int pth = 0; pth < 3; pth++) {
+    for (int pth = 0; pth < N_PATHS; pth++) {
         if (!force_path(PATHS[pth])) continue;
         float a1[1] = {1.0f}, b1[1] = {ldexpf(1, -8) + ldexpf(1, -30)};
         lk_tensor A = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, 1}, .nbytes = 4, .data = a1};
@@ -455,7 +457,7 @@ static void test_f32_cancellation(void **state) {
     lk_fuse_term t = {&A.t, &B.t, sc};
     ar_term rt = {&A.t, &B.t, sc};
     float *res = malloc(W.t.nbytes);
-    for (int pth = 0; pth < 3; pth++) {
+    for (int pth = 0; pth < N_PATHS; pth++) {
         if (!force_path(PATHS[pth])) continue;
         assert_int_equal(lk_fuse_tensor(res, w, LK_DTYPE_F32, out, in, &t, 1, NULL, "w"), LK_OK);
         assert_int_equal(ar_check_fused(res, w, LK_DTYPE_F32, out, in, &rt, 1), 0);
@@ -566,7 +568,7 @@ static void test_misaligned_weight(void **state) {
         char *raw = malloc(W.t.nbytes + 8);
         memcpy(raw + shift[d], W.t.data, W.t.nbytes);
         void *ref = malloc(W.t.nbytes), *res = malloc(W.t.nbytes);
-        for (int pth = 0; pth < 3; pth++) {
+        for (int pth = 0; pth < N_PATHS; pth++) {
             if (!force_path(PATHS[pth])) continue;
             assert_int_equal(lk_fuse_tensor(ref, W.t.data, dts[d], 9, 70, &t, 1, NULL, "w"), LK_OK);
             assert_int_equal(lk_fuse_tensor(res, raw + shift[d], dts[d], 9, 70, &t, 1, NULL, "w"), LK_OK);
@@ -669,6 +671,139 @@ static void test_nonfinite_bf16_block(void **state) {
     ar_tensor_free(&W);
 }
 
+/* The vector epilogues' edge lanes, inside whole 64-column panels and in a
+ * column tail, on every path: R = 1, A = 1, so d = B'[o] * 1 = b exactly and
+ * each lane is a hand-picked (w, d). The cases: the f32 sum s a denormal
+ * (an instruction that flushes denormals would give 0), s exactly +-0, an
+ * exact BF16/F16 tie (ties to even) and an inexact one (rounded once),
+ * magnitudes >= 2^121, a finite sum that rounds to Inf, NaN and Inf
+ * weights. Expected bytes: rf_fuse, the independent replay above. Each row
+ * shifts the lanes so every case lands in every vector of a panel. */
+static void test_epilogue_edges(void **state) {
+    (void)state;
+    const int64_t out = 8, in = 64 * 2 + 37;
+    typedef struct edge {
+        float w, d;
+    } edge;
+    const edge bf[] = {
+        {ldexpf(1, -133), ldexpf(1, -140)},                  /* s denormal */
+        {ldexpf(1, -126), -ldexpf(1, -127) - ldexpf(1, -141)}, /* s denormal, from a normal w */
+        {-ldexpf(1, -130), ldexpf(1, -131)},                 /* s denormal, negative */
+        {1.0f, -1.0f},                                       /* s = +0 */
+        {-0.0f, -0.0f},                                      /* s = -0 */
+        {1.0f, ldexpf(1, -8)},                               /* exact tie: to even, 1.0 */
+        {1.0f, 3 * ldexpf(1, -8)},                           /* exact tie: to even, up */
+        {1.0f, ldexpf(1, -8) + ldexpf(1, -30)},              /* inexact near-tie: up */
+        {ldexpf(1, 121), ldexpf(1, 110)},                    /* an FP16 NaN pattern in BF16 */
+        {-ldexpf(255, 119), -ldexpf(1, 112)},                /* large negative */
+        {ldexpf(255, 120), ldexpf(1, 119) + ldexpf(1, 105)}, /* s finite in f32, rounds to +Inf */
+        {-ldexpf(255, 120), -ldexpf(1, 120)},                /* s = -Inf in f32 already */
+        {NAN, 1.0f},
+        {-INFINITY, 1.0f},
+        {INFINITY, -INFINITY},                               /* Inf - Inf: NaN */
+    };
+    const edge h16[] = {
+        {ldexpf(1, -24), ldexpf(1, -26)},          /* F16 subnormal range */
+        {ldexpf(3, -25), -ldexpf(1, -40)},         /* just below a subnormal tie */
+        {ldexpf(1, -24), ldexpf(1, -25)},          /* exact subnormal tie: to even */
+        {1.0f, -1.0f},
+        {1.0f, ldexpf(1, -11)},                    /* exact tie */
+        {1.0f, ldexpf(1, -11) + ldexpf(1, -35)},   /* inexact near-tie */
+        {65504.0f, 16.0f},                         /* stays finite */
+        {65504.0f, 16.0f + ldexpf(1, -7)},         /* rounds to +Inf */
+        {NAN, 1.0f},
+        {-INFINITY, 1.0f},
+    };
+    const lk_dtype dts[2] = {LK_DTYPE_BF16, LK_DTYPE_F16};
+    for (int di = 0; di < 2; di++) {
+        const lk_dtype dt = dts[di];
+        const edge *E = di ? h16 : bf;
+        const size_t ne = di ? sizeof h16 / sizeof h16[0] : sizeof bf / sizeof bf[0];
+        tu_rng rng = {5};
+        ar_tensor W;
+        ar_tensor_rand(&W, "w", dt, out, in, &rng, -1, 1);
+        /* the delta varies by column: A[0, j] = d, B = 1 */
+        float *a = malloc((size_t)in * sizeof(float)), b[8];
+        for (int64_t j = 0; j < in; j++) a[j] = tu_uniform(&rng, -0.005f, 0.005f);
+        for (int o = 0; o < out; o++) b[o] = 1.0f;
+        uint16_t *w = W.t.data;
+        /* the edge lanes sit in the same columns on every row (d is per
+         * column); the weights of other rows there stay random */
+        for (size_t e = 0; e < ne; e++)
+            for (int rep = 0; rep < 3; rep++) {
+                const int64_t j = (int64_t)(rep * 64 + e * 3 + rep * 17) % in;
+                a[j] = E[e].d;
+                for (int o = 0; o < out; o++)
+                    if ((o + rep) % 2 == 0) w[o * in + j] = dt == LK_DTYPE_BF16 ? lk_f32_to_bf16(E[e].w) : lk_f32_to_f16(E[e].w);
+            }
+        lk_tensor A = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, in}, .nbytes = (size_t)in * 4, .data = a};
+        lk_tensor B = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {out, 1}, .nbytes = sizeof b, .data = b};
+        lk_fuse_term t = {&A, &B, 1.0};
+        rf_term rt = {&A, &B, 1.0};
+        uint16_t *want = malloc(W.t.nbytes), *res = malloc(W.t.nbytes);
+        rf_fuse(want, &W.t, &rt, 1);
+        const uint16_t em = dt == LK_DTYPE_BF16 ? 0x7f80 : 0x7c00;
+        int64_t first_bad = -1;
+        for (int64_t i = 0; i < out * in && first_bad < 0; i++)
+            if ((w[i] & em) != em && (want[i] & em) == em) first_bad = i;
+        assert_true(first_bad >= 0); /* the fixture has a sum that rounds to Inf */
+        for (int pth = 0; pth < N_PATHS; pth++) {
+            if (!force_path(PATHS[pth])) continue;
+            lk_fuse_opts o = {.allow_nonfinite = 1, .threads = 1};
+            assert_int_equal(lk_fuse_tensor(res, W.t.data, dt, out, in, &t, 1, &o, "edge"), LK_OK);
+            for (int64_t i = 0; i < out * in; i++)
+                if (res[i] != want[i])
+                    fail_msg("%s path %s: element [%lld, %lld] is 0x%04x, the specification says 0x%04x",
+                             lk_dtype_name(dt), PATHS[pth], (long long)(i / in), (long long)(i % in), res[i], want[i]);
+            /* without allow_nonfinite, the first finite weight the spec
+             * turns into Inf or NaN (a sum that rounds to Inf) is the error */
+            o.allow_nonfinite = 0;
+            assert_int_equal(lk_fuse_tensor(res, W.t.data, dt, out, in, &t, 1, &o, "edge"), LK_ERR_NONFINITE);
+            char where[64];
+            snprintf(where, sizeof where, "element [%lld, %lld]", (long long)(first_bad / in), (long long)(first_bad % in));
+            tu_assert_contains(lk_last_error(), where);
+        }
+        unsetenv("LORAKIT_KERNEL");
+        free(a);
+        free(want);
+        free(res);
+        ar_tensor_free(&W);
+    }
+    /* The same overflow alone in its 64-lane row segment (no other special
+     * lane to send the segment to the slow path): a finite f32 sum above
+     * the largest BF16's half-way point, not a tie, must still be found. */
+    uint16_t w1[6 * 64], r1[6 * 64];
+    float a1[64], b1[6] = {1, 1, 1, 1, 1, 1};
+    for (int j = 0; j < 64; j++) a1[j] = 0.001f * (float)(j - 30);
+    for (int i = 0; i < 6 * 64; i++) w1[i] = lk_f32_to_bf16(0.01f * (float)(i % 17) - 0.08f);
+    a1[37] = ldexpf(1, 119) + ldexpf(1, 105);
+    w1[4 * 64 + 37] = 0x7f7f;
+    lk_tensor A1 = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, 64}, .nbytes = sizeof a1, .data = a1};
+    lk_tensor B1 = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {6, 1}, .nbytes = sizeof b1, .data = b1};
+    lk_fuse_term t1 = {&A1, &B1, 1.0};
+    for (int i = 0; i < 6; i++) w1[i * 64 + 37] = i == 4 ? 0x7f7f : 0; /* other rows: 0 + huge, finite */
+    for (int pth = 0; pth < N_PATHS; pth++) {
+        if (!force_path(PATHS[pth])) continue;
+        assert_int_equal(lk_fuse_tensor(r1, w1, LK_DTYPE_BF16, 6, 64, &t1, 1, NULL, "ovf"), LK_ERR_NONFINITE);
+        tu_assert_contains(lk_last_error(), "ovf: fusion made element [4, 37] non-finite");
+    }
+    /* A NaN factor whose sum is the f32 NaN 0x7fffffff (an integer RNE
+     * shift would wrap it to 0x8000, -0): the spec's positive quiet NaN
+     * 0x7fc0 (with allow_nonfinite), and the error without it. */
+    const uint32_t qnan_bits = 0x7fffffffu;
+    memcpy(&a1[37], &qnan_bits, 4);
+    for (int i = 0; i < 6 * 64; i++) w1[i] = lk_f32_to_bf16(0.01f * (float)(i % 17) - 0.08f);
+    for (int pth = 0; pth < N_PATHS; pth++) {
+        if (!force_path(PATHS[pth])) continue;
+        lk_fuse_opts o = {.allow_nonfinite = 1};
+        assert_int_equal(lk_fuse_tensor(r1, w1, LK_DTYPE_BF16, 6, 64, &t1, 1, &o, "nan"), LK_OK);
+        for (int i = 0; i < 6; i++) assert_int_equal(r1[i * 64 + 37], 0x7fc0);
+        assert_int_equal(lk_fuse_tensor(r1, w1, LK_DTYPE_BF16, 6, 64, &t1, 1, NULL, "nan"), LK_ERR_NONFINITE);
+        tu_assert_contains(lk_last_error(), "nan: fusion made element [0, 37] non-finite");
+    }
+    unsetenv("LORAKIT_KERNEL");
+}
+
 static void test_errors(void **state) {
     (void)state;
     float w[6] = {0}, res[6], a[6] = {0}, b[6] = {0};
@@ -708,6 +843,7 @@ int main(void) {
         cmocka_unit_test(test_nonfinite_bf16_block), cmocka_unit_test(test_single_rounding_hand),
         cmocka_unit_test(test_f32_cancellation), cmocka_unit_test(test_delta_api),
         cmocka_unit_test(test_add_odd_hand), cmocka_unit_test(test_ties_in_blocks),
+        cmocka_unit_test(test_epilogue_edges),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -343,7 +343,7 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
                 .amax = lk_fp8_amax_portable, .round = round_generic_base};
 #ifdef LK_FP8_X86
     const char *path = lk_fuse_kernel_path();
-    if (!strcmp(path, "avx512")) {
+    if (!strncmp(path, "avx512", 6)) { /* avx512 or avx512bf16 */
         job.amax = lk_fp8_amax_avx512;
         job.round = lk_fp8_round_avx512;
     } else if (!strcmp(path, "avx2")) {

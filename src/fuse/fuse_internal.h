@@ -61,9 +61,9 @@ float lk_fuse_round_f32(float w, float d);
  * rounded once to f32 with the same NaN rule. */
 uint32_t lk_fuse_round_f64_to_f32(uint32_t w_bits, double d);
 
-/* The kernel path lk_fuse_tensor uses now: "avx512", "avx2" or "portable".
- * Chosen from the CPU's features; the environment variable LORAKIT_KERNEL
- * (avx512 | avx2 | portable) forces a path the CPU supports (tests use it
+/* The kernel path lk_fuse_tensor uses now: "avx512bf16", "avx512", "avx2"
+ * or "portable". Chosen from the CPU's features; the environment variable
+ * LORAKIT_KERNEL (same names) forces a path the CPU supports (tests use it
  * to check that every path gives the same bytes). */
 const char *lk_fuse_kernel_path(void);
 /* 1 when the CPU can run path `name`. */
@@ -130,6 +130,7 @@ void lk_kernel_finish_slow(lk_kworker *wk, size_t o, size_t col0, size_t n, cons
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define LK_KERNEL_X86 1
 void lk_kblock_avx512(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
+void lk_kblock_avx512bf16(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
 void lk_kblock_avx2(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
 #endif
 void lk_kblock_portable(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);

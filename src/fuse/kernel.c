@@ -45,7 +45,9 @@
  * does each 6 x 64 block as four 6 x 16 ones in 12 ymm; kernel_generic.c
  * is the portable C). W is read once and written once; no
  * out x in delta is ever materialised. The path is picked at run time from
- * the CPU's features (LORAKIT_KERNEL=avx512|avx2|portable forces one). */
+ * the CPU's features (LORAKIT_KERNEL=avx512bf16|avx512|avx2|portable forces
+ * one; avx512bf16 is the avx512 block with AVX512_BF16 in its BF16
+ * epilogue). */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")
 #endif
@@ -88,31 +90,57 @@ static int cpu_has_f16c(void) {
     unsigned a, b, c, d;
     return __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
 }
+/* AVX512_BF16: CPUID.(EAX=7, ECX=1):EAX bit 5. */
+static int cpu_has_avx512bf16(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+}
 #endif
 
-int lk_fuse_kernel_supported(const char *name) {
-    if (!strcmp(name, "portable")) return 1;
+/* The paths this CPU runs, as bits, found once: CPUID traps to the
+ * hypervisor in a virtual machine (microseconds a call), and every fuse
+ * call asks. Two threads racing here store the same value. */
+enum { CPU_KNOWN = 1, CPU_AVX2 = 2, CPU_AVX512 = 4, CPU_AVX512BF16 = 8 };
+static int cpu_paths(void) {
+    static atomic_int paths;
+    int v = atomic_load_explicit(&paths, memory_order_relaxed);
+    if (v) return v;
+    v = CPU_KNOWN;
 #ifdef LK_KERNEL_X86
     __builtin_cpu_init();
-    if (!strcmp(name, "avx2"))
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
-    if (!strcmp(name, "avx512"))
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-               __builtin_cpu_supports("fma") && cpu_has_f16c();
+    const int f16c = cpu_has_f16c();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) v |= CPU_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma") &&
+        f16c) {
+        v |= CPU_AVX512;
+        if (cpu_has_avx512bf16()) v |= CPU_AVX512BF16;
+    }
 #endif
+    atomic_store_explicit(&paths, v, memory_order_relaxed);
+    return v;
+}
+
+int lk_fuse_kernel_supported(const char *name) {
+    const int v = cpu_paths();
+    if (!strcmp(name, "portable")) return 1;
+    if (!strcmp(name, "avx2")) return (v & CPU_AVX2) != 0;
+    if (!strcmp(name, "avx512")) return (v & CPU_AVX512) != 0;
+    if (!strcmp(name, "avx512bf16")) return (v & CPU_AVX512BF16) != 0;
     return 0;
 }
 
 const char *lk_fuse_kernel_path(void) {
     const char *want = getenv("LORAKIT_KERNEL");
     if (want && *want && strcmp(want, "auto")) {
-        if ((!strcmp(want, "avx512") || !strcmp(want, "avx2") || !strcmp(want, "portable")) &&
-            lk_fuse_kernel_supported(want))
-            return !strcmp(want, "avx512") ? "avx512" : !strcmp(want, "avx2") ? "avx2" : "portable";
-        lk_log(LK_LOG_WARN, "LORAKIT_KERNEL=%s: not a path this CPU runs (avx512, avx2, portable); choosing by CPU",
+        static const char *const names[] = {"avx512bf16", "avx512", "avx2", "portable"};
+        for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+            if (!strcmp(want, names[i]) && lk_fuse_kernel_supported(want)) return names[i];
+        lk_log(LK_LOG_WARN,
+               "LORAKIT_KERNEL=%s: not a path this CPU runs (avx512bf16, avx512, avx2, portable); choosing by CPU",
                want);
     }
+    if (lk_fuse_kernel_supported("avx512bf16")) return "avx512bf16";
     if (lk_fuse_kernel_supported("avx512")) return "avx512";
     if (lk_fuse_kernel_supported("avx2")) return "avx2";
     return "portable";
@@ -120,6 +148,7 @@ const char *lk_fuse_kernel_path(void) {
 
 static lk_kblock_fn path_block(const char *path) {
 #ifdef LK_KERNEL_X86
+    if (!strcmp(path, "avx512bf16")) return lk_kblock_avx512bf16;
     if (!strcmp(path, "avx512")) return lk_kblock_avx512;
     if (!strcmp(path, "avx2")) return lk_kblock_avx2;
 #endif

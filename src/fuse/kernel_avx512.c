@@ -26,7 +26,15 @@
 
 #include "lorakit/dtype.h"
 
-#define LK_T __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+/* This file is compiled twice: as lk_kblock_avx512 (AVX-512 F/BW/VL/DQ)
+ * and, through kernel_avx512bf16.c, as lk_kblock_avx512bf16, which adds
+ * AVX512_BF16 for a shorter BF16 epilogue (round_bf16). */
+#ifndef LK_K512_NAME
+#define LK_K512_NAME lk_kblock_avx512
+#define LK_K512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"
+#define LK_K512_BF16ISA 0
+#endif
+#define LK_T __attribute__((target(LK_K512_TARGET)))
 #define LK_TI static inline __attribute__((always_inline)) LK_T
 
 /* W lines this far ahead (bytes) are prefetched, per row. */
@@ -69,20 +77,42 @@ LK_TI __m512d odd_add_pd(__m512d w, __m512d d) {
  * (about 2^-16 of them) need TwoSum's error to break the tie, and they
  * go to the slow path with the Inf/NaN lanes; every other lane is one
  * add and the RNE shift. */
-LK_TI __m256i round_bf16(__m256i w16, __m512 d, __mmask16 *special) {
+#if !LK_K512_BF16ISA
+LK_TI __m256i round_bf16(__m256i w16, __m512 d, __mmask32 *special) {
     const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16));
     const __m512i su = _mm512_castps_si512(_mm512_add_ps(w, d));
     const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
                                           _mm512_and_si512(_mm512_srli_epi32(su, 16), _mm512_set1_epi32(1)));
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(su, bias), 16);
-    const __m512i em = _mm512_set1_epi32(0x7f80);
+    /* |s| >= 0x7f7f8000: s is Inf or NaN, or rounds to Inf (a NaN s such
+     * as 0x7fffffff would wrap to 0x8000 when the bias is added) */
     *special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(su, _mm512_set1_epi32(0xffff)), _mm512_set1_epi32(0x8000)) |
-               _mm512_cmpeq_epi32_mask(_mm512_and_si512(r, em), em);
+               _mm512_cmpge_epu32_mask(_mm512_and_si512(su, _mm512_set1_epi32(0x7fffffff)),
+                                       _mm512_set1_epi32(0x7f7f8000));
     return _mm512_cvtepi32_epi16(r);
 }
 
+#else
+/* The same with AVX512_BF16: VCVTNEPS2BF16 is the RNE shift in one
+ * instruction, but it flushes a denormal input to zero, so a denormal s
+ * joins the slow lanes (VFPCLASSPS: NaN, Inf, denormal) with the ties and
+ * a result that rounded to Inf. The tie test compares the low 16-bit
+ * halves only (the even word lanes). */
+LK_TI __m256i round_bf16(__m256i w16, __m512 d, __mmask32 *special) {
+    const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16));
+    const __m512 s = _mm512_add_ps(w, d);
+    const __m256i r = (__m256i)_mm512_cvtneps_pbh(s);
+    const __mmask32 tie = _mm512_mask_cmpeq_epi16_mask((__mmask32)0x55555555u, _mm512_castps_si512(s),
+                                                       _mm512_set1_epi32(0x8000));
+    const __m256i em = _mm256_set1_epi16(0x7f80);
+    *special = tie | (__mmask32)_mm512_fpclass_ps_mask(s, 0xB9) |
+               (__mmask32)_mm256_cmpeq_epi16_mask(_mm256_and_si256(r, em), em);
+    return r;
+}
+#endif
+
 /* The same for F16: odd rounding in f32, then the hardware's RNE. */
-LK_TI __m256i round_f16(__m256i w16, __m512 d, __mmask16 *special) {
+LK_TI __m256i round_f16(__m256i w16, __m512 d, __mmask32 *special) {
     const __m512 s = odd_add_ps(_mm512_cvtph_ps(w16), d);
     const __m256i out = _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256i em = _mm256_set1_epi16(0x7c00);
@@ -103,8 +133,23 @@ LK_TI __m256i round_f32w(__m256i w32, __m512d d, __mmask8 *special) {
 LK_TI __mmask16 lanes16(long n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
 LK_TI __mmask8 lanes8(long n) { return n >= 8 ? (__mmask8)0xff : n <= 0 ? 0 : (__mmask8)((1u << n) - 1u); }
 
+/* One row's 64 lanes (n <= 64 of them real) through the exact slow path:
+ * rare (a special lane: Inf, NaN, a BF16 tie), kept out of line so the
+ * accumulators never need an address in the fast path. */
+__attribute__((noinline, cold)) LK_T static void row_slow16(lk_kworker *wk, size_t o, size_t col0, size_t n,
+                                                            const unsigned char *src, unsigned char *dst, __m512 d0,
+                                                            __m512 d1, __m512 d2, __m512 d3) {
+    float dv[64];
+    _mm512_storeu_ps(dv, d0);
+    _mm512_storeu_ps(dv + 16, d1);
+    _mm512_storeu_ps(dv + 32, d2);
+    _mm512_storeu_ps(dv + 48, d3);
+    lk_kernel_finish_slow(wk, o, col0, n, src, dv, NULL, dst);
+}
+
 /* The MR x 64 f32 block and its BF16/F16 epilogue. MR is a constant in
- * each instantiation, so acc lives in registers. */
+ * each instantiation and every loop over rows and vectors is unrolled, so
+ * acc lives in registers from the first product to the store. */
 LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, size_t p0, size_t p1) {
     const size_t R = jb->R, in = jb->in, ldw = in * 2;
     const int bf = jb->dt == LK_DTYPE_BF16;
@@ -119,6 +164,7 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
         {
             const __m512 a0 = _mm512_loadu_ps(ap), a1 = _mm512_loadu_ps(ap + 16), a2 = _mm512_loadu_ps(ap + 32),
                          a3 = _mm512_loadu_ps(ap + 48);
+#pragma GCC unroll 6
             for (int r = 0; r < MR; r++) {
                 const __m512 b = _mm512_set1_ps(bs[(size_t)r * R]);
                 acc[r][0] = _mm512_mul_ps(b, a0);
@@ -127,6 +173,7 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
                 acc[r][3] = _mm512_mul_ps(b, a3);
             }
         }
+#pragma GCC unroll 6
         for (int r = 0; r < MR; r++) { /* a panel's row segment is 128 bytes: two lines */
             const char *pf = (const char *)win + (size_t)r * ldw + col0 * 2 + PF_AHEAD;
             _mm_prefetch(pf, _MM_HINT_T0);
@@ -136,6 +183,7 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
             const float *a = ap + k * LK_PW32;
             const __m512 a0 = _mm512_loadu_ps(a), a1 = _mm512_loadu_ps(a + 16), a2 = _mm512_loadu_ps(a + 32),
                          a3 = _mm512_loadu_ps(a + 48);
+#pragma GCC unroll 6
             for (int r = 0; r < MR; r++) {
                 const __m512 b = _mm512_set1_ps(bs[(size_t)r * R + k]);
                 acc[r][0] = _mm512_fmadd_ps(b, a0, acc[r][0]);
@@ -144,53 +192,44 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
                 acc[r][3] = _mm512_fmadd_ps(b, a3, acc[r][3]);
             }
         }
-        if (n >= LK_PW32) { /* the common case: whole panel, one test per row */
-            for (int r = 0; r < MR; r++) {
-                const unsigned char *src = win + (size_t)r * ldw + col0 * 2;
-                unsigned char *dst = wout + (size_t)r * ldw + col0 * 2;
+        const int whole = n >= LK_PW32;
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            const unsigned char *src = win + (size_t)r * ldw + col0 * 2;
+            unsigned char *dst = wout + (size_t)r * ldw + col0 * 2;
+            if (__builtin_expect(whole, 1)) { /* the common case: whole panel, one test per row */
                 __m256i o16[4];
-                __mmask16 sp[4];
+                __mmask32 sp[4];
+#pragma GCC unroll 4
                 for (int h = 0; h < 4; h++)
                     o16[h] = bf ? round_bf16(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), acc[r][h], &sp[h])
                                 : round_f16(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), acc[r][h], &sp[h]);
                 if (__builtin_expect((sp[0] | sp[1] | sp[2] | sp[3]) != 0, 0)) {
-                    for (int h = 0; h < 4; h++) {
-                        if (!sp[h]) {
-                            _mm256_storeu_si256((__m256i *)(dst + 32 * h), o16[h]);
-                            continue;
-                        }
-                        float dv[16];
-                        _mm512_storeu_ps(dv, acc[r][h]);
-                        lk_kernel_finish_slow(wk, o + (size_t)r, col0 + 16 * (size_t)h, 16, src + 32 * h, dv, NULL,
-                                              dst + 32 * h);
-                    }
+                    row_slow16(wk, o + (size_t)r, col0, LK_PW32, src, dst, acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
                     continue;
                 }
+#pragma GCC unroll 4
                 for (int h = 0; h < 4; h++) _mm256_storeu_si256((__m256i *)(dst + 32 * h), o16[h]);
+                continue;
             }
-            continue;
-        }
-        for (int r = 0; r < MR; r++) {
-            const unsigned char *src = win + (size_t)r * ldw + col0 * 2;
-            unsigned char *dst = wout + (size_t)r * ldw + col0 * 2;
+            /* the last panel of a row: lanes [0, n); the zero-padded panel
+             * gives d = 0 and the masked load w = 0 past n, never special */
+            __m256i o16[4];
+            __mmask32 spall = 0;
+#pragma GCC unroll 4
             for (int h = 0; h < 4; h++) {
+                __mmask32 sp;
                 const __mmask16 m = lanes16(n - 16 * h);
-                if (!m) break;
-                __mmask16 sp;
-                const __m256i w16 = m == 0xffff ? _mm256_loadu_si256((const __m256i *)(src + 32 * h))
-                                                : _mm256_maskz_loadu_epi16(m, src + 32 * h);
-                const __m256i o16 = bf ? round_bf16(w16, acc[r][h], &sp) : round_f16(w16, acc[r][h], &sp);
-                if (__builtin_expect((sp & m) != 0, 0)) {
-                    float dv[16];
-                    _mm512_storeu_ps(dv, acc[r][h]);
-                    lk_kernel_finish_slow(wk, o + (size_t)r, col0 + 16 * (size_t)h, (size_t)__builtin_popcount(m),
-                                          src + 32 * h, dv, NULL, dst + 32 * h);
-                } else if (m == 0xffff) {
-                    _mm256_storeu_si256((__m256i *)(dst + 32 * h), o16);
-                } else {
-                    _mm256_mask_storeu_epi16(dst + 32 * h, m, o16);
-                }
+                const __m256i w16 = _mm256_maskz_loadu_epi16(m, src + 32 * h);
+                o16[h] = bf ? round_bf16(w16, acc[r][h], &sp) : round_f16(w16, acc[r][h], &sp);
+                spall |= sp;
             }
+            if (__builtin_expect(spall != 0, 0)) {
+                row_slow16(wk, o + (size_t)r, col0, (size_t)n, src, dst, acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+                continue;
+            }
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; h++) _mm256_mask_storeu_epi16(dst + 32 * h, lanes16(n - 16 * h), o16[h]);
         }
     }
 }
@@ -281,7 +320,7 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
     }
 }
 
-LK_T void lk_kblock_avx512(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1) {
+LK_T void LK_K512_NAME(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1) {
     if (jb->wide) {
         switch (mr) {
         case 6: block32(jb, wk, o, 6, p0, p1); break;

@@ -18,11 +18,15 @@
  *      fp32, then W = round(W + delta) in a second pass) on one tensor;
  *  (e) FP8 (lk_fuse_fp8) on one dim x dim F8_E4M3 weight at rank 16, plain
  *      and scaled (F32 [] scale, rescaled: two passes), nearest and
- *      stochastic, with GB/s and ratio_to_dram as for BF16.
+ *      stochastic, with GB/s and ratio_to_dram as for BF16;
+ *  (f) the FMA peak (below), and on every BF16 row fma_fraction, the share
+ *      of it the row used, and fma_fraction_at_dram, the share a run at the
+ *      DRAM pass's speed would need.
  * Each figure is the best of --repeat runs (first run excluded), with the
  * process CPU time of that run (on a shared host, cpu < threads x seconds
  * means the run did not get all its cores). Figures are printed, never
  * asserted. */
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,9 +45,12 @@ static const char *const FUSE_BENCH_USAGE =
     "(dram), (b) lk_fuse_tensor on every dim x dim tensor of that buffer (a\n"
     "whole model's worth), (c) on one tensor, (d) the naive method (fp32\n"
     "delta, then add), at rank 8, 16, 64, 128 with 1 thread and all threads,\n"
-    "(e) FP8 e4m3fn weights at rank 16: plain / scaled x nearest / stochastic.\n"
+    "(e) FP8 e4m3fn weights at rank 16: plain / scaled x nearest / stochastic,\n"
+    "(f) the FMA peak: a register-only FMA loop's single-precision lanes/s.\n"
     "GB/s of W traffic (read + write); ratio_to_dram against (a)'s DRAM pass\n"
-    "at the same thread count.\n\n"
+    "at the same thread count; fma_fraction = rank x elements / s over (f)'s\n"
+    "figure, and fma_fraction_at_dram the fraction a run at the DRAM pass's\n"
+    "speed would need (so ratio_to_dram t needs t x that).\n\n"
     "options:\n"
     "  --json        one JSON object per line on stdout\n"
     "  --dim N       weights are N x N (default 4096)\n"
@@ -87,6 +94,84 @@ static void par_for(int threads, size_t n, void (*fn)(void *, size_t, size_t), v
 static void rmw_range(void *ctx, size_t lo, size_t hi) {
     uint64_t *w = ctx;
     for (size_t i = lo; i < hi; i++) w[i] ^= 0x0001000100010001ull;
+}
+
+/* (f) the compute ceiling: single-precision FMA lanes per second of a
+ * loop that keeps 24 (AVX-512) or 12 (AVX2) independent accumulators in
+ * registers and touches no memory, with the widest ISA the CPU runs. The
+ * fuse kernel needs rank x elements FMA lanes (one fma per term, in a fixed
+ * order), so fma_fraction = rank x elements / seconds / this figure says
+ * how much of the machine's arithmetic a row used. */
+#define FMA_ITERS 40000000L
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define FMA_X86 1
+#define FMA_ACC(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+__attribute__((target("avx512f,fma"), noinline)) static float fma_loop_avx512(long n) {
+    const __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-7f);
+#define D512(i) __m512 x##i = _mm512_set1_ps((float)i), y##i = _mm512_set1_ps((float)i + 0.5f);
+#define F512(i) x##i = _mm512_fmadd_ps(x##i, b, c); y##i = _mm512_fmadd_ps(y##i, b, c);
+#define S512(i) s = _mm512_add_ps(s, _mm512_add_ps(x##i, y##i));
+    FMA_ACC(D512)
+    for (long k = 0; k < n; k++) { FMA_ACC(F512) }
+    __m512 s = _mm512_setzero_ps();
+    FMA_ACC(S512)
+    return _mm512_reduce_add_ps(s);
+}
+__attribute__((target("avx2,fma"), noinline)) static float fma_loop_avx2(long n) {
+    const __m256 b = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(1e-7f);
+#define D256(i) __m256 x##i = _mm256_set1_ps((float)i);
+#define F256(i) x##i = _mm256_fmadd_ps(x##i, b, c);
+#define S256(i) s = _mm256_add_ps(s, x##i);
+    FMA_ACC(D256)
+    for (long k = 0; k < n; k++) { FMA_ACC(F256) }
+    __m256 s = _mm256_setzero_ps();
+    FMA_ACC(S256)
+    float v[8];
+    _mm256_storeu_ps(v, s);
+    return v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7];
+}
+#endif
+static float fma_loop_scalar(long n) {
+    float x[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+    for (long k = 0; k < n; k++)
+        for (int i = 0; i < 8; i++) x[i] = fmaf(x[i], 0.999f, 1e-7f);
+    return x[0] + x[1] + x[2] + x[3] + x[4] + x[5] + x[6] + x[7];
+}
+typedef struct fma_ctx {
+    int isa; /* 2 avx512, 1 avx2, 0 scalar */
+    volatile float sink;
+} fma_ctx;
+static const char *const FMA_ISA[3] = {"scalar", "avx2", "avx512"};
+static const double FMA_LANES[3] = {8.0, 12.0 * 8, 24.0 * 16}; /* lanes per iteration */
+static void fma_range(void *p, size_t lo, size_t hi) {
+    fma_ctx *c = p;
+    for (size_t i = lo; i < hi; i++) {
+#ifdef FMA_X86
+        if (c->isa == 2) { c->sink = fma_loop_avx512(FMA_ITERS / 4); continue; }
+        if (c->isa == 1) { c->sink = fma_loop_avx2(FMA_ITERS / 2); continue; }
+#endif
+        c->sink = fma_loop_scalar(FMA_ITERS / 8);
+    }
+}
+static const long FMA_DIV[3] = {8, 2, 4};
+/* G lanes/s over th threads, best of repeat (one work unit per thread). */
+static double fma_peak(int th, long repeat, int *isa) {
+    fma_ctx c = {0, 0};
+#ifdef FMA_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) c.isa = 2;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) c.isa = 1;
+#endif
+    *isa = c.isa;
+    double best = 1e30;
+    for (long r = 0; r <= repeat; r++) {
+        double t0 = lk_now_s();
+        par_for(th, (size_t)th, fma_range, &c);
+        double t = lk_now_s() - t0;
+        if (r && t < best) best = t;
+    }
+    return (double)th * (double)(FMA_ITERS / FMA_DIV[c.isa]) * FMA_LANES[c.isa] / best / 1e9;
 }
 
 /* (c) naive: delta rows, then the add pass; built for the same ISAs as
@@ -168,11 +253,12 @@ typedef struct row {
     long rank;
     int threads;
     size_t tensors, bytes;
-    double secs, cpu, dram, cache, naive_s;
+    double secs, cpu, dram, cache, naive_s, peak; /* peak: fma_peak's G lanes/s, same threads */
 } row;
 
 static void emit(int json, const row *r) {
     const double gbps = 2.0 * (double)r->bytes / r->secs / 1e9;
+    const double fma_frac = (double)r->rank * (double)(r->bytes / 2) / r->secs / 1e9 / r->peak;
     if (json) {
         printf("{\"bench\":\"fuse\",\"method\":\"%s\",\"scope\":\"%s\",\"dtype\":\"bf16\",\"rank\":%ld,"
                "\"threads\":%d,\"tensors\":%zu,\"bytes\":%zu,\"seconds\":%.6f,\"gbps\":%.3f,\"ratio_to_dram\":%.3f,"
@@ -180,13 +266,14 @@ static void emit(int json, const row *r) {
                r->method, r->scope, r->rank, r->threads, r->tensors, r->bytes, r->secs, gbps, gbps / r->dram,
                gbps / r->cache, r->cpu);
         if (r->naive_s > 0) printf(",\"speedup_vs_naive\":%.2f", r->naive_s / r->secs);
-        printf("}\n");
+        printf(",\"fma_fraction\":%.3f,\"fma_fraction_at_dram\":%.3f}\n", fma_frac,
+               (double)r->rank * r->dram / 4.0 / r->peak);
     } else {
         printf("%-8s %-6s rank %4ld  threads %3d  %9.3f ms (cpu %9.3f ms)  %8.2f GB/s  %5.2f x dram  %5.2f x cache",
                r->method, r->scope, r->rank, r->threads, r->secs * 1e3, r->cpu * 1e3, gbps, gbps / r->dram,
                gbps / r->cache);
         if (r->naive_s > 0) printf("  %5.2f x naive", r->naive_s / r->secs);
-        printf("\n");
+        printf("  %4.0f%% of FMA peak\n", 100 * fma_frac);
     }
 }
 
@@ -327,6 +414,20 @@ int lk_bench_fuse(int argc, char **argv) {
         }
     }
 
+    /* (f) */
+    double peak[2];
+    int isa = 0;
+    for (int ti = 0; ti < nth; ti++) {
+        peak[ti] = fma_peak(tcount[ti], repeat, &isa);
+        if (json)
+            printf("{\"bench\":\"fma_peak\",\"isa\":\"%s\",\"threads\":%d,\"glanes_per_s\":%.1f}\n", FMA_ISA[isa],
+                   tcount[ti], peak[ti]);
+        else
+            printf("FMA peak (%s, registers only), %d thread(s): %.1f G single-precision lanes/s\n", FMA_ISA[isa],
+                   tcount[ti], peak[ti]);
+    }
+    if (nth == 1) peak[1] = peak[0];
+
     for (int ri = 0; ri < 4; ri++) {
         const size_t r = (size_t)ranks[ri];
         lk_tensor A = {.dtype = LK_DTYPE_BF16, .ndim = 2, .shape = {(int64_t)r, dim}, .nbytes = r * D * 2, .data = a16};
@@ -376,10 +477,10 @@ int lk_bench_fuse(int argc, char **argv) {
                     mcpu = lk_bench_cpu() - c0;
                 }
             }
-            const double dr = dram_bw[ti], ca = cache_bw[ti];
-            emit(json, &(row){"naive", "tensor", (long)r, th, 1, wbytes, nbest, ncpu, dr, ca, 0});
-            emit(json, &(row){"lorakit", "tensor", (long)r, th, 1, wbytes, fbest, fcpu, dr, ca, nbest});
-            emit(json, &(row){"lorakit", "model", (long)r, th, n_model, mbytes, mbest, mcpu, dr, ca, 0});
+            const double dr = dram_bw[ti], ca = cache_bw[ti], pk = peak[ti];
+            emit(json, &(row){"naive", "tensor", (long)r, th, 1, wbytes, nbest, ncpu, dr, ca, 0, pk});
+            emit(json, &(row){"lorakit", "tensor", (long)r, th, 1, wbytes, fbest, fcpu, dr, ca, nbest, pk});
+            emit(json, &(row){"lorakit", "model", (long)r, th, n_model, mbytes, mbest, mcpu, dr, ca, 0, pk});
         }
         if (r == 16) { /* FP8 rows at rank 16: one e4m3fn weight, codes of values in [-1, 1) */
             uint8_t *w8 = malloc(N);
