@@ -234,7 +234,20 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
     }
 }
 
-/* The MR x 32 f64 block and its F32 epilogue. */
+/* One row's 32 lanes of an F32 weight (n <= 32 real) through the slow
+ * path, out of line as row_slow16. */
+__attribute__((noinline, cold)) LK_T static void row_slow32(lk_kworker *wk, size_t o, size_t col0, size_t n,
+                                                            const unsigned char *src, unsigned char *dst, __m512d d0,
+                                                            __m512d d1, __m512d d2, __m512d d3) {
+    double dv[32];
+    _mm512_storeu_pd(dv, d0);
+    _mm512_storeu_pd(dv + 8, d1);
+    _mm512_storeu_pd(dv + 16, d2);
+    _mm512_storeu_pd(dv + 24, d3);
+    lk_kernel_finish_slow(wk, o, col0, n, src, NULL, dv, dst);
+}
+
+/* The MR x 32 f64 block and its F32 epilogue, unrolled like block16. */
 LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, size_t p0, size_t p1) {
     const size_t R = jb->R, in = jb->in, ldw = in * 4;
     const double *bs = jb->Bs64 + o * R;
@@ -248,6 +261,7 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
         {
             const __m512d a0 = _mm512_loadu_pd(ap), a1 = _mm512_loadu_pd(ap + 8), a2 = _mm512_loadu_pd(ap + 16),
                           a3 = _mm512_loadu_pd(ap + 24);
+#pragma GCC unroll 6
             for (int r = 0; r < MR; r++) {
                 const __m512d b = _mm512_set1_pd(bs[(size_t)r * R]);
                 acc[r][0] = _mm512_mul_pd(b, a0);
@@ -256,6 +270,7 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
                 acc[r][3] = _mm512_mul_pd(b, a3);
             }
         }
+#pragma GCC unroll 6
         for (int r = 0; r < MR; r++) { /* a panel's row segment is 128 bytes: two lines */
             const char *pf = (const char *)win + (size_t)r * ldw + col0 * 4 + PF_AHEAD;
             _mm_prefetch(pf, _MM_HINT_T0);
@@ -265,6 +280,7 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
             const double *a = ap + k * LK_PW64;
             const __m512d a0 = _mm512_loadu_pd(a), a1 = _mm512_loadu_pd(a + 8), a2 = _mm512_loadu_pd(a + 16),
                           a3 = _mm512_loadu_pd(a + 24);
+#pragma GCC unroll 6
             for (int r = 0; r < MR; r++) {
                 const __m512d b = _mm512_set1_pd(bs[(size_t)r * R + k]);
                 acc[r][0] = _mm512_fmadd_pd(b, a0, acc[r][0]);
@@ -273,48 +289,30 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
                 acc[r][3] = _mm512_fmadd_pd(b, a3, acc[r][3]);
             }
         }
-        if (n >= LK_PW64) { /* whole panel: one test per row */
-            for (int r = 0; r < MR; r++) {
-                const unsigned char *src = win + (size_t)r * ldw + col0 * 4;
-                unsigned char *dst = wout + (size_t)r * ldw + col0 * 4;
-                __m256i o32[4];
-                __mmask8 sp[4];
-                for (int h = 0; h < 4; h++)
-                    o32[h] = round_f32w(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), acc[r][h], &sp[h]);
-                if (__builtin_expect((sp[0] | sp[1] | sp[2] | sp[3]) != 0, 0)) {
-                    for (int h = 0; h < 4; h++) {
-                        if (!sp[h]) {
-                            _mm256_storeu_si256((__m256i *)(dst + 32 * h), o32[h]);
-                            continue;
-                        }
-                        double dv[8];
-                        _mm512_storeu_pd(dv, acc[r][h]);
-                        lk_kernel_finish_slow(wk, o + (size_t)r, col0 + 8 * (size_t)h, 8, src + 32 * h, NULL, dv,
-                                              dst + 32 * h);
-                    }
-                    continue;
-                }
-                for (int h = 0; h < 4; h++) _mm256_storeu_si256((__m256i *)(dst + 32 * h), o32[h]);
-            }
-            continue;
-        }
+        const int whole = n >= LK_PW64;
+#pragma GCC unroll 6
         for (int r = 0; r < MR; r++) {
             const unsigned char *src = win + (size_t)r * ldw + col0 * 4;
             unsigned char *dst = wout + (size_t)r * ldw + col0 * 4;
+            __m256i o32[4];
+            __mmask8 sp[4];
+#pragma GCC unroll 4
             for (int h = 0; h < 4; h++) {
-                const __mmask8 m = lanes8(n - 8 * h);
-                if (!m) break;
-                __mmask8 sp;
-                const __m256i w32 = _mm256_maskz_loadu_epi32(m, src + 32 * h);
-                const __m256i o32 = round_f32w(w32, acc[r][h], &sp);
-                if (__builtin_expect((sp & m) != 0, 0)) {
-                    double dv[8];
-                    _mm512_storeu_pd(dv, acc[r][h]);
-                    lk_kernel_finish_slow(wk, o + (size_t)r, col0 + 8 * (size_t)h, (size_t)__builtin_popcount(m),
-                                          src + 32 * h, NULL, dv, dst + 32 * h);
-                } else {
-                    _mm256_mask_storeu_epi32(dst + 32 * h, m, o32);
-                }
+                const __m256i w32 = whole ? _mm256_loadu_si256((const __m256i *)(src + 32 * h))
+                                          : _mm256_maskz_loadu_epi32(lanes8(n - 8 * h), src + 32 * h);
+                o32[h] = round_f32w(w32, acc[r][h], &sp[h]); /* past n: w = 0, d = 0, never special */
+            }
+            if (__builtin_expect((sp[0] | sp[1] | sp[2] | sp[3]) != 0, 0)) {
+                row_slow32(wk, o + (size_t)r, col0, whole ? LK_PW64 : (size_t)n, src, dst, acc[r][0], acc[r][1],
+                           acc[r][2], acc[r][3]);
+                continue;
+            }
+            if (__builtin_expect(whole, 1)) {
+#pragma GCC unroll 4
+                for (int h = 0; h < 4; h++) _mm256_storeu_si256((__m256i *)(dst + 32 * h), o32[h]);
+            } else {
+#pragma GCC unroll 4
+                for (int h = 0; h < 4; h++) _mm256_mask_storeu_epi32(dst + 32 * h, lanes8(n - 8 * h), o32[h]);
             }
         }
     }
