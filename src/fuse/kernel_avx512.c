@@ -133,18 +133,22 @@ LK_TI __m256i round_f32w(__m256i w32, __m512d d, __mmask8 *special) {
 LK_TI __mmask16 lanes16(long n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1u); }
 LK_TI __mmask8 lanes8(long n) { return n >= 8 ? (__mmask8)0xff : n <= 0 ? 0 : (__mmask8)((1u << n) - 1u); }
 
-/* One row's 64 lanes (n <= 64 of them real) through the exact slow path:
- * rare (a special lane: Inf, NaN, a BF16 tie), kept out of line so the
- * accumulators never need an address in the fast path. */
-__attribute__((noinline, cold)) LK_T static void row_slow16(lk_kworker *wk, size_t o, size_t col0, size_t n,
-                                                            const unsigned char *src, unsigned char *dst, __m512 d0,
-                                                            __m512 d1, __m512 d2, __m512 d3) {
-    float dv[64];
-    _mm512_storeu_ps(dv, d0);
-    _mm512_storeu_ps(dv + 16, d1);
-    _mm512_storeu_ps(dv + 32, d2);
-    _mm512_storeu_ps(dv + 48, d3);
-    lk_kernel_finish_slow(wk, o, col0, n, src, dv, NULL, dst);
+/* One row segment's lanes (n of them real: <= 64 f32 or <= 32 f64 deltas
+ * in d0..d3) through the exact slow path: rare (a special lane: Inf, NaN,
+ * a BF16 tie), kept out of line so the accumulators never need an address
+ * in the fast path. */
+__attribute__((noinline, cold)) LK_T static void row_slow(lk_kworker *wk, int wide, size_t o, size_t col0, size_t n,
+                                                          const unsigned char *src, unsigned char *dst, __m512i d0,
+                                                          __m512i d1, __m512i d2, __m512i d3) {
+    union {
+        float f[64];
+        double d[32];
+    } dv;
+    _mm512_storeu_si512(dv.f, d0);
+    _mm512_storeu_si512(dv.f + 16, d1);
+    _mm512_storeu_si512(dv.f + 32, d2);
+    _mm512_storeu_si512(dv.f + 48, d3);
+    lk_kernel_finish_slow(wk, o, col0, n, src, wide ? NULL : dv.f, wide ? dv.d : NULL, dst);
 }
 
 /* The MR x 64 f32 block and its BF16/F16 epilogue. MR is a constant in
@@ -205,7 +209,9 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
                     o16[h] = bf ? round_bf16(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), acc[r][h], &sp[h])
                                 : round_f16(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), acc[r][h], &sp[h]);
                 if (__builtin_expect((sp[0] | sp[1] | sp[2] | sp[3]) != 0, 0)) {
-                    row_slow16(wk, o + (size_t)r, col0, LK_PW32, src, dst, acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+                    row_slow(wk, 0, o + (size_t)r, col0, LK_PW32, src, dst, _mm512_castps_si512(acc[r][0]),
+                             _mm512_castps_si512(acc[r][1]), _mm512_castps_si512(acc[r][2]),
+                             _mm512_castps_si512(acc[r][3]));
                     continue;
                 }
 #pragma GCC unroll 4
@@ -225,26 +231,15 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
                 spall |= sp;
             }
             if (__builtin_expect(spall != 0, 0)) {
-                row_slow16(wk, o + (size_t)r, col0, (size_t)n, src, dst, acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+                row_slow(wk, 0, o + (size_t)r, col0, (size_t)n, src, dst, _mm512_castps_si512(acc[r][0]),
+                         _mm512_castps_si512(acc[r][1]), _mm512_castps_si512(acc[r][2]),
+                         _mm512_castps_si512(acc[r][3]));
                 continue;
             }
 #pragma GCC unroll 4
             for (int h = 0; h < 4; h++) _mm256_mask_storeu_epi16(dst + 32 * h, lanes16(n - 16 * h), o16[h]);
         }
     }
-}
-
-/* One row's 32 lanes of an F32 weight (n <= 32 real) through the slow
- * path, out of line as row_slow16. */
-__attribute__((noinline, cold)) LK_T static void row_slow32(lk_kworker *wk, size_t o, size_t col0, size_t n,
-                                                            const unsigned char *src, unsigned char *dst, __m512d d0,
-                                                            __m512d d1, __m512d d2, __m512d d3) {
-    double dv[32];
-    _mm512_storeu_pd(dv, d0);
-    _mm512_storeu_pd(dv + 8, d1);
-    _mm512_storeu_pd(dv + 16, d2);
-    _mm512_storeu_pd(dv + 24, d3);
-    lk_kernel_finish_slow(wk, o, col0, n, src, NULL, dv, dst);
 }
 
 /* The MR x 32 f64 block and its F32 epilogue, unrolled like block16. */
@@ -303,8 +298,9 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
                 o32[h] = round_f32w(w32, acc[r][h], &sp[h]); /* past n: w = 0, d = 0, never special */
             }
             if (__builtin_expect((sp[0] | sp[1] | sp[2] | sp[3]) != 0, 0)) {
-                row_slow32(wk, o + (size_t)r, col0, whole ? LK_PW64 : (size_t)n, src, dst, acc[r][0], acc[r][1],
-                           acc[r][2], acc[r][3]);
+                row_slow(wk, 1, o + (size_t)r, col0, whole ? LK_PW64 : (size_t)n, src, dst,
+                         _mm512_castpd_si512(acc[r][0]), _mm512_castpd_si512(acc[r][1]),
+                         _mm512_castpd_si512(acc[r][2]), _mm512_castpd_si512(acc[r][3]));
                 continue;
             }
             if (__builtin_expect(whole, 1)) {
