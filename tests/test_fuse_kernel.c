@@ -473,7 +473,8 @@ static void test_f32_cancellation(void **state) {
 
 /* The internal delta API (fuse_internal.h) for DoRA and FP8 weights: rows
  * [row0, row0 + rows) equal the replayed chain bit for bit, and rounding
- * them with lk_fuse_round_* gives lk_fuse_tensor's bytes. */
+ * them with lk_fuse_round_* gives lk_fuse_tensor's bytes, on every path;
+ * the prepared form (lk_fuse_delta_prepare/_rows) gives the same rows. */
 static void test_delta_api(void **state) {
     (void)state;
     tu_rng rng = {31};
@@ -495,7 +496,8 @@ static void test_delta_api(void **state) {
         const size_t ld = (size_t)in + 3, esz = lk_dtype_size(dt);
         char *fused = malloc(W.t.nbytes);
         assert_int_equal(lk_fuse_tensor(fused, W.t.data, dt, out, in, terms, 2, NULL, "w"), LK_OK);
-        if (dt == LK_DTYPE_F32) {
+        if (dt == LK_DTYPE_F32) for (int pth = 0; pth < N_PATHS; pth++) {
+            if (!force_path(PATHS[pth])) continue;
             double *d = malloc((size_t)rows * ld * sizeof *d);
             assert_int_equal(lk_fuse_delta_f64(d, ld, out, in, row0, rows, terms, 2, "w"), LK_OK);
             for (int64_t i = 0; i < rows; i++)
@@ -509,9 +511,18 @@ static void test_delta_api(void **state) {
                     assert_memory_equal(&got, fused + e * 4, 4);
                 }
             free(d);
-        } else {
-            float *d = malloc((size_t)rows * ld * sizeof *d);
+        } else for (int pth = 0; pth < N_PATHS; pth++) {
+            if (!force_path(PATHS[pth])) continue;
+            float *d = malloc((size_t)rows * ld * sizeof *d), *d2 = calloc((size_t)rows * ld, sizeof *d2);
             assert_int_equal(lk_fuse_delta_f32(d, ld, out, in, row0, rows, terms, 2, "w"), LK_OK);
+            /* prepared once, then two row ranges (as FP8 workers take them) */
+            lk_delta_prep *pp;
+            assert_int_equal(lk_fuse_delta_prepare(0, out, in, row0, rows, terms, 2, "w", &pp), LK_OK);
+            lk_fuse_delta_rows(pp, d2 + 4 * ld, ld, (size_t)row0 + 4, (size_t)rows - 4);
+            lk_fuse_delta_rows(pp, d2, ld, (size_t)row0, 4);
+            lk_fuse_delta_free(pp);
+            for (int64_t i = 0; i < rows; i++) assert_memory_equal(d2 + i * (int64_t)ld, d + i * (int64_t)ld, (size_t)in * 4);
+            free(d2);
             for (int64_t i = 0; i < rows; i++)
                 for (int64_t j = 0; j < in; j++) {
                     float want = (float)rf_delta(0, rt, 2, (size_t)(row0 + i), (size_t)j, (size_t)in);
@@ -526,6 +537,7 @@ static void test_delta_api(void **state) {
                 }
             free(d);
         }
+        unsetenv("LORAKIT_KERNEL");
         float dummy[4];
         assert_int_equal(lk_fuse_delta_f32(dummy, (size_t)in, out, in, 20, 4, terms, 2, "w"), LK_ERR_ARG);
         tu_assert_contains(lk_last_error(), "w: rows [20, 24) outside a weight of 23 rows");

@@ -29,8 +29,9 @@
  * Overflow (lk_fp8_from_double's rule) under --fp8-scale keep or for plain
  * FP8 is LK_ERR_NONFINITE naming the tensor and the count of elements, or
  * clamps to +-max with saturate.
- * How: threads take blocks of rows; a block's delta is computed in one
- * lk_fuse_delta_f32 call into a per-thread F32 buffer (~1 MiB, so a weight
+ * How: the factors are converted once (lk_fuse_delta_prepare); threads
+ * take blocks of rows; a block's delta is computed by one
+ * lk_fuse_delta_rows call into a per-thread F32 buffer (~1 MiB, so a weight
  * of any size is fused in bounded memory and the buffer stays in L2), then
  * steps 2-4 run row by row on it: 8 double lanes with AVX-512
  * (fp8_avx512.c) when lk_fuse_kernel_path is avx512, else branch-free C in
@@ -108,8 +109,7 @@ typedef struct fjob {
     lk_dtype dtype;
     size_t O, I, rb, n_blocks;
     int per_row, pass;
-    const lk_fuse_term *terms;
-    size_t k;
+    const lk_delta_prep *prep; /* the factors, converted once for every block */
     const double *s0;      /* the stored scales (per row, or [0]) */
     double *sc;            /* the divide-by scales: kept or new */
     void *scale;           /* pass 2 with row_rescale: rewritten row by row */
@@ -128,8 +128,6 @@ typedef struct fworker {
     float *blk;
     float amax;         /* pass 1, per-tensor scale */
     lk_fp8_stats stats; /* pass 2 */
-    lk_status st;
-    char msg[512];
 } fworker;
 
 /* ---- the per-row epilogue, plain C (fp8_internal.h) ---- */
@@ -244,13 +242,7 @@ __attribute__((target("avx2,fma"))) static void round_generic_avx2(const lk_fp8_
 static void fp8_block(fworker *wk, size_t b) {
     fjob *j = wk->job;
     size_t r0 = b * j->rb, rows = j->O - r0 < j->rb ? j->O - r0 : j->rb, I = j->I;
-    lk_status s = lk_fuse_delta_f32(wk->blk, I, (int64_t)j->O, (int64_t)I, (int64_t)r0, (int64_t)rows, j->terms,
-                                    j->k, j->name);
-    if (s) {
-        wk->st = s;
-        snprintf(wk->msg, sizeof wk->msg, "%s", lk_last_error());
-        return;
-    }
+    lk_fuse_delta_rows(j->prep, wk->blk, I, r0, rows);
     for (size_t r = 0; r < rows; r++) {
         size_t row = r0 + r, si = j->per_row ? row : 0;
         uint8_t *wr = j->w + row * I;
@@ -269,7 +261,7 @@ static void *fp8_worker(void *arg) {
     fworker *wk = arg;
     for (;;) {
         size_t b = atomic_fetch_add(&wk->job->next, 1);
-        if (b >= wk->job->n_blocks || wk->st) break;
+        if (b >= wk->job->n_blocks) break;
         fp8_block(wk, b);
     }
     return NULL;
@@ -321,6 +313,7 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     size_t n_blocks = (O + rb - 1) / rb;
     if ((size_t)nw > n_blocks) nw = (int)n_blocks;
     lk_status s = LK_OK;
+    lk_delta_prep *prep = NULL;
     double *s0 = lk_malloc(2 * NS * sizeof *s0); /* the stored scales, then the divide-by ones */
     fworker *wk = lk_calloc((size_t)nw, sizeof *wk);
     float *blks = wk ? lk_malloc((size_t)nw * rb * I * sizeof *blks) : NULL;
@@ -328,15 +321,16 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 fuse", name);
         goto done;
     }
-    /* the factors are validated once here, so the message is this thread's */
-    if ((s = lk_fuse_delta_f32(blks, I, out, in, 0, 1, terms, k, name))) goto done;
+    /* the factors are validated and converted once here (the message is
+     * this thread's); the workers share them */
+    if ((s = lk_fuse_delta_prepare(0, out, in, 0, out, terms, k, name, &prep))) goto done;
     double *sc = s0 + NS;
     for (size_t r = 0; r < NS; r++) s0[r] = sc[r] = scale ? scale_get(scale, sdtype, r) : 1.0;
     float dec[256]; /* every code's value */
     const fp8fmt *fmt = dtype == LK_DTYPE_F8_E5M2 ? &LK_FP8_E5M2_FMT : &LK_FP8_E4M3_FMT;
     for (int c = 0; c < 256; c++) dec[c] = fp8_to_f32((uint8_t)c, fmt);
     fjob job = {.w = w, .dtype = dtype, .O = O, .I = I, .rb = rb, .n_blocks = n_blocks, .per_row = per_row,
-                .terms = terms, .k = k, .s0 = s0, .sc = sc, .name = name,
+                .prep = prep, .s0 = s0, .sc = sc, .name = name,
                 .scale = scale, .sdtype = sdtype, .fmax = (float)lk_fp8_max(dtype), .row_rescale = rescale && per_row,
                 .x = {.fmt = fmt, .stoch = fo->rounding == LK_FP8_STOCHASTIC,
                       .key = lk_fp8_stream_key(fo->seed, name), .dec = dec},
@@ -355,18 +349,13 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     if (rescale && !per_row) { /* pass 1: amax of the fused values, as float32, over the whole tensor */
         fp8_pass(&job, wk, nw, 1);
         float amax = 0.0f;
-        for (int t = 0; t < nw && !s; t++) {
-            if (wk[t].st) s = lk_error(wk[t].st, "%s", wk[t].msg);
-            amax = fmaxf(amax, wk[t].amax);
-        }
-        if (s) goto done;
+        for (int t = 0; t < nw; t++) amax = fmaxf(amax, wk[t].amax);
         rescale_one(scale, sdtype, 0, job.fmax, amax, &sc[0]);
     }
     fp8_pass(&job, wk, nw, 2); /* (per-row rescale and) round once into FP8, in place */
     size_t over = 0, bad_e = SIZE_MAX;
     double bad_v = 0;
     for (int t = 0; t < nw; t++) {
-        if (wk[t].st && !s) s = lk_error(wk[t].st, "%s", wk[t].msg);
         over += wk[t].stats.over;
         if (wk[t].stats.bad_e < bad_e) {
             bad_e = wk[t].stats.bad_e;
@@ -382,6 +371,7 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
                      lk_fp8_max(dtype), rescale ? "new" : scale ? "kept" : "(plain, 1)",
                      scale && !rescale ? ", --fp8-scale rescale recomputes the scale" : "");
 done:
+    lk_fuse_delta_free(prep);
     lk_free(blks);
     lk_free(wk);
     lk_free(s0);

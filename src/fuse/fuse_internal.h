@@ -44,6 +44,18 @@ lk_status lk_fuse_delta_f32(float *delta, size_t ld, int64_t out, int64_t in, in
 lk_status lk_fuse_delta_f64(double *delta, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
                             const lk_fuse_term *terms, size_t n_terms, const char *name);
 
+/* The same in two steps, for callers that take many row ranges of one
+ * weight (FP8 workers): lk_fuse_delta_prepare validates as above and
+ * converts the factors once (B' of rows [row0, row0 + rows), A packed for
+ * the kernel path); lk_fuse_delta_rows then writes the delta of rows
+ * [row, row + n) (inside the prepared ones) and may run on many threads
+ * at once; lk_fuse_delta_free releases it. wide: the f64 chain. */
+typedef struct lk_delta_prep lk_delta_prep;
+lk_status lk_fuse_delta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                                const lk_fuse_term *terms, size_t n_terms, const char *name, lk_delta_prep **p);
+void lk_fuse_delta_rows(const lk_delta_prep *p, void *delta, size_t ld, size_t row, size_t n);
+void lk_fuse_delta_free(lk_delta_prep *p);
+
 /* w + d rounded to odd (round toward zero, then set the last bit if the
  * sum was inexact): a value that, rounded to nearest-even into any format
  * with at least two fewer significant bits (BF16, F16, FP8 from f32; F32
@@ -131,6 +143,9 @@ void lk_kernel_finish_slow(lk_kworker *wk, size_t o, size_t col0, size_t n, cons
 #define LK_KERNEL_X86 1
 void lk_kblock_avx512(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
 void lk_kblock_avx512bf16(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
+/* The f32 chain alone into d (rows x in, row stride ld) from A in LK_PW32
+ * panels and B' rows x R: the AVX-512 block with a plain store. */
+void lk_kdelta32_avx512(float *d, size_t ld, const float *ap, const float *bs, size_t R, size_t in, size_t rows);
 void lk_kblock_avx2(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
 #endif
 void lk_kblock_portable(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);

@@ -493,47 +493,106 @@ __attribute__((target("avx2,fma"))) static void delta64_avx2(double *d, size_t l
 }
 #endif
 
-static lk_status fuse_delta(void *delta, int wide, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
-                            const lk_fuse_term *terms, size_t n_terms, const char *name) {
+struct lk_delta_prep {
+    int wide, panels; /* panels: A in LK_PW32-column panels for the AVX-512 delta block, else plain R x in */
+    size_t R, I, row0, rows;
+    void *A, *bs;   /* A (packed), B' of rows [row0, row0 + rows) */
+    int fast;       /* the path is not portable */
+    unsigned char *mem;
+};
+
+lk_status lk_fuse_delta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                                const lk_fuse_term *terms, size_t n_terms, const char *name, lk_delta_prep **pp) {
     if (!name) name = "(tensor)";
+    *pp = NULL;
     if (out <= 0 || in <= 0)
         return lk_error(LK_ERR_SHAPE, "%s: weight shape %lldx%lld", name, (long long)out, (long long)in);
     if (row0 < 0 || rows < 0 || row0 > out || rows > out - row0)
         return lk_error(LK_ERR_ARG, "%s: rows [%lld, %lld) outside a weight of %lld rows", name, (long long)row0,
                         (long long)row0 + (long long)rows, (long long)out);
-    if (rows == 0) return LK_OK;
-    if (!delta || ld < (size_t)in) return lk_error(LK_ERR_ARG, "%s: NULL delta or row stride below %lld", name, (long long)in);
     size_t R;
     lk_status st = check_terms(out, in, terms, n_terms, name, &R);
     if (st) return st;
+    lk_delta_prep *p = lk_calloc(1, sizeof *p);
+    if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
     const size_t I = (size_t)in, n = (size_t)rows, vsz = wide ? sizeof(double) : sizeof(float);
+    const char *path = lk_fuse_kernel_path();
+    *p = (lk_delta_prep){.wide = wide, .R = R, .I = I, .row0 = (size_t)row0, .rows = n,
+                         .fast = strcmp(path, "portable") != 0};
+#ifdef LK_KERNEL_X86
+    p->panels = !wide && !strncmp(path, "avx512", 6);
+#endif
     if (R == 0) {
-        for (size_t i = 0; i < n; i++) memset((char *)delta + i * ld * vsz, 0, I * vsz);
+        *pp = p;
         return LK_OK;
     }
+    const size_t pw = p->panels ? LK_PW32 : I, npan = (I + pw - 1) / pw;
     size_t a_n, b_n, tot;
-    if (!lk_checked_mul(R, I, &a_n) || !lk_checked_mul(n, R, &b_n) || !lk_checked_add(a_n, b_n, &tot) ||
-        !lk_checked_mul(tot, vsz, &tot) || !lk_checked_add(tot, ((I > R ? I : R) + 16) * sizeof(float), &tot))
+    if (!lk_checked_mul(npan * pw, R, &a_n) || !lk_checked_mul(n, R, &b_n) || !lk_checked_add(a_n, b_n, &tot) ||
+        !lk_checked_mul(tot, vsz, &tot) || !lk_checked_add(tot, ((I > R ? I : R) + 32) * sizeof(float), &tot)) {
+        lk_free(p);
         return lk_error(LK_ERR_SHAPE, "%s: factors too large", name);
-    unsigned char *mem = lk_malloc(tot);
-    if (!mem) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the fusion factors (%zu bytes)", name, tot);
-    void *A = mem, *bs = mem + a_n * vsz;
-    float *tmp = (float *)(mem + (a_n + b_n) * vsz);
-    make_bs(bs, wide, R, (size_t)row0, n, terms, n_terms, tmp);
-    make_panels(A, wide, I, R, I, terms, n_terms, tmp); /* one panel as wide as the row: plain R x in */
+    }
+    p->mem = lk_malloc(tot);
+    if (!p->mem) {
+        lk_free(p);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the fusion factors (%zu bytes)", name, tot);
+    }
+    unsigned char *al = p->mem + ((64u - ((uintptr_t)p->mem & 63u)) & 63u); /* panels on a cache line */
+    p->A = al;
+    p->bs = al + a_n * vsz;
+    float *tmp = (float *)(al + (a_n + b_n) * vsz);
+    make_bs(p->bs, wide, R, (size_t)row0, n, terms, n_terms, tmp);
+    make_panels(p->A, wide, pw, R, I, terms, n_terms, tmp);
+    *pp = p;
+    return LK_OK;
+}
+
+void lk_fuse_delta_rows(const lk_delta_prep *p, void *delta, size_t ld, size_t row, size_t rows) {
+    const size_t vsz = p->wide ? sizeof(double) : sizeof(float), I = p->I, R = p->R;
+    if (R == 0) {
+        for (size_t i = 0; i < rows; i++) memset((char *)delta + i * ld * vsz, 0, I * vsz);
+        return;
+    }
+    const size_t r0 = row - p->row0; /* within the prepared rows */
     fenv_t saved;
     fegetenv(&saved);
     fesetenv(FE_DFL_ENV);
-    int fast = 0;
+    if (p->wide) {
+        const double *bs = (const double *)p->bs + r0 * R;
 #ifdef LK_KERNEL_X86
-    fast = strcmp(lk_fuse_kernel_path(), "portable") != 0;
-    if (fast && wide) delta64_avx2(delta, ld, A, bs, R, I, n);
-    else if (fast) delta32_avx2(delta, ld, A, bs, R, I, n);
+        if (p->fast) delta64_avx2(delta, ld, p->A, bs, R, I, rows);
+        else
 #endif
-    if (!fast && wide) delta64_portable(delta, ld, A, bs, R, I, n);
-    else if (!fast) delta32_portable(delta, ld, A, bs, R, I, n);
+            delta64_portable(delta, ld, p->A, bs, R, I, rows);
+    } else {
+        const float *bs = (const float *)p->bs + r0 * R;
+#ifdef LK_KERNEL_X86
+        if (p->panels) lk_kdelta32_avx512(delta, ld, p->A, bs, R, I, rows);
+        else if (p->fast) delta32_avx2(delta, ld, p->A, bs, R, I, rows);
+        else
+#endif
+            delta32_portable(delta, ld, p->A, bs, R, I, rows);
+    }
     fesetenv(&saved);
-    lk_free(mem);
+}
+
+void lk_fuse_delta_free(lk_delta_prep *p) {
+    if (!p) return;
+    lk_free(p->mem);
+    lk_free(p);
+}
+
+static lk_status fuse_delta(void *delta, int wide, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                            const lk_fuse_term *terms, size_t n_terms, const char *name) {
+    if (!name) name = "(tensor)";
+    if (rows > 0 && (!delta || ld < (size_t)(in > 0 ? in : 0)))
+        return lk_error(LK_ERR_ARG, "%s: NULL delta or row stride below %lld", name, (long long)in);
+    lk_delta_prep *p;
+    lk_status st = lk_fuse_delta_prepare(wide, out, in, row0, rows, terms, n_terms, name, &p);
+    if (st) return st;
+    if (rows > 0) lk_fuse_delta_rows(p, delta, ld, (size_t)row0, (size_t)rows);
+    lk_fuse_delta_free(p);
     return LK_OK;
 }
 

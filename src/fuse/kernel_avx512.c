@@ -151,6 +151,38 @@ __attribute__((noinline, cold)) LK_T static void row_slow(lk_kworker *wk, int wi
     lk_kernel_finish_slow(wk, o, col0, n, src, wide ? NULL : dv.f, wide ? dv.d : NULL, dst);
 }
 
+/* The chain of an MR x panel block: acc[r][h] = the delta of row r, the
+ * panel's h-th vector of columns, from the panel ap ([k][PW]) and B' rows
+ * bs (stride R): the first product, then one fma per k (step 3 of
+ * kernel.c). chain16: f32, 64 columns; chain32: f64, 32 columns. */
+#define LK_CHAIN(NAME, VT, ET, PW, VL, LOAD, SET1, MUL, FMA)                                                   \
+    LK_TI void NAME(VT acc[LK_KMR][4], const ET *ap, const ET *bs, size_t R, const int MR) {                  \
+        {                                                                                                      \
+            const VT a0 = LOAD(ap), a1 = LOAD(ap + VL), a2 = LOAD(ap + 2 * VL), a3 = LOAD(ap + 3 * VL);        \
+            _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {                                             \
+                const VT b = SET1(bs[(size_t)r * R]);                                                          \
+                acc[r][0] = MUL(b, a0);                                                                        \
+                acc[r][1] = MUL(b, a1);                                                                        \
+                acc[r][2] = MUL(b, a2);                                                                        \
+                acc[r][3] = MUL(b, a3);                                                                        \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (size_t k = 1; k < R; k++) {                                                                       \
+            const ET *a = ap + k * PW;                                                                         \
+            const VT a0 = LOAD(a), a1 = LOAD(a + VL), a2 = LOAD(a + 2 * VL), a3 = LOAD(a + 3 * VL);            \
+            _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {                                             \
+                const VT b = SET1(bs[(size_t)r * R + k]);                                                      \
+                acc[r][0] = FMA(b, a0, acc[r][0]);                                                             \
+                acc[r][1] = FMA(b, a1, acc[r][1]);                                                             \
+                acc[r][2] = FMA(b, a2, acc[r][2]);                                                             \
+                acc[r][3] = FMA(b, a3, acc[r][3]);                                                             \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+LK_CHAIN(chain16, __m512, float, LK_PW32, 16, _mm512_loadu_ps, _mm512_set1_ps, _mm512_mul_ps, _mm512_fmadd_ps)
+LK_CHAIN(chain32, __m512d, double, LK_PW64, 8, _mm512_loadu_pd, _mm512_set1_pd, _mm512_mul_pd, _mm512_fmadd_pd)
+#undef LK_CHAIN
+
 /* The MR x 64 f32 block and its BF16/F16 epilogue. MR is a constant in
  * each instantiation and every loop over rows and vectors is unrolled, so
  * acc lives in registers from the first product to the store. */
@@ -163,39 +195,14 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
     for (size_t p = p0; p < p1; p++) {
         const size_t col0 = p * LK_PW32;
         const long n = (long)(in - col0);
-        const float *ap = jb->Ap32 + p * R * LK_PW32;
         __m512 acc[LK_KMR][4];
-        {
-            const __m512 a0 = _mm512_loadu_ps(ap), a1 = _mm512_loadu_ps(ap + 16), a2 = _mm512_loadu_ps(ap + 32),
-                         a3 = _mm512_loadu_ps(ap + 48);
-#pragma GCC unroll 6
-            for (int r = 0; r < MR; r++) {
-                const __m512 b = _mm512_set1_ps(bs[(size_t)r * R]);
-                acc[r][0] = _mm512_mul_ps(b, a0);
-                acc[r][1] = _mm512_mul_ps(b, a1);
-                acc[r][2] = _mm512_mul_ps(b, a2);
-                acc[r][3] = _mm512_mul_ps(b, a3);
-            }
-        }
 #pragma GCC unroll 6
         for (int r = 0; r < MR; r++) { /* a panel's row segment is 128 bytes: two lines */
             const char *pf = (const char *)win + (size_t)r * ldw + col0 * 2 + PF_AHEAD;
             _mm_prefetch(pf, _MM_HINT_T0);
             _mm_prefetch(pf + 64, _MM_HINT_T0);
         }
-        for (size_t k = 1; k < R; k++) {
-            const float *a = ap + k * LK_PW32;
-            const __m512 a0 = _mm512_loadu_ps(a), a1 = _mm512_loadu_ps(a + 16), a2 = _mm512_loadu_ps(a + 32),
-                         a3 = _mm512_loadu_ps(a + 48);
-#pragma GCC unroll 6
-            for (int r = 0; r < MR; r++) {
-                const __m512 b = _mm512_set1_ps(bs[(size_t)r * R + k]);
-                acc[r][0] = _mm512_fmadd_ps(b, a0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(b, a1, acc[r][1]);
-                acc[r][2] = _mm512_fmadd_ps(b, a2, acc[r][2]);
-                acc[r][3] = _mm512_fmadd_ps(b, a3, acc[r][3]);
-            }
-        }
+        chain16(acc, jb->Ap32 + p * R * LK_PW32, bs, R, MR);
         const int whole = n >= LK_PW32;
 #pragma GCC unroll 6
         for (int r = 0; r < MR; r++) {
@@ -251,39 +258,14 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
     for (size_t p = p0; p < p1; p++) {
         const size_t col0 = p * LK_PW64;
         const long n = (long)(in - col0);
-        const double *ap = jb->Ap64 + p * R * LK_PW64;
         __m512d acc[LK_KMR][4];
-        {
-            const __m512d a0 = _mm512_loadu_pd(ap), a1 = _mm512_loadu_pd(ap + 8), a2 = _mm512_loadu_pd(ap + 16),
-                          a3 = _mm512_loadu_pd(ap + 24);
-#pragma GCC unroll 6
-            for (int r = 0; r < MR; r++) {
-                const __m512d b = _mm512_set1_pd(bs[(size_t)r * R]);
-                acc[r][0] = _mm512_mul_pd(b, a0);
-                acc[r][1] = _mm512_mul_pd(b, a1);
-                acc[r][2] = _mm512_mul_pd(b, a2);
-                acc[r][3] = _mm512_mul_pd(b, a3);
-            }
-        }
 #pragma GCC unroll 6
         for (int r = 0; r < MR; r++) { /* a panel's row segment is 128 bytes: two lines */
             const char *pf = (const char *)win + (size_t)r * ldw + col0 * 4 + PF_AHEAD;
             _mm_prefetch(pf, _MM_HINT_T0);
             _mm_prefetch(pf + 64, _MM_HINT_T0);
         }
-        for (size_t k = 1; k < R; k++) {
-            const double *a = ap + k * LK_PW64;
-            const __m512d a0 = _mm512_loadu_pd(a), a1 = _mm512_loadu_pd(a + 8), a2 = _mm512_loadu_pd(a + 16),
-                          a3 = _mm512_loadu_pd(a + 24);
-#pragma GCC unroll 6
-            for (int r = 0; r < MR; r++) {
-                const __m512d b = _mm512_set1_pd(bs[(size_t)r * R + k]);
-                acc[r][0] = _mm512_fmadd_pd(b, a0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_pd(b, a1, acc[r][1]);
-                acc[r][2] = _mm512_fmadd_pd(b, a2, acc[r][2]);
-                acc[r][3] = _mm512_fmadd_pd(b, a3, acc[r][3]);
-            }
-        }
+        chain32(acc, jb->Ap64 + p * R * LK_PW64, bs, R, MR);
         const int whole = n >= LK_PW64;
 #pragma GCC unroll 6
         for (int r = 0; r < MR; r++) {
@@ -291,11 +273,14 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
             unsigned char *dst = wout + (size_t)r * ldw + col0 * 4;
             __m256i o32[4];
             __mmask8 sp[4];
+            if (__builtin_expect(whole, 1)) {
 #pragma GCC unroll 4
-            for (int h = 0; h < 4; h++) {
-                const __m256i w32 = whole ? _mm256_loadu_si256((const __m256i *)(src + 32 * h))
-                                          : _mm256_maskz_loadu_epi32(lanes8(n - 8 * h), src + 32 * h);
-                o32[h] = round_f32w(w32, acc[r][h], &sp[h]); /* past n: w = 0, d = 0, never special */
+                for (int h = 0; h < 4; h++)
+                    o32[h] = round_f32w(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), acc[r][h], &sp[h]);
+            } else {
+#pragma GCC unroll 4
+                for (int h = 0; h < 4; h++) /* past n: w = 0, d = 0, never special */
+                    o32[h] = round_f32w(_mm256_maskz_loadu_epi32(lanes8(n - 8 * h), src + 32 * h), acc[r][h], &sp[h]);
             }
             if (__builtin_expect((sp[0] | sp[1] | sp[2] | sp[3]) != 0, 0)) {
                 row_slow(wk, 1, o + (size_t)r, col0, whole ? LK_PW64 : (size_t)n, src, dst,
@@ -315,24 +300,47 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
 }
 
 LK_T void LK_K512_NAME(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1) {
+#define WIDE(M) block32(jb, wk, o, M, p0, p1)
+#define NARROW(M) block16(jb, wk, o, M, p0, p1)
     if (jb->wide) {
-        switch (mr) {
-        case 6: block32(jb, wk, o, 6, p0, p1); break;
-        case 5: block32(jb, wk, o, 5, p0, p1); break;
-        case 4: block32(jb, wk, o, 4, p0, p1); break;
-        case 3: block32(jb, wk, o, 3, p0, p1); break;
-        case 2: block32(jb, wk, o, 2, p0, p1); break;
-        default: block32(jb, wk, o, 1, p0, p1); break;
-        }
-        return;
+        LK_KMR_SWITCH(mr, WIDE);
+    } else {
+        LK_KMR_SWITCH(mr, NARROW);
     }
-    switch (mr) {
-    case 6: block16(jb, wk, o, 6, p0, p1); break;
-    case 5: block16(jb, wk, o, 5, p0, p1); break;
-    case 4: block16(jb, wk, o, 4, p0, p1); break;
-    case 3: block16(jb, wk, o, 3, p0, p1); break;
-    case 2: block16(jb, wk, o, 2, p0, p1); break;
-    default: block16(jb, wk, o, 1, p0, p1); break;
+#undef WIDE
+#undef NARROW
+}
+#if !LK_K512_BF16ISA /* the delta alone has no BF16 epilogue: built once */
+/* MR rows of the delta, every panel, stored (masked in the last panel). */
+LK_TI void dblock16(float *d, size_t ld, const float *ap, const float *bs, size_t R, size_t in, const int MR) {
+    const size_t npan = (in + LK_PW32 - 1) / LK_PW32;
+    for (size_t p = 0; p < npan; p++) {
+        const size_t col0 = p * LK_PW32;
+        const long n = (long)(in - col0);
+        __m512 acc[LK_KMR][4];
+        chain16(acc, ap + p * R * LK_PW32, bs, R, MR);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            float *dst = d + (size_t)r * ld + col0;
+            if (__builtin_expect(n >= LK_PW32, 1)) {
+#pragma GCC unroll 4
+                for (int h = 0; h < 4; h++) _mm512_storeu_ps(dst + 16 * h, acc[r][h]);
+            } else {
+#pragma GCC unroll 4
+                for (int h = 0; h < 4; h++) _mm512_mask_storeu_ps(dst + 16 * h, lanes16(n - 16 * h), acc[r][h]);
+            }
+        }
     }
 }
+
+LK_T void lk_kdelta32_avx512(float *d, size_t ld, const float *ap, const float *bs, size_t R, size_t in, size_t rows) {
+    for (size_t o = 0; o < rows; o += LK_KMR) {
+        float *dr = d + o * ld;
+        const float *br = bs + o * R;
+#define DELTA(M) dblock16(dr, ld, ap, br, R, in, M)
+        LK_KMR_SWITCH(rows - o < LK_KMR ? (int)(rows - o) : LK_KMR, DELTA);
+#undef DELTA
+    }
+}
+#endif
 #endif
