@@ -7,6 +7,7 @@
  * caught). A failing assert aborts (CMOCKA_TEST_ABORT), so mpirun stops every
  * rank rather than leaving the others in a collective. */
 #include "mpi_testutil.h"
+#include "comm/comm_internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -69,6 +70,57 @@ static void test_bcastv(void **state) {
         assert_int_equal(pos, total);
     }
     assert_int_equal(lk_comm_bcastv(g_world, seg, NS, N), LK_ERR_ARG);
+    free(mem);
+}
+
+/* lk_comm_bcastv_ready (the tracker's overlap): the root's segments hold
+ * nothing until its ready callback asks for them, and the callback fills
+ * exactly [filled, upto) then. If the backend sent a byte before asking
+ * for its segment, a receiver would see the root's 0 instead of
+ * i*31+7 of the stream offset. The calls' upto must grow, end at the last
+ * non-empty segment, and come on the root only. Same segments as
+ * test_bcastv (large ones alone, small ones in split hindexed rounds). */
+typedef struct lazy_root {
+    lk_comm_seg *seg;
+    size_t filled, calls;
+} lazy_root;
+
+static void fill_upto(void *arg, size_t upto) {
+    lazy_root *z = arg;
+    if (R != lk_comm_size(g_world) - 1) fail_msg("rank %d: ready called on a receiver", R);
+    if (upto < z->filled || upto > 300) fail_msg("ready(%zu) after %zu segments were asked for", upto, z->filled);
+    size_t pos = 0;
+    for (size_t i = 0; i < z->filled; i++) pos += z->seg[i].n;
+    for (; z->filled < upto; z->filled++)
+        for (size_t j = 0; j < z->seg[z->filled].n; j++, pos++)
+            ((unsigned char *)z->seg[z->filled].p)[j] = (unsigned char)(pos * 31 + 7);
+    z->calls++;
+}
+
+static void test_bcastv_ready(void **state) {
+    (void)state;
+    enum { NS = 300 };
+    lk_comm_seg seg[NS];
+    size_t span = 0, at = 0;
+    for (int i = 0; i < NS; i++) span += seg_len(i);
+    unsigned char *mem = calloc(1, span);
+    for (int i = 0; i < NS; i++) {
+        seg[i] = (lk_comm_seg){mem + at, seg_len(i)};
+        at += seg_len(i);
+    }
+    const int root = N - 1;
+    lazy_root z = {seg, 0, 0};
+    assert_int_equal(lk_comm_bcastv_ready(g_world, seg, NS, root, fill_upto, &z), LK_OK);
+    if (R == root) {
+        assert_int_equal(z.filled, NS); /* the last segment is non-empty */
+        assert_true(z.calls > 3);        /* one per operation, not one up front */
+    } else assert_int_equal(z.calls, 0);
+    size_t pos = 0;
+    for (int i = 0; i < NS; i++)
+        for (size_t j = 0; j < seg[i].n; j++, pos++)
+            if (((unsigned char *)seg[i].p)[j] != (unsigned char)(pos * 31 + 7))
+                fail_msg("rank %d: segment %d byte %zu: %u, want %u", R, i, j, ((unsigned char *)seg[i].p)[j],
+                         (unsigned char)(pos * 31 + 7));
     free(mem);
 }
 
@@ -271,7 +323,8 @@ int main(int argc, char **argv) {
     R = lk_comm_rank(g_world);
     N = lk_comm_size(g_world);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_bcast_chunked), cmocka_unit_test(test_bcastv), cmocka_unit_test(test_allreduce),
+        cmocka_unit_test(test_bcast_chunked), cmocka_unit_test(test_bcastv), cmocka_unit_test(test_bcastv_ready),
+        cmocka_unit_test(test_allreduce),
         cmocka_unit_test(test_allgather),     cmocka_unit_test(test_split),
         cmocka_unit_test(test_agree),         cmocka_unit_test(test_mesh),
         cmocka_unit_test(test_mesh_alloc_fails_on_one_rank), cmocka_unit_test(test_bad_chunk_on_one_rank),

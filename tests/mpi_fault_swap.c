@@ -239,6 +239,149 @@ static void test_nan_adapter(void **state) {
     lk_weights_free(w);
 }
 
+/* Copies adapter src to dst with every factor of module `mod` (its
+ * "transformer.<mod>.lora_A/B.weight") set to 1e20: finite factors whose
+ * product (4 x 1e40 x alpha/rank) overflows any weight dtype to Inf, on
+ * that key only. */
+static void write_overflow_copy(const char *src, const char *dst, const char *mod) {
+    lk_st *st;
+    if (lk_st_open(src, &st)) die("open adapter");
+    size_t n = lk_st_count(st);
+    lk_tensor *t = calloc(n, sizeof *t);
+    char pa[256], pb[256];
+    snprintf(pa, sizeof pa, "transformer.%s.lora_A.weight", mod);
+    snprintf(pb, sizeof pb, "transformer.%s.lora_B.weight", mod);
+    int hit = 0;
+    for (size_t i = 0; i < n; i++) {
+        t[i] = *lk_st_tensor(st, i);
+        t[i].data = malloc(t[i].nbytes ? t[i].nbytes : 1);
+        memcpy(t[i].data, lk_st_tensor(st, i)->data, t[i].nbytes);
+        if (!strcmp(t[i].name, pa) || !strcmp(t[i].name, pb)) {
+            for (size_t k = 0; k < lk_tensor_numel(&t[i]); k++) ((float *)t[i].data)[k] = 1e20f;
+            hit++;
+        }
+    }
+    if (hit != 2 || lk_st_save(dst, t, n, NULL, 0)) die("write overflow adapter");
+    for (size_t i = 0; i < n; i++) free(t[i].data);
+    free(t);
+    lk_st_close(st);
+}
+
+/* Every tensor's bytes (the oracle for "weights exactly as they were"). */
+static void **snapshot(const lk_weights *w) {
+    size_t n = lk_weights_count(w);
+    void **snap = calloc(n, sizeof *snap);
+    for (size_t i = 0; i < n; i++) {
+        const lk_tensor *x = lk_weights_tensor(w, i);
+        snap[i] = malloc(x->nbytes ? x->nbytes : 1);
+        memcpy(snap[i], x->data, x->nbytes);
+    }
+    return snap;
+}
+
+/* Every rank's tensors are byte-identical to its snapshot (then freed). */
+static void check_snapshot(const lk_weights *w, void **snap) {
+    uint64_t bad = 0;
+    for (size_t i = 0; i < lk_weights_count(w); i++) {
+        const lk_tensor *x = lk_weights_tensor(w, i);
+        if (memcmp(snap[i], x->data, x->nbytes)) {
+            fprintf(stderr, "rank %d: %s differs from its bytes before the failed apply\n", R, x->name);
+            bad++;
+        }
+        free(snap[i]);
+    }
+    free(snap);
+    assert_int_equal(lk_comm_allreduce_u64(W, &bad, 1, LK_REDUCE_SUM), LK_OK);
+    if (bad) fail_msg("%llu tensors differ after the failed apply (summed over ranks)", (unsigned long long)bad);
+}
+
+/* The fuse overlaps the broadcast (tracker.c), so a key that turns Inf can
+ * be found after receivers have taken other keys' new bytes. The failing
+ * key is owned by the last rank (sent last) and is its last BF16/F32 key
+ * in name order, rounds are 4 KiB (keys split over many rounds): every
+ * other owner's rounds, and the last rank's earlier ones, are on the
+ * receivers before the failure is known. Every rank must still end with
+ * its bytes from before the call (oracle: a memcpy snapshot taken here),
+ * from a fused set and from clean, and the error must name the key; a
+ * valid apply afterwards must equal an offline lk_fuse_file (rank 0). */
+static void test_late_overflow_after_rounds_were_sent(void **state) {
+    (void)state;
+    static const swap_model M2 = {2, 64, 128, 1};
+    char *base = join("late_base.safetensors"), *good = join("late_good.safetensors");
+    char *prev = join("late_prev.safetensors"), *bad = join("late_bad.safetensors");
+    char d_good[LK_DIGEST_HEX] = {0}, d_prev[LK_DIGEST_HEX] = {0}, d_base[LK_DIGEST_HEX] = {0};
+    if (R == 0) {
+        if (swap_write_base(base, &M2, 31) || swap_write_adapter(good, &M2, SWAP_ATTN | SWAP_FF, 4, 8.0f, 0.05f, 0, 32) ||
+            swap_write_adapter(prev, &M2, SWAP_ATTN, 2, 2.0f, 0.05f, 0, 33))
+            die("fixtures");
+        char *out = join("late_offline.safetensors");
+        lk_fuse_input g1[1] = {{good, 1.0f, LK_FORMAT_AUTO}}, p1[1] = {{prev, 1.0f, LK_FORMAT_AUTO}};
+        if (swap_offline_digest(base, g1, 1, out, d_good) || swap_offline_digest(base, p1, 1, out, d_prev))
+            die("offline fuse");
+        free(out);
+        lk_st *st;
+        if (lk_st_open(base, &st)) die("open base");
+        lk_digest_st(st, d_base);
+        lk_st_close(st);
+    }
+    lk_comm_bcast(W, d_base, sizeof d_base, 0);
+    lk_comm_bcast(W, d_good, sizeof d_good, 0);
+    lk_comm_bcast(W, d_prev, sizeof d_prev, 0);
+    lk_comm_barrier(W);
+    lk_weights *w;
+    assert_int_equal(lk_weights_load(base, &w), LK_OK);
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.bucket_bytes = 4096;
+    o.threads = 1;
+    lk_tracker *t;
+    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_OK);
+    /* the target: the last rank's last BF16/F32 linear in name order */
+    const char *target = NULL;
+    for (size_t i = 0; i < lk_weights_count(w); i++) {
+        const lk_tensor *x = lk_weights_tensor(w, i);
+        if (lk_tracker_owner(t, i) != N - 1 || x->ndim != 2 || (x->dtype != LK_DTYPE_BF16 && x->dtype != LK_DTYPE_F32))
+            continue;
+        if (!target || strcmp(x->name, target) > 0) target = x->name;
+    }
+    assert_non_null(target);
+    char mod[128];
+    snprintf(mod, sizeof mod, "%.*s", (int)(strlen(target) - strlen(".weight")), target);
+    if (R == 0) write_overflow_copy(good, bad, mod);
+    lk_comm_barrier(W);
+    const uint64_t all_linears = swap_touched_bytes(w, SWAP_ATTN | SWAP_FF, NULL, 0);
+    lk_fuse_input p1[1] = {{prev, 1.0f, LK_FORMAT_AUTO}}, b1[1] = {{bad, 1.0f, LK_FORMAT_AUTO}},
+                  g1[1] = {{good, 1.0f, LK_FORMAT_AUTO}};
+    for (int from_clean = 0; from_clean < 2; from_clean++) {
+        if (!from_clean) assert_int_equal(lk_tracker_apply(t, p1, 1, NULL), LK_OK);
+        check_digest(w, from_clean ? d_base : d_prev);
+        void **snap = snapshot(w);
+        lk_tracker_stats st;
+        lk_status s = lk_tracker_apply(t, b1, 1, &st);
+        check_all_failed(s, LK_ERR_NONFINITE);
+        tu_assert_contains(lk_last_error(), target);
+        if (N > 1) {
+            char who[32];
+            snprintf(who, sizeof who, "rank %d: ", N - 1);
+            tu_assert_contains(lk_last_error(), who);
+            /* every changed key went out once with the new bytes, then again from the restored owners */
+            assert_true(st.bytes_broadcast == 2 * all_linears);
+        }
+        check_snapshot(w, snap);
+        assert_int_equal(lk_tracker_applied(t), from_clean ? 0 : 1);
+        if (!from_clean) assert_int_equal(lk_tracker_reset(t, NULL), LK_OK);
+    }
+    assert_int_equal(lk_tracker_apply(t, g1, 1, NULL), LK_OK);
+    check_digest(w, d_good);
+    assert_int_equal(lk_tracker_apply(t, p1, 1, NULL), LK_OK);
+    check_digest(w, d_prev);
+    lk_tracker_free(t);
+    lk_weights_free(w);
+    free(base);
+    free(good);
+    free(prev);
+    free(bad);
+}
+
 static unsigned long g_absorbed; /* failed allocations after which the step still succeeded */
 
 /* Brings the tracker to `from` (digest d_from), then makes the k-th
@@ -316,6 +459,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_file_differs_between_ranks),
         cmocka_unit_test(test_adapter_deleted_mid_plan),
         cmocka_unit_test(test_nan_adapter),
+        cmocka_unit_test(test_late_overflow_after_rounds_were_sent),
         cmocka_unit_test(test_every_allocation_fails_in_a_swap_step),
     };
     return tu_mpi_finish(W, cmocka_run_group_tests(tests, setup, teardown));

@@ -152,21 +152,24 @@ static void test_ownership(void **state) {
 
 static void test_sequence_buckets(void **state) {
     (void)state;
-    /* bucket sizes 1 MiB .. larger than the model, and the reference-like
-     * full mode, which must give the same bytes while moving all of them */
+    /* bucket sizes 64 KiB (every key split over rounds: the overlap waits
+     * on partial keys) .. larger than the model; the reference-like full
+     * mode, which must give the same bytes while moving all of them; and
+     * the serial mode (no fuse/broadcast overlap) */
     const struct {
-        long bucket_mb;
-        int full;
-    } cfg[] = {{1, 0}, {2, 0}, {1024, 0}, {1, 1}};
+        size_t bucket;
+        int mode;
+    } cfg[] = {{(size_t)1 << 20, 0},  {(size_t)2 << 20, 0},    {(size_t)1024 << 20, 0},
+               {(size_t)1 << 20, LK_TRACKER_FULL}, {(size_t)64 << 10, 0}, {(size_t)64 << 10, LK_TRACKER_SERIAL}};
     for (size_t ci = 0; ci < sizeof cfg / sizeof cfg[0]; ci++) {
         lk_weights *w;
         assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
         lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
-        o.bucket_bytes = (size_t)cfg[ci].bucket_mb << 20;
+        o.bucket_bytes = cfg[ci].bucket;
         o.threads = 1;
         lk_tracker *t = NULL;
-        assert_int_equal(lk_tracker_create_ex(W, w, &o, cfg[ci].full, &t), LK_OK);
-        const int full = cfg[ci].full;
+        assert_int_equal(lk_tracker_create_ex(W, w, &o, cfg[ci].mode, &t), LK_OK);
+        const int full = (cfg[ci].mode & LK_TRACKER_FULL) != 0;
         const uint64_t all = lk_weights_nbytes(w), mine = owned_bytes(w, t);
         const uint64_t attn = swap_touched_bytes(w, SWAP_ATTN, NULL, 0), ff = swap_touched_bytes(w, SWAP_FF, NULL, 0);
         const uint64_t my_attn = swap_touched_bytes(w, SWAP_ATTN, t, R), my_ff = swap_touched_bytes(w, SWAP_FF, t, R);
@@ -298,6 +301,9 @@ static void test_create_mismatch(void **state) {
     assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_ERR_MISMATCH);
     assert_null(t);
     o.bucket_bytes = (size_t)1 << 20;
+    /* serial on one rank: its agreement on the fuse would sit elsewhere among the collectives */
+    assert_int_equal(lk_tracker_create_ex(W, w, &o, R == 0 ? LK_TRACKER_SERIAL : 0, &t), LK_ERR_MISMATCH);
+    tu_assert_contains(lk_last_error(), "serial");
     o.threads = R == N - 1 ? -1 : 1; /* invalid on one rank: every rank hears */
     assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_ERR_ARG);
     char want[32];

@@ -19,12 +19,16 @@
  *   4. owners recompute only the keys whose terms changed: restore from the
  *      backup and fuse the new terms in one pass (lk_fuse_tensor), terms in
  *      lk_fuse_canonical_order, so the bytes equal an offline lk_fuse_file
- *      of the same set; a failure on any rank rolls every owner
- *      back, and every rank returns it;
+ *      of the same set;
  *   5. broadcasts those keys owner by owner in rounds of bucket_bytes
  *      (tensors larger than it go in several rounds), each round one
  *      vectored broadcast straight from the owner's weights into every
- *      receiver's (no staging copy).
+ *      receiver's (no staging copy). Steps 4 and 5 overlap: a thread per
+ *      owner fuses its next keys while the finished ones are sent (the
+ *      thread calls no MPI). Then the ranks agree on the fuse: a failure
+ *      on any rank (a non-finite result, memory) rolls every owner back and
+ *      sends the changed keys again, so every rank returns it with its
+ *      weights as they were.
  * A failed call leaves every rank's weights as they were, except after
  * LK_ERR_COMM (the transport itself failed: the group is unusable).
  *
@@ -76,9 +80,13 @@ typedef struct lk_tracker_stats {
     size_t keys_fused;         /* keys this rank fused (as owner) */
     size_t keys_restored;      /* keys this rank restored to clean (as owner) */
     size_t keys_broadcast;     /* keys sent over the group (same on every rank) */
-    uint64_t bytes_broadcast;  /* bytes sent over the group (same on every rank) */
+    uint64_t bytes_broadcast;  /* bytes sent over the group (same on every rank; a
+                                  failed call counts its second, restoring send) */
     uint64_t backup_bytes;     /* clean bytes held by this rank after the call */
-    double seconds_agree, seconds_load, seconds_fuse, seconds_broadcast;
+    double seconds_agree, seconds_load;
+    double seconds_fuse;       /* this rank's recomputation (it overlaps the broadcast) */
+    double seconds_broadcast;  /* the broadcast phase; overlapped with the fuse, it starts
+                                  with the fuse and includes the waits for it */
     double seconds;            /* whole call */
 } lk_tracker_stats;
 

@@ -69,10 +69,13 @@ static lk_status mpi_bcast(lk_comm *c, void *buf, size_t n, int root) {
  * SEGS_PER_ROUND pieces, each one MPI_Bcast of an hindexed datatype over
  * the pieces' absolute addresses (one collective for many small keys).
  * Both choices depend only on the segment lengths, which every rank passes
- * alike, so every rank makes the same calls. */
+ * alike, so every rank makes the same calls. On the root, `ready` (if any)
+ * is called before each MPI_Bcast with the segments it reads, so a caller
+ * still writing later segments (the tracker's fuse) overlaps this one. */
 #define SEGS_PER_ROUND 256
 #define BCASTV_CONTIG ((size_t)1 << 20)
-static lk_status bcast_small(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root) {
+static lk_status bcast_small(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root, lk_comm_ready_fn ready,
+                             void *arg, size_t base) {
     const size_t step = chunk_of(c);
     int lens[SEGS_PER_ROUND];
     MPI_Aint disp[SEGS_PER_ROUND];
@@ -95,6 +98,7 @@ static lk_status bcast_small(lk_comm *c, const lk_comm_seg *seg, size_t nseg, in
             }
         }
         if (!k) continue;
+        if (ready) ready(arg, base + i + (off != 0)); /* this round reads segments [0, i] or [0, i) */
         MPI_Datatype t;
         int rc = MPI_Type_create_hindexed(k, lens, disp, MPI_BYTE, &t);
         if (rc == MPI_SUCCESS && (rc = MPI_Type_commit(&t)) != MPI_SUCCESS) MPI_Type_free(&t);
@@ -106,12 +110,14 @@ static lk_status bcast_small(lk_comm *c, const lk_comm_seg *seg, size_t nseg, in
     return LK_OK;
 }
 
-static lk_status mpi_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root) {
+static lk_status mpi_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root, lk_comm_ready_fn ready,
+                            void *arg) {
     size_t i = 0;
     while (i < nseg) {
         size_t j = i; /* [i, j): a run of small segments */
         while (j < nseg && seg[j].n < BCASTV_CONTIG) j++;
-        lk_status s = j > i ? bcast_small(c, seg + i, j - i, root) : LK_OK;
+        lk_status s = j > i ? bcast_small(c, seg + i, j - i, root, ready, arg, i) : LK_OK;
+        if (!s && j < nseg && ready) ready(arg, j + 1);
         if (!s && j < nseg) s = mpi_bcast(c, seg[j].p, seg[j].n, root);
         if (s) return s;
         i = j + 1;

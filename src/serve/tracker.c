@@ -11,20 +11,28 @@
  *   adapter that touches other keys leaves the rest alone, and ranks whose
  *   files differ (same path, other bytes) disagree and fail together.
  * - Transactional: validation and backups happen before the first
- *   agreement; fusion writes only owned keys, and if any owner fails, every
- *   owner rolls back (clean bytes from the backup plus the old terms, with
- *   the old adapters still open) before anything is broadcast.
+ *   agreement; fusion writes only owned keys. The owners' fuse overlaps
+ *   the broadcast (fuse_job: a worker thread fuses the next keys while the
+ *   main thread sends the finished ones), so a fuse can fail after
+ *   receivers took new bytes: the ranks agree on the fuse's status after
+ *   the broadcast, and on a failure every owner rolls back (clean bytes
+ *   from the backup plus the old terms, with the old adapters still open)
+ *   and every changed key is broadcast again from the restored owners.
+ *   Failures are rare (the adapters are validated first), so the common
+ *   case pays one agreement and the failing case one more broadcast.
  * - Keys are walked in byte-wise name order, never file order, so ranks
  *   that loaded differently ordered files still agree on every round.
  * - An FP8 weight's scale tensor (lk_fp8_scale_of) is its companion: owned
  *   by the weight's owner, given the weight's signature, backed up,
  *   restored and broadcast with it, and rewritten only by the weight's
  *   recompute (lk_fuse_fp8 rescales it), never on its own. */
+#include "comm/comm_internal.h"
 #include "core/clock.h"
 #include "lorakit/tracker.h"
 #include "serve/tracker_internal.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,6 +74,10 @@ struct lk_tracker {
     key_state *k;
     uint64_t *next;     /* scratch: each key's signature under the new set */
     lk_comm_seg *segs;  /* one broadcast round's pieces: at most one per key, plus one */
+    size_t *seg_need;   /* per piece of segs: the fuse job's keys it waits for (prefix max of need) */
+    size_t *seq;        /* one apply's keys to recompute on this rank, in broadcast order */
+    size_t *need;       /* per key: 1 + its writer's position in seq, 0 when not this rank's */
+    int serial;         /* fuse everything, agree, then broadcast (no overlap) */
     size_t staging_bytes; /* bytes per broadcast round (bucket_bytes, at most the model) */
     request cur;        /* the set fused in now (adapters kept open for rollback) */
     uint64_t backup_bytes;
@@ -304,6 +316,110 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
     return lk_fuse_key_apply(w->data, clean, w, &plan, terms, &fo);
 }
 
+/* ---- the owners' fuse, overlapped with the broadcast ---- */
+
+/* One apply's recomputation on this rank: its changed keys (scales go with
+ * their FP8 weight) in the order the broadcast sends them, which is name
+ * order within an owner. Unless the tracker is serial, a worker thread
+ * runs it while the main thread broadcasts: before each transport
+ * operation the root waits until the keys it reads are final
+ * (lk_comm_bcastv_ready), so the next keys are fused while the previous
+ * ones are on the wire, and the receivers' side never waits on a fuse it
+ * does not need. The worker calls no lk_comm function (MPI stays on the
+ * caller's thread) and writes only this rank's own keys, which no
+ * broadcast writes into. */
+typedef struct fuse_job {
+    lk_tracker *t;
+    const request *r;
+    lk_fuse_term *terms;
+    size_t n_seq;     /* t->seq[0..n_seq): the keys to recompute */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    size_t done;      /* keys of seq finished (under mu) */
+    int stopped;      /* the job ended, complete or failed (under mu) */
+    size_t touched;   /* keys of seq written, a failing one included */
+    lk_status status; /* the first failure, its message in msg */
+    char msg[2048];
+    size_t fused, restored;
+    double seconds;
+} fuse_job;
+
+/* Lists this rank's keys to recompute into t->seq, and into t->need for
+ * every key it sends, 1 + the position in seq of the key whose recompute
+ * writes it (0: none of this rank's). */
+static void job_init(fuse_job *j, lk_tracker *t, const request *r, lk_fuse_term *terms) {
+    memset(j, 0, sizeof *j);
+    j->t = t;
+    j->r = r;
+    j->terms = terms;
+    for (size_t c = 0; c < t->n; c++) {
+        size_t i = t->ord[c];
+        t->need[i] = 0;
+        if (t->k[i].owner != t->rank || !changed(t, i) || t->k[i].weight >= 0) continue;
+        t->seq[j->n_seq++] = i;
+        t->need[i] = j->n_seq;
+    }
+    for (size_t i = 0; i < t->n; i++) /* a scale is written by its weight's recompute */
+        if (t->k[i].weight >= 0) t->need[i] = t->need[t->k[i].weight];
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_cond_init(&j->cv, NULL);
+}
+
+static void job_destroy(fuse_job *j) {
+    pthread_mutex_destroy(&j->mu);
+    pthread_cond_destroy(&j->cv);
+}
+
+static void job_run(fuse_job *j) {
+    double t0 = lk_now_s();
+    for (size_t p = 0; p < j->n_seq; p++) {
+        int fused = 0;
+        j->touched = p + 1;
+        lk_status s = recompute(j->t, j->r, j->t->seq[p], j->terms, &fused);
+        if (s) { /* lk_last_error is per thread: carry the message */
+            j->status = s;
+            snprintf(j->msg, sizeof j->msg, "%s", lk_last_error());
+            break;
+        }
+        if (fused) j->fused++;
+        else j->restored++;
+        pthread_mutex_lock(&j->mu);
+        j->done = p + 1;
+        pthread_cond_broadcast(&j->cv);
+        pthread_mutex_unlock(&j->mu);
+    }
+    j->seconds = lk_now_s() - t0;
+    pthread_mutex_lock(&j->mu);
+    j->stopped = 1;
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+}
+
+static void *job_main(void *arg) {
+    job_run(arg);
+    return NULL;
+}
+
+/* The job's status on this thread (LK_OK, or its error re-raised here). */
+static lk_status job_status(const fuse_job *j) { return j->status ? lk_error(j->status, "%s", j->msg) : LK_OK; }
+
+typedef struct bcast_wait {
+    lk_tracker *t;
+    fuse_job *job;
+} bcast_wait;
+
+/* lk_comm_ready_fn: the root's segments [0, upto) are final once the keys
+ * they hold are recomputed, or the job stopped on a failure (the bytes
+ * sent then are undone by the rollback's second broadcast). */
+static void wait_ready(void *arg, size_t upto) {
+    bcast_wait *b = arg;
+    if (!upto) return;
+    size_t want = b->t->seg_need[upto - 1];
+    pthread_mutex_lock(&b->job->mu);
+    while (!b->job->stopped && b->job->done < want) pthread_cond_wait(&b->job->cv, &b->job->mu);
+    pthread_mutex_unlock(&b->job->mu);
+}
+
 /* ---- broadcast ---- */
 
 /* Sends every changed key of every owner in rounds of at most
@@ -312,10 +428,13 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
  * one vectored broadcast (lk_comm_bcastv) straight from the owner's
  * weights into every receiver's: no staging copy on either side. The
  * pieces' lengths come from sizes all ranks agreed on in lk_tracker_create,
- * so every rank builds the same rounds. */
-static lk_status broadcast(lk_tracker *t, lk_tracker_stats *st) {
+ * so every rank builds the same rounds. With a job (its worker running),
+ * the root waits for each piece's key before sending it (wait_ready). */
+static lk_status broadcast(lk_tracker *t, lk_tracker_stats *st, fuse_job *job) {
     if (t->size == 1) return LK_OK;
     const size_t cap = t->staging_bytes;
+    bcast_wait bw = {t, job};
+    lk_comm_ready_fn ready = job ? wait_ready : NULL;
     lk_status s = LK_OK;
     for (int o = 0; o < t->size && !s; o++) {
         size_t used = 0, ns = 0;
@@ -325,11 +444,13 @@ static lk_status broadcast(lk_tracker *t, lk_tracker_stats *st) {
             const lk_tensor *w = lk_weights_tensor(t->w, i);
             for (size_t off = 0; off < w->nbytes && !s;) {
                 size_t take = w->nbytes - off < cap - used ? w->nbytes - off : cap - used;
+                size_t before = ns ? t->seg_need[ns - 1] : 0;
+                t->seg_need[ns] = t->need[i] > before ? t->need[i] : before;
                 t->segs[ns++] = (lk_comm_seg){(char *)w->data + off, take};
                 used += take;
                 off += take;
                 if (used == cap) {
-                    s = lk_comm_bcastv(t->comm, t->segs, ns, o);
+                    s = lk_comm_bcastv_ready(t->comm, t->segs, ns, o, ready, &bw);
                     st->bytes_broadcast += used;
                     used = ns = 0;
                 }
@@ -337,7 +458,7 @@ static lk_status broadcast(lk_tracker *t, lk_tracker_stats *st) {
             st->keys_broadcast++;
         }
         if (!s && used) {
-            s = lk_comm_bcastv(t->comm, t->segs, ns, o);
+            s = lk_comm_bcastv_ready(t->comm, t->segs, ns, o, ready, &bw);
             st->bytes_broadcast += used;
         }
     }
@@ -361,6 +482,35 @@ static void drop_backup(lk_tracker *t, size_t i) {
     lk_free(t->k[i].backup);
     t->k[i].backup = NULL;
     t->backup_bytes -= lk_weights_tensor(t->w, i)->nbytes;
+}
+
+/* After an agreed failure s (its message in lk_last_error): every owner
+ * restores the keys its job wrote (clean bytes from the backup plus the
+ * old terms, whose adapters are still open) and drops the backups this
+ * call made. With resend (receivers may hold new bytes already), every
+ * changed key is then broadcast again from the restored owners, the same
+ * rounds as before, so every rank ends with the bytes it had. Returns s
+ * with its message, or the transport's error if the resend failed. */
+static lk_status rollback(lk_tracker *t, lk_status s, const fuse_job *j, lk_tracker_stats *st, const size_t *fresh,
+                          size_t n_fresh, int resend) {
+    char msg[2048];
+    snprintf(msg, sizeof msg, "%s", lk_last_error());
+    for (size_t p = 0; p < j->touched; p++) {
+        size_t i = t->seq[p];
+        int fused;
+        if (!t->k[i].backup || recompute(t, &t->cur, i, j->terms, &fused)) {
+            t->broken = 1;
+            lk_log(LK_LOG_ERROR, "tracker: %s could not be rolled back; the tracker is now unusable",
+                   lk_weights_tensor(t->w, i)->name);
+        }
+    }
+    lk_status c = resend ? broadcast(t, st, NULL) : LK_OK;
+    for (size_t k = 0; k < n_fresh; k++) drop_backup(t, fresh[k]);
+    if (c) {
+        t->broken = 1;
+        return lk_error_prefix(c, "tracker: sending the rolled-back keys again after \"%s\"", msg);
+    }
+    return lk_error(s, "%s", msg);
 }
 
 typedef struct key_rank {
@@ -422,8 +572,10 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash) {
         XXH3_64bits_update(&hs, hdr, sizeof hdr);
         XXH3_64bits_update(&hs, w->shape, (size_t)w->ndim * sizeof w->shape[0]);
     }
-    uint64_t opts[8] = {t->o.bucket_bytes, t->o.no_lora_swap != 0, t->full != 0, t->o.allow_nonfinite != 0,
-                        (uint64_t)t->o.fp8.rounding, t->o.fp8.seed, (uint64_t)t->o.fp8.scale, t->o.fp8.saturate != 0};
+    /* serial changes where the agreement on the fuse sits among the collectives */
+    uint64_t opts[9] = {t->o.bucket_bytes, t->o.no_lora_swap != 0, t->full != 0, t->o.allow_nonfinite != 0,
+                        (uint64_t)t->o.fp8.rounding, t->o.fp8.seed, (uint64_t)t->o.fp8.scale, t->o.fp8.saturate != 0,
+                        t->serial != 0};
     XXH3_64bits_update(&hs, opts, sizeof opts);
     *shape_hash = XXH3_64bits_digest(&hs);
     qsort(kr, t->n, sizeof *kr, cmp_by_size);
@@ -449,6 +601,9 @@ void lk_tracker_free(lk_tracker *t) {
     lk_free(t->ord);
     lk_free(t->next);
     lk_free(t->segs);
+    lk_free(t->seg_need);
+    lk_free(t->seq);
+    lk_free(t->need);
     lk_free(t);
 }
 
@@ -456,8 +611,9 @@ lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracke
     return lk_tracker_create_ex(group, weights, opts, 0, out);
 }
 
-lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, int full,
+lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, int mode,
                                lk_tracker **out) {
+    const int full = (mode & LK_TRACKER_FULL) != 0;
     if (!group || !out) return lk_error(LK_ERR_ARG, "lk_tracker_create: NULL group or output");
     *out = NULL;
     lk_status local = LK_OK;
@@ -471,14 +627,17 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         t->w = weights;
         t->o = *opts;
         if (!t->o.bucket_bytes) t->o.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT;
-        t->full = full != 0;
+        t->full = full;
+        t->serial = full || (mode & LK_TRACKER_SERIAL); /* the reference fuses, then broadcasts */
         t->rank = lk_comm_rank(group);
         t->size = lk_comm_size(group);
         t->n = lk_weights_count(weights);
         t->ord = lk_calloc(t->n ? t->n : 1, sizeof *t->ord);
         t->k = lk_calloc(t->n ? t->n : 1, sizeof *t->k);
         t->next = lk_calloc(t->n ? t->n : 1, sizeof *t->next);
-        if (!t->ord || !t->k || !t->next) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
+        t->seq = lk_calloc(t->n ? t->n : 1, sizeof *t->seq);
+        t->need = lk_calloc(t->n ? t->n : 1, sizeof *t->need);
+        if (!t->ord || !t->k || !t->next || !t->seq || !t->need) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
     }
     if (!local) find_scales(t);
     if (!local) local = plan_keys(t, &shape_hash);
@@ -487,7 +646,8 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         size_t cap = t->o.bucket_bytes;
         t->staging_bytes = cap < total ? cap : (total ? total : 1);
         t->segs = lk_calloc(t->n + 1, sizeof *t->segs);
-        if (!t->segs) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
+        t->seg_need = lk_calloc(t->n + 1, sizeof *t->seg_need);
+        if (!t->segs || !t->seg_need) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
     }
     if (!local && full && !opts->no_lora_swap) /* the reference clones every owned key up front */
         for (size_t i = 0; !local && i < t->n; i++)
@@ -497,8 +657,8 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
     if (!s) s = agree_hash(group, shape_hash, &same);
     if (!s && !same)
         s = lk_error(LK_ERR_MISMATCH, "tracker: ranks hold different weights (names, dtypes, shapes) or options "
-                                      "(bucket_bytes %zu, no_lora_swap %d, full %d, allow_nonfinite %d on rank %d)",
-                     t->o.bucket_bytes, opts->no_lora_swap, full != 0, opts->allow_nonfinite, t->rank);
+                                      "(bucket_bytes %zu, no_lora_swap %d, full %d, serial %d, allow_nonfinite %d on rank %d)",
+                     t->o.bucket_bytes, opts->no_lora_swap, full, t->serial, opts->allow_nonfinite, t->rank);
     if (s) {
         lk_tracker_free(t);
         return s;
@@ -608,47 +768,43 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         goto done;
     }
 
-    /* 4. owners recompute the changed keys; roll back everywhere on failure */
+    /* 4-5. owners recompute the changed keys while the broadcast sends
+     * them (serial: all of them first, then agree, then broadcast); on a
+     * failure anywhere, every owner rolls back (rollback) */
     t1 = lk_now_s();
-    size_t done_upto = 0;
-    local = LK_OK;
-    for (size_t c = 0; c < t->n && !local; c++) {
-        size_t i = t->ord[c];
-        if (t->k[i].owner != t->rank || !changed(t, i) || t->k[i].weight >= 0) continue; /* scales: with their weight */
-        int fused = 0;
-        done_upto = c + 1;
-        local = recompute(t, &req, i, terms, &fused);
-        if (fused) st->keys_fused++;
-        else st->keys_restored++;
-    }
-    s = lk_comm_agree(t->comm, local);
-    if (s) {
-        lk_status keep = s;
-        char msg[2048];
-        snprintf(msg, sizeof msg, "%s", lk_last_error());
-        for (size_t c = 0; c < done_upto; c++) {
-            size_t i = t->ord[c];
-            int fused;
-            if (t->k[i].owner != t->rank || !changed(t, i) || t->k[i].weight >= 0) continue;
-            if (!t->k[i].backup || recompute(t, &t->cur, i, terms, &fused)) {
-                t->broken = 1;
-                lk_log(LK_LOG_ERROR, "tracker: %s could not be rolled back; the tracker is now unusable",
-                       lk_weights_tensor(t->w, i)->name);
-            }
+    fuse_job job;
+    job_init(&job, t, &req, terms);
+    if (t->serial || t->size == 1) {
+        job_run(&job);
+        st->seconds_fuse = lk_now_s() - t1;
+        s = lk_comm_agree(t->comm, job_status(&job));
+        if (!s) {
+            t1 = lk_now_s();
+            s = broadcast(t, st, NULL);
+            st->seconds_broadcast = lk_now_s() - t1;
+            if (s) t->broken = 1;
+        } else s = rollback(t, s, &job, st, fresh, n_fresh, 0);
+    } else {
+        pthread_t tid;
+        int threaded = job.n_seq && pthread_create(&tid, NULL, job_main, &job) == 0;
+        if (!threaded) job_run(&job); /* no thread: fuse first, the same collectives follow */
+        s = broadcast(t, st, &job);
+        if (threaded) pthread_join(tid, NULL);
+        st->seconds_fuse = job.seconds;
+        st->seconds_broadcast = lk_now_s() - t1;
+        if (s) t->broken = 1; /* the transport failed: receivers hold what they got */
+        else {
+            /* Receivers may already hold new bytes: agree, and on failure
+             * restore the owners and send every changed key again. */
+            s = lk_comm_agree(t->comm, job_status(&job));
+            if (s) s = rollback(t, s, &job, st, fresh, n_fresh, 1);
         }
-        for (size_t j = 0; j < n_fresh; j++) drop_backup(t, fresh[j]);
-        st->keys_fused = st->keys_restored = 0;
-        s = lk_error(keep, "%s", msg);
-        goto done;
     }
-    st->seconds_fuse = lk_now_s() - t1;
-
-    /* 5. broadcast the changed keys; commit */
-    t1 = lk_now_s();
-    s = broadcast(t, st);
-    st->seconds_broadcast = lk_now_s() - t1;
+    st->keys_fused = job.fused;
+    st->keys_restored = job.restored;
+    job_destroy(&job);
     if (s) {
-        t->broken = 1;
+        st->keys_fused = st->keys_restored = 0;
         goto done;
     }
     for (size_t i = 0; i < t->n; i++) t->k[i].sig = t->next[i];

@@ -5,11 +5,22 @@
 
 #include "lorakit/tracker.h"
 
-/* lk_tracker_create, plus with full = 1 the benchmark baseline that behaves
- * like the reference (LTX): every owned key is backed up at creation,
- * restored on every change, and every key is re-broadcast. Same bytes,
- * more work: `lorakit bench swap` measures the difference. */
-lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, int full,
+/* lk_tracker_create_ex modes (bits; 0 is lk_tracker_create's tracker). */
+enum {
+    /* The benchmark baseline that behaves like the reference (LTX): every
+     * owned key is backed up at creation, restored on every change, and
+     * every key is re-broadcast, after all of them are fused (serial).
+     * Same bytes, more work: `lorakit bench swap` measures the difference. */
+    LK_TRACKER_FULL = 1,
+    /* No overlap: owners fuse every changed key, the ranks agree, then the
+     * broadcast starts (the tracker before the overlap; bench swap --serial
+     * times it next to the default in the same run). Same bytes. */
+    LK_TRACKER_SERIAL = 2,
+};
+
+/* lk_tracker_create with a mode (bits above); every rank must pass the
+ * same mode (checked like the options). */
+lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, int mode,
                                lk_tracker **out);
 
 #endif

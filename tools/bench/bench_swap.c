@@ -12,6 +12,8 @@
  * that op broadcast, in rounds of the same bucket size, each rank the root
  * of its share (as owners are), buffer to buffer with nothing else: the
  * summary's swap_over_bare_bcast says how close the swap gets to it.
+ * --serial also times the delta mode without the fuse/broadcast overlap
+ * (LK_TRACKER_SERIAL) in the same run: serial_over_bare_bcast.
  * It relaunches itself under `mpirun -n RANKS` when started alone. */
 #include <stdint.h>
 #include <stdio.h>
@@ -27,7 +29,7 @@
 
 static const char *const SWAP_BENCH_USAGE =
     "usage: lorakit bench swap [--json] [--ranks K] [--size-mb N] [--dim D] [--rank R]\n"
-    "                          [--bucket-mb N] [--repeat N] [--threads N] [--dir DIR]\n\n"
+    "                          [--bucket-mb N] [--repeat N] [--threads N] [--serial] [--dir DIR]\n\n"
     "Times the hot-swap tracker in its delta-aware mode and in the reference's\n"
     "`full` mode (restore every owned key, re-broadcast every key) on a synthetic\n"
     "BF16 DiT model of at least N MiB with adapters on the attention projections\n"
@@ -43,17 +45,19 @@ static const char *const SWAP_BENCH_USAGE =
     "  --bucket-mb N   staging buffer, MiB (default 64)\n"
     "  --repeat N      runs per op, the median is reported (default 3)\n"
     "  --threads N     fuse threads per rank (default 1)\n"
+    "  --serial        also time the delta mode without the fuse/broadcast overlap\n"
+    "                  (mode delta_serial; summary serial_over_bare_bcast)\n"
     "  --dir DIR       where the temporary files go (default $TMPDIR or /tmp)\n"
     "  -h, --help      this text\n";
 
 typedef struct bopts {
-    int json;
+    int json, serial;
     long ranks, size_mb, dim, rank, bucket_mb, repeat, threads;
     const char *dir;
 } bopts;
 
 static int parse(int argc, char **argv, bopts *o) {
-    *o = (bopts){0, 4, 512, 1024, 16, 64, 3, 1, NULL};
+    *o = (bopts){0, 0, 4, 512, 1024, 16, 64, 3, 1, NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         long *dst = !strcmp(a, "--ranks") ? &o->ranks : !strcmp(a, "--size-mb") ? &o->size_mb
@@ -61,6 +65,7 @@ static int parse(int argc, char **argv, bopts *o) {
                   : !strcmp(a, "--bucket-mb") ? &o->bucket_mb : !strcmp(a, "--repeat") ? &o->repeat
                   : !strcmp(a, "--threads") ? &o->threads : NULL;
         if (!strcmp(a, "--json")) o->json = 1;
+        else if (!strcmp(a, "--serial")) o->serial = 1;
         else if (!strcmp(a, "--dir") && i + 1 < argc) o->dir = argv[++i];
         else if (dst && i + 1 < argc) {
             if (!lk_cli_parse_int(argv[++i], dst) || *dst < (dst == &o->threads ? 0 : 1) || *dst > (1L << 20))
@@ -213,14 +218,15 @@ static void print_result(const bopts *o, int ranks, const char *mode, const char
 enum { OP_APPLY, OP_STRENGTH, OP_SWAP, OP_RESET, N_OPS };
 static const char *const OPS[N_OPS] = {"apply", "strength", "swap", "reset"};
 
-/* Runs the four ops --repeat times in one mode; med[] gets the medians. */
-static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int full, const char *pa, const char *pb,
+/* Runs the four ops --repeat times in one tracker mode (tracker_internal.h);
+ * med[] gets the medians. */
+static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int mode, const char *pa, const char *pb,
                           result med[N_OPS], size_t *staging) {
     lk_tracker_opts to = LK_TRACKER_OPTS_DEFAULT;
     to.bucket_bytes = (size_t)o->bucket_mb << 20;
     to.threads = (int)o->threads;
     lk_tracker *t;
-    lk_status s = lk_tracker_create_ex(c, w, &to, full, &t);
+    lk_status s = lk_tracker_create_ex(c, w, &to, mode, &t);
     if (s) return s;
     *staging = lk_tracker_staging_bytes(t);
     lk_fuse_input a1[] = {{pa, 1.0f, LK_FORMAT_AUTO}}, a05[] = {{pa, 0.5f, LK_FORMAT_AUTO}},
@@ -352,12 +358,16 @@ int lk_bench_swap(int argc, char **argv) {
                "bucket %ld MiB, median of %ld\n",
                (double)total / 1048576.0, blocks, d, o.rank, 100.0 * (double)touched / (double)total, ranks,
                o.bucket_mb, o.repeat);
-    result res[2][N_OPS];
-    size_t staging[2];
-    for (int mode = 0; mode < 2 && !s; mode++) {
-        s = run_mode(c, w, &o, mode, pa, pb, res[mode], &staging[mode]);
+    /* delta (the tracker), full (the reference's behaviour), and with
+     * --serial the delta mode without the overlap */
+    static const int MODE[3] = {0, LK_TRACKER_FULL, LK_TRACKER_SERIAL};
+    static const char *const MODE_NAME[3] = {"delta", "full", "delta_serial"};
+    result res[3][N_OPS];
+    size_t staging[3];
+    for (int mode = 0; mode < (o.serial ? 3 : 2) && !s; mode++) {
+        s = run_mode(c, w, &o, MODE[mode], pa, pb, res[mode], &staging[mode]);
         for (int op = 0; !s && rank == 0 && op < N_OPS; op++)
-            print_result(&o, ranks, mode ? "full" : "delta", OPS[op], &res[mode][op], staging[mode]);
+            print_result(&o, ranks, MODE_NAME[mode], OPS[op], &res[mode][op], staging[mode]);
     }
     /* the bare broadcast of each delta op's bytes, same bucket size */
     double bare[N_OPS] = {0};
@@ -385,32 +395,37 @@ int lk_bench_swap(int argc, char **argv) {
         if (rank == 0) lk_cli_fail();
         goto out;
     }
-#define RATIO(op) (bare[op] > 0 ? res[0][op].seconds / bare[op] : 0.0)
+#define RATIO(m, op) (bare[op] > 0 ? res[m][op].seconds / bare[op] : 0.0)
     if (rank == 0) {
         qsort(reload, (size_t)nr, sizeof *reload, cmp_d);
         result rr = {reload[nr / 2], {0}, 0, 0, 0, 0};
         print_result(&o, ranks, "reload", "reload", &rr, 0);
         double ratio = res[0][OP_SWAP].seconds / res[1][OP_SWAP].seconds;
         uint64_t backup_target = touched / (uint64_t)ranks + largest;
+        char serial[256] = ""; /* the delta mode without the overlap, when timed */
+        if (o.serial)
+            snprintf(serial, sizeof serial,
+                     o.json ? ", \"serial_over_bare_bcast\": {\"apply\": %.3f, \"strength\": %.3f, \"swap\": %.3f, "
+                              "\"reset\": %.3f}"
+                            : "; without the overlap: apply %.2f, strength %.2f, swap %.2f, reset %.2f",
+                     RATIO(2, OP_APPLY), RATIO(2, OP_STRENGTH), RATIO(2, OP_SWAP), RATIO(2, OP_RESET));
         if (o.json)
             printf("{\"bench\": \"swap\", \"mode\": \"summary\", \"ranks\": %d, \"model_bytes\": %llu, "
                    "\"touched_bytes\": %llu, \"largest_tensor_bytes\": %llu, \"swap_delta_over_full\": %.3f, "
                    "\"backup_bytes_max\": %llu, \"backup_target\": %llu, \"staging_bytes\": %zu, "
-                   "\"swap_over_bare_bcast\": {\"apply\": %.3f, \"strength\": %.3f, \"swap\": %.3f, \"reset\": %.3f}}\n",
+                   "\"swap_over_bare_bcast\": {\"apply\": %.3f, \"strength\": %.3f, \"swap\": %.3f, \"reset\": %.3f}"
+                   "%s}\n",
                    ranks, (unsigned long long)total, (unsigned long long)touched, (unsigned long long)largest, ratio,
                    (unsigned long long)res[0][OP_SWAP].backup_max, (unsigned long long)backup_target, staging[0],
-                   RATIO(OP_APPLY), RATIO(OP_STRENGTH),
-                   RATIO(OP_SWAP), RATIO(OP_RESET));
+                   RATIO(0, OP_APPLY), RATIO(0, OP_STRENGTH), RATIO(0, OP_SWAP), RATIO(0, OP_RESET), serial);
         else
-            printf("swap: delta / full = %.2f (target <= 0.5); backup per rank %.1f MiB (target <= %.1f MiB = "
-                   "touched/ranks + largest tensor); staging %.1f MiB\n",
+            printf("swap: delta / full = %.2f (target <= 0.3); backup per rank %.1f MiB (target <= %.1f MiB = "
+                   "touched/ranks + largest tensor); staging %.1f MiB\n"
+                   "swap / bare broadcast of the same bytes: apply %.2f, strength %.2f, swap %.2f, reset %.2f "
+                   "(target <= 1.3)%s\n",
                    ratio, (double)res[0][OP_SWAP].backup_max / 1048576.0, (double)backup_target / 1048576.0,
-                   (double)staging[0] / 1048576.0);
-        if (!o.json)
-            printf("swap / bare broadcast of the same bytes: apply %.2f, strength %.2f, swap %.2f, reset %.2f "
-                   "(target <= 1.3)\n",
-                   RATIO(OP_APPLY), RATIO(OP_STRENGTH),
-                   RATIO(OP_SWAP), RATIO(OP_RESET));
+                   (double)staging[0] / 1048576.0, RATIO(0, OP_APPLY), RATIO(0, OP_STRENGTH), RATIO(0, OP_SWAP),
+                   RATIO(0, OP_RESET), serial);
     }
     rc = LK_EXIT_OK;
 out:

@@ -1,0 +1,20 @@
+/* comm_internal.h — what lk_comm offers lorakit's own layers beyond
+ * lorakit/comm.h (internal, not installed). */
+#ifndef LK_COMM_COMM_INTERNAL_H
+#define LK_COMM_COMM_INTERNAL_H
+
+#include "lorakit/comm.h"
+
+/* Called on the root of lk_comm_bcastv_ready before each transport
+ * operation that reads segments [0, upto): it returns once those bytes are
+ * final (the tracker waits there for the fuse of the keys they hold). It
+ * cannot fail: the other ranks are already in the collective. */
+typedef void (*lk_comm_ready_fn)(void *arg, size_t upto);
+
+/* lk_comm_bcastv, with ready (may be NULL) called on the root as above.
+ * The transport operations, and so what every rank does, are the same as
+ * lk_comm_bcastv's: only the root's moment of starting each one moves. */
+lk_status lk_comm_bcastv_ready(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root, lk_comm_ready_fn ready,
+                               void *arg);
+
+#endif
