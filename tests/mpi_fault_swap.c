@@ -12,6 +12,7 @@
  * others waiting in a collective. Fixtures come from tests/util/swap_fixture
  * (the tracker tests' DiT-like model and diffusers adapters). */
 #include "mpi_testutil.h"
+#include "serve/tracker_internal.h"
 #include "swap_fixture.h"
 
 #include <math.h>
@@ -117,17 +118,18 @@ static void check_all_failed(lk_status s, lk_status want) {
     assert_true(lk_last_error()[0] != '\0');
 }
 
-static lk_tracker *make_ex(lk_weights *w, int allow_nonfinite) {
+/* mode: lk_tracker_create_ex's (0: the tracker picks the overlap by spare cores) */
+static lk_tracker *make_ex(lk_weights *w, int allow_nonfinite, int mode) {
     lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
     o.bucket_bytes = (size_t)1 << 20;
     o.threads = 1;
     o.allow_nonfinite = allow_nonfinite;
     lk_tracker *t;
-    if (lk_tracker_create(W, w, &o, &t) != LK_OK) die("tracker create");
+    if (lk_tracker_create_ex(W, w, &o, mode, &t) != LK_OK) die("tracker create");
     return t;
 }
 
-static lk_tracker *make(lk_weights *w) { return make_ex(w, 0); }
+static lk_tracker *make(lk_weights *w) { return make_ex(w, 0, 0); }
 
 /* The same relative path names a different file on rank 0 than on the
  * others (same modules and shapes, other values): as if the file changed
@@ -230,7 +232,7 @@ static void test_nan_adapter(void **state) {
     }
     lk_comm_bcast(W, want, sizeof want, 0);
     assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
-    t = make_ex(w, 1);
+    t = make_ex(w, 1, 0);
     assert_int_equal(lk_tracker_apply(t, bn, 2, NULL), LK_OK);
     check_digest(w, want);
     assert_int_equal(lk_tracker_reset(t, NULL), LK_OK);
@@ -295,15 +297,17 @@ static void check_snapshot(const lk_weights *w, void **snap) {
     if (bad) fail_msg("%llu tensors differ after the failed apply (summed over ranks)", (unsigned long long)bad);
 }
 
-/* The fuse overlaps the broadcast (tracker.c), so a key that turns Inf can
- * be found after receivers have taken other keys' new bytes. The failing
+/* With the overlap (forced here; tracker.c), the fuse runs while the
+ * broadcast sends, so a key that turns Inf can be found after receivers
+ * have taken other keys' new bytes. The failing
  * key is owned by the last rank (sent last) and is its last BF16/F32 key
  * in name order, rounds are 4 KiB (keys split over many rounds): every
  * other owner's rounds, and the last rank's earlier ones, are on the
  * receivers before the failure is known. Every rank must still end with
  * its bytes from before the call (oracle: a memcpy snapshot taken here),
  * from a fused set and from clean, and the error must name the key; a
- * valid apply afterwards must equal an offline lk_fuse_file (rank 0). */
+ * valid apply afterwards must equal an offline lk_fuse_file (rank 0).
+ * Then the same with the overlap off. */
 static void test_late_overflow_after_rounds_were_sent(void **state) {
     (void)state;
     static const swap_model M2 = {2, 64, 128, 1};
@@ -334,7 +338,7 @@ static void test_late_overflow_after_rounds_were_sent(void **state) {
     o.bucket_bytes = 4096;
     o.threads = 1;
     lk_tracker *t;
-    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_OK);
+    assert_int_equal(lk_tracker_create_ex(W, w, &o, LK_TRACKER_OVERLAP, &t), LK_OK);
     /* the target: the last rank's last BF16/F32 linear in name order */
     const char *target = NULL;
     for (size_t i = 0; i < lk_weights_count(w); i++) {
@@ -351,7 +355,12 @@ static void test_late_overflow_after_rounds_were_sent(void **state) {
     const uint64_t all_linears = swap_touched_bytes(w, SWAP_ATTN | SWAP_FF, NULL, 0);
     lk_fuse_input p1[1] = {{prev, 1.0f, LK_FORMAT_AUTO}}, b1[1] = {{bad, 1.0f, LK_FORMAT_AUTO}},
                   g1[1] = {{good, 1.0f, LK_FORMAT_AUTO}};
-    for (int from_clean = 0; from_clean < 2; from_clean++) {
+    for (int pass = 0; pass < 4; pass++) {
+        const int from_clean = pass & 1, serial = pass >= 2;
+        if (pass == 2) { /* the same without the overlap: the failure is known before anything is sent */
+            lk_tracker_free(t);
+            assert_int_equal(lk_tracker_create_ex(W, w, &o, LK_TRACKER_SERIAL, &t), LK_OK);
+        }
         if (!from_clean) assert_int_equal(lk_tracker_apply(t, p1, 1, NULL), LK_OK);
         check_digest(w, from_clean ? d_base : d_prev);
         void **snap = snapshot(w);
@@ -363,15 +372,17 @@ static void test_late_overflow_after_rounds_were_sent(void **state) {
             char who[32];
             snprintf(who, sizeof who, "rank %d: ", N - 1);
             tu_assert_contains(lk_last_error(), who);
-            /* every changed key went out once with the new bytes, then again from the restored owners */
-            assert_true(st.bytes_broadcast == 2 * all_linears);
+            /* overlap: every changed key went out once with the new bytes,
+             * then again from the restored owners; serial: none went out */
+            assert_true(st.bytes_broadcast == (serial ? 0 : 2 * all_linears));
         }
         check_snapshot(w, snap);
         assert_int_equal(lk_tracker_applied(t), from_clean ? 0 : 1);
-        if (!from_clean) assert_int_equal(lk_tracker_reset(t, NULL), LK_OK);
+        /* still usable: a valid apply equals the offline fuse */
+        assert_int_equal(lk_tracker_apply(t, g1, 1, NULL), LK_OK);
+        check_digest(w, d_good);
+        assert_int_equal(lk_tracker_reset(t, NULL), LK_OK);
     }
-    assert_int_equal(lk_tracker_apply(t, g1, 1, NULL), LK_OK);
-    check_digest(w, d_good);
     assert_int_equal(lk_tracker_apply(t, p1, 1, NULL), LK_OK);
     check_digest(w, d_prev);
     lk_tracker_free(t);
@@ -426,7 +437,9 @@ static void test_every_allocation_fails_in_a_swap_step(void **state) {
     (void)state;
     lk_weights *w;
     assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
-    lk_tracker *t = make(w);
+    /* the overlap forced: allocations on the worker thread fail too, and a
+     * failure after the broadcast must restore every receiver */
+    lk_tracker *t = make_ex(w, 0, LK_TRACKER_OVERLAP);
     lk_fuse_input a1[1] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
     lk_fuse_input ab[2] = {{g_a, 0.5f, LK_FORMAT_AUTO}, {g_b, 1.0f, LK_FORMAT_AUTO}};
     unsigned long change = 0, reset = 0, first = 0;

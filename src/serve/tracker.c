@@ -33,6 +33,8 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -77,7 +79,8 @@ struct lk_tracker {
     size_t *seg_need;   /* per piece of segs: the fuse job's keys it waits for (prefix max of need) */
     size_t *seq;        /* one apply's keys to recompute on this rank, in broadcast order */
     size_t *need;       /* per key: 1 + its writer's position in seq, 0 when not this rank's */
-    int serial;         /* fuse everything, agree, then broadcast (no overlap) */
+    unsigned char *seq_done; /* per position of seq: recomputed (under the job's mutex) */
+    int serial;         /* fuse everything, agree, then broadcast (no overlap; spare_cores) */
     size_t staging_bytes; /* bytes per broadcast round (bucket_bytes, at most the model) */
     request cur;        /* the set fused in now (adapters kept open for rollback) */
     uint64_t backup_bytes;
@@ -321,40 +324,46 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
 /* One apply's recomputation on this rank: its changed keys (scales go with
  * their FP8 weight) in the order the broadcast sends them, which is name
  * order within an owner. Unless the tracker is serial, a worker thread
- * runs it while the main thread broadcasts: before each transport
- * operation the root waits until the keys it reads are final
- * (lk_comm_bcastv_ready), so the next keys are fused while the previous
- * ones are on the wire, and the receivers' side never waits on a fuse it
- * does not need. The worker calls no lk_comm function (MPI stays on the
- * caller's thread) and writes only this rank's own keys, which no
- * broadcast writes into. */
+ * takes keys from the front of that list while the main thread
+ * broadcasts: before each transport operation the root's main thread
+ * makes sure the keys it reads are final (lk_comm_bcastv_ready), and when
+ * one is not, it takes the next untaken key itself rather than sleep (on
+ * a busy machine a sleeping sender waits a scheduler slice per key to wake
+ * up; measured in the README); it sleeps only when the keys it needs are
+ * all in the worker's hands. So a receiver's worker fuses its owner's keys
+ * while rounds rooted elsewhere are on the wire, and a sender fuses its
+ * next keys while its previous ones are. The worker calls no lk_comm
+ * function (MPI stays on the caller's thread) and writes only this rank's
+ * own keys, which no broadcast writes into. */
 typedef struct fuse_job {
     lk_tracker *t;
     const request *r;
-    lk_fuse_term *terms;
-    size_t n_seq;     /* t->seq[0..n_seq): the keys to recompute */
+    lk_fuse_term *terms[2]; /* scratch: [0] the main thread's, [1] the worker's */
+    size_t n_seq;           /* t->seq[0..n_seq): the keys to recompute */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    size_t done;      /* keys of seq finished (under mu) */
-    int stopped;      /* the job ended, complete or failed (under mu) */
-    size_t touched;   /* keys of seq written, a failing one included */
-    lk_status status; /* the first failure, its message in msg */
+    size_t next;            /* the first key not yet taken (under mu) */
+    size_t done;            /* keys [0, done) are final (under mu) */
+    int failed;             /* a key failed: no more are taken (under mu) */
+    lk_status status;       /* the first failure, its message in msg */
     char msg[2048];
     size_t fused, restored;
-    double seconds;
+    double t0, t_end;       /* start, and when the last key finished */
 } fuse_job;
 
 /* Lists this rank's keys to recompute into t->seq, and into t->need for
  * every key it sends, 1 + the position in seq of the key whose recompute
  * writes it (0: none of this rank's). */
-static void job_init(fuse_job *j, lk_tracker *t, const request *r, lk_fuse_term *terms) {
+static void job_init(fuse_job *j, lk_tracker *t, const request *r, lk_fuse_term *terms, lk_fuse_term *terms2) {
     memset(j, 0, sizeof *j);
     j->t = t;
     j->r = r;
-    j->terms = terms;
+    j->terms[0] = terms;
+    j->terms[1] = terms2;
     for (size_t c = 0; c < t->n; c++) {
         size_t i = t->ord[c];
         t->need[i] = 0;
+        t->seq_done[c] = 0;
         if (t->k[i].owner != t->rank || !changed(t, i) || t->k[i].weight >= 0) continue;
         t->seq[j->n_seq++] = i;
         t->need[i] = j->n_seq;
@@ -363,6 +372,7 @@ static void job_init(fuse_job *j, lk_tracker *t, const request *r, lk_fuse_term 
         if (t->k[i].weight >= 0) t->need[i] = t->need[t->k[i].weight];
     pthread_mutex_init(&j->mu, NULL);
     pthread_cond_init(&j->cv, NULL);
+    j->t0 = j->t_end = lk_now_s();
 }
 
 static void job_destroy(fuse_job *j) {
@@ -370,38 +380,61 @@ static void job_destroy(fuse_job *j) {
     pthread_cond_destroy(&j->cv);
 }
 
-static void job_run(fuse_job *j) {
-    double t0 = lk_now_s();
-    for (size_t p = 0; p < j->n_seq; p++) {
-        int fused = 0;
-        j->touched = p + 1;
-        lk_status s = recompute(j->t, j->r, j->t->seq[p], j->terms, &fused);
-        if (s) { /* lk_last_error is per thread: carry the message */
+/* Takes the next key and recomputes it (who: 0 main thread, 1 worker).
+ * Returns 0 when none is left to take or a key failed. */
+static int job_step(fuse_job *j, int who) {
+    pthread_mutex_lock(&j->mu);
+    size_t p = j->next;
+    int go = p < j->n_seq && !j->failed;
+    if (go) j->next++;
+    pthread_mutex_unlock(&j->mu);
+    if (!go) return 0;
+    int fused = 0;
+    lk_status s = recompute(j->t, j->r, j->t->seq[p], j->terms[who], &fused);
+    pthread_mutex_lock(&j->mu);
+    if (s) {
+        if (!j->failed) { /* lk_last_error is per thread: carry the message */
             j->status = s;
             snprintf(j->msg, sizeof j->msg, "%s", lk_last_error());
-            break;
         }
+        j->failed = 1;
+    } else {
+        j->t->seq_done[p] = 1;
+        while (j->done < j->n_seq && j->t->seq_done[j->done]) j->done++;
         if (fused) j->fused++;
         else j->restored++;
-        pthread_mutex_lock(&j->mu);
-        j->done = p + 1;
-        pthread_cond_broadcast(&j->cv);
-        pthread_mutex_unlock(&j->mu);
+        j->t_end = lk_now_s();
     }
-    j->seconds = lk_now_s() - t0;
-    pthread_mutex_lock(&j->mu);
-    j->stopped = 1;
     pthread_cond_broadcast(&j->cv);
     pthread_mutex_unlock(&j->mu);
+    return !s;
 }
 
 static void *job_main(void *arg) {
-    job_run(arg);
+    while (job_step(arg, 1)) {
+    }
     return NULL;
+}
+
+/* Returns once keys [0, want) are final or a key failed; the caller (the
+ * main thread) recomputes untaken keys itself meanwhile. */
+static void job_wait(fuse_job *j, size_t want) {
+    for (;;) {
+        pthread_mutex_lock(&j->mu);
+        int ok = j->done >= want || j->failed;
+        pthread_mutex_unlock(&j->mu);
+        if (ok || !job_step(j, 0)) break;
+    }
+    pthread_mutex_lock(&j->mu);
+    while (j->done < want && !j->failed) pthread_cond_wait(&j->cv, &j->mu);
+    pthread_mutex_unlock(&j->mu);
 }
 
 /* The job's status on this thread (LK_OK, or its error re-raised here). */
 static lk_status job_status(const fuse_job *j) { return j->status ? lk_error(j->status, "%s", j->msg) : LK_OK; }
+
+/* Keys of seq the job may have written: the taken ones. */
+static size_t job_taken(const fuse_job *j) { return j->next < j->n_seq ? j->next : j->n_seq; }
 
 typedef struct bcast_wait {
     lk_tracker *t;
@@ -409,15 +442,11 @@ typedef struct bcast_wait {
 } bcast_wait;
 
 /* lk_comm_ready_fn: the root's segments [0, upto) are final once the keys
- * they hold are recomputed, or the job stopped on a failure (the bytes
- * sent then are undone by the rollback's second broadcast). */
+ * they hold are recomputed, or a key failed (the bytes sent then are
+ * undone by the rollback's second broadcast). */
 static void wait_ready(void *arg, size_t upto) {
     bcast_wait *b = arg;
-    if (!upto) return;
-    size_t want = b->t->seg_need[upto - 1];
-    pthread_mutex_lock(&b->job->mu);
-    while (!b->job->stopped && b->job->done < want) pthread_cond_wait(&b->job->cv, &b->job->mu);
-    pthread_mutex_unlock(&b->job->mu);
+    if (upto) job_wait(b->job, b->t->seg_need[upto - 1]);
 }
 
 /* ---- broadcast ---- */
@@ -495,10 +524,10 @@ static lk_status rollback(lk_tracker *t, lk_status s, const fuse_job *j, lk_trac
                           size_t n_fresh, int resend) {
     char msg[2048];
     snprintf(msg, sizeof msg, "%s", lk_last_error());
-    for (size_t p = 0; p < j->touched; p++) {
+    for (size_t p = 0; p < job_taken(j); p++) {
         size_t i = t->seq[p];
         int fused;
-        if (!t->k[i].backup || recompute(t, &t->cur, i, j->terms, &fused)) {
+        if (!t->k[i].backup || recompute(t, &t->cur, i, j->terms[0], &fused)) {
             t->broken = 1;
             lk_log(LK_LOG_ERROR, "tracker: %s could not be rolled back; the tracker is now unusable",
                    lk_weights_tensor(t->w, i)->name);
@@ -549,7 +578,7 @@ static void find_scales(lk_tracker *t) {
 
 /* Name order, ownership (largest first onto the least-loaded rank) and the
  * structure hash every rank must share. Local. */
-static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash) {
+static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash, int mode) {
     key_rank *kr = lk_calloc(t->n ? t->n : 1, sizeof *kr);
     uint64_t *load = lk_calloc((size_t)t->size, sizeof *load);
     if (!kr || !load) {
@@ -572,10 +601,11 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash) {
         XXH3_64bits_update(&hs, hdr, sizeof hdr);
         XXH3_64bits_update(&hs, w->shape, (size_t)w->ndim * sizeof w->shape[0]);
     }
-    /* serial changes where the agreement on the fuse sits among the collectives */
+    /* the mode: serial or not changes where the agreement on the fuse
+     * sits among the collectives (the automatic choice is agreed apart) */
     uint64_t opts[9] = {t->o.bucket_bytes, t->o.no_lora_swap != 0, t->full != 0, t->o.allow_nonfinite != 0,
                         (uint64_t)t->o.fp8.rounding, t->o.fp8.seed, (uint64_t)t->o.fp8.scale, t->o.fp8.saturate != 0,
-                        t->serial != 0};
+                        (uint64_t)mode};
     XXH3_64bits_update(&hs, opts, sizeof opts);
     *shape_hash = XXH3_64bits_digest(&hs);
     qsort(kr, t->n, sizeof *kr, cmp_by_size);
@@ -593,6 +623,22 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash) {
     return LK_OK;
 }
 
+/* Whether the fuse worker gets a core of its own on this rank: at least
+ * two CPUs in this process's affinity mask per rank on this host (ranks
+ * counted by host name in hosts[], one hash per rank). Without one, the
+ * worker takes turns with the ranks' MPI threads, and a shared-memory
+ * broadcast, which needs sender and receiver on a CPU at once, slows down
+ * far more than the fuse it hides (README, swap: 2 ranks on 2 vCPUs). */
+static int spare_cores(const uint64_t *hosts, int size, int rank) {
+    int local = 0;
+    for (int r = 0; r < size; r++) local += hosts[r] == hosts[rank];
+    long cpus = 0;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) cpus = CPU_COUNT(&set);
+    if (cpus <= 0) cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    return cpus >= 2L * local;
+}
+
 void lk_tracker_free(lk_tracker *t) {
     if (!t) return;
     for (size_t i = 0; t->k && i < t->n; i++) lk_free(t->k[i].backup);
@@ -604,6 +650,7 @@ void lk_tracker_free(lk_tracker *t) {
     lk_free(t->seg_need);
     lk_free(t->seq);
     lk_free(t->need);
+    lk_free(t->seq_done);
     lk_free(t);
 }
 
@@ -614,6 +661,7 @@ lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracke
 lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, int mode,
                                lk_tracker **out) {
     const int full = (mode & LK_TRACKER_FULL) != 0;
+    uint64_t *hosts = NULL; /* one host-name hash per rank (spare_cores) */
     if (!group || !out) return lk_error(LK_ERR_ARG, "lk_tracker_create: NULL group or output");
     *out = NULL;
     lk_status local = LK_OK;
@@ -622,13 +670,15 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
     if (!t) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory");
     else if (!weights || !opts) local = lk_error(LK_ERR_ARG, "lk_tracker_create: NULL weights or options");
     else if (opts->threads < 0) local = lk_error(LK_ERR_ARG, "tracker: threads must be >= 0 (got %d)", opts->threads);
+    else if ((mode & LK_TRACKER_SERIAL) && (mode & LK_TRACKER_OVERLAP))
+        local = lk_error(LK_ERR_ARG, "tracker: mode %d asks for both serial and overlap", mode);
     if (!local) {
         t->comm = group;
         t->w = weights;
         t->o = *opts;
         if (!t->o.bucket_bytes) t->o.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT;
         t->full = full;
-        t->serial = full || (mode & LK_TRACKER_SERIAL); /* the reference fuses, then broadcasts */
+        t->serial = 1; /* decided below, once the ranks agree on the rest */
         t->rank = lk_comm_rank(group);
         t->size = lk_comm_size(group);
         t->n = lk_weights_count(weights);
@@ -637,10 +687,13 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         t->next = lk_calloc(t->n ? t->n : 1, sizeof *t->next);
         t->seq = lk_calloc(t->n ? t->n : 1, sizeof *t->seq);
         t->need = lk_calloc(t->n ? t->n : 1, sizeof *t->need);
-        if (!t->ord || !t->k || !t->next || !t->seq || !t->need) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
+        t->seq_done = lk_calloc(t->n ? t->n : 1, sizeof *t->seq_done);
+        if (!t->ord || !t->k || !t->next || !t->seq || !t->need || !t->seq_done) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
     }
     if (!local) find_scales(t);
-    if (!local) local = plan_keys(t, &shape_hash);
+    if (!local) local = plan_keys(t, &shape_hash, mode);
+    if (!local && !(hosts = lk_calloc((size_t)t->size, sizeof *hosts)))
+        local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %d ranks", t->size);
     if (!local && t->size > 1) {
         size_t total = lk_weights_nbytes(weights);
         size_t cap = t->o.bucket_bytes;
@@ -657,8 +710,19 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
     if (!s) s = agree_hash(group, shape_hash, &same);
     if (!s && !same)
         s = lk_error(LK_ERR_MISMATCH, "tracker: ranks hold different weights (names, dtypes, shapes) or options "
-                                      "(bucket_bytes %zu, no_lora_swap %d, full %d, serial %d, allow_nonfinite %d on rank %d)",
-                     t->o.bucket_bytes, opts->no_lora_swap, full, t->serial, opts->allow_nonfinite, t->rank);
+                                      "(bucket_bytes %zu, no_lora_swap %d, mode %d, allow_nonfinite %d on rank %d)",
+                     t->o.bucket_bytes, opts->no_lora_swap, mode, opts->allow_nonfinite, t->rank);
+    if (!s && t->size > 1 && !full && !(mode & LK_TRACKER_SERIAL)) {
+        /* overlap when forced, else when every rank has a spare core */
+        char host[256] = {0};
+        gethostname(host, sizeof host - 1);
+        uint64_t h = XXH3_64bits(host, strlen(host));
+        s = lk_comm_allgather(group, &h, sizeof h, hosts);
+        uint64_t ok = (mode & LK_TRACKER_OVERLAP) || (!s && spare_cores(hosts, t->size, t->rank));
+        if (!s) s = lk_comm_allreduce_u64(group, &ok, 1, LK_REDUCE_MIN);
+        t->serial = !ok;
+    }
+    lk_free(hosts);
     if (s) {
         lk_tracker_free(t);
         return s;
@@ -706,7 +770,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
 
     /* 3. load and validate; back up newly touched owned keys; agree */
     size_t max_terms = (req.n > t->cur.n ? req.n : t->cur.n) + 1;
-    lk_fuse_term *terms = lk_calloc(max_terms, sizeof *terms);
+    lk_fuse_term *terms = lk_calloc(2 * max_terms, sizeof *terms); /* two threads' scratch */
     size_t *fresh = lk_calloc(t->n ? t->n : 1, sizeof *fresh), n_fresh = 0;
     local = (terms && fresh) ? LK_OK : lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
     if (!local) local = request_load(t, &req);
@@ -773,9 +837,9 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
      * failure anywhere, every owner rolls back (rollback) */
     t1 = lk_now_s();
     fuse_job job;
-    job_init(&job, t, &req, terms);
+    job_init(&job, t, &req, terms, terms + max_terms);
     if (t->serial || t->size == 1) {
-        job_run(&job);
+        job_wait(&job, job.n_seq);
         st->seconds_fuse = lk_now_s() - t1;
         s = lk_comm_agree(t->comm, job_status(&job));
         if (!s) {
@@ -786,11 +850,11 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         } else s = rollback(t, s, &job, st, fresh, n_fresh, 0);
     } else {
         pthread_t tid;
-        int threaded = job.n_seq && pthread_create(&tid, NULL, job_main, &job) == 0;
-        if (!threaded) job_run(&job); /* no thread: fuse first, the same collectives follow */
-        s = broadcast(t, st, &job);
+        int threaded = job.n_seq > 1 && pthread_create(&tid, NULL, job_main, &job) == 0;
+        s = broadcast(t, st, &job); /* no thread: the main thread fuses each key when it is due */
         if (threaded) pthread_join(tid, NULL);
-        st->seconds_fuse = job.seconds;
+        job_wait(&job, job.n_seq); /* keys no piece waited for (0 bytes) */
+        st->seconds_fuse = job.t_end - job.t0;
         st->seconds_broadcast = lk_now_s() - t1;
         if (s) t->broken = 1; /* the transport failed: receivers hold what they got */
         else {
@@ -828,3 +892,5 @@ int lk_tracker_owner(const lk_tracker *t, size_t i) { return (t && i < t->n) ? t
 size_t lk_tracker_applied(const lk_tracker *t) { return t ? t->cur.n : 0; }
 
 size_t lk_tracker_staging_bytes(const lk_tracker *t) { return t ? t->staging_bytes : 0; }
+
+int lk_tracker_overlaps(const lk_tracker *t) { return t && t->size > 1 && !t->serial; }

@@ -13,14 +13,22 @@ enum {
      * Same bytes, more work: `lorakit bench swap` measures the difference. */
     LK_TRACKER_FULL = 1,
     /* No overlap: owners fuse every changed key, the ranks agree, then the
-     * broadcast starts (the tracker before the overlap; bench swap --serial
-     * times it next to the default in the same run). Same bytes. */
+     * broadcast starts (the tracker before the overlap). Same bytes. */
     LK_TRACKER_SERIAL = 2,
+    /* The overlap even where spare_cores (tracker.c) would not choose it:
+     * owners fuse on a worker thread while the broadcast sends. Same
+     * bytes. Neither bit: the overlap where every rank has a spare core.
+     * `lorakit bench swap --compare` times both in one run. */
+    LK_TRACKER_OVERLAP = 4,
 };
 
 /* lk_tracker_create with a mode (bits above); every rank must pass the
  * same mode (checked like the options). */
 lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, int mode,
                                lk_tracker **out);
+
+/* 1 when apply overlaps the fuse with the broadcast (decided, and agreed
+ * by every rank, in lk_tracker_create). */
+int lk_tracker_overlaps(const lk_tracker *t);
 
 #endif

@@ -12,8 +12,10 @@
  * that op broadcast, in rounds of the same bucket size, each rank the root
  * of its share (as owners are), buffer to buffer with nothing else: the
  * summary's swap_over_bare_bcast says how close the swap gets to it.
- * --serial also times the delta mode without the fuse/broadcast overlap
- * (LK_TRACKER_SERIAL) in the same run: serial_over_bare_bcast.
+ * The summary says whether the delta mode overlapped the fuse with the
+ * broadcast (the tracker decides by spare cores); --compare also times it
+ * with the overlap forced off and on (LK_TRACKER_SERIAL / _OVERLAP) in the
+ * same run: serial_over_bare_bcast, overlap_over_bare_bcast.
  * It relaunches itself under `mpirun -n RANKS` when started alone. */
 #include <stdint.h>
 #include <stdio.h>
@@ -29,7 +31,7 @@
 
 static const char *const SWAP_BENCH_USAGE =
     "usage: lorakit bench swap [--json] [--ranks K] [--size-mb N] [--dim D] [--rank R]\n"
-    "                          [--bucket-mb N] [--repeat N] [--threads N] [--serial] [--dir DIR]\n\n"
+    "                          [--bucket-mb N] [--repeat N] [--threads N] [--compare] [--dir DIR]\n\n"
     "Times the hot-swap tracker in its delta-aware mode and in the reference's\n"
     "`full` mode (restore every owned key, re-broadcast every key) on a synthetic\n"
     "BF16 DiT model of at least N MiB with adapters on the attention projections\n"
@@ -45,13 +47,14 @@ static const char *const SWAP_BENCH_USAGE =
     "  --bucket-mb N   staging buffer, MiB (default 64)\n"
     "  --repeat N      runs per op, the median is reported (default 3)\n"
     "  --threads N     fuse threads per rank (default 1)\n"
-    "  --serial        also time the delta mode without the fuse/broadcast overlap\n"
-    "                  (mode delta_serial; summary serial_over_bare_bcast)\n"
+    "  --compare       also time the delta mode with the fuse/broadcast overlap forced\n"
+    "                  off and on (modes delta_serial, delta_overlap; summary\n"
+    "                  serial_over_bare_bcast, overlap_over_bare_bcast)\n"
     "  --dir DIR       where the temporary files go (default $TMPDIR or /tmp)\n"
     "  -h, --help      this text\n";
 
 typedef struct bopts {
-    int json, serial;
+    int json, compare;
     long ranks, size_mb, dim, rank, bucket_mb, repeat, threads;
     const char *dir;
 } bopts;
@@ -65,7 +68,7 @@ static int parse(int argc, char **argv, bopts *o) {
                   : !strcmp(a, "--bucket-mb") ? &o->bucket_mb : !strcmp(a, "--repeat") ? &o->repeat
                   : !strcmp(a, "--threads") ? &o->threads : NULL;
         if (!strcmp(a, "--json")) o->json = 1;
-        else if (!strcmp(a, "--serial")) o->serial = 1;
+        else if (!strcmp(a, "--compare")) o->compare = 1;
         else if (!strcmp(a, "--dir") && i + 1 < argc) o->dir = argv[++i];
         else if (dst && i + 1 < argc) {
             if (!lk_cli_parse_int(argv[++i], dst) || *dst < (dst == &o->threads ? 0 : 1) || *dst > (1L << 20))
@@ -221,7 +224,7 @@ static const char *const OPS[N_OPS] = {"apply", "strength", "swap", "reset"};
 /* Runs the four ops --repeat times in one tracker mode (tracker_internal.h);
  * med[] gets the medians. */
 static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int mode, const char *pa, const char *pb,
-                          result med[N_OPS], size_t *staging) {
+                          result med[N_OPS], size_t *staging, int *overlaps) {
     lk_tracker_opts to = LK_TRACKER_OPTS_DEFAULT;
     to.bucket_bytes = (size_t)o->bucket_mb << 20;
     to.threads = (int)o->threads;
@@ -229,6 +232,7 @@ static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int mode, c
     lk_status s = lk_tracker_create_ex(c, w, &to, mode, &t);
     if (s) return s;
     *staging = lk_tracker_staging_bytes(t);
+    *overlaps = lk_tracker_overlaps(t);
     lk_fuse_input a1[] = {{pa, 1.0f, LK_FORMAT_AUTO}}, a05[] = {{pa, 0.5f, LK_FORMAT_AUTO}},
                   b1[] = {{pb, 1.0f, LK_FORMAT_AUTO}};
     const lk_fuse_input *req[N_OPS] = {a1, a05, b1, NULL};
@@ -359,13 +363,14 @@ int lk_bench_swap(int argc, char **argv) {
                (double)total / 1048576.0, blocks, d, o.rank, 100.0 * (double)touched / (double)total, ranks,
                o.bucket_mb, o.repeat);
     /* delta (the tracker), full (the reference's behaviour), and with
-     * --serial the delta mode without the overlap */
-    static const int MODE[3] = {0, LK_TRACKER_FULL, LK_TRACKER_SERIAL};
-    static const char *const MODE_NAME[3] = {"delta", "full", "delta_serial"};
-    result res[3][N_OPS];
-    size_t staging[3];
-    for (int mode = 0; mode < (o.serial ? 3 : 2) && !s; mode++) {
-        s = run_mode(c, w, &o, MODE[mode], pa, pb, res[mode], &staging[mode]);
+     * --compare the delta mode with the overlap forced off and on */
+    static const int MODE[4] = {0, LK_TRACKER_FULL, LK_TRACKER_SERIAL, LK_TRACKER_OVERLAP};
+    static const char *const MODE_NAME[4] = {"delta", "full", "delta_serial", "delta_overlap"};
+    result res[4][N_OPS];
+    size_t staging[4];
+    int overlaps[4];
+    for (int mode = 0; mode < (o.compare ? 4 : 2) && !s; mode++) {
+        s = run_mode(c, w, &o, MODE[mode], pa, pb, res[mode], &staging[mode], &overlaps[mode]);
         for (int op = 0; !s && rank == 0 && op < N_OPS; op++)
             print_result(&o, ranks, MODE_NAME[mode], OPS[op], &res[mode][op], staging[mode]);
     }
@@ -402,30 +407,34 @@ int lk_bench_swap(int argc, char **argv) {
         print_result(&o, ranks, "reload", "reload", &rr, 0);
         double ratio = res[0][OP_SWAP].seconds / res[1][OP_SWAP].seconds;
         uint64_t backup_target = touched / (uint64_t)ranks + largest;
-        char serial[256] = ""; /* the delta mode without the overlap, when timed */
-        if (o.serial)
-            snprintf(serial, sizeof serial,
+        char cmp[512] = ""; /* the delta mode with the overlap forced off and on, when timed */
+        if (o.compare)
+            snprintf(cmp, sizeof cmp,
                      o.json ? ", \"serial_over_bare_bcast\": {\"apply\": %.3f, \"strength\": %.3f, \"swap\": %.3f, "
-                              "\"reset\": %.3f}"
-                            : "; without the overlap: apply %.2f, strength %.2f, swap %.2f, reset %.2f",
-                     RATIO(2, OP_APPLY), RATIO(2, OP_STRENGTH), RATIO(2, OP_SWAP), RATIO(2, OP_RESET));
+                              "\"reset\": %.3f}, \"overlap_over_bare_bcast\": {\"apply\": %.3f, \"strength\": %.3f, "
+                              "\"swap\": %.3f, \"reset\": %.3f}"
+                            : "\nserial: apply %.2f, strength %.2f, swap %.2f, reset %.2f; overlap forced: apply %.2f, "
+                              "strength %.2f, swap %.2f, reset %.2f",
+                     RATIO(2, OP_APPLY), RATIO(2, OP_STRENGTH), RATIO(2, OP_SWAP), RATIO(2, OP_RESET),
+                     RATIO(3, OP_APPLY), RATIO(3, OP_STRENGTH), RATIO(3, OP_SWAP), RATIO(3, OP_RESET));
         if (o.json)
             printf("{\"bench\": \"swap\", \"mode\": \"summary\", \"ranks\": %d, \"model_bytes\": %llu, "
                    "\"touched_bytes\": %llu, \"largest_tensor_bytes\": %llu, \"swap_delta_over_full\": %.3f, "
-                   "\"backup_bytes_max\": %llu, \"backup_target\": %llu, \"staging_bytes\": %zu, "
+                   "\"backup_bytes_max\": %llu, \"backup_target\": %llu, \"staging_bytes\": %zu, \"overlap\": %s, "
                    "\"swap_over_bare_bcast\": {\"apply\": %.3f, \"strength\": %.3f, \"swap\": %.3f, \"reset\": %.3f}"
                    "%s}\n",
                    ranks, (unsigned long long)total, (unsigned long long)touched, (unsigned long long)largest, ratio,
                    (unsigned long long)res[0][OP_SWAP].backup_max, (unsigned long long)backup_target, staging[0],
-                   RATIO(0, OP_APPLY), RATIO(0, OP_STRENGTH), RATIO(0, OP_SWAP), RATIO(0, OP_RESET), serial);
+                   overlaps[0] ? "true" : "false", RATIO(0, OP_APPLY), RATIO(0, OP_STRENGTH), RATIO(0, OP_SWAP),
+                   RATIO(0, OP_RESET), cmp);
         else
             printf("swap: delta / full = %.2f (target <= 0.3); backup per rank %.1f MiB (target <= %.1f MiB = "
                    "touched/ranks + largest tensor); staging %.1f MiB\n"
-                   "swap / bare broadcast of the same bytes: apply %.2f, strength %.2f, swap %.2f, reset %.2f "
-                   "(target <= 1.3)%s\n",
+                   "swap / bare broadcast of the same bytes (overlap %s): apply %.2f, strength %.2f, swap %.2f, "
+                   "reset %.2f (target <= 1.3)%s\n",
                    ratio, (double)res[0][OP_SWAP].backup_max / 1048576.0, (double)backup_target / 1048576.0,
-                   (double)staging[0] / 1048576.0, RATIO(0, OP_APPLY), RATIO(0, OP_STRENGTH), RATIO(0, OP_SWAP),
-                   RATIO(0, OP_RESET), serial);
+                   (double)staging[0] / 1048576.0, overlaps[0] ? "on" : "off", RATIO(0, OP_APPLY),
+                   RATIO(0, OP_STRENGTH), RATIO(0, OP_SWAP), RATIO(0, OP_RESET), cmp);
     }
     rc = LK_EXIT_OK;
 out:
