@@ -41,25 +41,45 @@ static void offline_digest(const lk_fuse_input *in, size_t n, char hex[LK_DIGEST
     free(out);
 }
 
-/* Copies adapter src to dst with lora_B[0] of its first module set to NaN. */
-static void write_nan_copy(const char *src, const char *dst) {
+/* Copies adapter src to dst, each tensor passed to poison first (which
+ * returns how many it changed); dies unless `want` were changed. */
+static void write_poisoned_copy(const char *src, const char *dst, int (*poison)(lk_tensor *, const void *),
+                                const void *arg, int want) {
     lk_st *st;
     if (lk_st_open(src, &st)) die("open adapter");
     size_t n = lk_st_count(st);
     lk_tensor *t = calloc(n, sizeof *t);
-    int poisoned = 0;
+    int changed = 0;
     for (size_t i = 0; i < n; i++) {
         t[i] = *lk_st_tensor(st, i);
         t[i].data = malloc(t[i].nbytes ? t[i].nbytes : 1);
         memcpy(t[i].data, lk_st_tensor(st, i)->data, t[i].nbytes);
-        if (!poisoned && strstr(t[i].name, "lora_B") && t[i].dtype == LK_DTYPE_F32) {
-            ((float *)t[i].data)[0] = NAN;
-            poisoned = 1;
-        }
+        changed += poison(&t[i], arg);
     }
-    if (!poisoned || lk_st_save(dst, t, n, NULL, 0)) die("write NaN adapter");
+    if (changed != want || lk_st_save(dst, t, n, NULL, 0)) die("write poisoned adapter");
     for (size_t i = 0; i < n; i++) free(t[i].data);
     free(t);
+    lk_st_close(st);
+}
+
+/* lora_B[0] of the first module set to NaN. */
+static int first_b_nan(lk_tensor *t, const void *arg) {
+    int *done = (int *)arg;
+    if (*done || !strstr(t->name, "lora_B") || t->dtype != LK_DTYPE_F32) return 0;
+    ((float *)t->data)[0] = NAN;
+    return *done = 1;
+}
+
+static void write_nan_copy(const char *src, const char *dst) {
+    int done = 0;
+    write_poisoned_copy(src, dst, first_b_nan, &done, 1);
+}
+
+/* The base file's own digest, on rank 0. */
+static void file_digest(const char *path, char hex[LK_DIGEST_HEX]) {
+    lk_st *st;
+    if (lk_st_open(path, &st)) die("open base");
+    lk_digest_st(st, hex);
     lk_st_close(st);
 }
 
@@ -81,10 +101,7 @@ static int setup(void **state) {
         offline_digest(a1, 1, g_d_a);
         offline_digest(ab, 2, g_d_ab);
         offline_digest(b1, 1, g_d_b);
-        lk_st *st;
-        if (lk_st_open(g_base, &st)) die("open base");
-        lk_digest_st(st, g_d_base);
-        lk_st_close(st);
+        file_digest(g_base, g_d_base);
     }
     lk_comm_bcast(W, g_d_base, sizeof g_d_base, 0);
     lk_comm_bcast(W, g_d_a, sizeof g_d_a, 0);
@@ -241,32 +258,18 @@ static void test_nan_adapter(void **state) {
     lk_weights_free(w);
 }
 
-/* Copies adapter src to dst with every factor of module `mod` (its
- * "transformer.<mod>.lora_A/B.weight") set to 1e20: finite factors whose
- * product (4 x 1e40 x alpha/rank) overflows any weight dtype to Inf, on
- * that key only. */
-static void write_overflow_copy(const char *src, const char *dst, const char *mod) {
-    lk_st *st;
-    if (lk_st_open(src, &st)) die("open adapter");
-    size_t n = lk_st_count(st);
-    lk_tensor *t = calloc(n, sizeof *t);
-    char pa[256], pb[256];
-    snprintf(pa, sizeof pa, "transformer.%s.lora_A.weight", mod);
-    snprintf(pb, sizeof pb, "transformer.%s.lora_B.weight", mod);
-    int hit = 0;
-    for (size_t i = 0; i < n; i++) {
-        t[i] = *lk_st_tensor(st, i);
-        t[i].data = malloc(t[i].nbytes ? t[i].nbytes : 1);
-        memcpy(t[i].data, lk_st_tensor(st, i)->data, t[i].nbytes);
-        if (!strcmp(t[i].name, pa) || !strcmp(t[i].name, pb)) {
-            for (size_t k = 0; k < lk_tensor_numel(&t[i]); k++) ((float *)t[i].data)[k] = 1e20f;
-            hit++;
-        }
-    }
-    if (hit != 2 || lk_st_save(dst, t, n, NULL, 0)) die("write overflow adapter");
-    for (size_t i = 0; i < n; i++) free(t[i].data);
-    free(t);
-    lk_st_close(st);
+/* Every factor of module arg (its "transformer.<mod>.lora_A/B.weight")
+ * set to 1e20: finite factors whose product (4 x 1e40 x alpha/rank)
+ * overflows any weight dtype to Inf, on that key only. */
+static int module_huge(lk_tensor *t, const void *arg) {
+    const char *mod = arg;
+    const char *p = t->name, *pre = "transformer.";
+    size_t lp = strlen(pre), lm = strlen(mod);
+    if (strncmp(p, pre, lp) || strncmp(p + lp, mod, lm) ||
+        (strcmp(p + lp + lm, ".lora_A.weight") && strcmp(p + lp + lm, ".lora_B.weight")))
+        return 0;
+    for (size_t k = 0; k < lk_tensor_numel(t); k++) ((float *)t->data)[k] = 1e20f;
+    return 1;
 }
 
 /* Every tensor's bytes (the oracle for "weights exactly as they were"). */
@@ -323,10 +326,7 @@ static void test_late_overflow_after_rounds_were_sent(void **state) {
         if (swap_offline_digest(base, g1, 1, out, d_good) || swap_offline_digest(base, p1, 1, out, d_prev))
             die("offline fuse");
         free(out);
-        lk_st *st;
-        if (lk_st_open(base, &st)) die("open base");
-        lk_digest_st(st, d_base);
-        lk_st_close(st);
+        file_digest(base, d_base);
     }
     lk_comm_bcast(W, d_base, sizeof d_base, 0);
     lk_comm_bcast(W, d_good, sizeof d_good, 0);
@@ -350,7 +350,7 @@ static void test_late_overflow_after_rounds_were_sent(void **state) {
     assert_non_null(target);
     char mod[128];
     snprintf(mod, sizeof mod, "%.*s", (int)(strlen(target) - strlen(".weight")), target);
-    if (R == 0) write_overflow_copy(good, bad, mod);
+    if (R == 0) write_poisoned_copy(good, bad, module_huge, mod, 2);
     lk_comm_barrier(W);
     const uint64_t all_linears = swap_touched_bytes(w, SWAP_ATTN | SWAP_FF, NULL, 0);
     lk_fuse_input p1[1] = {{prev, 1.0f, LK_FORMAT_AUTO}}, b1[1] = {{bad, 1.0f, LK_FORMAT_AUTO}},
