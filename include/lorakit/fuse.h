@@ -7,7 +7,7 @@
  * statement is at the top of src/fuse/kernel.c and in the README). W is read
  * once and written once, tile by tile; no out x in delta is ever
  * materialised. The result bytes do not depend on the thread count or on
- * the CPU path (LORAKIT_KERNEL=avx512|avx2|portable forces one). */
+ * the CPU path (LORAKIT_KERNEL=avx512bf16|avx512|avx2|portable forces one). */
 #ifndef LORAKIT_FUSE_H
 #define LORAKIT_FUSE_H
 
