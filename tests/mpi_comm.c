@@ -204,6 +204,22 @@ static void test_agree(void **state) {
     if (N == 1) snprintf(want, sizeof want, "disk on fire 0");
     else snprintf(want, sizeof want, "rank 1: disk on fire 1");
     assert_string_equal(lk_last_error(), want);
+    /* lk_comm_agree_min: the same agreement and element-wise minima (closed
+     * forms: min of 7+R is 7, min of 1000-R is 1000-(N-1)), with and without
+     * a failure; values beyond 7 are refused */
+    uint64_t v[2] = {7 + (uint64_t)R, 1000 - (uint64_t)R};
+    assert_int_equal(lk_comm_agree_min(g_world, LK_OK, v, 2), LK_OK);
+    assert_true(v[0] == 7 && v[1] == 1000 - (uint64_t)(N - 1));
+    v[0] = 7 + (uint64_t)R;
+    if (R == N - 1) lk_error(LK_ERR_SHAPE, "bent %d", R);
+    assert_int_equal(lk_comm_agree_min(g_world, R == N - 1 ? LK_ERR_SHAPE : LK_OK, v, 1), LK_ERR_SHAPE);
+    assert_true(v[0] == 7);
+    if (N > 1) {
+        snprintf(want, sizeof want, "rank %d: bent %d", N - 1, N - 1);
+        assert_string_equal(lk_last_error(), want);
+    }
+    uint64_t many[8] = {0};
+    assert_int_equal(lk_comm_agree_min(g_world, LK_OK, many, 8), LK_ERR_ARG);
 }
 
 static void test_mesh(void **state) {

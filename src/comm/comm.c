@@ -114,12 +114,18 @@ typedef struct agree_msg {
     char text[1024];
 } agree_msg;
 
-lk_status lk_comm_agree(lk_comm *c, lk_status local) {
+lk_status lk_comm_agree(lk_comm *c, lk_status local) { return lk_comm_agree_min(c, local, NULL, 0); }
+
+lk_status lk_comm_agree_min(lk_comm *c, lk_status local, uint64_t *v, size_t n) {
     if (!c) return lk_error(LK_ERR_ARG, "comm agree: communicator is NULL");
+    if (n > 7 || (n && !v)) return lk_error(LK_ERR_ARG, "comm agree: %zu values (at most 7)", n);
     if (c->size == 1) return local; /* nothing to agree on; keep the message as it is */
-    uint64_t first = local != LK_OK ? (uint64_t)c->rank : UINT64_MAX;
-    if (c->ops->allreduce_u64(c, &first, 1, LK_REDUCE_MIN) != LK_OK)
+    uint64_t buf[8] = {local != LK_OK ? (uint64_t)c->rank : UINT64_MAX};
+    if (n) memcpy(buf + 1, v, n * sizeof *v);
+    if (c->ops->allreduce_u64(c, buf, n + 1, LK_REDUCE_MIN) != LK_OK)
         return lk_error_prefix(LK_ERR_COMM, "comm agree");
+    if (n) memcpy(v, buf + 1, n * sizeof *v);
+    const uint64_t first = buf[0];
     if (first == UINT64_MAX) return LK_OK;
     agree_msg m;
     memset(&m, 0, sizeof m);

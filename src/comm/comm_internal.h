@@ -17,4 +17,10 @@ typedef void (*lk_comm_ready_fn)(void *arg, size_t upto);
 lk_status lk_comm_bcastv_ready(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root, lk_comm_ready_fn ready,
                                void *arg);
 
+/* lk_comm_agree and an element-wise minimum of v[0..n) (n <= 7) over the
+ * ranks in the same collective: one allreduce where the two would take
+ * two. v is reduced whatever the statuses (a failing rank's values count
+ * too); on a failure the result is lk_comm_agree's. */
+lk_status lk_comm_agree_min(lk_comm *c, lk_status local, uint64_t *v, size_t n);
+
 #endif

@@ -88,10 +88,11 @@ struct lk_tracker {
 };
 
 
-/* Agreement on a value: LK_OK and *same = 1 iff every rank passed h. */
-static lk_status agree_hash(lk_comm *c, uint64_t h, int *same) {
-    uint64_t v[2] = {h, ~h};
-    lk_status s = lk_comm_allreduce_u64(c, v, 2, LK_REDUCE_MIN);
+/* Agreement on success (lk_comm_agree) and on a value, in one collective:
+ * on LK_OK, *same = 1 iff every rank passed h. */
+static lk_status agree_hash(lk_comm *c, lk_status local, uint64_t h, int *same) {
+    uint64_t v[2] = {h, ~h}; /* min of h and of ~h: equal everywhere iff min h == ~min ~h */
+    lk_status s = lk_comm_agree_min(c, local, v, 2);
     *same = v[0] == ~v[1];
     return s;
 }
@@ -705,9 +706,8 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
     if (!local && full && !opts->no_lora_swap) /* the reference clones every owned key up front */
         for (size_t i = 0; !local && i < t->n; i++)
             if (t->k[i].owner == t->rank) local = backup_key(t, i);
-    lk_status s = lk_comm_agree(group, local);
     int same = 1;
-    if (!s) s = agree_hash(group, shape_hash, &same);
+    lk_status s = agree_hash(group, local, shape_hash, &same);
     if (!s && !same)
         s = lk_error(LK_ERR_MISMATCH, "tracker: ranks hold different weights (names, dtypes, shapes) or options "
                                       "(bucket_bytes %zu, no_lora_swap %d, mode %d, allow_nonfinite %d on rank %d)",
@@ -744,9 +744,8 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
     request req = {0};
     lk_status local = t->broken ? lk_error(LK_ERR_STATE, "tracker is unusable after a failed rollback")
                                 : request_make(loras, n, &req);
-    lk_status s = lk_comm_agree(t->comm, local);
     int same = 1;
-    if (!s) s = agree_hash(t->comm, req.hash, &same);
+    lk_status s = agree_hash(t->comm, local, req.hash, &same);
     if (!s && !same) {
         char desc[512];
         request_describe(&req, desc, sizeof desc);
@@ -815,12 +814,11 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         lk_free(scratch);
     }
     t1 = lk_now_s();
-    s = lk_comm_agree(t->comm, local);
-    if (!s) {
+    {
         XXH3_state_t hs; /* in name order: file order may differ between ranks */
         XXH3_64bits_reset(&hs);
         for (size_t c = 0; c < t->n; c++) XXH3_64bits_update(&hs, &t->next[t->ord[c]], sizeof t->next[0]);
-        s = agree_hash(t->comm, XXH3_64bits_digest(&hs), &same);
+        s = agree_hash(t->comm, local, XXH3_64bits_digest(&hs), &same);
         if (!s && !same)
             s = lk_error(LK_ERR_MISMATCH, "ranks read different adapter contents or resolved them onto "
                                           "different weights (do the adapter files differ between ranks?)");
