@@ -304,6 +304,7 @@ def emit(rows, common, impl, n, sec, runs, summary=None):
 
 def run(a, threads, clean, loras, work, ad, common):
     rows, digests = {}, set()
+    load0 = os.getloadavg()[0]
 
     def lk_call(n):
         s = lorakit.fuse_(work, [(ad, STRENGTH)], threads=n)
@@ -342,7 +343,9 @@ def run(a, threads, clean, loras, work, ad, common):
         if impl == "lorakit":
             c["bytes_identical_all_runs"] = len(digests) == 1
         print(json.dumps({"bench": "torch_fuse_check", "impl": impl, **c}), flush=True)
-    summ = {"bench": "torch_fuse_summary", "weights": common["weights"], "bytes": common["bytes"]}
+    # the 1-minute load average (others' work on this shared machine) around the run
+    summ = {"bench": "torch_fuse_summary", "weights": common["weights"], "bytes": common["bytes"],
+            "loadavg_start": load0, "loadavg_end": os.getloadavg()[0]}
     for n in threads:
         for lk in ("lorakit", "lorakit_tracker"):
             for impl in ("torch_fp32_rule", "torch_bf16_rule"):
