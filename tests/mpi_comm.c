@@ -97,30 +97,50 @@ static void fill_upto(void *arg, size_t upto) {
     z->calls++;
 }
 
+/* idle work for the non-blocking variant: 50 units, then none */
+static int idle_unit(void *arg) {
+    size_t *units = arg;
+    if (*units >= 50) return 0;
+    ++*units;
+    return 1;
+}
+
+typedef struct lazy_idle {
+    lazy_root root; /* first: fill_upto takes the whole struct as a lazy_root */
+    size_t units;
+} lazy_idle;
+
+static int idle_of(void *arg) { return idle_unit(&((lazy_idle *)arg)->units); }
+
 static void test_bcastv_ready(void **state) {
     (void)state;
     enum { NS = 300 };
     lk_comm_seg seg[NS];
     size_t span = 0, at = 0;
     for (int i = 0; i < NS; i++) span += seg_len(i);
-    unsigned char *mem = calloc(1, span);
+    unsigned char *mem = malloc(span);
     for (int i = 0; i < NS; i++) {
         seg[i] = (lk_comm_seg){mem + at, seg_len(i)};
         at += seg_len(i);
     }
     const int root = N - 1;
-    lazy_root z = {seg, 0, 0};
-    assert_int_equal(lk_comm_bcastv_ready(g_world, seg, NS, root, fill_upto, &z), LK_OK);
-    if (R == root) {
-        assert_int_equal(z.filled, NS); /* the last segment is non-empty */
-        assert_true(z.calls > 3);        /* one per operation, not one up front */
-    } else assert_int_equal(z.calls, 0);
-    size_t pos = 0;
-    for (int i = 0; i < NS; i++)
-        for (size_t j = 0; j < seg[i].n; j++, pos++)
-            if (((unsigned char *)seg[i].p)[j] != (unsigned char)(pos * 31 + 7))
-                fail_msg("rank %d: segment %d byte %zu: %u, want %u", R, i, j, ((unsigned char *)seg[i].p)[j],
-                         (unsigned char)(pos * 31 + 7));
+    for (int nonblocking = 0; nonblocking < 2; nonblocking++) { /* idle NULL, then idle work (MPI_Ibcast) */
+        memset(mem, 0, span);
+        lazy_idle z = {{seg, 0, 0}, 0};
+        assert_int_equal(lk_comm_bcastv_ready(g_world, seg, NS, root, fill_upto, nonblocking ? idle_of : NULL, &z),
+                         LK_OK);
+        if (R == root) {
+            assert_int_equal(z.root.filled, NS); /* the last segment is non-empty */
+            assert_true(z.root.calls > 3);        /* one per operation, not one up front */
+        } else assert_int_equal(z.root.calls, 0);
+        size_t pos = 0;
+        for (int i = 0; i < NS; i++)
+            for (size_t j = 0; j < seg[i].n; j++, pos++)
+                if (((unsigned char *)seg[i].p)[j] != (unsigned char)(pos * 31 + 7))
+                    fail_msg("rank %d (%s): segment %d byte %zu: %u, want %u", R,
+                             nonblocking ? "non-blocking" : "blocking", i, j, ((unsigned char *)seg[i].p)[j],
+                             (unsigned char)(pos * 31 + 7));
+    }
     free(mem);
 }
 

@@ -300,9 +300,9 @@ static void check_snapshot(const lk_weights *w, void **snap) {
     if (bad) fail_msg("%llu tensors differ after the failed apply (summed over ranks)", (unsigned long long)bad);
 }
 
-/* With the overlap (forced here; tracker.c), the fuse runs while the
- * broadcast sends, so a key that turns Inf can be found after receivers
- * have taken other keys' new bytes. The failing
+/* With the overlap (tracker.c), the fuse runs while the broadcast sends,
+ * so a key that turns Inf can be found after receivers have taken other
+ * keys' new bytes. The failing
  * key is owned by the last rank (sent last) and is its last BF16/F32 key
  * in name order, rounds are 4 KiB (keys split over many rounds): every
  * other owner's rounds, and the last rank's earlier ones, are on the
@@ -310,7 +310,7 @@ static void check_snapshot(const lk_weights *w, void **snap) {
  * its bytes from before the call (oracle: a memcpy snapshot taken here),
  * from a fused set and from clean, and the error must name the key; a
  * valid apply afterwards must equal an offline lk_fuse_file (rank 0).
- * Then the same with the overlap off. */
+ * In each of the tracker's modes. */
 static void test_late_overflow_after_rounds_were_sent(void **state) {
     (void)state;
     static const swap_model M2 = {2, 64, 128, 1};
@@ -355,11 +355,15 @@ static void test_late_overflow_after_rounds_were_sent(void **state) {
     const uint64_t all_linears = swap_touched_bytes(w, SWAP_ATTN | SWAP_FF, NULL, 0);
     lk_fuse_input p1[1] = {{prev, 1.0f, LK_FORMAT_AUTO}}, b1[1] = {{bad, 1.0f, LK_FORMAT_AUTO}},
                   g1[1] = {{good, 1.0f, LK_FORMAT_AUTO}};
-    for (int pass = 0; pass < 4; pass++) {
-        const int from_clean = pass & 1, serial = pass >= 2;
-        if (pass == 2) { /* the same without the overlap: the failure is known before anything is sent */
+    /* modes: the worker thread forced, the tracker's choice (non-blocking
+     * broadcasts with the fuse in between, a worker where cores are
+     * spare), then serial: the failure is known before anything is sent */
+    static const int MODES[3] = {LK_TRACKER_OVERLAP, 0, LK_TRACKER_SERIAL};
+    for (int pass = 0; pass < 6; pass++) {
+        const int from_clean = pass & 1, serial = pass >= 4;
+        if (pass == 2 || pass == 4) {
             lk_tracker_free(t);
-            assert_int_equal(lk_tracker_create_ex(W, w, &o, LK_TRACKER_SERIAL, &t), LK_OK);
+            assert_int_equal(lk_tracker_create_ex(W, w, &o, MODES[pass / 2], &t), LK_OK);
         }
         if (!from_clean) assert_int_equal(lk_tracker_apply(t, p1, 1, NULL), LK_OK);
         check_digest(w, from_clean ? d_base : d_prev);

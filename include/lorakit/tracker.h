@@ -23,12 +23,13 @@
  *   5. broadcasts those keys owner by owner in rounds of bucket_bytes
  *      (tensors larger than it go in several rounds), each round one
  *      vectored broadcast straight from the owner's weights into every
- *      receiver's (no staging copy). Steps 4 and 5 overlap: a thread per
- *      owner fuses its next keys while the finished ones are sent (the
- *      thread calls no MPI). Then the ranks agree on the fuse: a failure
- *      on any rank (a non-finite result, memory) rolls every owner back and
- *      sends the changed keys again, so every rank returns it with its
- *      weights as they were.
+ *      receiver's (no staging copy). Steps 4 and 5 overlap: the
+ *      broadcasts are non-blocking and every rank fuses its next keys
+ *      while they move (plus a worker thread where each rank has a spare
+ *      core; it calls no MPI). Then the ranks agree on the fuse: a
+ *      failure on any rank (a non-finite result, memory) rolls every owner
+ *      back and sends the changed keys again, so every rank returns it
+ *      with its weights as they were.
  * A failed call leaves every rank's weights as they were, except after
  * LK_ERR_COMM (the transport itself failed: the group is unusable).
  *

@@ -56,11 +56,11 @@ lk_status lk_comm_bcast(lk_comm *c, void *buf, size_t n, int root) {
 }
 
 lk_status lk_comm_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root) {
-    return lk_comm_bcastv_ready(c, seg, nseg, root, NULL, NULL);
+    return lk_comm_bcastv_ready(c, seg, nseg, root, NULL, NULL, NULL);
 }
 
 lk_status lk_comm_bcastv_ready(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root, lk_comm_ready_fn ready,
-                               void *arg) {
+                               lk_comm_idle_fn idle, void *arg) {
     lk_status st = check(c, seg, nseg, "bcastv");
     if (st) return st;
     if (root < 0 || root >= c->size)
@@ -69,7 +69,7 @@ lk_status lk_comm_bcastv_ready(lk_comm *c, const lk_comm_seg *seg, size_t nseg, 
     for (size_t i = 0; i < nseg; i++)
         if (seg[i].n && !seg[i].p) return lk_error(LK_ERR_ARG, "comm bcastv: segment %zu is NULL", i);
     if (c->rank != root) ready = NULL;
-    if (c->ops->bcastv) return c->ops->bcastv(c, seg, nseg, root, ready, arg);
+    if (c->ops->bcastv) return c->ops->bcastv(c, seg, nseg, root, ready, idle, arg);
     for (size_t i = 0; i < nseg && !st; i++) {
         if (!seg[i].n) continue;
         if (ready) ready(arg, i + 1);

@@ -15,10 +15,10 @@ typedef struct lk_comm_ops {
     void (*destroy)(lk_comm *c);
     lk_status (*barrier)(lk_comm *c);
     lk_status (*bcast)(lk_comm *c, void *buf, size_t n, int root);
-    /* NULL: lk_comm_bcastv calls bcast once per segment. ready (may be
-     * NULL) is called on the root before each operation (comm_internal.h). */
+    /* NULL: lk_comm_bcastv calls bcast once per segment. ready and idle
+     * (may be NULL) as in lk_comm_bcastv_ready (comm_internal.h). */
     lk_status (*bcastv)(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root, lk_comm_ready_fn ready,
-                        void *arg);
+                        lk_comm_idle_fn idle, void *arg);
     lk_status (*allreduce_f32_sum)(lk_comm *c, float *buf, size_t n);
     lk_status (*allreduce_u64)(lk_comm *c, uint64_t *buf, size_t n, lk_reduce_op op);
     lk_status (*allgather)(lk_comm *c, const void *send, size_t n, void *recv);

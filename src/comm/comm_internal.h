@@ -11,11 +11,20 @@
  * cannot fail: the other ranks are already in the collective. */
 typedef void (*lk_comm_ready_fn)(void *arg, size_t upto);
 
+/* Called on every rank of lk_comm_bcastv_ready while an operation it
+ * started is still in flight: does one unit of the caller's work and
+ * returns 1, or returns 0 when it has none left (the backend then waits).
+ * It must not touch the segments or call lk_comm. */
+typedef int (*lk_comm_idle_fn)(void *arg);
+
 /* lk_comm_bcastv, with ready (may be NULL) called on the root as above.
  * The transport operations, and so what every rank does, are the same as
- * lk_comm_bcastv's: only the root's moment of starting each one moves. */
+ * lk_comm_bcastv's: only the root's moment of starting each one moves.
+ * With idle (not NULL, on every rank alike), a backend that can starts
+ * the operations without blocking (MPI: MPI_Ibcast, a few in flight) and
+ * runs idle while they move; every operation is complete on return. */
 lk_status lk_comm_bcastv_ready(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root, lk_comm_ready_fn ready,
-                               void *arg);
+                               lk_comm_idle_fn idle, void *arg);
 
 /* lk_comm_agree and an element-wise minimum of v[0..n) (n <= 7) over the
  * ranks in the same collective: one allreduce where the two would take

@@ -74,8 +74,54 @@ static lk_status mpi_bcast(lk_comm *c, void *buf, size_t n, int root) {
  * still writing later segments (the tracker's fuse) overlaps this one. */
 #define SEGS_PER_ROUND 256
 #define BCASTV_CONTIG ((size_t)1 << 20)
+
+/* With an idle callback (lk_comm_bcastv_ready), the same operations go
+ * out as MPI_Ibcast, at most BCASTV_WINDOW in flight; while the oldest is
+ * not complete the caller's idle work runs (the tracker fuses its next
+ * key) between MPI_Test calls, and MPI_Wait only when there is none. A
+ * root's bytes then move while it computes (Open MPI's receivers pull a
+ * large message themselves), and a receiver computes between receives.
+ * Every rank posts the same operations in the same order. */
+#define BCASTV_WINDOW 4
+typedef struct bqueue {
+    MPI_Request req[BCASTV_WINDOW];
+    int head, n;
+    lk_comm_idle_fn idle; /* NULL: blocking MPI_Bcast, no queue */
+    void *arg;
+} bqueue;
+
+/* Completes the oldest operation in flight, running idle work meanwhile. */
+static int bq_retire(bqueue *q) {
+    MPI_Request *r = &q->req[q->head];
+    for (;;) {
+        int done = 0, rc = MPI_Test(r, &done, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) return rc;
+        if (done) break;
+        if (!q->idle(q->arg)) {
+            rc = MPI_Wait(r, MPI_STATUS_IGNORE);
+            if (rc != MPI_SUCCESS) return rc;
+            break;
+        }
+    }
+    q->head = (q->head + 1) % BCASTV_WINDOW;
+    q->n--;
+    return MPI_SUCCESS;
+}
+
+/* One operation: MPI_Bcast, or an MPI_Ibcast queued in q. */
+static int bq_bcast(lk_comm *c, bqueue *q, void *buf, int count, MPI_Datatype t, int root) {
+    if (!q->idle) return MPI_Bcast(buf, count, t, root, mc(c));
+    if (q->n == BCASTV_WINDOW) {
+        int rc = bq_retire(q);
+        if (rc != MPI_SUCCESS) return rc;
+    }
+    int rc = MPI_Ibcast(buf, count, t, root, mc(c), &q->req[(q->head + q->n) % BCASTV_WINDOW]);
+    if (rc == MPI_SUCCESS) q->n++;
+    return rc;
+}
+
 static lk_status bcast_small(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root, lk_comm_ready_fn ready,
-                             void *arg, size_t base) {
+                             void *arg, size_t base, bqueue *q) {
     const size_t step = chunk_of(c);
     int lens[SEGS_PER_ROUND];
     MPI_Aint disp[SEGS_PER_ROUND];
@@ -103,26 +149,39 @@ static lk_status bcast_small(lk_comm *c, const lk_comm_seg *seg, size_t nseg, in
         int rc = MPI_Type_create_hindexed(k, lens, disp, MPI_BYTE, &t);
         if (rc == MPI_SUCCESS && (rc = MPI_Type_commit(&t)) != MPI_SUCCESS) MPI_Type_free(&t);
         if (rc != MPI_SUCCESS) return mpi_fail(rc, "bcastv datatype");
-        rc = MPI_Bcast(MPI_BOTTOM, 1, t, root, mc(c));
-        MPI_Type_free(&t);
+        rc = bq_bcast(c, q, MPI_BOTTOM, 1, t, root);
+        MPI_Type_free(&t); /* an operation in flight keeps its datatype */
         if (rc != MPI_SUCCESS) return mpi_fail(rc, "bcastv");
     }
     return LK_OK;
 }
 
 static lk_status mpi_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root, lk_comm_ready_fn ready,
-                            void *arg) {
+                            lk_comm_idle_fn idle, void *arg) {
+    bqueue q = {.idle = idle, .arg = arg};
     size_t i = 0;
-    while (i < nseg) {
+    lk_status s = LK_OK;
+    while (i < nseg && !s) {
         size_t j = i; /* [i, j): a run of small segments */
         while (j < nseg && seg[j].n < BCASTV_CONTIG) j++;
-        lk_status s = j > i ? bcast_small(c, seg + i, j - i, root, ready, arg, i) : LK_OK;
+        s = j > i ? bcast_small(c, seg + i, j - i, root, ready, arg, i, &q) : LK_OK;
         if (!s && j < nseg && ready) ready(arg, j + 1);
-        if (!s && j < nseg) s = mpi_bcast(c, seg[j].p, seg[j].n, root);
-        if (s) return s;
+        const size_t step = chunk_of(c); /* a large segment: contiguous, in chunks */
+        for (size_t off = 0; !s && j < nseg && off < seg[j].n; off += step) {
+            size_t k = seg[j].n - off < step ? seg[j].n - off : step;
+            int rc = bq_bcast(c, &q, (char *)seg[j].p + off, (int)k, MPI_BYTE, root);
+            if (rc != MPI_SUCCESS) s = mpi_fail(rc, "bcastv");
+        }
         i = j + 1;
     }
-    return LK_OK;
+    while (q.n) { /* on a failure too: nothing may stay in flight over the caller's memory */
+        int rc = bq_retire(&q);
+        if (rc != MPI_SUCCESS) {
+            if (!s) s = mpi_fail(rc, "bcastv");
+            break;
+        }
+    }
+    return s;
 }
 
 static lk_status allreduce(lk_comm *c, void *buf, size_t n, size_t esize, MPI_Datatype t,

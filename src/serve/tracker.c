@@ -12,8 +12,8 @@
  *   files differ (same path, other bytes) disagree and fail together.
  * - Transactional: validation and backups happen before the first
  *   agreement; fusion writes only owned keys. The owners' fuse overlaps
- *   the broadcast (fuse_job: a worker thread fuses the next keys while the
- *   main thread sends the finished ones), so a fuse can fail after
+ *   the broadcast (fuse_job: non-blocking broadcasts with the next keys
+ *   fused while the previous ones move), so a fuse can fail after
  *   receivers took new bytes: the ranks agree on the fuse's status after
  *   the broadcast, and on a failure every owner rolls back (clean bytes
  *   from the backup plus the old terms, with the old adapters still open)
@@ -80,7 +80,8 @@ struct lk_tracker {
     size_t *seq;        /* one apply's keys to recompute on this rank, in broadcast order */
     size_t *need;       /* per key: 1 + its writer's position in seq, 0 when not this rank's */
     unsigned char *seq_done; /* per position of seq: recomputed (under the job's mutex) */
-    int serial;         /* fuse everything, agree, then broadcast (no overlap; spare_cores) */
+    int serial;         /* fuse everything, agree, then broadcast (no overlap) */
+    int fuse_thread;    /* overlap with a worker thread too (spare_cores) */
     size_t staging_bytes; /* bytes per broadcast round (bucket_bytes, at most the model) */
     request cur;        /* the set fused in now (adapters kept open for rollback) */
     uint64_t backup_bytes;
@@ -324,18 +325,19 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
 
 /* One apply's recomputation on this rank: its changed keys (scales go with
  * their FP8 weight) in the order the broadcast sends them, which is name
- * order within an owner. Unless the tracker is serial, a worker thread
- * takes keys from the front of that list while the main thread
- * broadcasts: before each transport operation the root's main thread
- * makes sure the keys it reads are final (lk_comm_bcastv_ready), and when
- * one is not, it takes the next untaken key itself rather than sleep (on
- * a busy machine a sleeping sender waits a scheduler slice per key to wake
- * up; measured in the README); it sleeps only when the keys it needs are
- * all in the worker's hands. So a receiver's worker fuses its owner's keys
- * while rounds rooted elsewhere are on the wire, and a sender fuses its
- * next keys while its previous ones are. The worker calls no lk_comm
- * function (MPI stays on the caller's thread) and writes only this rank's
- * own keys, which no broadcast writes into. */
+ * order within an owner, taken from the front one at a time (job_step).
+ * Unless the tracker is serial, the broadcast takes them as it goes
+ * (lk_comm_bcastv_ready): before each transport operation the root fuses
+ * the keys that operation reads (wait_ready), and while operations are in
+ * flight (MPI_Ibcast) every rank fuses its next key (idle_step). So a
+ * sender fuses its next keys while the previous ones move (Open MPI's
+ * receivers pull large messages themselves) and a receiver fuses its own
+ * keys between receives, on one thread. Where a rank has a spare core
+ * (spare_cores), a worker thread takes keys from the same list too; the
+ * main thread sleeps only when every key it needs is in the worker's
+ * hands. The worker calls no lk_comm function (MPI stays on the caller's
+ * thread) and writes only this rank's own keys, which no broadcast writes
+ * into. */
 typedef struct fuse_job {
     lk_tracker *t;
     const request *r;
@@ -450,6 +452,9 @@ static void wait_ready(void *arg, size_t upto) {
     if (upto) job_wait(b->job, b->t->seg_need[upto - 1]);
 }
 
+/* lk_comm_idle_fn: while broadcasts are in flight, the next untaken key. */
+static int idle_step(void *arg) { return job_step(((bcast_wait *)arg)->job, 0); }
+
 /* ---- broadcast ---- */
 
 /* Sends every changed key of every owner in rounds of at most
@@ -465,6 +470,7 @@ static lk_status broadcast(lk_tracker *t, lk_tracker_stats *st, fuse_job *job) {
     const size_t cap = t->staging_bytes;
     bcast_wait bw = {t, job};
     lk_comm_ready_fn ready = job ? wait_ready : NULL;
+    lk_comm_idle_fn idle = job ? idle_step : NULL;
     lk_status s = LK_OK;
     for (int o = 0; o < t->size && !s; o++) {
         size_t used = 0, ns = 0;
@@ -480,7 +486,7 @@ static lk_status broadcast(lk_tracker *t, lk_tracker_stats *st, fuse_job *job) {
                 used += take;
                 off += take;
                 if (used == cap) {
-                    s = lk_comm_bcastv_ready(t->comm, t->segs, ns, o, ready, &bw);
+                    s = lk_comm_bcastv_ready(t->comm, t->segs, ns, o, ready, idle, &bw);
                     st->bytes_broadcast += used;
                     used = ns = 0;
                 }
@@ -488,7 +494,7 @@ static lk_status broadcast(lk_tracker *t, lk_tracker_stats *st, fuse_job *job) {
             st->keys_broadcast++;
         }
         if (!s && used) {
-            s = lk_comm_bcastv_ready(t->comm, t->segs, ns, o, ready, &bw);
+            s = lk_comm_bcastv_ready(t->comm, t->segs, ns, o, ready, idle, &bw);
             st->bytes_broadcast += used;
         }
     }
@@ -624,12 +630,12 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash, int mode) {
     return LK_OK;
 }
 
-/* Whether the fuse worker gets a core of its own on this rank: at least
- * two CPUs in this process's affinity mask per rank on this host (ranks
- * counted by host name in hosts[], one hash per rank). Without one, the
- * worker takes turns with the ranks' MPI threads, and a shared-memory
- * broadcast, which needs sender and receiver on a CPU at once, slows down
- * far more than the fuse it hides (README, swap: 2 ranks on 2 vCPUs). */
+/* Whether a fuse worker thread gets a core of its own on this rank: at
+ * least two CPUs in this process's affinity mask per rank on this host
+ * (ranks counted by host name in hosts[], one hash per rank). Without
+ * one, the worker takes turns with the ranks' MPI progress, and a
+ * shared-memory broadcast, which needs both ends on a CPU, slows down more
+ * than the fuse it hides (README, swap: 2 and 4 ranks on 2 vCPUs). */
 static int spare_cores(const uint64_t *hosts, int size, int rank) {
     int local = 0;
     for (int r = 0; r < size; r++) local += hosts[r] == hosts[rank];
@@ -679,7 +685,7 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         t->o = *opts;
         if (!t->o.bucket_bytes) t->o.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT;
         t->full = full;
-        t->serial = 1; /* decided below, once the ranks agree on the rest */
+        t->serial = full || (mode & LK_TRACKER_SERIAL); /* the reference fuses, then broadcasts */
         t->rank = lk_comm_rank(group);
         t->size = lk_comm_size(group);
         t->n = lk_weights_count(weights);
@@ -713,14 +719,13 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
                                       "(bucket_bytes %zu, no_lora_swap %d, mode %d, allow_nonfinite %d on rank %d)",
                      t->o.bucket_bytes, opts->no_lora_swap, mode, opts->allow_nonfinite, t->rank);
     if (!s && t->size > 1 && !full && !(mode & LK_TRACKER_SERIAL)) {
-        /* overlap when forced, else when every rank has a spare core */
+        /* a fuse worker thread when forced, else where this rank has a spare core */
         char host[256] = {0};
         gethostname(host, sizeof host - 1);
         uint64_t h = XXH3_64bits(host, strlen(host));
         s = lk_comm_allgather(group, &h, sizeof h, hosts);
-        uint64_t ok = (mode & LK_TRACKER_OVERLAP) || (!s && spare_cores(hosts, t->size, t->rank));
-        if (!s) s = lk_comm_allreduce_u64(group, &ok, 1, LK_REDUCE_MIN);
-        t->serial = !ok;
+        /* local: the worker thread changes no collective */
+        t->fuse_thread = (mode & LK_TRACKER_OVERLAP) || (!s && spare_cores(hosts, t->size, t->rank));
     }
     lk_free(hosts);
     if (s) {
@@ -848,7 +853,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         } else s = rollback(t, s, &job, st, fresh, n_fresh, 0);
     } else {
         pthread_t tid;
-        int threaded = job.n_seq > 1 && pthread_create(&tid, NULL, job_main, &job) == 0;
+        int threaded = t->fuse_thread && job.n_seq > 1 && pthread_create(&tid, NULL, job_main, &job) == 0;
         s = broadcast(t, st, &job); /* no thread: the main thread fuses each key when it is due */
         if (threaded) pthread_join(tid, NULL);
         job_wait(&job, job.n_seq); /* keys no piece waited for (0 bytes) */
@@ -891,4 +896,4 @@ size_t lk_tracker_applied(const lk_tracker *t) { return t ? t->cur.n : 0; }
 
 size_t lk_tracker_staging_bytes(const lk_tracker *t) { return t ? t->staging_bytes : 0; }
 
-int lk_tracker_overlaps(const lk_tracker *t) { return t && t->size > 1 && !t->serial; }
+int lk_tracker_overlaps(const lk_tracker *t) { return !t || t->size == 1 || t->serial ? 0 : 1 + t->fuse_thread; }

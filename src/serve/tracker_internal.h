@@ -15,10 +15,11 @@ enum {
     /* No overlap: owners fuse every changed key, the ranks agree, then the
      * broadcast starts (the tracker before the overlap). Same bytes. */
     LK_TRACKER_SERIAL = 2,
-    /* The overlap even where spare_cores (tracker.c) would not choose it:
-     * owners fuse on a worker thread while the broadcast sends. Same
-     * bytes. Neither bit: the overlap where every rank has a spare core.
-     * `lorakit bench swap --compare` times both in one run. */
+    /* The overlap with a fuse worker thread even where spare_cores
+     * (tracker.c) finds no spare core. Same bytes. Neither bit: the
+     * overlap (non-blocking broadcasts, the fuse in between), with the
+     * worker where cores are spare. `lorakit bench swap --compare` times
+     * SERIAL and OVERLAP next to the default in one run. */
     LK_TRACKER_OVERLAP = 4,
 };
 
@@ -27,8 +28,9 @@ enum {
 lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, int mode,
                                lk_tracker **out);
 
-/* 1 when apply overlaps the fuse with the broadcast (decided, and agreed
- * by every rank, in lk_tracker_create). */
+/* How apply overlaps the fuse with the broadcast: 0 not at all (serial,
+ * one rank), 1 non-blocking broadcasts with the fuse in between, 2 that
+ * plus a fuse worker thread (decided by this rank in lk_tracker_create). */
 int lk_tracker_overlaps(const lk_tracker *t);
 
 #endif

@@ -12,10 +12,10 @@
  * that op broadcast, in rounds of the same bucket size, each rank the root
  * of its share (as owners are), buffer to buffer with nothing else: the
  * summary's swap_over_bare_bcast says how close the swap gets to it.
- * The summary says whether the delta mode overlapped the fuse with the
- * broadcast (the tracker decides by spare cores); --compare also times it
- * with the overlap forced off and on (LK_TRACKER_SERIAL / _OVERLAP) in the
- * same run: serial_over_bare_bcast, overlap_over_bare_bcast.
+ * The summary says how the delta mode overlapped the fuse with the
+ * broadcast (lk_tracker_overlaps); --compare also times it serial and with
+ * the fuse worker thread forced (LK_TRACKER_SERIAL / _OVERLAP) in the same
+ * run: serial_over_bare_bcast, overlap_over_bare_bcast.
  * It relaunches itself under `mpirun -n RANKS` when started alone. */
 #include <stdint.h>
 #include <stdio.h>
@@ -47,9 +47,10 @@ static const char *const SWAP_BENCH_USAGE =
     "  --bucket-mb N   staging buffer, MiB (default 64)\n"
     "  --repeat N      runs per op, the median is reported (default 3)\n"
     "  --threads N     fuse threads per rank (default 1)\n"
-    "  --compare       also time the delta mode with the fuse/broadcast overlap forced\n"
-    "                  off and on (modes delta_serial, delta_overlap; summary\n"
-    "                  serial_over_bare_bcast, overlap_over_bare_bcast)\n"
+    "  --compare       also time the delta mode with no fuse/broadcast overlap and\n"
+    "                  with a fuse worker thread forced (modes delta_serial,\n"
+    "                  delta_overlap; summary serial_over_bare_bcast,\n"
+    "                  overlap_over_bare_bcast)\n"
     "  --dir DIR       where the temporary files go (default $TMPDIR or /tmp)\n"
     "  -h, --help      this text\n";
 
@@ -366,6 +367,7 @@ int lk_bench_swap(int argc, char **argv) {
      * --compare the delta mode with the overlap forced off and on */
     static const int MODE[4] = {0, LK_TRACKER_FULL, LK_TRACKER_SERIAL, LK_TRACKER_OVERLAP};
     static const char *const MODE_NAME[4] = {"delta", "full", "delta_serial", "delta_overlap"};
+    static const char *const OVERLAP_NAME[3] = {"off", "nonblocking", "nonblocking+thread"}; /* lk_tracker_overlaps */
     result res[4][N_OPS];
     size_t staging[4];
     int overlaps[4];
@@ -420,12 +422,12 @@ int lk_bench_swap(int argc, char **argv) {
         if (o.json)
             printf("{\"bench\": \"swap\", \"mode\": \"summary\", \"ranks\": %d, \"model_bytes\": %llu, "
                    "\"touched_bytes\": %llu, \"largest_tensor_bytes\": %llu, \"swap_delta_over_full\": %.3f, "
-                   "\"backup_bytes_max\": %llu, \"backup_target\": %llu, \"staging_bytes\": %zu, \"overlap\": %s, "
+                   "\"backup_bytes_max\": %llu, \"backup_target\": %llu, \"staging_bytes\": %zu, \"overlap\": \"%s\", "
                    "\"swap_over_bare_bcast\": {\"apply\": %.3f, \"strength\": %.3f, \"swap\": %.3f, \"reset\": %.3f}"
                    "%s}\n",
                    ranks, (unsigned long long)total, (unsigned long long)touched, (unsigned long long)largest, ratio,
                    (unsigned long long)res[0][OP_SWAP].backup_max, (unsigned long long)backup_target, staging[0],
-                   overlaps[0] ? "true" : "false", RATIO(0, OP_APPLY), RATIO(0, OP_STRENGTH), RATIO(0, OP_SWAP),
+                   OVERLAP_NAME[overlaps[0]], RATIO(0, OP_APPLY), RATIO(0, OP_STRENGTH), RATIO(0, OP_SWAP),
                    RATIO(0, OP_RESET), cmp);
         else
             printf("swap: delta / full = %.2f (target <= 0.3); backup per rank %.1f MiB (target <= %.1f MiB = "
@@ -433,7 +435,7 @@ int lk_bench_swap(int argc, char **argv) {
                    "swap / bare broadcast of the same bytes (overlap %s): apply %.2f, strength %.2f, swap %.2f, "
                    "reset %.2f (target <= 1.3)%s\n",
                    ratio, (double)res[0][OP_SWAP].backup_max / 1048576.0, (double)backup_target / 1048576.0,
-                   (double)staging[0] / 1048576.0, overlaps[0] ? "on" : "off", RATIO(0, OP_APPLY),
+                   (double)staging[0] / 1048576.0, OVERLAP_NAME[overlaps[0]], RATIO(0, OP_APPLY),
                    RATIO(0, OP_STRENGTH), RATIO(0, OP_SWAP), RATIO(0, OP_RESET), cmp);
     }
     rc = LK_EXIT_OK;
