@@ -287,6 +287,7 @@ static lk_status bare_bcast(lk_comm *c, uint64_t bytes, size_t bucket, long repe
     return s;
 }
 
+#ifdef LK_HAVE_MPI
 /* Starts `mpirun --oversubscribe -n K <this program> bench swap <args>`. */
 static int relaunch(long ranks, int argc, char **argv) {
     char exe[4096], nbuf[32];
@@ -309,6 +310,7 @@ static int relaunch(long ranks, int argc, char **argv) {
     free(av);
     return -1; /* exec failed: run here, one rank */
 }
+#endif
 
 int lk_bench_swap(int argc, char **argv) {
     if (lk_cli_wants_help(argc, argv)) {
