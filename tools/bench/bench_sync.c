@@ -27,13 +27,13 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_util.h"
 #include "cli_util.h"
 #include "lorakit/lorakit.h"
 
 #ifdef LK_HAVE_MPI
 #include <mpi.h>
 #include "lorakit/comm_mpi.h"
-#include "bench_util.h"
 #endif
 
 static const char *const SYNC_USAGE =
