@@ -186,6 +186,39 @@ static void test_errors_leave_tensors(void **state) {
     free(base); free(ag); free(au); free(ab0); free(ab1);
 }
 
+/* Weights of 4 MiB (many kernel row chunks and threads): the first is
+ * fused, the second overflows to Inf, and both must come back to their
+ * exact bytes from the backup (digest before == after), with 1, 2 and 3
+ * threads. */
+static void test_big_tensors_restored(void **state) {
+    (void)state;
+    const int64_t out = 1024, in = 2112; /* 4.1 MiB in BF16 / F16 */
+    char *base = tu_path(g_dir, "big_base.safetensors");
+    af_file *m = af_new();
+    af_rand(m, "big.a.weight", LK_DTYPE_BF16, out, in, &g_rng, -1, 1);
+    af_rand(m, "big.b.weight", LK_DTYPE_F16, out, in, &g_rng, -1, 1);
+    af_save(m, base, NULL, 0);
+    af_file *ad = af_new();
+    af_rand(ad, "big.a.lora_A.weight", LK_DTYPE_F32, 2, in, &g_rng, -0.5f, 0.5f);
+    af_rand(ad, "big.a.lora_B.weight", LK_DTYPE_F32, out, 2, &g_rng, -0.5f, 0.5f);
+    af_rand(ad, "big.b.lora_A.weight", LK_DTYPE_F32, 2, in, &g_rng, 300.0f, 301.0f);
+    af_rand(ad, "big.b.lora_B.weight", LK_DTYPE_F32, out, 2, &g_rng, 300.0f, 301.0f);
+    char *ap = tu_path(g_dir, "big_ovf.safetensors");
+    af_save(ad, ap, NULL, 0);
+    lk_weights *w;
+    assert_int_equal(lk_weights_load(base, &w), LK_OK);
+    lk_fuse_input in1 = {ap, 1.0f, LK_FORMAT_AUTO};
+    for (int th = 1; th <= 3; th++) {
+        lk_fuse_file_opts o = {.fuse = {.threads = th}};
+        expect_unchanged(w, &in1, 1, &o, LK_ERR_NONFINITE, "big.b.weight");
+    }
+    lk_weights_free(w);
+    af_free(m);
+    af_free(ad);
+    free(base);
+    free(ap);
+}
+
 static void test_inspect_json(void **state) {
     (void)state;
     char *base = tu_path(g_dir, "base3.safetensors");
@@ -221,6 +254,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_equals_fuse_file),
         cmocka_unit_test(test_errors_leave_tensors),
+        cmocka_unit_test(test_big_tensors_restored),
         cmocka_unit_test(test_inspect_json),
     };
     return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
