@@ -75,6 +75,7 @@
 
 #define ROWS_PER_CHUNK (4 * LK_KMR)
 #define TILE_BYTES (24u * 1024u)
+#define WORK_PER_THREAD ((size_t)1 << 20)
 
 float lk_fuse_add_odd_f32(float w, float d) { return lk_k_add_odd_f32(w, d); }
 double lk_fuse_add_odd_f64(double w, double d) { return lk_k_add_odd_f64(w, d); }
@@ -368,6 +369,12 @@ lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t 
     if (threads > LK_FUSE_MAX_THREADS) threads = LK_FUSE_MAX_THREADS;
     const size_t n_chunks = (O + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
     if ((size_t)threads > n_chunks) threads = (int)n_chunks;
+    /* A thread is started per call, which costs tens of microseconds: give
+     * each at least WORK_PER_THREAD fma lanes (a few tens of microseconds
+     * of work), so a small weight runs on the calling thread alone. The
+     * bytes do not depend on the split. */
+    const size_t work = numel > SIZE_MAX / R ? SIZE_MAX : numel * R;
+    if ((size_t)threads > work / WORK_PER_THREAD) threads = work / WORK_PER_THREAD > 1 ? (int)(work / WORK_PER_THREAD) : 1;
 
     /* One allocation: B' (O x R), the panels (npan x R x pw), a row of A or B. */
     size_t b_n, a_n, tot;
