@@ -110,6 +110,16 @@ typedef struct lk_kworker {
     default: CALL(1); break;                                                                               \
     }
 _Static_assert(LK_KMR == 6, "LK_KMR_SWITCH instantiates rows 1..6");
+/* A path's block entry point: WIDE(M) for an F32 weight (f64 chain), else
+ * NARROW(M), with M the row count as a constant. */
+#define LK_KMR_DISPATCH(wide, mr, WIDE, NARROW)                                                            \
+    do {                                                                                                   \
+        if (wide) {                                                                                        \
+            LK_KMR_SWITCH(mr, WIDE);                                                                       \
+        } else {                                                                                           \
+            LK_KMR_SWITCH(mr, NARROW);                                                                     \
+        }                                                                                                  \
+    } while (0)
 
 /* Rows [o, o + mr) (mr 1..LK_KMR) x panels [p0, p1) of the job: the delta block
  * in registers, then W rounded once and written. */

@@ -227,11 +227,7 @@ LK_TI void block(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, size
 LK_T void lk_kblock_avx2(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1) {
 #define WIDE(M) block(jb, wk, o, M, p0, p1, 1)
 #define NARROW(M) block(jb, wk, o, M, p0, p1, 0)
-    if (jb->wide) {
-        LK_KMR_SWITCH(mr, WIDE);
-    } else {
-        LK_KMR_SWITCH(mr, NARROW);
-    }
+    LK_KMR_DISPATCH(jb->wide, mr, WIDE, NARROW);
 #undef WIDE
 #undef NARROW
 }

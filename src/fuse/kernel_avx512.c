@@ -151,6 +151,17 @@ __attribute__((noinline, cold)) LK_T static void row_slow(lk_kworker *wk, int wi
     lk_kernel_finish_slow(wk, o, col0, n, src, wide ? NULL : dv.f, wide ? dv.d : NULL, dst);
 }
 
+/* The W lines PF_AHEAD bytes past each of MR rows' panel segment (128
+ * bytes: two lines), fetched while the chain runs. */
+LK_TI void prefetch_rows(const unsigned char *seg, size_t ldw, const int MR) {
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++) {
+        const char *pf = (const char *)seg + (size_t)r * ldw + PF_AHEAD;
+        _mm_prefetch(pf, _MM_HINT_T0);
+        _mm_prefetch(pf + 64, _MM_HINT_T0);
+    }
+}
+
 /* The chain of an MR x panel block: acc[r][h] = the delta of row r, the
  * panel's h-th vector of columns, from the panel ap ([k][PW]) and B' rows
  * bs (stride R): the first product, then one fma per k (step 3 of
@@ -196,12 +207,7 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
         const size_t col0 = p * LK_PW32;
         const long n = (long)(in - col0);
         __m512 acc[LK_KMR][4];
-#pragma GCC unroll 6
-        for (int r = 0; r < MR; r++) { /* a panel's row segment is 128 bytes: two lines */
-            const char *pf = (const char *)win + (size_t)r * ldw + col0 * 2 + PF_AHEAD;
-            _mm_prefetch(pf, _MM_HINT_T0);
-            _mm_prefetch(pf + 64, _MM_HINT_T0);
-        }
+        prefetch_rows(win + col0 * 2, ldw, MR);
         chain16(acc, jb->Ap32 + p * R * LK_PW32, bs, R, MR);
         const int whole = n >= LK_PW32;
 #pragma GCC unroll 6
@@ -259,12 +265,7 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
         const size_t col0 = p * LK_PW64;
         const long n = (long)(in - col0);
         __m512d acc[LK_KMR][4];
-#pragma GCC unroll 6
-        for (int r = 0; r < MR; r++) { /* a panel's row segment is 128 bytes: two lines */
-            const char *pf = (const char *)win + (size_t)r * ldw + col0 * 4 + PF_AHEAD;
-            _mm_prefetch(pf, _MM_HINT_T0);
-            _mm_prefetch(pf + 64, _MM_HINT_T0);
-        }
+        prefetch_rows(win + col0 * 4, ldw, MR);
         chain32(acc, jb->Ap64 + p * R * LK_PW64, bs, R, MR);
         const int whole = n >= LK_PW64;
 #pragma GCC unroll 6
@@ -302,11 +303,7 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
 LK_T void LK_K512_NAME(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1) {
 #define WIDE(M) block32(jb, wk, o, M, p0, p1)
 #define NARROW(M) block16(jb, wk, o, M, p0, p1)
-    if (jb->wide) {
-        LK_KMR_SWITCH(mr, WIDE);
-    } else {
-        LK_KMR_SWITCH(mr, NARROW);
-    }
+    LK_KMR_DISPATCH(jb->wide, mr, WIDE, NARROW);
 #undef WIDE
 #undef NARROW
 }
