@@ -3,27 +3,74 @@
 #include "core/file.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "lorakit/alloc.h"
+
+const char *lk_file_kind(unsigned mode) {
+    switch (mode & S_IFMT) {
+    case S_IFREG: return "a regular file";
+    case S_IFDIR: return "a folder";
+    case S_IFIFO: return "a FIFO";
+    case S_IFCHR: return "a character device";
+    case S_IFBLK: return "a block device";
+    case S_IFSOCK: return "a socket";
+    case S_IFLNK: return "a symbolic link";
+    default: return "not a regular file";
+    }
+}
+
+lk_status lk_open_input(const char *path, int *fd) {
+    *fd = -1;
+    struct stat sb;
+    /* stat first: opening a device may act on it (a tape rewinds), a FIFO
+     * blocks until a writer comes */
+    if (stat(path, &sb) != 0) return lk_error(LK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    if (!S_ISREG(sb.st_mode))
+        return lk_error(LK_ERR_IO, "%s: is %s, not a regular file", path, lk_file_kind((unsigned)sb.st_mode));
+    /* O_NONBLOCK: the path may have been replaced by a FIFO since the stat */
+    int f = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    if (f < 0) return lk_error(LK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    lk_status s = LK_OK;
+    int fl;
+    if (fstat(f, &sb) != 0 || (fl = fcntl(f, F_GETFL)) < 0 || fcntl(f, F_SETFL, fl & ~O_NONBLOCK) != 0)
+        s = lk_error(LK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    else if (!S_ISREG(sb.st_mode))
+        s = lk_error(LK_ERR_IO, "%s: is %s, not a regular file", path, lk_file_kind((unsigned)sb.st_mode));
+    if (s) {
+        close(f);
+        return s;
+    }
+    *fd = f;
+    return LK_OK;
+}
 
 lk_status lk_read_file(const char *path, size_t max, char **buf, size_t *len) {
     *buf = NULL;
     *len = 0;
     if (max == (size_t)-1) max--; /* room for the one extra byte */
-    FILE *f = fopen(path, "rb");
-    if (!f) return lk_error(LK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    int fd;
+    lk_status s = lk_open_input(path, &fd);
+    if (s) return s;
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        s = lk_error(LK_ERR_NOMEM, "%s: cannot open: %s", path, strerror(errno));
+        close(fd);
+        return s;
+    }
     struct stat sb;
-    size_t cap = 4096; /* growth start for pipes and other unsized files */
-    if (fstat(fileno(f), &sb) == 0 && S_ISREG(sb.st_mode))
+    size_t cap = 4096; /* growth start if the size cannot be read */
+    if (fstat(fd, &sb) == 0)
         cap = (uint64_t)sb.st_size < (uint64_t)max ? (size_t)sb.st_size + 1 : max + 1;
     if (cap > max + 1) cap = max + 1;
     char *b = lk_malloc(cap + 1);
     size_t n = 0;
-    lk_status s = b ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory reading the file", path);
+    s = b ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory reading the file", path);
     while (s == LK_OK) {
         if (n == cap) {
             if (cap == max + 1) break; /* read max + 1 bytes: past the limit */

@@ -6,10 +6,24 @@
 #include <stddef.h>
 #include "lorakit/status.h"
 
+/* Opens path read-only as an input file into *fd (O_CLOEXEC, blocking
+ * reads): anything that is not a regular file (a FIFO, a device, a socket,
+ * a folder) is refused by its kind, "path: is a FIFO, not a regular file",
+ * without blocking: a FIFO with no writer would block open(2) forever, so
+ * the path is stat'ed first and opened with O_NONBLOCK (cleared after), and
+ * what was opened is checked again. Every user-given file lorakit reads
+ * (checkpoints, shards, indexes, adapters, configs, plans) goes through it. */
+lk_status lk_open_input(const char *path, int *fd);
+/* "a FIFO", "a character device", "a block device", "a socket", "a folder",
+ * "a symbolic link", "a regular file" or "not a regular file" for an
+ * st_mode. */
+const char *lk_file_kind(unsigned mode);
+
 /* Reads path into a NUL-terminated lk_malloc'd *buf of *len bytes. At most
  * max + 1 bytes are read, so a caller sees a file past its limit as
  * *len == max + 1 and reports it in its own terms. The buffer is sized from
- * the file when it is a regular file (no max-sized allocation per call). */
+ * the file's size (no max-sized allocation per call). Only a regular file
+ * is read (lk_open_input). */
 lk_status lk_read_file(const char *path, size_t max, char **buf, size_t *len);
 
 /* The one size limit for a config file lorakit parses (YAML configs and

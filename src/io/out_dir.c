@@ -175,15 +175,15 @@ lk_status lk_out_dir_index(lk_out_dir *od, const lk_ckpt *ck, const char *key, c
 }
 
 static lk_status copy_file(const char *src, const char *dst, off_t size) {
-    int fd = open(src, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return lk_error(LK_ERR_IO, "%s: cannot open: %s", src, strerror(errno));
+    int fd;
+    lk_status s = lk_open_input(src, &fd);
+    if (s) return s;
     char *buf = lk_malloc(size ? (size_t)size : 1);
     if (!buf) {
         close(fd);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory copying it", src);
     }
     size_t got = 0;
-    lk_status s = LK_OK;
     while (got < (size_t)size) {
         ssize_t r = read(fd, buf + got, (size_t)size - got);
         if (r < 0 && errno == EINTR) continue;

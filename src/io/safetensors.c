@@ -27,6 +27,7 @@
  * directory; any failure (or free without commit) unlinks the temporary. */
 #include "lorakit/safetensors.h"
 #include "io/out_file.h"
+#include "core/file.h"
 #include "lorakit/alloc.h"
 
 #include <errno.h>
@@ -379,19 +380,12 @@ lk_status lk_st_open(const char *path, lk_st **out) {
     lk_st *st = NULL;
     lk_status s = st_new(path, &st);
     if (s) return s;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        s = lk_error(LK_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-        goto fail;
-    }
+    int fd;
+    if ((s = lk_open_input(path, &fd))) goto fail; /* a FIFO or a device is refused, never waited on */
     st->fd = fd; /* closed by lk_st_close */
     struct stat sb;
     if (fstat(fd, &sb) != 0) {
         s = lk_error(LK_ERR_IO, "%s: cannot stat: %s", path, strerror(errno));
-        goto fail;
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        s = lk_error(LK_ERR_IO, "%s: not a regular file", path);
         goto fail;
     }
     st->len = (size_t)sb.st_size;
