@@ -15,6 +15,7 @@
 #include "lorakit/fuse.h"
 #include "lorakit/inspect.h"
 #include "lorakit/comm.h"
+#include "lorakit/comm_host.h"
 #include "lorakit/mesh.h"
 #include "lorakit/weights.h"
 #include "lorakit/tracker.h"
