@@ -4,7 +4,9 @@
  * the name with their prefix kept, e.g. "transformer.<m>.weight", for models
  * stored with it); failing both, the one model key ending in ".<m>.weight"
  * (a checkpoint saved with a wrapper prefix, e.g. ComfyUI's
- * "model.diffusion_model."); two such keys are an ambiguity error. kohya names lose the dots, so the model's own keys are
+ * "model.diffusion_model."); two such keys are an ambiguity error (the
+ * suffixes come from one pass over the model keys with a rolling hash,
+ * names.h, so the work is the keys' length, not keys x modules). kohya names lose the dots, so the model's own keys are
  * turned into kohya form ("a.b_c.weight" -> "a_b_c") and looked up; two model
  * keys with the same kohya form are reported when a module hits them, never
  * guessed. Everything is computed into temporaries and committed only when
@@ -13,6 +15,7 @@
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 #include "adapter/adapter_struct.h"
+#include "adapter/names.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,42 +54,44 @@ static size_t find_with_suffix(const lk_tensor *model, const size_t *ord, size_t
     return find_model(model, ord, n, buf);
 }
 
-/* The single model key ending in ".<m>.weight"; SIZE_MAX when none; sets
- * *other to a second one when the suffix is ambiguous. */
-static size_t find_by_suffix(const lk_tensor *model, size_t n, const char *m, size_t *other) {
-    size_t ml = strlen(m), hit = SIZE_MAX;
-    *other = SIZE_MAX;
-    for (size_t i = 0; i < n; i++) {
-        const char *k = model[i].name;
-        size_t kl = strlen(k);
-        if (kl < ml + 8 || strcmp(k + kl - 7, ".weight") || k[kl - 8 - ml] != '.' ||
-            memcmp(k + kl - 7 - ml, m, ml))
-            continue;
-        if (hit != SIZE_MAX) {
-            *other = i;
-            return hit;
+/* For the names in t (ids below n_ids), the first two model keys, in model
+ * order, ending in "." + name + tail: first[id], second[id] (SIZE_MAX: none).
+ * One pass over the model keys with a rolling hash over each, so the work is
+ * the keys' total length, not keys x names. */
+static void suffix_hits(const lk_names *t, const lk_tensor *model, size_t n_model, const char *tail, size_t n_ids,
+                        size_t *first, size_t *second) {
+    size_t tl = strlen(tail);
+    for (size_t i = 0; i < n_ids; i++) first[i] = second[i] = SIZE_MAX;
+    for (size_t k = 0; k < n_model; k++) {
+        const char *nm = model[k].name;
+        size_t l = strlen(nm);
+        if (l < tl || memcmp(nm + l - tl, tail, tl)) continue;
+        l -= tl;
+        uint64_t h = 0, pw = 1;
+        for (size_t i = l; i > 0; i--) { /* the suffix nm[i..l), after a '.' */
+            if (i < l) lk_names_roll(t, &h, &pw, (unsigned char)nm[i]);
+            if (nm[i - 1] != '.') continue;
+            size_t id = lk_names_get_h(t, h, nm + i, l - i);
+            if (id == SIZE_MAX) continue;
+            if (first[id] == SIZE_MAX) first[id] = k;
+            else if (second[id] == SIZE_MAX) second[id] = k;
         }
-        hit = i;
     }
-    return hit;
 }
 
-/* The single model key ending in "." + name; SIZE_MAX when none; *other
- * gets a second one when ambiguous. */
-static size_t find_by_suffix_key(const lk_tensor *model, size_t n, const char *name, size_t *other) {
-    size_t nl = strlen(name), hit = SIZE_MAX;
-    *other = SIZE_MAX;
+/* Names to look up by suffix: t gets names[i] for each i with want[i], id i
+ * (an equal name already there: *same_as[i] = its id, else i). */
+static lk_status suffix_table(const char *file, lk_names *t, char *const *names, const size_t *want, size_t n,
+                              size_t *same_as) {
+    size_t cnt = 0;
+    for (size_t i = 0; i < n; i++) cnt += want[i] == SIZE_MAX;
+    if (lk_names_init(t, cnt)) return lk_error(LK_ERR_NOMEM, "%s: out of memory", file);
     for (size_t i = 0; i < n; i++) {
-        const char *k = model[i].name;
-        size_t kl = strlen(k);
-        if (kl <= nl || k[kl - nl - 1] != '.' || strcmp(k + kl - nl, name)) continue;
-        if (hit != SIZE_MAX) {
-            *other = i;
-            return hit;
-        }
-        hit = i;
+        same_as[i] = i;
+        if (want[i] == SIZE_MAX && lk_names_add(t, names[i], strlen(names[i]), i, &same_as[i]))
+            return lk_error(LK_ERR_NOMEM, "%s: out of memory", file);
     }
-    return hit;
+    return LK_OK;
 }
 
 static const char *kohya_rest(const char *m) {
@@ -213,12 +218,19 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
     size_t *rby = lk_malloc((a->n_rep ? a->n_rep : 1) * sizeof *rby), n_rby = 0;
     kname *kn = NULL;
     size_t n_kn = 0, unmatched = 0, first_unmatched = SIZE_MAX, n_by = 0;
+    /* per module and per saved tensor: the exact hit, and the first two keys ending in ".<name>[.weight]" */
+    size_t nm_ = a->n ? a->n : 1, nr_ = a->n_rep ? a->n_rep : 1, nsz;
+    size_t *mx = lk_checked_mul(nm_ + nr_, 4 * sizeof *mx, &nsz) ? lk_malloc(nsz) : NULL;
+    size_t *mfirst = NULL, *msecond = NULL, *msame = NULL, *rx = NULL, *rfirst = NULL, *rsecond = NULL, *rsame = NULL;
+    lk_names mt = {0}, rt = {0};
     const char *first_unmatched_rep = NULL;
     char buf[4096];
-    if (!ord || !tnames || !by || !bnames || !bby || !rnames || !rby || !trans) {
+    if (!ord || !tnames || !by || !bnames || !bby || !rnames || !rby || !trans || !mx) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
         goto done;
     }
+    mfirst = mx + nm_, msecond = mfirst + nm_, msame = msecond + nm_;
+    rx = msame + nm_, rfirst = rx + nr_, rsecond = rfirst + nr_, rsame = rsecond + nr_;
     for (size_t i = 0; i < n_model; i++) {
         if (!model[i].name) {
             s = lk_error(LK_ERR_ARG, "lk_adapter_resolve: model tensor %zu has no name", i);
@@ -228,6 +240,20 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
     }
     qsort_r(ord, n_model, sizeof *ord, idx_cmp, (void *)model);
     if (a->format == LK_FORMAT_KOHYA && (s = kohya_names(a->file, model, n_model, &kn, &n_kn))) goto done;
+    if (a->format != LK_FORMAT_KOHYA) {
+        for (size_t i = 0; i < a->n; i++) {
+            const lk_lora_module *m = &a->mods[i];
+            size_t t = find_with_suffix(model, ord, n_model, m->module, buf, sizeof buf);
+            if (t == SIZE_MAX && strcmp(a->stems[i], m->module))
+                t = find_with_suffix(model, ord, n_model, a->stems[i], buf, sizeof buf);
+            mx[i] = t;
+        }
+        if ((s = suffix_table(a->file, &mt, a->names, mx, a->n, msame))) goto done;
+        suffix_hits(&mt, model, n_model, ".weight", a->n, mfirst, msecond);
+    }
+    for (size_t r = 0; r < a->n_rep; r++) rx[r] = find_model(model, ord, n_model, a->rep_names[r]);
+    if ((s = suffix_table(a->file, &rt, a->rep_names, rx, a->n_rep, rsame))) goto done;
+    suffix_hits(&rt, model, n_model, "", a->n_rep, rfirst, rsecond);
 
     for (size_t i = 0; i < a->n; i++) {
         const lk_lora_module *m = &a->mods[i];
@@ -247,15 +273,12 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
                 t = hit->idx;
             }
         } else {
-            t = find_with_suffix(model, ord, n_model, m->module, buf, sizeof buf);
-            if (t == SIZE_MAX && strcmp(a->stems[i], m->module))
-                t = find_with_suffix(model, ord, n_model, a->stems[i], buf, sizeof buf);
-            if (t == SIZE_MAX) {
-                size_t other;
-                t = find_by_suffix(model, n_model, m->module, &other);
-                if (other != SIZE_MAX) {
+            t = mx[i];
+            if (t == SIZE_MAX) { /* the one model key ending in ".<m>.weight" */
+                t = mfirst[msame[i]];
+                if (msecond[msame[i]] != SIZE_MAX) {
                     s = lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model weights %s and %s", a->file,
-                                 m->module, model[t].name, model[other].name);
+                                 m->module, model[t].name, model[msecond[msame[i]]].name);
                     goto done;
                 }
             }
@@ -311,14 +334,12 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
     }
     for (size_t r = 0; r < a->n_rep; r++) { /* tensors saved whole: the model key of that name */
         const lk_adapter_tensor *rp = &a->reps[r];
-        const char *nm = a->rep_names[r];
-        size_t t = find_model(model, ord, n_model, nm);
-        if (t == SIZE_MAX) {
-            size_t other;
-            t = find_by_suffix_key(model, n_model, nm, &other);
-            if (other != SIZE_MAX) {
+        size_t t = rx[r];
+        if (t == SIZE_MAX) { /* the one model key ending in "." + nm */
+            t = rfirst[rsame[r]];
+            if (rsecond[rsame[r]] != SIZE_MAX) {
                 s = lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model tensors %s and %s", a->file, rp->key,
-                             model[t].name, model[other].name);
+                             model[t].name, model[rsecond[rsame[r]]].name);
                 goto done;
             }
         }
@@ -451,6 +472,9 @@ done:
     lk_free(trans);
     lk_free(ord);
     lk_free(by);
+    lk_free(mx);
+    lk_names_free(&mt);
+    lk_names_free(&rt);
     free_knames(kn, n_kn);
     return s;
 }

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""gen_matching.py CASE OUTDIR [N_MODULES N_KEYS] — adapters whose name matching
+is the expensive part (issue 20 item 13), written with the standard library
+only (CI has no torch).
+
+Every adapter is a PEFT folder: adapter_model.safetensors with one F32 1x1
+lora_A / lora_B pair per module "blocks.<i>.attn.to_q" (rank 1, so every
+rank_pattern value below is 1 and the adapter stays valid) and an
+adapter_config.json; the base "base.safetensors" holds the matching 1x1
+"<prefix>blocks.<i>.attn.to_q.weight" keys.
+
+Cases:
+  plain    N_MODULES modules (default 10000) and N_KEYS (default 2000) plain
+           names in each of target_modules, exclude_modules (names that match
+           nothing), modules_to_save-free rank_pattern and alpha_pattern (full
+           module names "blocks.<j>.attn.to_q", literal but for PEFT's '.',
+           and bare ones "x<j>"); the base keys carry a ComfyUI-style prefix
+           ("model.diffusion_model.") so a fuse resolves every module by
+           suffix.
+  regex    N_MODULES modules (default 200) "b.blocks.<i>.aaa...a.to_q" and
+           N_KEYS (default 100) rank_pattern keys that each take close to
+           PCRE2's per-match limit on every module name (nested quantifiers
+           over a run of 'a's not followed by 'b'), none of which matches.
+"""
+import json
+import os
+import struct
+import sys
+
+
+def write_st(path, names):
+    """F32 1x1 tensors of value 0.5, in name order."""
+    hdr, off = {}, 0
+    for n in names:
+        hdr[n] = {"dtype": "F32", "shape": [1, 1], "data_offsets": [off, off + 4]}
+        off += 4
+    h = json.dumps(hdr, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        f.write(struct.pack("<f", 0.5) * len(names))
+
+
+def adapter(out, mods, cfg, base_prefix=""):
+    os.makedirs(out, exist_ok=True)
+    keys = []
+    for m in mods:
+        keys += ["base_model.model.%s.lora_A.weight" % m, "base_model.model.%s.lora_B.weight" % m]
+    write_st(os.path.join(out, "adapter_model.safetensors"), keys)
+    base = {"peft_type": "LORA", "r": 1, "lora_alpha": 1, "peft_version": "0.17.0"}
+    base.update(cfg)
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump(base, f)
+    write_st(os.path.join(out, "base.safetensors"), [base_prefix + m + ".weight" for m in mods])
+
+
+def main():
+    case, out = sys.argv[1], sys.argv[2]
+    if case == "plain":
+        nm = int(sys.argv[3]) if len(sys.argv) > 3 else 10000
+        nk = int(sys.argv[4]) if len(sys.argv) > 4 else 2000
+        mods = ["blocks.%d.attn.to_q" % i for i in range(nm)]
+        # half full names (literal but for '.'), half bare names, interleaved
+        pat = {}
+        for j in range(nk):
+            pat[("blocks.%d.attn.to_q" % (nm + j)) if j % 2 else ("x%d" % j)] = 1
+        cfg = {
+            "target_modules": ["t%d" % j for j in range(nk - 1)] + ["to_q"],
+            "exclude_modules": ["e%d" % j for j in range(nk)],
+            "rank_pattern": pat,
+            "alpha_pattern": dict(pat),
+        }
+        adapter(out, mods, cfg, "model.diffusion_model.")
+    elif case == "regex":
+        nm = int(sys.argv[3]) if len(sys.argv) > 3 else 200
+        nk = int(sys.argv[4]) if len(sys.argv) > 4 else 100
+        run = int(os.environ.get("LK_GEN_RUN", "25"))
+        mods = ["b.blocks.%d.%s.to_q" % (i, "a" * run) for i in range(nm)]
+        # (a|aa)+ explores Fibonacci(run) ways of splitting the run (at 25,
+        # about 30 ms and just under PCRE2's limit of 10^6 steps here; 26
+        # exceeds it); a comment (?#j) keeps the JSON keys distinct
+        pat = {"(?:a|aa)+b(?#%d)" % j: 1 for j in range(nk)}
+        adapter(out, mods, {"target_modules": ["to_q"], "rank_pattern": pat})
+    else:
+        sys.exit("unknown case " + case)
+
+
+if __name__ == "__main__":
+    main()
