@@ -53,7 +53,7 @@ int main(int argc, char **argv) {
     if (check(lk_tracker_apply(t, style, 1, &st), "apply A")) goto out;
     show(rank, "A", w, &st);
 
-    lk_fuse_input mix[] = {{argv[2], 0.6f, LK_FORMAT_AUTO}, {argv[3], 0.8f, LK_FORMAT_AUTO}};
+    lk_fuse_input mix[] = {{argv[2], 0.6, LK_FORMAT_AUTO}, {argv[3], 0.8, LK_FORMAT_AUTO}};
     if (check(lk_tracker_apply(t, mix, 2, &st), "apply A+B")) goto out;
     show(rank, "A+B", w, &st);
 

@@ -41,7 +41,7 @@ static void test_peft_plan(void **state) {
         if (lk_tracker_create(W, w, &o, &tr)) fail_msg("%s", lk_last_error());
         lk_fuse_input dora1 = {FX "/dora", 1.0f, LK_FORMAT_AUTO}, dora05 = {FX "/dora", 0.5f, LK_FORMAT_AUTO};
         lk_fuse_input mts[2] = {{FX "/modules_to_save", 1.0f, LK_FORMAT_AUTO}, {FX "/lora_bias", 0.5f, LK_FORMAT_AUTO}};
-        lk_fuse_input ball[2] = {{FX "/bias_all", 0.7f, LK_FORMAT_AUTO}, {FX "/patterns", 0.25f, LK_FORMAT_AUTO}};
+        lk_fuse_input ball[2] = {{FX "/bias_all", 0.7, LK_FORMAT_AUTO}, {FX "/patterns", 0.25f, LK_FORMAT_AUTO}};
         step(tr, w, bases[b], &dora1, 1);
         step(tr, w, bases[b], mts, 2);
         step(tr, w, bases[b], &dora05, 1);

@@ -61,8 +61,8 @@ static int setup(void **state) {
         const char junk[] = "{\"not\": \"a safetensors file\"}";
         tu_write_file(g_corrupt, junk, sizeof junk);
         lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
-        lk_fuse_input ab[] = {{g_a, 0.7f, LK_FORMAT_AUTO}, {g_b, -0.5f, LK_FORMAT_AUTO}};
-        lk_fuse_input b1[] = {{g_b, 1.3f, LK_FORMAT_AUTO}};
+        lk_fuse_input ab[] = {{g_a, 0.7, LK_FORMAT_AUTO}, {g_b, -0.5f, LK_FORMAT_AUTO}};
+        lk_fuse_input b1[] = {{g_b, 1.3, LK_FORMAT_AUTO}};
         offline_digest(a1, 1, g_want[S_A]);
         offline_digest(ab, 2, g_want[S_AB]);
         offline_digest(b1, 1, g_want[S_B]);
@@ -186,18 +186,18 @@ static void test_sequence_buckets(void **state) {
         /* only what this rank owns and A touched (full: everything it owns) */
         assert_true(st.backup_bytes == (full ? mine : my_attn));
 
-        lk_fuse_input ab[] = {{g_b, -0.5f, LK_FORMAT_AUTO}, {g_a, 0.7f, LK_FORMAT_AUTO}};
+        lk_fuse_input ab[] = {{g_b, -0.5f, LK_FORMAT_AUTO}, {g_a, 0.7, LK_FORMAT_AUTO}};
         assert_int_equal(lk_tracker_apply(t, ab, 2, &st), LK_OK);
         check_digest(w, g_want[S_AB]);
         assert_true(st.bytes_broadcast == sent * (full ? all : attn + ff));
         assert_true(st.backup_bytes == (full ? mine : my_attn + my_ff));
 
-        lk_fuse_input ba[] = {{g_a, 0.7f, LK_FORMAT_AUTO}, {g_b, -0.5f, LK_FORMAT_AUTO}};
+        lk_fuse_input ba[] = {{g_a, 0.7, LK_FORMAT_AUTO}, {g_b, -0.5f, LK_FORMAT_AUTO}};
         assert_int_equal(lk_tracker_apply(t, ba, 2, &st), LK_OK);
         assert_int_equal(st.skipped, 1);
         assert_true(st.bytes_broadcast == 0);
 
-        lk_fuse_input b1[] = {{g_b, 1.3f, LK_FORMAT_AUTO}};
+        lk_fuse_input b1[] = {{g_b, 1.3, LK_FORMAT_AUTO}};
         assert_int_equal(lk_tracker_apply(t, b1, 1, &st), LK_OK);
         check_digest(w, g_want[S_B]);
         assert_true(st.bytes_broadcast == sent * (full ? all : attn + ff));
@@ -234,7 +234,7 @@ static void test_failures(void **state) {
     lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
     assert_int_equal(lk_tracker_apply(t, a1, 1, NULL), LK_OK);
     char *missing = join("missing.safetensors");
-    lk_fuse_input in[2] = {{g_a, 0.9f, LK_FORMAT_AUTO}, {missing, 1.0f, LK_FORMAT_AUTO}};
+    lk_fuse_input in[2] = {{g_a, 0.9, LK_FORMAT_AUTO}, {missing, 1.0f, LK_FORMAT_AUTO}};
     expect_failure(t, w, in, 2, LK_ERR_IO, "missing.safetensors");
     if (N > 1) tu_assert_contains(lk_last_error(), "rank 0: "); /* every rank fails; the lowest speaks */
     in[1].path = g_corrupt;
@@ -266,7 +266,7 @@ static void test_failures(void **state) {
         expect_failure(t, w, mine, R == 0 ? 0 : 2, LK_ERR_MISMATCH, "ranks disagree");
     }
     /* still usable afterwards */
-    lk_fuse_input b1[] = {{g_b, 1.3f, LK_FORMAT_AUTO}};
+    lk_fuse_input b1[] = {{g_b, 1.3, LK_FORMAT_AUTO}};
     assert_int_equal(lk_tracker_apply(t, b1, 1, NULL), LK_OK);
     check_digest(w, g_want[S_B]);
     free(missing);
@@ -280,7 +280,7 @@ static void test_no_lora_swap(void **state) {
     assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
     lk_tracker *t = make(w, 1, 1);
     lk_tracker_stats st;
-    lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}}, b1[] = {{g_b, 1.3f, LK_FORMAT_AUTO}};
+    lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}}, b1[] = {{g_b, 1.3, LK_FORMAT_AUTO}};
     assert_int_equal(lk_tracker_apply(t, a1, 1, &st), LK_OK);
     check_digest(w, g_want[S_A]);
     assert_true(st.backup_bytes == 0);
@@ -355,7 +355,7 @@ static void test_sharded_base(void **state) {
     if (R == 0) {
         mkdir(dir, 0700);
         write_sharded_base(dir);
-        lk_fuse_input ab[] = {{g_a, 0.7f, LK_FORMAT_AUTO}, {g_b, -0.5f, LK_FORMAT_AUTO}};
+        lk_fuse_input ab[] = {{g_a, 0.7, LK_FORMAT_AUTO}, {g_b, -0.5f, LK_FORMAT_AUTO}};
         char *out = join("sharded_out"), hex[LK_DIGEST_HEX];
         lk_ckpt *ck = NULL;
         assert_int_equal(lk_fuse_file(dir, ab, 2, out, NULL, NULL), LK_OK);
@@ -372,7 +372,7 @@ static void test_sharded_base(void **state) {
     check_digest(w, g_base_digest);
     lk_tracker *t = make(w, 1, 0);
     lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
-    lk_fuse_input ab[] = {{g_a, 0.7f, LK_FORMAT_AUTO}, {g_b, -0.5f, LK_FORMAT_AUTO}};
+    lk_fuse_input ab[] = {{g_a, 0.7, LK_FORMAT_AUTO}, {g_b, -0.5f, LK_FORMAT_AUTO}};
     assert_int_equal(lk_tracker_apply(t, a1, 1, NULL), LK_OK);
     check_digest(w, g_want[S_A]);
     assert_int_equal(lk_tracker_apply(t, ab, 2, NULL), LK_OK);
@@ -439,7 +439,7 @@ static void test_fp8_base(void **state) {
     (void)state;
     char *base = join("fp8_base.safetensors"), *ad = join("fp8_ad.safetensors");
     char want[2][2][LK_DIGEST_HEX], base_d[LK_DIGEST_HEX];
-    const float strengths[2] = {1.0f, -0.6f};
+    const double strengths[2] = {1.0, -0.6};
     for (int mode = 0; mode < 2; mode++) {
         lk_fp8_opts f8 = {mode ? LK_FP8_STOCHASTIC : LK_FP8_NEAREST, 7, LK_FP8_RESCALE, 1};
         if (R == 0) {

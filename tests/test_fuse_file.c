@@ -106,9 +106,9 @@ static void check_output(const char *out, af_file *base, const expect *ex, const
         size_t nt = 0;
         for (size_t e = 0; e < n_ex; e++)
             if (!strcmp(ex[e].target, b->name) && strength[e] != 0)
-                /* the scale the kernel gets (fuse.h): the float strength
+                /* the scale the kernel gets (fuse.h): the double strength
                  * times the module's double alpha / r (computed here) */
-                terms[nt++] = (ar_term){ex[e].A, ex[e].B, (double)(float)strength[e] * ex[e].scale};
+                terms[nt++] = (ar_term){ex[e].A, ex[e].B, strength[e] * ex[e].scale};
         if (nt == 0) {
             assert_memory_equal(o->data, b->data, b->nbytes);
         } else {
@@ -140,9 +140,9 @@ static void test_formats_dtypes(void **state) {
             af_file *m = base_model(dts[d], base), *af;
             expect ex[2];
             write_adapter(fmts[f], ad, dts[(d + f) % 3], &af, ex);
-            lk_fuse_input in = {ad, 0.7f, LK_FORMAT_AUTO};
+            lk_fuse_input in = {ad, 0.7, LK_FORMAT_AUTO};
             fuse_ok(base, &in, 1, out, 2);
-            double s[2] = {0.7f, 0.7f};
+            double s[2] = {0.7, 0.7};
             check_output(out, m, ex, s, 2);
             lk_st *st = open_st(out);
             char want[512];
@@ -387,7 +387,7 @@ static void test_python_reference(void **state) {
     snprintf(peft, sizeof peft, "%s/peft", fx);
     snprintf(kohya, sizeof kohya, "%s/kohya.safetensors", fx);
     snprintf(expected, sizeof expected, "%s/expected.safetensors", fx);
-    lk_fuse_input in[2] = {{peft, 0.8f, LK_FORMAT_AUTO}, {kohya, -0.6f, LK_FORMAT_AUTO}};
+    lk_fuse_input in[2] = {{peft, 0.8, LK_FORMAT_AUTO}, {kohya, -0.6, LK_FORMAT_AUTO}};
     lk_fuse_stats stats;
     if (lk_fuse_file(base, in, 2, out, NULL, &stats)) fail_msg("fuse: %s", lk_last_error());
     assert_int_equal(stats.tensors_fused, 3);

@@ -69,7 +69,7 @@ static void test_equals_fuse_file(void **state) {
     char *a1 = make_adapter("a1.safetensors", m1, 3, 4, -0.5f, 0.5f);
     char *a2 = make_adapter("a2.safetensors", m2, 2, 2, -0.5f, 0.5f);
     /* Given in the reverse of canonical order: the sum order must not follow it. */
-    lk_fuse_input in[2] = {{a2, -0.7f, LK_FORMAT_AUTO}, {a1, 1.3f, LK_FORMAT_AUTO}};
+    lk_fuse_input in[2] = {{a2, -0.7, LK_FORMAT_AUTO}, {a1, 1.3, LK_FORMAT_AUTO}};
     lk_fuse_stats fs, ts;
     assert_int_equal(lk_fuse_file(base, in, 2, out, NULL, &fs), LK_OK);
     lk_st *fused;
@@ -101,7 +101,7 @@ static void test_equals_fuse_file(void **state) {
     lk_st *ad;
     assert_int_equal(lk_st_open(a2, &ad), LK_OK);
     ar_term term = {lk_st_tensor(ad, (size_t)lk_st_find(ad, "layers.0.k.lora_A.weight")),
-                    lk_st_tensor(ad, (size_t)lk_st_find(ad, "layers.0.k.lora_B.weight")), (double)-0.7f};
+                    lk_st_tensor(ad, (size_t)lk_st_find(ad, "layers.0.k.lora_B.weight")), -0.7};
     const lk_tensor *k = lk_weights_tensor(w, (size_t)lk_weights_find(w, "layers.0.k.weight"));
     assert_int_equal(ar_check_fused(k->data, af_get(m, "layers.0.k.weight")->data, LK_DTYPE_F16, OUT, IN, &term, 1), 0);
 
@@ -115,7 +115,7 @@ static void test_equals_fuse_file(void **state) {
     assert_int_equal(json_integer_value(json_object_get(o, "tensors_total")), 5);
     json_t *e = json_array_get(json_object_get(o, "adapters"), 0);
     assert_string_equal(json_string_value(json_object_get(e, "path")), a2);
-    assert_true(json_real_value(json_object_get(e, "strength")) == -0.7); /* shortest decimal, not -0.69999998 */
+    assert_true(json_real_value(json_object_get(e, "strength")) == -0.7); /* the double used, recorded exactly */
     json_decref(o);
     lk_free(js);
     js = lk_fuse_summary_json(base, out, in, 2, &fs);

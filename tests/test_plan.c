@@ -98,7 +98,9 @@ static void test_errors(void **state) {
          "plan.yaml:3: steps[1].loras[0].strength: expected a finite number, got 'abc'"},
         {"steps:\n  - loras: [{path: a, strength: .nan}]\n", "strength"},
         {"steps:\n  - loras: [{path: a, strength: 1e999}]\n", "strength"},
-        {"steps:\n  - loras: [{path: a, strength: 1e39}]\n", "out of the float range"},
+        /* a strength is a double (1e39 is fine); one that reads as 0 is not what was typed */
+        {"steps:\n  - loras: [{path: a, strength: -1e-400}]\n",
+         "plan.yaml:2: steps[0].loras[0].strength: strength '-1e-400' is too small: it reads as 0"},
         {"steps:\n  - loras: [{path: a, format: onnx}]\n", "plan.yaml:2: steps[0].loras[0].format: unknown adapter format 'onnx'"},
         {"steps:\n  - loras: [{path: a, rank: 4}]\n", "steps[0].loras[0].rank: unknown key"},
         {"steps:\n  - loras: [{path: \"a\\0b\"}]\n", "steps[0].loras[0].path"},

@@ -109,8 +109,8 @@ static void test_sequence(void **state) {
     assert_int_equal(st.backup_bytes, attn);
 
     /* 2: A+B at other strengths, given out of order */
-    lk_fuse_input ab_req[] = {{g_b, -0.5f, LK_FORMAT_AUTO}, {g_a, 0.7f, LK_FORMAT_DIFFUSERS}};
-    lk_fuse_input ab_sorted[] = {{g_a, 0.7f, LK_FORMAT_DIFFUSERS}, {g_b, -0.5f, LK_FORMAT_AUTO}};
+    lk_fuse_input ab_req[] = {{g_b, -0.5f, LK_FORMAT_AUTO}, {g_a, 0.7, LK_FORMAT_DIFFUSERS}};
+    lk_fuse_input ab_sorted[] = {{g_a, 0.7, LK_FORMAT_DIFFUSERS}, {g_b, -0.5f, LK_FORMAT_AUTO}};
     assert_int_equal(lk_tracker_apply(f.t, ab_req, 2, &st), LK_OK);
     offline_digest(ab_sorted, 2, want);
     digest_of(f.w, got);
@@ -124,7 +124,7 @@ static void test_sequence(void **state) {
     assert_int_equal(st.keys_fused + st.keys_restored, 0);
 
     /* 3: B alone: attention restored, feed-forward refused at the new strength */
-    lk_fuse_input b1[] = {{g_b, 1.3f, LK_FORMAT_AUTO}};
+    lk_fuse_input b1[] = {{g_b, 1.3, LK_FORMAT_AUTO}};
     assert_int_equal(lk_tracker_apply(f.t, b1, 1, &st), LK_OK);
     offline_digest(b1, 1, want);
     digest_of(f.w, got);
@@ -221,7 +221,7 @@ static void test_failures(void **state) {
         {g_huge, LK_ERR_NONFINITE, "blocks.0.ff.net.0.proj.weight"},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-        lk_fuse_input in[] = {{g_a, 0.9f, LK_FORMAT_AUTO}, {cases[k].path, 1.0f, LK_FORMAT_AUTO}};
+        lk_fuse_input in[] = {{g_a, 0.9, LK_FORMAT_AUTO}, {cases[k].path, 1.0f, LK_FORMAT_AUTO}};
         lk_status s = lk_tracker_apply(f.t, in, 2, &st);
         assert_int_equal(s, cases[k].want);
         tu_assert_contains(lk_last_error(), cases[k].needle);

@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -36,7 +38,11 @@ static const char *const FUSE_USAGE =
     "--threads or on the order of the -l options.\n\n"
     "options:\n"
     "  -l, --lora ADAPTER[:STRENGTH]  an adapter; STRENGTH defaults to 1.0 and\n"
-    "                         may be negative or 0 (repeatable, at least one)\n"
+    "                         may be negative or 0 (repeatable, at least one).\n"
+    "                         It is used as the double typed (0.7 is 0.7, not\n"
+    "                         the float 0.699999988) and must be finite; text\n"
+    "                         after the last ':' that starts like a number is\n"
+    "                         a strength and must parse whole\n"
     "  -o, --out OUT          output file, or folder for a sharded BASE (must\n"
     "                         not be BASE, by any path)\n"
     "  --threads N            fusion threads (default 0 = all cores)\n"
@@ -70,18 +76,41 @@ static void draw_bar(void *ctx, uint64_t done, uint64_t total, size_t td, size_t
     fflush(stderr);
 }
 
-/* "path[:strength]": the strength is what follows the last ':' when it
- * parses as a number; otherwise the whole argument is the path. */
+/* Does the text after the last ':' of -l ADAPTER:STRENGTH look like a
+ * strength (so that it must parse as one)? Empty, or, after a sign, a digit,
+ * a '.', or an Inf/NaN word; never with a '/' (a folder name such as
+ * "run:1/adapter" is a path). */
+static int looks_like_strength(const char *t) {
+    if (strchr(t, '/')) return 0;
+    if (*t == '+' || *t == '-') t++;
+    return !*t || (*t >= '0' && *t <= '9') || *t == '.' || !strncasecmp(t, "inf", 3) || !strncasecmp(t, "nan", 3);
+}
+
+/* "path[:strength]": the strength is what follows the last ':' when that
+ * looks like a number, and then it must be one (finite, all of it:
+ * lk_fuse_strength_parse), unless the whole argument names an existing file
+ * or folder ("a:2024.safetensors"); otherwise the whole argument is the
+ * path. Returns 0 with a usage error printed when it is not usable. */
 static int parse_lora(char *arg, lk_fuse_input *in) {
     in->path = arg;
-    in->strength = 1.0f;
+    in->strength = 1.0;
     char *c = strrchr(arg, ':');
-    double v;
-    if (c && c != arg && lk_cli_parse_double(c + 1, &v)) {
-        *c = '\0';
-        in->strength = (float)v;
+    struct stat sb;
+    if (c && c != arg && looks_like_strength(c + 1)) {
+        double v;
+        if (lk_fuse_strength_parse(c + 1, &v) == LK_OK) {
+            *c = '\0';
+            in->strength = v;
+        } else if (stat(arg, &sb) != 0) {
+            lk_cli_usage("fuse", "-l '%s': %s", arg, lk_last_error());
+            return 0;
+        }
     }
-    return in->path[0] != '\0';
+    if (!in->path[0]) {
+        lk_cli_usage("fuse", "empty adapter path in '%s'", arg);
+        return 0;
+    }
+    return 1;
 }
 
 int lk_cmd_fuse(int argc, char **argv) {
@@ -109,10 +138,7 @@ int lk_cmd_fuse(int argc, char **argv) {
                 lk_cli_usage("fuse", "%s needs ADAPTER[:STRENGTH]", a);
                 goto done;
             }
-            if (!parse_lora(argv[++i], &in[n])) {
-                lk_cli_usage("fuse", "empty adapter path in '%s'", argv[i]);
-                goto done;
-            }
+            if (!parse_lora(argv[++i], &in[n])) goto done;
             n++;
         } else if (!strcmp(a, "-o") || !strcmp(a, "--out")) {
             if (!has_val) {

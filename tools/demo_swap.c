@@ -82,7 +82,7 @@ static const char *yes(int v) { return v ? "yes" : "NO"; }
 
 /* What `lorakit fuse BASE -l ADAPTER:STRENGTH -o OUT` writes, digested: the
  * design promises the same bytes as the distributed hot-swap of that set. */
-static lk_status offline_fuse_digest(const char *base, const char *adapter, float strength,
+static lk_status offline_fuse_digest(const char *base, const char *adapter, double strength,
                                      const char *out, char hex[LK_DIGEST_HEX]) {
     lk_fuse_input in = {adapter, strength, LK_FORMAT_AUTO};
     lk_fuse_file_opts fo;

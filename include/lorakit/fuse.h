@@ -23,8 +23,16 @@ extern "C" {
 typedef struct lk_fuse_term {
     const lk_tensor *A; /* r x in */
     const lk_tensor *B; /* out x r */
-    double scale;       /* (double)strength * the module's alpha-derived scale */
+    double scale;       /* strength * the module's alpha-derived scale, both doubles */
 } lk_fuse_term;
+/* The term scale is consumed as a double on every path; it is never rounded
+ * to float by itself. F32 weights: B' = scale * B in f64 (one f64 rounding),
+ * the chain in f64. BF16/F16/FP8 weights: B' = (float)(scale * (double)B),
+ * the product formed in f64 and then rounded to f32, so the scaled factor is
+ * within an f32 rounding (relative 2^-24) of the product with the double
+ * scale, as any f32 factor is; a float scale would add a second error of its
+ * own (0.7f is 0.7 - 1.2e-8, relative 1.7e-8) before that rounding. A scaled
+ * factor beyond the f32 range is Inf and the fuse fails as non-finite. */
 
 /* FP8 weights (lk_fuse_fp8): how the fused value is rounded into FP8 and
  * what happens to the weight's scale. All zero = the defaults. */
@@ -94,7 +102,7 @@ uint32_t lk_fp8_random_bits(uint64_t key, uint64_t index);
 /* One adapter of a fuse request. */
 typedef struct lk_fuse_input {
     const char *path;
-    float strength;
+    double strength;    /* exactly as typed (a double, as PEFT's, diffusers' and LyCORIS's); finite */
     lk_adapter_format format;
 } lk_fuse_input;
 
@@ -122,7 +130,8 @@ typedef struct lk_fuse_stats {
  * st_dev/st_ino, whatever the path). Every adapter is opened, resolved and
  * checked before the output is created. Terms are summed in the canonical
  * order of lk_fuse_canonical_order, so the bytes do not depend on the order
- * of `inputs`; a term's scale is (float)(strength * module scale). Tensors no module targets, and all non-float tensors, are copied
+ * of `inputs`; a term's scale is the double strength * module scale (see
+ * lk_fuse_key_plan). Tensors no module targets, and all non-float tensors, are copied
  * byte for byte; the base's metadata is kept and "lorakit.fused" records the
  * adapters (a JSON array of {"path", "strength", "format"}, appended to the
  * base's own record when it has one). Peak memory: one tensor buffer (the
@@ -132,9 +141,19 @@ typedef struct lk_fuse_stats {
  * its mmap: a base truncated or rewritten by another process during the fuse
  * is LK_ERR_IO naming the file and tensor ("changed on disk while being
  * read"), with no output left. */
-/* A strength as a double for display and JSON: the shortest decimal that
- * reads back as the same float (0.8f -> 0.8, not 0.800000011920929). */
-double lk_fuse_strength_value(float strength);
+/* A strength as shown in messages and recorded in JSON: the shortest
+ * "%.*g" decimal that reads back (strtod) as exactly s ("0.7", "1e+40",
+ * "0.30000000000000004"), into buf (cap >= LK_STRENGTH_STR_MAX). Returns
+ * its significant digits (1..17): JSON holding strengths is dumped with at
+ * least that precision, so the recorded value is the double that was used. */
+#define LK_STRENGTH_STR_MAX 32
+int lk_fuse_strength_str(double s, char *buf, size_t cap);
+
+/* A strength as typed (the CLI's -l ADAPTER:STRENGTH, a plan's strength):
+ * the whole of text must be one number in strtod's syntax, finite, and not a
+ * non-zero number so small that it reads as 0 (1e-400); a subnormal such as
+ * 1e-320 is kept as read. LK_ERR_ARG naming the text as typed and why. */
+lk_status lk_fuse_strength_parse(const char *text, double *out);
 
 /* The canonical summation order of a request: order[] receives the indices
  * of in[] sorted by (path, byte-wise; strength, ascending; format; index). Anyone
@@ -145,20 +164,22 @@ void lk_fuse_canonical_order(const lk_fuse_input *in, size_t n, size_t *order);
 /* The per-key plan shared by lk_fuse_file and the hot-swap tracker: what
  * one model tensor becomes under opened, resolved adapters ad[0..n) (in the
  * canonical order, strength[i] for ad[i]). terms (capacity n) receives the
- * LoRA terms of a 2-D weight (scale = (float)(strength * module scale)) or,
+ * LoRA terms of a 2-D weight (scale = strength * module scale, both doubles,
+ * the one place the product is formed; a product that is not finite is
+ * LK_ERR_ARG naming the adapter, module, strength and scale) or,
  * for a layer's 1-D bias, its lora_B bias terms (A = NULL, B = the bias
  * vector). A replacement (modules_to_save, a saved bias) or a DoRA module
  * is noted in the plan. Two adapters replacing one tensor, or a DoRA
  * module with anything else on the same key, is LK_ERR_ARG naming both. */
 typedef struct lk_fuse_key {
     const lk_tensor *replace;    /* tensor replacing the key whole, or NULL */
-    float replace_strength;
+    double replace_strength;
     const lk_lora_module *dora;  /* DoRA module on the key, or NULL */
-    float dora_strength;
+    double dora_strength;
     size_t n_terms;
 } lk_fuse_key;
 
-lk_status lk_fuse_key_plan(lk_adapter *const *ad, const float *strength, size_t n, const lk_tensor *t,
+lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t n, const lk_tensor *t,
                            lk_fuse_term *terms, lk_fuse_key *out);
 /* 1 if the plan changes the key. */
 int lk_fuse_key_touches(const lk_fuse_key *k);

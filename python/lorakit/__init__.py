@@ -75,10 +75,13 @@ def _loras(loras):
             raise TypeError(f"loras[{i}]: expected (path, strength) or (path, strength, format), got {e!r}")
         if not isinstance(path, (str, bytes, os.PathLike)):
             raise TypeError(f"loras[{i}]: path must be str or os.PathLike, got {type(path).__name__}")
+        typed = strength
         try:
-            strength = float(strength)
+            strength = float(strength)  # a double, used exactly (0.7 is 0.7 in C too)
         except (TypeError, ValueError):
-            raise TypeError(f"loras[{i}]: strength must be a number, got {strength!r}") from None
+            raise TypeError(f"loras[{i}]: strength must be a number, got {typed!r}") from None
+        except OverflowError:
+            raise ValueError(f"loras[{i}]: strength {typed!r} is beyond the range of a double") from None
         if not isinstance(fmt, str):
             raise TypeError(f"loras[{i}]: format must be a str, got {fmt!r}")
         req.append((os.fsencode(path), strength, fmt))

@@ -353,7 +353,7 @@ static int request_from(PyObject *loras, request *r) {
         r->paths[i] = path;
         r->n = (size_t)i + 1;
         r->in[i].path = PyBytes_AS_STRING(path);
-        r->in[i].strength = (float)strength;
+        r->in[i].strength = strength;
         if (lk_adapter_format_parse(fmt, &r->in[i].format)) {
             raise_lk(LK_ERR_ARG, NULL);
             goto fail;

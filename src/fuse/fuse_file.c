@@ -28,8 +28,11 @@
 #include "lorakit/safetensors.h"
 #include "io/out_dir.h"
 
+#include <errno.h>
 #include <jansson.h>
 #include <math.h>
+#include <ctype.h>
+#include <strings.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,14 +56,91 @@ static lk_status refuse_same(const char *out, const char *path, const char *what
     return LK_OK;
 }
 
-double lk_fuse_strength_value(float f) {
-    char buf[32];
-    for (int p = 1; p <= 9; p++) {
-        snprintf(buf, sizeof buf, "%.*g", p, (double)f);
-        double d = strtod(buf, NULL);
-        if ((float)d == f) return d;
+int lk_fuse_strength_str(double v, char *buf, size_t cap) {
+    int p = 1;
+    for (; p < 17; p++) { /* 17 significant digits always read back */
+        snprintf(buf, cap, "%.*g", p, v);
+        if (strtod(buf, NULL) == v) break;
     }
-    return (double)f;
+    /* a whole number below 1e17 in plain digits (10, not 1e+01): more digits of
+     * the correctly rounded decimal are at least as close, so they read back too */
+    int e10 = v != 0 && isfinite(v) ? (int)floor(log10(fabs(v))) : 0;
+    snprintf(buf, cap, "%.*g", e10 >= p && e10 < 17 ? e10 + 1 : p, v);
+    return p;
+}
+
+/* Case-insensitive: is text (after a sign) a word strtod reads as Inf or NaN? */
+static int inf_or_nan_word(const char *t) {
+    if (*t == '+' || *t == '-') t++;
+    return !strncasecmp(t, "inf", 3) || !strncasecmp(t, "nan", 3);
+}
+
+lk_status lk_fuse_strength_parse(const char *text, double *out) {
+    if (!text || !*text) return lk_error(LK_ERR_ARG, "strength '' is not a number");
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    int range = errno == ERANGE;
+    if (end == text || *end || isspace((unsigned char)text[0]))
+        return lk_error(LK_ERR_ARG, "strength '%s' is not a number", text);
+    if (!isfinite(v))
+        return lk_error(LK_ERR_ARG, "strength '%s' is not finite%s", text,
+                        inf_or_nan_word(text) ? "" : " (beyond the range of a double)");
+    if (range && v == 0.0) { /* strtod gives 0 with ERANGE only for a non-zero number */
+        return lk_error(LK_ERR_ARG, "strength '%s' is too small: it reads as 0 (the smallest double is 4.9e-324)",
+                        text);
+    }
+    *out = v;
+    return LK_OK;
+}
+
+/* json_dumps(o, flags) with every real written as the shortest decimal
+ * that reads back as the same double (lk_fuse_strength_str, plus ".0" where
+ * that is a whole number): jansson writes all reals at one precision, which
+ * makes 0.7 "0.69999999999999996" at 17 digits or 0.1 + 0.2 "0.3" at 15.
+ * Returns an lk_malloc'd string, or NULL (out of memory). */
+static char *dumps_exact(const json_t *o, size_t flags) {
+    char *js = json_dumps(o, flags | JSON_REAL_PRECISION(17));
+    if (!js) return NULL;
+    size_t len = strlen(js), reals = 0;
+    for (size_t i = 0; i < len; i++) reals += js[i] == '.' || js[i] == 'e';
+    char *r = lk_malloc(len + reals * (LK_STRENGTH_STR_MAX + 2) + 1);
+    if (!r) {
+        free(js);
+        return NULL;
+    }
+    size_t o_len = 0;
+    for (size_t i = 0; i < len;) {
+        char c = js[i];
+        if (c == '"') { /* a string, copied through its closing quote */
+            r[o_len++] = js[i++];
+            while (i < len && js[i] != '"') {
+                if (js[i] == '\\' && i + 1 < len) r[o_len++] = js[i++];
+                r[o_len++] = js[i++];
+            }
+            if (i < len) r[o_len++] = js[i++];
+        } else if (c == '-' || (c >= '0' && c <= '9')) {
+            size_t j = i, real = 0;
+            while (j < len && strchr("+-0123456789.eE", js[j])) real |= strchr(".eE", js[j++]) != NULL;
+            if (real) {
+                char buf[LK_STRENGTH_STR_MAX];
+                lk_fuse_strength_str(strtod(js + i, NULL), buf, sizeof buf);
+                size_t bl = strlen(buf);
+                memcpy(r + o_len, buf, bl);
+                o_len += bl;
+                if (!strpbrk(buf, ".e")) r[o_len++] = '.', r[o_len++] = '0';
+            } else {
+                memcpy(r + o_len, js + i, j - i);
+                o_len += j - i;
+            }
+            i = j;
+        } else {
+            r[o_len++] = js[i++];
+        }
+    }
+    r[o_len] = '\0';
+    free(js);
+    return r;
 }
 
 /* The lorakit.fused value: the base's record (when it is a JSON array)
@@ -85,18 +165,15 @@ static lk_status fused_record(const char *base, const char *old, const lk_fuse_i
             return lk_error(LK_ERR_ARG, "%s: adapter path is not valid UTF-8, so it cannot be recorded in %s's "
                             FUSED_KEY " metadata", in[i].path, base);
         }
-        json_t *o = json_pack("{s:o, s:f, s:s}", "path", p, "strength", lk_fuse_strength_value(in[i].strength), "format",
+        json_t *o = json_pack("{s:o, s:f, s:s}", "path", p, "strength", in[i].strength, "format",
                               lk_adapter_format_name(in[i].format));
         if (!o || json_array_append_new(arr, o)) {
             json_decref(arr);
             return lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
         }
     }
-    char *js = json_dumps(arr, JSON_COMPACT | JSON_REAL_PRECISION(15));
+    *out = dumps_exact(arr, JSON_COMPACT);
     json_decref(arr);
-    if (!js) return lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
-    *out = lk_strdup(js);
-    free(js);
     return *out ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
 }
 
@@ -108,7 +185,7 @@ typedef struct fctx {
     lk_fuse_term *terms;
     size_t *order; /* canonical summation order of the inputs */
     lk_adapter **ord_ad; /* the adapters and strengths in that order */
-    float *ord_s;
+    double *ord_s;
     lk_st_writer **w; /* one per output file */
     size_t n_w;
     lk_out_dir *od;   /* sharded output: the temporary folder */
@@ -203,7 +280,7 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
     for (size_t i = 0; i < n; i++) {
         if (!inputs[i].path) return lk_error(LK_ERR_ARG, "%s: adapter %zu has no path", label, i);
         if (!isfinite(inputs[i].strength))
-            return lk_error(LK_ERR_ARG, "%s: strength %g is not finite", inputs[i].path, (double)inputs[i].strength);
+            return lk_error(LK_ERR_ARG, "%s: strength %g is not finite", inputs[i].path, inputs[i].strength);
     }
     c->ad = lk_calloc(n ? n : 1, sizeof *c->ad);
     c->order = lk_malloc((n ? n : 1) * sizeof *c->order);
@@ -226,10 +303,10 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
     for (size_t j = 0; j < n; j++) {
         c->ord_ad[j] = c->ad[c->order[j]];
         c->ord_s[j] = inputs[c->order[j]].strength;
-        live += c->ord_s[j] != 0.0f;
+        live += c->ord_s[j] != 0.0;
     }
     for (size_t j = 0; j < n; j++)
-        if (live > 1 && c->ord_s[j] != 0.0f && lk_adapter_dora(c->ord_ad[j]))
+        if (live > 1 && c->ord_s[j] != 0.0 && lk_adapter_dora(c->ord_ad[j]))
             return lk_error(LK_ERR_ARG, "%s: a DoRA adapter must be the only adapter in its request (%zu given)",
                             lk_adapter_path(c->ord_ad[j]), live);
     /* every key's plan is checked here, before anything is written */
@@ -524,7 +601,7 @@ char *lk_fuse_summary_json(const char *base, const char *out, const lk_fuse_inpu
     int bad = !ads;
     for (size_t i = 0; i < n && !bad; i++)
         bad |= json_array_append_new(ads, json_pack("{s:s, s:f}", "path", inputs[i].path, "strength",
-                                                    lk_fuse_strength_value(inputs[i].strength)));
+                                                    inputs[i].strength));
     json_t *o = bad ? NULL : json_object();
     if (!o) {
         json_decref(ads);
@@ -537,9 +614,7 @@ char *lk_fuse_summary_json(const char *base, const char *out, const lk_fuse_inpu
     bad |= json_object_set_new(o, "tensors_fused", json_integer((json_int_t)st->tensors_fused));
     bad |= json_object_set_new(o, "modules_unmatched", json_integer((json_int_t)st->modules_unmatched));
     bad |= json_object_set_new(o, "seconds", json_real(st->seconds));
-    char *js = bad ? NULL : json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(15));
+    char *r = bad ? NULL : dumps_exact(o, JSON_COMPACT);
     json_decref(o);
-    char *r = js ? lk_strdup(js) : NULL;
-    free(js);
     return r;
 }

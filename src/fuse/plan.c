@@ -3,8 +3,8 @@
  * (serve/tracker.c) both use, so the two give the same bytes.
  *
  * A key gets, from the adapters in canonical order: LoRA terms (2-D
- * weights; scale = (double)strength * module scale (a double), the one place this
- * product is formed), lora_B bias terms (the layer's 1-D bias: strength *
+ * weights; scale = strength * module scale, both doubles, the one place this
+ * product is formed; not finite is an error naming both), lora_B bias terms (the layer's 1-D bias: strength *
  * scale * lora_B.bias), a replacement (PEFT's modules_to_save and saved
  * biases) or a DoRA module. A key with only LoRA terms goes through the fuse
  * kernel. Everything else (rare, and where PEFT's result is defined in
@@ -32,12 +32,26 @@
 #include <stdint.h>
 #include <string.h>
 
-lk_status lk_fuse_key_plan(lk_adapter *const *ad, const float *strength, size_t n, const lk_tensor *t,
+/* strength * module scale, the term scale; LK_ERR_ARG when it is not finite
+ * (a huge strength times a large alpha/r overflows the double). */
+static lk_status term_scale(const lk_adapter *a, const lk_lora_module *m, double strength, const char *what,
+                            double *out) {
+    *out = strength * m->scale;
+    if (isfinite(*out)) return LK_OK;
+    char sb[LK_STRENGTH_STR_MAX], cb[LK_STRENGTH_STR_MAX];
+    lk_fuse_strength_str(strength, sb, sizeof sb);
+    lk_fuse_strength_str(m->scale, cb, sizeof cb);
+    return lk_error(LK_ERR_ARG, "%s: %s: strength %s times the module's %sscale %s (alpha %g, r %d) is not finite",
+                    lk_adapter_path(a), m->module, sb, what, cb, (double)m->alpha, m->rank);
+}
+
+lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t n, const lk_tensor *t,
                            lk_fuse_term *terms, lk_fuse_key *out) {
     memset(out, 0, sizeof *out);
     size_t rep_from = SIZE_MAX, dora_from = SIZE_MAX, other = SIZE_MAX;
+    lk_status s;
     for (size_t i = 0; i < n; i++) {
-        if (strength[i] == 0.0f) continue;
+        if (strength[i] == 0.0) continue;
         const lk_lora_module *m = lk_adapter_find_target(ad[i], t->name);
         const lk_adapter_tensor *r = lk_adapter_find_replacement(ad[i], t->name);
         const lk_lora_module *b = lk_adapter_find_bias_target(ad[i], t->name);
@@ -55,11 +69,13 @@ lk_status lk_fuse_key_plan(lk_adapter *const *ad, const float *strength, size_t 
             out->dora = m;
             out->dora_strength = strength[i];
         } else if (m) {
-            double sc = (double)strength[i] * m->scale;
+            double sc;
+            if ((s = term_scale(ad[i], m, strength[i], "", &sc))) return s;
             if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){&m->A, &m->B, sc};
         }
         if (b) {
-            double sc = (double)strength[i] * b->scale;
+            double sc;
+            if ((s = term_scale(ad[i], b, strength[i], "lora_B.bias ", &sc))) return s;
             if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){NULL, &b->bias, sc};
         }
     }
@@ -111,7 +127,7 @@ lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, c
         return LK_OK;
     }
     if (!lk_dtype_is_fusable(d)) { /* only a same-dtype replacement at strength 1 */
-        if (!k->replace || k->replace_strength != 1.0f || k->n_terms || k->replace->dtype != d)
+        if (!k->replace || k->replace_strength != 1.0 || k->n_terms || k->replace->dtype != d)
             return lk_error(LK_ERR_DTYPE, "%s is %s: it can only be replaced whole at strength 1", name,
                             lk_dtype_name(d));
         memcpy(w_out, k->replace->data, t->nbytes);
@@ -162,14 +178,14 @@ lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, c
                     ss = fma(v, v, ss);
                 }
                 double f = load(k->dora->magnitude.data, (size_t)o, k->dora->magnitude.dtype) / sqrt(ss);
-                double sd = (double)k->dora_strength;
+                double sd = k->dora_strength;
                 for (int64_t j = 0; j < cols; j++) {
                     double v = acc[j] + DELTA(j);
                     acc[j] = sd == 1.0 ? f * v : acc[j] + sd * (f * v - acc[j]);
                 }
             } else {
                 if (k->replace) {
-                    double sr = (double)k->replace_strength;
+                    double sr = k->replace_strength;
                     for (int64_t j = 0; j < cols; j++) {
                         double r = load(k->replace->data, base + (size_t)j, k->replace->dtype);
                         acc[j] = sr == 1.0 ? r : acc[j] + sr * (r - acc[j]);

@@ -9,7 +9,6 @@
  * steps is bounded. */
 #include "lorakit/plan.h"
 
-#include <float.h>
 #include <limits.h>
 #include <string.h>
 
@@ -45,6 +44,9 @@ static lk_status parse_lora(pctx *c, const lk_ynode *n, lk_fuse_input *out) {
                 lk_ynode_repr(vn, r, sizeof r);
                 return lk_yerr(c->doc, vn, NULL, "expected a finite number, got %s", r);
             }
+            /* a number's text is strtod's syntax: what is left to refuse is one that reads as 0 */
+            if (lk_fuse_strength_parse(lk_ynode_str(vn), &strength))
+                return lk_yerr(c->doc, vn, NULL, "%s", lk_last_error());
         } else if (!strcmp(k, "format")) {
             const char *f = lk_ynode_str(vn);
             if (!f) return lk_yerr(c->doc, vn, NULL, "expected a format name");
@@ -59,9 +61,7 @@ static lk_status parse_lora(pctx *c, const lk_ynode *n, lk_fuse_input *out) {
         }
     }
     if (!path) return lk_yerr(c->doc, n, NULL, "missing 'path'");
-    if (strength < -FLT_MAX || strength > FLT_MAX)
-        return lk_yerr(c->doc, n, NULL, "strength is out of the float range");
-    out->strength = (float)strength;
+    out->strength = strength; /* the double as read: what is fused and recorded */
     char *full = lk_path_join(c->base_dir, path);
     if (!full) return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
     out->path = full;

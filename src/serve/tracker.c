@@ -57,7 +57,7 @@ typedef struct key_state {
 /* A normalized request: strength-0 entries dropped, sorted, paths owned. */
 typedef struct request {
     lk_fuse_input *e;
-    float *s;      /* e[i].strength, for the per-key plan */
+    double *s;     /* e[i].strength, for the per-key plan */
     uint64_t *id;  /* per-entry identity hash (path, strength, format) */
     lk_adapter **ad; /* opened adapters, once loaded */
     uint64_t *content; /* per-entry hash of the adapter's modules and bytes, once loaded */
@@ -135,10 +135,10 @@ static lk_status request_make(const lk_fuse_input *in, size_t n, request *r) {
     for (size_t i = 0; i < n; i++) {
         if (!in[i].path || !*in[i].path) return lk_error(LK_ERR_ARG, "tracker apply: adapter %zu has no path", i);
         if (!isfinite(in[i].strength))
-            return lk_error(LK_ERR_ARG, "tracker apply: %s: strength %g is not finite", in[i].path, (double)in[i].strength);
+            return lk_error(LK_ERR_ARG, "tracker apply: %s: strength %g is not finite", in[i].path, in[i].strength);
         if ((int)in[i].format < 0 || in[i].format >= LK_FORMAT_COUNT)
             return lk_error(LK_ERR_ARG, "tracker apply: %s: unknown format %d", in[i].path, (int)in[i].format);
-        m += in[i].strength != 0.0f;
+        m += in[i].strength != 0.0;
     }
     if (!m) return LK_OK;
     /* the canonical order lk_fuse_file sums in, so the bytes agree with it */
@@ -149,7 +149,7 @@ static lk_status request_make(const lk_fuse_input *in, size_t n, request *r) {
     r->id = lk_calloc(m, sizeof *r->id);
     if (!kept || !order || !r->e || !r->s || !r->id) goto nomem;
     for (size_t i = 0; i < n; i++)
-        if (in[i].strength != 0.0f) kept[k++] = in[i];
+        if (in[i].strength != 0.0) kept[k++] = in[i];
     lk_fuse_canonical_order(kept, m, order);
     for (; r->n < m; r->n++) {
         r->e[r->n] = kept[order[r->n]];
@@ -180,9 +180,11 @@ static int request_equal(const request *a, const request *b) {
 
 static void request_describe(const request *r, char *buf, size_t cap) {
     size_t len = (size_t)snprintf(buf, cap, "%zu adapter%s", r->n, r->n == 1 ? "" : "s");
-    for (size_t i = 0; i < r->n && len < cap; i++)
-        len += (size_t)snprintf(buf + len, cap - len, "%s%s@%g", i ? ", " : ": ", r->e[i].path,
-                                (double)r->e[i].strength);
+    for (size_t i = 0; i < r->n && len < cap; i++) {
+        char sb[LK_STRENGTH_STR_MAX];
+        lk_fuse_strength_str(r->e[i].strength, sb, sizeof sb);
+        len += (size_t)snprintf(buf + len, cap - len, "%s%s@%s", i ? ", " : ": ", r->e[i].path, sb);
+    }
 }
 
 static void hash_tensor(XXH3_state_t *h, const lk_tensor *x) {
