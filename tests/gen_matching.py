@@ -21,6 +21,8 @@ Cases:
            N_KEYS (default 100) rank_pattern keys that each take close to
            PCRE2's per-match limit on every module name (nested quantifiers
            over a run of 'a's not followed by 'b'), none of which matches.
+  mixed    [PEFT_VERSION [MODULES_TO_SAVE_JSON]] the MIXED_* adapter below (a
+           few hundred modules).
 """
 import json
 import os
@@ -55,6 +57,32 @@ def adapter(out, mods, cfg, base_prefix=""):
     write_st(os.path.join(out, "base.safetensors"), [base_prefix + m + ".weight" for m in mods])
 
 
+# "mixed": every kind of key the matcher tells apart, for a comparison
+# with Python's re under PEFT's rules (tests/matching_bound.sh): plain
+# names, names plain but for '.', a '.' that matches '_' ("attn.to.v" on
+# "attn_to_v"), regexes before and after plain keys, a non-ASCII name and
+# key (the regex path), keys that match nothing.
+MIXED_MODULES = sorted(
+    ["blocks.%d.attn.to_%s" % (i, x) for i in range(30) for x in "qkv"]
+    + ["blocks.%d.ff.net.0.proj" % i for i in range(30)]
+    + ["single.%d.attn_to_v" % i for i in range(30)]
+    + ["blocks.%d.attn.t\u00f6_q" % i for i in range(3)]
+)
+MIXED_KEYS = [
+    "blocks.1.attn.to_q", "attn.to.v", r"blocks\.2\d\.attn\.to_[qk]", "to_k", "proj",
+    "single.1.attn.to.v", "t\u00f6_q", "blocks.2", r"attn\.to_q", "x.y.z", "blocks.1.ff.net.0.proj", "q",
+    "single.12.attn_to_v", "attn_to_v",
+]
+MIXED_CONFIG = {
+    "r": 1,
+    "lora_alpha": 1,
+    "alpha_pattern": {k: i + 2 for i, k in enumerate(MIXED_KEYS)},
+    "rank_pattern": {"attn.to.v": 1, r"blocks\.2\d\..*": 1},
+    "target_modules": ["to_q", "to_k", "attn_to_v", "proj", "t\u00f6_q"],
+    "exclude_modules": ["blocks.3.attn.to_q", "0.proj", "single.2.attn.to.v"],
+}
+
+
 def main():
     case, out = sys.argv[1], sys.argv[2]
     if case == "plain":
@@ -82,6 +110,12 @@ def main():
         # exceeds it); a comment (?#j) keeps the JSON keys distinct
         pat = {"(?:a|aa)+b(?#%d)" % j: 1 for j in range(nk)}
         adapter(out, mods, {"target_modules": ["to_q"], "rank_pattern": pat})
+    elif case == "mixed":
+        ver = sys.argv[3] if len(sys.argv) > 3 else "0.17.0"
+        cfg = dict(MIXED_CONFIG, peft_version=ver)
+        if len(sys.argv) > 4:  # a JSON list for modules_to_save
+            cfg["modules_to_save"] = json.loads(sys.argv[4])
+        adapter(out, MIXED_MODULES, cfg)
     else:
         sys.exit("unknown case " + case)
 

@@ -677,6 +677,9 @@ static int name_cmp_idx(const void *pa, const void *pb, void *ctx) {
 /* Pairs the sorted keys into modules. */
 static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
     const char *f = a->file;
+    /* one matching budget for every config of the adapter */
+    if (a->has_config) lk_peft_config_share_budget(&a->cfg, &a->re_budget);
+    for (size_t i = 0; i < a->n_meta; i++) lk_peft_config_share_budget(&a->meta[i].cfg, &a->re_budget);
     const char *rn[ROLE_COUNT] = {lk_adapter_factor_name(a, 0), lk_adapter_factor_name(a, 1), "alpha",
                                   "lora_magnitude_vector", "lora_B bias"};
     size_t cap = n / 2 + 1;

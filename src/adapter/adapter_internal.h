@@ -5,7 +5,9 @@
 #define LK_ADAPTER_INTERNAL_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include "lorakit/status.h"
+#include "adapter/names.h"
 
 /* Which PEFT release's pattern rule a config follows (peft_version in the
  * config; absent means the current rule: PEFT records it only since 0.18). */
@@ -23,11 +25,40 @@ typedef struct lk_pattern {
     void *re;      /* pcre2_code: PEFT's wrapper around key */
 } lk_pattern;
 
+/* Keys that are plain text but for '.' (Python's any-character), matched
+ * without PCRE2: grouped by shape (length and '.' positions; the shape's
+ * signature is the key with every other byte as 'x'), each shape a hash
+ * table of its keys, so a module name costs one lookup per shape of a
+ * length its suffixes (or windows) have, not one regex per key. */
+typedef struct lk_lit_shape {
+    const char *sig; /* borrowed from the index's arena */
+    const char *example; /* its first key, named when the budget runs out */
+    size_t len;
+    lk_names keys;   /* key -> its index in the pattern list */
+} lk_lit_shape;
+
+typedef struct lk_lit_index {
+    lk_lit_shape *shape; /* sorted by len */
+    size_t n_shape;
+    char *arena;         /* signatures */
+    size_t *re_keys;     /* indices of the keys that are not plain: PCRE2 */
+    size_t n_re_keys;
+    lk_names all;        /* every key, for PEFT's exact-name fallback */
+} lk_lit_index;
+
+/* The total PCRE2 work allowed to the patterns of one adapter (every config
+ * it reads shares one; see config.c). */
+typedef struct lk_re_budget {
+    uint64_t used, limit;
+    uint64_t matches;
+} lk_re_budget;
+
 /* A target_modules / exclude_modules value: a list (exact names or
  * ".name" suffixes) or one regex string (re.fullmatch). */
 typedef struct lk_peft_match {
     char **list;
     size_t n;
+    lk_names set;   /* the list's entries */
     int has_list;   /* a list was given (may be empty) */
     char *str;      /* the string form, or NULL */
     void *re;       /* pcre2_code for str (NULL for "all-linear") */
@@ -45,6 +76,7 @@ typedef struct lk_peft_config {
     size_t n_rank_pat;
     lk_pattern *alpha_pat;
     size_t n_alpha_pat;
+    lk_lit_index rank_lit, alpha_lit;
     lk_peft_match target, exclude;
     long *layers;      /* layers_to_transform (NULL: all) */
     size_t n_layers;
@@ -53,7 +85,12 @@ typedef struct lk_peft_config {
     char **to_save;    /* modules_to_save */
     void **to_save_re; /* (^|.*\.)entry($|\..*): PEFT keeps LoRA off these */
     size_t n_to_save;
+    lk_lit_index to_save_lit;
+    lk_names to_save_set; /* the entries, for lk_peft_saved_module */
+    size_t to_save_max;   /* the longest entry */
     void *mctx;        /* pcre2_match_context with the match/depth/heap limits */
+    lk_re_budget own;  /* the budget when no shared one is set */
+    lk_re_budget *budget; /* shared by an adapter's configs, or NULL: own */
 } lk_peft_config;
 
 /* Parses the JSON text of an adapter_config.json (or a LoraConfig dict found
@@ -63,6 +100,9 @@ typedef struct lk_peft_config {
 lk_status lk_peft_config_parse(const char *text, size_t len, const char *label, lk_peft_config *out);
 lk_status lk_peft_config_load(const char *path, lk_peft_config *out);
 void lk_peft_config_free(lk_peft_config *c);
+/* Makes c draw on budget b (b->limit 0: set to lorakit's per-adapter
+ * budget), so the configs of one adapter share one budget. */
+void lk_peft_config_share_budget(lk_peft_config *c, lk_re_budget *b);
 
 /* PEFT's rank_pattern / alpha_pattern lookup for module `name` (without the
  * "base_model.model." prefix): *out = the pattern whose key wins, or NULL.

@@ -44,6 +44,7 @@ struct lk_adapter {
     double ss_alpha;
     long ss_dim;            /* kohya's ss_network_dim (0: absent or "Dynamic") */
     size_t n_ss_dim_off;    /* modules using ss_network_alpha whose rank is not ss_network_dim */
+    lk_re_budget re_budget; /* the PCRE2 work all its configs' patterns may take */
 };
 
 /* The name of a factor in the adapter's format: A (b = 0) or B (b = 1). */

@@ -19,7 +19,20 @@
  * files, so every match runs under PCRE2's match, depth and heap limits: a
  * catastrophic pattern costs bounded time and memory and is reported by key
  * and module instead of hanging a fuse or a serving rank. All PCRE2 memory
- * goes through lk_malloc, so allocation-failure tests reach it too. */
+ * goes through lk_malloc, so allocation-failure tests reach it too.
+ *
+ * The work is bounded in total too, not only per match. Plain names (the
+ * target_modules / exclude_modules lists, and pattern keys that are plain
+ * text but for '.') are looked up in hash tables (names.h): a module name
+ * costs one lookup per suffix (or per shape of plain keys), not one
+ * comparison or regex per key, so 10,000 modules against 2,000 keys take
+ * milliseconds. Every other match draws on a budget shared by all the
+ * configs of one adapter: each match runs at a match limit of 64 steps,
+ * then 4x that, up to the per-match limit, and is charged every limit it
+ * ran under (so the charge bounds the steps PCRE2 took); plain-key lookups
+ * are charged by the length they hash. When the budget is spent the match
+ * fails naming the config key, pattern and module; at about 60 ns a step
+ * here, LK_RE_BUDGET bounds an adapter's matching to a few seconds. */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "adapter/adapter_internal.h"
 #include "core/file.h"
@@ -40,6 +53,11 @@
 #define LK_RE_DEPTH_LIMIT 10000u
 #define LK_RE_HEAP_KIB 16384u
 #define LK_RE_MAX_PATTERN 65536u
+/* Total steps (and plain-key lookup units, one per 16 bytes hashed) for
+ * the patterns of one adapter: about 3 s of PCRE2 at the worst rate seen
+ * here; PEFT's own patterns take under 64 steps a module, so this is
+ * 780,000 such matches. */
+#define LK_RE_BUDGET 50000000u
 
 static void *re_malloc(PCRE2_SIZE n, void *ctx) {
     (void)ctx;
@@ -139,6 +157,27 @@ static lk_status compile(const char *label, const char *field, const char *key, 
     return LK_OK;
 }
 
+static lk_re_budget *budget_of(const lk_peft_config *c) {
+    return c->budget ? c->budget : (lk_re_budget *)&c->own; /* configs are heap objects, never const ones */
+}
+
+static lk_status budget_error(const lk_peft_config *c, const char *field, const char *key, const char *name) {
+    lk_re_budget *b = budget_of(c);
+    return lk_error(LK_ERR_CONFIG,
+                    "%s: %s: pattern \"%.200s\" on module %.200s: this adapter's patterns have used lorakit's total "
+                    "matching budget (%llu PCRE2 steps, after %llu matches); use plain module names or simpler "
+                    "patterns",
+                    c->label, field, key, name, (unsigned long long)b->limit, (unsigned long long)b->matches);
+}
+
+/* Charges n units of plain-key work; an error naming the field and key
+ * once the budget is spent. */
+static lk_status charge(const lk_peft_config *c, uint64_t n, const char *field, const char *key, const char *name) {
+    lk_re_budget *b = budget_of(c);
+    b->used += n;
+    return b->used > b->limit ? budget_error(c, field, key, name) : LK_OK;
+}
+
 /* Matches re against name from its start (PEFT uses re.match / fullmatch);
  * *hit = 1 on a match; *idx (when not NULL) gets the named group "idx" as a
  * number (-1 if it is not a plain decimal). Limit errors name the pattern. */
@@ -150,7 +189,30 @@ static lk_status match(const lk_peft_config *c, void *re_v, const char *field, c
     pcre2_match_data *md = g ? pcre2_match_data_create_from_pattern(re, g) : NULL;
     pcre2_general_context_free(g);
     if (!md) return lk_error(LK_ERR_NOMEM, "%s: out of memory matching %s", c->label, field);
-    int rc = pcre2_match(re, (PCRE2_SPTR)name, strlen(name), 0, PCRE2_ANCHORED, md, c->mctx);
+    lk_re_budget *b = budget_of(c);
+    int rc = 0, spent = 0;
+    for (uint32_t lim = 64;; lim = lim > LK_RE_MATCH_LIMIT / 4 ? LK_RE_MATCH_LIMIT : lim * 4) {
+        uint64_t left = b->limit > b->used ? b->limit - b->used : 0;
+        uint32_t use = left < lim ? (uint32_t)left : lim;
+        if (!use) {
+            spent = 1;
+            break;
+        }
+        pcre2_set_match_limit(c->mctx, use);
+        rc = pcre2_match(re, (PCRE2_SPTR)name, strlen(name), 0, PCRE2_ANCHORED, md, c->mctx);
+        b->used += use;
+        if (rc != PCRE2_ERROR_MATCHLIMIT) break;
+        if (use < lim) {
+            spent = 1;
+            break;
+        }
+        if (lim >= LK_RE_MATCH_LIMIT) break;
+    }
+    b->matches++;
+    if (spent) {
+        pcre2_match_data_free(md);
+        return budget_error(c, field, key, name);
+    }
     lk_status s = LK_OK;
     if (rc >= 0) {
         *hit = 1;
@@ -180,6 +242,160 @@ static lk_status match(const lk_peft_config *c, void *re_v, const char *field, c
     return s;
 }
 
+/* ---- plain keys ---- */
+
+/* Python `re` text that matches itself but for '.' (any character but a
+ * newline): printable ASCII without \ ^ $ * + ? { } [ ] | ( ). */
+static int key_is_plain(const char *k) {
+    if (!*k) return 0;
+    for (; *k; k++) {
+        unsigned char ch = (unsigned char)*k;
+        if (ch < 0x20 || ch > 0x7e || strchr("\\^$*+?{}[]|()", ch)) return 0;
+    }
+    return 1;
+}
+
+/* A name the plain path can match: printable ASCII (one byte is one
+ * character for '.', and no newline for '$' to stop before). Other names
+ * run every key as a regex. */
+static int name_is_plain(const char *n) {
+    for (; *n; n++)
+        if ((unsigned char)*n < 0x20 || (unsigned char)*n > 0x7e) return 0;
+    return 1;
+}
+
+static void lit_free(lk_lit_index *x) {
+    for (size_t i = 0; i < x->n_shape; i++) lk_names_free(&x->shape[i].keys);
+    lk_free(x->shape);
+    lk_free(x->arena);
+    lk_free(x->re_keys);
+    lk_names_free(&x->all);
+    memset(x, 0, sizeof *x);
+}
+
+static int shape_cmp(const void *a, const void *b) {
+    const lk_lit_shape *x = a, *y = b;
+    return x->len < y->len ? -1 : x->len > y->len;
+}
+
+/* Indexes keys[0..n) (borrowed: they outlive the index). */
+static lk_status lit_build(const lk_peft_config *c, char *const *keys, size_t n, lk_lit_index *x) {
+    memset(x, 0, sizeof *x);
+    lk_names sigs = {0};
+    size_t total = 1;
+    for (size_t i = 0; i < n; i++)
+        if (key_is_plain(keys[i])) total += strlen(keys[i]) + 1;
+    if (lk_names_init(&x->all, n) || lk_names_init(&sigs, n) || !(x->shape = lk_calloc(n ? n : 1, sizeof *x->shape)) ||
+        !(x->re_keys = lk_calloc(n ? n : 1, sizeof *x->re_keys)) || !(x->arena = lk_malloc(total)))
+        goto nomem;
+    char *ap = x->arena;
+    for (size_t i = 0; i < n; i++) {
+        size_t len = strlen(keys[i]), sh;
+        if (lk_names_add(&x->all, keys[i], len, i, NULL)) goto nomem;
+        if (!key_is_plain(keys[i])) {
+            x->re_keys[x->n_re_keys++] = i;
+            continue;
+        }
+        for (size_t k = 0; k < len; k++) ap[k] = keys[i][k] == '.' ? '.' : 'x';
+        ap[len] = '\0';
+        if (lk_names_add(&sigs, ap, len, x->n_shape, &sh)) goto nomem;
+        if (sh == x->n_shape) {
+            lk_lit_shape *ns = &x->shape[x->n_shape];
+            ns->sig = ap;
+            ns->example = keys[i];
+            ns->len = len;
+            if (lk_names_init(&ns->keys, 1)) goto nomem;
+            x->n_shape++;
+            ap += len + 1;
+        }
+        if (lk_names_add(&x->shape[sh].keys, keys[i], len, i, NULL)) goto nomem;
+    }
+    lk_names_free(&sigs);
+    qsort(x->shape, x->n_shape, sizeof *x->shape, shape_cmp);
+    return LK_OK;
+nomem:
+    lk_names_free(&sigs);
+    lit_free(x);
+    return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
+}
+
+/* The smallest key index whose shape has length len and which matches
+ * w[0..len), '.' in the key matching any byte; charged to the budget.
+ * buf: len bytes of scratch. */
+static lk_status lit_probe(const lk_peft_config *c, const lk_lit_index *x, const char *field, const char *name,
+                           const char *w, size_t len, char *buf, size_t *best) {
+    size_t lo = 0, hi = x->n_shape;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (x->shape[mid].len < len) lo = mid + 1;
+        else hi = mid;
+    }
+    for (; lo < x->n_shape && x->shape[lo].len == len; lo++) {
+        const lk_lit_shape *sh = &x->shape[lo];
+        lk_status s = charge(c, 1 + len / 16, field, sh->example, name);
+        if (s) return s;
+        size_t k = 0;
+        for (; k < len; k++) {
+            if (sh->sig[k] == '.') buf[k] = '.';
+            else if (w[k] == '.') break; /* a key's own letters are never '.' */
+            else buf[k] = w[k];
+        }
+        if (k < len) continue;
+        size_t id = lk_names_get(&sh->keys, buf, len);
+        if (id < *best) *best = id;
+    }
+    return LK_OK;
+}
+
+enum { LIT_SUFFIX, LIT_DOT_SUFFIX, LIT_WINDOW };
+
+/* The smallest index of a plain key matching name as PEFT's template
+ * places it: LIT_SUFFIX, (.*\.)?(key)$ (a suffix of name starting at 0 or
+ * after a '.'); LIT_DOT_SUFFIX, .*\.key$ (after a '.'); LIT_WINDOW,
+ * (^|.*\.)key($|\..*) (a run between dots or ends). SIZE_MAX: none. name
+ * must be name_is_plain. */
+static lk_status lit_find(const lk_peft_config *c, const lk_lit_index *x, const char *field, const char *name, int mode,
+                          size_t *best) {
+    *best = SIZE_MAX;
+    if (!x->n_shape) return LK_OK;
+    size_t nl = strlen(name);
+    char *buf = lk_malloc(nl + 1);
+    if (!buf) return lk_error(LK_ERR_NOMEM, "%s: out of memory matching %s", c->label, field);
+    lk_status s = LK_OK;
+    for (size_t i = 0; i <= nl && !s; i++) {
+        if (i == 0 ? mode == LIT_DOT_SUFFIX : name[i - 1] != '.') continue;
+        if (mode != LIT_WINDOW) {
+            s = lit_probe(c, x, field, name, name + i, nl - i, buf, best);
+            continue;
+        }
+        for (size_t j = i; j <= nl && !s; j++) {
+            if (j < nl && name[j] != '.') continue;
+            if (!(s = charge(c, 1, field, x->shape[0].example, name))) s = lit_probe(c, x, field, name, name + i, j - i, buf, best);
+        }
+    }
+    lk_free(buf);
+    return s;
+}
+
+/* Whether name equals an entry of set or ends with '.' + an entry (PEFT's
+ * target_modules / exclude_modules list rule): one rolling hash over name. */
+static int set_hit(const lk_names *set, const char *name) {
+    size_t nl = strlen(name);
+    uint64_t h = 0, pw = 1;
+    for (size_t i = nl + 1; i-- > 0;) { /* the suffix name[i..nl) */
+        if (i < nl) lk_names_roll(set, &h, &pw, (unsigned char)name[i]);
+        if ((i == 0 || name[i - 1] == '.') && lk_names_get_h(set, h, name + i, nl - i) != SIZE_MAX) return 1;
+    }
+    return 0;
+}
+
+static lk_status list_set(const lk_peft_config *c, char *const *list, size_t n, lk_names *set) {
+    if (lk_names_init(set, n)) return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
+    for (size_t i = 0; i < n; i++)
+        if (lk_names_add(set, list[i], strlen(list[i]), i, NULL)) return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
+    return LK_OK;
+}
+
 /* ---- freeing ---- */
 
 static void free_patterns(lk_pattern *p, size_t n) {
@@ -201,6 +417,7 @@ static void free_codes(void **r, size_t n) {
 }
 
 static void free_match(lk_peft_match *m) {
+    lk_names_free(&m->set);
     free_strs(m->list, m->n);
     lk_free(m->str);
     pcre2_code_free(m->re);
@@ -208,6 +425,10 @@ static void free_match(lk_peft_match *m) {
 
 void lk_peft_config_free(lk_peft_config *c) {
     if (!c) return;
+    lit_free(&c->rank_lit);
+    lit_free(&c->alpha_lit);
+    lit_free(&c->to_save_lit);
+    lk_names_free(&c->to_save_set);
     free_patterns(c->rank_pat, c->n_rank_pat);
     free_patterns(c->alpha_pat, c->n_alpha_pat);
     free_match(&c->target);
@@ -221,10 +442,15 @@ void lk_peft_config_free(lk_peft_config *c) {
     memset(c, 0, sizeof *c);
 }
 
+void lk_peft_config_share_budget(lk_peft_config *c, lk_re_budget *b) {
+    if (!b->limit) b->limit = LK_RE_BUDGET;
+    c->budget = b;
+}
+
 /* ---- parsing ---- */
 
 static lk_status parse_patterns(lk_peft_config *c, json_t *obj, const char *field, int is_rank, lk_pattern **out,
-                                size_t *n_out) {
+                                size_t *n_out, lk_lit_index *lit) {
     const char *label = c->label;
     if (!obj || json_is_null(obj)) return LK_OK;
     if (!json_is_object(obj)) return lk_error(LK_ERR_CONFIG, "%s: %s must be an object", label, field);
@@ -264,6 +490,11 @@ static lk_status parse_patterns(lk_peft_config *c, json_t *obj, const char *fiel
         }
         i++;
     }
+    char **keys = s ? NULL : lk_calloc(i ? i : 1, sizeof *keys);
+    if (!s && !keys) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    for (size_t k = 0; !s && k < i; k++) keys[k] = p[k].key;
+    if (!s) s = lit_build(c, keys, i, lit);
+    lk_free(keys);
     if (s) {
         free_patterns(p, i);
         return s;
@@ -305,7 +536,8 @@ static lk_status parse_match(lk_peft_config *c, json_t *v, const char *field, lk
     }
     if (!json_is_array(v)) return lk_error(LK_ERR_CONFIG, "%s: %s must be a list or a string", c->label, field);
     m->has_list = 1;
-    return str_list(v, c->label, field, &m->list, &m->n);
+    lk_status s = str_list(v, c->label, field, &m->list, &m->n);
+    return s ? s : list_set(c, m->list, m->n, &m->set);
 }
 
 static lk_status parse_layers(lk_peft_config *c, json_t *root) {
@@ -367,8 +599,13 @@ static lk_status parse_to_save(lk_peft_config *c, json_t *v) {
     if (s) return s;
     if (!(c->to_save_re = lk_calloc(c->n_to_save ? c->n_to_save : 1, sizeof *c->to_save_re)))
         return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
-    for (size_t i = 0; i < c->n_to_save && !s; i++)
+    for (size_t i = 0; i < c->n_to_save && !s; i++) {
         s = compile(c->label, "modules_to_save", c->to_save[i], "(^|.*\\.)%s($|\\..*)", 0, &c->to_save_re[i]);
+        size_t l = strlen(c->to_save[i]);
+        if (l > c->to_save_max) c->to_save_max = l;
+    }
+    if (!s) s = lit_build(c, c->to_save, c->n_to_save, &c->to_save_lit);
+    if (!s) s = list_set(c, c->to_save, c->n_to_save, &c->to_save_set);
     return s;
 }
 
@@ -484,6 +721,7 @@ lk_status lk_peft_config_parse(const char *text, size_t len, const char *label, 
         pcre2_set_match_limit(c.mctx, LK_RE_MATCH_LIMIT);
         pcre2_set_depth_limit(c.mctx, LK_RE_DEPTH_LIMIT);
         pcre2_set_heap_limit(c.mctx, LK_RE_HEAP_KIB);
+        c.own.limit = LK_RE_BUDGET;
     }
     if ((v = json_object_get(root, "peft_type")) && !json_is_null(v) &&
         (!json_is_string(v) || strcmp(json_string_value(v), "LORA"))) {
@@ -531,10 +769,11 @@ lk_status lk_peft_config_parse(const char *text, size_t len, const char *label, 
             goto done;
         }
     }
-    if ((s = parse_patterns(&c, json_object_get(root, "rank_pattern"), "rank_pattern", 1, &c.rank_pat, &c.n_rank_pat)))
+    if ((s = parse_patterns(&c, json_object_get(root, "rank_pattern"), "rank_pattern", 1, &c.rank_pat, &c.n_rank_pat,
+                            &c.rank_lit)))
         goto done;
     if ((s = parse_patterns(&c, json_object_get(root, "alpha_pattern"), "alpha_pattern", 0, &c.alpha_pat,
-                            &c.n_alpha_pat)))
+                            &c.n_alpha_pat, &c.alpha_lit)))
         goto done;
     if ((s = parse_match(&c, json_object_get(root, "target_modules"), "target_modules", &c.target))) goto done;
     if ((s = parse_match(&c, json_object_get(root, "exclude_modules"), "exclude_modules", &c.exclude))) goto done;
@@ -562,46 +801,61 @@ lk_status lk_peft_config_load(const char *path, lk_peft_config *out) {
 
 /* ---- the rules ---- */
 
+/* The first key (in the config's order) of rank_pattern (l = 0) or
+ * alpha_pattern (1) whose PEFT pattern matches name: *out its index, or
+ * SIZE_MAX. Plain keys by lookup, the others by PCRE2 up to the first
+ * plain hit. */
+static lk_status first_hit(const lk_peft_config *c, int l, const char *name, size_t *out) {
+    const lk_pattern *p = l ? c->alpha_pat : c->rank_pat;
+    const lk_lit_index *x = l ? &c->alpha_lit : &c->rank_lit;
+    const char *field = l ? "alpha_pattern" : "rank_pattern";
+    size_t n = l ? c->n_alpha_pat : c->n_rank_pat, best = SIZE_MAX;
+    int plain = name_is_plain(name);
+    lk_status s;
+    *out = SIZE_MAX;
+    if (plain && (s = lit_find(c, x, field, name, c->rule == LK_PEFT_RULE_CURRENT ? LIT_SUFFIX : LIT_DOT_SUFFIX, &best)))
+        return s;
+    size_t m = plain ? x->n_re_keys : n;
+    for (size_t k = 0; k < m; k++) {
+        size_t i = plain ? x->re_keys[k] : k;
+        if (i >= best) break;
+        int hit;
+        if ((s = match(c, p[i].re, field, p[i].key, name, &hit, NULL))) return s;
+        if (hit) {
+            best = i;
+            break;
+        }
+    }
+    *out = best;
+    return LK_OK;
+}
+
 lk_status lk_peft_pattern_find(const lk_peft_config *c, int which, const char *name, const lk_pattern **out) {
     *out = NULL;
     /* PEFT <= 0.13 chained rank_pattern's keys and alpha_pattern's keys and took
      * the first that matched for both lookups. */
     const lk_pattern *lists[2] = {c->rank_pat, c->alpha_pat};
-    size_t ns[2] = {c->n_rank_pat, c->n_alpha_pat};
-    const char *fields[2] = {"rank_pattern", "alpha_pattern"};
+    const lk_lit_index *idx[2] = {&c->rank_lit, &c->alpha_lit};
     int from = which, to = which;
     if (c->rule == LK_PEFT_RULE_013) from = 0, to = 1;
-    for (int l = from; l <= to; l++)
-        for (size_t i = 0; i < ns[l]; i++) {
-            int hit;
-            lk_status s = match(c, lists[l][i].re, fields[l], lists[l][i].key, name, &hit, NULL);
-            if (s) return s;
-            if (!hit) continue;
-            if (l != which) { /* 0.13: the key found names no entry of this dict, unless both have it */
-                for (size_t j = 0; j < ns[which]; j++)
-                    if (!strcmp(lists[which][j].key, lists[l][i].key)) *out = &lists[which][j];
-                return LK_OK;
-            }
-            *out = &lists[l][i];
+    for (int l = from; l <= to; l++) {
+        size_t i;
+        lk_status s = first_hit(c, l, name, &i);
+        if (s) return s;
+        if (i == SIZE_MAX) continue;
+        if (l != which) { /* 0.13: the key found names no entry of this dict, unless both have it */
+            const char *k = lists[l][i].key;
+            size_t j = lk_names_get(&idx[which]->all, k, strlen(k));
+            if (j != SIZE_MAX) *out = &lists[which][j];
             return LK_OK;
         }
-    /* No pattern matched: PEFT then looks the module's own name up. */
-    for (size_t i = 0; i < ns[which]; i++)
-        if (!strcmp(lists[which][i].key, name)) {
-            *out = &lists[which][i];
-            break;
-        }
-    return LK_OK;
-}
-
-static int list_hit(char *const *list, size_t n, const char *name) {
-    size_t nl = strlen(name);
-    for (size_t i = 0; i < n; i++) {
-        size_t tl = strlen(list[i]);
-        if (!strcmp(name, list[i])) return 1;
-        if (nl > tl && name[nl - tl - 1] == '.' && !strcmp(name + nl - tl, list[i])) return 1;
+        *out = &lists[l][i];
+        return LK_OK;
     }
-    return 0;
+    /* No pattern matched: PEFT then looks the module's own name up. */
+    size_t j = lk_names_get(&idx[which]->all, name, strlen(name));
+    if (j != SIZE_MAX) *out = &lists[which][j];
+    return LK_OK;
 }
 
 lk_status lk_peft_targets(const lk_peft_config *c, const char *name, int *hit) {
@@ -611,22 +865,29 @@ lk_status lk_peft_targets(const lk_peft_config *c, const char *name, int *hit) {
     if (c->exclude.re) {
         if ((s = match(c, c->exclude.re, "exclude_modules", c->exclude.str, name, &h, NULL))) return s;
         if (h) return LK_OK;
-    } else if (c->exclude.has_list && list_hit(c->exclude.list, c->exclude.n, name)) {
+    } else if (c->exclude.has_list && set_hit(&c->exclude.set, name)) {
         return LK_OK;
     }
-    for (size_t i = 0; i < c->n_to_save; i++) {
-        if ((s = match(c, c->to_save_re[i], "modules_to_save", c->to_save[i], name, &h, NULL))) return s;
-        if (h) return LK_OK;
+    if (c->n_to_save) { /* plain entries by lookup, the others by PCRE2 */
+        int plain = name_is_plain(name);
+        size_t best;
+        if (plain && (s = lit_find(c, &c->to_save_lit, "modules_to_save", name, LIT_WINDOW, &best))) return s;
+        if (plain && best != SIZE_MAX) return LK_OK;
+        size_t m = plain ? c->to_save_lit.n_re_keys : c->n_to_save;
+        for (size_t k = 0; k < m; k++) {
+            size_t i = plain ? c->to_save_lit.re_keys[k] : k;
+            if ((s = match(c, c->to_save_re[i], "modules_to_save", c->to_save[i], name, &h, NULL))) return s;
+            if (h) return LK_OK;
+        }
     }
     if (c->target.re) return match(c, c->target.re, "target_modules", c->target.str, name, hit, NULL);
     if (!c->target.has_list) { /* absent, or "all-linear" */
         *hit = 1;
         return LK_OK;
     }
-    if (!strcmp(name, "") || !list_hit(c->target.list, c->target.n, name)) return LK_OK;
+    if (!strcmp(name, "") || !set_hit(&c->target.set, name)) return LK_OK;
     /* layers_to_transform applies to the list form only, and not to an exact name */
-    int exact = 0;
-    for (size_t i = 0; i < c->target.n && !exact; i++) exact = !strcmp(name, c->target.list[i]);
+    int exact = lk_names_get(&c->target.set, name, strlen(name)) != SIZE_MAX;
     if (!c->n_layers || exact) {
         *hit = 1;
         return LK_OK;
@@ -644,11 +905,14 @@ lk_status lk_peft_targets(const lk_peft_config *c, const char *name, int *hit) {
 
 int lk_peft_saved_module(const lk_peft_config *c, const char *name) {
     size_t nl = strlen(name);
+    const lk_names *t = &c->to_save_set;
     for (size_t end = 1; end <= nl; end++) {
         if (end < nl && name[end] != '.') continue;
-        for (size_t i = 0; i < c->n_to_save; i++) {
-            size_t tl = strlen(c->to_save[i]);
-            if (tl && tl <= end && !memcmp(name + end - tl, c->to_save[i], tl)) return 1;
+        /* every non-empty suffix of name[0..end) up to the longest entry: one rolling hash */
+        uint64_t h = 0, pw = 1;
+        for (size_t i = end; i-- > 0 && end - i <= c->to_save_max;) {
+            lk_names_roll(t, &h, &pw, (unsigned char)name[i]);
+            if (lk_names_get_h(t, h, name + i, end - i) != SIZE_MAX) return 1;
         }
     }
     return 0;
