@@ -30,6 +30,11 @@ __all__ = [
 _NUMPY_RAW = {"bfloat16": ("BF16", "uint16"), "float8_e4m3fn": ("F8_E4M3", "uint8"), "float8_e5m2": ("F8_E5M2", "uint8")}
 
 
+def _torch_tensor(value):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
 def _item(name, value):
     """(name, value, dtype hint) for the C layer; raises naming the key."""
     np = sys.modules.get("numpy")
@@ -40,14 +45,87 @@ def _item(name, value):
         if value.dtype.kind not in "fiub" or value.dtype.itemsize > 8 or value.dtype.name == "longdouble":
             raise TypeError(f"{name}: dtype {value.dtype} is not one lorakit reads (float32, float16, bfloat16, "
                             "float8_e4m3fn, float8_e5m2, float64, integers, bool)")
+    elif _torch_tensor(value):
+        dev = value.device.type
+        if dev == "cuda":
+            raise ValueError(f"{name}: CUDA tensors are not supported yet (this one is on {value.device}); lorakit "
+                             "works on CPU memory for now (see the README: a CUDA backend would plug into the host "
+                             "communicator and the canonical arithmetic)")
+        if dev != "cpu":
+            raise ValueError(f"{name}: on device {value.device}; lorakit works on CPU memory")
+        if value.requires_grad:
+            # a parameter: the same storage without autograd (DLPack refuses
+            # tensors that require grad); lorakit writes it in place, as an
+            # assignment under torch.no_grad() would
+            value = value.detach()
+        if not value.is_contiguous():
+            raise ValueError(f"{name}: not contiguous (strides {tuple(value.stride())} for shape {tuple(value.shape)}): "
+                             "lorakit writes a tensor's own memory, and a .contiguous() copy would leave the model "
+                             "unchanged; make the model's tensor itself contiguous (e.g. module.weight.data = "
+                             "module.weight.data.contiguous()) and pass that")
     return (name, value, None)
 
 
-def _items(tensors):
+def _is_module(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.nn.Module)
+
+
+def _pairs(tensors):
+    """(name, value) pairs of a mapping, an nn.Module (its state_dict:
+    parameters and persistent buffers) or named parameters."""
+    if _is_module(tensors):
+        return list(tensors.state_dict(keep_vars=True).items())
     if isinstance(tensors, Mapping):
-        pairs = tensors.items()
-    else:
-        raise TypeError(f"tensors must be a mapping of name to tensor (a state_dict), got {type(tensors).__name__}")
+        return list(tensors.items())
+    raise TypeError(f"tensors must be a mapping of name to tensor (a state_dict) or an nn.Module, "
+                    f"got {type(tensors).__name__}")
+
+
+def _storage_span(v):
+    """(storage key, first byte, end byte, view key) of a torch tensor; None
+    for anything else."""
+    if not _torch_tensor(v) or v.device.type != "cpu":
+        return None
+    try:
+        base = v.untyped_storage().data_ptr()
+    except Exception:
+        return None
+    start = v.data_ptr()
+    return (base, start, start + v.numel() * v.element_size(), (start, v.dtype, tuple(v.shape), tuple(v.stride())))
+
+
+def _dedupe(pairs):
+    """Tied tensors (one memory under several names: same storage, same
+    view) become one weight under its first name, the others recorded as
+    aliases of it; partly overlapping views are refused naming both keys.
+    Returns (pairs, aliases {alias: kept name})."""
+    spans, out, aliases, seen = [], [], {}, {}
+    for k, v in pairs:
+        sp = _storage_span(v)
+        if sp is None or sp[1] == sp[2]:
+            out.append((k, v))
+            continue
+        key = sp[3]
+        if key in seen:
+            aliases[k] = seen[key]
+            continue
+        seen[key] = k
+        spans.append((sp[1], sp[2], k))
+        out.append((k, v))
+    spans.sort()
+    for (a0, a1, ka), (b0, b1, kb) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ValueError(f"{ka} and {kb} overlap in memory as different views (bytes [{a0:#x}, {a1:#x}) and "
+                             f"[{b0:#x}, {b1:#x})): lorakit would write the shared bytes twice; pass one of them")
+    return out, aliases
+
+
+def _items(tensors, dedupe=False):
+    pairs = _pairs(tensors)
+    aliases = {}
+    if dedupe:
+        pairs, aliases = _dedupe(pairs)
     out = []
     for k, v in pairs:
         if not isinstance(k, str):
@@ -55,7 +133,7 @@ def _items(tensors):
         if v is None:
             raise TypeError(f"{k}: None is not a tensor")
         out.append(_item(k, v))
-    return out
+    return (out, aliases) if dedupe else out
 
 
 def _loras(loras):
@@ -89,30 +167,89 @@ def _loras(loras):
     return req, shown
 
 
-# ---- communicators: one lorakit Comm (an MPI_Comm_dup) per mpi4py comm ----
+# ---- communicators: one lorakit Comm per mpi4py comm or ProcessGroup ----
 
 _comms = {}
 _self_comm = None
 
+# environment variables that say this process is one of several
+_LAUNCHERS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MPI_LOCALNRANKS")
 
-def _comm(comm):
+
+def _launched_size():
+    """(variable, size) when a launcher (torchrun, mpirun, PMI) started this
+    process as one of several, else None."""
+    for var in _LAUNCHERS:
+        v = os.environ.get(var, "")
+        if v.isdigit() and int(v) > 1:
+            return var, int(v)
+    return None
+
+
+def _self():
     global _self_comm
+    if _self_comm is None:
+        _self_comm = _c.Comm(None)
+    return _self_comm
+
+
+def _torch_dist():
+    """torch.distributed when it is imported and initialised, else None."""
+    if "torch" not in sys.modules:
+        return None
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
+
+
+def _default_comm():
+    """comm=None: the default torch.distributed group when it spans more
+    than one process; one process when nothing says there are others; an
+    error when a launcher started several processes but no group exists
+    (acting alone would silently leave each rank's own result)."""
+    dist = _torch_dist()
+    if dist is not None and dist.get_world_size() > 1:
+        return _comm(dist.group.WORLD)
+    launched = _launched_size()
+    if launched is not None and dist is None:
+        var, n = launched
+        hint = ("call torch.distributed.init_process_group('gloo') first (lorakit then uses its default group), "
+                "or pass comm=" if var == "WORLD_SIZE" else "pass comm=MPI.COMM_WORLD (mpi4py) or ")
+        raise RuntimeError(f"lorakit: this process is one of {n} ({var}={n}) but comm=None and torch.distributed is "
+                           f"not initialised; {hint}a ProcessGroup, or comm='self' to act on this process alone")
+    return _self()
+
+
+def _comm(comm, timeout=None):
+    """The lorakit Comm for comm: None (see _default_comm), 'self', an
+    mpi4py communicator or a torch.distributed ProcessGroup. Creating one
+    is collective; each is made once and kept."""
     if comm is None:
-        if _self_comm is None:
-            _self_comm = _c.Comm(None)
-        return _self_comm
+        return _default_comm()
+    if isinstance(comm, str) and comm == "self":
+        return _self()
     if isinstance(comm, _c.Comm):
         return comm
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None or not isinstance(comm, mpi.Comm):
-        raise TypeError(f"comm must be None or an mpi4py communicator, got {type(comm).__name__}")
-    if comm == mpi.COMM_NULL:
-        raise ValueError("comm is MPI.COMM_NULL")
     key = id(comm)
     hit = _comms.get(key)
     if hit is not None and hit[0] is comm:
         return hit[1]
-    lc = _c.Comm(mpi._addressof(comm))  # collective: every rank creates it at the same call
+    mpi = sys.modules.get("mpi4py.MPI")
+    dist = sys.modules.get("torch.distributed")
+    if mpi is not None and isinstance(comm, mpi.Comm):
+        if comm == mpi.COMM_NULL:
+            raise ValueError("comm is MPI.COMM_NULL")
+        lc = _c.Comm(mpi._addressof(comm))  # collective: every rank creates it at the same call
+    elif dist is not None and isinstance(comm, dist.ProcessGroup):
+        if not dist.is_initialized():
+            raise RuntimeError("comm is a ProcessGroup but torch.distributed is not initialised")
+        from ._torch import _TorchHost
+        host = _TorchHost(comm, timeout)
+        lc = _c.Comm(host=host, rank=host.rank, size=host.size, nonblocking=True)  # collective
+    else:
+        raise TypeError(f"comm must be None, 'self', an mpi4py communicator or a torch.distributed ProcessGroup, "
+                        f"got {type(comm).__name__}")
     _comms[key] = (comm, lc)
     return lc
 
@@ -161,13 +298,17 @@ def fuse(base, loras, out, *, threads=0, allow_unmatched=False, allow_nonfinite=
 
 
 def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=False):
-    """Fuses loras into tensors (a state_dict: name -> tensor) in place; the
-    bytes equal those of `lorakit fuse` on a checkpoint holding the same
-    tensors. Every value is checked first (contiguous, writable, a dtype
-    lorakit reads) and every adapter validated before the first write; on any
-    error every tensor keeps its bytes. Returns the summary (as fuse's,
-    without base and out)."""
-    items = _items(tensors)
+    """Fuses loras into tensors (a state_dict: name -> tensor, or an
+    nn.Module: its state_dict names, parameters and persistent buffers) in
+    place; the bytes equal those of `lorakit fuse` on a checkpoint holding
+    the same tensors. Parameters that require grad are written through
+    their storage (as under torch.no_grad()). Tied tensors (one memory under
+    several names) are one weight, fused once under its first name; views
+    that overlap differently are refused. Every value is checked first
+    (contiguous, writable, CPU, a dtype lorakit reads) and every adapter
+    validated before the first write; on any error every tensor keeps its
+    bytes. Returns the summary (as fuse's, without base and out)."""
+    items, _ = _items(tensors, dedupe=True)
     req, _ = _loras(loras)
     return json.loads(_c.fuse_(items, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite)))
 
@@ -175,23 +316,57 @@ def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=F
 # ---- hot-swap ----
 
 class Tracker:
-    """The hot-swap tracker over tensors this process holds (a state_dict).
+    """The hot-swap tracker over tensors this process holds (a state_dict
+    or an nn.Module).
 
-    comm: None (one process) or an mpi4py communicator; every rank passes its
+    comm: None, 'self', an mpi4py communicator or a torch.distributed
+    ProcessGroup. None means the default torch.distributed group when it is
+    initialised with more than one process, this process alone when nothing
+    says there are others, and an error when a launcher (torchrun, mpirun)
+    started several processes but no group exists. Every rank passes its
     own tensors (same names, dtypes and shapes). apply/reset are collective:
     call them on every rank with the same request. A failed apply raises
     LoraError on every rank and leaves every rank's tensors unchanged; ranks
     that ask for different sets all raise (status LK_ERR_MISMATCH). The
-    tensors are borrowed, never copied: keep them alive and do not resize
-    them while the tracker exists (close() releases them).
+    tensors are borrowed, never copied: keep them alive while the tracker
+    exists (close() releases them). Tied tensors are one weight (fused once,
+    as by fuse_). The tracker remembers where each tensor's memory is: if
+    the tensors came from a module and a later call finds one reallocated
+    (model.to(...), a reassigned parameter), it raises naming the key on
+    every rank instead of writing memory the model no longer uses.
     """
 
     def __init__(self, tensors, *, comm=None, bucket_mb=64, no_lora_swap=False, threads=0,
                  allow_nonfinite=False):
         lc = _comm(comm)
-        items = _collective(lc, lambda: (_items(tensors), int(bucket_mb), int(threads)))
+        self._source = tensors if _is_module(tensors) else None
+
+        def prepare():
+            items, _ = _items(tensors, dedupe=True)
+            return items, int(bucket_mb), int(threads)
+
+        items = _collective(lc, prepare)
         self._comm = lc
+        self._ptrs = {k: _storage_span(v) for k, v, _ in items[0]}
         self._t = _c.Tracker(lc, items[0], items[1], bool(no_lora_swap), items[2], bool(allow_nonfinite))
+
+    def _check_moved(self):
+        """Raises naming the first key of the module whose memory moved
+        since the tracker was made."""
+        if self._source is None:
+            return
+        now = dict(self._source.state_dict(keep_vars=True))
+        for k, sp in self._ptrs.items():
+            if sp is None:
+                continue
+            v = now.get(k)
+            cur = _storage_span(v) if v is not None else None
+            if cur is None or cur[3] != sp[3]:
+                where = "is gone from the module" if v is None else (
+                    f"moved (its memory was at {sp[1]:#x}, now {'on ' + str(v.device) if v.device.type != 'cpu' else hex(cur[1])})")
+                raise RuntimeError(f"{k}: {where} since the Tracker was made (model.to(...) or a reassigned "
+                                   "parameter reallocates it); lorakit would write memory the model no longer uses. "
+                                   "Make a new Tracker over the model as it is now")
 
     def apply(self, loras, *, digest=False):
         """Makes the fused set equal loras [(path, strength), ...] (order
@@ -199,11 +374,16 @@ class Tracker:
         the fields of a `lorakit swap --json` line; digest and digests_agree
         are computed (a hash of every rank's weights) only with digest=True,
         else None."""
-        req, shown = _collective(self._comm, lambda: _loras(loras))
+        def prepare():
+            self._check_moved()
+            return _loras(loras)
+
+        req, shown = _collective(self._comm, prepare)
         return json.loads(self._t.apply(req, bool(digest), shown))
 
     def reset(self, *, digest=False):
         """Every touched tensor back to its clean bytes on every rank."""
+        _collective(self._comm, self._check_moved)
         return json.loads(self._t.reset(bool(digest)))
 
     @property
@@ -237,12 +417,13 @@ class Tracker:
 def _zeros_like(x):
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        return torch.zeros_like(x, dtype=torch.float32, memory_format=torch.contiguous_format)
+        return torch.zeros_like(x, dtype=torch.float32, memory_format=torch.contiguous_format,
+                                requires_grad=False)
     import numpy as np
     return np.zeros(np.shape(x), dtype=np.float32)
 
 
-def sync_grads(grads, comm, *, like=None, bucket_mb=4):
+def sync_grads(grads, comm=None, *, like=None, bucket_mb=4):
     """Averages float32 gradients over comm, in place, in buckets of
     bucket_mb MiB (a few collectives, not one per tensor). A None entry (a
     layer this rank skipped) contributes zeros shaped like like[i] and comes
@@ -269,10 +450,24 @@ def sync_grads(grads, comm, *, like=None, bucket_mb=4):
     return out
 
 
-def sync_param_grads(params, comm, *, bucket_mb=4):
-    """sync_grads over PyTorch parameters' .grad: a parameter whose .grad is
+def _params(params):
+    """Parameters from module.parameters(), named_parameters() pairs or a
+    module."""
+    if _is_module(params):
+        return list(params.parameters())
+    out = []
+    for p in params:
+        if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str):
+            p = p[1]
+        out.append(p)
+    return out
+
+
+def sync_param_grads(params, comm=None, *, bucket_mb=4):
+    """sync_grads over PyTorch parameters' .grad (module.parameters(),
+    module.named_parameters() or a module): a parameter whose .grad is
     None gets the averaged gradient assigned (as FastVideo does)."""
-    params = list(params)
+    params = _params(params)
     grads = sync_grads([p.grad for p in params], comm, like=params, bucket_mb=bucket_mb)
     for p, g in zip(params, grads):
         if p.grad is None:
@@ -280,10 +475,16 @@ def sync_param_grads(params, comm, *, bucket_mb=4):
     return params
 
 
-def check_replicas(tensors, comm):
+def check_replicas(tensors, comm=None):
     """True when every rank holds the same tensors (names, dtypes, shapes,
-    bytes). Collective."""
+    bytes): a mapping, an nn.Module (its state_dict) or a sequence of
+    tensors (module.parameters() too). Collective."""
     lc = _comm(comm)
-    items = _collective(lc, lambda: _items(tensors) if isinstance(tensors, Mapping)
-                        else [_item(f"tensors[{i}]", t) for i, t in enumerate(tensors)])
+
+    def prepare():
+        if isinstance(tensors, Mapping) or _is_module(tensors):
+            return _items(tensors)
+        return [_item(f"tensors[{i}]", t) for i, t in enumerate(_params(tensors))]
+
+    items = _collective(lc, prepare)
     return _c.check_replicas(lc, items)

@@ -22,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <stdarg.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -379,18 +380,181 @@ static void Comm_dealloc(CommObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* ---- the host backend over a Python object (torch.distributed) ----
+ *
+ * lorakit/_torch.py's _TorchHost has barrier(), bcast(mv, root),
+ * allreduce(mv, kind, op), allgather(send_mv, recv_mv) and, for overlap,
+ * ibcast(mv, root) -> handle, test(handle) -> bool, wait(handle). The
+ * memoryviews are zero-copy windows on lorakit's buffers (torch.frombuffer
+ * makes tensors of them). The callbacks run on the thread that released the
+ * GIL around a lorakit call, and take it back for the Python call. A Python
+ * exception becomes the callback's failure (LK_ERR_COMM with its text). */
+
+static lk_status py_host_failed(const char *op) {
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyErr_NormalizeException(&et, &ev, &tb);
+    PyObject *msg = ev ? PyObject_Str(ev) : NULL;
+    const char *m = msg ? PyUnicode_AsUTF8(msg) : NULL;
+    lk_status s = lk_error(LK_ERR_COMM, "torch.distributed %s: %s: %s", op, et ? ((PyTypeObject *)et)->tp_name : "?",
+                           m ? m : "?");
+    PyErr_Clear();
+    Py_XDECREF(msg);
+    Py_XDECREF(et);
+    Py_XDECREF(ev);
+    Py_XDECREF(tb);
+    return s;
+}
+
+static PyObject *mv_of(const void *p, size_t n) {
+    static char empty;
+    return PyMemoryView_FromMemory(n ? (char *)p : &empty, (Py_ssize_t)n, PyBUF_WRITE);
+}
+
+typedef struct py_host {
+    PyObject *obj; /* the _TorchHost */
+    int size;
+} py_host;
+
+/* Calls host.<name>(*args built from fmt); returns the result (new
+ * reference) or NULL with the failure recorded. The GIL is held. */
+static PyObject *host_call(void *ctx, const char *name, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    PyObject *args = Py_VaBuildValue(fmt, ap);
+    va_end(ap);
+    PyObject *r = NULL;
+    if (args) {
+        PyObject *f = PyObject_GetAttrString(((py_host *)ctx)->obj, name);
+        if (f) r = PyObject_Call(f, args, NULL);
+        Py_XDECREF(f);
+        Py_DECREF(args);
+    }
+    if (!r) py_host_failed(name);
+    return r;
+}
+
+static lk_status h_barrier(void *ctx) {
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *r = host_call(ctx, "barrier", "()");
+    Py_XDECREF(r);
+    PyGILState_Release(g);
+    return r ? LK_OK : LK_ERR_COMM;
+}
+
+static lk_status h_bcast(void *ctx, void *buf, size_t n, int root) {
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *r = host_call(ctx, "bcast", "(Ni)", mv_of(buf, n), root);
+    Py_XDECREF(r);
+    PyGILState_Release(g);
+    return r ? LK_OK : LK_ERR_COMM;
+}
+
+/* u64 min/max through a signed int64 reduction: flipping the top bit maps
+ * unsigned order onto signed order (sums wrap alike either way). */
+static void flip_top(void *buf, size_t n) {
+    uint64_t *u = buf;
+    for (size_t i = 0; i < n; i++) u[i] ^= (uint64_t)1 << 63;
+}
+
+static lk_status h_allreduce(void *ctx, void *buf, size_t n, lk_comm_dtype t, lk_reduce_op op) {
+    int flip = t == LK_COMM_U64 && op != LK_REDUCE_SUM;
+    if (flip) flip_top(buf, n);
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *r = host_call(ctx, "allreduce", "(Nss)", mv_of(buf, n * (t == LK_COMM_F32 ? 4 : 8)),
+                            t == LK_COMM_F32 ? "f32" : "i64", op == LK_REDUCE_SUM ? "sum" : op == LK_REDUCE_MIN ? "min" : "max");
+    Py_XDECREF(r);
+    PyGILState_Release(g);
+    if (flip) flip_top(buf, n); /* also on failure: the caller's values as they were */
+    return r ? LK_OK : LK_ERR_COMM;
+}
+
+static lk_status h_allgather(void *ctx, const void *send, size_t n, void *recv) {
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *r = host_call(ctx, "allgather", "(NN)", mv_of(send, n), mv_of(recv, n * (size_t)((py_host *)ctx)->size));
+    Py_XDECREF(r);
+    PyGILState_Release(g);
+    return r ? LK_OK : LK_ERR_COMM;
+}
+
+/* The handle ibcast returns is kept (a reference) until test reports it
+ * done or wait completes it. */
+static lk_status h_ibcast(void *ctx, void *buf, size_t n, int root, void **req) {
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *r = host_call(ctx, "ibcast", "(Ni)", mv_of(buf, n), root);
+    PyGILState_Release(g);
+    *req = r;
+    return r ? LK_OK : LK_ERR_COMM;
+}
+
+static lk_status h_test(void *ctx, void *req, int *done) {
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *r = host_call(ctx, "test", "(O)", (PyObject *)req);
+    int d = r ? PyObject_IsTrue(r) : 0;
+    Py_XDECREF(r);
+    if (d < 0) py_host_failed("test");
+    *done = d > 0;
+    if (d > 0) Py_DECREF((PyObject *)req);
+    PyGILState_Release(g);
+    return r && d >= 0 ? LK_OK : LK_ERR_COMM;
+}
+
+static lk_status h_wait(void *ctx, void *req) {
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *r = host_call(ctx, "wait", "(O)", (PyObject *)req);
+    Py_XDECREF(r);
+    Py_DECREF((PyObject *)req);
+    PyGILState_Release(g);
+    return r ? LK_OK : LK_ERR_COMM;
+}
+
+static void h_destroy(void *ctx) {
+    py_host *h = ctx;
+    PyGILState_STATE g = PyGILState_Ensure();
+    Py_XDECREF(h->obj);
+    PyGILState_Release(g);
+    PyMem_RawFree(h);
+}
+
+/* A host communicator over obj (a _TorchHost) at rank of size. Collective. */
+static lk_status comm_from_py_host(PyObject *obj, int rank, int size, int nonblocking, lk_comm **out) {
+    py_host *h = PyMem_RawMalloc(sizeof *h);
+    if (!h) return lk_error(LK_ERR_NOMEM, "comm: out of memory");
+    Py_INCREF(obj);
+    h->obj = obj;
+    h->size = size;
+    lk_comm_host_ops ops = {.barrier = h_barrier, .bcast = h_bcast, .allreduce = h_allreduce,
+                            .allgather = h_allgather, .destroy = h_destroy,
+                            .max_bytes = (size_t)1 << 30}; /* torch.frombuffer takes any size; keep rounds bounded */
+    if (nonblocking) {
+        ops.ibcast = h_ibcast;
+        ops.test = h_test;
+        ops.wait = h_wait;
+    }
+    lk_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = lk_comm_from_host(&ops, h, rank, size, out);
+    Py_END_ALLOW_THREADS
+    return s;
+}
+
 /* Comm(address): address is None (one process) or the address of an
- * MPI_Comm (mpi4py's MPI._addressof(comm)); collective (MPI_Comm_dup). */
+ * MPI_Comm (mpi4py's MPI._addressof(comm)); collective (MPI_Comm_dup).
+ * Comm(host=obj, rank=r, size=n, nonblocking=True): the host backend over a
+ * _TorchHost (collective: lk_comm_from_host agrees on the group). */
 static int Comm_init(CommObject *self, PyObject *args, PyObject *kw) {
-    PyObject *addr = Py_None;
-    static char *kwl[] = {"address", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", kwl, &addr)) return -1;
+    PyObject *addr = Py_None, *host = Py_None;
+    int rank = 0, size = 1, nonblocking = 1;
+    static char *kwl[] = {"address", "host", "rank", "size", "nonblocking", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|OOiip", kwl, &addr, &host, &rank, &size, &nonblocking)) return -1;
     if (self->c) {
         PyErr_SetString(PyExc_RuntimeError, "Comm already initialised");
         return -1;
     }
     lk_status s;
-    if (addr == Py_None) {
+    if (host != Py_None) {
+        s = comm_from_py_host(host, rank, size, nonblocking, &self->c);
+    } else if (addr == Py_None) {
         s = lk_comm_self(&self->c);
     } else {
 #ifdef LK_HAVE_MPI
@@ -429,10 +593,15 @@ static PyObject *Comm_size(CommObject *self, void *closure) {
     (void)closure;
     return PyLong_FromLong(self->c ? lk_comm_size(self->c) : 1);
 }
+static PyObject *Comm_backend(CommObject *self, void *closure) {
+    (void)closure;
+    return PyUnicode_FromString(lk_comm_backend(self->c));
+}
 
 static PyGetSetDef Comm_getset[] = {
     {"rank", (getter)Comm_rank, NULL, "this process's rank", NULL},
     {"size", (getter)Comm_size, NULL, "number of ranks", NULL},
+    {"backend", (getter)Comm_backend, NULL, "self, mpi or host", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -69,8 +69,8 @@ def test_torch_errors_name_the_key(model):
     before = {k: v.clone() for k, v in t.items()}
     a1 = [(model["a1"], 1.0)]
     cases = [
-        ({**t, "p": torch.zeros(3, requires_grad=True)}, ValueError, "p: cannot be borrowed through DLPack"),
-        ({**t, "nc": torch.zeros(4, 6)[:, ::2]}, ValueError, "nc: not contiguous"),
+        ({**t, "m": torch.zeros(3, device="meta")}, ValueError, "m: on device meta; lorakit works on CPU memory"),
+        ({**t, "nc": torch.zeros(4, 6)[:, ::2]}, ValueError, "nc: not contiguous .* the model unchanged"),
         ({**t, "tr": torch.zeros(4, 6).t()}, ValueError, "tr: not contiguous"),
         ({**t, "c": torch.zeros(3, dtype=torch.complex64)}, TypeError, "c: dtype"),
     ]
@@ -79,6 +79,31 @@ def test_torch_errors_name_the_key(model):
             lorakit.fuse_(d, a1)
         assert all(torch.equal(t[k], before[k]) for k in t)
     assert lorakit.fuse_({"tr": torch.zeros(1, 6).t()}, [])["tensors_total"] == 1  # size-1 dims: contiguous
+
+
+def test_parameters_that_require_grad_are_written_in_place(model):
+    """requires_grad tensors (a module's parameters) are fused through their
+    storage: the module's own parameters change, stay parameters that
+    require grad, and equal the CLI's offline fuse."""
+    t = load_torch(model["base"])
+    params = {k: torch.nn.Parameter(v.clone(), requires_grad=v.is_floating_point()) for k, v in t.items()}
+    ptrs = {k: v.data_ptr() for k, v in params.items()}
+    lorakit.fuse_(params, [(model["a1"], 1.0)])
+    assert {k: v.data_ptr() for k, v in params.items()} == ptrs
+    assert all(v.requires_grad == v.is_floating_point() for v in params.values())
+    assert lorakit.digest_tensors({k: v.detach() for k, v in params.items()}) == cli_digest(model, [(model["a1"], 1.0)], "rg.safetensors")
+
+
+def test_cuda_tensors_are_refused_by_name(monkeypatch):
+    """A CUDA tensor (one claiming device cuda:0 here, where no GPU may
+    exist) is refused naming the tensor."""
+    class FakeCuda(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda:0")
+    x = torch.zeros(3).as_subclass(FakeCuda)
+    with pytest.raises(ValueError, match="emb.weight: CUDA tensors are not supported yet"):
+        lorakit.fuse_({"emb.weight": x}, [])
 
 
 def test_dlpack_capsules_are_consumed(model):
