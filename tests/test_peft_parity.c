@@ -15,7 +15,7 @@
  * the merge changed must be within 1 ulp of the float64 expectation (the
  * kernel's canonical arithmetic: fp64 accumulation for F32 weights, one
  * rounding); every other tensor must be byte-identical to the base. */
-#include "testutil.h"
+#include "adapter_ref.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -29,7 +29,7 @@
 
 #define FX LK_TEST_SRC_DIR "/tests/fixtures/peft"
 
-static char *g_dir;
+#define g_dir ar_dir /* the group's temporary folder (ar_setup_dir) */
 
 static const struct {
     const char *name;
@@ -46,25 +46,6 @@ static const struct {
 };
 static const char *const g_dtypes[3] = {"bf16", "f16", "f32"};
 
-static double ulp_of(double x, lk_dtype d) {
-    int mant = d == LK_DTYPE_BF16 ? 7 : d == LK_DTYPE_F16 ? 10 : 23;
-    int emin = d == LK_DTYPE_F16 ? -14 : -126;
-    int e = x == 0 ? emin : ilogb(x);
-    if (e < emin) e = emin;
-    return ldexp(1.0, e - mant);
-}
-
-static double value(const lk_tensor *t, size_t j) {
-    if (t->dtype == LK_DTYPE_F64) {
-        double v;
-        memcpy(&v, (const char *)t->data + 8 * j, 8);
-        return v;
-    }
-    float f;
-    lk_to_f32(&f, (const char *)t->data + j * lk_dtype_size(t->dtype), t->dtype, 1);
-    return f;
-}
-
 static void check_case(size_t ci, int di, float s) {
     const char *name = g_cases[ci].name;
     char base[512], adapter[512], out[512], exp[512];
@@ -75,41 +56,13 @@ static void check_case(size_t ci, int di, float s) {
     lk_fuse_input in = {adapter, s, LK_FORMAT_AUTO};
     lk_fuse_stats st;
     if (lk_fuse_file(base, &in, 1, out, NULL, &st)) fail_msg("%s: %s", name, lk_last_error());
-    lk_st *b, *o, *e;
-    assert_int_equal(lk_st_open(base, &b), LK_OK);
-    assert_int_equal(lk_st_open(out, &o), LK_OK);
-    assert_int_equal(lk_st_open(exp, &e), LK_OK);
-    assert_int_equal(lk_st_count(o), lk_st_count(b));
-    size_t changed = 0;
-    double worst = 0;
-    for (size_t i = 0; i < lk_st_count(b); i++) {
-        const lk_tensor *tb = lk_st_tensor(b, i);
-        long oi = lk_st_find(o, tb->name), ei = lk_st_find(e, tb->name);
-        assert_true(oi >= 0);
-        const lk_tensor *to = lk_st_tensor(o, (size_t)oi);
-        assert_int_equal(to->nbytes, tb->nbytes);
-        if (ei < 0) { /* untouched: byte-identical */
-            if (memcmp(to->data, tb->data, tb->nbytes)) fail_msg("%s %s: %s changed", name, g_dtypes[di], tb->name);
-            continue;
-        }
-        changed++;
-        const lk_tensor *te = lk_st_tensor(e, (size_t)ei);
-        size_t n = lk_tensor_numel(tb);
-        for (size_t j = 0; j < n; j++) {
-            double g = value(to, j), x = value(te, j), u = ulp_of(fabs(x), tb->dtype);
-            if (!(fabs(g - x) <= u))
-                fail_msg("%s %s s=%g: %s[%zu] = %.9g, PEFT's merge gives %.17g (off %.3g ulp)", name, g_dtypes[di],
-                         (double)s, tb->name, j, g, x, fabs(g - x) / u);
-            if (fabs(g - x) / u > worst) worst = fabs(g - x) / u;
-        }
-    }
-    assert_int_equal(changed, lk_st_count(e)); /* every expected tensor exists in the base */
+    char label[256];
+    snprintf(label, sizeof label, "%s %s s=%g", name, g_dtypes[di], (double)s);
+    size_t changed;
+    double worst = ar_check_expected(label, "PEFT's merge", base, out, exp, &changed);
     assert_int_equal(st.tensors_fused, changed);
     print_message("%-16s %s s=%-4g %2zu tensors fused, worst %.3f ulp\n", name, g_dtypes[di], (double)s, changed,
                   worst);
-    lk_st_close(b);
-    lk_st_close(o);
-    lk_st_close(e);
 }
 
 static void test_parity(void **state) {
@@ -176,24 +129,11 @@ static void test_refusals(void **state) {
     assert_false(tu_exists(out));
 }
 
-static int setup(void **state) {
-    (void)state;
-    g_dir = tu_mkdtemp();
-    return 0;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    tu_rmtree(g_dir);
-    free(g_dir);
-    return 0;
-}
-
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parity),
         cmocka_unit_test(test_alpha_sources),
         cmocka_unit_test(test_refusals),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }

@@ -1,6 +1,7 @@
 /* adapter_ref.c — see adapter_ref.h. The reference is plain double loops,
  * written independently of src/fuse (no tiling, no fp32 anywhere). */
 #include "adapter_ref.h"
+#include "fp8_ref.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -47,6 +48,11 @@ void ar_tensor_free(ar_tensor *at) {
 }
 
 double ar_get(const lk_tensor *t, size_t i) {
+    if (t->dtype == LK_DTYPE_F64) { /* float64 expectations (fixture files) */
+        double v;
+        memcpy(&v, (const char *)t->data + 8 * i, 8);
+        return v;
+    }
     float f;
     lk_to_f32(&f, (const char *)t->data + i * lk_dtype_size(t->dtype), t->dtype, 1);
     return f;
@@ -56,7 +62,7 @@ double ar_ulp(lk_dtype dt, double v) {
     int mant = dt == LK_DTYPE_F32 ? 23 : dt == LK_DTYPE_BF16 ? 7 : 10;
     int emin = dt == LK_DTYPE_F16 ? -14 : -126;
     v = fabs(v);
-    int e = v > 0 ? (int)floor(log2(v)) : emin;
+    int e = v > 0 ? ilogb(v) : emin; /* exact, unlike floor(log2(v)) just below a power of two */
     if (e < emin) e = emin;
     return ldexp(1.0, e - mant);
 }
@@ -153,4 +159,100 @@ int ar_teardown_dir(void **state) {
     free(ar_dir);
     ar_dir = NULL;
     return 0;
+}
+
+static double fp8_ulp(double q) { /* e4m3fn: 3 mantissa bits, normal exponents from -6 */
+    int e = q == 0 ? -6 : ilogb(q);
+    if (e < -6) e = -6;
+    return ldexp(1.0, e - 3);
+}
+
+/* "<m>.weight_scale" for "<m>.weight" (name must end in "weight"). */
+static void scale_name(char *dst, size_t n, const char *weight) {
+    snprintf(dst, n, "%.*sweight_scale", (int)(strlen(weight) - strlen("weight")), weight);
+}
+
+/* FP8 tensor o of the output file st against float64 expectation e. */
+static double check_fp8(const char *label, const char *who, const lk_st *st, const lk_tensor *o,
+                        const lk_tensor *e) {
+    char sname[512];
+    scale_name(sname, sizeof sname, o->name);
+    long si = lk_st_find(st, sname);
+    const lk_tensor *sc = si >= 0 ? lk_st_tensor(st, (size_t)si) : NULL;
+    size_t n = lk_tensor_numel(o), rows = (size_t)o->shape[0], per_row = n / rows;
+    size_t nscale = sc ? lk_tensor_numel(sc) : 1;
+    assert_true(nscale == 1 || nscale == rows);
+    double worst = 0;
+    for (size_t g = 0; g < nscale; g++) { /* per scale group: values, then the scale */
+        double s = sc ? ar_get(sc, g) : 1.0, amax = 0;
+        size_t j0 = nscale == 1 ? 0 : g * per_row, j1 = nscale == 1 ? n : (g + 1) * per_row;
+        for (size_t j = j0; j < j1; j++) {
+            unsigned code = ((const unsigned char *)o->data)[j];
+            double x = ar_get(e, j), got = ref_decode(&E4M3, code) * s, u = fp8_ulp(fabs(x) / s) * s;
+            if (!(fabs(got - x) <= u))
+                fail_msg("%s: %s[%zu] = %.9g (FP8 code 0x%02x x scale %.9g), %s gives %.17g (off %.3g FP8 ulp)",
+                         label, o->name, j, got, code, s, who, x, fabs(got - x) / u);
+            if (fabs(got - x) / u > worst) worst = fabs(got - x) / u;
+            if (fabs(x) > amax) amax = fabs(x);
+        }
+        if (sc) { /* rescaled: s = 448 / amax in float32, stored as its float32 reciprocal */
+            float inv = 448.0f / (float)amax, want = 1.0f / inv;
+            if (!(fabs(s - want) <= 1e-6 * want))
+                fail_msg("%s: %s[%zu] = %.9g, LTX-2's formula on the expected amax %.9g gives %.9g", label, sname, g,
+                         s, amax, (double)want);
+        }
+    }
+    return worst;
+}
+
+double ar_check_expected(const char *label, const char *who, const char *base, const char *out,
+                         const char *expected, size_t *changed) {
+    lk_st *b, *o, *e;
+    assert_int_equal(lk_st_open(base, &b), LK_OK);
+    assert_int_equal(lk_st_open(out, &o), LK_OK);
+    assert_int_equal(lk_st_open(expected, &e), LK_OK);
+    assert_int_equal(lk_st_count(o), lk_st_count(b));
+    size_t nchanged = 0;
+    double worst = 0;
+    for (size_t i = 0; i < lk_st_count(b); i++) {
+        const lk_tensor *tb = lk_st_tensor(b, i);
+        long oi = lk_st_find(o, tb->name), ei = lk_st_find(e, tb->name);
+        if (oi < 0) fail_msg("%s: %s missing from the output", label, tb->name);
+        const lk_tensor *to = lk_st_tensor(o, (size_t)oi);
+        assert_int_equal(to->dtype, tb->dtype);
+        assert_int_equal(to->nbytes, tb->nbytes);
+        if (ei < 0) {
+            size_t len = strlen(tb->name), sl = strlen(".weight_scale");
+            if (len > sl && !strcmp(tb->name + len - sl, ".weight_scale")) { /* rescaled with its FP8 weight */
+                char w[512];
+                snprintf(w, sizeof w, "%.*s.weight", (int)(len - sl), tb->name);
+                if (lk_st_find(e, w) >= 0) continue;
+            }
+            if (memcmp(to->data, tb->data, tb->nbytes))
+                fail_msg("%s: %s changed, but the adapter does not touch it", label, tb->name);
+            continue;
+        }
+        nchanged++;
+        const lk_tensor *te = lk_st_tensor(e, (size_t)ei);
+        size_t n = lk_tensor_numel(tb);
+        assert_int_equal(lk_tensor_numel(te), n);
+        if (tb->dtype == LK_DTYPE_F8_E4M3) {
+            double w = check_fp8(label, who, o, to, te);
+            if (w > worst) worst = w;
+            continue;
+        }
+        for (size_t j = 0; j < n; j++) {
+            double g = ar_get(to, j), x = ar_get(te, j), u = ar_ulp(tb->dtype, x);
+            if (!(fabs(g - x) <= u))
+                fail_msg("%s: %s[%zu] = %.9g, %s gives %.17g (off %.3g ulp)", label, tb->name, j, g, who, x,
+                         fabs(g - x) / u);
+            if (fabs(g - x) / u > worst) worst = fabs(g - x) / u;
+        }
+    }
+    assert_int_equal(nchanged, lk_st_count(e)); /* every expected tensor exists in the base */
+    lk_st_close(b);
+    lk_st_close(o);
+    lk_st_close(e);
+    if (changed) *changed = nchanged;
+    return worst;
 }

@@ -21,7 +21,7 @@ void ar_tensor_rand(ar_tensor *at, const char *name, lk_dtype dt, int64_t rows, 
 /* 0-d scalar of dtype holding v (F32/F16/BF16/F64). */
 void ar_tensor_scalar(ar_tensor *at, const char *name, lk_dtype dt, double v);
 void ar_tensor_free(ar_tensor *at);
-/* Stored value i of a fusable tensor, as a double. */
+/* Stored value i of a fusable (or F64) tensor, as a double. */
 double ar_get(const lk_tensor *t, size_t i);
 /* One unit in the last place of v in dtype (F32/F16/BF16), for |v| >= 0. */
 double ar_ulp(lk_dtype dt, double v);
@@ -65,6 +65,19 @@ void af_save(const af_file *f, const char *path, const char *const *meta_kv, siz
 extern char *ar_dir;
 int ar_setup_dir(void **state);
 int ar_teardown_dir(void **state);
+
+/* Compares the fused checkpoint out with its base and a file of float64
+ * expectations (written by a fixture generator from the real tool): every
+ * tensor named in expected must be within 1 ulp of its dtype of the
+ * expectation (F8_E4M3 weights: the code times the output's
+ * "<m>.weight_scale", within 1 FP8 ulp at that scale, the rescaled scale
+ * being LTX-2's formula on the expectation's amax to a relative 1e-6), every
+ * other tensor byte-identical to base (but the scale of an expected FP8
+ * weight). label prefixes failure messages; who names the oracle in them.
+ * Returns the worst error in ulps; *changed gets the count of expected
+ * tensors (all of which must exist in base). */
+double ar_check_expected(const char *label, const char *who, const char *base, const char *out,
+                         const char *expected, size_t *changed);
 
 /* Writes text to dir/name. */
 void af_write_text(const char *dir, const char *name, const char *text);
