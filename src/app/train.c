@@ -20,6 +20,7 @@
 #include "core/file.h"
 #include "core/clock.h"
 #include "io/yaml_doc.h"
+#include "lora/gemm.h"
 #include "lora/lora_config.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
@@ -299,6 +300,8 @@ lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_prog
     int *in = NULL, *tg = NULL;
     lk_status st;
 
+    /* OpenBLAS first: an address-space limit too low for it is an error here, on every rank */
+    if ((st = agree(world, lk_gemm_prepare(), "loading OpenBLAS"))) return st;
     /* model: from the base checkpoint or fresh from the seed */
     if (cfg->base[0]) st = lk_model_load(cfg->base, &m);
     else st = lk_model_create(&cfg->model, cfg->seed, &m);

@@ -392,7 +392,9 @@ lk_status lk_st_open(const char *path, lk_st **out) {
     if (st->len > 0) {
         void *m = mmap(NULL, st->len, PROT_READ, MAP_PRIVATE, fd, 0);
         if (m == MAP_FAILED) {
-            s = lk_error(LK_ERR_IO, "%s: cannot mmap %zu bytes: %s", path, st->len, strerror(errno));
+            s = errno == ENOMEM ? lk_error(LK_ERR_NOMEM, "%s: out of memory: cannot map its %zu bytes (address-space "
+                                           "limit, ulimit -v?)", path, st->len)
+                                : lk_error(LK_ERR_IO, "%s: cannot mmap %zu bytes: %s", path, st->len, strerror(errno));
             goto fail;
         }
         st->base = m;
