@@ -10,8 +10,9 @@ Where the C library comes from, first match wins:
      does on a fresh clone where `make build` would work).
 The static library is linked in (it is position-independent), so the
 extension does not need liblorakit.so at run time; its own dependencies
-(jansson, libyaml, xxhash, OpenBLAS, Open MPI) are linked as shared
-libraries, read from lorakit.pc's Requires.private.
+(jansson, libyaml, xxhash, Open MPI) are linked as shared libraries, read
+from lorakit.pc's Requires.private (OpenBLAS is loaded by lorakit itself
+when training first needs it).
 """
 import os
 import re
@@ -47,7 +48,7 @@ def from_build_dir(build):
         return None
     reqs = requires_of(pc)
     flags = pkgconfig("--cflags", "--libs", *reqs) if reqs else []
-    return {"include": [os.path.join(ROOT, "include")], "objects": [lib], "flags": flags + ["-lm", "-lpthread"],
+    return {"include": [os.path.join(ROOT, "include")], "objects": [lib], "flags": flags + ["-lm", "-lpthread", "-ldl"],
             "mpi": "ompi-c" in reqs}
 
 
