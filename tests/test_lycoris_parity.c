@@ -25,8 +25,11 @@
  *  - every other tensor byte-identical to the base;
  *  - refusals (IA3, OFT, BOFT, GLoRA) and malformed shapes: the fuse fails,
  *    writes no output, and the message contains the algorithm (or the
- *    factor's key) as a word outside the adapter's path, and names the
- *    module (kohya or diffusers name).
+ *    factor's key) as a word outside the adapter's path, names the module
+ *    (kohya or diffusers name), and for a malformed factor gives its shape
+ *    as the file has it (the issue asks for both shapes; the other one, the
+ *    weight's or the product's, depends on how the check is phrased, so only
+ *    this one is required).
  *
  * Cases whose algorithm lorakit does not fuse yet are listed in lk_not_yet[]
  * and SKIPPED with the reason; remove an entry when its algorithm lands
@@ -57,6 +60,7 @@ typedef struct {
     const char *expected; /* LYCO_FUSE: relative to FX */
     const char *word;     /* refusals: the algorithm / factor the error must name */
     const char *module;   /* refusals: the module (diffusers name) the error must name */
+    const char *shape;    /* malformed: the bad factor's shape, "AxB", the error must give */
 } lyco_case;
 #include "fixtures/lycoris/cases.h"
 
@@ -87,7 +91,9 @@ static const struct {
     {"boft", "the refusal does not name BOFT yet"},
     {"glora", "the refusal does not name GLoRA yet"},
     {"bad_lokr_kron", "LoKr shapes are not validated yet (LoKr is refused as a whole)"},
+    {"bad_tucker_rank", "Tucker cores are not validated yet (lora_mid is refused as an unknown key, no shape given)"},
     {"bad_loha", "LoHa shapes are not validated yet (LoHa is refused as a whole)"},
+    {"dense", "set_weight / diff / diff_b in diffusers names are not fused yet"},
 };
 
 #define NCASES (sizeof lyco_cases / sizeof lyco_cases[0])
@@ -167,6 +173,22 @@ static void run_refusal(const lyco_case *c) {
         if (*p == '.') *p = '_';
     if (!strstr(msg, c->module) && !strstr(msg, kohya))
         fail_msg("%s: the error names neither %s nor %s: \"%s\"", c->name, c->module, kohya, msg);
+    if (c->shape) { /* "4x2", or "[4, 2]" / "(4, 2)" */
+        char list[64];
+        size_t k = 0;
+        for (const char *p = c->shape; *p && k + 3 < sizeof list; p++) {
+            if (*p == 'x') {
+                list[k++] = ',';
+                list[k++] = ' ';
+            } else list[k++] = *p;
+        }
+        list[k] = 0;
+        char br[80], pa[80];
+        snprintf(br, sizeof br, "[%s]", list);
+        snprintf(pa, sizeof pa, "(%s)", list);
+        if (!strstr(msg, c->shape) && !strstr(msg, br) && !strstr(msg, pa))
+            fail_msg("%s: the error does not give the shape of %s (%s): \"%s\"", c->name, c->word, c->shape, msg);
+    }
     print_message("%-14s refused: %s\n", c->name, msg);
 }
 
