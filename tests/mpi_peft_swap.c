@@ -16,7 +16,7 @@
 #define FX LK_TEST_SRC_DIR "/tests/fixtures/peft"
 
 static lk_comm *W;
-static char g_dir[512];
+#define g_dir tu_mpi_dir /* the group's shared temporary folder */
 
 static void step(lk_tracker *tr, const lk_weights *w, const char *base, const lk_fuse_input *in, size_t n) {
     lk_tracker_stats st;
@@ -65,22 +65,9 @@ static void test_peft_plan(void **state) {
     }
 }
 
-static int setup(void **state) {
-    (void)state;
-    tu_mpi_tmpdir(W, g_dir, sizeof g_dir);
-    return 0;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    lk_comm_barrier(W);
-    if (lk_comm_rank(W) == 0) tu_rmtree(g_dir);
-    return 0;
-}
-
 int main(int argc, char **argv) {
-    W = tu_mpi_init(&argc, &argv);
+    W = tu_mpi_world = tu_mpi_init(&argc, &argv);
     lk_log_set_level(LK_LOG_ERROR);
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_peft_plan)};
-    return tu_mpi_finish(W, cmocka_run_group_tests(tests, setup, teardown));
+    return tu_mpi_finish(W, cmocka_run_group_tests(tests, tu_mpi_setup_dir, tu_mpi_teardown_dir));
 }

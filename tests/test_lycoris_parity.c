@@ -49,19 +49,6 @@
 
 #define FX LK_TEST_SRC_DIR "/tests/fixtures/lycoris"
 
-typedef enum { LYCO_FUSE, LYCO_REFUSE, LYCO_MALFORMED } lyco_kind;
-typedef struct {
-    const char *name;     /* the adapter case (fixture file stem) */
-    const char *algo;     /* what it holds, for messages */
-    lyco_kind kind;
-    const char *adapter;  /* relative to FX */
-    const char *base;     /* relative to FX */
-    double strength;
-    const char *expected; /* LYCO_FUSE: relative to FX */
-    const char *word;     /* refusals: the algorithm / factor the error must name */
-    const char *module;   /* refusals: the module (diffusers name) the error must name */
-    const char *shape;    /* malformed: the bad factor's shape, "AxB", the error must give */
-} lyco_case;
 #include "fixtures/lycoris/cases.h"
 
 /* Not fused (or not refused by name) yet: skipped with the reason. The

@@ -52,6 +52,23 @@ static inline void tu_mpi_tmpdir(lk_comm *world, char *dir, size_t cap) {
     if (lk_comm_bcast(world, dir, cap, 0) != LK_OK) tu_mpi_die("broadcast the temp dir");
 }
 
+/* cmocka group setup/teardown for the tests that need only a shared
+ * temporary folder: tu_mpi_dir on every rank, made in the world
+ * tu_mpi_world (set it first), removed by rank 0 after a barrier. */
+__attribute__((unused)) static lk_comm *tu_mpi_world;
+__attribute__((unused)) static char tu_mpi_dir[512];
+static inline int tu_mpi_setup_dir(void **state) {
+    (void)state;
+    tu_mpi_tmpdir(tu_mpi_world, tu_mpi_dir, sizeof tu_mpi_dir);
+    return 0;
+}
+static inline int tu_mpi_teardown_dir(void **state) {
+    (void)state;
+    lk_comm_barrier(tu_mpi_world);
+    if (lk_comm_rank(tu_mpi_world) == 0) tu_rmtree(tu_mpi_dir);
+    return 0;
+}
+
 /* Asserts that every rank's weights digest to want, naming the first rank
  * that does not. */
 static inline void tu_mpi_check_digest(lk_comm *world, const lk_weights *w, const char *want) {

@@ -1,0 +1,111 @@
+/* mpi_lycoris_swap.c — the hot-swap tracker on the adapters written by the
+ * real `lycoris-lora` and `peft` packages (tests/fixtures/lycoris, the
+ * manifest cases.h), at 1-4 ranks, on the BF16, F32 and FP8 bases.
+ *
+ * Oracle: the offline lk_fuse_file of the same request
+ * (swap_offline_digest), whose bytes test_lycoris_parity checks against
+ * LyCORIS's forward and PEFT's merge in float64. For every fuse case of the
+ * manifest at strength 1 on a base, one tracker step applies it: every rank must end with
+ * the offline digest. Where the offline fuse refuses the request (an
+ * algorithm not fused yet: test_lycoris_parity lists those in lk_not_yet),
+ * the tracker must refuse it too, on every rank, with the weights as they
+ * were. Then requests of two adapters with different algorithms on the same
+ * weights (their deltas add), and a reset back to the base's digest. */
+#include "mpi_testutil.h"
+#include "swap_fixture.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "lorakit/lorakit.h"
+
+#define FX LK_TEST_SRC_DIR "/tests/fixtures/lycoris"
+
+#include "fixtures/lycoris/cases.h"
+
+#define NCASES (sizeof lyco_cases / sizeof lyco_cases[0])
+
+static lk_comm *W;
+#define g_dir tu_mpi_dir /* the group's shared temporary folder */
+static int g_fused, g_refused;
+
+/* Applies in[0..n) with the tracker: the offline digest on every rank, or,
+ * where the offline fuse refuses, a refusal on every rank, nothing changed. */
+static void step(lk_tracker *tr, const lk_weights *w, const char *base, const lk_fuse_input *in, size_t n) {
+    char want[LK_DIGEST_HEX + 1], before[LK_DIGEST_HEX], scratch[600];
+    snprintf(scratch, sizeof scratch, "%s/offline.safetensors", g_dir);
+    assert_int_equal(lk_weights_digest(w, before), LK_OK);
+    if (lk_comm_rank(W) == 0) /* the offline fuse once, its verdict and digest to every rank */
+        want[LK_DIGEST_HEX] = (char)(swap_offline_digest(base, in, n, scratch, want) == 0);
+    assert_int_equal(lk_comm_bcast(W, want, sizeof want, 0), LK_OK);
+    if (!want[LK_DIGEST_HEX]) {
+        lk_status s = lk_tracker_apply(tr, in, n, NULL);
+        if (s == LK_OK) fail_msg("%s: the tracker fused what the offline fuse refuses", in[0].path);
+        tu_mpi_check_digest(W, w, before);
+        g_refused++;
+        return;
+    }
+    if (lk_tracker_apply(tr, in, n, NULL)) fail_msg("apply %s (+%zu): %s", in[0].path, n - 1, lk_last_error());
+    tu_mpi_check_digest(W, w, want);
+    g_fused++;
+}
+
+static void test_lycoris_plan(void **state) {
+    (void)state;
+    /* F16 and the strength-0.7 rows are checked offline by
+     * test_lycoris_parity; left out here to keep the 1-4 rank runs short
+     * under ASan. */
+    static const char *const bases[3] = {"base_bf16.safetensors", "base_f32.safetensors", "base_fp8.safetensors"};
+    char paths[NCASES][512];
+    for (int b = 0; b < 3; b++) {
+        char base[512];
+        snprintf(base, sizeof base, FX "/%s", bases[b]);
+        lk_weights *w;
+        if (lk_weights_load(base, &w)) fail_msg("%s", lk_last_error());
+        char clean[LK_DIGEST_HEX];
+        assert_int_equal(lk_weights_digest(w, clean), LK_OK);
+        lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+        o.bucket_bytes = (size_t)1 << 14; /* several buckets even on this small model */
+        lk_tracker *tr;
+        if (lk_tracker_create(W, w, &o, &tr)) fail_msg("%s", lk_last_error());
+        for (size_t i = 0; i < NCASES; i++) {
+            const lyco_case *c = &lyco_cases[i];
+            if (c->kind != LYCO_FUSE || strcmp(c->base, bases[b]) || c->strength != 1.0) continue;
+            snprintf(paths[i], sizeof paths[i], FX "/%s", c->adapter);
+            lk_fuse_input in = {paths[i], c->strength, LK_FORMAT_AUTO};
+            step(tr, w, base, &in, 1);
+        }
+        /* Different algorithms on the same weights in one request: their
+         * deltas add (LoKr + LoRA on ff.net.0.proj; LoHa + LoCon + LoKr on
+         * down_blocks.0.resnets.0.conv1; dense diffs + LoRA). */
+        static const char *const pairs[][3] = {
+            {"lokr.safetensors", "lora_linear.safetensors", NULL},
+            {"loha.safetensors", "locon.safetensors", "lokr_conv.safetensors"},
+            {"full.safetensors", "lora_linear.safetensors", "locon_tucker.safetensors"},
+        };
+        for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++) {
+            char pp[3][512];
+            lk_fuse_input in[3];
+            size_t n = 0;
+            for (; n < 3 && pairs[p][n]; n++) {
+                snprintf(pp[n], sizeof pp[n], FX "/%s", pairs[p][n]);
+                in[n] = (lk_fuse_input){pp[n], n ? 0.5 : 1.0, LK_FORMAT_AUTO};
+            }
+            step(tr, w, base, in, n);
+        }
+        assert_int_equal(lk_tracker_reset(tr, NULL), LK_OK);
+        tu_mpi_check_digest(W, w, clean);
+        lk_tracker_free(tr);
+        lk_weights_free(w);
+    }
+    if (lk_comm_rank(W) == 0)
+        print_message("%d requests fused equal to the offline fuse, %d refused by both\n", g_fused, g_refused);
+    assert_true(g_fused > 0);
+}
+
+int main(int argc, char **argv) {
+    W = tu_mpi_world = tu_mpi_init(&argc, &argv);
+    lk_log_set_level(LK_LOG_ERROR);
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_lycoris_plan)};
+    return tu_mpi_finish(W, cmocka_run_group_tests(tests, tu_mpi_setup_dir, tu_mpi_teardown_dir));
+}
