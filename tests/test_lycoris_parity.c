@@ -23,6 +23,8 @@
  *    formula on the expectation's amax (to a relative 1e-6: lorakit takes the
  *    amax of its own fused values);
  *  - every other tensor byte-identical to the base;
+ *  - lk_fuse_tensors (in place, one thread) gives the same digest as the
+ *    file fuse (all threads);
  *  - refusals (IA3, OFT, BOFT, GLoRA) and malformed shapes: the fuse fails,
  *    writes no output, and the message contains the algorithm (or the
  *    factor's key) as a word outside the adapter's path, names the module
@@ -119,6 +121,27 @@ static void run_fuse(const lyco_case *c) {
     size_t changed;
     double worst = ar_check_expected(label, "LyCORIS's forward", base, out, exp, &changed);
     assert_int_equal(st.tensors_fused, changed);
+    /* The in-place form (lk_fuse_tensors, one thread) gives the same bytes
+     * as the file fuse (all threads). */
+    lk_st *fused;
+    char want[LK_DIGEST_HEX], got[LK_DIGEST_HEX];
+    assert_int_equal(lk_st_open(out, &fused), LK_OK);
+    assert_int_equal(lk_digest_st(fused, want), LK_OK);
+    lk_st_close(fused);
+    lk_weights *w;
+    assert_int_equal(lk_weights_load(base, &w), LK_OK);
+    size_t nw = lk_weights_count(w);
+    lk_tensor *views = calloc(nw, sizeof *views);
+    assert_non_null(views);
+    for (size_t i = 0; i < nw; i++) views[i] = *lk_weights_tensor(w, i);
+    lk_fuse_file_opts one = {.fuse = {.threads = 1}};
+    lk_fuse_stats ts;
+    if (lk_fuse_tensors(views, nw, &in, 1, &one, &ts)) fail_msg("%s: lk_fuse_tensors: %s", label, lk_last_error());
+    assert_int_equal(lk_weights_digest(w, got), LK_OK);
+    if (strcmp(got, want)) fail_msg("%s: lk_fuse_tensors gives digest %s, lk_fuse_file %s", label, got, want);
+    assert_int_equal(ts.tensors_fused, changed);
+    free(views);
+    lk_weights_free(w);
     print_message("%-14s %-22s s=%-4g %2zu tensors, worst %.3f ulp\n", c->name, c->base, c->strength,
                   changed, worst);
     remove(out);
