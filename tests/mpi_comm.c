@@ -9,9 +9,11 @@
 #include "mpi_testutil.h"
 #include "comm/comm_internal.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static lk_comm *g_world;
 static int R, N;
@@ -353,6 +355,96 @@ static void test_average_f32(void **state) {
     assert_true(b3[0] == before);
 }
 
+static double now(clockid_t id) {
+    struct timespec ts;
+    clock_gettime(id, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* The collective timeout (comm.h): on a fresh communicator with a 1 s
+ * timeout, the last rank never joins one collective (it goes on to a
+ * barrier of the world communicator, as a rank stuck elsewhere would).
+ * Every other rank must return LK_ERR_TIMEOUT within the timeout plus the
+ * diagnosis' grace (0.5 s for 1 s) and scheduling slack, naming the
+ * operation, its number (#1: the first collective on the communicator), the
+ * stalled rank as waited for, and (3+ ranks) the other waiting ranks; its
+ * thread must have used under a quarter of the wall time meanwhile (a
+ * busy-polling wait uses all of it, or its share of the 2 cores here); the
+ * communicator then refuses every call at once. Expectations come from
+ * comm.h's contract, not from the implementation's figures. `big` selects
+ * a 64 KiB broadcast from the stalled rank (chunked by LORAKIT_COMM_CHUNK=1000,
+ * straight into the caller's buffer, static: the transport may still write
+ * it) instead of a
+ * 3-word allreduce (through the communicator's stage). */
+static void timeout_case(int big) {
+    static unsigned char bbuf[65536];
+    lk_comm *c = NULL;
+    assert_int_equal(lk_comm_from_mpi(MPI_COMM_WORLD, &c), LK_OK);
+    assert_true(lk_comm_timeout(c) == LK_COMM_TIMEOUT_DEFAULT);
+    assert_int_equal(lk_comm_set_timeout(c, 1.0), LK_OK);
+    if (N == 1) { /* nobody to wait for: completes */
+        uint64_t v[3] = {1, 2, 3};
+        assert_int_equal(big ? lk_comm_bcast(c, bbuf, sizeof bbuf, 0) : lk_comm_allreduce_u64(c, v, 3, LK_REDUCE_MAX),
+                         LK_OK);
+        lk_comm_free(c);
+        return;
+    }
+    if (R != N - 1) {
+        uint64_t v[3] = {1, 2, 3};
+        double t0 = now(CLOCK_MONOTONIC), c0 = now(CLOCK_THREAD_CPUTIME_ID);
+        lk_status st = big ? lk_comm_bcast(c, bbuf, sizeof bbuf, N - 1) : lk_comm_allreduce_u64(c, v, 3, LK_REDUCE_MAX);
+        double wall = now(CLOCK_MONOTONIC) - t0, cpu = now(CLOCK_THREAD_CPUTIME_ID) - c0;
+        fprintf(stderr, "rank %d: timed out after %.2f s wall, %.3f s CPU: %s\n", R, wall, cpu, lk_last_error());
+        assert_int_equal(st, LK_ERR_TIMEOUT);
+        assert_true(wall >= 1.0 && wall < 3.5);
+        assert_true(cpu < 0.25 * wall);
+        const char *e = lk_last_error();
+        tu_assert_contains(e, big ? "comm mpi bcast (collective #1 " : "comm mpi allreduce_u64 (collective #1 ");
+        char want[64];
+        snprintf(want, sizeof want, "waiting for rank %d (no answer", N - 1);
+        tu_assert_contains(e, want);
+        if (N >= 3) {
+            snprintf(want, sizeof want, "waiting in it too: rank %d", R == 0 ? 1 : 0);
+            tu_assert_contains(e, want);
+        } else assert_null(strstr(e, "waiting in it too"));
+        /* unusable from now on, at once */
+        t0 = now(CLOCK_MONOTONIC);
+        assert_int_equal(lk_comm_barrier(c), LK_ERR_TIMEOUT);
+        assert_true(now(CLOCK_MONOTONIC) - t0 < 0.5);
+        tu_assert_contains(lk_last_error(), "unusable after an earlier timeout");
+    }
+    assert_int_equal(lk_comm_barrier(g_world), LK_OK);
+    lk_comm_free(c);
+}
+
+static void test_timeout_small(void **state) {
+    (void)state;
+    timeout_case(0);
+}
+
+static void test_timeout_big(void **state) {
+    (void)state;
+    timeout_case(1);
+}
+
+/* The setting: validated, inherited by split. */
+static void test_timeout_setting(void **state) {
+    (void)state;
+    lk_comm *c = NULL, *d = NULL;
+    assert_int_equal(lk_comm_from_mpi(MPI_COMM_WORLD, &c), LK_OK);
+    assert_int_equal(lk_comm_set_timeout(c, -1), LK_ERR_ARG);
+    assert_int_equal(lk_comm_set_timeout(c, NAN), LK_ERR_ARG);
+    assert_int_equal(lk_comm_set_timeout(c, INFINITY), LK_ERR_ARG);
+    assert_true(lk_comm_timeout(c) == LK_COMM_TIMEOUT_DEFAULT);
+    assert_int_equal(lk_comm_set_timeout(c, 7.5), LK_OK);
+    assert_int_equal(lk_comm_split(c, 0, R, &d), LK_OK);
+    assert_true(lk_comm_timeout(d) == 7.5);
+    assert_int_equal(lk_comm_set_timeout(d, 0), LK_OK);
+    assert_true(lk_comm_timeout(d) == 0 && lk_comm_timeout(c) == 7.5);
+    lk_comm_free(d);
+    lk_comm_free(c);
+}
+
 int main(int argc, char **argv) {
     setenv("LORAKIT_COMM_CHUNK", "1000", 1);
     g_world = tu_mpi_init(&argc, &argv);
@@ -365,6 +457,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_agree),         cmocka_unit_test(test_mesh),
         cmocka_unit_test(test_mesh_alloc_fails_on_one_rank), cmocka_unit_test(test_bad_chunk_on_one_rank),
         cmocka_unit_test(test_average_f32),
+        cmocka_unit_test(test_timeout_setting), cmocka_unit_test(test_timeout_small), cmocka_unit_test(test_timeout_big),
     };
     return tu_mpi_finish(g_world, cmocka_run_group_tests(tests, NULL, NULL));
 }

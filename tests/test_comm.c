@@ -45,6 +45,28 @@ static void test_self_collectives(void **state) {
     lk_comm_free(c);
 }
 
+/* The timeout setting on the self backend (comm.h): default, validation,
+ * inheritance by split; a self communicator cannot end a group. */
+static void test_self_timeout(void **state) {
+    (void)state;
+    lk_comm *c = NULL, *d = NULL;
+    assert_int_equal(lk_comm_self(&c), LK_OK);
+    assert_true(lk_comm_timeout(c) == LK_COMM_TIMEOUT_DEFAULT);
+    assert_int_equal(lk_comm_set_timeout(c, -0.5), LK_ERR_ARG);
+    tu_assert_contains(lk_last_error(), "-0.5");
+    assert_int_equal(lk_comm_set_timeout(c, 1.0 / 0.0), LK_ERR_ARG);
+    assert_int_equal(lk_comm_set_timeout(NULL, 1), LK_ERR_ARG);
+    assert_int_equal(lk_comm_set_timeout(c, 2.5), LK_OK);
+    assert_int_equal(lk_comm_split(c, 0, 0, &d), LK_OK);
+    assert_true(lk_comm_timeout(d) == 2.5);
+    assert_int_equal(lk_comm_abort(c, 1), LK_ERR_UNSUPPORTED);
+    uint64_t v = 5;
+    assert_int_equal(lk_comm_allreduce_u64(c, &v, 1, LK_REDUCE_MAX), LK_OK); /* nothing to wait for */
+    assert_true(v == 5);
+    lk_comm_free(d);
+    lk_comm_free(c);
+}
+
 static void test_self_agree(void **state) {
     (void)state;
     lk_comm *c = NULL;
@@ -123,6 +145,7 @@ int main(void) {
         cmocka_unit_test(test_world_without_launcher),
         cmocka_unit_test(test_self_collectives),
         cmocka_unit_test(test_self_agree),
+        cmocka_unit_test(test_self_timeout),
         cmocka_unit_test(test_self_mesh),
         cmocka_unit_test(test_self_alloc_failure),
     };

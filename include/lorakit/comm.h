@@ -64,6 +64,52 @@ lk_status lk_comm_allgather(lk_comm *c, const void *send, size_t n, void *recv);
  * rank). A rank passing a negative color joins none and gets *out = NULL. */
 lk_status lk_comm_split(lk_comm *c, int color, int key, lk_comm **out);
 
+/* ---- collective timeout (every backend honours it) ----
+ *
+ * A collective waits at most the communicator's timeout for the other
+ * ranks: counted from the moment this rank starts it, a collective not
+ * complete after `seconds` returns LK_ERR_TIMEOUT with a message naming
+ * the operation, its number on this communicator ("collective #N", equal on
+ * every rank), how long it waited, and, where the backend can tell, the
+ * ranks it waited for and those that were waiting in it too (MPI asks the
+ * other ranks; a rank that does not answer within a short grace is named as
+ * waited for). Callers prefix their own context (the tracker its phase,
+ * the CLI the plan step). Every rank that is waiting times out on its own
+ * clock; a stalled rank reports nothing until it resumes.
+ *
+ * A collective cannot be cancelled: after LK_ERR_TIMEOUT the communicator
+ * is unusable (every later call on it, and on communicators split from it
+ * later, fails at once with LK_ERR_TIMEOUT repeating the first message),
+ * and the transport may still write the timed-out collective's receive
+ * buffers should the missing ranks arrive. The program should end:
+ * lk_comm_abort ends every rank (the lorakit CLI reports on every rank that
+ * can act, then aborts).
+ *
+ * Waiting never spins a core: backends poll with sleeps that grow from
+ * 50 us to 1 ms, and to 10 ms once a wait has lasted a second (the extra
+ * latency is at most about 1 ms, or 1% past the first second).
+ *
+ * Not covered: creating communicators (lk_comm_world, lk_comm_from_mpi,
+ * lk_comm_split), which MPI offers only as blocking calls. */
+
+/* 300 s: long enough for a rank to load its adapters or fuse its largest
+ * key while the others wait, short enough that a stalled job ends. */
+#define LK_COMM_TIMEOUT_DEFAULT 300.0
+
+/* Sets c's timeout in seconds (0 = wait forever). Local: set the same value
+ * on every rank. A new communicator starts at LK_COMM_TIMEOUT_DEFAULT; one
+ * from lk_comm_split inherits its parent's. LK_ERR_ARG for a negative,
+ * NaN or infinite value (use 0 for none). */
+lk_status lk_comm_set_timeout(lk_comm *c, double seconds);
+/* The timeout in seconds (0 = none). */
+double lk_comm_timeout(const lk_comm *c);
+/* Ends every process of c's job with exit code `code`, for a program after
+ * an unrecoverable failure (LK_ERR_TIMEOUT: the collective cannot be
+ * cancelled). MPI: MPI_Abort. Returns only where the backend cannot abort
+ * the group (self, a host backend without an abort callback), with
+ * LK_ERR_UNSUPPORTED: the caller then exits by itself. */
+lk_status lk_comm_abort(lk_comm *c, int code);
+
 /* Agreement on success, for operations where any rank may fail locally:
  * every rank passes its own status (its message in lk_last_error()). Returns
  * LK_OK on every rank when all passed LK_OK; otherwise every rank returns

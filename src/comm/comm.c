@@ -9,9 +9,14 @@
  * checked here once, so backends only move bytes. */
 #include "comm/comm_impl.h"
 
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
+#include "core/clock.h"
 #include "lorakit/alloc.h"
 
 lk_status lk_comm_new(const lk_comm_ops *ops, int rank, int size, void *impl, lk_comm **out) {
@@ -21,6 +26,7 @@ lk_status lk_comm_new(const lk_comm_ops *ops, int rank, int size, void *impl, lk
     c->rank = rank;
     c->size = size;
     c->impl = impl;
+    c->timeout = LK_COMM_TIMEOUT_DEFAULT;
     *out = c;
     return LK_OK;
 }
@@ -35,6 +41,71 @@ int lk_comm_rank(const lk_comm *c) { return c ? c->rank : 0; }
 int lk_comm_size(const lk_comm *c) { return c ? c->size : 1; }
 const char *lk_comm_backend(const lk_comm *c) { return c ? c->ops->name : "none"; }
 
+lk_status lk_comm_set_timeout(lk_comm *c, double seconds) {
+    if (!c) return lk_error(LK_ERR_ARG, "comm timeout: communicator is NULL");
+    if (!isfinite(seconds) || seconds < 0)
+        return lk_error(LK_ERR_ARG, "comm timeout: %g seconds is not a finite value >= 0 (0 = none)", seconds);
+    c->timeout = seconds;
+    return LK_OK;
+}
+
+double lk_comm_timeout(const lk_comm *c) { return c ? c->timeout : 0; }
+
+lk_status lk_comm_abort(lk_comm *c, int code) {
+    if (!c) return lk_error(LK_ERR_ARG, "comm abort: communicator is NULL");
+    if (!c->ops->abort) return lk_error(LK_ERR_UNSUPPORTED, "comm abort: the %s backend cannot end the group", c->ops->name);
+    c->ops->abort(c, code);
+    return lk_error(LK_ERR_COMM, "comm abort: the %s backend returned", c->ops->name);
+}
+
+/* ---- waiting (comm_impl.h) ---- */
+
+void lk_comm_wait_start(lk_comm_wait *w) {
+    w->t0 = lk_now_s();
+    w->pause = 0;
+}
+
+void lk_comm_wait_pause(lk_comm_wait *w) {
+    const double cap = lk_now_s() - w->t0 < 1.0 ? 1e-3 : 10e-3;
+    w->pause = w->pause ? w->pause * 2 : 50e-6;
+    if (w->pause > cap) w->pause = cap;
+    struct timespec ts = {0, (long)(w->pause * 1e9)};
+    while (nanosleep(&ts, &ts) && errno == EINTR) {
+    }
+}
+
+int lk_comm_wait_expired(const lk_comm *c, const lk_comm_wait *w) {
+    return c->timeout > 0 && lk_now_s() - w->t0 >= c->timeout;
+}
+
+lk_status lk_comm_timeout_error(const lk_comm *c, const lk_comm_wait *w, const char *detail) {
+    return lk_error(LK_ERR_TIMEOUT, "comm %s %s (collective #%llu on this communicator): timed out (not complete "
+                    "after %.1f s; timeout %g s)%s", c->ops->name, c->op ? c->op : "collective",
+                    (unsigned long long)c->seq, lk_now_s() - w->t0, c->timeout, detail ? detail : "");
+}
+
+/* Every collective passes through enter/leave: a communicator that timed
+ * out refuses, each call gets its number (the same on every rank), and a
+ * timeout makes the communicator unusable (the collective is still in
+ * flight and cannot be cancelled). */
+static lk_status enter(lk_comm *c, const char *op) {
+    if (c->dead)
+        return lk_error(LK_ERR_TIMEOUT, "comm %s: the communicator is unusable after an earlier timeout: %s", op,
+                        c->dead_msg);
+    c->seq++;
+    c->op = op;
+    return LK_OK;
+}
+
+static lk_status leave(lk_comm *c, lk_status st) {
+    if (st == LK_ERR_TIMEOUT && !c->dead) {
+        c->dead = 1;
+        snprintf(c->dead_msg, sizeof c->dead_msg, "%s", lk_last_error());
+    }
+    c->op = NULL;
+    return st;
+}
+
 static lk_status check(const lk_comm *c, const void *buf, size_t n, const char *op) {
     if (!c) return lk_error(LK_ERR_ARG, "comm %s: communicator is NULL", op);
     if (n && !buf) return lk_error(LK_ERR_ARG, "comm %s: NULL buffer for %zu elements", op, n);
@@ -43,7 +114,8 @@ static lk_status check(const lk_comm *c, const void *buf, size_t n, const char *
 
 lk_status lk_comm_barrier(lk_comm *c) {
     lk_status st = check(c, NULL, 0, "barrier");
-    return st ? st : c->ops->barrier(c);
+    if (!st) st = enter(c, "barrier");
+    return st ? st : leave(c, c->ops->barrier(c));
 }
 
 lk_status lk_comm_bcast(lk_comm *c, void *buf, size_t n, int root) {
@@ -52,7 +124,8 @@ lk_status lk_comm_bcast(lk_comm *c, void *buf, size_t n, int root) {
     if (root < 0 || root >= c->size)
         return lk_error(LK_ERR_ARG, "comm bcast: root %d is not a rank of a %d-rank communicator",
                         root, c->size);
-    return c->ops->bcast(c, buf, n, root);
+    if ((st = enter(c, "bcast"))) return st;
+    return leave(c, c->ops->bcast(c, buf, n, root));
 }
 
 lk_status lk_comm_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root) {
@@ -69,18 +142,20 @@ lk_status lk_comm_bcastv_ready(lk_comm *c, const lk_comm_seg *seg, size_t nseg, 
     for (size_t i = 0; i < nseg; i++)
         if (seg[i].n && !seg[i].p) return lk_error(LK_ERR_ARG, "comm bcastv: segment %zu is NULL", i);
     if (c->rank != root) ready = NULL;
-    if (c->ops->bcastv) return c->ops->bcastv(c, seg, nseg, root, ready, idle, arg);
+    if ((st = enter(c, "bcastv"))) return st;
+    if (c->ops->bcastv) return leave(c, c->ops->bcastv(c, seg, nseg, root, ready, idle, arg));
     for (size_t i = 0; i < nseg && !st; i++) {
         if (!seg[i].n) continue;
         if (ready) ready(arg, i + 1);
         st = c->ops->bcast(c, seg[i].p, seg[i].n, root);
     }
-    return st;
+    return leave(c, st);
 }
 
 lk_status lk_comm_allreduce_f32_sum(lk_comm *c, float *buf, size_t n) {
     lk_status st = check(c, buf, n, "allreduce_f32_sum");
-    return st ? st : c->ops->allreduce_f32_sum(c, buf, n);
+    if (!st) st = enter(c, "allreduce_f32_sum");
+    return st ? st : leave(c, c->ops->allreduce_f32_sum(c, buf, n));
 }
 
 lk_status lk_comm_allreduce_u64(lk_comm *c, uint64_t *buf, size_t n, lk_reduce_op op) {
@@ -88,7 +163,8 @@ lk_status lk_comm_allreduce_u64(lk_comm *c, uint64_t *buf, size_t n, lk_reduce_o
     if (st) return st;
     if (op != LK_REDUCE_SUM && op != LK_REDUCE_MIN && op != LK_REDUCE_MAX)
         return lk_error(LK_ERR_ARG, "comm allreduce_u64: unknown reduce op %d", (int)op);
-    return c->ops->allreduce_u64(c, buf, n, op);
+    if ((st = enter(c, "allreduce_u64"))) return st;
+    return leave(c, c->ops->allreduce_u64(c, buf, n, op));
 }
 
 lk_status lk_comm_allgather(lk_comm *c, const void *send, size_t n, void *recv) {
@@ -98,13 +174,17 @@ lk_status lk_comm_allgather(lk_comm *c, const void *send, size_t n, void *recv) 
     if (!lk_checked_mul(n, (size_t)c->size, &total))
         return lk_error(LK_ERR_ARG, "comm allgather: %zu bytes x %d ranks overflows", n, c->size);
     if (n && !recv) return lk_error(LK_ERR_ARG, "comm allgather: NULL receive buffer");
-    return c->ops->allgather(c, send, n, recv);
+    if ((st = enter(c, "allgather"))) return st;
+    return leave(c, c->ops->allgather(c, send, n, recv));
 }
 
 lk_status lk_comm_split(lk_comm *c, int color, int key, lk_comm **out) {
     if (!c || !out) return lk_error(LK_ERR_ARG, "comm split: NULL argument");
     *out = NULL;
-    return c->ops->split(c, color, key, out);
+    lk_status st = enter(c, "split");
+    if (!st) st = leave(c, c->ops->split(c, color, key, out));
+    if (!st && *out) (*out)->timeout = c->timeout;
+    return st;
 }
 
 /* The failing rank's status and message travel in one fixed-size record, so
@@ -122,8 +202,10 @@ lk_status lk_comm_agree_min(lk_comm *c, lk_status local, uint64_t *v, size_t n) 
     if (c->size == 1) return local; /* nothing to agree on; keep the message as it is */
     uint64_t buf[8] = {local != LK_OK ? (uint64_t)c->rank : UINT64_MAX};
     if (n) memcpy(buf + 1, v, n * sizeof *v);
-    if (c->ops->allreduce_u64(c, buf, n + 1, LK_REDUCE_MIN) != LK_OK)
-        return lk_error_prefix(LK_ERR_COMM, "comm agree");
+    lk_status s = enter(c, "agree");
+    if (s) return s;
+    if ((s = leave(c, c->ops->allreduce_u64(c, buf, n + 1, LK_REDUCE_MIN))))
+        return lk_error_prefix(s == LK_ERR_TIMEOUT ? s : LK_ERR_COMM, "comm agree");
     if (n) memcpy(v, buf + 1, n * sizeof *v);
     const uint64_t first = buf[0];
     if (first == UINT64_MAX) return LK_OK;
@@ -133,8 +215,9 @@ lk_status lk_comm_agree_min(lk_comm *c, lk_status local, uint64_t *v, size_t n) 
         m.status = (int32_t)local;
         strncpy(m.text, lk_last_error(), sizeof m.text - 1);
     }
-    if (c->ops->bcast(c, &m, sizeof m, (int)first) != LK_OK)
-        return lk_error_prefix(LK_ERR_COMM, "comm agree");
+    if ((s = enter(c, "agree (the failing rank's message)"))) return s;
+    if ((s = leave(c, c->ops->bcast(c, &m, sizeof m, (int)first))))
+        return lk_error_prefix(s == LK_ERR_TIMEOUT ? s : LK_ERR_COMM, "comm agree");
     m.text[sizeof m.text - 1] = '\0';
     lk_status st = (m.status > 0 && m.status < LK_STATUS_COUNT) ? (lk_status)m.status : LK_ERR_COMM;
     return lk_error(st, "rank %d: %s", (int)first, m.text);

@@ -24,14 +24,44 @@ typedef struct lk_comm_ops {
     lk_status (*allgather)(lk_comm *c, const void *send, size_t n, void *recv);
     /* *out may be set to NULL for a rank with a negative color. */
     lk_status (*split)(lk_comm *c, int color, int key, lk_comm **out);
+    /* May be NULL (lk_comm_abort then returns LK_ERR_UNSUPPORTED). */
+    void (*abort)(lk_comm *c, int code);
 } lk_comm_ops;
 
+/* Backends honour the timeout (lorakit/comm.h) in their waits: every wait
+ * for a transport operation is an lk_comm_wait loop (poll, then
+ * lk_comm_wait_pause), and on lk_comm_wait_expired the backend returns
+ * LK_ERR_TIMEOUT with lk_comm_timeout_error's message. The dispatch layer
+ * (comm.c) then marks the communicator unusable. */
 struct lk_comm {
     const lk_comm_ops *ops;
     int rank;
     int size;
-    void *impl; /* backend state */
+    void *impl;        /* backend state */
+    double timeout;    /* seconds, 0 = none */
+    uint64_t seq;      /* collectives started on this communicator (equal on every rank) */
+    const char *op;    /* the collective in progress (its name), for reports */
+    int dead;          /* a collective timed out: every later call fails */
+    char dead_msg[1024];
 };
+
+/* One wait for one transport operation. */
+typedef struct lk_comm_wait {
+    double t0;    /* when the operation started (lk_now_s) */
+    double pause; /* the next sleep, seconds (0: none yet) */
+} lk_comm_wait;
+
+/* Starts the clock of a wait (call it when the operation is started). */
+void lk_comm_wait_start(lk_comm_wait *w);
+/* Sleeps before the next poll: 50 us, doubling to 1 ms; 10 ms once the wait
+ * has lasted a second. */
+void lk_comm_wait_pause(lk_comm_wait *w);
+/* 1 when c has a timeout and it has passed since w started. */
+int lk_comm_wait_expired(const lk_comm *c, const lk_comm_wait *w);
+/* Records LK_ERR_TIMEOUT "comm <backend> <op> (collective #N on this
+ * communicator): timed out after S s<detail>" and returns it; detail (may
+ * be NULL or "") names the ranks, e.g. "; waiting for rank 1 (no answer)". */
+lk_status lk_comm_timeout_error(const lk_comm *c, const lk_comm_wait *w, const char *detail);
 
 /* The rank count an MPI launcher (mpirun, PMI/PMIx) announced in the
  * environment, 0 when none started this process. */

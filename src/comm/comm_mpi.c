@@ -6,23 +6,69 @@
  * abort. MPI counts are int: every operation is split into rounds of at most
  * `chunk` bytes (1 GiB; LORAKIT_COMM_CHUNK overrides it, read once at
  * creation and agreed over the ranks, so tests can exercise the splitting
- * with small buffers). */
+ * with small buffers).
+ *
+ * Every collective is non-blocking (MPI_Ibcast, MPI_Iallreduce, ...) and
+ * completed by wait_req: MPI_Test, then a sleep that grows (lk_comm_wait),
+ * because Open MPI's blocking collectives and MPI_Wait busy-poll a core for
+ * as long as a rank waits, and a blocking call cannot time out. On the
+ * communicator's timeout the waiting rank asks every other rank where it is
+ * (point-to-point on a second duplicate, `ctl`, so the questions never mix
+ * with the collectives): ranks waiting in a collective answer from their
+ * wait loop with its number, so the report names the ranks that never came
+ * (no answer: stalled, or busy outside lorakit's collectives) and those
+ * that were waiting too. Nothing of this runs while collectives complete. */
 #include "lorakit/comm_mpi.h"
 
 #include <limits.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "comm/comm_impl.h"
+#include "core/clock.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 
+/* A question (asked: the asker's collective number) or its answer (seq and
+ * op: the collective the answering rank is waiting in). */
+typedef struct ctl_msg {
+    uint64_t asked;
+    uint64_t seq;
+    char op[48];
+} ctl_msg;
+enum { TAG_ASK = 1, TAG_ANSWER = 2 };
+
 typedef struct mpi_impl {
     MPI_Comm comm;
-    size_t chunk;  /* max bytes per MPI call, <= INT_MAX */
-    int finalize;  /* lk_comm_world initialized MPI: finalize on free */
+    MPI_Comm ctl;      /* timeout questions and answers only */
+    size_t chunk;      /* max bytes per MPI call, <= INT_MAX */
+    int finalize;      /* lk_comm_world initialized MPI: finalize on free */
+    int nsend;         /* ctl sends in flight at most: 2 per rank */
+    MPI_Request *sreq; /* [nsend] */
+    ctl_msg *sbuf;     /* [nsend]: their bytes */
+    void *stage;       /* [STAGE_BYTES]: small operations move through it */
 } mpi_impl;
+
+/* An operation of at most STAGE_BYTES (the agreements, the hashes, an
+ * allgather of a word per rank) moves through the communicator's own stage
+ * rather than the caller's memory, often a stack frame: a timed-out
+ * operation cannot be cancelled, and the transport may write its receive
+ * buffer whenever the missing ranks arrive, so after a timeout the stage is
+ * left to it for good (quarantine: never freed or reused). Copying a few
+ * bytes costs nothing next to a collective. */
+#define STAGE_BYTES 4096
+static void *g_quarantine[64]; /* reachable, so leak checkers see no leak */
+static int g_n_quarantine;
+
+/* After a timeout in an operation using the stage. */
+static void quarantine(mpi_impl *m) {
+    int i = __atomic_fetch_add(&g_n_quarantine, 1, __ATOMIC_RELAXED);
+    if (i < 64) g_quarantine[i] = m->stage;
+    m->stage = NULL; /* the communicator is unusable from now on (comm.h) */
+}
 
 static MPI_Comm mc(const lk_comm *c) { return ((const mpi_impl *)c->impl)->comm; }
 static size_t chunk_of(const lk_comm *c) { return ((const mpi_impl *)c->impl)->chunk; }
@@ -38,22 +84,189 @@ static void mpi_destroy(lk_comm *c) {
     mpi_impl *m = c->impl;
     int finalized = 0;
     MPI_Finalized(&finalized);
+    for (int i = 0; !finalized && i < m->nsend; i++)
+        if (m->sreq[i] != MPI_REQUEST_NULL) { /* an answer never received: its bytes go with m */
+            MPI_Cancel(&m->sreq[i]);
+            MPI_Wait(&m->sreq[i], MPI_STATUS_IGNORE);
+        }
+    if (!finalized && m->ctl != MPI_COMM_NULL) MPI_Comm_free(&m->ctl);
     if (!finalized && m->comm != MPI_COMM_NULL) MPI_Comm_free(&m->comm);
     if (!finalized && m->finalize) MPI_Finalize();
+    lk_free(m->sreq);
+    lk_free(m->sbuf);
+    lk_free(m->stage);
     lk_free(m);
 }
 
+static void mpi_abort(lk_comm *c, int code) { MPI_Abort(mc(c), code); }
+
+/* ---- waiting, and the timeout's diagnosis ---- */
+
+/* Sends msg to dest on ctl without blocking, from a free slot of the ring
+ * (its bytes stay there until sent); dropped when every slot is busy. */
+static void ctl_send(mpi_impl *m, const ctl_msg *msg, int dest, int tag) {
+    for (int i = 0; i < m->nsend; i++) {
+        int done = 1;
+        if (m->sreq[i] != MPI_REQUEST_NULL && (MPI_Test(&m->sreq[i], &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done))
+            continue;
+        m->sbuf[i] = *msg;
+        if (MPI_Isend(&m->sbuf[i], (int)sizeof *msg, MPI_BYTE, dest, tag, m->ctl, &m->sreq[i]) != MPI_SUCCESS)
+            m->sreq[i] = MPI_REQUEST_NULL;
+        return;
+    }
+}
+
+/* Answers every pending question of a timing-out rank with the collective
+ * this rank is waiting in. */
+static void ctl_answer(lk_comm *c) {
+    mpi_impl *m = c->impl;
+    for (;;) {
+        int flag = 0;
+        MPI_Status st;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_ASK, m->ctl, &flag, &st) != MPI_SUCCESS || !flag) return;
+        ctl_msg q, a;
+        if (MPI_Recv(&q, (int)sizeof q, MPI_BYTE, st.MPI_SOURCE, TAG_ASK, m->ctl, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+            return;
+        memset(&a, 0, sizeof a);
+        a.asked = q.asked;
+        a.seq = c->seq;
+        snprintf(a.op, sizeof a.op, "%s", c->op ? c->op : "?");
+        ctl_send(m, &a, st.MPI_SOURCE, TAG_ANSWER);
+    }
+}
+
+/* Appends printf-style text to buf[cap] at *len (truncating). */
+static void append(char *buf, size_t cap, size_t *len, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void append(char *buf, size_t cap, size_t *len, const char *fmt, ...) {
+    if (*len >= cap) return;
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(buf + *len, cap - *len, fmt, ap);
+    va_end(ap);
+    *len = k < 0 ? cap : *len + (size_t)k < cap ? *len + (size_t)k : cap;
+}
+
+/* The detail of a timeout from the answers: the ranks waited for (no
+ * answer, or in an earlier collective), those waiting in it too, and those
+ * already past it. ans[p].seq == 0: p did not answer. */
+static void describe(const lk_comm *c, const ctl_msg *ans, char *buf, size_t cap) {
+    size_t len = 0;
+    const char *heads[3] = {"; waiting for ", "; waiting in it too: ", "; already past it: "};
+    for (int kind = 0; kind < 3; kind++) {
+        int listed = 0, more = 0;
+        for (int p = 0; p < c->size; p++) {
+            if (p == c->rank) continue;
+            const uint64_t s = ans[p].seq;
+            /* the same number but another operation: the ranks called different collectives */
+            const int other = s == c->seq && strncmp(ans[p].op, c->op ? c->op : "?", sizeof ans[p].op);
+            const int k = (s == 0 || s < c->seq || other) ? 0 : s == c->seq ? 1 : 2;
+            if (k != kind) continue;
+            if (listed == 16) {
+                more++;
+                continue;
+            }
+            append(buf, cap, &len, "%s%s%d", listed ? ", " : heads[kind], listed ? "" : "rank ", p);
+            if (kind == 0 && s == 0)
+                append(buf, cap, &len, " (no answer: stalled, or busy outside lorakit's collectives)");
+            else if (kind != 1)
+                append(buf, cap, &len, " (in collective #%llu, %.*s)", (unsigned long long)s, (int)sizeof ans[p].op, ans[p].op);
+            listed++;
+        }
+        if (more) append(buf, cap, &len, " and %d more", more);
+    }
+}
+
+/* The timeout passed while waiting for *r: asks every other rank where it
+ * is, collects answers for a short grace (answering others meanwhile),
+ * and returns LK_ERR_TIMEOUT describing them; or LK_OK if *r completes
+ * within the grace after all. */
+static lk_status expire(lk_comm *c, MPI_Request *r, const lk_comm_wait *w) {
+    mpi_impl *m = c->impl;
+    ctl_msg *ans = lk_calloc((size_t)c->size, sizeof *ans);
+    char detail[768] = "";
+    if (ans) {
+        ctl_msg q;
+        memset(&q, 0, sizeof q);
+        q.asked = c->seq;
+        for (int p = 0; p < c->size; p++)
+            if (p != c->rank) ctl_send(m, &q, p, TAG_ASK);
+        double grace = c->timeout / 2 < 0.25 ? 0.25 : c->timeout / 2 > 2 ? 2 : c->timeout / 2;
+        const double end = lk_now_s() + grace;
+        int answered = 0;
+        while (answered < c->size - 1 && lk_now_s() < end) {
+            int done = 0;
+            if (MPI_Test(r, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done) { /* came late after all */
+                lk_free(ans);
+                return LK_OK;
+            }
+            ctl_answer(c);
+            for (;;) {
+                int flag = 0;
+                MPI_Status st;
+                ctl_msg a;
+                if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_ANSWER, m->ctl, &flag, &st) != MPI_SUCCESS || !flag) break;
+                if (MPI_Recv(&a, (int)sizeof a, MPI_BYTE, st.MPI_SOURCE, TAG_ANSWER, m->ctl, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+                    break;
+                if (a.asked == c->seq && ans[st.MPI_SOURCE].seq == 0 && a.seq) {
+                    ans[st.MPI_SOURCE] = a;
+                    answered++;
+                }
+            }
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+        }
+        describe(c, ans, detail, sizeof detail);
+        lk_free(ans);
+    }
+    return lk_comm_timeout_error(c, w, detail);
+}
+
+/* Completes *r (started when w started): MPI_Test, answering questions and
+ * sleeping between tests (lk_comm_wait_pause), until done or the timeout. */
+static lk_status wait_req(lk_comm *c, MPI_Request *r, lk_comm_wait *w, const char *op) {
+    for (;;) {
+        int done = 0, rc = MPI_Test(r, &done, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) return mpi_fail(rc, op);
+        if (done) return LK_OK;
+        if (lk_comm_wait_expired(c, w)) return expire(c, r, w);
+        if (c->size > 1) ctl_answer(c);
+        lk_comm_wait_pause(w);
+    }
+}
+
+/* Starts nothing: completes an operation just started with return code rc
+ * into *r. */
+static lk_status finish(lk_comm *c, int rc, MPI_Request *r, lk_comm_wait *w, const char *op) {
+    return rc == MPI_SUCCESS ? wait_req(c, r, w, op) : mpi_fail(rc, op);
+}
+
 static lk_status mpi_barrier(lk_comm *c) {
-    int rc = MPI_Barrier(mc(c));
-    return rc == MPI_SUCCESS ? LK_OK : mpi_fail(rc, "barrier");
+    MPI_Request r;
+    lk_comm_wait w;
+    lk_comm_wait_start(&w);
+    return finish(c, MPI_Ibarrier(mc(c), &r), &r, &w, "barrier");
 }
 
 static lk_status mpi_bcast(lk_comm *c, void *buf, size_t n, int root) {
+    mpi_impl *m = c->impl;
+    if (n && n <= STAGE_BYTES && m->stage) { /* small: through the stage */
+        if (c->rank == root) memcpy(m->stage, buf, n);
+        MPI_Request r;
+        lk_comm_wait w;
+        lk_comm_wait_start(&w);
+        lk_status s = finish(c, MPI_Ibcast(m->stage, (int)n, MPI_BYTE, root, mc(c), &r), &r, &w, "bcast");
+        if (s == LK_ERR_TIMEOUT) quarantine(m);
+        else if (!s) memcpy(buf, m->stage, n);
+        return s;
+    }
     size_t step = chunk_of(c);
     for (size_t off = 0; off < n; off += step) {
         size_t k = n - off < step ? n - off : step;
-        int rc = MPI_Bcast((char *)buf + off, (int)k, MPI_BYTE, root, mc(c));
-        if (rc != MPI_SUCCESS) return mpi_fail(rc, "bcast");
+        MPI_Request r;
+        lk_comm_wait w;
+        lk_comm_wait_start(&w);
+        lk_status s = finish(c, MPI_Ibcast((char *)buf + off, (int)k, MPI_BYTE, root, mc(c), &r), &r, &w, "bcast");
+        if (s) return s;
     }
     return LK_OK;
 }
@@ -84,40 +297,45 @@ static lk_status mpi_bcast(lk_comm *c, void *buf, size_t n, int root) {
  * Every rank posts the same operations in the same order. */
 #define BCASTV_WINDOW 4
 typedef struct bqueue {
+    lk_comm *c;
     MPI_Request req[BCASTV_WINDOW];
+    lk_comm_wait w[BCASTV_WINDOW]; /* each one's clock, from its start */
     int head, n;
-    lk_comm_idle_fn idle; /* NULL: blocking MPI_Bcast, no queue */
+    lk_comm_idle_fn idle; /* NULL: each operation completes before the next starts */
     void *arg;
 } bqueue;
 
 /* Completes the oldest operation in flight, running idle work meanwhile. */
-static int bq_retire(bqueue *q) {
+static lk_status bq_retire(bqueue *q) {
     MPI_Request *r = &q->req[q->head];
     for (;;) {
         int done = 0, rc = MPI_Test(r, &done, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS) return rc;
+        if (rc != MPI_SUCCESS) return mpi_fail(rc, "bcastv");
         if (done) break;
         if (!q->idle(q->arg)) {
-            rc = MPI_Wait(r, MPI_STATUS_IGNORE);
-            if (rc != MPI_SUCCESS) return rc;
+            lk_status s = wait_req(q->c, r, &q->w[q->head], "bcastv");
+            if (s) return s;
             break;
         }
     }
     q->head = (q->head + 1) % BCASTV_WINDOW;
     q->n--;
-    return MPI_SUCCESS;
+    return LK_OK;
 }
 
-/* One operation: MPI_Bcast, or an MPI_Ibcast queued in q. */
-static int bq_bcast(lk_comm *c, bqueue *q, void *buf, int count, MPI_Datatype t, int root) {
-    if (!q->idle) return MPI_Bcast(buf, count, t, root, mc(c));
+/* One operation, queued in q (completed at once without idle work). */
+static lk_status bq_bcast(bqueue *q, void *buf, int count, MPI_Datatype t, int root) {
     if (q->n == BCASTV_WINDOW) {
-        int rc = bq_retire(q);
-        if (rc != MPI_SUCCESS) return rc;
+        lk_status s = bq_retire(q);
+        if (s) return s;
     }
-    int rc = MPI_Ibcast(buf, count, t, root, mc(c), &q->req[(q->head + q->n) % BCASTV_WINDOW]);
-    if (rc == MPI_SUCCESS) q->n++;
-    return rc;
+    int slot = (q->head + q->n) % BCASTV_WINDOW;
+    lk_comm_wait_start(&q->w[slot]);
+    int rc = MPI_Ibcast(buf, count, t, root, mc(q->c), &q->req[slot]);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "bcastv");
+    if (!q->idle) return wait_req(q->c, &q->req[slot], &q->w[slot], "bcastv");
+    q->n++;
+    return LK_OK;
 }
 
 static lk_status bcast_small(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root, lk_comm_ready_fn ready,
@@ -149,16 +367,16 @@ static lk_status bcast_small(lk_comm *c, const lk_comm_seg *seg, size_t nseg, in
         int rc = MPI_Type_create_hindexed(k, lens, disp, MPI_BYTE, &t);
         if (rc == MPI_SUCCESS && (rc = MPI_Type_commit(&t)) != MPI_SUCCESS) MPI_Type_free(&t);
         if (rc != MPI_SUCCESS) return mpi_fail(rc, "bcastv datatype");
-        rc = bq_bcast(c, q, MPI_BOTTOM, 1, t, root);
+        lk_status s = bq_bcast(q, MPI_BOTTOM, 1, t, root);
         MPI_Type_free(&t); /* an operation in flight keeps its datatype */
-        if (rc != MPI_SUCCESS) return mpi_fail(rc, "bcastv");
+        if (s) return s;
     }
     return LK_OK;
 }
 
 static lk_status mpi_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root, lk_comm_ready_fn ready,
                             lk_comm_idle_fn idle, void *arg) {
-    bqueue q = {.idle = idle, .arg = arg};
+    bqueue q = {.c = c, .idle = idle, .arg = arg};
     size_t i = 0;
     lk_status s = LK_OK;
     while (i < nseg && !s) {
@@ -169,15 +387,17 @@ static lk_status mpi_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int
         const size_t step = chunk_of(c); /* a large segment: contiguous, in chunks */
         for (size_t off = 0; !s && j < nseg && off < seg[j].n; off += step) {
             size_t k = seg[j].n - off < step ? seg[j].n - off : step;
-            int rc = bq_bcast(c, &q, (char *)seg[j].p + off, (int)k, MPI_BYTE, root);
-            if (rc != MPI_SUCCESS) s = mpi_fail(rc, "bcastv");
+            s = bq_bcast(&q, (char *)seg[j].p + off, (int)k, MPI_BYTE, root);
         }
         i = j + 1;
     }
-    while (q.n) { /* on a failure too: nothing may stay in flight over the caller's memory */
-        int rc = bq_retire(&q);
-        if (rc != MPI_SUCCESS) {
-            if (!s) s = mpi_fail(rc, "bcastv");
+    /* on a failure too, nothing may stay in flight over the caller's
+     * memory, except after a timeout: those operations cannot complete (the
+     * communicator is unusable from now on, comm.h) */
+    while (q.n && s != LK_ERR_TIMEOUT) {
+        lk_status r = bq_retire(&q);
+        if (r) {
+            if (!s || r == LK_ERR_TIMEOUT) s = r;
             break;
         }
     }
@@ -186,12 +406,27 @@ static lk_status mpi_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int
 
 static lk_status allreduce(lk_comm *c, void *buf, size_t n, size_t esize, MPI_Datatype t,
                            MPI_Op op, const char *name) {
+    mpi_impl *m = c->impl;
+    if (n && n * esize <= STAGE_BYTES && m->stage) { /* small: through the stage */
+        memcpy(m->stage, buf, n * esize);
+        MPI_Request r;
+        lk_comm_wait w;
+        lk_comm_wait_start(&w);
+        lk_status s = finish(c, MPI_Iallreduce(MPI_IN_PLACE, m->stage, (int)n, t, op, mc(c), &r), &r, &w, name);
+        if (s == LK_ERR_TIMEOUT) quarantine(m);
+        else if (!s) memcpy(buf, m->stage, n * esize);
+        return s;
+    }
     size_t step = chunk_of(c) / esize;
     if (step == 0) step = 1;
     for (size_t off = 0; off < n; off += step) {
         size_t k = n - off < step ? n - off : step;
-        int rc = MPI_Allreduce(MPI_IN_PLACE, (char *)buf + off * esize, (int)k, t, op, mc(c));
-        if (rc != MPI_SUCCESS) return mpi_fail(rc, name);
+        MPI_Request r;
+        lk_comm_wait w;
+        lk_comm_wait_start(&w);
+        lk_status s = finish(c, MPI_Iallreduce(MPI_IN_PLACE, (char *)buf + off * esize, (int)k, t, op, mc(c), &r), &r,
+                             &w, name);
+        if (s) return s;
     }
     return LK_OK;
 }
@@ -207,10 +442,25 @@ static lk_status mpi_u64(lk_comm *c, uint64_t *buf, size_t n, lk_reduce_op op) {
 
 static lk_status mpi_allgather(lk_comm *c, const void *send, size_t n, void *recv) {
     char *mine = (char *)recv + (size_t)c->rank * n;
+    mpi_impl *m = c->impl;
+    if (n && n * (size_t)c->size <= STAGE_BYTES && m->stage) { /* small: through the stage */
+        char *st = m->stage;
+        memmove(st + (size_t)c->rank * n, send, n);
+        MPI_Request r;
+        lk_comm_wait w;
+        lk_comm_wait_start(&w);
+        lk_status s = finish(c, MPI_Iallgather(MPI_IN_PLACE, (int)n, MPI_BYTE, st, (int)n, MPI_BYTE, mc(c), &r), &r,
+                             &w, "allgather");
+        if (s == LK_ERR_TIMEOUT) quarantine(m);
+        else if (!s) memcpy(recv, st, n * (size_t)c->size);
+        return s;
+    }
     if (n <= chunk_of(c)) {
         const void *s = send == mine ? MPI_IN_PLACE : send;
-        int rc = MPI_Allgather(s, (int)n, MPI_BYTE, recv, (int)n, MPI_BYTE, mc(c));
-        return rc == MPI_SUCCESS ? LK_OK : mpi_fail(rc, "allgather");
+        MPI_Request r;
+        lk_comm_wait w;
+        lk_comm_wait_start(&w);
+        return finish(c, MPI_Iallgather(s, (int)n, MPI_BYTE, recv, (int)n, MPI_BYTE, mc(c), &r), &r, &w, "allgather");
     }
     /* Past one chunk per rank, each rank's block is broadcast from its owner
      * (chunked): rare, and simpler than derived datatypes. */
@@ -244,21 +494,50 @@ static const lk_comm_ops g_mpi_ops = {
     .allreduce_u64 = mpi_u64,
     .allgather = mpi_allgather,
     .split = mpi_split,
+    .abort = mpi_abort,
 };
 
-/* Takes ownership of comm on success. */
+/* Takes ownership of comm on success. Collective (it duplicates comm
+ * for ctl). */
 static lk_status wrap(MPI_Comm comm, size_t chunk, lk_comm **out) {
     int rank = 0, size = 1;
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm, &rank);
     MPI_Comm_size(comm, &size);
-    mpi_impl *m = lk_malloc(sizeof *m);
-    if (!m) return lk_error(LK_ERR_NOMEM, "comm mpi: out of memory");
+    MPI_Comm ctl;
+    int rc = MPI_Comm_dup(comm, &ctl);
+    if (rc != MPI_SUCCESS) return mpi_fail(rc, "dup");
+    MPI_Comm_set_errhandler(ctl, MPI_ERRORS_RETURN);
+    mpi_impl *m = lk_calloc(1, sizeof *m);
+    const int nsend = 2 * size;
+    if (m) {
+        m->sreq = lk_malloc((size_t)nsend * sizeof *m->sreq);
+        m->sbuf = lk_calloc((size_t)nsend, sizeof *m->sbuf);
+        m->stage = lk_malloc(STAGE_BYTES);
+    }
+    if (!m || !m->sreq || !m->sbuf || !m->stage) {
+        if (m) {
+            lk_free(m->sreq);
+            lk_free(m->sbuf);
+            lk_free(m->stage);
+        }
+        lk_free(m);
+        MPI_Comm_free(&ctl);
+        return lk_error(LK_ERR_NOMEM, "comm mpi: out of memory");
+    }
+    for (int i = 0; i < nsend; i++) m->sreq[i] = MPI_REQUEST_NULL;
+    m->nsend = nsend;
     m->comm = comm;
+    m->ctl = ctl;
     m->chunk = chunk;
-    m->finalize = 0;
     lk_status st = lk_comm_new(&g_mpi_ops, rank, size, m, out);
-    if (st) lk_free(m);
+    if (st) {
+        MPI_Comm_free(&ctl);
+        lk_free(m->sreq);
+        lk_free(m->sbuf);
+        lk_free(m->stage);
+        lk_free(m);
+    }
     return st;
 }
 
