@@ -315,6 +315,60 @@ static void test_create_mismatch(void **state) {
     lk_weights_free(w);
 }
 
+/* Flips one bit of the first byte of weight `name` in w (found by name). */
+static void flip(lk_weights *w, const char *name) {
+    for (size_t i = 0; i < lk_weights_count(w); i++)
+        if (!strcmp(lk_weights_tensor(w, i)->name, name)) {
+            ((unsigned char *)lk_weights_tensor(w, i)->data)[0] ^= 0x10;
+            return;
+        }
+    tu_mpi_die("flip: no such weight");
+}
+
+/* Ranks that loaded different base bytes (same names, dtypes and shapes)
+ * must not start a tracker: every rank gets LK_ERR_MISMATCH naming the
+ * first differing tensor in byte-wise name order, how many differ, and
+ * which ranks hold which bytes. Expectations from the edits made here: the
+ * last rank flips a bit of blocks.1.ff.net.2.weight (1 of the base's
+ * tensors differs; it alone holds other bytes); then, at 3+ ranks, rank 1
+ * also flips blocks.0.attn.to_q.weight, which sorts first ("blocks.0." <
+ * "blocks.1."), held differently by rank 1 alone. Equal bases pass. */
+static void test_base_differs(void **state) {
+    (void)state;
+    if (N == 1) skip();
+    lk_weights *w;
+    assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
+    const size_t n = lk_weights_count(w);
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.threads = 1;
+    lk_tracker *t = NULL;
+    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_OK); /* equal bases */
+    lk_tracker_free(t);
+    if (R == N - 1) flip(w, "blocks.1.ff.net.2.weight");
+    t = (lk_tracker *)1;
+    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_ERR_MISMATCH);
+    assert_null(t);
+    char want[256];
+    snprintf(want, sizeof want, "1 of %zu tensors differ; the first in byte-wise name order is "
+             "blocks.1.ff.net.2.weight: %s0", n, N > 2 ? "ranks " : "rank ");
+    tu_assert_contains(lk_last_error(), want);
+    snprintf(want, sizeof want, "; rank %d holds XXH3-64 ", N - 1);
+    tu_assert_contains(lk_last_error(), want);
+    if (N > 2) {
+        if (R == 1) flip(w, "blocks.0.attn.to_q.weight");
+        assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_ERR_MISMATCH);
+        snprintf(want, sizeof want, "2 of %zu tensors differ; the first in byte-wise name order is "
+                 "blocks.0.attn.to_q.weight: ranks 0, ", n);
+        tu_assert_contains(lk_last_error(), want);
+        tu_assert_contains(lk_last_error(), "; rank 1 holds XXH3-64 ");
+        if (R == 1) flip(w, "blocks.0.attn.to_q.weight"); /* back */
+    }
+    if (R == N - 1) flip(w, "blocks.1.ff.net.2.weight"); /* equal again: starts */
+    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_OK);
+    lk_tracker_free(t);
+    lk_weights_free(w);
+}
+
 /* Writes the base as a sharded set in <g_dir>/sharded/ (3 shards, tensors
  * dealt round-robin, an index like transformers'); rank 0. */
 static void write_sharded_base(const char *dir) {
@@ -496,6 +550,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_failures),
         cmocka_unit_test(test_no_lora_swap),
         cmocka_unit_test(test_create_mismatch),
+        cmocka_unit_test(test_base_differs),
         cmocka_unit_test(test_sharded_base),
         cmocka_unit_test(test_fp8_base),
     };

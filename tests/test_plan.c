@@ -29,6 +29,7 @@ static void test_full_plan(void **state) {
     assert_int_equal(p->bucket_mb, 32);
     assert_int_equal(p->no_lora_swap, 0);
     assert_int_equal(p->allow_nonfinite, 0); /* unset: off */
+    assert_true(p->timeout == -1);           /* unset */
     assert_int_equal(p->n_steps, 3);
     assert_int_equal(p->steps[0].n, 2);
     assert_int_equal(p->steps[0].line, 4);
@@ -48,6 +49,13 @@ static void test_full_plan(void **state) {
     assert_int_equal(p->bucket_mb, 0); /* unset */
     assert_int_equal(p->no_lora_swap, 1);
     assert_int_equal(p->n_steps, 0);
+    lk_plan_free(p);
+
+    p = parse("timeout: 2.5\nsteps: []\n", LK_OK);
+    assert_true(p->timeout == 2.5);
+    lk_plan_free(p);
+    p = parse("timeout: 0\nsteps: []\n", LK_OK); /* none */
+    assert_true(p->timeout == 0);
     lk_plan_free(p);
 
     p = parse("allow_nonfinite: true\nsteps: []\n", LK_OK);
@@ -86,7 +94,11 @@ static void test_errors(void **state) {
         {"bucket_mb: 8\nsteps: []\nallow_nonfinite: 'true'\n", "plan.yaml:3: allow_nonfinite: expected true or false"},
         {"allow_nonfinite: [true]\nsteps: []\n", "plan.yaml:1: allow_nonfinite: expected true or false"},
         {"steps: []\ncolour: red\n", "plan.yaml:2: colour: unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, "
-                                    "fp8_rounding, fp8_seed, fp8_scale, fp8_saturate, steps)"},
+                                    "fp8_rounding, fp8_seed, fp8_scale, fp8_saturate, timeout, steps)"},
+        {"timeout: -1\nsteps: []\n", "plan.yaml:1: timeout: expected seconds in 0..1e+09 (0 = none), got '-1'"},
+        {"timeout: .inf\nsteps: []\n", "plan.yaml:1: timeout: expected seconds"},
+        {"timeout: 5m\nsteps: []\n", "plan.yaml:1: timeout: expected seconds"},
+        {"timeout: [1]\nsteps: []\n", "plan.yaml:1: timeout: expected seconds"},
         {"fp8_rounding: up\nsteps: []\n", "plan.yaml:1: fp8_rounding: expected nearest or stochastic"},
         {"fp8_scale: [keep]\nsteps: []\n", "plan.yaml:1: fp8_scale: expected rescale or keep"},
         {"fp8_seed: -1\nsteps: []\n", "plan.yaml:1: fp8_seed: expected a whole number >= 0"},

@@ -18,7 +18,7 @@
 
 static const char *const SWAP_USAGE =
     "usage: lorakit swap BASE --plan PLAN.yaml [--json] [--bucket-mb N] [--threads N]\n"
-    "                    [--allow-nonfinite]\n\n"
+    "                    [--allow-nonfinite] [--timeout S]\n\n"
     "Loads the safetensors checkpoint BASE into memory on every rank and\n"
     "applies each step of the plan with the hot-swap tracker: ranks own keys by\n"
     "size, owners recompute only the keys whose adapters changed and broadcast\n"
@@ -32,6 +32,7 @@ static const char *const SWAP_USAGE =
     "  fp8_seed: 0            # optional: stochastic rounding's seed\n"
     "  fp8_scale: rescale     # optional: rescale | keep the weights' scales\n"
     "  fp8_saturate: false    # optional: clamp instead of failing on overflow\n"
+    "  timeout: 300           # optional: seconds a collective may wait (0 = none)\n"
     "  steps:\n"
     "    - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]\n"
     "    - loras: []          # reset to the base weights\n\n"
@@ -43,7 +44,10 @@ static const char *const SWAP_USAGE =
     "keys are summed over ranks, seconds are the slowest rank's, digest is the\n"
     "content digest of the working weights (equal to `lorakit digest` of an\n"
     "offline `lorakit fuse` of the same set).\n"
-    "A failed step leaves the weights as they were and the plan goes on.\n\n"
+    "A failed step leaves the weights as they were and the plan goes on.\n"
+    "The tracker starts only when every rank loaded the same base bytes (else\n"
+    "every rank fails naming the first differing tensor and which ranks hold\n"
+    "which bytes). A collective that times out ends the job (see --timeout).\n\n"
     "options:\n"
     "  --plan FILE      the plan (required)\n"
     "  --json           JSON lines instead of text\n"
@@ -53,6 +57,9 @@ static const char *const SWAP_USAGE =
     "                   NaN or Inf (e.g. a NaN in an adapter); by default such a\n"
     "                   step fails and the weights stay as they were. Same as\n"
     "                   allow_nonfinite: true in the plan (either one turns it on)\n"
+    LK_CLI_TIMEOUT_HELP
+    "                  (overrides the plan's timeout; loading the plan and the\n"
+    "                  base is not timed: a rank may take long to read them)\n"
     "  -h, --help       this text\n\n"
     "exit codes: 0 every step succeeded, 1 a step (or setup) failed, 2 bad usage.\n";
 
@@ -62,20 +69,27 @@ typedef struct swap_args {
     long bucket_mb; /* 0: from the plan, else 64 */
     long threads;   /* -1: automatic */
     int allow_nonfinite;
+    double timeout; /* -1: from the plan, else LK_COMM_TIMEOUT_DEFAULT */
 } swap_args;
 
 /* Local parse; on error the message is in lk_last_error(). */
 static lk_status parse_args(int argc, char **argv, swap_args *a) {
     memset(a, 0, sizeof *a);
     a->threads = -1;
+    a->timeout = -1;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         if (!strcmp(o, "--json")) a->json = 1;
         else if (!strcmp(o, "--allow-nonfinite")) a->allow_nonfinite = 1;
-        else if (!strcmp(o, "--plan") || !strcmp(o, "--bucket-mb") || !strcmp(o, "--threads")) {
+        else if (!strcmp(o, "--plan") || !strcmp(o, "--bucket-mb") || !strcmp(o, "--threads") ||
+                 !strcmp(o, "--timeout")) {
             if (i + 1 == argc) return lk_error(LK_ERR_ARG, "%s needs a value", o);
             const char *v = argv[++i];
             if (!strcmp(o, "--plan")) a->plan = v;
+            else if (!strcmp(o, "--timeout")) {
+                if (!lk_cli_parse_timeout(v, &a->timeout))
+                    return lk_error(LK_ERR_ARG, "--timeout expects seconds in 0..1e9 (0 = none), got '%s'", v);
+            }
             else if (!strcmp(o, "--bucket-mb")) {
                 if (!lk_cli_parse_int(v, &a->bucket_mb) || !lk_bucket_mb_valid(a->bucket_mb))
                     return lk_error(LK_ERR_ARG, "--bucket-mb expects a whole number of MiB in 1..%d, got '%s'",
@@ -130,7 +144,9 @@ static void print_step(size_t step, const char *js, int json) {
 /* Runs every step; returns the exit code. */
 static int run_steps(lk_comm *c, lk_tracker *t, lk_weights *w, const lk_plan *plan, const char *plan_path, int json) {
     uint64_t n_max = plan->n_steps;
-    if (lk_comm_allreduce_u64(c, &n_max, 1, LK_REDUCE_MAX)) return lk_cli_fail();
+    lk_status s0 = lk_comm_allreduce_u64(c, &n_max, 1, LK_REDUCE_MAX);
+    if (s0 == LK_ERR_TIMEOUT) return lk_cli_timeout_abort(c);
+    if (s0) return lk_cli_fail();
     int failed = 0, rank0 = lk_comm_rank(c) == 0;
     for (size_t i = 0; i < n_max; i++) {
         lk_tracker_stats st;
@@ -140,11 +156,19 @@ static int run_steps(lk_comm *c, lk_tracker *t, lk_weights *w, const lk_plan *pl
                                                    plan_path, plan->n_steps);
         s = lk_comm_agree(c, s);
         if (!s) s = lk_tracker_apply(t, plan->steps[i].loras, plan->steps[i].n, &st);
+        if (s == LK_ERR_TIMEOUT) {
+            lk_error_prefix(s, "step %zu", i + 1);
+            return lk_cli_timeout_abort(c);
+        }
         char error[1024];
         snprintf(error, sizeof error, "%s", s ? lk_last_error() : "");
         char *js = NULL;
-        if (s == LK_ERR_COMM || lk_tracker_report_json(c, w, i + 1, s, error, &st, 1, &js)) /* the group is gone */
-            return lk_cli_fail();
+        lk_status r = s == LK_ERR_COMM ? s : lk_tracker_report_json(c, w, i + 1, s, error, &st, 1, &js);
+        if (r == LK_ERR_TIMEOUT) {
+            lk_error_prefix(r, "step %zu: the step's report", i + 1);
+            return lk_cli_timeout_abort(c);
+        }
+        if (r) return lk_cli_fail(); /* the group is gone */
         if (s || !strstr(js, "\"digests_agree\":true")) failed = 1;
         if (rank0) print_step(i + 1, js, json);
         if (rank0 && s) fprintf(stderr, "lorakit: step %zu: %s\n", i + 1, error);
@@ -174,8 +198,14 @@ int lk_cmd_swap(int argc, char **argv) {
         }
         goto out;
     }
+    /* reading the plan and the base is not timed: one rank may take long */
+    lk_comm_set_timeout(c, 0);
     s = lk_comm_agree(c, lk_plan_load(a.plan, &plan));
     if (!s) s = lk_comm_agree(c, lk_weights_load(a.base, &w));
+    if (!s) {
+        double to = a.timeout >= 0 ? a.timeout : plan->timeout >= 0 ? plan->timeout : LK_COMM_TIMEOUT_DEFAULT;
+        s = lk_comm_set_timeout(c, to); /* checked by the parsers: cannot fail */
+    }
     if (!s) {
         lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
         long mb = a.bucket_mb ? a.bucket_mb : plan->bucket_mb;
@@ -185,6 +215,10 @@ int lk_cmd_swap(int argc, char **argv) {
         o.fp8 = plan->fp8;
         o.threads = a.threads >= 0 ? (int)a.threads : auto_threads(c);
         s = lk_tracker_create(c, w, &o, &t);
+    }
+    if (s == LK_ERR_TIMEOUT) {
+        rc = lk_cli_timeout_abort(c);
+        goto out;
     }
     if (s) {
         if (rank0) lk_cli_fail();

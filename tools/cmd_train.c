@@ -14,7 +14,7 @@
 
 static void usage(FILE *f) {
     fprintf(f,
-            "usage: lorakit train CONFIG.yaml [--role ROLE] [--quiet]\n"
+            "usage: lorakit train CONFIG.yaml [--role ROLE] [--quiet] [--timeout S]\n"
             "       mpirun -n K lorakit train CONFIG.yaml     (data parallel over K ranks)\n\n"
             "Trains the small transformer of lorakit on a generated digit task (copy,\n"
             "reverse, sort, increment). With models.<role>.lora enabled it trains a LoRA\n"
@@ -29,11 +29,14 @@ static void usage(FILE *f) {
             "warning when it cannot be drawn) and OUTPUT/train.json.\n\n"
             "options:\n"
             "  --role ROLE   the models.<role> block to read (default: the first one)\n"
-            "  --quiet       no progress lines\n\n"
+            "  --quiet       no progress lines\n"
+            LK_CLI_TIMEOUT_HELP
+            "                  (the gradient sync and every agreement; overrides the\n"
+            "                  config's timeout)\n\n"
             "CONFIG keys: model {d_model, n_layers, n_heads, d_ff} or base PATH, task,\n"
             "digits, steps, global_batch, lr, weight_decay, clip, schedule (cosine|constant),\n"
-            "seed, log_every, eval_examples, output, models.<role>.lora {enable, rank,\n"
-            "alpha, target_modules}. See examples/*.yaml.\n");
+            "seed, log_every, eval_examples, output, timeout (seconds, 0 = none),\n"
+            "models.<role>.lora {enable, rank, alpha, target_modules}. See examples/*.yaml.\n");
 }
 
 typedef struct {
@@ -138,12 +141,17 @@ int lk_cmd_train(int argc, char **argv) {
     }
     const char *cfgpath = NULL, *role = NULL;
     int quiet = 0;
+    double timeout = -1; /* -1: the config's */
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--role")) {
             if (++i >= argc) return lk_cli_usage("train", "--role needs a value");
             role = argv[i];
         } else if (!strcmp(argv[i], "--quiet")) {
             quiet = 1;
+        } else if (!strcmp(argv[i], "--timeout")) {
+            if (++i >= argc) return lk_cli_usage("train", "--timeout needs a value");
+            if (!lk_cli_parse_timeout(argv[i], &timeout))
+                return lk_cli_usage("train", "--timeout expects seconds in 0..1e9 (0 = none), got '%s'", argv[i]);
         } else if (argv[i][0] == '-' && argv[i][1]) {
             return lk_cli_usage("train", "unknown option '%s'", argv[i]);
         } else if (!cfgpath) {
@@ -165,6 +173,7 @@ int lk_cmd_train(int argc, char **argv) {
         lk_comm_free(world);
         return rc;
     }
+    if (timeout >= 0) cfg.timeout = timeout;
     train_cli c = {rank, quiet, cfg.log_every, NULL, cfg.steps};
     if (rank == 0) c.loss = calloc((size_t)cfg.steps, sizeof(float));
     if (rank == 0 && !quiet) {
@@ -178,7 +187,9 @@ int lk_cmd_train(int argc, char **argv) {
         fflush(stdout);
     }
     lk_status st = lk_train_run(&cfg, world, on_step, &c, &res);
-    if (st) {
+    if (st == LK_ERR_TIMEOUT) {
+        rc = lk_cli_timeout_abort(world);
+    } else if (st) {
         /* config errors are the same on every rank: rank 0 reports them; a
          * rank's own failure is also reported by that rank */
         rc = rank == 0 || (st != LK_ERR_MISMATCH && st != LK_ERR_CONFIG) ? lk_cli_fail()

@@ -3,6 +3,7 @@
  *   bucket_mb: 64          # optional (> 0)
  *   no_lora_swap: false    # optional
  *   allow_nonfinite: false # optional: lk_tracker_opts.allow_nonfinite
+ *   timeout: 300           # optional: seconds a collective may wait (0 = none)
  *   steps:
  *     - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]
  *     - loras: []          # reset
@@ -26,6 +27,7 @@ extern "C" {
 
 #define LK_PLAN_MAX_BYTES (16u << 20) /* plan files past 16 MiB are refused */
 #define LK_PLAN_MAX_ENTRIES 65536     /* steps, and adapters over all steps */
+#define LK_PLAN_TIMEOUT_MAX 1e9       /* seconds (about 31 years) */
 
 typedef struct lk_plan_step {
     lk_fuse_input *loras; /* paths owned by the plan */
@@ -37,6 +39,8 @@ typedef struct lk_plan {
     long bucket_mb;       /* 0 when the plan does not set it */
     int no_lora_swap;
     int allow_nonfinite;  /* 0 when the plan does not set it */
+    double timeout;       /* seconds, 0..LK_PLAN_TIMEOUT_MAX (0 = none; lk_comm_set_timeout);
+                             -1 when the plan does not set it */
     lk_fp8_opts fp8;      /* fp8_rounding, fp8_seed, fp8_scale, fp8_saturate (all zero: nearest, seed 0, rescale, no) */
     lk_plan_step *steps;
     size_t n_steps;

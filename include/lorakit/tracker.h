@@ -31,7 +31,11 @@
  *      back and sends the changed keys again, so every rank returns it
  *      with its weights as they were.
  * A failed call leaves every rank's weights as they were, except after
- * LK_ERR_COMM (the transport itself failed: the group is unusable).
+ * LK_ERR_COMM (the transport itself failed: the group is unusable) and
+ * LK_ERR_TIMEOUT (a collective outlived the group's timeout, lorakit/comm.h:
+ * the message names the phase, the collective and the ranks waited for;
+ * the communicator and the tracker are unusable and the program should
+ * end).
  *
  * Adapter order never matters: entries with strength 0 are dropped, the rest
  * put in canonical (path, strength, format) order before anything else. */
@@ -91,9 +95,12 @@ typedef struct lk_tracker_stats {
     double seconds;            /* whole call */
 } lk_tracker_stats;
 
-/* Collective. Ranks must hold weights of the same names, dtypes and shapes
- * and pass the same options, else LK_ERR_MISMATCH on every rank. The
- * tracker borrows group and weights; both must outlive it. */
+/* Collective. Ranks must hold weights of the same names, dtypes, shapes and
+ * bytes and pass the same options, else LK_ERR_MISMATCH on every rank (for
+ * bytes: naming the first differing tensor in byte-wise name order, how
+ * many differ, and which ranks hold which XXH3-64 of it; the check hashes
+ * every tensor once, about the cost of reading the weights). The tracker
+ * borrows group and weights; both must outlive it. */
 lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts,
                             lk_tracker **out);
 void lk_tracker_free(lk_tracker *t);

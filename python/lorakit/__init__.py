@@ -334,21 +334,28 @@ class Tracker:
     the tensors came from a module and a later call finds one reallocated
     (model.to(...), a reassigned parameter), it raises naming the key on
     every rank instead of writing memory the model no longer uses.
+
+    timeout: seconds each collective of the tracker's calls may wait for the
+    other ranks (default 300; 0 = none). On expiry every waiting rank raises
+    LoraError (status LK_ERR_TIMEOUT) naming the collective, the phase and
+    the ranks it waited for. A collective cannot be cancelled: the tracker
+    and its communicator are unusable after that and the job should end
+    (e.g. mpi4py's comm.Abort()).
     """
 
     def __init__(self, tensors, *, comm=None, bucket_mb=64, no_lora_swap=False, threads=0,
-                 allow_nonfinite=False):
+                 allow_nonfinite=False, timeout=300.0):
         lc = _comm(comm)
         self._source = tensors if _is_module(tensors) else None
 
         def prepare():
             items, _ = _items(tensors, dedupe=True)
-            return items, int(bucket_mb), int(threads)
+            return items, int(bucket_mb), int(threads), float(timeout)
 
         items = _collective(lc, prepare)
         self._comm = lc
         self._ptrs = {k: _storage_span(v) for k, v, _ in items[0]}
-        self._t = _c.Tracker(lc, items[0], items[1], bool(no_lora_swap), items[2], bool(allow_nonfinite))
+        self._t = _c.Tracker(lc, items[0], items[1], bool(no_lora_swap), items[2], bool(allow_nonfinite), items[3])
 
     def _check_moved(self):
         """Raises naming the first key of the module whose memory moved

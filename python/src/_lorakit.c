@@ -650,6 +650,7 @@ static int agree_local(lk_comm *c, int ok) {
         return -1;
     }
     if (s) {
+        if (s == LK_ERR_TIMEOUT) lk_error_prefix(s, "agreeing on the call's arguments");
         raise_lk(s, NULL);
         return -1;
     }
@@ -876,6 +877,7 @@ typedef struct {
     lk_tracker *t;
     PyObject *loras; /* list of (path: str, strength: float) as applied */
     int busy;        /* a call is running with the GIL released */
+    double timeout;  /* the comm's collective timeout during this tracker's calls */
 } TrackerObject;
 
 static void Tracker_clear(TrackerObject *self) {
@@ -895,15 +897,27 @@ static void Tracker_dealloc(TrackerObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Tracker(comm, items, bucket_mb, no_lora_swap, threads, allow_nonfinite) */
+/* Tracker(comm, items, bucket_mb, no_lora_swap, threads, allow_nonfinite,
+ * timeout): timeout is the comm's collective timeout while the tracker's
+ * own calls run (lk_comm_set_timeout; the comm's own setting is put back
+ * after each, so other users of the comm keep theirs). */
 static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     (void)kw;
     PyObject *co, *items;
     long bucket_mb;
     int no_swap, threads, nonfinite, ok = 1;
-    if (!PyArg_ParseTuple(args, "OOlpii", &co, &items, &bucket_mb, &no_swap, &threads, &nonfinite)) return -1;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "OOlpiid", &co, &items, &bucket_mb, &no_swap, &threads, &nonfinite, &timeout))
+        return -1;
     lk_comm *c = comm_of(co);
     if (!c) return -1;
+    const double was = lk_comm_timeout(c);
+    if (lk_comm_set_timeout(c, timeout)) {
+        PyErr_Format(PyExc_ValueError, "timeout must be a finite number of seconds >= 0 (0 = none), got %g", timeout);
+        return -1;
+    }
+    lk_comm_set_timeout(c, was);
+    self->timeout = timeout;
     if (self->comm) {
         PyErr_SetString(PyExc_RuntimeError, "Tracker already initialised");
         return -1;
@@ -925,7 +939,11 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
         ok = 0;
     }
     PyMem_Free(t);
-    if (agree_local(c, ok) < 0) return -1;
+    lk_comm_set_timeout(c, timeout);
+    if (agree_local(c, ok) < 0) {
+        lk_comm_set_timeout(c, was);
+        return -1;
+    }
     lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
     o.bucket_bytes = (size_t)bucket_mb << 20;
     o.no_lora_swap = no_swap;
@@ -934,6 +952,7 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     Py_BEGIN_ALLOW_THREADS
     s = lk_tracker_create(c, self->w, &o, &self->t);
     Py_END_ALLOW_THREADS
+    lk_comm_set_timeout(c, was);
     if (s) {
         raise_lk(s, NULL);
         return -1;
@@ -959,10 +978,15 @@ static int tracker_ready(TrackerObject *self) {
  * group's report. */
 static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int digest, PyObject *new_loras) {
     lk_comm *c = ((CommObject *)self->comm)->c;
+    const double was = lk_comm_timeout(c);
+    lk_comm_set_timeout(c, self->timeout); /* checked in Tracker_init */
     self->busy = 1;
     int agreed = agree_local(c, ok);
     self->busy = 0;
-    if (agreed < 0) return NULL;
+    if (agreed < 0) {
+        lk_comm_set_timeout(c, was);
+        return NULL;
+    }
     lk_tracker_stats st;
     memset(&st, 0, sizeof st);
     lk_status s, rs;
@@ -976,6 +1000,7 @@ static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int diges
     rs = s ? s : lk_tracker_report_json(c, self->w, 0, s, msg, &st, digest, &js);
     Py_END_ALLOW_THREADS
     self->busy = 0;
+    lk_comm_set_timeout(c, was);
     if (s) {
         lk_free(js);
         return raise_lk(s, msg);

@@ -161,3 +161,35 @@ def test_sync_param_grads_torch():
     # closed form: mean over ranks of R (rank 0 contributes zeros)
     assert torch.equal(lin.weight.grad, torch.full((3, 5), sum(range(N)) / N))
     assert torch.equal(lin.bias.grad, torch.full((3,), 2 * sum(range(N)) / N))
+
+
+@pytest.mark.skipif(N == 1, reason="needs 2 or more ranks")
+def test_stalled_rank_times_out(shared):
+    """Tracker(timeout=1): the last rank sleeps 2.5 s before apply; every
+    other rank raises LK_ERR_TIMEOUT after 1-3.5 s naming the phase and the
+    stalled rank (lorakit/comm.h's contract). On a duplicate of the world
+    communicator: the timed-out one is unusable afterwards. A tracker's
+    timeout applies to its own calls only (the comm's setting comes back)."""
+    import time
+    dup = W.Dup()
+    t = load_numpy(shared["base"])
+    tr = lorakit.Tracker(t, comm=dup, timeout=1.0)
+    with pytest.raises(ValueError, match="timeout"):
+        lorakit.Tracker(load_numpy(shared["base"]), comm=dup, timeout=-1)
+    if R == N - 1:
+        time.sleep(2.5)
+    t0 = time.monotonic()
+    try:
+        tr.apply([(shared["a1"], 1.0)])
+        err = None
+    except lorakit.LoraError as e:
+        err = e
+    took = time.monotonic() - t0
+    if R != N - 1:
+        assert err is not None and err.status == "LK_ERR_TIMEOUT"
+        assert 1.0 <= took < 3.5, took
+        assert "agreeing on the call's arguments: comm mpi agree (collective #" in str(err)
+        assert f"waiting for rank {N - 1} (no answer" in str(err)
+    else:  # late: the others are gone (its first agreement may still complete)
+        assert err is not None and err.status == "LK_ERR_TIMEOUT"
+    W.Barrier()

@@ -207,6 +207,9 @@ typedef struct lk_train_config {
     char output[LK_TRAIN_PATH_MAX];
     char role[64];
     lk_lora_config lora;              /* models.<role>.lora */
+    double timeout;                   /* seconds each collective may wait (lk_comm_set_timeout
+                                         on the run's communicator); 0 = none; default
+                                         LK_COMM_TIMEOUT_DEFAULT */
 } lk_train_config;
 
 /* Parses path; role NULL = the first role under `models` (none: no LoRA). */
@@ -241,7 +244,10 @@ typedef struct lk_train_result {
  * process): data-parallel over the ranks, gradients averaged with
  * lk_lora_sync_grads, clipping, AdamW; checks the replicas at the end; rank 0
  * writes the output (PEFT adapter in `output/`, or `output/model.safetensors`
- * for full-model training) and the AdamW state (`output/optimizer.safetensors`). */
+ * for full-model training) and the AdamW state (`output/optimizer.safetensors`).
+ * For the run, world's collective timeout is cfg->timeout (restored on
+ * return); LK_ERR_TIMEOUT names the step (lorakit/comm.h: the group is then
+ * unusable and the program should end). */
 lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_progress_fn fn,
                        void *ctx, lk_train_result *res);
 

@@ -31,7 +31,7 @@
 
 static const char *const k_keys[] = {"model", "base", "task", "digits", "steps", "global_batch",
                                      "lr", "weight_decay", "clip", "schedule", "seed",
-                                     "log_every", "eval_examples", "output", "models", NULL};
+                                     "log_every", "eval_examples", "output", "timeout", "models", NULL};
 
 static lk_status get_long(const lk_ydoc *d, const lk_ynode *n, long lo, long hi, long *out) {
     long long v = 0;
@@ -138,6 +138,12 @@ static lk_status parse_doc(const lk_ydoc *d, const char *cfgdir, lk_train_config
         } else if (!strcmp(k, "output")) {
             st = get_path(d, cfgdir, v, c->output);
             have_out = 1;
+        } else if (!strcmp(k, "timeout")) {
+            double t;
+            if (!lk_ynode_num(v, &t) || !(t >= 0 && t <= 1e9)) {
+                const char *s = lk_ynode_str(v);
+                st = lk_yerr(d, v, NULL, "expected seconds in 0..1e9 (0 = none), got \"%s\"", s ? s : "(not a scalar)");
+            } else c->timeout = t;
         } else if (!strcmp(k, "models")) {
             /* the lora block: lk_lora_config_from_doc */
         } else {
@@ -203,6 +209,7 @@ lk_status lk_train_config_load(const char *path, const char *role, lk_train_conf
     c.seed = 1;
     c.log_every = 50;
     c.eval_examples = 500;
+    c.timeout = LK_COMM_TIMEOUT_DEFAULT;
     c.model.d_model = 64; /* model: defaults for keys not given */
     c.model.n_layers = 2;
     c.model.n_heads = 4;
@@ -276,7 +283,8 @@ static void mirror(lk_model *m, lk_lora_params *p, int dir) {
  * rank's own, or LK_ERR_MISMATCH naming the rank). */
 static lk_status agree(lk_comm *world, lk_status mine, const char *what) {
     uint64_t v = mine ? 1 : 0;
-    if (lk_comm_allreduce_u64(world, &v, 1, LK_REDUCE_MAX)) return LK_ERR_COMM;
+    lk_status s = lk_comm_allreduce_u64(world, &v, 1, LK_REDUCE_MAX);
+    if (s) return lk_error_prefix(s, "agreeing after %s", what);
     if (mine) return mine;
     if (v) return lk_error(LK_ERR_MISMATCH, "%s failed on another rank", what);
     return LK_OK;
@@ -299,6 +307,9 @@ lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_prog
     lk_adamw *opt = NULL;
     int *in = NULL, *tg = NULL;
     lk_status st;
+    long at = 0; /* the step in progress (0: setting up, -1: after the steps), for a timeout's report */
+    const double timeout_was = lk_comm_timeout(world);
+    if ((st = lk_comm_set_timeout(world, cfg->timeout))) return lk_error_prefix(st, "train: timeout");
 
     /* OpenBLAS first: an address-space limit too low for it is an error here, on every rank */
     if ((st = agree(world, lk_gemm_prepare(), "loading OpenBLAS"))) return st;
@@ -340,6 +351,7 @@ lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_prog
 
     double t0 = lk_now_s();
     for (long s = 0; s < cfg->steps; s++) {
+        at = s + 1;
         float lr = cfg->lr;
         if (cfg->cosine && cfg->steps > 1)
             lr = cfg->lr * (0.1f + 0.9f * 0.5f * (1.0f + cosf(3.14159265f * (float)s /
@@ -378,6 +390,7 @@ lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_prog
         }
     }
     r.seconds = lk_now_s() - t0;
+    at = -1;
 
     /* the replicas must be bit-identical: same data order, same averaged
      * gradients, same optimizer arithmetic */
@@ -420,6 +433,11 @@ lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_prog
     st = agree(world, st, "saving on rank 0");
 
 done:
+    if (st == LK_ERR_TIMEOUT) {
+        if (at > 0) lk_error_prefix(st, "train step %ld", at);
+        else lk_error_prefix(st, "train (%s)", at ? "after the steps" : "setting up");
+    }
+    lk_comm_set_timeout(world, timeout_was);
     if (res) *res = r;
     lk_free(in);
     lk_free(tg);

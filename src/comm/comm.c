@@ -205,7 +205,7 @@ lk_status lk_comm_agree_min(lk_comm *c, lk_status local, uint64_t *v, size_t n) 
     lk_status s = enter(c, "agree");
     if (s) return s;
     if ((s = leave(c, c->ops->allreduce_u64(c, buf, n + 1, LK_REDUCE_MIN))))
-        return lk_error_prefix(s == LK_ERR_TIMEOUT ? s : LK_ERR_COMM, "comm agree");
+        return s == LK_ERR_TIMEOUT ? s : lk_error_prefix(LK_ERR_COMM, "comm agree"); /* a timeout names "agree" */
     if (n) memcpy(v, buf + 1, n * sizeof *v);
     const uint64_t first = buf[0];
     if (first == UINT64_MAX) return LK_OK;
@@ -217,7 +217,7 @@ lk_status lk_comm_agree_min(lk_comm *c, lk_status local, uint64_t *v, size_t n) 
     }
     if ((s = enter(c, "agree (the failing rank's message)"))) return s;
     if ((s = leave(c, c->ops->bcast(c, &m, sizeof m, (int)first))))
-        return lk_error_prefix(s == LK_ERR_TIMEOUT ? s : LK_ERR_COMM, "comm agree");
+        return s == LK_ERR_TIMEOUT ? s : lk_error_prefix(LK_ERR_COMM, "comm agree");
     m.text[sizeof m.text - 1] = '\0';
     lk_status st = (m.status > 0 && m.status < LK_STATUS_COUNT) ? (lk_status)m.status : LK_ERR_COMM;
     return lk_error(st, "rank %d: %s", (int)first, m.text);

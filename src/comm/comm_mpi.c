@@ -21,7 +21,6 @@
 #include "lorakit/comm_mpi.h"
 
 #include <limits.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +28,7 @@
 
 #include "comm/comm_impl.h"
 #include "core/clock.h"
+#include "core/text.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 
@@ -135,44 +135,40 @@ static void ctl_answer(lk_comm *c) {
     }
 }
 
-/* Appends printf-style text to buf[cap] at *len (truncating). */
-static void append(char *buf, size_t cap, size_t *len, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static void append(char *buf, size_t cap, size_t *len, const char *fmt, ...) {
-    if (*len >= cap) return;
-    va_list ap;
-    va_start(ap, fmt);
-    int k = vsnprintf(buf + *len, cap - *len, fmt, ap);
-    va_end(ap);
-    *len = k < 0 ? cap : *len + (size_t)k < cap ? *len + (size_t)k : cap;
+/* Where an answering rank stood, seen from the collective this rank
+ * waits in: no answer (seq 0); in another collective (an earlier one, or
+ * the same number but another operation: the ranks called different
+ * collectives); waiting in it too; already past it. */
+enum { SILENT, ELSEWHERE, WITH_US, PAST, KINDS };
+static int kind_of(const lk_comm *c, const ctl_msg *a) {
+    if (a->seq == 0) return SILENT;
+    if (a->seq < c->seq || (a->seq == c->seq && strncmp(a->op, c->op ? c->op : "?", sizeof a->op))) return ELSEWHERE;
+    return a->seq == c->seq ? WITH_US : PAST;
 }
 
-/* The detail of a timeout from the answers: the ranks waited for (no
- * answer, or in an earlier collective), those waiting in it too, and those
- * already past it. ans[p].seq == 0: p did not answer. */
+/* The detail of a timeout from the answers (ans[p] for every other rank
+ * p): "; waiting for rank 3 (no answer: ...); waiting in it too: ranks 0, 1". */
 static void describe(const lk_comm *c, const ctl_msg *ans, char *buf, size_t cap) {
+    static const char *const head[KINDS] = {"; waiting for ", "; waiting for ", "; waiting in it too: ",
+                                            "; already past it: "};
+    int total[KINDS] = {0};
+    for (int p = 0; p < c->size; p++)
+        if (p != c->rank) total[kind_of(c, &ans[p])]++;
     size_t len = 0;
-    const char *heads[3] = {"; waiting for ", "; waiting in it too: ", "; already past it: "};
-    for (int kind = 0; kind < 3; kind++) {
-        int listed = 0, more = 0;
-        for (int p = 0; p < c->size; p++) {
-            if (p == c->rank) continue;
-            const uint64_t s = ans[p].seq;
-            /* the same number but another operation: the ranks called different collectives */
-            const int other = s == c->seq && strncmp(ans[p].op, c->op ? c->op : "?", sizeof ans[p].op);
-            const int k = (s == 0 || s < c->seq || other) ? 0 : s == c->seq ? 1 : 2;
-            if (k != kind) continue;
-            if (listed == 16) {
-                more++;
-                continue;
-            }
-            append(buf, cap, &len, "%s%s%d", listed ? ", " : heads[kind], listed ? "" : "rank ", p);
-            if (kind == 0 && s == 0)
-                append(buf, cap, &len, " (no answer: stalled, or busy outside lorakit's collectives)");
-            else if (kind != 1)
-                append(buf, cap, &len, " (in collective #%llu, %.*s)", (unsigned long long)s, (int)sizeof ans[p].op, ans[p].op);
-            listed++;
+    for (int kind = 0; kind < KINDS; kind++) {
+        if (!total[kind]) continue;
+        const int joined = kind == ELSEWHERE && total[SILENT]; /* one "waiting for" list */
+        lk_appendf(buf, cap, &len, "%s%s", joined ? ", " : head[kind], total[kind] > 1 ? "ranks " : "rank ");
+        int listed = 0;
+        for (int p = 0; p < c->size && listed < 16; p++) {
+            if (p == c->rank || kind_of(c, &ans[p]) != kind) continue;
+            lk_appendf(buf, cap, &len, "%s%d", listed++ ? ", " : "", p);
+            if (kind == ELSEWHERE || kind == PAST)
+                lk_appendf(buf, cap, &len, " (in collective #%llu, %.*s)", (unsigned long long)ans[p].seq,
+                           (int)sizeof ans[p].op, ans[p].op);
         }
-        if (more) append(buf, cap, &len, " and %d more", more);
+        if (total[kind] > listed) lk_appendf(buf, cap, &len, " and %d more", total[kind] - listed);
+        if (kind == SILENT) lk_appendf(buf, cap, &len, " (no answer: stalled, or busy outside lorakit's collectives)");
     }
 }
 

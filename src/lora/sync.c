@@ -32,7 +32,7 @@ lk_status lk_lora_params_agree(lk_lora_params *p, lk_comm *world) {
     uint64_t h = lk_lora_params_layout_hash(p);
     uint64_t v[4] = {h, ~h, (uint64_t)p->numel, ~(uint64_t)p->numel};
     lk_status s = lk_comm_allreduce_u64(world, v, 4, LK_REDUCE_MAX);
-    if (s != LK_OK) return s;
+    if (s != LK_OK) return lk_error_prefix(s, "LoRA parameters: agreeing on the layout");
     if (v[0] != ~v[1] || v[2] != ~v[3])
         return lk_error(LK_ERR_MISMATCH,
                         "the ranks hold different LoRA parameter sets (this rank: %zu tensors, "

@@ -126,12 +126,20 @@ static lk_status parse_root(pctx *c, lk_plan *p) {
             long long v;
             if (!lk_ynode_int(vn, 0, LLONG_MAX, &v)) return lk_yerr(c->doc, vn, NULL, "expected a whole number >= 0");
             p->fp8.seed = (uint64_t)v;
+        } else if (!strcmp(k, "timeout")) {
+            double t;
+            if (!lk_ynode_num(vn, &t) || !(t >= 0 && t <= LK_PLAN_TIMEOUT_MAX)) {
+                char r[64];
+                lk_ynode_repr(vn, r, sizeof r);
+                return lk_yerr(c->doc, vn, NULL, "expected seconds in 0..%g (0 = none), got %s", LK_PLAN_TIMEOUT_MAX, r);
+            }
+            p->timeout = t;
         } else if (!strcmp(k, "fp8_saturate")) {
             if (!lk_ynode_bool(vn, &p->fp8.saturate)) return lk_yerr(c->doc, vn, NULL, "expected true or false");
         } else if (strcmp(k, "steps")) {
             return lk_yerr(c->doc, kn, NULL,
                            "unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, fp8_rounding, fp8_seed, "
-                           "fp8_scale, fp8_saturate, steps)");
+                           "fp8_scale, fp8_saturate, timeout, steps)");
         }
     }
     const lk_ynode *steps = lk_ymap_get(root, "steps");
@@ -154,6 +162,7 @@ static lk_status parse_root(pctx *c, lk_plan *p) {
 static lk_status plan_from_doc(const lk_ydoc *d, const char *base_dir, lk_plan **out) {
     lk_plan *p = lk_calloc(1, sizeof *p);
     if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", lk_ydoc_label(d));
+    p->timeout = -1; /* not set */
     pctx c = {d, lk_ydoc_label(d), base_dir, 0};
     lk_status s = parse_root(&c, p);
     if (s) {

@@ -28,6 +28,7 @@
  *   recompute (lk_fuse_fp8 rescales it), never on its own. */
 #include "comm/comm_internal.h"
 #include "core/clock.h"
+#include "core/text.h"
 #include "lorakit/tracker.h"
 #include "serve/tracker_internal.h"
 
@@ -648,6 +649,83 @@ static int spare_cores(const uint64_t *hosts, int size, int rank) {
     return cpus >= 2L * local;
 }
 
+/* Every rank must hold the same base bytes: each fuses into its own copy
+ * and receives the owners' keys, so ranks that loaded different bytes
+ * would serve different weights (every step's digests disagreeing). Each
+ * rank hashes every tensor (XXH3-64, byte-wise name order) and the ranks
+ * compare a hash of those hashes (one small agreement); only on a
+ * difference do they compare every key (one allreduce of 2 words per key)
+ * and gather the first differing key's hash from every rank, so the error,
+ * the same on every rank, names that key and which ranks hold which bytes.
+ * Collective; local is this rank's status so far (agreed on first). */
+static lk_status check_base(lk_tracker *t, lk_status local) {
+    const size_t n = t->n;
+    uint64_t *h = local ? NULL : lk_malloc((n ? n : 1) * sizeof *h), all = 0;
+    if (!local && !h) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory hashing %zu tensors", n);
+    const double t0 = lk_now_s();
+    if (!local) {
+        for (size_t c = 0; c < n; c++) {
+            const lk_tensor *w = lk_weights_tensor(t->w, t->ord[c]);
+            h[c] = XXH3_64bits(w->data, w->nbytes);
+        }
+        all = XXH3_64bits(h, n * sizeof *h);
+    }
+    const double t1 = lk_now_s();
+    int same = 1;
+    lk_status s = agree_hash(t->comm, local, all, &same);
+    lk_log(LK_LOG_DEBUG, "tracker: base check: hashed %zu tensors (%.1f MiB) in %.3f s, agreed in %.3f s", n,
+           (double)lk_weights_nbytes(t->w) / 1048576.0, t1 - t0, lk_now_s() - t1);
+    if (s || same) {
+        lk_free(h);
+        return s;
+    }
+    /* per key: max of h and of ~h, equal everywhere iff max h == ~max ~h */
+    uint64_t *v = lk_malloc(2 * n * sizeof *v), *hv = lk_malloc((size_t)t->size * sizeof *hv);
+    local = v && hv ? LK_OK : lk_error(LK_ERR_NOMEM, "tracker: out of memory comparing %zu tensors", n);
+    for (size_t c = 0; !local && c < n; c++) {
+        v[c] = h[c];
+        v[n + c] = ~h[c];
+    }
+    if (!(s = lk_comm_agree(t->comm, local))) s = lk_comm_allreduce_u64(t->comm, v, 2 * n, LK_REDUCE_MAX);
+    size_t first = n, differ = 0;
+    for (size_t c = 0; !s && c < n; c++)
+        if (v[c] != ~v[n + c]) {
+            if (first == n) first = c;
+            differ++;
+        }
+    if (!s && first == n) s = lk_error(LK_ERR_MISMATCH, "tracker: the ranks' base weights hash differently, yet no "
+                                                        "single tensor differs (a hash collision?)");
+    if (!s) s = lk_comm_allgather(t->comm, &h[first], sizeof *h, hv);
+    if (!s) {
+        /* each distinct hash with the ranks holding it, in order of first appearance */
+        char msg[1536] = "";
+        size_t len = 0;
+        int groups = 0;
+        for (int r = 0; r < t->size; r++) {
+            int seen = 0, count = 0, listed = 0;
+            for (int q = 0; q < r && !seen; q++) seen = hv[q] == hv[r];
+            if (seen) continue;
+            if (groups++ == 8) {
+                lk_appendf(msg, sizeof msg, &len, "; ...");
+                break;
+            }
+            for (int q = r; q < t->size; q++) count += hv[q] == hv[r];
+            lk_appendf(msg, sizeof msg, &len, "%s%s", groups > 1 ? "; " : "", count > 1 ? "ranks " : "rank ");
+            for (int q = r; q < t->size && listed < 16; q++)
+                if (hv[q] == hv[r]) lk_appendf(msg, sizeof msg, &len, "%s%d", listed++ ? ", " : "", q);
+            lk_appendf(msg, sizeof msg, &len, "%s hold%s XXH3-64 %016llx", count > listed ? ", ..." : "",
+                   count > 1 ? "" : "s", (unsigned long long)hv[r]);
+        }
+        s = lk_error(LK_ERR_MISMATCH, "tracker: the ranks hold different base weights: %zu of %zu tensors differ; the "
+                     "first in byte-wise name order is %s: %s (every rank must load the same base bytes)",
+                     differ, n, lk_weights_tensor(t->w, t->ord[first])->name, msg);
+    }
+    lk_free(h);
+    lk_free(v);
+    lk_free(hv);
+    return s;
+}
+
 void lk_tracker_free(lk_tracker *t) {
     if (!t) return;
     for (size_t i = 0; t->k && i < t->n; i++) lk_free(t->k[i].backup);
@@ -720,6 +798,7 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         s = lk_error(LK_ERR_MISMATCH, "tracker: ranks hold different weights (names, dtypes, shapes) or options "
                                       "(bucket_bytes %zu, no_lora_swap %d, mode %d, allow_nonfinite %d on rank %d)",
                      t->o.bucket_bytes, opts->no_lora_swap, mode, opts->allow_nonfinite, t->rank);
+    if (!s && t->size > 1) s = check_base(t, LK_OK);
     if (!s && t->size > 1 && !full && !(mode & LK_TRACKER_SERIAL)) {
         /* a fuse worker thread when forced, else where this rank has a spare core */
         char host[256] = {0};
@@ -732,7 +811,7 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
     lk_free(hosts);
     if (s) {
         lk_tracker_free(t);
-        return s;
+        return s == LK_ERR_TIMEOUT ? lk_error_prefix(s, "tracker create") : s;
     }
     *out = t;
     return LK_OK;
@@ -746,10 +825,12 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
     memset(st, 0, sizeof *st);
     if (!t) return lk_error(LK_ERR_ARG, "lk_tracker_apply: NULL tracker");
     double t0 = lk_now_s(), t1;
+    const char *phase = "agreeing on the request"; /* names a collective that times out */
 
     /* 1. agree on the request */
     request req = {0};
-    lk_status local = t->broken ? lk_error(LK_ERR_STATE, "tracker is unusable after a failed rollback")
+    lk_status local = t->broken ? lk_error(LK_ERR_STATE, "tracker is unusable after a failed rollback, "
+                                                      "transport or timeout")
                                 : request_make(loras, n, &req);
     int same = 1;
     lk_status s = agree_hash(t->comm, local, req.hash, &same);
@@ -821,6 +902,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         lk_free(scratch);
     }
     t1 = lk_now_s();
+    phase = "agreeing on the adapters loaded";
     {
         XXH3_state_t hs; /* in name order: file order may differ between ranks */
         XXH3_64bits_reset(&hs);
@@ -846,9 +928,11 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
     if (t->serial || t->size == 1) {
         job_wait(&job, job.n_seq);
         st->seconds_fuse = lk_now_s() - t1;
+        phase = "agreeing on the fuse";
         s = lk_comm_agree(t->comm, job_status(&job));
         if (!s) {
             t1 = lk_now_s();
+            phase = "broadcasting the changed keys";
             s = broadcast(t, st, NULL);
             st->seconds_broadcast = lk_now_s() - t1;
             if (s) t->broken = 1;
@@ -856,6 +940,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
     } else {
         pthread_t tid;
         int threaded = t->fuse_thread && job.n_seq > 1 && pthread_create(&tid, NULL, job_main, &job) == 0;
+        phase = "broadcasting the changed keys";
         s = broadcast(t, st, &job); /* no thread: the main thread fuses each key when it is due */
         if (threaded) pthread_join(tid, NULL);
         job_wait(&job, job.n_seq); /* keys no piece waited for (0 bytes) */
@@ -865,6 +950,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
         else {
             /* Receivers may already hold new bytes: agree, and on failure
              * restore the owners and send every changed key again. */
+            phase = "agreeing on the fuse";
             s = lk_comm_agree(t->comm, job_status(&job));
             if (s) s = rollback(t, s, &job, st, fresh, n_fresh, 1);
         }
@@ -887,6 +973,10 @@ out:
     request_clear(&req);
     st->backup_bytes = t->backup_bytes;
     st->seconds = lk_now_s() - t0;
+    if (s == LK_ERR_TIMEOUT) { /* the group is gone (comm.h) */
+        t->broken = 1;
+        lk_error_prefix(s, "tracker apply: %s", phase);
+    }
     return s;
 }
 

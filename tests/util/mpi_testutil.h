@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "testutil.h"
 #include "lorakit/comm_mpi.h"
@@ -32,6 +33,24 @@ static inline lk_comm *tu_mpi_init(int *argc, char ***argv) {
     lk_comm *world = NULL;
     if (lk_comm_from_mpi(MPI_COMM_WORLD, &world) != LK_OK) tu_mpi_die("lk_comm_from_mpi");
     return world;
+}
+
+/* Seconds on clock id (CLOCK_MONOTONIC for wall time,
+ * CLOCK_THREAD_CPUTIME_ID for this thread's CPU time: a waiting rank's). */
+static inline double tu_clock(clockid_t id) {
+    struct timespec ts;
+    clock_gettime(id, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* "rank A" or "ranks A, B, ..." for the ranks 0..n-1 except skip1 and
+ * skip2, as lorakit's timeout reports list them. */
+static inline void tu_rank_list(char *buf, size_t cap, int n, int skip1, int skip2) {
+    int count = 0, len = 0;
+    for (int r = 0; r < n; r++) count += r != skip1 && r != skip2;
+    len = snprintf(buf, cap, "%s", count > 1 ? "ranks " : "rank ");
+    for (int r = 0, k = 0; r < n && len > 0 && (size_t)len < cap; r++)
+        if (r != skip1 && r != skip2) len += snprintf(buf + len, cap - (size_t)len, "%s%d", k++ ? ", " : "", r);
 }
 
 /* Frees the world communicator, finalizes MPI and passes rc through. */

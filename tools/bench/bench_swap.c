@@ -36,8 +36,10 @@ static const char *const SWAP_BENCH_USAGE =
     "`full` mode (restore every owned key, re-broadcast every key) on a synthetic\n"
     "BF16 DiT model of at least N MiB with adapters on the attention projections\n"
     "(a third of the bytes): apply, change strength, swap to a second adapter,\n"
-    "reset; plus reloading the checkpoint from disk. Started alone, it relaunches\n"
-    "itself as `mpirun --oversubscribe -n K`; under mpirun it uses the ranks it has.\n\n"
+    "reset; the tracker's creation (op create: it checks that every rank holds\n"
+    "the same base bytes); plus reloading the checkpoint from disk. Started\n"
+    "alone, it relaunches itself as `mpirun --oversubscribe -n K`; under mpirun\n"
+    "it uses the ranks it has.\n\n"
     "options:\n"
     "  --json          one JSON object per result line\n"
     "  --ranks K       ranks to relaunch with (default 4)\n"
@@ -223,15 +225,26 @@ enum { OP_APPLY, OP_STRENGTH, OP_SWAP, OP_RESET, N_OPS };
 static const char *const OPS[N_OPS] = {"apply", "strength", "swap", "reset"};
 
 /* Runs the four ops --repeat times in one tracker mode (tracker_internal.h);
- * med[] gets the medians. */
+ * med[] gets the medians, *create the slowest rank's lk_tracker_create
+ * (from a barrier; it includes the check that every rank holds the same
+ * base bytes). */
 static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int mode, const char *pa, const char *pb,
-                          result med[N_OPS], size_t *staging, int *overlaps) {
+                          result med[N_OPS], size_t *staging, int *overlaps, result *create) {
     lk_tracker_opts to = LK_TRACKER_OPTS_DEFAULT;
     to.bucket_bytes = (size_t)o->bucket_mb << 20;
     to.threads = (int)o->threads;
     lk_tracker *t;
-    lk_status s = lk_tracker_create_ex(c, w, &to, mode, &t);
+    lk_status s = lk_comm_barrier(c);
+    double t0 = lk_now_s();
+    if (!s) s = lk_tracker_create_ex(c, w, &to, mode, &t);
     if (s) return s;
+    uint64_t ns = (uint64_t)((lk_now_s() - t0) * 1e9);
+    if ((s = lk_comm_allreduce_u64(c, &ns, 1, LK_REDUCE_MAX))) {
+        lk_tracker_free(t);
+        return s;
+    }
+    memset(create, 0, sizeof *create);
+    create->seconds = (double)ns * 1e-9;
     *staging = lk_tracker_staging_bytes(t);
     *overlaps = lk_tracker_overlaps(t);
     lk_fuse_input a1[] = {{pa, 1.0f, LK_FORMAT_AUTO}}, a05[] = {{pa, 0.5f, LK_FORMAT_AUTO}},
@@ -370,11 +383,12 @@ int lk_bench_swap(int argc, char **argv) {
     static const int MODE[4] = {0, LK_TRACKER_FULL, LK_TRACKER_SERIAL, LK_TRACKER_OVERLAP};
     static const char *const MODE_NAME[4] = {"delta", "full", "delta_serial", "delta_overlap"};
     static const char *const OVERLAP_NAME[3] = {"off", "nonblocking", "nonblocking+thread"}; /* lk_tracker_overlaps */
-    result res[4][N_OPS];
+    result res[4][N_OPS], created[4];
     size_t staging[4];
     int overlaps[4];
     for (int mode = 0; mode < (o.compare ? 4 : 2) && !s; mode++) {
-        s = run_mode(c, w, &o, MODE[mode], pa, pb, res[mode], &staging[mode], &overlaps[mode]);
+        s = run_mode(c, w, &o, MODE[mode], pa, pb, res[mode], &staging[mode], &overlaps[mode], &created[mode]);
+        if (!s && rank == 0) print_result(&o, ranks, MODE_NAME[mode], "create", &created[mode], staging[mode]);
         for (int op = 0; !s && rank == 0 && op < N_OPS; op++)
             print_result(&o, ranks, MODE_NAME[mode], OPS[op], &res[mode][op], staging[mode]);
     }

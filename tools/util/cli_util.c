@@ -50,6 +50,22 @@ int lk_cli_parse_double(const char *s, double *out) {
     return 1;
 }
 
+int lk_cli_parse_timeout(const char *s, double *out) {
+    double v;
+    if (!lk_cli_parse_double(s, &v) || !(v >= 0 && v <= 1e9)) return 0;
+    *out = v;
+    return 1;
+}
+
+int lk_cli_timeout_abort(lk_comm *c) {
+    if (lk_comm_size(c) > 1) fprintf(stderr, "lorakit: rank %d: %s; aborting the job\n", lk_comm_rank(c), lk_last_error());
+    else fprintf(stderr, "lorakit: %s\n", lk_last_error());
+    fflush(stderr);
+    fflush(stdout);
+    lk_comm_abort(c, LK_EXIT_FAIL);
+    return LK_EXIT_FAIL;
+}
+
 int lk_cli_fp8_option(const char *cmd, int argc, char **argv, int *i, lk_fp8_opts *o) {
     const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     if (!strcmp(a, "--fp8-saturate")) {

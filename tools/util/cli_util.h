@@ -22,6 +22,20 @@ int lk_cli_wants_help(int argc, char **argv);
 int lk_cli_parse_int(const char *s, long *out);
 int lk_cli_parse_double(const char *s, double *out);
 
+#include "lorakit/comm.h"
+/* --timeout SECONDS: a number in 0..1e9 (0 = none); returns 0 on failure. */
+int lk_cli_parse_timeout(const char *s, double *out);
+#define LK_CLI_TIMEOUT_HELP                                                              \
+    "  --timeout S     seconds a collective may wait for the other ranks (default\n"    \
+    "                  300; 0 = none); on expiry every waiting rank prints which\n"     \
+    "                  collective and which ranks it waited for, and the job is\n"      \
+    "                  aborted (MPI_Abort: a collective cannot be cancelled)\n"
+/* After LK_ERR_TIMEOUT (lk_last_error() holds the report): prints
+ * "lorakit: rank R: <report>" on this rank (every rank that can act does),
+ * then ends the whole job with exit code 1 (lk_comm_abort); returns
+ * LK_EXIT_FAIL only where the backend cannot abort. */
+int lk_cli_timeout_abort(lk_comm *c);
+
 #include "lorakit/fuse.h"
 /* The FP8 options of fuse at argv[*i]: --fp8-rounding nearest|stochastic,
  * --fp8-seed N, --fp8-scale rescale|keep, --fp8-saturate. Returns 1 when it
