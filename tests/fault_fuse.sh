@@ -17,21 +17,10 @@
 set -euo pipefail
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
-# mk_st OUT HEADER_JSON DATA_FILE: a safetensors file (8-byte LE header
-# length, header padded with spaces to 8 bytes, then the data).
-mk_st() {
-  local hdr="$2" n pad
-  n=${#hdr}
-  pad=$(( (8 - n % 8) % 8 ))
-  hdr="$hdr$(printf '%*s' "$pad" '')"
-  n=$(( n + pad ))
-  {
-    printf "$(printf '\\x%02x\\x%02x\\x%02x\\x%02x\\x00\\x00\\x00\\x00' \
-      $((n & 255)) $((n >> 8 & 255)) $((n >> 16 & 255)) $((n >> 24 & 255)))"
-    printf '%s' "$hdr"
-    cat "$3"
-  } >"$1"
-}
+# mk_st OUT HEADER_JSON DATA_FILE: a safetensors file (util/st_header.sh:
+# 8-byte LE header length, header padded with spaces to 8 bytes), then the data.
+. "$(dirname "$0")/util/st_header.sh"
+mk_st() { { st_header "$2"; cat "$3"; } >"$1"; }
 # pattern N OUT [SKIP]: N bytes of small finite F32 values (0.5 -0.25 0.125
 # 1.0 ...), starting SKIP values into the cycle.
 pattern() {

@@ -12,7 +12,7 @@
 # "lorakit: PATH: is a FIFO, not a regular file" (resp. "a character
 # device"), the wording of lk_open_input (src/core/file.c).
 set -uo pipefail
-LK=$1
+LK=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 SRC=$(cd "$(dirname "$0")" && pwd)
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/lk-nonreg.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT

@@ -371,7 +371,10 @@ static void test_sharded_fuse(void **state) {
     assert_int_equal(s, LK_OK);
     assert_int_equal(st.tensors_fused, 4); /* q_proj, v_proj x 2 layers */
     char *want = listing(LLAMA), *got = listing(out);
-    assert_string_equal(got, want); /* same shard names, index name, config files */
+    /* same shard names, index name, config files, plus lorakit's record of
+     * the files it wrote (io/out_dir.h) */
+    assert_string_equal(got + strlen(".lorakit-output\n"), want);
+    assert_memory_equal(got, ".lorakit-output\n", strlen(".lorakit-output\n"));
     char *oi = tu_path(out, INDEX), *text = read_text(oi);
     tu_assert_contains(text, "\"total_size\": 12448");
     tu_assert_contains(text, "\"total_parameters\": 6224");
@@ -408,16 +411,39 @@ static void test_sharded_fuse(void **state) {
     assert_string_equal(a, c);
     assert_string_not_equal(a, base_d);
 
-    /* an existing empty OUT_DIR is filled; a non-empty one is refused */
+    /* an existing empty OUT_DIR is filled */
     char *empty = tu_path(root, "empty");
     assert_int_equal(mkdir(empty, 0777), 0);
     assert_int_equal(lk_fuse_file(d, &in, 1, empty, NULL, NULL), LK_OK);
     digest_of(empty, c);
     assert_string_equal(a, c);
+    /* a folder lorakit wrote is replaced whole (here by the fuse at
+     * strength 0.5, so the digest must change), and nothing else is left in
+     * its parent */
     char *before = listing(root);
-    assert_int_equal(lk_fuse_file(d, &in, 1, out, NULL, NULL), LK_ERR_ARG);
-    tu_assert_contains(lk_last_error(), "not empty");
+    lk_fuse_input half = {.path = FIX "/peft", .strength = 0.5f};
+    assert_int_equal(lk_fuse_file(d, &half, 1, out, NULL, NULL), LK_OK);
     char *after = listing(root);
+    assert_string_equal(before, after);
+    char h[LK_DIGEST_HEX];
+    digest_of(out, h);
+    assert_string_not_equal(a, h);
+    free(after);
+    after = listing(out);
+    assert_string_equal(after, got);
+    free(after);
+    /* a folder holding a file lorakit did not write is refused by its name, untouched */
+    char *note = tu_path(out, "notes.txt");
+    assert_int_equal(tu_write_file(note, "mine", 4), 0);
+    assert_int_equal(lk_fuse_file(d, &in, 1, out, NULL, NULL), LK_ERR_ARG);
+    tu_assert_contains(lk_last_error(), "holds notes.txt, which lorakit did not write there");
+    digest_of(out, c);
+    assert_string_equal(h, c);
+    free(note);
+    /* a non-empty folder without lorakit's record is refused */
+    assert_int_equal(lk_fuse_file(d, &in, 1, d, NULL, NULL), LK_ERR_ARG);
+    tu_assert_contains(lk_last_error(), "was not written by lorakit");
+    after = listing(root);
     assert_string_equal(before, after);
 
     free(before);

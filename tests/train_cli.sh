@@ -65,10 +65,10 @@ has nognuplot "$TMP/e" "^lorakit: warning: no loss curve: gnuplot is not install
 [ ! -e "$TMP/rev/loss.png" ] || { echo "FAIL loss.png without gnuplot"; fail=1; }
 [ -s "$TMP/rev/adapter_model.safetensors" ] && [ -s "$TMP/rev/adapter_config.json" ] || { echo "FAIL PEFT files"; fail=1; }
 has peft "$TMP/rev/adapter_config.json" '"r": 2'
-# an output file that cannot be written fails the run and says why
+# an output path that is a folder fails the run before training and says why
 rm -f "$TMP/rev/train.json" && mkdir "$TMP/rev/train.json"
 PATH=/nonexistent "$BIN" train --quiet "$TMP/rev.yaml" >"$TMP/o" 2>"$TMP/e"; check unwritable 1 $?
-has unwritable "$TMP/e" "^lorakit: .*rev/train.json: cannot rename .* into place: Is a directory"
+has unwritable "$TMP/e" "^lorakit: .*rev/train.json: exists and is a folder; an output replaces only a regular file"
 # written through a temporary file and a rename: nothing half-written is left
 [ -z "$(ls "$TMP/rev" | grep '\.tmp\.')" ] || { echo "FAIL temporary files left in rev/"; fail=1; }
 rmdir "$TMP/rev/train.json"

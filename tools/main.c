@@ -30,6 +30,8 @@ static void usage(FILE *f) {
 }
 
 int main(int argc, char **argv) {
+    /* an interrupted output leaves no temporary behind (lorakit/safetensors.h) */
+    if (lk_temp_cleanup_on_signals() != LK_OK) return lk_cli_fail();
     if (argc < 2) {
         usage(stderr);
         return LK_EXIT_USAGE;

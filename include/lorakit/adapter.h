@@ -83,6 +83,9 @@ int lk_adapter_has_config(const lk_adapter *a);
 size_t lk_adapter_untargeted(const lk_adapter *a);
 /* The safetensors file read (path itself, or the file inside the folder). */
 const char *lk_adapter_file(const lk_adapter *a);
+/* The adapter_config.json read (the folder's, or the one beside the file),
+ * or NULL when none was. */
+const char *lk_adapter_config_file(const lk_adapter *a);
 /* 1 if path is a folder, or a safetensors file whose keys are all LoRA
  * keys (factors lora_A/lora_B, lora_down/lora_up, .alpha, DoRA magnitudes,
  * lora_B biases), at least one a factor, or a file with an

@@ -80,6 +80,23 @@ void lk_st_writer_free(lk_st_writer *w);
 lk_status lk_st_save(const char *path, const lk_tensor *tensors, size_t n,
                      const char *const *meta_kv, size_t n_meta);
 
+/* ---- interrupted writes ----
+ * Every temporary file or folder an output is being written through (this
+ * writer's, a sharded output folder's, every other file lorakit writes) is
+ * registered while it exists. lk_temp_cleanup removes them all; it is
+ * async-signal-safe (unlink and rmdir of paths allocated beforehand, no
+ * lock), for a host program's own signal handlers, and may be called once
+ * (the registrations are consumed). lk_temp_cleanup_on_signals installs
+ * handlers for SIGINT, SIGTERM, SIGHUP, SIGPIPE and SIGXFSZ, each only where
+ * the signal's action is still the default (an ignored signal stays
+ * ignored), that call lk_temp_cleanup, restore the default action and
+ * re-raise the signal, so the process still ends by it. The library never
+ * installs handlers by itself; the lorakit CLI calls this first thing. A
+ * temporary that nothing could remove (SIGKILL, a power cut) is removed by
+ * the next write of the same output once its process is gone. */
+void lk_temp_cleanup(void);
+lk_status lk_temp_cleanup_on_signals(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -144,6 +144,7 @@ int lk_adapter_rslora(const lk_adapter *a) { return a ? a->rslora : 0; }
 int lk_adapter_has_config(const lk_adapter *a) { return a ? a->has_config : 0; }
 size_t lk_adapter_untargeted(const lk_adapter *a) { return a ? a->n_untargeted : 0; }
 const char *lk_adapter_file(const lk_adapter *a) { return a ? a->file : NULL; }
+const char *lk_adapter_config_file(const lk_adapter *a) { return a ? a->config_path : NULL; }
 
 static void free_strv(char **v, size_t n) {
     if (!v) return;

@@ -205,6 +205,7 @@ typedef struct lk_train_config {
     int log_every;
     int eval_examples;
     char output[LK_TRAIN_PATH_MAX];
+    char source[LK_TRAIN_PATH_MAX];   /* the config file read ("" if none): an input no output may replace */
     char role[64];
     lk_lora_config lora;              /* models.<role>.lora */
     double timeout;                   /* seconds each collective may wait (lk_comm_set_timeout

@@ -19,6 +19,7 @@
 
 #include "core/file.h"
 #include "core/clock.h"
+#include "io/out_file.h"
 #include "io/yaml_doc.h"
 #include "lora/gemm.h"
 #include "lora/lora_config.h"
@@ -222,6 +223,7 @@ lk_status lk_train_config_load(const char *path, const char *role, lk_train_conf
     lk_ydoc_free(d);
     lk_free(dir);
     if (st) return st;
+    if (strlen(path) < sizeof c.source) memcpy(c.source, path, strlen(path) + 1);
     *out = c;
     return LK_OK;
 }
@@ -248,6 +250,32 @@ static lk_status mkdir_p(const char *dir) {
         }
     }
     return LK_OK;
+}
+
+/* Before any work: OUTPUT is a folder (or new), and none of the files a
+ * run writes there (the last three by tools/cmd_train.c, listed here so
+ * every rank learns of a refusal before training starts) is an input (the
+ * base, the config) or anything but a regular file (io/out_file.h). */
+static lk_status check_outputs(const lk_train_config *cfg) {
+    static const char *const lora_files[] = {"adapter_model.safetensors", "adapter_config.json"};
+    static const char *const full_files[] = {"model.safetensors"};
+    static const char *const common[] = {"optimizer.safetensors", "loss.csv", "loss.png", "train.json"};
+    struct stat sb;
+    if (stat(cfg->output, &sb) == 0 && !S_ISDIR(sb.st_mode))
+        return lk_error(LK_ERR_ARG, "%s: the output exists and is %s, not a folder", cfg->output,
+                        lk_file_kind((unsigned)sb.st_mode));
+    lk_out_inputs in = LK_OUT_INPUTS_INIT;
+    lk_status s = cfg->base[0] ? lk_out_inputs_add(&in, cfg->base, "base") : LK_OK;
+    if (!s && cfg->source[0]) s = lk_out_inputs_add(&in, cfg->source, "config");
+    const char *const *own = cfg->lora.enable ? lora_files : full_files;
+    size_t n_own = cfg->lora.enable ? 2 : 1;
+    for (size_t i = 0; !s && i < n_own + 4; i++) {
+        char *p = lk_path_join(cfg->output, i < n_own ? own[i] : common[i - n_own]);
+        s = p ? lk_out_check(p, &in) : lk_error(LK_ERR_NOMEM, "%s: out of memory", cfg->output);
+        lk_free(p);
+    }
+    lk_out_inputs_free(&in);
+    return s;
 }
 
 /* Full-model training: mirror the model's parameters in a parameter set. */
@@ -313,6 +341,11 @@ lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_prog
 
     /* OpenBLAS first: an address-space limit too low for it is an error here, on every rank */
     if ((st = agree(world, lk_gemm_prepare(), "loading OpenBLAS"))) return st;
+
+    /* rank 0 writes the outputs: refused ones are known before any work */
+    st = rank == 0 ? check_outputs(cfg) : LK_OK;
+    if ((st = agree(world, st, "checking the outputs"))) goto done;
+
     /* model: from the base checkpoint or fresh from the seed */
     if (cfg->base[0]) st = lk_model_load(cfg->base, &m);
     else st = lk_model_create(&cfg->model, cfg->seed, &m);

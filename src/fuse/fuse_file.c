@@ -27,6 +27,7 @@
 #include "lorakit/checkpoint.h"
 #include "lorakit/safetensors.h"
 #include "io/out_dir.h"
+#include "io/out_file.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -36,7 +37,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #define FUSED_KEY "lorakit.fused"
@@ -46,15 +46,6 @@
  * most this many bytes (the buffer grows to it only when no fused tensor is
  * larger already). */
 #define COPY_CHUNK ((size_t)8 << 20)
-
-/* LK_ERR_ARG when out names the same file as path (what says which input). */
-static lk_status refuse_same(const char *out, const char *path, const char *what) {
-    struct stat so, sp;
-    if (stat(out, &so) != 0 || stat(path, &sp) != 0) return LK_OK;
-    if (so.st_dev == sp.st_dev && so.st_ino == sp.st_ino)
-        return lk_error(LK_ERR_ARG, "output %s is the same file as the %s %s", out, what, path);
-    return LK_OK;
-}
 
 int lk_fuse_strength_str(double v, char *buf, size_t cap) {
     int p = 1;
@@ -272,10 +263,9 @@ static lk_status gather(const fctx *c, const lk_tensor *t, lk_fuse_key *k) {
 /* Shared by lk_fuse_file and lk_fuse_tensors, so both refuse and sum
  * exactly alike: checks the inputs, opens every adapter, resolves it against
  * model[0..nt) (strict unless allow_unmatched) and sizes the term list.
- * label names the model in errors; out (may be NULL) is refused as an
- * adapter file. Nothing is written. */
+ * label names the model in errors. Nothing is written. */
 static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, size_t nt, const lk_fuse_input *inputs,
-                         size_t n, int allow_unmatched, const char *out, lk_fuse_stats *st) {
+                         size_t n, int allow_unmatched, lk_fuse_stats *st) {
     lk_status s;
     for (size_t i = 0; i < n; i++) {
         if (!inputs[i].path) return lk_error(LK_ERR_ARG, "%s: adapter %zu has no path", label, i);
@@ -292,7 +282,6 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
         size_t un = 0;
         if ((s = lk_adapter_open(inputs[i].path, inputs[i].format, &c->ad[i]))) return s;
         c->n_ad = i + 1;
-        if (out && (s = refuse_same(out, lk_adapter_file(c->ad[i]), "adapter"))) return s;
         if ((s = lk_adapter_resolve(c->ad[i], model, nt, allow_unmatched, &un))) return s;
         st->modules_unmatched += un;
     }
@@ -317,6 +306,21 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
     return LK_OK;
 }
 
+/* Checks OUT against every file read (the base's index and shards, each
+ * adapter's file and config); a sharded OUT's folder is begun here. */
+static lk_status check_out(fctx *c, const char *out, int one_file) {
+    lk_out_inputs in = LK_OUT_INPUTS_INIT;
+    lk_status s = lk_out_inputs_add_ckpt(&in, c->ck);
+    for (size_t i = 0; !s && i < c->n_ad; i++) {
+        s = lk_out_inputs_add(&in, lk_adapter_file(c->ad[i]), "adapter");
+        const char *cfg = lk_adapter_config_file(c->ad[i]);
+        if (!s && cfg) s = lk_out_inputs_add(&in, cfg, "adapter config");
+    }
+    if (!s) s = one_file ? lk_out_check(out, &in) : lk_out_dir_begin(out, &in, &c->od);
+    lk_out_inputs_free(&in);
+    return s;
+}
+
 lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, const char *out,
                        const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
     static const lk_fuse_file_opts defaults;
@@ -324,7 +328,6 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     if (!base || !out || (n && !inputs)) return lk_error(LK_ERR_ARG, "lk_fuse_file: NULL argument");
     double t0 = lk_now_s();
     lk_status s;
-    if ((s = refuse_same(out, base, "base"))) return s;
     fctx c;
     memset(&c, 0, sizeof c);
     lk_fuse_stats st = {0};
@@ -336,7 +339,7 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
         goto fail;
     }
     for (size_t i = 0; i < nt; i++) c.model[i] = *lk_ckpt_tensor(c.ck, i);
-    if ((s = prepare(&c, base, c.model, nt, inputs, n, opts->allow_unmatched, out, &st))) goto fail;
+    if ((s = prepare(&c, base, c.model, nt, inputs, n, opts->allow_unmatched, &st))) goto fail;
     size_t buf_bytes = 0, copy_bytes = 0, sbuf_bytes = 0;
     uint64_t total_bytes = 0;
     c.scale_of = lk_malloc((nt ? nt : 1) * sizeof *c.scale_of);
@@ -408,7 +411,9 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
         goto fail;
     }
-    if (!one_file && (s = lk_out_dir_begin(out, &c.od))) goto fail;
+    /* OUT (each of its files) is none of the inputs, by any path, and no
+     * device, FIFO or folder is replaced (io/out_file.h) */
+    if ((s = check_out(&c, out, one_file))) goto fail;
     for (size_t j = 0; j < c.n_w; j++) {
         char *wp = one_file ? NULL : lk_out_dir_file(c.od, lk_ckpt_shard_name(c.ck, j));
         if (!one_file && !wp) {
@@ -519,7 +524,7 @@ lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *in
     lk_fuse_stats st = {0};
     st.tensors_total = nt;
     size_t *bk = NULL, n_bk = 0; /* tensors backed up, in order */
-    lk_status s = prepare(&c, label, tensors, nt, inputs, n, opts->allow_unmatched, NULL, &st);
+    lk_status s = prepare(&c, label, tensors, nt, inputs, n, opts->allow_unmatched, &st);
     if (s) goto fail;
     c.scale_of = lk_malloc((nt ? nt : 1) * sizeof *c.scale_of);
     c.is_scale = lk_calloc(nt ? nt : 1, 1);

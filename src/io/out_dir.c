@@ -5,8 +5,16 @@
  * usable complete (the index names every shard), and renaming shards into
  * OUT_DIR one by one would leave a mixed set behind after a failure or a
  * crash half way. rename(2) of a folder onto a new name, or onto an empty
- * folder, is atomic, so OUT_DIR is either untouched or the whole new set. */
+ * folder, is atomic, and so is renameat2(RENAME_EXCHANGE) of two folders,
+ * so OUT_DIR is either untouched or the whole new set.
+ *
+ * Why the .lorakit-output record: replacing a folder means deleting what
+ * was in it, and lorakit deletes only files it knows it wrote there. A
+ * filesystem without RENAME_EXCHANGE (NFS) cannot replace a folder
+ * atomically: there the old folder is left as it was and the error says
+ * to remove it or name a new one. */
 #include "io/out_dir.h"
+#include "io/temp.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 #include "core/file.h"
@@ -22,16 +30,30 @@
 #include <unistd.h>
 
 #define SMALL_MAX ((off_t)64 << 20)
+#define MARKER ".lorakit-output"
+#define MARKER_MAX ((size_t)16 << 20)
+
+typedef struct namelist {
+    char **v;
+    void **reg; /* registration of each name's path in tmp (io/temp.h) */
+    size_t n, cap;
+} namelist;
 
 struct lk_out_dir {
-    char *out;    /* final folder */
-    char *tmp;    /* temporary folder (exists while od lives) */
+    char *out;     /* final folder */
+    char *tmp;     /* temporary folder (exists while od lives) */
+    void *tmp_reg; /* its registration */
+    namelist files; /* the files written into tmp: the output's files */
+    namelist old;   /* replacing: the old folder's files (removed after the exchange) */
+    int replace;    /* out is a non-empty folder lorakit wrote */
 };
 
 static int ends_with(const char *s, const char *suf) {
     size_t a = strlen(s), b = strlen(suf);
     return a >= b && !memcmp(s + a - b, suf, b);
 }
+
+static int dot_or_dotdot(const char *n) { return n[0] == '.' && (!n[1] || (n[1] == '.' && !n[2])); }
 
 int lk_ckpt_is_index_name(const char *n) {
     return ends_with(n, ".json") && strstr(n, ".safetensors.index.") != NULL;
@@ -43,7 +65,52 @@ int lk_out_is_file(const char *out) {
     return ends_with(out, ".safetensors");
 }
 
-char *lk_out_dir_file(const lk_out_dir *od, const char *name) { return lk_path_join(od->tmp, name); }
+static void namelist_free(namelist *l) {
+    for (size_t i = 0; i < l->n; i++) {
+        lk_temp_drop(l->reg[i]);
+        lk_free(l->v[i]);
+    }
+    lk_free(l->v);
+    lk_free(l->reg);
+    memset(l, 0, sizeof *l);
+}
+
+/* Appends name; when dir is given, registers dir/name for removal on a
+ * signal. 0 when out of memory. */
+static int namelist_add(namelist *l, const char *name, const char *dir) {
+    if (l->n == l->cap) {
+        size_t cap = l->cap ? 2 * l->cap : 16;
+        char **v = lk_realloc(l->v, cap * sizeof *v);
+        if (!v) return 0;
+        l->v = v;
+        void **r = lk_realloc(l->reg, cap * sizeof *r);
+        if (!r) return 0;
+        l->reg = r;
+        l->cap = cap;
+    }
+    char *nm = lk_strdup(name), *p = dir ? lk_path_join(dir, name) : NULL;
+    void *reg = NULL;
+    int ok = nm && (!dir || (p && lk_temp_add(p, 0, &reg) == LK_OK));
+    lk_free(p);
+    if (!ok) {
+        lk_free(nm);
+        return 0;
+    }
+    l->v[l->n] = nm;
+    l->reg[l->n++] = reg;
+    return 1;
+}
+
+static int namelist_has(const namelist *l, const char *name) {
+    for (size_t i = 0; i < l->n; i++)
+        if (!strcmp(l->v[i], name)) return 1;
+    return 0;
+}
+
+char *lk_out_dir_file(lk_out_dir *od, const char *name) {
+    if (!namelist_has(&od->files, name) && !namelist_add(&od->files, name, od->tmp)) return NULL;
+    return lk_path_join(od->tmp, name);
+}
 
 static void fsync_dir(const char *d) {
     int fd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -53,21 +120,79 @@ static void fsync_dir(const char *d) {
     }
 }
 
-lk_status lk_out_dir_begin(const char *out, lk_out_dir **odp) {
-    *odp = NULL;
+/* The names out/.lorakit-output records, into *names (no registration).
+ * LK_ERR_ARG when there is none or it is not lorakit's record. */
+static lk_status read_marker(const char *out, namelist *names) {
+    char *p = lk_path_join(out, MARKER), *text = NULL;
+    size_t len = 0;
+    if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
     struct stat sb;
-    if (stat(out, &sb) == 0) {
-        if (!S_ISDIR(sb.st_mode))
-            return lk_error(LK_ERR_ARG, "%s: exists and is not a folder (a sharded output is a folder; name a "
-                            "FILE.safetensors for one file)", out);
-        DIR *d = opendir(out);
-        if (!d) return lk_error(LK_ERR_IO, "%s: cannot open the folder: %s", out, strerror(errno));
-        struct dirent *e;
-        int empty = 1;
-        while (empty && (e = readdir(d))) empty = !strcmp(e->d_name, ".") || !strcmp(e->d_name, "..");
-        closedir(d);
-        if (!empty) return lk_error(LK_ERR_ARG, "%s: the output folder exists and is not empty", out);
+    lk_status s = LK_OK;
+    if (lstat(p, &sb) != 0 || !S_ISREG(sb.st_mode))
+        s = lk_error(LK_ERR_ARG, "%s: the output folder exists, is not empty and was not written by lorakit (it has no "
+                     MARKER "); name a new or empty folder", out);
+    else if (!(s = lk_read_file(p, MARKER_MAX, &text, &len)) && len > MARKER_MAX)
+        s = lk_error(LK_ERR_ARG, "%s: larger than %zu bytes: not lorakit's record", p, MARKER_MAX);
+    json_t *root = s ? NULL : json_loadb(text, len, JSON_REJECT_DUPLICATES, NULL);
+    json_t *files = root ? json_object_get(root, "files") : NULL;
+    if (!s && (!json_is_object(root) || !json_is_integer(json_object_get(root, "lorakit_output")) ||
+               !json_is_array(files)))
+        s = lk_error(LK_ERR_ARG, "%s: not lorakit's record of an output folder", p);
+    for (size_t i = 0; !s && i < json_array_size(files); i++) {
+        const char *n = json_string_value(json_array_get(files, i));
+        if (!n) s = lk_error(LK_ERR_ARG, "%s: files[%zu] is not a string", p, i);
+        else if (!namelist_add(names, n, NULL)) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", p);
     }
+    json_decref(root);
+    lk_free(text);
+    lk_free(p);
+    return s;
+}
+
+/* OUT exists: it must be a folder, empty or written by lorakit with no
+ * input among its files; the files to remove after the exchange go to
+ * od->old (this process's own listing of the folder, never the record's
+ * names, so nothing outside the folder can be named). */
+static lk_status check_existing(lk_out_dir *od, const lk_out_inputs *in) {
+    const char *out = od->out;
+    struct stat sb;
+    if (lstat(out, &sb) != 0) return LK_OK;
+    if (S_ISLNK(sb.st_mode))
+        return lk_error(LK_ERR_ARG, "%s: is a symbolic link; name the output folder itself", out);
+    lk_status s = S_ISREG(sb.st_mode) ? lk_out_check(out, in) : LK_OK; /* an input: say so first */
+    if (s) return s;
+    if (!S_ISDIR(sb.st_mode))
+        return lk_error(LK_ERR_ARG, "%s: exists and is %s, not a folder (a sharded output is a folder; name a "
+                        "FILE.safetensors for one file)", out, lk_file_kind((unsigned)sb.st_mode));
+    DIR *d = opendir(out);
+    if (!d) return lk_error(LK_ERR_IO, "%s: cannot open the folder: %s", out, strerror(errno));
+    for (struct dirent *e; !s && (e = readdir(d));)
+        if (!dot_or_dotdot(e->d_name) && !namelist_add(&od->old, e->d_name, NULL))
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
+    closedir(d);
+    if (s || !od->old.n) return s; /* empty: the rename goes onto it */
+    namelist rec = {0};
+    s = read_marker(out, &rec);
+    for (size_t i = 0; !s && i < od->old.n; i++) {
+        const char *n = od->old.v[i];
+        char *p = lk_path_join(out, n);
+        if (!p) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
+        else if (strcmp(n, MARKER) && !namelist_has(&rec, n))
+            s = lk_error(LK_ERR_ARG, "%s: the output folder holds %s, which lorakit did not write there (it is not in "
+                         "its " MARKER "); name a new or empty folder", out, n);
+        else if (lstat(p, &sb) != 0 ? (sb.st_mode = 0, 1) : !S_ISREG(sb.st_mode))
+            s = lk_error(LK_ERR_ARG, "%s: is %s, which lorakit never writes in an output folder", p,
+                         lk_file_kind((unsigned)sb.st_mode));
+        else s = lk_out_check(p, in);
+        lk_free(p);
+    }
+    namelist_free(&rec);
+    od->replace = 1;
+    return s;
+}
+
+lk_status lk_out_dir_begin(const char *out, const lk_out_inputs *in, lk_out_dir **odp) {
+    *odp = NULL;
     size_t l = strlen(out);
     while (l > 1 && out[l - 1] == '/') l--; /* "dir/" names dir */
     lk_out_dir *od = lk_calloc(1, sizeof *od);
@@ -80,6 +205,14 @@ lk_status lk_out_dir_begin(const char *out, lk_out_dir **odp) {
     }
     memcpy(o, out, l);
     o[l] = 0;
+    od->out = o;
+    lk_status s = check_existing(od, in);
+    if (!s) s = lk_temp_sweep(o);
+    if (s) {
+        lk_free(tmp);
+        lk_out_dir_abort(od);
+        return s;
+    }
     /* mkdir (mode 0777 less the umask, like any new folder), not mkdtemp
      * (0700); a taken name is retried, O_EXCL-style. */
     const char *sl = strrchr(o, '/');
@@ -89,17 +222,21 @@ lk_status lk_out_dir_begin(const char *out, lk_out_dir **odp) {
         unsigned tag = counter++ + (unsigned)tries * 7919u;
         if (sl) snprintf(tmp, l + 64, "%.*s/.%s.lorakit-tmp-%ld-%u", (int)(sl - o), o, sl + 1, (long)getpid(), tag);
         else snprintf(tmp, l + 64, ".%s.lorakit-tmp-%ld-%u", o, (long)getpid(), tag);
+        if ((s = lk_temp_add(tmp, 1, &od->tmp_reg))) break;
         made = mkdir(tmp, 0777) == 0;
-        if (!made && errno != EEXIST) break;
+        if (made) break;
+        int e = errno;
+        lk_temp_drop(od->tmp_reg);
+        od->tmp_reg = NULL;
+        errno = e;
+        if (errno != EEXIST) break;
     }
     if (!made) {
-        lk_status s = lk_error(LK_ERR_IO, "%s: cannot create the temporary folder %s: %s", out, tmp, strerror(errno));
+        if (!s) s = lk_error(LK_ERR_IO, "%s: cannot create the temporary folder %s: %s", out, tmp, strerror(errno));
         lk_free(tmp);
-        lk_free(o);
-        lk_free(od);
+        lk_out_dir_abort(od);
         return s;
     }
-    od->out = o;
     od->tmp = tmp;
     *odp = od;
     return LK_OK;
@@ -107,19 +244,22 @@ lk_status lk_out_dir_begin(const char *out, lk_out_dir **odp) {
 
 void lk_out_dir_abort(lk_out_dir *od) {
     if (!od) return;
-    /* Only this process writes the folder mkdtemp made: remove what is there. */
-    DIR *d = opendir(od->tmp);
+    /* Only this process writes the folder it made: remove what is there. */
+    DIR *d = od->tmp ? opendir(od->tmp) : NULL;
     if (d) {
         struct dirent *e;
         while ((e = readdir(d))) {
-            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+            if (dot_or_dotdot(e->d_name)) continue;
             char *p = lk_path_join(od->tmp, e->d_name);
             if (p) unlink(p);
             lk_free(p);
         }
         closedir(d);
     }
-    rmdir(od->tmp);
+    if (od->tmp) rmdir(od->tmp);
+    namelist_free(&od->files);
+    namelist_free(&od->old);
+    lk_temp_drop(od->tmp_reg);
     lk_free(od->tmp);
     lk_free(od->out);
     lk_free(od);
@@ -167,7 +307,7 @@ lk_status lk_out_dir_index(lk_out_dir *od, const lk_ckpt *ck, const char *key, c
     json_decref(wm);
     json_decref(root);
     if (!text) return lk_error(LK_ERR_NOMEM, "%s: out of memory writing the index %s", od->out, name);
-    char *p = lk_path_join(od->tmp, name);
+    char *p = lk_out_dir_file(od, name);
     lk_status s = p ? write_file(p, text, strlen(text)) : lk_error(LK_ERR_NOMEM, "%s: out of memory", od->out);
     free(text);
     lk_free(p);
@@ -208,13 +348,14 @@ lk_status lk_out_dir_copy_small(lk_out_dir *od, const lk_ckpt *ck) {
     while (!s && (e = readdir(d))) {
         const char *n = e->d_name;
         if (n[0] == '.' || ends_with(n, ".safetensors") || lk_ckpt_is_index_name(n)) continue;
-        char *src = lk_path_join(dir, n), *dst = lk_path_join(od->tmp, n);
+        char *src = lk_path_join(dir, n), *dst = NULL;
         struct stat sb;
-        if (!src || !dst) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", dir);
+        if (!src) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", dir);
         else if (stat(src, &sb) == 0 && S_ISREG(sb.st_mode)) {
             if (sb.st_size > SMALL_MAX)
                 lk_log(LK_LOG_WARN, "%s: not copied to %s: %lld bytes is more than a small file", src, od->out,
                        (long long)sb.st_size);
+            else if (!(dst = lk_out_dir_file(od, n))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", dir);
             else s = copy_file(src, dst, sb.st_size);
         }
         lk_free(src);
@@ -224,10 +365,53 @@ lk_status lk_out_dir_copy_small(lk_out_dir *od, const lk_ckpt *ck) {
     return s;
 }
 
+/* .lorakit-output in the temporary folder: the names of the files in it. */
+static lk_status write_marker(lk_out_dir *od) {
+    json_t *root = json_object(), *files = json_array();
+    int bad = !root || !files;
+    for (size_t i = 0; !bad && i < od->files.n; i++) bad |= json_array_append_new(files, json_string(od->files.v[i]));
+    if (!bad) bad |= json_object_set_new(root, "lorakit_output", json_integer(1));
+    if (!bad) bad |= json_object_set(root, "files", files);
+    char *text = bad ? NULL : json_dumps(root, JSON_INDENT(1));
+    json_decref(files);
+    json_decref(root);
+    char *p = text ? lk_out_dir_file(od, MARKER) : NULL;
+    lk_status s = p ? write_file(p, text, strlen(text)) : lk_error(LK_ERR_NOMEM, "%s: out of memory", od->out);
+    free(text);
+    lk_free(p);
+    return s;
+}
+
 lk_status lk_out_dir_commit(lk_out_dir *od) {
+    lk_status s = write_marker(od);
+    if (s) return s;
     fsync_dir(od->tmp);
-    if (rename(od->tmp, od->out) != 0)
-        return lk_error(LK_ERR_IO, "%s: cannot rename %s into place: %s", od->out, od->tmp, strerror(errno));
+    if (!od->replace) {
+        if (rename(od->tmp, od->out) != 0)
+            return lk_error(LK_ERR_IO, "%s: cannot rename %s into place: %s", od->out, od->tmp, strerror(errno));
+    } else {
+        /* after the exchange the temporary name holds the old files:
+         * registered first, so a signal from then on removes them too */
+        for (size_t i = 0; i < od->old.n; i++) {
+            char *p = lk_path_join(od->tmp, od->old.v[i]);
+            s = p ? lk_temp_add(p, 0, &od->old.reg[i]) : lk_error(LK_ERR_NOMEM, "%s: out of memory", od->out);
+            lk_free(p);
+            if (s) return s;
+        }
+        if (renameat2(AT_FDCWD, od->tmp, AT_FDCWD, od->out, RENAME_EXCHANGE) != 0)
+            return lk_error(LK_ERR_IO, "%s: cannot replace the folder with %s: %s%s", od->out, od->tmp,
+                            strerror(errno), errno == EINVAL || errno == ENOSYS ?
+                            " (this filesystem cannot swap two folders atomically; remove the old folder or name a "
+                            "new one)" : "");
+        for (size_t i = 0; i < od->old.n; i++) {
+            char *p = lk_path_join(od->tmp, od->old.v[i]);
+            if (p) unlink(p);
+            lk_free(p);
+        }
+        if (rmdir(od->tmp) != 0)
+            lk_log(LK_LOG_WARN, "%s: replaced; the old folder, now %s, could not be removed: %s", od->out, od->tmp,
+                   strerror(errno));
+    }
     char *parent = lk_strdup(od->out);
     if (parent) {
         char *sl = strrchr(parent, '/');
@@ -240,6 +424,9 @@ lk_status lk_out_dir_commit(lk_out_dir *od) {
         }
     }
     lk_free(parent);
+    namelist_free(&od->files);
+    namelist_free(&od->old);
+    lk_temp_drop(od->tmp_reg);
     lk_free(od->tmp);
     lk_free(od->out);
     lk_free(od);
