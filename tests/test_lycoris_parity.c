@@ -9,7 +9,10 @@
  * code as its forward() applies the file (PEFT: merge_and_unload), from the
  * file's tensors on a float64 copy of the rounded base, and cross-checked by
  * the script against the published formulas recomputed in numpy from the
- * file alone (agreement to 1e-12 relative). The manifest is
+ * file alone (agreement to 1e-12 relative). Strength s multiplies the delta
+ * (LyCORIS's multiplier); for DoRA and set_weight at s != 1 the expectation
+ * is lorakit's documented W + s (W_dora - W) (LyCORIS's forward gives
+ * V + s (W_dora - V) with V = W + c delta). The manifest is
  * fixtures/lycoris/cases.h.
  *
  * Checks, per case x base (BF16, F16, F32, and FP8 for LoCon/LoKr):
