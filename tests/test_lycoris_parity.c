@@ -69,6 +69,7 @@ static const struct {
     {"lokr", "LoKr (lokr_w1, lokr_w2[_a/_b]) is not fused yet"},
     {"lokr_conv", "LoKr on convs is not fused yet"},
     {"lokr_tucker", "LoKr with a Tucker core (lokr_t2) is not fused yet"},
+    {"lokr_conv4d", "LoKr with a 4-D lokr_w2_b [r, d, kh, kw] is not fused yet"},
     {"lokr_both", "LoKr with lokr_w1_a/_b is not fused yet"},
     {"lokr_full", "LoKr with full lokr_w1 and lokr_w2 is not fused yet"},
     {"full", "dense .diff/.diff_b deltas are not fused yet"},
