@@ -74,4 +74,32 @@ OUT=$("$TMP/prog" "$TMP/t.safetensors") || fail "prog failed"
 CLI=$("$PREFIX/bin/lorakit" digest "$TMP/t.safetensors") || fail "installed CLI failed"
 [ "$OUT" = "$CLI" ] || fail "digest $OUT (library) != $CLI (installed CLI)"
 "$PREFIX/bin/lorakit" --version | grep "^lorakit " >/dev/null || fail "installed CLI --version"
+
+# The model-family tables are installed, and the installed CLI and library
+# find them beside themselves (not in the source tree): a diffusers Flux LoRA
+# (transformer.single_transformer_blocks.0.attn.to_k) onto a BFL-named base
+# (single_blocks.0.linear1, q,k,v,mlp fused) needs the flux table.
+for f in flux sd1 sdxl; do
+  [ -f "$PREFIX/share/lorakit/families/$f.lkmap" ] || fail "data/families/$f.lkmap not installed"
+done
+python3 - "$TMP" <<'PY' || fail "cannot write the Flux test files"
+import json, struct, sys
+def save(path, tensors):
+    hdr, blob = {}, b""
+    for name, rows, cols in tensors:
+        data = b"".join(struct.pack("<f", ((i * 7) % 13) / 13.0 - 0.5) for i in range(rows * cols))
+        hdr[name] = {"dtype": "F32", "shape": [rows, cols], "data_offsets": [len(blob), len(blob) + len(data)]}
+        blob += data
+    h = json.dumps(hdr).encode()
+    h += b" " * (-len(h) % 8)
+    open(path, "wb").write(struct.pack("<Q", len(h)) + h + blob)
+save(sys.argv[1] + "/flux.safetensors", [("model.diffusion_model.single_blocks.0.linear1.weight", 28, 4),
+                                        ("model.diffusion_model.double_blocks.0.img_attn.qkv.weight", 12, 4)])
+save(sys.argv[1] + "/lora.safetensors", [("transformer.single_transformer_blocks.0.attn.to_k.lora_A.weight", 2, 4),
+                                        ("transformer.single_transformer_blocks.0.attn.to_k.lora_B.weight", 4, 2)])
+PY
+LORAKIT_LOG=info "$PREFIX/bin/lorakit" fuse "$TMP/flux.safetensors" -l "$TMP/lora.safetensors" -o "$TMP/fused.safetensors" \
+  2>"$TMP/fuse.log" >/dev/null || { cat "$TMP/fuse.log"; fail "installed CLI: fuse through the flux table"; }
+grep -qF "model family flux ($(realpath "$PREFIX")/share/lorakit/families/flux.lkmap)" "$TMP/fuse.log" \
+  || { cat "$TMP/fuse.log"; fail "the installed CLI did not use the installed flux table"; }
 echo "install.sh: OK ($PREFIX, digest $OUT)"

@@ -30,6 +30,7 @@
 #include "fuzz/fuzz_adapter_config.c"
 #include "fuzz/fuzz_plan.c"
 #include "fuzz/fuzz_ckpt_index.c"
+#include "fuzz/fuzz_family.c"
 
 typedef void (*fz_fn)(const uint8_t *, size_t);
 
@@ -45,6 +46,7 @@ static const fz_target g_targets[] = {
     {"adapter_config", fz_adapter_config},
     {"plan", fz_plan},
     {"ckpt_index", fz_ckpt_index},
+    {"family", fz_family},
 };
 
 /* Calls cb(path) for every regular file of dir (sorted); returns the count.

@@ -53,6 +53,11 @@ static const char *const FUSE_USAGE =
     "  --threads N            fusion threads (default 0 = all cores)\n"
     "  --format F             read the adapters as F: auto (default), peft,\n"
     "                         diffusers, kohya, fastvideo\n"
+    "  --arch NAME            the model family table that maps diffusers names onto\n"
+    "                         the original single-file names (flux, sd1, sdxl, ...;\n"
+    "                         \"none\": no table); default: recognised from BASE's keys\n"
+    "  --map FILE             an extra name table in the same format (README \"Model\n"
+    "                         families and layouts\"; repeatable)\n"
     "  --allow-unmatched      skip adapter modules that match no model weight\n"
     "                         (one warning with the count) instead of failing\n"
     "  --allow-nonfinite      keep Inf/NaN values created by fusion instead of\n"
@@ -129,9 +134,13 @@ int lk_cmd_fuse(int argc, char **argv) {
     lk_fuse_file_opts opts = {0};
     int f8;
     lk_fuse_input *in = calloc((size_t)argc, sizeof *in);
+    const char **maps = calloc((size_t)argc, sizeof *maps);
+    opts.maps = maps;
     size_t n = 0;
     int rc = LK_EXIT_USAGE;
-    if (!in) {
+    if (!in || !maps) {
+        free(in);
+        free(maps);
         fprintf(stderr, "lorakit: out of memory\n");
         return LK_EXIT_FAIL;
     }
@@ -168,6 +177,18 @@ int lk_cmd_fuse(int argc, char **argv) {
                 lk_cli_usage("fuse", "%s", lk_last_error());
                 goto done;
             }
+        } else if (!strcmp(a, "--arch")) {
+            if (!has_val) {
+                lk_cli_usage("fuse", "--arch needs a family name");
+                goto done;
+            }
+            opts.arch = argv[++i];
+        } else if (!strcmp(a, "--map")) {
+            if (!has_val) {
+                lk_cli_usage("fuse", "--map needs a table file");
+                goto done;
+            }
+            maps[opts.n_maps++] = argv[++i];
         } else if (!strcmp(a, "--allow-unmatched")) {
             opts.allow_unmatched = 1;
         } else if (!strcmp(a, "--allow-nonfinite")) {
@@ -227,5 +248,6 @@ int lk_cmd_fuse(int argc, char **argv) {
     rc = LK_EXIT_OK;
 done:
     free(in);
+    free(maps);
     return rc;
 }

@@ -110,7 +110,53 @@ int lk_adapter_looks_like(const char *path);
  * NULL), they keep target == NULL, and callers skip them. */
 lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_model,
                              int allow_unmatched, size_t *n_unmatched);
-/* The module targeting model key `target`, or NULL (after resolve). */
+/* Options of lk_adapter_resolve_opts. */
+typedef struct lk_resolve_opts {
+    int allow_unmatched;
+    const char *arch;          /* family table to use ("flux", "sdxl", ...; "none": no table); NULL: recognised
+                                  from the model's keys */
+    const char *const *maps;   /* extra name tables (--map FILE), same format as data/families/ */
+    size_t n_maps;
+} lk_resolve_opts;
+
+/* lk_adapter_resolve across checkpoint layouts (README "Model families and
+ * layouts"): when no key matches as above, the module's name without its
+ * wrapper / component prefixes (transformer., unet., text_encoder[_2]., ...,
+ * kohya's lora_unet_ / lora_te[12]_ / lora_transformer_, lycoris_) is looked
+ * up among the model's key names without theirs (model.diffusion_model., an
+ * SD single file's text-encoder wrappers, ...), then among the other naming
+ * given by the model family's table (diffusers <-> original), which may place
+ * a module on rows of a fused weight or split it over several weights.
+ * Modules of a component (text_encoder., lora_te1_, ...) the base does not
+ * hold are reported in one warning per component and skipped. */
+lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t n_model, const lk_resolve_opts *o,
+                                  size_t *n_unmatched);
+
+/* Where one module lands: rows [row0, row0 + rows) of the model weight
+ * `target` get B's rows [b_row0, b_row0 + rows) times A (B is that view). A
+ * module on a whole weight has one placement with row0 = b_row0 = 0. */
+typedef struct lk_adapter_placement {
+    const lk_lora_module *module;
+    const char *target;
+    int64_t row0, b_row0, rows;
+    int whole;          /* rows are all of the weight's rows and all of B's */
+    const char *rule;   /* how the name was matched: "exact", "suffix", "kohya form", "prefix",
+                           "family NAME (FILE:LINE)", "--map (FILE:LINE)" */
+    lk_tensor B;        /* rows b_row0.. of the module's B (a view) */
+} lk_adapter_placement;
+/* Placements on model key `target` (sorted by row0): *out gets the first. */
+size_t lk_adapter_placements(const lk_adapter *a, const char *target, const lk_adapter_placement **out);
+/* Every placement, sorted by (target, row0). */
+size_t lk_adapter_placement_count(const lk_adapter *a);
+const lk_adapter_placement *lk_adapter_placement_at(const lk_adapter *a, size_t i);
+/* The most placements one model key gets from one adapter (>= 1), and the
+ * bound resolve enforces: lk_fuse_key_plan needs a term capacity of
+ * LK_ADAPTER_MAX_SLICES per adapter. */
+#define LK_ADAPTER_MAX_SLICES 8
+/* The family table the last resolve used (name), or NULL. */
+const char *lk_adapter_family(const lk_adapter *a);
+
+/* The module targeting model key `target` with its whole weight, or NULL (after resolve). */
 const lk_lora_module *lk_adapter_find_target(const lk_adapter *a, const char *target);
 /* The module whose lora_B.bias adds to model key `target` ("<m>.bias"), or NULL. */
 const lk_lora_module *lk_adapter_find_bias_target(const lk_adapter *a, const char *target);

@@ -22,8 +22,10 @@ extern "C" {
 
 typedef struct lk_fuse_term {
     const lk_tensor *A; /* r x in */
-    const lk_tensor *B; /* out x r */
+    const lk_tensor *B; /* out x r, or rows x r for a row slice */
     double scale;       /* strength * the module's alpha-derived scale, both doubles */
+    int64_t slice;      /* 0: B covers the weight (out x r); k > 0: a row slice, B's rows land on the weight's
+                           rows [k - 1, k - 1 + B rows) (a module on part of a fused q,k,v weight) */
 } lk_fuse_term;
 /* The term scale is consumed as a double on every path; it is never rounded
  * to float by itself. F32 weights: B' = scale * B in f64 (one f64 rounding),
@@ -63,6 +65,10 @@ typedef struct lk_fuse_opts {
 } lk_fuse_opts;
 
 /* w_out may equal w_in (in place); both are out x in of dtype `dtype`.
+ * Row-sliced terms (slice > 0) add only to their rows: the weight
+ * is cut into bands of rows with the same terms, each fused as a weight of
+ * its own, so every element is still W + the chain of exactly its terms in
+ * the order given, rounded once (FP8 weights refuse row slices).
  * `name` is used in error messages. On LK_ERR_NONFINITE w_out may have been
  * partly written: callers fusing in place keep a copy to restore. */
 lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t out,
@@ -116,6 +122,9 @@ typedef struct lk_fuse_file_opts {
     int allow_unmatched;
     lk_fuse_progress_fn on_progress; /* may be NULL (the library never prints) */
     void *progress_ctx;
+    const char *arch;          /* model family table (lk_resolve_opts.arch); NULL: recognised from the keys */
+    const char *const *maps;   /* extra name tables (--map FILE) */
+    size_t n_maps;
 } lk_fuse_file_opts;
 
 typedef struct lk_fuse_stats {
@@ -163,7 +172,8 @@ void lk_fuse_canonical_order(const lk_fuse_input *in, size_t n, size_t *order);
 
 /* The per-key plan shared by lk_fuse_file and the hot-swap tracker: what
  * one model tensor becomes under opened, resolved adapters ad[0..n) (in the
- * canonical order, strength[i] for ad[i]). terms (capacity n) receives the
+ * canonical order, strength[i] for ad[i]). terms (capacity n * LK_ADAPTER_MAX_SLICES:
+ * a fused weight gets one term per module on a row slice of it) receives the
  * LoRA terms of a 2-D weight (scale = strength * module scale, both doubles,
  * the one place the product is formed; a product that is not finite is
  * LK_ERR_ARG naming the adapter, module, strength and scale) or,

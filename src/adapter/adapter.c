@@ -48,7 +48,7 @@ lk_status lk_adapter_format_parse(const char *name, lk_adapter_format *out) {
 
 /* ---- key classification ---- */
 
-enum family { FAM_NONE = 0, FAM_AB, FAM_KOHYA, FAM_FV };
+enum family { FAM_NONE = 0, FAM_AB, FAM_KOHYA, FAM_FV, FAM_ALPHA };
 enum role { ROLE_A = 0, ROLE_B = 1, ROLE_ALPHA = 2, ROLE_MAG = 3, ROLE_BBIAS = 4, ROLE_COUNT = 5 };
 
 static const char *const g_fam_names[] = {"unknown", "PEFT/diffusers", "kohya", "FastVideo"};
@@ -65,12 +65,27 @@ static const struct {
     {".lora_magnitude_vector.default.weight", FAM_AB, ROLE_MAG}, {".lora_magnitude_vector.default", FAM_AB, ROLE_MAG},
     {".lora_magnitude_vector.weight", FAM_AB, ROLE_MAG}, {".lora_magnitude_vector", FAM_AB, ROLE_MAG},
     {".lora_down.weight", FAM_KOHYA, ROLE_A},   {".lora_up.weight", FAM_KOHYA, ROLE_B},
+    /* diffusers' own training scripts (attention processors, LoRALinearLayer) */
+    {".lora.down.weight", FAM_AB, ROLE_A},      {".lora.up.weight", FAM_AB, ROLE_B},
+    {".lora_linear_layer.down.weight", FAM_AB, ROLE_A}, {".lora_linear_layer.up.weight", FAM_AB, ROLE_B},
     {".lora_A", FAM_FV, ROLE_A},                {".lora_B", FAM_FV, ROLE_B},
 };
 
-static int is_kohya_name(const char *k) { return !strncmp(k, "lora_unet_", 10) || !strncmp(k, "lora_te", 7); }
+/* PEFT's adapter-name infix with any adapter name: "<m>.lora_A.<name>.weight"
+ * (and lora_B, the lora_B bias, the DoRA magnitude). */
+static const struct {
+    const char *part, *end;
+    enum role role;
+} g_infix[] = {
+    {".lora_A.", ".weight", ROLE_A},
+    {".lora_B.", ".weight", ROLE_B},
+    {".lora_B.", ".bias", ROLE_BBIAS},
+    {".lora_magnitude_vector.", ".weight", ROLE_MAG},
+};
 
-/* Family and role of a key; stem_len is the length of its module part. */
+/* Family and role of a key; stem_len is the length of its module part. An
+ * ".alpha" belongs to whichever family its module's factors are in
+ * (FAM_ALPHA: kohya, ComfyUI's "diffusion_model.<m>.alpha", diffusers). */
 static enum family classify(const char *k, enum role *role, size_t *stem_len) {
     size_t n = strlen(k);
     for (size_t i = 0; i < sizeof g_suffixes / sizeof g_suffixes[0]; i++) {
@@ -81,10 +96,21 @@ static enum family classify(const char *k, enum role *role, size_t *stem_len) {
             return g_suffixes[i].fam;
         }
     }
+    for (size_t i = 0; i < sizeof g_infix / sizeof g_infix[0]; i++) {
+        size_t el = strlen(g_infix[i].end), pl = strlen(g_infix[i].part);
+        if (n <= el || strcmp(k + n - el, g_infix[i].end)) continue;
+        /* the one component before the end: the adapter name */
+        const char *e = k + n - el, *b = e;
+        while (b > k && b[-1] != '.') b--;
+        if (b == e || (size_t)(b - k) < pl + 1 || strncmp(b - pl, g_infix[i].part, pl)) continue;
+        *role = g_infix[i].role;
+        *stem_len = (size_t)(b - pl - k);
+        return FAM_AB;
+    }
     if (n > 6 && !strcmp(k + n - 6, ".alpha")) {
         *role = ROLE_ALPHA;
         *stem_len = n - 6;
-        return is_kohya_name(k) ? FAM_KOHYA : FAM_AB;
+        return FAM_ALPHA;
     }
     return FAM_NONE;
 }
@@ -168,7 +194,9 @@ void lk_adapter_free(lk_adapter *a) {
     lk_free(a->fb);
     lk_free(a->embed);
     lk_free(a->tfactors);
-    lk_free(a->by_target);
+    free_strv(a->pl_strs, 2 * a->n_pl);
+    lk_free(a->pl);
+    lk_free(a->family);
     lk_free(a->by_bias);
     for (size_t i = 0; i < a->n_meta; i++) {
         lk_free(a->meta[i].prefix);
@@ -344,13 +372,13 @@ static lk_status other_key(const lk_adapter *a, const char *k, char **name, cons
 static lk_status detect(lk_adapter *a, const keyinfo *ki, const enum family *fam, size_t n,
                         lk_adapter_format forced) {
     const char *f = a->file;
-    size_t first[4] = {SIZE_MAX, SIZE_MAX, SIZE_MAX, SIZE_MAX};
+    size_t first[5] = {SIZE_MAX, SIZE_MAX, SIZE_MAX, SIZE_MAX, SIZE_MAX};
     for (size_t i = 0; i < n; i++)
         if (first[fam[i]] == SIZE_MAX) first[fam[i]] = i;
     if (forced != LK_FORMAT_AUTO) {
         enum family want = family_of(forced);
         for (size_t i = 0; i < n; i++)
-            if (fam[i] != want)
+            if (fam[i] != want && !(fam[i] == FAM_ALPHA && want != FAM_FV))
                 return lk_error(LK_ERR_FORMAT, "%s: key '%s' is not a %s adapter key", f, ki[i].t->name,
                                 lk_adapter_format_name(forced));
         if (n == 0) return lk_error(LK_ERR_FORMAT, "%s: no tensors: not a LoRA adapter", f);
@@ -366,6 +394,9 @@ static lk_status detect(lk_adapter *a, const keyinfo *ki, const enum family *fam
         found = (enum family)k;
     }
     if (found == FAM_NONE) return lk_error(LK_ERR_FORMAT, "%s: no LoRA keys: not an adapter", f);
+    if (found == FAM_FV && first[FAM_ALPHA] != SIZE_MAX) /* FastVideo files carry no alpha */
+        return lk_error(LK_ERR_FORMAT, "%s: mixes FastVideo keys ('%s') and alpha keys ('%s')", f,
+                        ki[first[FAM_FV]].t->name, ki[first[FAM_ALPHA]].t->name);
     if (found == FAM_KOHYA) a->format = LK_FORMAT_KOHYA;
     else if (found == FAM_FV) a->format = LK_FORMAT_FASTVIDEO;
     else {

@@ -23,8 +23,10 @@ struct lk_adapter {
     void *tfactors;         /* transposed factors of the modules resolve found
                                transposed (embeddings, Conv1D with fan_in_fan_out) */
     char **names, **stems, **targets, **bias_targets, **sources; /* owned strings behind mods[i] */
-    size_t *by_target;      /* resolved modules sorted by target */
-    size_t n_by_target;
+    lk_adapter_placement *pl; /* where resolved modules land, sorted by (target, row0) */
+    size_t n_pl;
+    char **pl_strs;         /* owned target and rule strings of pl[i]: [2i], [2i + 1] */
+    char *family;           /* the family table the last resolve used, or NULL */
     size_t *by_bias;        /* resolved modules with a lora_B.bias, sorted by bias target */
     size_t n_by_bias;
     size_t n_rep;           /* replacements, sorted by key */

@@ -15,8 +15,10 @@
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 #include "adapter/adapter_struct.h"
+#include "adapter/layout.h"
 #include "adapter/names.h"
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -95,10 +97,8 @@ static lk_status suffix_table(const char *file, lk_names *t, char *const *names,
 }
 
 static const char *kohya_rest(const char *m) {
-    static const char *const pre[] = {"lora_unet_", "lora_te1_", "lora_te2_", "lora_te_"};
-    for (size_t i = 0; i < 4; i++)
-        if (!strncmp(m, pre[i], strlen(pre[i]))) return m + strlen(pre[i]);
-    return m;
+    int comp;
+    return lk_layout_strip_module(m, 1, &comp);
 }
 
 static lk_status kohya_names(const char *file, const lk_tensor *model, size_t n_model, kname **out, size_t *n_out) {
@@ -203,21 +203,174 @@ static int target_cmp(const void *pa, const void *pb, void *ctx) {
     return strcmp(t[*(const size_t *)pa], t[*(const size_t *)pb]);
 }
 
+/* One candidate weight of a module, before its rows are known. */
+typedef struct cand {
+    size_t key;
+    lk_frac w, m;       /* rows of the weight / of the module's B, as fractions */
+    const char *rule;
+    int kohya;          /* found by its kohya (underscore) spelling */
+} cand;
+
+static const lk_frac g_whole = {0, 1, 1, 1};
+
+static int frac_whole(const lk_frac *f) { return f->n0 == 0 && f->n1 == f->d1; }
+
+/* rows * n / d when exact, else -1. */
+static int64_t frac_rows(int64_t rows, int64_t n, int64_t d) {
+    if (rows < 0 || rows > INT64_MAX / 4096 || (rows * n) % d) return -1;
+    return rows * n / d;
+}
+
+/* A module's placement being built (committed once every module checks out). */
+typedef struct tplace {
+    size_t mod, key;
+    int64_t row0, b_row0, rows;
+    int whole;
+    const char *rule;
+    int kohya;
+} tplace;
+
+static int tplace_cmp(const void *pa, const void *pb, void *ctx) {
+    const lk_tensor *model = ctx;
+    const tplace *a = pa, *b = pb;
+    int c = strcmp(model[a->key].name, model[b->key].name);
+    if (c) return c;
+    return (a->row0 > b->row0) - (a->row0 < b->row0);
+}
+
+static int cand_m_cmp(const void *pa, const void *pb, void *ctx) {
+    const int64_t *m0 = ctx;
+    const size_t *a = pa, *b = pb;
+    return (m0[*a] > m0[*b]) - (m0[*a] < m0[*b]);
+}
+
+/* Turns module i's candidates into placements on tp (appended): concrete
+ * rows from the weight's and B's row counts, the shapes checked, the
+ * module's rows covered exactly once. */
+static lk_status place(const lk_adapter *a, size_t i, const lk_tensor *model, const cand *c, size_t nc, int tr,
+                       tplace *tp, size_t *ntp) {
+    const lk_lora_module *m = &a->mods[i];
+    lk_lora_module om = *m;
+    orient(a, i, tr, &om.A, &om.B, NULL);
+    int64_t mb = om.B.shape[0];
+    int64_t w0[LK_ADAPTER_MAX_SLICES], m0[LK_ADAPTER_MAX_SLICES], len[LK_ADAPTER_MAX_SLICES];
+    size_t ord[LK_ADAPTER_MAX_SLICES];
+    if (nc == 1 && frac_whole(&c[0].w) && frac_whole(&c[0].m)) {
+        lk_status s = check_target(a, &om, &model[c[0].key]);
+        if (s) return s;
+        tp[(*ntp)++] = (tplace){i, c[0].key, 0, 0, mb, 1, c[0].rule, c[0].kohya};
+        return LK_OK;
+    }
+    if (tr || m->magnitude.name || m->bias.name)
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: %s lands on rows of %s (%s); %s on a row slice is not supported",
+                        a->file, m->module, model[c[0].key].name, c[0].rule,
+                        tr ? "a transposed (embedding / fan_in_fan_out) LoRA" : m->magnitude.name ? "DoRA" : "lora_bias");
+    for (size_t k = 0; k < nc; k++) {
+        const lk_tensor *w = &model[c[k].key];
+        if (w->ndim != 2) {
+            lk_status s = check_target(a, &om, w);
+            if (s) return s;
+        }
+        int64_t wr = w->shape[0];
+        int64_t a0 = frac_rows(wr, c[k].w.n0, c[k].w.d0), a1 = frac_rows(wr, c[k].w.n1, c[k].w.d1);
+        int64_t b0 = frac_rows(mb, c[k].m.n0, c[k].m.d0), b1 = frac_rows(mb, c[k].m.n1, c[k].m.d1);
+        if (a0 < 0 || a1 < 0 || b0 < 0 || b1 < 0 || a1 - a0 != b1 - b0)
+            return lk_error(LK_ERR_SHAPE,
+                            "%s: %s: rows %lld/%lld..%lld/%lld of its %s (%lld rows) do not fit rows %lld/%lld..%lld/%lld "
+                            "of %s (%lld rows) (%s)", a->file, m->module, (long long)c[k].m.n0, (long long)c[k].m.d0,
+                            (long long)c[k].m.n1, (long long)c[k].m.d1, lk_adapter_factor_name(a, 1), (long long)mb,
+                            (long long)c[k].w.n0, (long long)c[k].w.d0, (long long)c[k].w.n1, (long long)c[k].w.d1,
+                            w->name, (long long)wr, c[k].rule);
+        if (om.A.shape[1] != w->shape[1])
+            return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %lldx%lld but the model weight %s is %lldx%lld (%s)", a->file,
+                            m->module, lk_adapter_factor_name(a, 0), (long long)om.A.shape[0], (long long)om.A.shape[1],
+                            w->name, (long long)w->shape[0], (long long)w->shape[1], c[k].rule);
+        if (!lk_dtype_is_fusable(w->dtype))
+            return lk_error(LK_ERR_DTYPE, "%s: %s: the model weight %s is %s; a row slice needs F32, F16 or BF16",
+                            a->file, m->module, w->name, lk_dtype_name(w->dtype));
+        w0[k] = a0;
+        m0[k] = b0;
+        len[k] = a1 - a0;
+        ord[k] = k;
+    }
+    qsort_r(ord, nc, sizeof *ord, cand_m_cmp, m0);
+    int64_t at = 0;
+    for (size_t j = 0; j < nc; j++) {
+        size_t k = ord[j];
+        if (m0[k] < at)
+            return lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model weights %s and %s", a->file,
+                            m->module, model[c[ord[j - 1]].key].name, model[c[k].key].name);
+        if (m0[k] > at) break;
+        at += len[k];
+    }
+    if (at != mb)
+        return lk_error(LK_ERR_SHAPE, "%s: %s: only rows 0..%lld of its %s's %lld land on the model (%s onto %s)",
+                        a->file, m->module, (long long)at, lk_adapter_factor_name(a, 1), (long long)mb, c[0].rule,
+                        model[c[0].key].name);
+    for (size_t j = 0; j < nc; j++) {
+        size_t k = ord[j];
+        int whole = w0[k] == 0 && len[k] == model[c[k].key].shape[0] && len[k] == mb;
+        tp[(*ntp)++] = (tplace){i, c[k].key, w0[k], m0[k], len[k], whole, c[k].rule, c[k].kohya};
+    }
+    return LK_OK;
+}
+
+/* Module i's candidates through the layout (prefixes, kohya form, tables). */
+static lk_status layout_cands(const lk_adapter *a, size_t i, const lk_layout *lay, const lk_tensor *model, cand *c,
+                              size_t *nc, int *comp) {
+    const char *mn = a->mods[i].module;
+    int kohya = a->format == LK_FORMAT_KOHYA && !strchr(mn, '.');
+    const char *q = lk_layout_strip_module(kohya ? mn : a->stems[i], kohya, comp);
+    size_t idx[LK_ADAPTER_MAX_SLICES + 1];
+    size_t n = lk_layout_find(lay, q, kohya, *comp, idx, LK_ADAPTER_MAX_SLICES + 1);
+    *nc = 0;
+    for (size_t k = 0; k < n && k < LK_ADAPTER_MAX_SLICES + 1; k++) {
+        const lk_alias *al = &lay->al[idx[k]];
+        size_t j = 0; /* one weight reached under two spellings counts once */
+        while (j < *nc && !(c[j].key == al->key && !memcmp(&c[j].w, &al->w, sizeof al->w) &&
+                            !memcmp(&c[j].m, &al->m, sizeof al->m)))
+            j++;
+        if (j < *nc) continue;
+        if (*nc == LK_ADAPTER_MAX_SLICES)
+            return lk_error(LK_ERR_FORMAT, "%s: %s lands on more than %d weights (%s, %s, ...)", a->file, mn,
+                            LK_ADAPTER_MAX_SLICES, model[c[0].key].name, model[c[1].key].name);
+        c[(*nc)++] = (cand){al->key, al->w, al->m, al->rule, kohya};
+    }
+    if (*nc > 1 && frac_whole(&c[0].m) && frac_whole(&c[0].w))
+        return lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model weights %s and %s (%s%s)", a->file, mn,
+                        model[c[0].key].name, model[c[1].key].name, kohya ? "kohya form " : "", q);
+    return LK_OK;
+}
+
 lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_model, int allow_unmatched,
                              size_t *n_unmatched) {
+    lk_resolve_opts o = {.allow_unmatched = allow_unmatched};
+    return lk_adapter_resolve_opts(a, model, n_model, &o, n_unmatched);
+}
+
+lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t n_model, const lk_resolve_opts *opts,
+                                  size_t *n_unmatched) {
     if (!a || (n_model && !model)) return lk_error(LK_ERR_ARG, "lk_adapter_resolve: NULL argument");
+    int allow_unmatched = opts ? opts->allow_unmatched : 0;
     lk_status s = LK_OK;
     size_t *ord = lk_malloc((n_model ? n_model : 1) * sizeof *ord);
     char **tnames = lk_calloc(a->n ? a->n : 1, sizeof *tnames);
-    size_t *by = lk_malloc((a->n ? a->n : 1) * sizeof *by);
     char **bnames = lk_calloc(a->n ? a->n : 1, sizeof *bnames);
     size_t *bby = lk_malloc((a->n ? a->n : 1) * sizeof *bby), n_bby = 0;
     char **rnames = lk_calloc(a->n_rep ? a->n_rep : 1, sizeof *rnames);
     unsigned char *trans = lk_calloc(a->n ? a->n : 1, sizeof *trans);
     size_t tbytes = 0;
     size_t *rby = lk_malloc((a->n_rep ? a->n_rep : 1) * sizeof *rby), n_rby = 0;
+    size_t n_tp = 0, tp_cap = 0;
+    tplace *tp = NULL;
+    lk_adapter_placement *pl = NULL;
+    char **plstr = NULL;
+    unsigned char *mcomp = lk_calloc(a->n ? a->n : 1, 1); /* component of each unmatched module */
+    size_t comp_hit[LK_COMP_COUNT] = {0}, comp_miss[LK_COMP_COUNT] = {0}, comp_first[LK_COMP_COUNT];
+    lk_layout lay = {0};
+    int have_lay = 0;
     kname *kn = NULL;
-    size_t n_kn = 0, unmatched = 0, first_unmatched = SIZE_MAX, n_by = 0;
+    size_t n_kn = 0, unmatched = 0, first_unmatched = SIZE_MAX, matched = 0;
     /* per module and per saved tensor: the exact hit, and the first two keys ending in ".<name>[.weight]" */
     size_t nm_ = a->n ? a->n : 1, nr_ = a->n_rep ? a->n_rep : 1, nsz;
     size_t *mx = lk_checked_mul(nm_ + nr_, 4 * sizeof *mx, &nsz) ? lk_malloc(nsz) : NULL;
@@ -225,7 +378,7 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
     lk_names mt = {0}, rt = {0};
     const char *first_unmatched_rep = NULL;
     char buf[4096];
-    if (!ord || !tnames || !by || !bnames || !bby || !rnames || !rby || !trans || !mx) {
+    if (!ord || !tnames || !bnames || !bby || !rnames || !rby || !trans || !mx || !mcomp) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
         goto done;
     }
@@ -240,9 +393,13 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
     }
     qsort_r(ord, n_model, sizeof *ord, idx_cmp, (void *)model);
     if (a->format == LK_FORMAT_KOHYA && (s = kohya_names(a->file, model, n_model, &kn, &n_kn))) goto done;
-    if (a->format != LK_FORMAT_KOHYA) {
+    { /* dotted names (kohya's underscore names are looked up below) */
         for (size_t i = 0; i < a->n; i++) {
             const lk_lora_module *m = &a->mods[i];
+            if (a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.')) {
+                mx[i] = SIZE_MAX;
+                continue;
+            }
             size_t t = find_with_suffix(model, ord, n_model, m->module, buf, sizeof buf);
             if (t == SIZE_MAX && strcmp(a->stems[i], m->module))
                 t = find_with_suffix(model, ord, n_model, a->stems[i], buf, sizeof buf);
@@ -258,9 +415,12 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
     for (size_t i = 0; i < a->n; i++) {
         const lk_lora_module *m = &a->mods[i];
         size_t t = SIZE_MAX;
-        if (a->format == LK_FORMAT_KOHYA) {
+        const char *rule = "exact";
+        int kohya = a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.');
+        if (kohya) {
             kname key = {.name = (char *)kohya_rest(m->module)};
             kname *hit = bsearch(&key, kn, n_kn, sizeof *kn, kname_cmp);
+            rule = "kohya form";
             if (hit) {
                 kname *lo = hit, *hi = hit;
                 while (lo > kn && !strcmp(lo[-1].name, key.name)) lo--;
@@ -275,6 +435,7 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
         } else {
             t = mx[i];
             if (t == SIZE_MAX) { /* the one model key ending in ".<m>.weight" */
+                rule = "suffix";
                 t = mfirst[msame[i]];
                 if (msecond[msame[i]] != SIZE_MAX) {
                     s = lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model weights %s and %s", a->file,
@@ -283,19 +444,47 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
                 }
             }
         }
-        if (t == SIZE_MAX) {
+        cand c[LK_ADAPTER_MAX_SLICES];
+        size_t nc = 0;
+        int comp = LK_COMP_ANY;
+        if (t != SIZE_MAX) {
+            c[0] = (cand){t, g_whole, g_whole, rule, 0};
+            nc = 1;
+            lk_layout_strip_module(kohya ? m->module : a->stems[i], kohya, &comp);
+        } else {
+            if (!have_lay) {
+                lk_layout_opts lo = {opts ? opts->arch : NULL, opts ? opts->maps : NULL, opts ? opts->n_maps : 0};
+                if ((s = lk_layout_build(model, n_model, &lo, a->path, &lay))) goto done;
+                have_lay = 1;
+            }
+            if ((s = layout_cands(a, i, &lay, model, c, &nc, &comp))) goto done;
+        }
+        if (nc == 0) {
+            mcomp[i] = (unsigned char)comp;
+            if (comp_miss[comp]++ == 0) comp_first[comp] = i;
             if (unmatched++ == 0) first_unmatched = i;
             continue;
         }
-        int tr = is_transposed(a, i, &model[t]);
+        comp_hit[comp]++;
+        matched++;
+        int tr = nc == 1 && is_transposed(a, i, &model[c[0].key]);
         if (tr && m->magnitude.name) {
             s = lk_error(LK_ERR_UNSUPPORTED, "%s: %s: DoRA on a transposed (fan_in_fan_out) weight is not supported",
                          a->file, m->module);
             goto done;
         }
-        lk_lora_module om = *m; /* shapes as the kernel will see them */
-        orient(a, i, tr, &om.A, &om.B, NULL);
-        if ((s = check_target(a, &om, &model[t]))) goto done;
+        if (n_tp + nc > tp_cap) {
+            size_t nc2 = (tp_cap ? 2 * tp_cap : 64) + nc;
+            tplace *ntp = lk_realloc(tp, nc2 * sizeof *ntp);
+            if (!ntp) {
+                s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+                goto done;
+            }
+            tp = ntp;
+            tp_cap = nc2;
+        }
+        if ((s = place(a, i, model, c, nc, tr, tp, &n_tp))) goto done;
+        t = c[0].key;
         if (tr) {
             size_t nb = ((a->fa[i].nbytes + 15) & ~(size_t)15) + ((a->fb[i].nbytes + 15) & ~(size_t)15);
             if (!lk_checked_add(tbytes, nb, &tbytes)) {
@@ -308,7 +497,6 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
             s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
             goto done;
         }
-        by[n_by++] = i;
         if (m->bias.name) { /* lora_bias: the layer's own bias, "<m>.bias" */
             size_t tl = strlen(model[t].name);
             if ((size_t)snprintf(buf, sizeof buf, "%.*sbias", (int)(tl - 6), model[t].name) >= sizeof buf) buf[0] = 0;
@@ -369,14 +557,30 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
         }
         rby[n_rby++] = r;
     }
-    if (unmatched && !allow_unmatched && first_unmatched == SIZE_MAX) {
+    /* Modules of a component the base does not hold (a diffusers SD LoRA's
+     * text_encoder. half on a UNet file): one warning per component, not
+     * unmatched, when other modules landed and none of that component did. */
+    size_t foreign = 0;
+    for (int k = LK_COMP_DIFFUSION; k < LK_COMP_COUNT; k++)
+        if (comp_miss[k] && !comp_hit[k] && matched) {
+            lk_log(LK_LOG_WARN, "%s: %zu modules for component %s (first: %s) are skipped: the base holds no %s "
+                   "weights", a->path, comp_miss[k], lk_comp_name(k), a->mods[comp_first[k]].module, lk_comp_name(k));
+            foreign += comp_miss[k];
+            unmatched -= comp_miss[k];
+            if (first_unmatched != SIZE_MAX && mcomp[first_unmatched] == k) first_unmatched = SIZE_MAX;
+        }
+    if (foreign && first_unmatched == SIZE_MAX) /* the first unmatched module of another component */
+        for (size_t i = 0; i < a->n && first_unmatched == SIZE_MAX; i++)
+            if (!tnames[i] && !(comp_miss[mcomp[i]] && !comp_hit[mcomp[i]] && mcomp[i] != LK_COMP_ANY))
+                first_unmatched = i;
+    if (unmatched && !allow_unmatched && first_unmatched == SIZE_MAX && first_unmatched_rep) {
         s = lk_error(LK_ERR_UNMATCHED, "%s: '%s' matches no model tensor%s", a->file, first_unmatched_rep,
                      unmatched > 1 ? " (and more; --allow-unmatched skips them)" : "");
         goto done;
     }
-    if (unmatched && !allow_unmatched) {
+    if (unmatched && !allow_unmatched && first_unmatched != SIZE_MAX) {
         const lk_lora_module *m = &a->mods[first_unmatched];
-        if (a->format == LK_FORMAT_KOHYA)
+        if (a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.'))
             s = lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (no key <x>.weight with x's dots as '_' = %s)%s",
                          a->file, m->module, kohya_rest(m->module),
                          unmatched > 1 ? " (and more modules; --allow-unmatched skips them)" : "");
@@ -385,13 +589,31 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
                          m->module, m->module, unmatched > 1 ? " (and more modules; --allow-unmatched skips them)" : "");
         goto done;
     }
-    qsort_r(by, n_by, sizeof *by, target_cmp, tnames);
-    for (size_t i = 1; i < n_by; i++)
-        if (!strcmp(tnames[by[i]], tnames[by[i - 1]])) {
-            s = lk_error(LK_ERR_FORMAT, "%s: modules %s and %s both target %s", a->file, a->mods[by[i - 1]].module,
-                         a->mods[by[i]].module, tnames[by[i]]);
+    /* Two modules on one weight: only on disjoint rows. */
+    if (n_tp) qsort_r(tp, n_tp, sizeof *tp, tplace_cmp, (void *)model);
+    for (size_t i = 1; i < n_tp; i++) {
+        const tplace *p = &tp[i - 1], *q = &tp[i];
+        if (p->key != q->key || p->row0 + p->rows <= q->row0) continue;
+        if (p->whole && q->whole)
+            s = lk_error(LK_ERR_FORMAT, "%s: modules %s and %s both target %s", a->file, a->mods[p->mod].module,
+                         a->mods[q->mod].module, model[q->key].name);
+        else
+            s = lk_error(LK_ERR_FORMAT, "%s: modules %s (%s) and %s (%s) both land on rows %lld..%lld of %s", a->file,
+                         a->mods[p->mod].module, p->rule, a->mods[q->mod].module, q->rule, (long long)q->row0,
+                         (long long)(p->row0 + p->rows < q->row0 + q->rows ? p->row0 + p->rows : q->row0 + q->rows),
+                         model[q->key].name);
+        goto done;
+    }
+    size_t per_key = 0;
+    for (size_t i = 0, run = 0; i < n_tp; i++) {
+        run = i && tp[i].key == tp[i - 1].key ? run + 1 : 1;
+        if (run > per_key) per_key = run;
+        if (run > LK_ADAPTER_MAX_SLICES) {
+            s = lk_error(LK_ERR_FORMAT, "%s: more than %d modules land on %s", a->file, LK_ADAPTER_MAX_SLICES,
+                         model[tp[i].key].name);
             goto done;
         }
+    }
     qsort_r(rby, n_rby, sizeof *rby, target_cmp, rnames);
     for (size_t i = 1; i < n_rby; i++)
         if (!strcmp(rnames[rby[i]], rnames[rby[i - 1]])) {
@@ -400,13 +622,13 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
             goto done;
         }
     for (size_t i = 0; i < n_rby; i++) { /* a tensor both replaced and LoRA-fused by this adapter */
-        size_t lo = 0, hi = n_by, r = rby[i];
+        size_t lo = 0, hi = n_tp, r = rby[i];
         while (lo < hi) {
             size_t mid = lo + (hi - lo) / 2;
-            int c = strcmp(tnames[by[mid]], rnames[r]);
+            int c = strcmp(model[tp[mid].key].name, rnames[r]);
             if (!c) {
                 s = lk_error(LK_ERR_FORMAT, "%s: '%s' replaces %s, which module %s also fuses into", a->file,
-                             a->reps[r].key, rnames[r], a->mods[by[mid]].module);
+                             a->reps[r].key, rnames[r], a->mods[tp[mid].mod].module);
                 goto done;
             }
             if (c < 0) lo = mid + 1;
@@ -414,14 +636,28 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
         }
     }
     qsort_r(bby, n_bby, sizeof *bby, target_cmp, bnames);
+    pl = lk_calloc(n_tp ? n_tp : 1, sizeof *pl);
+    plstr = lk_calloc(2 * (n_tp ? n_tp : 1), sizeof *plstr);
+    if (!pl || !plstr) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+        goto done;
+    }
+    for (size_t i = 0; i < n_tp; i++) {
+        size_t rl = strlen(tp[i].rule) + sizeof "kohya form, ";
+        if (!(plstr[2 * i] = lk_strdup(model[tp[i].key].name)) || !(plstr[2 * i + 1] = lk_malloc(rl))) {
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+            goto done;
+        }
+        snprintf(plstr[2 * i + 1], rl, "%s%s", tp[i].kohya ? "kohya form, " : "", tp[i].rule);
+    }
     void *tf = tbytes ? lk_malloc(tbytes) : NULL;
     if (tbytes && !tf) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of transposed factors", a->file, tbytes);
         goto done;
     }
     /* Commit. */
-    unsigned char *tp = tf;
-    for (size_t i = 0; i < a->n; i++) orient(a, i, trans[i], &a->mods[i].A, &a->mods[i].B, &tp);
+    unsigned char *tfp = tf;
+    for (size_t i = 0; i < a->n; i++) orient(a, i, trans[i], &a->mods[i].A, &a->mods[i].B, &tfp);
     lk_free(a->tfactors);
     a->tfactors = tf;
     for (size_t i = 0; i < a->n; i++) {
@@ -440,10 +676,26 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
         a->reps[r].target = rnames[r];
         rnames[r] = NULL;
     }
-    lk_free(a->by_target);
-    a->by_target = by;
-    a->n_by_target = n_by;
-    by = NULL;
+    for (size_t i = 0; i < n_tp; i++) {
+        const lk_lora_module *m = &a->mods[tp[i].mod];
+        lk_tensor B = m->B;
+        size_t es = lk_dtype_size(B.dtype);
+        B.data = (unsigned char *)B.data + (size_t)tp[i].b_row0 * (size_t)B.shape[1] * es;
+        B.shape[0] = tp[i].rows;
+        B.nbytes = (size_t)tp[i].rows * (size_t)B.shape[1] * es;
+        pl[i] = (lk_adapter_placement){m, plstr[2 * i], tp[i].row0, tp[i].b_row0, tp[i].rows, tp[i].whole,
+                                       plstr[2 * i + 1], B};
+    }
+    for (size_t i = 0; i < 2 * a->n_pl; i++) lk_free(a->pl_strs[i]);
+    lk_free(a->pl_strs);
+    lk_free(a->pl);
+    a->pl = pl;
+    a->pl_strs = plstr;
+    a->n_pl = n_tp;
+    pl = NULL;
+    plstr = NULL;
+    lk_free(a->family);
+    a->family = have_lay && lay.family ? lk_strdup(lay.family) : NULL;
     lk_free(a->by_bias);
     a->by_bias = bby;
     a->n_by_bias = n_bby;
@@ -456,7 +708,7 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
         lk_log(LK_LOG_WARN, "%s: %zu of %zu modules%s match no model weight and are skipped (first: %s)", a->path,
                unmatched, a->n + a->n_rep, a->n_rep ? " and saved tensors" : "",
                first_unmatched != SIZE_MAX ? a->mods[first_unmatched].module : first_unmatched_rep);
-    if (n_unmatched) *n_unmatched = unmatched;
+    if (n_unmatched) *n_unmatched = unmatched + foreign;
 done:
     if (tnames)
         for (size_t i = 0; i < a->n; i++) lk_free(tnames[i]);
@@ -470,12 +722,18 @@ done:
     lk_free(bby);
     lk_free(rby);
     lk_free(trans);
+    if (plstr)
+        for (size_t i = 0; i < 2 * n_tp; i++) lk_free(plstr[i]);
+    lk_free(plstr);
+    lk_free(pl);
+    lk_free(tp);
+    lk_free(mcomp);
     lk_free(ord);
-    lk_free(by);
     lk_free(mx);
     lk_names_free(&mt);
     lk_names_free(&rt);
     free_knames(kn, n_kn);
+    if (have_lay) lk_layout_free(&lay);
     return s;
 }
 
@@ -492,10 +750,31 @@ static size_t find_sorted(char *const *names, const size_t *idx, size_t n, const
     return SIZE_MAX;
 }
 
+size_t lk_adapter_placements(const lk_adapter *a, const char *target, const lk_adapter_placement **out) {
+    *out = NULL;
+    if (!a || !target) return 0;
+    size_t lo = 0, hi = a->n_pl;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (strcmp(a->pl[mid].target, target) < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    size_t n = 0;
+    while (lo + n < a->n_pl && !strcmp(a->pl[lo + n].target, target)) n++;
+    if (n) *out = &a->pl[lo];
+    return n;
+}
+
+size_t lk_adapter_placement_count(const lk_adapter *a) { return a ? a->n_pl : 0; }
+const lk_adapter_placement *lk_adapter_placement_at(const lk_adapter *a, size_t i) {
+    return a && i < a->n_pl ? &a->pl[i] : NULL;
+}
+const char *lk_adapter_family(const lk_adapter *a) { return a ? a->family : NULL; }
+
 const lk_lora_module *lk_adapter_find_target(const lk_adapter *a, const char *target) {
-    if (!a || !target) return NULL;
-    size_t i = find_sorted(a->targets, a->by_target, a->n_by_target, target);
-    return i == SIZE_MAX ? NULL : &a->mods[i];
+    const lk_adapter_placement *p;
+    size_t n = lk_adapter_placements(a, target, &p);
+    return n == 1 && p->whole ? p->module : NULL;
 }
 
 const lk_lora_module *lk_adapter_find_bias_target(const lk_adapter *a, const char *target) {

@@ -295,6 +295,10 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
         return lk_error(LK_ERR_SHAPE, "%s: %lld scale values for %lld rows (expected 1 or one per row)", name,
                         (long long)n_scale, (long long)out);
     if (k && !terms) return lk_error(LK_ERR_ARG, "%s: NULL terms", name);
+    for (size_t t = 0; t < k; t++)
+        if (lk_fuse_term_sliced(&terms[t]))
+            return lk_error(LK_ERR_UNSUPPORTED, "%s: a LoRA module on a row slice (part of a fused projection) of an "
+                            "FP8 weight is not supported", name);
     static const lk_fuse_opts defaults;
     if (!opts) opts = &defaults;
     const lk_fp8_opts *fo = &opts->fp8;

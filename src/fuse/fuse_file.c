@@ -265,7 +265,7 @@ static lk_status gather(const fctx *c, const lk_tensor *t, lk_fuse_key *k) {
  * model[0..nt) (strict unless allow_unmatched) and sizes the term list.
  * label names the model in errors. Nothing is written. */
 static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, size_t nt, const lk_fuse_input *inputs,
-                         size_t n, int allow_unmatched, lk_fuse_stats *st) {
+                         size_t n, const lk_fuse_file_opts *fo, lk_fuse_stats *st) {
     lk_status s;
     for (size_t i = 0; i < n; i++) {
         if (!inputs[i].path) return lk_error(LK_ERR_ARG, "%s: adapter %zu has no path", label, i);
@@ -274,7 +274,8 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
     }
     c->ad = lk_calloc(n ? n : 1, sizeof *c->ad);
     c->order = lk_malloc((n ? n : 1) * sizeof *c->order);
-    c->terms = lk_malloc((n ? n : 1) * sizeof *c->terms); /* at most one term per adapter for any tensor */
+    c->terms = lk_calloc((n ? n : 1) * LK_ADAPTER_MAX_SLICES, sizeof *c->terms); /* per adapter: one term, or
+                                                                                     one per row slice */
     if (!c->ad || !c->order || !c->terms) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
     lk_fuse_canonical_order(inputs, n, c->order);
     /* Open and validate every adapter before anything is written. */
@@ -282,7 +283,8 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
         size_t un = 0;
         if ((s = lk_adapter_open(inputs[i].path, inputs[i].format, &c->ad[i]))) return s;
         c->n_ad = i + 1;
-        if ((s = lk_adapter_resolve(c->ad[i], model, nt, allow_unmatched, &un))) return s;
+        lk_resolve_opts ro = {fo->allow_unmatched, fo->arch, fo->maps, fo->n_maps};
+        if ((s = lk_adapter_resolve_opts(c->ad[i], model, nt, &ro, &un))) return s;
         st->modules_unmatched += un;
     }
     c->ord_ad = lk_malloc((n ? n : 1) * sizeof *c->ord_ad);
@@ -339,7 +341,7 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
         goto fail;
     }
     for (size_t i = 0; i < nt; i++) c.model[i] = *lk_ckpt_tensor(c.ck, i);
-    if ((s = prepare(&c, base, c.model, nt, inputs, n, opts->allow_unmatched, &st))) goto fail;
+    if ((s = prepare(&c, base, c.model, nt, inputs, n, opts, &st))) goto fail;
     size_t buf_bytes = 0, copy_bytes = 0, sbuf_bytes = 0;
     uint64_t total_bytes = 0;
     c.scale_of = lk_malloc((nt ? nt : 1) * sizeof *c.scale_of);
@@ -524,7 +526,7 @@ lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *in
     lk_fuse_stats st = {0};
     st.tensors_total = nt;
     size_t *bk = NULL, n_bk = 0; /* tensors backed up, in order */
-    lk_status s = prepare(&c, label, tensors, nt, inputs, n, opts->allow_unmatched, &st);
+    lk_status s = prepare(&c, label, tensors, nt, inputs, n, opts, &st);
     if (s) goto fail;
     c.scale_of = lk_malloc((nt ? nt : 1) * sizeof *c.scale_of);
     c.is_scale = lk_calloc(nt ? nt : 1, 1);

@@ -39,6 +39,9 @@ int lk_fuse_default_threads(void);
  * Byte-for-byte agreement with lk_fuse_tensor, for a BF16 or F16 weight w:
  *   lk_from_f32(out, &(float){lk_fuse_round_f32(w_as_f32, d)}, dtype, 1)
  * and for an F32 weight: lk_fuse_round_f64_to_f32(w, d). */
+/* 1 if the term is a row slice (slice > 0). */
+int lk_fuse_term_sliced(const lk_fuse_term *t);
+
 lk_status lk_fuse_delta_f32(float *delta, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
                             const lk_fuse_term *terms, size_t n_terms, const char *name);
 lk_status lk_fuse_delta_f64(double *delta, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,

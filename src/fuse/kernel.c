@@ -338,10 +338,88 @@ static void make_panels(void *ap, int wide, size_t pw, size_t R, size_t in, cons
     }
 }
 
+static lk_status fuse_whole(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                            const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name);
+
+int lk_fuse_term_sliced(const lk_fuse_term *t) { return t->slice != 0; }
+
+static int i64_cmp(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Row-sliced terms: bands of rows covered by the same terms, each fused as a
+ * weight of its own with the terms (in the given order) that cover it. */
+static lk_status fuse_bands(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                            const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name) {
+    for (size_t t = 0; t < n_terms; t++) {
+        lk_status s = check_factor(terms[t].B, "B", name, t);
+        if (s) return s;
+        int64_t r0 = terms[t].slice ? terms[t].slice - 1 : 0;
+        if (r0 < 0 || terms[t].B->shape[0] > out - r0)
+            return lk_error(LK_ERR_SHAPE, "%s: term %zu: rows %lld..%lld are outside the weight's %lld rows", name, t,
+                            (long long)r0, (long long)(r0 + terms[t].B->shape[0]), (long long)out);
+    }
+    int64_t *cut = lk_malloc((2 * n_terms + 2) * sizeof *cut);
+    lk_fuse_term *bt = lk_malloc(n_terms * sizeof *bt);
+    lk_tensor *bv = lk_malloc(n_terms * sizeof *bv);
+    if (!cut || !bt || !bv) {
+        lk_free(cut);
+        lk_free(bt);
+        lk_free(bv);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
+    }
+    size_t nc = 0;
+    cut[nc++] = 0;
+    cut[nc++] = out;
+    for (size_t t = 0; t < n_terms; t++) {
+        int64_t r0 = terms[t].slice ? terms[t].slice - 1 : 0;
+        cut[nc++] = r0;
+        cut[nc++] = r0 + terms[t].B->shape[0];
+    }
+    qsort(cut, nc, sizeof *cut, i64_cmp);
+    const size_t esz = lk_dtype_size(dtype), rowb = (size_t)in * esz;
+    lk_status s = LK_OK;
+    for (size_t c = 0; c + 1 < nc && !s; c++) {
+        int64_t r0 = cut[c], r1 = cut[c + 1];
+        if (r0 == r1) continue;
+        size_t nb = 0;
+        for (size_t t = 0; t < n_terms; t++) {
+            const lk_fuse_term *tt = &terms[t];
+            int64_t t0 = tt->slice ? tt->slice - 1 : 0;
+            if (t0 > r0 || t0 + tt->B->shape[0] <= r0) continue;
+            bv[nb] = *tt->B;
+            size_t be = lk_dtype_size(tt->B->dtype);
+            bv[nb].data = (char *)tt->B->data + (size_t)(r0 - t0) * (size_t)tt->B->shape[1] * be;
+            bv[nb].shape[0] = r1 - r0;
+            bv[nb].nbytes = (size_t)(r1 - r0) * (size_t)tt->B->shape[1] * be;
+            bt[nb] = (lk_fuse_term){tt->A, &bv[nb], tt->scale, 0};
+            nb++;
+        }
+        char *wo = (char *)w_out + (size_t)r0 * rowb;
+        const char *wi = (const char *)w_in + (size_t)r0 * rowb;
+        if (nb) s = fuse_whole(wo, wi, dtype, r1 - r0, in, bt, nb, opts, name);
+        else if (wo != wi) memmove(wo, wi, (size_t)(r1 - r0) * rowb);
+    }
+    lk_free(cut);
+    lk_free(bt);
+    lk_free(bv);
+    return s;
+}
+
 lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
                          const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts,
                          const char *name) {
     if (!name) name = "(tensor)";
+    int sliced = 0;
+    for (size_t t = 0; terms && t < n_terms && !sliced; t++) sliced = lk_fuse_term_sliced(&terms[t]);
+    if (sliced && w_out && w_in && lk_dtype_is_fusable(dtype) && out > 0 && in > 0)
+        return fuse_bands(w_out, w_in, dtype, out, in, terms, n_terms, opts, name);
+    return fuse_whole(w_out, w_in, dtype, out, in, terms, n_terms, opts, name);
+}
+
+static lk_status fuse_whole(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                            const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name) {
     if (!w_out || !w_in) return lk_error(LK_ERR_ARG, "%s: NULL weight buffer", name);
     if (!lk_dtype_is_fusable(dtype))
         return lk_error(LK_ERR_DTYPE, "%s: weight dtype %s cannot be fused (only F32, F16, BF16)", name,

@@ -50,9 +50,12 @@ lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t
     memset(out, 0, sizeof *out);
     size_t rep_from = SIZE_MAX, dora_from = SIZE_MAX, other = SIZE_MAX;
     lk_status s;
+    int sliced = 0;
     for (size_t i = 0; i < n; i++) {
         if (strength[i] == 0.0) continue;
-        const lk_lora_module *m = lk_adapter_find_target(ad[i], t->name);
+        const lk_adapter_placement *pl;
+        size_t np = lk_adapter_placements(ad[i], t->name, &pl);
+        const lk_lora_module *m = np == 1 && pl->whole ? pl->module : NULL;
         const lk_adapter_tensor *r = lk_adapter_find_replacement(ad[i], t->name);
         const lk_lora_module *b = lk_adapter_find_bias_target(ad[i], t->name);
         if (r) {
@@ -63,7 +66,15 @@ lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t
             out->replace = &r->t;
             out->replace_strength = strength[i];
         }
-        if ((r || (m && !m->magnitude.data) || b) && other == SIZE_MAX) other = i;
+        if ((r || (m && !m->magnitude.data) || b || (np && !m)) && other == SIZE_MAX) other = i;
+        if (np && !m) { /* row slices of a fused weight (resolve refused DoRA there) */
+            for (size_t k = 0; k < np; k++) {
+                double sc;
+                if ((s = term_scale(ad[i], pl[k].module, strength[i], "", &sc))) return s;
+                if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){&pl[k].module->A, &pl[k].B, sc, pl[k].row0 + 1};
+            }
+            sliced = 1;
+        }
         if (m && m->magnitude.data) {
             dora_from = i;
             out->dora = m;
@@ -71,14 +82,17 @@ lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t
         } else if (m) {
             double sc;
             if ((s = term_scale(ad[i], m, strength[i], "", &sc))) return s;
-            if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){&m->A, &m->B, sc};
+            if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){&m->A, &m->B, sc, 0};
         }
         if (b) {
             double sc;
             if ((s = term_scale(ad[i], b, strength[i], "lora_B.bias ", &sc))) return s;
-            if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){NULL, &b->bias, sc};
+            if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){NULL, &b->bias, sc, 0};
         }
     }
+    if (sliced && (out->replace || dora_from != SIZE_MAX))
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: modules on row slices of it together with a %s are not supported",
+                        t->name, out->replace ? "replacement (modules_to_save)" : "DoRA module");
     if (dora_from != SIZE_MAX && (out->n_terms || out->replace))
         return lk_error(LK_ERR_ARG, "%s: a DoRA adapter must be the only adapter in its request (%s also changes %s)",
                         lk_adapter_path(ad[dora_from]), lk_adapter_path(ad[other]), t->name);
@@ -141,7 +155,7 @@ lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, c
     const lk_fuse_term *lt = NULL;
     size_t n_lt = 0;
     if (k->dora) {
-        dterm = (lk_fuse_term){&k->dora->A, &k->dora->B, k->dora->scale}; /* PEFT's scaling, not the strength */
+        dterm = (lk_fuse_term){&k->dora->A, &k->dora->B, k->dora->scale, 0}; /* PEFT's scaling, not the strength */
         lt = &dterm;
         n_lt = 1;
     } else if (k->n_terms && terms[0].A) {

@@ -215,6 +215,12 @@ static uint64_t adapter_content(const lk_adapter *a) {
             hash_tensor(&h, &mod->bias);
         }
     }
+    for (size_t i = 0; i < lk_adapter_placement_count(a); i++) { /* where each module lands (row slices) */
+        const lk_adapter_placement *p = lk_adapter_placement_at(a, i);
+        int64_t rows[3] = {p->row0, p->b_row0, p->rows};
+        XXH3_64bits_update(&h, p->target, strlen(p->target) + 1);
+        XXH3_64bits_update(&h, rows, sizeof rows);
+    }
     for (size_t i = 0; i < lk_adapter_replacement_count(a); i++) {
         const lk_adapter_tensor *r = lk_adapter_replacement(a, i);
         const char *tgt = r->target ? r->target : "";
@@ -248,7 +254,8 @@ static lk_status key_terms(const lk_tracker *t, const request *r, size_t i, lk_f
 }
 
 static int touches(const lk_adapter *a, const char *name) {
-    return lk_adapter_find_target(a, name) || lk_adapter_find_replacement(a, name) ||
+    const lk_adapter_placement *pl;
+    return lk_adapter_placements(a, name, &pl) || lk_adapter_find_replacement(a, name) ||
            lk_adapter_find_bias_target(a, name);
 }
 
@@ -856,7 +863,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
     }
 
     /* 3. load and validate; back up newly touched owned keys; agree */
-    size_t max_terms = (req.n > t->cur.n ? req.n : t->cur.n) + 1;
+    size_t max_terms = ((req.n > t->cur.n ? req.n : t->cur.n) + 1) * LK_ADAPTER_MAX_SLICES; /* row slices */
     lk_fuse_term *terms = lk_calloc(2 * max_terms, sizeof *terms); /* two threads' scratch */
     size_t *fresh = lk_calloc(t->n ? t->n : 1, sizeof *fresh), n_fresh = 0;
     local = (terms && fresh) ? LK_OK : lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");

@@ -23,7 +23,7 @@ static void fz_adapter_fuse(const lk_adapter *a) {
         const lk_lora_module *m = lk_adapter_module(a, i);
         if (!m->target) continue;
         const lk_tensor *t = fz_model_find(m->target);
-        lk_fuse_term term = {&m->A, &m->B, m->scale};
+        lk_fuse_term term = {&m->A, &m->B, m->scale, 0};
         lk_fuse_opts o = {.threads = 1};
         lk_status s = lk_fuse_tensor(out, w, LK_DTYPE_F32, t->shape[0], t->shape[1], &term, 1, &o, t->name);
         if (s != LK_OK) {

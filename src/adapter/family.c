@@ -1,0 +1,303 @@
+/* family.c — model-family name tables: parsing and finding them.
+ *
+ * A table is a small line-based text file (README "Model families and
+ * layouts"), one per family under data/families/, installed with the
+ * library, and the same format for a user's --map file:
+ *
+ *   lorakit-family 1
+ *   family flux
+ *   detect double_blocks.0.img_attn.qkv.weight
+ *   map double_blocks.#.img_attn.qkv transformer_blocks.#.attn.to_q 0/3:1/3 0/1:1/1
+ *   map double_blocks.#.img_attn.proj transformer_blocks.#.attn.to_out.0
+ *
+ * `map ORIG DIFF [ORIG_ROWS DIFF_ROWS]`: the original (single-file) name and
+ * the diffusers name of one weight, '.'-separated; a '#' component is a
+ * decimal number (captured, substituted in order on the other side), a final
+ * '*' the rest of the name. With rows, rows ORIG_ROWS of the original weight
+ * are rows DIFF_ROWS of the diffusers one, each a:b/c:d fraction of the
+ * weight's rows (a fused q,k,v is three rules of thirds). Every line is
+ * checked (length, tokens, fractions) and errors name the file, line and
+ * key; two rules placing different names on overlapping rows of one weight
+ * are an error, as is an unknown key. */
+#include "adapter/layout.h"
+#include "core/file.h"
+#include "lorakit/alloc.h"
+
+#include <dirent.h>
+#include <dlfcn.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define LINE_MAX_BYTES 4096
+#define MAX_CAPTURES 8
+#define MAX_DEN 4096
+#define TABLE_MAX_BYTES (4u << 20)
+
+void lk_family_free(lk_family *f) {
+    if (!f) return;
+    lk_free(f->name);
+    lk_free(f->file);
+    for (size_t i = 0; i < f->n_detect; i++) lk_free(f->detect[i]);
+    lk_free(f->detect);
+    for (size_t i = 0; i < f->n_rules; i++) {
+        lk_free(f->rules[i].orig);
+        lk_free(f->rules[i].diff);
+    }
+    lk_free(f->rules);
+    memset(f, 0, sizeof *f);
+}
+
+/* A pattern: '.'-separated non-empty components of [A-Za-z0-9_-], a '#'
+ * component, or a final '*'. *caps counts the '#'s, *star the final '*'. */
+static int pattern_ok(const char *p, int *caps, int *star) {
+    *caps = 0;
+    *star = 0;
+    const char *c = p;
+    for (;;) {
+        const char *e = strchr(c, '.');
+        size_t n = e ? (size_t)(e - c) : strlen(c);
+        if (!n) return 0;
+        if (n == 1 && *c == '#') {
+            if (++*caps > MAX_CAPTURES) return 0;
+        } else if (n == 1 && *c == '*') {
+            if (e) return 0;
+            *star = 1;
+        } else {
+            for (size_t i = 0; i < n; i++) {
+                char ch = c[i];
+                if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' ||
+                      ch == '-'))
+                    return 0;
+            }
+        }
+        if (!e) return 1;
+        c = e + 1;
+    }
+}
+
+static int parse_i64(const char *s, const char **end, int64_t *v) {
+    int64_t x = 0;
+    const char *p = s;
+    if (*p < '0' || *p > '9') return 0;
+    while (*p >= '0' && *p <= '9') {
+        if (x > (INT64_MAX - 9) / 10) return 0;
+        x = x * 10 + (*p++ - '0');
+    }
+    *end = p;
+    *v = x;
+    return 1;
+}
+
+/* "a/b:c/d" with 0 <= a/b < c/d <= 1 and denominators in 1..MAX_DEN. */
+static int frac_parse(const char *s, lk_frac *f) {
+    const char *p = s;
+    if (!parse_i64(p, &p, &f->n0) || *p++ != '/' || !parse_i64(p, &p, &f->d0) || *p++ != ':' ||
+        !parse_i64(p, &p, &f->n1) || *p++ != '/' || !parse_i64(p, &p, &f->d1) || *p)
+        return 0;
+    if (f->d0 < 1 || f->d1 < 1 || f->d0 > MAX_DEN || f->d1 > MAX_DEN) return 0;
+    if (f->n0 > f->d0 || f->n1 > f->d1) return 0;
+    return f->n0 * f->d1 < f->n1 * f->d0; /* non-empty */
+}
+
+static int frac_overlap(const lk_frac *a, const lk_frac *b) {
+    /* a0 < b1 && b0 < a1, cross-multiplied (denominators <= MAX_DEN) */
+    return a->n0 * b->d1 < b->n1 * a->d0 && b->n0 * a->d1 < a->n1 * b->d0;
+}
+
+static const lk_frac g_all = {0, 1, 1, 1};
+
+/* Splits line (NUL-terminated, modified) into at most cap whitespace tokens;
+ * returns the count, or cap + 1 when there are more. */
+static size_t tokens(char *line, char **tok, size_t cap) {
+    size_t n = 0;
+    char *p = line;
+    for (;;) {
+        while (*p == ' ' || *p == '\t' || *p == '\r') p++;
+        if (!*p || *p == '#') return n; /* '#' starts a comment only at a token's start */
+        if (n == cap) return cap + 1;
+        tok[n++] = p;
+        while (*p && *p != ' ' && *p != '\t' && *p != '\r') p++;
+        if (*p) *p++ = '\0';
+    }
+}
+
+static lk_status push_str(char ***v, size_t *n, const char *s, const char *file) {
+    char **nv = lk_realloc(*v, (*n + 1) * sizeof *nv);
+    if (!nv) return lk_error(LK_ERR_NOMEM, "%s: out of memory", file);
+    *v = nv;
+    if (!(nv[*n] = lk_strdup(s))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", file);
+    (*n)++;
+    return LK_OK;
+}
+
+static lk_status parse_line(lk_family *f, char *line, int ln, const char *file, int *header) {
+    char *tok[6];
+    size_t nt = tokens(line, tok, 5);
+    if (nt == 0) return LK_OK;
+    if (nt > 5) return lk_error(LK_ERR_CONFIG, "%s:%d: too many fields", file, ln);
+    if (!*header) {
+        if (strcmp(tok[0], "lorakit-family") || nt != 2 || strcmp(tok[1], "1"))
+            return lk_error(LK_ERR_CONFIG, "%s:%d: a family table starts with 'lorakit-family 1'", file, ln);
+        *header = 1;
+        return LK_OK;
+    }
+    if (!strcmp(tok[0], "family")) {
+        if (nt != 2) return lk_error(LK_ERR_CONFIG, "%s:%d: 'family' takes one name", file, ln);
+        if (f->name) return lk_error(LK_ERR_CONFIG, "%s:%d: a second 'family' line", file, ln);
+        for (const char *c = tok[1]; *c; c++)
+            if (!((*c >= 'a' && *c <= 'z') || (*c >= '0' && *c <= '9') || *c == '_' || *c == '-'))
+                return lk_error(LK_ERR_CONFIG, "%s:%d: family name '%s': use a-z, 0-9, '_' and '-'", file, ln, tok[1]);
+        if (!(f->name = lk_strdup(tok[1]))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", file);
+        return LK_OK;
+    }
+    if (!strcmp(tok[0], "detect")) {
+        int caps, star;
+        if (nt != 2 || !pattern_ok(tok[1], &caps, &star) || caps || star)
+            return lk_error(LK_ERR_CONFIG, "%s:%d: 'detect' takes one key name (no '#' or '*')", file, ln);
+        return push_str(&f->detect, &f->n_detect, tok[1], file);
+    }
+    if (!strcmp(tok[0], "map")) {
+        if (nt != 3 && nt != 5)
+            return lk_error(LK_ERR_CONFIG, "%s:%d: 'map' takes ORIG DIFF [ORIG_ROWS DIFF_ROWS]", file, ln);
+        int c1, s1, c2, s2;
+        if (!pattern_ok(tok[1], &c1, &s1))
+            return lk_error(LK_ERR_CONFIG, "%s:%d: '%s' is not a name pattern", file, ln, tok[1]);
+        if (!pattern_ok(tok[2], &c2, &s2))
+            return lk_error(LK_ERR_CONFIG, "%s:%d: '%s' is not a name pattern", file, ln, tok[2]);
+        if (c1 != c2 || s1 != s2)
+            return lk_error(LK_ERR_CONFIG, "%s:%d: '%s' and '%s' have different '#' / '*' parts", file, ln, tok[1],
+                            tok[2]);
+        lk_fam_rule r = {.orig_rows = g_all, .diff_rows = g_all, .line = ln};
+        if (nt == 5 && (!frac_parse(tok[3], &r.orig_rows) || !frac_parse(tok[4], &r.diff_rows)))
+            return lk_error(LK_ERR_CONFIG, "%s:%d: rows '%s' '%s': expected a/b:c/d with 0 <= a/b < c/d <= 1", file,
+                            ln, tok[3], tok[4]);
+        lk_fam_rule *nr = lk_realloc(f->rules, (f->n_rules + 1) * sizeof *nr);
+        if (!nr) return lk_error(LK_ERR_NOMEM, "%s: out of memory", file);
+        f->rules = nr;
+        r.orig = lk_strdup(tok[1]);
+        r.diff = lk_strdup(tok[2]);
+        if (!r.orig || !r.diff) {
+            lk_free(r.orig);
+            lk_free(r.diff);
+            return lk_error(LK_ERR_NOMEM, "%s: out of memory", file);
+        }
+        f->rules[f->n_rules++] = r;
+        return LK_OK;
+    }
+    return lk_error(LK_ERR_CONFIG, "%s:%d: unknown key '%s' (valid: lorakit-family, family, detect, map)", file, ln,
+                    tok[0]);
+}
+
+/* Two rules putting different names on overlapping rows of one weight. */
+static lk_status check_overlaps(const lk_family *f, const char *file) {
+    for (size_t i = 0; i < f->n_rules; i++)
+        for (size_t j = i + 1; j < f->n_rules; j++) {
+            const lk_fam_rule *a = &f->rules[i], *b = &f->rules[j];
+            int so = !strcmp(a->orig, b->orig), sd = !strcmp(a->diff, b->diff);
+            if (so && sd && frac_overlap(&a->orig_rows, &b->orig_rows))
+                return lk_error(LK_ERR_CONFIG, "%s:%d: rule repeats line %d (%s %s)", file, b->line, a->line, a->orig,
+                                a->diff);
+            if (so && !sd && frac_overlap(&a->orig_rows, &b->orig_rows))
+                return lk_error(LK_ERR_CONFIG, "%s:%d: %s and %s (line %d) both land on overlapping rows of %s", file,
+                                b->line, b->diff, a->diff, a->line, a->orig);
+            if (sd && !so && frac_overlap(&a->diff_rows, &b->diff_rows))
+                return lk_error(LK_ERR_CONFIG, "%s:%d: %s and %s (line %d) both land on overlapping rows of %s", file,
+                                b->line, b->orig, a->orig, a->line, a->diff);
+        }
+    return LK_OK;
+}
+
+lk_status lk_family_parse(const char *text, size_t len, const char *file, int require_name, lk_family *out) {
+    memset(out, 0, sizeof *out);
+    lk_family f = {0};
+    lk_status s = LK_OK;
+    char *line = lk_malloc(LINE_MAX_BYTES + 1);
+    if (!line || !(f.file = lk_strdup(file))) {
+        lk_free(line);
+        lk_free(f.file);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory", file);
+    }
+    int header = 0, ln = 0;
+    size_t i = 0;
+    while (i < len && !s) {
+        size_t e = i;
+        while (e < len && text[e] != '\n') e++;
+        ln++;
+        if (e - i > LINE_MAX_BYTES) {
+            s = lk_error(LK_ERR_CONFIG, "%s:%d: line longer than %d bytes", file, ln, LINE_MAX_BYTES);
+            break;
+        }
+        if (memchr(text + i, '\0', e - i)) {
+            s = lk_error(LK_ERR_CONFIG, "%s:%d: NUL byte in a table", file, ln);
+            break;
+        }
+        memcpy(line, text + i, e - i);
+        line[e - i] = '\0';
+        s = parse_line(&f, line, ln, file, &header);
+        i = e + 1;
+    }
+    lk_free(line);
+    if (!s && !header) s = lk_error(LK_ERR_CONFIG, "%s: empty: a family table starts with 'lorakit-family 1'", file);
+    if (!s && require_name && !f.name) s = lk_error(LK_ERR_CONFIG, "%s: no 'family NAME' line", file);
+    if (!s && !f.n_rules) s = lk_error(LK_ERR_CONFIG, "%s: no 'map' lines", file);
+    if (!s) s = check_overlaps(&f, file);
+    if (s) {
+        lk_family_free(&f);
+        return s;
+    }
+    *out = f;
+    return LK_OK;
+}
+
+lk_status lk_family_load(const char *path, int require_name, lk_family *out) {
+    char *buf;
+    size_t len;
+    lk_status s = lk_read_file(path, TABLE_MAX_BYTES, &buf, &len);
+    if (s) return s;
+    if (len > TABLE_MAX_BYTES) {
+        lk_free(buf);
+        return lk_error(LK_ERR_CONFIG, "%s: larger than the %u-byte limit for a family table", path, TABLE_MAX_BYTES);
+    }
+    s = lk_family_parse(buf, len, path, require_name, out);
+    lk_free(buf);
+    return s;
+}
+
+static int is_dir(const char *p) {
+    struct stat sb;
+    return p && stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+/* The installed tables: <folder of this library or executable>/LK_FAMILIES_REL
+ * (relative path from the lib/bin folder to <datadir>/lorakit/families,
+ * computed by CMake); then the source tree's data/families. */
+char *lk_family_dir(void) {
+    const char *env = getenv("LORAKIT_FAMILIES_DIR");
+    if (env && *env) return lk_strdup(env);
+#ifdef LK_FAMILIES_REL_LIB
+    Dl_info di;
+    if (dladdr((void *)lk_family_dir, &di) && di.dli_fname) {
+        static const char *const rel[] = {LK_FAMILIES_REL_LIB, LK_FAMILIES_REL_BIN};
+        for (size_t i = 0; i < 2; i++) {
+            char *d = NULL;
+            if (lk_path_dir(di.dli_fname, &d) || !d) continue;
+            char *p = lk_path_join(d, rel[i]);
+            lk_free(d);
+            char *real = is_dir(p) ? realpath(p, NULL) : NULL; /* ".../bin/../share/..." said plainly */
+            lk_free(p);
+            if (real) {
+                char *r = lk_strdup(real);
+                free(real);
+                return r;
+            }
+        }
+    }
+#endif
+#ifdef LK_FAMILIES_SRC_DIR
+    if (is_dir(LK_FAMILIES_SRC_DIR)) return lk_strdup(LK_FAMILIES_SRC_DIR);
+#endif
+    return NULL;
+}

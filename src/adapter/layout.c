@@ -1,0 +1,448 @@
+/* layout.c — the names under which a model's weights can be found.
+ *
+ * For every "<k>.weight" of the model: the name with its wrapper prefix
+ * (ComfyUI's "model.diffusion_model.", an SDXL file's
+ * "conditioner.embedders.1.model.", a pipeline-style "text_encoder.", ...)
+ * stripped, tagged with the component the prefix names (level 1); and, when
+ * a family table applies, the other naming of the same weight (level 2):
+ * diffusers names for an original (LDM/BFL) checkpoint and original names
+ * for a diffusers one, with the row slices of fused projections. Both
+ * spellings are indexed, dotted and kohya's underscores. A module name,
+ * stripped of its own prefixes the same way, is looked up at the lowest
+ * level that has it; the caller (resolve.c) turns the hits into row
+ * placements and reports ambiguity naming both weights. The index is built
+ * once per resolve, sorted, and searched by bisection. */
+#include "adapter/layout.h"
+#include "core/file.h"
+#include "lorakit/alloc.h"
+#include "lorakit/log.h"
+
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *const g_comp[LK_COMP_COUNT] = {"any", "unet/transformer", "text_encoder", "text_encoder_2",
+                                                  "text_encoder_3"};
+const char *lk_comp_name(int comp) { return comp >= 0 && comp < LK_COMP_COUNT ? g_comp[comp] : "?"; }
+
+typedef struct prefix {
+    const char *p;
+    int comp;
+} prefix;
+
+/* Model-side wrappers (single files, ComfyUI, pipeline-style files). */
+static const prefix g_model_pre[] = {
+    {"model.diffusion_model.", LK_COMP_DIFFUSION},
+    {"diffusion_model.", LK_COMP_DIFFUSION},
+    {"cond_stage_model.transformer.", LK_COMP_TE1},
+    {"cond_stage_model.model.", LK_COMP_TE1},
+    {"conditioner.embedders.0.transformer.", LK_COMP_TE1},
+    {"conditioner.embedders.1.model.", LK_COMP_TE2},
+    {"text_encoders.clip_l.transformer.", LK_COMP_TE1},
+    {"text_encoders.clip_g.transformer.", LK_COMP_TE2},
+    {"text_encoders.t5xxl.transformer.", LK_COMP_TE3},
+    {"text_encoder.", LK_COMP_TE1},
+    {"text_encoder_2.", LK_COMP_TE2},
+    {"text_encoder_3.", LK_COMP_TE3},
+    {"transformer.", LK_COMP_DIFFUSION},
+    {"unet.", LK_COMP_DIFFUSION},
+    {"base_model.model.", LK_COMP_ANY},
+    {"model.", LK_COMP_ANY},
+};
+
+/* Adapter-side prefixes, stripped repeatedly ("base_model.model.unet."). */
+static const prefix g_mod_pre[] = {
+    {"base_model.model.", LK_COMP_ANY},
+    {"model.diffusion_model.", LK_COMP_DIFFUSION},
+    {"diffusion_model.", LK_COMP_DIFFUSION},
+    {"text_encoder_2.", LK_COMP_TE2},
+    {"text_encoder_3.", LK_COMP_TE3},
+    {"text_encoder.", LK_COMP_TE1},
+    {"transformer.", LK_COMP_DIFFUSION},
+    {"unet.", LK_COMP_DIFFUSION},
+    {"model.", LK_COMP_ANY},
+};
+
+/* kohya's (and LyCORIS's / SimpleTuner's) component prefixes. */
+static const prefix g_kohya_pre[] = {
+    {"lora_unet_", LK_COMP_DIFFUSION}, {"lora_transformer_", LK_COMP_DIFFUSION},
+    {"lora_te1_", LK_COMP_TE1},        {"lora_te2_", LK_COMP_TE2},
+    {"lora_te3_", LK_COMP_TE3},        {"lora_te_", LK_COMP_TE1},
+    {"lycoris_", LK_COMP_ANY},
+};
+
+#define NPRE(a) (sizeof a / sizeof a[0])
+
+const char *lk_layout_strip_module(const char *name, int kohya, int *comp) {
+    *comp = LK_COMP_ANY;
+    if (kohya) {
+        for (size_t i = 0; i < NPRE(g_kohya_pre); i++) {
+            size_t pl = strlen(g_kohya_pre[i].p);
+            if (!strncmp(name, g_kohya_pre[i].p, pl) && name[pl]) {
+                *comp = g_kohya_pre[i].comp;
+                return name + pl;
+            }
+        }
+        return name;
+    }
+    for (int round = 0; round < 4; round++) {
+        size_t i = 0;
+        for (; i < NPRE(g_mod_pre); i++) {
+            size_t pl = strlen(g_mod_pre[i].p);
+            if (!strncmp(name, g_mod_pre[i].p, pl) && name[pl]) {
+                if (*comp == LK_COMP_ANY) *comp = g_mod_pre[i].comp;
+                name += pl;
+                break;
+            }
+        }
+        if (i == NPRE(g_mod_pre)) break;
+    }
+    return name;
+}
+
+static const char *strip_model(const char *name, int *comp) {
+    *comp = LK_COMP_ANY;
+    for (size_t i = 0; i < NPRE(g_model_pre); i++) {
+        size_t pl = strlen(g_model_pre[i].p);
+        if (!strncmp(name, g_model_pre[i].p, pl) && name[pl]) {
+            *comp = g_model_pre[i].comp;
+            return name + pl;
+        }
+    }
+    return name;
+}
+
+/* ---- patterns ---- */
+
+typedef struct caps {
+    const char *s[9];
+    size_t len[9];
+    int n;
+} caps;
+
+/* Matches pattern p against name; captures '#' numbers and the final '*'. */
+static int pat_match(const char *p, const char *name, caps *c) {
+    c->n = 0;
+    const char *q = name;
+    for (;;) {
+        const char *pe = strchr(p, '.');
+        size_t pn = pe ? (size_t)(pe - p) : strlen(p);
+        if (pn == 1 && *p == '*') { /* the rest: at least one component */
+            if (!*q) return 0;
+            c->s[c->n] = q;
+            c->len[c->n++] = strlen(q);
+            return 1;
+        }
+        const char *qe = strchr(q, '.');
+        size_t qn = qe ? (size_t)(qe - q) : strlen(q);
+        if (!qn) return 0;
+        if (pn == 1 && *p == '#') {
+            if (qn > 9) return 0;
+            for (size_t i = 0; i < qn; i++)
+                if (q[i] < '0' || q[i] > '9') return 0;
+            c->s[c->n] = q;
+            c->len[c->n++] = qn;
+        } else if (pn != qn || memcmp(p, q, pn)) {
+            return 0;
+        }
+        if (!pe || !qe) return !pe && !qe;
+        p = pe + 1;
+        q = qe + 1;
+    }
+}
+
+/* The other side's name for captures c; NULL when out of memory. */
+static char *pat_expand(const char *p, const caps *c) {
+    size_t n = strlen(p) + 1;
+    for (int i = 0; i < c->n; i++) n += c->len[i];
+    char *out = lk_malloc(n), *o = out;
+    if (!out) return NULL;
+    int k = 0;
+    for (const char *s = p; *s; s++) {
+        if ((*s == '#' || *s == '*') && (s == p || s[-1] == '.') && (s[1] == '.' || !s[1]) && k < c->n) {
+            memcpy(o, c->s[k], c->len[k]);
+            o += c->len[k++];
+        } else {
+            *o++ = *s;
+        }
+    }
+    *o = '\0';
+    return out;
+}
+
+/* ---- the index ---- */
+
+typedef struct builder {
+    lk_layout *l;
+    size_t cap;
+    const char *label;
+} builder;
+
+static lk_status add_alias(builder *b, char *name, size_t key, int comp, int level, const char *rule, lk_frac w,
+                           lk_frac m) {
+    if (!name) return lk_error(LK_ERR_NOMEM, "%s: out of memory", b->label);
+    lk_layout *l = b->l;
+    if (l->n == b->cap) {
+        size_t nc = b->cap ? 2 * b->cap : 256;
+        lk_alias *na = lk_realloc(l->al, nc * sizeof *na);
+        if (!na) {
+            lk_free(name);
+            return lk_error(LK_ERR_NOMEM, "%s: out of memory", b->label);
+        }
+        l->al = na;
+        b->cap = nc;
+    }
+    char *u = lk_strdup(name);
+    if (!u) {
+        lk_free(name);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory", b->label);
+    }
+    for (char *c = u; *c; c++)
+        if (*c == '.') *c = '_';
+    l->al[l->n++] = (lk_alias){name, u, key, comp, level, rule, w, m};
+    return LK_OK;
+}
+
+static int name_cmp(const void *pa, const void *pb, void *ctx) {
+    const lk_layout *l = ctx;
+    const lk_alias *a = &l->al[*(const size_t *)pa], *b = &l->al[*(const size_t *)pb];
+    int c = strcmp(a->name, b->name);
+    return c ? c : (a->key > b->key) - (a->key < b->key);
+}
+
+static int uname_cmp(const void *pa, const void *pb, void *ctx) {
+    const lk_layout *l = ctx;
+    const lk_alias *a = &l->al[*(const size_t *)pa], *b = &l->al[*(const size_t *)pb];
+    int c = strcmp(a->uname, b->uname);
+    return c ? c : (a->key > b->key) - (a->key < b->key);
+}
+
+static int str_cmp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+void lk_layout_free(lk_layout *l) {
+    if (!l) return;
+    for (size_t i = 0; i < l->n; i++) {
+        lk_free(l->al[i].name);
+        lk_free(l->al[i].uname);
+    }
+    lk_free(l->al);
+    lk_free(l->by_name);
+    lk_free(l->by_uname);
+    for (size_t i = 0; i < l->n_rules; i++) lk_free(l->rules[i]);
+    lk_free(l->rules);
+    lk_free(l->family);
+    lk_free(l->family_file);
+    memset(l, 0, sizeof *l);
+}
+
+static int has_suffix(const char *s, const char *suf) {
+    size_t n = strlen(s), m = strlen(suf);
+    return n > m && !strcmp(s + n - m, suf);
+}
+
+/* Whether any detect name of f is among the model's stripped key names. */
+static int detects(const lk_family *f, char *const *names, size_t n) {
+    for (size_t i = 0; i < f->n_detect; i++) {
+        const char *k = f->detect[i];
+        if (bsearch(&k, names, n, sizeof *names, str_cmp)) return 1;
+    }
+    return 0;
+}
+
+/* Picks the family table: --arch by name, else the first (by file name)
+ * whose detect names the model has. */
+static lk_status pick_family(const char *label, const char *arch, char *const *names, size_t n, lk_family *out,
+                             int *found) {
+    *found = 0;
+    if (arch && !strcmp(arch, "none")) return LK_OK;
+    char *dir = lk_family_dir();
+    if (!dir) {
+        if (arch) return lk_error(LK_ERR_ARG, "--arch %s: no family tables found (set LORAKIT_FAMILIES_DIR)", arch);
+        lk_log(LK_LOG_DEBUG, "%s: no family tables found", label);
+        return LK_OK;
+    }
+    DIR *d = opendir(dir);
+    if (!d) {
+        lk_status s = arch ? lk_error(LK_ERR_IO, "--arch %s: cannot read the family tables in %s", arch, dir) : LK_OK;
+        lk_free(dir);
+        return s;
+    }
+    char **files = NULL;
+    size_t nf = 0;
+    lk_status s = LK_OK;
+    struct dirent *e;
+    while (!s && (e = readdir(d))) {
+        if (!has_suffix(e->d_name, ".lkmap")) continue;
+        char **nv = lk_realloc(files, (nf + 1) * sizeof *nv);
+        if (!nv || !(nv[nf] = lk_strdup(e->d_name))) {
+            if (nv) files = nv;
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+            break;
+        }
+        files = nv;
+        nf++;
+    }
+    closedir(d);
+    if (!s && nf) qsort(files, nf, sizeof *files, str_cmp);
+    for (size_t i = 0; i < nf && !s && !*found; i++) {
+        size_t fl = strlen(files[i]) - 6;
+        if (arch && (strlen(arch) != fl || strncmp(files[i], arch, fl))) continue;
+        char *p = lk_path_join(dir, files[i]);
+        if (!p) {
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+            break;
+        }
+        lk_family f;
+        s = lk_family_load(p, 1, &f);
+        lk_free(p);
+        if (s) break;
+        if (arch || detects(&f, names, n)) {
+            *out = f;
+            *found = 1;
+        } else {
+            lk_family_free(&f);
+        }
+    }
+    if (!s && arch && !*found) {
+        char avail[1024] = "";
+        size_t o = 0;
+        for (size_t i = 0; i < nf && o < sizeof avail; i++)
+            o += (size_t)snprintf(avail + o, sizeof avail - o, "%s%.*s", i ? ", " : "", (int)(strlen(files[i]) - 6),
+                                  files[i]);
+        s = lk_error(LK_ERR_ARG, "--arch %s: no such family table in %s (available: %s)", arch, dir,
+                     nf ? avail : "none");
+    }
+    for (size_t i = 0; i < nf; i++) lk_free(files[i]);
+    lk_free(files);
+    lk_free(dir);
+    return s;
+}
+
+/* Level-2 aliases of model key k (stripped name nm) from table f. */
+static lk_status table_aliases(builder *b, const lk_family *f, char **rule_str, const char *nm, size_t k, int comp) {
+    caps c;
+    for (size_t r = 0; r < f->n_rules; r++) {
+        const lk_fam_rule *ru = &f->rules[r];
+        lk_status s = LK_OK;
+        if (pat_match(ru->orig, nm, &c))
+            s = add_alias(b, pat_expand(ru->diff, &c), k, comp, 2, rule_str[r], ru->orig_rows, ru->diff_rows);
+        if (!s && pat_match(ru->diff, nm, &c))
+            s = add_alias(b, pat_expand(ru->orig, &c), k, comp, 2, rule_str[r], ru->diff_rows, ru->orig_rows);
+        if (s) return s;
+    }
+    return LK_OK;
+}
+
+static lk_status rule_strings(lk_layout *l, const lk_family *f, const char *what, char ***out, const char *label) {
+    char **v = lk_realloc(l->rules, (l->n_rules + f->n_rules) * sizeof *v);
+    if (!v) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    l->rules = v;
+    *out = v + l->n_rules;
+    for (size_t r = 0; r < f->n_rules; r++) {
+        size_t n = strlen(what) + strlen(f->name ? f->name : "") + strlen(f->file) + 48;
+        char *s = lk_malloc(n);
+        if (!s) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+        snprintf(s, n, "%s%s%s (%s:%d)", what, f->name ? " " : "", f->name ? f->name : "", f->file, f->rules[r].line);
+        v[l->n_rules++] = s;
+    }
+    return LK_OK;
+}
+
+static const lk_frac g_all = {0, 1, 1, 1};
+
+lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layout_opts *o, const char *label,
+                          lk_layout *out) {
+    memset(out, 0, sizeof *out);
+    builder b = {out, 0, label};
+    lk_family fam = {0}, *maps = NULL;
+    int have_fam = 0;
+    size_t n_maps = 0, nn = 0;
+    char **names = lk_calloc(n_model ? n_model : 1, sizeof *names); /* stripped "<k>.weight" names, for detection */
+    lk_status s = names ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    for (size_t i = 0; i < n_model && !s; i++) {
+        int comp;
+        const char *k = model[i].name;
+        if (k) names[nn++] = (char *)strip_model(k, &comp);
+    }
+    if (!s) qsort(names, nn, sizeof *names, str_cmp);
+    if (!s) s = pick_family(label, o ? o->arch : NULL, names, nn, &fam, &have_fam);
+    if (!s && have_fam) {
+        out->family = lk_strdup(fam.name);
+        out->family_file = lk_strdup(fam.file);
+        if (!out->family || !out->family_file) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+        else lk_log(LK_LOG_INFO, "%s: model family %s (%s)", label, fam.name, fam.file);
+    }
+    if (!s && o && o->n_maps) {
+        maps = lk_calloc(o->n_maps, sizeof *maps);
+        if (!maps) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+        for (size_t i = 0; !s && i < o->n_maps; i++) {
+            s = lk_family_load(o->maps[i], 0, &maps[i]);
+            if (!s) n_maps++;
+        }
+    }
+    char **fam_rules = NULL, **map_rules[16] = {NULL};
+    if (!s && n_maps > 16) s = lk_error(LK_ERR_ARG, "%s: at most 16 --map files", label);
+    if (!s && have_fam) s = rule_strings(out, &fam, "family", &fam_rules, label);
+    for (size_t i = 0; !s && i < n_maps; i++) s = rule_strings(out, &maps[i], "--map", &map_rules[i], label);
+    for (size_t k = 0; k < n_model && !s; k++) {
+        const char *key = model[k].name;
+        if (!key || !has_suffix(key, ".weight")) continue;
+        int comp;
+        const char *st = strip_model(key, &comp);
+        size_t sl = strlen(st) - 7;
+        char *nm = lk_malloc(sl + 1);
+        if (!nm) {
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+            break;
+        }
+        memcpy(nm, st, sl);
+        nm[sl] = '\0';
+        if (have_fam) s = table_aliases(&b, &fam, fam_rules, nm, k, comp);
+        for (size_t i = 0; !s && i < n_maps; i++) s = table_aliases(&b, &maps[i], map_rules[i], nm, k, comp);
+        if (!s) s = add_alias(&b, nm, k, comp, 1, "prefix", g_all, g_all);
+        else lk_free(nm);
+    }
+    if (!s) {
+        out->by_name = lk_malloc((out->n ? out->n : 1) * sizeof *out->by_name);
+        out->by_uname = lk_malloc((out->n ? out->n : 1) * sizeof *out->by_uname);
+        if (!out->by_name || !out->by_uname) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    }
+    if (!s) {
+        for (size_t i = 0; i < out->n; i++) out->by_name[i] = out->by_uname[i] = i;
+        qsort_r(out->by_name, out->n, sizeof *out->by_name, name_cmp, out);
+        qsort_r(out->by_uname, out->n, sizeof *out->by_uname, uname_cmp, out);
+    }
+    lk_family_free(&fam);
+    for (size_t i = 0; i < n_maps; i++) lk_family_free(&maps[i]);
+    lk_free(maps);
+    lk_free(names);
+    if (s) lk_layout_free(out);
+    return s;
+}
+
+size_t lk_layout_find(const lk_layout *l, const char *name, int kohya, int comp, size_t *hits, size_t cap) {
+    const size_t *ord = kohya ? l->by_uname : l->by_name;
+    size_t lo = 0, hi = l->n;
+    while (lo < hi) { /* first entry >= name */
+        size_t mid = lo + (hi - lo) / 2;
+        const lk_alias *a = &l->al[ord[mid]];
+        if (strcmp(kohya ? a->uname : a->name, name) < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    int best = 3;
+    size_t n = 0;
+    for (size_t i = lo; i < l->n; i++) {
+        const lk_alias *a = &l->al[ord[i]];
+        if (strcmp(kohya ? a->uname : a->name, name)) break;
+        if (comp != LK_COMP_ANY && a->comp != LK_COMP_ANY && a->comp != comp) continue;
+        if (a->level > best) continue;
+        if (a->level < best) {
+            best = a->level;
+            n = 0;
+        }
+        if (n < cap) hits[n] = ord[i];
+        n++;
+    }
+    return n;
+}

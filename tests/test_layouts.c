@@ -1,0 +1,612 @@
+/* test_layouts.c — one adapter on every checkpoint layout (README "Model
+ * families and layouts"): wrapper prefixes on both sides, kohya's underscore
+ * names under every prefix, ComfyUI / SimpleTuner (lycoris_) / diffusers
+ * training-script / PEFT adapter-name layouts, the family tables (SD 1.x,
+ * SDXL, Flux) with fused q,k,v row slices both ways, pipeline components,
+ * and every error (ambiguity, overlapping table rows, unknown table keys,
+ * unknown --arch).
+ *
+ * Oracles: the tiny models are written twice, in diffusers layout and in the
+ * original (BFL / LDM) layout built from the same bytes by concatenating rows
+ * as the published mapping says (diffusers' convert_flux_transformer_
+ * checkpoint_to_diffusers: qkv = [q; k; v], linear1 = [q; k; v; mlp],
+ * adaLN_modulation = [shift; scale] where diffusers has [scale; shift]);
+ * the fused diffusers-layout weights are checked element by element against
+ * ar_check_fused's double reference W + s (alpha / r) B A (1 ulp), and the
+ * fused original-layout rows must equal the fused split weights byte for
+ * byte. Targets are checked against names written here by hand. */
+#include "adapter_ref.h"
+#include "adapter/layout.h"
+#include "core/file.h"
+#include "lorakit/alloc.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define H 8   /* Flux hidden size */
+#define R 4   /* LoRA rank */
+
+#define g_dir ar_dir
+static tu_rng g_rng = {4242};
+
+static char *save(af_file *f, const char *name) {
+    char *p = tu_path(g_dir, name);
+    af_save(f, p, NULL, 0);
+    return p;
+}
+
+/* ---- a tiny Flux in both layouts ---- */
+
+typedef struct piece {
+    const char *diff; /* diffusers name (without .weight) */
+    int64_t rows, cols;
+} piece;
+
+/* Diffusers layout: one double block, one single block, norm_out. */
+static const piece g_flux[] = {
+    {"transformer_blocks.0.attn.to_q", H, H},        {"transformer_blocks.0.attn.to_k", H, H},
+    {"transformer_blocks.0.attn.to_v", H, H},        {"transformer_blocks.0.attn.add_q_proj", H, H},
+    {"transformer_blocks.0.attn.add_k_proj", H, H},  {"transformer_blocks.0.attn.add_v_proj", H, H},
+    {"transformer_blocks.0.attn.to_out.0", H, H},    {"single_transformer_blocks.0.attn.to_q", H, H},
+    {"single_transformer_blocks.0.attn.to_k", H, H}, {"single_transformer_blocks.0.attn.to_v", H, H},
+    {"single_transformer_blocks.0.proj_mlp", 4 * H, H}, {"single_transformer_blocks.0.proj_out", H, 5 * H},
+    {"norm_out.linear", 2 * H, H},
+};
+#define N_FLUX (sizeof g_flux / sizeof g_flux[0])
+
+/* The original (BFL) weights: name and its pieces' (index, rows from) in order. */
+typedef struct fused {
+    const char *orig;
+    int parts[4];
+    int64_t from[4]; /* rows of the diffusers piece taken (norm_out: halves swapped) */
+    int64_t take[4];
+    int n;
+} fused;
+static const fused g_bfl[] = {
+    {"double_blocks.0.img_attn.qkv", {0, 1, 2}, {0, 0, 0}, {H, H, H}, 3},
+    {"double_blocks.0.txt_attn.qkv", {3, 4, 5}, {0, 0, 0}, {H, H, H}, 3},
+    {"double_blocks.0.img_attn.proj", {6}, {0}, {H}, 1},
+    {"single_blocks.0.linear1", {7, 8, 9, 10}, {0, 0, 0, 0}, {H, H, H, 4 * H}, 4},
+    {"single_blocks.0.linear2", {11}, {0}, {H}, 1},
+    {"final_layer.adaLN_modulation.1", {12, 12}, {H, 0}, {H, H}, 2},
+};
+#define N_BFL (sizeof g_bfl / sizeof g_bfl[0])
+
+static char *wname(const char *prefix, const char *m) {
+    static char buf[8][256];
+    static int k;
+    k = (k + 1) % 8;
+    snprintf(buf[k], sizeof buf[k], "%s%s.weight", prefix, m);
+    return buf[k];
+}
+
+/* "<pre><name with '.' as '_'>" (kohya's spelling), in one of four buffers. */
+static const char *kohya(const char *pre, const char *name) {
+    static char buf[4][256];
+    static int k;
+    k = (k + 1) % 4;
+    snprintf(buf[k], sizeof buf[k], "%s%s", pre, name);
+    for (char *c = buf[k] + strlen(pre); *c; c++)
+        if (*c == '.') *c = '_';
+    return buf[k];
+}
+
+static af_file *flux_diffusers(lk_dtype dt) {
+    af_file *m = af_new();
+    for (size_t i = 0; i < N_FLUX; i++)
+        af_rand(m, wname("", g_flux[i].diff), dt, g_flux[i].rows, g_flux[i].cols, &g_rng, -1, 1);
+    return m;
+}
+
+/* The same weights under BFL names (with ComfyUI's prefix). */
+static af_file *flux_bfl(af_file *d, const char *prefix, lk_dtype dt) {
+    af_file *m = af_new();
+    size_t es = lk_dtype_size(dt);
+    for (size_t f = 0; f < N_BFL; f++) {
+        int64_t rows = 0, cols = g_flux[g_bfl[f].parts[0]].cols;
+        for (int k = 0; k < g_bfl[f].n; k++) rows += g_bfl[f].take[k];
+        lk_tensor *t = af_rand(m, wname(prefix, g_bfl[f].orig), dt, rows, cols, &g_rng, -1, 1);
+        char *p = t->data;
+        for (int k = 0; k < g_bfl[f].n; k++) {
+            const lk_tensor *src = af_get(d, wname("", g_flux[g_bfl[f].parts[k]].diff));
+            size_t rb = (size_t)cols * es;
+            memcpy(p, (char *)src->data + (size_t)g_bfl[f].from[k] * rb, (size_t)g_bfl[f].take[k] * rb);
+            p += (size_t)g_bfl[f].take[k] * rb;
+        }
+    }
+    return m;
+}
+
+/* Copies of a file's tensors (fused in place, the original kept). */
+static lk_tensor *copy_tensors(const af_file *f) {
+    lk_tensor *t = calloc(f->n, sizeof *t);
+    for (size_t i = 0; i < f->n; i++) {
+        t[i] = f->t[i];
+        t[i].data = malloc(t[i].nbytes);
+        memcpy(t[i].data, f->t[i].data, t[i].nbytes);
+    }
+    return t;
+}
+
+static void free_tensors(lk_tensor *t, size_t n) {
+    for (size_t i = 0; i < n; i++) free(t[i].data);
+    free(t);
+}
+
+static lk_tensor *find(lk_tensor *t, size_t n, const char *name) {
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(t[i].name, name)) return &t[i];
+    fail_msg("no tensor %s", name);
+    return NULL;
+}
+
+/* Frees both layouts of a model and their fused copies. */
+static void free_layouts(af_file *d, lk_tensor *D, af_file *o, lk_tensor *O) {
+    free_tensors(D, d->n);
+    free_tensors(O, o->n);
+    af_free(d);
+    af_free(o);
+}
+
+static void fuse_ok(lk_tensor *t, size_t n, const char *adapter, float strength) {
+    lk_fuse_input in = {adapter, strength, LK_FORMAT_AUTO};
+    lk_fuse_file_opts o = {.fuse.threads = 1};
+    if (lk_fuse_tensors(t, n, &in, 1, &o, NULL)) fail_msg("fuse %s: %s", adapter, lk_last_error());
+}
+
+/* The fused original-layout rows equal the fused diffusers-layout pieces. */
+static void check_same_rows(lk_tensor *D, size_t nd, lk_tensor *O, size_t no, const char *prefix) {
+    for (size_t f = 0; f < N_BFL; f++) {
+        const lk_tensor *o = find(O, no, wname(prefix, g_bfl[f].orig));
+        size_t rb = (size_t)o->shape[1] * lk_dtype_size(o->dtype), at = 0;
+        for (int k = 0; k < g_bfl[f].n; k++) {
+            const lk_tensor *d = find(D, nd, wname("", g_flux[g_bfl[f].parts[k]].diff));
+            size_t nb = (size_t)g_bfl[f].take[k] * rb;
+            if (memcmp((char *)o->data + at, (char *)d->data + (size_t)g_bfl[f].from[k] * rb, nb))
+                fail_msg("%s rows %zu.. differ from the fused %s", o->name, at / rb, d->name);
+            at += nb;
+        }
+    }
+}
+
+/* A diffusers Flux LoRA on some of the split weights. */
+static const char *const g_lora_mods[] = {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_v",
+                                          "transformer_blocks.0.attn.add_k_proj",
+                                          "single_transformer_blocks.0.attn.to_k",
+                                          "single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out",
+                                          "norm_out.linear"};
+#define N_LORA (sizeof g_lora_mods / sizeof g_lora_mods[0])
+
+static const piece *flux_piece(const char *m) {
+    for (size_t i = 0; i < N_FLUX; i++)
+        if (!strcmp(g_flux[i].diff, m)) return &g_flux[i];
+    return NULL;
+}
+
+/* Writes the LoRA with key names "<pre><m><sa>" / "<pre><m><sb>" (+ alpha). */
+static af_file *flux_lora(const char *pre, const char *sa, const char *sb, const char *salpha, double alpha) {
+    af_file *a = af_new();
+    char k[512];
+    for (size_t i = 0; i < N_LORA; i++) {
+        const piece *p = flux_piece(g_lora_mods[i]);
+        snprintf(k, sizeof k, "%s%s%s", pre, g_lora_mods[i], sa);
+        af_rand(a, k, LK_DTYPE_F32, R, p->cols, &g_rng, -1, 1);
+        snprintf(k, sizeof k, "%s%s%s", pre, g_lora_mods[i], sb);
+        af_rand(a, k, LK_DTYPE_F32, p->rows, R, &g_rng, -1, 1);
+        if (salpha) {
+            snprintf(k, sizeof k, "%s%s%s", pre, g_lora_mods[i], salpha);
+            af_scalar(a, k, LK_DTYPE_F32, alpha);
+        }
+    }
+    return a;
+}
+
+/* Every fused diffusers weight against the double reference. */
+static void check_reference(lk_tensor *D, size_t nd, const af_file *base, const af_file *lora, const char *pre,
+                            const char *sa, const char *sb, double scale) {
+    char ka[512], kb[512];
+    for (size_t i = 0; i < N_LORA; i++) {
+        snprintf(ka, sizeof ka, "%s%s%s", pre, g_lora_mods[i], sa);
+        snprintf(kb, sizeof kb, "%s%s%s", pre, g_lora_mods[i], sb);
+        ar_term t = {af_get((af_file *)lora, ka), af_get((af_file *)lora, kb), scale};
+        const lk_tensor *d = find(D, nd, wname("", g_lora_mods[i]));
+        const lk_tensor *w = af_get((af_file *)base, d->name);
+        size_t bad = ar_check_fused(d->data, w->data, d->dtype, d->shape[0], d->shape[1], &t, 1);
+        if (bad) fail_msg("%s: %zu elements off the reference", d->name, bad);
+    }
+}
+
+/* diffusers LoRA (transformer.<m>.lora_A.weight, .alpha) onto a diffusers
+ * Flux and onto the BFL single file (ComfyUI's prefix): q,k,v and the MLP
+ * input land on rows of qkv / linear1, norm_out.linear on the swapped halves. */
+static void test_flux_diffusers_lora(void **state) {
+    (void)state;
+    af_file *d = flux_diffusers(LK_DTYPE_BF16), *o = flux_bfl(d, "model.diffusion_model.", LK_DTYPE_BF16);
+    af_file *l = flux_lora("transformer.", ".lora_A.weight", ".lora_B.weight", ".alpha", 2.0);
+    char *lp = save(l, "flux_diffusers_lora.safetensors");
+    lk_tensor *D = copy_tensors(d), *O = copy_tensors(o);
+    fuse_ok(D, d->n, lp, 0.75f);
+    fuse_ok(O, o->n, lp, 0.75f);
+    check_reference(D, d->n, d, l, "transformer.", ".lora_A.weight", ".lora_B.weight", 0.75 * 2.0 / R);
+    check_same_rows(D, d->n, O, o->n, "model.diffusion_model.");
+    /* where each module landed, and by which rule */
+    lk_adapter *a;
+    assert_int_equal(lk_adapter_open(lp, LK_FORMAT_AUTO, &a), LK_OK);
+    assert_int_equal(lk_adapter_resolve(a, o->t, o->n, 0, NULL), LK_OK);
+    assert_string_equal(lk_adapter_family(a), "flux");
+    const lk_adapter_placement *p;
+    assert_int_equal(lk_adapter_placements(a, "model.diffusion_model.single_blocks.0.linear1.weight", &p), 2);
+    assert_string_equal(p[0].module->module, "single_transformer_blocks.0.attn.to_k");
+    assert_true(p[0].row0 == H && p[0].rows == H && !p[0].whole);
+    assert_string_equal(p[1].module->module, "single_transformer_blocks.0.proj_mlp");
+    assert_true(p[1].row0 == 3 * H && p[1].rows == 4 * H);
+    tu_assert_contains(p[1].rule, "family flux (");
+    assert_int_equal(lk_adapter_placements(a, "model.diffusion_model.final_layer.adaLN_modulation.1.weight", &p), 2);
+    assert_true(p[0].row0 == 0 && p[0].b_row0 == H && p[1].row0 == H && p[1].b_row0 == 0);
+    assert_null(lk_adapter_find_target(a, "model.diffusion_model.single_blocks.0.linear1.weight"));
+    lk_adapter_free(a);
+    free_layouts(d, D, o, O);
+    af_free(l);
+    free(lp);
+}
+
+/* A LoRA trained on the fused BFL weights (kohya names, as sd-scripts
+ * writes for Flux) onto the diffusers layout: split by rows of B. The same
+ * file on the BFL layout must give the same bytes. */
+static void test_flux_fused_lora_on_split(void **state) {
+    (void)state;
+    af_file *d = flux_diffusers(LK_DTYPE_F32), *o = flux_bfl(d, "", LK_DTYPE_F32);
+    af_file *l = af_new();
+    char k[256];
+    for (size_t f = 0; f < N_BFL; f++) {
+        const lk_tensor *w = af_get(o, wname("", g_bfl[f].orig));
+        const char *u = kohya("lora_unet_", g_bfl[f].orig);
+        snprintf(k, sizeof k, "%s.lora_down.weight", u);
+        af_rand(l, k, LK_DTYPE_F32, R, w->shape[1], &g_rng, -1, 1);
+        snprintf(k, sizeof k, "%s.lora_up.weight", u);
+        af_rand(l, k, LK_DTYPE_F32, w->shape[0], R, &g_rng, -1, 1);
+        snprintf(k, sizeof k, "%s.alpha", u);
+        af_scalar(l, k, LK_DTYPE_F32, 1.0);
+    }
+    char *lp = save(l, "flux_kohya_bfl.safetensors");
+    lk_tensor *D = copy_tensors(d), *O = copy_tensors(o);
+    fuse_ok(D, d->n, lp, 1.0f);
+    fuse_ok(O, o->n, lp, 1.0f);
+    check_same_rows(D, d->n, O, o->n, "");
+    /* and the BFL layout itself against the reference */
+    for (size_t f = 0; f < N_BFL; f++) {
+        char ka[256], kb[256];
+        snprintf(ka, sizeof ka, "%s.lora_down.weight", kohya("lora_unet_", g_bfl[f].orig));
+        snprintf(kb, sizeof kb, "%s.lora_up.weight", kohya("lora_unet_", g_bfl[f].orig));
+        ar_term t = {af_get(l, ka), af_get(l, kb), 1.0 / R};
+        const lk_tensor *w = af_get(o, wname("", g_bfl[f].orig));
+        const lk_tensor *fz = find(O, o->n, w->name);
+        assert_int_equal(ar_check_fused(fz->data, w->data, w->dtype, w->shape[0], w->shape[1], &t, 1), 0);
+    }
+    free_layouts(d, D, o, O);
+    af_free(l);
+    free(lp);
+}
+
+/* The same LoRA in every adapter layout lands on the same weights with the
+ * same bytes: PEFT with an adapter-name infix, SimpleTuner's lycoris_
+ * names, ComfyUI's diffusion_model. + lora_down/lora_up/alpha, diffusers'
+ * training-script names (lora.down / lora_linear_layer.down). */
+static void test_flux_adapter_layouts(void **state) {
+    (void)state;
+    af_file *d = flux_diffusers(LK_DTYPE_F16), *o = flux_bfl(d, "model.diffusion_model.", LK_DTYPE_F16);
+    af_file *ref = flux_lora("transformer.", ".lora_A.weight", ".lora_B.weight", ".alpha", 8.0);
+    char *rp = save(ref, "layouts_ref.safetensors");
+    lk_tensor *want = copy_tensors(d);
+    fuse_ok(want, d->n, rp, 1.0f);
+    check_reference(want, d->n, d, ref, "transformer.", ".lora_A.weight", ".lora_B.weight", 8.0 / R);
+    static const struct {
+        const char *pre, *sa, *sb, *salpha;
+        int kohya;
+    } lay[] = {
+        {"base_model.model.", ".lora_A.my_adapter.weight", ".lora_B.my_adapter.weight", NULL, 0},
+        {"lycoris_", ".lora_down.weight", ".lora_up.weight", ".alpha", 1},
+        {"diffusion_model.", ".lora_down.weight", ".lora_up.weight", ".alpha", 0},
+        {"transformer.", ".lora.down.weight", ".lora.up.weight", ".alpha", 0},
+        {"transformer.", ".lora_linear_layer.down.weight", ".lora_linear_layer.up.weight", ".alpha", 0},
+        {"lora_transformer_", ".lora_down.weight", ".lora_up.weight", ".alpha", 1},
+    };
+    for (size_t v = 0; v < sizeof lay / sizeof lay[0]; v++) {
+        af_file *a = af_new();
+        char k[512], m[256];
+        for (size_t i = 0; i < ref->n; i++) { /* the reference's tensors renamed */
+            const char *n = ref->t[i].name + strlen("transformer.");
+            const char *suf = strstr(n, ".lora_A.weight") ? lay[v].sa : strstr(n, ".lora_B.weight") ? lay[v].sb
+                                                                                                     : lay[v].salpha;
+            if (!suf) continue; /* PEFT: alpha 8 = r 4 * 2 -> scale from the absent config: r; rescale below */
+            size_t ml = (size_t)(strstr(n, ".lora_") ? strstr(n, ".lora_") - n : strstr(n, ".alpha") - n);
+            snprintf(m, sizeof m, "%.*s", (int)ml, n);
+            snprintf(k, sizeof k, "%s%s", lay[v].kohya ? kohya(lay[v].pre, m) : lay[v].pre, lay[v].kohya ? "" : m);
+            strncat(k, suf, sizeof k - strlen(k) - 1);
+            lk_tensor *t = af_rand(a, k, ref->t[i].dtype, ref->t[i].ndim ? ref->t[i].shape[0] : 1,
+                                   ref->t[i].ndim ? ref->t[i].shape[1] : 1, &g_rng, 0, 1);
+            t->ndim = ref->t[i].ndim;
+            memcpy(t->data, ref->t[i].data, ref->t[i].nbytes);
+        }
+        char fn[64];
+        snprintf(fn, sizeof fn, "layout%zu.safetensors", v);
+        char *p = save(a, fn);
+        for (int layout = 0; layout < 2; layout++) {
+            af_file *base = layout ? o : d;
+            lk_tensor *got = copy_tensors(base);
+            /* PEFT without a config: alpha = r, so strength 2 gives the same scale 8 / 4 */
+            fuse_ok(got, base->n, p, lay[v].salpha ? 1.0f : 2.0f);
+            if (layout) check_same_rows(want, d->n, got, o->n, "model.diffusion_model.");
+            else
+                for (size_t i = 0; i < d->n; i++)
+                    if (memcmp(got[i].data, want[i].data, got[i].nbytes))
+                        fail_msg("%s: %s differs from the diffusers-format fuse", fn, got[i].name);
+            free_tensors(got, base->n);
+        }
+        free(p);
+        af_free(a);
+    }
+    free_tensors(want, d->n);
+    free(rp);
+    af_free(ref);
+    af_free(d);
+    af_free(o);
+}
+
+/* ---- SD 1.x / SDXL UNets and CLIP text encoders ---- */
+
+static void expect_target(lk_adapter *a, const char *module, const char *target) {
+    for (size_t i = 0; i < lk_adapter_count(a); i++) {
+        const lk_lora_module *m = lk_adapter_module(a, i);
+        if (strcmp(m->module, module)) continue;
+        if (!m->target || strcmp(m->target, target))
+            fail_msg("%s -> %s, expected %s", module, m->target ? m->target : "(none)", target);
+        return;
+    }
+    fail_msg("module %s not found", module);
+}
+
+static void add_pair(af_file *a, const char *stem, const char *sa, const char *sb, int64_t out, int64_t in) {
+    char k[512];
+    snprintf(k, sizeof k, "%s%s", stem, sa);
+    af_rand(a, k, LK_DTYPE_F32, R, in, &g_rng, -1, 1);
+    snprintf(k, sizeof k, "%s%s", stem, sb);
+    af_rand(a, k, LK_DTYPE_F32, out, R, &g_rng, -1, 1);
+}
+
+/* kohya, diffusers and ComfyUI SD LoRAs onto an LDM single file (UNet under
+ * model.diffusion_model., CLIP under cond_stage_model.transformer.) and onto
+ * the diffusers UNet: down_blocks.0.attentions.0 = input_blocks.1.1,
+ * up_blocks.1.attentions.0 = output_blocks.3.1, mid_block.attentions.0 =
+ * middle_block.1 (diffusers' convert_ldm_unet_checkpoint). */
+static void test_sd1_layouts(void **state) {
+    (void)state;
+    static const char *const ldm[] = {"input_blocks.1.1.proj_in", "input_blocks.1.1.transformer_blocks.0.attn1.to_q",
+                                      "output_blocks.3.1.proj_out", "middle_block.1.transformer_blocks.0.ff.net.2",
+                                      "input_blocks.4.0.emb_layers.1"};
+    static const char *const dif[] = {"down_blocks.0.attentions.0.proj_in",
+                                      "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q",
+                                      "up_blocks.1.attentions.0.proj_out", "mid_block.attentions.0.transformer_blocks.0.ff.net.2",
+                                      "down_blocks.1.resnets.0.time_emb_proj"};
+    af_file *single = af_new(), *unet = af_new();
+    for (size_t i = 0; i < 5; i++) {
+        char k[256];
+        snprintf(k, sizeof k, "model.diffusion_model.%s.weight", ldm[i]);
+        af_rand(single, k, LK_DTYPE_F16, 8, 8, &g_rng, -1, 1);
+        af_rand(unet, wname("", dif[i]), LK_DTYPE_F16, 8, 8, &g_rng, -1, 1);
+    }
+    af_rand(single, "cond_stage_model.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight", LK_DTYPE_F16,
+            8, 8, &g_rng, -1, 1);
+    char *sp = save(single, "sd1_single.safetensors");
+    /* kohya */
+    af_file *k = af_new();
+    for (size_t i = 0; i < 5; i++) add_pair(k, kohya("lora_unet_", dif[i]), ".lora_down.weight", ".lora_up.weight", 8, 8);
+    add_pair(k, "lora_te_text_model_encoder_layers_0_self_attn_q_proj", ".lora_down.weight", ".lora_up.weight", 8, 8);
+    char *kp = save(k, "sd1_kohya.safetensors");
+    lk_adapter *a;
+    assert_int_equal(lk_adapter_open(kp, LK_FORMAT_AUTO, &a), LK_OK);
+    assert_int_equal(lk_adapter_resolve(a, single->t, single->n, 0, NULL), LK_OK);
+    for (size_t i = 0; i < 5; i++) expect_target(a, kohya("lora_unet_", dif[i]), wname("model.diffusion_model.", ldm[i]));
+    expect_target(a, "lora_te_text_model_encoder_layers_0_self_attn_q_proj",
+                  "cond_stage_model.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight");
+    assert_string_equal(lk_adapter_family(a), "sd1");
+    /* the UNet alone: the text-encoder module is another component's (a warning, not an error) */
+    size_t un = 99;
+    assert_int_equal(lk_adapter_resolve(a, unet->t, unet->n, 0, &un), LK_OK);
+    assert_int_equal(un, 1);
+    expect_target(a, "lora_unet_down_blocks_0_attentions_0_proj_in", "down_blocks.0.attentions.0.proj_in.weight");
+    lk_adapter_free(a);
+    /* ComfyUI: diffusion_model.<LDM name>.lora_down / lora_up / alpha, on the diffusers UNet */
+    af_file *c = af_new();
+    for (size_t i = 0; i < 5; i++) {
+        char s[256], al[300];
+        snprintf(s, sizeof s, "diffusion_model.%s", ldm[i]);
+        add_pair(c, s, ".lora_down.weight", ".lora_up.weight", 8, 8);
+        snprintf(al, sizeof al, "%s.alpha", s);
+        af_scalar(c, al, LK_DTYPE_F16, 2.0);
+    }
+    char *cp = save(c, "sd1_comfy.safetensors");
+    assert_int_equal(lk_adapter_open(cp, LK_FORMAT_AUTO, &a), LK_OK);
+    assert_int_equal(lk_adapter_get_format(a), LK_FORMAT_KOHYA);
+    assert_int_equal(lk_adapter_resolve(a, unet->t, unet->n, 0, NULL), LK_OK);
+    for (size_t i = 0; i < 5; i++) {
+        char s[256];
+        snprintf(s, sizeof s, "diffusion_model.%s", ldm[i]);
+        expect_target(a, s, wname("", dif[i]));
+    }
+    assert_true(fabs(lk_adapter_module(a, 0)->scale - 2.0 / R) < 1e-12);
+    assert_int_equal(lk_adapter_resolve(a, single->t, single->n, 0, NULL), LK_OK);
+    expect_target(a, "diffusion_model.input_blocks.1.1.proj_in", "model.diffusion_model.input_blocks.1.1.proj_in.weight");
+    lk_adapter_free(a);
+    /* diffusers: unet.<m> and text_encoder.<m> onto the single file */
+    af_file *df = af_new();
+    for (size_t i = 0; i < 5; i++) {
+        char s[256];
+        snprintf(s, sizeof s, "unet.%s", dif[i]);
+        add_pair(df, s, ".lora_A.weight", ".lora_B.weight", 8, 8);
+    }
+    add_pair(df, "text_encoder.text_model.encoder.layers.0.self_attn.q_proj", ".lora_A.weight", ".lora_B.weight", 8, 8);
+    char *dp = save(df, "sd1_diffusers.safetensors");
+    assert_int_equal(lk_adapter_open(dp, LK_FORMAT_AUTO, &a), LK_OK);
+    assert_int_equal(lk_adapter_resolve(a, single->t, single->n, 0, NULL), LK_OK);
+    expect_target(a, "text_encoder.text_model.encoder.layers.0.self_attn.q_proj",
+                  "cond_stage_model.transformer.text_model.encoder.layers.0.self_attn.q_proj.weight");
+    expect_target(a, dif[3], "model.diffusion_model.middle_block.1.transformer_blocks.0.ff.net.2.weight");
+    lk_adapter_free(a);
+    free(sp);
+    free(kp);
+    free(cp);
+    free(dp);
+    af_free(single);
+    af_free(unet);
+    af_free(k);
+    af_free(c);
+    af_free(df);
+}
+
+/* SDXL: no attention in down_blocks.0, so down_blocks.1.attentions.0 =
+ * input_blocks.4.1 and up_blocks.0.attentions.0 = output_blocks.0.1; the
+ * text encoders under conditioner.embedders.0 (lora_te1_). */
+static void test_sdxl_layout(void **state) {
+    (void)state;
+    af_file *m = af_new();
+    af_rand(m, "model.diffusion_model.label_emb.0.0.weight", LK_DTYPE_BF16, 8, 8, &g_rng, -1, 1);
+    af_rand(m, "model.diffusion_model.input_blocks.4.1.transformer_blocks.1.attn2.to_k.weight", LK_DTYPE_BF16, 8, 8,
+            &g_rng, -1, 1);
+    af_rand(m, "model.diffusion_model.output_blocks.0.1.proj_out.weight", LK_DTYPE_BF16, 8, 8, &g_rng, -1, 1);
+    af_rand(m, "conditioner.embedders.0.transformer.text_model.encoder.layers.0.mlp.fc1.weight", LK_DTYPE_BF16, 8, 8,
+            &g_rng, -1, 1);
+    af_file *k = af_new();
+    add_pair(k, "lora_unet_down_blocks_1_attentions_0_transformer_blocks_1_attn2_to_k", ".lora_down.weight",
+             ".lora_up.weight", 8, 8);
+    add_pair(k, "lora_unet_up_blocks_0_attentions_0_proj_out", ".lora_down.weight", ".lora_up.weight", 8, 8);
+    add_pair(k, "lora_te1_text_model_encoder_layers_0_mlp_fc1", ".lora_down.weight", ".lora_up.weight", 8, 8);
+    add_pair(k, "lora_te2_text_model_encoder_layers_0_mlp_fc1", ".lora_down.weight", ".lora_up.weight", 8, 8);
+    char *kp = save(k, "sdxl_kohya.safetensors");
+    lk_adapter *a;
+    size_t un = 0;
+    assert_int_equal(lk_adapter_open(kp, LK_FORMAT_AUTO, &a), LK_OK);
+    assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, &un), LK_OK);
+    assert_string_equal(lk_adapter_family(a), "sdxl");
+    expect_target(a, "lora_unet_down_blocks_1_attentions_0_transformer_blocks_1_attn2_to_k",
+                  "model.diffusion_model.input_blocks.4.1.transformer_blocks.1.attn2.to_k.weight");
+    expect_target(a, "lora_unet_up_blocks_0_attentions_0_proj_out",
+                  "model.diffusion_model.output_blocks.0.1.proj_out.weight");
+    expect_target(a, "lora_te1_text_model_encoder_layers_0_mlp_fc1",
+                  "conditioner.embedders.0.transformer.text_model.encoder.layers.0.mlp.fc1.weight");
+    assert_int_equal(un, 1); /* te2: this file has no second text encoder */
+    /* --arch picks a table by name; an unknown one names the folder and the tables */
+    lk_resolve_opts ro = {.arch = "sd1"};
+    assert_int_equal(lk_adapter_resolve_opts(a, m->t, m->n, &ro, NULL), LK_ERR_UNMATCHED);
+    ro.arch = "no-such-family";
+    assert_int_equal(lk_adapter_resolve_opts(a, m->t, m->n, &ro, NULL), LK_ERR_ARG);
+    tu_assert_contains(lk_last_error(), "--arch no-such-family: no such family table in ");
+    tu_assert_contains(lk_last_error(), "flux, sd1, sdxl");
+    lk_adapter_free(a);
+    free(kp);
+    af_free(m);
+    af_free(k);
+}
+
+/* ---- errors ---- */
+
+/* Two weights with one kohya spelling, once a prefix is stripped. */
+static void test_ambiguous_kohya(void **state) {
+    (void)state;
+    af_file *m = af_new();
+    af_rand(m, "model.diffusion_model.blk.a_b.weight", LK_DTYPE_F32, 8, 8, &g_rng, -1, 1);
+    af_rand(m, "model.diffusion_model.blk_a.b.weight", LK_DTYPE_F32, 8, 8, &g_rng, -1, 1);
+    af_file *k = af_new();
+    add_pair(k, "lora_unet_blk_a_b", ".lora_down.weight", ".lora_up.weight", 8, 8);
+    char *kp = save(k, "ambiguous.safetensors");
+    lk_adapter *a;
+    assert_int_equal(lk_adapter_open(kp, LK_FORMAT_AUTO, &a), LK_OK);
+    assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_FORMAT);
+    tu_assert_contains(lk_last_error(), "ambiguous: matches both model weights model.diffusion_model.blk.a_b.weight "
+                                        "and model.diffusion_model.blk_a.b.weight");
+    lk_adapter_free(a);
+    free(kp);
+    af_free(m);
+    af_free(k);
+}
+
+/* A --map file: the user's own names, fused rows included; errors name
+ * the file, line and key. */
+static void test_map_file(void **state) {
+    (void)state;
+    af_write_text(g_dir, "mine.lkmap",
+                  "lorakit-family 1\n# a user's model\nmap blk.#.wqkv layers.#.q 0/3:1/3 0/1:1/1\n"
+                  "map blk.#.wqkv layers.#.k 1/3:2/3 0/1:1/1\nmap blk.#.wqkv layers.#.v 2/3:3/3 0/1:1/1\n");
+    af_file *m = af_new();
+    af_rand(m, "blk.3.wqkv.weight", LK_DTYPE_F32, 12, 8, &g_rng, -1, 1);
+    af_file *l = af_new();
+    add_pair(l, "layers.3.k", ".lora_A.weight", ".lora_B.weight", 4, 8);
+    char *lp = save(l, "map_lora.safetensors"), *mp = tu_path(g_dir, "mine.lkmap");
+    lk_adapter *a;
+    assert_int_equal(lk_adapter_open(lp, LK_FORMAT_AUTO, &a), LK_OK);
+    assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_UNMATCHED);
+    const char *maps[] = {mp};
+    lk_resolve_opts ro = {.maps = maps, .n_maps = 1};
+    assert_int_equal(lk_adapter_resolve_opts(a, m->t, m->n, &ro, NULL), LK_OK);
+    const lk_adapter_placement *p;
+    assert_int_equal(lk_adapter_placements(a, "blk.3.wqkv.weight", &p), 1);
+    assert_true(p->row0 == 4 && p->rows == 4);
+    tu_assert_contains(p->rule, "--map (");
+    tu_assert_contains(p->rule, "mine.lkmap:4)");
+    lk_adapter_free(a);
+    static const struct {
+        const char *text, *msg;
+    } bad[] = {
+        {"lorakit-family 1\nmapp a b\n", "bad.lkmap:2: unknown key 'mapp' (valid: lorakit-family, family, detect, map)"},
+        {"lorakit-family 1\nmap a.qkv b.q 0/2:1/2 0/1:1/1\nmap a.qkv b.k 1/3:2/3 0/1:1/1\n",
+         "bad.lkmap:3: b.k and b.q (line 2) both land on overlapping rows of a.qkv"},
+        {"lorakit-family 1\nmap a.# b\n", "bad.lkmap:2: 'a.#' and 'b' have different '#' / '*' parts"},
+        {"lorakit-family 1\nmap a b 1/2:1/2 0/1:1/1\n", "bad.lkmap:2: rows '1/2:1/2' '0/1:1/1'"},
+        {"map a b\n", "bad.lkmap:1: a family table starts with 'lorakit-family 1'"},
+        {"lorakit-family 1\n", "bad.lkmap: no 'map' lines"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        af_write_text(g_dir, "bad.lkmap", bad[i].text);
+        char *bp = tu_path(g_dir, "bad.lkmap");
+        lk_family f;
+        assert_int_equal(lk_family_load(bp, 0, &f), LK_ERR_CONFIG);
+        tu_assert_contains(lk_last_error(), bad[i].msg);
+        free(bp);
+    }
+    free(lp);
+    free(mp);
+    af_free(m);
+    af_free(l);
+}
+
+/* Every shipped table parses, and each maps its detect names. */
+static void test_shipped_tables(void **state) {
+    (void)state;
+    char *dir = lk_family_dir();
+    assert_non_null(dir);
+    static const char *const names[] = {"flux", "sd1", "sdxl"};
+    for (size_t i = 0; i < 3; i++) {
+        char f[64];
+        snprintf(f, sizeof f, "%s.lkmap", names[i]);
+        char *p = lk_path_join(dir, f);
+        lk_family fam;
+        if (lk_family_load(p, 1, &fam)) fail_msg("%s: %s", p, lk_last_error());
+        assert_string_equal(fam.name, names[i]);
+        assert_true(fam.n_detect >= 1 && fam.n_rules >= 10);
+        lk_family_free(&fam);
+        lk_free(p);
+    }
+    lk_free(dir);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_flux_diffusers_lora), cmocka_unit_test(test_flux_fused_lora_on_split),
+        cmocka_unit_test(test_flux_adapter_layouts), cmocka_unit_test(test_sd1_layouts),
+        cmocka_unit_test(test_sdxl_layout),         cmocka_unit_test(test_ambiguous_kohya),
+        cmocka_unit_test(test_map_file),            cmocka_unit_test(test_shipped_tables),
+    };
+    return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
+}
