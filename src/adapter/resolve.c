@@ -9,8 +9,13 @@
  * names.h, so the work is the keys' length, not keys x modules). kohya names lose the dots, so the model's own keys are
  * turned into kohya form ("a.b_c.weight" -> "a_b_c") and looked up; two model
  * keys with the same kohya form are reported when a module hits them, never
- * guessed. Everything is computed into temporaries and committed only when
- * every module checks out, so a failed resolve leaves the adapter as it was. */
+ * guessed. A module none of this finds goes through layout.h: prefixes and
+ * components stripped on both sides, then the model family's table, which
+ * may place it on rows of a fused weight or split it over several (each
+ * placement checked: rows exact, the module's B covered once, no two
+ * modules on overlapping rows of one weight). Everything is computed into
+ * temporaries and committed only when every module checks out, so a failed
+ * resolve leaves the adapter as it was. */
 #include "lorakit/adapter.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
