@@ -116,7 +116,8 @@ def main():
           ["label_emb.0.0.weight", "add_embedding.linear_1.weight"],
           unet_rules([False, True, True], [True, True, False]))
     write("flux", "Flux: BFL / ComfyUI single file <-> diffusers FluxTransformer2DModel",
-          ["double_blocks.0.img_attn.qkv.weight", "single_transformer_blocks.0.proj_mlp.weight"], flux_rules())
+          ["double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_attn.proj.weight",
+           "single_blocks.0.linear1.weight", "single_transformer_blocks.0.proj_mlp.weight"], flux_rules())
 
 
 if __name__ == "__main__":

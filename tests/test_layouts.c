@@ -601,12 +601,43 @@ static void test_shipped_tables(void **state) {
     lk_free(dir);
 }
 
+/* inspect ADAPTER --base CKPT: every placement with its rows and rule, and
+ * the nearest names of a module that lands nowhere. */
+static void test_inspect_base(void **state) {
+    (void)state;
+    af_file *d = flux_diffusers(LK_DTYPE_F32), *o = flux_bfl(d, "model.diffusion_model.", LK_DTYPE_F32);
+    af_file *l = flux_lora("transformer.", ".lora_A.weight", ".lora_B.weight", ".alpha", 4.0);
+    add_pair(l, "transformer.transformer_blocks.0.attn.to_qq", ".lora_A.weight", ".lora_B.weight", H, H);
+    char *lp = save(l, "inspect_lora.safetensors"), *bp = save(o, "inspect_bfl.safetensors");
+    char *js = NULL;
+    if (lk_inspect_base_json(lp, bp, NULL, &js)) fail_msg("%s", lk_last_error());
+    tu_assert_contains(js, "\"family\":\"flux\"");
+    tu_assert_contains(js, "\"modules_placed\":7,\"modules_unmatched\":1");
+    tu_assert_contains(js, "{\"module\":\"single_transformer_blocks.0.proj_mlp\",\"algorithm\":\"lora\",\"rank\":4,"
+                           "\"alpha\":4.0,\"alpha_source\":\".alpha tensor\",\"scale\":1.0,\"placements\":[{\"weight\":"
+                           "\"model.diffusion_model.single_blocks.0.linear1.weight\",\"rule\":\"family flux (");
+    tu_assert_contains(js, "\"whole\":false,\"rows\":[24,56],\"b_rows\":[0,32]}");
+    tu_assert_contains(js, "{\"module\":\"transformer_blocks.0.attn.to_qq\",\"component\":\"any\",\"nearest\":["
+                           "\"model.diffusion_model.double_blocks.0.img_attn.qkv.weight\"");
+    lk_free(js);
+    lk_resolve_opts ro = {.arch = "sd1"};
+    assert_int_equal(lk_inspect_base_json(lp, bp, &ro, &js), LK_OK); /* the wrong table: nothing placed */
+    tu_assert_contains(js, "\"family\":\"sd1\",\"modules_placed\":0");
+    lk_free(js);
+    free(lp);
+    free(bp);
+    af_free(d);
+    af_free(o);
+    af_free(l);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_flux_diffusers_lora), cmocka_unit_test(test_flux_fused_lora_on_split),
         cmocka_unit_test(test_flux_adapter_layouts), cmocka_unit_test(test_sd1_layouts),
         cmocka_unit_test(test_sdxl_layout),         cmocka_unit_test(test_ambiguous_kohya),
         cmocka_unit_test(test_map_file),            cmocka_unit_test(test_shipped_tables),
+        cmocka_unit_test(test_inspect_base),
     };
     return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }

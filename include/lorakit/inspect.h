@@ -5,6 +5,7 @@
 #define LORAKIT_INSPECT_H
 
 #include "lorakit/status.h"
+#include "lorakit/adapter.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -24,6 +25,17 @@ extern "C" {
  * within it), and its metadata is the index's (values may be numbers). A name or path that is not
  * UTF-8 cannot be put in JSON: LK_ERR_UNSUPPORTED. */
 lk_status lk_inspect_json(const char *path, char **json);
+
+/* Where every module of `adapter` lands on checkpoint `base`
+ * (`lorakit inspect ADAPTER --base CKPT --json`), resolved as a fuse would
+ * (opts: arch, maps; unmatched modules are listed, not an error):
+ * {adapter, base, format, family (or null), modules_placed,
+ * modules_unmatched, modules: [{module, algorithm, rank, alpha,
+ * alpha_source, scale, placements: [{weight, rule, whole, rows: [from, to],
+ * b_rows: [from, to]}]}], unmatched: [{module, component, nearest: [up to
+ * three weight names, nearest first]}]} (nearest: edit distance over the
+ * weights' names in both spellings, for the first 64 unmatched modules). */
+lk_status lk_inspect_base_json(const char *adapter, const char *base, const lk_resolve_opts *opts, char **json);
 
 #ifdef __cplusplus
 }

@@ -284,10 +284,18 @@ def digest_tensors(tensors):
     return _c.digest_tensors(_items(tensors))
 
 
-def inspect(path):
+def inspect(path, base=None, *, arch=None, maps=()):
     """What a checkpoint or adapter holds: the content of `lorakit inspect
-    --json` as a dict."""
-    return json.loads(_c.inspect(path))
+    --json` as a dict. With base (a checkpoint), where each module of the
+    adapter at path lands on it, as `lorakit inspect ADAPTER --base CKPT
+    --json`: weights, row slices, the matching rule, algorithm, scale and
+    alpha source; unmatched modules with the three nearest weight names.
+    arch and maps as `lorakit fuse --arch / --map`."""
+    if base is None:
+        if arch is not None or maps:
+            raise ValueError("arch and maps need base")
+        return json.loads(_c.inspect(path))
+    return json.loads(_c.inspect_base(path, base, arch, list(maps)))
 
 
 def fuse(base, loras, out, *, threads=0, allow_unmatched=False, allow_nonfinite=False):

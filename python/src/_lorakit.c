@@ -718,6 +718,42 @@ static PyObject *py_inspect(PyObject *mod, PyObject *args) {
     return json_result(s, js);
 }
 
+/* inspect_base(adapter, base, arch or None, maps: a sequence of paths) */
+static PyObject *py_inspect_base(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *adapter, *base, *maps;
+    const char *arch;
+    if (!PyArg_ParseTuple(args, "O&O&zO", PyUnicode_FSConverter, &adapter, PyUnicode_FSConverter, &base, &arch, &maps))
+        return NULL;
+    PyObject *seq = PySequence_Fast(maps, "maps must be a sequence of paths");
+    Py_ssize_t nm = seq ? PySequence_Fast_GET_SIZE(seq) : 0;
+    PyObject **held = seq ? PyMem_Calloc((size_t)(nm ? nm : 1), sizeof *held) : NULL;
+    const char **mp = seq ? PyMem_Calloc((size_t)(nm ? nm : 1), sizeof *mp) : NULL;
+    PyObject *res = NULL;
+    int ok = seq && held && mp;
+    if (seq && (!held || !mp)) PyErr_NoMemory();
+    for (Py_ssize_t i = 0; ok && i < nm; i++) {
+        ok = PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, i), &held[i]);
+        if (ok) mp[i] = PyBytes_AS_STRING(held[i]);
+    }
+    if (ok) {
+        lk_resolve_opts ro = {.arch = arch, .maps = mp, .n_maps = (size_t)nm};
+        char *js = NULL;
+        lk_status s;
+        Py_BEGIN_ALLOW_THREADS
+        s = lk_inspect_base_json(PyBytes_AS_STRING(adapter), PyBytes_AS_STRING(base), &ro, &js);
+        Py_END_ALLOW_THREADS
+        res = json_result(s, js);
+    }
+    for (Py_ssize_t i = 0; held && i < nm; i++) Py_XDECREF(held[i]);
+    PyMem_Free(held);
+    PyMem_Free(mp);
+    Py_XDECREF(seq);
+    Py_DECREF(adapter);
+    Py_DECREF(base);
+    return res;
+}
+
 static PyObject *py_fuse(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *base, *out, *loras;
@@ -1093,6 +1129,7 @@ static PyMethodDef methods[] = {
     {"digest", py_digest, METH_VARARGS, NULL},
     {"digest_tensors", py_digest_tensors, METH_VARARGS, NULL},
     {"inspect", py_inspect, METH_VARARGS, NULL},
+    {"inspect_base", py_inspect_base, METH_VARARGS, NULL},
     {"fuse", py_fuse, METH_VARARGS, NULL},
     {"fuse_", py_fuse_inplace, METH_VARARGS, NULL},
     {"sync_grads", py_sync_grads, METH_VARARGS, NULL},

@@ -304,3 +304,30 @@ def test_gil_released_during_tracker_calls(tmp_path):
     assert span and span[-1] - span[0] >= 0.5 * res["seconds"], (span[-1] - span[0] if span else None, res)
     assert refused is None or "in use by another thread" in refused
     tr.close()
+
+
+def test_inspect_base_matches_cli(tmp_path):
+    """inspect(adapter, base=) is `lorakit inspect ADAPTER --base CKPT --json`:
+    a diffusers Flux LoRA on a BFL single file lands on row 4..8 of linear1
+    (the flux table: to_k is the second seventh); a misspelt module gets the
+    three nearest weight names."""
+    d = str(tmp_path)
+    rng = np.random.default_rng(7)
+    base, lora = os.path.join(d, "flux.safetensors"), os.path.join(d, "lora.safetensors")
+    f32 = lambda *shape: ("F32", rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    st_io.write(base, {"model.diffusion_model.single_blocks.0.linear1.weight": f32(28, 4),
+                       "model.diffusion_model.double_blocks.0.img_attn.proj.weight": f32(4, 4)})
+    t = {}
+    for m in ("single_transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_outt"):
+        t[f"transformer.{m}.lora_A.weight"] = f32(2, 4)
+        t[f"transformer.{m}.lora_B.weight"] = f32(4, 2)
+    st_io.write(lora, t)
+    got = lorakit.inspect(lora, base=base)
+    assert got == json.loads(cli("inspect", lora, "--base", base, "--json").stdout)
+    assert got["family"] == "flux" and got["modules_placed"] == 1 and got["modules_unmatched"] == 1
+    (p,) = got["modules"][0]["placements"]
+    assert p["weight"] == "model.diffusion_model.single_blocks.0.linear1.weight"
+    assert p["rows"] == [4, 8] and p["b_rows"] == [0, 4] and not p["whole"]
+    assert got["unmatched"][0]["nearest"][0] == "model.diffusion_model.double_blocks.0.img_attn.proj.weight"
+    with pytest.raises(lorakit.LoraError, match="--arch nope: no such family table"):
+        lorakit.inspect(lora, base=base, arch="nope")

@@ -266,10 +266,12 @@ lk_status lk_family_load(const char *path, int require_name, lk_family *out) {
     return s;
 }
 
+#if defined(LK_FAMILIES_REL_LIB) || defined(LK_FAMILIES_SRC_DIR)
 static int is_dir(const char *p) {
     struct stat sb;
     return p && stat(p, &sb) == 0 && S_ISDIR(sb.st_mode);
 }
+#endif
 
 /* The installed tables: <folder of this library or executable>/LK_FAMILIES_REL
  * (relative path from the lib/bin folder to <datadir>/lorakit/families,

@@ -8,6 +8,7 @@
 #include "lorakit/alloc.h"
 #include "lorakit/checkpoint.h"
 #include "lorakit/safetensors.h"
+#include "adapter/layout.h"
 
 #include <jansson.h>
 #include <stdlib.h>
@@ -220,4 +221,163 @@ lk_status lk_inspect_json(const char *path, char **out) {
     *out = js ? lk_strdup(js) : NULL;
     free(js);
     return *out ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory building JSON", path);
+}
+
+/* ---- where an adapter lands on a base (inspect ADAPTER --base CKPT) ---- */
+
+/* Levenshtein distance of a and b, or cap when it is at least cap (rows of
+ * at most 256 + 1 cells; longer names are cut there). */
+static size_t edit_distance(const char *a, const char *b, size_t cap) {
+    size_t la = strlen(a), lb = strlen(b);
+    if (la > 256) la = 256;
+    if (lb > 256) lb = 256;
+    if ((la > lb ? la - lb : lb - la) >= cap) return cap;
+    size_t row[257];
+    for (size_t j = 0; j <= lb; j++) row[j] = j;
+    for (size_t i = 1; i <= la; i++) {
+        size_t diag = row[0], best = row[0] = i;
+        for (size_t j = 1; j <= lb; j++) {
+            size_t up = row[j], v = diag + (a[i - 1] != b[j - 1]);
+            if (up + 1 < v) v = up + 1;
+            if (row[j - 1] + 1 < v) v = row[j - 1] + 1;
+            row[j] = v;
+            diag = up;
+            if (v < best) best = v;
+        }
+        if (best >= cap) return cap;
+    }
+    return row[lb] < cap ? row[lb] : cap;
+}
+
+#define LK_NEAREST 3
+#define LK_NEAREST_MODULES 64 /* unmatched modules that get suggestions (each one is a pass over the names) */
+
+/* The three model weights whose names (either spelling, after the layout's
+ * prefixes and tables) are nearest to module name q. */
+static json_t *nearest(const lk_layout *l, const lk_tensor *model, const char *q, int kohya) {
+    size_t best[LK_NEAREST], dist[LK_NEAREST], nb = 0;
+    for (size_t i = 0; i < l->n; i++) {
+        const lk_alias *al = &l->al[i];
+        size_t cap = nb == LK_NEAREST ? dist[LK_NEAREST - 1] : (size_t)-1;
+        size_t d = edit_distance(q, kohya ? al->uname : al->name, cap == (size_t)-1 ? 4096 : cap + 1);
+        size_t k = 0;
+        while (k < nb && best[k] != al->key) k++;
+        if (k < nb) { /* the weight already listed: keep its best distance */
+            if (d < dist[k]) dist[k] = d;
+            else continue;
+        } else if (nb < LK_NEAREST) {
+            k = nb++;
+        } else if (d < dist[LK_NEAREST - 1] ||
+                   (d == dist[LK_NEAREST - 1] && strcmp(model[al->key].name, model[best[LK_NEAREST - 1]].name) < 0)) {
+            k = LK_NEAREST - 1;
+        } else {
+            continue;
+        }
+        best[k] = al->key;
+        dist[k] = d;
+        while (k > 0 && (dist[k] < dist[k - 1] ||
+                         (dist[k] == dist[k - 1] && strcmp(model[best[k]].name, model[best[k - 1]].name) < 0))) {
+            size_t tb = best[k], td = dist[k];
+            best[k] = best[k - 1], dist[k] = dist[k - 1];
+            best[k - 1] = tb, dist[k - 1] = td;
+            k--;
+        }
+    }
+    json_t *arr = json_array();
+    for (size_t k = 0; arr && k < nb; k++)
+        if (json_array_append_new(arr, json_string(model[best[k]].name))) {
+            json_decref(arr);
+            return NULL;
+        }
+    return arr;
+}
+
+static json_t *rows_json(int64_t a, int64_t n) { return json_pack("[I, I]", (json_int_t)a, (json_int_t)(a + n)); }
+
+static json_t *placement_json(const lk_adapter *a, const lk_tensor *model, size_t n_model, const lk_layout *l) {
+    json_t *mods = json_array(), *un = json_array();
+    int bad = !mods || !un;
+    size_t placed = 0, n_un = 0;
+    for (size_t i = 0; i < lk_adapter_count(a) && !bad; i++) {
+        const lk_lora_module *m = lk_adapter_module(a, i);
+        json_t *pl = json_array();
+        bad |= !pl;
+        for (size_t k = 0; k < lk_adapter_placement_count(a) && !bad; k++) {
+            const lk_adapter_placement *p = lk_adapter_placement_at(a, k);
+            if (p->module != m) continue;
+            bad |= json_array_append_new(pl, json_pack("{s:s, s:s, s:b, s:o, s:o}", "weight", p->target, "rule",
+                                                       p->rule, "whole", p->whole, "rows", rows_json(p->row0, p->rows),
+                                                       "b_rows", rows_json(p->b_row0, p->rows)));
+        }
+        if (bad) {
+            json_decref(pl);
+            break;
+        }
+        if (!json_array_size(pl)) {
+            json_decref(pl);
+            int kohya = lk_adapter_get_format(a) == LK_FORMAT_KOHYA && !strchr(m->module, '.'), comp;
+            const char *q = lk_layout_strip_module(m->module, kohya, &comp);
+            json_t *nr = n_un++ < LK_NEAREST_MODULES ? nearest(l, model, q, kohya) : json_array();
+            bad |= !nr || json_array_append_new(un, json_pack("{s:s, s:s, s:o}", "module", m->module, "component",
+                                                              lk_comp_name(comp), "nearest", nr));
+            continue;
+        }
+        placed++;
+        bad |= json_array_append_new(
+            mods, json_pack("{s:s, s:s, s:i, s:f, s:s, s:f, s:o}", "module", m->module, "algorithm",
+                            m->magnitude.data ? "dora" : "lora", "rank", m->rank, "alpha", (double)m->alpha,
+                            "alpha_source", m->alpha_source, "scale", m->scale, "placements", pl));
+    }
+    (void)n_model;
+    if (bad) {
+        json_decref(mods);
+        json_decref(un);
+        return NULL;
+    }
+    const char *fam = lk_adapter_family(a) ? lk_adapter_family(a) : l->family;
+    return json_pack("{s:s, s:s, s:s?, s:I, s:I, s:o, s:o}", "adapter", lk_adapter_path(a), "format",
+                     lk_adapter_format_name(lk_adapter_get_format(a)), "family", fam, "modules_placed",
+                     (json_int_t)placed, "modules_unmatched", (json_int_t)n_un, "modules", mods, "unmatched", un);
+}
+
+lk_status lk_inspect_base_json(const char *adapter, const char *base, const lk_resolve_opts *opts, char **out) {
+    if (!adapter || !base || !out) return lk_error(LK_ERR_ARG, "lk_inspect_base_json: NULL argument");
+    *out = NULL;
+    lk_adapter *a = NULL;
+    lk_ckpt *ck = NULL;
+    lk_tensor *model = NULL;
+    lk_layout lay = {0};
+    int have_lay = 0;
+    json_t *o = NULL;
+    lk_status s = lk_adapter_open(adapter, LK_FORMAT_AUTO, &a);
+    if (!s) s = lk_ckpt_open(base, &ck);
+    size_t n = ck ? lk_ckpt_count(ck) : 0;
+    if (!s && !(model = lk_malloc((n ? n : 1) * sizeof *model))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+    for (size_t i = 0; !s && i < n; i++) model[i] = *lk_ckpt_tensor(ck, i);
+    lk_resolve_opts ro = opts ? *opts : (lk_resolve_opts){0};
+    ro.allow_unmatched = 1; /* inspect shows the unmatched modules */
+    if (!s) s = lk_adapter_resolve_opts(a, model, n, &ro, NULL);
+    lk_layout_opts lo = {ro.arch, ro.maps, ro.n_maps};
+    if (!s && !(s = lk_layout_build(model, n, &lo, lk_adapter_path(a), &lay))) have_lay = 1;
+    if (!s) {
+        o = placement_json(a, model, n, &lay);
+        if (o && json_object_set_new(o, "base", json_string(base))) {
+            json_decref(o);
+            o = NULL;
+        }
+        if (!o) s = lk_error(LK_ERR_UNSUPPORTED, "%s: cannot describe as JSON (a name that is not UTF-8, or out of "
+                             "memory)", adapter);
+    }
+    if (!s) {
+        char *js = json_dumps(o, JSON_COMPACT);
+        *out = js ? lk_strdup(js) : NULL;
+        free(js);
+        if (!*out) s = lk_error(LK_ERR_NOMEM, "%s: out of memory building JSON", adapter);
+    }
+    json_decref(o);
+    if (have_lay) lk_layout_free(&lay);
+    lk_free(model);
+    lk_ckpt_close(ck);
+    lk_adapter_free(a);
+    return s;
 }
