@@ -97,6 +97,23 @@ def flux_rules():
     return r
 
 
+def openclip_rules():
+    """OpenCLIP text transformer (SD 2.x cond_stage_model.model., SDXL
+    conditioner.embedders.1.model.) <-> transformers' CLIPTextModel names:
+    diffusers' convert_open_clip_checkpoint (textenc_transformer_conversion_lst),
+    in_proj_weight split into q, k, v by thirds."""
+    r = []
+    o, h = "transformer.resblocks.#", "text_model.encoder.layers.#"
+    for k, c in enumerate("qkv"):
+        r.append((f"{o}.attn.in_proj", f"{h}.self_attn.{c}_proj", (f"{k}/3:{k + 1}/3", "0/1:1/1")))
+    for a, b in (("attn.out_proj", "self_attn.out_proj"), ("mlp.c_fc", "mlp.fc1"), ("mlp.c_proj", "mlp.fc2"),
+                 ("ln_1", "layer_norm1"), ("ln_2", "layer_norm2")):
+        r.append((f"{o}.{a}", f"{h}.{b}", None))
+    r.append(("token_embedding", "text_model.embeddings.token_embedding", None))
+    r.append(("ln_final", "text_model.final_layer_norm", None))
+    return r
+
+
 def write(name, title, detect, rules):
     lines = [f"# {title}", "# Written by scripts/make_family_tables.py from the published mapping; do not edit.",
              "lorakit-family 1", f"family {name}"]
@@ -109,6 +126,8 @@ def write(name, title, detect, rules):
 
 def main():
     os.makedirs(OUT, exist_ok=True)
+    write("openclip", "OpenCLIP text encoder (SD 2.x, SDXL's second) <-> transformers CLIPTextModel",
+          ["transformer.resblocks.0.attn.in_proj_weight"], openclip_rules())
     write("sd1", "SD 1.x / 2.x UNet: LDM (model.diffusion_model.) <-> diffusers (unet/)",
           ["input_blocks.1.1.proj_in.weight", "down_blocks.0.attentions.0.proj_in.weight"],
           unet_rules([True, True, True, False], [False, True, True, True]))

@@ -478,32 +478,47 @@ static void test_sdxl_layout(void **state) {
     af_rand(m, "model.diffusion_model.output_blocks.0.1.proj_out.weight", LK_DTYPE_BF16, 8, 8, &g_rng, -1, 1);
     af_rand(m, "conditioner.embedders.0.transformer.text_model.encoder.layers.0.mlp.fc1.weight", LK_DTYPE_BF16, 8, 8,
             &g_rng, -1, 1);
+    /* the second text encoder in OpenCLIP's names: q, k, v fused in in_proj_weight */
+    af_rand(m, "conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_weight", LK_DTYPE_BF16, 24, 8, &g_rng,
+            -1, 1);
+    af_rand(m, "conditioner.embedders.1.model.transformer.resblocks.0.mlp.c_fc.weight", LK_DTYPE_BF16, 8, 8, &g_rng, -1,
+            1);
     af_file *k = af_new();
     add_pair(k, "lora_unet_down_blocks_1_attentions_0_transformer_blocks_1_attn2_to_k", ".lora_down.weight",
              ".lora_up.weight", 8, 8);
     add_pair(k, "lora_unet_up_blocks_0_attentions_0_proj_out", ".lora_down.weight", ".lora_up.weight", 8, 8);
     add_pair(k, "lora_te1_text_model_encoder_layers_0_mlp_fc1", ".lora_down.weight", ".lora_up.weight", 8, 8);
     add_pair(k, "lora_te2_text_model_encoder_layers_0_mlp_fc1", ".lora_down.weight", ".lora_up.weight", 8, 8);
+    add_pair(k, "lora_te2_text_model_encoder_layers_0_self_attn_k_proj", ".lora_down.weight", ".lora_up.weight", 8, 8);
+    add_pair(k, "lora_te2_text_model_encoder_layers_0_self_attn_v_proj", ".lora_down.weight", ".lora_up.weight", 8, 8);
     char *kp = save(k, "sdxl_kohya.safetensors");
     lk_adapter *a;
     size_t un = 0;
     assert_int_equal(lk_adapter_open(kp, LK_FORMAT_AUTO, &a), LK_OK);
     assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, &un), LK_OK);
-    assert_string_equal(lk_adapter_family(a), "sdxl");
+    assert_string_equal(lk_adapter_family(a), "openclip,sdxl");
     expect_target(a, "lora_unet_down_blocks_1_attentions_0_transformer_blocks_1_attn2_to_k",
                   "model.diffusion_model.input_blocks.4.1.transformer_blocks.1.attn2.to_k.weight");
     expect_target(a, "lora_unet_up_blocks_0_attentions_0_proj_out",
                   "model.diffusion_model.output_blocks.0.1.proj_out.weight");
     expect_target(a, "lora_te1_text_model_encoder_layers_0_mlp_fc1",
                   "conditioner.embedders.0.transformer.text_model.encoder.layers.0.mlp.fc1.weight");
-    assert_int_equal(un, 1); /* te2: this file has no second text encoder */
+    assert_int_equal(un, 0);
+    expect_target(a, "lora_te2_text_model_encoder_layers_0_mlp_fc1",
+                  "conditioner.embedders.1.model.transformer.resblocks.0.mlp.c_fc.weight");
+    const lk_adapter_placement *p;
+    assert_int_equal(lk_adapter_placements(a, "conditioner.embedders.1.model.transformer.resblocks.0.attn.in_proj_weight",
+                                           &p), 2);
+    assert_string_equal(p[0].module->module, "lora_te2_text_model_encoder_layers_0_self_attn_k_proj");
+    assert_true(p[0].row0 == 8 && p[0].rows == 8 && p[1].row0 == 16 && p[1].rows == 8);
+    tu_assert_contains(p[1].rule, "kohya form, family openclip (");
     /* --arch picks a table by name; an unknown one names the folder and the tables */
     lk_resolve_opts ro = {.arch = "sd1"};
     assert_int_equal(lk_adapter_resolve_opts(a, m->t, m->n, &ro, NULL), LK_ERR_UNMATCHED);
     ro.arch = "no-such-family";
     assert_int_equal(lk_adapter_resolve_opts(a, m->t, m->n, &ro, NULL), LK_ERR_ARG);
     tu_assert_contains(lk_last_error(), "--arch no-such-family: no such family table in ");
-    tu_assert_contains(lk_last_error(), "flux, sd1, sdxl");
+    tu_assert_contains(lk_last_error(), "flux, openclip, sd1, sdxl");
     lk_adapter_free(a);
     free(kp);
     af_free(m);
@@ -586,15 +601,15 @@ static void test_shipped_tables(void **state) {
     (void)state;
     char *dir = lk_family_dir();
     assert_non_null(dir);
-    static const char *const names[] = {"flux", "sd1", "sdxl"};
-    for (size_t i = 0; i < 3; i++) {
+    static const char *const names[] = {"flux", "openclip", "sd1", "sdxl"};
+    for (size_t i = 0; i < 4; i++) {
         char f[64];
         snprintf(f, sizeof f, "%s.lkmap", names[i]);
         char *p = lk_path_join(dir, f);
         lk_family fam;
         if (lk_family_load(p, 1, &fam)) fail_msg("%s: %s", p, lk_last_error());
         assert_string_equal(fam.name, names[i]);
-        assert_true(fam.n_detect >= 1 && fam.n_rules >= 10);
+        assert_true(fam.n_detect >= 1 && fam.n_rules >= 8);
         lk_family_free(&fam);
         lk_free(p);
     }

@@ -232,7 +232,6 @@ void lk_layout_free(lk_layout *l) {
     for (size_t i = 0; i < l->n_rules; i++) lk_free(l->rules[i]);
     lk_free(l->rules);
     lk_free(l->family);
-    lk_free(l->family_file);
     memset(l, 0, sizeof *l);
 }
 
@@ -250,8 +249,11 @@ static int detects(const lk_family *f, char *const *names, size_t n) {
     return 0;
 }
 
-/* Picks the family table: --arch by name, else the first (by file name)
- * whose detect names the model has. */
+#define MAX_FAMILIES 8
+
+/* Picks the family tables: --arch by name, else every table (in file name
+ * order) whose detect names the model has: a single file holds a UNet and
+ * its text encoders, each with its own table. */
 static lk_status pick_family(const char *label, const char *arch, char *const *names, size_t n, lk_family *out,
                              int *found) {
     *found = 0;
@@ -285,7 +287,7 @@ static lk_status pick_family(const char *label, const char *arch, char *const *n
     }
     closedir(d);
     if (!s && nf) qsort(files, nf, sizeof *files, str_cmp);
-    for (size_t i = 0; i < nf && !s && !*found; i++) {
+    for (size_t i = 0; i < nf && !s && *found < MAX_FAMILIES && !(arch && *found); i++) {
         size_t fl = strlen(files[i]) - 6;
         if (arch && (strlen(arch) != fl || strncmp(files[i], arch, fl))) continue;
         char *p = lk_path_join(dir, files[i]);
@@ -298,8 +300,7 @@ static lk_status pick_family(const char *label, const char *arch, char *const *n
         lk_free(p);
         if (s) break;
         if (arch || detects(&f, names, n)) {
-            *out = f;
-            *found = 1;
+            out[(*found)++] = f;
         } else {
             lk_family_free(&f);
         }
@@ -334,11 +335,13 @@ static lk_status table_aliases(builder *b, const lk_family *f, char **rule_str, 
     return LK_OK;
 }
 
-static lk_status rule_strings(lk_layout *l, const lk_family *f, const char *what, char ***out, const char *label) {
+/* The rule strings of table f, appended to l->rules from index *first (an
+ * index: l->rules moves as it grows). */
+static lk_status rule_strings(lk_layout *l, const lk_family *f, const char *what, size_t *first, const char *label) {
     char **v = lk_realloc(l->rules, (l->n_rules + f->n_rules) * sizeof *v);
     if (!v) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
     l->rules = v;
-    *out = v + l->n_rules;
+    *first = l->n_rules;
     for (size_t r = 0; r < f->n_rules; r++) {
         size_t n = strlen(what) + strlen(f->name ? f->name : "") + strlen(f->file) + 48;
         char *s = lk_malloc(n);
@@ -355,7 +358,7 @@ lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layou
                           lk_layout *out) {
     memset(out, 0, sizeof *out);
     builder b = {out, 0, label};
-    lk_family fam = {0}, *maps = NULL;
+    lk_family fam[MAX_FAMILIES], *maps = NULL;
     int have_fam = 0;
     size_t n_maps = 0, nn = 0;
     char **names = lk_calloc(n_model ? n_model : 1, sizeof *names); /* stripped "<k>.weight" names, for detection */
@@ -366,12 +369,17 @@ lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layou
         if (k) names[nn++] = (char *)strip_model(k, &comp);
     }
     if (!s) qsort(names, nn, sizeof *names, str_cmp);
-    if (!s) s = pick_family(label, o ? o->arch : NULL, names, nn, &fam, &have_fam);
-    if (!s && have_fam) {
-        out->family = lk_strdup(fam.name);
-        out->family_file = lk_strdup(fam.file);
-        if (!out->family || !out->family_file) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
-        else lk_log(LK_LOG_INFO, "%s: model family %s (%s)", label, fam.name, fam.file);
+    if (!s) s = pick_family(label, o ? o->arch : NULL, names, nn, fam, &have_fam);
+    for (int f = 0; !s && f < have_fam; f++) { /* "sdxl,openclip" */
+        size_t ol = out->family ? strlen(out->family) : 0, nl = strlen(fam[f].name);
+        char *nf = lk_realloc(out->family, ol + nl + 2);
+        if (!nf) {
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+            break;
+        }
+        snprintf(nf + ol, nl + 2, "%s%s", ol ? "," : "", fam[f].name);
+        out->family = nf;
+        lk_log(LK_LOG_INFO, "%s: model family %s (%s)", label, fam[f].name, fam[f].file);
     }
     if (!s && o && o->n_maps) {
         maps = lk_calloc(o->n_maps, sizeof *maps);
@@ -381,13 +389,15 @@ lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layou
             if (!s) n_maps++;
         }
     }
-    char **fam_rules = NULL, **map_rules[16] = {NULL};
+    size_t fam_rules[MAX_FAMILIES] = {0}, map_rules[16] = {0};
     if (!s && n_maps > 16) s = lk_error(LK_ERR_ARG, "%s: at most 16 --map files", label);
-    if (!s && have_fam) s = rule_strings(out, &fam, "family", &fam_rules, label);
+    for (int f = 0; !s && f < have_fam; f++) s = rule_strings(out, &fam[f], "family", &fam_rules[f], label);
     for (size_t i = 0; !s && i < n_maps; i++) s = rule_strings(out, &maps[i], "--map", &map_rules[i], label);
     for (size_t k = 0; k < n_model && !s; k++) {
         const char *key = model[k].name;
-        if (!key || !has_suffix(key, ".weight")) continue;
+        /* "<m>.weight", and OpenCLIP's fused "<attn>.in_proj_weight" as module "<attn>.in_proj" */
+        int inproj = key && has_suffix(key, ".in_proj_weight");
+        if (!key || (!has_suffix(key, ".weight") && !inproj)) continue;
         int comp;
         const char *st = strip_model(key, &comp);
         size_t sl = strlen(st) - 7;
@@ -398,8 +408,8 @@ lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layou
         }
         memcpy(nm, st, sl);
         nm[sl] = '\0';
-        if (have_fam) s = table_aliases(&b, &fam, fam_rules, nm, k, comp);
-        for (size_t i = 0; !s && i < n_maps; i++) s = table_aliases(&b, &maps[i], map_rules[i], nm, k, comp);
+        for (int f = 0; !s && f < have_fam; f++) s = table_aliases(&b, &fam[f], out->rules + fam_rules[f], nm, k, comp);
+        for (size_t i = 0; !s && i < n_maps; i++) s = table_aliases(&b, &maps[i], out->rules + map_rules[i], nm, k, comp);
         if (!s) s = add_alias(&b, nm, k, comp, 1, "prefix", g_all, g_all);
         else lk_free(nm);
     }
@@ -413,7 +423,7 @@ lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layou
         qsort_r(out->by_name, out->n, sizeof *out->by_name, name_cmp, out);
         qsort_r(out->by_uname, out->n, sizeof *out->by_uname, uname_cmp, out);
     }
-    lk_family_free(&fam);
+    for (int f = 0; f < have_fam; f++) lk_family_free(&fam[f]);
     for (size_t i = 0; i < n_maps; i++) lk_family_free(&maps[i]);
     lk_free(maps);
     lk_free(names);

@@ -67,8 +67,7 @@ typedef struct lk_layout {
     size_t *by_name, *by_uname; /* al sorted by name / uname */
     char **rules;       /* owned rule strings */
     size_t n_rules;
-    char *family;       /* the family table used (name), or NULL */
-    char *family_file;
+    char *family;       /* the family tables used ("openclip,sdxl"), or NULL */
 } lk_layout;
 
 typedef struct lk_layout_opts {
