@@ -35,17 +35,28 @@ static void step(lk_tracker *tr, const lk_weights *w, const char *base, const lk
     char want[LK_DIGEST_HEX + 1], before[LK_DIGEST_HEX], scratch[600];
     snprintf(scratch, sizeof scratch, "%s/offline.safetensors", g_dir);
     assert_int_equal(lk_weights_digest(w, before), LK_OK);
-    if (lk_comm_rank(W) == 0) /* the offline fuse once, its verdict and digest to every rank */
+    char offline_err[400] = "";
+    if (lk_comm_rank(W) == 0) { /* the offline fuse once, its verdict, digest and error to every rank */
         want[LK_DIGEST_HEX] = (char)(swap_offline_digest(base, in, n, scratch, want) == 0);
+        if (!want[LK_DIGEST_HEX]) snprintf(offline_err, sizeof offline_err, "%s", lk_last_error());
+    }
     assert_int_equal(lk_comm_bcast(W, want, sizeof want, 0), LK_OK);
+    assert_int_equal(lk_comm_bcast(W, offline_err, sizeof offline_err, 0), LK_OK);
     if (!want[LK_DIGEST_HEX]) {
         lk_status s = lk_tracker_apply(tr, in, n, NULL);
-        if (s == LK_OK) fail_msg("%s: the tracker fused what the offline fuse refuses", in[0].path);
+        if (s == LK_OK)
+            fail_msg("%s on %s: the tracker fused what the offline fuse refuses (%s)", in[0].path, base,
+                     offline_err);
         tu_mpi_check_digest(W, w, before);
         g_refused++;
         return;
     }
     if (lk_tracker_apply(tr, in, n, NULL)) fail_msg("apply %s (+%zu): %s", in[0].path, n - 1, lk_last_error());
+    char got[LK_DIGEST_HEX];
+    assert_int_equal(lk_weights_digest(w, got), LK_OK);
+    if (strcmp(got, want))
+        fail_msg("%s (+%zu more) on %s: rank %d holds %s after the swap, the offline fuse gives %s", in[0].path, n - 1,
+                 base, lk_comm_rank(W), got, want);
     tu_mpi_check_digest(W, w, want);
     g_fused++;
 }
