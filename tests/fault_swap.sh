@@ -17,13 +17,7 @@ LK="$1"
 LK_FAULT_LIB=1 source "$(dirname "$0")/fault_fuse.sh"
 if ! command -v mpirun >/dev/null; then echo "skip: no mpirun"; exit 0; fi
 if ! "$LK" swap --help >/dev/null 2>&1; then echo "skip: lorakit has no swap"; exit 0; fi
-# Open MPI as root, oversubscribed, no single-copy shared memory; under ASan
-# its own never-freed allocations are suppressed (tests/mpi_lsan.supp).
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-export OMPI_MCA_mca_base_component_disable_dlclose=1
-export LSAN_OPTIONS="${LSAN_OPTIONS:-suppressions=$(cd "$(dirname "$0")" && pwd)/mpi_lsan.supp}"
-export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}fast_unwind_on_malloc=0"
+source "$(dirname "$0")/util/mpi_env.sh"
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/lkfault.XXXXXX")"
 trap 'rm -rf "$work"' EXIT

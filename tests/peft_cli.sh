@@ -46,11 +46,7 @@ rc=0; "$LK" fuse "$B" -l "$FX/bias_all" -l "$FX/modules_to_save" -o "$work/r.saf
 echo "ok: fuse / inspect / refusals"
 
 if ! command -v mpirun >/dev/null; then echo "skip: no mpirun"; exit 0; fi
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
-export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-export OMPI_MCA_mca_base_component_disable_dlclose=1
-export LSAN_OPTIONS="${LSAN_OPTIONS:-suppressions=$(cd "$(dirname "$0")" && pwd)/mpi_lsan.supp}"
-export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}fast_unwind_on_malloc=0"
+source "$(dirname "$0")/util/mpi_env.sh"
 cat >"$work/plan.yaml" <<EOF
 bucket_mb: 1
 steps:

@@ -49,6 +49,8 @@ typedef struct rank_ctx {
     int fail_bcast_at; /* 1-based: this rank's k-th bcast reports a failure (after moving the bytes), 0 never */
     int bcasts;
     int tests;         /* ibcast test calls */
+    double timeout;    /* told by set_timeout */
+    int timeout_bcast_at; /* as fail_bcast_at, reporting LK_ERR_TIMEOUT */
 } rank_ctx;
 
 static void meet(tgroup *g) { pthread_barrier_wait(&g->bar); }
@@ -71,8 +73,12 @@ static lk_status t_bcast(void *ctx, void *buf, size_t n, int root) {
     r->bcasts++;
     if (r->fail_bcast_at && r->bcasts == r->fail_bcast_at)
         return lk_error(LK_ERR_IO, "test transport: injected failure at broadcast %d", r->bcasts);
+    if (r->timeout_bcast_at && r->bcasts == r->timeout_bcast_at)
+        return lk_error(LK_ERR_TIMEOUT, "test transport: broadcast %d not complete after %g s", r->bcasts, r->timeout);
     return LK_OK;
 }
+
+static void t_set_timeout(void *ctx, double seconds) { ((rank_ctx *)ctx)->timeout = seconds; }
 
 static lk_status t_allreduce(void *ctx, void *buf, size_t n, lk_comm_dtype t, lk_reduce_op op) {
     rank_ctx *r = ctx;
@@ -145,7 +151,7 @@ static lk_status t_wait(void *ctx, void *req) {
 
 static lk_comm_host_ops host_ops(int nonblocking, size_t max_bytes) {
     lk_comm_host_ops o = {.barrier = t_barrier, .bcast = t_bcast, .allreduce = t_allreduce, .allgather = t_allgather,
-                          .max_bytes = max_bytes};
+                          .max_bytes = max_bytes, .set_timeout = t_set_timeout};
     if (nonblocking) {
         o.ibcast = t_ibcast;
         o.test = t_test;
@@ -376,6 +382,32 @@ static void test_transport_failure(void **state) {
     run_all(body_transport_failure, 0);
 }
 
+/* The communicator's timeout reaches the host (set_timeout: the default
+ * at creation, then every change), and a host collective that gives up
+ * with LK_ERR_TIMEOUT stays LK_ERR_TIMEOUT naming the operation (not
+ * LK_ERR_COMM); the communicator then refuses every call without calling
+ * the host (comm.h). */
+static void body_timeout(rank_ctx *me, lk_comm *c) {
+    CHECK(me->timeout == LK_COMM_TIMEOUT_DEFAULT);
+    CHECK(lk_comm_set_timeout(c, 2.5) == LK_OK && me->timeout == 2.5);
+    CHECK(lk_comm_set_timeout(c, -1) == LK_ERR_ARG && me->timeout == 2.5);
+    me->timeout_bcast_at = me->bcasts + 1;
+    char b[16] = {0};
+    CHECK(lk_comm_bcast(c, b, sizeof b, 0) == LK_ERR_TIMEOUT);
+    CHECK(strstr(lk_last_error(), "comm host bcast: test transport: broadcast") != NULL);
+    CHECK(strstr(lk_last_error(), "not complete after 2.5 s") != NULL);
+    me->timeout_bcast_at = 0;
+    int before = me->bcasts;
+    CHECK(lk_comm_bcast(c, b, sizeof b, 0) == LK_ERR_TIMEOUT);
+    CHECK(strstr(lk_last_error(), "unusable after an earlier timeout") != NULL);
+    CHECK(me->bcasts == before);
+}
+
+static void test_timeout(void **state) {
+    (void)state;
+    run_all(body_timeout, 0);
+}
+
 /* Creation: ranks disagreeing on the group, a rank with bad arguments, two
  * ranks claiming one rank, optional callbacks given on some ranks only:
  * every rank fails, none hangs. */
@@ -501,6 +533,7 @@ int main(void) {
         cmocka_unit_test(test_bcastv),
         cmocka_unit_test(test_agreement),
         cmocka_unit_test(test_transport_failure),
+        cmocka_unit_test(test_timeout),
         cmocka_unit_test(test_create_mismatch),
         cmocka_unit_test(test_tracker),
     };

@@ -72,6 +72,17 @@ typedef struct lk_comm_host_ops {
     /* Largest byte count one callback receives (0: no limit); lorakit
      * splits larger operations into rounds. */
     size_t max_bytes;
+
+    /* Optional: the communicator's collective timeout (lorakit/comm.h,
+     * lk_comm_set_timeout; 0 = none), told at creation and on every
+     * change. lorakit cannot interrupt a host callback: the host applies
+     * the timeout to its own collectives (and to wait), and a callback
+     * that gives up returns LK_ERR_TIMEOUT with lk_error() set, naming the
+     * operation and, if the transport knows, the ranks it waited for;
+     * lorakit passes LK_ERR_TIMEOUT on (the communicator is unusable
+     * afterwards, as over MPI). NULL: the host's collectives keep their own
+     * timeouts, if any. */
+    void (*set_timeout)(void *ctx, double seconds);
 } lk_comm_host_ops;
 
 /* Wraps a host transport as an lk_comm of `size` ranks where this process

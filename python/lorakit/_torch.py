@@ -13,6 +13,7 @@ collective whose size depends on a rank's data) happens in C above these
 calls, so they are plain byte movers.
 """
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -29,11 +30,24 @@ class _TorchHost:
         self.globals = [dist.get_global_rank(group, r) for r in range(self.size)]
         self.timeout = datetime.timedelta(seconds=timeout) if timeout else None
 
+    def set_timeout(self, seconds):
+        """The lorakit communicator's collective timeout (lk_comm_set_timeout,
+        0 = none), applied to every wait below."""
+        self.timeout = datetime.timedelta(seconds=seconds) if seconds > 0 else None
+
     def _wait(self, work):
         if self.timeout is None:
             work.wait()
-        else:
+            return
+        t0 = time.monotonic()
+        try:
             work.wait(self.timeout)
+        except RuntimeError as e:  # gloo/NCCL report their timeout as a RuntimeError
+            waited = time.monotonic() - t0
+            if waited < 0.9 * self.timeout.total_seconds():
+                raise
+            raise TimeoutError(f"not complete after {waited:.1f} s (timeout {self.timeout.total_seconds():g} s): "
+                               f"{e}") from e
 
     def barrier(self):
         self._wait(dist.barrier(group=self.group, async_op=True))

@@ -388,7 +388,9 @@ static void Comm_dealloc(CommObject *self) {
  * memoryviews are zero-copy windows on lorakit's buffers (torch.frombuffer
  * makes tensors of them). The callbacks run on the thread that released the
  * GIL around a lorakit call, and take it back for the Python call. A Python
- * exception becomes the callback's failure (LK_ERR_COMM with its text). */
+ * exception becomes the callback's failure (LK_ERR_COMM with its text;
+ * TimeoutError, raised by _TorchHost past the communicator's timeout that
+ * set_timeout passed on, LK_ERR_TIMEOUT). */
 
 static lk_status py_host_failed(const char *op) {
     PyObject *et, *ev, *tb;
@@ -396,8 +398,9 @@ static lk_status py_host_failed(const char *op) {
     PyErr_NormalizeException(&et, &ev, &tb);
     PyObject *msg = ev ? PyObject_Str(ev) : NULL;
     const char *m = msg ? PyUnicode_AsUTF8(msg) : NULL;
-    lk_status s = lk_error(LK_ERR_COMM, "torch.distributed %s: %s: %s", op, et ? ((PyTypeObject *)et)->tp_name : "?",
-                           m ? m : "?");
+    const int timed_out = et && PyErr_GivenExceptionMatches(et, PyExc_TimeoutError);
+    lk_status s = lk_error(timed_out ? LK_ERR_TIMEOUT : LK_ERR_COMM, "torch.distributed %s: %s: %s", op,
+                           et ? ((PyTypeObject *)et)->tp_name : "?", m ? m : "?");
     PyErr_Clear();
     Py_XDECREF(msg);
     Py_XDECREF(et);
@@ -412,8 +415,9 @@ static PyObject *mv_of(const void *p, size_t n) {
 }
 
 typedef struct py_host {
-    PyObject *obj; /* the _TorchHost */
+    PyObject *obj;   /* the _TorchHost */
     int size;
+    lk_status failed; /* the last callback failure's status */
 } py_host;
 
 /* Calls host.<name>(*args built from fmt); returns the result (new
@@ -430,7 +434,7 @@ static PyObject *host_call(void *ctx, const char *name, const char *fmt, ...) {
         Py_XDECREF(f);
         Py_DECREF(args);
     }
-    if (!r) py_host_failed(name);
+    if (!r) ((py_host *)ctx)->failed = py_host_failed(name);
     return r;
 }
 
@@ -439,7 +443,7 @@ static lk_status h_barrier(void *ctx) {
     PyObject *r = host_call(ctx, "barrier", "()");
     Py_XDECREF(r);
     PyGILState_Release(g);
-    return r ? LK_OK : LK_ERR_COMM;
+    return r ? LK_OK : ((py_host *)ctx)->failed;
 }
 
 static lk_status h_bcast(void *ctx, void *buf, size_t n, int root) {
@@ -447,7 +451,7 @@ static lk_status h_bcast(void *ctx, void *buf, size_t n, int root) {
     PyObject *r = host_call(ctx, "bcast", "(Ni)", mv_of(buf, n), root);
     Py_XDECREF(r);
     PyGILState_Release(g);
-    return r ? LK_OK : LK_ERR_COMM;
+    return r ? LK_OK : ((py_host *)ctx)->failed;
 }
 
 /* u64 min/max through a signed int64 reduction: flipping the top bit maps
@@ -466,7 +470,7 @@ static lk_status h_allreduce(void *ctx, void *buf, size_t n, lk_comm_dtype t, lk
     Py_XDECREF(r);
     PyGILState_Release(g);
     if (flip) flip_top(buf, n); /* also on failure: the caller's values as they were */
-    return r ? LK_OK : LK_ERR_COMM;
+    return r ? LK_OK : ((py_host *)ctx)->failed;
 }
 
 static lk_status h_allgather(void *ctx, const void *send, size_t n, void *recv) {
@@ -474,7 +478,7 @@ static lk_status h_allgather(void *ctx, const void *send, size_t n, void *recv) 
     PyObject *r = host_call(ctx, "allgather", "(NN)", mv_of(send, n), mv_of(recv, n * (size_t)((py_host *)ctx)->size));
     Py_XDECREF(r);
     PyGILState_Release(g);
-    return r ? LK_OK : LK_ERR_COMM;
+    return r ? LK_OK : ((py_host *)ctx)->failed;
 }
 
 /* The handle ibcast returns is kept (a reference) until test reports it
@@ -484,7 +488,7 @@ static lk_status h_ibcast(void *ctx, void *buf, size_t n, int root, void **req) 
     PyObject *r = host_call(ctx, "ibcast", "(Ni)", mv_of(buf, n), root);
     PyGILState_Release(g);
     *req = r;
-    return r ? LK_OK : LK_ERR_COMM;
+    return r ? LK_OK : ((py_host *)ctx)->failed;
 }
 
 static lk_status h_test(void *ctx, void *req, int *done) {
@@ -492,11 +496,11 @@ static lk_status h_test(void *ctx, void *req, int *done) {
     PyObject *r = host_call(ctx, "test", "(O)", (PyObject *)req);
     int d = r ? PyObject_IsTrue(r) : 0;
     Py_XDECREF(r);
-    if (d < 0) py_host_failed("test");
+    if (d < 0) ((py_host *)ctx)->failed = py_host_failed("test");
     *done = d > 0;
     if (d > 0) Py_DECREF((PyObject *)req);
     PyGILState_Release(g);
-    return r && d >= 0 ? LK_OK : LK_ERR_COMM;
+    return r && d >= 0 ? LK_OK : ((py_host *)ctx)->failed;
 }
 
 static lk_status h_wait(void *ctx, void *req) {
@@ -505,7 +509,24 @@ static lk_status h_wait(void *ctx, void *req) {
     Py_XDECREF(r);
     Py_DECREF((PyObject *)req);
     PyGILState_Release(g);
-    return r ? LK_OK : LK_ERR_COMM;
+    return r ? LK_OK : ((py_host *)ctx)->failed;
+}
+
+/* Called whenever the comm's timeout changes, also while a failed call's
+ * exception is pending and lk_last_error() holds its message: both stay
+ * untouched. */
+static void h_set_timeout(void *ctx, double seconds) {
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    PyObject *r = PyObject_CallMethod(((py_host *)ctx)->obj, "set_timeout", "(d)", seconds);
+    if (!r) {
+        PyErr_Clear();
+        lk_log(LK_LOG_WARN, "torch.distributed: set_timeout(%g) failed; the group keeps its own timeout", seconds);
+    }
+    Py_XDECREF(r);
+    PyErr_Restore(et, ev, tb);
+    PyGILState_Release(g);
 }
 
 static void h_destroy(void *ctx) {
@@ -523,8 +544,9 @@ static lk_status comm_from_py_host(PyObject *obj, int rank, int size, int nonblo
     Py_INCREF(obj);
     h->obj = obj;
     h->size = size;
+    h->failed = LK_ERR_COMM;
     lk_comm_host_ops ops = {.barrier = h_barrier, .bcast = h_bcast, .allreduce = h_allreduce,
-                            .allgather = h_allgather, .destroy = h_destroy,
+                            .allgather = h_allgather, .destroy = h_destroy, .set_timeout = h_set_timeout,
                             .max_bytes = (size_t)1 << 30}; /* torch.frombuffer takes any size; keep rounds bounded */
     if (nonblocking) {
         ops.ibcast = h_ibcast;

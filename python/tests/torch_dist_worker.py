@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -209,6 +210,32 @@ def main():
         ref = sum((gr[n] if gr[n] is not None else torch.zeros(p.shape, dtype=torch.float64)) for gr in gathered) / N
         err = (p.grad.to(torch.float64) - ref).abs().max().item()
         assert err <= 4 * 2.0 ** -24 * max(1.0, ref.abs().max().item()), (n, err)
+
+    # --- a stalled rank: Tracker(timeout=1) over a group of its own; the last
+    # rank sleeps 2.5 s before apply. The others raise LK_ERR_TIMEOUT within
+    # the timeout and slack (lorakit/comm.h, passed to gloo through the host
+    # backend's set_timeout); the late one finds them gone. ---
+    g = dist.new_group(backend="gloo")
+    sd2 = {k: v.clone() for k, v in base.items()}
+    tr = lorakit.Tracker(sd2, comm=g, timeout=1.0)
+    if R == N - 1:
+        time.sleep(2.5)
+    t0 = time.monotonic()
+    try:
+        tr.apply([(m["a1"], 1.0)])
+        err = None
+    except lorakit.LoraError as e:
+        err = e
+    took = time.monotonic() - t0
+    if R != N - 1:
+        assert err is not None and err.status == "LK_ERR_TIMEOUT", err
+        assert "not complete after" in str(err), str(err)
+        assert 0.9 <= took < 6, took
+    else:
+        # the others are gone: its first collective may still complete, or
+        # time out, or meet a gloo pair the others' timeout tore down
+        assert err is None or err.status in ("LK_ERR_TIMEOUT", "LK_ERR_COMM"), err
+    print(f"rank {R}/{N}: stalled-rank check: {took:.2f} s: {err}", flush=True)
 
     dist.barrier()
     dist.destroy_process_group()

@@ -46,6 +46,7 @@ lk_status lk_comm_set_timeout(lk_comm *c, double seconds) {
     if (!isfinite(seconds) || seconds < 0)
         return lk_error(LK_ERR_ARG, "comm timeout: %g seconds is not a finite value >= 0 (0 = none)", seconds);
     c->timeout = seconds;
+    if (c->ops->timeout_changed) c->ops->timeout_changed(c);
     return LK_OK;
 }
 
@@ -183,7 +184,7 @@ lk_status lk_comm_split(lk_comm *c, int color, int key, lk_comm **out) {
     *out = NULL;
     lk_status st = enter(c, "split");
     if (!st) st = leave(c, c->ops->split(c, color, key, out));
-    if (!st && *out) (*out)->timeout = c->timeout;
+    if (!st && *out) lk_comm_set_timeout(*out, c->timeout);
     return st;
 }
 
@@ -209,6 +210,9 @@ lk_status lk_comm_agree_min(lk_comm *c, lk_status local, uint64_t *v, size_t n) 
     if (n) memcpy(v, buf + 1, n * sizeof *v);
     const uint64_t first = buf[0];
     if (first == UINT64_MAX) return LK_OK;
+    if (first >= (uint64_t)c->size) /* a transport that broke mid-way (a rank that came after a timeout) */
+        return lk_error(LK_ERR_COMM, "comm agree: the agreement came back corrupt (failing rank %llu of %d)",
+                        (unsigned long long)first, c->size);
     agree_msg m;
     memset(&m, 0, sizeof m);
     if (first == (uint64_t)c->rank) {

@@ -47,9 +47,15 @@ typedef struct host_impl {
 static host_impl *hi(const lk_comm *c) { return c->impl; }
 
 /* A callback failed (its message in lk_last_error()). */
+/* A host callback failed with s: LK_ERR_COMM naming op, except that a
+ * host's timeout (LK_ERR_TIMEOUT, set_timeout) stays one. */
 static lk_status host_fail(lk_status s, const char *op) {
-    (void)s;
-    return lk_error_prefix(LK_ERR_COMM, "%s", op);
+    return lk_error_prefix(s == LK_ERR_TIMEOUT ? s : LK_ERR_COMM, "%s", op);
+}
+
+static void host_timeout_changed(lk_comm *c) {
+    host_impl *h = hi(c);
+    if (h->ops.set_timeout) h->ops.set_timeout(h->ctx, c->timeout);
 }
 
 static void host_destroy(lk_comm *c) {
@@ -244,9 +250,11 @@ static lk_status host_bcastv(lk_comm *c, const lk_comm_seg *seg, size_t nseg, in
         }
         s = hq_bcast(&q, st, bytes, slot, first, foff);
     }
-    while (q.n) { /* on a failure too: nothing stays in flight over the caller's memory */
+    /* on a failure too, nothing stays in flight over the caller's memory,
+     * except after a timeout: the rest cannot complete either (comm.h) */
+    while (q.n && s != LK_ERR_TIMEOUT) {
         lk_status r = hq_retire(&q);
-        if (r && !s) s = r;
+        if (r && (!s || r == LK_ERR_TIMEOUT)) s = r;
     }
     return s;
 }
@@ -261,6 +269,7 @@ static const lk_comm_ops g_host_ops = {
     .allreduce_u64 = host_u64,
     .allgather = host_allgather,
     .split = host_split,
+    .timeout_changed = host_timeout_changed,
 };
 
 void *lk_comm_host_ctx(const lk_comm *c) { return c && c->ops == &g_host_ops ? hi(c)->ctx : NULL; }
@@ -328,6 +337,7 @@ lk_status lk_comm_from_host(const lk_comm_host_ops *ops, void *ctx, int rank, in
         lk_free(ranks);
     }
     if (!s) s = lk_comm_new(&g_host_ops, rank, size, h, out);
+    if (!s) host_timeout_changed(*out); /* the default */
     if (s) {
         if (h) lk_free(h->stage);
         lk_free(h);

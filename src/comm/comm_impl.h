@@ -26,6 +26,9 @@ typedef struct lk_comm_ops {
     lk_status (*split)(lk_comm *c, int color, int key, lk_comm **out);
     /* May be NULL (lk_comm_abort then returns LK_ERR_UNSUPPORTED). */
     void (*abort)(lk_comm *c, int code);
+    /* May be NULL: called after c->timeout changed (a backend whose waits
+     * happen in a transport it does not run, e.g. the host's). */
+    void (*timeout_changed)(lk_comm *c);
 } lk_comm_ops;
 
 /* Backends honour the timeout (lorakit/comm.h) in their waits: every wait
