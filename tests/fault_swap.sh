@@ -10,6 +10,7 @@
 # and leaves the digest of step 1; every step's digests agree over the
 # ranks; step 4 equals `lorakit digest` of an offline `lorakit fuse` of
 # adapter2 at -0.75, step 5 the base's own digest; the exit code is 1.
+# Then two ranks that loaded different base bytes: refused at the start.
 # The fixtures are fault_fuse.sh's (sourced). The per-rank-different-file
 # and allocation-failure faults are in tests/mpi_fault_swap.c.
 set -euo pipefail
@@ -57,4 +58,21 @@ for np in 2 4; do
   [ "$(field 5 digest)" = "$want5" ] || fail "$np ranks: reset digest $(field 5 digest), base $want5"
   echo "ok: $np ranks: NaN step and missing-file step failed on every rank, weights kept; later steps exact"
 done
+
+# Ranks that loaded different base bytes (same names, dtypes, shapes) do not
+# start: before, every step reported "ok ... (RANKS DISAGREE)". Rank 1's base
+# is a copy with one byte of blocks.0.attn.to_v.weight (the third tensor of
+# the file) changed; expected from that edit: exit 1, no step line, and the
+# message names that tensor (1 of 4 differs) and each rank's hash of it.
+cp "$work/base.safetensors" "$work/other.safetensors"
+hl=$(od -An -tu4 -N4 "$work/other.safetensors" | tr -d ' ')
+printf '\x5a' | dd of="$work/other.safetensors" bs=1 seek=$(( 8 + hl + 2 * W + 5 )) conv=notrunc status=none
+rc=0
+mpirun -n 1 "$LK" swap "$work/base.safetensors" --plan "$work/plan.yaml" : \
+       -n 1 "$LK" swap "$work/other.safetensors" --plan "$work/plan.yaml" >"$work/outd" 2>"$work/errd" || rc=$?
+[ "$rc" -eq 1 ] || fail "different bases: exit $rc, want 1: $(cat "$work/errd")"
+[ ! -s "$work/outd" ] || fail "different bases: steps ran: $(head -2 "$work/outd")"
+grep -q "the ranks hold different base weights: 1 of 4 tensors differ; the first in byte-wise name order is blocks.0.attn.to_v.weight: rank 0 holds XXH3-64 [0-9a-f]*; rank 1 holds XXH3-64 [0-9a-f]*" "$work/errd" \
+  || fail "different bases: message: $(cat "$work/errd")"
+echo "ok: 2 ranks with different base bytes: refused at start, naming blocks.0.attn.to_v.weight"
 echo "fault_swap: all passed"
