@@ -239,8 +239,8 @@ static void test_hostile_patterns(void **state) {
 
 /* Where alpha comes from without an adapter_config.json beside the file:
  * the config beside a file counts as the folder's; diffusers'
- * lora_adapter_metadata (plain and packed per component); kohya's
- * ss_network_alpha when a module has no .alpha tensor; else r. */
+ * lora_adapter_metadata (plain and packed per component); else r (kohya's
+ * ss_network_alpha only with LK_ALPHA_METADATA, test_alpha.c). */
 static void test_alpha_sources(void **state) {
     (void)state;
     af_file *f = af_new();
@@ -291,10 +291,10 @@ static void test_alpha_sources(void **state) {
     const char *ss[] = {"ss_network_alpha", "2.0", "ss_network_dim", "4"};
     p = tu_path(g_dir, "kohya_ss.safetensors");
     af_save(k, p, ss, 2);
-    a = open_ok(p, LK_FORMAT_AUTO);
-    check_module(a, "lora_unet_blocks_0_attn_to_q", 4, 2, 0.5, NULL);
+    a = open_ok(p, LK_FORMAT_AUTO); /* no .alpha: r, as diffusers, ComfyUI and A1111 (test_alpha.c) */
+    check_module(a, "lora_unet_blocks_0_attn_to_q", 4, 4, 1, NULL);
     check_module(a, "lora_unet_blocks_1_attn_to_q", 4, 3, 0.75, NULL);
-    assert_string_equal(find_module(a, "lora_unet_blocks_0_attn_to_q")->alpha_source, "metadata ss_network_alpha");
+    assert_string_equal(find_module(a, "lora_unet_blocks_0_attn_to_q")->alpha_source, "default r");
     assert_string_equal(find_module(a, "lora_unet_blocks_1_attn_to_q")->alpha_source, ".alpha tensor");
     lk_adapter_free(a);
     free(p);

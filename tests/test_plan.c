@@ -94,7 +94,7 @@ static void test_errors(void **state) {
         {"bucket_mb: 8\nsteps: []\nallow_nonfinite: 'true'\n", "plan.yaml:3: allow_nonfinite: expected true or false"},
         {"allow_nonfinite: [true]\nsteps: []\n", "plan.yaml:1: allow_nonfinite: expected true or false"},
         {"steps: []\ncolour: red\n", "plan.yaml:2: colour: unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, "
-                                    "fp8_rounding, fp8_seed, fp8_scale, fp8_saturate, timeout, steps)"},
+                                    "fp8_rounding, fp8_seed, fp8_scale, fp8_saturate, timeout, alpha_from, steps)"},
         {"timeout: -1\nsteps: []\n", "plan.yaml:1: timeout: expected seconds in 0..1e+09 (0 = none), got '-1'"},
         {"timeout: .inf\nsteps: []\n", "plan.yaml:1: timeout: expected seconds"},
         {"timeout: 5m\nsteps: []\n", "plan.yaml:1: timeout: expected seconds"},

@@ -58,6 +58,7 @@ static const char *const FUSE_USAGE =
     "                         \"none\": no table); default: recognised from BASE's keys\n"
     "  --map FILE             an extra name table in the same format (README \"Model\n"
     "                         families and layouts\"; repeatable)\n"
+    LK_CLI_ALPHA_FROM_HELP
     "  --allow-unmatched      skip adapter modules that match no model weight\n"
     "                         (one warning with the count) instead of failing\n"
     "  --allow-nonfinite      keep Inf/NaN values created by fusion instead of\n"
@@ -189,6 +190,15 @@ int lk_cmd_fuse(int argc, char **argv) {
                 goto done;
             }
             maps[opts.n_maps++] = argv[++i];
+        } else if (!strcmp(a, "--alpha-from")) {
+            if (!has_val) {
+                lk_cli_usage("fuse", "--alpha-from needs tensors or metadata");
+                goto done;
+            }
+            if (lk_alpha_from_parse(argv[++i], &opts.alpha_from) != LK_OK) {
+                lk_cli_usage("fuse", "%s", lk_last_error());
+                goto done;
+            }
         } else if (!strcmp(a, "--allow-unmatched")) {
             opts.allow_unmatched = 1;
         } else if (!strcmp(a, "--allow-nonfinite")) {

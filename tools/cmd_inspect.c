@@ -14,7 +14,7 @@
 #include "inspect_adapter.h"
 
 static const char *const INSPECT_USAGE =
-    "usage: lorakit inspect FILE|DIR [--json]\n"
+    "usage: lorakit inspect FILE|DIR [--json] [--alpha-from tensors|metadata]\n"
     "       lorakit inspect ADAPTER --base CKPT [--arch NAME] [--map FILE] [--json]\n\n"
     "Lists a checkpoint (a safetensors file, or a sharded set given by its\n"
     "*.safetensors.index*.json or its folder): its metadata (the index's for a\n"
@@ -39,6 +39,7 @@ static const char *const INSPECT_USAGE =
     "             (sharded: also index, shards: [{name, tensors, bytes}],\n"
     "             a shard per tensor, offset within that shard)\n"
     "             totals: {DTYPE: {tensors, bytes}}, tensor_count, total_bytes}\n"
+    LK_CLI_ALPHA_FROM_HELP
     "  -h, --help this text\n";
 
 /* The human-readable listing, from the JSON description. */
@@ -140,12 +141,13 @@ static void placement_text(json_t *o, FILE *out) {
     }
 }
 
-/* The library describes the file (lk_inspect_json), or where an adapter
- * lands on a base (lk_inspect_base_json); --json prints that, the text
- * forms are read back from it. */
-static int inspect(const char *path, const char *base, const lk_resolve_opts *ro, int json) {
+/* The library describes the file (lk_inspect_json_opts, reading an adapter
+ * with ao), or where an adapter lands on a base (lk_inspect_base_json);
+ * --json prints that, the text forms are read back from it. */
+static int inspect(const char *path, const char *base, const lk_resolve_opts *ro, const lk_adapter_opts *ao,
+                   int json) {
     char *js = NULL;
-    lk_status s = base ? lk_inspect_base_json(path, base, ro, &js) : lk_inspect_json(path, &js);
+    lk_status s = base ? lk_inspect_base_json(path, base, ro, &js) : lk_inspect_json_opts(path, ao, &js);
     if (s != LK_OK) return lk_cli_fail();
     if (json) {
         puts(js);
@@ -166,7 +168,7 @@ static int inspect(const char *path, const char *base, const lk_resolve_opts *ro
 }
 
 static int inspect_args(int argc, char **argv, const char **path_out, const char **base, int *json_out,
-                        lk_resolve_opts *ro, const char **maps);
+                        lk_resolve_opts *ro, const char **maps, lk_adapter_opts *ao);
 
 int lk_cmd_inspect(int argc, char **argv) {
     if (lk_cli_wants_help(argc, argv)) {
@@ -181,25 +183,30 @@ int lk_cmd_inspect(int argc, char **argv) {
         fprintf(stderr, "lorakit: out of memory\n");
         return LK_EXIT_FAIL;
     }
-    int rc = inspect_args(argc, argv, &path, &base, &json, &ro, maps);
-    if (rc < 0) rc = inspect(path, base, &ro, json);
+    lk_adapter_opts ao = {0};
+    int rc = inspect_args(argc, argv, &path, &base, &json, &ro, maps, &ao);
+    if (rc < 0) rc = inspect(path, base, &ro, &ao, json);
     free(maps);
     return rc;
 }
 
 /* Parses inspect's arguments; -1 when the command should run, else the exit code. */
 static int inspect_args(int argc, char **argv, const char **path_out, const char **base, int *json_out,
-                        lk_resolve_opts *ro, const char **maps) {
+                        lk_resolve_opts *ro, const char **maps, lk_adapter_opts *ao) {
     const char *path = NULL;
     int json = 0;
     for (int i = 1; i < argc; i++) {
         int has_val = i + 1 < argc;
-        if ((!strcmp(argv[i], "--base") || !strcmp(argv[i], "--arch") || !strcmp(argv[i], "--map")) && !has_val)
+        if ((!strcmp(argv[i], "--base") || !strcmp(argv[i], "--arch") || !strcmp(argv[i], "--map") ||
+             !strcmp(argv[i], "--alpha-from")) && !has_val)
             return lk_cli_usage("inspect", "%s needs a value", argv[i]);
         if (!strcmp(argv[i], "--base")) *base = argv[++i];
         else if (!strcmp(argv[i], "--arch")) ro->arch = argv[++i];
         else if (!strcmp(argv[i], "--map")) maps[ro->n_maps++] = argv[++i];
         else if (!strcmp(argv[i], "--json")) json = 1;
+        else if (!strcmp(argv[i], "--alpha-from")) {
+            if (lk_alpha_from_parse(argv[++i], &ao->alpha_from)) return lk_cli_usage("inspect", "%s", lk_last_error());
+        }
         else if (!strcmp(argv[i], "--") && i + 1 < argc && !path && i + 2 == argc) path = argv[++i];
         else if (argv[i][0] == '-' && argv[i][1]) return lk_cli_usage("inspect", "unknown option '%s'", argv[i]);
         else if (path) return lk_cli_usage("inspect", "one FILE expected, got '%s' and '%s'", path, argv[i]);
@@ -207,6 +214,7 @@ static int inspect_args(int argc, char **argv, const char **path_out, const char
     }
     if (!path) return lk_cli_usage("inspect", "missing FILE");
     if (!*base && (ro->arch || ro->n_maps)) return lk_cli_usage("inspect", "--arch and --map need --base");
+    if (*base && ao->alpha_from) return lk_cli_usage("inspect", "--alpha-from is not taken with --base");
     *path_out = path;
     *json_out = json;
     return -1;

@@ -18,7 +18,7 @@
 
 static const char *const SWAP_USAGE =
     "usage: lorakit swap BASE --plan PLAN.yaml [--json] [--bucket-mb N] [--threads N]\n"
-    "                    [--allow-nonfinite] [--timeout S]\n\n"
+    "                    [--allow-nonfinite] [--timeout S] [--alpha-from tensors|metadata]\n\n"
     "Loads the safetensors checkpoint BASE into memory on every rank and\n"
     "applies each step of the plan with the hot-swap tracker: ranks own keys by\n"
     "size, owners recompute only the keys whose adapters changed and broadcast\n"
@@ -33,6 +33,7 @@ static const char *const SWAP_USAGE =
     "  fp8_scale: rescale     # optional: rescale | keep the weights' scales\n"
     "  fp8_saturate: false    # optional: clamp instead of failing on overflow\n"
     "  timeout: 300           # optional: seconds a collective may wait (0 = none)\n"
+    "  alpha_from: tensors    # optional: tensors | metadata (see --alpha-from)\n"
     "  steps:\n"
     "    - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]\n"
     "    - loras: []          # reset to the base weights\n\n"
@@ -60,6 +61,8 @@ static const char *const SWAP_USAGE =
     LK_CLI_TIMEOUT_HELP
     "                  (overrides the plan's timeout; loading the plan and the\n"
     "                  base is not timed: a rank may take long to read them)\n"
+    LK_CLI_ALPHA_FROM_HELP
+    "                         (overrides the plan's alpha_from)\n"
     "  -h, --help       this text\n\n"
     "exit codes: 0 every step succeeded, 1 a step (or setup) failed, 2 bad usage.\n";
 
@@ -70,6 +73,7 @@ typedef struct swap_args {
     long threads;   /* -1: automatic */
     int allow_nonfinite;
     double timeout; /* -1: from the plan, else LK_COMM_TIMEOUT_DEFAULT */
+    lk_alpha_from alpha_from; /* LK_ALPHA_AUTO: the plan's */
 } swap_args;
 
 /* Local parse; on error the message is in lk_last_error(). */
@@ -82,15 +86,16 @@ static lk_status parse_args(int argc, char **argv, swap_args *a) {
         if (!strcmp(o, "--json")) a->json = 1;
         else if (!strcmp(o, "--allow-nonfinite")) a->allow_nonfinite = 1;
         else if (!strcmp(o, "--plan") || !strcmp(o, "--bucket-mb") || !strcmp(o, "--threads") ||
-                 !strcmp(o, "--timeout")) {
+                 !strcmp(o, "--timeout") || !strcmp(o, "--alpha-from")) {
             if (i + 1 == argc) return lk_error(LK_ERR_ARG, "%s needs a value", o);
             const char *v = argv[++i];
             if (!strcmp(o, "--plan")) a->plan = v;
-            else if (!strcmp(o, "--timeout")) {
+            else if (!strcmp(o, "--alpha-from")) {
+                if (lk_alpha_from_parse(v, &a->alpha_from)) return LK_ERR_ARG;
+            } else if (!strcmp(o, "--timeout")) {
                 if (!lk_cli_parse_timeout(v, &a->timeout))
                     return lk_error(LK_ERR_ARG, "--timeout expects seconds in 0..1e9 (0 = none), got '%s'", v);
-            }
-            else if (!strcmp(o, "--bucket-mb")) {
+            } else if (!strcmp(o, "--bucket-mb")) {
                 if (!lk_cli_parse_int(v, &a->bucket_mb) || !lk_bucket_mb_valid(a->bucket_mb))
                     return lk_error(LK_ERR_ARG, "--bucket-mb expects a whole number of MiB in 1..%d, got '%s'",
                                     LK_BUCKET_MB_MAX, v);
@@ -213,6 +218,7 @@ int lk_cmd_swap(int argc, char **argv) {
         o.no_lora_swap = plan->no_lora_swap;
         o.allow_nonfinite = a.allow_nonfinite || plan->allow_nonfinite;
         o.fp8 = plan->fp8;
+        o.alpha_from = a.alpha_from ? a.alpha_from : plan->alpha_from;
         o.threads = a.threads >= 0 ? (int)a.threads : auto_threads(c);
         s = lk_tracker_create(c, w, &o, &t);
     }

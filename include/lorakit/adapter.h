@@ -33,12 +33,42 @@ const char *lk_adapter_format_name(lk_adapter_format f);
 /* Parses a name as above; returns LK_ERR_ARG naming the valid ones. */
 lk_status lk_adapter_format_parse(const char *name, lk_adapter_format *out);
 
+/* Where alpha comes from when a file (no adapter_config.json) holds more than
+ * one source. The rules (README, "fuse"):
+ *   AUTO      a module's `.alpha` tensor, else diffusers' lora_adapter_metadata,
+ *             else r (as diffusers, ComfyUI and A1111 read kohya files: kohya's
+ *             ss_network_alpha metadata is not used, and one warning names it
+ *             and the ranks when it differs); a module with both an `.alpha`
+ *             tensor and lora_adapter_metadata that disagree is LK_ERR_CONFIG
+ *             naming both values (diffusers refuses such a file).
+ *   TENSORS   the `.alpha` tensors, else r; the file's metadata is ignored.
+ *   METADATA  lora_adapter_metadata, else ss_network_alpha, else the
+ *             `.alpha` tensor, else r.
+ * A PEFT adapter with an adapter_config.json always takes its config's. */
+typedef enum lk_alpha_from {
+    LK_ALPHA_AUTO = 0,
+    LK_ALPHA_TENSORS,
+    LK_ALPHA_METADATA,
+    LK_ALPHA_COUNT
+} lk_alpha_from;
+
+/* "auto", "tensors", "metadata". */
+const char *lk_alpha_from_name(lk_alpha_from a);
+/* Parses a name as above; LK_ERR_ARG naming the value and the valid ones. */
+lk_status lk_alpha_from_parse(const char *name, lk_alpha_from *out);
+
+/* How an adapter is read; all zero = auto-detected format, LK_ALPHA_AUTO. */
+typedef struct lk_adapter_opts {
+    lk_adapter_format format;
+    lk_alpha_from alpha_from;
+} lk_adapter_opts;
+
 typedef struct lk_lora_module {
     const char *module; /* module name as derived from the adapter's keys */
     const char *target; /* model weight key ("<m>.weight"); NULL until resolved
                            or when unmatched */
     int rank;
-    float alpha;
+    double alpha;       /* as read (a double: PEFT's lora_alpha is a Python number) */
     double scale;       /* alpha / rank, or alpha / sqrt(rank) with rsLoRA (double: PEFT's scaling is a Python float) */
     lk_tensor A;        /* rank x in  (lora_A / lora_down) */
     lk_tensor B;        /* out x rank (lora_B / lora_up) */
@@ -63,6 +93,8 @@ typedef struct lk_adapter_tensor {
 typedef struct lk_adapter lk_adapter;
 
 lk_status lk_adapter_open(const char *path, lk_adapter_format format, lk_adapter **out);
+/* The same with every reading option (opts NULL: all defaults). */
+lk_status lk_adapter_open_opts(const char *path, const lk_adapter_opts *opts, lk_adapter **out);
 void lk_adapter_free(lk_adapter *a);
 
 const char *lk_adapter_path(const lk_adapter *a);

@@ -99,6 +99,13 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
  * never fused as if plain. */
 lk_status lk_fp8_scale_of(const lk_tensor *model, size_t n, size_t wi, long *scale);
 
+/* Checks the n values (dtype F32/BF16/F16) of the FP8 scale tensor `name`:
+ * each must be finite and > 0 (NaN/Inf would turn every code into NaN, 0
+ * erase the weight, a negative one flip it). LK_ERR_FORMAT naming the
+ * tensor, the index and the value. lk_fuse_fp8 checks its scale the same
+ * way before writing; callers check earlier, where they know the name. */
+lk_status lk_fp8_scale_values_check(const char *name, const void *values, lk_dtype dtype, int64_t n);
+
 /* Stochastic rounding's generator: the key of a tensor's stream and the 32
  * bits for its element index (SplitMix64's finaliser; counter-based, so
  * any split of the elements gives the same bits). */
@@ -120,6 +127,7 @@ typedef void (*lk_fuse_progress_fn)(void *ctx, uint64_t bytes_done, uint64_t byt
 typedef struct lk_fuse_file_opts {
     lk_fuse_opts fuse;
     int allow_unmatched;
+    lk_alpha_from alpha_from;        /* where each adapter's alpha comes from (adapter.h); 0 = auto */
     lk_fuse_progress_fn on_progress; /* may be NULL (the library never prints) */
     void *progress_ctx;
     const char *arch;          /* model family table (lk_resolve_opts.arch); NULL: recognised from the keys */
@@ -150,15 +158,9 @@ typedef struct lk_fuse_stats {
  * its mmap: a base truncated or rewritten by another process during the fuse
  * is LK_ERR_IO naming the file and tensor ("changed on disk while being
  * read"), with no output left. */
-/* A strength as shown in messages and recorded in JSON: the shortest
- * "%.*g" decimal that reads back (strtod) as exactly s ("0.7", "1e+40",
- * "0.30000000000000004"), into buf (cap >= LK_STRENGTH_STR_MAX). Returns
- * its significant digits (1..17): JSON holding strengths is dumped with at
- * least that precision, so the recorded value is the double that was used. */
-#define LK_STRENGTH_STR_MAX 32
-int lk_fuse_strength_str(double s, char *buf, size_t cap);
-
 /* A strength as typed (the CLI's -l ADAPTER:STRENGTH, a plan's strength):
+ * (messages and JSON show a strength as lk_num_str does: the shortest
+ * decimal that reads back as the double used). 
  * the whole of text must be one number in strtod's syntax, finite, and not a
  * non-zero number so small that it reads as 0 (1e-400); a subnormal such as
  * 1e-320 is kept as read. LK_ERR_ARG naming the text as typed and why. */

@@ -25,6 +25,8 @@ extern "C" {
  * within it), and its metadata is the index's (values may be numbers). A name or path that is not
  * UTF-8 cannot be put in JSON: LK_ERR_UNSUPPORTED. */
 lk_status lk_inspect_json(const char *path, char **json);
+/* The same, reading an adapter with opts (format, alpha_from; NULL: defaults). */
+lk_status lk_inspect_json_opts(const char *path, const lk_adapter_opts *opts, char **json);
 
 /* Where every module of `adapter` lands on checkpoint `base`
  * (`lorakit inspect ADAPTER --base CKPT --json`), resolved as a fuse would

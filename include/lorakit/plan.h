@@ -4,6 +4,7 @@
  *   no_lora_swap: false    # optional
  *   allow_nonfinite: false # optional: lk_tracker_opts.allow_nonfinite
  *   timeout: 300           # optional: seconds a collective may wait (0 = none)
+ *   alpha_from: tensors    # optional: tensors | metadata, lk_tracker_opts.alpha_from
  *   steps:
  *     - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]
  *     - loras: []          # reset
@@ -42,6 +43,7 @@ typedef struct lk_plan {
     double timeout;       /* seconds, 0..LK_PLAN_TIMEOUT_MAX (0 = none; lk_comm_set_timeout);
                              -1 when the plan does not set it */
     lk_fp8_opts fp8;      /* fp8_rounding, fp8_seed, fp8_scale, fp8_saturate (all zero: nearest, seed 0, rescale, no) */
+    lk_alpha_from alpha_from; /* LK_ALPHA_AUTO when the plan does not set it */
     lk_plan_step *steps;
     size_t n_steps;
 } lk_plan;

@@ -54,6 +54,13 @@ lk_status lk_error_prefix(lk_status s, const char *fmt, ...)
 /* Clears the current message. */
 void lk_error_clear(void);
 
+/* A number as messages and JSON show it: the shortest "%.*g" decimal that
+ * reads back (strtod) as exactly v, whole numbers below 1e17 in plain
+ * digits ("0.7", "0.30000000000000004", "2147483648", "1e+40"). Writes
+ * into buf (at least LK_NUM_STR_MAX bytes) and returns it. */
+#define LK_NUM_STR_MAX 32
+const char *lk_num_str(double v, char *buf);
+
 #ifdef __cplusplus
 }
 #endif

@@ -73,12 +73,15 @@ typedef struct lk_tracker_opts {
                             rank, weights unchanged); 1 fuses them as they come */
     lk_fp8_opts fp8;     /* FP8 weights: rounding, seed, scale mode, saturate
                             (lorakit/fuse.h); must be equal on every rank */
+    lk_alpha_from alpha_from; /* where each adapter's alpha comes from (adapter.h);
+                            0 = auto. Ranks that differ get different scales,
+                            which the content agreement refuses (LK_ERR_MISMATCH) */
 } lk_tracker_opts;
 
 #define LK_TRACKER_BUCKET_DEFAULT ((size_t)64 << 20)
 #define LK_TRACKER_OPTS_DEFAULT                                                               \
     {.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT, .no_lora_swap = 0, .threads = 0,             \
-     .allow_nonfinite = 0, .fp8 = {LK_FP8_NEAREST, 0, LK_FP8_RESCALE, 0}}
+     .allow_nonfinite = 0, .fp8 = {LK_FP8_NEAREST, 0, LK_FP8_RESCALE, 0}, .alpha_from = LK_ALPHA_AUTO}
 
 typedef struct lk_tracker_stats {
     int skipped;               /* the request equalled the current set */

@@ -284,28 +284,46 @@ def digest_tensors(tensors):
     return _c.digest_tensors(_items(tensors))
 
 
-def inspect(path, base=None, *, arch=None, maps=()):
+_ALPHA_FROM = ("auto", "tensors", "metadata")
+
+
+def _alpha_from(v):
+    """alpha_from=None | "tensors" | "metadata" (`--alpha-from`): where a
+    file's alpha comes from when its .alpha tensors and metadata both give
+    one (by default they must agree; kohya's ss_network_alpha counts only
+    with "metadata")."""
+    v = "auto" if v is None else v
+    if v not in _ALPHA_FROM:
+        raise ValueError(f"alpha_from must be None, 'tensors' or 'metadata', got {v!r}")
+    return v
+
+
+def inspect(path, base=None, *, arch=None, maps=(), alpha_from=None):
     """What a checkpoint or adapter holds: the content of `lorakit inspect
-    --json` as a dict. With base (a checkpoint), where each module of the
-    adapter at path lands on it, as `lorakit inspect ADAPTER --base CKPT
-    --json`: weights, row slices, the matching rule, algorithm, scale and
-    alpha source; unmatched modules with the three nearest weight names.
-    arch and maps as `lorakit fuse --arch / --map`."""
+    --json` as a dict (alpha_from as `--alpha-from`). With base (a
+    checkpoint), where each module of the adapter at path lands on it, as
+    `lorakit inspect ADAPTER --base CKPT --json`: weights, row slices, the
+    matching rule, algorithm, scale and alpha source; unmatched modules with
+    the three nearest weight names. arch and maps as `lorakit fuse --arch /
+    --map`."""
     if base is None:
         if arch is not None or maps:
             raise ValueError("arch and maps need base")
-        return json.loads(_c.inspect(path))
+        return json.loads(_c.inspect(path, _alpha_from(alpha_from)))
+    if alpha_from is not None:
+        raise ValueError("alpha_from is not taken with base")
     return json.loads(_c.inspect_base(path, base, arch, list(maps)))
 
 
-def fuse(base, loras, out, *, threads=0, allow_unmatched=False, allow_nonfinite=False):
+def fuse(base, loras, out, *, threads=0, allow_unmatched=False, allow_nonfinite=False, alpha_from=None):
     """Fuses loras [(path, strength), ...] into the checkpoint base and
     writes out atomically, as `lorakit fuse`; returns its --json summary."""
     req, _ = _loras(loras)
-    return json.loads(_c.fuse(base, out, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite)))
+    return json.loads(_c.fuse(base, out, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite),
+                              _alpha_from(alpha_from)))
 
 
-def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=False):
+def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=False, alpha_from=None):
     """Fuses loras into tensors (a state_dict: name -> tensor, or an
     nn.Module: its state_dict names, parameters and persistent buffers) in
     place; the bytes equal those of `lorakit fuse` on a checkpoint holding
@@ -318,7 +336,8 @@ def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=F
     bytes. Returns the summary (as fuse's, without base and out)."""
     items, _ = _items(tensors, dedupe=True)
     req, _ = _loras(loras)
-    return json.loads(_c.fuse_(items, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite)))
+    return json.loads(_c.fuse_(items, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite),
+                               _alpha_from(alpha_from)))
 
 
 # ---- hot-swap ----
@@ -352,18 +371,19 @@ class Tracker:
     """
 
     def __init__(self, tensors, *, comm=None, bucket_mb=64, no_lora_swap=False, threads=0,
-                 allow_nonfinite=False, timeout=300.0):
+                 allow_nonfinite=False, timeout=300.0, alpha_from=None):
         lc = _comm(comm)
         self._source = tensors if _is_module(tensors) else None
 
         def prepare():
             items, _ = _items(tensors, dedupe=True)
-            return items, int(bucket_mb), int(threads), float(timeout)
+            return items, int(bucket_mb), int(threads), float(timeout), _alpha_from(alpha_from)
 
         items = _collective(lc, prepare)
         self._comm = lc
         self._ptrs = {k: _storage_span(v) for k, v, _ in items[0]}
-        self._t = _c.Tracker(lc, items[0], items[1], bool(no_lora_swap), items[2], bool(allow_nonfinite), items[3])
+        self._t = _c.Tracker(lc, items[0], items[1], bool(no_lora_swap), items[2], bool(allow_nonfinite), items[3],
+                             items[4])
 
     def _check_moved(self):
         """Raises naming the first key of the module whose memory moved

@@ -727,14 +727,27 @@ static PyObject *py_digest_tensors(PyObject *mod, PyObject *args) {
     return PyUnicode_FromString(hex);
 }
 
+/* alpha_from: "auto", "tensors" or "metadata" (lk_alpha_from_parse). */
+static int alpha_from_of(const char *name, lk_alpha_from *out) {
+    if (lk_alpha_from_parse(name, out) == LK_OK) return 0;
+    raise_lk(LK_ERR_ARG, NULL);
+    return -1;
+}
+
 static PyObject *py_inspect(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *path;
-    if (!PyArg_ParseTuple(args, "O&", PyUnicode_FSConverter, &path)) return NULL;
+    const char *af = "auto";
+    lk_adapter_opts ao = {0};
+    if (!PyArg_ParseTuple(args, "O&|s", PyUnicode_FSConverter, &path, &af)) return NULL;
+    if (alpha_from_of(af, &ao.alpha_from) < 0) {
+        Py_DECREF(path);
+        return NULL;
+    }
     char *js = NULL;
     lk_status s;
     Py_BEGIN_ALLOW_THREADS
-    s = lk_inspect_json(PyBytes_AS_STRING(path), &js);
+    s = lk_inspect_json_opts(PyBytes_AS_STRING(path), &ao, &js);
     Py_END_ALLOW_THREADS
     Py_DECREF(path);
     return json_result(s, js);
@@ -780,12 +793,13 @@ static PyObject *py_fuse(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *base, *out, *loras;
     lk_fuse_file_opts o = {0};
-    if (!PyArg_ParseTuple(args, "O&O&Oiii", PyUnicode_FSConverter, &base, PyUnicode_FSConverter, &out, &loras,
-                          &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite))
+    const char *af;
+    if (!PyArg_ParseTuple(args, "O&O&Oiiis", PyUnicode_FSConverter, &base, PyUnicode_FSConverter, &out, &loras,
+                          &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite, &af))
         return NULL;
     request r;
     PyObject *res = NULL;
-    if (request_from(loras, &r) == 0) {
+    if (alpha_from_of(af, &o.alpha_from) == 0 && request_from(loras, &r) == 0) {
         lk_fuse_stats st;
         char *js = NULL;
         lk_status s;
@@ -807,10 +821,12 @@ static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *items, *loras;
     lk_fuse_file_opts o = {0};
-    if (!PyArg_ParseTuple(args, "OOiii", &items, &loras, &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite))
+    const char *af;
+    if (!PyArg_ParseTuple(args, "OOiiis", &items, &loras, &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite,
+                          &af))
         return NULL;
     request r;
-    if (request_from(loras, &r) < 0) return NULL;
+    if (alpha_from_of(af, &o.alpha_from) < 0 || request_from(loras, &r) < 0) return NULL;
     size_t n = 0;
     view *v = views_from(items, NEED_WRITE, &n);
     lk_tensor *t = v ? tensor_table(v, n) : NULL;
@@ -956,17 +972,21 @@ static void Tracker_dealloc(TrackerObject *self) {
 }
 
 /* Tracker(comm, items, bucket_mb, no_lora_swap, threads, allow_nonfinite,
- * timeout): timeout is the comm's collective timeout while the tracker's
- * own calls run (lk_comm_set_timeout; the comm's own setting is put back
- * after each, so other users of the comm keep theirs). */
+ * timeout, alpha_from): timeout is the comm's collective timeout while the
+ * tracker's own calls run (lk_comm_set_timeout; the comm's own setting is
+ * put back after each, so other users of the comm keep theirs); alpha_from
+ * is a valid name (checked collectively by the Python layer). */
 static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     (void)kw;
     PyObject *co, *items;
     long bucket_mb;
     int no_swap, threads, nonfinite, ok = 1;
     double timeout;
-    if (!PyArg_ParseTuple(args, "OOlpiid", &co, &items, &bucket_mb, &no_swap, &threads, &nonfinite, &timeout))
+    const char *af;
+    lk_alpha_from alpha_from;
+    if (!PyArg_ParseTuple(args, "OOlpiids", &co, &items, &bucket_mb, &no_swap, &threads, &nonfinite, &timeout, &af))
         return -1;
+    if (alpha_from_of(af, &alpha_from) < 0) return -1;
     lk_comm *c = comm_of(co);
     if (!c) return -1;
     const double was = lk_comm_timeout(c);
@@ -1007,6 +1027,7 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     o.no_lora_swap = no_swap;
     o.threads = threads;
     o.allow_nonfinite = nonfinite;
+    o.alpha_from = alpha_from;
     Py_BEGIN_ALLOW_THREADS
     s = lk_tracker_create(c, self->w, &o, &self->t);
     Py_END_ALLOW_THREADS

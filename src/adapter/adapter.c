@@ -20,12 +20,14 @@
 #include "lorakit/safetensors.h"
 #include "adapter/adapter_internal.h"
 
+#include <errno.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "adapter/adapter_struct.h"
 
@@ -36,14 +38,35 @@ const char *lk_adapter_format_name(lk_adapter_format f) {
     return g_fmt_names[f];
 }
 
+/* Index of name in tab[0..n), or -1. */
+static int name_index(const char *const *tab, int n, const char *name) {
+    for (int i = 0; i < n && name; i++)
+        if (!strcmp(name, tab[i])) return i;
+    return -1;
+}
+
 lk_status lk_adapter_format_parse(const char *name, lk_adapter_format *out) {
-    for (int i = 0; i < LK_FORMAT_COUNT; i++)
-        if (name && !strcmp(name, g_fmt_names[i])) {
-            *out = (lk_adapter_format)i;
-            return LK_OK;
-        }
-    return lk_error(LK_ERR_ARG, "unknown adapter format '%s' (valid: auto, peft, diffusers, kohya, fastvideo)",
-                    name ? name : "(null)");
+    int i = name_index(g_fmt_names, LK_FORMAT_COUNT, name);
+    if (i < 0)
+        return lk_error(LK_ERR_ARG, "unknown adapter format '%s' (valid: auto, peft, diffusers, kohya, fastvideo)",
+                        name ? name : "(null)");
+    *out = (lk_adapter_format)i;
+    return LK_OK;
+}
+
+static const char *const g_alpha_names[LK_ALPHA_COUNT] = {"auto", "tensors", "metadata"};
+
+const char *lk_alpha_from_name(lk_alpha_from a) {
+    if ((int)a < 0 || a >= LK_ALPHA_COUNT) return "unknown";
+    return g_alpha_names[a];
+}
+
+lk_status lk_alpha_from_parse(const char *name, lk_alpha_from *out) {
+    int i = name_index(g_alpha_names, LK_ALPHA_COUNT, name);
+    if (i < 0)
+        return lk_error(LK_ERR_ARG, "unknown alpha source '%s' (valid: tensors, metadata, auto)", name ? name : "(null)");
+    *out = (lk_alpha_from)i;
+    return LK_OK;
 }
 
 /* ---- key classification ---- */
@@ -244,12 +267,34 @@ static char *sidecar_config(const char *file) {
     return p;
 }
 
+/* Reads the adapter_config.json at cfg (taking it) when one is there. Only
+ * nothing at all at that path means "no config": a config that exists but
+ * cannot be read as a regular file (a dangling symlink, such as an HF cache
+ * snapshot whose blob is missing; a folder; a FIFO, opened without blocking;
+ * no permission) is an error naming the path and why, never read as absent
+ * (the adapter would fuse at alpha = r). */
 static lk_status read_config(lk_adapter *a, char *cfg) {
-    if (!file_exists(cfg)) {
+    struct stat lsb, sb;
+    lk_status s = LK_OK;
+    if (lstat(cfg, &lsb) != 0) {
+        if (errno != ENOENT && errno != ENOTDIR)
+            s = lk_error(LK_ERR_IO, "%s: %s: cannot look at it: %s", a->path, cfg, strerror(errno));
         lk_free(cfg);
-        return LK_OK;
+        return s;
     }
-    lk_status s = lk_peft_config_load(cfg, &a->cfg);
+    if (S_ISLNK(lsb.st_mode) && stat(cfg, &sb) != 0) {
+        int e = errno;
+        char to[1024];
+        ssize_t n = readlink(cfg, to, sizeof to - 1);
+        to[n > 0 ? n : 0] = '\0';
+        s = lk_error(LK_ERR_IO, "%s: %s is a symbolic link to '%s', which %s (a dangling link, e.g. a Hugging Face "
+                     "cache snapshot whose blob is missing)", a->path, cfg, to,
+                     e == ENOENT ? "does not exist" : strerror(e));
+    } else {
+        s = lk_peft_config_load(cfg, &a->cfg); /* lk_open_input: a regular file, named by kind otherwise */
+        if (s && s != LK_ERR_NOMEM && s != LK_ERR_CONFIG && s != LK_ERR_FORMAT && s != LK_ERR_UNSUPPORTED)
+            lk_error_prefix(s, "%s: adapter_config.json exists but cannot be read", a->path);
+    }
     if (s) {
         lk_free(cfg);
         return s;
@@ -445,9 +490,12 @@ static lk_status read_metadata(lk_adapter *a) {
     if (ssa) {
         char *end;
         double v = strtod(ssa, &end);
+        a->ss_alpha_text = ssa;
         if (end != ssa && !*end && isfinite(v)) {
             a->has_ss_alpha = 1;
             a->ss_alpha = v;
+        } else {
+            lk_log(LK_LOG_WARN, "%s: metadata ss_network_alpha '%.64s' is not a finite number; ignored", f, ssa);
         }
     }
     const char *ssd = lk_st_metadata_get(a->st, "ss_network_dim");
@@ -624,6 +672,49 @@ static lk_status config_alpha(lk_adapter *a, const lk_peft_config *c, const char
     return *source ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
 }
 
+/* Alpha of module i (rank r) of a file without adapter_config.json, by
+ * a->alpha_from (lk_alpha_from in adapter.h): from its .alpha tensor
+ * alpha_t (may be NULL), lora_adapter_metadata, ss_network_alpha or r. */
+static lk_status file_alpha(lk_adapter *a, size_t i, const lk_tensor *alpha_t, const char *an, int64_t r,
+                            double *alpha, char **source) {
+    const char *f = a->file, *m = a->names[i], *pname = m;
+    lk_status s;
+    double ta = 0, ma = 0;
+    char *msrc = NULL;
+    const lk_peft_config *mc = a->alpha_from == LK_ALPHA_TENSORS ? NULL : meta_for(a, a->stems[i], m, &pname);
+    if (alpha_t && (s = read_alpha(a, alpha_t, &ta))) return s;
+    if (mc && (s = config_alpha(a, mc, pname, m, an, r, "metadata ", &ma, &msrc))) return s;
+    if (alpha_t && mc && a->alpha_from == LK_ALPHA_AUTO && ta != ma) {
+        char tb[LK_NUM_STR_MAX], mb[LK_NUM_STR_MAX];
+        lk_error(LK_ERR_CONFIG, "%s: %s: the .alpha tensor says alpha = %s but %s says %s; choose one with "
+                 "--alpha-from tensors|metadata (alpha_from in a plan or in Python)", f, m, lk_num_str(ta, tb),
+                 msrc, lk_num_str(ma, mb));
+        lk_free(msrc);
+        return LK_ERR_CONFIG;
+    }
+    if (mc && (!alpha_t || a->alpha_from == LK_ALPHA_METADATA)) { /* lora_adapter_metadata */
+        *alpha = ma;
+        *source = msrc;
+        return LK_OK;
+    }
+    lk_free(msrc);
+    if (a->has_ss_alpha && a->alpha_from == LK_ALPHA_METADATA) {
+        *alpha = a->ss_alpha;
+        *source = source_str("metadata ss_network_alpha", NULL);
+        if (a->ss_dim && a->ss_dim != r) a->n_ss_dim_off++;
+    } else if (alpha_t) {
+        *alpha = ta;
+        *source = source_str(".alpha tensor", NULL);
+    } else {
+        /* alpha = r, as diffusers, ComfyUI and A1111 read a module without .alpha */
+        *alpha = (double)r;
+        *source = source_str("default r", NULL);
+        if (a->has_ss_alpha && a->alpha_from == LK_ALPHA_AUTO && a->ss_alpha != (double)r && !a->n_ss_off++)
+            a->ss_off_first = i;
+    }
+    return *source ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+}
+
 /* Fills module i from its tensors (by role; A and B present). */
 static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *by_role) {
     const char *f = a->file, *m = a->names[i];
@@ -665,21 +756,8 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *b
             return s;
         }
         if (!hit) a->n_untargeted++;
-    } else if (alpha_t) {
-        if ((s = read_alpha(a, alpha_t, &alpha))) return s;
-        source = source_str(".alpha tensor", NULL);
-    } else {
-        const char *pname = m;
-        const lk_peft_config *mc = meta_for(a, a->stems[i], m, &pname);
-        if (mc) {
-            if ((s = config_alpha(a, mc, pname, m, an, r, "metadata ", &alpha, &source))) return s;
-        } else if (a->has_ss_alpha) {
-            alpha = a->ss_alpha;
-            source = source_str("metadata ss_network_alpha", NULL);
-            if (a->ss_dim && a->ss_dim != r) a->n_ss_dim_off++;
-        } else {
-            source = source_str("default r", NULL);
-        }
+    } else if ((s = file_alpha(a, i, alpha_t, an, r, &alpha, &source))) {
+        return s;
     }
     if (!source) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
     a->sources[i] = source;
@@ -691,7 +769,7 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *b
     mod->module = m;
     mod->target = NULL;
     mod->rank = (int)r;
-    mod->alpha = (float)alpha;
+    mod->alpha = alpha;
     mod->scale = scale;
     mod->A = *A;
     mod->B = *B;
@@ -843,11 +921,22 @@ static lk_status copy_factors(lk_adapter *a) {
 }
 
 lk_status lk_adapter_open(const char *path, lk_adapter_format format, lk_adapter **out) {
+    lk_adapter_opts o = {.format = format};
+    return lk_adapter_open_opts(path, &o, out);
+}
+
+lk_status lk_adapter_open_opts(const char *path, const lk_adapter_opts *opts, lk_adapter **out) {
+    static const lk_adapter_opts defaults;
+    if (!opts) opts = &defaults;
+    const lk_adapter_format format = opts->format;
     if (!path || !out) return lk_error(LK_ERR_ARG, "lk_adapter_open: NULL argument");
     if ((int)format < 0 || format >= LK_FORMAT_COUNT)
         return lk_error(LK_ERR_ARG, "%s: invalid adapter format %d", path, (int)format);
+    if ((int)opts->alpha_from < 0 || opts->alpha_from >= LK_ALPHA_COUNT)
+        return lk_error(LK_ERR_ARG, "%s: invalid alpha source %d", path, (int)opts->alpha_from);
     lk_adapter *a = lk_calloc(1, sizeof *a);
     if (!a) return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
+    a->alpha_from = opts->alpha_from;
     keyinfo *ki = NULL;
     enum family *fam = NULL;
     lk_status s = LK_OK;
@@ -914,6 +1003,11 @@ lk_status lk_adapter_open(const char *path, lk_adapter_format format, lk_adapter
     if (a->n_untargeted)
         lk_log(LK_LOG_WARN, "%s: %zu of %zu modules are not covered by target_modules in adapter_config.json",
                a->path, a->n_untargeted, a->n);
+    if (a->n_ss_off)
+        lk_log(LK_LOG_WARN, "%s: %zu of %zu modules have no .alpha tensor, so alpha = r (as diffusers, ComfyUI and "
+               "A1111 read them), but metadata ss_network_alpha = %s differs (e.g. %s: r = %d); --alpha-from "
+               "metadata uses ss_network_alpha", a->path, a->n_ss_off, a->n, a->ss_alpha_text,
+               a->mods[a->ss_off_first].module, a->mods[a->ss_off_first].rank);
     if (a->n_ss_dim_off)
         lk_log(LK_LOG_WARN, "%s: %zu modules take alpha from ss_network_alpha = %g but their rank is not "
                "ss_network_dim = %ld", a->path, a->n_ss_dim_off, a->ss_alpha, a->ss_dim);

@@ -42,8 +42,12 @@ struct lk_adapter {
         lk_peft_config cfg;
     } *meta;
     size_t n_meta;
-    int has_ss_alpha;       /* kohya's ss_network_alpha */
+    lk_alpha_from alpha_from; /* lk_adapter_opts.alpha_from */
+    int has_ss_alpha;       /* kohya's ss_network_alpha, a finite number */
     double ss_alpha;
+    const char *ss_alpha_text; /* its text (metadata string), or NULL */
+    size_t n_ss_off;        /* AUTO: modules at alpha = r that ss_network_alpha contradicts */
+    size_t ss_off_first;    /* the first of them */
     long ss_dim;            /* kohya's ss_network_dim (0: absent or "Dynamic") */
     size_t n_ss_dim_off;    /* modules using ss_network_alpha whose rank is not ss_network_dim */
     lk_re_budget re_budget; /* the PCRE2 work all its configs' patterns may take */

@@ -18,7 +18,7 @@
 
 typedef struct group {
     int rank;
-    float alpha, scale;
+    double alpha, scale;
     const char *source; /* where alpha came from */
     size_t count;
     const char *example;
@@ -194,13 +194,15 @@ static int is_checkpoint_dir(const char *path) {
     return 1;
 }
 
-lk_status lk_inspect_json(const char *path, char **out) {
+lk_status lk_inspect_json(const char *path, char **out) { return lk_inspect_json_opts(path, NULL, out); }
+
+lk_status lk_inspect_json_opts(const char *path, const lk_adapter_opts *opts, char **out) {
     if (!path || !out) return lk_error(LK_ERR_ARG, "lk_inspect_json: NULL argument");
     *out = NULL;
     json_t *o;
     if (lk_adapter_looks_like(path) && !is_checkpoint_dir(path)) {
         lk_adapter *a;
-        lk_status s = lk_adapter_open(path, LK_FORMAT_AUTO, &a);
+        lk_status s = lk_adapter_open_opts(path, opts, &a);
         if (s) return s;
         o = adapter_json(a);
         lk_adapter_free(a);

@@ -3,8 +3,10 @@
  * never itself fail (it is used on the out-of-memory path too). */
 #include "lorakit/status.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define LK_ERRBUF 2048
@@ -63,4 +65,18 @@ lk_status lk_error_prefix(lk_status s, const char *fmt, ...) {
     memcpy(g_err + pl + 2, old, ol);
     g_err[pl + 2 + ol] = '\0';
     return s;
+}
+
+const char *lk_num_str(double v, char *buf) {
+    int p = 1;
+    for (; p < 17; p++) { /* 17 significant digits always read back */
+        snprintf(buf, LK_NUM_STR_MAX, "%.*g", p, v);
+        if (strtod(buf, NULL) == v) break;
+    }
+    /* a whole number below 1e17 in plain digits (10, not 1e+01): more digits
+     * of the correctly rounded decimal are at least as close, so they read
+     * back as v too */
+    int e10 = v != 0 && isfinite(v) ? (int)floor(log10(fabs(v))) : 0;
+    snprintf(buf, LK_NUM_STR_MAX, "%.*g", e10 >= p && e10 < 17 ? e10 + 1 : p, v);
+    return buf;
 }

@@ -299,6 +299,12 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
         if (lk_fuse_term_sliced(&terms[t]))
             return lk_error(LK_ERR_UNSUPPORTED, "%s: a LoRA module on a row slice (part of a fused projection) of an "
                             "FP8 weight is not supported", name);
+    if (scale) { /* before anything is written: a bad scale is refused, not fused */
+        char label[512];
+        snprintf(label, sizeof label, "%s's scale", name);
+        lk_status bad = lk_fp8_scale_values_check(label, scale, sdtype, n_scale);
+        if (bad) return bad;
+    }
     static const lk_fuse_opts defaults;
     if (!opts) opts = &defaults;
     const lk_fp8_opts *fo = &opts->fp8;
@@ -433,6 +439,21 @@ lk_status lk_fp8_scale_of(const lk_tensor *model, size_t n, size_t wi, long *sca
                         sh, wsh);
     }
     *scale = si;
+    return LK_OK;
+}
+
+lk_status lk_fp8_scale_values_check(const char *name, const void *values, lk_dtype dtype, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float v;
+        lk_to_f32(&v, (const char *)values + (size_t)i * lk_dtype_size(dtype), dtype, 1);
+        if (isfinite(v) && v > 0.0f) continue;
+        char vb[LK_NUM_STR_MAX], at[48] = "";
+        if (n > 1) snprintf(at, sizeof at, " at [%lld]", (long long)i);
+        return lk_error(LK_ERR_FORMAT, "%s: FP8 scale%s is %s; a scale must be finite and > 0 (the weight is code x "
+                        "scale: %s)", name, at, lk_num_str(v, vb),
+                        isnan(v) ? "NaN would make every code NaN" : isinf(v) ? "Inf would make every code Inf or NaN"
+                        : v == 0.0f ? "0 would erase the weight" : "a negative scale flips the weight's sign");
+    }
     return LK_OK;
 }
 

@@ -47,19 +47,6 @@
  * larger already). */
 #define COPY_CHUNK ((size_t)8 << 20)
 
-int lk_fuse_strength_str(double v, char *buf, size_t cap) {
-    int p = 1;
-    for (; p < 17; p++) { /* 17 significant digits always read back */
-        snprintf(buf, cap, "%.*g", p, v);
-        if (strtod(buf, NULL) == v) break;
-    }
-    /* a whole number below 1e17 in plain digits (10, not 1e+01): more digits of
-     * the correctly rounded decimal are at least as close, so they read back too */
-    int e10 = v != 0 && isfinite(v) ? (int)floor(log10(fabs(v))) : 0;
-    snprintf(buf, cap, "%.*g", e10 >= p && e10 < 17 ? e10 + 1 : p, v);
-    return p;
-}
-
 /* Case-insensitive: is text (after a sign) a word strtod reads as Inf or NaN? */
 static int inf_or_nan_word(const char *t) {
     if (*t == '+' || *t == '-') t++;
@@ -86,7 +73,7 @@ lk_status lk_fuse_strength_parse(const char *text, double *out) {
 }
 
 /* json_dumps(o, flags) with every real written as the shortest decimal
- * that reads back as the same double (lk_fuse_strength_str, plus ".0" where
+ * that reads back as the same double (lk_num_str, plus ".0" where
  * that is a whole number): jansson writes all reals at one precision, which
  * makes 0.7 "0.69999999999999996" at 17 digits or 0.1 + 0.2 "0.3" at 15.
  * Returns an lk_malloc'd string, or NULL (out of memory). */
@@ -95,7 +82,7 @@ static char *dumps_exact(const json_t *o, size_t flags) {
     if (!js) return NULL;
     size_t len = strlen(js), reals = 0;
     for (size_t i = 0; i < len; i++) reals += js[i] == '.' || js[i] == 'e';
-    char *r = lk_malloc(len + reals * (LK_STRENGTH_STR_MAX + 2) + 1);
+    char *r = lk_malloc(len + reals * (LK_NUM_STR_MAX + 2) + 1);
     if (!r) {
         free(js);
         return NULL;
@@ -114,8 +101,8 @@ static char *dumps_exact(const json_t *o, size_t flags) {
             size_t j = i, real = 0;
             while (j < len && strchr("+-0123456789.eE", js[j])) real |= strchr(".eE", js[j++]) != NULL;
             if (real) {
-                char buf[LK_STRENGTH_STR_MAX];
-                lk_fuse_strength_str(strtod(js + i, NULL), buf, sizeof buf);
+                char buf[LK_NUM_STR_MAX];
+                lk_num_str(strtod(js + i, NULL), buf);
                 size_t bl = strlen(buf);
                 memcpy(r + o_len, buf, bl);
                 o_len += bl;
@@ -138,7 +125,8 @@ static char *dumps_exact(const json_t *o, size_t flags) {
  * followed by this request, into *out (lk_malloc'd). An adapter path that
  * is not UTF-8 cannot be recorded in JSON and is named as such (jansson
  * gives no reason, so without the check it would read as out of memory). */
-static lk_status fused_record(const char *base, const char *old, const lk_fuse_input *in, size_t n, char **out) {
+static lk_status fused_record(const char *base, const char *old, const lk_fuse_input *in, size_t n,
+                              lk_alpha_from alpha_from, char **out) {
     json_t *arr = NULL;
     if (old) {
         arr = json_loads(old, 0, NULL);
@@ -158,6 +146,11 @@ static lk_status fused_record(const char *base, const char *old, const lk_fuse_i
         }
         json_t *o = json_pack("{s:o, s:f, s:s}", "path", p, "strength", in[i].strength, "format",
                               lk_adapter_format_name(in[i].format));
+        if (o && alpha_from != LK_ALPHA_AUTO &&
+            json_object_set_new(o, "alpha_from", json_string(lk_alpha_from_name(alpha_from)))) {
+            json_decref(o);
+            o = NULL;
+        }
         if (!o || json_array_append_new(arr, o)) {
             json_decref(arr);
             return lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
@@ -262,7 +255,7 @@ static lk_status gather(const fctx *c, const lk_tensor *t, lk_fuse_key *k) {
 
 /* Shared by lk_fuse_file and lk_fuse_tensors, so both refuse and sum
  * exactly alike: checks the inputs, opens every adapter, resolves it against
- * model[0..nt) (strict unless allow_unmatched) and sizes the term list.
+ * model[0..nt) (strict unless fo->allow_unmatched; alpha by fo->alpha_from) and sizes the term list.
  * label names the model in errors. Nothing is written. */
 static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, size_t nt, const lk_fuse_input *inputs,
                          size_t n, const lk_fuse_file_opts *fo, lk_fuse_stats *st) {
@@ -281,7 +274,8 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
     /* Open and validate every adapter before anything is written. */
     for (size_t i = 0; i < n; i++) {
         size_t un = 0;
-        if ((s = lk_adapter_open(inputs[i].path, inputs[i].format, &c->ad[i]))) return s;
+        lk_adapter_opts ao = {inputs[i].format, fo->alpha_from};
+        if ((s = lk_adapter_open_opts(inputs[i].path, &ao, &c->ad[i]))) return s;
         c->n_ad = i + 1;
         lk_resolve_opts ro = {fo->allow_unmatched, fo->arch, fo->maps, fo->n_maps};
         if ((s = lk_adapter_resolve_opts(c->ad[i], model, nt, &ro, &un))) return s;
@@ -323,6 +317,27 @@ static lk_status check_out(fctx *c, const char *out, int one_file) {
     return s;
 }
 
+/* Checks an FP8 weight's plan (LoRA terms only) and finds its scale into
+ * c->scale_of[i], marking the scale in c->is_scale; the scale's values too
+ * when they are in memory (lk_fuse_tensors). */
+static lk_status fp8_prepare(fctx *c, const char *label, const lk_tensor *model, size_t nt, size_t i,
+                             const lk_fuse_key *plan) {
+    if (plan->replace || plan->dora)
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: %s on an FP8 weight is not supported (LoRA terms only)", label,
+                        model[i].name, plan->dora ? "DoRA" : "a replacement (modules_to_save, bias)");
+    lk_status s = lk_fp8_scale_of(model, nt, i, &c->scale_of[i]);
+    if (s) return lk_error_prefix(s, "%s", label);
+    if (c->scale_of[i] >= 0) {
+        const lk_tensor *sc = &model[c->scale_of[i]];
+        c->is_scale[c->scale_of[i]] = 1;
+        /* values in memory (lk_fuse_tensors) are checked here; a file's are read and checked by the caller */
+        if (sc->data && !c->ck &&
+            (s = lk_fp8_scale_values_check(sc->name, sc->data, sc->dtype, (int64_t)lk_tensor_numel(sc))))
+            return lk_error_prefix(s, "%s", label);
+    }
+    return LK_OK;
+}
+
 lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, const char *out,
                        const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
     static const lk_fuse_file_opts defaults;
@@ -360,19 +375,9 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
             if (nb > buf_bytes) buf_bytes = nb;
             /* an FP8 weight's layout is checked before anything is written */
             if (lk_dtype_is_fp8(c.model[i].dtype)) {
-                if (plan.replace || plan.dora) {
-                    s = lk_error(LK_ERR_UNSUPPORTED, "%s: %s: %s on an FP8 weight is not supported (LoRA terms only)",
-                                 base, c.model[i].name, plan.dora ? "DoRA" : "a replacement (modules_to_save, bias)");
-                    goto fail;
-                }
-                if ((s = lk_fp8_scale_of(c.model, nt, i, &c.scale_of[i]))) {
-                    lk_error_prefix(s, "%s", base);
-                    goto fail;
-                }
-                if (c.scale_of[i] >= 0) {
-                    c.is_scale[c.scale_of[i]] = 1;
-                    if (c.model[c.scale_of[i]].nbytes > sbuf_bytes) sbuf_bytes = c.model[c.scale_of[i]].nbytes;
-                }
+                if ((s = fp8_prepare(&c, base, c.model, nt, i, &plan))) goto fail;
+                if (c.scale_of[i] >= 0 && c.model[c.scale_of[i]].nbytes > sbuf_bytes)
+                    sbuf_bytes = c.model[c.scale_of[i]].nbytes;
             }
         } else if (nb > copy_bytes) {
             copy_bytes = nb;
@@ -381,6 +386,16 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     if (sbuf_bytes && !(c.sbuf = lk_malloc(sbuf_bytes))) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
         goto fail;
+    }
+    for (size_t i = 0; i < nt; i++) { /* every fused FP8 weight's scale values, before anything is written */
+        long si = c.scale_of[i];
+        if (si < 0) continue;
+        const lk_tensor *sc = &c.model[si];
+        if ((s = lk_ckpt_read(c.ck, (size_t)si, 0, c.sbuf, sc->nbytes)) ||
+            (s = lk_fp8_scale_values_check(sc->name, c.sbuf, sc->dtype, (int64_t)lk_tensor_numel(sc)))) {
+            lk_error_prefix(s, "%s", base);
+            goto fail;
+        }
     }
     if (copy_bytes > COPY_CHUNK) copy_bytes = COPY_CHUNK;
     if (copy_bytes > buf_bytes) buf_bytes = copy_bytes;
@@ -400,7 +415,7 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
     }
     json_t *hold;
     const char *old = base_record(c.ck, &hold);
-    s = fused_record(lk_ckpt_path(c.ck), old, rec, n, &c.record);
+    s = fused_record(lk_ckpt_path(c.ck), old, rec, n, opts->alpha_from, &c.record);
     json_decref(hold);
     lk_free(rec);
     if (s) goto fail;
@@ -499,19 +514,6 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
 fail:
     fctx_free(&c);
     return s;
-}
-
-/* Checks an FP8 weight's plan (LoRA terms only) and finds its scale into
- * c->scale_of[i], marking the scale in c->is_scale. */
-static lk_status fp8_prepare(fctx *c, const char *label, const lk_tensor *model, size_t nt, size_t i,
-                             const lk_fuse_key *plan) {
-    if (plan->replace || plan->dora)
-        return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: %s on an FP8 weight is not supported (LoRA terms only)", label,
-                        model[i].name, plan->dora ? "DoRA" : "a replacement (modules_to_save, bias)");
-    lk_status s = lk_fp8_scale_of(model, nt, i, &c->scale_of[i]);
-    if (s) return lk_error_prefix(s, "%s", label);
-    if (c->scale_of[i] >= 0) c->is_scale[c->scale_of[i]] = 1;
-    return LK_OK;
 }
 
 lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *inputs, size_t n,

@@ -38,11 +38,10 @@ static lk_status term_scale(const lk_adapter *a, const lk_lora_module *m, double
                             double *out) {
     *out = strength * m->scale;
     if (isfinite(*out)) return LK_OK;
-    char sb[LK_STRENGTH_STR_MAX], cb[LK_STRENGTH_STR_MAX];
-    lk_fuse_strength_str(strength, sb, sizeof sb);
-    lk_fuse_strength_str(m->scale, cb, sizeof cb);
-    return lk_error(LK_ERR_ARG, "%s: %s: strength %s times the module's %sscale %s (alpha %g, r %d) is not finite",
-                    lk_adapter_path(a), m->module, sb, what, cb, (double)m->alpha, m->rank);
+    char sb[LK_NUM_STR_MAX], cb[LK_NUM_STR_MAX], ab[LK_NUM_STR_MAX];
+    return lk_error(LK_ERR_ARG, "%s: %s: strength %s times the module's %sscale %s (alpha %s, r %d) is not finite",
+                    lk_adapter_path(a), m->module, lk_num_str(strength, sb), what, lk_num_str(m->scale, cb),
+                    lk_num_str(m->alpha, ab), m->rank);
 }
 
 lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t n, const lk_tensor *t,

@@ -136,10 +136,14 @@ static lk_status parse_root(pctx *c, lk_plan *p) {
             p->timeout = t;
         } else if (!strcmp(k, "fp8_saturate")) {
             if (!lk_ynode_bool(vn, &p->fp8.saturate)) return lk_yerr(c->doc, vn, NULL, "expected true or false");
+        } else if (!strcmp(k, "alpha_from")) {
+            const char *v = lk_ynode_str(vn);
+            if (!v || lk_alpha_from_parse(v, &p->alpha_from))
+                return lk_yerr(c->doc, vn, NULL, "expected tensors or metadata");
         } else if (strcmp(k, "steps")) {
             return lk_yerr(c->doc, kn, NULL,
                            "unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, fp8_rounding, fp8_seed, "
-                           "fp8_scale, fp8_saturate, timeout, steps)");
+                           "fp8_scale, fp8_saturate, timeout, alpha_from, steps)");
         }
     }
     const lk_ynode *steps = lk_ymap_get(root, "steps");

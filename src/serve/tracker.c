@@ -182,9 +182,9 @@ static int request_equal(const request *a, const request *b) {
 static void request_describe(const request *r, char *buf, size_t cap) {
     size_t len = (size_t)snprintf(buf, cap, "%zu adapter%s", r->n, r->n == 1 ? "" : "s");
     for (size_t i = 0; i < r->n && len < cap; i++) {
-        char sb[LK_STRENGTH_STR_MAX];
-        lk_fuse_strength_str(r->e[i].strength, sb, sizeof sb);
-        len += (size_t)snprintf(buf + len, cap - len, "%s%s@%s", i ? ", " : ": ", r->e[i].path, sb);
+        char sb[LK_NUM_STR_MAX];
+        len += (size_t)snprintf(buf + len, cap - len, "%s%s@%s", i ? ", " : ": ", r->e[i].path,
+                                lk_num_str(r->e[i].strength, sb));
     }
 }
 
@@ -237,7 +237,8 @@ static lk_status request_load(lk_tracker *t, request *r) {
     r->content = lk_calloc(r->n, sizeof *r->content);
     if (!r->ad || !r->content) return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
     for (size_t i = 0; i < r->n; i++) {
-        lk_status s = lk_adapter_open(r->e[i].path, r->e[i].format, &r->ad[i]);
+        lk_adapter_opts ao = {r->e[i].format, t->o.alpha_from};
+        lk_status s = lk_adapter_open_opts(r->e[i].path, &ao, &r->ad[i]);
         if (!s) s = lk_adapter_resolve(r->ad[i], lk_weights_tensors(t->w), t->n, 0, NULL);
         if (s) return s;
         r->content[i] = adapter_content(r->ad[i]);
@@ -283,6 +284,12 @@ static lk_status key_signatures(lk_tracker *t, const request *r, lk_fuse_term *t
                 long sc;
                 lk_status bad = lk_fp8_scale_of(lk_weights_tensors(t->w), t->n, i, &sc);
                 return lk_error_prefix(bad ? bad : LK_ERR_UNSUPPORTED, "%s", r->e[first].path);
+            }
+            if (lk_dtype_is_fp8(w->dtype) && t->k[i].scale >= 0) { /* NaN, Inf, 0, < 0: refused before any write */
+                const lk_tensor *sc = lk_weights_tensor(t->w, (size_t)t->k[i].scale);
+                const void *v = t->k[t->k[i].scale].backup ? t->k[t->k[i].scale].backup : sc->data; /* clean values */
+                lk_status bad = lk_fp8_scale_values_check(sc->name, v, sc->dtype, (int64_t)lk_tensor_numel(sc));
+                if (bad) return lk_error_prefix(bad, "%s", r->e[first].path);
             }
         }
         t->next[i] = (first != SIZE_MAX && !s) ? 1 : s; /* 0 is reserved for clean */
@@ -620,9 +627,9 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash, int mode) {
     }
     /* the mode: serial or not changes where the agreement on the fuse
      * sits among the collectives (the automatic choice is agreed apart) */
-    uint64_t opts[9] = {t->o.bucket_bytes, t->o.no_lora_swap != 0, t->full != 0, t->o.allow_nonfinite != 0,
-                        (uint64_t)t->o.fp8.rounding, t->o.fp8.seed, (uint64_t)t->o.fp8.scale, t->o.fp8.saturate != 0,
-                        (uint64_t)mode};
+    uint64_t opts[10] = {t->o.bucket_bytes, t->o.no_lora_swap != 0, t->full != 0, t->o.allow_nonfinite != 0,
+                         (uint64_t)t->o.fp8.rounding, t->o.fp8.seed, (uint64_t)t->o.fp8.scale, t->o.fp8.saturate != 0,
+                         (uint64_t)mode, (uint64_t)t->o.alpha_from};
     XXH3_64bits_update(&hs, opts, sizeof opts);
     *shape_hash = XXH3_64bits_digest(&hs);
     qsort(kr, t->n, sizeof *kr, cmp_by_size);
@@ -764,6 +771,8 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
     if (!t) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory");
     else if (!weights || !opts) local = lk_error(LK_ERR_ARG, "lk_tracker_create: NULL weights or options");
     else if (opts->threads < 0) local = lk_error(LK_ERR_ARG, "tracker: threads must be >= 0 (got %d)", opts->threads);
+    else if ((int)opts->alpha_from < 0 || opts->alpha_from >= LK_ALPHA_COUNT)
+        local = lk_error(LK_ERR_ARG, "tracker: invalid alpha source %d", (int)opts->alpha_from);
     else if ((mode & LK_TRACKER_SERIAL) && (mode & LK_TRACKER_OVERLAP))
         local = lk_error(LK_ERR_ARG, "tracker: mode %d asks for both serial and overlap", mode);
     if (!local) {

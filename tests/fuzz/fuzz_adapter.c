@@ -36,10 +36,12 @@ static void fz_adapter_fuse(const lk_adapter *a) {
     }
 }
 
-/* Opens path with format fmt and resolves it; returns the open status. */
-static lk_status fz_adapter_try(const char *path, lk_adapter_format fmt, int allow) {
+/* Opens path with format fmt (and alpha source af) and resolves it; returns
+ * the open status. */
+static lk_status fz_adapter_try(const char *path, lk_adapter_format fmt, lk_alpha_from af, int allow) {
     lk_adapter *a = NULL;
-    lk_status s = lk_adapter_open(path, fmt, &a);
+    lk_adapter_opts o = {fmt, af};
+    lk_status s = lk_adapter_open_opts(path, &o, &a);
     if (s != LK_OK) {
         fz_clean_error(s);
         FZ_CHECK(a == NULL);
@@ -60,10 +62,15 @@ static lk_status fz_adapter_try(const char *path, lk_adapter_format fmt, int all
 static void fz_adapter(const uint8_t *data, size_t size) {
     const char *path = fz_write_tmp("adapter.safetensors", data, size);
     (void)lk_adapter_looks_like(path); /* must not crash; sets no error */
-    fz_adapter_try(path, LK_FORMAT_AUTO, 0);
-    fz_adapter_try(path, LK_FORMAT_AUTO, 1);
+    fz_adapter_try(path, LK_FORMAT_AUTO, LK_ALPHA_AUTO, 0);
+    lk_status auto_s = fz_adapter_try(path, LK_FORMAT_AUTO, LK_ALPHA_AUTO, 1);
     for (int f = LK_FORMAT_AUTO + 1; f < LK_FORMAT_COUNT; f++)
-        fz_adapter_try(path, (lk_adapter_format)f, 1);
+        fz_adapter_try(path, (lk_adapter_format)f, LK_ALPHA_AUTO, 1);
+    /* each alpha source: an adapter that opens under auto opens under both
+     * (out of memory aside: the tests inject allocation failures) */
+    lk_status a0 = fz_adapter_try(path, LK_FORMAT_AUTO, LK_ALPHA_TENSORS, 1);
+    lk_status a1 = fz_adapter_try(path, LK_FORMAT_AUTO, LK_ALPHA_METADATA, 1);
+    FZ_CHECK(auto_s != LK_OK || ((a0 == LK_OK || a0 == LK_ERR_NOMEM) && (a1 == LK_OK || a1 == LK_ERR_NOMEM)));
 }
 
 LK_FUZZ_MAIN(fz_adapter)

@@ -200,4 +200,15 @@ put("plan", "no_swap.yaml", "no_lora_swap: true\nsteps:\n  - loras: [{path: x.sa
 # strengths are doubles read whole: 0.7 exactly, 1e39 fine, 1e-400 (reads as 0) refused, subnormals kept
 put("plan", "strengths.yaml", "steps:\n  - loras: [{path: a, strength: 0.7}, {path: b, strength: 1e39}]\n"
     "  - loras: [{path: a, strength: 1e-320}]\n  - loras: [{path: a, strength: -1e-400}]\n")
+# alpha rules (issue 20): .alpha vs lora_adapter_metadata disagreeing; ss_network_alpha not a number
+put("adapter", "alpha_vs_metadata", save({
+    "transformer.blocks.0.attn.to_q.lora_A.weight": arr((R, H)),
+    "transformer.blocks.0.attn.to_q.lora_B.weight": arr((H, R)),
+    "transformer.blocks.0.attn.to_q.alpha": np.array(8.0, np.float32)},
+    metadata={"lora_adapter_metadata": json.dumps({"r": R, "lora_alpha": 16})}))
+put("adapter", "kohya_bad_ss", save({
+    "lora_unet_blocks_0_attn_to_q.lora_down.weight": arr((R, H)),
+    "lora_unet_blocks_0_attn_to_q.lora_up.weight": arr((H, R))},
+    metadata={"ss_network_dim": "4", "ss_network_alpha": "nan"}))
+
 print("corpus written to", CORPUS)

@@ -103,6 +103,22 @@ int tu_run_cli(char **out, char **err, const char *fmt, ...) {
     return rc;
 }
 
+void tu_cli_expect(int want, const char *in_out, const char *in_err, const char *absent, const char *fmt, ...) {
+    char args[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    char *so = NULL, *se = NULL;
+    int rc = tu_run_cli(&so, &se, "%s", args);
+    if (rc != want) fail_msg("lorakit %s: exit %d, expected %d: %s", args, rc, want, se ? se : "");
+    if (in_out) tu_assert_contains(so, in_out);
+    if (in_err) tu_assert_contains(se, in_err);
+    if (absent && se && strstr(se, absent)) fail_msg("lorakit %s: stderr holds '%s': %s", args, absent, se);
+    free(so);
+    free(se);
+}
+
 void tu_assert_contains_(const char *hay, const char *needle, const char *file, int line) {
     if (!hay || !strstr(hay, needle)) {
         print_error("%s:%d: expected to find \"%s\" in \"%s\"\n", file, line, needle, hay ? hay : "(null)");

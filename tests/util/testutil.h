@@ -35,6 +35,12 @@ float tu_uniform(tu_rng *r, float lo, float hi);
 int tu_run_cli(char **out, char **err, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* tu_run_cli, then asserts the exit code is want, that stdout holds in_out
+ * and stderr in_err (each NULL: not checked), and that stderr lacks absent
+ * (NULL: nothing). */
+void tu_cli_expect(int want, const char *in_out, const char *in_err, const char *absent, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+
 /* Asserts that haystack contains needle, printing both when it does not. */
 #define tu_assert_contains(hay, needle) \
     tu_assert_contains_((hay), (needle), __FILE__, __LINE__)

@@ -50,5 +50,13 @@ int lk_cli_fp8_option(const char *cmd, int argc, char **argv, int *i, lk_fp8_opt
     "  --fp8-scale M          rescale (default: new scale from the fused values,\n"     \
     "                         LTX-2's formula) or keep the weight's scale\n"            \
     "  --fp8-saturate         clamp values beyond the FP8 range instead of failing\n"
+/* --alpha-from's --help lines (fuse, swap, inspect). */
+#define LK_CLI_ALPHA_FROM_HELP                                                             \
+    "  --alpha-from S         where a file's alpha comes from when it holds more than\n" \
+    "                         one source: tensors (the .alpha tensors, else r) or\n"     \
+    "                         metadata (lora_adapter_metadata, else kohya's\n"           \
+    "                         ss_network_alpha, else .alpha, else r). Default: .alpha,\n" \
+    "                         else lora_adapter_metadata, else r; .alpha tensors and\n"  \
+    "                         lora_adapter_metadata that disagree are an error\n"
 
 #endif
