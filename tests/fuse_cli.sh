@@ -108,11 +108,11 @@ ls "$TMP" | grep -v -E '^(out|err|out\.safetensors|link\.safetensors)$' && fail 
 # inspect on adapters: format, modules, rank / alpha / scale / where alpha came from.
 expect 0 inspect "$FX/peft"
 out_has "format:  peft (adapter_config.json)"; out_has "modules: 2"
-grep -E '^ +4 +4 +1 +1  config +blocks.0.attn.to_k$' "$TMP/out" >/dev/null || fail "inspect peft: to_k row"
-grep -E '^ +2 +4 +2 +1  config +blocks.0.attn.to_q$' "$TMP/out" >/dev/null || fail "inspect peft: to_q row"
+grep -E '^ +lora +4 +4 +1 +1  config +blocks.0.attn.to_k$' "$TMP/out" >/dev/null || fail "inspect peft: to_k row"
+grep -E '^ +lora +2 +4 +2 +1  config +blocks.0.attn.to_q$' "$TMP/out" >/dev/null || fail "inspect peft: to_q row"
 expect 0 inspect "$FX/diffusers.safetensors" --json
 out_has '"format":"diffusers"'; out_has '"module_count":2'
-out_has '{"module":"blocks.0.attn.to_q","rank":2,"alpha":1.0,"scale":0.5,"alpha_source":".alpha tensor","in":6,"out":8,"dtype_A":"F16","dtype_B":"F16","dora":false,"lora_bias":false}'
+out_has '{"module":"blocks.0.attn.to_q","algo":"lora","rank":2,"alpha":1.0,"scale":0.5,"alpha_source":".alpha tensor","in":6,"out":8,"dtype_A":"F16","dtype_B":"F16","dora":false,"lora_bias":false,"tucker":false,"conv":false,"tensors":{'
 expect 0 inspect "$FX/kohya.safetensors";     out_has "format:  kohya"; out_has ".alpha tensor"
 expect 0 inspect "$FX/fastvideo.safetensors"; out_has "format:  fastvideo"
 expect 1 inspect "$FX/bad_lone_a.safetensors"; err_has "lora_A without lora_B"

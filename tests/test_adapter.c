@@ -349,8 +349,10 @@ static void test_peft_saved_tensors(void **state) {
          LK_ERR_FORMAT},
         {"blocks.0.attn.to_q", "blocks.0.attn.to_q.weight", "{\"r\": 4, \"modules_to_save\": [\"to_q\"]}",
          "is saved whole (modules_to_save) but blocks.0.attn.to_q also has LoRA factors", 0, LK_ERR_FORMAT},
-        {"blocks.0.attn.to_q", "embed.hada_w1_a", "{\"r\": 4}", "is a LoHa (LyCORIS) factor, which lorakit does not fuse",
-         0, LK_ERR_UNSUPPORTED},
+        {"blocks.0.attn.to_q", "embed.hada_w1_a", "{\"r\": 4}",
+         "embed: LoHa needs hada_w1_a, hada_w1_b, hada_w2_a and hada_w2_b; hada_w1_b is missing", 0, LK_ERR_FORMAT},
+        {"blocks.0.attn.to_q", "embed.oft_r", "{\"r\": 4}",
+         "is an OFT factor (PEFT OFT): lorakit recognises that algorithm but does not fuse it", 0, LK_ERR_UNSUPPORTED},
         {"blocks.0.attn.to_q", "blocks.0.attn.to_q.base_layer.weight", "{\"r\": 4}",
          "is a LoRA layer's base weight (PEFT's save_embedding_layers", 0, LK_ERR_UNSUPPORTED},
     };
@@ -375,7 +377,8 @@ static void test_peft_saved_tensors(void **state) {
     d = peft_folder("lb_on", "{\"r\": 4, \"lora_bias\": true}", f);
     a = open_ok(d, LK_FORMAT_AUTO);
     assert_int_equal(lk_adapter_resolve(a, m->t, m->n, 0, NULL), LK_ERR_UNMATCHED);
-    tu_assert_contains(lk_last_error(), "has a lora_B bias but the model has no blocks.0.attn.to_k.bias");
+    tu_assert_contains(lk_last_error(), "has a bias delta ('base_model.model.blocks.0.attn.to_k.lora_B.bias') but the "
+                       "model has no blocks.0.attn.to_k.bias");
     lk_adapter_free(a);
     free(d);
     af_free(f);
@@ -637,7 +640,7 @@ static void test_file_errors(void **state) {
          (af_rand(f, "x.lora_A.weight", LK_DTYPE_F32, 2, IN, &g_rng, -1, 1),
           f->t[f->n - 1].dtype = LK_DTYPE_I32,
           af_rand(f, "x.lora_B.weight", LK_DTYPE_F32, OUT, 2, &g_rng, -1, 1)),
-         LK_ERR_DTYPE, "int.safetensors: x: lora_A has dtype I32; LoRA factors must be F32, F16 or BF16");
+         LK_ERR_DTYPE, "int.safetensors: x: lora_A has dtype I32; adapter factors must be F32, F16 or BF16");
     CASE("alpha_inf.safetensors",
          (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
           af_scalar(f, "x.alpha", LK_DTYPE_F32, INFINITY)),
@@ -653,16 +656,18 @@ static void test_file_errors(void **state) {
     CASE("conv.safetensors",
          (af_rand(f, "x.lora_A.weight", LK_DTYPE_F32, 2, IN, &g_rng, -1, 1), f->t[f->n - 1].ndim = 4,
           f->t[f->n - 1].shape[2] = 1, f->t[f->n - 1].shape[3] = 1,
-          af_rand(f, "x.lora_B.weight", LK_DTYPE_F32, OUT, 2, &g_rng, -1, 1)),
-         LK_ERR_UNSUPPORTED, "conv.safetensors: x: lora_A is 4-D (a convolution LoRA)");
+          af_rand(f, "x.lora_B.weight", LK_DTYPE_F32, OUT, 6, &g_rng, -1, 1), f->t[f->n - 1].ndim = 4,
+          f->t[f->n - 1].shape[1] = 2, f->t[f->n - 1].shape[2] = 3, f->t[f->n - 1].shape[3] = 1),
+         LK_ERR_SHAPE, "conv.safetensors: x: lora_B is [12, 2, 3, 1]: a convolution's up factor must be [out, r, 1, 1]");
     CASE("unknown.safetensors",
          (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
-          af_rand(f, "x.dora_scale", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1)),
-         LK_ERR_UNSUPPORTED, "unknown.safetensors: key 'x.dora_scale' is a kohya-style DoRA magnitude (dora_scale), which lorakit does not fuse");
+          af_rand(f, "x.oft_blocks", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1)),
+         LK_ERR_UNSUPPORTED, "unknown.safetensors: key 'x.oft_blocks' is an OFT / BOFT block (LyCORIS diag-oft or boft): "
+         "lorakit recognises that algorithm but does not fuse it");
     CASE("unknown2.safetensors",
          (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
           af_rand(f, "x.something", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1)),
-         LK_ERR_FORMAT, "unknown2.safetensors: key 'x.something' is not a LoRA factor or alpha");
+         LK_ERR_FORMAT, "unknown2.safetensors: key 'x.something' belongs to no adapter algorithm lorakit knows");
     CASE("peft_saved_nocfg.safetensors",
          (pair(f, "base_model.model.x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
           af_rand(f, "base_model.model.pooler.dense.weight", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1)),
@@ -677,7 +682,7 @@ static void test_file_errors(void **state) {
           pair(f, "transformer.x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32)),
          LK_ERR_FORMAT, "dup.safetensors: 'transformer.x' and 'x' are the same module x");
     CASE("empty.safetensors", af_rand(f, "blocks.0.weight", LK_DTYPE_F32, 2, 2, &g_rng, -1, 1), LK_ERR_FORMAT,
-         "empty.safetensors: key 'blocks.0.weight' is not a LoRA factor or alpha");
+         "empty.safetensors: key 'blocks.0.weight' belongs to no adapter algorithm lorakit knows");
 #undef CASE
     char *missing = tu_path(g_dir, "nope.safetensors");
     expect_open_error(missing, LK_FORMAT_AUTO, LK_ERR_IO, "nope.safetensors: no such file or directory");

@@ -174,7 +174,7 @@ static void test_matches_reference(void **state) {
                 lk_dtype fd = DTS[(ad + t) % 3];
                 ar_tensor_rand(&A[t], "A", fd, ranks[t], in, &rng, -0.5f, 0.5f);
                 ar_tensor_rand(&B[t], "B", DTS[ad], out, ranks[t], &rng, -0.5f, 0.5f);
-                terms[t] = (lk_fuse_term){&A[t].t, &B[t].t, scales[t], 0};
+                terms[t] = (lk_fuse_term){.A = &A[t].t, .B = &B[t].t, .scale = scales[t]};
                 ref[t] = (ar_term){&A[t].t, &B[t].t, scales[t]};
             }
             void *res = malloc(W.t.nbytes);
@@ -207,7 +207,7 @@ static void test_thread_invariance(void **state) {
     ar_tensor_rand(&B1, "B", LK_DTYPE_BF16, out, 64, &rng, -0.1f, 0.1f);
     ar_tensor_rand(&A2, "A", LK_DTYPE_F16, 66, in, &rng, -0.1f, 0.1f);
     ar_tensor_rand(&B2, "B", LK_DTYPE_F32, out, 66, &rng, -0.1f, 0.1f);
-    lk_fuse_term terms[2] = {{&A1.t, &B1.t, 1.5f, 0}, {&A2.t, &B2.t, -0.5f, 0}};
+    lk_fuse_term terms[2] = {{.A = &A1.t, .B = &B1.t, .scale = 1.5f}, {.A = &A2.t, .B = &B2.t, .scale = -0.5f}};
     void *first = malloc(W.t.nbytes), *res = malloc(W.t.nbytes);
     const int th[6] = {1, 2, 3, 5, 8, 0};
     for (int pth = 0; pth < N_PATHS; pth++) {
@@ -280,7 +280,7 @@ static void test_canonical_bytes(void **state) {
             for (int t = 0; t < f->nt; t++) {
                 ar_tensor_rand(&A[t], "A", DTS[(wd + t + (int)c) % 3], f->rk[t], f->in, &rng, -1, 1);
                 ar_tensor_rand(&B[t], "B", DTS[(wd + 2 * t + (int)c + 1) % 3], f->out, f->rk[t], &rng, -1, 1);
-                terms[t] = (lk_fuse_term){&A[t].t, &B[t].t, f->sc[t], 0};
+                terms[t] = (lk_fuse_term){.A = &A[t].t, .B = &B[t].t, .scale = f->sc[t]};
                 rt[t] = (rf_term){&A[t].t, &B[t].t, f->sc[t]};
             }
             char *want = malloc(W.t.nbytes), *res = malloc(W.t.nbytes);
@@ -360,7 +360,7 @@ static void test_ties_in_blocks(void **state) {
             if (dt == LK_DTYPE_F32) memcpy((char *)W.data + (size_t)i * 4, &u, 4);
             else memcpy((char *)W.data + (size_t)i * 2, &v, 2);
         }
-        lk_fuse_term t = {&A, &B, 1.0, 0};
+        lk_fuse_term t = {.A = &A, .B = &B, .scale = 1.0};
         rf_term rt = {&A, &B, 1.0};
         char *want = malloc(nb), *res = malloc(nb);
         rf_fuse(want, &W, &rt, 1);
@@ -405,7 +405,7 @@ static void test_single_rounding_hand(void **state) {
         float a1[1] = {1.0f}, b1[1] = {ldexpf(1, -8) + ldexpf(1, -30)};
         lk_tensor A = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, 1}, .nbytes = 4, .data = a1};
         lk_tensor B = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, 1}, .nbytes = 4, .data = b1};
-        lk_fuse_term t = {&A, &B, 1.0f, 0};
+        lk_fuse_term t = {.A = &A, .B = &B, .scale = 1.0f};
         uint16_t w16 = 0x3f80, r16;
         assert_int_equal(lk_fuse_tensor(&r16, &w16, LK_DTYPE_BF16, 1, 1, &t, 1, NULL, "w"), LK_OK);
         assert_int_equal(r16, 0x3f81);
@@ -422,7 +422,7 @@ static void test_single_rounding_hand(void **state) {
         float a2[2] = {ldexpf(1, -24), ldexpf(1, -60)}, b2[2] = {1.0f, 1.0f}, w32 = 1.0f, r32;
         lk_tensor A2 = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {2, 1}, .nbytes = 8, .data = a2};
         lk_tensor B2 = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, 2}, .nbytes = 8, .data = b2};
-        lk_fuse_term t2 = {&A2, &B2, 1.0f, 0};
+        lk_fuse_term t2 = {.A = &A2, .B = &B2, .scale = 1.0f};
         assert_int_equal(lk_fuse_tensor(&r32, &w32, LK_DTYPE_F32, 1, 1, &t2, 1, NULL, "w"), LK_OK);
         uint32_t u;
         memcpy(&u, &r32, 4);
@@ -454,7 +454,7 @@ static void test_f32_cancellation(void **state) {
             for (int64_t s = (o * in + j) % 5; s > 0; s--) x = nextafterf(x, 0.0f);
             w[o * in + j] = x;
         }
-    lk_fuse_term t = {&A.t, &B.t, sc, 0};
+    lk_fuse_term t = {.A = &A.t, .B = &B.t, .scale = sc};
     ar_term rt = {&A.t, &B.t, sc};
     float *res = malloc(W.t.nbytes);
     for (int pth = 0; pth < N_PATHS; pth++) {
@@ -490,7 +490,7 @@ static void test_delta_api(void **state) {
         for (int t = 0; t < 2; t++) {
             ar_tensor_rand(&A[t], "A", DTS[(wd + t) % 3], rk[t], in, &rng, -1, 1);
             ar_tensor_rand(&B[t], "B", DTS[(wd + t + 1) % 3], out, rk[t], &rng, -1, 1);
-            terms[t] = (lk_fuse_term){&A[t].t, &B[t].t, sc[t], 0};
+            terms[t] = (lk_fuse_term){.A = &A[t].t, .B = &B[t].t, .scale = sc[t]};
             rt[t] = (rf_term){&A[t].t, &B[t].t, sc[t]};
         }
         const size_t ld = (size_t)in + 3, esz = lk_dtype_size(dt);
@@ -518,8 +518,8 @@ static void test_delta_api(void **state) {
             /* prepared once, then two row ranges (as FP8 workers take them) */
             lk_delta_prep *pp;
             assert_int_equal(lk_fuse_delta_prepare(0, out, in, row0, rows, terms, 2, "w", &pp), LK_OK);
-            lk_fuse_delta_rows(pp, d2 + 4 * ld, ld, (size_t)row0 + 4, (size_t)rows - 4);
-            lk_fuse_delta_rows(pp, d2, ld, (size_t)row0, 4);
+            lk_fuse_delta_rows(pp, d2 + 4 * ld, ld, (size_t)row0 + 4, (size_t)rows - 4, NULL);
+            lk_fuse_delta_rows(pp, d2, ld, (size_t)row0, 4, NULL);
             lk_fuse_delta_free(pp);
             for (int64_t i = 0; i < rows; i++) assert_memory_equal(d2 + i * (int64_t)ld, d + i * (int64_t)ld, (size_t)in * 4);
             free(d2);
@@ -576,7 +576,7 @@ static void test_misaligned_weight(void **state) {
         ar_tensor_rand(&W, "w", dts[d], 9, 70, &rng, -1, 1);
         ar_tensor_rand(&A, "A", LK_DTYPE_F32, 3, 70, &rng, -1, 1);
         ar_tensor_rand(&B, "B", LK_DTYPE_F32, 9, 3, &rng, -1, 1);
-        lk_fuse_term t = {&A.t, &B.t, 0.5f, 0};
+        lk_fuse_term t = {.A = &A.t, .B = &B.t, .scale = 0.5f};
         char *raw = malloc(W.t.nbytes + 8);
         memcpy(raw + shift[d], W.t.data, W.t.nbytes);
         void *ref = malloc(W.t.nbytes), *res = malloc(W.t.nbytes);
@@ -607,7 +607,7 @@ static void test_zero_strength_identity(void **state) {
     ((uint16_t *)W.t.data)[1] = 0x7e01; /* NaN with payload */
     ar_tensor_rand(&A, "A", LK_DTYPE_F32, 2, 6, &rng, -1, 1);
     ar_tensor_rand(&B, "B", LK_DTYPE_F32, 4, 2, &rng, -1, 1);
-    lk_fuse_term t = {&A.t, &B.t, 0.0f, 0};
+    lk_fuse_term t = {.A = &A.t, .B = &B.t, .scale = 0.0f};
     void *res = malloc(W.t.nbytes);
     assert_int_equal(lk_fuse_tensor(res, W.t.data, LK_DTYPE_F16, 4, 6, &t, 1, NULL, "w"), LK_OK);
     assert_memory_equal(res, W.t.data, W.t.nbytes);
@@ -627,7 +627,7 @@ static void test_hand_computed(void **state) {
     float w[2] = {1, 2}, a[2] = {1, 1}, b[1] = {3}, res[2];
     lk_tensor A = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, 2}, .nbytes = 8, .data = a};
     lk_tensor B = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, 1}, .nbytes = 4, .data = b};
-    lk_fuse_term t = {&A, &B, 0.5f, 0};
+    lk_fuse_term t = {.A = &A, .B = &B, .scale = 0.5f};
     assert_int_equal(lk_fuse_tensor(res, w, LK_DTYPE_F32, 1, 2, &t, 1, NULL, "w"), LK_OK);
     assert_true(res[0] == 2.5f && res[1] == 3.5f);
 }
@@ -641,7 +641,7 @@ static void test_nonfinite(void **state) {
     uint16_t res[3];
     lk_tensor A = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, 3}, .nbytes = 12, .data = a};
     lk_tensor B = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, 1}, .nbytes = 4, .data = b};
-    lk_fuse_term t = {&A, &B, 1.0f, 0};
+    lk_fuse_term t = {.A = &A, .B = &B, .scale = 1.0f};
     assert_int_equal(lk_fuse_tensor(res, w, LK_DTYPE_F16, 1, 3, &t, 1, NULL, "blk.0.w"), LK_ERR_NONFINITE);
     tu_assert_contains(lk_last_error(), "blk.0.w: fusion made element [0, 1] non-finite (weight 64992 became inf)");
     lk_fuse_opts o = {.allow_nonfinite = 1};
@@ -669,7 +669,7 @@ static void test_nonfinite_bf16_block(void **state) {
     for (int i = 0; i < out; i++) b[i] = i == 5 ? 1.0e38f : 0.001f;
     lk_tensor A = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, in}, .nbytes = sizeof a, .data = a};
     lk_tensor B = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {out, 1}, .nbytes = sizeof b, .data = b};
-    lk_fuse_term t = {&A, &B, 1.0f, 0};
+    lk_fuse_term t = {.A = &A, .B = &B, .scale = 1.0f};
     uint16_t res[9 * 70];
     assert_int_equal(lk_fuse_tensor(res, W.t.data, LK_DTYPE_BF16, out, in, &t, 1, NULL, "blk"), LK_ERR_NONFINITE);
     tu_assert_contains(lk_last_error(), "blk: fusion made element [5, 40] non-finite");
@@ -750,7 +750,7 @@ static void test_epilogue_edges(void **state) {
             }
         lk_tensor A = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, in}, .nbytes = (size_t)in * 4, .data = a};
         lk_tensor B = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {out, 1}, .nbytes = sizeof b, .data = b};
-        lk_fuse_term t = {&A, &B, 1.0, 0};
+        lk_fuse_term t = {.A = &A, .B = &B, .scale = 1.0};
         rf_term rt = {&A, &B, 1.0};
         uint16_t *want = malloc(W.t.nbytes), *res = malloc(W.t.nbytes);
         rf_fuse(want, &W.t, &rt, 1);
@@ -792,7 +792,7 @@ static void test_epilogue_edges(void **state) {
     w1[4 * 64 + 37] = 0x7f7f;
     lk_tensor A1 = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {1, 64}, .nbytes = sizeof a1, .data = a1};
     lk_tensor B1 = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {6, 1}, .nbytes = sizeof b1, .data = b1};
-    lk_fuse_term t1 = {&A1, &B1, 1.0, 0};
+    lk_fuse_term t1 = {.A = &A1, .B = &B1, .scale = 1.0};
     for (int i = 0; i < 6; i++) w1[i * 64 + 37] = i == 4 ? 0x7f7f : 0; /* other rows: 0 + huge, finite */
     for (int pth = 0; pth < N_PATHS; pth++) {
         if (!force_path(PATHS[pth])) continue;
@@ -822,7 +822,7 @@ static void test_errors(void **state) {
     int8_t i8[6] = {0};
     lk_tensor A = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {2, 3}, .nbytes = 24, .data = a};
     lk_tensor B = {.dtype = LK_DTYPE_F32, .ndim = 2, .shape = {2, 2}, .nbytes = 16, .data = b};
-    lk_fuse_term t = {&A, &B, 1.0f, 0};
+    lk_fuse_term t = {.A = &A, .B = &B, .scale = 1.0f};
     /* weight 2x3: A 2x3 ok, B 2x2 ok -> fine */
     assert_int_equal(lk_fuse_tensor(res, w, LK_DTYPE_F32, 2, 3, &t, 1, NULL, "x"), LK_OK);
     assert_int_equal(lk_fuse_tensor(res, w, LK_DTYPE_F32, 3, 2, &t, 1, NULL, "x"), LK_ERR_SHAPE);
@@ -832,10 +832,10 @@ static void test_errors(void **state) {
     lk_tensor Ai = A;
     Ai.dtype = LK_DTYPE_I8;
     Ai.data = i8;
-    lk_fuse_term ti = {&Ai, &B, 1.0f, 0};
+    lk_fuse_term ti = {.A = &Ai, .B = &B, .scale = 1.0f};
     assert_int_equal(lk_fuse_tensor(res, w, LK_DTYPE_F32, 2, 3, &ti, 1, NULL, "x"), LK_ERR_DTYPE);
     tu_assert_contains(lk_last_error(), "x: term 0: A has dtype I8");
-    lk_fuse_term tn = {&A, &B, NAN, 0};
+    lk_fuse_term tn = {.A = &A, .B = &B, .scale = NAN};
     assert_int_equal(lk_fuse_tensor(res, w, LK_DTYPE_F32, 2, 3, &tn, 1, NULL, "x"), LK_ERR_NONFINITE);
     tu_assert_contains(lk_last_error(), "x: term 0: scale is nan");
     /* Allocation failure: clean error, output untouched. */

@@ -63,6 +63,23 @@ typedef struct lk_adapter_opts {
     lk_alpha_from alpha_from;
 } lk_adapter_opts;
 
+/* The algorithm of an adapter module (LyCORIS names where LyCORIS has it). */
+typedef enum lk_algo {
+    LK_ALGO_LORA = 0, /* lora_A/lora_B, lora_down/lora_up: linear, conv (LoCon), Tucker (lora_mid) */
+    LK_ALGO_LOHA,     /* hada_w1_a/_b, hada_w2_a/_b (+ hada_t1/_t2): (w1a w1b) * (w2a w2b) */
+    LK_ALGO_LOKR,     /* lokr_w1 or lokr_w1_a/_b, lokr_w2 or lokr_w2_a/_b (+ lokr_t2): kron(w1, w2) */
+    LK_ALGO_FULL,     /* diff (+ diff_b): a dense weight delta */
+    LK_ALGO_NORM,     /* w_norm (+ b_norm): LyCORIS norm on a norm layer's weight and bias */
+    LK_ALGO_SET,      /* set_weight: the weight replaced whole */
+    LK_ALGO_COUNT
+} lk_algo;
+
+/* "lora", "loha", "lokr", "full", "norm", "set_weight". */
+const char *lk_algo_name(lk_algo a);
+
+/* Tensors of a module, at most this many (lk_lora_module_tensors). */
+#define LK_MODULE_MAX_TENSORS 16
+
 typedef struct lk_lora_module {
     const char *module; /* module name as derived from the adapter's keys */
     const char *target; /* model weight key ("<m>.weight"); NULL until resolved
@@ -78,8 +95,30 @@ typedef struct lk_lora_module {
     const char *alpha_source;
     lk_tensor magnitude;     /* DoRA: lora_magnitude_vector, [out]; data NULL when not DoRA */
     lk_tensor bias;          /* lora_bias: lora_B.bias, [out]; data NULL when absent */
-    const char *bias_target; /* the model's "<m>.bias" once resolved (bias set), else NULL */
+    const char *bias_target; /* the model's "<m>.bias" once resolved (bias set), else NULL;
+                                for full / norm modules bias holds diff_b / b_norm */
+    lk_algo algo;
+    int64_t out, in;      /* the delta's rows and elements per row (in x kh x kw for a conv) */
+    /* The factors as the file holds them (data NULL when absent): LoCon's
+     * Tucker core lora_mid [r, r, kh, kw]; LoHa hada_w1_a, _b, hada_w2_a, _b,
+     * hada_t1, _t2 and LoKr lokr_w1_a, _b, lokr_w2_a, _b, lokr_t2 (in t2),
+     * lokr_w1, lokr_w2; full's diff, norm's w_norm, set_weight's tensor. */
+    lk_tensor mid, w1a, w1b, w2a, w2b, t1, t2, w1, w2, dense;
+    lk_tensor dora_scale; /* kohya / LyCORIS DoRA magnitude, [out, 1, ...] or [1, in, ...] */
+    /* After lk_adapter_resolve: the delta's 2-D factors as the fuse kernel
+     * takes them (conv factors reshaped, Tucker cores folded in fp64 into
+     * an F64 "A", transposed copies where needed). LoRA: k[0] = A (r x N),
+     * k[1] = B (out x r), N = the weight's elements per output row. LoHa:
+     * k[0], k[1] the first product, k[2], k[3] the second. LoKr: w1 = k[1]
+     * @ k[0] (k[0].data NULL: k[1] is w1 itself), w2 likewise from k[3],
+     * k[2]. full / norm / set_weight: k[1] = the tensor. */
+    lk_tensor k[4];
 } lk_lora_module;
+
+/* The module's own tensors from the file (factors, cores, alpha excluded,
+ * DoRA magnitudes, biases) into out[0 .. LK_MODULE_MAX_TENSORS); returns
+ * the count. */
+size_t lk_lora_module_tensors(const lk_lora_module *m, const lk_tensor **out);
 
 /* A tensor the adapter replaces whole (PEFT's modules_to_save, and the
  * biases saved with bias = "all" / "lora_only"). */

@@ -20,12 +20,25 @@
 extern "C" {
 #endif
 
+/* What a term adds (the canonical chain of each is at the top of
+ * src/fuse/terms.c and in the README). LoRA is the default (0), so a term
+ * written {A, B, scale} is a LoRA term. */
+typedef enum lk_term_kind {
+    LK_TERM_LORA = 0,  /* scale * B @ A (A r x in, B out x r); A NULL: a 1-D vector term scale * B */
+    LK_TERM_DENSE,     /* scale * B, B holding out x in values (any shape of that many elements) */
+    LK_TERM_HADA,      /* scale * (B @ A) * (B2 @ A2), elementwise (LoHa) */
+    LK_TERM_KRON       /* scale * kron(w1, w2): w1 = B @ A (A NULL: w1 = B, a x b), w2 = B2 @ A2
+                          (A2 NULL: w2 = B2, c x D); out = a c, in = b D (LoKr) */
+} lk_term_kind;
+
 typedef struct lk_fuse_term {
     const lk_tensor *A; /* r x in */
     const lk_tensor *B; /* out x r, or rows x r for a row slice */
     double scale;       /* strength * the module's alpha-derived scale, both doubles */
     int64_t slice;      /* 0: B covers the weight (out x r); k > 0: a row slice, B's rows land on the weight's
                            rows [k - 1, k - 1 + B rows) (a module on part of a fused q,k,v weight) */
+    lk_term_kind kind;
+    const lk_tensor *A2, *B2; /* the second product (HADA, KRON) */
 } lk_fuse_term;
 /* The term scale is consumed as a double on every path; it is never rounded
  * to float by itself. F32 weights: B' = scale * B in f64 (one f64 rounding),

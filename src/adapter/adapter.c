@@ -71,11 +71,20 @@ lk_status lk_alpha_from_parse(const char *name, lk_alpha_from *out) {
 
 /* ---- key classification ---- */
 
-enum family { FAM_NONE = 0, FAM_AB, FAM_KOHYA, FAM_FV, FAM_ALPHA };
-enum role { ROLE_A = 0, ROLE_B = 1, ROLE_ALPHA = 2, ROLE_MAG = 3, ROLE_BBIAS = 4, ROLE_COUNT = 5 };
+enum family { FAM_NONE = 0, FAM_AB, FAM_KOHYA, FAM_FV, FAM_ALPHA, FAM_ANY };
+enum role {
+    ROLE_A = 0, ROLE_B, ROLE_ALPHA, ROLE_MAG, ROLE_BBIAS,
+    ROLE_MID,                                        /* LoCon Tucker core */
+    ROLE_HW1A, ROLE_HW1B, ROLE_HW2A, ROLE_HW2B, ROLE_HT1, ROLE_HT2, /* LoHa */
+    ROLE_KW1, ROLE_KW1A, ROLE_KW1B, ROLE_KW2, ROLE_KW2A, ROLE_KW2B, ROLE_KT2, /* LoKr */
+    ROLE_DIFF, ROLE_DIFFB, ROLE_SETW, ROLE_WNORM, ROLE_BNORM, ROLE_DORA,
+    ROLE_COUNT
+};
 
-static const char *const g_fam_names[] = {"unknown", "PEFT/diffusers", "kohya", "FastVideo"};
+static const char *const g_fam_names[] = {"unknown", "PEFT/diffusers", "kohya", "FastVideo", "alpha", "any"};
 
+/* Keys of the LyCORIS / dense algorithms carry no naming family of their
+ * own (FAM_ANY): a file's family comes from its LoRA keys, or its names. */
 static const struct {
     const char *suffix;
     enum family fam;
@@ -91,7 +100,15 @@ static const struct {
     /* diffusers' own training scripts (attention processors, LoRALinearLayer) */
     {".lora.down.weight", FAM_AB, ROLE_A},      {".lora.up.weight", FAM_AB, ROLE_B},
     {".lora_linear_layer.down.weight", FAM_AB, ROLE_A}, {".lora_linear_layer.up.weight", FAM_AB, ROLE_B},
+    {".lora_mid.weight", FAM_ANY, ROLE_MID},
     {".lora_A", FAM_FV, ROLE_A},                {".lora_B", FAM_FV, ROLE_B},
+    {".hada_w1_a", FAM_ANY, ROLE_HW1A}, {".hada_w1_b", FAM_ANY, ROLE_HW1B}, {".hada_w2_a", FAM_ANY, ROLE_HW2A},
+    {".hada_w2_b", FAM_ANY, ROLE_HW2B}, {".hada_t1", FAM_ANY, ROLE_HT1},    {".hada_t2", FAM_ANY, ROLE_HT2},
+    {".lokr_w1", FAM_ANY, ROLE_KW1},    {".lokr_w1_a", FAM_ANY, ROLE_KW1A}, {".lokr_w1_b", FAM_ANY, ROLE_KW1B},
+    {".lokr_w2", FAM_ANY, ROLE_KW2},    {".lokr_w2_a", FAM_ANY, ROLE_KW2A}, {".lokr_w2_b", FAM_ANY, ROLE_KW2B},
+    {".lokr_t2", FAM_ANY, ROLE_KT2},
+    {".diff", FAM_ANY, ROLE_DIFF},      {".diff_b", FAM_ANY, ROLE_DIFFB},   {".set_weight", FAM_ANY, ROLE_SETW},
+    {".w_norm", FAM_ANY, ROLE_WNORM},   {".b_norm", FAM_ANY, ROLE_BNORM},   {".dora_scale", FAM_ANY, ROLE_DORA},
 };
 
 /* PEFT's adapter-name infix with any adapter name: "<m>.lora_A.<name>.weight"
@@ -106,6 +123,17 @@ static const struct {
     {".lora_magnitude_vector.", ".weight", ROLE_MAG},
 };
 
+/* The role's key suffix, for messages. */
+static const char *role_key(enum role r) {
+    for (size_t i = 0; i < sizeof g_suffixes / sizeof g_suffixes[0]; i++)
+        if (g_suffixes[i].role == r) return g_suffixes[i].suffix + 1;
+    return r == ROLE_ALPHA ? "alpha" : "?";
+}
+
+static int is_kohya_name(const char *k) {
+    return !strncmp(k, "lora_unet_", 10) || !strncmp(k, "lora_te", 7) || !strncmp(k, "lycoris_", 8);
+}
+
 /* Family and role of a key; stem_len is the length of its module part. An
  * ".alpha" belongs to whichever family its module's factors are in
  * (FAM_ALPHA: kohya, ComfyUI's "diffusion_model.<m>.alpha", diffusers). */
@@ -116,6 +144,7 @@ static enum family classify(const char *k, enum role *role, size_t *stem_len) {
         if (n > sl && !strcmp(k + n - sl, g_suffixes[i].suffix)) {
             *role = g_suffixes[i].role;
             *stem_len = n - sl;
+            if (g_suffixes[i].fam == FAM_ANY && is_kohya_name(k)) return FAM_KOHYA;
             return g_suffixes[i].fam;
         }
     }
@@ -164,7 +193,7 @@ int lk_adapter_looks_like(const char *path) {
         const char *k = lk_st_tensor(st, i)->name;
         enum family f = classify(k, &r, &sl);
         other |= f == FAM_NONE;
-        found |= f != FAM_NONE && (r == ROLE_A || r == ROLE_B);
+        found |= f != FAM_NONE && r != ROLE_ALPHA && r != ROLE_MAG && r != ROLE_BBIAS && r != ROLE_DORA;
         all_peft &= !strncmp(k, "base_model.model.", 17);
     }
     lk_st_close(st);
@@ -220,6 +249,7 @@ void lk_adapter_free(lk_adapter *a) {
     free_strv(a->pl_strs, 2 * a->n_pl);
     lk_free(a->pl);
     lk_free(a->family);
+    lk_free(a->xfactors);
     lk_free(a->by_bias);
     for (size_t i = 0; i < a->n_meta; i++) {
         lk_free(a->meta[i].prefix);
@@ -342,19 +372,30 @@ static lk_status locate(lk_adapter *a) {
     return read_config(a, cfg);
 }
 
-/* Keys of other adapter methods, named when refused. */
+/* Keys of adapter algorithms lorakit recognises but does not fuse, named
+ * when refused (lycoris: LyCORIS-only, checked on keys outside PEFT's
+ * "base_model.model." namespace, where a model's own names could hold them). */
 static const struct {
     const char *part, *what;
+    int lycoris;
 } g_foreign[] = {
-    {".dora_scale", "a kohya-style DoRA magnitude (dora_scale)"},
-    {".hada_w", "a LoHa (LyCORIS) factor"},
-    {".lokr_w", "a LoKr (LyCORIS) factor"},
-    {".oft_", "an OFT factor"},
-    {".boft_", "a BOFT factor"},
-    {".ia3_l", "an IA3 vector"},
-    {".vera_lambda", "a VeRA vector"},
-    {".lora_E", "an AdaLoRA singular-value vector (lora_E)"},
-    {".trainable_tokens_delta", "a trainable-tokens delta"},
+    {".oft_blocks", "an OFT / BOFT block (LyCORIS diag-oft or boft)", 1},
+    {".rescale", "an OFT / BOFT rescale vector (LyCORIS diag-oft or boft)", 1},
+    {".on_input", "an IA3 vector (LyCORIS ia3)", 1},
+    {".a1.weight", "a GLoRA factor (LyCORIS glora)", 1},
+    {".a2.weight", "a GLoRA factor (LyCORIS glora)", 1},
+    {".b1.weight", "a GLoRA factor (LyCORIS glora)", 1},
+    {".b2.weight", "a GLoRA factor (LyCORIS glora)", 1},
+    {".bm.weight", "a GLoRA factor (LyCORIS glora)", 1},
+    {".lambda_layer", "a T-LoRA vector (LyCORIS tlora)", 1},
+    {".q_layer.weight", "a T-LoRA factor (LyCORIS tlora)", 1},
+    {".p_layer.weight", "a T-LoRA factor (LyCORIS tlora)", 1},
+    {".oft_", "an OFT factor (PEFT OFT)", 0},
+    {".boft_", "a BOFT factor (PEFT BOFT)", 0},
+    {".ia3_l", "an IA3 vector (PEFT IA3)", 0},
+    {".vera_lambda", "a VeRA vector", 0},
+    {".lora_E", "an AdaLoRA singular-value vector (lora_E)", 0},
+    {".trainable_tokens_delta", "a trainable-tokens delta", 0},
 };
 
 /* A key that is not a LoRA factor: a tensor PEFT saved whole (its
@@ -363,10 +404,11 @@ static const struct {
 static lk_status other_key(const lk_adapter *a, const char *k, char **name, const char **why) {
     const char *f = a->file;
     *name = NULL;
+    const int peft_key = !strncmp(k, "base_model.model.", 17);
     for (size_t i = 0; i < sizeof g_foreign / sizeof g_foreign[0]; i++)
-        if (strstr(k, g_foreign[i].part))
-            return lk_error(LK_ERR_UNSUPPORTED, "%s: key '%s' is %s, which lorakit does not fuse", f, k,
-                            g_foreign[i].what);
+        if (strstr(k, g_foreign[i].part) && !(g_foreign[i].lycoris && peft_key))
+            return lk_error(LK_ERR_UNSUPPORTED, "%s: key '%s' is %s: lorakit recognises that algorithm but does not "
+                            "fuse it", f, k, g_foreign[i].what);
     const char *rest = !strncmp(k, "base_model.model.", 17) ? k + 17 : NULL;
     if (!a->has_config || !rest || !*rest) {
         if (rest)
@@ -374,7 +416,9 @@ static lk_status other_key(const lk_adapter *a, const char *k, char **name, cons
                             "%s: key '%s' is not a LoRA factor; PEFT saves such tensors for modules_to_save or bias, "
                             "which need the adapter_config.json that is not beside the file", f, k);
         return lk_error(LK_ERR_FORMAT,
-                        "%s: key '%s' is not a LoRA factor or alpha (expected lora_A/lora_B, lora_down/lora_up)", f, k);
+                        "%s: key '%s' belongs to no adapter algorithm lorakit knows (LoRA lora_A/lora_B or "
+                        "lora_down/lora_up (+ lora_mid), LoHa hada_*, LoKr lokr_*, full diff/diff_b, set_weight, norm "
+                        "w_norm/b_norm, DoRA dora_scale, alpha)", f, k);
     }
     size_t rl = strlen(rest);
     int is_bias = rl >= 4 && !strcmp(rest + rl - 4, "bias") && (rl == 4 || rest[rl - 5] == '.');
@@ -417,13 +461,13 @@ static lk_status other_key(const lk_adapter *a, const char *k, char **name, cons
 static lk_status detect(lk_adapter *a, const keyinfo *ki, const enum family *fam, size_t n,
                         lk_adapter_format forced) {
     const char *f = a->file;
-    size_t first[5] = {SIZE_MAX, SIZE_MAX, SIZE_MAX, SIZE_MAX, SIZE_MAX};
+    size_t first[6] = {SIZE_MAX, SIZE_MAX, SIZE_MAX, SIZE_MAX, SIZE_MAX, SIZE_MAX};
     for (size_t i = 0; i < n; i++)
         if (first[fam[i]] == SIZE_MAX) first[fam[i]] = i;
     if (forced != LK_FORMAT_AUTO) {
         enum family want = family_of(forced);
         for (size_t i = 0; i < n; i++)
-            if (fam[i] != want && !(fam[i] == FAM_ALPHA && want != FAM_FV))
+            if (fam[i] != want && !(fam[i] == FAM_ALPHA && want != FAM_FV) && fam[i] != FAM_ANY)
                 return lk_error(LK_ERR_FORMAT, "%s: key '%s' is not a %s adapter key", f, ki[i].t->name,
                                 lk_adapter_format_name(forced));
         if (n == 0) return lk_error(LK_ERR_FORMAT, "%s: no tensors: not a LoRA adapter", f);
@@ -438,7 +482,8 @@ static lk_status detect(lk_adapter *a, const keyinfo *ki, const enum family *fam
                             ki[first[found]].t->name, g_fam_names[k], ki[first[k]].t->name);
         found = (enum family)k;
     }
-    if (found == FAM_NONE) return lk_error(LK_ERR_FORMAT, "%s: no LoRA keys: not an adapter", f);
+    if (found == FAM_NONE && first[FAM_ANY] == SIZE_MAX)
+        return lk_error(LK_ERR_FORMAT, "%s: no LoRA keys: not an adapter", f);
     if (found == FAM_FV && first[FAM_ALPHA] != SIZE_MAX) /* FastVideo files carry no alpha */
         return lk_error(LK_ERR_FORMAT, "%s: mixes FastVideo keys ('%s') and alpha keys ('%s')", f,
                         ki[first[FAM_FV]].t->name, ki[first[FAM_ALPHA]].t->name);
@@ -613,15 +658,31 @@ static lk_status read_alpha(const lk_adapter *a, const lk_tensor *t, double *out
     return LK_OK;
 }
 
+/* A factor: F32/F16/BF16, 2-D, or 4-D (a convolution's [r, in, kh, kw] /
+ * [out, r, 1, 1], LyCORIS cores [r, r, kh, kw]) with every dimension > 0. */
 static lk_status check_factor(const char *file, const char *m, const lk_tensor *t, const char *role) {
     if (!lk_dtype_is_fusable(t->dtype))
-        return lk_error(LK_ERR_DTYPE, "%s: %s: %s has dtype %s; LoRA factors must be F32, F16 or BF16", file, m,
+        return lk_error(LK_ERR_DTYPE, "%s: %s: %s has dtype %s; adapter factors must be F32, F16 or BF16", file, m,
                         role, lk_dtype_name(t->dtype));
-    if (t->ndim == 4)
-        return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: %s is 4-D (a convolution LoRA); only linear layers are supported",
-                        file, m, role);
-    if (t->ndim != 2) return lk_error(LK_ERR_SHAPE, "%s: %s: %s has %d dimensions, expected 2", file, m, role, t->ndim);
+    if (t->ndim != 2 && t->ndim != 4) {
+        char sh[96];
+        lk_shape_str(t, sh, sizeof sh);
+        return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %s: expected 2 dimensions (4 for a convolution)", file, m, role, sh);
+    }
+    for (int d = 2; d < t->ndim; d++)
+        if (t->shape[d] <= 0) {
+            char sh[96];
+            lk_shape_str(t, sh, sizeof sh);
+            return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %s: every dimension must be > 0", file, m, role, sh);
+        }
     return LK_OK;
+}
+
+/* 1 if t's dimensions after the first two are all 1 (a 2-D factor, or a 1x1 conv's). */
+static int trailing_ones(const lk_tensor *t) {
+    for (int d = 2; d < t->ndim; d++)
+        if (t->shape[d] != 1) return 0;
+    return 1;
 }
 
 /* A [out] vector of a module (DoRA magnitude, lora_B bias). */
@@ -727,11 +788,28 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *b
         return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %lldx%lld and %s is %lldx%lld: rank must be > 0", f, m, an,
                         (long long)A->shape[0], (long long)A->shape[1], bn, (long long)B->shape[0],
                         (long long)B->shape[1]);
-    if (B->shape[1] != r)
+    if (B->shape[1] != r && !by_role[ROLE_MID])
         return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %lldx%lld but %s is %lldx%lld (ranks differ)", f, m, an,
                         (long long)A->shape[0], (long long)A->shape[1], bn, (long long)B->shape[0],
                         (long long)B->shape[1]);
+    char as[96], bs[96], ms[96];
+    lk_shape_str(A, as, sizeof as);
+    lk_shape_str(B, bs, sizeof bs);
+    if (!trailing_ones(B))
+        return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %s: a convolution's up factor must be [out, r, 1, 1]", f, m, bn, bs);
+    const lk_tensor *mid = by_role[ROLE_MID];
+    if (mid) { /* LoCon Tucker: down [r, in, 1, 1], mid [r, r, kh, kw], up [out, r, 1, 1] */
+        lk_shape_str(mid, ms, sizeof ms);
+        if ((s = check_factor(f, m, mid, "lora_mid"))) return s;
+        if (mid->shape[0] != B->shape[1] || mid->shape[1] != r || !trailing_ones(A))
+            return lk_error(LK_ERR_SHAPE, "%s: %s: Tucker core lora_mid is %s but %s is %s and %s is %s (expected "
+                            "[%lld, %lld, kh, kw] between [out, %lld, 1, 1] and [%lld, in, 1, 1])", f, m, ms, bn, bs, an,
+                            as, (long long)B->shape[1], (long long)r, (long long)B->shape[1], (long long)r);
+    }
     const lk_tensor *mag = by_role[ROLE_MAG], *bb = by_role[ROLE_BBIAS];
+    if (mag && by_role[ROLE_DORA])
+        return lk_error(LK_ERR_FORMAT, "%s: %s: both '%s' and '%s' (two DoRA magnitudes)", f, m, mag->name,
+                        by_role[ROLE_DORA]->name);
     if (mag && a->embed[i])
         return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: DoRA on an embedding layer is not supported", f, m);
     if (mag) {
@@ -776,6 +854,192 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *b
     mod->alpha_source = source;
     if (mag) mod->magnitude = *mag;
     if (bb) mod->bias = *bb;
+    mod->algo = LK_ALGO_LORA;
+    mod->out = B->shape[0];
+    mod->in = (int64_t)(lk_tensor_numel(A) / (size_t)r);
+    if (mid) {
+        mod->mid = *mid;
+        mod->in = A->shape[1] * (int64_t)(lk_tensor_numel(mid) / (size_t)(mid->shape[0] * mid->shape[1]));
+    }
+    if (by_role[ROLE_DORA]) mod->dora_scale = *by_role[ROLE_DORA];
+    return LK_OK;
+}
+
+/* The algorithm a role belongs to, or -1 for the roles any algorithm may carry. */
+static int role_algo(enum role r) {
+    switch (r) {
+    case ROLE_A: case ROLE_B: case ROLE_MID: return LK_ALGO_LORA;
+    case ROLE_HW1A: case ROLE_HW1B: case ROLE_HW2A: case ROLE_HW2B: case ROLE_HT1: case ROLE_HT2: return LK_ALGO_LOHA;
+    case ROLE_KW1: case ROLE_KW1A: case ROLE_KW1B: case ROLE_KW2: case ROLE_KW2A: case ROLE_KW2B: case ROLE_KT2:
+        return LK_ALGO_LOKR;
+    case ROLE_DIFF: case ROLE_DIFFB: return LK_ALGO_FULL;
+    case ROLE_WNORM: case ROLE_BNORM: return LK_ALGO_NORM;
+    case ROLE_SETW: return LK_ALGO_SET;
+    default: return -1;
+    }
+}
+
+/* Shape error between two named tensors. */
+static lk_status shape_pair_error(const char *f, const char *m, const char *what, const lk_tensor *x,
+                                  const lk_tensor *y) {
+    char xs[96], ys[96];
+    lk_shape_str(x, xs, sizeof xs);
+    lk_shape_str(y, ys, sizeof ys);
+    return lk_error(LK_ERR_SHAPE, "%s: %s: %s: '%s' is %s and '%s' is %s", f, m, what, x->name, xs, y->name, ys);
+}
+
+/* One low-rank half of LoHa / LoKr: up [out, r] (or [out, r, 1, 1]) and
+ * down [r, N] or [r, in, kh, kw]; with a Tucker core t [r1, r2, kh, kw]:
+ * up [r1, out], down [r2, in]. *out / *in: the half's delta rows and
+ * elements per row; *rank: its rank. */
+static lk_status low_rank_half(const char *f, const char *m, const lk_tensor *up, const lk_tensor *down,
+                               const lk_tensor *t, int64_t *out, int64_t *in, int64_t *rank) {
+    lk_status s;
+    if ((s = check_factor(f, m, up, up->name)) || (s = check_factor(f, m, down, down->name))) return s;
+    if (t) {
+        if ((s = check_factor(f, m, t, t->name))) return s;
+        if (up->ndim != 2 || down->ndim != 2 || t->shape[0] != up->shape[0] || t->shape[1] != down->shape[0]) {
+            char ts[96], us[96], ds[96];
+            lk_shape_str(t, ts, sizeof ts);
+            lk_shape_str(up, us, sizeof us);
+            lk_shape_str(down, ds, sizeof ds);
+            return lk_error(LK_ERR_SHAPE, "%s: %s: Tucker core '%s' is %s but '%s' is %s and '%s' is %s (expected "
+                            "[r1, r2, kh, kw] with '%s' [r1, out] and '%s' [r2, in])", f, m, t->name, ts, up->name, us,
+                            down->name, ds, up->name, down->name);
+        }
+        *out = up->shape[1];
+        *in = down->shape[1] * (int64_t)(lk_tensor_numel(t) / (size_t)(t->shape[0] * t->shape[1]));
+        *rank = down->shape[0];
+        return LK_OK;
+    }
+    if (!trailing_ones(up)) return shape_pair_error(f, m, "the up factor must be [out, r] or [out, r, 1, 1]", up, down);
+    if (up->shape[1] != down->shape[0]) return shape_pair_error(f, m, "ranks differ", up, down);
+    *out = up->shape[0];
+    *in = (int64_t)(lk_tensor_numel(down) / (size_t)down->shape[0]);
+    *rank = down->shape[0];
+    return LK_OK;
+}
+
+/* LoHa, LoKr, full, norm, set_weight: module i from its tensors. */
+static lk_status build_lyco(lk_adapter *a, size_t i, const lk_tensor *const *br, lk_algo algo) {
+    const char *f = a->file, *m = a->names[i];
+    lk_lora_module *mod = &a->mods[i];
+    lk_status s;
+    for (int r = 0; r < ROLE_COUNT; r++)
+        if (br[r] && r != ROLE_ALPHA && !lk_dtype_is_fusable(br[r]->dtype))
+            return lk_error(LK_ERR_DTYPE, "%s: %s: '%s' has dtype %s; adapter tensors must be F32, F16 or BF16", f, m,
+                            br[r]->name, lk_dtype_name(br[r]->dtype));
+    if (br[ROLE_MAG] || br[ROLE_BBIAS])
+        return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' is PEFT's, but the module is %s", f, m,
+                        (br[ROLE_MAG] ? br[ROLE_MAG] : br[ROLE_BBIAS])->name, lk_algo_name(algo));
+    if (br[ROLE_DORA] && (algo == LK_ALGO_FULL || algo == LK_ALGO_NORM || algo == LK_ALGO_SET))
+        return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' (DoRA) on a %s module", f, m, br[ROLE_DORA]->name,
+                        lk_algo_name(algo));
+    int64_t rank = 0, out = 0, in = 0;
+    int scaled = 1; /* alpha / r applies */
+    const char *src = NULL;
+    if (algo == LK_ALGO_LOHA) {
+        static const enum role need[] = {ROLE_HW1A, ROLE_HW1B, ROLE_HW2A, ROLE_HW2B};
+        for (size_t k = 0; k < 4; k++)
+            if (!br[need[k]])
+                return lk_error(LK_ERR_FORMAT, "%s: %s: LoHa needs hada_w1_a, hada_w1_b, hada_w2_a and hada_w2_b; "
+                                "%s is missing", f, m, role_key(need[k]));
+        if (!br[ROLE_HT1] != !br[ROLE_HT2])
+            return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' without %s (LoHa Tucker needs both cores)", f, m,
+                            (br[ROLE_HT1] ? br[ROLE_HT1] : br[ROLE_HT2])->name, br[ROLE_HT1] ? "hada_t2" : "hada_t1");
+        int64_t o2, i2, r2;
+        if ((s = low_rank_half(f, m, br[ROLE_HW1A], br[ROLE_HW1B], br[ROLE_HT1], &out, &in, &rank)) ||
+            (s = low_rank_half(f, m, br[ROLE_HW2A], br[ROLE_HW2B], br[ROLE_HT2], &o2, &i2, &r2)))
+            return s;
+        if (o2 != out || i2 != in)
+            return lk_error(LK_ERR_SHAPE, "%s: %s: the Hadamard halves differ: hada_w1 gives %lld x %lld, hada_w2 "
+                            "%lld x %lld", f, m, (long long)out, (long long)in, (long long)o2, (long long)i2);
+        mod->w1a = *br[ROLE_HW1A];
+        mod->w1b = *br[ROLE_HW1B];
+        mod->w2a = *br[ROLE_HW2A];
+        mod->w2b = *br[ROLE_HW2B];
+        if (br[ROLE_HT1]) mod->t1 = *br[ROLE_HT1], mod->t2 = *br[ROLE_HT2];
+    } else if (algo == LK_ALGO_LOKR) {
+        const lk_tensor *w1 = br[ROLE_KW1], *w1a = br[ROLE_KW1A], *w1b = br[ROLE_KW1B];
+        const lk_tensor *w2 = br[ROLE_KW2], *w2a = br[ROLE_KW2A], *w2b = br[ROLE_KW2B], *t2 = br[ROLE_KT2];
+        if (!w1 == !(w1a || w1b) || (!w1 && (!w1a || !w1b)))
+            return lk_error(LK_ERR_FORMAT, "%s: %s: LoKr needs lokr_w1, or lokr_w1_a and lokr_w1_b (found %s%s%s)", f,
+                            m, w1 ? "lokr_w1 " : "", w1a ? "lokr_w1_a " : "", w1b ? "lokr_w1_b" : "");
+        if (!w2 == !(w2a || w2b) || (!w2 && (!w2a || !w2b)))
+            return lk_error(LK_ERR_FORMAT, "%s: %s: LoKr needs lokr_w2, or lokr_w2_a and lokr_w2_b (found %s%s%s)", f,
+                            m, w2 ? "lokr_w2 " : "", w2a ? "lokr_w2_a " : "", w2b ? "lokr_w2_b" : "");
+        if (t2 && w2)
+            return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' (a Tucker core) with a full lokr_w2", f, m, t2->name);
+        int64_t a1, b1, c2, d2, r1 = 0, r2 = 0;
+        if (w1) {
+            if ((s = check_factor(f, m, w1, w1->name))) return s;
+            if (w1->ndim != 2) return shape_pair_error(f, m, "lokr_w1 must be 2-D", w1, w1);
+            a1 = w1->shape[0];
+            b1 = w1->shape[1];
+        } else if ((s = low_rank_half(f, m, w1a, w1b, NULL, &a1, &b1, &r1))) {
+            return s;
+        }
+        if (w2) {
+            if ((s = check_factor(f, m, w2, w2->name))) return s;
+            c2 = w2->shape[0];
+            d2 = (int64_t)(lk_tensor_numel(w2) / (size_t)c2);
+        } else if ((s = low_rank_half(f, m, w2a, w2b, t2, &c2, &d2, &r2))) {
+            return s;
+        }
+        if (r1 && r2 && r1 != r2)
+            return shape_pair_error(f, m, "the two decomposed LoKr factors have different ranks", w1b, w2b);
+        out = a1 * c2;
+        in = b1 * d2;
+        rank = r1 ? r1 : r2;
+        scaled = !(w1 && w2);
+        if (!scaled) src = "LoKr with both factors full: scale 1 (LyCORIS)";
+        if (w1) mod->w1 = *w1;
+        else mod->w1a = *w1a, mod->w1b = *w1b;
+        if (w2) mod->w2 = *w2;
+        else mod->w2a = *w2a, mod->w2b = *w2b;
+        if (t2) mod->t2 = *t2;
+    } else { /* full, norm, set_weight: the tensor itself at scale 1 */
+        const lk_tensor *w = algo == LK_ALGO_FULL ? br[ROLE_DIFF] : algo == LK_ALGO_NORM ? br[ROLE_WNORM] : br[ROLE_SETW];
+        const lk_tensor *b = algo == LK_ALGO_FULL ? br[ROLE_DIFFB] : algo == LK_ALGO_NORM ? br[ROLE_BNORM] : NULL;
+        const lk_tensor *x = w ? w : b;
+        if (!x) return lk_error(LK_ERR_FORMAT, "%s: %s: no tensor", f, m);
+        if (x->ndim < 1 || lk_tensor_numel(x) == 0)
+            return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' has no elements", f, m, x->name);
+        if (b && b->ndim != 1) return shape_pair_error(f, m, "a bias delta must be 1-D", b, b);
+        if (w) mod->dense = *w;
+        if (b) mod->bias = *b;
+        out = x->shape[0];
+        in = (int64_t)(lk_tensor_numel(x) / (size_t)out);
+        scaled = 0;
+        src = "none: dense, scale 1";
+    }
+    double alpha = (double)rank;
+    if (scaled && br[ROLE_ALPHA]) {
+        if ((s = read_alpha(a, br[ROLE_ALPHA], &alpha))) return s;
+        src = alpha == 0.0 ? ".alpha tensor (0: r, as LyCORIS)" : ".alpha tensor";
+        if (alpha == 0.0) alpha = (double)rank;
+    } else if (scaled) {
+        src = "default r";
+    } else if (br[ROLE_ALPHA] && algo != LK_ALGO_LOKR) {
+        lk_log(LK_LOG_WARN, "%s: %s: '%s' ignored: a %s module has no alpha", f, m, br[ROLE_ALPHA]->name,
+               lk_algo_name(algo));
+    }
+    char *source = source_str(src, NULL);
+    if (!source) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+    a->sources[i] = source;
+    double scale = scaled ? alpha / (double)rank : 1.0;
+    if (!isfinite((float)scale))
+        return lk_error(LK_ERR_NONFINITE, "%s: %s: scale alpha/r = %g is not finite as a float", f, m, scale);
+    mod->module = m;
+    mod->target = NULL;
+    mod->rank = (int)rank;
+    mod->alpha = scaled ? alpha : 1.0;
+    mod->scale = scale;
+    mod->alpha_source = source;
+    mod->algo = algo;
+    mod->out = out;
+    mod->in = in;
+    if (br[ROLE_DORA]) mod->dora_scale = *br[ROLE_DORA];
     return LK_OK;
 }
 
@@ -792,7 +1056,8 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
     for (size_t i = 0; i < a->n_meta; i++) lk_peft_config_share_budget(&a->meta[i].cfg, &a->re_budget);
     const char *rn[ROLE_COUNT] = {lk_adapter_factor_name(a, 0), lk_adapter_factor_name(a, 1), "alpha",
                                   "lora_magnitude_vector", "lora_B bias"};
-    size_t cap = n / 2 + 1;
+    for (int r = ROLE_MID; r < ROLE_COUNT; r++) rn[r] = role_key((enum role)r);
+    size_t cap = n + 1;
     a->mods = lk_calloc(cap, sizeof *a->mods);
     a->names = lk_calloc(cap, sizeof *a->names);
     a->stems = lk_calloc(cap, sizeof *a->stems);
@@ -804,7 +1069,7 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
         return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
     for (size_t i = 0; i < n;) {
         size_t j = i;
-        const lk_tensor *by_role[ROLE_COUNT] = {NULL, NULL, NULL, NULL, NULL};
+        const lk_tensor *by_role[ROLE_COUNT] = {NULL};
         for (; j < n && ki[j].stem_len == ki[i].stem_len && !memcmp(ki[j].t->name, ki[i].t->name, ki[i].stem_len);
              j++) {
             if (by_role[ki[j].role])
@@ -822,6 +1087,23 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
         a->names[k] = module_name(a->format, stem, ki[i].stem_len);
         a->n = k + 1; /* owned strings are freed from here on */
         if (!a->names[k]) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+        int algo = -1;
+        const lk_tensor *algo_key = NULL;
+        for (int r = 0; r < ROLE_COUNT; r++) {
+            int ar = by_role[r] ? role_algo((enum role)r) : -1;
+            if (ar < 0) continue;
+            if (algo >= 0 && ar != algo)
+                return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' (%s) and '%s' (%s) in one module", f, a->names[k],
+                                algo_key->name, lk_algo_name((lk_algo)algo), by_role[r]->name,
+                                lk_algo_name((lk_algo)ar));
+            if (algo < 0) algo = ar, algo_key = by_role[r];
+        }
+        if (algo > LK_ALGO_LORA) {
+            lk_status s = build_lyco(a, k, by_role, (lk_algo)algo);
+            if (s) return s;
+            i = j;
+            continue;
+        }
         if (!by_role[ROLE_A] || !by_role[ROLE_B]) {
             const lk_tensor *only = NULL;
             for (int r = ROLE_COUNT - 1; r >= 0; r--)
@@ -887,17 +1169,38 @@ static lk_status check_replacements(const lk_adapter *a) {
     return LK_OK;
 }
 
+static const char *const g_algo_names[LK_ALGO_COUNT] = {"lora", "loha", "lokr", "full", "norm", "set_weight"};
+
+const char *lk_algo_name(lk_algo a) { return (int)a >= 0 && a < LK_ALGO_COUNT ? g_algo_names[a] : "unknown"; }
+
+/* Every tensor slot of a module (present or not). */
+#define N_SLOTS 15
+static void module_slots(lk_lora_module *m, lk_tensor **t) {
+    lk_tensor *const v[N_SLOTS] = {&m->A, &m->B, &m->magnitude, &m->bias, &m->mid, &m->w1a, &m->w1b, &m->w2a,
+                                   &m->w2b, &m->t1, &m->t2, &m->w1, &m->w2, &m->dense, &m->dora_scale};
+    memcpy(t, v, sizeof v);
+}
+
+size_t lk_lora_module_tensors(const lk_lora_module *m, const lk_tensor **out) {
+    lk_tensor *t[N_SLOTS];
+    module_slots((lk_lora_module *)m, t);
+    size_t n = 0;
+    for (size_t k = 0; k < N_SLOTS; k++)
+        if (t[k]->name && n < LK_MODULE_MAX_TENSORS) out[n++] = t[k];
+    return n;
+}
+
 /* Copies every module's tensors and the replacements out of the file into
  * a->factors (one allocation, each tensor 16-byte aligned). */
 static lk_status copy_factors(lk_adapter *a) {
-    size_t total = 0, per = 4;
+    size_t total = 0;
     for (size_t i = 0; i < a->n + a->n_rep; i++) {
-        const lk_tensor *t4[4] = {NULL, NULL, NULL, NULL};
-        if (i < a->n) t4[0] = &a->mods[i].A, t4[1] = &a->mods[i].B, t4[2] = &a->mods[i].magnitude, t4[3] = &a->mods[i].bias;
-        else t4[0] = &a->reps[i - a->n].t;
-        for (size_t k = 0; k < per; k++) {
-            if (!t4[k] || !t4[k]->name) continue;
-            size_t nb = t4[k]->nbytes;
+        lk_tensor *ts[N_SLOTS] = {NULL};
+        if (i < a->n) module_slots(&a->mods[i], ts);
+        else ts[0] = &a->reps[i - a->n].t;
+        for (size_t k = 0; k < N_SLOTS; k++) {
+            if (!ts[k] || !ts[k]->name) continue;
+            size_t nb = ts[k]->nbytes;
             if (!lk_checked_add(nb, 15, &nb) || !lk_checked_add(total, nb & ~(size_t)15, &total))
                 return lk_error(LK_ERR_NOMEM, "%s: the factors' size overflows", a->file);
         }
@@ -906,15 +1209,15 @@ static lk_status copy_factors(lk_adapter *a) {
     if (!a->factors) return lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of LoRA factors", a->file, total);
     unsigned char *p = a->factors;
     for (size_t i = 0; i < a->n + a->n_rep; i++) {
-        lk_tensor *t4[4] = {NULL, NULL, NULL, NULL};
-        if (i < a->n) t4[0] = &a->mods[i].A, t4[1] = &a->mods[i].B, t4[2] = &a->mods[i].magnitude, t4[3] = &a->mods[i].bias;
-        else t4[0] = &a->reps[i - a->n].t;
-        for (size_t k = 0; k < per; k++) {
-            if (!t4[k] || !t4[k]->name) continue;
-            lk_status s = lk_st_read(a->st, st_index(a->st, t4[k]), 0, p, t4[k]->nbytes);
+        lk_tensor *ts[N_SLOTS] = {NULL};
+        if (i < a->n) module_slots(&a->mods[i], ts);
+        else ts[0] = &a->reps[i - a->n].t;
+        for (size_t k = 0; k < N_SLOTS; k++) {
+            if (!ts[k] || !ts[k]->name) continue;
+            lk_status s = lk_st_read(a->st, st_index(a->st, ts[k]), 0, p, ts[k]->nbytes);
             if (s) return s;
-            t4[k]->data = p;
-            p += (t4[k]->nbytes + 15) & ~(size_t)15;
+            ts[k]->data = p;
+            p += (ts[k]->nbytes + 15) & ~(size_t)15;
         }
     }
     return LK_OK;

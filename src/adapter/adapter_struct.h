@@ -22,6 +22,7 @@ struct lk_adapter {
     unsigned char *embed;   /* module i is an embedding LoRA (lora_embedding_A/B) */
     void *tfactors;         /* transposed factors of the modules resolve found
                                transposed (embeddings, Conv1D with fan_in_fan_out) */
+    void *xfactors;         /* Tucker folds and transposed LyCORIS factors (lk_lora_module.k), from resolve */
     char **names, **stems, **targets, **bias_targets, **sources; /* owned strings behind mods[i] */
     lk_adapter_placement *pl; /* where resolved modules land, sorted by (target, row0) */
     size_t n_pl;

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 typedef struct group {
+    const char *algo;
     int rank;
     double alpha, scale;
     const char *source; /* where alpha came from */
@@ -26,6 +27,8 @@ typedef struct group {
 
 static int group_cmp(const void *pa, const void *pb) {
     const group *a = pa, *b = pb;
+    int c = strcmp(a->algo, b->algo);
+    if (c) return c;
     if (a->rank != b->rank) return a->rank < b->rank ? -1 : 1;
     if (a->alpha != b->alpha) return a->alpha < b->alpha ? -1 : 1;
     if (a->scale != b->scale) return a->scale < b->scale ? -1 : 1;
@@ -39,7 +42,7 @@ static group *make_groups(const lk_adapter *a, size_t *ng) {
     if (!g) return NULL;
     for (size_t i = 0; i < n; i++) {
         const lk_lora_module *m = lk_adapter_module(a, i);
-        group key = {m->rank, m->alpha, m->scale, m->alpha_source, 1, m->module};
+        group key = {lk_algo_name(m->algo), m->rank, m->alpha, (float)m->scale, m->alpha_source, 1, m->module};
         size_t j = 0;
         while (j < k && group_cmp(&g[j], &key)) j++;
         if (j < k) g[j].count++;
@@ -57,18 +60,36 @@ static json_t *adapter_json(const lk_adapter *a) {
     json_t *groups = json_array(), *mods = json_array(), *reps = json_array();
     int bad = !g || !groups || !mods || !reps;
     for (size_t i = 0; i < ng && !bad; i++)
-        bad |= json_array_append_new(groups, json_pack("{s:i, s:f, s:f, s:s, s:I, s:s}", "rank", g[i].rank, "alpha",
+        bad |= json_array_append_new(groups, json_pack("{s:s, s:i, s:f, s:f, s:s, s:I, s:s}", "algo", g[i].algo, "rank",
+                                                       g[i].rank, "alpha",
                                                        (double)g[i].alpha, "scale", (double)g[i].scale, "alpha_source",
                                                        g[i].source, "count", (json_int_t)g[i].count, "example",
                                                        g[i].example));
     for (size_t i = 0; i < lk_adapter_count(a) && !bad; i++) {
         const lk_lora_module *m = lk_adapter_module(a, i);
+        /* the module's own tensors: key and shape each */
+        const lk_tensor *ts[LK_MODULE_MAX_TENSORS];
+        size_t nts = lk_lora_module_tensors(m, ts);
+        json_t *tens = json_object();
+        bad |= !tens;
+        for (size_t k = 0; k < nts && !bad; k++) {
+            json_t *sh = json_array();
+            for (int d = 0; sh && d < ts[k]->ndim; d++) bad |= json_array_append_new(sh, json_integer(ts[k]->shape[d]));
+            bad |= !sh || json_object_set_new(tens, ts[k]->name, json_pack("{s:o, s:s}", "shape", sh, "dtype",
+                                                                              lk_dtype_name(ts[k]->dtype)));
+        }
+        const int lora = m->algo == LK_ALGO_LORA;
         bad |= json_array_append_new(
-            mods, json_pack("{s:s, s:i, s:f, s:f, s:s, s:I, s:I, s:s, s:s, s:b, s:b}", "module", m->module, "rank",
-                            m->rank, "alpha", (double)m->alpha, "scale", (double)m->scale, "alpha_source",
-                            m->alpha_source, "in", (json_int_t)m->A.shape[1], "out", (json_int_t)m->B.shape[0],
-                            "dtype_A", lk_dtype_name(m->A.dtype), "dtype_B", lk_dtype_name(m->B.dtype), "dora",
-                            m->magnitude.data != NULL, "lora_bias", m->bias.data != NULL));
+            mods, json_pack("{s:s, s:s, s:i, s:f, s:f, s:s, s:I, s:I, s:s, s:s, s:b, s:b, s:b, s:b, s:o}", "module",
+                            m->module, "algo", lk_algo_name(m->algo), "rank", m->rank, "alpha", (double)m->alpha,
+                            "scale", (double)m->scale, "alpha_source", m->alpha_source, "in", (json_int_t)m->in,
+                            "out", (json_int_t)m->out, "dtype_A", lora ? lk_dtype_name(m->A.dtype) : "",
+                            "dtype_B", lora ? lk_dtype_name(m->B.dtype) : "", "dora",
+                            m->magnitude.data != NULL || m->dora_scale.data != NULL, "lora_bias",
+                            m->bias.data != NULL, "tucker", m->mid.data || m->t1.data || m->t2.data, "conv",
+                            (m->A.ndim == 4 && (m->A.shape[2] != 1 || m->A.shape[3] != 1)) || m->mid.data ||
+                                m->t1.data || m->t2.data || m->w2.ndim == 4 || m->w1b.ndim == 4,
+                            "tensors", tens));
     }
     for (size_t i = 0; i < lk_adapter_replacement_count(a) && !bad; i++) {
         const lk_adapter_tensor *r = lk_adapter_replacement(a, i);

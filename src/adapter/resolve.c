@@ -23,6 +23,7 @@
 #include "adapter/layout.h"
 #include "adapter/names.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -144,6 +145,7 @@ static void free_knames(kname *k, size_t n) {
  * in x out) when the weight has the in x out shape, which a square Conv1D
  * weight also has. */
 static int is_transposed(const lk_adapter *a, size_t i, const lk_tensor *w) {
+    if (a->mods[i].algo != LK_ALGO_LORA) return 0;
     if (a->embed[i]) return 1;
     if (!(a->format == LK_FORMAT_PEFT && a->has_config && a->cfg.fan_in_fan_out) || w->ndim != 2) return 0;
     return w->shape[0] == a->fa[i].shape[1] && w->shape[1] == a->fb[i].shape[0];
@@ -203,6 +205,265 @@ static lk_status check_target(const lk_adapter *a, const lk_lora_module *m, cons
     return LK_OK;
 }
 
+/* ---- other shapes: conv LoRA, Tucker, LoHa, LoKr, dense ---- */
+
+/* The dimensions after the first, trailing 1s dropped, into o; the count. */
+static int tail_dims(const int64_t *sh, int nd, int64_t *o) {
+    int n = 0;
+    for (int d = 1; d < nd; d++) o[n++] = sh[d];
+    while (n > 0 && o[n - 1] == 1) n--;
+    return n;
+}
+
+/* 1 if a delta of shape [out, tail...] lands on w (trailing 1s ignored: a
+ * linear delta on a 1x1 conv weight and back). */
+static int same_tail(const int64_t *dsh, int dn, const lk_tensor *w) {
+    int64_t x[LK_MAX_DIMS + 1], y[LK_MAX_DIMS + 1];
+    int a = tail_dims(dsh, dn, x), b = tail_dims(w->shape, w->ndim, y);
+    if (dsh[0] != w->shape[0] || a != b) return 0;
+    for (int d = 0; d < a; d++)
+        if (x[d] != y[d]) return 0;
+    return 1;
+}
+
+static void shape_of(const int64_t *sh, int nd, char *buf, size_t cap) {
+    lk_tensor t = {0};
+    t.ndim = nd;
+    for (int d = 0; d < nd; d++) t.shape[d] = sh[d];
+    lk_shape_str(&t, buf, cap);
+}
+
+static size_t al16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+/* Checks module i (its factors oriented as in m) against weight w; *xbytes
+ * gets the bytes its folded / transposed kernel factors need. */
+static lk_status fit_module(const lk_adapter *a, const lk_lora_module *m, const lk_tensor *w, size_t *xbytes) {
+    const char *f = a->file;
+    char ws[96], ds[96], xs[96];
+    lk_shape_str(w, ws, sizeof ws);
+    *xbytes = 0;
+    int64_t dsh[LK_MAX_DIMS + 2];
+    int dn = 0;
+    const lk_tensor *named = NULL; /* the key named in a shape error */
+    if (m->algo == LK_ALGO_SET) {
+        int same = w->ndim == m->dense.ndim;
+        for (int d = 0; same && d < w->ndim; d++) same = w->shape[d] == m->dense.shape[d];
+        lk_shape_str(&m->dense, xs, sizeof xs);
+        if (!same)
+            return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s but the model weight %s is %s", f, m->module,
+                            m->dense.name, xs, w->name, ws);
+        if (!(lk_dtype_is_fusable(w->dtype) && lk_dtype_is_fusable(m->dense.dtype)) && w->dtype != m->dense.dtype)
+            return lk_error(LK_ERR_DTYPE, "%s: %s: '%s' is %s but the model weight %s is %s", f, m->module,
+                            m->dense.name, lk_dtype_name(m->dense.dtype), w->name, lk_dtype_name(w->dtype));
+        return LK_OK;
+    }
+    if (!lk_dtype_is_fusable(w->dtype) && !lk_dtype_is_fp8(w->dtype))
+        return lk_error(LK_ERR_DTYPE, "%s: %s: the model weight %s is %s; only F32, F16, BF16 and FP8 can be fused",
+                        f, m->module, w->name, lk_dtype_name(w->dtype));
+    if (w->ndim < 1 || (w->ndim < 2 && m->algo != LK_ALGO_FULL && m->algo != LK_ALGO_NORM))
+        return lk_error(LK_ERR_SHAPE, "%s: %s: the model weight %s is %s; %s needs a 2-D or convolution weight", f,
+                        m->module, w->name, ws, lk_algo_name(m->algo));
+    const size_t numel = lk_tensor_numel(w), N = numel / (size_t)w->shape[0];
+    switch (m->algo) {
+    case LK_ALGO_LORA:
+        named = m->mid.data ? &m->mid : &m->A;
+        dsh[0] = m->B.shape[0];
+        if (m->mid.data) {
+            dsh[1] = m->A.shape[1];
+            for (int d = 2; d < m->mid.ndim; d++) dsh[d] = m->mid.shape[d];
+            dn = m->mid.ndim;
+            *xbytes = al16((size_t)m->mid.shape[0] * N * sizeof(double));
+        } else {
+            for (int d = 1; d < m->A.ndim; d++) dsh[d] = m->A.shape[d];
+            dn = m->A.ndim;
+        }
+        break;
+    case LK_ALGO_LOHA:
+        named = &m->w1b;
+        dsh[0] = m->out;
+        if (m->t1.data) {
+            dsh[1] = m->w1b.shape[1];
+            for (int d = 2; d < m->t1.ndim; d++) dsh[d] = m->t1.shape[d];
+            dn = m->t1.ndim;
+            *xbytes = 2 * al16((size_t)m->t1.shape[0] * N * sizeof(double)) +
+                      al16(m->w1a.nbytes) + al16(m->w2a.nbytes);
+        } else if (m->w1b.ndim > 2) {
+            for (int d = 1; d < m->w1b.ndim; d++) dsh[d] = m->w1b.shape[d];
+            dn = m->w1b.ndim;
+        } else { /* LyCORIS flattens a conv's factor to [r, in kh kw] */
+            dsh[1] = m->in;
+            dn = (size_t)m->in == N ? 0 : 2; /* matches by elements per row */
+            if (!dn && m->out != w->shape[0]) dn = 2;
+        }
+        break;
+    case LK_ALGO_LOKR: {
+        const lk_tensor *w1 = m->w1.data ? &m->w1 : &m->w1a, *w2 = m->w2.data ? &m->w2 : m->t2.data ? &m->t2 : &m->w2b;
+        const int64_t a1 = m->w1.data ? m->w1.shape[0] : m->w1a.shape[0],
+                      b1 = m->w1.data ? m->w1.shape[1] : m->w1b.shape[1];
+        named = w1;
+        dsh[0] = m->out;
+        if (m->w2.data && m->w2.ndim > 2) { /* kron(w1 [a, b, 1, 1], w2 [c, d, kh, kw]) */
+            dsh[1] = b1 * m->w2.shape[1];
+            for (int d = 2; d < m->w2.ndim; d++) dsh[d] = m->w2.shape[d];
+            dn = m->w2.ndim;
+        } else if (m->t2.data) {
+            dsh[1] = b1 * m->w2b.shape[1];
+            for (int d = 2; d < m->t2.ndim; d++) dsh[d] = m->t2.shape[d];
+            dn = m->t2.ndim;
+            *xbytes = al16((size_t)m->t2.shape[0] * (size_t)(m->in / b1) * sizeof(double)) + al16(m->w2a.nbytes);
+        } else {
+            dsh[1] = m->in;
+            dn = 2;
+            if ((size_t)m->in == N && m->out == w->shape[0]) dn = 0;
+        }
+        if (dn && !same_tail(dsh, dn, w)) {
+            char s1[96], s2[96];
+            lk_shape_str(w1, s1, sizeof s1);
+            lk_shape_str(w2, s2, sizeof s2);
+            shape_of(dsh, dn, ds, sizeof ds);
+            return lk_error(LK_ERR_SHAPE, "%s: %s: kron('%s' %s, '%s' %s) is %s (a = %lld rows of w1) but the model "
+                            "weight %s is %s", f, m->module, w1->name, s1, w2->name, s2, ds, (long long)a1, w->name, ws);
+        }
+        dn = 0;
+        break;
+    }
+    default: /* full, norm: the dense tensor's own shape */
+        named = m->dense.data ? &m->dense : NULL;
+        if (named) {
+            for (int d = 0; d < m->dense.ndim; d++) dsh[d] = m->dense.shape[d];
+            dn = m->dense.ndim;
+            if (dn == 1 && w->ndim == 1) dn = dsh[0] == w->shape[0] ? 0 : 1;
+        }
+        break;
+    }
+    if (dn && !same_tail(dsh, dn, w)) {
+        lk_shape_str(named, xs, sizeof xs);
+        shape_of(dsh, dn, ds, sizeof ds);
+        return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s, a delta of %s, but the model weight %s is %s", f,
+                        m->module, named->name, xs, ds, w->name, ws);
+    }
+    if (m->dora_scale.data) {
+        const lk_tensor *d = &m->dora_scale;
+        size_t n = lk_tensor_numel(d);
+        int on_out = d->shape[0] == w->shape[0] && n == (size_t)w->shape[0];
+        int on_in = w->ndim >= 2 && d->ndim >= 2 && d->shape[0] == 1 && n == (size_t)w->shape[1];
+        if (!on_out && !on_in) {
+            lk_shape_str(d, xs, sizeof xs);
+            return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s; for the model weight %s %s DoRA needs [%lld, 1, ...] "
+                            "(per output row) or [1, %lld, ...] (per input channel)", f, m->module, d->name, xs,
+                            w->name, ws, (long long)w->shape[0], (long long)(w->ndim >= 2 ? w->shape[1] : 0));
+        }
+        if (lk_dtype_is_fp8(w->dtype))
+            return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: DoRA on an FP8 weight (%s) is not supported", f, m->module,
+                            w->name);
+    }
+    return LK_OK;
+}
+
+/* A 2-D view of t (same data). */
+static lk_tensor view2(const lk_tensor *t, int64_t r, int64_t c) {
+    lk_tensor v = *t;
+    v.ndim = 2;
+    v.shape[0] = r;
+    v.shape[1] = c;
+    for (int d = 2; d < LK_MAX_DIMS; d++) v.shape[d] = 0;
+    return v;
+}
+
+static double elem(const lk_tensor *t, size_t i) {
+    float f;
+    lk_to_f32(&f, (const char *)t->data + i * lk_dtype_size(t->dtype), t->dtype, 1);
+    return (double)f;
+}
+
+/* The Tucker fold, the "A" of the kernel: F[p, i K + h] = sum_q core[p, q, h]
+ * down[q, i] (core [R1, R2, K...], down [R2, IN]), an fma chain in f64, q
+ * ascending from the first product; F is an F64 tensor R1 x (IN K). */
+static lk_tensor fold(const lk_tensor *core, const lk_tensor *down, unsigned char **buf) {
+    const size_t R1 = (size_t)core->shape[0], R2 = (size_t)core->shape[1];
+    const size_t K = lk_tensor_numel(core) / (R1 * R2), IN = (size_t)down->shape[1];
+    double *F = (double *)*buf;
+    for (size_t p = 0; p < R1; p++)
+        for (size_t i = 0; i < IN; i++)
+            for (size_t h = 0; h < K; h++) {
+                double acc = elem(core, (p * R2 + 0) * K + h) * elem(down, i);
+                for (size_t q = 1; q < R2; q++) acc = fma(elem(core, (p * R2 + q) * K + h), elem(down, q * IN + i), acc);
+                F[p * IN * K + i * K + h] = acc;
+            }
+    lk_tensor v = {0};
+    v.name = down->name;
+    v.dtype = LK_DTYPE_F64;
+    v.ndim = 2;
+    v.shape[0] = (int64_t)R1;
+    v.shape[1] = (int64_t)(IN * K);
+    v.nbytes = R1 * IN * K * sizeof(double);
+    v.data = F;
+    *buf += al16(v.nbytes);
+    return v;
+}
+
+/* up [R, out] transposed into [out, R] (its own dtype). */
+static lk_tensor transposed(const lk_tensor *up, unsigned char **buf) {
+    lk_tensor v = *up;
+    v.shape[0] = up->shape[1];
+    v.shape[1] = up->shape[0];
+    v.data = *buf;
+    transpose_into(*buf, up);
+    *buf += al16(up->nbytes);
+    return v;
+}
+
+/* Module m's kernel factors (lk_lora_module.k) for weight w, from buf. */
+static void build_kernel_factors(lk_lora_module *m, const lk_tensor *w, unsigned char **buf) {
+    const int64_t N = (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]);
+    memset(m->k, 0, sizeof m->k);
+    switch (m->algo) {
+    case LK_ALGO_LORA:
+        m->k[1] = view2(&m->B, m->B.shape[0], m->B.shape[1]);
+        m->k[0] = m->mid.data ? fold(&m->mid, &(lk_tensor){.name = m->A.name, .dtype = m->A.dtype, .ndim = 2,
+                                                            .shape = {m->A.shape[0], m->A.shape[1]}, .data = m->A.data},
+                                     buf)
+                              : view2(&m->A, m->A.shape[0], N);
+        break;
+    case LK_ALGO_LOHA:
+        if (m->t1.data) {
+            m->k[0] = fold(&m->t1, &m->w1b, buf);
+            m->k[1] = transposed(&m->w1a, buf);
+            m->k[2] = fold(&m->t2, &m->w2b, buf);
+            m->k[3] = transposed(&m->w2a, buf);
+        } else {
+            m->k[0] = view2(&m->w1b, m->w1b.shape[0], N);
+            m->k[1] = view2(&m->w1a, m->w1a.shape[0], m->w1a.shape[1]);
+            m->k[2] = view2(&m->w2b, m->w2b.shape[0], N);
+            m->k[3] = view2(&m->w2a, m->w2a.shape[0], m->w2a.shape[1]);
+        }
+        break;
+    case LK_ALGO_LOKR:
+        if (m->w1.data) {
+            m->k[1] = view2(&m->w1, m->w1.shape[0], m->w1.shape[1]);
+        } else {
+            m->k[0] = view2(&m->w1b, m->w1b.shape[0], m->w1b.shape[1]);
+            m->k[1] = view2(&m->w1a, m->w1a.shape[0], m->w1a.shape[1]);
+        }
+        {
+            const int64_t b1 = m->k[0].data ? m->k[0].shape[1] : m->k[1].shape[1], D = N / b1;
+            if (m->w2.data) {
+                m->k[3] = view2(&m->w2, m->w2.shape[0], D);
+            } else if (m->t2.data) {
+                m->k[2] = fold(&m->t2, &m->w2b, buf);
+                m->k[3] = transposed(&m->w2a, buf);
+            } else {
+                m->k[2] = view2(&m->w2b, m->w2b.shape[0], D);
+                m->k[3] = view2(&m->w2a, m->w2a.shape[0], m->w2a.shape[1]);
+            }
+        }
+        break;
+    default:
+        if (m->dense.data) m->k[1] = m->dense;
+        break;
+    }
+}
+
 static int target_cmp(const void *pa, const void *pb, void *ctx) {
     char **t = ctx;
     return strcmp(t[*(const size_t *)pa], t[*(const size_t *)pb]);
@@ -253,23 +514,30 @@ static int cand_m_cmp(const void *pa, const void *pb, void *ctx) {
  * rows from the weight's and B's row counts, the shapes checked, the
  * module's rows covered exactly once. */
 static lk_status place(const lk_adapter *a, size_t i, const lk_tensor *model, const cand *c, size_t nc, int tr,
-                       tplace *tp, size_t *ntp) {
+                       tplace *tp, size_t *ntp, size_t *xbytes) {
     const lk_lora_module *m = &a->mods[i];
     lk_lora_module om = *m;
     orient(a, i, tr, &om.A, &om.B, NULL);
     int64_t mb = om.B.shape[0];
     int64_t w0[LK_ADAPTER_MAX_SLICES], m0[LK_ADAPTER_MAX_SLICES], len[LK_ADAPTER_MAX_SLICES];
     size_t ord[LK_ADAPTER_MAX_SLICES];
+    /* a plain 2-D LoRA keeps its 2-D messages; conv / Tucker LoRA, LoHa,
+     * LoKr, dense ones and DoRA through fit_module */
+    const int plain = m->algo == LK_ALGO_LORA && !m->mid.data && om.A.ndim == 2 && om.B.ndim == 2 && !m->dora_scale.data;
     if (nc == 1 && frac_whole(&c[0].w) && frac_whole(&c[0].m)) {
-        lk_status s = check_target(a, &om, &model[c[0].key]);
+        const lk_tensor *w = &model[c[0].key];
+        lk_status s = plain && w->ndim <= 2 ? check_target(a, &om, w) : fit_module(a, &om, w, xbytes);
         if (s) return s;
-        tp[(*ntp)++] = (tplace){i, c[0].key, 0, 0, mb, 1, c[0].rule, c[0].kohya};
+        tp[(*ntp)++] = (tplace){i, c[0].key, 0, 0, m->algo == LK_ALGO_LORA ? mb : m->out, 1, c[0].rule, c[0].kohya};
         return LK_OK;
     }
-    if (tr || m->magnitude.name || m->bias.name)
+    if (tr || m->magnitude.name || m->bias.name || !plain)
         return lk_error(LK_ERR_UNSUPPORTED, "%s: %s lands on rows of %s (%s); %s on a row slice is not supported",
                         a->file, m->module, model[c[0].key].name, c[0].rule,
-                        tr ? "a transposed (embedding / fan_in_fan_out) LoRA" : m->magnitude.name ? "DoRA" : "lora_bias");
+                        tr ? "a transposed (embedding / fan_in_fan_out) LoRA"
+                        : m->magnitude.name || m->dora_scale.name ? "DoRA"
+                        : m->bias.name ? "lora_bias"
+                        : m->algo != LK_ALGO_LORA ? lk_algo_name(m->algo) : "a conv or Tucker LoRA");
     for (size_t k = 0; k < nc; k++) {
         const lk_tensor *w = &model[c[k].key];
         if (w->ndim != 2) {
@@ -364,7 +632,8 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
     size_t *bby = lk_malloc((a->n ? a->n : 1) * sizeof *bby), n_bby = 0;
     char **rnames = lk_calloc(a->n_rep ? a->n_rep : 1, sizeof *rnames);
     unsigned char *trans = lk_calloc(a->n ? a->n : 1, sizeof *trans);
-    size_t tbytes = 0;
+    size_t tbytes = 0, xbytes = 0;
+    size_t *tidx = lk_malloc((a->n ? a->n : 1) * sizeof *tidx);
     size_t *rby = lk_malloc((a->n_rep ? a->n_rep : 1) * sizeof *rby), n_rby = 0;
     size_t n_tp = 0, tp_cap = 0;
     tplace *tp = NULL;
@@ -383,7 +652,7 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
     lk_names mt = {0}, rt = {0};
     const char *first_unmatched_rep = NULL;
     char buf[4096];
-    if (!ord || !tnames || !bnames || !bby || !rnames || !rby || !trans || !mx || !mcomp) {
+    if (!ord || !tnames || !bnames || !bby || !rnames || !rby || !trans || !mx || !mcomp || !tidx) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
         goto done;
     }
@@ -464,6 +733,12 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
             }
             if ((s = layout_cands(a, i, &lay, model, c, &nc, &comp))) goto done;
         }
+        if (nc == 0 && m->algo == LK_ALGO_SET) { /* a replacement needs its weight, always */
+            s = lk_error(LK_ERR_UNMATCHED, "%s: %s: '%s' replaces a weight the model does not have (no %s.weight)",
+                         a->file, m->module, m->dense.name, a->format == LK_FORMAT_KOHYA ? kohya_rest(m->module)
+                                                                                          : m->module);
+            goto done;
+        }
         if (nc == 0) {
             mcomp[i] = (unsigned char)comp;
             if (comp_miss[comp]++ == 0) comp_first[comp] = i;
@@ -488,8 +763,14 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
             tp = ntp;
             tp_cap = nc2;
         }
-        if ((s = place(a, i, model, c, nc, tr, tp, &n_tp))) goto done;
+        size_t xb = 0;
+        if ((s = place(a, i, model, c, nc, tr, tp, &n_tp, &xb))) goto done;
+        if (!lk_checked_add(xbytes, xb, &xbytes)) {
+            s = lk_error(LK_ERR_NOMEM, "%s: the folded factors' size overflows", a->file);
+            goto done;
+        }
         t = c[0].key;
+        tidx[i] = t;
         if (tr) {
             size_t nb = ((a->fa[i].nbytes + 15) & ~(size_t)15) + ((a->fb[i].nbytes + 15) & ~(size_t)15);
             if (!lk_checked_add(tbytes, nb, &tbytes)) {
@@ -507,15 +788,16 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
             if ((size_t)snprintf(buf, sizeof buf, "%.*sbias", (int)(tl - 6), model[t].name) >= sizeof buf) buf[0] = 0;
             size_t b = find_model(model, ord, n_model, buf);
             if (b == SIZE_MAX) {
-                s = lk_error(LK_ERR_UNMATCHED, "%s: %s has a lora_B bias but the model has no %s to add it to", a->file,
-                             m->module, buf);
+                s = lk_error(LK_ERR_UNMATCHED, "%s: %s has a bias delta ('%s') but the model has no %s to add it to",
+                             a->file, m->module, m->bias.name, buf);
                 goto done;
             }
             const lk_tensor *bw = &model[b];
-            if (bw->ndim != 1 || bw->shape[0] != a->fb[i].shape[0] || !lk_dtype_is_fusable(bw->dtype)) {
-                s = lk_error(LK_ERR_SHAPE, "%s: %s: the model's %s is %s with %d dims; lora_bias needs a 1-D "
+            if (bw->ndim != 1 || bw->shape[0] != model[t].shape[0] || !lk_dtype_is_fusable(bw->dtype) ||
+                lk_tensor_numel(&m->bias) != (size_t)bw->shape[0]) {
+                s = lk_error(LK_ERR_SHAPE, "%s: %s: the model's %s is %s with %d dims; '%s' needs a 1-D "
                              "F32/F16/BF16 bias of %lld values", a->file, m->module, bw->name, lk_dtype_name(bw->dtype),
-                             bw->ndim, (long long)a->fb[i].shape[0]);
+                             bw->ndim, m->bias.name, (long long)model[t].shape[0]);
                 goto done;
             }
             if (!(bnames[i] = lk_strdup(bw->name))) {
@@ -656,15 +938,25 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
         snprintf(plstr[2 * i + 1], rl, "%s%s", tp[i].kohya ? "kohya form, " : "", tp[i].rule);
     }
     void *tf = tbytes ? lk_malloc(tbytes) : NULL;
-    if (tbytes && !tf) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of transposed factors", a->file, tbytes);
+    void *xf = xbytes ? lk_malloc(xbytes) : NULL;
+    if ((tbytes && !tf) || (xbytes && !xf)) {
+        lk_free(tf);
+        lk_free(xf);
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of transposed and folded factors", a->file,
+                     tbytes + xbytes);
         goto done;
     }
     /* Commit. */
-    unsigned char *tfp = tf;
-    for (size_t i = 0; i < a->n; i++) orient(a, i, trans[i], &a->mods[i].A, &a->mods[i].B, &tfp);
+    unsigned char *tfp = tf, *xp = xf;
+    for (size_t i = 0; i < a->n; i++) {
+        if (a->mods[i].algo == LK_ALGO_LORA) orient(a, i, trans[i], &a->mods[i].A, &a->mods[i].B, &tfp);
+        if (tnames[i]) build_kernel_factors(&a->mods[i], &model[tidx[i]], &xp);
+        else memset(a->mods[i].k, 0, sizeof a->mods[i].k);
+    }
     lk_free(a->tfactors);
     a->tfactors = tf;
+    lk_free(a->xfactors);
+    a->xfactors = xf;
     for (size_t i = 0; i < a->n; i++) {
         lk_free(a->targets[i]);
         a->targets[i] = tnames[i];
@@ -733,6 +1025,7 @@ done:
     lk_free(pl);
     lk_free(tp);
     lk_free(mcomp);
+    lk_free(tidx);
     lk_free(ord);
     lk_free(mx);
     lk_names_free(&mt);

@@ -126,6 +126,7 @@ typedef struct fjob {
 typedef struct fworker {
     fjob *job;
     float *blk;
+    void *scratch;      /* lk_fuse_delta_rows' (LoHa terms) */
     float amax;         /* pass 1, per-tensor scale */
     lk_fp8_stats stats; /* pass 2 */
 } fworker;
@@ -242,7 +243,7 @@ __attribute__((target("avx2,fma"))) static void round_generic_avx2(const lk_fp8_
 static void fp8_block(fworker *wk, size_t b) {
     fjob *j = wk->job;
     size_t r0 = b * j->rb, rows = j->O - r0 < j->rb ? j->O - r0 : j->rb, I = j->I;
-    lk_fuse_delta_rows(j->prep, wk->blk, I, r0, rows);
+    lk_fuse_delta_rows(j->prep, wk->blk, I, r0, rows, wk->scratch);
     for (size_t r = 0; r < rows; r++) {
         size_t row = r0 + r, si = j->per_row ? row : 0;
         uint8_t *wr = j->w + row * I;
@@ -327,6 +328,7 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     double *s0 = lk_malloc(2 * NS * sizeof *s0); /* the stored scales, then the divide-by ones */
     fworker *wk = lk_calloc((size_t)nw, sizeof *wk);
     float *blks = wk ? lk_malloc((size_t)nw * rb * I * sizeof *blks) : NULL;
+    unsigned char *scr = NULL;
     if (!s0 || !wk || !blks) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 fuse", name);
         goto done;
@@ -334,6 +336,11 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     /* the factors are validated and converted once here (the message is
      * this thread's); the workers share them */
     if ((s = lk_fuse_delta_prepare(0, out, in, 0, out, terms, k, name, &prep))) goto done;
+    const size_t sb = lk_fuse_delta_scratch(prep, rb);
+    if (sb && !(scr = lk_malloc(sb * (size_t)nw))) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 fuse", name);
+        goto done;
+    }
     double *sc = s0 + NS;
     for (size_t r = 0; r < NS; r++) s0[r] = sc[r] = scale ? scale_get(scale, sdtype, r) : 1.0;
     float dec[256]; /* every code's value */
@@ -355,7 +362,8 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     }
 #endif
     for (int t = 0; t < nw; t++)
-        wk[t] = (fworker){.job = &job, .blk = blks + (size_t)t * rb * I, .stats = {.bad_e = SIZE_MAX}};
+        wk[t] = (fworker){.job = &job, .blk = blks + (size_t)t * rb * I, .scratch = scr ? scr + (size_t)t * sb : NULL,
+                          .stats = {.bad_e = SIZE_MAX}};
     if (rescale && !per_row) { /* pass 1: amax of the fused values, as float32, over the whole tensor */
         fp8_pass(&job, wk, nw, 1);
         float amax = 0.0f;
@@ -382,6 +390,7 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
                      scale && !rescale ? ", --fp8-scale rescale recomputes the scale" : "");
 done:
     lk_fuse_delta_free(prep);
+    lk_free(scr);
     lk_free(blks);
     lk_free(wk);
     lk_free(s0);
@@ -427,7 +436,7 @@ lk_status lk_fp8_scale_of(const lk_tensor *model, size_t n, size_t wi, long *sca
     if (s->dtype != LK_DTYPE_F32 && s->dtype != LK_DTYPE_BF16 && s->dtype != LK_DTYPE_F16)
         return lk_error(LK_ERR_UNSUPPORTED, "%s: scale %s is %s (expected F32, BF16 or F16)", w->name, s->name,
                         lk_dtype_name(s->dtype));
-    int64_t out = w->ndim == 2 ? w->shape[0] : -1;
+    int64_t out = w->ndim >= 2 ? w->shape[0] : -1; /* a conv weight [out, in, kh, kw] too */
     int ok = s->ndim == 0 || (s->ndim == 1 && (s->shape[0] == 1 || s->shape[0] == out)) ||
              (s->ndim == 2 && s->shape[0] == out && s->shape[1] == 1);
     if (!ok) {

@@ -467,7 +467,7 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
             const lk_tensor *sc = si >= 0 ? &c.model[si] : NULL;
             if ((s = lk_ckpt_read(c.ck, i, 0, c.buf, t->nbytes))) goto fail;
             if (sc && (s = lk_ckpt_read(c.ck, (size_t)si, 0, c.sbuf, sc->nbytes))) goto fail;
-            s = lk_fuse_fp8(c.buf, t->dtype, t->shape[0], t->shape[1], sc ? c.sbuf : NULL, sc ? sc->dtype : LK_DTYPE_F32,
+            s = lk_fuse_fp8(c.buf, t->dtype, t->shape[0], (int64_t)(lk_tensor_numel(t) / (size_t)t->shape[0]), sc ? c.sbuf : NULL, sc ? sc->dtype : LK_DTYPE_F32,
                             sc ? (int64_t)lk_tensor_numel(sc) : 0, c.terms, plan.n_terms, &opts->fuse, t->name);
             if (s) {
                 lk_error_prefix(s, "%s", base);
@@ -580,7 +580,7 @@ lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *in
             bk[n_bk++] = (size_t)si;
         }
         if (lk_dtype_is_fp8(t->dtype))
-            s = lk_fuse_fp8(t->data, t->dtype, t->shape[0], t->shape[1], sc ? sc->data : NULL,
+            s = lk_fuse_fp8(t->data, t->dtype, t->shape[0], (int64_t)(lk_tensor_numel(t) / (size_t)t->shape[0]), sc ? sc->data : NULL,
                             sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, c.terms,
                             plan.n_terms, &opts->fuse, t->name);
         else

@@ -53,11 +53,38 @@ lk_status lk_fuse_delta_f64(double *delta, size_t ld, int64_t out, int64_t in, i
  * the kernel path); lk_fuse_delta_rows then writes the delta of rows
  * [row, row + n) (inside the prepared ones) and may run on many threads
  * at once; lk_fuse_delta_free releases it. wide: the f64 chain. */
+/* Terms of every kind (terms.c): the LoRA terms' stacked chain first, then
+ * each other term's delta added in term order (terms.c says how). A call
+ * needs lk_fuse_delta_scratch(p, n) bytes of scratch (0 for LoRA terms
+ * alone, when scratch may be NULL); each concurrent caller passes its own. */
 typedef struct lk_delta_prep lk_delta_prep;
 lk_status lk_fuse_delta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int64_t rows,
                                 const lk_fuse_term *terms, size_t n_terms, const char *name, lk_delta_prep **p);
-void lk_fuse_delta_rows(const lk_delta_prep *p, void *delta, size_t ld, size_t row, size_t n);
+size_t lk_fuse_delta_scratch(const lk_delta_prep *p, size_t n);
+void lk_fuse_delta_rows(const lk_delta_prep *p, void *delta, size_t ld, size_t row, size_t n, void *scratch);
 void lk_fuse_delta_free(lk_delta_prep *p);
+
+/* The same for LoRA terms only (kernel.c), what lk_fuse_delta_* build on. */
+typedef struct lk_kdelta lk_kdelta;
+lk_status lk_kdelta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                            const lk_fuse_term *terms, size_t n_terms, const char *name, lk_kdelta **p);
+void lk_kdelta_rows(const lk_kdelta *p, void *delta, size_t ld, size_t row, size_t n);
+void lk_kdelta_free(lk_kdelta *p);
+
+/* The error for the first element (bad_at = o * in + j, SIZE_MAX: none) a
+ * fuse made non-finite from weight w to r, unless opts allow it. */
+lk_status lk_fuse_nonfinite(const char *name, size_t bad_at, size_t in, double w, double r, const lk_fuse_opts *opts);
+/* A weight of out x in rows and a row range [row0, row0 + rows) inside it. */
+lk_status lk_fuse_check_rows(int64_t out, int64_t in, int64_t row0, int64_t rows, const char *name);
+/* A factor's checks (dtype F32/F16/BF16, or F64 for an "A", 2-D, data). */
+lk_status lk_fuse_check_factor(const lk_tensor *t, const char *what, const char *name, size_t ti);
+
+/* lk_fuse_tensor for a term list with LoHa / LoKr / dense terms (terms.c;
+ * called by lk_fuse_tensor once the buffers, dtype and shape are checked):
+ * threads take blocks of rows, each block's delta from lk_fuse_delta_rows,
+ * then W + d rounded once, exactly as the kernel rounds. */
+lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                               const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name);
 
 /* w + d rounded to odd (round toward zero, then set the last bit if the
  * sum was inexact): a value that, rounded to nearest-even into any format

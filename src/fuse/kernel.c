@@ -250,9 +250,9 @@ int lk_fuse_default_threads(void) {
 
 /* ---- validation and factor preparation ---- */
 
-static lk_status check_factor(const lk_tensor *t, const char *what, const char *name, size_t ti) {
+lk_status lk_fuse_check_factor(const lk_tensor *t, const char *what, const char *name, size_t ti) {
     if (!t) return lk_error(LK_ERR_ARG, "%s: term %zu: %s is NULL", name, ti, what);
-    if (!lk_dtype_is_fusable(t->dtype))
+    if (!lk_dtype_is_fusable(t->dtype) && !(t->dtype == LK_DTYPE_F64 && what[0] == 'A'))
         return lk_error(LK_ERR_DTYPE, "%s: term %zu: %s has dtype %s; only F32, F16 and BF16 can be fused",
                         name, ti, what, lk_dtype_name(t->dtype));
     if (t->ndim != 2)
@@ -272,7 +272,10 @@ static lk_status check_terms(int64_t out, int64_t in, const lk_fuse_term *terms,
     *R = 0;
     for (size_t t = 0; t < n_terms; t++) {
         lk_status s;
-        if ((s = check_factor(terms[t].A, "A", name, t)) || (s = check_factor(terms[t].B, "B", name, t)))
+        if (terms[t].kind != LK_TERM_LORA)
+            return lk_error(LK_ERR_ARG, "%s: term %zu is not a LoRA term (kind %d)", name, t, (int)terms[t].kind);
+        if ((s = lk_fuse_check_factor(terms[t].A, "A", name, t)) ||
+            (s = lk_fuse_check_factor(terms[t].B, "B", name, t)))
             return s;
         const lk_tensor *A = terms[t].A, *B = terms[t].B;
         if (A->shape[1] != in || B->shape[0] != out || B->shape[1] != A->shape[0])
@@ -321,16 +324,19 @@ static void make_panels(void *ap, int wide, size_t pw, size_t R, size_t in, cons
         const lk_tensor *A = terms[t].A;
         const size_t r = (size_t)A->shape[0], aesz = lk_dtype_size(A->dtype);
         for (size_t i = 0; i < r; i++, k++) {
-            lk_to_f32(tmp, (const char *)A->data + i * in * aesz, A->dtype, in);
+            const double *a64 = A->dtype == LK_DTYPE_F64 ? (const double *)A->data + i * in : NULL;
+            if (!a64) lk_to_f32(tmp, (const char *)A->data + i * in * aesz, A->dtype, in);
             for (size_t p = 0; p < npan; p++) {
                 const size_t c0 = p * pw, n = in - c0 < pw ? in - c0 : pw;
                 if (wide) {
                     double *dst = (double *)ap + (p * R + k) * pw;
-                    for (size_t c = 0; c < n; c++) dst[c] = tmp[c0 + c];
+                    for (size_t c = 0; c < n; c++) dst[c] = a64 ? a64[c0 + c] : tmp[c0 + c];
                     for (size_t c = n; c < pw; c++) dst[c] = 0.0;
                 } else {
                     float *dst = (float *)ap + (p * R + k) * pw;
-                    memcpy(dst, tmp + c0, n * sizeof(float));
+                    if (a64) /* a Tucker-folded A (F64): rounded once to f32 */
+                        for (size_t c = 0; c < n; c++) dst[c] = (float)a64[c0 + c];
+                    else memcpy(dst, tmp + c0, n * sizeof(float));
                     for (size_t c = n; c < pw; c++) dst[c] = 0.0f;
                 }
             }
@@ -353,7 +359,10 @@ static int i64_cmp(const void *a, const void *b) {
 static lk_status fuse_bands(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
                             const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name) {
     for (size_t t = 0; t < n_terms; t++) {
-        lk_status s = check_factor(terms[t].B, "B", name, t);
+        if (terms[t].kind != LK_TERM_LORA)
+            return lk_error(LK_ERR_UNSUPPORTED, "%s: a LoHa, LoKr or dense delta together with modules on row slices "
+                            "of the same weight is not supported", name);
+        lk_status s = lk_fuse_check_factor(terms[t].B, "B", name, t);
         if (s) return s;
         int64_t r0 = terms[t].slice ? terms[t].slice - 1 : 0;
         if (r0 < 0 || terms[t].B->shape[0] > out - r0)
@@ -393,7 +402,7 @@ static lk_status fuse_bands(void *w_out, const void *w_in, lk_dtype dtype, int64
             bv[nb].data = (char *)tt->B->data + (size_t)(r0 - t0) * (size_t)tt->B->shape[1] * be;
             bv[nb].shape[0] = r1 - r0;
             bv[nb].nbytes = (size_t)(r1 - r0) * (size_t)tt->B->shape[1] * be;
-            bt[nb] = (lk_fuse_term){tt->A, &bv[nb], tt->scale, 0};
+            bt[nb] = (lk_fuse_term){.A = tt->A, .B = &bv[nb], .scale = tt->scale};
             nb++;
         }
         char *wo = (char *)w_out + (size_t)r0 * rowb;
@@ -432,6 +441,8 @@ static lk_status fuse_whole(void *w_out, const void *w_in, lk_dtype dtype, int64
         !lk_checked_mul(numel, esz, &wbytes))
         return lk_error(LK_ERR_SHAPE, "%s: weight %lldx%lld is too large", name, (long long)out, (long long)in);
 
+    for (size_t t = 0; t < n_terms && terms; t++) /* LoHa, LoKr, dense: the row driver (terms.c) */
+        if (terms[t].kind != LK_TERM_LORA) return lk_fuse_tensor_terms(w_out, w_in, dtype, out, in, terms, n_terms, opts, name);
     size_t R;
     lk_status st = check_terms(out, in, terms, n_terms, name, &R);
     if (st) return st;
@@ -522,12 +533,15 @@ static lk_status fuse_whole(void *w_out, const void *w_in, lk_dtype dtype, int64
     lk_free(ths);
     lk_free(tids);
     lk_free(sh);
-    if (bad_at != SIZE_MAX && !(opts && opts->allow_nonfinite))
-        return lk_error(LK_ERR_NONFINITE,
-                        "%s: fusion made element [%zu, %zu] non-finite (weight %g became %g); "
-                        "allow_nonfinite (--allow-nonfinite) keeps it",
-                        name, bad_at / I, bad_at % I, bw, br);
-    return LK_OK;
+    return lk_fuse_nonfinite(name, bad_at, I, bw, br, opts);
+}
+
+lk_status lk_fuse_nonfinite(const char *name, size_t bad_at, size_t in, double w, double r, const lk_fuse_opts *opts) {
+    if (bad_at == SIZE_MAX || (opts && opts->allow_nonfinite)) return LK_OK;
+    return lk_error(LK_ERR_NONFINITE,
+                    "%s: fusion made element [%zu, %zu] non-finite (weight %g became %g); "
+                    "allow_nonfinite (--allow-nonfinite) keeps it",
+                    name, bad_at / in, bad_at % in, w, r);
 }
 
 /* ---- the delta alone (fuse_internal.h) ---- */
@@ -578,7 +592,7 @@ __attribute__((target("avx2,fma"))) static void delta64_avx2(double *d, size_t l
 }
 #endif
 
-struct lk_delta_prep {
+struct lk_kdelta {
     int wide, panels; /* panels: A in LK_PW32-column panels for the AVX-512 delta block, else plain R x in */
     size_t R, I, row0, rows;
     void *A, *bs;   /* A (packed), B' of rows [row0, row0 + rows) */
@@ -586,23 +600,27 @@ struct lk_delta_prep {
     unsigned char *mem;
 };
 
-lk_status lk_fuse_delta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int64_t rows,
-                                const lk_fuse_term *terms, size_t n_terms, const char *name, lk_delta_prep **pp) {
-    if (!name) name = "(tensor)";
-    *pp = NULL;
+lk_status lk_fuse_check_rows(int64_t out, int64_t in, int64_t row0, int64_t rows, const char *name) {
     if (out <= 0 || in <= 0)
         return lk_error(LK_ERR_SHAPE, "%s: weight shape %lldx%lld", name, (long long)out, (long long)in);
     if (row0 < 0 || rows < 0 || row0 > out || rows > out - row0)
         return lk_error(LK_ERR_ARG, "%s: rows [%lld, %lld) outside a weight of %lld rows", name, (long long)row0,
                         (long long)row0 + (long long)rows, (long long)out);
+    return LK_OK;
+}
+
+lk_status lk_kdelta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                            const lk_fuse_term *terms, size_t n_terms, const char *name, lk_kdelta **pp) {
+    if (!name) name = "(tensor)";
+    *pp = NULL;
     size_t R;
-    lk_status st = check_terms(out, in, terms, n_terms, name, &R);
-    if (st) return st;
-    lk_delta_prep *p = lk_calloc(1, sizeof *p);
+    lk_status st = lk_fuse_check_rows(out, in, row0, rows, name);
+    if (st || (st = check_terms(out, in, terms, n_terms, name, &R))) return st;
+    lk_kdelta *p = lk_calloc(1, sizeof *p);
     if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
     const size_t I = (size_t)in, n = (size_t)rows, vsz = wide ? sizeof(double) : sizeof(float);
     const char *path = lk_fuse_kernel_path();
-    *p = (lk_delta_prep){.wide = wide, .R = R, .I = I, .row0 = (size_t)row0, .rows = n,
+    *p = (lk_kdelta){.wide = wide, .R = R, .I = I, .row0 = (size_t)row0, .rows = n,
                          .fast = strcmp(path, "portable") != 0};
 #ifdef LK_KERNEL_X86
     p->panels = !wide && !strncmp(path, "avx512", 6);
@@ -633,7 +651,7 @@ lk_status lk_fuse_delta_prepare(int wide, int64_t out, int64_t in, int64_t row0,
     return LK_OK;
 }
 
-void lk_fuse_delta_rows(const lk_delta_prep *p, void *delta, size_t ld, size_t row, size_t rows) {
+void lk_kdelta_rows(const lk_kdelta *p, void *delta, size_t ld, size_t row, size_t rows) {
     const size_t vsz = p->wide ? sizeof(double) : sizeof(float), I = p->I, R = p->R;
     if (R == 0) {
         for (size_t i = 0; i < rows; i++) memset((char *)delta + i * ld * vsz, 0, I * vsz);
@@ -662,31 +680,8 @@ void lk_fuse_delta_rows(const lk_delta_prep *p, void *delta, size_t ld, size_t r
     fesetenv(&saved);
 }
 
-void lk_fuse_delta_free(lk_delta_prep *p) {
+void lk_kdelta_free(lk_kdelta *p) {
     if (!p) return;
     lk_free(p->mem);
     lk_free(p);
-}
-
-static lk_status fuse_delta(void *delta, int wide, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
-                            const lk_fuse_term *terms, size_t n_terms, const char *name) {
-    if (!name) name = "(tensor)";
-    if (rows > 0 && (!delta || ld < (size_t)(in > 0 ? in : 0)))
-        return lk_error(LK_ERR_ARG, "%s: NULL delta or row stride below %lld", name, (long long)in);
-    lk_delta_prep *p;
-    lk_status st = lk_fuse_delta_prepare(wide, out, in, row0, rows, terms, n_terms, name, &p);
-    if (st) return st;
-    if (rows > 0) lk_fuse_delta_rows(p, delta, ld, (size_t)row0, (size_t)rows);
-    lk_fuse_delta_free(p);
-    return LK_OK;
-}
-
-lk_status lk_fuse_delta_f32(float *delta, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
-                            const lk_fuse_term *terms, size_t n_terms, const char *name) {
-    return fuse_delta(delta, 0, ld, out, in, row0, rows, terms, n_terms, name);
-}
-
-lk_status lk_fuse_delta_f64(double *delta, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
-                            const lk_fuse_term *terms, size_t n_terms, const char *name) {
-    return fuse_delta(delta, 1, ld, out, in, row0, rows, terms, n_terms, name);
 }

@@ -2,17 +2,25 @@
  * per-key plan that the offline fuse (fuse_file.c) and the hot-swap tracker
  * (serve/tracker.c) both use, so the two give the same bytes.
  *
- * A key gets, from the adapters in canonical order: LoRA terms (2-D
- * weights; scale = strength * module scale, both doubles, the one place this
- * product is formed; not finite is an error naming both), lora_B bias terms (the layer's 1-D bias: strength *
- * scale * lora_B.bias), a replacement (PEFT's modules_to_save and saved
- * biases) or a DoRA module. A key with only LoRA terms goes through the fuse
- * kernel. Everything else (rare, and where PEFT's result is defined in
- * exact arithmetic) is computed in double precision and rounded once into
- * the weight's dtype:
+ * A key gets, from the adapters in canonical order: one term per module
+ * (scale = strength * module scale, both doubles, the one place this
+ * product is formed; not finite is an error naming both) of the module's kind: LoRA (conv and Tucker LoRA
+ * included, as 2-D factors), LoHa (Hadamard), LoKr (Kronecker) or dense
+ * (LyCORIS full .diff); vector terms on a 1-D tensor (lora_B bias, diff_b,
+ * w_norm / b_norm on a norm layer: strength * scale * vector); a
+ * replacement (PEFT's modules_to_save and saved biases, set_weight) or a
+ * DoRA module (PEFT's lora_magnitude_vector, LyCORIS's dora_scale). A key
+ * with terms only goes through lk_fuse_tensor (the kernel for LoRA terms,
+ * terms.c's row driver with any other kind). Everything else (rare, and where
+ * the result is defined in exact arithmetic) is computed in double precision
+ * and rounded once into the weight's dtype:
  *   replacement R at strength s:  W + s (R - W)            (R itself at s = 1)
- *   DoRA at strength s:           W + s (W' - W),  W' = m / ||V||_row * V,
- *                                 V = W + c B A, the norm per output row
+ *   DoRA at strength s:           W + s (W' - W),  W' = m / (||V|| + eps) * V,
+ *                                 V = W + c delta, the norm per output row
+ *                                 (PEFT, eps 0; LyCORIS with dora_scale
+ *                                 [out, 1, ...]) or per input channel
+ *                                 (dora_scale [1, in, ...]), LyCORIS's eps,
+ *                                 finfo(float64).eps here (computed in double)
  *   plus any LoRA / bias terms:   + sum_t s_t c_t (B_t A_t)
  * Strength on replacements and DoRA is lorakit's convention (PEFT has
  * none): s = 1 is PEFT's merge, s = 0 the base. The B A part (DoRA's V, or
@@ -44,6 +52,26 @@ static lk_status term_scale(const lk_adapter *a, const lk_lora_module *m, double
                     lk_num_str(m->alpha, ab), m->rank);
 }
 
+/* The term a module adds at scale sc onto tensor t (its 2-D factors are
+ * the ones resolve prepared, lk_lora_module.k). */
+static lk_fuse_term module_term(const lk_lora_module *m, const lk_tensor *t, double sc) {
+    const lk_tensor *k = m->k;
+    switch (m->algo) {
+    case LK_ALGO_LOHA:
+        return (lk_fuse_term){.A = &k[0], .B = &k[1], .scale = sc, .kind = LK_TERM_HADA, .A2 = &k[2], .B2 = &k[3]};
+    case LK_ALGO_LOKR:
+        return (lk_fuse_term){.A = k[0].data ? &k[0] : NULL, .B = &k[1], .scale = sc, .kind = LK_TERM_KRON,
+                              .A2 = k[2].data ? &k[2] : NULL, .B2 = &k[3]};
+    case LK_ALGO_FULL:
+    case LK_ALGO_NORM:
+    case LK_ALGO_SET: /* a 1-D weight (a norm layer's) takes a vector term */
+        return (lk_fuse_term){.B = &k[1], .scale = sc, .kind = t->ndim == 1 ? LK_TERM_LORA : LK_TERM_DENSE};
+    default: return (lk_fuse_term){.A = &k[0], .B = &k[1], .scale = sc};
+    }
+}
+
+static int is_dora(const lk_lora_module *m) { return m->magnitude.data || m->dora_scale.data; }
+
 lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t n, const lk_tensor *t,
                            lk_fuse_term *terms, lk_fuse_key *out) {
     memset(out, 0, sizeof *out);
@@ -57,36 +85,43 @@ lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t
         const lk_lora_module *m = np == 1 && pl->whole ? pl->module : NULL;
         const lk_adapter_tensor *r = lk_adapter_find_replacement(ad[i], t->name);
         const lk_lora_module *b = lk_adapter_find_bias_target(ad[i], t->name);
-        if (r) {
+        const lk_tensor *rt = r ? &r->t : m && m->algo == LK_ALGO_SET ? &m->dense : NULL;
+        if (rt) {
             if (rep_from != SIZE_MAX)
                 return lk_error(LK_ERR_ARG, "%s and %s both replace %s (%s); fuse them separately",
-                                lk_adapter_path(ad[rep_from]), lk_adapter_path(ad[i]), t->name, r->why);
+                                lk_adapter_path(ad[rep_from]), lk_adapter_path(ad[i]), t->name,
+                                r ? r->why : "set_weight");
             rep_from = i;
-            out->replace = &r->t;
+            out->replace = rt;
             out->replace_strength = strength[i];
         }
-        if ((r || (m && !m->magnitude.data) || b || (np && !m)) && other == SIZE_MAX) other = i;
-        if (np && !m) { /* row slices of a fused weight (resolve refused DoRA there) */
+        if ((rt || (m && !is_dora(m)) || b || (np && !m)) && other == SIZE_MAX) other = i;
+        if (np && !m) { /* row slices of a fused weight (LoRA only: resolve refused the rest there) */
             for (size_t k = 0; k < np; k++) {
                 double sc;
                 if ((s = term_scale(ad[i], pl[k].module, strength[i], "", &sc))) return s;
-                if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){&pl[k].module->A, &pl[k].B, sc, pl[k].row0 + 1};
+                if (sc != 0.0)
+                    terms[out->n_terms++] = (lk_fuse_term){.A = &pl[k].module->k[0], .B = &pl[k].B, .scale = sc,
+                                                           .slice = pl[k].row0 + 1};
             }
             sliced = 1;
         }
-        if (m && m->magnitude.data) {
+        if (m && is_dora(m)) {
+            if (dora_from != SIZE_MAX)
+                return lk_error(LK_ERR_ARG, "%s and %s both put DoRA on %s; fuse them separately",
+                                lk_adapter_path(ad[dora_from]), lk_adapter_path(ad[i]), t->name);
             dora_from = i;
             out->dora = m;
             out->dora_strength = strength[i];
-        } else if (m) {
+        } else if (m && m->algo != LK_ALGO_SET) {
             double sc;
             if ((s = term_scale(ad[i], m, strength[i], "", &sc))) return s;
-            if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){&m->A, &m->B, sc, 0};
+            if (sc != 0.0) terms[out->n_terms++] = module_term(m, t, sc);
         }
         if (b) {
             double sc;
             if ((s = term_scale(ad[i], b, strength[i], "lora_B.bias ", &sc))) return s;
-            if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){NULL, &b->bias, sc, 0};
+            if (sc != 0.0) terms[out->n_terms++] = (lk_fuse_term){.B = &b->bias, .scale = sc};
         }
     }
     if (sliced && (out->replace || dora_from != SIZE_MAX))
@@ -129,12 +164,116 @@ static int64_t chunk_rows(int64_t rows, int64_t cols) {
     return c < rows ? c : rows;
 }
 
+/* The delta of rows [r0, r0 + nr) of a key's 2-D part into dl (row stride
+ * cols): the one chain of fuse_internal.h, whatever the term kinds. */
+typedef struct dstream {
+    lk_delta_prep *p;
+    void *dl, *scratch;
+    int64_t chunk;
+} dstream;
+
+static void dstream_free(dstream *ds) {
+    lk_fuse_delta_free(ds->p);
+    lk_free(ds->dl);
+    lk_free(ds->scratch);
+}
+
+static lk_status dstream_open(dstream *ds, int wide, int64_t rows, int64_t cols, const lk_fuse_term *lt, size_t n_lt,
+                              const char *name) {
+    memset(ds, 0, sizeof *ds);
+    ds->chunk = chunk_rows(rows, cols);
+    lk_status s = lk_fuse_delta_prepare(wide, rows, cols, 0, rows, lt, n_lt, name, &ds->p);
+    if (s) return s;
+    size_t sb = lk_fuse_delta_scratch(ds->p, (size_t)ds->chunk);
+    ds->dl = lk_malloc((size_t)(ds->chunk * cols) * (wide ? sizeof(double) : sizeof(float)));
+    ds->scratch = sb ? lk_malloc(sb) : NULL;
+    if (!ds->dl || (sb && !ds->scratch)) {
+        dstream_free(ds);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for %lld rows of %lld", name, (long long)ds->chunk,
+                        (long long)cols);
+    }
+    return LK_OK;
+}
+
+/* DoRA at strength sd: V = W + c delta, W' = m / (||V|| + eps) V, W + sd (W' - W).
+ * PEFT (lora_magnitude_vector): the norm per output row, eps 0. LyCORIS
+ * (dora_scale): per output row when dora_scale has out values in its first
+ * dimension (wd_on_out), else per input channel (over the output rows and
+ * the kernel window), eps = 2^-52 (LyCORIS adds torch.finfo(dtype).eps of
+ * the dtype it computes in; lorakit computes in double). Norms are fma
+ * chains in double (rows ascending, then columns ascending). */
+static lk_status apply_dora(void *w_out, const void *w_in, const lk_tensor *t, const lk_fuse_key *k, int64_t rows,
+                            int64_t cols, const lk_fuse_opts *opts) {
+    const lk_lora_module *m = k->dora;
+    lk_dtype d = t->dtype;
+    const char *name = t->name;
+    const int wide = d == LK_DTYPE_F32, peft = m->magnitude.data != NULL;
+    const lk_tensor *mag = peft ? &m->magnitude : &m->dora_scale;
+    const int on_out = peft || (mag->shape[0] == rows && (int64_t)lk_tensor_numel(mag) == rows);
+    const int64_t in_ch = on_out ? 1 : (int64_t)lk_tensor_numel(mag), K = on_out ? 1 : cols / in_ch;
+    /* LyCORIS adds torch.finfo(dtype).eps of the dtype it computes in;
+     * lorakit computes in double */
+    const double eps = peft ? 0.0 : 0x1p-52, sd = (double)k->dora_strength;
+    lk_fuse_term lt = module_term(m, t, m->scale); /* the module's own scale, not the strength */
+    dstream ds;
+    lk_status s = dstream_open(&ds, wide, rows, cols, &lt, 1, name);
+    if (s) return s;
+    double *acc = lk_malloc((size_t)cols * sizeof *acc), *cs = on_out ? NULL : lk_calloc((size_t)in_ch, sizeof *cs);
+    if (!acc || (!on_out && !cs)) {
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
+        goto done;
+    }
+#define DELTA(j) (wide ? ((const double *)ds.dl)[drow + (size_t)(j)] : (double)((const float *)ds.dl)[drow + (size_t)(j)])
+    for (int pass = on_out ? 1 : 0; pass < 2 && !s; pass++) /* pass 0: the per-channel norms */
+        for (int64_t r0 = 0; r0 < rows && !s; r0 += ds.chunk) {
+            int64_t nr = rows - r0 < ds.chunk ? rows - r0 : ds.chunk;
+            lk_fuse_delta_rows(ds.p, ds.dl, (size_t)cols, (size_t)r0, (size_t)nr, ds.scratch);
+            for (int64_t o = r0; o < r0 + nr && !s; o++) {
+                size_t base = (size_t)(o * cols), drow = (size_t)((o - r0) * cols);
+                for (int64_t j = 0; j < cols; j++) acc[j] = load(w_in, base + (size_t)j, d);
+                if (pass == 0) {
+                    for (int64_t j = 0; j < cols; j++) {
+                        double v = acc[j] + DELTA(j);
+                        cs[j / K] = fma(v, v, cs[j / K]);
+                    }
+                    continue;
+                }
+                double f = 0.0;
+                if (on_out) {
+                    double ss = 0.0;
+                    for (int64_t j = 0; j < cols; j++) {
+                        double v = acc[j] + DELTA(j);
+                        ss = fma(v, v, ss);
+                    }
+                    f = load(mag->data, (size_t)o, mag->dtype) / (sqrt(ss) + eps);
+                }
+                for (int64_t j = 0; j < cols; j++) {
+                    double v = acc[j] + DELTA(j);
+                    double fj = on_out ? f : load(mag->data, (size_t)(j / K), mag->dtype) / (sqrt(cs[j / K]) + eps);
+                    acc[j] = sd == 1.0 ? fj * v : acc[j] + sd * (fj * v - acc[j]);
+                }
+                for (int64_t j = 0; j < cols && !s; j++) s = finite_check(acc[j], name, base + (size_t)j, opts);
+                for (int64_t j = 0; j < cols && !s; j++) store(w_out, base + (size_t)j, acc[j], d);
+            }
+        }
+#undef DELTA
+done:
+    lk_free(acc);
+    lk_free(cs);
+    dstream_free(&ds);
+    return s;
+}
+
 lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, const lk_fuse_key *k,
                             const lk_fuse_term *terms, const lk_fuse_opts *opts) {
     lk_dtype d = t->dtype;
     const char *name = t->name;
-    if (!k->replace && !k->dora && k->n_terms && terms[0].A) /* plain LoRA: the kernel */
-        return lk_fuse_tensor(w_out, w_in, d, t->shape[0], t->shape[1], terms, k->n_terms, opts, name);
+    size_t numel = lk_tensor_numel(t);
+    const int vec = t->ndim < 2; /* a bias or a norm layer's weight: vector terms */
+    /* a conv weight [out, in, kh, kw] is out x (in kh kw) */
+    const int64_t out_rows = vec ? 1 : t->shape[0], out_cols = out_rows ? (int64_t)(numel / (size_t)out_rows) : 0;
+    if (!k->replace && !k->dora && k->n_terms && !vec) /* LoRA (the kernel), LoHa, LoKr, dense terms */
+        return lk_fuse_tensor(w_out, w_in, d, out_rows, out_cols, terms, k->n_terms, opts, name);
     if (!lk_fuse_key_touches(k)) {
         if (w_out != w_in) memcpy(w_out, w_in, t->nbytes);
         return LK_OK;
@@ -146,81 +285,54 @@ lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, c
         memcpy(w_out, k->replace->data, t->nbytes);
         return LK_OK;
     }
-    size_t numel = lk_tensor_numel(t);
-    /* the 2-D LoRA part (DoRA's c B A, or other adapters' terms next to a
-     * replacement) comes from the kernel's own delta chain: f32 for narrow
-     * weights, f64 for F32 weights, exactly as lk_fuse_tensor sums it */
-    lk_fuse_term dterm;
-    const lk_fuse_term *lt = NULL;
-    size_t n_lt = 0;
     if (k->dora) {
-        dterm = (lk_fuse_term){&k->dora->A, &k->dora->B, k->dora->scale, 0}; /* PEFT's scaling, not the strength */
-        lt = &dterm;
-        n_lt = 1;
-    } else if (k->n_terms && terms[0].A) {
-        lt = terms;
-        n_lt = k->n_terms;
+        if (vec) return lk_error(LK_ERR_SHAPE, "%s: DoRA on a 1-D tensor", name);
+        return apply_dora(w_out, w_in, t, k, out_rows, out_cols, opts);
     }
-    int two_d = n_lt > 0, wide = d == LK_DTYPE_F32;
-    int64_t rows = two_d ? t->shape[0] : 1, cols = two_d ? t->shape[1] : (int64_t)numel;
-    int64_t chunk = two_d ? chunk_rows(rows, cols) : 1;
+    /* a replacement, plus any terms: the terms' delta comes from the one
+     * delta chain (f32 for narrow weights, f64 for F32 weights), exactly
+     * as lk_fuse_tensor sums it */
+    int two_d = k->n_terms && !vec, wide = d == LK_DTYPE_F32;
+    int64_t rows = two_d ? out_rows : 1, cols = two_d ? out_cols : (int64_t)numel;
+    dstream ds = {0};
+    lk_status s = two_d ? dstream_open(&ds, wide, rows, cols, terms, k->n_terms, name) : LK_OK;
+    if (s) return s;
+    if (!two_d) ds.chunk = 1;
     double *acc = lk_malloc((size_t)cols * sizeof *acc);
-    void *dl = two_d ? lk_malloc((size_t)(chunk * cols) * (wide ? sizeof(double) : sizeof(float))) : NULL;
-    if (!acc || (two_d && !dl)) {
-        lk_free(acc);
-        lk_free(dl);
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory for %lld rows of %lld", name, (long long)chunk,
-                        (long long)cols);
+    if (!acc) {
+        dstream_free(&ds);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for %lld values", name, (long long)cols);
     }
-    lk_status s = LK_OK;
-    for (int64_t r0 = 0; r0 < rows && !s; r0 += chunk) {
-        int64_t nr = rows - r0 < chunk ? rows - r0 : chunk;
-        if (two_d) {
-            s = wide ? lk_fuse_delta_f64(dl, (size_t)cols, rows, cols, r0, nr, lt, n_lt, name)
-                     : lk_fuse_delta_f32(dl, (size_t)cols, rows, cols, r0, nr, lt, n_lt, name);
-            if (s) break;
-        }
+    for (int64_t r0 = 0; r0 < rows && !s; r0 += ds.chunk) {
+        int64_t nr = rows - r0 < ds.chunk ? rows - r0 : ds.chunk;
+        if (two_d) lk_fuse_delta_rows(ds.p, ds.dl, (size_t)cols, (size_t)r0, (size_t)nr, ds.scratch);
         for (int64_t o = r0; o < r0 + nr && !s; o++) {
             size_t base = (size_t)(o * cols), drow = (size_t)((o - r0) * cols);
-#define DELTA(j) (wide ? ((const double *)dl)[drow + (size_t)(j)] : (double)((const float *)dl)[drow + (size_t)(j)])
             for (int64_t j = 0; j < cols; j++) acc[j] = load(w_in, base + (size_t)j, d);
-            if (k->dora) { /* V = W + c B A; W' = m / ||V|| V; W + s (W' - W) */
-                double ss = 0.0;
+            if (k->replace) {
+                double sr = (double)k->replace_strength;
                 for (int64_t j = 0; j < cols; j++) {
-                    double v = acc[j] + DELTA(j);
-                    ss = fma(v, v, ss);
-                }
-                double f = load(k->dora->magnitude.data, (size_t)o, k->dora->magnitude.dtype) / sqrt(ss);
-                double sd = k->dora_strength;
-                for (int64_t j = 0; j < cols; j++) {
-                    double v = acc[j] + DELTA(j);
-                    acc[j] = sd == 1.0 ? f * v : acc[j] + sd * (f * v - acc[j]);
-                }
-            } else {
-                if (k->replace) {
-                    double sr = k->replace_strength;
-                    for (int64_t j = 0; j < cols; j++) {
-                        double r = load(k->replace->data, base + (size_t)j, k->replace->dtype);
-                        acc[j] = sr == 1.0 ? r : acc[j] + sr * (r - acc[j]);
-                    }
-                }
-                if (two_d) {
-                    for (int64_t j = 0; j < cols; j++) acc[j] += DELTA(j);
-                } else if (k->n_terms) { /* lora_B bias terms on a 1-D bias: exact products, fma chain */
-                    for (int64_t j = 0; j < cols; j++) {
-                        double dj = 0.0;
-                        for (size_t i = 0; i < k->n_terms; i++)
-                            dj = fma((double)terms[i].scale, load(terms[i].B->data, (size_t)j, terms[i].B->dtype), dj);
-                        acc[j] += dj;
-                    }
+                    double r = load(k->replace->data, base + (size_t)j, k->replace->dtype);
+                    acc[j] = sr == 1.0 ? r : acc[j] + sr * (r - acc[j]);
                 }
             }
-#undef DELTA
+            if (two_d) {
+                for (int64_t j = 0; j < cols; j++)
+                    acc[j] += wide ? ((const double *)ds.dl)[drow + (size_t)j]
+                                   : (double)((const float *)ds.dl)[drow + (size_t)j];
+            } else if (k->n_terms) { /* vector terms on a 1-D tensor: exact products, fma chain */
+                for (int64_t j = 0; j < cols; j++) {
+                    double dj = 0.0;
+                    for (size_t i = 0; i < k->n_terms; i++)
+                        dj = fma((double)terms[i].scale, load(terms[i].B->data, (size_t)j, terms[i].B->dtype), dj);
+                    acc[j] += dj;
+                }
+            }
             for (int64_t j = 0; j < cols && !s; j++) s = finite_check(acc[j], name, base + (size_t)j, opts);
             for (int64_t j = 0; j < cols && !s; j++) store(w_out, base + (size_t)j, acc[j], d);
         }
     }
     lk_free(acc);
-    lk_free(dl);
+    dstream_free(&ds);
     return s;
 }

@@ -640,7 +640,7 @@ lk_status lk_lora_layer_merged(const lk_lora_layer *l, float *dst) {
     lk_tensor B = {.name = "lora_B", .dtype = LK_DTYPE_F32, .ndim = 2, .shape = {l->out, l->r},
                    .nbytes = (size_t)l->out * (size_t)l->r * sizeof(float),
                    .data = p->data + p->offset[l->pB]};
-    lk_fuse_term term = {&A, &B, l->scale, 0};
+    lk_fuse_term term = {.A = &A, .B = &B, .scale = l->scale};
     lk_fuse_opts fo = {0};
     return lk_fuse_tensor(dst, l->W, LK_DTYPE_F32, l->out, l->in, &term, 1, &fo, l->name);
 }

@@ -206,13 +206,14 @@ static uint64_t adapter_content(const lk_adapter *a) {
         const char *tgt = mod->target ? mod->target : "";
         XXH3_64bits_update(&h, tgt, strlen(tgt) + 1);
         XXH3_64bits_update(&h, &mod->scale, sizeof mod->scale);
-        hash_tensor(&h, &mod->A);
-        hash_tensor(&h, &mod->B);
-        if (mod->magnitude.data) hash_tensor(&h, &mod->magnitude);
+        const lk_tensor *ts[LK_MODULE_MAX_TENSORS];
+        size_t nts = lk_lora_module_tensors(mod, ts);
+        const int32_t algo = (int32_t)mod->algo;
+        XXH3_64bits_update(&h, &algo, sizeof algo);
+        for (size_t k = 0; k < nts; k++) hash_tensor(&h, ts[k]); /* factors, cores, magnitudes, biases */
         if (mod->bias.data) {
             const char *bt = mod->bias_target ? mod->bias_target : "";
             XXH3_64bits_update(&h, bt, strlen(bt) + 1);
-            hash_tensor(&h, &mod->bias);
         }
     }
     for (size_t i = 0; i < lk_adapter_placement_count(a); i++) { /* where each module lands (row slices) */
@@ -313,7 +314,7 @@ static lk_status recompute_fp8(lk_tracker *t, size_t i, const lk_fuse_term *term
     if (sc && t->k[t->k[i].scale].backup) memcpy(sc->data, t->k[t->k[i].scale].backup, sc->nbytes);
     if (!nt) return LK_OK;
     lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite, t->o.fp8};
-    return lk_fuse_fp8(w->data, w->dtype, w->shape[0], w->shape[1], sc ? sc->data : NULL,
+    return lk_fuse_fp8(w->data, w->dtype, w->shape[0], (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]), sc ? sc->data : NULL,
                        sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, nt, &fo, w->name);
 }
 
@@ -588,7 +589,7 @@ static void find_scales(lk_tracker *t) {
     for (size_t i = 0; i < t->n; i++) t->k[i].scale = t->k[i].weight = -1;
     for (size_t i = 0; i < t->n; i++) {
         const lk_tensor *w = lk_weights_tensor(t->w, i);
-        if (!lk_dtype_is_fp8(w->dtype) || w->ndim != 2) continue;
+        if (!lk_dtype_is_fp8(w->dtype) || w->ndim < 2) continue;
         long sc = -1;
         if (lk_fp8_scale_of(lk_weights_tensors(t->w), t->n, i, &sc) != LK_OK) {
             t->k[i].fp8_bad = 1;
@@ -908,7 +909,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
                 }
                 memcpy(scratch, w->data, w->nbytes);
                 if (sc) memcpy(sbuf, sc->data, sc->nbytes);
-                local = lk_fuse_fp8(scratch, w->dtype, w->shape[0], w->shape[1], sbuf, sc ? sc->dtype : LK_DTYPE_F32,
+                local = lk_fuse_fp8(scratch, w->dtype, w->shape[0], (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]), sbuf, sc ? sc->dtype : LK_DTYPE_F32,
                                     sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, plan.n_terms, &fo, w->name);
                 lk_free(sbuf);
                 continue;

@@ -5,34 +5,46 @@
  * FastVideo keys). lk_adapter_open only takes a path, so the bytes go to a
  * scratch file, which is then opened with format detection (AUTO) and with
  * each format forced, and resolved against the toy model of
- * fuzz_adapter_model.h, strictly and with unmatched modules allowed. Invariants of an accepted adapter: every
- * module has rank r > 0 with A r x in and B out x r; after a resolve, every
- * module either has a target that is a model key whose 2-D shape is out x in,
- * findable by lk_adapter_find_target, or (allowed only then) none, and the
- * unmatched count says how many. A refusal is a clean error. Resolved
- * modules are then fused into the toy weights with the real kernel. */
+ * fuzz_adapter_model.h, strictly and with unmatched modules allowed. The
+ * seeds cover every algorithm's keys (LoRA, conv / Tucker LoRA, LoHa, LoKr,
+ * full diff / diff_b, set_weight, norm, dora_scale). Invariants of an
+ * accepted adapter: every module's tensors have consistent byte sizes, a
+ * LoRA module rank r > 0 with A r x ... and B out x r; after a resolve,
+ * every module either has a target that is a model key its delta's shape
+ * lands on, findable by lk_adapter_find_target, or (allowed only then) none,
+ * and the unmatched count says how many. A refusal is a clean error.
+ * Resolved adapters are then fused into the toy weights through the real
+ * per-key plan and kernel. */
 #include "fuzz_adapter_model.h"
 
-/* Fuses every resolved module into an F32 copy of its toy weight (values
- * i/64), as a fuse or a swap would: hostile factor values (NaN, Inf, huge)
- * must give a clean LK_ERR_NONFINITE, or pass with allow_nonfinite. */
-static void fz_adapter_fuse(const lk_adapter *a) {
+/* Fuses the adapter into F32 copies of the toy weights (values i/64) through
+ * the per-key plan, as a fuse or a swap would: hostile factor values (NaN,
+ * Inf, huge) must give a clean LK_ERR_NONFINITE, or pass with
+ * allow_nonfinite; a refused plan is a clean error. */
+static void fz_adapter_fuse(lk_adapter *a) {
     static float w[32 * 32], out[32 * 32];
     for (size_t i = 0; i < sizeof w / sizeof w[0]; i++) w[i] = (float)(i % 64) / 64.0f;
-    for (size_t i = 0; i < lk_adapter_count(a); i++) {
-        const lk_lora_module *m = lk_adapter_module(a, i);
-        if (!m->target) continue;
-        const lk_tensor *t = fz_model_find(m->target);
-        lk_fuse_term term = {&m->A, &m->B, m->scale, 0};
+    const lk_tensor *model = fz_model();
+    for (size_t i = 0; i < FZ_NMODEL; i++) {
+        const lk_tensor *t = &model[i];
+        lk_fuse_term terms[2];
+        lk_fuse_key k;
+        const double one = 1.0;
+        lk_status s = lk_fuse_key_plan(&a, &one, 1, t, terms, &k);
+        if (s != LK_OK) {
+            fz_clean_error(s);
+            continue;
+        }
+        if (!lk_fuse_key_touches(&k)) continue;
         lk_fuse_opts o = {.threads = 1};
-        lk_status s = lk_fuse_tensor(out, w, LK_DTYPE_F32, t->shape[0], t->shape[1], &term, 1, &o, t->name);
+        s = lk_fuse_key_apply(out, w, t, &k, terms, &o);
         if (s != LK_OK) {
             fz_clean_error(s);
             o.allow_nonfinite = 1;
-            s = lk_fuse_tensor(out, w, LK_DTYPE_F32, t->shape[0], t->shape[1], &term, 1, &o, t->name);
+            s = lk_fuse_key_apply(out, w, t, &k, terms, &o);
             if (s != LK_OK) fz_clean_error(s);
         }
-        fz_touch(out, sizeof(float) * (size_t)(t->shape[0] * t->shape[1]));
+        fz_touch(out, t->nbytes);
     }
 }
 

@@ -55,9 +55,23 @@ static inline void fz_adapter_check_open(const lk_adapter *a, lk_adapter_format 
         const lk_lora_module *m = lk_adapter_module(a, i);
         FZ_CHECK(m != NULL && m->module != NULL);
         fz_touch(m->module, strlen(m->module));
+        FZ_CHECK((int)m->algo >= 0 && m->algo < LK_ALGO_COUNT);
+        FZ_CHECK(m->out > 0 && m->in > 0);
+        const lk_tensor *ts[LK_MODULE_MAX_TENSORS];
+        size_t nts = lk_lora_module_tensors(m, ts);
+        for (size_t k = 0; k < nts; k++) {
+            FZ_CHECK(ts[k]->nbytes == lk_tensor_numel(ts[k]) * lk_dtype_size(ts[k]->dtype));
+            fz_touch(ts[k]->data, ts[k]->nbytes);
+        }
+        if (m->algo != LK_ALGO_LORA) { /* LoHa, LoKr: alpha / r; dense ones: scale 1 */
+            FZ_CHECK(m->rank >= 0 && isfinite(m->scale));
+            if (m->algo == LK_ALGO_FULL || m->algo == LK_ALGO_NORM || m->algo == LK_ALGO_SET)
+                FZ_CHECK(m->scale == 1.0);
+            continue;
+        }
         FZ_CHECK(m->rank > 0);
-        FZ_CHECK(m->A.ndim == 2 && m->B.ndim == 2);
-        FZ_CHECK(m->A.shape[0] == m->rank && m->B.shape[1] == m->rank);
+        FZ_CHECK((m->A.ndim == 2 || m->A.ndim == 4) && (m->B.ndim == 2 || m->B.ndim == 4));
+        FZ_CHECK(m->A.shape[0] == m->rank && m->B.shape[1] == (m->mid.data ? m->mid.shape[0] : m->rank));
         FZ_CHECK(m->A.nbytes == lk_tensor_numel(&m->A) * lk_dtype_size(m->A.dtype));
         FZ_CHECK(m->B.nbytes == lk_tensor_numel(&m->B) * lk_dtype_size(m->B.dtype));
         fz_touch(m->A.data, m->A.nbytes);
@@ -78,8 +92,15 @@ static inline void fz_adapter_check_resolved(const lk_adapter *a, int allow, siz
             continue;
         }
         const lk_tensor *w = fz_model_find(m->target);
-        FZ_CHECK(w != NULL && w->ndim == 2);
-        FZ_CHECK(m->B.shape[0] == w->shape[0] && m->A.shape[1] == w->shape[1]);
+        FZ_CHECK(w != NULL);
+        size_t numel = lk_tensor_numel(w);
+        if (m->algo == LK_ALGO_LORA) /* the kernel's factors: out x r and r x (elements per row) */
+            FZ_CHECK(w->ndim == 2 && m->k[1].shape[0] == w->shape[0] &&
+                     (size_t)(m->k[0].shape[1] * w->shape[0]) == numel && m->k[0].shape[0] == m->k[1].shape[1]);
+        else if (m->dense.data) /* full, norm, set_weight: the tensor itself */
+            FZ_CHECK(lk_tensor_numel(&m->dense) == numel);
+        if (m->algo == LK_ALGO_LOHA || m->algo == LK_ALGO_LOKR)
+            FZ_CHECK(m->out == w->shape[0] && (size_t)(m->out * m->in) == numel);
         const lk_lora_module *f = lk_adapter_find_target(a, m->target);
         FZ_CHECK(f != NULL && f->target != NULL && !strcmp(f->target, m->target));
     }

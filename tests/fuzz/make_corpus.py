@@ -113,6 +113,43 @@ put("adapter", "shape_mismatch", save({
     "transformer.blocks.0.attn.to_q.lora_A.weight": arr((R, H + 1)),
     "transformer.blocks.0.attn.to_q.lora_B.weight": arr((H, R))}))
 
+# LyCORIS (kohya / "lycoris_" names, as lycoris-lora writes them) and dense
+# deltas (ComfyUI / FastVideo names), on the toy model's 16 x 16 to_q
+lq = "lycoris_blocks_0_attn_to_q"
+put("adapter", "loha", save({
+    f"{lq}.hada_w1_a": arr((H, R)), f"{lq}.hada_w1_b": arr((R, H)),
+    f"{lq}.hada_w2_a": arr((H, R)), f"{lq}.hada_w2_b": arr((R, H)), f"{lq}.alpha": np.array(2.0, np.float32)}))
+put("adapter", "loha_tucker", save({
+    f"{lq}.hada_t1": arr((R, R, 1, 1)), f"{lq}.hada_w1_a": arr((R, H)), f"{lq}.hada_w1_b": arr((R, H)),
+    f"{lq}.hada_t2": arr((R, R, 1, 1)), f"{lq}.hada_w2_a": arr((R, H)), f"{lq}.hada_w2_b": arr((R, H))}))
+put("adapter", "lokr", save({
+    f"{lq}.lokr_w1": arr((4, 4)), f"{lq}.lokr_w2_a": arr((4, 2)), f"{lq}.lokr_w2_b": arr((2, 4)),
+    f"{lq}.alpha": np.array(1.0, np.float32)}))
+put("adapter", "lokr_full", save({f"{lq}.lokr_w1": arr((2, 4)), f"{lq}.lokr_w2": arr((8, 4))}))
+put("adapter", "lokr_tucker", save({
+    f"{lq}.lokr_w1_a": arr((4, 2)), f"{lq}.lokr_w1_b": arr((2, 4)), f"{lq}.lokr_t2": arr((2, 2, 1, 1)),
+    f"{lq}.lokr_w2_a": arr((2, 4)), f"{lq}.lokr_w2_b": arr((2, 4))}))
+put("adapter", "locon_tucker", save({
+    "lora_unet_blocks_0_attn_to_q.lora_down.weight": arr((R, H, 1, 1)),
+    "lora_unet_blocks_0_attn_to_q.lora_mid.weight": arr((R, R, 1, 1)),
+    "lora_unet_blocks_0_attn_to_q.lora_up.weight": arr((H, R, 1, 1)),
+    "lora_unet_blocks_0_attn_to_q.alpha": np.array(1.0, np.float32)}))
+put("adapter", "dora_scale", save({
+    "lora_unet_blocks_0_attn_to_q.lora_down.weight": arr((R, H)),
+    "lora_unet_blocks_0_attn_to_q.lora_up.weight": arr((H, R)),
+    "lora_unet_blocks_0_attn_to_q.dora_scale": arr((1, H))}))
+put("adapter", "full_diff", save({
+    "diffusion_model.blocks.0.attn.to_q.diff": arr((H, H)), "diffusion_model.blocks.0.attn.to_q.diff_b": arr((H,)),
+    "diffusion_model.blocks.0.norm.w_norm": arr((H,)),
+    "diffusion_model.blocks.1.attn.to_k.set_weight": arr((H, H))}))
+put("adapter", "mixed_lycoris", save({
+    f"{lq}.lokr_w1": arr((4, 4)), f"{lq}.lokr_w2": arr((4, 4)),
+    "lycoris_blocks_0_attn_to_k.hada_w1_a": arr((H, R)), "lycoris_blocks_0_attn_to_k.hada_w1_b": arr((R, H)),
+    "lycoris_blocks_0_attn_to_k.hada_w2_a": arr((H, R)), "lycoris_blocks_0_attn_to_k.hada_w2_b": arr((R, H)),
+    "lycoris_blocks_0_attn_to_k.dora_scale": arr((H, 1)),
+    "lycoris_blocks_0_attn_to_v.lora_down.weight": arr((R, H)), "lycoris_blocks_0_attn_to_v.lora_up.weight": arr((H, R))}))
+put("adapter", "oft_refused", save({f"{lq}.oft_blocks": arr((4, 4, 4)), f"{lq}.alpha": np.array(1.0, np.float32)}))
+
 # ---- adapter_config.json (PEFT LoraConfig.to_dict()) -----------------------
 cfg = {
     "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": "toy/model", "bias": "none",

@@ -433,7 +433,7 @@ int lk_bench_fuse(int argc, char **argv) {
         lk_tensor A = {.dtype = LK_DTYPE_BF16, .ndim = 2, .shape = {(int64_t)r, dim}, .nbytes = r * D * 2, .data = a16};
         /* B is dim x r: use the first dim*r values of b16 laid out as dim x r. */
         lk_tensor B = {.dtype = LK_DTYPE_BF16, .ndim = 2, .shape = {dim, (int64_t)r}, .nbytes = r * D * 2, .data = b16};
-        lk_fuse_term term = {&A, &B, 1.0f, 0};
+        lk_fuse_term term = {.A = &A, .B = &B, .scale = 1.0f};
         naive_ctx nc = {.w = w, .A = af, .B = bf, .delta = delta, .dim = D, .r = r};
         for (int ti = 0; ti < nth; ti++) {
             const int th = tcount[ti];

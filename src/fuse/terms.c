@@ -1,0 +1,586 @@
+/* terms.c — the terms that are not a plain LoRA product: LoHa (Hadamard),
+ * LoKr (Kronecker) and dense deltas (LyCORIS full, .diff), next to LoRA
+ * terms on the same weight. One delta API (lk_fuse_delta_prepare / _rows,
+ * which FP8 weights, DoRA and replacements also use) and one row driver
+ * (lk_fuse_tensor_terms, what lk_fuse_tensor hands such term lists to).
+ *
+ * THE CANONICAL ARITHMETIC of a weight element (o, j) of an out x in weight
+ * (a conv weight [out, in, kh, kw] is out x (in kh kw), row-major), with
+ * "acc" the accumulator: f32 for BF16 / F16 / FP8 weights, f64 for F32:
+ *  1. The LoRA terms (conv LoRA and Tucker LoCon included: their factors
+ *     are reshaped / folded into a plain r x in "A" by the adapter layer)
+ *     form kernel.c's stacked chain d0 over all their ranks, in term order.
+ *     Without LoRA terms d0 = +0.
+ *  2. Every other term t, in term order, adds its own delta x_t:
+ *     d = acc(d + x_t), one rounding per term. x_t is:
+ *       dense:  x = acc(s_t * D[o, j])                 (s_t * D in f64, rounded once into acc)
+ *       LoHa:   x = acc(P1 * P2), P1 and P2 each kernel.c's chain of one
+ *               term: P1 = sum_k acc(s_t * w1a[o,k]) * w1b[k,j],
+ *               P2 = sum_k w2a[o,k] * w2b[k,j] (fma chains in acc, k ascending)
+ *       LoKr:   x = acc(W1s[i, q] * W2[k, m]) with o = i c + k, j = q D + m,
+ *               W1 = w1a @ w1b (or lokr_w1), W2 = w2a @ w2b (or lokr_w2, or
+ *               the Tucker rebuild folded into w2b by the adapter layer),
+ *               each product an fma chain in f64 (k ascending, from the
+ *               first product), then W1s = acc(s_t * W1), W2 = acc(W2).
+ *  3. W + d is rounded once into the weight's dtype exactly as kernel.c
+ *     step 4 rounds it (round to odd in acc, then to nearest-even), with the
+ *     kernel's NaN and non-finite rules.
+ * So the bytes depend only on the terms and their order (callers pass the
+ * canonical order), never on threads, row blocks or the CPU path (every
+ * operation is a single IEEE operation; the LoRA chains are kernel.c's,
+ * identical on every path). What it guarantees: for F32 weights each
+ * factor product is accurate to a few f64 ulps and the result is within
+ * 1 ulp of W + exact delta unless the delta cancels to below 2^-29 of its
+ * terms; for BF16 / F16 / FP8 the f32 steps carry 16 (13) more bits than the
+ * weight, so the one final rounding dominates. tests/test_terms.c checks
+ * these chains bit for bit against an independent scalar replay and within
+ * 1 ulp of a float64 reference. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#endif
+
+#include "lorakit/fuse.h"
+#include "lorakit/alloc.h"
+#include "fuse/fuse_internal.h"
+#include "fuse/kernel_scalar.h"
+
+#include <fenv.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#define BLOCK_ELEMS ((size_t)1 << 17) /* a worker's block of rows: ~512 KiB of f32 delta */
+#define CONV_CHUNK 512                /* dense: columns converted at a time */
+
+typedef struct xterm {
+    lk_term_kind kind;
+    double scale;
+    const lk_tensor *dense;  /* dense */
+    lk_kdelta *p1, *p2;      /* LoHa: the two products */
+    void *w1, *w2;           /* LoKr: acc(s W1) a x b, acc(W2) c x D */
+    size_t a, b, c, D;
+} xterm;
+
+struct lk_delta_prep {
+    int wide;
+    size_t O, I, row0, rows;
+    lk_kdelta *lora; /* the LoRA terms' stacked chain, or NULL */
+    xterm *x;
+    size_t nx;
+    int hada;
+    size_t live; /* terms with a non-zero scale */
+};
+
+/* ---- validation ---- */
+
+static lk_status check_dense(const lk_tensor *t, size_t ti, size_t numel, const char *name) {
+    if (!t) return lk_error(LK_ERR_ARG, "%s: term %zu: the dense delta is NULL", name, ti);
+    if (!lk_dtype_is_fusable(t->dtype))
+        return lk_error(LK_ERR_DTYPE, "%s: term %zu: the dense delta has dtype %s; only F32, F16 and BF16 can be fused",
+                        name, ti, lk_dtype_name(t->dtype));
+    if (lk_tensor_numel(t) != numel)
+        return lk_error(LK_ERR_SHAPE, "%s: term %zu: the dense delta has %zu elements but the weight %zu", name, ti,
+                        lk_tensor_numel(t), numel);
+    if (!t->data && numel) return lk_error(LK_ERR_ARG, "%s: term %zu: the dense delta has no data", name, ti);
+    return LK_OK;
+}
+
+/* One product B @ A (A may be NULL: B is the matrix); *m x *n its shape. */
+static lk_status check_product(const lk_tensor *A, const lk_tensor *B, const char *what, size_t ti, const char *name,
+                               int64_t *m, int64_t *n) {
+    char an[16], bn[16];
+    snprintf(an, sizeof an, "A%s", what);
+    snprintf(bn, sizeof bn, "B%s", what);
+    lk_status s = lk_fuse_check_factor(B, bn, name, ti);
+    if (s) return s;
+    if (!A) {
+        *m = B->shape[0];
+        *n = B->shape[1];
+        return LK_OK;
+    }
+    if ((s = lk_fuse_check_factor(A, an, name, ti))) return s;
+    if (B->shape[1] != A->shape[0])
+        return lk_error(LK_ERR_SHAPE, "%s: term %zu: %s is %lldx%lld and %s is %lldx%lld (ranks differ)", name, ti, bn,
+                        (long long)B->shape[0], (long long)B->shape[1], an, (long long)A->shape[0],
+                        (long long)A->shape[1]);
+    *m = B->shape[0];
+    *n = A->shape[1];
+    return LK_OK;
+}
+
+static lk_status check_term(int64_t out, int64_t in, const lk_fuse_term *t, size_t ti, const char *name) {
+    if (!isfinite(t->scale)) return lk_error(LK_ERR_NONFINITE, "%s: term %zu: scale is %g", name, ti, t->scale);
+    int64_t m, n, m2, n2;
+    lk_status s;
+    switch (t->kind) {
+    case LK_TERM_LORA:
+        if (!t->A) return lk_error(LK_ERR_ARG, "%s: term %zu: a vector term (no A) on a 2-D weight", name, ti);
+        return LK_OK; /* kernel.c checks it */
+    case LK_TERM_DENSE: return check_dense(t->B, ti, (size_t)out * (size_t)in, name);
+    case LK_TERM_HADA:
+        if (!t->A || !t->A2) return lk_error(LK_ERR_ARG, "%s: term %zu: a Hadamard term needs A and A2", name, ti);
+        if ((s = check_product(t->A, t->B, "", ti, name, &m, &n)) ||
+            (s = check_product(t->A2, t->B2, "2", ti, name, &m2, &n2)))
+            return s;
+        if (m != out || n != in || m2 != out || n2 != in)
+            return lk_error(LK_ERR_SHAPE, "%s: term %zu: the Hadamard factors give %lldx%lld and %lldx%lld but the "
+                            "weight is %lldx%lld", name, ti, (long long)m, (long long)n, (long long)m2, (long long)n2,
+                            (long long)out, (long long)in);
+        return LK_OK;
+    case LK_TERM_KRON:
+        if ((s = check_product(t->A, t->B, "", ti, name, &m, &n)) ||
+            (s = check_product(t->A2, t->B2, "2", ti, name, &m2, &n2)))
+            return s;
+        if (m * m2 != out || n * n2 != in)
+            return lk_error(LK_ERR_SHAPE, "%s: term %zu: kron of %lldx%lld and %lldx%lld is %lldx%lld but the weight "
+                            "is %lldx%lld", name, ti, (long long)m, (long long)n, (long long)m2, (long long)n2,
+                            (long long)(m * m2), (long long)(n * n2), (long long)out, (long long)in);
+        return LK_OK;
+    }
+    return lk_error(LK_ERR_ARG, "%s: term %zu: unknown kind %d", name, ti, (int)t->kind);
+}
+
+/* ---- preparation ---- */
+
+/* Row r of t (n elements from element off) as doubles; tmp holds n floats. */
+static void load_f64(double *dst, const lk_tensor *t, size_t off, size_t n, float *tmp) {
+    if (t->dtype == LK_DTYPE_F64) {
+        memcpy(dst, (const double *)t->data + off, n * sizeof *dst);
+        return;
+    }
+    lk_to_f32(tmp, (const char *)t->data + off * lk_dtype_size(t->dtype), t->dtype, n);
+    for (size_t i = 0; i < n; i++) dst[i] = tmp[i];
+}
+
+/* dst (m x n, f64) = B @ A as fma chains, k ascending from the first
+ * product; A NULL: dst = B. */
+static lk_status product_f64(double *dst, const lk_tensor *B, const lk_tensor *A, const char *name) {
+    const size_t m = (size_t)B->shape[0], r = (size_t)B->shape[1], n = A ? (size_t)A->shape[1] : r;
+    size_t big = n > r ? n : r;
+    float *tmp = lk_malloc(big * sizeof *tmp);
+    double *a = A ? lk_malloc(r * n * sizeof *a) : NULL, *b = lk_malloc(r * sizeof *b);
+    if (!tmp || (A && !a) || !b) {
+        lk_free(tmp);
+        lk_free(a);
+        lk_free(b);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for a Kronecker factor", name);
+    }
+    if (!A) {
+        for (size_t i = 0; i < m; i++) load_f64(dst + i * n, B, i * n, n, tmp);
+    } else {
+        for (size_t k = 0; k < r; k++) load_f64(a + k * n, A, k * n, n, tmp);
+        for (size_t i = 0; i < m; i++) {
+            load_f64(b, B, i * r, r, tmp);
+            double *row = dst + i * n;
+            for (size_t j = 0; j < n; j++) row[j] = b[0] * a[j];
+            for (size_t k = 1; k < r; k++)
+                for (size_t j = 0; j < n; j++) row[j] = fma(b[k], a[k * n + j], row[j]);
+        }
+    }
+    lk_free(tmp);
+    lk_free(a);
+    lk_free(b);
+    return LK_OK;
+}
+
+/* LoKr: the two factors in the accumulator's precision. */
+static lk_status prep_kron(xterm *x, const lk_fuse_term *t, int wide, const char *name) {
+    x->a = (size_t)t->B->shape[0];
+    x->b = t->A ? (size_t)t->A->shape[1] : (size_t)t->B->shape[1];
+    x->c = (size_t)t->B2->shape[0];
+    x->D = t->A2 ? (size_t)t->A2->shape[1] : (size_t)t->B2->shape[1];
+    const size_t n1 = x->a * x->b, n2 = x->c * x->D, vsz = wide ? sizeof(double) : sizeof(float);
+    double *f1 = lk_malloc(n1 * sizeof *f1), *f2 = lk_malloc(n2 * sizeof *f2);
+    x->w1 = lk_malloc(n1 * vsz);
+    x->w2 = lk_malloc(n2 * vsz);
+    lk_status s = LK_OK;
+    if (!f1 || !f2 || !x->w1 || !x->w2) s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a Kronecker term", name);
+    if (!s) s = product_f64(f1, t->B, t->A, name);
+    if (!s) s = product_f64(f2, t->B2, t->A2, name);
+    if (!s) {
+        for (size_t i = 0; i < n1; i++) {
+            double v = t->scale * f1[i];
+            if (wide) ((double *)x->w1)[i] = v;
+            else ((float *)x->w1)[i] = (float)v;
+        }
+        for (size_t i = 0; i < n2; i++) {
+            if (wide) ((double *)x->w2)[i] = f2[i];
+            else ((float *)x->w2)[i] = (float)f2[i];
+        }
+    }
+    lk_free(f1);
+    lk_free(f2);
+    return s;
+}
+
+void lk_fuse_delta_free(lk_delta_prep *p) {
+    if (!p) return;
+    lk_kdelta_free(p->lora);
+    for (size_t i = 0; i < p->nx; i++) {
+        lk_kdelta_free(p->x[i].p1);
+        lk_kdelta_free(p->x[i].p2);
+        lk_free(p->x[i].w1);
+        lk_free(p->x[i].w2);
+    }
+    lk_free(p->x);
+    lk_free(p);
+}
+
+lk_status lk_fuse_delta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                                const lk_fuse_term *terms, size_t n_terms, const char *name, lk_delta_prep **pp) {
+    if (!name) name = "(tensor)";
+    *pp = NULL;
+    lk_status st = lk_fuse_check_rows(out, in, row0, rows, name);
+    if (st) return st;
+    if (n_terms && !terms) return lk_error(LK_ERR_ARG, "%s: NULL terms", name);
+    size_t nl = 0, nx = 0, live = 0;
+    for (size_t t = 0; t < n_terms; t++) {
+        st = check_term(out, in, &terms[t], t, name);
+        if (st) return st;
+        if (terms[t].kind == LK_TERM_LORA) nl++;
+        else if (terms[t].scale != 0.0) nx++;
+        live += terms[t].scale != 0.0;
+    }
+    lk_delta_prep *p = lk_calloc(1, sizeof *p);
+    lk_fuse_term *lt = lk_malloc((nl ? nl : 1) * sizeof *lt);
+    if (!p || !lt || !(p->x = lk_calloc(nx ? nx : 1, sizeof *p->x))) {
+        lk_free(lt);
+        lk_fuse_delta_free(p);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
+    }
+    p->wide = wide;
+    p->live = live;
+    p->O = (size_t)out;
+    p->I = (size_t)in;
+    p->row0 = (size_t)row0;
+    p->rows = (size_t)rows;
+    size_t k = 0;
+    for (size_t t = 0; t < n_terms; t++)
+        if (terms[t].kind == LK_TERM_LORA) lt[k++] = terms[t];
+    lk_status s = nl ? lk_kdelta_prepare(wide, out, in, row0, rows, lt, nl, name, &p->lora) : LK_OK;
+    lk_free(lt);
+    for (size_t t = 0; t < n_terms && !s; t++) {
+        const lk_fuse_term *tm = &terms[t];
+        if (tm->kind == LK_TERM_LORA || tm->scale == 0.0) continue;
+        xterm *x = &p->x[p->nx++];
+        x->kind = tm->kind;
+        x->scale = tm->scale;
+        if (tm->kind == LK_TERM_DENSE) {
+            x->dense = tm->B;
+        } else if (tm->kind == LK_TERM_HADA) {
+            const lk_fuse_term t1 = {.A = tm->A, .B = tm->B, .scale = tm->scale};
+            const lk_fuse_term t2 = {.A = tm->A2, .B = tm->B2, .scale = 1.0};
+            s = lk_kdelta_prepare(wide, out, in, row0, rows, &t1, 1, name, &x->p1);
+            if (!s) s = lk_kdelta_prepare(wide, out, in, row0, rows, &t2, 1, name, &x->p2);
+            p->hada = 1;
+        } else {
+            s = prep_kron(x, tm, wide, name);
+        }
+    }
+    if (s) {
+        lk_fuse_delta_free(p);
+        return s;
+    }
+    *pp = p;
+    return LK_OK;
+}
+
+size_t lk_fuse_delta_scratch(const lk_delta_prep *p, size_t n) {
+    if (!p || !p->hada) return 0;
+    return 2 * n * p->I * (p->wide ? sizeof(double) : sizeof(float)) + 64;
+}
+
+/* ---- the rows ---- */
+
+#define LK_AI static inline __attribute__((always_inline))
+
+LK_AI void add_dense(const xterm *x, int wide, void *d, size_t ld, size_t I, size_t row, size_t n) {
+    const lk_dtype dt = x->dense->dtype;
+    const size_t esz = lk_dtype_size(dt);
+    float tmp[CONV_CHUNK];
+    for (size_t i = 0; i < n; i++)
+        for (size_t c0 = 0; c0 < I; c0 += CONV_CHUNK) {
+            const size_t len = I - c0 < CONV_CHUNK ? I - c0 : CONV_CHUNK;
+            lk_to_f32(tmp, (const char *)x->dense->data + ((row + i) * I + c0) * esz, dt, len);
+            if (wide) {
+                double *r = (double *)d + i * ld + c0;
+                for (size_t j = 0; j < len; j++) r[j] = r[j] + x->scale * (double)tmp[j];
+            } else {
+                float *r = (float *)d + i * ld + c0;
+                for (size_t j = 0; j < len; j++) r[j] = r[j] + (float)(x->scale * (double)tmp[j]);
+            }
+        }
+}
+
+/* d += P1 * P2 of rows [row, row + n), each product one rounding in T. */
+#define HADA_ROWS(T)                                                                                         \
+    do {                                                                                                     \
+        T *s1 = (T *)al, *s2 = s1 + n * I;                                                                   \
+        lk_kdelta_rows(x->p1, s1, I, row, n);                                                                \
+        lk_kdelta_rows(x->p2, s2, I, row, n);                                                                \
+        for (size_t i = 0; i < n; i++) {                                                                     \
+            T *r = (T *)d + i * ld;                                                                          \
+            const T *a = s1 + i * I, *b = s2 + i * I;                                                        \
+            for (size_t j = 0; j < I; j++) r[j] = r[j] + a[j] * b[j];                                        \
+        }                                                                                                    \
+    } while (0)
+
+LK_AI void add_hada(const xterm *x, int wide, void *d, size_t ld, size_t I, size_t row, size_t n, void *scratch) {
+    unsigned char *al = (unsigned char *)scratch + ((64u - ((uintptr_t)scratch & 63u)) & 63u);
+    if (wide) HADA_ROWS(double);
+    else HADA_ROWS(float);
+}
+#undef HADA_ROWS
+
+LK_AI void add_kron(const xterm *x, int wide, void *d, size_t ld, size_t row, size_t n) {
+    const size_t b = x->b, c = x->c, D = x->D;
+    for (size_t i = 0; i < n; i++) {
+        const size_t o = row + i, ii = o / c, kk = o % c;
+        if (wide) {
+            const double *w1 = (const double *)x->w1 + ii * b, *w2 = (const double *)x->w2 + kk * D;
+            for (size_t q = 0; q < b; q++) {
+                double *r = (double *)d + i * ld + q * D;
+                const double w = w1[q];
+                for (size_t m = 0; m < D; m++) r[m] = r[m] + w * w2[m];
+            }
+        } else {
+            const float *w1 = (const float *)x->w1 + ii * b, *w2 = (const float *)x->w2 + kk * D;
+            for (size_t q = 0; q < b; q++) {
+                float *r = (float *)d + i * ld + q * D;
+                const float w = w1[q];
+                for (size_t m = 0; m < D; m++) r[m] = r[m] + w * w2[m];
+            }
+        }
+    }
+}
+
+LK_AI void add_terms(const lk_delta_prep *p, void *d, size_t ld, size_t row, size_t n, void *scratch) {
+    for (size_t t = 0; t < p->nx; t++) {
+        const xterm *x = &p->x[t];
+        if (x->kind == LK_TERM_DENSE) add_dense(x, p->wide, d, ld, p->I, row, n);
+        else if (x->kind == LK_TERM_HADA) add_hada(x, p->wide, d, ld, p->I, row, n, scratch);
+        else add_kron(x, p->wide, d, ld, row, n);
+    }
+}
+
+static void add_terms_base(const lk_delta_prep *p, void *d, size_t ld, size_t row, size_t n, void *scratch) {
+    add_terms(p, d, ld, row, n, scratch);
+}
+#ifdef LK_KERNEL_X86
+/* The same operations with AVX2 vectors (no fma contraction: fp-contract
+ * is off), so the bytes are those of the base version. */
+__attribute__((target("avx2,fma"))) static void add_terms_avx2(const lk_delta_prep *p, void *d, size_t ld, size_t row,
+                                                              size_t n, void *scratch) {
+    add_terms(p, d, ld, row, n, scratch);
+}
+#endif
+
+void lk_fuse_delta_rows(const lk_delta_prep *p, void *delta, size_t ld, size_t row, size_t n, void *scratch) {
+    const size_t vsz = p->wide ? sizeof(double) : sizeof(float);
+    if (p->lora) lk_kdelta_rows(p->lora, delta, ld, row, n);
+    else
+        for (size_t i = 0; i < n; i++) memset((char *)delta + i * ld * vsz, 0, p->I * vsz);
+    if (!p->nx) return;
+    fenv_t saved;
+    fegetenv(&saved);
+    fesetenv(FE_DFL_ENV);
+#ifdef LK_KERNEL_X86
+    if (strcmp(lk_fuse_kernel_path(), "portable")) add_terms_avx2(p, delta, ld, row, n, scratch);
+    else
+#endif
+        add_terms_base(p, delta, ld, row, n, scratch);
+    fesetenv(&saved);
+}
+
+/* ---- the delta alone into a buffer (fuse_internal.h) ---- */
+
+static lk_status fuse_delta(void *delta, int wide, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                            const lk_fuse_term *terms, size_t n_terms, const char *name) {
+    if (!name) name = "(tensor)";
+    if (rows > 0 && (!delta || ld < (size_t)(in > 0 ? in : 0)))
+        return lk_error(LK_ERR_ARG, "%s: NULL delta or row stride below %lld", name, (long long)in);
+    lk_delta_prep *p;
+    lk_status st = lk_fuse_delta_prepare(wide, out, in, row0, rows, terms, n_terms, name, &p);
+    if (st) return st;
+    size_t sb = rows > 0 ? lk_fuse_delta_scratch(p, (size_t)rows) : 0;
+    void *scratch = sb ? lk_malloc(sb) : NULL;
+    if (sb && !scratch) {
+        lk_fuse_delta_free(p);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of scratch", name, sb);
+    }
+    if (rows > 0) lk_fuse_delta_rows(p, delta, ld, (size_t)row0, (size_t)rows, scratch);
+    lk_free(scratch);
+    lk_fuse_delta_free(p);
+    return LK_OK;
+}
+
+lk_status lk_fuse_delta_f32(float *delta, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                            const lk_fuse_term *terms, size_t n_terms, const char *name) {
+    return fuse_delta(delta, 0, ld, out, in, row0, rows, terms, n_terms, name);
+}
+
+lk_status lk_fuse_delta_f64(double *delta, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
+                            const lk_fuse_term *terms, size_t n_terms, const char *name) {
+    return fuse_delta(delta, 1, ld, out, in, row0, rows, terms, n_terms, name);
+}
+
+/* ---- the row driver ---- */
+
+typedef struct tjob {
+    void *w_out;
+    const void *w_in;
+    lk_dtype dt;
+    size_t O, I, rb, n_blocks;
+    const lk_delta_prep *prep;
+    atomic_size_t next;
+} tjob;
+
+typedef struct tworker {
+    tjob *job;
+    void *d, *scratch;
+    float *wv, *rv;
+    size_t bad_at;
+    double bad_w, bad_r;
+} tworker;
+
+static void note_bad(tworker *wk, size_t at, double w, double r) {
+    if (at < wk->bad_at) {
+        wk->bad_at = at;
+        wk->bad_w = w;
+        wk->bad_r = r;
+    }
+}
+
+LK_AI void round_row32(float *rv, const float *wv, const float *d, size_t n) {
+    for (size_t j = 0; j < n; j++) rv[j] = lk_k_round_f32(wv[j], d[j]);
+}
+LK_AI void round_row64(uint32_t *o, const uint32_t *w, const double *d, size_t n) {
+    for (size_t j = 0; j < n; j++) o[j] = lk_k_round_f64_to_f32(w[j], d[j]);
+}
+static void round32_base(float *rv, const float *wv, const float *d, size_t n) { round_row32(rv, wv, d, n); }
+static void round64_base(uint32_t *o, const uint32_t *w, const double *d, size_t n) { round_row64(o, w, d, n); }
+#ifdef LK_KERNEL_X86
+__attribute__((target("avx2,fma"))) static void round32_avx2(float *rv, const float *wv, const float *d, size_t n) {
+    round_row32(rv, wv, d, n);
+}
+__attribute__((target("avx2,fma"))) static void round64_avx2(uint32_t *o, const uint32_t *w, const double *d,
+                                                            size_t n) {
+    round_row64(o, w, d, n);
+}
+#endif
+
+static void tblock(tworker *wk, size_t b, int fast) {
+    tjob *j = wk->job;
+    const size_t r0 = b * j->rb, n = j->O - r0 < j->rb ? j->O - r0 : j->rb, I = j->I, esz = lk_dtype_size(j->dt);
+    lk_fuse_delta_rows(j->prep, wk->d, I, r0, n, wk->scratch);
+    for (size_t i = 0; i < n; i++) {
+        const size_t o = r0 + i;
+        const char *src = (const char *)j->w_in + o * I * esz;
+        char *dst = (char *)j->w_out + o * I * esz;
+        if (j->dt == LK_DTYPE_F32) {
+            const double *d = (const double *)wk->d + i * I;
+            uint32_t *w = (uint32_t *)wk->wv, *r = (uint32_t *)wk->rv;
+            memcpy(w, src, I * 4);
+#ifdef LK_KERNEL_X86
+            if (fast) round64_avx2(r, w, d, I);
+            else
+#endif
+                round64_base(r, w, d, I);
+            memcpy(dst, r, I * 4);
+            for (size_t c = 0; c < I; c++)
+                if (((r[c] & 0x7f800000u) == 0x7f800000u) && ((w[c] & 0x7f800000u) != 0x7f800000u))
+                    note_bad(wk, o * I + c, (double)lk_k_u2f(w[c]), (double)lk_k_u2f(r[c]));
+        } else {
+            const float *d = (const float *)wk->d + i * I;
+            lk_to_f32(wk->wv, src, j->dt, I);
+#ifdef LK_KERNEL_X86
+            if (fast) round32_avx2(wk->rv, wk->wv, d, I);
+            else
+#endif
+                round32_base(wk->rv, wk->wv, d, I);
+            lk_from_f32(dst, wk->rv, j->dt, I);
+            lk_to_f32(wk->rv, dst, j->dt, I); /* what was stored, for the non-finite check */
+            for (size_t c = 0; c < I; c++)
+                if (isfinite(wk->wv[c]) && !isfinite(wk->rv[c]))
+                    note_bad(wk, o * I + c, (double)wk->wv[c], (double)wk->rv[c]);
+        }
+    }
+}
+
+static void *tworker_main(void *arg) {
+    tworker *wk = arg;
+    fesetenv(FE_DFL_ENV);
+    const int fast = strcmp(lk_fuse_kernel_path(), "portable") != 0;
+    for (;;) {
+        size_t b = atomic_fetch_add(&wk->job->next, 1);
+        if (b >= wk->job->n_blocks) break;
+        tblock(wk, b, fast);
+    }
+    return NULL;
+}
+
+lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                               const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name) {
+    /* lk_fuse_tensor checked the buffers, the dtype and the shape */
+    const size_t O = (size_t)out, I = (size_t)in, numel = O * I;
+    const int wide = dtype == LK_DTYPE_F32;
+    const size_t vsz = wide ? sizeof(double) : sizeof(float);
+    lk_delta_prep *prep;
+    lk_status s = lk_fuse_delta_prepare(wide, out, in, 0, out, terms, n_terms, name, &prep);
+    if (s) return s;
+    if (!prep->live) { /* nothing to add: the bytes stay exactly as they are */
+        lk_fuse_delta_free(prep);
+        if (w_out != w_in) memmove(w_out, w_in, numel * lk_dtype_size(dtype));
+        return LK_OK;
+    }
+    int nw = opts && opts->threads > 0 ? opts->threads : lk_fuse_default_threads();
+    if (nw > LK_FUSE_MAX_THREADS) nw = LK_FUSE_MAX_THREADS;
+    size_t cap = numel >> 18; /* a thread per 2^18 elements at least: a small weight runs on this thread */
+    if (cap < 1) cap = 1;
+    if ((size_t)nw > cap) nw = (int)cap;
+    size_t rb = BLOCK_ELEMS / I, per = (O + 4 * (size_t)nw - 1) / (4 * (size_t)nw);
+    if (rb > per) rb = per;
+    if (rb < 1) rb = 1;
+    size_t n_blocks = (O + rb - 1) / rb;
+    if ((size_t)nw > n_blocks) nw = (int)n_blocks;
+    const size_t sb = lk_fuse_delta_scratch(prep, rb), per_w = rb * I * vsz + sb + 2 * I * sizeof(float) + 64;
+    tworker *wk = lk_calloc((size_t)nw, sizeof *wk);
+    unsigned char *mem = wk ? lk_malloc(per_w * (size_t)nw) : NULL;
+    pthread_t tid[LK_FUSE_MAX_THREADS];
+    int started[LK_FUSE_MAX_THREADS] = {0};
+    if (!wk || !mem) {
+        lk_free(wk);
+        lk_fuse_delta_free(prep);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for %d row buffers of %zu bytes", name, nw, per_w);
+    }
+    tjob job = {.w_out = w_out, .w_in = w_in, .dt = dtype, .O = O, .I = I, .rb = rb, .n_blocks = n_blocks,
+                .prep = prep};
+    atomic_init(&job.next, 0);
+    for (int t = 0; t < nw; t++) {
+        unsigned char *m = mem + (size_t)t * per_w;
+        wk[t] = (tworker){.job = &job, .d = m, .scratch = sb ? m + rb * I * vsz : NULL,
+                          .wv = (float *)(m + rb * I * vsz + sb), .bad_at = SIZE_MAX};
+        wk[t].rv = wk[t].wv + I;
+    }
+    fenv_t saved;
+    fegetenv(&saved);
+    for (int t = 1; t < nw; t++) started[t] = pthread_create(&tid[t], NULL, tworker_main, &wk[t]) == 0;
+    tworker_main(&wk[0]);
+    for (int t = 1; t < nw; t++)
+        if (started[t]) pthread_join(tid[t], NULL);
+    fesetenv(&saved);
+    size_t bad_at = SIZE_MAX;
+    double bw = 0, br = 0;
+    for (int t = 0; t < nw; t++)
+        if (wk[t].bad_at < bad_at) bad_at = wk[t].bad_at, bw = wk[t].bad_w, br = wk[t].bad_r;
+    lk_free(mem);
+    lk_free(wk);
+    lk_fuse_delta_free(prep);
+    return lk_fuse_nonfinite(name, bad_at, I, bw, br, opts);
+}
