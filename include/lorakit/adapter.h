@@ -134,6 +134,22 @@ typedef struct lk_adapter lk_adapter;
 lk_status lk_adapter_open(const char *path, lk_adapter_format format, lk_adapter **out);
 /* The same with every reading option (opts NULL: all defaults). */
 lk_status lk_adapter_open_opts(const char *path, const lk_adapter_opts *opts, lk_adapter **out);
+
+/* An adapter held in memory: the image of its safetensors file and, for a
+ * PEFT adapter, the text of its adapter_config.json (NULL: none; read as if
+ * it lay beside the file). label stands for the path in every message and
+ * summary (the Python package makes it from a digest of the bytes and the
+ * config, so two different adapters never share one). */
+typedef struct lk_adapter_source {
+    const char *label;
+    const void *bytes;
+    size_t n;
+    const char *config_json;
+} lk_adapter_source;
+
+/* lk_adapter_open_opts over an in-memory source (the bytes are copied; opts
+ * NULL: all defaults). */
+lk_status lk_adapter_open_mem(const lk_adapter_source *src, const lk_adapter_opts *opts, lk_adapter **out);
 void lk_adapter_free(lk_adapter *a);
 
 const char *lk_adapter_path(const lk_adapter *a);

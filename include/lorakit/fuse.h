@@ -230,6 +230,20 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n,
 lk_status lk_fuse_tensors(lk_tensor *tensors, size_t n_tensors, const lk_fuse_input *inputs, size_t n,
                           const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
 
+/* Adapters held in memory: lk_fuse_file and lk_fuse_tensors with sources
+ * (may be NULL) beside inputs: sources[i] non-NULL reads input i from
+ * memory (lk_adapter_open_mem; inputs[i].path is its label and names it in
+ * errors and the summary). Everything else is as above. */
+lk_status lk_fuse_file_src(const char *base, const lk_fuse_input *inputs, const lk_adapter_source *const *sources,
+                           size_t n, const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
+lk_status lk_fuse_tensors_src(lk_tensor *tensors, size_t n_tensors, const lk_fuse_input *inputs,
+                              const lk_adapter_source *const *sources, size_t n, const lk_fuse_file_opts *opts,
+                              lk_fuse_stats *stats);
+/* Opens the adapter of one input with opts (its format field is used as
+ * given): its file or folder, or src (non-NULL) labelled by in->path. */
+lk_status lk_fuse_input_open(const lk_fuse_input *in, const lk_adapter_source *src, const lk_adapter_opts *opts,
+                             lk_adapter **out);
+
 /* The one-object JSON summary of a fuse (`lorakit fuse --json`): {base, out,
  * adapters: [{path, strength}], tensors_total, tensors_fused,
  * modules_unmatched, seconds}; base and out are left out when NULL (an

@@ -111,6 +111,13 @@ void lk_tracker_free(lk_tracker *t);
 /* Collective: makes the fused set equal loras[0..n) (see above). stats may
  * be NULL. */
 lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, lk_tracker_stats *stats);
+/* lk_tracker_apply with some adapters held in memory: sources (may be NULL)
+ * beside loras, as lk_fuse_tensors_src. The sources are read during the
+ * call only. The ranks' agreement covers them: each label (the Python
+ * package makes it from a digest of the bytes and config) is part of the
+ * request, and the loaded adapters' contents are hashed, as for files. */
+lk_status lk_tracker_apply_src(lk_tracker *t, const lk_fuse_input *loras, const lk_adapter_source *const *sources,
+                               size_t n, lk_tracker_stats *stats);
 /* Collective: every touched key back to its clean bytes on every rank; a
  * no-op when nothing is applied. Same as apply with an empty set. */
 lk_status lk_tracker_reset(lk_tracker *t, lk_tracker_stats *stats);

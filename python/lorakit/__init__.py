@@ -18,10 +18,11 @@ import sys
 from collections.abc import Mapping
 
 from . import _lorakit as _c
+from ._adapter import Adapter
 from ._lorakit import LoraError, __version__
 
 __all__ = [
-    "LoraError", "Tracker", "__version__", "check_replicas", "digest", "digest_tensors", "fuse", "fuse_",
+    "Adapter", "LoraError", "Tracker", "__version__", "check_replicas", "digest", "digest_tensors", "fuse", "fuse_",
     "inspect", "sync_grads", "sync_param_grads",
 ]
 
@@ -137,13 +138,15 @@ def _items(tensors, dedupe=False):
 
 
 def _loras(loras):
-    """[(path bytes, strength, format)] for C and [(path, strength)] to show."""
-    if isinstance(loras, (str, bytes, os.PathLike)) or isinstance(loras, Mapping):
+    """[(path bytes, strength, format[, in-memory source])] for C and
+    [(path or Adapter, strength)] to show. An entry is a path, an Adapter,
+    (path or Adapter, strength) or (path, strength, format)."""
+    if isinstance(loras, (str, bytes, os.PathLike, Adapter)) or isinstance(loras, Mapping):
         raise TypeError("loras must be a list of (path, strength) pairs")
     req, shown = [], []
     for i, e in enumerate(loras):
         fmt = "auto"
-        if isinstance(e, (str, bytes, os.PathLike)):
+        if isinstance(e, (str, bytes, os.PathLike, Adapter)):
             path, strength = e, 1.0
         elif isinstance(e, (tuple, list)) and len(e) in (2, 3):
             path, strength = e[0], e[1]
@@ -151,8 +154,9 @@ def _loras(loras):
                 fmt = e[2]
         else:
             raise TypeError(f"loras[{i}]: expected (path, strength) or (path, strength, format), got {e!r}")
-        if not isinstance(path, (str, bytes, os.PathLike)):
-            raise TypeError(f"loras[{i}]: path must be str or os.PathLike, got {type(path).__name__}")
+        if not isinstance(path, (str, bytes, os.PathLike, Adapter)):
+            raise TypeError(f"loras[{i}]: path must be str, os.PathLike or a lorakit.Adapter, got "
+                            f"{type(path).__name__}")
         typed = strength
         try:
             strength = float(strength)  # a double, used exactly (0.7 is 0.7 in C too)
@@ -162,8 +166,12 @@ def _loras(loras):
             raise ValueError(f"loras[{i}]: strength {typed!r} is beyond the range of a double") from None
         if not isinstance(fmt, str):
             raise TypeError(f"loras[{i}]: format must be a str, got {fmt!r}")
-        req.append((os.fsencode(path), strength, fmt))
-        shown.append((os.fsdecode(path), strength))
+        if isinstance(path, Adapter):
+            req.append((path.label.encode(), strength, path.format if fmt == "auto" else fmt, path._source()))
+            shown.append((path, strength))
+        else:
+            req.append((os.fsencode(path), strength, fmt))
+            shown.append((os.fsdecode(path), strength))
     return req, shown
 
 

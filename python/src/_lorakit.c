@@ -321,40 +321,65 @@ static lk_tensor *tensor_table(view *v, size_t n) {
 typedef struct request {
     lk_fuse_input *in;
     PyObject **paths; /* bytes objects the paths point into */
+    PyObject **held;  /* per entry: the in-memory adapter's (bytes, config) tuple, or NULL */
+    lk_adapter_source *src;
+    const lk_adapter_source **srcp; /* per entry: &src[i] or NULL (a file) */
     size_t n;
 } request;
 
 static void request_free(request *r) {
-    for (size_t i = 0; i < r->n; i++) Py_XDECREF(r->paths[i]);
+    for (size_t i = 0; i < r->n; i++) {
+        Py_XDECREF(r->paths[i]);
+        if (r->held) Py_XDECREF(r->held[i]);
+    }
     PyMem_Free(r->in);
     PyMem_Free(r->paths);
+    PyMem_Free(r->held);
+    PyMem_Free(r->src);
+    PyMem_Free(r->srcp);
     memset(r, 0, sizeof *r);
 }
 
-/* loras: a sequence of (path: bytes, strength: float, format: str). */
+/* loras: a sequence of (path: bytes, strength: float, format: str[,
+ * memory]), memory being an in-memory adapter's (bytes, config JSON str or
+ * None); path is then its label. */
 static int request_from(PyObject *loras, request *r) {
     memset(r, 0, sizeof *r);
     PyObject *seq = PySequence_Fast(loras, "loras must be a sequence");
     if (!seq) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    r->in = PyMem_Calloc(n ? (size_t)n : 1, sizeof *r->in);
-    r->paths = PyMem_Calloc(n ? (size_t)n : 1, sizeof *r->paths);
-    if (!r->in || !r->paths) {
+    size_t m = n ? (size_t)n : 1;
+    r->in = PyMem_Calloc(m, sizeof *r->in);
+    r->paths = PyMem_Calloc(m, sizeof *r->paths);
+    r->held = PyMem_Calloc(m, sizeof *r->held);
+    r->src = PyMem_Calloc(m, sizeof *r->src);
+    r->srcp = PyMem_Calloc(m, sizeof *r->srcp);
+    if (!r->in || !r->paths || !r->held || !r->src || !r->srcp) {
         Py_DECREF(seq);
         request_free(r);
         PyErr_NoMemory();
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *path;
+        PyObject *path, *mem = Py_None;
         double strength;
         const char *fmt;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Sds", &path, &strength, &fmt)) goto fail;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Sds|O", &path, &strength, &fmt, &mem)) goto fail;
         Py_INCREF(path);
         r->paths[i] = path;
         r->n = (size_t)i + 1;
         r->in[i].path = PyBytes_AS_STRING(path);
         r->in[i].strength = strength;
+        if (mem != Py_None) {
+            PyObject *bytes, *cfg;
+            if (!PyArg_ParseTuple(mem, "SO", &bytes, &cfg)) goto fail;
+            const char *cj = cfg == Py_None ? NULL : PyUnicode_AsUTF8(cfg);
+            if (cfg != Py_None && !cj) goto fail;
+            Py_INCREF(mem);
+            r->held[i] = mem;
+            r->src[i] = (lk_adapter_source){r->in[i].path, PyBytes_AS_STRING(bytes), (size_t)PyBytes_GET_SIZE(bytes), cj};
+            r->srcp[i] = &r->src[i];
+        }
         if (lk_adapter_format_parse(fmt, &r->in[i].format)) {
             raise_lk(LK_ERR_ARG, NULL);
             goto fail;
@@ -805,7 +830,7 @@ static PyObject *py_fuse(PyObject *mod, PyObject *args) {
         lk_status s;
         const char *b = PyBytes_AS_STRING(base), *ou = PyBytes_AS_STRING(out);
         Py_BEGIN_ALLOW_THREADS
-        s = lk_fuse_file(b, r.in, r.n, ou, &o, &st);
+        s = lk_fuse_file_src(b, r.in, r.srcp, r.n, ou, &o, &st);
         if (!s && !(js = lk_fuse_summary_json(b, ou, r.in, r.n, &st)))
             s = lk_error(LK_ERR_UNSUPPORTED, "%s written, but its summary cannot be built (a path that is not UTF-8)", ou);
         Py_END_ALLOW_THREADS
@@ -836,7 +861,7 @@ static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
         char *js = NULL;
         lk_status s;
         Py_BEGIN_ALLOW_THREADS
-        s = lk_fuse_tensors(t, n, r.in, r.n, &o, &st);
+        s = lk_fuse_tensors_src(t, n, r.in, r.srcp, r.n, &o, &st);
         if (!s && !(js = lk_fuse_summary_json(NULL, NULL, r.in, r.n, &st)))
             s = lk_error(LK_ERR_UNSUPPORTED, "fused, but the summary cannot be built (a path that is not UTF-8)");
         Py_END_ALLOW_THREADS
@@ -1072,7 +1097,7 @@ static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int diges
     char msg[2048] = "", *js = NULL;
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    s = r ? lk_tracker_apply(self->t, r->in, r->n, &st) : lk_tracker_reset(self->t, &st);
+    s = r ? lk_tracker_apply_src(self->t, r->in, r->srcp, r->n, &st) : lk_tracker_reset(self->t, &st);
     if (s) snprintf(msg, sizeof msg, "%s", lk_last_error());
     /* every rank fails or succeeds together (the tracker agrees), so the
      * report, a collective, is made on success only */

@@ -151,3 +151,45 @@ def test_fp8_fuse_equals_cli(tmp_path):
         pytest.skip(f"this lorakit does not fuse FP8 yet: {r.stderr.strip()}")
     lorakit.fuse_(w, [(ap, 1.0)])
     assert lorakit.digest_tensors(w) == lorakit.digest(out)
+
+
+def test_adapter_from_peft(tmp_path):
+    """Adapter.from_peft of a PeftModel held in memory equals the same
+    adapter saved by PEFT (save_pretrained) and fused from disk by the CLI,
+    and is within a float32 rounding of PEFT's own merge."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.to_q = torch.nn.Linear(16, 12)
+            self.to_v = torch.nn.Linear(16, 12)
+            self.ff = torch.nn.Linear(12, 16)
+
+    torch.manual_seed(0)
+    net = Net()
+    base = str(tmp_path / "base.safetensors")
+    st_io.write(base, {k: ("F32", v.detach().numpy()) for k, v in net.state_dict().items()})
+    cfg = peft.LoraConfig(r=4, lora_alpha=6, target_modules=["to_q", "to_v"], rank_pattern={"to_v": 2})
+    pm = peft.get_peft_model(net, cfg)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_()  # trained (B starts at zero)
+    ad = lorakit.Adapter.from_peft(pm)
+    pm.save_pretrained(str(tmp_path / "saved"))
+    out = str(tmp_path / "cli.safetensors")
+    cli("fuse", base, "-l", f"{tmp_path / 'saved'}:0.5", "-o", out)
+    mine = {k: v.detach().clone() for k, v in Net().state_dict().items()}
+    for k in mine:
+        mine[k].copy_(torch.from_numpy(st_io.read(base)[k][1]))
+    lorakit.fuse_(mine, [(ad, 0.5)])
+    assert lorakit.digest_tensors(mine) == cli("digest", out).stdout.strip()
+    with pytest.raises(KeyError, match="'other' is not an adapter"):
+        lorakit.Adapter.from_peft(pm, "other")
+    # PEFT's merge at scale 0.5 (float32 matmul): within float32 rounding of ours
+    for mod in (pm.base_model.model.to_q, pm.base_model.model.to_v):
+        mod.scaling["default"] *= 0.5
+    merged = pm.merge_and_unload().state_dict()
+    for k in mine:
+        assert torch.allclose(mine[k], merged[k], rtol=1e-6, atol=1e-6), k

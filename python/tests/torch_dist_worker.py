@@ -117,6 +117,20 @@ def main():
     expect_raise(lambda: tr.apply([(m["a2"], 1.25)]), RuntimeError, f"{Q}: moved")
     tr.close()
 
+    # --- in-memory adapters: the files' bytes; ranks holding different
+    # adapters under one name all raise, nothing changes ---
+    model = Model(base)
+    tr = lorakit.Tracker(model, bucket_mb=1)
+    a1, a2 = lorakit.Adapter.load(m["a1"]), lorakit.Adapter.load(m["a2"])
+    tr.apply([(a2, -0.5), (a1, 0.7)])
+    assert digest(model.sd()) == want["a1a2"]
+    mine = lorakit.Adapter(open(m["a1"] if R == 0 else m["a2"], "rb").read(), name="same-name")
+    e = expect_raise(lambda: tr.apply([(mine, 1.0)]), lorakit.LoraError, "ranks disagree")
+    assert e.status == "LK_ERR_MISMATCH" and digest(model.sd()) == want["a1a2"]
+    tr.apply([a1])
+    assert digest(model.sd()) == want["a1"]
+    tr.close()
+
     # --- check_replicas on modules and parameters ---
     model = Model(base)
     assert lorakit.check_replicas(model) is True
@@ -174,6 +188,9 @@ def main():
         ct.apply([Entry(p, s) for p, s in loras] if name == "a1a2" else loras)
         assert digest(model.sd()) == want[name], name
         assert ct.loras_match(list(reversed(loras)))
+    ct.apply([lorakit.Adapter.load(m["a1"])])  # an Adapter alone: strength 1
+    assert digest(model.sd()) == want["a1"] and ct.loras_match([lorakit.Adapter.load(m["a1"])])
+    ct.apply(steps[-1][1])
     before = digest(model.sd())
     expect_raise(lambda: ct.apply([(m["missing"], 1.0)]), lorakit.LoraError, "missing")
     assert digest(model.sd()) == before and ct.loras_match(steps[-1][1])

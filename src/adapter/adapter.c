@@ -297,6 +297,18 @@ static char *sidecar_config(const char *file) {
     return p;
 }
 
+/* After reading the config at cfg with status s: keeps it (taking cfg) or
+ * frees cfg and passes s on. */
+static lk_status keep_config(lk_adapter *a, char *cfg, lk_status s) {
+    if (s) {
+        lk_free(cfg);
+        return s;
+    }
+    a->has_config = 1;
+    a->config_path = cfg;
+    return LK_OK;
+}
+
 /* Reads the adapter_config.json at cfg (taking it) when one is there. Only
  * nothing at all at that path means "no config": a config that exists but
  * cannot be read as a regular file (a dangling symlink, such as an HF cache
@@ -325,13 +337,7 @@ static lk_status read_config(lk_adapter *a, char *cfg) {
         if (s && s != LK_ERR_NOMEM && s != LK_ERR_CONFIG && s != LK_ERR_FORMAT && s != LK_ERR_UNSUPPORTED)
             lk_error_prefix(s, "%s: adapter_config.json exists but cannot be read", a->path);
     }
-    if (s) {
-        lk_free(cfg);
-        return s;
-    }
-    a->has_config = 1;
-    a->config_path = cfg;
-    return LK_OK;
+    return keep_config(a, cfg, s);
 }
 
 /* Finds the safetensors file and the config: the folder's, or (a file
@@ -1223,12 +1229,35 @@ static lk_status copy_factors(lk_adapter *a) {
     return LK_OK;
 }
 
+/* The file and config of an in-memory adapter: its label, its config text. */
+static lk_status from_memory(lk_adapter *a, const lk_adapter_source *src) {
+    if (!(a->file = lk_strdup(a->path))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->path);
+    if (!src->config_json) return LK_OK;
+    char *cfg = lk_path_join(a->path, "adapter_config.json");
+    if (!cfg) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->path);
+    return keep_config(a, cfg, lk_peft_config_parse(src->config_json, strlen(src->config_json), cfg, &a->cfg));
+}
+
+static lk_status open_any(const char *path, const lk_adapter_source *src, const lk_adapter_opts *opts,
+                          lk_adapter **out);
+
 lk_status lk_adapter_open(const char *path, lk_adapter_format format, lk_adapter **out) {
     lk_adapter_opts o = {.format = format};
     return lk_adapter_open_opts(path, &o, out);
 }
 
 lk_status lk_adapter_open_opts(const char *path, const lk_adapter_opts *opts, lk_adapter **out) {
+    return open_any(path, NULL, opts, out);
+}
+
+lk_status lk_adapter_open_mem(const lk_adapter_source *src, const lk_adapter_opts *opts, lk_adapter **out) {
+    if (!src || !src->label || (src->n && !src->bytes))
+        return lk_error(LK_ERR_ARG, "lk_adapter_open_mem: NULL argument");
+    return open_any(src->label, src, opts, out);
+}
+
+static lk_status open_any(const char *path, const lk_adapter_source *src, const lk_adapter_opts *opts,
+                          lk_adapter **out) {
     static const lk_adapter_opts defaults;
     if (!opts) opts = &defaults;
     const lk_adapter_format format = opts->format;
@@ -1247,8 +1276,8 @@ lk_status lk_adapter_open_opts(const char *path, const lk_adapter_opts *opts, lk
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
         goto fail;
     }
-    if ((s = locate(a))) goto fail;
-    if ((s = lk_st_open(a->file, &a->st))) goto fail;
+    if ((s = src ? from_memory(a, src) : locate(a))) goto fail;
+    if ((s = src ? lk_st_open_mem(src->bytes, src->n, a->file, &a->st) : lk_st_open(a->file, &a->st))) goto fail;
     size_t n = lk_st_count(a->st), nl = 0;
     ki = lk_malloc((n ? n : 1) * sizeof *ki);
     fam = lk_malloc((n ? n : 1) * sizeof *fam);

@@ -258,7 +258,8 @@ static lk_status gather(const fctx *c, const lk_tensor *t, lk_fuse_key *k) {
  * model[0..nt) (strict unless fo->allow_unmatched; alpha by fo->alpha_from) and sizes the term list.
  * label names the model in errors. Nothing is written. */
 static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, size_t nt, const lk_fuse_input *inputs,
-                         size_t n, const lk_fuse_file_opts *fo, lk_fuse_stats *st) {
+                         const lk_adapter_source *const *sources, size_t n, const lk_fuse_file_opts *fo,
+                         lk_fuse_stats *st) {
     lk_status s;
     for (size_t i = 0; i < n; i++) {
         if (!inputs[i].path) return lk_error(LK_ERR_ARG, "%s: adapter %zu has no path", label, i);
@@ -275,7 +276,7 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
     for (size_t i = 0; i < n; i++) {
         size_t un = 0;
         lk_adapter_opts ao = {inputs[i].format, fo->alpha_from};
-        if ((s = lk_adapter_open_opts(inputs[i].path, &ao, &c->ad[i]))) return s;
+        if ((s = lk_fuse_input_open(&inputs[i], sources ? sources[i] : NULL, &ao, &c->ad[i]))) return s;
         c->n_ad = i + 1;
         lk_resolve_opts ro = {fo->allow_unmatched, fo->arch, fo->maps, fo->n_maps};
         if ((s = lk_adapter_resolve_opts(c->ad[i], model, nt, &ro, &un))) return s;
@@ -338,8 +339,22 @@ static lk_status fp8_prepare(fctx *c, const char *label, const lk_tensor *model,
     return LK_OK;
 }
 
+lk_status lk_fuse_input_open(const lk_fuse_input *in, const lk_adapter_source *src, const lk_adapter_opts *opts,
+                             lk_adapter **out) {
+    if (!in || !out) return lk_error(LK_ERR_ARG, "lk_fuse_input_open: NULL argument");
+    if (!src) return lk_adapter_open_opts(in->path, opts, out);
+    lk_adapter_source labelled = *src;
+    if (in->path) labelled.label = in->path;
+    return lk_adapter_open_mem(&labelled, opts, out);
+}
+
 lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, const char *out,
                        const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
+    return lk_fuse_file_src(base, inputs, NULL, n, out, opts, stats);
+}
+
+lk_status lk_fuse_file_src(const char *base, const lk_fuse_input *inputs, const lk_adapter_source *const *sources,
+                           size_t n, const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
     static const lk_fuse_file_opts defaults;
     if (!opts) opts = &defaults;
     if (!base || !out || (n && !inputs)) return lk_error(LK_ERR_ARG, "lk_fuse_file: NULL argument");
@@ -356,7 +371,7 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, 
         goto fail;
     }
     for (size_t i = 0; i < nt; i++) c.model[i] = *lk_ckpt_tensor(c.ck, i);
-    if ((s = prepare(&c, base, c.model, nt, inputs, n, opts, &st))) goto fail;
+    if ((s = prepare(&c, base, c.model, nt, inputs, sources, n, opts, &st))) goto fail;
     size_t buf_bytes = 0, copy_bytes = 0, sbuf_bytes = 0;
     uint64_t total_bytes = 0;
     c.scale_of = lk_malloc((nt ? nt : 1) * sizeof *c.scale_of);
@@ -518,6 +533,12 @@ fail:
 
 lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *inputs, size_t n,
                           const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
+    return lk_fuse_tensors_src(tensors, nt, inputs, NULL, n, opts, stats);
+}
+
+lk_status lk_fuse_tensors_src(lk_tensor *tensors, size_t nt, const lk_fuse_input *inputs,
+                              const lk_adapter_source *const *sources, size_t n, const lk_fuse_file_opts *opts,
+                              lk_fuse_stats *stats) {
     static const lk_fuse_file_opts defaults;
     if (!opts) opts = &defaults;
     if ((nt && !tensors) || (n && !inputs)) return lk_error(LK_ERR_ARG, "lk_fuse_tensors: NULL argument");
@@ -528,7 +549,7 @@ lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *in
     lk_fuse_stats st = {0};
     st.tensors_total = nt;
     size_t *bk = NULL, n_bk = 0; /* tensors backed up, in order */
-    lk_status s = prepare(&c, label, tensors, nt, inputs, n, opts, &st);
+    lk_status s = prepare(&c, label, tensors, nt, inputs, sources, n, opts, &st);
     if (s) goto fail;
     c.scale_of = lk_malloc((nt ? nt : 1) * sizeof *c.scale_of);
     c.is_scale = lk_calloc(nt ? nt : 1, 1);

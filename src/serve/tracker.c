@@ -61,6 +61,7 @@ typedef struct request {
     double *s;     /* e[i].strength, for the per-key plan */
     uint64_t *id;  /* per-entry identity hash (path, strength, format) */
     lk_adapter **ad; /* opened adapters, once loaded */
+    const lk_adapter_source **src; /* in-memory sources (NULL: a file), valid during the apply only */
     uint64_t *content; /* per-entry hash of the adapter's modules and bytes, once loaded */
     size_t n;
     uint64_t hash;
@@ -107,6 +108,7 @@ static void request_clear(request *r) {
         lk_free((void *)r->e[i].path);
     }
     lk_free(r->e);
+    lk_free(r->src);
     lk_free(r->s);
     lk_free(r->id);
     lk_free(r->ad);
@@ -129,7 +131,7 @@ static uint64_t entry_id(const lk_fuse_input *e) {
 }
 
 /* Validates and normalizes the caller's request (local; no collectives). */
-static lk_status request_make(const lk_fuse_input *in, size_t n, request *r) {
+static lk_status request_make(const lk_fuse_input *in, const lk_adapter_source *const *src, size_t n, request *r) {
     memset(r, 0, sizeof *r);
     if (n && !in) return lk_error(LK_ERR_ARG, "tracker apply: %zu adapters but a NULL list", n);
     size_t m = 0;
@@ -148,15 +150,25 @@ static lk_status request_make(const lk_fuse_input *in, size_t n, request *r) {
     r->e = lk_calloc(m, sizeof *r->e);
     r->s = lk_calloc(m, sizeof *r->s);
     r->id = lk_calloc(m, sizeof *r->id);
-    if (!kept || !order || !r->e || !r->s || !r->id) goto nomem;
+    r->src = lk_calloc(m, sizeof *r->src);
+    const lk_adapter_source **kept_src = lk_calloc(m, sizeof *kept_src);
+    if (!kept || !order || !r->e || !r->s || !r->id || !r->src || !kept_src) {
+        lk_free(kept_src);
+        goto nomem;
+    }
     for (size_t i = 0; i < n; i++)
-        if (in[i].strength != 0.0) kept[k++] = in[i];
+        if (in[i].strength != 0.0) kept_src[k] = src ? src[i] : NULL, kept[k++] = in[i];
     lk_fuse_canonical_order(kept, m, order);
     for (; r->n < m; r->n++) {
+        r->src[r->n] = kept_src[order[r->n]];
         r->e[r->n] = kept[order[r->n]];
         r->e[r->n].path = lk_strdup(kept[order[r->n]].path);
-        if (!r->e[r->n].path) goto nomem;
+        if (!r->e[r->n].path) {
+            lk_free(kept_src);
+            goto nomem;
+        }
     }
+    lk_free(kept_src);
     lk_free(kept);
     lk_free(order);
     for (size_t i = 0; i < r->n; i++) {
@@ -239,7 +251,7 @@ static lk_status request_load(lk_tracker *t, request *r) {
     if (!r->ad || !r->content) return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
     for (size_t i = 0; i < r->n; i++) {
         lk_adapter_opts ao = {r->e[i].format, t->o.alpha_from};
-        lk_status s = lk_adapter_open_opts(r->e[i].path, &ao, &r->ad[i]);
+        lk_status s = lk_fuse_input_open(&r->e[i], r->src ? r->src[i] : NULL, &ao, &r->ad[i]);
         if (!s) s = lk_adapter_resolve(r->ad[i], lk_weights_tensors(t->w), t->n, 0, NULL);
         if (s) return s;
         r->content[i] = adapter_content(r->ad[i]);
@@ -837,6 +849,11 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
 /* ---- apply ---- */
 
 lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, lk_tracker_stats *stats) {
+    return lk_tracker_apply_src(t, loras, NULL, n, stats);
+}
+
+lk_status lk_tracker_apply_src(lk_tracker *t, const lk_fuse_input *loras, const lk_adapter_source *const *sources,
+                               size_t n, lk_tracker_stats *stats) {
     lk_tracker_stats st_local;
     lk_tracker_stats *st = stats ? stats : &st_local;
     memset(st, 0, sizeof *st);
@@ -848,7 +865,7 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
     request req = {0};
     lk_status local = t->broken ? lk_error(LK_ERR_STATE, "tracker is unusable after a failed rollback, "
                                                       "transport or timeout")
-                                : request_make(loras, n, &req);
+                                : request_make(loras, sources, n, &req);
     int same = 1;
     lk_status s = agree_hash(t->comm, local, req.hash, &same);
     if (!s && !same) {
