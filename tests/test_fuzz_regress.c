@@ -31,6 +31,7 @@
 #include "fuzz/fuzz_plan.c"
 #include "fuzz/fuzz_ckpt_index.c"
 #include "fuzz/fuzz_family.c"
+#include "fuzz/fuzz_out_record.c"
 
 typedef void (*fz_fn)(const uint8_t *, size_t);
 
@@ -47,6 +48,7 @@ static const fz_target g_targets[] = {
     {"plan", fz_plan},
     {"ckpt_index", fz_ckpt_index},
     {"family", fz_family},
+    {"out_record", fz_out_record},
 };
 
 /* Calls cb(path) for every regular file of dir (sorted); returns the count.

@@ -248,4 +248,14 @@ put("adapter", "kohya_bad_ss", save({
     "lora_unet_blocks_0_attn_to_q.lora_up.weight": arr((H, R))},
     metadata={"ss_network_dim": "4", "ss_network_alpha": "nan"}))
 
+# ---- .lorakit-output (src/io/out_dir.c: may a sharded output replace a folder?) ----
+# fuzz_out_record.c's folder holds a.safetensors: "ok" lists it (as lorakit
+# writes the record: JSON, indent 1), the others must be refused
+put("out_record", "ok.json", '{\n "lorakit_output": 1,\n "files": [\n  "a.safetensors",\n'
+    '  "model.safetensors.index.json"\n ]\n}')
+put("out_record", "unlisted.json", '{"lorakit_output": 1, "files": ["b.safetensors"]}')
+put("out_record", "not_string.json", '{"lorakit_output": 1, "files": ["a.safetensors", 3]}')
+put("out_record", "bad_version.json", '{"lorakit_output": "1", "files": ["a.safetensors"]}')
+put("out_record", "odd_names.json", '{"lorakit_output": 1, "files": ["../a.safetensors", "a.safetensors", "a.safetensors"]}')
+put("out_record", "array.json", "[]")
 print("corpus written to", CORPUS)
