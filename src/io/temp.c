@@ -32,6 +32,8 @@
 #include <unistd.h>
 
 #define SLOTS 64
+/* the handler relies on it: a lock-based atomic could deadlock there */
+_Static_assert(ATOMIC_POINTER_LOCK_FREE == 2, "pointer atomics must be lock-free for the signal handler");
 
 typedef struct block {
     _Atomic(char *) slot[SLOTS];
