@@ -646,13 +646,120 @@ static void test_inspect_base(void **state) {
     af_free(l);
 }
 
+/* ---- fixtures made by the real tools (tests/fixtures/layouts) ---- */
+
+#define FIX LK_TEST_SRC_DIR "/tests/fixtures/layouts/"
+
+/* Every tensor of a safetensors file, copied into memory (writable). */
+static lk_tensor *load_all(const char *path, size_t *n) {
+    lk_st *st;
+    if (lk_st_open(path, &st)) fail_msg("%s: %s", path, lk_last_error());
+    *n = lk_st_count(st);
+    lk_tensor *t = calloc(*n, sizeof *t);
+    for (size_t i = 0; i < *n; i++) {
+        t[i] = *lk_st_tensor(st, i);
+        t[i].name = strdup(t[i].name);
+        t[i].data = malloc(t[i].nbytes ? t[i].nbytes : 1);
+        if (lk_st_read(st, i, 0, t[i].data, t[i].nbytes)) fail_msg("%s: %s", path, lk_last_error());
+    }
+    lk_st_close(st);
+    return t;
+}
+
+static void free_all(lk_tensor *t, size_t n) {
+    for (size_t i = 0; i < n; i++) free((char *)t[i].name);
+    free_tensors(t, n);
+}
+
+/* base fused with adapter: each weight of the expected file (F64, from
+ * diffusers' own load + fuse in float64) within 1 ulp of F32, every other
+ * tensor byte for byte the base's. Keys of the expectation the base lacks
+ * (another component's) must be absent from it entirely. Returns the fused tensors. */
+static lk_tensor *fuse_fixture(const char *base, const char *adapter, const char *expected, size_t *n) {
+    size_t ne;
+    lk_tensor *t = load_all(base, n), *orig = load_all(base, &ne), *e = load_all(expected, &ne);
+    fuse_ok(t, *n, adapter, 1.0f);
+    size_t checked = 0;
+    for (size_t i = 0; i < *n; i++) {
+        const lk_tensor *x = NULL;
+        for (size_t k = 0; k < ne && !x; k++)
+            if (!strcmp(e[k].name, t[i].name)) x = &e[k];
+        if (!x) {
+            if (memcmp(t[i].data, orig[i].data, t[i].nbytes)) fail_msg("%s: %s changed but diffusers leaves it", adapter, t[i].name);
+            continue;
+        }
+        assert_int_equal(t[i].dtype, LK_DTYPE_F32);
+        size_t bad = 0, numel = lk_tensor_numel(&t[i]);
+        for (size_t j = 0; j < numel; j++) {
+            double want = ((const double *)x->data)[j], got = ((const float *)t[i].data)[j];
+            if (fabs(got - want) > ar_ulp(LK_DTYPE_F32, fabs(want)) && bad++ < 3)
+                print_error("%s on %s: %s[%zu] = %.9g, diffusers %.17g\n", adapter, base, t[i].name, j, got, want);
+        }
+        if (bad) fail_msg("%s: %zu of %zu elements beyond 1 ulp", t[i].name, bad, numel);
+        checked++;
+    }
+    size_t want_checked = 0;
+    for (size_t k = 0; k < ne; k++) want_checked += strncmp(e[k].name, "text_encoder.", 13) != 0;
+    if (checked < want_checked) fail_msg("%s on %s: %zu of %zu expected weights found", adapter, base, checked, want_checked);
+    free_all(orig, ne == 0 ? 0 : *n);
+    free_all(e, ne);
+    return t;
+}
+
+/* Each adapter on both layouts of its model: within 1 ulp of diffusers'
+ * float64 fuse, and the rows layout_map.txt pairs equal byte for byte
+ * (a split weight's fuse == its row slice of the fused one). */
+static void test_tool_fixtures(void **state) {
+    (void)state;
+    static const struct {
+        const char *adapter, *diffusers, *single;
+    } cs[] = {
+        {"flux_lora_diffusers", "flux_diffusers", "flux_bfl"},
+        {"flux_lora_kohya", "flux_diffusers", "flux_bfl"},
+        {"sd1_lora_diffusers", "sd1_unet", "sd1_single"},
+        {"sd1_lora_kohya", "sd1_unet", "sd1_single"},
+    };
+    size_t map_n;
+    char *map = tu_read_file(FIX "layout_map.txt", &map_n);
+    assert_non_null(map);
+    for (size_t c = 0; c < sizeof cs / sizeof cs[0]; c++) {
+        char ad[512], b1[512], b2[512], e1[512], e2[512];
+        snprintf(ad, sizeof ad, FIX "%s.safetensors", cs[c].adapter);
+        snprintf(b1, sizeof b1, FIX "%s.safetensors", cs[c].diffusers);
+        snprintf(b2, sizeof b2, FIX "%s.safetensors", cs[c].single);
+        snprintf(e1, sizeof e1, FIX "expected_%s_diffusers.safetensors", cs[c].adapter);
+        snprintf(e2, sizeof e2, FIX "expected_%s_single.safetensors", cs[c].adapter);
+        size_t nd, ns, pairs = 0;
+        lk_tensor *D = fuse_fixture(b1, ad, e1, &nd), *S = fuse_fixture(b2, ad, e2, &ns);
+        char *line = map, *save = NULL;
+        char *copy = strdup(map);
+        for (line = strtok_r(copy, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+            char a[128], dk[256], sk[256];
+            long long r0, nr, sr;
+            if (sscanf(line, "%127s %255s %lld %lld %255s %lld", a, dk, &r0, &nr, sk, &sr) != 6) fail_msg("%s", line);
+            if (strcmp(a, cs[c].adapter) || !strncmp(dk, "text_encoder.", 13)) continue;
+            const lk_tensor *d = find(D, nd, dk), *s1 = find(S, ns, sk);
+            size_t rb = (size_t)d->shape[1] * lk_dtype_size(d->dtype);
+            if (memcmp((char *)d->data + (size_t)r0 * rb, (char *)s1->data + (size_t)sr * rb, (size_t)nr * rb))
+                fail_msg("%s: %s rows %lld.. differ from %s rows %lld..", cs[c].adapter, dk, r0, sk, sr);
+            pairs++;
+        }
+        assert_true(pairs > 0);
+        print_message("%s: both layouts within 1 ulp of diffusers, %zu row blocks equal\n", cs[c].adapter, pairs);
+        free(copy);
+        free_all(D, nd);
+        free_all(S, ns);
+    }
+    free(map);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_flux_diffusers_lora), cmocka_unit_test(test_flux_fused_lora_on_split),
         cmocka_unit_test(test_flux_adapter_layouts), cmocka_unit_test(test_sd1_layouts),
         cmocka_unit_test(test_sdxl_layout),         cmocka_unit_test(test_ambiguous_kohya),
         cmocka_unit_test(test_map_file),            cmocka_unit_test(test_shipped_tables),
-        cmocka_unit_test(test_inspect_base),
+        cmocka_unit_test(test_inspect_base),        cmocka_unit_test(test_tool_fixtures),
     };
     return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }

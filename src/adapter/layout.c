@@ -74,6 +74,13 @@ static const prefix g_kohya_pre[] = {
 
 #define NPRE(a) (sizeof a / sizeof a[0])
 
+/* A CLIP text model's own "text_model." (transformers < 5 and the SD single
+ * files have it, transformers 5 does not): dropped on both sides. */
+static const char *strip_inner(const char *name, int kohya) {
+    const char *p = kohya ? "text_model_" : "text_model.";
+    return !strncmp(name, p, 11) && name[11] ? name + 11 : name;
+}
+
 const char *lk_layout_strip_module(const char *name, int kohya, int *comp) {
     *comp = LK_COMP_ANY;
     if (kohya) {
@@ -81,10 +88,10 @@ const char *lk_layout_strip_module(const char *name, int kohya, int *comp) {
             size_t pl = strlen(g_kohya_pre[i].p);
             if (!strncmp(name, g_kohya_pre[i].p, pl) && name[pl]) {
                 *comp = g_kohya_pre[i].comp;
-                return name + pl;
+                return strip_inner(name + pl, 1);
             }
         }
-        return name;
+        return strip_inner(name, 1);
     }
     for (int round = 0; round < 4; round++) {
         size_t i = 0;
@@ -98,7 +105,7 @@ const char *lk_layout_strip_module(const char *name, int kohya, int *comp) {
         }
         if (i == NPRE(g_mod_pre)) break;
     }
-    return name;
+    return strip_inner(name, 0);
 }
 
 static const char *strip_model(const char *name, int *comp) {
@@ -182,6 +189,8 @@ typedef struct builder {
 static lk_status add_alias(builder *b, char *name, size_t key, int comp, int level, const char *rule, lk_frac w,
                            lk_frac m) {
     if (!name) return lk_error(LK_ERR_NOMEM, "%s: out of memory", b->label);
+    const char *in = strip_inner(name, 0);
+    if (in != name) memmove(name, in, strlen(in) + 1);
     lk_layout *l = b->l;
     if (l->n == b->cap) {
         size_t nc = b->cap ? 2 * b->cap : 256;
