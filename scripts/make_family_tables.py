@@ -13,6 +13,10 @@ mappings between the original single-file names and diffusers' names:
   diffusers): double_blocks.N.img_attn.qkv = to_q, to_k, to_v by thirds,
   single_blocks.N.linear1 = to_q, to_k, to_v, proj_mlp (H, H, H, 4H rows),
   final_layer.adaLN_modulation.1 = norm_out.linear with shift/scale swapped.
+- SD3, Wan 2.x, HunyuanVideo, LTX-Video / LTX-2: the section "DiT / video
+  families" below (diffusers' convert_sd3_/wan_/hunyuan_video_/ltx_/ltx2_
+  single-file converters), checked on tiny models by
+  tests/fixtures/families/make_family_fixtures.py.
 
 Pure Python, no dependencies: run it and commit the tables it writes.
 """
@@ -124,6 +128,159 @@ def write(name, title, detect, rules):
         f.write("\n".join(lines) + "\n")
 
 
+# ------------------------------------------------------------------------
+# DiT / video families (SD3, Wan 2.x, HunyuanVideo, LTX-Video / LTX-2).
+# Facts from diffusers 0.42's single-file converters (loaders/single_file_utils.py):
+# convert_sd3_transformer_checkpoint_to_diffusers, convert_wan_transformer_to_diffusers,
+# convert_hunyuan_video_transformer_to_diffusers, convert_ltx_transformer_checkpoint_to_diffusers,
+# convert_ltx2_transformer_to_diffusers. tests/fixtures/families/make_family_fixtures.py checks
+# each against a tiny model: the original file it writes goes back to the diffusers one exactly.
+
+def renames(pairs, orig="", diff=""):
+    """Plain renames: (ORIG, DIFF) pairs, each under the given name prefixes."""
+    return [(orig + o, diff + d, None) for o, d in pairs]
+
+
+def qkv_rules(orig, diffs, parts=3):
+    """orig (a fused projection) = diffs[0], diffs[1], ... by equal row parts of `parts`."""
+    return [(orig, d, (f"{k}/{parts}:{k + 1}/{parts}", "0/1:1/1")) for k, d in enumerate(diffs)]
+
+
+def swapped_halves(orig, diff):
+    """An AdaLayerNormContinuous: original (shift, scale), diffusers (scale, shift)."""
+    return [(orig, diff, ("0/2:1/2", "1/2:2/2")), (orig, diff, ("1/2:2/2", "0/2:1/2"))]
+
+
+def sd3_rules():
+    """SD3 / SD3.5 MMDiT: joint_blocks.N.{x,context}_block.attn.qkv = q, k, v by thirds.
+    Left out: joint_blocks.N.context_block.adaLN_modulation.1 <-> transformer_blocks.N.norm1_context.linear:
+    the same names in every block, but the last block's (context_pre_only) has its two halves swapped
+    (swap_scale_shift) and the others not, which a name pattern cannot tell apart."""
+    r = renames((
+        ("x_embedder.proj", "pos_embed.proj"),
+        ("t_embedder.mlp.0", "time_text_embed.timestep_embedder.linear_1"),
+        ("t_embedder.mlp.2", "time_text_embed.timestep_embedder.linear_2"),
+        ("y_embedder.mlp.0", "time_text_embed.text_embedder.linear_1"),
+        ("y_embedder.mlp.2", "time_text_embed.text_embedder.linear_2"),
+        ("final_layer.linear", "proj_out")))
+    r += swapped_halves("final_layer.adaLN_modulation.1", "norm_out.linear")
+    j, t = "joint_blocks.#", "transformer_blocks.#"
+    r += qkv_rules(f"{j}.x_block.attn.qkv", [f"{t}.attn.to_{c}" for c in "qkv"])
+    r += qkv_rules(f"{j}.context_block.attn.qkv", [f"{t}.attn.add_{c}_proj" for c in "qkv"])
+    r += qkv_rules(f"{j}.x_block.attn2.qkv", [f"{t}.attn2.to_{c}" for c in "qkv"])
+    r += renames((
+        ("x_block.attn.proj", "attn.to_out.0"), ("context_block.attn.proj", "attn.to_add_out"),
+        ("x_block.attn2.proj", "attn2.to_out.0"),
+        ("x_block.attn.ln_q", "attn.norm_q"), ("x_block.attn.ln_k", "attn.norm_k"),
+        ("context_block.attn.ln_q", "attn.norm_added_q"), ("context_block.attn.ln_k", "attn.norm_added_k"),
+        ("x_block.attn2.ln_q", "attn2.norm_q"), ("x_block.attn2.ln_k", "attn2.norm_k"),
+        ("x_block.adaLN_modulation.1", "norm1.linear"),
+        ("x_block.mlp.fc1", "ff.net.0.proj"), ("x_block.mlp.fc2", "ff.net.2"),
+        ("context_block.mlp.fc1", "ff_context.net.0.proj"), ("context_block.mlp.fc2", "ff_context.net.2")),
+        j + ".", t + ".")
+    return r
+
+
+def wan_rules():
+    """Wan 2.1 / 2.2 (T2V, I2V): plain renames (self_attn -> attn1, cross_attn -> attn2, q -> to_q,
+    o -> to_out.0, k_img/v_img -> add_k_proj/add_v_proj, ffn.0/2 -> ffn.net.0.proj/net.2, the affine
+    cross-attention norm norm3 -> norm2)."""
+    r = renames((
+        ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
+        ("time_embedding.2", "condition_embedder.time_embedder.linear_2"),
+        ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
+        ("text_embedding.2", "condition_embedder.text_embedder.linear_2"),
+        ("time_projection.1", "condition_embedder.time_proj"),
+        ("img_emb.proj.0", "condition_embedder.image_embedder.norm1"),
+        ("img_emb.proj.1", "condition_embedder.image_embedder.ff.net.0.proj"),
+        ("img_emb.proj.3", "condition_embedder.image_embedder.ff.net.2"),
+        ("img_emb.proj.4", "condition_embedder.image_embedder.norm2"),
+        ("head.head", "proj_out")))
+    b = "blocks.#"
+    for o, d in (("self_attn", "attn1"), ("cross_attn", "attn2")):
+        r += renames((("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"), ("norm_q", "norm_q"),
+                       ("norm_k", "norm_k")), f"{b}.{o}.", f"{b}.{d}.")
+    r += renames((
+        ("cross_attn.k_img", "attn2.add_k_proj"), ("cross_attn.v_img", "attn2.add_v_proj"),
+        ("cross_attn.norm_k_img", "attn2.norm_added_k"),
+        ("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2"), ("norm3", "norm2")), b + ".", b + ".")
+    return r
+
+
+def hunyuan_video_rules():
+    """HunyuanVideo: double_blocks.N.img_attn_qkv / txt_attn_qkv = q, k, v by thirds;
+    single_blocks.N.linear1 = q, k, v, proj_mlp (H, H, H, 4H rows: mlp_ratio 4);
+    the token refiner's self_attn_qkv by thirds; final_layer.adaLN_modulation.1 with shift/scale swapped."""
+    r = renames((
+        ("img_in.proj", "x_embedder.proj"),
+        ("time_in.mlp.0", "time_text_embed.timestep_embedder.linear_1"),
+        ("time_in.mlp.2", "time_text_embed.timestep_embedder.linear_2"),
+        ("guidance_in.mlp.0", "time_text_embed.guidance_embedder.linear_1"),
+        ("guidance_in.mlp.2", "time_text_embed.guidance_embedder.linear_2"),
+        ("vector_in.in_layer", "time_text_embed.text_embedder.linear_1"),
+        ("vector_in.out_layer", "time_text_embed.text_embedder.linear_2"),
+        ("txt_in.input_embedder", "context_embedder.proj_in"),
+        ("txt_in.t_embedder.mlp.0", "context_embedder.time_text_embed.timestep_embedder.linear_1"),
+        ("txt_in.t_embedder.mlp.2", "context_embedder.time_text_embed.timestep_embedder.linear_2"),
+        ("txt_in.c_embedder.linear_1", "context_embedder.time_text_embed.text_embedder.linear_1"),
+        ("txt_in.c_embedder.linear_2", "context_embedder.time_text_embed.text_embedder.linear_2"),
+        ("final_layer.linear", "proj_out")))
+    r += swapped_halves("final_layer.adaLN_modulation.1", "norm_out.linear")
+    o, d = "txt_in.individual_token_refiner.blocks.#", "context_embedder.token_refiner.refiner_blocks.#"
+    r += qkv_rules(f"{o}.self_attn_qkv", [f"{d}.attn.to_{c}" for c in "qkv"])
+    r += renames((("self_attn_proj", "attn.to_out.0"), ("mlp.fc1", "ff.net.0.proj"), ("mlp.fc2", "ff.net.2"),
+                   ("adaLN_modulation.1", "norm_out.linear"), ("norm1", "norm1"), ("norm2", "norm2")), o + ".", d + ".")
+    o, d = "double_blocks.#", "transformer_blocks.#"
+    r += qkv_rules(f"{o}.img_attn_qkv", [f"{d}.attn.to_{c}" for c in "qkv"])
+    r += qkv_rules(f"{o}.txt_attn_qkv", [f"{d}.attn.add_{c}_proj" for c in "qkv"])
+    r += renames((
+        ("img_attn_proj", "attn.to_out.0"), ("txt_attn_proj", "attn.to_add_out"),
+        ("img_attn_q_norm", "attn.norm_q"), ("img_attn_k_norm", "attn.norm_k"),
+        ("txt_attn_q_norm", "attn.norm_added_q"), ("txt_attn_k_norm", "attn.norm_added_k"),
+        ("img_mod.linear", "norm1.linear"), ("txt_mod.linear", "norm1_context.linear"),
+        ("img_mlp.fc1", "ff.net.0.proj"), ("img_mlp.fc2", "ff.net.2"),
+        ("txt_mlp.fc1", "ff_context.net.0.proj"), ("txt_mlp.fc2", "ff_context.net.2")), o + ".", d + ".")
+    o, d = "single_blocks.#", "single_transformer_blocks.#"
+    r += [(f"{o}.linear1", f"{d}.{x}", (rows, "0/1:1/1")) for x, rows in (
+        ("attn.to_q", "0/7:1/7"), ("attn.to_k", "1/7:2/7"), ("attn.to_v", "2/7:3/7"), ("proj_mlp", "3/7:7/7"))]
+    r += renames((("linear2", "proj_out"), ("modulation.linear", "norm.linear"),
+                   ("q_norm", "attn.norm_q"), ("k_norm", "attn.norm_k")), o + ".", d + ".")
+    return r
+
+
+LTX_ATTN = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+
+
+def ltx_rules():
+    """LTX-Video (0.9.x) and LTX-2: the blocks keep their names; patchify_proj -> proj_in,
+    adaln_single -> time_embed, q_norm/k_norm -> norm_q/norm_k; LTX-2's audio and audio-video
+    cross-attention modulation (audio_patchify_proj, audio_adaln_single, av_ca_*_adaln_single)."""
+    r = renames((
+        ("patchify_proj", "proj_in"), ("audio_patchify_proj", "audio_proj_in"),
+        ("adaln_single.*", "time_embed.*"), ("audio_adaln_single.*", "audio_time_embed.*"),
+        ("av_ca_video_scale_shift_adaln_single.*", "av_cross_attn_video_scale_shift.*"),
+        ("av_ca_a2v_gate_adaln_single.*", "av_cross_attn_video_a2v_gate.*"),
+        ("av_ca_audio_scale_shift_adaln_single.*", "av_cross_attn_audio_scale_shift.*"),
+        ("av_ca_v2a_gate_adaln_single.*", "av_cross_attn_audio_v2a_gate.*")))
+    for a in LTX_ATTN:
+        r += renames(((f"{x}_norm", f"norm_{x}") for x in "qk"), f"transformer_blocks.#.{a}.", f"transformer_blocks.#.{a}.")
+    return r
+
+
+def write_dit_families():
+    write("sd3", "SD3 / SD3.5: Stability single file (joint_blocks) <-> diffusers SD3Transformer2DModel",
+          ["joint_blocks.0.x_block.attn.qkv.weight", "pos_embed.proj.weight"], sd3_rules())
+    write("wan", "Wan 2.x: original (blocks.N.self_attn.q) <-> diffusers WanTransformer3DModel",
+          ["head.modulation", "condition_embedder.time_proj.weight"], wan_rules())
+    write("hunyuan-video", "HunyuanVideo: original (double_blocks / single_blocks) <-> diffusers "
+          "HunyuanVideoTransformer3DModel",
+          ["double_blocks.0.img_attn_qkv.weight", "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight",
+           "context_embedder.token_refiner.refiner_blocks.0.attn.to_q.weight"], hunyuan_video_rules())
+    write("ltx", "LTX-Video / LTX-2: original <-> diffusers LTXVideoTransformer3DModel / LTX2VideoTransformer3DModel",
+          ["patchify_proj.weight", "time_embed.emb.timestep_embedder.linear_1.weight", "audio_proj_in.weight"],
+          ltx_rules())
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     write("openclip", "OpenCLIP text encoder (SD 2.x, SDXL's second) <-> transformers CLIPTextModel",
@@ -137,6 +294,7 @@ def main():
     write("flux", "Flux: BFL / ComfyUI single file <-> diffusers FluxTransformer2DModel",
           ["double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_attn.proj.weight",
            "single_blocks.0.linear1.weight", "single_transformer_blocks.0.proj_mlp.weight"], flux_rules())
+    write_dit_families()
 
 
 if __name__ == "__main__":

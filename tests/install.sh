@@ -79,7 +79,7 @@ CLI=$("$PREFIX/bin/lorakit" digest "$TMP/t.safetensors") || fail "installed CLI 
 # find them beside themselves (not in the source tree): a diffusers Flux LoRA
 # (transformer.single_transformer_blocks.0.attn.to_k) onto a BFL-named base
 # (single_blocks.0.linear1, q,k,v,mlp fused) needs the flux table.
-for f in flux sd1 sdxl; do
+for f in flux sd1 sdxl openclip sd3 wan hunyuan-video ltx; do
   [ -f "$PREFIX/share/lorakit/families/$f.lkmap" ] || fail "data/families/$f.lkmap not installed"
 done
 python3 - "$TMP" <<'PY' || fail "cannot write the Flux test files"
