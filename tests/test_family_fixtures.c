@@ -9,20 +9,26 @@
  * give the diffusers weights back exactly), a LoRA saved by the pipeline's
  * save_lora_weights, and float64 expectations from diffusers' own LoRA load
  * on a float64 copy of the model followed by PEFT's merge, written under both
- * namings. F_rows.txt says which rows of each original weight are which rows
- * of a diffusers weight.
+ * namings; for Wan and HunyuanVideo also a LoRA on the original module
+ * names (HunyuanVideo's on the fused img_attn_qkv / linear1) in the format
+ * diffusers' own non-diffusers LoRA converters read, with expectations from
+ * that load. F_rows.txt says which rows of each original weight are which
+ * rows of a diffusers weight.
  *
  * Checks, per family:
- *  - the LoRA (diffusers names) fused into each layout: every changed tensor
+ *  - each LoRA fused into each layout: every changed tensor
  *    within 1 ulp of the float64 expectation, every other tensor
  *    byte-identical (ar_check_expected), and the fuse counts as many fused
  *    tensors as the expectation has;
  *  - the single-file fuse equals the diffusers-layout fuse byte for byte on
  *    every row pair of F_rows.txt (fused q,k,v slices = the split fuse);
- *  - the family detected from the original layout's keys is this family's
- *    table and no other shipped table's detect key matches (the one known
- *    exception is written out below), and a module landing on a fused weight
- *    does so through this family's table on its row slice. */
+ *  - the tables detected from the keys of the layout the LoRA does not name
+ *    (the original layout for the diffusers LoRA, the diffusers layout for
+ *    the original-named one) are this family's and no other shipped table's
+ *    (the one known exception is written out below); diffusers modules land
+ *    on their row slice of a fused weight, and an original module trained on
+ *    a fused weight is split over the diffusers weights by rows of B, both
+ *    through this family's table. */
 #include "adapter_ref.h"
 
 #include <stdio.h>
@@ -36,21 +42,29 @@
 
 typedef struct fam {
     const char *name;
-    /* lk_adapter_family on each layout: the family's own table; for
+    /* lk_adapter_family where a table is needed: the family's own table; for
      * HunyuanVideo also flux, whose detect keys single_blocks.0.linear1.weight
      * and single_transformer_blocks.0.proj_mlp.weight HunyuanVideo has too
      * (both tables place those modules identically, so the fuse is the same:
      * single_blocks.0.linear1 gets q, k, v, proj_mlp through flux's rules) */
     const char *detected;
-    const char *fused; /* an original weight that several diffusers modules share, or NULL */
-    int n_fused;       /* how many modules of the LoRA land on it */
+    /* the diffusers LoRA on the original layout: an original weight that
+     * several diffusers modules share (or NULL), and how many land on it */
+    const char *fused;
+    int n_fused;
+    /* the original-named LoRA (or NULL) on the diffusers layout: a diffusers
+     * weight it reaches through the table, and the first rows of the
+     * original module's B that land there */
+    const char *split;
+    int64_t split_b_row0;
 } fam;
 
 static const fam g_fams[] = {
-    {"sd3", "sd3", "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", 3},
-    {"wan", "wan", NULL, 0},
-    {"hunyuan-video", "flux,hunyuan-video", "double_blocks.0.img_attn_qkv.weight", 3},
-    {"ltx", "ltx", NULL, 0},
+    {"sd3", "sd3", "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", 3, NULL, 0},
+    {"wan", "wan", NULL, 0, "blocks.0.attn2.add_k_proj.weight", 0},
+    {"hunyuan-video", "flux,hunyuan-video", "double_blocks.0.img_attn_qkv.weight", 3,
+     "transformer_blocks.0.attn.to_k.weight", 16},
+    {"ltx", "ltx", NULL, 0, NULL, 0},
 };
 
 static const char *fx(char *buf, size_t n, const char *pre, const char *name, const char *post) {
@@ -58,22 +72,28 @@ static const char *fx(char *buf, size_t n, const char *pre, const char *name, co
     return buf;
 }
 
-static void fuse_layout(const fam *f, const char *layout, char *out, size_t n_out) {
-    char base[512], lora[512], exp[512], label[128];
-    fx(base, sizeof base, "", f->name, layout[0] == 'd' ? "_diffusers.safetensors" : "_original.safetensors");
-    fx(lora, sizeof lora, "", f->name, "_lora.safetensors");
-    snprintf(label, sizeof label, "expected_%s_%s.safetensors", f->name, layout);
-    fx(exp, sizeof exp, "", label, "");
-    snprintf(out, n_out, "%s/%s_%s_out.safetensors", ar_dir, f->name, layout);
+/* Fuses FX/<fam>_lora_<kind> into the <layout> base, checks it against
+ * expected_<fam>_lora_<kind>_<layout>; out gets the fused file's path. */
+static void fuse_layout(const fam *f, const char *kind, const char *layout, char *out, size_t n_out) {
+    char base[512], lora[512], exp[512], tag[128];
+    snprintf(tag, sizeof tag, "%s_%s.safetensors", f->name, layout);
+    fx(base, sizeof base, "", tag, "");
+    snprintf(tag, sizeof tag, "%s_lora_%s", f->name, kind);
+    fx(lora, sizeof lora, "", tag, ".safetensors");
+    fx(exp, sizeof exp, "expected_", tag, "_");
+    strncat(exp, layout, sizeof exp - strlen(exp) - 1);
+    strncat(exp, ".safetensors", sizeof exp - strlen(exp) - 1);
+    snprintf(out, n_out, "%s/%s_%s_out.safetensors", ar_dir, tag, layout);
     lk_fuse_input in = {lora, 1.0f, LK_FORMAT_AUTO};
     lk_fuse_stats st;
     if (lk_fuse_file(base, &in, 1, out, NULL, &st)) fail_msg("%s on %s: %s", lora, base, lk_last_error());
-    snprintf(label, sizeof label, "%s LoRA on the %s layout", f->name, layout);
+    char label[160];
+    snprintf(label, sizeof label, "%s on the %s layout", tag, layout);
     size_t changed;
     double worst = ar_check_expected(label, "diffusers' LoRA load + PEFT merge in float64", base, out, exp, &changed);
     assert_int_equal(st.tensors_fused, changed);
     assert_int_equal(st.modules_unmatched, 0);
-    print_message("%-14s %-9s layout: %2zu tensors fused, worst %.3f ulp\n", f->name, layout, changed, worst);
+    print_message("%-28s on the %-9s layout: %2zu tensors fused, worst %.3f ulp\n", tag, layout, changed, worst);
 }
 
 static const lk_tensor *get(const lk_weights *w, const char *name, const char *file) {
@@ -115,50 +135,68 @@ static void check_rows(const fam *f, const char *out_d, const char *out_o) {
     lk_weights_free(wo);
 }
 
-/* Which tables the resolver picks from each layout's keys, and where the
- * modules of a fused weight land. */
-static void check_detect(const fam *f) {
-    /* (the diffusers LoRA on the diffusers layout matches by name: no table is consulted) */
-    static const char *const layouts[] = {"_original.safetensors"};
-    char base[512], lora[512];
-    fx(lora, sizeof lora, "", f->name, "_lora.safetensors");
-    for (int l = 0; l < 1; l++) {
-        lk_weights *w;
-        assert_int_equal(lk_weights_load(fx(base, sizeof base, "", f->name, layouts[l]), &w), LK_OK);
-        lk_adapter *a;
-        assert_int_equal(lk_adapter_open(lora, LK_FORMAT_AUTO, &a), LK_OK);
-        lk_resolve_opts ro = {0};
-        if (lk_adapter_resolve_opts(a, lk_weights_tensors(w), lk_weights_count(w), &ro, NULL))
-            fail_msg("%s: %s", base, lk_last_error());
-        const char *got = lk_adapter_family(a);
-        if (!got || strcmp(got, f->detected))
-            fail_msg("%s: family tables %s detected, expected %s", base, got ? got : "(none)", f->detected);
-        if (f->fused) {
-            const lk_adapter_placement *p;
-            size_t n = lk_adapter_placements(a, f->fused, &p);
-            assert_int_equal(n, f->n_fused);
-            for (size_t i = 0; i < n; i++) {
-                assert_false(p[i].whole);
-                assert_true(p[i].rows > 0 && p[i].rows < get(w, f->fused, base)->shape[0]);
-                char want[64];
-                snprintf(want, sizeof want, "family %s (", f->name);
-                tu_assert_contains(p[i].rule, want);
-            }
+/* Resolves FX/<fam>_lora_<kind> against the <layout> base: the tables
+ * picked from its keys, and the placements on one weight (target) that must
+ * come from this family's table: n of them (n_fused), or one starting at
+ * B row b_row0 (n_fused < 0). */
+static void check_detect(const fam *f, const char *kind, const char *layout, const char *target, int n_fused,
+                         int64_t b_row0) {
+    char base[512], lora[512], tag[128];
+    snprintf(tag, sizeof tag, "%s_%s.safetensors", f->name, layout);
+    fx(base, sizeof base, "", tag, "");
+    snprintf(tag, sizeof tag, "%s_lora_%s.safetensors", f->name, kind);
+    fx(lora, sizeof lora, "", tag, "");
+    lk_weights *w;
+    assert_int_equal(lk_weights_load(base, &w), LK_OK);
+    lk_adapter *a;
+    assert_int_equal(lk_adapter_open(lora, LK_FORMAT_AUTO, &a), LK_OK);
+    lk_resolve_opts ro = {0};
+    if (lk_adapter_resolve_opts(a, lk_weights_tensors(w), lk_weights_count(w), &ro, NULL))
+        fail_msg("%s: %s", base, lk_last_error());
+    const char *got = lk_adapter_family(a);
+    if (!got || strcmp(got, f->detected))
+        fail_msg("%s: family tables %s detected, expected %s", base, got ? got : "(none)", f->detected);
+    const lk_adapter_placement *p;
+    size_t n = target ? lk_adapter_placements(a, target, &p) : 0;
+    char want[64];
+    snprintf(want, sizeof want, "family %s (", f->name);
+    if (!target) {
+        /* (a whole-name family: only the detection) */
+    } else if (n_fused > 0) {
+        assert_int_equal(n, n_fused);
+        for (size_t i = 0; i < n; i++) {
+            assert_false(p[i].whole);
+            assert_true(p[i].rows > 0 && p[i].rows < get(w, target, base)->shape[0]);
+            tu_assert_contains(p[i].rule, want);
         }
-        lk_adapter_free(a);
-        lk_weights_free(w);
+    } else {
+        assert_int_equal(n, 1);
+        assert_int_equal(p[0].b_row0, b_row0);
+        assert_int_equal(p[0].rows, get(w, target, base)->shape[0]);
+        tu_assert_contains(p[0].rule, want);
     }
+    lk_adapter_free(a);
+    lk_weights_free(w);
+}
+
+/* One LoRA on both layouts: the expectations, the same rows, the placements. */
+static void check_lora(const fam *f, const char *kind) {
+    char out_d[512], out_o[512];
+    fuse_layout(f, kind, "diffusers", out_d, sizeof out_d);
+    fuse_layout(f, kind, "original", out_o, sizeof out_o);
+    check_rows(f, out_d, out_o);
+    remove(out_d);
+    remove(out_o);
 }
 
 static void test_family(void **state) {
     const fam *f = *state;
-    char out_d[512], out_o[512];
-    fuse_layout(f, "diffusers", out_d, sizeof out_d);
-    fuse_layout(f, "original", out_o, sizeof out_o);
-    check_rows(f, out_d, out_o);
-    check_detect(f);
-    remove(out_d);
-    remove(out_o);
+    check_lora(f, "diffusers");
+    check_detect(f, "diffusers", "original", f->fused, f->n_fused, 0);
+    if (f->split) {
+        check_lora(f, "original");
+        check_detect(f, "original", "diffusers", f->split, -1, f->split_b_row0);
+    }
 }
 
 #define FAM_TEST(i) cmocka_unit_test_prestate(test_family, (void *)&g_fams[i])
