@@ -1,5 +1,6 @@
 /* test_family_fixtures.c — the SD3, Wan, HunyuanVideo and LTX family tables
- * (data/families/{sd3,wan,hunyuan-video,ltx}.lkmap) on tiny real models.
+ * (data/families/{sd3,wan,hunyuan-video,ltx}.lkmap) on tiny real models
+ * (LTX-Video and LTX-2 both with the ltx table).
  *
  * Oracle: tests/fixtures/families/, made by make_family_fixtures.py from
  * diffusers 0.42 and peft 0.21: per family a random-init diffusers
@@ -41,7 +42,8 @@
 #define FX LK_TEST_SRC_DIR "/tests/fixtures/families"
 
 typedef struct fam {
-    const char *name;
+    const char *name;  /* the fixtures' */
+    const char *table; /* its family table */
     /* lk_adapter_family where a table is needed: the family's own table; for
      * HunyuanVideo also flux, whose detect keys single_blocks.0.linear1.weight
      * and single_transformer_blocks.0.proj_mlp.weight HunyuanVideo has too
@@ -60,11 +62,12 @@ typedef struct fam {
 } fam;
 
 static const fam g_fams[] = {
-    {"sd3", "sd3", "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", 3, NULL, 0},
-    {"wan", "wan", NULL, 0, "blocks.0.attn2.add_k_proj.weight", 0},
-    {"hunyuan-video", "flux,hunyuan-video", "double_blocks.0.img_attn_qkv.weight", 3,
+    {"sd3", "sd3", "sd3", "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", 3, NULL, 0},
+    {"wan", "wan", "wan", NULL, 0, "blocks.0.attn2.add_k_proj.weight", 0},
+    {"hunyuan-video", "hunyuan-video", "flux,hunyuan-video", "double_blocks.0.img_attn_qkv.weight", 3,
      "transformer_blocks.0.attn.to_k.weight", 16},
-    {"ltx", "ltx", NULL, 0, NULL, 0},
+    {"ltx", "ltx", "ltx", NULL, 0, NULL, 0},
+    {"ltx2", "ltx", "ltx", NULL, 0, NULL, 0},
 };
 
 static const char *fx(char *buf, size_t n, const char *pre, const char *name, const char *post) {
@@ -159,7 +162,7 @@ static void check_detect(const fam *f, const char *kind, const char *layout, con
     const lk_adapter_placement *p;
     size_t n = target ? lk_adapter_placements(a, target, &p) : 0;
     char want[64];
-    snprintf(want, sizeof want, "family %s (", f->name);
+    snprintf(want, sizeof want, "family %s (", f->table);
     if (!target) {
         /* (a whole-name family: only the detection) */
     } else if (n_fused > 0) {
@@ -202,6 +205,6 @@ static void test_family(void **state) {
 #define FAM_TEST(i) cmocka_unit_test_prestate(test_family, (void *)&g_fams[i])
 
 int main(void) {
-    const struct CMUnitTest tests[] = {FAM_TEST(0), FAM_TEST(1), FAM_TEST(2), FAM_TEST(3)};
+    const struct CMUnitTest tests[] = {FAM_TEST(0), FAM_TEST(1), FAM_TEST(2), FAM_TEST(3), FAM_TEST(4)};
     return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }
