@@ -31,6 +31,7 @@
  *    a fused weight is split over the diffusers weights by rows of B, both
  *    through this family's table. */
 #include "adapter_ref.h"
+#include "adapter/layout.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -202,9 +203,51 @@ static void test_family(void **state) {
     }
 }
 
+/* The tables every shipped table's detect keys pick for each base fixture
+ * here and in tests/fixtures/layouts (lk_layout_build, as resolve calls it):
+ * each family's tables match its own fixtures in both layouts and no other
+ * family's. */
+static void test_detect_keys_do_not_clash(void **state) {
+    (void)state;
+    static const struct {
+        const char *file, *families;
+    } cases[] = {
+        {"families/sd3_diffusers.safetensors", "sd3"},
+        {"families/sd3_original.safetensors", "sd3"},
+        {"families/wan_diffusers.safetensors", "wan"},
+        {"families/wan_original.safetensors", "wan"},
+        /* flux's detect keys single_transformer_blocks.0.proj_mlp.weight and
+         * single_blocks.0.linear1.weight are HunyuanVideo's too (see g_fams) */
+        {"families/hunyuan-video_diffusers.safetensors", "flux,hunyuan-video"},
+        {"families/hunyuan-video_original.safetensors", "flux,hunyuan-video"},
+        {"families/ltx_diffusers.safetensors", "ltx"},
+        {"families/ltx_original.safetensors", "ltx"},
+        {"families/ltx2_diffusers.safetensors", "ltx"},
+        {"families/ltx2_original.safetensors", "ltx"},
+        {"layouts/flux_diffusers.safetensors", "flux"},
+        {"layouts/flux_bfl.safetensors", "flux"},
+        {"layouts/sd1_unet.safetensors", "sd1"},
+        {"layouts/sd1_single.safetensors", "sd1"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char path[512];
+        snprintf(path, sizeof path, LK_TEST_SRC_DIR "/tests/fixtures/%s", cases[i].file);
+        lk_weights *w;
+        if (lk_weights_load(path, &w)) fail_msg("%s: %s", path, lk_last_error());
+        lk_layout l;
+        if (lk_layout_build(lk_weights_tensors(w), lk_weights_count(w), NULL, path, &l))
+            fail_msg("%s: %s", path, lk_last_error());
+        if (!l.family || strcmp(l.family, cases[i].families))
+            fail_msg("%s: tables %s detected, expected %s", path, l.family ? l.family : "(none)", cases[i].families);
+        lk_layout_free(&l);
+        lk_weights_free(w);
+    }
+}
+
 #define FAM_TEST(i) cmocka_unit_test_prestate(test_family, (void *)&g_fams[i])
 
 int main(void) {
-    const struct CMUnitTest tests[] = {FAM_TEST(0), FAM_TEST(1), FAM_TEST(2), FAM_TEST(3), FAM_TEST(4)};
+    const struct CMUnitTest tests[] = {FAM_TEST(0), FAM_TEST(1), FAM_TEST(2), FAM_TEST(3), FAM_TEST(4),
+                                       cmocka_unit_test(test_detect_keys_do_not_clash)};
     return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }
