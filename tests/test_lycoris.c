@@ -777,11 +777,58 @@ static void test_fp8(void **state) {
     model_free(&m);
 }
 
+/* ---- the row driver's vector epilogue on edge lanes ---- */
+
+/* A dense term through lk_fuse_tensor (terms.c's row driver) on weights and
+ * deltas full of special values: NaN weights, infinities, overflow, -0,
+ * subnormals, exact ties; every byte equals the scalar definition (finish). */
+static void test_epilogue_edges(void **state) {
+    (void)state;
+    const lk_dtype dts[3] = {LK_DTYPE_BF16, LK_DTYPE_F16, LK_DTYPE_F32};
+    const float wsp[] = {NAN, -NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1e-40f, -3e-39f, 3.0e38f, -3.0e38f, 65504.0f,
+                         1.0f, 1.0f + 0x1p-8f, 1.0f + 0x1p-9f, 2.5f, -7.75f};
+    const float dsp[] = {1.0f, 0.0f, -INFINITY, INFINITY, -0.0f, 0.0f, 1e-40f, 2e-45f, 3.0e38f, 1e30f, 32.0f,
+                         0x1p-9f, 0x1p-9f, 0x1p-10f, -1e-8f, 1e-3f};
+    const size_t out = 7, in = 37; /* rows of 37: four 8-lane blocks and a tail */
+    for (int di = 0; di < 3; di++) {
+        lk_dtype dt = dts[di];
+        ar_tensor W, Dl;
+        ar_tensor_rand(&W, "w", dt, (int64_t)out, (int64_t)in, &g_rng, -2, 2);
+        ar_tensor_rand(&Dl, "d", LK_DTYPE_F32, (int64_t)out, (int64_t)in, &g_rng, -1, 1);
+        for (size_t e = 0; e < out * in; e++) {
+            if (e % 3 == 0) {
+                float v = wsp[(e / 3) % 16];
+                lk_from_f32((char *)W.t.data + e * lk_dtype_size(dt), &v, dt, 1);
+            }
+            if (e % 5 == 0) ((float *)Dl.t.data)[e] = dsp[(e / 5) % 16];
+        }
+        void *res = malloc(W.t.nbytes), *want = malloc(W.t.nbytes);
+        lk_fuse_term t = {.B = &Dl.t, .scale = 1.0, .kind = LK_TERM_DENSE};
+        lk_fuse_opts o = {.threads = 1, .allow_nonfinite = 1};
+        assert_int_equal(lk_fuse_tensor(res, W.t.data, dt, (int64_t)out, (int64_t)in, &t, 1, &o, "edges"), LK_OK);
+        for (size_t e = 0; e < out * in; e++) {
+            double x = dt == LK_DTYPE_F32 ? 0.0 + (double)((float *)Dl.t.data)[e]
+                                          : (double)(0.0f + (float)(double)((float *)Dl.t.data)[e]);
+            finish(want, W.t.data, dt, e, x);
+        }
+        assert_memory_equal(res, want, W.t.nbytes);
+        /* without allow_nonfinite the overflow is an error naming the tensor */
+        o.allow_nonfinite = 0;
+        assert_int_equal(lk_fuse_tensor(res, W.t.data, dt, (int64_t)out, (int64_t)in, &t, 1, &o, "edges"),
+                         LK_ERR_NONFINITE);
+        tu_assert_contains(lk_last_error(), "edges: fusion made element [");
+        free(res);
+        free(want);
+        ar_tensor_free(&W);
+        ar_tensor_free(&Dl);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_conv_lora), cmocka_unit_test(test_loha),   cmocka_unit_test(test_lokr),
         cmocka_unit_test(test_dense),     cmocka_unit_test(test_dora_scale), cmocka_unit_test(test_mixed),
-        cmocka_unit_test(test_malformed), cmocka_unit_test(test_fp8),
+        cmocka_unit_test(test_malformed), cmocka_unit_test(test_fp8), cmocka_unit_test(test_epilogue_edges),
     };
     return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }

@@ -35,9 +35,11 @@
  * weight, so the one final rounding dominates. tests/test_terms.c checks
  * these chains bit for bit against an independent scalar replay and within
  * 1 ulp of a float64 reference. */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+/* No FMA contraction anywhere here (the chains above are separate
+ * roundings): CMakeLists.txt compiles this file with -ffp-contract=off (a
+ * `#pragma GCC optimize` would stop GCC vectorising it), clang reads the
+ * pragma, and the AVX2 clones are built without the "fma" feature, so no
+ * compiler can fuse a multiply and an add here even when the flag is lost. */
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
 #endif
@@ -55,7 +57,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#define BLOCK_ELEMS ((size_t)1 << 17) /* a worker's block of rows: ~512 KiB of f32 delta */
+#define LK_AI static inline __attribute__((always_inline))
+#define BLOCK_ELEMS ((size_t)1 << 14) /* a worker's block of rows: ~64 KiB of f32 delta, kept in L2 */
 #define CONV_CHUNK 512                /* dense: columns converted at a time */
 
 typedef struct xterm {
@@ -158,6 +161,23 @@ static void load_f64(double *dst, const lk_tensor *t, size_t off, size_t n, floa
     for (size_t i = 0; i < n; i++) dst[i] = tmp[i];
 }
 
+/* The rows of an fma chain: row[j] = b[0] a[0][j], then fma(b[k], a[k][j], row[j]). */
+LK_AI void chain_rows64(double *dst, const double *b, const double *a, size_t r, size_t n) {
+    for (size_t j = 0; j < n; j++) dst[j] = b[0] * a[j];
+    for (size_t k = 1; k < r; k++)
+        for (size_t j = 0; j < n; j++) dst[j] = fma(b[k], a[k * n + j], dst[j]);
+}
+static void chain64_base(double *dst, const double *b, const double *a, size_t r, size_t n) {
+    chain_rows64(dst, b, a, r, n);
+}
+#ifdef LK_KERNEL_X86
+/* fma() inlined as the instruction (correctly rounded either way: the same bits) */
+__attribute__((target("avx2,fma"))) static void chain64_fma(double *dst, const double *b, const double *a, size_t r,
+                                                           size_t n) {
+    chain_rows64(dst, b, a, r, n);
+}
+#endif
+
 /* dst (m x n, f64) = B @ A as fma chains, k ascending from the first
  * product; A NULL: dst = B. */
 static lk_status product_f64(double *dst, const lk_tensor *B, const lk_tensor *A, const char *name) {
@@ -175,12 +195,15 @@ static lk_status product_f64(double *dst, const lk_tensor *B, const lk_tensor *A
         for (size_t i = 0; i < m; i++) load_f64(dst + i * n, B, i * n, n, tmp);
     } else {
         for (size_t k = 0; k < r; k++) load_f64(a + k * n, A, k * n, n, tmp);
+        const int fast = strcmp(lk_fuse_kernel_path(), "portable") != 0;
         for (size_t i = 0; i < m; i++) {
             load_f64(b, B, i * r, r, tmp);
-            double *row = dst + i * n;
-            for (size_t j = 0; j < n; j++) row[j] = b[0] * a[j];
-            for (size_t k = 1; k < r; k++)
-                for (size_t j = 0; j < n; j++) row[j] = fma(b[k], a[k * n + j], row[j]);
+#ifdef LK_KERNEL_X86
+            if (fast) chain64_fma(dst + i * n, b, a, r, n);
+            else
+#endif
+                chain64_base(dst + i * n, b, a, r, n);
+            (void)fast;
         }
     }
     lk_free(tmp);
@@ -298,7 +321,6 @@ size_t lk_fuse_delta_scratch(const lk_delta_prep *p, size_t n) {
 
 /* ---- the rows ---- */
 
-#define LK_AI static inline __attribute__((always_inline))
 
 LK_AI void add_dense(const xterm *x, int wide, void *d, size_t ld, size_t I, size_t row, size_t n) {
     const lk_dtype dt = x->dense->dtype;
@@ -373,9 +395,9 @@ static void add_terms_base(const lk_delta_prep *p, void *d, size_t ld, size_t ro
     add_terms(p, d, ld, row, n, scratch);
 }
 #ifdef LK_KERNEL_X86
-/* The same operations with AVX2 vectors (no fma contraction: fp-contract
- * is off), so the bytes are those of the base version. */
-__attribute__((target("avx2,fma"))) static void add_terms_avx2(const lk_delta_prep *p, void *d, size_t ld, size_t row,
+/* The same operations with AVX2 vectors (no FMA: nothing to contract
+ * into), so the bytes are those of the base version. */
+__attribute__((target("avx2"))) static void add_terms_avx2(const lk_delta_prep *p, void *d, size_t ld, size_t row,
                                                               size_t n, void *scratch) {
     add_terms(p, d, ld, row, n, scratch);
 }
@@ -457,19 +479,125 @@ static void note_bad(tworker *wk, size_t at, double w, double r) {
     }
 }
 
+/* kernel_scalar.h's lk_k_round_f32 / lk_k_round_f64_to_f32, eight (four)
+ * lanes at a time with the compilers' vector extensions (comparisons give
+ * lane masks, the selects become masks): the same IEEE operations and bit
+ * steps, so the same bits; the tail goes through the scalar definitions. */
+typedef float lk_v8f __attribute__((vector_size(32)));
+typedef uint32_t lk_v8u __attribute__((vector_size(32)));
+typedef int32_t lk_v8i __attribute__((vector_size(32)));
+typedef double lk_v4d __attribute__((vector_size(32)));
+typedef uint64_t lk_v4ul __attribute__((vector_size(32)));
+typedef int64_t lk_v4l __attribute__((vector_size(32)));
+typedef float lk_v4f __attribute__((vector_size(16)));
+typedef uint32_t lk_v4u __attribute__((vector_size(16)));
+typedef int32_t lk_v4i __attribute__((vector_size(16)));
+
 LK_AI void round_row32(float *rv, const float *wv, const float *d, size_t n) {
-    for (size_t j = 0; j < n; j++) rv[j] = lk_k_round_f32(wv[j], d[j]);
+    size_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        lk_v8f w, dd;
+        memcpy(&w, wv + j, sizeof w);
+        memcpy(&dd, d + j, sizeof dd);
+        const lk_v8f s = w + dd, bb = s - w, e = (w - (s - bb)) + (dd - bb);
+        const lk_v8u uw = (lk_v8u)w, ue = (lk_v8u)e;
+        lk_v8u us = (lk_v8u)s;
+        const lk_v8u fin = (lk_v8u)((us & 0x7f800000u) != 0x7f800000u);
+        const lk_v8u inexact = (lk_v8u)(e != 0.0f), even = (lk_v8u)((us & 1u) == 0u);
+        const lk_v8u step = 1u - (((us ^ ue) >> 31) << 1);
+        us += fin & inexact & even & step;
+        const lk_v8u mw = (lk_v8u)((uw & 0x7fffffffu) > 0x7f800000u);
+        const lk_v8u mr = (lk_v8u)((us & 0x7fffffffu) > 0x7f800000u) & ~mw;
+        const lk_v8u r = (mw & (uw | 0x00400000u)) | (mr & 0x7fc00000u) | (~(mw | mr) & us);
+        memcpy(rv + j, &r, sizeof r);
+    }
+    for (; j < n; j++) rv[j] = lk_k_round_f32(wv[j], d[j]);
 }
+
 LK_AI void round_row64(uint32_t *o, const uint32_t *w, const double *d, size_t n) {
-    for (size_t j = 0; j < n; j++) o[j] = lk_k_round_f64_to_f32(w[j], d[j]);
+    size_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        lk_v4u uw;
+        lk_v4d dd;
+        memcpy(&uw, w + j, sizeof uw);
+        memcpy(&dd, d + j, sizeof dd);
+        const lk_v4d x = __builtin_convertvector((lk_v4f)uw, lk_v4d);
+        const lk_v4d s = x + dd, bb = s - x, e = (x - (s - bb)) + (dd - bb);
+        lk_v4ul us = (lk_v4ul)s;
+        const lk_v4ul ue = (lk_v4ul)e;
+        const lk_v4ul fin = (lk_v4ul)((us & 0x7ff0000000000000ull) != 0x7ff0000000000000ull);
+        const lk_v4ul inexact = (lk_v4ul)(e != 0.0), even = (lk_v4ul)((us & 1u) == 0u);
+        const lk_v4ul step = 1u - (((us ^ ue) >> 63) << 1);
+        us += fin & inexact & even & step;
+        const lk_v4u ur = (lk_v4u)__builtin_convertvector((lk_v4d)us, lk_v4f); /* RNE, the one rounding */
+        const lk_v4u mw = (lk_v4u)((uw & 0x7fffffffu) > 0x7f800000u);
+        const lk_v4u mr = (lk_v4u)((ur & 0x7fffffffu) > 0x7f800000u) & ~mw;
+        const lk_v4u r = (mw & (uw | 0x00400000u)) | (mr & 0x7fc00000u) | (~(mw | mr) & ur);
+        memcpy(o + j, &r, sizeof r);
+    }
+    for (; j < n; j++) o[j] = lk_k_round_f64_to_f32(w[j], d[j]);
 }
+
+typedef uint16_t lk_v8h __attribute__((vector_size(16)));
+
+/* A BF16 row in one pass: decode, round_row32's steps, dtype.c's RNE to
+ * BF16 (NaN kept quiet), store; *bad |= a finite weight stored as Inf/NaN. */
+LK_AI void round_row_bf16(uint16_t *dst, const uint16_t *src, const float *d, size_t n, uint32_t *bad) {
+    size_t j = 0;
+    lk_v8u anyv = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (; j + 8 <= n; j += 8) {
+        lk_v8h h;
+        lk_v8f dd;
+        memcpy(&h, src + j, sizeof h);
+        memcpy(&dd, d + j, sizeof dd);
+        const lk_v8u uw = __builtin_convertvector(h, lk_v8u) << 16;
+        const lk_v8f w = (lk_v8f)uw;
+        const lk_v8f s = w + dd, bb = s - w, e = (w - (s - bb)) + (dd - bb);
+        const lk_v8u ue = (lk_v8u)e;
+        lk_v8u us = (lk_v8u)s;
+        const lk_v8u fin = (lk_v8u)((us & 0x7f800000u) != 0x7f800000u);
+        const lk_v8u inexact = (lk_v8u)(e != 0.0f), even = (lk_v8u)((us & 1u) == 0u);
+        us += fin & inexact & even & (1u - (((us ^ ue) >> 31) << 1));
+        const lk_v8u mw = (lk_v8u)((uw & 0x7fffffffu) > 0x7f800000u);
+        const lk_v8u mr = (lk_v8u)((us & 0x7fffffffu) > 0x7f800000u) & ~mw;
+        const lk_v8u r = (mw & (uw | 0x00400000u)) | (mr & 0x7fc00000u) | (~(mw | mr) & us);
+        const lk_v8u isnan = (lk_v8u)((r & 0x7fffffffu) > 0x7f800000u), t = r >> 16;
+        const lk_v8u q = t | ((lk_v8u)((t & 0x7fu) == 0u) & 0x40u);
+        const lk_v8u o = (isnan & q) | (~isnan & ((r + 0x7fffu + ((r >> 16) & 1u)) >> 16));
+        anyv |= (lk_v8u)((uw & 0x7f800000u) != 0x7f800000u) & (lk_v8u)((o & 0x7f80u) == 0x7f80u);
+        const lk_v8h oh = __builtin_convertvector(o, lk_v8h);
+        memcpy(dst + j, &oh, sizeof oh);
+    }
+    uint32_t any = 0;
+    for (int k = 0; k < 8; k++) any |= anyv[k];
+    for (; j < n; j++) {
+        float w, r, back;
+        lk_to_f32(&w, src + j, LK_DTYPE_BF16, 1);
+        r = lk_k_round_f32(w, d[j]);
+        lk_from_f32(dst + j, &r, LK_DTYPE_BF16, 1);
+        lk_to_f32(&back, dst + j, LK_DTYPE_BF16, 1);
+        any |= isfinite(w) && !isfinite(back);
+    }
+    *bad |= any;
+}
+
+static void bf16_base(uint16_t *dst, const uint16_t *src, const float *d, size_t n, uint32_t *bad) {
+    round_row_bf16(dst, src, d, n, bad);
+}
+#ifdef LK_KERNEL_X86
+__attribute__((target("avx2"))) static void bf16_avx2(uint16_t *dst, const uint16_t *src, const float *d, size_t n,
+                                                       uint32_t *bad) {
+    round_row_bf16(dst, src, d, n, bad);
+}
+#endif
+
 static void round32_base(float *rv, const float *wv, const float *d, size_t n) { round_row32(rv, wv, d, n); }
 static void round64_base(uint32_t *o, const uint32_t *w, const double *d, size_t n) { round_row64(o, w, d, n); }
 #ifdef LK_KERNEL_X86
-__attribute__((target("avx2,fma"))) static void round32_avx2(float *rv, const float *wv, const float *d, size_t n) {
+__attribute__((target("avx2"))) static void round32_avx2(float *rv, const float *wv, const float *d, size_t n) {
     round_row32(rv, wv, d, n);
 }
-__attribute__((target("avx2,fma"))) static void round64_avx2(uint32_t *o, const uint32_t *w, const double *d,
+__attribute__((target("avx2"))) static void round64_avx2(uint32_t *o, const uint32_t *w, const double *d,
                                                             size_t n) {
     round_row64(o, w, d, n);
 }
@@ -493,9 +621,26 @@ static void tblock(tworker *wk, size_t b, int fast) {
 #endif
                 round64_base(r, w, d, I);
             memcpy(dst, r, I * 4);
-            for (size_t c = 0; c < I; c++)
+            uint32_t any = 0;
+            for (size_t c = 0; c < I; c++) any |= ((r[c] & 0x7f800000u) == 0x7f800000u) & ((w[c] & 0x7f800000u) != 0x7f800000u);
+            for (size_t c = 0; any && c < I; c++)
                 if (((r[c] & 0x7f800000u) == 0x7f800000u) && ((w[c] & 0x7f800000u) != 0x7f800000u))
                     note_bad(wk, o * I + c, (double)lk_k_u2f(w[c]), (double)lk_k_u2f(r[c]));
+        } else if (j->dt == LK_DTYPE_BF16) {
+            const float *d = (const float *)wk->d + i * I;
+            uint32_t bad = 0;
+            memcpy(wk->wv, src, I * 2); /* the row's old bits (w_out may be w_in), for a rare non-finite report */
+#ifdef LK_KERNEL_X86
+            if (fast) bf16_avx2((uint16_t *)dst, (const uint16_t *)wk->wv, d, I, &bad);
+            else
+#endif
+                bf16_base((uint16_t *)dst, (const uint16_t *)wk->wv, d, I, &bad);
+            for (size_t c = 0; bad && c < I; c++) {
+                float w, r;
+                lk_to_f32(&w, (const uint16_t *)wk->wv + c, LK_DTYPE_BF16, 1);
+                lk_to_f32(&r, (const uint16_t *)dst + c, LK_DTYPE_BF16, 1);
+                if (isfinite(w) && !isfinite(r)) note_bad(wk, o * I + c, (double)w, (double)r);
+            }
         } else {
             const float *d = (const float *)wk->d + i * I;
             lk_to_f32(wk->wv, src, j->dt, I);
@@ -506,7 +651,10 @@ static void tblock(tworker *wk, size_t b, int fast) {
                 round32_base(wk->rv, wk->wv, d, I);
             lk_from_f32(dst, wk->rv, j->dt, I);
             lk_to_f32(wk->rv, dst, j->dt, I); /* what was stored, for the non-finite check */
-            for (size_t c = 0; c < I; c++)
+            const uint32_t *wb = (const uint32_t *)wk->wv, *rb = (const uint32_t *)wk->rv;
+            uint32_t any = 0;
+            for (size_t c = 0; c < I; c++) any |= ((rb[c] & 0x7f800000u) == 0x7f800000u) & ((wb[c] & 0x7f800000u) != 0x7f800000u);
+            for (size_t c = 0; any && c < I; c++)
                 if (isfinite(wk->wv[c]) && !isfinite(wk->rv[c]))
                     note_bad(wk, o * I + c, (double)wk->wv[c], (double)wk->rv[c]);
         }

@@ -46,7 +46,10 @@ static const char *const FUSE_BENCH_USAGE =
     "whole model's worth), (c) on one tensor, (d) the naive method (fp32\n"
     "delta, then add), at rank 8, 16, 64, 128 with 1 thread and all threads,\n"
     "(e) FP8 e4m3fn weights at rank 16: plain / scaled x nearest / stochastic,\n"
-    "(f) the FMA peak: a register-only FMA loop's single-precision lanes/s.\n"
+    "(f) the FMA peak: a register-only FMA loop's single-precision lanes/s,\n"
+    "(g) rank 16 through the per-key plan: linear LoRA, conv LoRA (a [dim,\n"
+    "dim/16, 4, 4] weight), LoHa, LoKr (lokr_w1 8 x 8), a dense diff, with\n"
+    "ratio_to_lora (GB/s over the LoRA row's at the same threads).\n"
     "GB/s of W traffic (read + write); ratio_to_dram against (a)'s DRAM pass\n"
     "at the same thread count; fma_fraction = rank x elements / s over (f)'s\n"
     "figure, and fma_fraction_at_dram the fraction a run at the DRAM pass's\n"
@@ -320,6 +323,98 @@ static int fp8_rows(int json, uint8_t *w8, size_t D, long r, const lk_fuse_term 
     return 0;
 }
 
+/* (g) the algorithms beyond linear LoRA, at rank 16 on one dim x dim BF16
+ * weight, each through the real per-key path (an adapter written to a
+ * temporary file, opened, resolved, lk_fuse_key_plan, then
+ * lk_fuse_key_apply timed in place): linear LoRA (the reference), conv LoRA
+ * (lora_A [16, dim/16, 4, 4] on a [dim, dim/16, 4, 4] weight: the same
+ * elements), LoHa (two rank-16 products), LoKr (lokr_w1 [8, 8], lokr_w2_a /
+ * _b of rank 16) and a dense diff (BF16 [dim, dim]). GB/s counts W traffic;
+ * ratio_to_lora divides by the LoRA row's GB/s at the same thread count,
+ * ratio_to_dram by (a)'s DRAM pass. */
+typedef struct algo_case {
+    const char *algo, *target;
+    lk_tensor t[4];
+    size_t n;
+} algo_case;
+
+static int algo_rows(int json, uint16_t *w, size_t D, const uint16_t *a16, const uint16_t *b16, const uint16_t *dd,
+                     const int *tcount, int nth, const double *dram_bw, long repeat) {
+    const int64_t d = (int64_t)D, r = 16;
+    const size_t fb = (size_t)r * D * 2;
+#define T2(nm, p, d0, d1) ((lk_tensor){.name = nm, .dtype = LK_DTYPE_BF16, .ndim = 2, .shape = {d0, d1}, \
+                                      .nbytes = (size_t)(d0) * (size_t)(d1) * 2, .data = (void *)(p)})
+    algo_case cs[5] = {
+        {"lora", "lin", {T2("lin.lora_A.weight", a16, r, d), T2("lin.lora_B.weight", b16, d, r)}, 2},
+        {"conv_lora", "conv", {T2("conv.lora_A.weight", a16, r, d), T2("conv.lora_B.weight", b16, d, r)}, 2},
+        {"loha", "lin", {T2("lin.hada_w1_a", b16, d, r), T2("lin.hada_w1_b", a16, r, d),
+                         T2("lin.hada_w2_a", a16, d, r), T2("lin.hada_w2_b", b16, r, d)}, 4},
+        {"lokr", "lin", {T2("lin.lokr_w1", a16, 8, 8), T2("lin.lokr_w2_a", b16, d / 8, r),
+                         T2("lin.lokr_w2_b", a16, r, d / 8)}, 3},
+        {"dense", "lin", {T2("lin.diff", dd, d, d)}, 1},
+    };
+#undef T2
+    (void)fb;
+    /* conv factors: [16, dim/16, 4, 4] and [dim, 16, 1, 1] */
+    cs[1].t[0].ndim = 4;
+    cs[1].t[0].shape[1] = d / 16, cs[1].t[0].shape[2] = 4, cs[1].t[0].shape[3] = 4;
+    cs[1].t[1].ndim = 4;
+    cs[1].t[1].shape[2] = 1, cs[1].t[1].shape[3] = 1;
+    char dir[] = "/tmp/lorakit-bench-XXXXXX";
+    if (!mkdtemp(dir)) {
+        lk_error(LK_ERR_IO, "bench fuse: cannot make a temporary folder");
+        return -1;
+    }
+    double lora_gbps[2] = {0, 0};
+    int rc = 0;
+    for (size_t c = 0; c < 5 && !rc; c++) {
+        if (c == 1 && D % 16) continue;
+        char path[256];
+        snprintf(path, sizeof path, "%s/%s.safetensors", dir, cs[c].algo);
+        lk_tensor wt = {.name = c == 1 ? "conv.weight" : "lin.weight", .dtype = LK_DTYPE_BF16, .ndim = 2,
+                        .shape = {d, d}, .nbytes = D * D * 2, .data = w};
+        if (c == 1) wt.ndim = 4, wt.shape[1] = d / 16, wt.shape[2] = 4, wt.shape[3] = 4;
+        lk_adapter *ad = NULL;
+        lk_fuse_term terms[LK_ADAPTER_MAX_SLICES];
+        lk_fuse_key k;
+        const double one = 1.0;
+        if (lk_st_save(path, cs[c].t, cs[c].n, NULL, 0) || lk_adapter_open(path, LK_FORMAT_AUTO, &ad) ||
+            lk_adapter_resolve(ad, &wt, 1, 0, NULL) || lk_fuse_key_plan(&ad, &one, 1, &wt, terms, &k)) {
+            lk_adapter_free(ad);
+            rc = -1;
+            break;
+        }
+        for (int ti = 0; ti < nth && !rc; ti++) {
+            lk_fuse_opts o = {.threads = tcount[ti], .allow_nonfinite = 1};
+            double best = 1e30, cpu = 0;
+            for (long rep = 0; rep <= repeat && !rc; rep++) {
+                double t0 = lk_now_s(), c0 = lk_bench_cpu();
+                if (lk_fuse_key_apply(w, w, &wt, &k, terms, &o) != LK_OK) rc = -1;
+                double t = lk_now_s() - t0;
+                if (rep && t < best) {
+                    best = t;
+                    cpu = lk_bench_cpu() - c0;
+                }
+            }
+            const double gbps = 2.0 * (double)(D * D * 2) / best / 1e9;
+            if (c == 0) lora_gbps[ti] = gbps;
+            if (json)
+                printf("{\"bench\":\"fuse\",\"method\":\"lorakit\",\"scope\":\"tensor\",\"algo\":\"%s\",\"dtype\":\"bf16\","
+                       "\"rank\":16,\"threads\":%d,\"bytes\":%zu,\"seconds\":%.6f,\"gbps\":%.3f,\"ratio_to_lora\":%.3f,"
+                       "\"ratio_to_dram\":%.3f,\"cpu_seconds\":%.6f}\n",
+                       cs[c].algo, tcount[ti], D * D * 2, best, gbps, gbps / lora_gbps[ti], gbps / dram_bw[ti], cpu);
+            else
+                printf("lorakit  %-9s rank 16  threads %3d  %9.3f ms (cpu %9.3f ms)  %8.2f GB/s  %5.2f x lora  %5.2f x "
+                       "dram\n", cs[c].algo, tcount[ti], best * 1e3, cpu * 1e3, gbps, gbps / lora_gbps[ti],
+                       gbps / dram_bw[ti]);
+        }
+        lk_adapter_free(ad);
+        remove(path);
+    }
+    rmdir(dir);
+    return rc;
+}
+
 static void free_all(void **p, int n) {
     for (int i = 0; i < n; i++) free(p[i]);
 }
@@ -492,6 +587,16 @@ int lk_bench_fuse(int argc, char **argv) {
             for (size_t i = 0; i < N; i++) lk_fp8_from_double(lk_bf16_to_f32(w[i]), LK_DTYPE_F8_E4M3, 0, 0, &w8[i]);
             int bad = fp8_rows(json, w8, D, (long)r, &term, tcount, nth, dram_bw, cache_bw, repeat);
             free(w8);
+            /* (g): the other algorithms; the dense diff's values are small, as the factors' */
+            uint16_t *dd = bad ? NULL : malloc(wbytes);
+            if (!bad && !dd) {
+                free_all(owned, 8);
+                lk_error(LK_ERR_NOMEM, "bench fuse: out of memory for the dense diff");
+                return lk_cli_fail();
+            }
+            for (size_t i = 0; dd && i < N; i++) dd[i] = a16[i % (rmax * D)];
+            if (!bad) bad = algo_rows(json, w, D, a16, b16, dd, tcount, nth, dram_bw, repeat);
+            free(dd);
             if (bad) {
                 free_all(owned, 8);
                 return lk_cli_fail();
