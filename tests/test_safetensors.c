@@ -107,17 +107,24 @@ static void test_reference_vectors(void **state) {
     check_ref_bytes(NULL, 0, meta, 1, empty_meta, sizeof empty_meta);
 }
 
+/* buf (512 bytes) = the 8-byte length of hdr, hdr, zeros; returns its length. */
+static size_t hand_image(unsigned char *buf, const char *hdr) {
+    size_t hl = strlen(hdr);
+    assert_true(hl < 256 && 8 + hl < 480);
+    memset(buf, 0, 512);
+    buf[0] = (unsigned char)hl;
+    memcpy(buf + 8, hdr, hl);
+    return hl;
+}
+
 /* A file written by hand (as another implementation would), read back. */
 static void test_read_handmade(void **state) {
     (void)state;
     const char *hdr = "{\"__metadata__\":{\"format\":\"pt\"},"
                       "\"w\":{\"dtype\":\"I32\",\"shape\":[2,2],\"data_offsets\":[0,16]},"
                       "\"b\":{\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[16,17]}}";
-    size_t hl = strlen(hdr);
     unsigned char buf[512];
-    memset(buf, 0, sizeof buf);
-    buf[0] = (unsigned char)hl;
-    memcpy(buf + 8, hdr, hl);
+    size_t hl = hand_image(buf, hdr);
     int32_t w[4] = {1, -2, 3, 40000};
     memcpy(buf + 8 + hl, w, 16);
     buf[8 + hl + 16] = 7;
@@ -146,6 +153,60 @@ static void test_read_handmade(void **state) {
     assert_string_equal(lk_st_metadata_get(st, "format"), "pt");
     assert_null(lk_st_metadata_get(st, "nope"));
     lk_st_close(st);
+}
+
+/* JSON as other writers may emit it: whitespace everywhere, escaped names
+ * (\u00e9, a surrogate pair, \" and \\), an escaped __metadata__ key,
+ * fields lorakit does not know (nested values, skipped), tensors listed
+ * out of offset order. Expected: the names decoded as JSON defines them,
+ * file (offset) order, lookup by name, offsets from the data_offsets. Then
+ * the writer's escaping: a name with a quote, backslash, control bytes and
+ * UTF-8 is written as jansson encodes it (\", \\, \n, \u0001 in capitals,
+ * UTF-8 as is) and reads back equal. */
+static void test_read_json_forms(void **state) {
+    (void)state;
+    const char *hdr = " {\n \"b\\u00e9\" : { \"x\" : {\"n\": [1, 2.5, null, {\"k\": \"\\n\"}]}, \"dtype\" : \"U8\" ,"
+                      " \"shape\" : [ 2 ] , \"data_offsets\" : [ 4 , 6 ] } ,\r\n"
+                      "\t\"\\u005f_metadata__\":{\"q\\\"\":\"v\\\\\"},"
+                      "\"\\ud83d\\ude00a\":{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[0,4]} }  ";
+    unsigned char buf[512];
+    size_t hl = hand_image(buf, hdr);
+    for (int i = 0; i < 6; i++) buf[8 + hl + i] = (unsigned char)(10 + i);
+    lk_st *st;
+    assert_int_equal(lk_st_open_mem(buf, 8 + hl + 6, "forms", &st), LK_OK);
+    assert_int_equal(lk_st_count(st), 2);
+    const lk_tensor *t0 = lk_st_tensor(st, 0), *t1 = lk_st_tensor(st, 1);
+    assert_string_equal(t0->name, "\xf0\x9f\x98\x80" "a"); /* U+1F600 from its surrogate pair */
+    assert_string_equal(t1->name, "b\xc3\xa9");
+    assert_int_equal(lk_st_file_offset(st, 0), 8 + hl);
+    assert_int_equal(lk_st_file_offset(st, 1), 8 + hl + 4);
+    assert_int_equal(((unsigned char *)t1->data)[0], 14);
+    assert_int_equal(lk_st_find(st, "b\xc3\xa9"), 1);
+    assert_int_equal(lk_st_find(st, "\xf0\x9f\x98\x80" "a"), 0);
+    assert_int_equal(lk_st_metadata_count(st), 1);
+    assert_string_equal(lk_st_metadata_get(st, "q\""), "v\\");
+    lk_st_close(st);
+
+    char *dir = tu_mkdtemp();
+    char *p = tu_path(dir, "esc.safetensors");
+    unsigned char one = 1;
+    lk_tensor t = {.name = "q\"\\\n\x01\xc3\xa9/", .dtype = LK_DTYPE_U8, .ndim = 0, .nbytes = 1, .data = &one};
+    const char *meta[2] = {"k\t", "v\x1f"};
+    assert_int_equal(lk_st_save(p, &t, 1, meta, 1), LK_OK);
+    size_t n;
+    unsigned char *got = tu_read_file(p, &n);
+    const char *want = "{\"__metadata__\":{\"k\\t\":\"v\\u001F\"},\"q\\\"\\\\\\n\\u0001\xc3\xa9/\":"
+                       "{\"dtype\":\"U8\",\"shape\":[],\"data_offsets\":[0,1]}}";
+    assert_true(n > 8 + strlen(want));
+    assert_memory_equal(got + 8, want, strlen(want));
+    free(got);
+    assert_int_equal(lk_st_open(p, &st), LK_OK);
+    assert_string_equal(lk_st_tensor(st, 0)->name, t.name);
+    assert_string_equal(lk_st_metadata_get(st, "k\t"), "v\x1f");
+    lk_st_close(st);
+    tu_rmtree(dir);
+    free(dir);
+    free(p);
 }
 
 /* Every dtype, 0-d and empty tensors, metadata: write -> read is identity. */
@@ -367,6 +428,7 @@ int main(void) {
         cmocka_unit_test(test_exact_bytes),
         cmocka_unit_test(test_reference_vectors),
         cmocka_unit_test(test_read_handmade),
+        cmocka_unit_test(test_read_json_forms),
         cmocka_unit_test(test_roundtrip_all_dtypes),
         cmocka_unit_test(test_layout_order),
         cmocka_unit_test(test_stream_chunks),

@@ -81,6 +81,26 @@ static const bad_case g_bad[] = {
      "__metadata__: value of \"k\" is an integer, expected a string"},
     {"duplicate metadata key", "{\"__metadata__\":{\"k\":\"a\",\"k\":\"b\"}}", 0, NULL, 0, -1, "duplicate object key"},
     {"NUL in a string", "{\"__metadata__\":{\"k\":\"a\\u0000b\"}}", 0, NULL, 0, -1, "header is not valid JSON"},
+    /* the header is read by a scanner handing each value to jansson (not one DOM): the same refusals */
+    {"duplicate name, one spelled with an escape", "{" T("t", "F32", "[1]", "[0,4]") "," T("\\u0074", "F32", "[1]", "[4,8]") "}",
+     8, NULL, 0, -1, "duplicate object key"},
+    {"__metadata__ twice, one escaped", "{\"__metadata__\":{},\"\\u005f_metadata__\":{}}", 0, NULL, 0, -1,
+     "duplicate object key"},
+    {"escaped __metadata__ is the metadata", "{\"\\u005f_metadata__\":{\"k\":1}}", 0, NULL, 0, -1,
+     "__metadata__: value of \"k\" is an integer, expected a string"},
+    {"NUL escape in a name", "{" T("a\\u0000", "F32", "[1]", "[0,4]") "}", 4, NULL, 0, -1, "header is not valid JSON"},
+    {"lone surrogate in a name", "{" T("\\ud800", "F32", "[1]", "[0,4]") "}", 4, NULL, 0, -1, "header is not valid JSON"},
+    {"control character in a name", "{" T("a\x01", "F32", "[1]", "[0,4]") "}", 4, NULL, 0, -1, "header is not valid JSON"},
+    {"trailing comma", "{" T("w", "F32", "[1]", "[0,4]") ",}", 4, NULL, 0, -1, "header is not valid JSON"},
+    {"text after the object", "{" T("w", "F32", "[1]", "[0,4]") "} x", 4, NULL, 0, -1, "header is not valid JSON"},
+    {"missing colon", "{\"w\" {}}", 0, NULL, 0, -1, "header is not valid JSON"},
+    {"bad number in an extra field", "{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],\"x\":01}}", 4,
+     NULL, 0, -1, "header is not valid JSON"},
+    {"duplicate key in an extra field", "{\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4],\"x\":{\"a\":1,\"a\":2}}}",
+     4, NULL, 0, -1, "duplicate object key"},
+    {"unterminated name", "{\"w", 0, NULL, 0, -1, "header is not valid JSON"},
+    {"array with a trailing comma", "[1,]", 0, NULL, 0, -1, "header is not valid JSON"},
+    {"empty header", "   ", 0, NULL, 0, -1, "header is not valid JSON"},
 };
 
 /* Builds the file image of a case; returns malloc'd bytes and their count. */

@@ -16,13 +16,8 @@ set -euo pipefail
 LK="$1"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 FX="$HERE/fixtures/peft"
-if ldd "$LK" 2>/dev/null | grep -q libasan; then
-  echo "skip: a sanitizer build reserves terabytes of shadow address space; ulimit -v cannot apply"
-  exit 0
-fi
-command -v python3 >/dev/null || { echo "skip: no python3"; exit 0; }
-work="$(mktemp -d "${TMPDIR:-/tmp}/lkulimit.XXXXXX")"
-trap 'rm -rf "$work"' EXIT
+. "$HERE/util/sh_common.sh"
+lk_sh_setup "$LK" lkulimit "a sanitizer build reserves terabytes of shadow address space; ulimit -v cannot apply"
 fail() { echo "ulimit_cli.sh: FAIL: $*" >&2; exit 1; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_mpi_yield_when_idle=1
 export OMPI_MCA_btl_vader_single_copy_mechanism=none

@@ -1,4 +1,4 @@
-/* cmd_inspect.c — `lorakit inspect FILE|INDEX|DIR [--json]`: prints lk_inspect_json
+/* cmd_inspect.c — `lorakit inspect FILE|INDEX|DIR [--json]`: prints lk_inspect_write
  * (the library describes the file, shared with the Python package) as it is
  * with --json, or as text read back from it.
  *
@@ -42,64 +42,75 @@ static const char *const INSPECT_USAGE =
     LK_CLI_ALPHA_FROM_HELP
     "  -h, --help this text\n";
 
-/* The human-readable listing, from the JSON description. */
-static void st_listing_text(json_t *o, FILE *out) {
-    json_t *tensors = json_object_get(o, "tensors"), *meta = json_object_get(o, "metadata");
-    json_t *shards = json_object_get(o, "shards");
-    size_t n = json_array_size(tensors);
-    if (shards)
-        fprintf(out, "%s: %zu tensors in %zu shards, %lld data bytes, headers %lld bytes\n",
-                json_string_value(json_object_get(o, "path")), n, json_array_size(shards),
-                (long long)json_integer_value(json_object_get(o, "total_bytes")),
-                (long long)json_integer_value(json_object_get(o, "header_bytes")));
-    else
-        fprintf(out, "%s: %zu tensors, %lld data bytes, header %lld bytes\n",
-                json_string_value(json_object_get(o, "path")), n,
-                (long long)json_integer_value(json_object_get(o, "total_bytes")),
-                (long long)json_integer_value(json_object_get(o, "header_bytes")));
-    fprintf(out, "metadata%s (%zu):\n", shards ? " (index)" : "", json_object_size(meta));
-    const char *k;
-    json_t *v;
-    json_object_foreach(meta, k, v) {
-        /* index metadata may hold numbers (total_size) */
-        char *txt = json_is_string(v) ? NULL : json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
-        fprintf(out, "  %s: %s\n", k, json_is_string(v) ? json_string_value(v) : txt ? txt : "?");
-        free(txt);
-    }
-    size_t w = 4, i;
-    if (shards) {
-        fprintf(out, "shards (%zu):\n", json_array_size(shards));
-        json_array_foreach(shards, i, v)
-            fprintf(out, "  %s  %lld tensors  %lld bytes\n", json_string_value(json_object_get(v, "name")),
-                    (long long)json_integer_value(json_object_get(v, "tensors")),
-                    (long long)json_integer_value(json_object_get(v, "bytes")));
-    }
-    json_array_foreach(tensors, i, v) {
-        size_t l = strlen(json_string_value(json_object_get(v, "name")));
+/* The human-readable listing of a checkpoint, from the opened set itself
+ * (the fields lk_inspect_json gives, without building that text: a 1.3 M-
+ * tensor file is listed in the memory its index takes). */
+static void st_listing_text(const lk_ckpt *ck, FILE *out) {
+    size_t n = lk_ckpt_count(ck), ns = lk_ckpt_shard_count(ck);
+    int sharded = lk_ckpt_sharded(ck);
+    size_t count[LK_DTYPE_COUNT] = {0};
+    unsigned long long bytes[LK_DTYPE_COUNT] = {0}, total = 0, header = 0;
+    size_t w = 4;
+    for (size_t i = 0; i < n; i++) {
+        const lk_tensor *t = lk_ckpt_tensor(ck, i);
+        count[t->dtype]++;
+        bytes[t->dtype] += t->nbytes;
+        total += t->nbytes;
+        size_t l = strlen(t->name);
         if (l > w) w = l;
     }
     if (w > 80) w = 80;
+    for (size_t j = 0; j < ns; j++) header += lk_st_header_len(lk_ckpt_shard(ck, j));
+    if (sharded)
+        fprintf(out, "%s: %zu tensors in %zu shards, %llu data bytes, headers %llu bytes\n", lk_ckpt_path(ck), n, ns,
+                total, header);
+    else
+        fprintf(out, "%s: %zu tensors, %llu data bytes, header %llu bytes\n", lk_ckpt_path(ck), n, total, header);
+    if (sharded) { /* the index's metadata: a JSON object whose values may be numbers (total_size) */
+        json_t *meta = json_loads(lk_ckpt_index_metadata(ck), 0, NULL);
+        fprintf(out, "metadata (index) (%zu):\n", json_object_size(meta));
+        const char *k;
+        json_t *v;
+        json_object_foreach(meta, k, v) {
+            char *txt = json_is_string(v) ? NULL : json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+            fprintf(out, "  %s: %s\n", k, json_is_string(v) ? json_string_value(v) : txt ? txt : "?");
+            free(txt);
+        }
+        json_decref(meta);
+        fprintf(out, "shards (%zu):\n", ns);
+        for (size_t j = 0; j < ns; j++) {
+            const lk_st *st = lk_ckpt_shard(ck, j);
+            unsigned long long b = 0;
+            for (size_t i = 0; i < lk_st_count(st); i++) b += lk_st_tensor(st, i)->nbytes;
+            fprintf(out, "  %s  %zu tensors  %llu bytes\n", lk_ckpt_shard_name(ck, j), lk_st_count(st), b);
+        }
+    } else {
+        const lk_st *st = lk_ckpt_shard(ck, 0);
+        fprintf(out, "metadata (%zu):\n", lk_st_metadata_count(st));
+        for (size_t i = 0; i < lk_st_metadata_count(st); i++) {
+            const char *k, *v;
+            lk_st_metadata_at(st, i, &k, &v);
+            fprintf(out, "  %s: %s\n", k, v);
+        }
+    }
     fprintf(out, "tensors (%zu):\n", n);
-    if (n) fprintf(out, "  %-*s  %-7s  %-20s  %s%s\n", (int)w, "name", "dtype", "shape", "bytes", shards ? "  shard" : "");
-    json_array_foreach(tensors, i, v) {
+    if (n) fprintf(out, "  %-*s  %-7s  %-20s  %s%s\n", (int)w, "name", "dtype", "shape", "bytes", sharded ? "  shard" : "");
+    for (size_t i = 0; i < n; i++) {
+        const lk_tensor *t = lk_ckpt_tensor(ck, i);
         char shape[256];
         size_t off = (size_t)snprintf(shape, sizeof shape, "[");
-        json_t *sh = json_object_get(v, "shape"), *d;
-        size_t j;
-        json_array_foreach(sh, j, d) if (off < sizeof shape) off += (size_t)snprintf(
-            shape + off, sizeof shape - off, j ? ", %lld" : "%lld", (long long)json_integer_value(d));
+        for (int d = 0; d < t->ndim && off < sizeof shape; d++)
+            off += (size_t)snprintf(shape + off, sizeof shape - off, d ? ", %lld" : "%lld", (long long)t->shape[d]);
         if (off < sizeof shape) snprintf(shape + off, sizeof shape - off, "]");
-        const char *shard = json_string_value(json_object_get(v, "shard"));
-        fprintf(out, "  %-*s  %-7s  %-20s  %lld%s%s\n", (int)w, json_string_value(json_object_get(v, "name")),
-                json_string_value(json_object_get(v, "dtype")), shape,
-                (long long)json_integer_value(json_object_get(v, "bytes")), shard ? "  " : "", shard ? shard : "");
+        const char *shard = sharded ? lk_ckpt_shard_name(ck, lk_ckpt_tensor_shard(ck, i)) : NULL;
+        fprintf(out, "  %-*s  %-7s  %-20s  %zu%s%s\n", (int)w, t->name, lk_dtype_name(t->dtype), shape, t->nbytes,
+                shard ? "  " : "", shard ? shard : "");
     }
     fprintf(out, "totals by dtype:\n");
-    json_object_foreach(json_object_get(o, "totals"), k, v)
-        fprintf(out, "  %-7s  %lld tensors  %lld bytes\n", k, (long long)json_integer_value(json_object_get(v, "tensors")),
-                (long long)json_integer_value(json_object_get(v, "bytes")));
-    fprintf(out, "  %-7s  %zu tensors  %lld bytes\n", "total", n,
-            (long long)json_integer_value(json_object_get(o, "total_bytes")));
+    for (int d = 1; d < LK_DTYPE_COUNT; d++)
+        if (count[d])
+            fprintf(out, "  %-7s  %zu tensors  %llu bytes\n", lk_dtype_name((lk_dtype)d), count[d], bytes[d]);
+    fprintf(out, "  %-7s  %zu tensors  %llu bytes\n", "total", n, total);
 }
 
 /* `inspect ADAPTER --base CKPT`: one line per module. */
@@ -141,11 +152,28 @@ static void placement_text(json_t *o, FILE *out) {
     }
 }
 
-/* The library describes the file (lk_inspect_json_opts, reading an adapter
- * with ao), or where an adapter lands on a base (lk_inspect_base_json);
- * --json prints that, the text forms are read back from it. */
+static int to_file(const char *text, size_t len, void *ctx) { return fwrite(text, 1, len, ctx) != len; }
+
+/* The library describes the file (lk_inspect_write / lk_inspect_json_opts,
+ * reading an adapter with ao), or where an adapter lands on a base
+ * (lk_inspect_base_json). --json prints that (a file's description written
+ * as it is made); the text forms of an adapter and of a placement are read
+ * back from it, a checkpoint's is listed from the opened set (a 1.3 M-tensor
+ * file is never a JSON DOM here). */
 static int inspect(const char *path, const char *base, const lk_resolve_opts *ro, const lk_adapter_opts *ao,
                    int json) {
+    if (!base && json) {
+        if (lk_inspect_write(path, ao, to_file, stdout) != LK_OK) return lk_cli_fail();
+        putchar('\n');
+        return LK_EXIT_OK;
+    }
+    if (!base && !lk_inspect_is_adapter(path)) {
+        lk_ckpt *ck;
+        if (lk_ckpt_open(path, &ck) != LK_OK) return lk_cli_fail();
+        st_listing_text(ck, stdout);
+        lk_ckpt_close(ck);
+        return LK_EXIT_OK;
+    }
     char *js = NULL;
     lk_status s = base ? lk_inspect_base_json(path, base, ro, &js) : lk_inspect_json_opts(path, ao, &js);
     if (s != LK_OK) return lk_cli_fail();
@@ -161,8 +189,7 @@ static int inspect(const char *path, const char *base, const lk_resolve_opts *ro
         return lk_cli_fail();
     }
     if (base) placement_text(o, stdout);
-    else if (json_object_get(o, "module_count")) lk_inspect_adapter_text(path, o, stdout);
-    else st_listing_text(o, stdout);
+    else lk_inspect_adapter_text(path, o, stdout);
     json_decref(o);
     return LK_EXIT_OK;
 }

@@ -42,8 +42,9 @@ const char *lk_ckpt_dir(const lk_ckpt *ck);
 int lk_ckpt_sharded(const lk_ckpt *ck);
 
 /* All tensors: shard by shard (shards in byte-wise name order), file order
- * within a shard. The views' data point into the shards' mappings; read the
- * bytes with lk_ckpt_read instead. */
+ * within a shard, one array (lk_ckpt_tensor(ck, 0) + i is tensor i). The
+ * views' data point into the shards' mappings; read the bytes with
+ * lk_ckpt_read instead. */
 size_t lk_ckpt_count(const lk_ckpt *ck);
 const lk_tensor *lk_ckpt_tensor(const lk_ckpt *ck, size_t i);
 /* Index by name, or -1. O(log n). */

@@ -4,6 +4,7 @@
 #ifndef LORAKIT_INSPECT_H
 #define LORAKIT_INSPECT_H
 
+#include <stddef.h>
 #include "lorakit/status.h"
 #include "lorakit/adapter.h"
 
@@ -38,6 +39,17 @@ lk_status lk_inspect_json_opts(const char *path, const lk_adapter_opts *opts, ch
  * three weight names, nearest first]}]} (nearest: edit distance over the
  * weights' names in both spellings, for the first 64 unmatched modules). */
 lk_status lk_inspect_base_json(const char *adapter, const char *base, const lk_resolve_opts *opts, char **json);
+
+/* lk_inspect_json_opts's text, handed to sink piece by piece (a
+ * checkpoint's tensors one at a time), so a many-tensor checkpoint is never
+ * held as one string: `lorakit inspect --json` writes it straight out. sink
+ * returns 0 to go on, nonzero to stop (then LK_ERR_IO). A failure after the
+ * first piece leaves the text incomplete. */
+typedef int (*lk_inspect_sink)(const char *text, size_t len, void *ctx);
+lk_status lk_inspect_write(const char *path, const lk_adapter_opts *opts, lk_inspect_sink sink, void *ctx);
+
+/* 1 when lk_inspect_json describes path as an adapter, 0 as a checkpoint. */
+int lk_inspect_is_adapter(const char *path);
 
 #ifdef __cplusplus
 }

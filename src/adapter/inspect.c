@@ -1,4 +1,4 @@
-/* inspect.c — lk_inspect_json: a checkpoint or an adapter described as one
+/* inspect.c — lk_inspect_json / lk_inspect_write: a checkpoint or an adapter described as one
  * JSON object (lorakit/inspect.h). It lives in the library, not the CLI, so
  * `lorakit inspect` (which prints it, or a text form read back from it) and
  * the Python package's lorakit.inspect() cannot drift apart. It sits at the
@@ -127,11 +127,42 @@ static json_t *ck_metadata(const lk_ckpt *ck) {
     return meta;
 }
 
-/* NULL when out of memory or a string is not UTF-8. A sharded set adds
- * "index" (its file name), "shards" ([{name, tensors, bytes}]) and a
- * "shard" per tensor; "offset" is then within that shard's file, and
+/* Writes text to the sink; NULL text (a failed json_dumps) is an error. */
+typedef struct {
+    lk_inspect_sink sink;
+    void *ctx;
+    int bad;  /* a value could not be encoded (not UTF-8, or no memory) */
+    int stop; /* the sink said stop */
+} out_t;
+
+static void put(out_t *o, const char *text, size_t len) {
+    if (o->bad || o->stop) return;
+    if (!text) o->bad = 1;
+    else if (o->sink(text, len, o->ctx)) o->stop = 1;
+}
+
+static void put_s(out_t *o, const char *text) { put(o, text, text ? strlen(text) : 0); }
+
+/* Writes v compactly (jansson's encoding, so the text is what one dump of
+ * the whole object gave) and releases it. */
+static void put_json(out_t *o, json_t *v) {
+    char *js = v ? json_dumps(v, JSON_COMPACT | JSON_ENCODE_ANY) : NULL;
+    put_s(o, js);
+    free(js);
+    json_decref(v);
+}
+
+static void put_u(out_t *o, unsigned long long v) {
+    char b[32];
+    put(o, b, (size_t)snprintf(b, sizeof b, "%llu", v));
+}
+
+/* The checkpoint's JSON, one tensor at a time: a 1.3 M-tensor file is never
+ * a DOM or one string here (in lk_inspect_json, the string only). A sharded
+ * set adds "index" (its file name), "shards" ([{name, tensors, bytes}]) and
+ * a "shard" per tensor; "offset" is then within that shard's file, and
  * file_bytes / header_bytes are summed over the shards. */
-static json_t *ck_json(const lk_ckpt *ck) {
+static void ck_write(const lk_ckpt *ck, out_t *o) {
     size_t n = lk_ckpt_count(ck), ns = lk_ckpt_shard_count(ck);
     int sharded = lk_ckpt_sharded(ck);
     size_t count[LK_DTYPE_COUNT] = {0};
@@ -143,19 +174,17 @@ static json_t *ck_json(const lk_ckpt *ck) {
         total += x->nbytes;
     }
     for (size_t j = 0; j < ns; j++) header += lk_st_header_len(lk_ckpt_shard(ck, j));
-    json_t *o = json_object(), *meta = ck_metadata(ck), *arr = json_array(), *tj = json_object();
-    if (!o || !meta || !arr || !tj) {
-        json_decref(o); json_decref(meta); json_decref(arr); json_decref(tj);
-        return NULL;
-    }
-    int bad = 0;
-    bad |= json_object_set_new(o, "path", json_string(lk_ckpt_path(ck)));
-    bad |= json_object_set_new(o, "file_bytes", json_integer((json_int_t)(8 * ns + header + total)));
-    bad |= json_object_set_new(o, "header_bytes", json_integer((json_int_t)header));
-    bad |= json_object_set_new(o, "metadata", meta);
+    put_s(o, "{\"path\":");
+    put_json(o, json_string(lk_ckpt_path(ck)));
+    put_s(o, ",\"file_bytes\":");
+    put_u(o, 8 * ns + header + total);
+    put_s(o, ",\"header_bytes\":");
+    put_u(o, header);
+    put_s(o, ",\"metadata\":");
+    put_json(o, ck_metadata(ck));
     if (sharded) {
         json_t *sh = json_array();
-        bad |= !sh;
+        int bad = !sh;
         for (size_t j = 0; sh && j < ns; j++) {
             const lk_st *st = lk_ckpt_shard(ck, j);
             json_int_t b = 0;
@@ -163,42 +192,55 @@ static json_t *ck_json(const lk_ckpt *ck) {
             bad |= json_array_append_new(sh, json_pack("{s:s,s:I,s:I}", "name", lk_ckpt_shard_name(ck, j), "tensors",
                                                        (json_int_t)lk_st_count(st), "bytes", b));
         }
-        bad |= json_object_set_new(o, "index", json_string(lk_ckpt_index_name(ck)));
-        bad |= json_object_set_new(o, "shards", sh);
+        put_s(o, ",\"index\":");
+        put_json(o, json_string(lk_ckpt_index_name(ck)));
+        put_s(o, ",\"shards\":");
+        if (bad) {
+            json_decref(sh);
+            sh = NULL;
+        }
+        put_json(o, sh);
     }
-    for (size_t i = 0; i < n && !bad; i++) {
+    put_s(o, ",\"tensors\":[");
+    for (size_t i = 0; i < n && !o->bad && !o->stop; i++) {
         const lk_tensor *t = lk_ckpt_tensor(ck, i);
         json_t *e = json_object(), *sh = json_array();
-        if (!e || !sh) {
-            json_decref(e); json_decref(sh);
-            bad = 1;
-            break;
-        }
+        int bad = !e || !sh;
         size_t j = lk_ckpt_tensor_shard(ck, i);
-        for (int d = 0; d < t->ndim; d++) bad |= json_array_append_new(sh, json_integer(t->shape[d]));
-        bad |= json_object_set_new(e, "name", json_string(t->name));
-        bad |= json_object_set_new(e, "dtype", json_string(lk_dtype_name(t->dtype)));
-        bad |= json_object_set_new(e, "shape", sh);
-        bad |= json_object_set_new(e, "bytes", json_integer((json_int_t)t->nbytes));
-        bad |= json_object_set_new(e, "offset", json_integer((json_int_t)lk_st_file_offset(lk_ckpt_shard(ck, j),
-                                                                                           lk_ckpt_tensor_local(ck, i))));
-        if (sharded) bad |= json_object_set_new(e, "shard", json_string(lk_ckpt_shard_name(ck, j)));
-        bad |= json_array_append_new(arr, e);
+        for (int d = 0; sh && d < t->ndim; d++) bad |= json_array_append_new(sh, json_integer(t->shape[d]));
+        if (e) {
+            bad |= json_object_set_new(e, "name", json_string(t->name));
+            bad |= json_object_set_new(e, "dtype", json_string(lk_dtype_name(t->dtype)));
+            bad |= json_object_set_new(e, "shape", sh);
+            sh = NULL;
+            bad |= json_object_set_new(e, "bytes", json_integer((json_int_t)t->nbytes));
+            bad |= json_object_set_new(
+                e, "offset", json_integer((json_int_t)lk_st_file_offset(lk_ckpt_shard(ck, j), lk_ckpt_tensor_local(ck, i))));
+            if (sharded) bad |= json_object_set_new(e, "shard", json_string(lk_ckpt_shard_name(ck, j)));
+        }
+        json_decref(sh);
+        if (bad) {
+            json_decref(e);
+            e = NULL;
+        }
+        if (i) put_s(o, ",");
+        put_json(o, e);
     }
-    bad |= json_object_set_new(o, "tensors", arr);
-    for (int d = 1; d < LK_DTYPE_COUNT; d++)
-        if (count[d])
-            bad |= json_object_set_new(tj, lk_dtype_name((lk_dtype)d),
-                                       json_pack("{s:I,s:I}", "tensors", (json_int_t)count[d], "bytes",
-                                                 (json_int_t)bytes[d]));
-    bad |= json_object_set_new(o, "totals", tj);
-    bad |= json_object_set_new(o, "tensor_count", json_integer((json_int_t)n));
-    bad |= json_object_set_new(o, "total_bytes", json_integer((json_int_t)total));
-    if (bad) {
-        json_decref(o);
-        return NULL;
-    }
-    return o;
+    put_s(o, "],\"totals\":");
+    json_t *tj = json_object();
+    for (int d = 1; tj && d < LK_DTYPE_COUNT; d++)
+        if (count[d] && json_object_set_new(tj, lk_dtype_name((lk_dtype)d),
+                                            json_pack("{s:I,s:I}", "tensors", (json_int_t)count[d], "bytes",
+                                                      (json_int_t)bytes[d]))) {
+            json_decref(tj);
+            tj = NULL;
+        }
+    put_json(o, tj);
+    put_s(o, ",\"tensor_count\":");
+    put_u(o, n);
+    put_s(o, ",\"total_bytes\":");
+    put_u(o, total);
+    put_s(o, "}");
 }
 
 /* A folder holding neither adapter_model.safetensors nor adapter_config.json
@@ -215,35 +257,73 @@ static int is_checkpoint_dir(const char *path) {
     return 1;
 }
 
-lk_status lk_inspect_json(const char *path, char **out) { return lk_inspect_json_opts(path, NULL, out); }
+int lk_inspect_is_adapter(const char *path) {
+    return path && lk_adapter_looks_like(path) && !is_checkpoint_dir(path);
+}
 
-lk_status lk_inspect_json_opts(const char *path, const lk_adapter_opts *opts, char **out) {
-    if (!path || !out) return lk_error(LK_ERR_ARG, "lk_inspect_json: NULL argument");
-    *out = NULL;
-    json_t *o;
-    if (lk_adapter_looks_like(path) && !is_checkpoint_dir(path)) {
+lk_status lk_inspect_write(const char *path, const lk_adapter_opts *opts, lk_inspect_sink sink, void *ctx) {
+    if (!path || !sink) return lk_error(LK_ERR_ARG, "lk_inspect_write: NULL argument");
+    out_t o = {sink, ctx, 0, 0};
+    if (lk_inspect_is_adapter(path)) {
         lk_adapter *a;
         lk_status s = lk_adapter_open_opts(path, opts, &a);
         if (s) return s;
-        o = adapter_json(a);
+        put_json(&o, adapter_json(a));
         lk_adapter_free(a);
     } else {
         lk_ckpt *ck;
         lk_status s = lk_ckpt_open(path, &ck);
         if (s) return s;
-        o = ck_json(ck);
+        ck_write(ck, &o);
         lk_ckpt_close(ck);
     }
     /* jansson refuses a string that is not UTF-8 the same way as a failed
      * allocation; the former is the likely one */
-    if (!o)
+    if (o.bad)
         return lk_error(LK_ERR_UNSUPPORTED, "%s: cannot describe as JSON (a name or path that is not UTF-8, or out "
                         "of memory)", path);
-    char *js = json_dumps(o, JSON_COMPACT);
-    json_decref(o);
-    *out = js ? lk_strdup(js) : NULL;
-    free(js);
-    return *out ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory building JSON", path);
+    if (o.stop) return lk_error(LK_ERR_IO, "%s: the description could not be written out", path);
+    return LK_OK;
+}
+
+typedef struct {
+    char *p;
+    size_t len, cap;
+    int nomem;
+} sbuf;
+
+static int sbuf_put(const char *text, size_t len, void *ctx) {
+    sbuf *b = ctx;
+    if (len + 1 > b->cap - b->len) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (len + 1 > cap - b->len) {
+            if (cap > SIZE_MAX / 2) return b->nomem = 1;
+            cap *= 2;
+        }
+        char *p = lk_realloc(b->p, cap);
+        if (!p) return b->nomem = 1;
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, text, len);
+    b->len += len;
+    b->p[b->len] = '\0';
+    return 0;
+}
+
+lk_status lk_inspect_json(const char *path, char **out) { return lk_inspect_json_opts(path, NULL, out); }
+
+lk_status lk_inspect_json_opts(const char *path, const lk_adapter_opts *opts, char **out) {
+    if (!path || !out) return lk_error(LK_ERR_ARG, "lk_inspect_json: NULL argument");
+    *out = NULL;
+    sbuf b = {0};
+    lk_status s = lk_inspect_write(path, opts, sbuf_put, &b);
+    if (s) {
+        lk_free(b.p);
+        return b.nomem ? lk_error(LK_ERR_NOMEM, "%s: out of memory building JSON", path) : s;
+    }
+    *out = b.p;
+    return LK_OK;
 }
 
 /* ---- where an adapter lands on a base (inspect ADAPTER --base CKPT) ---- */

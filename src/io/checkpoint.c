@@ -48,9 +48,9 @@ struct lk_ckpt {
     lk_st **shards;
     char **shard_names;
     size_t n;
-    lk_tensor *t;
-    size_t *shard_of, *local;
-    size_t *by_name;
+    lk_tensor *t;      /* one shard: that shard's own table (not a copy) */
+    size_t *shard_of, *local; /* NULL for one shard (0 and i) */
+    size_t *by_name;   /* NULL for one shard (its own index) */
     uint64_t total;
 };
 
@@ -62,7 +62,7 @@ void lk_ckpt_close(lk_ckpt *ck) {
     }
     lk_free(ck->shards);
     lk_free(ck->shard_names);
-    lk_free(ck->t);
+    if (ck->n_shards != 1) lk_free(ck->t); /* one shard: the shard's own */
     lk_free(ck->shard_of);
     lk_free(ck->local);
     lk_free(ck->by_name);
@@ -82,18 +82,19 @@ uint64_t lk_ckpt_total_size(const lk_ckpt *ck) { return ck->total; }
 size_t lk_ckpt_shard_count(const lk_ckpt *ck) { return ck->n_shards; }
 const lk_st *lk_ckpt_shard(const lk_ckpt *ck, size_t j) { return j < ck->n_shards ? ck->shards[j] : NULL; }
 const char *lk_ckpt_shard_name(const lk_ckpt *ck, size_t j) { return j < ck->n_shards ? ck->shard_names[j] : NULL; }
-size_t lk_ckpt_tensor_shard(const lk_ckpt *ck, size_t i) { return i < ck->n ? ck->shard_of[i] : 0; }
-size_t lk_ckpt_tensor_local(const lk_ckpt *ck, size_t i) { return i < ck->n ? ck->local[i] : 0; }
+size_t lk_ckpt_tensor_shard(const lk_ckpt *ck, size_t i) { return i < ck->n && ck->shard_of ? ck->shard_of[i] : 0; }
+size_t lk_ckpt_tensor_local(const lk_ckpt *ck, size_t i) { return i < ck->n ? ck->local ? ck->local[i] : i : 0; }
 const char *lk_ckpt_index_metadata(const lk_ckpt *ck) { return ck->index_meta; }
 const char *lk_ckpt_index_name(const lk_ckpt *ck) { return ck->index_name; }
 
 lk_status lk_ckpt_read(const lk_ckpt *ck, size_t i, uint64_t off, void *dst, size_t n) {
     if (!ck || i >= ck->n) return lk_error(LK_ERR_ARG, "lk_ckpt_read: bad tensor index");
-    return lk_st_read(ck->shards[ck->shard_of[i]], ck->local[i], off, dst, n);
+    return lk_st_read(ck->shards[lk_ckpt_tensor_shard(ck, i)], lk_ckpt_tensor_local(ck, i), off, dst, n);
 }
 
 long lk_ckpt_find(const lk_ckpt *ck, const char *name) {
     if (!ck || !name) return -1;
+    if (!ck->by_name) return ck->n_shards == 1 ? lk_st_find(ck->shards[0], name) : -1;
     size_t lo = 0, hi = ck->n;
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
@@ -205,11 +206,19 @@ static int cmp_by_name(const void *a, const void *b, void *ctx) {
     return strcmp(t[*(const size_t *)a].name, t[*(const size_t *)b].name);
 }
 
-/* Builds the flat tensor table and name index from the open shards. */
+/* Builds the flat tensor table and name index from the open shards; one
+ * shard's own are used as they are (a 1.3 M-tensor file would otherwise
+ * hold its 120 bytes per tensor twice). */
 static lk_status build_table(lk_ckpt *ck, const char *label) {
     size_t n = 0;
     for (size_t j = 0; j < ck->n_shards; j++) n += lk_st_count(ck->shards[j]);
     ck->n = n;
+    if (ck->n_shards == 1) {
+        ck->t = (lk_tensor *)lk_st_tensor(ck->shards[0], 0); /* never written through */
+        ck->total = 0;
+        for (size_t i = 0; i < n; i++) ck->total += ck->t[i].nbytes;
+        return LK_OK;
+    }
     ck->t = lk_malloc((n ? n : 1) * sizeof *ck->t);
     ck->shard_of = lk_malloc((n ? n : 1) * sizeof *ck->shard_of);
     ck->local = lk_malloc((n ? n : 1) * sizeof *ck->local);
@@ -361,7 +370,7 @@ static lk_status open_index(lk_ckpt *ck, const char *path) {
     if ((s = build_table(ck, path))) goto done;
     /* Every shard's tensor is mapped to that shard ... */
     for (size_t i = 0; i < ck->n; i++) {
-        const char *sh = ck->shard_names[ck->shard_of[i]];
+        const char *sh = ck->shard_names[lk_ckpt_tensor_shard(ck, i)];
         json_t *m = json_object_get(wm, ck->t[i].name);
         if (!m) {
             s = lk_error(LK_ERR_FORMAT, "%s: shard %s holds tensor %s, which the index's weight_map omits", path, sh,

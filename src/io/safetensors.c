@@ -57,7 +57,6 @@ struct lk_st {
     uint64_t header_len;
     size_t n;
     lk_tensor *t;         /* file (offset) order */
-    uint64_t *off;        /* file offset of each tensor's data */
     size_t *by_name;      /* indices sorted by name */
     char *names;          /* all names, NUL-separated */
     size_t n_meta;
@@ -66,12 +65,10 @@ struct lk_st {
 
 /* A tensor entry while parsing. */
 typedef struct {
-    const char *name;     /* jansson-owned until copied */
     lk_dtype dtype;
     int ndim;
     int64_t shape[LK_MAX_DIMS];
     uint64_t begin, end;
-    size_t seq;           /* header order, for a stable sort */
 } st_entry;
 
 static int utf8_valid(const unsigned char *s, size_t n) {
@@ -184,18 +181,6 @@ static lk_status parse_entry(const char *lbl, const char *name, const json_t *v,
     return LK_OK;
 }
 
-static int cmp_entry_off(const void *a, const void *b) {
-    const st_entry *x = a, *y = b;
-    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
-    if (x->end != y->end) return x->end < y->end ? -1 : 1;
-    return x->seq < y->seq ? -1 : x->seq > y->seq;
-}
-
-/* qsort has no context argument; the name index sorts pointers to tensors. */
-static int cmp_tensor_name(const void *a, const void *b) {
-    const lk_tensor *const *x = a, *const *y = b;
-    return strcmp((*x)->name, (*y)->name);
-}
 
 void lk_st_close(lk_st *st) {
     if (!st) return;
@@ -210,7 +195,6 @@ void lk_st_close(lk_st *st) {
     }
     lk_free(st->meta);
     lk_free(st->t);
-    lk_free(st->off);
     lk_free(st->by_name);
     lk_free(st->names);
     lk_free(st->path);
@@ -246,6 +230,159 @@ static lk_status parse_metadata(lk_st *st, const char *lbl, const json_t *m) {
     return LK_OK;
 }
 
+/* ---- the header, without a DOM of it ----
+ *
+ * A 1.3 M-tensor header (95 MB) took 1.7 GB as one jansson DOM. The header
+ * is read instead by a scanner that knows JSON's structure (strings with
+ * their escapes, nesting, scalars) and hands each tensor entry's value, the
+ * metadata and any escaped key, one at a time, to jansson (JSON_DECODE_ANY,
+ * JSON_REJECT_DUPLICATES), which checks them as it checked the whole
+ * header: so a value is valid exactly when it was, and what is held is the
+ * mapping, one lk_tensor per tensor and the names once. The order of the
+ * checks is the old one: invalid JSON (structure, a value, a duplicate
+ * key), then __metadata__, then the entries in header order, then the
+ * offsets. */
+
+#define ST_MAX_DEPTH 2048 /* jansson's JSON_PARSER_MAX_DEPTH */
+
+typedef struct {
+    const char *h, *p, *end; /* header start, position, end */
+    const char *why;         /* what a failed scan_value found */
+} st_scan;
+
+static void scan_ws(st_scan *s) {
+    while (s->p < s->end && (*s->p == ' ' || *s->p == '\t' || *s->p == '\n' || *s->p == '\r')) s->p++;
+}
+
+/* The JSON error at byte p of the header, with jansson's line and column. */
+static lk_status json_err_at(const char *lbl, const st_scan *s, const char *p, const char *what) {
+    int line = 1, col = 0;
+    for (const char *q = s->h; q < p; q++) {
+        if (*q == '\n') line++, col = 0;
+        else col++;
+    }
+    return lk_error(LK_ERR_FORMAT, "%s: header is not valid JSON (line %d, column %d): %s", lbl, line, col + 1, what);
+}
+
+/* A string token at s->p (a '"'): moves past it. *esc: it has an escape
+ * (its raw bytes are then not its text). 0: unterminated, or a control
+ * character inside (invalid JSON). */
+static int scan_string(st_scan *s, int *esc) {
+    *esc = 0;
+    for (const char *p = s->p + 1; p < s->end; p++) {
+        unsigned char c = (unsigned char)*p;
+        if (c == '"') {
+            s->p = p + 1;
+            return 1;
+        }
+        if (c < 0x20) return 0;
+        if (c == '\\') {
+            *esc = 1;
+            p++;
+        }
+    }
+    return 0;
+}
+
+/* The extent of one value at s->p: moves past it; 0 on a structural error.
+ * Its content is checked by jansson later. */
+static int scan_value(st_scan *s) {
+    int esc;
+    s->why = "invalid JSON value";
+    if (s->p >= s->end) return 0;
+    if (*s->p == '"') return scan_string(s, &esc);
+    if (*s->p == '{' || *s->p == '[') {
+        size_t depth = 0;
+        while (s->p < s->end) {
+            char c = *s->p;
+            if (c == '"') {
+                if (!scan_string(s, &esc)) return 0;
+                continue;
+            }
+            if (c == '{' || c == '[') {
+                if (++depth >= ST_MAX_DEPTH) {
+                    s->why = "maximum parsing depth reached";
+                    return 0;
+                }
+            } else if (c == '}' || c == ']') {
+                if (--depth == 0) {
+                    s->p++;
+                    return 1;
+                }
+            }
+            s->p++;
+        }
+        return 0;
+    }
+    const char *q = s->p;
+    while (q < s->end && *q != ',' && *q != '}' && *q != ']' && *q != ' ' && *q != '\t' && *q != '\n' && *q != '\r' &&
+           *q != ':' && *q != '"')
+        q++;
+    if (q == s->p) return 0;
+    s->p = q;
+    return 1;
+}
+
+/* jansson's reading of the bytes [p, q) (one value); NULL with the error
+ * raised when they are not valid JSON. */
+static json_t *load_part(const char *lbl, const st_scan *s, const char *p, const char *q) {
+    json_error_t je;
+    json_t *v = json_loadb(p, (size_t)(q - p), JSON_DECODE_ANY | JSON_REJECT_DUPLICATES, &je);
+    if (!v) json_err_at(lbl, s, p + (je.position > 0 ? je.position - 1 : 0), je.text);
+    return v;
+}
+
+/* The text of the key token [p, q) (quotes included) into dst (room for
+ * q - p bytes); *len its length. Raw bytes unless esc (then decoded by
+ * jansson: \uXXXX, surrogate pairs; a NUL is invalid). */
+static lk_status key_text(const char *lbl, const st_scan *s, const char *p, const char *q, int esc, char *dst,
+                          size_t *len) {
+    if (!esc) {
+        *len = (size_t)(q - p) - 2;
+        memcpy(dst, p + 1, *len);
+        dst[*len] = '\0';
+        return LK_OK;
+    }
+    json_t *v = load_part(lbl, s, p, q);
+    if (!v) return LK_ERR_FORMAT;
+    *len = json_string_length(v); /* an escape never lengthens a string */
+    memcpy(dst, json_string_value(v), *len + 1);
+    json_decref(v);
+    return LK_OK;
+}
+
+static int idx_by_name(const void *a, const void *b, void *ctx) {
+    const lk_tensor *t = ctx;
+    return strcmp(t[*(const size_t *)a].name, t[*(const size_t *)b].name);
+}
+
+typedef struct {
+    const lk_tensor *t;
+    const uint64_t *begin;
+} off_ctx;
+
+static int idx_by_offset(const void *a, const void *b, void *ctx) {
+    const off_ctx *c = ctx;
+    size_t x = *(const size_t *)a, y = *(const size_t *)b;
+    if (c->begin[x] != c->begin[y]) return c->begin[x] < c->begin[y] ? -1 : 1;
+    uint64_t ex = c->begin[x] + c->t[x].nbytes, ey = c->begin[y] + c->t[y].nbytes;
+    if (ex != ey) return ex < ey ? -1 : 1;
+    return x < y ? -1 : x > y; /* header order: a stable sort */
+}
+
+/* A check that failed after the first (raised again at the end). */
+typedef struct {
+    lk_status s;
+    char msg[2048];
+} st_later;
+
+static void later_keep(st_later *l, lk_status s) {
+    if (s && !l->s) {
+        l->s = s;
+        snprintf(l->msg, sizeof l->msg, "%s", lk_last_error());
+    }
+}
+
 /* Parses and validates st->base[0..len) (already loaded); fills the index. */
 static lk_status st_parse(lk_st *st) {
     const char *lbl = st->path;
@@ -266,100 +403,201 @@ static lk_status st_parse(lk_st *st) {
     const char *h = (const char *)b + 8;
     if (!utf8_valid((const unsigned char *)h, (size_t)n))
         return lk_error(LK_ERR_FORMAT, "%s: header is not valid UTF-8", lbl);
-    json_error_t jerr;
-    /* DECODE_ANY so a scalar header gets the specific "expected an object"
-     * message below; duplicate keys (tensor, metadata or field) are refused. */
-    json_t *root = json_loadb(h, (size_t)n, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &jerr);
-    if (!root)
-        return lk_error(LK_ERR_FORMAT, "%s: header is not valid JSON (line %d, column %d): %s", lbl,
-                        jerr.line, jerr.column, jerr.text);
+
+    /* Pass 1: the structure; counts the entries and their names' bytes, finds __metadata__. */
+    st_scan sc = {h, h, h + n, NULL};
+    scan_ws(&sc);
+    if (sc.p == sc.end) return json_err_at(lbl, &sc, sc.p, "'[' or '{' expected near end of file");
+    if (*sc.p != '{') { /* not an object: say what it is (an array by its extent, without a DOM) */
+        const char *v0 = sc.p;
+        if (!scan_value(&sc)) return json_err_at(lbl, &sc, v0, sc.why);
+        const char *v1 = sc.p;
+        scan_ws(&sc);
+        if (sc.p != sc.end) return json_err_at(lbl, &sc, sc.p, "end of file expected");
+        /* an array is checked by jansson too unless large (its DOM would be many times its text) */
+        if (*v0 == '[' && v1 - v0 > (1 << 20))
+            return lk_error(LK_ERR_FORMAT, "%s: header is an array, expected a JSON object", lbl);
+        json_t *v = load_part(lbl, &sc, v0, v1);
+        if (!v) return LK_ERR_FORMAT;
+        lk_status s = lk_error(LK_ERR_FORMAT, "%s: header is %s, expected a JSON object", lbl, json_kind(v));
+        json_decref(v);
+        return s;
+    }
+    const char *first = ++sc.p, *meta0 = NULL, *meta1 = NULL;
+    size_t cnt = 0, names_len = 0;
+    for (int more = 1; more;) {
+        scan_ws(&sc);
+        if (sc.p < sc.end && *sc.p == '}' && cnt == 0 && !meta0) break;
+        const char *k0 = sc.p;
+        int esc;
+        if (sc.p >= sc.end || *sc.p != '"') return json_err_at(lbl, &sc, sc.p, "string or '}' expected");
+        if (!scan_string(&sc, &esc)) return json_err_at(lbl, &sc, k0, "invalid string (unterminated or a control character)");
+        const char *k1 = sc.p;
+        int is_meta = 0;
+        if (!esc) {
+            is_meta = (size_t)(k1 - k0) == sizeof META_KEY + 1 && !memcmp(k0 + 1, META_KEY, sizeof META_KEY - 1);
+        } else {
+            json_t *kv = load_part(lbl, &sc, k0, k1);
+            if (!kv) return LK_ERR_FORMAT;
+            is_meta = !strcmp(json_string_value(kv), META_KEY);
+            json_decref(kv);
+        }
+        scan_ws(&sc);
+        if (sc.p >= sc.end || *sc.p != ':') return json_err_at(lbl, &sc, sc.p, "':' expected");
+        sc.p++;
+        scan_ws(&sc);
+        const char *v0 = sc.p;
+        if (!scan_value(&sc)) return json_err_at(lbl, &sc, v0, sc.why);
+        names_len += (size_t)(k1 - k0) - 1; /* the text (at most the raw bytes) and a NUL */
+        if (is_meta) {
+            if (meta0) return json_err_at(lbl, &sc, k0, "duplicate object key");
+            meta0 = v0, meta1 = sc.p;
+        } else {
+            cnt++;
+        }
+        scan_ws(&sc);
+        if (sc.p < sc.end && *sc.p == ',') sc.p++;
+        else if (sc.p < sc.end && *sc.p == '}') more = 0;
+        else return json_err_at(lbl, &sc, sc.p, "',' or '}' expected");
+    }
+    sc.p++;
+    scan_ws(&sc);
+    if (sc.p != sc.end) return json_err_at(lbl, &sc, sc.p, "end of file expected");
+
+    /* Pass 2: every value through jansson, in header order; the entries into the table. */
+    st_later meta_err = {0}, ent_err = {0};
     lk_status s = LK_OK;
-    st_entry *ent = NULL;
-    if (!json_is_object(root)) {
-        s = lk_error(LK_ERR_FORMAT, "%s: header is %s, expected a JSON object", lbl, json_kind(root));
-        goto done;
-    }
-    size_t cnt = json_object_size(root);
-    const json_t *meta = json_object_get(root, META_KEY);
-    if (meta) {
-        cnt--;
-        if ((s = parse_metadata(st, lbl, meta)) != LK_OK) goto done;
-    }
-    ent = lk_calloc(cnt ? cnt : 1, sizeof *ent);
-    if (!ent) {
+    size_t c1 = cnt ? cnt : 1;
+    uint64_t *begin = NULL;
+    size_t *perm = NULL;
+    st->t = lk_calloc(c1, sizeof *st->t);
+    st->by_name = lk_calloc(c1, sizeof *st->by_name);
+    st->names = lk_malloc(names_len ? names_len : 1);
+    begin = lk_calloc(c1, sizeof *begin);
+    perm = lk_calloc(c1, sizeof *perm);
+    if (!st->t || !st->by_name || !st->names || !begin || !perm) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory indexing %zu tensors", lbl, cnt);
         goto done;
     }
-    size_t names_len = 0, k = 0;
-    const char *key;
-    json_t *val;
-    json_object_foreach(root, key, val) {
-        if (!strcmp(key, META_KEY)) continue;
-        st_entry *e = &ent[k];
-        e->name = key;
-        e->seq = k++;
-        if ((s = parse_entry(lbl, key, val, e)) != LK_OK) goto done;
-        names_len += strlen(key) + 1;
+    if (meta0) {
+        json_t *m = load_part(lbl, &sc, meta0, meta1);
+        if (!m) {
+            s = LK_ERR_FORMAT;
+            goto done;
+        }
+        later_keep(&meta_err, parse_metadata(st, lbl, m));
+        json_decref(m);
+    }
+    char *np = st->names;
+    sc.p = first;
+    for (size_t k = 0; k < cnt;) {
+        scan_ws(&sc);
+        const char *k0 = sc.p;
+        int esc;
+        scan_string(&sc, &esc);
+        const char *k1 = sc.p;
+        scan_ws(&sc);
+        sc.p++; /* ':' */
+        scan_ws(&sc);
+        const char *v0 = sc.p;
+        scan_value(&sc);
+        const char *v1 = sc.p;
+        scan_ws(&sc);
+        sc.p++; /* ',' or '}' */
+        if (k0 + 1 + sizeof META_KEY - 1 + 1 == k1 && !esc && !memcmp(k0 + 1, META_KEY, sizeof META_KEY - 1)) continue;
+        size_t kl;
+        if ((s = key_text(lbl, &sc, k0, k1, esc, np, &kl))) goto done;
+        if (esc && !strcmp(np, META_KEY)) continue; /* the escaped spelling of __metadata__ */
+        json_t *v = load_part(lbl, &sc, v0, v1);
+        if (!v) {
+            s = LK_ERR_FORMAT;
+            goto done;
+        }
+        lk_tensor *t = &st->t[k];
+        t->name = np;
+        np += kl + 1;
+        if (!ent_err.s) {
+            st_entry e;
+            memset(&e, 0, sizeof e);
+            lk_status es = parse_entry(lbl, t->name, v, &e);
+            later_keep(&ent_err, es);
+            t->dtype = e.dtype;
+            t->ndim = e.ndim;
+            memcpy(t->shape, e.shape, sizeof t->shape);
+            t->nbytes = (size_t)(e.end - e.begin);
+            begin[k] = e.begin;
+        }
+        json_decref(v);
+        perm[k] = st->by_name[k] = k;
+        k++;
+    }
+    /* A name twice is invalid JSON (jansson's duplicate key), checked before the rest. */
+    qsort_r(st->by_name, cnt, sizeof *st->by_name, idx_by_name, st->t);
+    for (size_t i = 1; i < cnt; i++)
+        if (!strcmp(st->t[st->by_name[i]].name, st->t[st->by_name[i - 1]].name)) {
+            s = lk_error(LK_ERR_FORMAT, "%s: header is not valid JSON: duplicate object key \"%.200s\"", lbl,
+                         st->t[st->by_name[i]].name);
+            goto done;
+        }
+    if (meta_err.s || ent_err.s) {
+        st_later *l = meta_err.s ? &meta_err : &ent_err;
+        s = lk_error(l->s, "%s", l->msg);
+        goto done;
     }
     /* Offsets: sorted by begin they must tile [0, data_len) exactly. */
-    qsort(ent, cnt, sizeof *ent, cmp_entry_off);
+    off_ctx oc = {st->t, begin};
+    qsort_r(perm, cnt, sizeof *perm, idx_by_offset, &oc);
     uint64_t data_len = st->len - 8 - n, pos = 0;
     for (size_t i = 0; i < cnt; i++) {
-        if (ent[i].begin > pos) {
+        const lk_tensor *t = &st->t[perm[i]];
+        uint64_t bg = begin[perm[i]], en = bg + t->nbytes;
+        if (bg > pos) {
             s = lk_error(LK_ERR_FORMAT, "%s: %s: data_offsets begin %llu leaves a gap after byte %llu of the data buffer",
-                         lbl, ent[i].name, (unsigned long long)ent[i].begin, (unsigned long long)pos);
+                         lbl, t->name, (unsigned long long)bg, (unsigned long long)pos);
             goto done;
         }
-        if (ent[i].begin < pos) {
+        if (bg < pos) {
             s = lk_error(LK_ERR_FORMAT, "%s: %s: data_offsets [%llu, %llu] overlap %s, which ends at %llu",
-                         lbl, ent[i].name, (unsigned long long)ent[i].begin,
-                         (unsigned long long)ent[i].end, ent[i - 1].name, (unsigned long long)pos);
+                         lbl, t->name, (unsigned long long)bg, (unsigned long long)en, st->t[perm[i - 1]].name,
+                         (unsigned long long)pos);
             goto done;
         }
-        if (ent[i].end > data_len) {
+        if (en > data_len) {
             s = lk_error(LK_ERR_FORMAT, "%s: %s: data_offsets end %llu is past the end of the %llu-byte data buffer",
-                         lbl, ent[i].name, (unsigned long long)ent[i].end, (unsigned long long)data_len);
+                         lbl, t->name, (unsigned long long)en, (unsigned long long)data_len);
             goto done;
         }
-        pos = ent[i].end;
+        pos = en;
     }
     if (pos != data_len) {
         s = lk_error(LK_ERR_FORMAT, "%s: the tensors cover %llu bytes but the data buffer has %llu (trailing bytes)",
                      lbl, (unsigned long long)pos, (unsigned long long)data_len);
         goto done;
     }
-    st->t = lk_calloc(cnt ? cnt : 1, sizeof *st->t);
-    st->off = lk_calloc(cnt ? cnt : 1, sizeof *st->off);
-    st->by_name = lk_calloc(cnt ? cnt : 1, sizeof *st->by_name);
-    st->names = lk_malloc(names_len ? names_len : 1);
-    lk_tensor **tp = lk_malloc((cnt ? cnt : 1) * sizeof *tp);
-    if (!st->t || !st->off || !st->by_name || !st->names || !tp) {
-        lk_free(tp);
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory indexing %zu tensors", lbl, cnt);
-        goto done;
-    }
-    char *np = st->names;
+    /* Into file (offset) order, in place: t[i] <- t[perm[i]]; the name index follows through the inverse,
+     * kept in begin once each data pointer is set. */
+    for (size_t i = 0; i < cnt; i++) st->t[i].data = st->base + 8 + n + begin[i];
+    for (size_t i = 0; i < cnt; i++) begin[perm[i]] = i;
+    for (size_t i = 0; i < cnt; i++) st->by_name[i] = (size_t)begin[st->by_name[i]];
     for (size_t i = 0; i < cnt; i++) {
-        lk_tensor *t = &st->t[i];
-        size_t l = strlen(ent[i].name) + 1;
-        memcpy(np, ent[i].name, l);
-        t->name = np;
-        np += l;
-        t->dtype = ent[i].dtype;
-        t->ndim = ent[i].ndim;
-        memcpy(t->shape, ent[i].shape, sizeof t->shape);
-        t->nbytes = (size_t)(ent[i].end - ent[i].begin);
-        st->off[i] = 8 + n + ent[i].begin;
-        t->data = st->base + st->off[i];
-        tp[i] = t;
+        if (perm[i] == SIZE_MAX || perm[i] == i) continue;
+        lk_tensor tmp = st->t[i];
+        size_t q = i;
+        for (;;) {
+            size_t src = perm[q];
+            perm[q] = SIZE_MAX;
+            if (src == i) {
+                st->t[q] = tmp;
+                break;
+            }
+            st->t[q] = st->t[src];
+            q = src;
+        }
     }
-    qsort(tp, cnt, sizeof *tp, cmp_tensor_name);
-    for (size_t i = 0; i < cnt; i++) st->by_name[i] = (size_t)(tp[i] - st->t);
-    lk_free(tp);
     st->n = cnt;
 done:
-    lk_free(ent);
-    json_decref(root);
+    lk_free(begin);
+    lk_free(perm);
     return s;
 }
 
@@ -401,6 +639,11 @@ lk_status lk_st_open(const char *path, lk_st **out) {
         st->mapped = 1;
     }
     if ((s = st_parse(st)) != LK_OK) goto fail;
+    if (st->mapped) { /* the header's text is read (names copied): its pages need not stay resident */
+        long pg = sysconf(_SC_PAGESIZE);
+        size_t hb = pg > 0 ? (size_t)((8 + st->header_len) / (uint64_t)pg * (uint64_t)pg) : 0;
+        if (hb) madvise(st->base, hb, MADV_DONTNEED);
+    }
     *out = st;
     return LK_OK;
 fail:
@@ -432,7 +675,9 @@ fail:
 const char *lk_st_path(const lk_st *st) { return st->path; }
 size_t lk_st_count(const lk_st *st) { return st->n; }
 const lk_tensor *lk_st_tensor(const lk_st *st, size_t i) { return i < st->n ? &st->t[i] : NULL; }
-uint64_t lk_st_file_offset(const lk_st *st, size_t i) { return i < st->n ? st->off[i] : 0; }
+uint64_t lk_st_file_offset(const lk_st *st, size_t i) {
+    return i < st->n ? (uint64_t)((const unsigned char *)st->t[i].data - st->base) : 0;
+}
 uint64_t lk_st_header_len(const lk_st *st) { return st->header_len; }
 
 lk_status lk_st_read(const lk_st *st, size_t i, uint64_t off, void *dst, size_t n) {
@@ -441,7 +686,7 @@ lk_status lk_st_read(const lk_st *st, size_t i, uint64_t off, void *dst, size_t 
     if (off > t->nbytes || n > t->nbytes - off)
         return lk_error(LK_ERR_ARG, "%s: %s: read of %zu bytes at %llu is past the tensor's %zu bytes", st->path,
                         t->name, n, (unsigned long long)off, t->nbytes);
-    uint64_t at = st->off[i] + off;
+    uint64_t at = lk_st_file_offset(st, i) + off;
     if (st->fd < 0) { /* a memory image cannot change */
         if (n) memcpy(dst, st->base + at, n);
         return LK_OK;
@@ -507,15 +752,23 @@ typedef struct {
 } st_span;
 
 typedef struct {
-    char *name;
+    char *name;     /* in the writer's name chunks */
     lk_dtype dtype;
     int ndim;
     int64_t shape[LK_MAX_DIMS];
     uint64_t nbytes;
     uint64_t off;   /* absolute file offset, set by begin */
-    st_span *spans; /* merged written ranges, sorted */
+    st_span one;    /* the written range while there is one (no allocation per tensor) */
+    st_span *spans; /* merged written ranges, sorted, once there are more; else NULL (then `one`) */
     size_t n_spans, cap_spans;
 } st_wt;
+
+/* Tensor names, packed into chunks: no allocation per tensor. */
+typedef struct st_chunk {
+    struct st_chunk *next;
+    size_t used, cap;
+    char data[];
+} st_chunk;
 
 struct lk_st_writer {
     char *path;
@@ -523,9 +776,27 @@ struct lk_st_writer {
     int begun, failed;
     st_wt *t;
     size_t n, cap;
+    st_chunk *names;
     st_kv *meta;
     size_t n_meta, cap_meta;
 };
+
+static char *chunk_dup(st_chunk **head, const char *s) {
+    size_t l = strlen(s) + 1;
+    st_chunk *c = *head;
+    if (!c || c->cap - c->used < l) {
+        size_t cap = l > ((size_t)1 << 16) ? l : (size_t)1 << 16;
+        if (!(c = lk_malloc(sizeof *c + cap))) return NULL;
+        c->next = *head;
+        c->used = 0;
+        c->cap = cap;
+        *head = c;
+    }
+    char *p = c->data + c->used;
+    memcpy(p, s, l);
+    c->used += l;
+    return p;
+}
 
 lk_status lk_st_writer_create(const char *path, lk_st_writer **out) {
     if (!path || !out || !*path) return lk_error(LK_ERR_ARG, "lk_st_writer_create: empty path");
@@ -543,11 +814,12 @@ lk_status lk_st_writer_create(const char *path, lk_st_writer **out) {
 void lk_st_writer_free(lk_st_writer *w) {
     if (!w) return;
     lk_out_file_abort(&w->of);
-    for (size_t i = 0; i < w->n; i++) {
-        lk_free(w->t[i].name);
-        lk_free(w->t[i].spans);
-    }
+    for (size_t i = 0; i < w->n; i++) lk_free(w->t[i].spans);
     lk_free(w->t);
+    for (st_chunk *c = w->names, *nx; c; c = nx) {
+        nx = c->next;
+        lk_free(c);
+    }
     for (size_t i = 0; i < w->n_meta; i++) {
         lk_free(w->meta[i].k);
         lk_free(w->meta[i].v);
@@ -629,7 +901,7 @@ lk_status lk_st_writer_declare(lk_st_writer *w, const char *name, lk_dtype dtype
     }
     st_wt *t = &w->t[w->n];
     memset(t, 0, sizeof *t);
-    if (!(t->name = lk_strdup(name))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", w->path);
+    if (!(t->name = chunk_dup(&w->names, name))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", w->path);
     t->dtype = dtype;
     t->ndim = ndim;
     for (int i = 0; i < ndim; i++) t->shape[i] = shape[i];
@@ -668,49 +940,90 @@ static lk_status write_all(lk_st_writer *w, const void *buf, size_t n, uint64_t 
 }
 
 /* Builds the header JSON for the layout in `order`; malloc'd by jansson. */
-static lk_status build_header(lk_st_writer *w, st_wt **order, char **out) {
-    lk_status s = LK_OK;
-    json_t *root = json_object();
-    if (!root) return lk_error(LK_ERR_NOMEM, "%s: out of memory building the header", w->path);
+/* The header text, produced twice: once to measure it (dst NULL), once into
+ * the file through a 1 MiB staging buffer, so a 100 MB header is neither a
+ * DOM nor one string. The bytes are jansson's compact dump of the object
+ * (strings escaped as jansson does: \" \\ \b \f \n \r \t, other controls
+ * \u00XX, the rest as UTF-8), so files stay byte-identical. */
+typedef struct {
+    lk_st_writer *w;
+    unsigned char *buf; /* NULL: measure only */
+    size_t fill, cap;
+    uint64_t pos; /* bytes produced so far (file offset - 8 when writing) */
+    lk_status s;
+} hdr_out;
+
+static void hdr_flush(hdr_out *o) {
+    if (o->buf && o->fill && !o->s) o->s = write_all(o->w, o->buf, o->fill, 8 + o->pos - o->fill);
+    o->fill = 0;
+}
+
+static void hdr_put(hdr_out *o, const char *p, size_t n) {
+    if (!o->buf) {
+        o->pos += n;
+        return;
+    }
+    while (n) {
+        if (o->fill == o->cap) hdr_flush(o);
+        size_t k = o->cap - o->fill < n ? o->cap - o->fill : n;
+        memcpy(o->buf + o->fill, p, k);
+        o->fill += k, o->pos += k, p += k, n -= k;
+    }
+}
+
+static void hdr_str(hdr_out *o, const char *s) {
+    hdr_put(o, "\"", 1);
+    const char *run = s;
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c >= 0x20 && c != '"' && c != '\\') continue;
+        hdr_put(o, run, (size_t)(s - run));
+        char e[8];
+        const char *short_esc = c == '"' ? "\\\"" : c == '\\' ? "\\\\" : c == '\b' ? "\\b" : c == '\f' ? "\\f"
+                              : c == '\n' ? "\\n" : c == '\r' ? "\\r" : c == '\t' ? "\\t" : NULL;
+        if (short_esc) hdr_put(o, short_esc, 2);
+        else hdr_put(o, e, (size_t)snprintf(e, sizeof e, "\\u%04X", c));
+        run = s + 1;
+    }
+    hdr_put(o, run, (size_t)(s - run));
+    hdr_put(o, "\"", 1);
+}
+
+/* The header (order: the layout), setting each tensor's offset relative
+ * to the data buffer. */
+static void hdr_emit(lk_st_writer *w, st_wt **order, hdr_out *o) {
+    hdr_put(o, "{", 1);
+    int first = 1;
     if (w->n_meta) {
-        json_t *m = json_object();
-        if (!m || json_object_set_new(root, META_KEY, m)) {
-            json_decref(root);
-            return lk_error(LK_ERR_NOMEM, "%s: out of memory building the header", w->path);
+        hdr_str(o, META_KEY);
+        hdr_put(o, ":{", 2);
+        for (size_t i = 0; i < w->n_meta; i++) {
+            if (i) hdr_put(o, ",", 1);
+            hdr_str(o, w->meta[i].k);
+            hdr_put(o, ":", 1);
+            hdr_str(o, w->meta[i].v);
         }
-        /* Keys sorted so equal metadata gives byte-identical files. */
-        qsort(w->meta, w->n_meta, sizeof *w->meta, cmp_kv);
-        for (size_t i = 0; i < w->n_meta; i++)
-            if (json_object_set_new(m, w->meta[i].k, json_string(w->meta[i].v))) s = LK_ERR_NOMEM;
+        hdr_put(o, "}", 1);
+        first = 0;
     }
     uint64_t pos = 0;
-    for (size_t i = 0; i < w->n && !s; i++) {
+    char num[64];
+    for (size_t i = 0; i < w->n; i++) {
         st_wt *t = order[i];
-        json_t *e = json_object(), *sh = json_array(), *of = json_array();
-        if (!e || !sh || !of) {
-            json_decref(e); json_decref(sh); json_decref(of);
-            s = LK_ERR_NOMEM;
-            break;
-        }
-        /* Every insertion is checked: a lost one (jansson out of memory)
-         * would otherwise write a header that names the wrong layout. */
-        int bad = 0;
-        for (int d = 0; d < t->ndim; d++) bad |= json_array_append_new(sh, json_integer(t->shape[d]));
-        bad |= json_array_append_new(of, json_integer((json_int_t)pos));
-        bad |= json_array_append_new(of, json_integer((json_int_t)(pos + t->nbytes)));
-        bad |= json_object_set_new(e, "dtype", json_string(lk_dtype_name(t->dtype)));
-        bad |= json_object_set_new(e, "shape", sh);
-        bad |= json_object_set_new(e, "data_offsets", of);
-        bad |= json_object_set_new(root, t->name, e);
-        if (bad) s = LK_ERR_NOMEM;
+        if (!first) hdr_put(o, ",", 1);
+        first = 0;
+        hdr_str(o, t->name);
+        hdr_put(o, ":{\"dtype\":", 10);
+        hdr_str(o, lk_dtype_name(t->dtype));
+        hdr_put(o, ",\"shape\":[", 10);
+        for (int d = 0; d < t->ndim; d++)
+            hdr_put(o, num, (size_t)snprintf(num, sizeof num, d ? ",%lld" : "%lld", (long long)t->shape[d]));
+        hdr_put(o, num, (size_t)snprintf(num, sizeof num, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)pos,
+                                         (unsigned long long)(pos + t->nbytes)));
         t->off = pos; /* relative for now */
         pos += t->nbytes;
     }
-    char *txt = s ? NULL : json_dumps(root, JSON_COMPACT);
-    json_decref(root);
-    if (!txt) return lk_error(LK_ERR_NOMEM, "%s: out of memory building the header", w->path);
-    *out = txt;
-    return LK_OK;
+    hdr_put(o, "}", 1);
 }
 
 lk_status lk_st_writer_begin(lk_st_writer *w) {
@@ -727,37 +1040,40 @@ lk_status lk_st_writer_begin(lk_st_writer *w) {
             return s;
         }
     qsort(order, w->n, sizeof *order, cmp_wt_layout);
-    char *hdr = NULL;
-    s = build_header(w, order, &hdr);
-    lk_free(order);
-    if (s) return s;
-    size_t hl = strlen(hdr), pad = (8 - hl % 8) % 8;
+    /* Keys sorted so equal metadata gives byte-identical files. */
+    if (w->n_meta) qsort(w->meta, w->n_meta, sizeof *w->meta, cmp_kv);
+    hdr_out o = {w, NULL, 0, 0, 0, LK_OK};
+    hdr_emit(w, order, &o); /* measure */
+    uint64_t hl = o.pos, pad = (8 - hl % 8) % 8;
     uint64_t n = hl + pad, data_len = 0;
-    for (size_t i = 0; i < w->n; i++) {
-        w->t[i].off += 8 + n;
-        data_len += w->t[i].nbytes;
-    }
+    for (size_t i = 0; i < w->n; i++) data_len += w->t[i].nbytes;
     if (n > LK_ST_MAX_HEADER) {
-        free(hdr);
+        lk_free(order);
         return lk_error(LK_ERR_ARG, "%s: header of %llu bytes exceeds the %llu-byte limit", w->path,
                         (unsigned long long)n, (unsigned long long)LK_ST_MAX_HEADER);
     }
     if ((s = lk_out_file_begin(&w->of, w->path)) != LK_OK) {
-        free(hdr);
+        lk_free(order);
         return s;
     }
-    unsigned char *buf = lk_malloc(8 + n);
-    if (!buf) {
-        free(hdr);
+    unsigned char len8[8];
+    for (int i = 0; i < 8; i++) len8[i] = (unsigned char)(n >> (8 * i));
+    o = (hdr_out){w, lk_malloc((size_t)1 << 20), 0, (size_t)1 << 20, 0, LK_OK};
+    if (!o.buf) {
+        lk_free(order);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory", w->path);
     }
-    for (int i = 0; i < 8; i++) buf[i] = (unsigned char)(n >> (8 * i));
-    memcpy(buf + 8, hdr, hl);
-    memset(buf + 8 + hl, ' ', pad);
-    free(hdr);
-    s = write_all(w, buf, 8 + n, 0);
-    lk_free(buf);
+    s = write_all(w, len8, 8, 0);
+    if (!s) {
+        hdr_emit(w, order, &o); /* write: the same text */
+        for (uint64_t k = 0; k < pad; k++) hdr_put(&o, " ", 1);
+        hdr_flush(&o);
+        s = o.s;
+    }
+    lk_free(o.buf);
+    lk_free(order);
     if (s) return s;
+    for (size_t i = 0; i < w->n; i++) w->t[i].off += 8 + n; /* relative to the data buffer until now */
     if (ftruncate(w->of.fd, (off_t)(8 + n + data_len)) != 0) {
         w->failed = 1;
         return lk_error(LK_ERR_IO, "%s: cannot size to %llu bytes: %s", w->of.tmp,
@@ -769,30 +1085,33 @@ lk_status lk_st_writer_begin(lk_st_writer *w) {
 
 /* Records [a, b) as written in t's sorted, merged span list. */
 static int add_span(st_wt *t, uint64_t a, uint64_t b) {
+    st_span *sp = t->spans ? t->spans : &t->one;
+    size_t cap = t->spans ? t->cap_spans : 1;
     size_t i = 0;
-    while (i < t->n_spans && t->spans[i].b < a) i++;
+    while (i < t->n_spans && sp[i].b < a) i++;
     size_t j = i;
-    while (j < t->n_spans && t->spans[j].a <= b) {
-        if (t->spans[j].a < a) a = t->spans[j].a;
-        if (t->spans[j].b > b) b = t->spans[j].b;
+    while (j < t->n_spans && sp[j].a <= b) {
+        if (sp[j].a < a) a = sp[j].a;
+        if (sp[j].b > b) b = sp[j].b;
         j++;
     }
     if (j == i) { /* insert at i */
-        if (t->n_spans == t->cap_spans) {
-            size_t nc = t->cap_spans ? 2 * t->cap_spans : 4;
-            st_span *s = lk_realloc(t->spans, nc * sizeof *s);
+        if (t->n_spans == cap) {
+            size_t nc = 4 * cap;
+            st_span *s = t->spans ? lk_realloc(t->spans, nc * sizeof *s) : lk_malloc(nc * sizeof *s);
             if (!s) return 0;
-            t->spans = s;
+            if (!t->spans) s[0] = t->one;
+            t->spans = sp = s;
             t->cap_spans = nc;
         }
-        memmove(t->spans + i + 1, t->spans + i, (t->n_spans - i) * sizeof *t->spans);
+        memmove(sp + i + 1, sp + i, (t->n_spans - i) * sizeof *sp);
         t->n_spans++;
     } else if (j > i + 1) { /* merged several into one */
-        memmove(t->spans + i + 1, t->spans + j, (t->n_spans - j) * sizeof *t->spans);
+        memmove(sp + i + 1, sp + j, (t->n_spans - j) * sizeof *sp);
         t->n_spans -= j - i - 1;
     }
-    t->spans[i].a = a;
-    t->spans[i].b = b;
+    sp[i].a = a;
+    sp[i].b = b;
     return 1;
 }
 
@@ -820,7 +1139,8 @@ lk_status lk_st_writer_commit(lk_st_writer *w) {
     for (size_t i = 0; i < w->n; i++) {
         st_wt *t = &w->t[i];
         if (t->nbytes == 0) continue;
-        uint64_t done = t->n_spans == 1 && t->spans[0].a == 0 ? t->spans[0].b : 0;
+        const st_span *sp = t->spans ? t->spans : &t->one;
+        uint64_t done = t->n_spans == 1 && sp[0].a == 0 ? sp[0].b : 0;
         if (done != t->nbytes)
             return lk_error(LK_ERR_STATE, "%s: %s: data incomplete (%llu of %llu bytes written from the start)",
                             w->path, t->name, (unsigned long long)done, (unsigned long long)t->nbytes);

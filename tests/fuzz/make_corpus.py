@@ -73,6 +73,12 @@ put("safetensors", "bf16_raw", raw_st([("x.weight", "BF16", (2, 3), bf16((2, 3))
                                       {"format": "pt"}))
 put("safetensors", "high_rank", save({"t": arr((1, 2, 1, 2, 1, 2, 1, 2))}))
 put("safetensors", "unicode_names", save({"blöcks.0.ätt": arr((2,)), "\u65e5\u672c": arr((1,))}))
+# JSON as other writers may emit it (the header scanner's paths): whitespace,
+# escaped names and __metadata__ key, unknown nested fields, offsets out of order
+_forms = (' {\n "b\\u00e9" : { "x" : {"n": [1, 2.5, null, {"k": "\\n"}]}, "dtype" : "U8" , "shape" : [ 2 ] ,'
+          ' "data_offsets" : [ 4 , 6 ] } ,\r\n\t"\\u005f_metadata__":{"q\\"":"v\\\\"},'
+          '"\\ud83d\\ude00a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]} }  ').encode()
+put("safetensors", "json_forms", struct.pack("<Q", len(_forms)) + _forms + bytes(range(10, 16)))
 
 # ---- adapters (format detection + key resolution) -------------------------
 R, H = 4, 16
