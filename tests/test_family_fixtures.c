@@ -11,9 +11,9 @@
  * save_lora_weights, and float64 expectations from diffusers' own LoRA load
  * on a float64 copy of the model followed by PEFT's merge, written under both
  * namings; for Wan and HunyuanVideo also a LoRA on the original module
- * names (HunyuanVideo's on the fused img_attn_qkv / linear1) in the format
- * diffusers' own non-diffusers LoRA converters read, with expectations from
- * that load. F_rows.txt says which rows of each original weight are which
+ * names (HunyuanVideo's on the fused img_attn_qkv / linear1; for Wan also
+ * musubi-tuner's kohya names) in the formats diffusers' own non-diffusers
+ * LoRA converters read, with expectations from that load. F_rows.txt says which rows of each original weight are which
  * rows of a diffusers weight.
  *
  * Checks, per family:
@@ -55,20 +55,22 @@ typedef struct fam {
      * several diffusers modules share (or NULL), and how many land on it */
     const char *fused;
     int n_fused;
-    /* the original-named LoRA (or NULL) on the diffusers layout: a diffusers
-     * weight it reaches through the table, and the first rows of the
-     * original module's B that land there */
+    /* the LoRAs on original names (FX/<name>_lora_<kind>, "original" or
+     * "kohya"; NULL-terminated) on the diffusers layout: a diffusers weight
+     * they reach through the table, and the first rows of the original
+     * module's B that land there */
+    const char *kinds[3];
     const char *split;
     int64_t split_b_row0;
 } fam;
 
 static const fam g_fams[] = {
-    {"sd3", "sd3", "sd3", "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", 3, NULL, 0},
-    {"wan", "wan", "wan", NULL, 0, "blocks.0.attn2.add_k_proj.weight", 0},
+    {"sd3", "sd3", "sd3", "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", 3, {NULL}, NULL, 0},
+    {"wan", "wan", "wan", NULL, 0, {"original", "kohya", NULL}, "blocks.0.attn2.add_k_proj.weight", 0},
     {"hunyuan-video", "hunyuan-video", "flux,hunyuan-video", "double_blocks.0.img_attn_qkv.weight", 3,
-     "transformer_blocks.0.attn.to_k.weight", 16},
-    {"ltx", "ltx", "ltx", NULL, 0, NULL, 0},
-    {"ltx2", "ltx", "ltx", NULL, 0, NULL, 0},
+     {"original", NULL}, "transformer_blocks.0.attn.to_k.weight", 16},
+    {"ltx", "ltx", "ltx", NULL, 0, {NULL}, NULL, 0},
+    {"ltx2", "ltx", "ltx", NULL, 0, {NULL}, NULL, 0},
 };
 
 static const char *fx(char *buf, size_t n, const char *pre, const char *name, const char *post) {
@@ -197,9 +199,9 @@ static void test_family(void **state) {
     const fam *f = *state;
     check_lora(f, "diffusers");
     check_detect(f, "diffusers", "original", f->fused, f->n_fused, 0);
-    if (f->split) {
-        check_lora(f, "original");
-        check_detect(f, "original", "diffusers", f->split, -1, f->split_b_row0);
+    for (int k = 0; f->kinds[k]; k++) {
+        check_lora(f, f->kinds[k]);
+        check_detect(f, f->kinds[k], "diffusers", f->split, -1, f->split_b_row0);
     }
 }
 
