@@ -96,6 +96,13 @@ expect 0 fuse "$B" -l "$FX/unmatched.safetensors" -o "$O" --allow-unmatched --js
 err_has "1 of 2 modules match no model weight and are skipped"
 out_has '"modules_unmatched":1'
 rm -f "$O"
+# an adapter of which nothing matches (another model's) changes nothing: an
+# error even with --allow-unmatched, naming the adapter and the base
+PP=$FX/../peft/patterns
+expect 1 fuse "$B" -l "$PP" -o "$O" --allow-unmatched
+err_has "patterns/adapter_model.safetensors: none of its 16 modules matches a weight of the model (first: encoder.layer.0.attention.output.dense), so it would change nothing; --allow-unmatched skips some unmatched modules, never all of them (base $B)"
+[ -e "$O" ] && fail "a fuse that changes nothing wrote OUT"
+expect 1 fuse "$B" -l "$PP" -o "$O"; err_has "(and nothing else of it matches: is it for this model?)"
 expect 1 fuse "$B" -l "$FX/overflow.safetensors" -o "$O"; err_has "blocks.0.attn.to_k.weight: fusion made element [0, 0] non-finite"
 [ -e "$O" ] && fail "non-finite fuse left OUT"
 expect 0 fuse "$B" -l "$FX/overflow.safetensors" -o "$O" --allow-nonfinite

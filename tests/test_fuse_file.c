@@ -311,11 +311,21 @@ static void test_errors(void **state) {
     assert_true(tu_exists(out));
     unlink(out);
 
-    /* Unmatched module: error, nothing written; allowed: a count. */
+    /* Unmatched module: error, nothing written; allowed: a count. An adapter
+     * none of whose modules matches is an error even when allowed. */
     af_file *un = af_new();
     af_rand(un, "blocks.5.ff.lora_A.weight", LK_DTYPE_F32, 2, IN, &g_rng, -1, 1);
     af_rand(un, "blocks.5.ff.lora_B.weight", LK_DTYPE_F32, OUT, 2, &g_rng, -1, 1);
     char *up = tu_path(g_dir, "eun.safetensors");
+    af_save(un, up, NULL, 0);
+    lk_fuse_input none[2] = {{ad, 1.0f, LK_FORMAT_AUTO}, {up, 1.0f, LK_FORMAT_AUTO}};
+    lk_fuse_file_opts allow_un = {.allow_unmatched = 1};
+    expect_fuse_error(base, none, 2, out, &allow_un, LK_ERR_UNMATCHED,
+                      "eun.safetensors: none of its 1 module matches a weight of the model (first: blocks.5.ff), so it "
+                      "would change nothing; --allow-unmatched skips some unmatched modules, never all of them");
+    assert_false(tu_exists(out));
+    af_rand(un, "blocks.0.attn.to_q.lora_A.weight", LK_DTYPE_F32, 2, IN, &g_rng, -1, 1);
+    af_rand(un, "blocks.0.attn.to_q.lora_B.weight", LK_DTYPE_F32, OUT, 2, &g_rng, -1, 1);
     af_save(un, up, NULL, 0);
     lk_fuse_input uin[2] = {{ad, 1.0f, LK_FORMAT_AUTO}, {up, 1.0f, LK_FORMAT_AUTO}};
     expect_fuse_error(base, uin, 2, out, NULL, LK_ERR_UNMATCHED, "eun.safetensors: blocks.5.ff matches no model weight");

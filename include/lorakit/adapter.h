@@ -199,12 +199,15 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
                              int allow_unmatched, size_t *n_unmatched);
 /* Options of lk_adapter_resolve_opts. */
 typedef struct lk_resolve_opts {
-    int allow_unmatched;
+    int allow_unmatched;       /* 1: unmatched modules are skipped and counted, but an adapter none of
+                                  whose modules lands is still LK_ERR_UNMATCHED (it would change nothing);
+                                  LK_RESOLVE_LIST_ALL: not even that (inspect --base lists where nothing lands) */
     const char *arch;          /* family table to use ("flux", "sdxl", ...; "none": no table); NULL: recognised
                                   from the model's keys */
     const char *const *maps;   /* extra name tables (--map FILE), same format as data/families/ */
     size_t n_maps;
 } lk_resolve_opts;
+#define LK_RESOLVE_LIST_ALL 2
 
 /* lk_adapter_resolve across checkpoint layouts (README "Model families and
  * layouts"): when no key matches as above, the module's name without its

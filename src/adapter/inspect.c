@@ -458,7 +458,7 @@ lk_status lk_inspect_base_json(const char *adapter, const char *base, const lk_r
     if (!s && !(model = lk_malloc((n ? n : 1) * sizeof *model))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
     for (size_t i = 0; !s && i < n; i++) model[i] = *lk_ckpt_tensor(ck, i);
     lk_resolve_opts ro = opts ? *opts : (lk_resolve_opts){0};
-    ro.allow_unmatched = 1; /* inspect shows the unmatched modules */
+    ro.allow_unmatched = LK_RESOLVE_LIST_ALL; /* inspect shows the unmatched modules, all of them if need be */
     if (!s) s = lk_adapter_resolve_opts(a, model, n, &ro, NULL);
     lk_layout_opts lo = {ro.arch, ro.maps, ro.n_maps};
     if (!s && !(s = lk_layout_build(model, n, &lo, lk_adapter_path(a), &lay))) have_lay = 1;

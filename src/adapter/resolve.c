@@ -860,9 +860,13 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
         for (size_t i = 0; i < a->n && first_unmatched == SIZE_MAX; i++)
             if (!tnames[i] && !(comp_miss[mcomp[i]] && !comp_hit[mcomp[i]] && mcomp[i] != LK_COMP_ANY))
                 first_unmatched = i;
+    /* the hint for the first unmatched module: --allow-unmatched helps only when something else lands */
+    const char *more_unmatched = !matched && !n_rby ? " (and nothing else of it matches: is it for this model?)"
+                                 : unmatched > 1     ? " (and more; --allow-unmatched skips them)"
+                                                     : "";
     if (unmatched && !allow_unmatched && first_unmatched == SIZE_MAX && first_unmatched_rep) {
         s = lk_error(LK_ERR_UNMATCHED, "%s: '%s' matches no model tensor%s", a->file, first_unmatched_rep,
-                     unmatched > 1 ? " (and more; --allow-unmatched skips them)" : "");
+                     more_unmatched);
         goto done;
     }
     if (unmatched && !allow_unmatched && first_unmatched != SIZE_MAX) {
@@ -870,10 +874,21 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
         if (a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.'))
             s = lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (no key <x>.weight with x's dots as '_' = %s)%s",
                          a->file, m->module, kohya_rest(m->module),
-                         unmatched > 1 ? " (and more modules; --allow-unmatched skips them)" : "");
+                         more_unmatched);
         else
             s = lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (looked for %s.weight)%s", a->file,
-                         m->module, m->module, unmatched > 1 ? " (and more modules; --allow-unmatched skips them)" : "");
+                         m->module, m->module, more_unmatched);
+        goto done;
+    }
+    /* An adapter none of whose modules (or saved tensors) lands anywhere is an
+     * error even with allow_unmatched: that flag skips some modules, and a
+     * fuse that changes nothing at all is never what was meant (the wrong
+     * adapter, or the wrong base). */
+    if (a->n + a->n_rep && !matched && !n_rby && allow_unmatched != LK_RESOLVE_LIST_ALL) {
+        const char *first = first_unmatched != SIZE_MAX ? a->mods[first_unmatched].module : first_unmatched_rep;
+        s = lk_error(LK_ERR_UNMATCHED, "%s: none of its %zu module%s matches a weight of the model (first: %s), so it "
+                     "would change nothing; --allow-unmatched skips some unmatched modules, never all of them",
+                     a->file, a->n + a->n_rep, a->n + a->n_rep == 1 ? "" : "s", first ? first : "?");
         goto done;
     }
     /* Two modules on one weight: only on disjoint rows. */

@@ -278,7 +278,14 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
         if ((s = lk_fuse_input_open(&inputs[i], sources ? sources[i] : NULL, &ao, &c->ad[i]))) return s;
         c->n_ad = i + 1;
         lk_resolve_opts ro = {fo->allow_unmatched, fo->arch, fo->maps, fo->n_maps};
-        if ((s = lk_adapter_resolve_opts(c->ad[i], model, nt, &ro, &un))) return s;
+        if ((s = lk_adapter_resolve_opts(c->ad[i], model, nt, &ro, &un))) {
+            if (s == LK_ERR_UNMATCHED && fo->allow_unmatched) { /* nothing of it lands: name the base too */
+                char msg[2048];
+                snprintf(msg, sizeof msg, "%s", lk_last_error());
+                lk_error(s, "%s (base %s)", msg, label);
+            }
+            return s;
+        }
         st->modules_unmatched += un;
     }
     c->ord_ad = lk_malloc((n ? n : 1) * sizeof *c->ord_ad);
