@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #define H 8   /* Flux hidden size */
 #define R 4   /* LoRA rank */
@@ -753,6 +754,122 @@ static void test_tool_fixtures(void **state) {
     free(map);
 }
 
+/* Saves tensors t[0..n) whose name starts with `from` as `to` + the rest. */
+static void save_renamed(const lk_tensor *t, size_t n, const char *from, const char *to, const char *path) {
+    lk_tensor *v = calloc(n, sizeof *v);
+    char **names = calloc(n, sizeof *names);
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (strncmp(t[i].name, from, strlen(from))) continue;
+        names[k] = malloc(strlen(to) + strlen(t[i].name) + 1);
+        sprintf(names[k], "%s%s", to, t[i].name + strlen(from));
+        v[k] = t[i];
+        v[k].name = names[k];
+        k++;
+    }
+    if (lk_st_save(path, v, k, NULL, 0)) fail_msg("%s: %s", path, lk_last_error());
+    for (size_t i = 0; i < k; i++) free(names[i]);
+    free(names);
+    free(v);
+}
+
+/* A diffusers pipeline folder as the base: unet. / text_encoder. (and
+ * lora_unet_ / lora_te_) modules go to their component folders, the output
+ * is a pipeline folder of the same layout, each fused component within 1 ulp
+ * of diffusers' float64 fuse (the fixtures above), the other files copied
+ * byte for byte; a module that lands in no component fails with no OUT. */
+static void test_pipeline_folder(void **state) {
+    (void)state;
+    size_t ns;
+    lk_tensor *single = load_all(FIX "sd1_single.safetensors", &ns);
+    char *pipe = tu_path(g_dir, "pipe");
+    static const char *const dirs[] = {"", "/unet", "/text_encoder", "/scheduler"};
+    for (size_t i = 0; i < 4; i++) {
+        char d[600];
+        snprintf(d, sizeof d, "%s%s", pipe, dirs[i]);
+        assert_int_equal(mkdir(d, 0755), 0);
+    }
+    char p[700];
+    snprintf(p, sizeof p, "%s/unet/diffusion_pytorch_model.safetensors", pipe);
+    size_t nu;
+    lk_tensor *unet = load_all(FIX "sd1_unet.safetensors", &nu);
+    if (lk_st_save(p, unet, nu, NULL, 0)) fail_msg("%s", lk_last_error());
+    snprintf(p, sizeof p, "%s/text_encoder/model.safetensors", pipe);
+    save_renamed(single, ns, "cond_stage_model.transformer.", "", p); /* text_model.encoder... (transformers 4) */
+    af_write_text(pipe, "model_index.json", "{\"_class_name\": \"StableDiffusionPipeline\", \"unet\": [\"diffusers\", "
+                  "\"UNet2DConditionModel\"], \"text_encoder\": [\"transformers\", \"CLIPTextModel\"]}\n");
+    snprintf(p, sizeof p, "%s/scheduler", pipe);
+    af_write_text(p, "scheduler_config.json", "{\"num_train_timesteps\": 1000}\n");
+    snprintf(p, sizeof p, "%s/unet", pipe);
+    af_write_text(p, "config.json", "{\"layers_per_block\": 2}\n");
+    static const char *const adapters[] = {"sd1_lora_diffusers", "sd1_lora_kohya"};
+    for (size_t c = 0; c < 2; c++) {
+        char ad[512], e1[512], outd[600];
+        snprintf(ad, sizeof ad, FIX "%s.safetensors", adapters[c]);
+        snprintf(e1, sizeof e1, FIX "expected_%s_diffusers.safetensors", adapters[c]);
+        snprintf(outd, sizeof outd, "%s/out%zu", g_dir, c);
+        lk_fuse_input in = {ad, 1.0, LK_FORMAT_AUTO};
+        lk_fuse_stats st;
+        if (lk_fuse_file(pipe, &in, 1, outd, NULL, &st)) fail_msg("pipeline fuse: %s", lk_last_error());
+        assert_int_equal(st.modules_unmatched, 0);
+        size_t ne, nf, nt;
+        lk_tensor *e = load_all(e1, &ne);
+        snprintf(p, sizeof p, "%s/unet/diffusion_pytorch_model.safetensors", outd);
+        lk_tensor *fu = load_all(p, &nf);
+        snprintf(p, sizeof p, "%s/text_encoder/model.safetensors", outd);
+        lk_tensor *ft = load_all(p, &nt);
+        size_t checked = 0;
+        for (size_t k = 0; k < ne; k++) {
+            const lk_tensor *g = NULL;
+            char nm[512];
+            if (!strncmp(e[k].name, "text_encoder.", 13)) {
+                snprintf(nm, sizeof nm, "text_model.%s", e[k].name + 13);
+                g = find(ft, nt, nm);
+            } else {
+                g = find(fu, nf, e[k].name);
+            }
+            for (size_t j = 0; j < lk_tensor_numel(g); j++) {
+                double want = ((const double *)e[k].data)[j], got = ((const float *)g->data)[j];
+                if (fabs(got - want) > ar_ulp(LK_DTYPE_F32, fabs(want))) fail_msg("%s[%zu]", g->name, j);
+            }
+            checked++;
+        }
+        assert_true(checked == ne && ne > 100);
+        for (size_t f = 0; f < 3; f++) { /* copied byte for byte */
+            static const char *const files[] = {"model_index.json", "scheduler/scheduler_config.json", "unet/config.json"};
+            char a[700], b[700];
+            snprintf(a, sizeof a, "%s/%s", pipe, files[f]);
+            snprintf(b, sizeof b, "%s/%s", outd, files[f]);
+            size_t na, nb;
+            char *x = tu_read_file(a, &na), *y = tu_read_file(b, &nb);
+            assert_non_null(y);
+            assert_true(na == nb && !memcmp(x, y, na));
+            free(x);
+            free(y);
+        }
+        print_message("%s on a pipeline folder: %zu weights in unet/ and text_encoder/ within 1 ulp\n", adapters[c],
+                      checked);
+        free_all(e, ne);
+        free_all(fu, nf);
+        free_all(ft, nt);
+    }
+    /* a module for no component: refused, nothing written */
+    af_file *bad = af_new();
+    add_pair(bad, "unet.down_blocks.0.attentions.0.proj_in", ".lora_A.weight", ".lora_B.weight", 8, 8);
+    add_pair(bad, "unet.no_such_block.proj", ".lora_A.weight", ".lora_B.weight", 8, 8);
+    char *bp = save(bad, "pipe_bad.safetensors"), outd[600];
+    snprintf(outd, sizeof outd, "%s/out_bad", g_dir);
+    lk_fuse_input in = {bp, 1.0, LK_FORMAT_AUTO};
+    assert_int_equal(lk_fuse_file(pipe, &in, 1, outd, NULL, NULL), LK_ERR_UNMATCHED);
+    tu_assert_contains(lk_last_error(), "no_such_block.proj matches no weight in any component of");
+    assert_false(tu_exists(outd));
+    free(bp);
+    af_free(bad);
+    free_all(single, ns);
+    free_all(unet, nu);
+    free(pipe);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_flux_diffusers_lora), cmocka_unit_test(test_flux_fused_lora_on_split),
@@ -760,6 +877,7 @@ int main(void) {
         cmocka_unit_test(test_sdxl_layout),         cmocka_unit_test(test_ambiguous_kohya),
         cmocka_unit_test(test_map_file),            cmocka_unit_test(test_shipped_tables),
         cmocka_unit_test(test_inspect_base),        cmocka_unit_test(test_tool_fixtures),
+        cmocka_unit_test(test_pipeline_folder),
     };
     return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }

@@ -206,6 +206,10 @@ typedef struct lk_resolve_opts {
                                   from the model's keys */
     const char *const *maps;   /* extra name tables (--map FILE), same format as data/families/ */
     size_t n_maps;
+    const char *component;     /* a pipeline component ("unet", "transformer", "text_encoder[_2|_3]"): modules
+                                  prefixed for another component are left out, and modules that match nothing
+                                  are left unmatched without an error (the pipeline checks each landed
+                                  somewhere); NULL: the model is the whole base */
 } lk_resolve_opts;
 #define LK_RESOLVE_LIST_ALL 2
 

@@ -146,6 +146,7 @@ typedef struct lk_fuse_file_opts {
     const char *arch;          /* model family table (lk_resolve_opts.arch); NULL: recognised from the keys */
     const char *const *maps;   /* extra name tables (--map FILE) */
     size_t n_maps;
+    const char *component;     /* set by lk_fuse_pipeline for each component (lk_resolve_opts.component) */
 } lk_fuse_file_opts;
 
 typedef struct lk_fuse_stats {
@@ -239,6 +240,23 @@ lk_status lk_fuse_file_src(const char *base, const lk_fuse_input *inputs, const 
 lk_status lk_fuse_tensors_src(lk_tensor *tensors, size_t n_tensors, const lk_fuse_input *inputs,
                               const lk_adapter_source *const *sources, size_t n, const lk_fuse_file_opts *opts,
                               lk_fuse_stats *stats);
+/* A diffusers pipeline folder (model_index.json) as the base of
+ * lk_fuse_file: each component folder holding a checkpoint (unet,
+ * transformer, text_encoder, text_encoder_2, text_encoder_3) is fused with
+ * the adapter modules for it (component prefixes unet., transformer.,
+ * text_encoder[_2|_3]., lora_unet_, lora_te[12]_, ...; unprefixed modules
+ * wherever they match), into OUT, a new pipeline folder of the same layout:
+ * fused components keep their file or shard layout, every other file and
+ * folder (model_index.json, scheduler/, tokenizer/, vae/, untouched
+ * components) is copied. Every adapter is resolved against every component
+ * first: a module that lands in no component is LK_ERR_UNMATCHED (unless
+ * allow_unmatched), one that lands in two is LK_ERR_FORMAT naming both. OUT
+ * must not exist (or be an empty folder); it is built in a temporary folder
+ * beside it and renamed into place only when complete. */
+int lk_fuse_is_pipeline(const char *base);
+lk_status lk_fuse_pipeline(const char *base, const lk_fuse_input *inputs, const lk_adapter_source *const *sources,
+                           size_t n, const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
+
 /* Opens the adapter of one input with opts (its format field is used as
  * given): its file or folder, or src (non-NULL) labelled by in->path. */
 lk_status lk_fuse_input_open(const lk_fuse_input *in, const lk_adapter_source *src, const lk_adapter_opts *opts,

@@ -26,6 +26,17 @@ static const char *const g_comp[LK_COMP_COUNT] = {"any", "unet/transformer", "te
                                                   "text_encoder_3"};
 const char *lk_comp_name(int comp) { return comp >= 0 && comp < LK_COMP_COUNT ? g_comp[comp] : "?"; }
 
+int lk_comp_from_name(const char *name) {
+    static const struct {
+        const char *name;
+        int comp;
+    } c[] = {{"unet", LK_COMP_DIFFUSION},         {"transformer", LK_COMP_DIFFUSION}, {"text_encoder", LK_COMP_TE1},
+             {"text_encoder_2", LK_COMP_TE2}, {"text_encoder_3", LK_COMP_TE3}};
+    for (size_t i = 0; name && i < sizeof c / sizeof c[0]; i++)
+        if (!strcmp(name, c[i].name)) return c[i].comp;
+    return LK_COMP_ANY;
+}
+
 typedef struct prefix {
     const char *p;
     int comp;

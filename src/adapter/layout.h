@@ -18,6 +18,9 @@
 /* Components of a pipeline: where a prefix says a name belongs. */
 enum { LK_COMP_ANY = 0, LK_COMP_DIFFUSION, LK_COMP_TE1, LK_COMP_TE2, LK_COMP_TE3, LK_COMP_COUNT };
 const char *lk_comp_name(int comp);
+/* A pipeline folder's component ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3"), or
+ * LK_COMP_ANY for another name. */
+int lk_comp_from_name(const char *name);
 
 /* Rows [num0/den0, num1/den1) of a weight or module, as fractions of its rows. */
 typedef struct lk_frac {

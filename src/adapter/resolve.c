@@ -625,6 +625,9 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
                                   size_t *n_unmatched) {
     if (!a || (n_model && !model)) return lk_error(LK_ERR_ARG, "lk_adapter_resolve: NULL argument");
     int allow_unmatched = opts ? opts->allow_unmatched : 0;
+    int want_comp = opts && opts->component ? lk_comp_from_name(opts->component) : LK_COMP_ANY;
+    if (opts && opts->component && want_comp == LK_COMP_ANY)
+        return lk_error(LK_ERR_ARG, "%s: unknown pipeline component '%s'", a->file, opts->component);
     lk_status s = LK_OK;
     size_t *ord = lk_malloc((n_model ? n_model : 1) * sizeof *ord);
     char **tnames = lk_calloc(a->n ? a->n : 1, sizeof *tnames);
@@ -718,6 +721,11 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
                 }
             }
         }
+        if (want_comp) { /* one component of a pipeline: another component's modules are not ours */
+            int mc;
+            lk_layout_strip_module(kohya ? m->module : a->stems[i], kohya, &mc);
+            if (mc != LK_COMP_ANY && mc != want_comp) continue;
+        }
         cand c[LK_ADAPTER_MAX_SLICES];
         size_t nc = 0;
         int comp = LK_COMP_ANY;
@@ -733,6 +741,7 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
             }
             if ((s = layout_cands(a, i, &lay, model, c, &nc, &comp))) goto done;
         }
+        if (nc == 0 && want_comp) continue; /* the pipeline checks that every module landed somewhere */
         if (nc == 0 && m->algo == LK_ALGO_SET) { /* a replacement needs its weight, always */
             s = lk_error(LK_ERR_UNMATCHED, "%s: %s: '%s' replaces a weight the model does not have (no %s.weight)",
                          a->file, m->module, m->dense.name, a->format == LK_FORMAT_KOHYA ? kohya_rest(m->module)

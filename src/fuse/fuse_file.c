@@ -277,7 +277,8 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
         lk_adapter_opts ao = {inputs[i].format, fo->alpha_from};
         if ((s = lk_fuse_input_open(&inputs[i], sources ? sources[i] : NULL, &ao, &c->ad[i]))) return s;
         c->n_ad = i + 1;
-        lk_resolve_opts ro = {fo->allow_unmatched, fo->arch, fo->maps, fo->n_maps};
+        lk_resolve_opts ro = {.allow_unmatched = fo->allow_unmatched, .arch = fo->arch, .maps = fo->maps,
+                              .n_maps = fo->n_maps, .component = fo->component};
         if ((s = lk_adapter_resolve_opts(c->ad[i], model, nt, &ro, &un))) {
             if (s == LK_ERR_UNMATCHED && fo->allow_unmatched) { /* nothing of it lands: name the base too */
                 char msg[2048];
@@ -364,6 +365,7 @@ lk_status lk_fuse_file_src(const char *base, const lk_fuse_input *inputs, const 
     static const lk_fuse_file_opts defaults;
     if (!opts) opts = &defaults;
     if (!base || !out || (n && !inputs)) return lk_error(LK_ERR_ARG, "lk_fuse_file: NULL argument");
+    if (!opts->component && lk_fuse_is_pipeline(base)) return lk_fuse_pipeline(base, inputs, sources, n, out, opts, stats);
     double t0 = lk_now_s();
     lk_status s;
     fctx c;
