@@ -138,7 +138,7 @@ lk_status lk_fuse_pipeline(const char *base, const lk_fuse_input *inputs, const 
                 break;
             }
             for (size_t j = 0; j < nt; j++) t[j] = *lk_ckpt_tensor(c[k].ck, j);
-            lk_resolve_opts ro = {.allow_unmatched = 1, .arch = opts->arch, .maps = opts->maps, .n_maps = opts->n_maps,
+            lk_resolve_opts ro = {.allow_unmatched = LK_RESOLVE_LIST_ALL, .arch = opts->arch, .maps = opts->maps, .n_maps = opts->n_maps,
                                   .component = c[k].name};
             s = lk_adapter_resolve_opts(a, t, nt, &ro, NULL);
             lk_free(t);
@@ -154,6 +154,10 @@ lk_status lk_fuse_pipeline(const char *base, const lk_fuse_input *inputs, const 
         size_t un = 0, first = SIZE_MAX;
         for (size_t m = 0; m < nm && !s; m++)
             if (where[m] < 0 && un++ == 0) first = m;
+        if (!s && nm && un == nm) /* as for one file: --allow-unmatched skips some modules, never all */
+            s = lk_error(LK_ERR_UNMATCHED, "%s: none of its %zu modules matches a weight in any component of %s "
+                         "(first: %s), so it would change nothing", inputs[i].path, nm, base,
+                         lk_adapter_module(a, first)->module);
         if (!s && un && !opts->allow_unmatched)
             s = lk_error(LK_ERR_UNMATCHED, "%s: %s matches no weight in any component of %s (unet, transformer, "
                          "text_encoder[_2|_3])%s", inputs[i].path, lk_adapter_module(a, first)->module, base,
