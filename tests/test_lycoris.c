@@ -802,6 +802,16 @@ static void test_epilogue_edges(void **state) {
             }
             if (e % 5 == 0) ((float *)Dl.t.data)[e] = dsp[(e / 5) % 16];
         }
+        /* row 6: w = 1 and deltas at and next to the dtype's half ulp: exact
+         * ties (to even) and inexact ones (the odd step decides) */
+        const double hu = dt == LK_DTYPE_BF16 ? 0x1p-8 : dt == LK_DTYPE_F16 ? 0x1p-11 : 0x1p-24;
+        const double lo = dt == LK_DTYPE_F32 ? 0x1p-40 : 0x1p-30; /* representable next to hu in f32 */
+        const double tv[8] = {hu, -hu / 2, hu + lo, hu - lo, -(hu + lo), 3 * hu, 3 * hu + lo, 3 * hu - lo};
+        for (size_t c = 0; c < 16; c++) {
+            float one = 1.0f;
+            lk_from_f32((char *)W.t.data + (6 * in + c) * lk_dtype_size(dt), &one, dt, 1);
+            ((float *)Dl.t.data)[6 * in + c] = (float)tv[c % 8];
+        }
         void *res = malloc(W.t.nbytes), *want = malloc(W.t.nbytes);
         lk_fuse_term t = {.B = &Dl.t, .scale = 1.0, .kind = LK_TERM_DENSE};
         lk_fuse_opts o = {.threads = 1, .allow_nonfinite = 1};

@@ -333,6 +333,9 @@ LK_AI void add_dense(const xterm *x, int wide, void *d, size_t ld, size_t I, siz
             if (wide) {
                 double *r = (double *)d + i * ld + c0;
                 for (size_t j = 0; j < len; j++) r[j] = r[j] + x->scale * (double)tmp[j];
+            } else if (x->scale == 1.0) { /* acc(1 * D) is D itself: the same bits without the f64 round trip */
+                float *r = (float *)d + i * ld + c0;
+                for (size_t j = 0; j < len; j++) r[j] = r[j] + tmp[j];
             } else {
                 float *r = (float *)d + i * ld + c0;
                 for (size_t j = 0; j < len; j++) r[j] = r[j] + (float)(x->scale * (double)tmp[j]);
@@ -522,13 +525,19 @@ LK_AI void round_row64(uint32_t *o, const uint32_t *w, const double *d, size_t n
         memcpy(&uw, w + j, sizeof uw);
         memcpy(&dd, d + j, sizeof dd);
         const lk_v4d x = __builtin_convertvector((lk_v4f)uw, lk_v4d);
-        const lk_v4d s = x + dd, bb = s - x, e = (x - (s - bb)) + (dd - bb);
+        const lk_v4d s = x + dd;
         lk_v4ul us = (lk_v4ul)s;
-        const lk_v4ul ue = (lk_v4ul)e;
-        const lk_v4ul fin = (lk_v4ul)((us & 0x7ff0000000000000ull) != 0x7ff0000000000000ull);
-        const lk_v4ul inexact = (lk_v4ul)(e != 0.0), even = (lk_v4ul)((us & 1u) == 0u);
-        const lk_v4ul step = 1u - (((us ^ ue) >> 63) << 1);
-        us += fin & inexact & even & step;
+        /* as for BF16: the odd step matters only on an f32 tie (the low 29
+         * bits 0x10000000) or below f32's normal range (more bits dropped) */
+        const lk_v4ul slow = (lk_v4ul)((us & 0x1fffffffull) == 0x10000000ull) |
+                             (lk_v4ul)((us & 0x7ff0000000000000ull) < 0x3810000000000000ull);
+        if (slow[0] | slow[1] | slow[2] | slow[3]) {
+            const lk_v4d bb = s - x, e = (x - (s - bb)) + (dd - bb);
+            const lk_v4ul ue = (lk_v4ul)e;
+            const lk_v4ul fin = (lk_v4ul)((us & 0x7ff0000000000000ull) != 0x7ff0000000000000ull);
+            const lk_v4ul inexact = (lk_v4ul)(e != 0.0), even = (lk_v4ul)((us & 1u) == 0u);
+            us += fin & inexact & even & (1u - (((us ^ ue) >> 63) << 1));
+        }
         const lk_v4u ur = (lk_v4u)__builtin_convertvector((lk_v4d)us, lk_v4f); /* RNE, the one rounding */
         const lk_v4u mw = (lk_v4u)((uw & 0x7fffffffu) > 0x7f800000u);
         const lk_v4u mr = (lk_v4u)((ur & 0x7fffffffu) > 0x7f800000u) & ~mw;
@@ -552,12 +561,21 @@ LK_AI void round_row_bf16(uint16_t *dst, const uint16_t *src, const float *d, si
         memcpy(&dd, d + j, sizeof dd);
         const lk_v8u uw = __builtin_convertvector(h, lk_v8u) << 16;
         const lk_v8f w = (lk_v8f)uw;
-        const lk_v8f s = w + dd, bb = s - w, e = (w - (s - bb)) + (dd - bb);
-        const lk_v8u ue = (lk_v8u)e;
+        const lk_v8f s = w + dd;
         lk_v8u us = (lk_v8u)s;
-        const lk_v8u fin = (lk_v8u)((us & 0x7f800000u) != 0x7f800000u);
-        const lk_v8u inexact = (lk_v8u)(e != 0.0f), even = (lk_v8u)((us & 1u) == 0u);
-        us += fin & inexact & even & (1u - (((us ^ ue) >> 31) << 1));
+        /* Round to odd moves s by one f32 unit at most, which changes its
+         * BF16 rounding only when s's low 16 bits are a tie (0x8000): the
+         * exact error (TwoSum) is needed only for such a group of lanes. */
+        const lk_v8u tie = (lk_v8u)((us & 0xffffu) == 0x8000u);
+        uint32_t any_tie = 0;
+        for (int k = 0; k < 8; k++) any_tie |= tie[k];
+        if (any_tie) {
+            const lk_v8f bb = s - w, e = (w - (s - bb)) + (dd - bb);
+            const lk_v8u ue = (lk_v8u)e;
+            const lk_v8u fin = (lk_v8u)((us & 0x7f800000u) != 0x7f800000u);
+            const lk_v8u inexact = (lk_v8u)(e != 0.0f), even = (lk_v8u)((us & 1u) == 0u);
+            us += fin & inexact & even & (1u - (((us ^ ue) >> 31) << 1));
+        }
         const lk_v8u mw = (lk_v8u)((uw & 0x7fffffffu) > 0x7f800000u);
         const lk_v8u mr = (lk_v8u)((us & 0x7fffffffu) > 0x7f800000u) & ~mw;
         const lk_v8u r = (mw & (uw | 0x00400000u)) | (mr & 0x7fc00000u) | (~(mw | mr) & us);
