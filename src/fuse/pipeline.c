@@ -32,10 +32,9 @@ static const char *const g_components[] = {"unet", "transformer", "text_encoder"
 int lk_fuse_is_pipeline(const char *base) {
     struct stat sb;
     if (!base || stat(base, &sb) || !S_ISDIR(sb.st_mode)) return 0;
-    char *p = lk_path_join(base, "model_index.json");
-    int r = p && stat(p, &sb) == 0 && S_ISREG(sb.st_mode);
-    lk_free(p);
-    return r;
+    char p[4096]; /* no allocation: a check that cannot fail (a longer path is no folder lorakit opens) */
+    if ((size_t)snprintf(p, sizeof p, "%s/model_index.json", base) >= sizeof p) return 0;
+    return stat(p, &sb) == 0 && S_ISREG(sb.st_mode);
 }
 
 static int rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *ftw) {
