@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "lorakit/status.h"
 
@@ -62,6 +63,12 @@ int lk_cli_timeout_abort(lk_comm *c) {
     else fprintf(stderr, "lorakit: %s\n", lk_last_error());
     fflush(stderr);
     fflush(stdout);
+    /* the other waiting ranks time out at about the same moment (within the
+     * diagnosis' grace, at most 2 s): give their reports time to get out
+     * before the abort ends every process */
+    struct timespec ts = {2, 0};
+    while (nanosleep(&ts, &ts) && errno == EINTR) {
+    }
     lk_comm_abort(c, LK_EXIT_FAIL);
     return LK_EXIT_FAIL;
 }

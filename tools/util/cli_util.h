@@ -32,8 +32,9 @@ int lk_cli_parse_timeout(const char *s, double *out);
     "                  aborted (MPI_Abort: a collective cannot be cancelled)\n"
 /* After LK_ERR_TIMEOUT (lk_last_error() holds the report): prints
  * "lorakit: rank R: <report>" on this rank (every rank that can act does),
- * then ends the whole job with exit code 1 (lk_comm_abort); returns
- * LK_EXIT_FAIL only where the backend cannot abort. */
+ * waits 2 s (the other waiting ranks' reports get out), then ends the
+ * whole job with exit code 1 (lk_comm_abort); returns LK_EXIT_FAIL only
+ * where the backend cannot abort. */
 int lk_cli_timeout_abort(lk_comm *c);
 
 #include "lorakit/fuse.h"
