@@ -986,7 +986,7 @@ lk_status lk_tracker_apply_src(lk_tracker *t, const lk_fuse_input *loras, const 
              * restore the owners and send every changed key again. */
             phase = "agreeing on the fuse";
             s = lk_comm_agree(t->comm, job_status(&job));
-            if (s) s = rollback(t, s, &job, st, fresh, n_fresh, 1);
+            if (s && s != LK_ERR_TIMEOUT) s = rollback(t, s, &job, st, fresh, n_fresh, 1); /* a timeout: no group to resend over */
         }
     }
     st->keys_fused = job.fused;
