@@ -53,7 +53,8 @@
 #define LK_RE_DEPTH_LIMIT 10000u
 #define LK_RE_HEAP_KIB 16384u
 #define LK_RE_MAX_PATTERN 65536u
-/* Total steps (and plain-key lookup units, one per 16 bytes hashed) for
+/* Total steps (and plain-key lookups, 2 units + 1 per 4 bytes hashed, about
+ * their cost in PCRE2 steps) for
  * the patterns of one adapter: about 3 s of PCRE2 at the worst rate seen
  * here; PEFT's own patterns take under 64 steps a module, so this is
  * 780,000 such matches. */
@@ -244,6 +245,17 @@ static lk_status match(const lk_peft_config *c, void *re_v, const char *field, c
 
 /* ---- plain keys ---- */
 
+/* PEFT's templates: rank/alpha_pattern since 0.15 and before, modules_to_save. */
+#define CUR_TMPL "(.*\\.)?(%s)$"
+#define OLD_TMPL ".*\\.%s$"
+#define TO_SAVE_TMPL "(^|.*\\.)%s($|\\..*)"
+
+/* A plain key's regex, compiled the first time a name that is not plain
+ * (name_is_plain) needs it: a config of many plain keys compiles none. */
+static lk_status lazy_re(const lk_peft_config *c, void **re, const char *field, const char *key, const char *tmpl) {
+    return *re ? LK_OK : compile(c->label, field, key, tmpl, 0, re);
+}
+
 /* Python `re` text that matches itself but for '.' (any character but a
  * newline): printable ASCII without \ ^ $ * + ? { } [ ] | ( ). */
 static int key_is_plain(const char *k) {
@@ -332,7 +344,7 @@ static lk_status lit_probe(const lk_peft_config *c, const lk_lit_index *x, const
     }
     for (; lo < x->n_shape && x->shape[lo].len == len; lo++) {
         const lk_lit_shape *sh = &x->shape[lo];
-        lk_status s = charge(c, 1 + len / 16, field, sh->example, name);
+        lk_status s = charge(c, 2 + len / 4, field, sh->example, name);
         if (s) return s;
         size_t k = 0;
         for (; k < len; k++) {
@@ -459,7 +471,7 @@ static lk_status parse_patterns(lk_peft_config *c, json_t *obj, const char *fiel
     lk_pattern *p = lk_calloc(n, sizeof *p);
     if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
     /* PEFT's rule since 0.15 vs the older one (see lk_peft_rule) */
-    const char *tmpl = c->rule == LK_PEFT_RULE_CURRENT ? "(.*\\.)?(%s)$" : ".*\\.%s$";
+    const char *tmpl = c->rule == LK_PEFT_RULE_CURRENT ? CUR_TMPL : OLD_TMPL;
     size_t i = 0;
     const char *k;
     json_t *v;
@@ -484,7 +496,8 @@ static lk_status parse_patterns(lk_peft_config *c, json_t *obj, const char *fiel
             break;
         }
         p[i].value = d;
-        if ((s = compile(label, field, k, tmpl, 0, &p[i].re))) {
+        /* a plain key is matched by lookup; its regex is compiled only if a name needs it (lazy_re) */
+        if ((!key_is_plain(k) || strlen(k) > LK_RE_MAX_PATTERN / 2) && (s = compile(label, field, k, tmpl, 0, &p[i].re))) {
             lk_free(p[i].key);
             break;
         }
@@ -600,7 +613,8 @@ static lk_status parse_to_save(lk_peft_config *c, json_t *v) {
     if (!(c->to_save_re = lk_calloc(c->n_to_save ? c->n_to_save : 1, sizeof *c->to_save_re)))
         return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
     for (size_t i = 0; i < c->n_to_save && !s; i++) {
-        s = compile(c->label, "modules_to_save", c->to_save[i], "(^|.*\\.)%s($|\\..*)", 0, &c->to_save_re[i]);
+        if (!key_is_plain(c->to_save[i]) || strlen(c->to_save[i]) > LK_RE_MAX_PATTERN / 2)
+            s = compile(c->label, "modules_to_save", c->to_save[i], TO_SAVE_TMPL, 0, &c->to_save_re[i]);
         size_t l = strlen(c->to_save[i]);
         if (l > c->to_save_max) c->to_save_max = l;
     }
@@ -820,7 +834,9 @@ static lk_status first_hit(const lk_peft_config *c, int l, const char *name, siz
         size_t i = plain ? x->re_keys[k] : k;
         if (i >= best) break;
         int hit;
-        if ((s = match(c, p[i].re, field, p[i].key, name, &hit, NULL))) return s;
+        void **re = (void **)&p[i].re; /* configs are heap objects, never const ones */
+        if ((s = lazy_re(c, re, field, p[i].key, c->rule == LK_PEFT_RULE_CURRENT ? CUR_TMPL : OLD_TMPL))) return s;
+        if ((s = match(c, *re, field, p[i].key, name, &hit, NULL))) return s;
         if (hit) {
             best = i;
             break;
@@ -876,6 +892,7 @@ lk_status lk_peft_targets(const lk_peft_config *c, const char *name, int *hit) {
         size_t m = plain ? c->to_save_lit.n_re_keys : c->n_to_save;
         for (size_t k = 0; k < m; k++) {
             size_t i = plain ? c->to_save_lit.re_keys[k] : k;
+            if ((s = lazy_re(c, &c->to_save_re[i], "modules_to_save", c->to_save[i], TO_SAVE_TMPL))) return s;
             if ((s = match(c, c->to_save_re[i], "modules_to_save", c->to_save[i], name, &h, NULL))) return s;
             if (h) return LK_OK;
         }

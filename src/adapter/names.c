@@ -8,7 +8,7 @@
 
 int lk_names_init(lk_names *t, size_t n) {
     memset(t, 0, sizeof *t);
-    size_t cap = 16;
+    size_t cap = 4; /* a power of two; many tiny tables (one per key shape) stay small */
     while (cap < n * 2) {
         if (cap > SIZE_MAX / 4 / sizeof *t->slot) return -1;
         cap *= 2;
