@@ -27,6 +27,13 @@ void lk_log_set_level(lk_log_level level);
 /* Sets the rank prefix; size <= 1 removes it. */
 void lk_log_set_rank(int rank, int size);
 
+/* Where lines go instead of stderr (a host's own logging: the Python
+ * package forwards them to the `lorakit` logger). fn gets the level and the
+ * message (no tag, no rank prefix, no newline); it may be called from any
+ * thread that logs. NULL restores stderr. Set it before work starts. */
+typedef void (*lk_log_sink)(void *ctx, lk_log_level level, const char *msg);
+void lk_log_set_sink(lk_log_sink fn, void *ctx);
+
 #ifdef __cplusplus
 }
 #endif

@@ -13,8 +13,10 @@ buffer protocol (NumPy) or DLPack (PyTorch).
 """
 import atexit
 import json
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 
 from . import _lorakit as _c
@@ -22,9 +24,44 @@ from ._adapter import Adapter
 from ._lorakit import LoraError, __version__
 
 __all__ = [
-    "Adapter", "LoraError", "Tracker", "__version__", "check_replicas", "digest", "digest_tensors", "fuse", "fuse_",
-    "inspect", "sync_grads", "sync_param_grads",
+    "Adapter", "LoraError", "LoraWarning", "Tracker", "__version__", "check_replicas", "digest", "digest_tensors", "fuse", "fuse_",
+    "inspect", "set_log_level", "sync_grads", "sync_param_grads",
 ]
+
+# ---- logging: the C library's lines as records on the `lorakit` logger ----
+
+logger = logging.getLogger("lorakit")
+_LEVELS = {0: logging.ERROR, 1: logging.WARNING, 2: logging.INFO, 3: logging.DEBUG}
+
+
+class LoraWarning(UserWarning):
+    """A lorakit warning that asks for action (e.g. an adapter whose alpha
+    defaults to r because its config is missing). Also logged."""
+
+
+def _on_log(level, msg):
+    logger.log(_LEVELS.get(level, logging.WARNING), msg)
+    if level == 1:
+        warnings.warn(msg, LoraWarning, stacklevel=3)  # _on_log, the lorakit call, its caller
+
+
+def set_log_level(level):
+    """The C library's threshold: "error", "warn", "info" or "debug"
+    (LORAKIT_LOG sets it at start; default "warn"). Lines at or above it
+    become records on the `lorakit` logger; warnings also LoraWarning."""
+    names = {"error": 0, "warn": 1, "info": 2, "debug": 3}
+    if level not in names:
+        raise ValueError(f"level must be one of {list(names)}, got {level!r}")
+    _c.log_level(names[level])
+
+
+_c.set_log_sink(_on_log)
+
+
+@atexit.register
+def _unset_log_sink():
+    _c.set_log_sink(None)
+
 
 # NumPy dtypes that the buffer protocol cannot describe (ml_dtypes), passed
 # as a raw unsigned view plus the lorakit dtype name.

@@ -1193,7 +1193,59 @@ static PyTypeObject TrackerType = {
     .tp_getset = Tracker_getset,
 };
 
+/* ---- logging: lorakit's lines to a Python callable ---- */
+
+static PyObject *g_log_fn; /* callable(level: int, msg: str), or NULL */
+
+static void py_log_sink(void *ctx, lk_log_level level, const char *msg) {
+    (void)ctx;
+    if (!Py_IsInitialized()) return;
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *fn = g_log_fn;
+    if (fn) {
+        Py_INCREF(fn);
+        PyObject *r = PyObject_CallFunction(fn, "is", (int)level, msg);
+        if (!r) PyErr_WriteUnraisable(fn); /* a logging handler failed: shown, never lost silently */
+        Py_XDECREF(r);
+        Py_DECREF(fn);
+    }
+    PyGILState_Release(g);
+}
+
+/* set_log_sink(fn or None): lorakit's log lines go to fn(level, msg)
+ * instead of stderr. */
+static PyObject *py_set_log_sink(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *fn;
+    if (!PyArg_ParseTuple(args, "O", &fn)) return NULL;
+    if (fn != Py_None && !PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "set_log_sink: a callable or None");
+        return NULL;
+    }
+    if (fn == Py_None) {
+        lk_log_set_sink(NULL, NULL);
+        Py_CLEAR(g_log_fn);
+    } else {
+        Py_INCREF(fn);
+        Py_XSETREF(g_log_fn, fn);
+        lk_log_set_sink(py_log_sink, NULL);
+    }
+    Py_RETURN_NONE;
+}
+
+/* log_level() / set_log_level(level): the C logger's threshold (0 error ..
+ * 3 debug; LORAKIT_LOG sets it at start). */
+static PyObject *py_log_level(PyObject *mod, PyObject *args) {
+    (void)mod;
+    int level = -1;
+    if (!PyArg_ParseTuple(args, "|i", &level)) return NULL;
+    if (level >= 0) lk_log_set_level((lk_log_level)(level > 3 ? 3 : level));
+    return PyLong_FromLong((long)lk_log_get_level());
+}
+
 static PyMethodDef methods[] = {
+    {"set_log_sink", py_set_log_sink, METH_VARARGS, NULL},
+    {"log_level", py_log_level, METH_VARARGS, NULL},
     {"digest", py_digest, METH_VARARGS, NULL},
     {"digest_tensors", py_digest_tensors, METH_VARARGS, NULL},
     {"inspect", py_inspect, METH_VARARGS, NULL},

@@ -58,7 +58,8 @@ def test_peft_state_dict_and_config(tmp_path):
     assert lorakit.digest_tensors(t) == want
     # without its config the alphas differ (r instead of the patterns): other bytes
     t = load_numpy(base)
-    lorakit.fuse_(t, [(lorakit.Adapter.from_state_dict(sd), 0.75)])
+    with pytest.warns(lorakit.LoraWarning, match="alpha defaults to r"):
+        lorakit.fuse_(t, [(lorakit.Adapter.from_state_dict(sd), 0.75)])
     assert lorakit.digest_tensors(t) != want
     t = load_numpy(base)
     lorakit.fuse_(t, [(lorakit.Adapter.load(folder), 0.75)])  # the folder read into memory
@@ -77,3 +78,18 @@ def test_errors_name_the_adapter(model):
         lorakit.fuse_(t, [lorakit.Adapter(b"\x08\0\0\0\0\0\0\0{}      ", name="mine")])  # no tensors: an error
     with pytest.raises(TypeError, match="must be a dict, a PEFT LoraConfig or JSON"):
         lorakit.Adapter(b"", 42)
+
+
+def test_warnings_reach_python_logging(model, caplog):
+    """The C library's warning (here: a PEFT adapter without a config, so
+    alpha defaults to r) is a record on the `lorakit` logger and a
+    LoraWarning, not a line on C stderr."""
+    sd = {"base_model.model." + k[len("transformer."):]: v for k, (dt, v) in st_io.read(model["a2"]).items()}
+    ad = lorakit.Adapter.from_state_dict(sd, name="nocfg")
+    t = load_numpy(model["base"])
+    with caplog.at_level("WARNING", logger="lorakit"), pytest.warns(lorakit.LoraWarning, match="alpha defaults to r"):
+        lorakit.fuse_(t, [(ad, 1.0)])
+    assert any(r.name == "lorakit" and "nocfg@" in r.getMessage() and "alpha defaults to r" in r.getMessage()
+               for r in caplog.records), caplog.records
+    with pytest.raises(ValueError, match="level must be one of"):
+        lorakit.set_log_level("loud")

@@ -8,6 +8,13 @@
 
 static int g_level = -1; /* -1: not yet read from LORAKIT_LOG */
 static int g_rank = 0, g_size = 1;
+static lk_log_sink g_sink; /* NULL: stderr */
+static void *g_sink_ctx;
+
+void lk_log_set_sink(lk_log_sink fn, void *ctx) {
+    g_sink_ctx = ctx;
+    g_sink = fn;
+}
 
 lk_log_level lk_log_get_level(void) {
     if (g_level < 0) {
@@ -38,6 +45,10 @@ void lk_log(lk_log_level level, const char *fmt, ...) {
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    if (g_sink) {
+        g_sink(g_sink_ctx, level, msg);
+        return;
+    }
     /* One fprintf per line so lines from several ranks do not interleave mid-line. */
     if (g_size > 1)
         fprintf(stderr, "[rank %d] lorakit %s: %s\n", g_rank, tag[level], msg);
