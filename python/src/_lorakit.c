@@ -186,8 +186,9 @@ static int view_acquire(view *v, PyObject *name, PyObject *obj, const char *dtyp
         if (dtype_hint && lk_dtype_size(d) != (size_t)v->buf.itemsize) d = LK_DTYPE_INVALID;
         if (check_dtype(v, d, flags, dtype_hint ? dtype_hint : v->buf.format ? v->buf.format : "?") < 0) goto fail;
         if (!PyBuffer_IsContiguous(&v->buf, 'C')) {
-            PyErr_Format(PyExc_ValueError, "%s: not contiguous (lorakit works in place on C-contiguous memory; "
-                         "pass a contiguous array)", v->t.name);
+            PyErr_Format(PyExc_ValueError, "%s: not contiguous: lorakit writes an array's own memory, and "
+                         "a contiguous copy would leave the original unchanged; make the original C-contiguous and "
+                         "pass it", v->t.name);
             goto fail;
         }
         if ((flags & NEED_WRITE) && v->buf.readonly) {
@@ -253,8 +254,9 @@ static int view_acquire(view *v, PyObject *name, PyObject *obj, const char *dtyp
         int64_t want = 1;
         for (int d = t->ndim - 1; d >= 0; d--) {
             if (t->shape[d] != 1 && t->strides[d] != want) {
-                PyErr_Format(PyExc_ValueError, "%s: not contiguous (lorakit works in place on contiguous memory; "
-                             "call .contiguous() first)", v->t.name);
+                PyErr_Format(PyExc_ValueError, "%s: not contiguous: lorakit writes a tensor's own memory, "
+                             "and a .contiguous() copy would leave the model unchanged; make the model's tensor "
+                             "itself contiguous and pass it", v->t.name);
                 goto fail;
             }
             want *= t->shape[d];
