@@ -697,10 +697,10 @@ static void test_config_errors(void **state) {
         lk_status s;
         const char *msg;
     } cases[] = {
-        {"{\"r\": 0, \"lora_alpha\": 8}", LK_ERR_CONFIG, "adapter_config.json: r = 0: the rank must be a positive integer"},
-        {"{\"r\": -4}", LK_ERR_CONFIG, "adapter_config.json: r = -4: the rank must be a positive integer"},
+        {"{\"r\": 0, \"lora_alpha\": 8}", LK_ERR_CONFIG, "adapter_config.json: r = 0: the rank must be a whole number from 1 to 1000000000"},
+        {"{\"r\": -4}", LK_ERR_CONFIG, "adapter_config.json: r = -4: the rank must be a whole number from 1 to 1000000000"},
         {"{\"r\": 4, \"rank_pattern\": {\"to_q\": 0}}", LK_ERR_CONFIG,
-         "adapter_config.json: rank_pattern[\"to_q\"] = 0: a rank must be a positive integer"},
+         "adapter_config.json: rank_pattern[\"to_q\"] = 0: a rank must be a whole number from 1 to 1000000000"},
         {"{\"r\": 4, \"lora_alpha\": \"8\"}", LK_ERR_CONFIG, "adapter_config.json: lora_alpha must be a finite number"},
         {"{\"r\": 4, \"lora_alpha\": NaN}", LK_ERR_CONFIG, "adapter_config.json: invalid JSON"},
         {"{\"peft_type\": \"LOHA\"}", LK_ERR_UNSUPPORTED, "peft_type = \"LOHA\"; only LORA adapters can be fused"},

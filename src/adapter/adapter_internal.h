@@ -81,6 +81,7 @@ typedef struct lk_peft_config {
     long *layers;      /* layers_to_transform (NULL: all) */
     size_t n_layers;
     void **layers_re;  /* layers_pattern, compiled per PEFT's rule (none: any layer name) */
+    char **layers_pats; /* their layers_pattern entries as written (NULL: no layers_pattern) */
     size_t n_layers_re;
     char **to_save;    /* modules_to_save */
     void **to_save_re; /* (^|.*\.)entry($|\..*): PEFT keeps LoRA off these */

@@ -44,6 +44,9 @@
 #include <pcre2.h>
 #include <stdio.h>
 #include <stdlib.h>
+
+/* The largest rank a config may name (r, rank_pattern): larger ones are refused, not truncated. */
+#define LK_PEFT_RANK_MAX 1000000000
 #include <string.h>
 
 /* Bounds for one match of a pattern against one module name. PEFT's
@@ -447,6 +450,7 @@ void lk_peft_config_free(lk_peft_config *c) {
     free_match(&c->exclude);
     lk_free(c->layers);
     free_codes(c->layers_re, c->n_layers_re);
+    free_strs(c->layers_pats, c->layers_pats ? c->n_layers_re : 0);
     free_strs(c->to_save, c->n_to_save);
     free_codes(c->to_save_re, c->n_to_save);
     pcre2_match_context_free(c->mctx);
@@ -486,8 +490,10 @@ static lk_status parse_patterns(lk_peft_config *c, json_t *obj, const char *fiel
             s = lk_error(LK_ERR_CONFIG, "%s: %s[\"%s\"] = %g is not finite", label, field, k, d);
             break;
         }
-        if (is_rank && (d <= 0 || d != floor(d) || d > 1e9)) {
-            s = lk_error(LK_ERR_CONFIG, "%s: %s[\"%s\"] = %g: a rank must be a positive integer", label, field, k, d);
+        if (is_rank && (d <= 0 || d != floor(d) || d > LK_PEFT_RANK_MAX)) {
+            char vb[LK_NUM_STR_MAX];
+            s = lk_error(LK_ERR_CONFIG, "%s: %s[\"%s\"] = %s: a rank must be a whole number from 1 to %d", label,
+                         field, k, lk_num_str(d, vb), LK_PEFT_RANK_MAX);
             break;
         }
         p[i].key = lk_strdup(k);
@@ -600,6 +606,10 @@ static lk_status parse_layers(lk_peft_config *c, json_t *root) {
             s = compile(c->label, "layers_to_transform", "", cur ? ".*?\\.[^.]*\\.(?P<idx>\\d+)\\.%s" : ".*\\.[^.]*\\.(?P<idx>\\d+)\\.%s",
                         0, &c->layers_re[i]);
         if (!s) c->n_layers_re = i + 1;
+    }
+    if (!s && np) { /* kept for messages: a limit names the entry as written */
+        c->layers_pats = pats;
+        return s;
     }
     free_strs(pats, np);
     return s;
@@ -751,9 +761,11 @@ lk_status lk_peft_config_parse(const char *text, size_t len, const char *label, 
     }
     if ((v = json_object_get(root, "r")) && !json_is_null(v)) {
         double d = json_is_number(v) ? json_number_value(v) : NAN;
-        if (!json_is_number(v) || d != floor(d) || d <= 0 || d > 1e9) {
+        if (!json_is_number(v) || d != floor(d) || d <= 0 || d > LK_PEFT_RANK_MAX) {
+            char vb[LK_NUM_STR_MAX];
             if (json_is_number(v))
-                s = lk_error(LK_ERR_CONFIG, "%s: r = %g: the rank must be a positive integer", label, d);
+                s = lk_error(LK_ERR_CONFIG, "%s: r = %s: the rank must be a whole number from 1 to %d", label,
+                             lk_num_str(d, vb), LK_PEFT_RANK_MAX);
             else
                 s = lk_error(LK_ERR_CONFIG, "%s: r must be a number", label);
             goto done;
@@ -911,7 +923,9 @@ lk_status lk_peft_targets(const lk_peft_config *c, const char *name, int *hit) {
     }
     for (size_t i = 0; i < c->n_layers_re; i++) {
         long idx = -1;
-        if ((s = match(c, c->layers_re[i], "layers_pattern", "", name, &h, &idx))) return s;
+        s = c->layers_pats ? match(c, c->layers_re[i], "layers_pattern", c->layers_pats[i], name, &h, &idx)
+                           : match(c, c->layers_re[i], "layers_to_transform", "<any layer name>.<index>.", name, &h, &idx);
+        if (s) return s;
         if (!h) continue;
         for (size_t j = 0; j < c->n_layers; j++)
             if (idx >= 0 && idx == c->layers[j]) *hit = 1;

@@ -43,12 +43,21 @@ static int idx_cmp(const void *pa, const void *pb, void *ctx) {
     return strcmp(m[*(const size_t *)pa].name, m[*(const size_t *)pb].name);
 }
 
-/* Index of the model tensor named exactly key, or SIZE_MAX. */
-static size_t find_model(const lk_tensor *model, const size_t *ord, size_t n, const char *key) {
+/* strcmp(name, head[0..hl) + tail), without building the second string
+ * (a name of any length: a fixed buffer once made a module name over 4 KiB
+ * match nothing). */
+static int cmp_concat(const char *name, const char *head, size_t hl, const char *tail) {
+    int c = strncmp(name, head, hl);
+    return c ? c : strcmp(name + hl, tail);
+}
+
+/* Index of the model tensor named exactly head[0..hl) + tail, or SIZE_MAX. */
+static size_t find_concat(const lk_tensor *model, const size_t *ord, size_t n, const char *head, size_t hl,
+                          const char *tail) {
     size_t lo = 0, hi = n;
     while (lo < hi) {
         size_t mid = lo + (hi - lo) / 2;
-        int c = strcmp(model[ord[mid]].name, key);
+        int c = cmp_concat(model[ord[mid]].name, head, hl, tail);
         if (c == 0) return ord[mid];
         if (c < 0) lo = mid + 1;
         else hi = mid;
@@ -56,10 +65,14 @@ static size_t find_model(const lk_tensor *model, const size_t *ord, size_t n, co
     return SIZE_MAX;
 }
 
-static size_t find_with_suffix(const lk_tensor *model, const size_t *ord, size_t n, const char *base,
-                               char *buf, size_t cap) {
-    if ((size_t)snprintf(buf, cap, "%s.weight", base) >= cap) return SIZE_MAX;
-    return find_model(model, ord, n, buf);
+/* Index of the model tensor named exactly key, or SIZE_MAX. */
+static size_t find_model(const lk_tensor *model, const size_t *ord, size_t n, const char *key) {
+    return find_concat(model, ord, n, key, strlen(key), "");
+}
+
+/* Index of the model tensor "<base>.weight", or SIZE_MAX. */
+static size_t find_with_suffix(const lk_tensor *model, const size_t *ord, size_t n, const char *base) {
+    return find_concat(model, ord, n, base, strlen(base), ".weight");
 }
 
 /* For the names in t (ids below n_ids), the first two model keys, in model
@@ -654,7 +667,6 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
     size_t *mfirst = NULL, *msecond = NULL, *msame = NULL, *rx = NULL, *rfirst = NULL, *rsecond = NULL, *rsame = NULL;
     lk_names mt = {0}, rt = {0};
     const char *first_unmatched_rep = NULL;
-    char buf[4096];
     if (!ord || !tnames || !bnames || !bby || !rnames || !rby || !trans || !mx || !mcomp || !tidx) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
         goto done;
@@ -677,9 +689,9 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
                 mx[i] = SIZE_MAX;
                 continue;
             }
-            size_t t = find_with_suffix(model, ord, n_model, m->module, buf, sizeof buf);
+            size_t t = find_with_suffix(model, ord, n_model, m->module);
             if (t == SIZE_MAX && strcmp(a->stems[i], m->module))
-                t = find_with_suffix(model, ord, n_model, a->stems[i], buf, sizeof buf);
+                t = find_with_suffix(model, ord, n_model, a->stems[i]);
             mx[i] = t;
         }
         if ((s = suffix_table(a->file, &mt, a->names, mx, a->n, msame))) goto done;
@@ -793,12 +805,11 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
             goto done;
         }
         if (m->bias.name) { /* lora_bias: the layer's own bias, "<m>.bias" */
-            size_t tl = strlen(model[t].name);
-            if ((size_t)snprintf(buf, sizeof buf, "%.*sbias", (int)(tl - 6), model[t].name) >= sizeof buf) buf[0] = 0;
-            size_t b = find_model(model, ord, n_model, buf);
+            size_t tl = strlen(model[t].name) - 6; /* "<m>." of "<m>.weight" */
+            size_t b = find_concat(model, ord, n_model, model[t].name, tl, "bias");
             if (b == SIZE_MAX) {
-                s = lk_error(LK_ERR_UNMATCHED, "%s: %s has a bias delta ('%s') but the model has no %s to add it to",
-                             a->file, m->module, m->bias.name, buf);
+                s = lk_error(LK_ERR_UNMATCHED, "%s: %s has a bias delta ('%s') but the model has no %.*sbias to add it "
+                             "to", a->file, m->module, m->bias.name, (int)tl, model[t].name);
                 goto done;
             }
             const lk_tensor *bw = &model[b];

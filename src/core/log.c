@@ -1,5 +1,6 @@
 /* log.c — the only place the library writes to stderr. */
 #include "lorakit/log.h"
+#include "core/msg.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -40,10 +41,10 @@ void lk_log_set_rank(int rank, int size) {
 void lk_log(lk_log_level level, const char *fmt, ...) {
     if ((int)level > (int)lk_log_get_level()) return;
     static const char *const tag[] = {"error", "warn", "info", "debug"};
-    char msg[4096];
+    char msg[8192];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    lk_msg_vformat(msg, sizeof msg, fmt, ap); /* long names shortened in their middle (core/msg.h) */
     va_end(ap);
     if (g_sink) {
         g_sink(g_sink_ctx, level, msg);

@@ -2,6 +2,7 @@
  * The message lives in a fixed thread-local buffer so recording an error can
  * never itself fail (it is used on the out-of-memory path too). */
 #include "lorakit/status.h"
+#include "core/msg.h"
 
 #include <math.h>
 #include <stdarg.h>
@@ -9,7 +10,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LK_ERRBUF 2048
+/* 8 KiB: with every name over LK_MSG_ARG_MAX shortened (core/msg.h), a
+ * message keeps its reason; a longer one loses its middle, not its end. */
+#define LK_ERRBUF 8192
 static _Thread_local char g_err[LK_ERRBUF];
 
 static const char *const g_names[LK_STATUS_COUNT] = {
@@ -40,30 +43,25 @@ const char *lk_last_error(void) { return g_err; }
 void lk_error_clear(void) { g_err[0] = '\0'; }
 
 lk_status lk_error(lk_status s, const char *fmt, ...) {
+    char big[4 * LK_ERRBUF];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(g_err, sizeof g_err, fmt, ap);
+    size_t n = lk_msg_vformat(big, sizeof big, fmt, ap);
     va_end(ap);
+    lk_msg_fit(g_err, sizeof g_err, big, n);
     return s;
 }
 
 lk_status lk_error_prefix(lk_status s, const char *fmt, ...) {
-    char old[LK_ERRBUF];
-    char pre[512];
-    memcpy(old, g_err, sizeof old);
+    char big[5 * LK_ERRBUF];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(pre, sizeof pre, fmt, ap);
+    size_t pl = lk_msg_vformat(big, LK_ERRBUF, fmt, ap);
     va_end(ap);
-    /* Composed by hand (not snprintf "%s: %s") so the truncation is explicit
-     * and GCC's -Wformat-truncation stays quiet at -O0. */
-    size_t pl = strlen(pre); /* < sizeof pre, which is < sizeof g_err - 3 */
-    size_t ol = strnlen(old, sizeof g_err - 3 - pl);
-    memcpy(g_err, pre, pl);
-    g_err[pl] = ':';
-    g_err[pl + 1] = ' ';
-    memcpy(g_err + pl + 2, old, ol);
-    g_err[pl + 2 + ol] = '\0';
+    size_t ol = strlen(g_err); /* < LK_ERRBUF: the whole old message fits after the prefix */
+    memcpy(big + pl, ": ", 2);
+    memcpy(big + pl + 2, g_err, ol + 1);
+    lk_msg_fit(g_err, sizeof g_err, big, pl + 2 + ol);
     return s;
 }
 

@@ -1,0 +1,136 @@
+/* msg.c — see msg.h: messages that keep their end whatever their names'
+ * length. A small printf driver: each conversion is handed to snprintf on
+ * its own, with its argument taken at the type its length modifier says,
+ * so a long %s argument can be shortened before it is printed. */
+#include "core/msg.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/types.h>
+
+size_t lk_msg_fit(char *buf, size_t cap, const char *s, size_t len) {
+    if (!cap) return 0;
+    if (len < cap) {
+        memcpy(buf, s, len);
+        buf[len] = '\0';
+        return len;
+    }
+    char mark[64];
+    int ml = snprintf(mark, sizeof mark, "...(%zu bytes elided)...", len);
+    size_t room = cap - 1 > (size_t)ml ? cap - 1 - (size_t)ml : 0, head = room / 2, tail = room - head;
+    if (!room) {
+        memcpy(buf, s, cap - 1);
+        buf[cap - 1] = '\0';
+        return cap - 1;
+    }
+    snprintf(mark, sizeof mark, "...(%zu bytes elided)...", len - room);
+    ml = (int)strlen(mark);
+    if ((size_t)ml > cap - 1 - room) { /* the count got shorter: never longer */
+        room = cap - 1 - (size_t)ml;
+        head = room / 2;
+        tail = room - head;
+    }
+    memcpy(buf, s, head);
+    memcpy(buf + head, mark, (size_t)ml);
+    memcpy(buf + head + (size_t)ml, s + len - tail, tail);
+    buf[head + (size_t)ml + tail] = '\0';
+    return head + (size_t)ml + tail;
+}
+
+/* Appends one conversion (spec: "%...c") of the next argument to buf at *o. */
+#define PUT(val)                                                                         \
+    do {                                                                                 \
+        int n_ = *o < cap ? snprintf(buf + *o, cap - *o, spec, val) : 0;                 \
+        if (n_ > 0) *o = *o + (size_t)n_ < cap ? *o + (size_t)n_ : cap - 1;             \
+    } while (0)
+
+size_t lk_msg_vformat(char *buf, size_t cap, const char *fmt, va_list ap) {
+    if (!cap) return 0;
+    size_t o0 = 0, *o = &o0;
+    buf[0] = '\0';
+    for (const char *p = fmt; *p && *o + 1 < cap;) {
+        if (*p != '%') {
+            buf[(*o)++] = *p++;
+            buf[*o] = '\0';
+            continue;
+        }
+        if (p[1] == '%') {
+            buf[(*o)++] = '%';
+            buf[*o] = '\0';
+            p += 2;
+            continue;
+        }
+        /* the spec, with any '*' replaced by its int argument */
+        char spec[64];
+        size_t sl = 0;
+        int has_prec = 0;
+        spec[sl++] = *p++;
+        while (*p && strchr("-+ #0", *p) && sl < 40) spec[sl++] = *p++;
+        for (int part = 0; part < 2; part++) {
+            if (part == 1) {
+                if (*p != '.') break;
+                has_prec = 1;
+                spec[sl++] = *p++;
+            }
+            if (*p == '*') {
+                sl += (size_t)snprintf(spec + sl, sizeof spec - sl, "%d", va_arg(ap, int));
+                p++;
+            } else {
+                while (*p >= '0' && *p <= '9' && sl < 50) spec[sl++] = *p++;
+            }
+        }
+        char len[3] = "";
+        size_t ll = 0;
+        while (*p && strchr("hlzjtL", *p) && ll < 2) len[ll++] = *p, spec[sl++] = *p++;
+        len[ll] = '\0';
+        char conv = *p ? *p++ : 's';
+        spec[sl++] = conv;
+        spec[sl] = '\0';
+        switch (conv) {
+        case 'd': case 'i':
+            if (!strcmp(len, "l")) PUT(va_arg(ap, long));
+            else if (!strcmp(len, "ll")) PUT(va_arg(ap, long long));
+            else if (!strcmp(len, "z")) PUT(va_arg(ap, ssize_t));
+            else if (!strcmp(len, "j")) PUT(va_arg(ap, intmax_t));
+            else if (!strcmp(len, "t")) PUT(va_arg(ap, ptrdiff_t));
+            else PUT(va_arg(ap, int));
+            break;
+        case 'u': case 'o': case 'x': case 'X':
+            if (!strcmp(len, "l")) PUT(va_arg(ap, unsigned long));
+            else if (!strcmp(len, "ll")) PUT(va_arg(ap, unsigned long long));
+            else if (!strcmp(len, "z")) PUT(va_arg(ap, size_t));
+            else if (!strcmp(len, "j")) PUT(va_arg(ap, uintmax_t));
+            else if (!strcmp(len, "t")) PUT(va_arg(ap, ptrdiff_t));
+            else PUT(va_arg(ap, unsigned));
+            break;
+        case 'c': PUT(va_arg(ap, int)); break;
+        case 'p': PUT(va_arg(ap, void *)); break;
+        case 'f': case 'F': case 'e': case 'E': case 'g': case 'G': case 'a': case 'A':
+            if (!strcmp(len, "L")) PUT(va_arg(ap, long double));
+            else PUT(va_arg(ap, double));
+            break;
+        case 's': {
+            const char *s = va_arg(ap, const char *);
+            if (!s) s = "(null)";
+            size_t n = has_prec ? strnlen(s, LK_MSG_ARG_MAX + 1) : strlen(s);
+            if (!has_prec && n > LK_MSG_ARG_MAX) { /* a long name: its head and tail */
+                char shortened[LK_MSG_ARG_MAX + 1];
+                lk_msg_fit(shortened, sizeof shortened, s, n);
+                PUT(shortened);
+            } else {
+                PUT(s);
+            }
+            break;
+        }
+        default: { /* not a conversion lorakit uses: the spec shown as written */
+            size_t n = strlen(spec) < cap - 1 - *o ? strlen(spec) : cap - 1 - *o;
+            memcpy(buf + *o, spec, n);
+            *o += n;
+            buf[*o] = '\0';
+            break;
+        }
+        }
+    }
+    return *o;
+}
