@@ -572,6 +572,20 @@ static void test_map_file(void **state) {
     tu_assert_contains(p->rule, "--map (");
     tu_assert_contains(p->rule, "mine.lkmap:4)");
     lk_adapter_free(a);
+    /* A --map that does not exist is an error even where every module lands
+     * without it (it was silently unused: QA, issue 19). */
+    af_file *e = af_new();
+    af_rand(e, "layers.3.k.weight", LK_DTYPE_F32, 4, 8, &g_rng, -1, 1);
+    assert_int_equal(lk_adapter_open(lp, LK_FORMAT_AUTO, &a), LK_OK);
+    assert_int_equal(lk_adapter_resolve(a, e->t, e->n, 0, NULL), LK_OK);
+    char *nop = tu_path(g_dir, "no-such.lkmap");
+    const char *missing[] = {nop};
+    lk_resolve_opts rm = {.maps = missing, .n_maps = 1};
+    assert_int_not_equal(lk_adapter_resolve_opts(a, e->t, e->n, &rm, NULL), LK_OK);
+    tu_assert_contains(lk_last_error(), "no-such.lkmap");
+    lk_adapter_free(a);
+    free(nop);
+    af_free(e);
     static const struct {
         const char *text, *msg;
     } bad[] = {

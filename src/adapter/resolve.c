@@ -673,6 +673,13 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
     }
     mfirst = mx + nm_, msecond = mfirst + nm_, msame = msecond + nm_;
     rx = msame + nm_, rfirst = rx + nr_, rsecond = rfirst + nr_, rsame = rsecond + nr_;
+    /* A table the user named (--arch, --map) is read and checked even where every module lands
+     * without it: a missing or malformed one is an error, never silently unused. */
+    if (opts && (opts->arch || opts->n_maps)) {
+        lk_layout_opts lo = {opts->arch, opts->maps, opts->n_maps};
+        if ((s = lk_layout_build(model, n_model, &lo, a->path, &lay))) goto done;
+        have_lay = 1;
+    }
     for (size_t i = 0; i < n_model; i++) {
         if (!model[i].name) {
             s = lk_error(LK_ERR_ARG, "lk_adapter_resolve: model tensor %zu has no name", i);
