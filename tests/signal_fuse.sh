@@ -5,7 +5,7 @@
 # A real fuse of a 320 MiB sharded checkpoint (2 shards of five F32
 # 4096x2048 weights, made here: header by printf, zero data by truncate, so
 # it costs no disk reads) is interrupted mid-write:
-#   - by SIGINT, SIGTERM, SIGHUP and SIGPIPE, sent once the temporary holds
+#   - by SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGQUIT, SIGALRM, SIGUSR1 and SIGUSR2, sent once the temporary holds
 #     at least 32 MiB (the process is stopped with SIGSTOP first, checked to
 #     be still writing, then sent the signal and continued);
 #   - by SIGXFSZ, raised by the kernel itself at a 64 MiB `ulimit -f`;
@@ -128,7 +128,7 @@ died() {
   check_prev "$1 $2"
 }
 
-for sig in INT TERM HUP PIPE; do interrupt "$sig" out.safetensors && died "$sig" out.safetensors; done
+for sig in INT TERM HUP PIPE QUIT ALRM USR1 USR2; do interrupt "$sig" out.safetensors && died "$sig" out.safetensors; done
 interrupt TERM outdir && died TERM outdir
 
 # SIGXFSZ from the kernel: the file size limit is hit mid-write

@@ -87,7 +87,9 @@ lk_status lk_st_save(const char *path, const lk_tensor *tensors, size_t n,
  * async-signal-safe (unlink and rmdir of paths allocated beforehand, no
  * lock), for a host program's own signal handlers, and may be called once
  * (the registrations are consumed). lk_temp_cleanup_on_signals installs
- * handlers for SIGINT, SIGTERM, SIGHUP, SIGPIPE and SIGXFSZ, each only where
+ * handlers for every asynchronous signal whose default action ends the
+ * process (SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGXFSZ, SIGQUIT, SIGALRM,
+ * SIGUSR1/2, SIGXCPU, SIGVTALRM, SIGPROF, SIGIO, SIGPWR, SIGSTKFLT), each only where
  * the signal's action is still the default (an ignored signal stays
  * ignored), that call lk_temp_cleanup, restore the default action and
  * re-raise the signal, so the process still ends by it. The library never

@@ -99,7 +99,11 @@ void lk_temp_cleanup(void) {
     errno = e;
 }
 
-static const int k_signals[] = {SIGINT, SIGTERM, SIGHUP, SIGPIPE, SIGXFSZ};
+/* Every asynchronous signal whose default action ends the process (the
+ * faults SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTRAP, SIGSYS are left
+ * to their default: after one the process state is not to be trusted). */
+static const int k_signals[] = {SIGINT,  SIGTERM, SIGHUP,    SIGPIPE, SIGXFSZ, SIGQUIT, SIGALRM, SIGUSR1,
+                                SIGUSR2, SIGXCPU, SIGVTALRM, SIGPROF, SIGIO,   SIGPWR,  SIGSTKFLT};
 #define N_SIGNALS (sizeof k_signals / sizeof k_signals[0])
 
 static void on_signal(int sig) {
