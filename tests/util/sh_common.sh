@@ -4,7 +4,9 @@
 # apply there) or python3 (the generators) is missing; else sets $work to a
 # fresh temporary folder removed on exit.
 lk_sh_setup() {
-  if ldd "$1" 2>/dev/null | grep -q libasan; then
+  # not `ldd | grep -q`: under pipefail, grep -q's early exit can kill ldd
+  # with SIGPIPE and the pipeline then reads as "not found"
+  if [[ "$(ldd "$1" 2>/dev/null)" == *libasan* ]]; then
     echo "skip: $3"
     exit 0
   fi
