@@ -160,6 +160,7 @@ static int run_steps(lk_comm *c, lk_tracker *t, lk_weights *w, const lk_plan *pl
                                         : lk_error(LK_ERR_MISMATCH, "%s has %zu steps; the other ranks' plans have more",
                                                    plan_path, plan->n_steps);
         s = lk_comm_agree(c, s);
+        if (s == LK_ERR_TIMEOUT) lk_error_prefix(s, "agreeing that every rank has this step"); /* name the collective */
         if (!s) s = lk_tracker_apply(t, plan->steps[i].loras, plan->steps[i].n, &st);
         if (s == LK_ERR_TIMEOUT) {
             lk_error_prefix(s, "step %zu", i + 1);
