@@ -1019,7 +1019,8 @@ lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t 
         const lk_lora_module *m = &a->mods[tp[i].mod];
         lk_tensor B = m->B;
         size_t es = lk_dtype_size(B.dtype);
-        B.data = (unsigned char *)B.data + (size_t)tp[i].b_row0 * (size_t)B.shape[1] * es;
+        if (B.data) /* a module without a B factor (dense, LoKr, ...): no rows to offset */
+            B.data = (unsigned char *)B.data + (size_t)tp[i].b_row0 * (size_t)B.shape[1] * es;
         B.shape[0] = tp[i].rows;
         B.nbytes = (size_t)tp[i].rows * (size_t)B.shape[1] * es;
         pl[i] = (lk_adapter_placement){m, plstr[2 * i], tp[i].row0, tp[i].b_row0, tp[i].rows, tp[i].whole,
