@@ -153,9 +153,9 @@ def swapped_halves(orig, diff):
 
 def sd3_rules():
     """SD3 / SD3.5 MMDiT: joint_blocks.N.{x,context}_block.attn.qkv = q, k, v by thirds.
-    Left out: joint_blocks.N.context_block.adaLN_modulation.1 <-> transformer_blocks.N.norm1_context.linear:
-    the same names in every block, but the last block's (context_pre_only) has its two halves swapped
-    (swap_scale_shift) and the others not, which a name pattern cannot tell apart."""
+    joint_blocks.N.context_block.adaLN_modulation.1 = transformer_blocks.N.norm1_context.linear, but in
+    the last block (context_pre_only: AdaLayerNormContinuous) with its two halves swapped
+    (swap_scale_shift): '#last' rules, which replace the '#' rule for the checkpoint's last block."""
     r = renames((
         ("x_embedder.proj", "pos_embed.proj"),
         ("t_embedder.mlp.0", "time_text_embed.timestep_embedder.linear_1"),
@@ -176,8 +176,11 @@ def sd3_rules():
         ("x_block.attn2.ln_q", "attn2.norm_q"), ("x_block.attn2.ln_k", "attn2.norm_k"),
         ("x_block.adaLN_modulation.1", "norm1.linear"),
         ("x_block.mlp.fc1", "ff.net.0.proj"), ("x_block.mlp.fc2", "ff.net.2"),
-        ("context_block.mlp.fc1", "ff_context.net.0.proj"), ("context_block.mlp.fc2", "ff_context.net.2")),
+        ("context_block.mlp.fc1", "ff_context.net.0.proj"), ("context_block.mlp.fc2", "ff_context.net.2"),
+        ("context_block.adaLN_modulation.1", "norm1_context.linear")),
         j + ".", t + ".")
+    r += swapped_halves("joint_blocks.#last.context_block.adaLN_modulation.1",
+                        "transformer_blocks.#last.norm1_context.linear")
     return r
 
 
@@ -291,9 +294,15 @@ def main():
     write("sdxl", "SDXL UNet: SGM (model.diffusion_model.) <-> diffusers (unet/)",
           ["label_emb.0.0.weight", "add_embedding.linear_1.weight"],
           unet_rules([False, True, True], [True, True, False]))
+    # HunyuanVideo has single_blocks.N.linear1 and single_transformer_blocks.N.proj_mlp too: Flux is BFL's
+    # img_attn.qkv (HunyuanVideo: img_attn_qkv) with a plain img_in linear (HunyuanVideo: img_in.proj, a
+    # conv), or diffusers' proj_mlp with a plain x_embedder linear (HunyuanVideo: x_embedder.proj) and
+    # no token refiner
     write("flux", "Flux: BFL / ComfyUI single file <-> diffusers FluxTransformer2DModel",
-          ["double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_attn.proj.weight",
-           "single_blocks.0.linear1.weight", "single_transformer_blocks.0.proj_mlp.weight"], flux_rules())
+          ["double_blocks.0.img_attn.qkv.weight double_blocks.0.img_attn.proj.weight img_in.weight "
+           "!txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight",
+           "single_transformer_blocks.0.proj_mlp.weight x_embedder.weight "
+           "!context_embedder.token_refiner.refiner_blocks.0.attn.to_q.weight"], flux_rules())
     write_dit_families()
 
 

@@ -45,11 +45,7 @@
 typedef struct fam {
     const char *name;  /* the fixtures' */
     const char *table; /* its family table */
-    /* lk_adapter_family where a table is needed: the family's own table; for
-     * HunyuanVideo also flux, whose detect keys single_blocks.0.linear1.weight
-     * and single_transformer_blocks.0.proj_mlp.weight HunyuanVideo has too
-     * (both tables place those modules identically, so the fuse is the same:
-     * single_blocks.0.linear1 gets q, k, v, proj_mlp through flux's rules) */
+    /* lk_adapter_family where a table is needed: the family's own table alone */
     const char *detected;
     /* the diffusers LoRA on the original layout: an original weight that
      * several diffusers modules share (or NULL), and how many land on it */
@@ -67,7 +63,7 @@ typedef struct fam {
 static const fam g_fams[] = {
     {"sd3", "sd3", "sd3", "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", 3, {NULL}, NULL, 0},
     {"wan", "wan", "wan", NULL, 0, {"original", "kohya", NULL}, "blocks.0.attn2.add_k_proj.weight", 0},
-    {"hunyuan-video", "hunyuan-video", "flux,hunyuan-video", "double_blocks.0.img_attn_qkv.weight", 3,
+    {"hunyuan-video", "hunyuan-video", "hunyuan-video", "double_blocks.0.img_attn_qkv.weight", 3,
      {"original", NULL}, "transformer_blocks.0.attn.to_k.weight", 16},
     {"ltx", "ltx", "ltx", NULL, 0, {NULL}, NULL, 0},
     {"ltx2", "ltx", "ltx", NULL, 0, {NULL}, NULL, 0},
@@ -218,10 +214,12 @@ static void test_detect_keys_do_not_clash(void **state) {
         {"families/sd3_original.safetensors", "sd3"},
         {"families/wan_diffusers.safetensors", "wan"},
         {"families/wan_original.safetensors", "wan"},
-        /* flux's detect keys single_transformer_blocks.0.proj_mlp.weight and
-         * single_blocks.0.linear1.weight are HunyuanVideo's too (see g_fams) */
-        {"families/hunyuan-video_diffusers.safetensors", "flux,hunyuan-video"},
-        {"families/hunyuan-video_original.safetensors", "flux,hunyuan-video"},
+        /* HunyuanVideo has Flux's single_blocks.0.linear1 and
+         * single_transformer_blocks.0.proj_mlp too (flux.lkmap's detect lines
+         * also need Flux's plain img_in / x_embedder and no token refiner;
+         * before they did, these picked "flux,hunyuan-video") */
+        {"families/hunyuan-video_diffusers.safetensors", "hunyuan-video"},
+        {"families/hunyuan-video_original.safetensors", "hunyuan-video"},
         {"families/ltx_diffusers.safetensors", "ltx"},
         {"families/ltx_original.safetensors", "ltx"},
         {"families/ltx2_diffusers.safetensors", "ltx"},
@@ -244,12 +242,68 @@ static void test_detect_keys_do_not_clash(void **state) {
         lk_layout_free(&l);
         lk_weights_free(w);
     }
+    /* A detect line holds only with every key present and every '!' key
+     * absent: Flux's BFL keys without img_in.weight, or its diffusers keys
+     * with HunyuanVideo's token refiner, are not Flux. */
+    static const struct {
+        const char *keys[5], *families;
+    } names[] = {
+        {{"double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_attn.proj.weight", "img_in.weight"}, "flux"},
+        {{"double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_attn.proj.weight", "img_in.proj.weight"}, NULL},
+        {{"single_transformer_blocks.0.proj_mlp.weight", "x_embedder.weight"}, "flux"},
+        {{"single_transformer_blocks.0.proj_mlp.weight", "x_embedder.weight",
+          "context_embedder.token_refiner.refiner_blocks.0.attn.to_q.weight"},
+         "hunyuan-video"},
+        {{"model.diffusion_model.single_blocks.0.linear1.weight"}, NULL},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        lk_tensor t[5] = {0};
+        size_t n = 0;
+        for (; n < 5 && names[i].keys[n]; n++)
+            t[n] = (lk_tensor){.name = names[i].keys[n], .dtype = LK_DTYPE_F32, .ndim = 2, .shape = {4, 4}};
+        lk_layout l;
+        if (lk_layout_build(t, n, NULL, "keys", &l)) fail_msg("%s", lk_last_error());
+        const char *want = names[i].families;
+        if (want ? !l.family || strcmp(l.family, want) : l.family != NULL)
+            fail_msg("case %zu: tables %s detected, expected %s", i, l.family ? l.family : "(none)", want ? want : "(none)");
+        lk_layout_free(&l);
+    }
+}
+
+/* SD3's last joint block: its context norm (AdaLayerNormContinuous, halves
+ * swapped) through sd3.lkmap's '#last' rules, the other blocks' through the
+ * '#' rule. The values are checked by test_family (the LoRA targets
+ * norm1_context.linear in both blocks; diffusers' load is the oracle); here
+ * which rule and rows. */
+static void test_sd3_last_block(void **state) {
+    (void)state;
+    lk_weights *w;
+    assert_int_equal(lk_weights_load(FX "/sd3_original.safetensors", &w), LK_OK);
+    lk_adapter *a;
+    assert_int_equal(lk_adapter_open(FX "/sd3_lora_diffusers.safetensors", LK_FORMAT_AUTO, &a), LK_OK);
+    if (lk_adapter_resolve(a, lk_weights_tensors(w), lk_weights_count(w), 0, NULL)) fail_msg("%s", lk_last_error());
+    const lk_adapter_placement *p;
+    const char *k0 = "model.diffusion_model.joint_blocks.0.context_block.adaLN_modulation.1.weight";
+    const char *k1 = "model.diffusion_model.joint_blocks.1.context_block.adaLN_modulation.1.weight";
+    assert_int_equal(lk_adapter_placements(a, k0, &p), 1);
+    assert_true(p[0].whole);
+    tu_assert_contains(p[0].rule, "sd3.lkmap:38)");
+    assert_int_equal(lk_adapter_placements(a, k1, &p), 2);
+    int64_t h = get(w, k1, "sd3_original")->shape[0] / 2;
+    assert_true(p[0].row0 == 0 && p[0].b_row0 == h && p[0].rows == h);
+    assert_true(p[1].row0 == h && p[1].b_row0 == 0 && p[1].rows == h);
+    tu_assert_contains(p[0].rule, "sd3.lkmap:3");
+    assert_null(strstr(p[0].rule, "sd3.lkmap:38)"));
+    assert_null(strstr(p[1].rule, "sd3.lkmap:38)"));
+    lk_adapter_free(a);
+    lk_weights_free(w);
 }
 
 #define FAM_TEST(i) cmocka_unit_test_prestate(test_family, (void *)&g_fams[i])
 
 int main(void) {
     const struct CMUnitTest tests[] = {FAM_TEST(0), FAM_TEST(1), FAM_TEST(2), FAM_TEST(3), FAM_TEST(4),
-                                       cmocka_unit_test(test_detect_keys_do_not_clash)};
+                                       cmocka_unit_test(test_detect_keys_do_not_clash),
+                                       cmocka_unit_test(test_sd3_last_block)};
     return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }

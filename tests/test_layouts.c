@@ -54,6 +54,7 @@ static const piece g_flux[] = {
     {"single_transformer_blocks.0.attn.to_k", H, H}, {"single_transformer_blocks.0.attn.to_v", H, H},
     {"single_transformer_blocks.0.proj_mlp", 4 * H, H}, {"single_transformer_blocks.0.proj_out", H, 5 * H},
     {"norm_out.linear", 2 * H, H},
+    {"x_embedder", H, H}, /* with the qkv / proj_mlp, what flux.lkmap's detect lines need */
 };
 #define N_FLUX (sizeof g_flux / sizeof g_flux[0])
 
@@ -72,6 +73,7 @@ static const fused g_bfl[] = {
     {"single_blocks.0.linear1", {7, 8, 9, 10}, {0, 0, 0, 0}, {H, H, H, 4 * H}, 4},
     {"single_blocks.0.linear2", {11}, {0}, {H}, 1},
     {"final_layer.adaLN_modulation.1", {12, 12}, {H, 0}, {H, H}, 2},
+    {"img_in", {13}, {0}, {H}, 1},
 };
 #define N_BFL (sizeof g_bfl / sizeof g_bfl[0])
 
@@ -586,16 +588,63 @@ static void test_map_file(void **state) {
     lk_adapter_free(a);
     free(nop);
     af_free(e);
+    /* '#last': the checkpoint's highest number there, whose rules replace
+     * the '#' ones for that block only (SD3's last context norm); from
+     * either side (hand-built model: blocks 0..2, each on both namings). */
+    af_write_text(g_dir, "last.lkmap",
+                  "lorakit-family 1\nmap blk.#.ada layers.#.mod\n"
+                  "map blk.#last.ada layers.#last.mod 0/2:1/2 1/2:2/2\n"
+                  "map blk.#last.ada layers.#last.mod 1/2:2/2 0/2:1/2\n");
+    char *lastp = tu_path(g_dir, "last.lkmap");
+    const char *lmaps[] = {lastp};
+    lk_resolve_opts rl = {.maps = lmaps, .n_maps = 1, .arch = "none"};
+    for (int side = 0; side < 2; side++) {
+        af_file *mm = af_new(), *ll = af_new();
+        for (int b = 0; b < 3; b++) {
+            char kk[64];
+            snprintf(kk, sizeof kk, side ? "layers.%d.mod.weight" : "blk.%d.ada.weight", b);
+            af_rand(mm, kk, LK_DTYPE_F32, 8, 4, &g_rng, -1, 1);
+            snprintf(kk, sizeof kk, side ? "blk.%d.ada" : "layers.%d.mod", b);
+            add_pair(ll, kk, ".lora_A.weight", ".lora_B.weight", 8, 4);
+        }
+        char *llp = save(ll, "last_lora.safetensors");
+        assert_int_equal(lk_adapter_open(llp, LK_FORMAT_AUTO, &a), LK_OK);
+        if (lk_adapter_resolve_opts(a, mm->t, mm->n, &rl, NULL)) fail_msg("%s", lk_last_error());
+        for (int b = 0; b < 3; b++) {
+            char kk[64];
+            snprintf(kk, sizeof kk, side ? "layers.%d.mod.weight" : "blk.%d.ada.weight", b);
+            assert_int_equal(lk_adapter_placements(a, kk, &p), b == 2 ? 2 : 1);
+            if (b < 2) {
+                assert_true(p[0].whole);
+                tu_assert_contains(p[0].rule, "last.lkmap:2)");
+            } else { /* rows 0..4 are the module's rows 4..8 and back */
+                assert_true(p[0].row0 == 0 && p[0].b_row0 == 4 && p[0].rows == 4);
+                assert_true(p[1].row0 == 4 && p[1].b_row0 == 0 && p[1].rows == 4);
+                tu_assert_contains(p[0].rule, "last.lkmap:");
+                assert_null(strstr(p[0].rule, "last.lkmap:2)"));
+            }
+        }
+        lk_adapter_free(a);
+        free(llp);
+        af_free(mm);
+        af_free(ll);
+    }
+    free(lastp);
     static const struct {
         const char *text, *msg;
     } bad[] = {
+        {"lorakit-family 1\nmap a.#last b.#\n", "bad.lkmap:2: 'a.#last' and 'b.#' have different '#' / '#last' / '*' parts"},
+        {"lorakit-family 1\nmap a.#last.#last b.#last.#last\n", "bad.lkmap:2: 'a.#last.#last' is not a name pattern"},
         {"lorakit-family 1\nmapp a b\n", "bad.lkmap:2: unknown key 'mapp' (valid: lorakit-family, family, detect, map)"},
         {"lorakit-family 1\nmap a.qkv b.q 0/2:1/2 0/1:1/1\nmap a.qkv b.k 1/3:2/3 0/1:1/1\n",
          "bad.lkmap:3: b.k and b.q (line 2) both land on overlapping rows of a.qkv"},
-        {"lorakit-family 1\nmap a.# b\n", "bad.lkmap:2: 'a.#' and 'b' have different '#' / '*' parts"},
+        {"lorakit-family 1\nmap a.# b\n", "bad.lkmap:2: 'a.#' and 'b' have different '#' / '#last' / '*' parts"},
         {"lorakit-family 1\nmap a b 1/2:1/2 0/1:1/1\n", "bad.lkmap:2: rows '1/2:1/2' '0/1:1/1'"},
         {"map a b\n", "bad.lkmap:1: a family table starts with 'lorakit-family 1'"},
         {"lorakit-family 1\n", "bad.lkmap: no 'map' lines"},
+        {"lorakit-family 1\ndetect !a.weight\nmap a b\n", "bad.lkmap:2: 'detect' needs a key that must be present"},
+        {"lorakit-family 1\ndetect a.weight b.#.weight\nmap a b\n", "bad.lkmap:2: detect key 'b.#.weight'"},
+        {"lorakit-family 1\ndetect a.weight !!b\nmap a b\n", "bad.lkmap:2: detect key '!!b'"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         af_write_text(g_dir, "bad.lkmap", bad[i].text);

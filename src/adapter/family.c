@@ -6,14 +6,17 @@
  *
  *   lorakit-family 1
  *   family flux
- *   detect double_blocks.0.img_attn.qkv.weight
+ *   detect double_blocks.0.img_attn.qkv.weight img_in.weight !txt_in.individual_token_refiner.blocks.0.norm1.weight
  *   map double_blocks.#.img_attn.qkv transformer_blocks.#.attn.to_q 0/3:1/3 0/1:1/1
  *   map double_blocks.#.img_attn.proj transformer_blocks.#.attn.to_out.0
  *
  * `map ORIG DIFF [ORIG_ROWS DIFF_ROWS]`: the original (single-file) name and
  * the diffusers name of one weight, '.'-separated; a '#' component is a
- * decimal number (captured, substituted in order on the other side), a final
- * '*' the rest of the name. With rows, rows ORIG_ROWS of the original weight
+ * decimal number (captured, substituted in order on the other side), a
+ * '#last' component the highest number the checkpoint has there (its last
+ * block; for a name it matches, the '#last' rules replace the '#' ones), a
+ * final '*' the rest of the name. `detect K1 K2 !K3`: the table applies to
+ * a checkpoint with K1 and K2 and without K3; detect lines are alternatives. With rows, rows ORIG_ROWS of the original weight
  * are rows DIFF_ROWS of the diffusers one, each a:b/c:d fraction of the
  * weight's rows (a fused q,k,v is three rules of thirds). Every line is
  * checked (length, tokens, fractions) and errors name the file, line and
@@ -34,6 +37,7 @@
 #define LINE_MAX_BYTES 4096
 #define MAX_CAPTURES 8
 #define MAX_DEN 4096
+#define MAX_TOKENS 9
 #define TABLE_MAX_BYTES (4u << 20)
 
 void lk_family_free(lk_family *f) {
@@ -51,16 +55,23 @@ void lk_family_free(lk_family *f) {
 }
 
 /* A pattern: '.'-separated non-empty components of [A-Za-z0-9_-], a '#'
- * component, or a final '*'. *caps counts the '#'s, *star the final '*'. */
-static int pattern_ok(const char *p, int *caps, int *star) {
+ * component, at most one '#last' component, or a final '*'. *caps counts the
+ * '#'s and '#last', *star the final '*', *last the capture index of '#last'
+ * (-1: none). */
+static int pattern_ok(const char *p, int *caps, int *star, int *last) {
     *caps = 0;
     *star = 0;
+    *last = -1;
     const char *c = p;
     for (;;) {
         const char *e = strchr(c, '.');
         size_t n = e ? (size_t)(e - c) : strlen(c);
         if (!n) return 0;
-        if (n == 1 && *c == '#') {
+        if ((n == 1 && *c == '#') || (n == 5 && !memcmp(c, "#last", 5))) {
+            if (n == 5) {
+                if (*last >= 0) return 0;
+                *last = *caps;
+            }
             if (++*caps > MAX_CAPTURES) return 0;
         } else if (n == 1 && *c == '*') {
             if (e) return 0;
@@ -134,10 +145,10 @@ static lk_status push_str(char ***v, size_t *n, const char *s, const char *file)
 }
 
 static lk_status parse_line(lk_family *f, char *line, int ln, const char *file, int *header) {
-    char *tok[6];
-    size_t nt = tokens(line, tok, 5);
+    char *tok[MAX_TOKENS + 1];
+    size_t nt = tokens(line, tok, MAX_TOKENS);
     if (nt == 0) return LK_OK;
-    if (nt > 5) return lk_error(LK_ERR_CONFIG, "%s:%d: too many fields", file, ln);
+    if (nt > MAX_TOKENS) return lk_error(LK_ERR_CONFIG, "%s:%d: more than %d fields", file, ln, MAX_TOKENS);
     if (!*header) {
         if (strcmp(tok[0], "lorakit-family") || nt != 2 || strcmp(tok[1], "1"))
             return lk_error(LK_ERR_CONFIG, "%s:%d: a family table starts with 'lorakit-family 1'", file, ln);
@@ -154,23 +165,35 @@ static lk_status parse_line(lk_family *f, char *line, int ln, const char *file, 
         return LK_OK;
     }
     if (!strcmp(tok[0], "detect")) {
-        int caps, star;
-        if (nt != 2 || !pattern_ok(tok[1], &caps, &star) || caps || star)
-            return lk_error(LK_ERR_CONFIG, "%s:%d: 'detect' takes one key name (no '#' or '*')", file, ln);
-        return push_str(&f->detect, &f->n_detect, tok[1], file);
+        /* one line: keys that must all be there, a '!KEY' one that must not; lines are alternatives */
+        char buf[LINE_MAX_BYTES + 1];
+        size_t o = 0, present = 0;
+        if (nt < 2) return lk_error(LK_ERR_CONFIG, "%s:%d: 'detect' takes key names", file, ln);
+        for (size_t i = 1; i < nt; i++) {
+            int caps, star, last;
+            const char *k = tok[i] + (tok[i][0] == '!');
+            if (!pattern_ok(k, &caps, &star, &last) || caps || star)
+                return lk_error(LK_ERR_CONFIG, "%s:%d: detect key '%s': a key name (no '#' or '*'), '!' before one that must be absent",
+                                file, ln, tok[i]);
+            present += k == tok[i];
+            o += (size_t)snprintf(buf + o, sizeof buf - o, "%s%s", i > 1 ? " " : "", tok[i]); /* fits: from one line */
+        }
+        if (!present)
+            return lk_error(LK_ERR_CONFIG, "%s:%d: 'detect' needs a key that must be present, not only '!' ones", file, ln);
+        return push_str(&f->detect, &f->n_detect, buf, file);
     }
     if (!strcmp(tok[0], "map")) {
         if (nt != 3 && nt != 5)
             return lk_error(LK_ERR_CONFIG, "%s:%d: 'map' takes ORIG DIFF [ORIG_ROWS DIFF_ROWS]", file, ln);
-        int c1, s1, c2, s2;
-        if (!pattern_ok(tok[1], &c1, &s1))
+        int c1, s1, l1, c2, s2, l2;
+        if (!pattern_ok(tok[1], &c1, &s1, &l1))
             return lk_error(LK_ERR_CONFIG, "%s:%d: '%s' is not a name pattern", file, ln, tok[1]);
-        if (!pattern_ok(tok[2], &c2, &s2))
+        if (!pattern_ok(tok[2], &c2, &s2, &l2))
             return lk_error(LK_ERR_CONFIG, "%s:%d: '%s' is not a name pattern", file, ln, tok[2]);
-        if (c1 != c2 || s1 != s2)
-            return lk_error(LK_ERR_CONFIG, "%s:%d: '%s' and '%s' have different '#' / '*' parts", file, ln, tok[1],
-                            tok[2]);
-        lk_fam_rule r = {.orig_rows = g_all, .diff_rows = g_all, .line = ln};
+        if (c1 != c2 || s1 != s2 || l1 != l2)
+            return lk_error(LK_ERR_CONFIG, "%s:%d: '%s' and '%s' have different '#' / '#last' / '*' parts", file, ln,
+                            tok[1], tok[2]);
+        lk_fam_rule r = {.orig_rows = g_all, .diff_rows = g_all, .line = ln, .last = l1};
         if (nt == 5 && (!frac_parse(tok[3], &r.orig_rows) || !frac_parse(tok[4], &r.diff_rows)))
             return lk_error(LK_ERR_CONFIG, "%s:%d: rows '%s' '%s': expected a/b:c/d with 0 <= a/b < c/d <= 1", file,
                             ln, tok[3], tok[4]);

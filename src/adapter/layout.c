@@ -139,8 +139,22 @@ typedef struct caps {
     int n;
 } caps;
 
-/* Matches pattern p against name; captures '#' numbers and the final '*'. */
-static int pat_match(const char *p, const char *name, caps *c) {
+static int is_last(const char *c, size_t n) { return n == 5 && !memcmp(c, "#last", 5); }
+
+/* The number a digit component of at most 9 digits spells, or -1. */
+static long comp_number(const char *q, size_t qn) {
+    if (!qn || qn > 9) return -1;
+    long v = 0;
+    for (size_t i = 0; i < qn; i++) {
+        if (q[i] < '0' || q[i] > '9') return -1;
+        v = v * 10 + (q[i] - '0');
+    }
+    return v;
+}
+
+/* Matches pattern p against name; captures '#' numbers and the final '*';
+ * a '#last' component matches the number `last` only (-1: nothing). */
+static int pat_match(const char *p, const char *name, long last, caps *c) {
     c->n = 0;
     const char *q = name;
     for (;;) {
@@ -155,10 +169,9 @@ static int pat_match(const char *p, const char *name, caps *c) {
         const char *qe = strchr(q, '.');
         size_t qn = qe ? (size_t)(qe - q) : strlen(q);
         if (!qn) return 0;
-        if (pn == 1 && *p == '#') {
-            if (qn > 9) return 0;
-            for (size_t i = 0; i < qn; i++)
-                if (q[i] < '0' || q[i] > '9') return 0;
+        if ((pn == 1 && *p == '#') || is_last(p, pn)) {
+            long v = comp_number(q, qn);
+            if (v < 0 || (pn == 5 && v != last)) return 0;
             c->s[c->n] = q;
             c->len[c->n++] = qn;
         } else if (pn != qn || memcmp(p, q, pn)) {
@@ -178,9 +191,11 @@ static char *pat_expand(const char *p, const caps *c) {
     if (!out) return NULL;
     int k = 0;
     for (const char *s = p; *s; s++) {
-        if ((*s == '#' || *s == '*') && (s == p || s[-1] == '.') && (s[1] == '.' || !s[1]) && k < c->n) {
+        int at = s == p || s[-1] == '.', lst = at && is_last(s, strcspn(s, "."));
+        if (((*s == '#' || *s == '*') && at && (s[1] == '.' || !s[1]) && k < c->n) || (lst && k < c->n)) {
             memcpy(o, c->s[k], c->len[k]);
             o += c->len[k++];
+            s += lst ? 4 : 0;
         } else {
             *o++ = *s;
         }
@@ -260,11 +275,24 @@ static int has_suffix(const char *s, const char *suf) {
     return n > m && !strcmp(s + n - m, suf);
 }
 
-/* Whether any detect name of f is among the model's stripped key names. */
+/* Whether the model's stripped key names satisfy a detect line of f: every
+ * key of the line present, every '!' key absent. */
 static int detects(const lk_family *f, char *const *names, size_t n) {
+    char key[4097];
     for (size_t i = 0; i < f->n_detect; i++) {
-        const char *k = f->detect[i];
-        if (bsearch(&k, names, n, sizeof *names, str_cmp)) return 1;
+        const char *p = f->detect[i];
+        int all = 1;
+        while (all && *p) {
+            size_t kl = strcspn(p, " ");
+            int absent = *p == '!';
+            if (kl - absent >= sizeof key) return 0; /* longer than a table line: cannot be */
+            memcpy(key, p + absent, kl - absent);
+            key[kl - absent] = '\0';
+            const char *k = key;
+            all = (bsearch(&k, names, n, sizeof *names, str_cmp) == NULL) == absent;
+            p += kl + (p[kl] == ' ');
+        }
+        if (all) return 1;
     }
     return 0;
 }
@@ -272,7 +300,7 @@ static int detects(const lk_family *f, char *const *names, size_t n) {
 #define MAX_FAMILIES 8
 
 /* Picks the family tables: --arch by name, else every table (in file name
- * order) whose detect names the model has: a single file holds a UNet and
+ * order) one of whose detect lines the model's keys satisfy: a single file holds a UNet and
  * its text encoders, each with its own table. */
 static lk_status pick_family(const char *label, const char *arch, char *const *names, size_t n, lk_family *out,
                              int *found) {
@@ -340,15 +368,58 @@ static lk_status pick_family(const char *label, const char *arch, char *const *n
     return s;
 }
 
-/* Level-2 aliases of model key k (stripped name nm) from table f. */
-static lk_status table_aliases(builder *b, const lk_family *f, char **rule_str, const char *nm, size_t k, int comp) {
+/* The highest number the model's stripped names (sorted, n) have at the
+ * '#last' component of pattern p (the components before it matching), or -1. */
+static long last_number(const char *p, char *const *names, size_t n) {
+    long best = -1;
+    for (size_t i = 0; i < n; i++) {
+        const char *pc = p, *q = names[i];
+        for (;;) {
+            size_t pn = strcspn(pc, "."), qn = strcspn(q, ".");
+            if (is_last(pc, pn)) {
+                long v = comp_number(q, qn);
+                if (v > best) best = v;
+                break;
+            }
+            if (pn == 1 && *pc == '#' ? comp_number(q, qn) < 0 : pn != qn || memcmp(pc, q, pn)) break;
+            if (!pc[pn] || !q[qn]) break;
+            pc += pn + 1;
+            q += qn + 1;
+        }
+    }
+    return best;
+}
+
+/* last[2r], last[2r + 1]: the number '#last' stands for in rule r's original
+ * and diffusers pattern on this model (-1: none or no '#last'). */
+static lk_status last_numbers(const lk_family *f, char *const *names, size_t n, const char *label, long **out) {
+    *out = lk_malloc((f->n_rules ? 2 * f->n_rules : 1) * sizeof **out);
+    if (!*out) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    for (size_t r = 0; r < f->n_rules; r++) {
+        int has = f->rules[r].last >= 0;
+        (*out)[2 * r] = has ? last_number(f->rules[r].orig, names, n) : -1;
+        (*out)[2 * r + 1] = has ? last_number(f->rules[r].diff, names, n) : -1;
+    }
+    return LK_OK;
+}
+
+/* Level-2 aliases of model key k (stripped name nm) from table f (last:
+ * last_numbers'). On each side, a name a '#last' rule matches takes only the
+ * '#last' rules: the last block's own mapping replaces the '#' one. */
+static lk_status table_aliases(builder *b, const lk_family *f, char **rule_str, const long *last, const char *nm,
+                               size_t k, int comp) {
     caps c;
+    int only_last[2] = {0, 0};
+    for (size_t r = 0; r < f->n_rules; r++)
+        for (int side = 0; side < 2 && f->rules[r].last >= 0; side++)
+            if (pat_match(side ? f->rules[r].diff : f->rules[r].orig, nm, last[2 * r + side], &c)) only_last[side] = 1;
     for (size_t r = 0; r < f->n_rules; r++) {
         const lk_fam_rule *ru = &f->rules[r];
+        int lr = ru->last >= 0;
         lk_status s = LK_OK;
-        if (pat_match(ru->orig, nm, &c))
+        if ((lr || !only_last[0]) && pat_match(ru->orig, nm, last[2 * r], &c))
             s = add_alias(b, pat_expand(ru->diff, &c), k, comp, 2, rule_str[r], ru->orig_rows, ru->diff_rows);
-        if (!s && pat_match(ru->diff, nm, &c))
+        if (!s && (lr || !only_last[1]) && pat_match(ru->diff, nm, last[2 * r + 1], &c))
             s = add_alias(b, pat_expand(ru->orig, &c), k, comp, 2, rule_str[r], ru->diff_rows, ru->orig_rows);
         if (s) return s;
     }
@@ -410,9 +481,12 @@ lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layou
         }
     }
     size_t fam_rules[MAX_FAMILIES] = {0}, map_rules[16] = {0};
+    long *fam_last[MAX_FAMILIES] = {0}, *map_last[16] = {0};
     if (!s && n_maps > 16) s = lk_error(LK_ERR_ARG, "%s: at most 16 --map files", label);
     for (int f = 0; !s && f < have_fam; f++) s = rule_strings(out, &fam[f], "family", &fam_rules[f], label);
     for (size_t i = 0; !s && i < n_maps; i++) s = rule_strings(out, &maps[i], "--map", &map_rules[i], label);
+    for (int f = 0; !s && f < have_fam; f++) s = last_numbers(&fam[f], names, nn, label, &fam_last[f]);
+    for (size_t i = 0; !s && i < n_maps; i++) s = last_numbers(&maps[i], names, nn, label, &map_last[i]);
     for (size_t k = 0; k < n_model && !s; k++) {
         const char *key = model[k].name;
         /* "<m>.weight", and OpenCLIP's fused "<attn>.in_proj_weight" as module "<attn>.in_proj" */
@@ -428,8 +502,10 @@ lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layou
         }
         memcpy(nm, st, sl);
         nm[sl] = '\0';
-        for (int f = 0; !s && f < have_fam; f++) s = table_aliases(&b, &fam[f], out->rules + fam_rules[f], nm, k, comp);
-        for (size_t i = 0; !s && i < n_maps; i++) s = table_aliases(&b, &maps[i], out->rules + map_rules[i], nm, k, comp);
+        for (int f = 0; !s && f < have_fam; f++)
+            s = table_aliases(&b, &fam[f], out->rules + fam_rules[f], fam_last[f], nm, k, comp);
+        for (size_t i = 0; !s && i < n_maps; i++)
+            s = table_aliases(&b, &maps[i], out->rules + map_rules[i], map_last[i], nm, k, comp);
         if (!s) s = add_alias(&b, nm, k, comp, 1, "prefix", g_all, g_all);
         else lk_free(nm);
     }
@@ -443,8 +519,14 @@ lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layou
         qsort_r(out->by_name, out->n, sizeof *out->by_name, name_cmp, out);
         qsort_r(out->by_uname, out->n, sizeof *out->by_uname, uname_cmp, out);
     }
-    for (int f = 0; f < have_fam; f++) lk_family_free(&fam[f]);
-    for (size_t i = 0; i < n_maps; i++) lk_family_free(&maps[i]);
+    for (int f = 0; f < have_fam; f++) {
+        lk_family_free(&fam[f]);
+        lk_free(fam_last[f]);
+    }
+    for (size_t i = 0; i < n_maps; i++) {
+        lk_family_free(&maps[i]);
+        lk_free(map_last[i]);
+    }
     lk_free(maps);
     lk_free(names);
     if (s) lk_layout_free(out);

@@ -30,15 +30,18 @@ typedef struct lk_frac {
 /* One mapping rule of a table: ORIG <-> DIFF, rows orig_rows of the
  * original weight are rows diff_rows of the diffusers one. */
 typedef struct lk_fam_rule {
-    char *orig, *diff; /* patterns: '.'-separated; '#' = a decimal number (captured), a final '*' = the rest */
+    char *orig, *diff; /* patterns: '.'-separated; '#' = a decimal number (captured), '#last' = the highest
+                        * number the checkpoint has there (captured), a final '*' = the rest */
     lk_frac orig_rows, diff_rows;
     int line;
+    int last; /* the capture index of '#last' (the checkpoint's highest number there) on both sides, or -1 */
 } lk_fam_rule;
 
 typedef struct lk_family {
     char *name;  /* "flux", "sd15", ... (or the --map file's) */
     char *file;  /* the table file */
-    char **detect; /* key names (without prefix) any of which picks this family */
+    char **detect; /* per detect line, its keys (without prefix) separated by ' ', '!' before one that
+                    * must be absent: a line whose keys all hold picks this family */
     size_t n_detect;
     lk_fam_rule *rules;
     size_t n_rules;
