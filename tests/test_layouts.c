@@ -550,6 +550,60 @@ static void test_ambiguous_kohya(void **state) {
     af_free(k);
 }
 
+/* diffusers' old attention-processor LoRA format (LoRAAttnProcessor:
+ * "<attn>.processor.to_q_lora.down.weight", no alpha): a UNet's to_q, to_k,
+ * to_v, to_out_lora are to_q, to_k, to_v, to_out.0, a text encoder's
+ * q_proj, k_proj, v_proj, out_proj (diffusers' UNET_TO_DIFFUSERS and
+ * DIFFUSERS_OLD_TO_PEFT, ".processor." dropped). Expectation: W + B A, scale
+ * 1 (alpha = rank), by the float64 formula. */
+static void test_old_attn_processor_format(void **state) {
+    (void)state;
+    static const struct {
+        const char *lora, *weight;
+    } m[] = {
+        {"unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.processor.to_q_lora",
+         "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.weight"},
+        {"unet.down_blocks.0.attentions.0.transformer_blocks.0.attn2.processor.to_v_lora",
+         "down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_v.weight"},
+        {"unet.mid_block.attentions.0.transformer_blocks.0.attn1.processor.to_out_lora",
+         "mid_block.attentions.0.transformer_blocks.0.attn1.to_out.0.weight"},
+        {"text_encoder.text_model.encoder.layers.0.self_attn.to_k_lora",
+         "text_encoder.text_model.encoder.layers.0.self_attn.k_proj.weight"},
+        {"text_encoder.text_model.encoder.layers.0.self_attn.to_out_lora",
+         "text_encoder.text_model.encoder.layers.0.self_attn.out_proj.weight"},
+    };
+    enum { NM = sizeof m / sizeof m[0] };
+    af_file *w = af_new(), *l = af_new();
+    for (size_t i = 0; i < NM; i++) {
+        af_rand(w, m[i].weight, LK_DTYPE_F32, 8, 8, &g_rng, -1, 1);
+        add_pair(l, m[i].lora, ".down.weight", ".up.weight", 8, 8);
+    }
+    /* decoys the old names must not land on (the module is to_out.0, not to_out; q_proj, not to_k) */
+    af_rand(w, "mid_block.attentions.0.transformer_blocks.0.attn1.to_out.weight", LK_DTYPE_F32, 8, 8, &g_rng, -1, 1);
+    af_rand(w, "text_encoder.text_model.encoder.layers.0.self_attn.to_k.weight", LK_DTYPE_F32, 8, 8, &g_rng, -1, 1);
+    char *lp = save(l, "old_attn.safetensors");
+    lk_adapter *a;
+    assert_int_equal(lk_adapter_open(lp, LK_FORMAT_AUTO, &a), LK_OK);
+    assert_int_equal(lk_adapter_get_format(a), LK_FORMAT_DIFFUSERS);
+    if (lk_adapter_resolve(a, w->t, w->n, 0, NULL)) fail_msg("%s", lk_last_error());
+    lk_adapter_free(a);
+    lk_tensor *F = copy_tensors(w);
+    fuse_ok(F, w->n, lp, 1.0f);
+    for (size_t i = 0; i < NM; i++) {
+        char ka[256], kb[256];
+        snprintf(ka, sizeof ka, "%s.down.weight", m[i].lora);
+        snprintf(kb, sizeof kb, "%s.up.weight", m[i].lora);
+        ar_term t = {af_get(l, ka), af_get(l, kb), 1.0};
+        const lk_tensor *w0 = af_get(w, m[i].weight);
+        assert_int_equal(ar_check_fused(find(F, w->n, m[i].weight)->data, w0->data, w0->dtype, 8, 8, &t, 1), 0);
+    }
+    for (size_t i = NM; i < w->n; i++) assert_memory_equal(F[i].data, w->t[i].data, w->t[i].nbytes);
+    free_tensors(F, w->n);
+    free(lp);
+    af_free(w);
+    af_free(l);
+}
+
 /* A --map file: the user's own names, fused rows included; errors name
  * the file, line and key. */
 static void test_map_file(void **state) {
@@ -940,7 +994,7 @@ int main(void) {
         cmocka_unit_test(test_sdxl_layout),         cmocka_unit_test(test_ambiguous_kohya),
         cmocka_unit_test(test_map_file),            cmocka_unit_test(test_shipped_tables),
         cmocka_unit_test(test_inspect_base),        cmocka_unit_test(test_tool_fixtures),
-        cmocka_unit_test(test_pipeline_folder),
+        cmocka_unit_test(test_pipeline_folder),     cmocka_unit_test(test_old_attn_processor_format),
     };
     return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }

@@ -111,6 +111,21 @@ static const struct {
     {".w_norm", FAM_ANY, ROLE_WNORM},   {".b_norm", FAM_ANY, ROLE_BNORM},   {".dora_scale", FAM_ANY, ROLE_DORA},
 };
 
+/* diffusers' old attention processors (LoRAAttnProcessor):
+ * "<attn>.processor.to_q_lora.down.weight", stem "<attn>.processor.to_q"
+ * (the suffix's first `keep` bytes stay in the stem); old_attn_module names
+ * the module. */
+static const struct {
+    const char *suffix;
+    enum role role;
+    size_t keep;
+} g_old_attn[] = {
+    {".to_q_lora.down.weight", ROLE_A, 5},   {".to_q_lora.up.weight", ROLE_B, 5},
+    {".to_k_lora.down.weight", ROLE_A, 5},   {".to_k_lora.up.weight", ROLE_B, 5},
+    {".to_v_lora.down.weight", ROLE_A, 5},   {".to_v_lora.up.weight", ROLE_B, 5},
+    {".to_out_lora.down.weight", ROLE_A, 7}, {".to_out_lora.up.weight", ROLE_B, 7},
+};
+
 /* PEFT's adapter-name infix with any adapter name: "<m>.lora_A.<name>.weight"
  * (and lora_B, the lora_B bias, the DoRA magnitude). */
 static const struct {
@@ -139,6 +154,14 @@ static int is_kohya_name(const char *k) {
  * (FAM_ALPHA: kohya, ComfyUI's "diffusion_model.<m>.alpha", diffusers). */
 static enum family classify(const char *k, enum role *role, size_t *stem_len) {
     size_t n = strlen(k);
+    for (size_t i = 0; i < sizeof g_old_attn / sizeof g_old_attn[0]; i++) {
+        size_t sl = strlen(g_old_attn[i].suffix);
+        if (n > sl && !strcmp(k + n - sl, g_old_attn[i].suffix)) {
+            *role = g_old_attn[i].role;
+            *stem_len = n - sl + g_old_attn[i].keep;
+            return FAM_AB;
+        }
+    }
     for (size_t i = 0; i < sizeof g_suffixes / sizeof g_suffixes[0]; i++) {
         size_t sl = strlen(g_suffixes[i].suffix);
         if (n > sl && !strcmp(k + n - sl, g_suffixes[i].suffix)) {
@@ -504,8 +527,45 @@ static lk_status detect(lk_adapter *a, const keyinfo *ki, const enum family *fam
     return LK_OK;
 }
 
-/* The module name for a stem in the adapter's format. */
-static char *module_name(lk_adapter_format f, const char *stem, size_t len) {
+/* The module an old attention-processor stem (module name m, len bytes:
+ * "<attn>[.processor].to_q" ... "to_out") stands for, as diffusers' loader
+ * converts it (UNET_TO_DIFFUSERS, DIFFUSERS_OLD_TO_PEFT; ".processor." always
+ * dropped): to_q, to_k, to_v, to_out.0 in a UNet; q_proj, k_proj, v_proj,
+ * out_proj in a text encoder ("text_encoder[_N]." prefix). */
+static char *old_attn_module(const char *m, size_t len) {
+    const char *last = m + len;
+    while (last > m && last[-1] != '.') last--;
+    size_t head = (size_t)(last - m), tl = len - head;
+    int te = !strncmp(m, "text_encoder.", 13) || !strncmp(m, "text_encoder_", 13);
+    const char *tail = NULL;
+    static const char *const from[] = {"to_q", "to_k", "to_v", "to_out"}, *const unet[] = {"to_q", "to_k", "to_v", "to_out.0"},
+                             *const clip[] = {"q_proj", "k_proj", "v_proj", "out_proj"};
+    for (size_t i = 0; i < 4; i++)
+        if (tl == strlen(from[i]) && !memcmp(last, from[i], tl)) tail = te ? clip[i] : unet[i];
+    char *out = lk_malloc(len + 16), *o = out;
+    if (!out) return NULL;
+    for (const char *c = m; c < last;) { /* the components before the last one, but "processor" */
+        const char *e = memchr(c, '.', (size_t)(last - c));
+        size_t cl = e ? (size_t)(e - c) : (size_t)(last - c);
+        if (!(cl == 9 && !memcmp(c, "processor", 9))) {
+            memcpy(o, c, cl);
+            o += cl;
+            *o++ = '.';
+        }
+        c += cl + 1;
+    }
+    if (!tail) { /* (the suffix table only gives these four) */
+        memcpy(o, last, tl);
+        o[tl] = '\0';
+    } else {
+        strcpy(o, tail);
+    }
+    return out;
+}
+
+/* The module name for a stem in the adapter's format (old_attn: a stem of
+ * diffusers' old attention-processor keys). */
+static char *module_name(lk_adapter_format f, const char *stem, size_t len, int old_attn) {
     static const char *const peft_pre[] = {"base_model.model."};
     static const char *const diff_pre[] = {"transformer.", "unet.", "diffusion_model."};
     const char *const *pre = NULL;
@@ -520,6 +580,7 @@ static char *module_name(lk_adapter_format f, const char *stem, size_t len) {
             break;
         }
     }
+    if (old_attn) return old_attn_module(stem, len);
     char *m = lk_malloc(len + 1);
     if (m) {
         memcpy(m, stem, len);
@@ -1090,7 +1151,7 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
         memcpy(stem, ki[i].t->name, ki[i].stem_len);
         stem[ki[i].stem_len] = '\0';
         a->stems[k] = stem;
-        a->names[k] = module_name(a->format, stem, ki[i].stem_len);
+        a->names[k] = module_name(a->format, stem, ki[i].stem_len, !strncmp(ki[i].t->name + ki[i].stem_len, "_lora.", 6));
         a->n = k + 1; /* owned strings are freed from here on */
         if (!a->names[k]) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
         int algo = -1;

@@ -259,4 +259,10 @@ put("out_record", "not_string.json", '{"lorakit_output": 1, "files": ["a.safeten
 put("out_record", "bad_version.json", '{"lorakit_output": "1", "files": ["a.safetensors"]}')
 put("out_record", "odd_names.json", '{"lorakit_output": 1, "files": ["../a.safetensors", "a.safetensors", "a.safetensors"]}')
 put("out_record", "array.json", "[]")
+# ---- diffusers' old attention-processor LoRA format (appended last, so the rng draws of the seeds above are unchanged) ----
+put("adapter", "old_attn_processor", save({
+    "unet.blocks.0.attn.processor.to_q_lora.down.weight": arr((R, H)),
+    "unet.blocks.0.attn.processor.to_q_lora.up.weight": arr((H, R)),
+    "unet.blocks.1.attn.processor.to_out_lora.down.weight": arr((R, H)),
+    "unet.blocks.1.attn.processor.to_out_lora.up.weight": arr((H, R))}))
 print("corpus written to", CORPUS)
