@@ -355,6 +355,38 @@ static void test_average_f32(void **state) {
     assert_true(b3[0] == before);
 }
 
+/* lk_comm_average_f32 with one 30-float buffer and 8-float buckets: every
+ * bucket lies inside the buffer, so it is reduced there (no staging); the
+ * oracle and bucket count as above (30 floats: 4 buckets). */
+static void test_average_f32_in_place(void **state) {
+    (void)state;
+    float b[30], *bufs[1] = {b};
+    const size_t count = 30;
+    for (int j = 0; j < 30; j++) b[j] = (float)(R * 1000 + j);
+    size_t calls = 0;
+    assert_int_equal(lk_comm_average_f32(g_world, bufs, &count, 1, 8 * sizeof(float), &calls), LK_OK);
+    for (int j = 0; j < 30; j++) assert_true(b[j] == (float)((N - 1) * 500.0 + j));
+    assert_int_equal(calls, N > 1 ? 4 : 0);
+}
+
+/* lk_comm_same_bytes: three 8-byte items; item 1 differs on every odd rank,
+ * so (hand-counted) 1 item differs at N >= 2, first = 1, and the ranks
+ * listed are the odd ones; rank 0's items come back. Then a failure on the
+ * last rank: every rank returns it, "rank N-1: ...". */
+static void test_same_bytes(void **state) {
+    (void)state;
+    uint64_t mine[3] = {7, R % 2 ? 100 + (uint64_t)R : 8, 9}, r0[3] = {0};
+    lk_comm_same same;
+    assert_int_equal(lk_comm_same_bytes(g_world, LK_OK, mine, sizeof *mine, 3, r0, &same), LK_OK);
+    assert_int_equal(same.n_differ, N > 1 ? 1 : 0);
+    assert_int_equal(same.first, N > 1 ? 1 : 3);
+    assert_string_equal(same.ranks, N == 1 ? "" : N < 4 ? "1" : "1, 3");
+    assert_true(r0[0] == 7 && r0[1] == 8 && r0[2] == 9);
+    lk_status local = R == N - 1 ? lk_error(LK_ERR_IO, "digest failed here") : LK_OK;
+    assert_int_equal(lk_comm_same_bytes(g_world, local, mine, sizeof *mine, 3, NULL, &same), LK_ERR_IO);
+    tu_assert_contains(lk_last_error(), "digest failed here");
+}
+
 /* The collective timeout (comm.h): on a fresh communicator with a 1 s
  * timeout, the last rank never joins one collective (it goes on to a
  * barrier of the world communicator, as a rank stuck elsewhere would).
@@ -452,7 +484,8 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_allgather),     cmocka_unit_test(test_split),
         cmocka_unit_test(test_agree),         cmocka_unit_test(test_mesh),
         cmocka_unit_test(test_mesh_alloc_fails_on_one_rank), cmocka_unit_test(test_bad_chunk_on_one_rank),
-        cmocka_unit_test(test_average_f32),
+        cmocka_unit_test(test_average_f32), cmocka_unit_test(test_average_f32_in_place),
+        cmocka_unit_test(test_same_bytes),
         cmocka_unit_test(test_timeout_setting), cmocka_unit_test(test_timeout_small), cmocka_unit_test(test_timeout_big),
     };
     return tu_mpi_finish(g_world, cmocka_run_group_tests(tests, NULL, NULL));

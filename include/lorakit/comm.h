@@ -118,17 +118,60 @@ lk_status lk_comm_abort(lk_comm *c, int code);
  * Collective: call it on every path. */
 lk_status lk_comm_agree(lk_comm *c, lk_status local);
 
+/* Agreement on a layout (what a bucketed collective needs to pair up):
+ * every rank passes a hash of its layout and its size; *same is 1 on every
+ * rank when all passed the same pair. range (may be NULL) gets the smallest
+ * and largest size, for the caller's message. One allreduce. */
+lk_status lk_comm_agree_layout(lk_comm *c, uint64_t hash, uint64_t size, int *same, uint64_t range[2]);
+
+/* 4 MiB, measured (bench sync, 4 ranks on Open MPI shared memory): buckets
+ * of 256 KiB to 4 MiB were at least as fast as one call per parameter,
+ * 25 MiB buckets (DDP's GPU default) sometimes slower. */
+#define LK_COMM_AVERAGE_BUCKET_DEFAULT ((size_t)4 << 20)
+
 /* Averages n float buffers over the ranks, in place: bufs[i] holds
  * counts[i] floats; each element becomes the sum over ranks divided by the
  * rank count (a division, as torch's div_, so equal values stay exact).
- * The buffers travel packed into buckets of at most bucket_bytes (0: 4 MiB;
- * one allreduce per bucket, a buffer larger than a bucket spans several),
- * so many small gradients cost a few collectives. The ranks first agree on
- * the layout (n and every count): a rank holding a different set makes it
- * LK_ERR_MISMATCH on every rank, nothing changed, never a hang.
- * *n_collectives (may be NULL) gets the number of bucket allreduces. */
+ * The buffers travel as one stream cut into buckets of at most bucket_bytes
+ * (0: LK_COMM_AVERAGE_BUCKET_DEFAULT; one allreduce per bucket, a buffer
+ * larger than a bucket spans several; a bucket inside one buffer is reduced
+ * there, one that spans buffers through a staging copy), so many small
+ * gradients cost a few collectives. The ranks first agree on the layout (n
+ * and every count): a rank holding a different set makes it LK_ERR_MISMATCH
+ * on every rank, nothing changed, never a hang. *n_collectives (may be
+ * NULL) gets the number of bucket allreduces. */
 lk_status lk_comm_average_f32(lk_comm *c, float *const *bufs, const size_t *counts, size_t n, size_t bucket_bytes,
                               size_t *n_collectives);
+
+typedef struct lk_comm_average_opts {
+    size_t bucket_bytes; /* as lk_comm_average_f32's */
+    int layout_agreed;   /* 1: the caller has agreed on the layout over these
+                            ranks already (lk_comm_agree_layout, e.g. once per
+                            parameter set): no agreement here, and none at all
+                            when no bucket needs staging */
+} lk_comm_average_opts;
+
+/* lk_comm_average_f32 with options (opts may be NULL: the defaults). */
+lk_status lk_comm_average_f32_ex(lk_comm *c, float *const *bufs, const size_t *counts, size_t n,
+                                 const lk_comm_average_opts *opts, size_t *n_collectives);
+
+/* What lk_comm_same_bytes found (equal on every rank). */
+typedef struct lk_comm_same {
+    size_t n_differ; /* items where some rank's bytes differ from rank 0's */
+    size_t first;    /* the first of them (n when none) */
+    char ranks[256]; /* the ranks whose item `first` differs from rank 0's:
+                        "1, 3" (cut short past about 240 characters) */
+} lk_comm_same;
+
+/* Do the ranks hold the same bytes? Each rank passes n items of item_bytes
+ * each (digests of its own data) and the status of making them (message in
+ * lk_last_error()): a failure on any rank, or no memory here, is every
+ * rank's error as from lk_comm_agree ("rank R: ..."), before anything is
+ * gathered. Then every rank's items are gathered and each compared with
+ * rank 0's; rank0 (may be NULL; n * item_bytes) gets rank 0's items. Used
+ * by the tracker's report, the LoRA replica check and the Python package. */
+lk_status lk_comm_same_bytes(lk_comm *c, lk_status local, const void *items, size_t item_bytes, size_t n,
+                             void *rank0, lk_comm_same *out);
 
 #ifdef __cplusplus
 }

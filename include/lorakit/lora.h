@@ -251,14 +251,16 @@ void lk_lora_params_zero_grad(lk_lora_params *p);
 /* --------------------------------------------------------- distributed */
 
 typedef struct lk_lora_sync_opts {
-    size_t bucket_bytes; /* 0: 4 MiB. One allreduce per bucket per mesh dim. */
+    size_t bucket_bytes; /* 0: LK_COMM_AVERAGE_BUCKET_DEFAULT (4 MiB). One
+                            allreduce per bucket per mesh dim. */
     int per_param;       /* 1: one allreduce per parameter (the reference's
                             way; for benchmarks and comparison only) */
 } lk_lora_sync_opts;
 
 /* Averages the gradient buffer over every mesh dim of size > 1 (adapter
- * parameters are replicated on every dim): per dim, allreduce-sum then
- * multiply by 1/size. Every rank must call it every step, whatever layers
+ * parameters are replicated on every dim): per dim, lk_comm_average_f32
+ * over the dim's communicator (allreduce-sum, then divide by its size),
+ * the buffer as one stream of buckets. Every rank must call it every step, whatever layers
  * its loss touched: a skipped layer's gradient is zero (from zero_grad) and
  * still joins every collective, so no rank can hang or mis-pair tensors.
  * Call after backward, before clipping and the optimizer. *synced (may be

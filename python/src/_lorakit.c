@@ -921,29 +921,19 @@ static PyObject *py_check_replicas(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO", &co, &items)) return NULL;
     lk_comm *c = comm_of(co);
     if (!c) return NULL;
-    size_t n = 0, size = (size_t)lk_comm_size(c);
+    size_t n = 0;
     view *v = views_from(items, 0, &n);
     lk_tensor *t = v ? tensor_table(v, n) : NULL;
-    char *all = t ? PyMem_Calloc(size, LK_DIGEST_HEX) : NULL;
-    if (t && !all) PyErr_NoMemory();
     PyObject *res = NULL;
-    if (agree_local(c, all != NULL) == 0) {
+    if (agree_local(c, t != NULL) == 0) {
         char hex[LK_DIGEST_HEX] = {0};
-        lk_status s, ds;
+        lk_comm_same same;
+        lk_status s;
         Py_BEGIN_ALLOW_THREADS
-        ds = lk_digest_tensors(t, n, hex); /* a failure joins the allgather as zeros */
-        s = lk_comm_allgather(c, hex, LK_DIGEST_HEX, all);
+        s = lk_comm_same_bytes(c, lk_digest_tensors(t, n, hex), hex, LK_DIGEST_HEX, 1, NULL, &same);
         Py_END_ALLOW_THREADS
-        if (!s) s = lk_comm_agree(c, ds);
-        if (s) {
-            raise_lk(s, NULL);
-        } else {
-            int same = 1;
-            for (size_t k = 1; k < size; k++) same &= !memcmp(all, all + k * LK_DIGEST_HEX, LK_DIGEST_HEX);
-            res = PyBool_FromLong(same);
-        }
+        res = s ? raise_lk(s, NULL) : PyBool_FromLong(same.n_differ == 0);
     }
-    PyMem_Free(all);
     PyMem_Free(t);
     views_free(v, n);
     return res;

@@ -27,22 +27,14 @@ lk_status lk_tracker_report_json(lk_comm *c, const lk_weights *w, size_t step, l
     char first[LK_DIGEST_HEX] = {0};
     int agree = 0;
     if (digest) {
-        size_t size = (size_t)lk_comm_size(c);
-        char *all = lk_malloc(size * LK_DIGEST_HEX);
-        /* a digest failure (out of memory) still joins the allgather, as zeros */
+        /* a digest failure (out of memory) still joins, as zeros, and makes
+         * digests_agree false */
         char hex[LK_DIGEST_HEX] = {0};
-        lk_status ds = all ? lk_weights_digest(w, hex) : LK_ERR_NOMEM;
-        s = lk_comm_agree(c, all ? LK_OK : lk_error(LK_ERR_NOMEM, "tracker report: out of memory"));
-        if (s) {
-            lk_free(all);
-            return s;
-        }
-        s = lk_comm_allgather(c, hex, LK_DIGEST_HEX, all);
-        agree = !s && !ds;
-        for (size_t k = 1; agree && k < size; k++) agree = !memcmp(all, all + k * LK_DIGEST_HEX, LK_DIGEST_HEX);
-        if (!s) memcpy(first, all, LK_DIGEST_HEX - 1);
-        lk_free(all);
-        if (s) return s;
+        lk_status ds = lk_weights_digest(w, hex);
+        lk_comm_same same;
+        if ((s = lk_comm_same_bytes(c, LK_OK, hex, LK_DIGEST_HEX, 1, first, &same))) return s;
+        first[LK_DIGEST_HEX - 1] = '\0';
+        agree = !ds && same.n_differ == 0;
     }
     json_t *o = json_object();
     int bad = !o;
