@@ -315,8 +315,11 @@ def test_inspect_base_matches_cli(tmp_path):
     rng = np.random.default_rng(7)
     base, lora = os.path.join(d, "flux.safetensors"), os.path.join(d, "lora.safetensors")
     f32 = lambda *shape: ("F32", rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    # (with the keys flux.lkmap's detect line needs: img_attn.qkv, img_attn.proj, img_in)
     st_io.write(base, {"model.diffusion_model.single_blocks.0.linear1.weight": f32(28, 4),
-                       "model.diffusion_model.double_blocks.0.img_attn.proj.weight": f32(4, 4)})
+                       "model.diffusion_model.double_blocks.0.img_attn.proj.weight": f32(4, 4),
+                       "model.diffusion_model.double_blocks.0.img_attn.qkv.weight": f32(12, 4),
+                       "model.diffusion_model.img_in.weight": f32(4, 4)})
     t = {}
     for m in ("single_transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_outt"):
         t[f"transformer.{m}.lora_A.weight"] = f32(2, 4)
