@@ -746,17 +746,47 @@ static void test_inspect_base(void **state) {
     if (lk_inspect_base_json(lp, bp, NULL, &js)) fail_msg("%s", lk_last_error());
     tu_assert_contains(js, "\"family\":\"flux\"");
     tu_assert_contains(js, "\"modules_placed\":7,\"modules_unmatched\":1");
-    tu_assert_contains(js, "{\"module\":\"single_transformer_blocks.0.proj_mlp\",\"algorithm\":\"lora\",\"rank\":4,"
+    tu_assert_contains(js, "{\"module\":\"single_transformer_blocks.0.proj_mlp\",\"component\":\"transformer\","
+                           "\"algorithm\":\"lora\",\"rank\":4,"
                            "\"alpha\":4.0,\"alpha_source\":\".alpha tensor\",\"scale\":1.0,\"placements\":[{\"weight\":"
                            "\"model.diffusion_model.single_blocks.0.linear1.weight\",\"rule\":\"family flux (");
     tu_assert_contains(js, "\"whole\":false,\"rows\":[24,56],\"b_rows\":[0,32]}");
-    tu_assert_contains(js, "{\"module\":\"transformer_blocks.0.attn.to_qq\",\"component\":\"any\",\"nearest\":["
+    /* the component its key routes to (its own "transformer." prefix; it was "any": QA, issue 19) */
+    tu_assert_contains(js, "{\"module\":\"transformer_blocks.0.attn.to_qq\",\"component\":\"transformer\",\"nearest\":["
                            "\"model.diffusion_model.double_blocks.0.img_attn.qkv.weight\"");
     lk_free(js);
     lk_resolve_opts ro = {.arch = "sd1"};
     assert_int_equal(lk_inspect_base_json(lp, bp, &ro, &js), LK_OK); /* the wrong table: nothing placed */
     tu_assert_contains(js, "\"family\":\"sd1\",\"modules_placed\":0");
     lk_free(js);
+    /* no prefix on the module: the component of the weight it lands on (the single file's diffusion model) */
+    af_file *np = flux_lora("", ".lora_A.weight", ".lora_B.weight", NULL, 0.0);
+    char *npp = save(np, "inspect_noprefix.safetensors");
+    if (lk_inspect_base_json(npp, bp, NULL, &js)) fail_msg("%s", lk_last_error());
+    tu_assert_contains(js, "{\"module\":\"single_transformer_blocks.0.proj_mlp\",\"component\":\"diffusion_model\",");
+    assert_null(strstr(js, "\"component\":\"any\""));
+    lk_free(js);
+    free(npp);
+    af_free(np);
+    /* kohya's lora_unet_ / lora_te_ (lycoris-lora's file) on an SD single file; diffusers' unet. on its UNet */
+    static const struct {
+        const char *lora, *base, *want[2];
+    } fx[] = {
+        {"sd1_lora_kohya", "sd1_single",
+         {"{\"module\":\"lora_unet_down_blocks_0_attentions_0_proj_in\",\"component\":\"unet\",",
+          "{\"module\":\"lora_te_encoder_layers_0_self_attn_k_proj\",\"component\":\"text_encoder\","}},
+        {"sd1_lora_diffusers", "sd1_unet",
+         {"{\"module\":\"down_blocks.0.attentions.0.proj_in\",\"component\":\"unet\",",
+          "{\"module\":\"text_encoder.encoder.layers.0.self_attn.k_proj\",\"component\":\"text_encoder\","}},
+    };
+    for (size_t i = 0; i < sizeof fx / sizeof fx[0]; i++) {
+        char a[512], b[512];
+        snprintf(a, sizeof a, LK_TEST_SRC_DIR "/tests/fixtures/layouts/%s.safetensors", fx[i].lora);
+        snprintf(b, sizeof b, LK_TEST_SRC_DIR "/tests/fixtures/layouts/%s.safetensors", fx[i].base);
+        if (lk_inspect_base_json(a, b, NULL, &js)) fail_msg("%s", lk_last_error());
+        for (int k = 0; k < 2; k++) tu_assert_contains(js, fx[i].want[k]);
+        lk_free(js);
+    }
     free(lp);
     free(bp);
     af_free(d);

@@ -27,9 +27,10 @@ static const char *const INSPECT_USAGE =
     "With --base, where each module of ADAPTER lands on CKPT, resolved as\n"
     "`lorakit fuse` would: the weight(s) and rows (a row slice of a fused\n"
     "weight), the rule that matched the name (exact, suffix, kohya form,\n"
-    "prefix, family table, --map), the algorithm, rank, alpha and its source,\n"
-    "and the scale; each module that lands nowhere with the three nearest\n"
-    "weight names.\n\n"
+    "prefix, family table, --map), the component it routes to (unet,\n"
+    "transformer, text_encoder[_2|_3], diffusion_model, any), the algorithm,\n"
+    "rank, alpha and its source, and the scale; each module that lands\n"
+    "nowhere with its component and the three nearest weight names.\n\n"
     "options:\n"
     "  --base CKPT    show where ADAPTER's modules land on CKPT\n"
     "  --arch NAME    with --base: the model family table (as lorakit fuse)\n"
@@ -124,7 +125,8 @@ static void placement_text(json_t *o, FILE *out) {
     size_t i, k;
     json_t *m, *p;
     json_array_foreach(json_object_get(o, "modules"), i, m) {
-        fprintf(out, "  %s  (%s, rank %lld, alpha %g from %s, scale %g)\n", json_string_value(json_object_get(m, "module")),
+        fprintf(out, "  %s  (%s, %s, rank %lld, alpha %g from %s, scale %g)\n",
+                json_string_value(json_object_get(m, "module")), json_string_value(json_object_get(m, "component")),
                 json_string_value(json_object_get(m, "algorithm")),
                 (long long)json_integer_value(json_object_get(m, "rank")),
                 json_real_value(json_object_get(m, "alpha")), json_string_value(json_object_get(m, "alpha_source")),

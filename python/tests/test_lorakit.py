@@ -328,6 +328,8 @@ def test_inspect_base_matches_cli(tmp_path):
     got = lorakit.inspect(lora, base=base)
     assert got == json.loads(cli("inspect", lora, "--base", base, "--json").stdout)
     assert got["family"] == "flux" and got["modules_placed"] == 1 and got["modules_unmatched"] == 1
+    assert got["modules"][0]["component"] == "transformer"  # its key's transformer. prefix
+    assert got["unmatched"][0]["component"] == "transformer"
     (p,) = got["modules"][0]["placements"]
     assert p["weight"] == "model.diffusion_model.single_blocks.0.linear1.weight"
     assert p["rows"] == [4, 8] and p["b_rows"] == [0, 4] and not p["whole"]

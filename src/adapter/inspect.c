@@ -8,6 +8,7 @@
 #include "lorakit/alloc.h"
 #include "lorakit/checkpoint.h"
 #include "lorakit/safetensors.h"
+#include "adapter/adapter_struct.h"
 #include "adapter/layout.h"
 
 #include <jansson.h>
@@ -403,11 +404,15 @@ static json_t *placement_json(const lk_adapter *a, const lk_tensor *model, size_
     size_t placed = 0, n_un = 0;
     for (size_t i = 0; i < lk_adapter_count(a) && !bad; i++) {
         const lk_lora_module *m = lk_adapter_module(a, i);
+        /* the module's full name (a diffusers module keeps its unet. / transformer. there) */
+        int kohya = lk_adapter_get_format(a) == LK_FORMAT_KOHYA && !strchr(m->module, '.');
+        const char *full = kohya ? m->module : a->stems[i], *first = NULL;
         json_t *pl = json_array();
         bad |= !pl;
         for (size_t k = 0; k < lk_adapter_placement_count(a) && !bad; k++) {
             const lk_adapter_placement *p = lk_adapter_placement_at(a, k);
             if (p->module != m) continue;
+            if (!first) first = p->target;
             bad |= json_array_append_new(pl, json_pack("{s:s, s:s, s:b, s:o, s:o}", "weight", p->target, "rule",
                                                        p->rule, "whole", p->whole, "rows", rows_json(p->row0, p->rows),
                                                        "b_rows", rows_json(p->b_row0, p->rows)));
@@ -418,18 +423,19 @@ static json_t *placement_json(const lk_adapter *a, const lk_tensor *model, size_
         }
         if (!json_array_size(pl)) {
             json_decref(pl);
-            int kohya = lk_adapter_get_format(a) == LK_FORMAT_KOHYA && !strchr(m->module, '.'), comp;
-            const char *q = lk_layout_strip_module(m->module, kohya, &comp);
+            int comp;
+            const char *q = lk_layout_strip_module(full, kohya, &comp);
             json_t *nr = n_un++ < LK_NEAREST_MODULES ? nearest(l, model, q, kohya) : json_array();
             bad |= !nr || json_array_append_new(un, json_pack("{s:s, s:s, s:o}", "module", m->module, "component",
-                                                              lk_comp_name(comp), "nearest", nr));
+                                                              lk_layout_component(full, kohya, NULL), "nearest", nr));
             continue;
         }
         placed++;
         bad |= json_array_append_new(
-            mods, json_pack("{s:s, s:s, s:i, s:f, s:s, s:f, s:o}", "module", m->module, "algorithm",
-                            m->magnitude.data ? "dora" : "lora", "rank", m->rank, "alpha", (double)m->alpha,
-                            "alpha_source", m->alpha_source, "scale", m->scale, "placements", pl));
+            mods, json_pack("{s:s, s:s, s:s, s:i, s:f, s:s, s:f, s:o}", "module", m->module, "component",
+                            lk_layout_component(full, kohya, first), "algorithm", m->magnitude.data ? "dora" : "lora",
+                            "rank", m->rank, "alpha", (double)m->alpha, "alpha_source", m->alpha_source, "scale",
+                            m->scale, "placements", pl));
     }
     (void)n_model;
     if (bad) {

@@ -40,47 +40,48 @@ int lk_comp_from_name(const char *name) {
 typedef struct prefix {
     const char *p;
     int comp;
+    const char *cname; /* the component as inspect names it, or NULL (a wrapper only) */
 } prefix;
 
 /* Model-side wrappers (single files, ComfyUI, pipeline-style files). */
 static const prefix g_model_pre[] = {
-    {"model.diffusion_model.", LK_COMP_DIFFUSION},
-    {"diffusion_model.", LK_COMP_DIFFUSION},
-    {"cond_stage_model.transformer.", LK_COMP_TE1},
-    {"cond_stage_model.model.", LK_COMP_TE1},
-    {"conditioner.embedders.0.transformer.", LK_COMP_TE1},
-    {"conditioner.embedders.1.model.", LK_COMP_TE2},
-    {"text_encoders.clip_l.transformer.", LK_COMP_TE1},
-    {"text_encoders.clip_g.transformer.", LK_COMP_TE2},
-    {"text_encoders.t5xxl.transformer.", LK_COMP_TE3},
-    {"text_encoder.", LK_COMP_TE1},
-    {"text_encoder_2.", LK_COMP_TE2},
-    {"text_encoder_3.", LK_COMP_TE3},
-    {"transformer.", LK_COMP_DIFFUSION},
-    {"unet.", LK_COMP_DIFFUSION},
-    {"base_model.model.", LK_COMP_ANY},
-    {"model.", LK_COMP_ANY},
+    {"model.diffusion_model.", LK_COMP_DIFFUSION, "diffusion_model"},
+    {"diffusion_model.", LK_COMP_DIFFUSION, "diffusion_model"},
+    {"cond_stage_model.transformer.", LK_COMP_TE1, "text_encoder"},
+    {"cond_stage_model.model.", LK_COMP_TE1, "text_encoder"},
+    {"conditioner.embedders.0.transformer.", LK_COMP_TE1, "text_encoder"},
+    {"conditioner.embedders.1.model.", LK_COMP_TE2, "text_encoder_2"},
+    {"text_encoders.clip_l.transformer.", LK_COMP_TE1, "text_encoder"},
+    {"text_encoders.clip_g.transformer.", LK_COMP_TE2, "text_encoder_2"},
+    {"text_encoders.t5xxl.transformer.", LK_COMP_TE3, "text_encoder_3"},
+    {"text_encoder.", LK_COMP_TE1, "text_encoder"},
+    {"text_encoder_2.", LK_COMP_TE2, "text_encoder_2"},
+    {"text_encoder_3.", LK_COMP_TE3, "text_encoder_3"},
+    {"transformer.", LK_COMP_DIFFUSION, "transformer"},
+    {"unet.", LK_COMP_DIFFUSION, "unet"},
+    {"base_model.model.", LK_COMP_ANY, NULL},
+    {"model.", LK_COMP_ANY, NULL},
 };
 
 /* Adapter-side prefixes, stripped repeatedly ("base_model.model.unet."). */
 static const prefix g_mod_pre[] = {
-    {"base_model.model.", LK_COMP_ANY},
-    {"model.diffusion_model.", LK_COMP_DIFFUSION},
-    {"diffusion_model.", LK_COMP_DIFFUSION},
-    {"text_encoder_2.", LK_COMP_TE2},
-    {"text_encoder_3.", LK_COMP_TE3},
-    {"text_encoder.", LK_COMP_TE1},
-    {"transformer.", LK_COMP_DIFFUSION},
-    {"unet.", LK_COMP_DIFFUSION},
-    {"model.", LK_COMP_ANY},
+    {"base_model.model.", LK_COMP_ANY, NULL},
+    {"model.diffusion_model.", LK_COMP_DIFFUSION, "diffusion_model"},
+    {"diffusion_model.", LK_COMP_DIFFUSION, "diffusion_model"},
+    {"text_encoder_2.", LK_COMP_TE2, "text_encoder_2"},
+    {"text_encoder_3.", LK_COMP_TE3, "text_encoder_3"},
+    {"text_encoder.", LK_COMP_TE1, "text_encoder"},
+    {"transformer.", LK_COMP_DIFFUSION, "transformer"},
+    {"unet.", LK_COMP_DIFFUSION, "unet"},
+    {"model.", LK_COMP_ANY, NULL},
 };
 
 /* kohya's (and LyCORIS's / SimpleTuner's) component prefixes. */
 static const prefix g_kohya_pre[] = {
-    {"lora_unet_", LK_COMP_DIFFUSION}, {"lora_transformer_", LK_COMP_DIFFUSION},
-    {"lora_te1_", LK_COMP_TE1},        {"lora_te2_", LK_COMP_TE2},
-    {"lora_te3_", LK_COMP_TE3},        {"lora_te_", LK_COMP_TE1},
-    {"lycoris_", LK_COMP_ANY},
+    {"lora_unet_", LK_COMP_DIFFUSION, "unet"}, {"lora_transformer_", LK_COMP_DIFFUSION, "transformer"},
+    {"lora_te1_", LK_COMP_TE1, "text_encoder"},        {"lora_te2_", LK_COMP_TE2, "text_encoder_2"},
+    {"lora_te3_", LK_COMP_TE3, "text_encoder_3"},      {"lora_te_", LK_COMP_TE1, "text_encoder"},
+    {"lycoris_", LK_COMP_ANY, NULL},
 };
 
 #define NPRE(a) (sizeof a / sizeof a[0])
@@ -92,16 +93,21 @@ static const char *strip_inner(const char *name, int kohya) {
     return !strncmp(name, p, 11) && name[11] ? name + 11 : name;
 }
 
-const char *lk_layout_strip_module(const char *name, int kohya, int *comp) {
+/* lk_layout_strip_module; *cname (may be NULL) gets the component name of
+ * the first prefix that names one, or NULL. */
+static const char *strip_module(const char *name, int kohya, int *comp, const char **cname) {
     *comp = LK_COMP_ANY;
+    const char *cn = NULL;
     if (kohya) {
         for (size_t i = 0; i < NPRE(g_kohya_pre); i++) {
             size_t pl = strlen(g_kohya_pre[i].p);
             if (!strncmp(name, g_kohya_pre[i].p, pl) && name[pl]) {
                 *comp = g_kohya_pre[i].comp;
+                if (cname) *cname = g_kohya_pre[i].cname;
                 return strip_inner(name + pl, 1);
             }
         }
+        if (cname) *cname = NULL;
         return strip_inner(name, 1);
     }
     for (int round = 0; round < 4; round++) {
@@ -110,25 +116,41 @@ const char *lk_layout_strip_module(const char *name, int kohya, int *comp) {
             size_t pl = strlen(g_mod_pre[i].p);
             if (!strncmp(name, g_mod_pre[i].p, pl) && name[pl]) {
                 if (*comp == LK_COMP_ANY) *comp = g_mod_pre[i].comp;
+                if (!cn) cn = g_mod_pre[i].cname;
                 name += pl;
                 break;
             }
         }
         if (i == NPRE(g_mod_pre)) break;
     }
+    if (cname) *cname = cn;
     return strip_inner(name, 0);
 }
 
-static const char *strip_model(const char *name, int *comp) {
+const char *lk_layout_strip_module(const char *name, int kohya, int *comp) {
+    return strip_module(name, kohya, comp, NULL);
+}
+
+static const char *strip_model(const char *name, int *comp, const char **cname) {
     *comp = LK_COMP_ANY;
     for (size_t i = 0; i < NPRE(g_model_pre); i++) {
         size_t pl = strlen(g_model_pre[i].p);
         if (!strncmp(name, g_model_pre[i].p, pl) && name[pl]) {
             *comp = g_model_pre[i].comp;
+            if (cname) *cname = g_model_pre[i].cname;
             return name + pl;
         }
     }
+    if (cname) *cname = NULL;
     return name;
+}
+
+const char *lk_layout_component(const char *module, int kohya, const char *key) {
+    int comp;
+    const char *cn = NULL;
+    if (module) strip_module(module, kohya, &comp, &cn);
+    if (!cn && key) strip_model(key, &comp, &cn);
+    return cn ? cn : "any";
 }
 
 /* ---- patterns ---- */
@@ -457,7 +479,7 @@ lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layou
     for (size_t i = 0; i < n_model && !s; i++) {
         int comp;
         const char *k = model[i].name;
-        if (k) names[nn++] = (char *)strip_model(k, &comp);
+        if (k) names[nn++] = (char *)strip_model(k, &comp, NULL);
     }
     if (!s) qsort(names, nn, sizeof *names, str_cmp);
     if (!s) s = pick_family(label, o ? o->arch : NULL, names, nn, fam, &have_fam);
@@ -493,7 +515,7 @@ lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layou
         int inproj = key && has_suffix(key, ".in_proj_weight");
         if (!key || (!has_suffix(key, ".weight") && !inproj)) continue;
         int comp;
-        const char *st = strip_model(key, &comp);
+        const char *st = strip_model(key, &comp, NULL);
         size_t sl = strlen(st) - 7;
         char *nm = lk_malloc(sl + 1);
         if (!nm) {

@@ -92,6 +92,14 @@ void lk_layout_free(lk_layout *l);
  * pointer into name. */
 const char *lk_layout_strip_module(const char *name, int kohya, int *comp);
 
+/* The pipeline component a module routes to, as inspect names it: the one
+ * its own prefix names (module: its full adapter-side name or stem; kohya:
+ * underscore spelling), else the one the prefix of the model key it lands on
+ * (key, may be NULL) names; "unet", "transformer", "text_encoder",
+ * "text_encoder_2", "text_encoder_3", "diffusion_model" (a single file's
+ * model.diffusion_model.), or "any". */
+const char *lk_layout_component(const char *module, int kohya, const char *key);
+
 /* The aliases name (kohya: its underscore form) may land on, at the lowest
  * level that has any: *first and *count index a run of the sorted order
  * (*ord: by_name or by_uname). Component filter: comp ANY matches all. */
