@@ -475,13 +475,39 @@ static void test_weights_wrap(void **state) {
     tu_assert_contains(lk_last_error(), "appears twice");
 }
 
+/* lk_tracker_summary_json, the one formatter of a summary: the expected
+ * lines are written by hand from the field list in tracker.h (the bytes
+ * `lorakit swap --json` printed before the summary became a struct). */
+static void test_summary_json(void **state) {
+    (void)state;
+    lk_tracker_summary r = {.keys_fused = 3, .keys_restored = 1, .bytes_broadcast = 4096, .backup_bytes_max = 512,
+                            .seconds = 0.5, .seconds_agree = 0.25, .seconds_load = 0.125, .seconds_fuse = 2,
+                            .seconds_broadcast = 0, .has_digest = 1, .digests_agree = 1};
+    memcpy(r.digest, "0123456789abcdef0123456789abcdef", LK_DIGEST_HEX);
+    char *js = NULL;
+    assert_int_equal(lk_tracker_summary_json(&r, 7, LK_OK, NULL, &js), LK_OK);
+    assert_string_equal(js, "{\"step\":7,\"status\":\"ok\",\"keys_fused\":3,\"keys_restored\":1,\"bytes_broadcast\":4096,"
+                            "\"seconds\":0.5,\"digest\":\"0123456789abcdef0123456789abcdef\",\"digests_agree\":true,"
+                            "\"skipped\":false,\"backup_bytes_max\":512,\"phases\":{\"agree\":0.25,\"load\":0.125,"
+                            "\"fuse\":2.0,\"broadcast\":0.0}}");
+    lk_free(js);
+    r.has_digest = 0;
+    r.skipped = 1;
+    assert_int_equal(lk_tracker_summary_json(&r, 0, LK_ERR_IO, "bad \xff path", &js), LK_OK);
+    assert_string_equal(js, "{\"status\":\"error\",\"error\":\"(message is not UTF-8)\",\"keys_fused\":3,"
+                            "\"keys_restored\":1,\"bytes_broadcast\":4096,\"seconds\":0.5,\"digest\":null,"
+                            "\"digests_agree\":null,\"skipped\":true,\"backup_bytes_max\":512,\"phases\":{"
+                            "\"agree\":0.25,\"load\":0.125,\"fuse\":2.0,\"broadcast\":0.0}}");
+    lk_free(js);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sequence),    cmocka_unit_test(test_element_reference),
         cmocka_unit_test(test_failures),    cmocka_unit_test(test_no_lora_swap),
         cmocka_unit_test(test_create_args), cmocka_unit_test(test_alloc_failures),
         cmocka_unit_test(test_adapter_rewritten), cmocka_unit_test(test_allow_nonfinite),
-        cmocka_unit_test(test_weights_wrap),
+        cmocka_unit_test(test_weights_wrap), cmocka_unit_test(test_summary_json),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -7,7 +7,6 @@
  * and the step loop runs to the longest plan with a rank that has no such
  * step failing it, so a disagreement is an error on that step on every rank,
  * never a rank left waiting in a collective. */
-#include <jansson.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -121,28 +120,21 @@ static int auto_threads(const lk_comm *c) {
     return cores / local > 1 ? (int)(cores / local) : 1;
 }
 
-/* Prints one step's report (lk_tracker_report_json) as it is, or as text
- * read back from it. */
-static void print_step(size_t step, const char *js, int json) {
+/* Prints one step's summary: the JSON line (lk_tracker_summary_json), or
+ * text from the same struct. */
+static void print_step(size_t step, const lk_tracker_summary *r, lk_status status, const char *error, int json) {
     if (json) {
-        printf("%s\n", js);
-        fflush(stdout);
-        return;
-    }
-    json_t *o = json_loads(js, 0, NULL);
-    if (!o) return;
-    if (strcmp(json_string_value(json_object_get(o, "status")), "ok")) {
-        printf("step %zu: error: %s (weights unchanged)\n", step, json_string_value(json_object_get(o, "error")));
+        char *js = NULL;
+        if (!lk_tracker_summary_json(r, step, status, error, &js)) printf("%s\n", js);
+        lk_free(js);
+    } else if (status) {
+        printf("step %zu: error: %s (weights unchanged)\n", step, error);
     } else {
-        printf("step %zu: ok%s: %lld keys fused, %lld restored, %.2f MiB broadcast, %.3f s, digest %s%s\n", step,
-               json_is_true(json_object_get(o, "skipped")) ? " (unchanged set, skipped)" : "",
-               (long long)json_integer_value(json_object_get(o, "keys_fused")),
-               (long long)json_integer_value(json_object_get(o, "keys_restored")),
-               (double)json_integer_value(json_object_get(o, "bytes_broadcast")) / 1048576.0,
-               json_real_value(json_object_get(o, "seconds")), json_string_value(json_object_get(o, "digest")),
-               json_is_true(json_object_get(o, "digests_agree")) ? "" : " (RANKS DISAGREE)");
+        printf("step %zu: ok%s: %llu keys fused, %llu restored, %.2f MiB broadcast, %.3f s, digest %s%s\n", step,
+               r->skipped ? " (unchanged set, skipped)" : "", (unsigned long long)r->keys_fused,
+               (unsigned long long)r->keys_restored, (double)r->bytes_broadcast / 1048576.0, r->seconds, r->digest,
+               r->digests_agree ? "" : " (RANKS DISAGREE)");
     }
-    json_decref(o);
     fflush(stdout);
 }
 
@@ -168,17 +160,16 @@ static int run_steps(lk_comm *c, lk_tracker *t, lk_weights *w, const lk_plan *pl
         }
         char error[1024];
         snprintf(error, sizeof error, "%s", s ? lk_last_error() : "");
-        char *js = NULL;
-        lk_status r = s == LK_ERR_COMM ? s : lk_tracker_report_json(c, w, i + 1, s, error, &st, 1, &js);
+        lk_tracker_summary sum;
+        lk_status r = s == LK_ERR_COMM ? s : lk_tracker_summarize(c, w, &st, 1, &sum);
         if (r == LK_ERR_TIMEOUT) {
             lk_error_prefix(r, "step %zu: the step's report", i + 1);
             return lk_cli_timeout_abort(c);
         }
         if (r) return lk_cli_fail(); /* the group is gone */
-        if (s || !strstr(js, "\"digests_agree\":true")) failed = 1;
-        if (rank0) print_step(i + 1, js, json);
+        if (s || !sum.digests_agree) failed = 1;
+        if (rank0) print_step(i + 1, &sum, s, error, json);
         if (rank0 && s) fprintf(stderr, "lorakit: step %zu: %s\n", i + 1, error);
-        lk_free(js);
     }
     return failed ? LK_EXIT_FAIL : LK_EXIT_OK;
 }

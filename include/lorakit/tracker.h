@@ -45,6 +45,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "lorakit/comm.h"
+#include "lorakit/digest.h"
 #include "lorakit/fuse.h"
 #include "lorakit/weights.h"
 
@@ -131,18 +132,36 @@ size_t lk_tracker_applied(const lk_tracker *t);
  * rounds move straight between the ranks' weights. */
 size_t lk_tracker_staging_bytes(const lk_tracker *t);
 
-/* Collective: the group's summary of one apply/reset as one JSON object
- * (a line of `lorakit swap --json`): {"step" (when step > 0), "status":
- * "ok"|"error", "error" (when status != LK_OK; message is that call's
- * lk_last_error), "keys_fused", "keys_restored" (summed over ranks),
- * "bytes_broadcast", "seconds" (slowest rank), "digest", "digests_agree"
- * (content digest of every rank's weights compared with rank 0's; null
- * both when digest is 0), "skipped", "backup_bytes_max", "phases": {agree,
- * load, fuse, broadcast}}. Every rank gets the same *json (lk_malloc'd).
- * Call it on every rank after each call, whatever its status, except after
- * LK_ERR_COMM (the group is gone). */
-lk_status lk_tracker_report_json(lk_comm *c, const lk_weights *w, size_t step, lk_status status, const char *message,
-                                 const lk_tracker_stats *stats, int digest, char **json);
+/* What one apply/reset did over the whole group (equal on every rank). */
+typedef struct lk_tracker_summary {
+    uint64_t keys_fused, keys_restored; /* summed over the ranks */
+    uint64_t bytes_broadcast;           /* as lk_tracker_stats (same on every rank) */
+    uint64_t backup_bytes_max;          /* the most clean bytes one rank holds */
+    int skipped;                        /* the request equalled the current set */
+    double seconds;                     /* the slowest rank's whole call */
+    double seconds_agree, seconds_load, seconds_fuse, seconds_broadcast; /* slowest rank, per phase */
+    int has_digest;                     /* 0: digest and digests_agree not made */
+    char digest[LK_DIGEST_HEX];         /* rank 0's content digest of its weights */
+    int digests_agree;                  /* every rank's digest equals rank 0's */
+} lk_tracker_summary;
+
+/* Collective: sums, maxima and (when digest is 1) every rank's content
+ * digest of its weights compared with rank 0's (lk_comm_same_bytes), from
+ * each rank's stats of its last call (NULL: zeros). Call it on every rank
+ * after each call, whatever its status, except after LK_ERR_COMM (the group
+ * is gone). */
+lk_status lk_tracker_summarize(lk_comm *c, const lk_weights *w, const lk_tracker_stats *stats, int digest,
+                               lk_tracker_summary *out);
+
+/* The one formatter of a summary, for the programs at the edge (the line of
+ * `lorakit swap --json`, the Python package's Tracker.apply/reset): one JSON
+ * object {"step" (when step > 0), "status": "ok"|"error", "error" (when
+ * status != LK_OK: message, that call's lk_last_error), "keys_fused",
+ * "keys_restored", "bytes_broadcast", "seconds", "digest", "digests_agree"
+ * (null both without a digest), "skipped", "backup_bytes_max", "phases":
+ * {agree, load, fuse, broadcast}}. *json is lk_malloc'd. Local. */
+lk_status lk_tracker_summary_json(const lk_tracker_summary *sum, size_t step, lk_status status, const char *message,
+                                  char **json);
 
 #ifdef __cplusplus
 }

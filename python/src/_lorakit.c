@@ -1093,7 +1093,9 @@ static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int diges
     if (s) snprintf(msg, sizeof msg, "%s", lk_last_error());
     /* every rank fails or succeeds together (the tracker agrees), so the
      * report, a collective, is made on success only */
-    rs = s ? s : lk_tracker_report_json(c, self->w, 0, s, msg, &st, digest, &js);
+    lk_tracker_summary sum;
+    rs = s ? s : lk_tracker_summarize(c, self->w, &st, digest, &sum);
+    if (!rs) rs = lk_tracker_summary_json(&sum, 0, LK_OK, NULL, &js);
     Py_END_ALLOW_THREADS
     self->busy = 0;
     lk_comm_set_timeout(c, was);
