@@ -21,6 +21,10 @@ Cases:
            N_KEYS (default 100) rank_pattern keys that each take close to
            PCRE2's per-match limit on every module name (nested quantifiers
            over a run of 'a's not followed by 'b'), none of which matches.
+  atoms    N_MODULES modules (default 10000) and N_KEYS (default 2000) keys
+           in each of rank_pattern ("blocks\\.<5j>\\.attn\\.to_q") and
+           alpha_pattern ("blocks\\.<j>\\d\\.attn\\.to_[a-z]"): regexes that
+           are runs of one-character atoms, matched by lookup.
   mixed    [PEFT_VERSION [MODULES_TO_SAVE_JSON]] the MIXED_* adapter below (a
            few hundred modules).
 """
@@ -60,8 +64,11 @@ def adapter(out, mods, cfg, base_prefix=""):
 # "mixed": every kind of key the matcher tells apart, for a comparison
 # with Python's re under PEFT's rules (tests/matching_bound.sh): plain
 # names, names plain but for '.', a '.' that matches '_' ("attn.to.v" on
-# "attn_to_v"), regexes before and after plain keys, a non-ASCII name and
-# key (the regex path), keys that match nothing.
+# "attn_to_v"), runs of one-character atoms (escaped dots and '_', \d \w
+# \s \S, sets with ranges, '^', a leading ']', a '-', a one-character set;
+# keys with equal literal bytes that differ only in a set, in key order),
+# regexes before and after them, a non-ASCII name and key (the regex path),
+# keys that match nothing.
 MIXED_MODULES = sorted(
     ["blocks.%d.attn.to_%s" % (i, x) for i in range(30) for x in "qkv"]
     + ["blocks.%d.ff.net.0.proj" % i for i in range(30)]
@@ -69,15 +76,17 @@ MIXED_MODULES = sorted(
     + ["blocks.%d.attn.t\u00f6_q" % i for i in range(3)]
 )
 MIXED_KEYS = [
-    "blocks.1.attn.to_q", "attn.to.v", r"blocks\.2\d\.attn\.to_[qk]", "to_k", "proj",
-    "single.1.attn.to.v", "t\u00f6_q", "blocks.2", r"attn\.to_q", "x.y.z", "blocks.1.ff.net.0.proj", "q",
-    "single.12.attn_to_v", "attn_to_v",
+    "blocks.1.attn.to_q", r"blocks\.1\d\.attn\.to_\d", r"blocks\.1\d\.attn\.to_[^q]", "attn.to.v",
+    r"blocks\.1\d\.attn\.to_[a-z]", r"blocks\.2\d\.attn\.to_[qk]", r"[^.]\.attn\.to_v", r"blocks\.2[-9]\.attn\.to_k",
+    "to_k", r"[]x]locks\.5\.ff\.net\.0\.proj", r"[b-c]locks\.5\.ff\.net\.0\.proj", r"attn\.to_\s", "proj",
+    r"single\.\d\.attn[_]to\wv", "single.1.attn.to.v", "t\u00f6_q", "blocks.2", r"blocks\.3\.attn\.to\_v", r"attn\.to_q",
+    "x.y.z", "blocks.1.ff.net.0.proj", r"ff\.net\.\S\.proj", "q", "single.12.attn_to_v", "attn_to_v", r"to_[\w]",
 ]
 MIXED_CONFIG = {
     "r": 1,
     "lora_alpha": 1,
     "alpha_pattern": {k: i + 2 for i, k in enumerate(MIXED_KEYS)},
-    "rank_pattern": {"attn.to.v": 1, r"blocks\.2\d\..*": 1},
+    "rank_pattern": {"attn.to.v": 1, r"blocks\.2[0-4]\.attn\.to_k": 1, r"blocks\.2\d\..*": 1},
     "target_modules": ["to_q", "to_k", "attn_to_v", "proj", "t\u00f6_q"],
     "exclude_modules": ["blocks.3.attn.to_q", "0.proj", "single.2.attn.to.v"],
 }
@@ -100,6 +109,20 @@ def main():
             "alpha_pattern": dict(pat),
         }
         adapter(out, mods, cfg, "model.diffusion_model.")
+    elif case == "atoms":
+        # keys that are runs of one-character atoms, as PEFT users write
+        # them: N_KEYS rank_pattern keys with escaped dots, each naming one
+        # module, and N_KEYS alpha_pattern keys with \d and a [...] set, each
+        # naming the ten modules blocks.<j><digit>
+        nm = int(sys.argv[3]) if len(sys.argv) > 3 else 10000
+        nk = int(sys.argv[4]) if len(sys.argv) > 4 else 2000
+        mods = ["blocks.%d.attn.to_q" % i for i in range(nm)]
+        cfg = {
+            "target_modules": ["to_q"],
+            "rank_pattern": {r"blocks\.%d\.attn\.to_q" % (5 * j): 1 for j in range(nk)},
+            "alpha_pattern": {r"blocks\.%d\d\.attn\.to_[a-z]" % j: j + 2 for j in range(nk)},
+        }
+        adapter(out, mods, cfg)
     elif case == "regex":
         nm = int(sys.argv[3]) if len(sys.argv) > 3 else 200
         nk = int(sys.argv[4]) if len(sys.argv) > 4 else 100

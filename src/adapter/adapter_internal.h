@@ -25,25 +25,36 @@ typedef struct lk_pattern {
     void *re;      /* pcre2_code: PEFT's wrapper around key */
 } lk_pattern;
 
-/* Keys that are plain text but for '.' (Python's any-character), matched
- * without PCRE2: grouped by shape (length and '.' positions; the shape's
- * signature is the key with every other byte as 'x'), each shape a hash
- * table of its keys, so a module name costs one lookup per shape of a
- * length its suffixes (or windows) have, not one regex per key. */
+/* Keys that are a run of one-character atoms (a literal character, an
+ * escaped one such as "\\.", '.', \d \w \s and their negations, or a simple
+ * [...] set), with no quantifier, group, anchor or alternation: they match
+ * exactly the names of their length whose every character is in its atom's
+ * set, so they are matched without PCRE2. Grouped by shape (length and the
+ * positions of the atoms that are sets of more than one character; the
+ * signature is the key with '.' there and 'x' elsewhere), each shape a hash
+ * table of the keys' literal bytes (0x01 at the set positions), so a module
+ * name costs one lookup per shape of a length its suffixes (or windows)
+ * have, not one regex per key; keys with equal literal bytes are chained
+ * and their sets checked. */
+#define LK_LIT_WILD '\x01'
 typedef struct lk_lit_shape {
     const char *sig; /* borrowed from the index's arena */
     const char *example; /* its first key, named when the budget runs out */
     size_t len;
-    lk_names keys;   /* key -> its index in the pattern list */
+    lk_names keys;   /* literal bytes -> the first key's index in the pattern list */
 } lk_lit_shape;
 
 typedef struct lk_lit_index {
     lk_lit_shape *shape; /* sorted by len */
     size_t n_shape;
-    char *arena;         /* signatures */
-    size_t *re_keys;     /* indices of the keys that are not plain: PCRE2 */
+    char *arena;         /* signatures, literal bytes and set ids */
+    size_t *re_keys;     /* indices of the keys that are not atom runs: PCRE2 */
     size_t n_re_keys;
     lk_names all;        /* every key, for PEFT's exact-name fallback */
+    size_t *next;        /* per key: the next key with the same shape and literal bytes, or SIZE_MAX */
+    const unsigned char **set_of; /* per atom-run key: per position 0 (literal) or 1 + its set's index */
+    uint64_t (*sets)[2]; /* the distinct sets, as bitmaps over ASCII */
+    size_t n_sets;
 } lk_lit_index;
 
 /* The total PCRE2 work allowed to the patterns of one adapter (every config

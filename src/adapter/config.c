@@ -22,17 +22,19 @@
  * goes through lk_malloc, so allocation-failure tests reach it too.
  *
  * The work is bounded in total too, not only per match. Plain names (the
- * target_modules / exclude_modules lists, and pattern keys that are plain
- * text but for '.') are looked up in hash tables (names.h): a module name
- * costs one lookup per suffix (or per shape of plain keys), not one
- * comparison or regex per key, so 10,000 modules against 2,000 keys take
- * milliseconds. Every other match draws on a budget shared by all the
- * configs of one adapter: each match runs at a match limit of 64 steps,
- * then 4x that, up to the per-match limit, and is charged every limit it
- * ran under (so the charge bounds the steps PCRE2 took); plain-key lookups
- * are charged by the length they hash. When the budget is spent the match
- * fails naming the config key, pattern and module; at about 60 ns a step
- * here, LK_RE_BUDGET bounds an adapter's matching to a few seconds. */
+ * target_modules / exclude_modules lists) and pattern keys that are runs of
+ * one-character atoms (literal or escaped characters, '.', \d \w \s, simple
+ * [...] sets: "layers\.3\.blk\d\.proj", the keys PEFT users write) are
+ * looked up in hash tables (names.h): a module name costs one lookup per
+ * suffix (or per shape of such keys), not one comparison or regex per key,
+ * so 10,000 modules against 2,000 keys take milliseconds. Every other match
+ * draws on a budget shared by all the configs of one adapter: each match
+ * runs at match limits of 4, 64, then 4x that up to the per-match limit,
+ * and is charged every limit it ran under (so the charge bounds the steps
+ * PCRE2 took, within 4x); lookups are charged by the length they hash.
+ * When the budget is spent the match fails naming the config key, pattern
+ * and module; at about 60 ns a step here, LK_RE_BUDGET bounds an adapter's
+ * matching to a few seconds. */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "adapter/adapter_internal.h"
 #include "core/file.h"
@@ -195,7 +197,11 @@ static lk_status match(const lk_peft_config *c, void *re_v, const char *field, c
     if (!md) return lk_error(LK_ERR_NOMEM, "%s: out of memory matching %s", c->label, field);
     lk_re_budget *b = budget_of(c);
     int rc = 0, spent = 0;
-    for (uint32_t lim = 64;; lim = lim > LK_RE_MATCH_LIMIT / 4 ? LK_RE_MATCH_LIMIT : lim * 4) {
+    /* rungs of 4, 64, then 4x up to the per-match limit: a match is charged
+     * the limits it ran under, so one PCRE2 ends at once (a missing required
+     * character) costs 4, a typical PEFT key (30-40 steps) 68, and a charge
+     * is never more than 4x the steps taken plus 4 */
+    for (uint32_t lim = 4;; lim = lim == 4 ? 64 : lim > LK_RE_MATCH_LIMIT / 4 ? LK_RE_MATCH_LIMIT : lim * 4) {
         uint64_t left = b->limit > b->used ? b->limit - b->used : 0;
         uint32_t use = left < lim ? (uint32_t)left : lim;
         if (!use) {
@@ -246,33 +252,158 @@ static lk_status match(const lk_peft_config *c, void *re_v, const char *field, c
     return s;
 }
 
-/* ---- plain keys ---- */
+/* ---- PEFT's templates ---- */
 
 /* PEFT's templates: rank/alpha_pattern since 0.15 and before, modules_to_save. */
 #define CUR_TMPL "(.*\\.)?(%s)$"
 #define OLD_TMPL ".*\\.%s$"
 #define TO_SAVE_TMPL "(^|.*\\.)%s($|\\..*)"
 
-/* A plain key's regex, compiled the first time a name that is not plain
- * (name_is_plain) needs it: a config of many plain keys compiles none. */
+/* An atom-run key's regex, compiled the first time a name that is not
+ * plain (name_is_plain) needs it: a config of many such keys compiles none. */
 static lk_status lazy_re(const lk_peft_config *c, void **re, const char *field, const char *key, const char *tmpl) {
     return *re ? LK_OK : compile(c->label, field, key, tmpl, 0, re);
 }
 
-/* Python `re` text that matches itself but for '.' (any character but a
- * newline): printable ASCII without \ ^ $ * + ? { } [ ] | ( ). */
-static int key_is_plain(const char *k) {
-    if (!*k) return 0;
-    for (; *k; k++) {
-        unsigned char ch = (unsigned char)*k;
-        if (ch < 0x20 || ch > 0x7e || strchr("\\^$*+?{}[]|()", ch)) return 0;
+/* ---- keys that are runs of one-character atoms ---- */
+
+/* Bitmaps over ASCII of the characters an atom matches in a plain name
+ * (name_is_plain: printable ASCII, so Python's and PCRE2's Unicode classes
+ * reduce to these). */
+typedef uint64_t lk_cset[2];
+
+static void cset_add(lk_cset b, unsigned lo, unsigned hi) {
+    for (unsigned ch = lo; ch <= hi; ch++) b[ch >> 6] |= UINT64_C(1) << (ch & 63);
+}
+
+static int cset_has(const lk_cset b, unsigned char ch) { return ch < 128 && (b[ch >> 6] >> (ch & 63) & 1); }
+
+/* \d \w \s (and the capitals, negated) as sets of printable characters;
+ * 0 when e is no such letter. */
+static int class_escape(char e, lk_cset b) {
+    lk_cset t = {0, 0};
+    switch (e | 0x20) {
+    case 'd': cset_add(t, '0', '9'); break;
+    case 'w': cset_add(t, '0', '9'), cset_add(t, 'A', 'Z'), cset_add(t, 'a', 'z'), cset_add(t, '_', '_'); break;
+    case 's': cset_add(t, ' ', ' '); break; /* the only printable whitespace */
+    default: return 0;
     }
+    if (e >= 'A' && e <= 'Z') { /* \D \W \S: the other printable characters */
+        lk_cset all = {0, 0};
+        cset_add(all, 0x20, 0x7e);
+        t[0] = all[0] & ~t[0], t[1] = all[1] & ~t[1];
+    }
+    b[0] |= t[0], b[1] |= t[1];
     return 1;
 }
 
-/* A name the plain path can match: printable ASCII (one byte is one
- * character for '.', and no newline for '$' to stop before). Other names
- * run every key as a regex. */
+/* An escape Python and PCRE2 both read as the character itself: a
+ * backslash before printable ASCII punctuation. */
+static int literal_escape(char e) { return e > 0x20 && e < 0x7f && !(e >= '0' && e <= '9') && !((e | 0x20) >= 'a' && (e | 0x20) <= 'z'); }
+
+/* One item of a [...] set at k[*i] into b; a literal character also into
+ * *lit (else -1). 0 when it is not one lorakit reads without PCRE2. */
+static int set_item(const char *k, size_t *i, lk_cset b, int *lit) {
+    char c = k[*i];
+    *lit = -1;
+    if (c == '\\') {
+        char e = k[*i + 1];
+        *i += 2;
+        if (class_escape(e, b)) return 1;
+        if (!literal_escape(e)) return 0;
+        *lit = (unsigned char)e;
+    } else {
+        if (c < 0x20 || c > 0x7e || c == '[') return 0; /* '[' (nested sets, POSIX classes): PCRE2 */
+        *lit = (unsigned char)c;
+        (*i)++;
+    }
+    cset_add(b, (unsigned)*lit, (unsigned)*lit);
+    return 1;
+}
+
+/* The set k[*i] = '[' opens, parsed as Python does (a ']' first is
+ * literal, ranges a-b of literal characters, '-' first or last literal);
+ * *i past its ']'. 0 when it is not one lorakit reads without PCRE2. */
+static int parse_set(const char *k, size_t *i, lk_cset out) {
+    lk_cset b = {0, 0};
+    size_t j = *i + 1;
+    int neg = k[j] == '^';
+    if (neg) j++;
+    int first = 1;
+    for (;; first = 0) {
+        if (!k[j]) return 0;
+        if (k[j] == ']' && !first) break;
+        int lo, hi;
+        if (k[j] == ']') { /* "[]...]": a literal ']' */
+            cset_add(b, ']', ']');
+            j++;
+            continue;
+        }
+        if (!set_item(k, &j, b, &lo)) return 0;
+        if (k[j] == '-' && k[j + 1] && k[j + 1] != ']') { /* a range */
+            j++;
+            lk_cset end = {0, 0};
+            if (lo < 0 || !set_item(k, &j, end, &hi) || hi < 0 || hi < lo) return 0; /* Python refuses these */
+            cset_add(b, (unsigned)lo, (unsigned)hi);
+        }
+    }
+    *i = j + 1;
+    if (neg) {
+        lk_cset all = {0, 0};
+        cset_add(all, 0x20, 0x7e);
+        b[0] = all[0] & ~b[0], b[1] = all[1] & ~b[1];
+    }
+    out[0] = b[0], out[1] = b[1];
+    return 1;
+}
+
+/* Reads key k as a run of one-character atoms: a printable ASCII character
+ * other than \ ^ $ * + ? { } [ ] | ( ), a backslash before punctuation,
+ * '.', \d \w \s \D \W \S, or a [...] set. Returns the number of atoms (0:
+ * k is something else, matched by PCRE2); when sets is not NULL, sets[a] is
+ * atom a's set over printable ASCII. */
+static size_t key_atoms(const char *k, lk_cset *sets) {
+    size_t n = 0;
+    for (size_t i = 0; k[i];) {
+        lk_cset b = {0, 0};
+        char c = k[i];
+        if (c == '\\') {
+            char e = k[i + 1];
+            if (!class_escape(e, b)) {
+                if (!literal_escape(e)) return 0;
+                cset_add(b, (unsigned char)e, (unsigned char)e);
+            }
+            i += 2;
+        } else if (c == '[') {
+            if (!parse_set(k, &i, b)) return 0;
+        } else if (c == '.') {
+            cset_add(b, 0x20, 0x7e); /* any character but a newline */
+            i++;
+        } else {
+            if (c < 0x20 || c > 0x7e || strchr("^$*+?{}[]|()", c)) return 0;
+            cset_add(b, (unsigned char)c, (unsigned char)c);
+            i++;
+        }
+        if (sets) sets[n][0] = b[0], sets[n][1] = b[1];
+        n++;
+    }
+    return n;
+}
+
+/* The one character of set b, or -1 when it has none or several. */
+static int cset_single(const lk_cset b) {
+    int ch = -1;
+    for (unsigned w = 0; w < 2; w++) {
+        if (!b[w]) continue;
+        if (ch >= 0 || (b[w] & (b[w] - 1))) return -1;
+        ch = (int)(w * 64 + (unsigned)__builtin_ctzll(b[w]));
+    }
+    return ch;
+}
+
+/* A name the atom path can match: printable ASCII (one byte is one
+ * character, and no newline for '$' to stop before). Other names run every
+ * key as a regex. */
 static int name_is_plain(const char *n) {
     for (; *n; n++)
         if ((unsigned char)*n < 0x20 || (unsigned char)*n > 0x7e) return 0;
@@ -284,6 +415,9 @@ static void lit_free(lk_lit_index *x) {
     lk_free(x->shape);
     lk_free(x->arena);
     lk_free(x->re_keys);
+    lk_free(x->next);
+    lk_free(x->set_of);
+    lk_free(x->sets);
     lk_names_free(&x->all);
     memset(x, 0, sizeof *x);
 }
@@ -293,50 +427,101 @@ static int shape_cmp(const void *a, const void *b) {
     return x->len < y->len ? -1 : x->len > y->len;
 }
 
+/* The index of set b in x->sets (added when new); -1 when out of memory. */
+static long set_id(lk_lit_index *x, const lk_cset b, size_t *cap) {
+    for (size_t i = 0; i < x->n_sets; i++)
+        if (x->sets[i][0] == b[0] && x->sets[i][1] == b[1]) return (long)i;
+    if (x->n_sets == *cap) {
+        size_t nc = *cap ? *cap * 2 : 16;
+        uint64_t(*ns)[2] = lk_realloc(x->sets, nc * sizeof *ns);
+        if (!ns) return -1;
+        x->sets = ns;
+        *cap = nc;
+    }
+    x->sets[x->n_sets][0] = b[0], x->sets[x->n_sets][1] = b[1];
+    return (long)x->n_sets++;
+}
+
 /* Indexes keys[0..n) (borrowed: they outlive the index). */
 static lk_status lit_build(const lk_peft_config *c, char *const *keys, size_t n, lk_lit_index *x) {
     memset(x, 0, sizeof *x);
     lk_names sigs = {0};
-    size_t total = 1;
-    for (size_t i = 0; i < n; i++)
-        if (key_is_plain(keys[i])) total += strlen(keys[i]) + 1;
-    if (lk_names_init(&x->all, n) || lk_names_init(&sigs, n) || !(x->shape = lk_calloc(n ? n : 1, sizeof *x->shape)) ||
-        !(x->re_keys = lk_calloc(n ? n : 1, sizeof *x->re_keys)) || !(x->arena = lk_malloc(total)))
+    lk_cset *sets = NULL;
+    size_t *tail = NULL, total = 1, longest = 0, set_cap = 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t len = key_atoms(keys[i], NULL), sl = strlen(keys[i]);
+        if (len) total += 3 * len + 2;
+        if (sl > longest) longest = sl; /* key_atoms writes up to one set per byte before it may refuse */
+    }
+    if (lk_names_init(&x->all, n) || lk_names_init(&sigs, n) ||
+        !(x->shape = lk_calloc(n ? n : 1, sizeof *x->shape)) || !(x->re_keys = lk_calloc(n ? n : 1, sizeof *x->re_keys)) ||
+        !(x->next = lk_malloc((n ? n : 1) * sizeof *x->next)) || !(tail = lk_malloc((n ? n : 1) * sizeof *tail)) ||
+        !(x->set_of = lk_calloc(n ? n : 1, sizeof *x->set_of)) || !(sets = lk_malloc((longest ? longest : 1) * sizeof *sets)) ||
+        !(x->arena = lk_malloc(total)))
         goto nomem;
     char *ap = x->arena;
     for (size_t i = 0; i < n; i++) {
-        size_t len = strlen(keys[i]), sh;
+        size_t len = strlen(keys[i]), sh, first;
+        x->next[i] = SIZE_MAX;
         if (lk_names_add(&x->all, keys[i], len, i, NULL)) goto nomem;
-        if (!key_is_plain(keys[i])) {
+        if (!(len = key_atoms(keys[i], sets))) {
             x->re_keys[x->n_re_keys++] = i;
             continue;
         }
-        for (size_t k = 0; k < len; k++) ap[k] = keys[i][k] == '.' ? '.' : 'x';
-        ap[len] = '\0';
-        if (lk_names_add(&sigs, ap, len, x->n_shape, &sh)) goto nomem;
+        char *sig = ap, *lit = ap + len + 1;
+        unsigned char *ids = (unsigned char *)lit + len + 1;
+        for (size_t k = 0; k < len; k++) {
+            int ch = cset_single(sets[k]);
+            long id = ch >= 0 ? -1 : set_id(x, sets[k], &set_cap);
+            if (ch < 0 && id < 0) goto nomem;
+            sig[k] = ch >= 0 ? 'x' : '.';
+            lit[k] = ch >= 0 ? (char)ch : LK_LIT_WILD;
+            ids[k] = 0;
+            if (ch < 0 && id < 255) ids[k] = (unsigned char)(id + 1);
+            else if (ch < 0) { /* over 254 distinct sets in one config: the rest go to PCRE2 */
+                x->re_keys[x->n_re_keys++] = i;
+                len = 0;
+                break;
+            }
+        }
+        if (!len) continue;
+        sig[len] = lit[len] = '\0';
+        ap = (char *)ids + len;
+        x->set_of[i] = ids;
+        if (lk_names_add(&sigs, sig, len, x->n_shape, &sh)) goto nomem;
         if (sh == x->n_shape) {
             lk_lit_shape *ns = &x->shape[x->n_shape];
-            ns->sig = ap;
+            ns->sig = sig;
             ns->example = keys[i];
             ns->len = len;
             if (lk_names_init(&ns->keys, 1)) goto nomem;
             x->n_shape++;
-            ap += len + 1;
         }
-        if (lk_names_add(&x->shape[sh].keys, keys[i], len, i, NULL)) goto nomem;
+        /* keys with equal literal bytes in one shape: chained in key order */
+        if (lk_names_add(&x->shape[sh].keys, lit, len, i, &first)) goto nomem;
+        if (first != i) {
+            x->next[tail[first]] = i;
+            tail[first] = i;
+        } else {
+            tail[i] = i;
+        }
     }
+    lk_free(sets);
+    lk_free(tail);
     lk_names_free(&sigs);
     qsort(x->shape, x->n_shape, sizeof *x->shape, shape_cmp);
     return LK_OK;
 nomem:
+    lk_free(sets);
+    lk_free(tail);
     lk_names_free(&sigs);
     lit_free(x);
     return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
 }
 
 /* The smallest key index whose shape has length len and which matches
- * w[0..len), '.' in the key matching any byte; charged to the budget.
- * buf: len bytes of scratch. */
+ * w[0..len) atom by atom; charged to the budget. buf: len bytes of
+ * scratch. */
 static lk_status lit_probe(const lk_peft_config *c, const lk_lit_index *x, const char *field, const char *name,
                            const char *w, size_t len, char *buf, size_t *best) {
     size_t lo = 0, hi = x->n_shape;
@@ -349,22 +534,24 @@ static lk_status lit_probe(const lk_peft_config *c, const lk_lit_index *x, const
         const lk_lit_shape *sh = &x->shape[lo];
         lk_status s = charge(c, 2 + len / 4, field, sh->example, name);
         if (s) return s;
-        size_t k = 0;
-        for (; k < len; k++) {
-            if (sh->sig[k] == '.') buf[k] = '.';
-            else if (w[k] == '.') break; /* a key's own letters are never '.' */
-            else buf[k] = w[k];
+        for (size_t k = 0; k < len; k++) buf[k] = sh->sig[k] == '.' ? LK_LIT_WILD : w[k];
+        for (size_t id = lk_names_get(&sh->keys, buf, len); id != SIZE_MAX && id < *best; id = x->next[id]) {
+            const unsigned char *ids = x->set_of[id];
+            size_t k = 0;
+            while (k < len && (!ids[k] || cset_has(x->sets[ids[k] - 1], (unsigned char)w[k]))) k++;
+            if (k == len) {
+                *best = id;
+                break;
+            }
+            if ((s = charge(c, 1 + len / 4, field, sh->example, name))) return s;
         }
-        if (k < len) continue;
-        size_t id = lk_names_get(&sh->keys, buf, len);
-        if (id < *best) *best = id;
     }
     return LK_OK;
 }
 
 enum { LIT_SUFFIX, LIT_DOT_SUFFIX, LIT_WINDOW };
 
-/* The smallest index of a plain key matching name as PEFT's template
+/* The smallest index of an atom-run key matching name as PEFT's template
  * places it: LIT_SUFFIX, (.*\.)?(key)$ (a suffix of name starting at 0 or
  * after a '.'); LIT_DOT_SUFFIX, .*\.key$ (after a '.'); LIT_WINDOW,
  * (^|.*\.)key($|\..*) (a run between dots or ends). SIZE_MAX: none. name
@@ -502,8 +689,8 @@ static lk_status parse_patterns(lk_peft_config *c, json_t *obj, const char *fiel
             break;
         }
         p[i].value = d;
-        /* a plain key is matched by lookup; its regex is compiled only if a name needs it (lazy_re) */
-        if ((!key_is_plain(k) || strlen(k) > LK_RE_MAX_PATTERN / 2) && (s = compile(label, field, k, tmpl, 0, &p[i].re))) {
+        /* an atom-run key is matched by lookup; its regex is compiled only if a name needs it (lazy_re) */
+        if ((!key_atoms(k, NULL) || strlen(k) > LK_RE_MAX_PATTERN / 2) && (s = compile(label, field, k, tmpl, 0, &p[i].re))) {
             lk_free(p[i].key);
             break;
         }
@@ -623,7 +810,7 @@ static lk_status parse_to_save(lk_peft_config *c, json_t *v) {
     if (!(c->to_save_re = lk_calloc(c->n_to_save ? c->n_to_save : 1, sizeof *c->to_save_re)))
         return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
     for (size_t i = 0; i < c->n_to_save && !s; i++) {
-        if (!key_is_plain(c->to_save[i]) || strlen(c->to_save[i]) > LK_RE_MAX_PATTERN / 2)
+        if (!key_atoms(c->to_save[i], NULL) || strlen(c->to_save[i]) > LK_RE_MAX_PATTERN / 2)
             s = compile(c->label, "modules_to_save", c->to_save[i], TO_SAVE_TMPL, 0, &c->to_save_re[i]);
         size_t l = strlen(c->to_save[i]);
         if (l > c->to_save_max) c->to_save_max = l;

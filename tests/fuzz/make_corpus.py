@@ -177,6 +177,12 @@ put("adapter_config", "peft021_python_re.json", json.dumps(dict(
 put("adapter_config", "peft014_layers.json", json.dumps(dict(
     cfg, peft_version="0.14.0", layers_to_transform=[0, 1], layers_pattern="blocks",
     rank_pattern={"to_q|to_v": 4})))
+# keys that are runs of one-character atoms (matched by lookup, config.c): escaped dots, \d \w \S,
+# sets with ranges / '^' / a leading ']' / '-', keys differing only in a set (chained)
+put("adapter_config", "peft_atom_keys.json", json.dumps(dict(
+    cfg, peft_version="0.17.0", rank_pattern={"blocks\\.\\d\\.attn\\.to_\\d": 2, "blocks\\.\\d\\.attn\\.to_[^q]": 4},
+    alpha_pattern={"blocks\\.[]0]\\.attn\\.to_[a-z]": 2, "[^.]\\.attn\\.to\\_\\w": 3, "blocks.1.attn.to_[-v]": 5,
+                   "attn\\Wto_\\S": 6}, modules_to_save=["blocks\\.[2-9]"])))
 put("adapter_config", "re_backtrack.txt", "re:(a+)+$")
 put("adapter_config", "re_python.txt", "re:blocks\\.\\d{,2}\\.(?:attn|mlp)\\.to_[qv]\\Z")
 
