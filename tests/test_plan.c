@@ -51,6 +51,17 @@ static void test_full_plan(void **state) {
     assert_int_equal(p->n_steps, 0);
     lk_plan_free(p);
 
+    /* a strength is read by the CLI's parser (lk_fuse_strength_parse) from the text as written, quoted or not:
+     * hex floats and quoted numbers as -l PATH:0x1p-3 and -l PATH:0.7 take them (QA: the plan refused both) */
+    p = parse("steps:\n  - loras: [{path: a, strength: 0x1p-3}, {path: b, strength: \"0.7\"}, {path: c, strength: '-2e0'},"
+              " {path: d, strength: 7}]\n",
+              LK_OK);
+    assert_true(p->steps[0].loras[0].strength == 0.125);
+    assert_true(p->steps[0].loras[1].strength == 0.7); /* the double 0.7, as strtod reads "0.7" */
+    assert_true(p->steps[0].loras[2].strength == -2.0);
+    assert_true(p->steps[0].loras[3].strength == 7.0);
+    lk_plan_free(p);
+
     p = parse("timeout: 2.5\nsteps: []\n", LK_OK);
     assert_true(p->timeout == 2.5);
     lk_plan_free(p);
@@ -107,8 +118,16 @@ static void test_errors(void **state) {
         {"steps:\n  - {}\n", "plan.yaml:2: steps[0].loras: expected a list"},
         {"steps:\n  - loras: [{strength: 1}]\n", "plan.yaml:2: steps[0].loras[0]: missing 'path'"},
         {"steps:\n  - loras: []\n  - loras: [{path: a, strength: abc}]\n",
-         "plan.yaml:3: steps[1].loras[0].strength: expected a finite number, got 'abc'"},
-        {"steps:\n  - loras: [{path: a, strength: .nan}]\n", "strength"},
+         "plan.yaml:3: steps[1].loras[0].strength: strength 'abc' is not a number"},
+        {"steps:\n  - loras: [{path: a, strength: \"0.7 \"}]\n", "strength '0.7 ' is not a number"},
+        /* not numbers, as the CLI's parser (and Python) say: a bool, null, a list */
+        {"steps:\n  - loras: [{path: a, strength: true}]\n",
+         "plan.yaml:2: steps[0].loras[0].strength: expected a finite number, got 'true'"},
+        {"steps:\n  - loras: [{path: a, strength: ~}]\n", "strength: expected a finite number"},
+        {"steps:\n  - loras: [{path: a, strength: [1]}]\n", "strength: expected a finite number, got a list"},
+        {"steps:\n  - loras: [{path: a, strength: .nan}]\n", "strength: strength '.nan' is not finite"},
+        {"steps:\n  - loras: [{path: a, strength: -.inf}]\n", "strength: strength '-.inf' is not finite"},
+        {"steps:\n  - loras: [{path: a, strength: \"inf\"}]\n", "strength: strength 'inf' is not finite"},
         {"steps:\n  - loras: [{path: a, strength: 1e999}]\n", "strength"},
         /* a strength is a double (1e39 is fine); one that reads as 0 is not what was typed */
         {"steps:\n  - loras: [{path: a, strength: -1e-400}]\n",

@@ -56,7 +56,8 @@ void lk_error_clear(void);
 
 /* A number as messages and JSON show it: the shortest "%.*g" decimal that
  * reads back (strtod) as exactly v, whole numbers below 1e17 in plain
- * digits ("0.7", "0.30000000000000004", "2147483648", "1e+40"). Writes
+ * digits ("0.7", "0.30000000000000004", "2147483648", "1e40", "1e-05" as
+ * "1e-5": no "+" or leading zeros in the exponent). Writes
  * into buf (at least LK_NUM_STR_MAX bytes) and returns it. */
 #define LK_NUM_STR_MAX 32
 const char *lk_num_str(double v, char *buf);

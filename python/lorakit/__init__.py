@@ -174,6 +174,29 @@ def _items(tensors, dedupe=False):
     return (out, aliases) if dedupe else out
 
 
+def _strength(i, typed):
+    """A strength as the double it names: a number (not a bool: True is not
+    1.0 here), or text read by the CLI's and the plan's parser (so "0.7",
+    "0x1p-3" and "1e-400" mean what -l PATH:STRENGTH makes of them)."""
+    if isinstance(typed, bool) or type(typed).__name__ == "bool_":  # Python's and numpy's bools
+        raise TypeError(f"loras[{i}]: strength must be a number, got {typed!r} (a bool)")
+    if isinstance(typed, bytes):
+        typed = typed.decode("utf-8", "replace")
+    if isinstance(typed, str):
+        if "\0" in typed:
+            raise TypeError(f"loras[{i}]: strength must be a number, got {typed!r}")
+        try:
+            return _c.strength_parse(typed)
+        except LoraError as e:
+            raise TypeError(f"loras[{i}]: strength must be a number: {e}") from None
+    try:
+        return float(typed)  # a double, used exactly (0.7 is 0.7 in C too)
+    except (TypeError, ValueError):
+        raise TypeError(f"loras[{i}]: strength must be a number, got {typed!r}") from None
+    except OverflowError:
+        raise ValueError(f"loras[{i}]: strength {typed!r} is beyond the range of a double") from None
+
+
 def _loras(loras):
     """[(path bytes, strength, format[, in-memory source])] for C and
     [(path or Adapter, strength)] to show. An entry is a path, an Adapter,
@@ -194,13 +217,7 @@ def _loras(loras):
         if not isinstance(path, (str, bytes, os.PathLike, Adapter)):
             raise TypeError(f"loras[{i}]: path must be str, os.PathLike or a lorakit.Adapter, got "
                             f"{type(path).__name__}")
-        typed = strength
-        try:
-            strength = float(strength)  # a double, used exactly (0.7 is 0.7 in C too)
-        except (TypeError, ValueError):
-            raise TypeError(f"loras[{i}]: strength must be a number, got {typed!r}") from None
-        except OverflowError:
-            raise ValueError(f"loras[{i}]: strength {typed!r} is beyond the range of a double") from None
+        strength = _strength(i, strength)
         if not isinstance(fmt, str):
             raise TypeError(f"loras[{i}]: format must be a str, got {fmt!r}")
         if isinstance(path, Adapter):

@@ -715,6 +715,20 @@ static PyObject *json_result(lk_status s, char *js) {
     return r;
 }
 
+/* strength_parse(text: str) -> float: the CLI's and the plan's strength
+ * parser (lk_fuse_strength_parse), so a strength given as text means the
+ * same everywhere; LoraError(LK_ERR_ARG) naming it as typed. */
+static PyObject *py_strength_parse(PyObject *mod, PyObject *args) {
+    (void)mod;
+    const char *text;
+    Py_ssize_t len;
+    if (!PyArg_ParseTuple(args, "s#", &text, &len)) return NULL;
+    double v;
+    lk_status s = lk_fuse_strength_parse(text, &v);
+    if (s) return raise_lk(s, NULL);
+    return PyFloat_FromDouble(v);
+}
+
 static PyObject *py_digest(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *path;
@@ -1240,6 +1254,7 @@ static PyObject *py_log_level(PyObject *mod, PyObject *args) {
 static PyMethodDef methods[] = {
     {"set_log_sink", py_set_log_sink, METH_VARARGS, NULL},
     {"log_level", py_log_level, METH_VARARGS, NULL},
+    {"strength_parse", py_strength_parse, METH_VARARGS, NULL},
     {"digest", py_digest, METH_VARARGS, NULL},
     {"digest_tensors", py_digest_tensors, METH_VARARGS, NULL},
     {"inspect", py_inspect, METH_VARARGS, NULL},

@@ -124,3 +124,31 @@ def test_strength_refusals(tmp_path):
     with pytest.raises(TypeError, match="strength must be a number"):
         lorakit.fuse_(sd, [(loras[0][0], "0.7x")])
     assert sd[NAME].tobytes() == before.tobytes()
+
+
+def test_strength_one_parser(tmp_path):
+    """One strength rule for the CLI, plans and Python (issue 20, QA): a
+    bool is not a number (True was taken as 1.0), and text is read by the
+    CLI's parser, so "0.7" is the double 0.7 and "0x1p-3" is 0.125 (float()
+    refuses hex); "1e-400" is refused as reading 0, as -l PATH:1e-400 is."""
+    base, loras, _, _ = make(str(tmp_path), (0.7,), 3)
+    sd = {k: v for k, (_, v) in st_io.read(base).items()}
+    before = sd[NAME].copy()
+    for bad in (True, False, np.bool_(True)):
+        with pytest.raises(TypeError, match=r"strength must be a number, got .*\(a bool\)"):
+            lorakit.fuse_(sd, [(loras[0][0], bad)])
+    with pytest.raises(TypeError, match="strength '1e-400' is too small"):
+        lorakit.fuse_(sd, [(loras[0][0], "1e-400")])
+    assert sd[NAME].tobytes() == before.tobytes()
+    assert lorakit._strength(0, "0.7") == 0.7
+    assert lorakit._strength(0, b"0x1p-3") == 0.125
+    assert lorakit._strength(0, np.float32(0.5)) == 0.5
+    assert lorakit._strength(0, 2) == 2.0
+    with pytest.raises(TypeError, match="not finite"):
+        lorakit._strength(0, "inf")
+    # the same text through fuse_ gives the same bytes as the float
+    a = {k: v.copy() for k, v in sd.items()}
+    b = {k: v.copy() for k, v in sd.items()}
+    lorakit.fuse_(a, [(loras[0][0], "0x1p-3")])
+    lorakit.fuse_(b, [(loras[0][0], 0.125)])
+    assert a[NAME].tobytes() == b[NAME].tobytes() != before.tobytes()

@@ -76,5 +76,14 @@ const char *lk_num_str(double v, char *buf) {
      * back as v too */
     int e10 = v != 0 && isfinite(v) ? (int)floor(log10(fabs(v))) : 0;
     snprintf(buf, LK_NUM_STR_MAX, "%.*g", e10 >= p && e10 < 17 ? e10 + 1 : p, v);
+    /* the exponent as short as it reads: 1e308, 1e-5 (printf's 1e+308, 1e-05) */
+    char *e = strchr(buf, 'e');
+    if (e) {
+        char *d = e + 1, *q = d;
+        if (*q == '+') q++;
+        else if (*q == '-') d++, q++;
+        while (q[0] == '0' && q[1]) q++;
+        memmove(d, q, strlen(q) + 1);
+    }
     return buf;
 }

@@ -10,6 +10,7 @@
 #include "lorakit/plan.h"
 
 #include <limits.h>
+#include <math.h>
 #include <string.h>
 
 #include "core/file.h"
@@ -39,12 +40,15 @@ static lk_status parse_lora(pctx *c, const lk_ynode *n, lk_fuse_input *out) {
             path = lk_ynode_str(vn);
             if (!path || !*path) return lk_yerr(c->doc, vn, NULL, "expected a non-empty file or folder path");
         } else if (!strcmp(k, "strength")) {
-            if (!lk_ynode_num(vn, &strength)) {
+            /* the CLI's parser on the text as written, quoted or not (0.7, "0.7", 0x1p-3): one rule for
+             * -l PATH:STRENGTH, plans and Python; a bool, null or collection is not a number */
+            if (vn->type != LK_Y_INT && vn->type != LK_Y_FLOAT && vn->type != LK_Y_STR) {
                 char r[64];
                 lk_ynode_repr(vn, r, sizeof r);
                 return lk_yerr(c->doc, vn, NULL, "expected a finite number, got %s", r);
             }
-            /* a number's text is strtod's syntax: what is left to refuse is one that reads as 0 */
+            if (vn->type == LK_Y_FLOAT && !isfinite(vn->f)) /* YAML's .inf / .nan, which strtod does not spell */
+                return lk_yerr(c->doc, vn, NULL, "strength '%s' is not finite", vn->text);
             if (lk_fuse_strength_parse(lk_ynode_str(vn), &strength))
                 return lk_yerr(c->doc, vn, NULL, "%s", lk_last_error());
         } else if (!strcmp(k, "format")) {

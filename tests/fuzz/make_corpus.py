@@ -244,6 +244,9 @@ put("plan", "no_swap.yaml", "no_lora_swap: true\nsteps:\n  - loras: [{path: x.sa
 # strengths are doubles read whole: 0.7 exactly, 1e39 fine, 1e-400 (reads as 0) refused, subnormals kept
 put("plan", "strengths.yaml", "steps:\n  - loras: [{path: a, strength: 0.7}, {path: b, strength: 1e39}]\n"
     "  - loras: [{path: a, strength: 1e-320}]\n  - loras: [{path: a, strength: -1e-400}]\n")
+# one strength parser with the CLI: hex floats and quoted numbers read; bools, YAML .inf refused
+put("plan", "strength_text.yaml", "steps:\n  - loras: [{path: a, strength: 0x1p-3}, {path: b, strength: \"0.7\"}]\n"
+    "  - loras: [{path: a, strength: true}]\n  - loras: [{path: a, strength: -.inf}]\n")
 # alpha rules (issue 20): .alpha vs lora_adapter_metadata disagreeing; ss_network_alpha not a number
 put("adapter", "alpha_vs_metadata", save({
     "transformer.blocks.0.attn.to_q.lora_A.weight": arr((R, H)),

@@ -10,6 +10,7 @@ swaps, only touched keys recomputed and moved).
 import os
 
 from .. import Tracker
+from .. import _strength  # one strength rule (no bools; text read as -l PATH:STRENGTH reads it)
 
 __all__ = ["TransformerWeightTracker"]
 
@@ -30,10 +31,10 @@ def _entry(i, e):
         return (os.fsdecode(e), 1.0)
     if isinstance(e, (tuple, list)) and len(e) in (2, 3):
         p = e[0] if isinstance(e[0], Adapter) else os.fsdecode(e[0])
-        return (p, float(e[1]))
+        return (p, _strength(i, e[1]))
     if hasattr(e, "path") and hasattr(e, "strength"):
         p = e.path if isinstance(e.path, Adapter) else os.fsdecode(e.path)
-        return (p, float(e.strength))
+        return (p, _strength(i, e.strength))
     raise TypeError(f"loras[{i}]: expected (path, strength), an Adapter or an object with .path and .strength, got {e!r}")
 
 
