@@ -87,6 +87,17 @@ static void test_full_plan(void **state) {
     assert_int_equal(p->fp8.scale, LK_FP8_KEEP);
     assert_int_equal(p->fp8.saturate, 1);
     lk_plan_free(p);
+    /* the name tables, as `lorakit fuse --arch / --map`: map paths relative to the plan's folder */
+    p = parse("arch: flux\nmaps: [mine.lkmap, /abs/other.lkmap]\nsteps: []\n", LK_OK);
+    assert_string_equal(p->arch, "flux");
+    assert_int_equal(p->n_maps, 2);
+    assert_string_equal(p->maps[0], "/plans/mine.lkmap");
+    assert_string_equal(p->maps[1], "/abs/other.lkmap");
+    lk_plan_free(p);
+    p = parse("maps: []\nsteps: []\n", LK_OK);
+    assert_null(p->arch); /* unset: recognised from the base */
+    assert_int_equal(p->n_maps, 0);
+    lk_plan_free(p);
 }
 
 static void test_errors(void **state) {
@@ -105,7 +116,11 @@ static void test_errors(void **state) {
         {"bucket_mb: 8\nsteps: []\nallow_nonfinite: 'true'\n", "plan.yaml:3: allow_nonfinite: expected true or false"},
         {"allow_nonfinite: [true]\nsteps: []\n", "plan.yaml:1: allow_nonfinite: expected true or false"},
         {"steps: []\ncolour: red\n", "plan.yaml:2: colour: unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, "
-                                    "fp8_rounding, fp8_seed, fp8_scale, fp8_saturate, timeout, alpha_from, steps)"},
+                                    "fp8_rounding, fp8_seed, fp8_scale, fp8_saturate, timeout, alpha_from, arch, maps, steps)"},
+        {"arch: ''\nsteps: []\n", "plan.yaml:1: arch: expected a family name"},
+        {"arch: [flux]\nsteps: []\n", "plan.yaml:1: arch: expected a family name"},
+        {"maps: a.lkmap\nsteps: []\n", "plan.yaml:1: maps: expected a list of table files"},
+        {"maps: [a.lkmap, {x: 1}]\nsteps: []\n", "plan.yaml:1: maps[1]: expected a non-empty file path"},
         {"timeout: -1\nsteps: []\n", "plan.yaml:1: timeout: expected seconds in 0..1e+09 (0 = none), got '-1'"},
         {"timeout: .inf\nsteps: []\n", "plan.yaml:1: timeout: expected seconds"},
         {"timeout: 5m\nsteps: []\n", "plan.yaml:1: timeout: expected seconds"},

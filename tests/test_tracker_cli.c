@@ -46,15 +46,18 @@ static int sh(char **out, char **err, const char *fmt, ...) {
     return rc;
 }
 
-static void offline(const char *loras, char hex[LK_DIGEST_HEX]) {
+/* The digest of `lorakit fuse BASE ARGS`: loras holds the -l options and any other fuse options. */
+static void offline_on(const char *base, const char *loras, char hex[LK_DIGEST_HEX]) {
     char *out = NULL;
-    assert_int_equal(sh(NULL, NULL, "'%s' fuse '%s' %s -o '%s/off.safetensors'", bin(), g_base, loras, g_dir), 0);
+    assert_int_equal(sh(NULL, NULL, "'%s' fuse '%s' %s -o '%s/off.safetensors'", bin(), base, loras, g_dir), 0);
     assert_int_equal(sh(&out, NULL, "'%s' digest '%s/off.safetensors'", bin(), g_dir), 0);
     assert_int_equal(strlen(out), 33);
     memcpy(hex, out, 32);
     hex[32] = '\0';
     free(out);
 }
+
+static void offline(const char *loras, char hex[LK_DIGEST_HEX]) { offline_on(g_base, loras, hex); }
 
 static int setup(void **state) {
     (void)state;
@@ -215,6 +218,63 @@ static void test_usage_and_bad_plan(void **state) {
     free(bad);
 }
 
+/* --arch / --map and the plan's arch / maps (issue 19): a diffusers Flux
+ * LoRA on Flux's BFL single file (its to_q/to_k/to_v/proj_mlp on row slices
+ * of the fused qkv and linear1) ends with the digest of `lorakit fuse` with
+ * the same tables (whose bytes test_layouts checks against diffusers' own
+ * fuse); with no table the step fails and the weights stay the base's; the
+ * command line overrides the plan; a table that cannot be read fails setup
+ * naming it. */
+static void test_layout_tables(void **state) {
+    (void)state;
+#define LFX LK_TEST_SRC_DIR "/tests/fixtures/layouts"
+    const char *base = LFX "/flux_bfl.safetensors", *map = LK_TEST_SRC_DIR "/data/families/flux.lkmap";
+    char want[LK_DIGEST_HEX], clean[LK_DIGEST_HEX], l[1024], *out = NULL, *err = NULL;
+    snprintf(l, sizeof l, "-l '" LFX "/flux_lora_diffusers.safetensors:0.8' --arch none --map '%s'", map);
+    offline_on(base, l, want);
+    assert_int_equal(sh(&out, NULL, "'%s' digest '%s'", bin(), base), 0);
+    memcpy(clean, out, 32);
+    clean[32] = '\0';
+    free(out);
+    assert_string_not_equal(want, clean);
+    char text[1200];
+    snprintf(text, sizeof text, "arch: none\nmaps: ['%s']\nsteps:\n"
+             "  - loras: [{path: '" LFX "/flux_lora_diffusers.safetensors', strength: 0.8}]\n  - loras: []\n", map);
+    char *plan = write_plan("layout.yaml", text);
+    assert_int_equal(sh(&out, NULL, "'%s' swap '%s' --plan '%s'", bin(), base, plan), 0);
+    char line[256];
+    snprintf(line, sizeof line, "step 1: ok: 8 keys fused, 0 restored, 0.00 MiB broadcast");
+    tu_assert_contains(out, line);
+    tu_assert_contains(out, want);
+    free(out);
+    /* --map replaces the plan's maps: with arch none and a table of the user's for another model, nothing
+     * lands; --arch flux overrides the plan's none: the same bytes again */
+    char *other = write_plan("other.lkmap", "lorakit-family 1\nmap blk.#.wqkv layers.#.q\n");
+    assert_int_equal(sh(&out, NULL, "'%s' swap '%s' --plan '%s' --arch flux --map '%s'", bin(), base, plan, other), 0);
+    tu_assert_contains(out, want);
+    free(out);
+    assert_int_equal(sh(&out, &err, "'%s' swap '%s' --plan '%s' --map '%s'", bin(), base, plan, other), 1);
+    tu_assert_contains(out, "step 1: error: ");
+    tu_assert_contains(err, "norm_out.linear matches no model weight");
+    snprintf(line, sizeof line, "step 2: ok (unchanged set, skipped): 0 keys fused, 0 restored, 0.00 MiB broadcast, ");
+    tu_assert_contains(out, line);
+    tu_assert_contains(out, clean);
+    free(out);
+    free(err);
+    assert_int_equal(sh(NULL, &err, "'%s' swap '%s' --plan '%s' --map '%s/none.lkmap'", bin(), base, plan, g_dir), 1);
+    tu_assert_contains(err, "none.lkmap");
+    free(err);
+    assert_int_equal(sh(NULL, &err, "'%s' swap '%s' --plan '%s' --arch nope", bin(), base, plan), 1);
+    tu_assert_contains(err, "--arch nope: no such family table");
+    free(err);
+    assert_int_equal(sh(NULL, &err, "'%s' swap '%s' --plan '%s' --arch", bin(), base, plan), 2);
+    tu_assert_contains(err, "--arch needs a value");
+    free(err);
+    free(other);
+    free(plan);
+#undef LFX
+}
+
 /* examples/serve_swap at 2 ranks: A, A+B, reset, as its README snippet shows. */
 static void test_example(void **state) {
     (void)state;
@@ -243,6 +303,7 @@ int main(void) {
         cmocka_unit_test(test_plan_at_1_2_3_ranks),
         cmocka_unit_test(test_different_plans_per_rank),
         cmocka_unit_test(test_usage_and_bad_plan),
+        cmocka_unit_test(test_layout_tables),
         cmocka_unit_test(test_example),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -17,7 +17,8 @@
 
 static const char *const SWAP_USAGE =
     "usage: lorakit swap BASE --plan PLAN.yaml [--json] [--bucket-mb N] [--threads N]\n"
-    "                    [--allow-nonfinite] [--timeout S] [--alpha-from tensors|metadata]\n\n"
+    "                    [--allow-nonfinite] [--timeout S] [--alpha-from tensors|metadata]\n"
+    "                    [--arch NAME] [--map FILE ...]\n\n"
     "Loads the safetensors checkpoint BASE into memory on every rank and\n"
     "applies each step of the plan with the hot-swap tracker: ranks own keys by\n"
     "size, owners recompute only the keys whose adapters changed and broadcast\n"
@@ -33,6 +34,8 @@ static const char *const SWAP_USAGE =
     "  fp8_saturate: false    # optional: clamp instead of failing on overflow\n"
     "  timeout: 300           # optional: seconds a collective may wait (0 = none)\n"
     "  alpha_from: tensors    # optional: tensors | metadata (see --alpha-from)\n"
+    "  arch: flux             # optional: family table (see --arch)\n"
+    "  maps: [mine.lkmap]     # optional: extra name tables (see --map)\n"
     "  steps:\n"
     "    - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]\n"
     "    - loras: []          # reset to the base weights\n\n"
@@ -62,6 +65,15 @@ static const char *const SWAP_USAGE =
     "                  base is not timed: a rank may take long to read them)\n"
     LK_CLI_ALPHA_FROM_HELP
     "                         (overrides the plan's alpha_from)\n"
+    "  --arch NAME      the model family table that maps diffusers names onto the\n"
+    "                   original single-file names (flux, sd1, sdxl, ...; \"none\": no\n"
+    "                   table), as `lorakit fuse --arch`; default: recognised from\n"
+    "                   BASE's keys (overrides the plan's arch)\n"
+    "  --map FILE       an extra name table, as `lorakit fuse --map` (repeatable;\n"
+    "                   replaces the plan's maps). Adapters land where `lorakit fuse`\n"
+    "                   with the same --arch/--map puts them, row slices of fused\n"
+    "                   weights (Flux qkv, linear1) included; a bad table fails setup\n"
+
     "  -h, --help       this text\n\n"
     "exit codes: 0 every step succeeded, 1 a step (or setup) failed, 2 bad usage.\n";
 
@@ -73,6 +85,9 @@ typedef struct swap_args {
     int allow_nonfinite;
     double timeout; /* -1: from the plan, else LK_COMM_TIMEOUT_DEFAULT */
     lk_alpha_from alpha_from; /* LK_ALPHA_AUTO: the plan's */
+    const char *arch;         /* NULL: the plan's */
+    const char **maps;        /* n_maps given: they replace the plan's */
+    size_t n_maps;
 } swap_args;
 
 /* Local parse; on error the message is in lk_last_error(). */
@@ -80,15 +95,19 @@ static lk_status parse_args(int argc, char **argv, swap_args *a) {
     memset(a, 0, sizeof *a);
     a->threads = -1;
     a->timeout = -1;
+    if (!(a->maps = calloc((size_t)argc, sizeof *a->maps))) return lk_error(LK_ERR_NOMEM, "out of memory");
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         if (!strcmp(o, "--json")) a->json = 1;
         else if (!strcmp(o, "--allow-nonfinite")) a->allow_nonfinite = 1;
         else if (!strcmp(o, "--plan") || !strcmp(o, "--bucket-mb") || !strcmp(o, "--threads") ||
-                 !strcmp(o, "--timeout") || !strcmp(o, "--alpha-from")) {
+                 !strcmp(o, "--timeout") || !strcmp(o, "--alpha-from") || !strcmp(o, "--arch") ||
+                 !strcmp(o, "--map")) {
             if (i + 1 == argc) return lk_error(LK_ERR_ARG, "%s needs a value", o);
             const char *v = argv[++i];
             if (!strcmp(o, "--plan")) a->plan = v;
+            else if (!strcmp(o, "--arch")) a->arch = v;
+            else if (!strcmp(o, "--map")) a->maps[a->n_maps++] = v;
             else if (!strcmp(o, "--alpha-from")) {
                 if (lk_alpha_from_parse(v, &a->alpha_from)) return LK_ERR_ARG;
             } else if (!strcmp(o, "--timeout")) {
@@ -212,6 +231,9 @@ int lk_cmd_swap(int argc, char **argv) {
         o.fp8 = plan->fp8;
         o.alpha_from = a.alpha_from ? a.alpha_from : plan->alpha_from;
         o.threads = a.threads >= 0 ? (int)a.threads : auto_threads(c);
+        o.arch = a.arch ? a.arch : plan->arch;
+        o.maps = a.n_maps ? a.maps : (const char *const *)plan->maps;
+        o.n_maps = a.n_maps ? a.n_maps : plan->n_maps;
         s = lk_tracker_create(c, w, &o, &t);
     }
     if (s == LK_ERR_TIMEOUT) {
@@ -228,5 +250,6 @@ out:
     lk_weights_free(w);
     lk_plan_free(plan);
     lk_comm_free(c);
+    free(a.maps);
     return rc;
 }

@@ -226,6 +226,14 @@ typedef struct lk_resolve_opts {
 lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t n_model, const lk_resolve_opts *o,
                                   size_t *n_unmatched);
 
+/* Reads and checks the name tables o names (o->arch, o->maps) against the
+ * model's keys as lk_adapter_resolve_opts does before it resolves anything:
+ * an unknown --arch, a missing or malformed --map file is the error resolve
+ * would give (naming the file and line). LK_OK when o names no table. For
+ * callers that keep the options for later resolves (the hot-swap tracker),
+ * so a bad table is refused up front. label: prefix of errors. */
+lk_status lk_resolve_tables_check(const lk_tensor *model, size_t n_model, const lk_resolve_opts *o, const char *label);
+
 /* Where one module lands: rows [row0, row0 + rows) of the model weight
  * `target` get B's rows [b_row0, b_row0 + rows) times A (B is that view). A
  * module on a whole weight has one placement with row0 = b_row0 = 0. */

@@ -5,11 +5,13 @@
  *   allow_nonfinite: false # optional: lk_tracker_opts.allow_nonfinite
  *   timeout: 300           # optional: seconds a collective may wait (0 = none)
  *   alpha_from: tensors    # optional: tensors | metadata, lk_tracker_opts.alpha_from
+ *   arch: flux             # optional: the family table, lk_tracker_opts.arch (none: no table)
+ *   maps: [mine.lkmap]     # optional: extra name tables, lk_tracker_opts.maps
  *   steps:
  *     - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]
  *     - loras: []          # reset
  *
- * Relative adapter paths are taken relative to the plan file's directory.
+ * Relative adapter and map paths are taken relative to the plan file's directory.
  * Parsing is strict: unknown keys, wrong types, non-finite strengths, a key
  * repeated anywhere (e.g. two `loras:` in one step) and anything past the
  * size limits are LK_ERR_CONFIG naming file, line and key path; text that is
@@ -44,6 +46,9 @@ typedef struct lk_plan {
                              -1 when the plan does not set it */
     lk_fp8_opts fp8;      /* fp8_rounding, fp8_seed, fp8_scale, fp8_saturate (all zero: nearest, seed 0, rescale, no) */
     lk_alpha_from alpha_from; /* LK_ALPHA_AUTO when the plan does not set it */
+    char *arch;           /* NULL when the plan does not set it */
+    char **maps;          /* n_maps paths (relative ones joined to the plan's folder) */
+    size_t n_maps;
     lk_plan_step *steps;
     size_t n_steps;
 } lk_plan;

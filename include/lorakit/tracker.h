@@ -77,12 +77,24 @@ typedef struct lk_tracker_opts {
     lk_alpha_from alpha_from; /* where each adapter's alpha comes from (adapter.h);
                             0 = auto. Ranks that differ get different scales,
                             which the content agreement refuses (LK_ERR_MISMATCH) */
+    const char *arch;    /* model family table every adapter is resolved with, as
+                            lk_resolve_opts.arch / `lorakit fuse --arch` ("flux",
+                            "sdxl", ...; "none": no table); NULL: recognised from
+                            the weights' names. Copied by create */
+    const char *const *maps; /* extra name tables (`--map FILE`), as
+                            lk_resolve_opts.maps; copied by create */
+    size_t n_maps;       /* arch and maps are read and checked by create (an unknown
+                            family or a bad table fails it on every rank) and must be
+                            equal on every rank (else LK_ERR_MISMATCH). Adapters land
+                            where lk_fuse_file with the same arch and maps puts them,
+                            row slices of fused weights included */
 } lk_tracker_opts;
 
 #define LK_TRACKER_BUCKET_DEFAULT ((size_t)64 << 20)
 #define LK_TRACKER_OPTS_DEFAULT                                                               \
     {.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT, .no_lora_swap = 0, .threads = 0,             \
-     .allow_nonfinite = 0, .fp8 = {LK_FP8_NEAREST, 0, LK_FP8_RESCALE, 0}, .alpha_from = LK_ALPHA_AUTO}
+     .allow_nonfinite = 0, .fp8 = {LK_FP8_NEAREST, 0, LK_FP8_RESCALE, 0}, .alpha_from = LK_ALPHA_AUTO,   \
+     .arch = NULL, .maps = NULL, .n_maps = 0}
 
 typedef struct lk_tracker_stats {
     int skipped;               /* the request equalled the current set */

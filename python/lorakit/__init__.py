@@ -360,6 +360,22 @@ def _alpha_from(v):
     return v
 
 
+def _tables(arch, maps):
+    """arch=None | a family name, maps=() | paths of extra name tables: the
+    name tables every adapter is resolved with, as `lorakit fuse --arch NAME
+    --map FILE` (README "Model families and layouts"). Returns (arch, [maps])
+    checked for type; the tables themselves are read by the library."""
+    if arch is not None and not isinstance(arch, str):
+        raise TypeError(f"arch must be a family name (str) or None, not {type(arch).__name__}")
+    if isinstance(maps, (str, bytes, os.PathLike)):
+        raise TypeError("maps must be a sequence of paths (maps=[path]), not one path")
+    maps = list(maps)
+    for m in maps:
+        if not isinstance(m, (str, bytes, os.PathLike)):
+            raise TypeError(f"maps must hold paths, not {type(m).__name__}")
+    return arch, maps
+
+
 def inspect(path, base=None, *, arch=None, maps=(), alpha_from=None):
     """What a checkpoint or adapter holds: the content of `lorakit inspect
     --json` as a dict (alpha_from as `--alpha-from`). With base (a
@@ -374,18 +390,24 @@ def inspect(path, base=None, *, arch=None, maps=(), alpha_from=None):
         return json.loads(_c.inspect(path, _alpha_from(alpha_from)))
     if alpha_from is not None:
         raise ValueError("alpha_from is not taken with base")
-    return json.loads(_c.inspect_base(path, base, arch, list(maps)))
+    return json.loads(_c.inspect_base(path, base, *_tables(arch, maps)))
 
 
-def fuse(base, loras, out, *, threads=0, allow_unmatched=False, allow_nonfinite=False, alpha_from=None):
+def fuse(base, loras, out, *, threads=0, allow_unmatched=False, allow_nonfinite=False, alpha_from=None,
+         arch=None, maps=()):
     """Fuses loras [(path, strength), ...] into the checkpoint base and
-    writes out atomically, as `lorakit fuse`; returns its --json summary."""
+    writes out atomically, as `lorakit fuse`; returns its --json summary.
+    base may be a diffusers pipeline folder (model_index.json): out is then
+    a pipeline folder, as `lorakit fuse PIPELINE_DIR -o OUT_DIR`. arch (a
+    family name, "none" for no table) and maps (paths of extra name tables)
+    are `--arch` and `--map`."""
     req, _ = _loras(loras)
     return json.loads(_c.fuse(base, out, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite),
-                              _alpha_from(alpha_from)))
+                              _alpha_from(alpha_from), *_tables(arch, maps)))
 
 
-def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=False, alpha_from=None):
+def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=False, alpha_from=None,
+          arch=None, maps=()):
     """Fuses loras into tensors (a state_dict: name -> tensor, or an
     nn.Module: its state_dict names, parameters and persistent buffers) in
     place; the bytes equal those of `lorakit fuse` on a checkpoint holding
@@ -395,11 +417,12 @@ def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=F
     that overlap differently are refused. Every value is checked first
     (contiguous, writable, CPU, a dtype lorakit reads) and every adapter
     validated before the first write; on any error every tensor keeps its
-    bytes. Returns the summary (as fuse's, without base and out)."""
+    bytes. arch and maps as fuse's, against the tensors' names. Returns the
+    summary (as fuse's, without base and out)."""
     items, _ = _items(tensors, dedupe=True)
     req, _ = _loras(loras)
     return json.loads(_c.fuse_(items, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite),
-                               _alpha_from(alpha_from)))
+                               _alpha_from(alpha_from), *_tables(arch, maps)))
 
 
 # ---- hot-swap ----
@@ -430,22 +453,33 @@ class Tracker:
     the ranks it waited for. A collective cannot be cancelled: the tracker
     and its communicator are unusable after that and the job should end
     (e.g. mpi4py's comm.Abort()).
+
+    arch and maps: the name tables adapters are resolved with, as
+    `lorakit fuse --arch NAME --map FILE` and fuse(arch=, maps=): a family
+    name ("flux", "sdxl", ...; "none": no table; None: recognised from the
+    tensors' names) and paths of extra tables. They are read when the
+    tracker is made (an unknown family or a bad table raises on every rank)
+    and must be equal on every rank. An adapter lands where fuse() with the
+    same arch and maps puts it, row slices of fused weights included (a
+    diffusers Flux LoRA's to_q/to_k/to_v on a BFL state_dict's qkv). The
+    tensors are one model: for a diffusers pipeline, make one Tracker per
+    component (the transformer's or UNet's state_dict).
     """
 
     def __init__(self, tensors, *, comm=None, bucket_mb=64, no_lora_swap=False, threads=0,
-                 allow_nonfinite=False, timeout=300.0, alpha_from=None):
+                 allow_nonfinite=False, timeout=300.0, alpha_from=None, arch=None, maps=()):
         lc = _comm(comm)
         self._source = tensors if _is_module(tensors) else None
 
         def prepare():
             items, _ = _items(tensors, dedupe=True)
-            return items, int(bucket_mb), int(threads), float(timeout), _alpha_from(alpha_from)
+            return items, int(bucket_mb), int(threads), float(timeout), _alpha_from(alpha_from), _tables(arch, maps)
 
         items = _collective(lc, prepare)
         self._comm = lc
         self._ptrs = {k: _storage_span(v) for k, v, _ in items[0]}
         self._t = _c.Tracker(lc, items[0], items[1], bool(no_lora_swap), items[2], bool(allow_nonfinite), items[3],
-                             items[4])
+                             items[4], *items[5])
 
     def _check_moved(self):
         """Raises naming the first key of the module whose memory moved

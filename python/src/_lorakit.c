@@ -794,37 +794,70 @@ static PyObject *py_inspect(PyObject *mod, PyObject *args) {
     return json_result(s, js);
 }
 
+/* The name tables of a call (arch, maps: `lorakit fuse --arch / --map`):
+ * arch a str or None, maps a sequence of paths, held as bytes while the
+ * call runs. */
+typedef struct tables {
+    PyObject *arch;   /* bytes, or NULL for None */
+    PyObject **held;  /* n bytes objects */
+    const char **p;   /* n paths into held */
+    size_t n;
+} tables;
+
+static void tables_free(tables *t) {
+    for (size_t i = 0; t->held && i < t->n; i++) Py_XDECREF(t->held[i]);
+    PyMem_Free(t->held);
+    PyMem_Free(t->p);
+    Py_XDECREF(t->arch);
+    memset(t, 0, sizeof *t);
+}
+
+/* 0, or -1 with a Python error set (t freed). */
+static int tables_from(PyObject *arch, PyObject *maps, tables *t) {
+    memset(t, 0, sizeof *t);
+    if (arch != Py_None && !PyUnicode_Check(arch)) {
+        PyErr_Format(PyExc_TypeError, "arch must be a family name (str) or None, not %.100s", Py_TYPE(arch)->tp_name);
+        return -1;
+    }
+    if (arch != Py_None && !(t->arch = PyUnicode_AsUTF8String(arch))) return -1;
+    PyObject *seq = PySequence_Fast(maps, "maps must be a sequence of paths");
+    if (!seq) {
+        tables_free(t);
+        return -1;
+    }
+    Py_ssize_t nm = PySequence_Fast_GET_SIZE(seq);
+    t->held = PyMem_Calloc((size_t)(nm ? nm : 1), sizeof *t->held);
+    t->p = PyMem_Calloc((size_t)(nm ? nm : 1), sizeof *t->p);
+    int ok = t->held && t->p;
+    if (!ok) PyErr_NoMemory();
+    for (Py_ssize_t i = 0; ok && i < nm; i++) {
+        ok = PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, i), &t->held[i]);
+        if (ok) t->p[t->n++] = PyBytes_AS_STRING(t->held[i]);
+    }
+    Py_DECREF(seq);
+    if (!ok) tables_free(t);
+    return ok ? 0 : -1;
+}
+
+static const char *tables_arch(const tables *t) { return t->arch ? PyBytes_AS_STRING(t->arch) : NULL; }
+
 /* inspect_base(adapter, base, arch or None, maps: a sequence of paths) */
 static PyObject *py_inspect_base(PyObject *mod, PyObject *args) {
     (void)mod;
-    PyObject *adapter, *base, *maps;
-    const char *arch;
-    if (!PyArg_ParseTuple(args, "O&O&zO", PyUnicode_FSConverter, &adapter, PyUnicode_FSConverter, &base, &arch, &maps))
+    PyObject *adapter, *base, *arch, *maps, *res = NULL;
+    if (!PyArg_ParseTuple(args, "O&O&OO", PyUnicode_FSConverter, &adapter, PyUnicode_FSConverter, &base, &arch, &maps))
         return NULL;
-    PyObject *seq = PySequence_Fast(maps, "maps must be a sequence of paths");
-    Py_ssize_t nm = seq ? PySequence_Fast_GET_SIZE(seq) : 0;
-    PyObject **held = seq ? PyMem_Calloc((size_t)(nm ? nm : 1), sizeof *held) : NULL;
-    const char **mp = seq ? PyMem_Calloc((size_t)(nm ? nm : 1), sizeof *mp) : NULL;
-    PyObject *res = NULL;
-    int ok = seq && held && mp;
-    if (seq && (!held || !mp)) PyErr_NoMemory();
-    for (Py_ssize_t i = 0; ok && i < nm; i++) {
-        ok = PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, i), &held[i]);
-        if (ok) mp[i] = PyBytes_AS_STRING(held[i]);
-    }
-    if (ok) {
-        lk_resolve_opts ro = {.arch = arch, .maps = mp, .n_maps = (size_t)nm};
+    tables tb;
+    if (tables_from(arch, maps, &tb) == 0) {
+        lk_resolve_opts ro = {.arch = tables_arch(&tb), .maps = tb.p, .n_maps = tb.n};
         char *js = NULL;
         lk_status s;
         Py_BEGIN_ALLOW_THREADS
         s = lk_inspect_base_json(PyBytes_AS_STRING(adapter), PyBytes_AS_STRING(base), &ro, &js);
         Py_END_ALLOW_THREADS
         res = json_result(s, js);
+        tables_free(&tb);
     }
-    for (Py_ssize_t i = 0; held && i < nm; i++) Py_XDECREF(held[i]);
-    PyMem_Free(held);
-    PyMem_Free(mp);
-    Py_XDECREF(seq);
     Py_DECREF(adapter);
     Py_DECREF(base);
     return res;
@@ -832,15 +865,19 @@ static PyObject *py_inspect_base(PyObject *mod, PyObject *args) {
 
 static PyObject *py_fuse(PyObject *mod, PyObject *args) {
     (void)mod;
-    PyObject *base, *out, *loras;
+    PyObject *base, *out, *loras, *arch, *maps;
     lk_fuse_file_opts o = {0};
     const char *af;
-    if (!PyArg_ParseTuple(args, "O&O&Oiiis", PyUnicode_FSConverter, &base, PyUnicode_FSConverter, &out, &loras,
-                          &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite, &af))
+    if (!PyArg_ParseTuple(args, "O&O&OiiisOO", PyUnicode_FSConverter, &base, PyUnicode_FSConverter, &out, &loras,
+                          &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite, &af, &arch, &maps))
         return NULL;
     request r;
+    tables tb = {0};
     PyObject *res = NULL;
-    if (alpha_from_of(af, &o.alpha_from) == 0 && request_from(loras, &r) == 0) {
+    if (alpha_from_of(af, &o.alpha_from) == 0 && tables_from(arch, maps, &tb) == 0 && request_from(loras, &r) == 0) {
+        o.arch = tables_arch(&tb);
+        o.maps = tb.p;
+        o.n_maps = tb.n;
         lk_fuse_stats st;
         char *js = NULL;
         lk_status s;
@@ -853,6 +890,7 @@ static PyObject *py_fuse(PyObject *mod, PyObject *args) {
         res = json_result(s, js);
         request_free(&r);
     }
+    tables_free(&tb);
     Py_DECREF(base);
     Py_DECREF(out);
     return res;
@@ -860,14 +898,22 @@ static PyObject *py_fuse(PyObject *mod, PyObject *args) {
 
 static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
     (void)mod;
-    PyObject *items, *loras;
+    PyObject *items, *loras, *arch, *maps;
     lk_fuse_file_opts o = {0};
     const char *af;
-    if (!PyArg_ParseTuple(args, "OOiiis", &items, &loras, &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite,
-                          &af))
+    if (!PyArg_ParseTuple(args, "OOiiisOO", &items, &loras, &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite,
+                          &af, &arch, &maps))
         return NULL;
     request r;
-    if (alpha_from_of(af, &o.alpha_from) < 0 || request_from(loras, &r) < 0) return NULL;
+    tables tb;
+    if (alpha_from_of(af, &o.alpha_from) < 0 || tables_from(arch, maps, &tb) < 0) return NULL;
+    if (request_from(loras, &r) < 0) {
+        tables_free(&tb);
+        return NULL;
+    }
+    o.arch = tables_arch(&tb);
+    o.maps = tb.p;
+    o.n_maps = tb.n;
     size_t n = 0;
     view *v = views_from(items, NEED_WRITE, &n);
     lk_tensor *t = v ? tensor_table(v, n) : NULL;
@@ -886,6 +932,7 @@ static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
     PyMem_Free(t);
     views_free(v, n);
     request_free(&r);
+    tables_free(&tb);
     return res;
 }
 
@@ -1003,19 +1050,21 @@ static void Tracker_dealloc(TrackerObject *self) {
 }
 
 /* Tracker(comm, items, bucket_mb, no_lora_swap, threads, allow_nonfinite,
- * timeout, alpha_from): timeout is the comm's collective timeout while the
+ * timeout, alpha_from, arch, maps): arch and maps as fuse's (copied by the
+ * tracker); timeout is the comm's collective timeout while the
  * tracker's own calls run (lk_comm_set_timeout; the comm's own setting is
  * put back after each, so other users of the comm keep theirs); alpha_from
  * is a valid name (checked collectively by the Python layer). */
 static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     (void)kw;
-    PyObject *co, *items;
+    PyObject *co, *items, *arch, *maps;
     long bucket_mb;
     int no_swap, threads, nonfinite, ok = 1;
     double timeout;
     const char *af;
     lk_alpha_from alpha_from;
-    if (!PyArg_ParseTuple(args, "OOlpiids", &co, &items, &bucket_mb, &no_swap, &threads, &nonfinite, &timeout, &af))
+    if (!PyArg_ParseTuple(args, "OOlpiidsOO", &co, &items, &bucket_mb, &no_swap, &threads, &nonfinite, &timeout, &af,
+                          &arch, &maps))
         return -1;
     if (alpha_from_of(af, &alpha_from) < 0) return -1;
     lk_comm *c = comm_of(co);
@@ -1048,8 +1097,11 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
         ok = 0;
     }
     PyMem_Free(t);
+    tables tb = {0};
+    if (ok && tables_from(arch, maps, &tb) < 0) ok = 0; /* a rank's failure is every rank's (agree_local) */
     lk_comm_set_timeout(c, timeout);
     if (agree_local(c, ok) < 0) {
+        tables_free(&tb);
         lk_comm_set_timeout(c, was);
         return -1;
     }
@@ -1059,9 +1111,13 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     o.threads = threads;
     o.allow_nonfinite = nonfinite;
     o.alpha_from = alpha_from;
+    o.arch = tables_arch(&tb);
+    o.maps = tb.p;
+    o.n_maps = tb.n;
     Py_BEGIN_ALLOW_THREADS
     s = lk_tracker_create(c, self->w, &o, &self->t);
     Py_END_ALLOW_THREADS
+    tables_free(&tb);
     lk_comm_set_timeout(c, was);
     if (s) {
         raise_lk(s, NULL);

@@ -336,3 +336,56 @@ def test_inspect_base_matches_cli(tmp_path):
     assert got["unmatched"][0]["nearest"][0] == "model.diffusion_model.double_blocks.0.img_attn.proj.weight"
     with pytest.raises(lorakit.LoraError, match="--arch nope: no such family table"):
         lorakit.inspect(lora, base=base, arch="nope")
+
+
+LAYOUTS = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "layouts")
+FLUX_MAP = os.path.join(os.path.dirname(__file__), "..", "..", "data", "families", "flux.lkmap")
+
+
+def test_arch_and_maps_in_fuse_and_tracker(tmp_path):
+    """arch= / maps= in fuse, fuse_ and Tracker are `lorakit fuse --arch /
+    --map`: a diffusers Flux LoRA on Flux's BFL single file (to_q/to_k/to_v/
+    proj_mlp on row slices of the fused qkv and linear1) with no family
+    table but the flux table given as a map gives the CLI's bytes (which
+    test_layouts checks against diffusers' own fuse); with no table at all
+    nothing lands and every call refuses, tensors unchanged."""
+    base = os.path.join(LAYOUTS, "flux_bfl.safetensors")
+    lora = os.path.join(LAYOUTS, "flux_lora_diffusers.safetensors")
+    want_file = str(tmp_path / "cli.safetensors")
+    cli("fuse", base, "-l", f"{lora}:0.8", "-o", want_file, "--arch", "none", "--map", FLUX_MAP)
+    want = cli("digest", want_file).stdout.strip()
+    assert want != cli("digest", base).stdout.strip()
+    out = str(tmp_path / "py.safetensors")
+    lorakit.fuse(base, [(lora, 0.8)], out, arch="none", maps=[FLUX_MAP])
+    assert lorakit.digest(out) == want
+    with pytest.raises(lorakit.LoraError, match="norm_out.linear matches no model weight"):
+        lorakit.fuse(base, [(lora, 0.8)], str(tmp_path / "no.safetensors"), arch="none")
+    assert not os.path.exists(tmp_path / "no.safetensors")
+    t = load_numpy(base)
+    lorakit.fuse_(t, [(lora, 0.8)], arch="none", maps=[FLUX_MAP])
+    assert lorakit.digest_tensors(t) == want
+
+    t = load_numpy(base)
+    clean = lorakit.digest_tensors(t)
+    tr = lorakit.Tracker(t, arch="none", maps=[FLUX_MAP], bucket_mb=1)
+    assert tr.apply([(lora, 0.8)], digest=True)["digest"] == want
+    assert tr.reset(digest=True)["digest"] == clean
+    tr.close()
+    tr = lorakit.Tracker(t, arch="flux")  # the shipped table, named: the same bytes
+    assert tr.apply([(lora, 0.8)], digest=True)["digest"] == want
+    tr.close()
+    t = load_numpy(base)
+    tr = lorakit.Tracker(t, arch="none")
+    before = snapshot(t)
+    with pytest.raises(lorakit.LoraError, match="norm_out.linear matches no model weight"):
+        tr.apply([(lora, 0.8)])
+    assert_same(t, before)
+    tr.close()
+    with pytest.raises(lorakit.LoraError, match="--arch nope: no such family table"):
+        lorakit.Tracker(t, arch="nope")
+    with pytest.raises(lorakit.LoraError, match="no-such.lkmap"):
+        lorakit.Tracker(t, maps=[str(tmp_path / "no-such.lkmap")])
+    with pytest.raises(TypeError, match="arch must be a family name"):
+        lorakit.Tracker(t, arch=3)
+    with pytest.raises(TypeError, match="maps must be a sequence of paths"):
+        lorakit.fuse(base, [(lora, 1)], out, maps=FLUX_MAP)

@@ -580,3 +580,14 @@ size_t lk_layout_find(const lk_layout *l, const char *name, int kohya, int comp,
     }
     return n;
 }
+
+lk_status lk_resolve_tables_check(const lk_tensor *model, size_t n_model, const lk_resolve_opts *o, const char *label) {
+    if (!o || (!o->arch && !o->n_maps)) return LK_OK;
+    if ((n_model && !model) || (o->n_maps && !o->maps))
+        return lk_error(LK_ERR_ARG, "lk_resolve_tables_check: NULL argument");
+    lk_layout_opts lo = {o->arch, o->maps, o->n_maps};
+    lk_layout lay;
+    lk_status s = lk_layout_build(model, n_model, &lo, label ? label : "(tables)", &lay);
+    if (!s) lk_layout_free(&lay);
+    return s;
+}

@@ -144,10 +144,25 @@ static lk_status parse_root(pctx *c, lk_plan *p) {
             const char *v = lk_ynode_str(vn);
             if (!v || lk_alpha_from_parse(v, &p->alpha_from))
                 return lk_yerr(c->doc, vn, NULL, "expected tensors or metadata");
+        } else if (!strcmp(k, "arch")) {
+            const char *v = lk_ynode_str(vn);
+            if (!v || !*v) return lk_yerr(c->doc, vn, NULL, "expected a family name (flux, sdxl, ...; none: no table)");
+            if (!(p->arch = lk_strdup(v))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
+        } else if (!strcmp(k, "maps")) {
+            if (vn->type != LK_Y_SEQ) return lk_yerr(c->doc, vn, NULL, "expected a list of table files ([a.lkmap, ...])");
+            if (vn->n && !(p->maps = lk_calloc(vn->n, sizeof *p->maps)))
+                return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
+            for (size_t j = 0; j < vn->n; j++) {
+                const char *m = lk_ynode_str(vn->kids[j]);
+                if (!m || !*m) return lk_yerr(c->doc, vn->kids[j], NULL, "expected a non-empty file path");
+                if (!(p->maps[j] = lk_path_join(c->base_dir, m))) /* relative to the plan, as adapters */
+                    return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
+                p->n_maps = j + 1;
+            }
         } else if (strcmp(k, "steps")) {
             return lk_yerr(c->doc, kn, NULL,
                            "unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, fp8_rounding, fp8_seed, "
-                           "fp8_scale, fp8_saturate, timeout, alpha_from, steps)");
+                           "fp8_scale, fp8_saturate, timeout, alpha_from, arch, maps, steps)");
         }
     }
     const lk_ynode *steps = lk_ymap_get(root, "steps");
@@ -213,5 +228,8 @@ void lk_plan_free(lk_plan *p) {
         lk_free(p->steps[i].loras);
     }
     lk_free(p->steps);
+    for (size_t i = 0; i < p->n_maps; i++) lk_free(p->maps[i]);
+    lk_free(p->maps);
+    lk_free(p->arch);
     lk_free(p);
 }

@@ -70,7 +70,9 @@ typedef struct request {
 struct lk_tracker {
     lk_comm *comm;
     lk_weights *w;
-    lk_tracker_opts o;
+    lk_tracker_opts o;  /* o.arch and o.maps point into arch / maps below (owned copies) */
+    char *arch;
+    char **maps;
     int full;           /* the reference-like baseline (tracker_internal.h) */
     int rank, size;
     size_t n;
@@ -252,7 +254,9 @@ static lk_status request_load(lk_tracker *t, request *r) {
     for (size_t i = 0; i < r->n; i++) {
         lk_adapter_opts ao = {r->e[i].format, t->o.alpha_from};
         lk_status s = lk_fuse_input_open(&r->e[i], r->src ? r->src[i] : NULL, &ao, &r->ad[i]);
-        if (!s) s = lk_adapter_resolve(r->ad[i], lk_weights_tensors(t->w), t->n, 0, NULL);
+        /* the family table and --map files as lk_fuse_file's resolve: the same placements, the same bytes */
+        lk_resolve_opts ro = {.arch = t->o.arch, .maps = t->o.maps, .n_maps = t->o.n_maps};
+        if (!s) s = lk_adapter_resolve_opts(r->ad[i], lk_weights_tensors(t->w), t->n, &ro, NULL);
         if (s) return s;
         r->content[i] = adapter_content(r->ad[i]);
         if (r->n > 1 && lk_adapter_dora(r->ad[i]))
@@ -644,6 +648,11 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash, int mode) {
                          (uint64_t)t->o.fp8.rounding, t->o.fp8.seed, (uint64_t)t->o.fp8.scale, t->o.fp8.saturate != 0,
                          (uint64_t)mode, (uint64_t)t->o.alpha_from};
     XXH3_64bits_update(&hs, opts, sizeof opts);
+    /* the name tables: the same family and --map paths on every rank (their contents are
+     * compared through where each adapter lands, adapter_content) */
+    XXH3_64bits_update(&hs, t->o.arch ? t->o.arch : "", t->o.arch ? strlen(t->o.arch) + 1 : 1);
+    for (size_t i = 0; i < t->o.n_maps; i++) XXH3_64bits_update(&hs, t->o.maps[i], strlen(t->o.maps[i]) + 1);
+    XXH3_64bits_update(&hs, &t->o.n_maps, sizeof t->o.n_maps);
     *shape_hash = XXH3_64bits_digest(&hs);
     qsort(kr, t->n, sizeof *kr, cmp_by_size);
     for (size_t c = 0; c < t->n; c++) {
@@ -765,7 +774,32 @@ void lk_tracker_free(lk_tracker *t) {
     lk_free(t->seq);
     lk_free(t->need);
     lk_free(t->seq_done);
+    for (size_t i = 0; t->maps && i < t->o.n_maps; i++) lk_free(t->maps[i]);
+    lk_free(t->maps);
+    lk_free(t->arch);
     lk_free(t);
+}
+
+/* Owned copies of opts' arch and maps into t (t->o points at them), then
+ * the tables read and checked against the weights' names. Local. */
+static lk_status copy_tables(lk_tracker *t, const lk_tracker_opts *opts) {
+    t->o.arch = NULL;
+    t->o.maps = NULL;
+    t->o.n_maps = 0;
+    if (opts->n_maps && !opts->maps) return lk_error(LK_ERR_ARG, "tracker: n_maps is %zu but maps is NULL", opts->n_maps);
+    if (opts->arch && !(t->o.arch = t->arch = lk_strdup(opts->arch)))
+        return lk_error(LK_ERR_NOMEM, "tracker: out of memory");
+    if (opts->n_maps) {
+        if (!(t->maps = lk_calloc(opts->n_maps, sizeof *t->maps))) return lk_error(LK_ERR_NOMEM, "tracker: out of memory");
+        t->o.maps = (const char *const *)t->maps;
+        for (; t->o.n_maps < opts->n_maps; t->o.n_maps++) {
+            const char *m = opts->maps[t->o.n_maps];
+            if (!m) return lk_error(LK_ERR_ARG, "tracker: maps[%zu] is NULL", t->o.n_maps);
+            if (!(t->maps[t->o.n_maps] = lk_strdup(m))) return lk_error(LK_ERR_NOMEM, "tracker: out of memory");
+        }
+    }
+    lk_resolve_opts ro = {.arch = t->o.arch, .maps = t->o.maps, .n_maps = t->o.n_maps};
+    return lk_resolve_tables_check(lk_weights_tensors(t->w), t->n, &ro, "tracker");
 }
 
 lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, lk_tracker **out) {
@@ -806,6 +840,7 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         t->seq_done = lk_calloc(t->n ? t->n : 1, sizeof *t->seq_done);
         if (!t->ord || !t->k || !t->next || !t->seq || !t->need || !t->seq_done) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
     }
+    if (!local) local = copy_tables(t, opts);
     if (!local) find_scales(t);
     if (!local) local = plan_keys(t, &shape_hash, mode);
     if (!local && !(hosts = lk_calloc((size_t)t->size, sizeof *hosts)))
@@ -825,8 +860,9 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
     lk_status s = agree_hash(group, local, shape_hash, &same);
     if (!s && !same)
         s = lk_error(LK_ERR_MISMATCH, "tracker: ranks hold different weights (names, dtypes, shapes) or options "
-                                      "(bucket_bytes %zu, no_lora_swap %d, mode %d, allow_nonfinite %d on rank %d)",
-                     t->o.bucket_bytes, opts->no_lora_swap, mode, opts->allow_nonfinite, t->rank);
+                                      "(bucket_bytes %zu, no_lora_swap %d, mode %d, allow_nonfinite %d, arch %s, %zu --map files on rank %d)",
+                     t->o.bucket_bytes, opts->no_lora_swap, mode, opts->allow_nonfinite,
+                     t->o.arch ? t->o.arch : "(auto)", t->o.n_maps, t->rank);
     if (!s && t->size > 1) s = check_base(t, LK_OK);
     if (!s && t->size > 1 && !full && !(mode & LK_TRACKER_SERIAL)) {
         /* a fuse worker thread when forced, else where this rank has a spare core */

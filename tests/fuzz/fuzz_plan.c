@@ -37,6 +37,13 @@ static void fz_plan_check(const lk_plan *p, const char *base) {
         }
     }
     FZ_CHECK(total <= LK_PLAN_MAX_ENTRIES);
+    FZ_CHECK(p->arch == NULL || p->arch[0] != '\0'); /* arch / maps: unset, or non-empty names */
+    FZ_CHECK(p->n_maps == 0 || p->maps != NULL);
+    for (size_t i = 0; i < p->n_maps; i++) {
+        FZ_CHECK(p->maps[i] != NULL && p->maps[i][0] != '\0');
+        fz_touch(p->maps[i], strlen(p->maps[i]));
+        FZ_CHECK(p->maps[i][0] == '/' || (!strncmp(p->maps[i], base, blen) && p->maps[i][blen] == '/'));
+    }
 }
 
 static void fz_plan(const uint8_t *data, size_t size) {

@@ -241,6 +241,8 @@ steps:
   - loras: [{path: adapters/detail, strength: 0}]
 """)
 put("plan", "no_swap.yaml", "no_lora_swap: true\nsteps:\n  - loras: [{path: x.safetensors, strength: 1}]\n")
+# the name tables (issue 19): arch and maps, map paths relative to the plan
+put("plan", "tables.yaml", "arch: flux\nmaps: [mine.lkmap, /abs/other.lkmap]\nsteps:\n  - loras: [{path: a}]\n")
 # strengths are doubles read whole: 0.7 exactly, 1e39 fine, 1e-400 (reads as 0) refused, subnormals kept
 put("plan", "strengths.yaml", "steps:\n  - loras: [{path: a, strength: 0.7}, {path: b, strength: 1e39}]\n"
     "  - loras: [{path: a, strength: 1e-320}]\n  - loras: [{path: a, strength: -1e-400}]\n")

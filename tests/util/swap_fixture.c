@@ -121,8 +121,13 @@ size_t swap_touched_bytes(const lk_weights *w, int which, const lk_tracker *tr, 
 
 int swap_offline_digest(const char *base, const lk_fuse_input *in, size_t n, const char *scratch,
                         char hex[LK_DIGEST_HEX]) {
+    return swap_offline_digest_opts(base, in, n, NULL, scratch, hex);
+}
+
+int swap_offline_digest_opts(const char *base, const lk_fuse_input *in, size_t n, const lk_fuse_file_opts *opts,
+                             const char *scratch, char hex[LK_DIGEST_HEX]) {
     lk_st *st = NULL;
-    int rc = lk_fuse_file(base, in, n, scratch, NULL, NULL) || lk_st_open(scratch, &st) || lk_digest_st(st, hex)
+    int rc = lk_fuse_file(base, in, n, scratch, opts, NULL) || lk_st_open(scratch, &st) || lk_digest_st(st, hex)
                  ? -1
                  : 0;
     lk_st_close(st);

@@ -47,5 +47,8 @@ size_t swap_touched_bytes(const lk_weights *w, int which, const lk_tracker *tr, 
  * to scratch and removed again. Returns 0, or -1 with lk_last_error() set. */
 int swap_offline_digest(const char *base, const lk_fuse_input *in, size_t n, const char *scratch,
                         char hex[LK_DIGEST_HEX]);
+/* The same with fuse options (arch, maps, ...; NULL: defaults). */
+int swap_offline_digest_opts(const char *base, const lk_fuse_input *in, size_t n, const lk_fuse_file_opts *opts,
+                             const char *scratch, char hex[LK_DIGEST_HEX]);
 
 #endif
