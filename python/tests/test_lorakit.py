@@ -389,3 +389,46 @@ def test_arch_and_maps_in_fuse_and_tracker(tmp_path):
         lorakit.Tracker(t, arch=3)
     with pytest.raises(TypeError, match="maps must be a sequence of paths"):
         lorakit.fuse(base, [(lora, 1)], out, maps=FLUX_MAP)
+
+
+def make_pipeline(d):
+    """A diffusers pipeline folder from the layout fixtures: unet/ (the
+    diffusers UNet), text_encoder/ (the SD single file's CLIP under
+    transformers' names), model_index.json, scheduler/."""
+    import shutil
+    pipe = os.path.join(d, "pipe")
+    for sub in ("unet", "text_encoder", "scheduler"):
+        os.makedirs(os.path.join(pipe, sub))
+    shutil.copy(os.path.join(LAYOUTS, "sd1_unet.safetensors"), os.path.join(pipe, "unet", "diffusion_pytorch_model.safetensors"))
+    pre = "cond_stage_model.transformer."
+    te = {k[len(pre):]: v for k, v in st_io.read(os.path.join(LAYOUTS, "sd1_single.safetensors")).items() if k.startswith(pre)}
+    st_io.write(os.path.join(pipe, "text_encoder", "model.safetensors"), te)
+    with open(os.path.join(pipe, "model_index.json"), "w") as f:
+        json.dump({"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
+                   "text_encoder": ["transformers", "CLIPTextModel"]}, f)
+    with open(os.path.join(pipe, "scheduler", "scheduler_config.json"), "w") as f:
+        f.write('{"num_train_timesteps": 1000}\n')
+    return pipe
+
+
+def test_fuse_pipeline_folder(tmp_path):
+    """fuse(PIPELINE_DIR, ...) is `lorakit fuse PIPELINE_DIR -o OUT_DIR`: a
+    diffusers SD LoRA's unet. and text_encoder. modules go to their
+    component folders (whose bytes test_layouts checks against diffusers'
+    own fuse), the same files as the CLI's, the other files copied; arch and
+    maps reach every component (arch="none" still fuses these diffusers
+    names, which need no table; an unknown one is refused naming it)."""
+    pipe = make_pipeline(str(tmp_path))
+    lora = os.path.join(LAYOUTS, "sd1_lora_diffusers.safetensors")
+    cli_out, py_out = str(tmp_path / "cli_out"), str(tmp_path / "py_out")
+    cli("fuse", pipe, "-l", f"{lora}:0.9", "-o", cli_out)
+    got = lorakit.fuse(pipe, [(lora, 0.9)], py_out, arch="none")
+    assert got["modules_unmatched"] == 0 and got["tensors_fused"] > 0
+    for f in ("unet/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors"):
+        a, b, base = (os.path.join(x, f) for x in (cli_out, py_out, pipe))
+        assert lorakit.digest(a) == lorakit.digest(b) != lorakit.digest(base), f
+    for f in ("model_index.json", "scheduler/scheduler_config.json"):
+        assert open(os.path.join(py_out, f), "rb").read() == open(os.path.join(pipe, f), "rb").read()
+    with pytest.raises(lorakit.LoraError, match="--arch nope"):
+        lorakit.fuse(pipe, [(lora, 0.9)], str(tmp_path / "nope"), arch="nope")
+    assert not os.path.exists(tmp_path / "nope")
