@@ -78,7 +78,8 @@ CLI=$("$PREFIX/bin/lorakit" digest "$TMP/t.safetensors") || fail "installed CLI 
 # The model-family tables are installed, and the installed CLI and library
 # find them beside themselves (not in the source tree): a diffusers Flux LoRA
 # (transformer.single_transformer_blocks.0.attn.to_k) onto a BFL-named base
-# (single_blocks.0.linear1, q,k,v,mlp fused) needs the flux table.
+# (single_blocks.0.linear1, q,k,v,mlp fused) needs the flux table (its detect
+# line wants double_blocks.0.img_attn.qkv/proj and img_in, all three).
 for f in flux sd1 sdxl openclip sd3 wan hunyuan-video ltx; do
   [ -f "$PREFIX/share/lorakit/families/$f.lkmap" ] || fail "data/families/$f.lkmap not installed"
 done
@@ -94,7 +95,9 @@ def save(path, tensors):
     h += b" " * (-len(h) % 8)
     open(path, "wb").write(struct.pack("<Q", len(h)) + h + blob)
 save(sys.argv[1] + "/flux.safetensors", [("model.diffusion_model.single_blocks.0.linear1.weight", 28, 4),
-                                        ("model.diffusion_model.double_blocks.0.img_attn.qkv.weight", 12, 4)])
+                                        ("model.diffusion_model.double_blocks.0.img_attn.qkv.weight", 12, 4),
+                                        ("model.diffusion_model.double_blocks.0.img_attn.proj.weight", 4, 4),
+                                        ("model.diffusion_model.img_in.weight", 4, 4)])
 save(sys.argv[1] + "/lora.safetensors", [("transformer.single_transformer_blocks.0.attn.to_k.lora_A.weight", 2, 4),
                                         ("transformer.single_transformer_blocks.0.attn.to_k.lora_B.weight", 4, 2)])
 PY
