@@ -16,8 +16,8 @@ CC=${CC:-cc}
 # layer: a public header it owns, an internal header it owns
 declare -A PUB=([core]=status.h [io]=safetensors.h [adapter]=adapter.h [fuse]=fuse.h
                 [comm]=comm.h [serve]=tracker.h [lora]=lora.h [app]=lorakit.h)
-declare -A INT=([core]=core/file.h [io]=io/yaml_doc.h [adapter]=adapter/adapter_internal.h
-                [fuse]=fuse/fuse_internal.h [comm]=comm/comm_impl.h [serve]=serve/tracker_internal.h
+declare -A INT=([core]=core/file.h [io]=io/yaml_doc.h [adapter]=adapter/config.h
+                [fuse]=fuse/fuse.h [comm]=comm/backend.h [serve]=serve/tracker.h
                 [lora]=lora/gemm.h [app]=app/model.h)
 # what each layer may see (itself and everything below it)
 declare -A SEES=([core]="core" [io]="io core" [adapter]="adapter io core"

@@ -7,7 +7,7 @@
  * caught). A failing assert aborts (CMOCKA_TEST_ABORT), so mpirun stops every
  * rank rather than leaving the others in a collective. */
 #include "mpi_testutil.h"
-#include "comm/comm_internal.h"
+#include "comm/comm.h"
 
 #include <math.h>
 #include <stdio.h>

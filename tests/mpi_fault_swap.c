@@ -12,7 +12,7 @@
  * others waiting in a collective. Fixtures come from tests/util/swap_fixture
  * (the tracker tests' DiT-like model and diffusers adapters). */
 #include "mpi_testutil.h"
-#include "serve/tracker_internal.h"
+#include "serve/tracker.h"
 #include "swap_fixture.h"
 
 #include <math.h>

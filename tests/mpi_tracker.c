@@ -11,7 +11,7 @@
  * leaving the others waiting in a collective. */
 #include "mpi_testutil.h"
 #include "swap_fixture.h"
-#include "serve/tracker_internal.h"
+#include "serve/tracker.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -5,7 +5,7 @@
  * message. Expected ranks, alphas and scales are hand-computed from the
  * values each test writes (scale = alpha / r, or alpha / sqrt(r)). */
 #include "adapter_ref.h"
-#include "adapter/adapter_internal.h"
+#include "adapter/config.h"
 #include "lorakit/alloc.h"
 
 #include <math.h>

@@ -4,7 +4,7 @@
  * alpha_pattern in its config): the in-memory image must fuse to the same
  * digest by every path, and name its label in errors. */
 #include "testutil.h"
-#include "core/alloc_hook.h"
+#include "core/alloc.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -16,7 +16,7 @@
  * failures with CHECK and the test asserts the count on the main thread. */
 #include "testutil.h"
 #include "swap_fixture.h"
-#include "comm/comm_internal.h"
+#include "comm/comm.h"
 
 #include <pthread.h>
 #include <stdatomic.h>

@@ -21,7 +21,7 @@
  * staying NaN with their sign, overflow saturating to +-max. */
 #include "adapter_ref.h"
 #include "fp8_ref.h"
-#include "fuse/fuse_internal.h" /* lk_fuse_kernel_path, _supported */
+#include "fuse/fuse.h" /* lk_fuse_kernel_path, _supported */
 
 #include <math.h>
 #include <stdio.h>

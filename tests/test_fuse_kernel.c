@@ -9,7 +9,7 @@
  * F32 near-cancellation. Plus hand-computed cases and invariants: strength
  * 0 leaves bytes untouched; non-finite results and bad arguments are errors. */
 #include "adapter_ref.h"
-#include "fuse/fuse_internal.h"
+#include "fuse/fuse.h"
 
 #include <float.h>
 
@@ -471,7 +471,7 @@ static void test_f32_cancellation(void **state) {
     ar_tensor_free(&W);
 }
 
-/* The internal delta API (fuse_internal.h) for DoRA and FP8 weights: rows
+/* The internal delta API (fuse/fuse.h) for DoRA and FP8 weights: rows
  * [row0, row0 + rows) equal the replayed chain bit for bit, and rounding
  * them with lk_fuse_round_* gives lk_fuse_tensor's bytes, on every path;
  * the prepared form (lk_fuse_delta_prepare/_rows) gives the same rows. */

@@ -23,7 +23,7 @@
 #endif
 
 #include "adapter_ref.h"
-#include "fuse/fuse_internal.h"
+#include "fuse/fuse.h"
 
 #include <math.h>
 #include <stdio.h>

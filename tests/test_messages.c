@@ -13,7 +13,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "adapter/adapter_internal.h"
+#include "adapter/config.h"
 
 static tu_rng g_rng = {16};
 

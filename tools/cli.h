@@ -1,8 +1,8 @@
 /* cli.h — the lorakit subcommands (tools/cmd_<name>.c, listed in
  * commands.def) and what they share: the library, the demo application
  * (src/app) and cli_util.h (exit codes, error reporting, parsing). */
-#ifndef LORAKIT_CLI_H
-#define LORAKIT_CLI_H
+#ifndef LK_TOOLS_CLI_H
+#define LK_TOOLS_CLI_H
 
 #include "lorakit/lorakit.h"
 #include "cli_util.h"

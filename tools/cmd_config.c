@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "cli.h"
-#include "lora/lora_config.h"
+#include "lora/config.h"
 
 static const char *const CONFIG_USAGE =
     "usage: lorakit config check CONFIG.yaml [--role ROLE]\n\n"

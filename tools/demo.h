@@ -1,8 +1,8 @@
 /* demo.h — `lorakit demo`: the parent (cmd_demo.c) pretrains the base,
  * trains two adapters and starts the hot-swap stage (demo_swap.c), each as a
  * child `lorakit` process under mpirun. */
-#ifndef LK_DEMO_H
-#define LK_DEMO_H
+#ifndef LK_TOOLS_DEMO_H
+#define LK_TOOLS_DEMO_H
 
 #include "lorakit/lorakit.h"
 #include "app/model.h"

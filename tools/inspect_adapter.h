@@ -1,6 +1,6 @@
 /* inspect_adapter.h — the text form of `lorakit inspect` on an adapter. */
-#ifndef LORAKIT_INSPECT_ADAPTER_H
-#define LORAKIT_INSPECT_ADAPTER_H
+#ifndef LK_TOOLS_INSPECT_ADAPTER_H
+#define LK_TOOLS_INSPECT_ADAPTER_H
 
 #include <jansson.h>
 #include <stdio.h>

@@ -2,7 +2,7 @@
  *
  * All library allocations go through lk_malloc/lk_calloc/lk_realloc/lk_free,
  * so that lorakit's own tests can make any one of them fail (the hook is in
- * the internal header src/core/alloc_hook.h, not part of the API). Memory a
+ * the internal header src/core/alloc.h, not part of the API). Memory a
  * lorakit function hands to the caller is released with lk_free. */
 #ifndef LORAKIT_ALLOC_H
 #define LORAKIT_ALLOC_H

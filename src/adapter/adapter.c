@@ -18,7 +18,7 @@
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 #include "lorakit/safetensors.h"
-#include "adapter/adapter_internal.h"
+#include "adapter/config.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -29,7 +29,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "adapter/adapter_struct.h"
+#include "adapter/adapter.h"
 
 static const char *const g_fmt_names[LK_FORMAT_COUNT] = {"auto", "peft", "diffusers", "kohya", "fastvideo"};
 

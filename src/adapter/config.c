@@ -36,7 +36,7 @@
  * and module; at about 60 ns a step here, LK_RE_BUDGET bounds an adapter's
  * matching to a few seconds. */
 #define PCRE2_CODE_UNIT_WIDTH 8
-#include "adapter/adapter_internal.h"
+#include "adapter/config.h"
 #include "core/file.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"

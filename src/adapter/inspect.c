@@ -8,7 +8,7 @@
 #include "lorakit/alloc.h"
 #include "lorakit/checkpoint.h"
 #include "lorakit/safetensors.h"
-#include "adapter/adapter_struct.h"
+#include "adapter/adapter.h"
 #include "adapter/layout.h"
 
 #include <jansson.h>

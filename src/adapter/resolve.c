@@ -19,7 +19,7 @@
 #include "lorakit/adapter.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
-#include "adapter/adapter_struct.h"
+#include "adapter/adapter.h"
 #include "adapter/layout.h"
 #include "adapter/names.h"
 

@@ -5,8 +5,8 @@
  * ACCUMULATE (+=) into their gradient outputs, so a zeroed buffer is the
  * caller's job. A NULL weight-gradient pointer skips that gradient (used when
  * the base model is frozen and only the LoRA hooks train). */
-#ifndef LK_MODEL_KERNELS_H
-#define LK_MODEL_KERNELS_H
+#ifndef LK_APP_KERNELS_H
+#define LK_APP_KERNELS_H
 
 #include <stddef.h>
 

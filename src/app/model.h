@@ -28,8 +28,8 @@
  * forward adds the hook's output to y = x W^T + b, the backward lets the hook
  * accumulate its own gradients and its share of dL/dx. The model knows nothing
  * of LoRA itself; src/app/model_lora.c connects it to the training API. */
-#ifndef LORAKIT_MODEL_H
-#define LORAKIT_MODEL_H
+#ifndef LK_APP_MODEL_H
+#define LK_APP_MODEL_H
 
 #include <stddef.h>
 #include <stdint.h>

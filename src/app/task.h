@@ -11,8 +11,8 @@
  * counter-based generator), so a global batch split over any number of ranks
  * holds the same examples. Accuracy = fraction of answers exactly right by
  * greedy decoding. */
-#ifndef LORAKIT_TASK_H
-#define LORAKIT_TASK_H
+#ifndef LK_APP_TASK_H
+#define LK_APP_TASK_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -22,7 +22,7 @@
 #include "io/out_file.h"
 #include "io/yaml_doc.h"
 #include "lora/gemm.h"
-#include "lora/lora_config.h"
+#include "lora/config.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 #include "lorakit/mesh.h"

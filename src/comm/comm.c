@@ -7,7 +7,7 @@
  * one-rank communicator whose collectives are copies or no-ops. The MPI
  * backend lives in comm_mpi.c, compiled only when MPI is found. Arguments are
  * checked here once, so backends only move bytes. */
-#include "comm/comm_impl.h"
+#include "comm/backend.h"
 
 #include <errno.h>
 #include <math.h>
@@ -59,7 +59,7 @@ lk_status lk_comm_abort(lk_comm *c, int code) {
     return lk_error(LK_ERR_COMM, "comm abort: the %s backend returned", c->ops->name);
 }
 
-/* ---- waiting (comm_impl.h) ---- */
+/* ---- waiting (comm/backend.h) ---- */
 
 void lk_comm_wait_start(lk_comm_wait *w) {
     w->t0 = lk_now_s();

@@ -28,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "comm/comm_impl.h"
+#include "comm/backend.h"
 #include "lorakit/alloc.h"
 
 #define HOST_WINDOW 4

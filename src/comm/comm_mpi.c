@@ -26,7 +26,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "comm/comm_impl.h"
+#include "comm/backend.h"
 #include "core/clock.h"
 #include "core/text.h"
 #include "lorakit/alloc.h"

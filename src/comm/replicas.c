@@ -11,7 +11,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "comm/comm_impl.h"
+#include "comm/backend.h"
 #include "lorakit/alloc.h"
 
 /* ---- layout agreement ---- */

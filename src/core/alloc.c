@@ -2,7 +2,7 @@
  * The counter is atomic so multi-threaded fuse code can share it; the hook
  * costs one relaxed atomic per allocation, negligible next to malloc. */
 #include "lorakit/alloc.h"
-#include "core/alloc_hook.h"
+#include "core/alloc.h"
 
 #include <stdatomic.h>
 #include <stdint.h>

@@ -10,7 +10,7 @@
 #include "lorakit/dtype.h"
 #include "lorakit/tensor.h"
 #include "core/bits.h"
-#include "core/fp8_impl.h"
+#include "core/fp8.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -51,13 +51,10 @@ int lk_dtype_is_fusable(lk_dtype d) {
     return d == LK_DTYPE_F32 || d == LK_DTYPE_F16 || d == LK_DTYPE_BF16;
 }
 
-#define f2u lk_f2u
-#define u2f lk_u2f
-
-static inline float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }
+static inline float bf16_to_f32(uint16_t h) { return lk_u2f((uint32_t)h << 16); }
 
 static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u = f2u(f);
+    uint32_t u = lk_f2u(f);
     uint32_t isnan = (u & 0x7fffffffu) > 0x7f800000u;
     /* RNE: add 0x7fff plus the lowest kept bit; carries into the exponent
      * give the correctly rounded result, including overflow to Inf. */
@@ -73,13 +70,13 @@ static inline float f16_to_f32(uint16_t h) {
     uint32_t normal = (em << 13) + ((127u - 15u) << 23);
     uint32_t infnan = (em << 13) | 0x7f800000u;
     /* Subnormal: value = em * 2^-24, exact in float. */
-    uint32_t sub = f2u((float)em * 5.9604644775390625e-08f);
+    uint32_t sub = lk_f2u((float)em * 5.9604644775390625e-08f);
     uint32_t r = em >= 0x7c00u ? infnan : (em < 0x0400u ? sub : normal);
-    return u2f(r | sign);
+    return lk_u2f(r | sign);
 }
 
 static inline uint16_t f32_to_f16(float f) {
-    uint32_t u = f2u(f);
+    uint32_t u = lk_f2u(f);
     uint32_t sign = (u >> 16) & 0x8000u;
     uint32_t a = u & 0x7fffffffu;
     /* NaN: keep the top 10 payload bits, quiet bit if that leaves zero. */
@@ -89,7 +86,7 @@ static inline uint16_t f32_to_f16(float f) {
     uint32_t big = 0x7c00u;
     /* Below 2^-14 the result is subnormal: adding 0.5 aligns the bits so the
      * FPU's own RNE does the rounding; then subtract the magic's bits. */
-    uint32_t sub = f2u(u2f(a) + 0.5f) - 0x3f000000u;
+    uint32_t sub = lk_f2u(lk_u2f(a) + 0.5f) - 0x3f000000u;
     /* Normal: rebias, RNE on the 13 dropped bits. */
     uint32_t odd = (a >> 13) & 1u;
     uint32_t nrm = (a + ((uint32_t)(15 - 127) << 23) + 0xfffu + odd) >> 13;

@@ -4,7 +4,7 @@
  * The arithmetic, per element, in one chain whatever the thread or rank
  * count:
  *   1. the delta d = sum_t s_t * (B_t @ A_t) is the canonical narrow fp32
- *      chain (lk_fuse_delta_f32, fuse_internal.h), the one BF16 and F16
+ *      chain (lk_fuse_delta_f32, fuse/fuse.h), the one BF16 and F16
  *      weights use;
  *   2. the real weight is decoded exactly: w = code * scale (an FP8 value
  *      has 4 significant bits, a scale 24, so the product is exact in
@@ -42,8 +42,8 @@
  * its delta is computed twice (once for the amax, once to round). */
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
-#include "fuse/fuse_internal.h"
-#include "fuse/fp8_internal.h"
+#include "fuse/fuse.h"
+#include "fuse/fp8.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -131,7 +131,7 @@ typedef struct fworker {
     lk_fp8_stats stats; /* pass 2 */
 } fworker;
 
-/* ---- the per-row epilogue, plain C (fp8_internal.h) ---- */
+/* ---- the per-row epilogue, plain C (fuse/fp8.h) ---- */
 
 float lk_fp8_amax_portable(const lk_fp8_ctx *x, const uint8_t *w, const float *d, size_t n, double s_old, float m) {
     for (size_t c = 0; c < n; c++) {

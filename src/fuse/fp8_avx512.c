@@ -1,4 +1,4 @@
-/* fp8_avx512.c — the FP8 fuse's per-row epilogue (fp8_internal.h) for
+/* fp8_avx512.c — the FP8 fuse's per-row epilogue (fuse/fp8.h) for
  * AVX-512 (F, BW, VL, DQ), 8 elements per step in double lanes.
  *
  * Per element the same operations as lk_fp8_round_portable, each an IEEE
@@ -17,7 +17,7 @@
  *   q's last bit (zero, double subnormals). So in the fast lanes the result
  *   is a finite code and nothing overflows: the counters are the scalar
  *   path's. Row tails (n % 8) are scalar too. */
-#include "fuse/fp8_internal.h"
+#include "fuse/fp8.h"
 
 #ifdef LK_FP8_X86
 #include <immintrin.h>

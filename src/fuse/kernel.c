@@ -58,7 +58,7 @@
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
-#include "fuse/fuse_internal.h"
+#include "fuse/fuse.h"
 #include "fuse/kernel_scalar.h"
 
 #include <fenv.h>
@@ -77,10 +77,10 @@
 #define TILE_BYTES (24u * 1024u)
 #define WORK_PER_THREAD ((size_t)1 << 20)
 
-float lk_fuse_add_odd_f32(float w, float d) { return lk_k_add_odd_f32(w, d); }
-double lk_fuse_add_odd_f64(double w, double d) { return lk_k_add_odd_f64(w, d); }
-float lk_fuse_round_f32(float w, float d) { return lk_k_round_f32(w, d); }
-uint32_t lk_fuse_round_f64_to_f32(uint32_t w_bits, double d) { return lk_k_round_f64_to_f32(w_bits, d); }
+float lk_fuse_add_odd_f32(float w, float d) { return scalar_add_odd_f32(w, d); }
+double lk_fuse_add_odd_f64(double w, double d) { return scalar_add_odd_f64(w, d); }
+float lk_fuse_round_f32(float w, float d) { return scalar_round_f32(w, d); }
+uint32_t lk_fuse_round_f64_to_f32(uint32_t w_bits, double d) { return scalar_round_f64_to_f32(w_bits, d); }
 
 /* ---- path selection ---- */
 
@@ -189,13 +189,13 @@ void lk_kernel_finish_slow(lk_kworker *wk, size_t o, size_t col0, size_t n, cons
         if (dt == LK_DTYPE_F32) {
             uint32_t wb, rb;
             memcpy(&wb, win + j * 4, 4);
-            rb = lk_k_round_f64_to_f32(wb, d64[j]);
+            rb = scalar_round_f64_to_f32(wb, d64[j]);
             memcpy(res + j * 4, &rb, 4);
             bad |= ((rb & 0x7f800000u) == 0x7f800000u) & ((wb & 0x7f800000u) != 0x7f800000u);
         } else {
             float wv, rv;
             lk_to_f32(&wv, win + j * esz, dt, 1);
-            rv = lk_k_round_f32(wv, d32[j]);
+            rv = scalar_round_f32(wv, d32[j]);
             lk_from_f32(res + j * esz, &rv, dt, 1);
             float back;
             lk_to_f32(&back, res + j * esz, dt, 1);
@@ -544,7 +544,7 @@ lk_status lk_fuse_nonfinite(const char *name, size_t bad_at, size_t in, double w
                     name, bad_at / in, bad_at % in, w, r);
 }
 
-/* ---- the delta alone (fuse_internal.h) ---- */
+/* ---- the delta alone (fuse/fuse.h) ---- */
 
 #define LK_AI static inline __attribute__((always_inline))
 

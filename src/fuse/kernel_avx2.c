@@ -25,7 +25,7 @@
  * term, k ascending), and the epilogue is the same rules. */
 /* (No fp-contract pragma needed: no product here is ever added by a
  * plain add; the chain's products are explicit mul / fmadd.) */
-#include "fuse/fuse_internal.h"
+#include "fuse/fuse.h"
 
 #ifdef LK_KERNEL_X86
 #include <immintrin.h>
@@ -48,7 +48,7 @@
 #define SUB32 (8 * NV) /* f32 columns per sub-block */
 #define SUB64 (4 * NV) /* f64 columns per sub-block */
 
-/* kernel_scalar.h's lk_k_add_odd_* lane-wise, one body for f32 lanes (UT
+/* kernel_scalar.h's scalar_add_odd_* lane-wise, one body for f32 lanes (UT
  * v8u, SH 31) and f64 lanes (v4u, 63) in GCC vector arithmetic (these are
  * plain adds and compares; the casts reinterpret bits): TwoSum, then +-1
  * on the bits of s where s is finite, inexact (e != 0) and even. A NaN e

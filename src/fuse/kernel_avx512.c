@@ -18,7 +18,7 @@
  *
  * The bits equal the portable path's: the chain is the same sequence of
  * correctly rounded fmas, and the epilogue is the same integer rules. */
-#include "fuse/fuse_internal.h"
+#include "fuse/fuse.h"
 
 #ifdef LK_KERNEL_X86
 #include <immintrin.h>

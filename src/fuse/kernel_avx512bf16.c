@@ -2,7 +2,7 @@
  * AVX512_BF16 as lk_kblock_avx512bf16 (the path "avx512bf16"): only the
  * BF16 epilogue differs (round_bf16 in
  * kernel_avx512.c), and its bytes equal every other path's. */
-#include "fuse/fuse_internal.h"
+#include "fuse/fuse.h"
 
 #ifdef LK_KERNEL_X86
 #define LK_K512_NAME lk_kblock_avx512bf16

@@ -18,7 +18,7 @@
 #include <string.h>
 
 #include "lorakit/dtype.h"
-#include "fuse/fuse_internal.h"
+#include "fuse/fuse.h"
 #include "fuse/kernel_scalar.h"
 
 #define LK_AI static inline __attribute__((always_inline))
@@ -28,10 +28,10 @@ LK_AI int nonfinite16(int dt, uint16_t h) {
     return dt == LK_DTYPE_BF16 ? (h & 0x7f80u) == 0x7f80u : (h & 0x7c00u) == 0x7c00u;
 }
 
-/* kernel_scalar.h's lk_k_round_f32 over a row segment (n <= LK_PW32) in
+/* kernel_scalar.h's scalar_round_f32 over a row segment (n <= LK_PW32) in
  * GCC vector types, 8 lanes at a time (the auto-vectorizer would not take
  * the float/bit reinterpretation): TwoSum, the odd step and the NaN rule
- * with masks instead of branches; the bits are lk_k_round_f32's (e != 0 is
+ * with masks instead of branches; the bits are scalar_round_f32's (e != 0 is
  * tested on its bits: when s is finite e is finite, and when s is not the
  * step is off anyway). */
 typedef float lk_v8f __attribute__((vector_size(32)));
@@ -61,7 +61,7 @@ LK_AI void round_row_f32(float *rv, float *wv, const float *d, size_t n) {
     }
 }
 
-/* lk_k_round_f64_to_f32 over a row segment (n <= LK_PW64), split the same
+/* scalar_round_f64_to_f32 over a row segment (n <= LK_PW64), split the same
  * way: odd sum in f64, then one RNE conversion to f32, then the NaN rule. */
 LK_AI void round_row_f64(uint32_t *ob, const uint32_t *wb, const double *d, size_t n) {
     double sv[LK_PW64], ev[LK_PW64];

@@ -25,7 +25,7 @@
  * Strength on replacements and DoRA is lorakit's convention (PEFT has
  * none): s = 1 is PEFT's merge, s = 0 the base. The B A part (DoRA's V, or
  * other adapters' LoRA terms next to a replacement) comes from the fuse
- * kernel's own delta chain (fuse_internal.h: f32 for BF16/F16 weights, f64
+ * kernel's own delta chain (fuse/fuse.h: f32 for BF16/F16 weights, f64
  * for F32), so it is the kernel's arithmetic; the rest is in double (the
  * row norm an fma chain, j ascending; lora_B bias terms exact products in
  * an fma chain, terms in canonical order), and the final rounding goes
@@ -34,7 +34,8 @@
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "lorakit/dtype.h"
-#include "fuse/fuse_internal.h"
+#include "fuse/fuse.h"
+#include "core/bits.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -139,9 +140,7 @@ int lk_fuse_key_touches(const lk_fuse_key *k) { return k->replace || k->dora || 
 static void store(void *dst, size_t j, double x, lk_dtype d) {
     float f = (float)x;
     if (d != LK_DTYPE_F32 && isfinite(f) && (double)f != x) {
-        uint32_t u;
-        memcpy(&u, &f, sizeof u);
-        if (!(u & 1)) f = nextafterf(f, x > (double)f ? INFINITY : -INFINITY);
+        if (!(lk_f2u(f) & 1)) f = nextafterf(f, x > (double)f ? INFINITY : -INFINITY);
     }
     lk_from_f32((char *)dst + j * lk_dtype_size(d), &f, d, 1);
 }
@@ -165,7 +164,7 @@ static int64_t chunk_rows(int64_t rows, int64_t cols) {
 }
 
 /* The delta of rows [r0, r0 + nr) of a key's 2-D part into dl (row stride
- * cols): the one chain of fuse_internal.h, whatever the term kinds. */
+ * cols): the one chain of fuse/fuse.h, whatever the term kinds. */
 typedef struct dstream {
     lk_delta_prep *p;
     void *dl, *scratch;

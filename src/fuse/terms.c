@@ -46,7 +46,7 @@
 
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
-#include "fuse/fuse_internal.h"
+#include "fuse/fuse.h"
 #include "fuse/kernel_scalar.h"
 
 #include <fenv.h>
@@ -423,7 +423,7 @@ void lk_fuse_delta_rows(const lk_delta_prep *p, void *delta, size_t ld, size_t r
     fesetenv(&saved);
 }
 
-/* ---- the delta alone into a buffer (fuse_internal.h) ---- */
+/* ---- the delta alone into a buffer (fuse/fuse.h) ---- */
 
 static lk_status fuse_delta(void *delta, int wide, size_t ld, int64_t out, int64_t in, int64_t row0, int64_t rows,
                             const lk_fuse_term *terms, size_t n_terms, const char *name) {
@@ -482,7 +482,7 @@ static void note_bad(tworker *wk, size_t at, double w, double r) {
     }
 }
 
-/* kernel_scalar.h's lk_k_round_f32 / lk_k_round_f64_to_f32, eight (four)
+/* kernel_scalar.h's scalar_round_f32 / scalar_round_f64_to_f32, eight (four)
  * lanes at a time with the compilers' vector extensions (comparisons give
  * lane masks, the selects become masks): the same IEEE operations and bit
  * steps, so the same bits; the tail goes through the scalar definitions. */
@@ -514,7 +514,7 @@ LK_AI void round_row32(float *rv, const float *wv, const float *d, size_t n) {
         const lk_v8u r = (mw & (uw | 0x00400000u)) | (mr & 0x7fc00000u) | (~(mw | mr) & us);
         memcpy(rv + j, &r, sizeof r);
     }
-    for (; j < n; j++) rv[j] = lk_k_round_f32(wv[j], d[j]);
+    for (; j < n; j++) rv[j] = scalar_round_f32(wv[j], d[j]);
 }
 
 LK_AI void round_row64(uint32_t *o, const uint32_t *w, const double *d, size_t n) {
@@ -544,7 +544,7 @@ LK_AI void round_row64(uint32_t *o, const uint32_t *w, const double *d, size_t n
         const lk_v4u r = (mw & (uw | 0x00400000u)) | (mr & 0x7fc00000u) | (~(mw | mr) & ur);
         memcpy(o + j, &r, sizeof r);
     }
-    for (; j < n; j++) o[j] = lk_k_round_f64_to_f32(w[j], d[j]);
+    for (; j < n; j++) o[j] = scalar_round_f64_to_f32(w[j], d[j]);
 }
 
 typedef uint16_t lk_v8h __attribute__((vector_size(16)));
@@ -591,7 +591,7 @@ LK_AI void round_row_bf16(uint16_t *dst, const uint16_t *src, const float *d, si
     for (; j < n; j++) {
         float w, r, back;
         lk_to_f32(&w, src + j, LK_DTYPE_BF16, 1);
-        r = lk_k_round_f32(w, d[j]);
+        r = scalar_round_f32(w, d[j]);
         lk_from_f32(dst + j, &r, LK_DTYPE_BF16, 1);
         lk_to_f32(&back, dst + j, LK_DTYPE_BF16, 1);
         any |= isfinite(w) && !isfinite(back);
@@ -643,7 +643,7 @@ static void tblock(tworker *wk, size_t b, int fast) {
             for (size_t c = 0; c < I; c++) any |= ((r[c] & 0x7f800000u) == 0x7f800000u) & ((w[c] & 0x7f800000u) != 0x7f800000u);
             for (size_t c = 0; any && c < I; c++)
                 if (((r[c] & 0x7f800000u) == 0x7f800000u) && ((w[c] & 0x7f800000u) != 0x7f800000u))
-                    note_bad(wk, o * I + c, (double)lk_k_u2f(w[c]), (double)lk_k_u2f(r[c]));
+                    note_bad(wk, o * I + c, (double)lk_u2f(w[c]), (double)lk_u2f(r[c]));
         } else if (j->dt == LK_DTYPE_BF16) {
             const float *d = (const float *)wk->d + i * I;
             uint32_t bad = 0;

@@ -13,7 +13,7 @@
 
 #include "lorakit/alloc.h"
 #include "lorakit/safetensors.h"
-#include "train_impl.h"
+#include "lora/params.h"
 
 struct lk_adamw {
     lk_adamw_opts o;

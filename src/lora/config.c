@@ -14,7 +14,7 @@
  * The YAML front-end (io/yaml_doc.h) reads and types the file and refuses
  * repeated keys anywhere in it; this file walks three fixed levels of the
  * tree, so aliases cost nothing. */
-#include "lora/lora_config.h"
+#include "lora/config.h"
 
 #include <limits.h>
 #include <stdio.h>

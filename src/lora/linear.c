@@ -8,7 +8,7 @@
  * h, dh [n, r]. Every product is one sgemm (lk_sgemm), so the LoRA
  * overhead is two thin GEMMs forward and four backward next to the base
  * GEMM; no out x in delta is ever formed. */
-#include "train_impl.h"
+#include "lora/params.h"
 
 void lk_lora_linear_forward(float *y, float *h, const float *x, const float *W, const float *b,
                             const float *A, const float *B, float scale, int n, int in, int out,

@@ -19,7 +19,7 @@
 #include "lorakit/log.h"
 #include "lorakit/checkpoint.h"
 #include "lorakit/safetensors.h"
-#include "train_impl.h"
+#include "lora/params.h"
 
 struct lk_lora_layer {
     char *name;

@@ -7,7 +7,7 @@
  * order) makes the layout identical on every rank whatever order the host
  * registered its layers in. Also here: the seeded counter-based init and the
  * global-norm clipping, both pure functions of the buffer. */
-#include "train_impl.h"
+#include "lora/params.h"
 
 #include <math.h>
 #include <stdlib.h>

@@ -20,7 +20,7 @@
 #include "io/out_file.h"
 #include "lorakit/alloc.h"
 #include "lorakit/safetensors.h"
-#include "train_impl.h"
+#include "lora/params.h"
 
 #define PEFT_PREFIX "base_model.model."
 

@@ -18,7 +18,7 @@
 #include "lorakit/alloc.h"
 #include "lorakit/comm.h"
 #include "lorakit/log.h"
-#include "train_impl.h"
+#include "lora/params.h"
 
 lk_status lk_lora_params_agree(lk_lora_params *p, lk_comm *world) {
     if (lk_comm_size(world) <= 1 || p->agreed_world == (const void *)world) return LK_OK;

@@ -26,11 +26,11 @@
  *   by the weight's owner, given the weight's signature, backed up,
  *   restored and broadcast with it, and rewritten only by the weight's
  *   recompute (lk_fuse_fp8 rescales it), never on its own. */
-#include "comm/comm_internal.h"
+#include "comm/comm.h"
 #include "core/clock.h"
 #include "core/text.h"
 #include "lorakit/tracker.h"
-#include "serve/tracker_internal.h"
+#include "serve/tracker.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -73,7 +73,7 @@ struct lk_tracker {
     lk_tracker_opts o;  /* o.arch and o.maps point into arch / maps below (owned copies) */
     char *arch;
     char **maps;
-    int full;           /* the reference-like baseline (tracker_internal.h) */
+    int full;           /* the reference-like baseline (serve/tracker.h) */
     int rank, size;
     size_t n;
     size_t *ord;        /* key indices in byte-wise name order */

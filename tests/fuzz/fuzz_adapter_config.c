@@ -10,7 +10,7 @@
  * adapter; refusals are clean errors. Inputs starting with "re:" go to the
  * PCRE2 pattern path alone (fz_patterns). */
 #include "fuzz_adapter_model.h"
-#include "adapter/adapter_internal.h"
+#include "adapter/config.h"
 #include "lorakit/alloc.h"
 
 #include <jansson.h>

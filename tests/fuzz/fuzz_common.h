@@ -29,7 +29,7 @@
 #include <unistd.h>
 
 #include "lorakit/lorakit.h"
-#include "core/alloc_hook.h"
+#include "core/alloc.h"
 #include "app/model.h"
 #include "app/task.h"
 

@@ -1,8 +1,8 @@
 /* adapter_ref.h — test helpers for adapters and fusion: building tensors
  * from doubles, and the independent double-precision reference of
  * W + sum_t scale_t * (B_t @ A_t) with its tolerance check. */
-#ifndef LK_ADAPTER_REF_H
-#define LK_ADAPTER_REF_H
+#ifndef LK_TESTS_ADAPTER_REF_H
+#define LK_TESTS_ADAPTER_REF_H
 
 #include <stddef.h>
 #include <stdint.h>

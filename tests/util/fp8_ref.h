@@ -4,8 +4,8 @@
  * with ties to the even code and overflow past the largest finite. Used by
  * test_fp8.c (checked on every code and a million values) and by the FP8
  * fuse tests as their oracle. Header-only. */
-#ifndef LK_FP8_REF_H
-#define LK_FP8_REF_H
+#ifndef LK_TESTS_FP8_REF_H
+#define LK_TESTS_FP8_REF_H
 
 #include <math.h>
 #include "lorakit/dtype.h"

@@ -3,8 +3,8 @@
  * scratch directory all ranks see, and the "every rank holds this digest"
  * check. Header-only (static inline) because lktestutil is also linked into
  * the non-MPI tests, which must build where MPI is missing. */
-#ifndef LK_MPI_TESTUTIL_H
-#define LK_MPI_TESTUTIL_H
+#ifndef LK_TESTS_MPI_TESTUTIL_H
+#define LK_TESTS_MPI_TESTUTIL_H
 
 #include <mpi.h>
 #include <stdio.h>

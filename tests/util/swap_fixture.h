@@ -4,8 +4,8 @@
  * (hidden x dim), ff.net.2 (dim x hidden), norm.weight (1-D F32), plus a
  * non-fusable I64 tensor. With mixed dtypes, the 2-D weights cycle through
  * BF16, F16 and F32 so every fusable dtype crosses the broadcast. */
-#ifndef LK_SWAP_FIXTURE_H
-#define LK_SWAP_FIXTURE_H
+#ifndef LK_TESTS_SWAP_FIXTURE_H
+#define LK_TESTS_SWAP_FIXTURE_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,7 +1,7 @@
 /* testutil.h — helpers shared by the tests: temp dirs, files, a seeded RNG,
  * running the CLI. Include after <cmocka.h>'s prerequisites. */
-#ifndef LK_TESTUTIL_H
-#define LK_TESTUTIL_H
+#ifndef LK_TESTS_TESTUTIL_H
+#define LK_TESTS_TESTUTIL_H
 
 #include <stdarg.h>
 #include <stddef.h>
@@ -10,7 +10,7 @@
 #include <cmocka.h>
 
 #include "lorakit/lorakit.h"
-#include "core/alloc_hook.h" /* lk_alloc_fail_at, lk_alloc_count */
+#include "core/alloc.h" /* lk_alloc_fail_at, lk_alloc_count */
 #include "app/model.h"
 #include "app/task.h"
 

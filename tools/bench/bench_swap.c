@@ -27,7 +27,7 @@
 #include "cli_util.h"
 #include "lorakit/lorakit.h"
 #include "bench_util.h"
-#include "serve/tracker_internal.h"
+#include "serve/tracker.h"
 
 static const char *const SWAP_BENCH_USAGE =
     "usage: lorakit bench swap [--json] [--ranks K] [--size-mb N] [--dim D] [--rank R]\n"
@@ -224,7 +224,7 @@ static void print_result(const bopts *o, int ranks, const char *mode, const char
 enum { OP_APPLY, OP_STRENGTH, OP_SWAP, OP_RESET, N_OPS };
 static const char *const OPS[N_OPS] = {"apply", "strength", "swap", "reset"};
 
-/* Runs the four ops --repeat times in one tracker mode (tracker_internal.h);
+/* Runs the four ops --repeat times in one tracker mode (serve/tracker.h);
  * med[] gets the medians, *create the slowest rank's lk_tracker_create
  * (from a barrier; it includes the check that every rank holds the same
  * base bytes). */

@@ -1,8 +1,8 @@
 /* bench_util.h — timing helpers shared by the benchmarks in tools/bench/.
  * Header-only (static inline) because each benchmark is one file and they
  * are all linked into the one lorakit binary. */
-#ifndef LK_BENCH_UTIL_H
-#define LK_BENCH_UTIL_H
+#ifndef LK_TOOLS_BENCH_BENCH_UTIL_H
+#define LK_TOOLS_BENCH_BENCH_UTIL_H
 
 #include <stdlib.h>
 #include <time.h>

@@ -4,8 +4,8 @@
  * the other's headers: tools/ -> tools/bench/ -> tools/util/, no cycle.
  * Exit codes: 0 success, 1 the operation failed, 2 bad usage. Every error is
  * printed once, as "lorakit: <message>" on stderr. */
-#ifndef LK_TOOLS_CLI_UTIL_H
-#define LK_TOOLS_CLI_UTIL_H
+#ifndef LK_TOOLS_UTIL_CLI_UTIL_H
+#define LK_TOOLS_UTIL_CLI_UTIL_H
 
 #define LK_EXIT_OK 0
 #define LK_EXIT_FAIL 1

@@ -1,7 +1,7 @@
-/* comm_internal.h — what lk_comm offers lorakit's own layers beyond
+/* comm/comm.h — what lk_comm offers lorakit's own layers beyond
  * lorakit/comm.h (internal, not installed). */
-#ifndef LK_COMM_COMM_INTERNAL_H
-#define LK_COMM_COMM_INTERNAL_H
+#ifndef LK_COMM_COMM_H
+#define LK_COMM_COMM_H
 
 #include "lorakit/comm.h"
 

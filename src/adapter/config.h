@@ -1,8 +1,8 @@
-/* adapter_internal.h — shared by the files of src/adapter (not public):
+/* adapter/config.h — shared by the files of src/adapter (not public):
  * the parsed adapter_config.json (PEFT's LoraConfig) and PEFT's pattern
  * rules, evaluated with PCRE2 (which reads Python's `re` dialect). */
-#ifndef LK_ADAPTER_INTERNAL_H
-#define LK_ADAPTER_INTERNAL_H
+#ifndef LK_ADAPTER_CONFIG_H
+#define LK_ADAPTER_CONFIG_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,4 +1,4 @@
-/* lora_config.h — the `models.<role>.lora` block from an already parsed
+/* lora/config.h — the `models.<role>.lora` block from an already parsed
  * YAML document (internal, not installed), so a caller holding the tree of a
  * training config (app/train.c, the CLI's `config check`) reads the file
  * once. The public lk_lora_config_load/parse/roles are these over

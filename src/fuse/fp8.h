@@ -1,4 +1,4 @@
-/* fp8_internal.h — the FP8 fuse's per-row epilogue (src/fuse/fp8.c): the
+/* fuse/fp8.h — the FP8 fuse's per-row epilogue (src/fuse/fp8.c): the
  * per-element definition in plain C (lk_fp8_*_portable), and the AVX-512
  * one (fp8_avx512.c); fp8.c also has a branch-free C version for the avx2
  * and portable paths. All compute, element by
@@ -6,8 +6,8 @@
  * s_old, v = w0 + d, q = v / s_new in double, one FP8 rounding), so they
  * give identical bytes; fp8.c picks one per call from lk_fuse_kernel_path.
  * Internal to src/fuse. */
-#ifndef LK_FUSE_FP8_INTERNAL_H
-#define LK_FUSE_FP8_INTERNAL_H
+#ifndef LK_FUSE_FP8_H
+#define LK_FUSE_FP8_H
 
 /* The chain's mul and add stay two roundings: no FMA contraction in the
  * files that include this (fp8.c, fp8_avx512.c). */
@@ -19,7 +19,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include "core/fp8_impl.h"
+#include "core/fp8.h"
 #include "lorakit/fuse.h" /* lk_fp8_random_bits */
 
 typedef struct lk_fp8_ctx {

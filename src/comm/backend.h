@@ -1,13 +1,13 @@
-/* comm_impl.h — the backend vtable behind lk_comm (private to src/comm).
+/* comm/backend.h — the backend vtable behind lk_comm (private to src/comm).
  *
  * A backend fills an lk_comm_ops table and allocates its lk_comm with
  * lk_comm_new; the public functions in comm.c check arguments once and
  * dispatch, so each backend only moves bytes. Counts reaching a backend are
  * already validated; backends split them as their transport requires. */
-#ifndef LK_COMM_COMM_IMPL_H
-#define LK_COMM_COMM_IMPL_H
+#ifndef LK_COMM_BACKEND_H
+#define LK_COMM_BACKEND_H
 
-#include "comm/comm_internal.h"
+#include "comm/comm.h"
 #include "lorakit/comm.h"
 
 typedef struct lk_comm_ops {
@@ -16,7 +16,7 @@ typedef struct lk_comm_ops {
     lk_status (*barrier)(lk_comm *c);
     lk_status (*bcast)(lk_comm *c, void *buf, size_t n, int root);
     /* NULL: lk_comm_bcastv calls bcast once per segment. ready and idle
-     * (may be NULL) as in lk_comm_bcastv_ready (comm_internal.h). */
+     * (may be NULL) as in lk_comm_bcastv_ready (comm/comm.h). */
     lk_status (*bcastv)(lk_comm *c, const lk_comm_seg *seg, size_t nseg, int root, lk_comm_ready_fn ready,
                         lk_comm_idle_fn idle, void *arg);
     lk_status (*allreduce_f32_sum)(lk_comm *c, float *buf, size_t n);

@@ -1,11 +1,11 @@
-/* adapter_struct.h — the lk_adapter object, shared by adapter.c and
+/* adapter/adapter.h — the lk_adapter object, shared by adapter.c and
  * resolve.c only (other modules use the accessors in lorakit/adapter.h). */
-#ifndef LK_ADAPTER_STRUCT_H
-#define LK_ADAPTER_STRUCT_H
+#ifndef LK_ADAPTER_ADAPTER_H
+#define LK_ADAPTER_ADAPTER_H
 
 #include "lorakit/adapter.h"
 #include "lorakit/safetensors.h"
-#include "adapter/adapter_internal.h"
+#include "adapter/config.h"
 
 struct lk_adapter {
     char *path;             /* as given: file or folder */

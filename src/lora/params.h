@@ -1,8 +1,8 @@
-/* train_impl.h — internals shared by the src/lora files (not installed).
+/* lora/params.h — internals shared by the src/lora files (not installed).
  * The parameter-set internals that the model, sync, optimizer and PEFT files
  * all read (and lk_sgemm, the one GEMM entry point, from gemm.h). */
-#ifndef LK_LORA_TRAIN_IMPL_H
-#define LK_LORA_TRAIN_IMPL_H
+#ifndef LK_LORA_PARAMS_H
+#define LK_LORA_PARAMS_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,7 +1,7 @@
-/* tracker_internal.h — what the hot-swap tracker offers lorakit's own
+/* serve/tracker.h — what the hot-swap tracker offers lorakit's own
  * benchmarks and tests beyond lorakit/tracker.h (internal, not installed). */
-#ifndef LK_SERVE_TRACKER_INTERNAL_H
-#define LK_SERVE_TRACKER_INTERNAL_H
+#ifndef LK_SERVE_TRACKER_H
+#define LK_SERVE_TRACKER_H
 
 #include "lorakit/tracker.h"
 

@@ -1,4 +1,4 @@
-/* fuse_internal.h — shared between the files of src/fuse, and the internal
+/* fuse/fuse.h — shared between the files of src/fuse, and the internal
  * API other modules use to reproduce the fuse kernel's arithmetic exactly
  * (DoRA's row norms, FP8 weights). Not installed, not public.
  *
@@ -14,8 +14,8 @@
  * that value is rounded to nearest-even into the weight's dtype. Because
  * the accumulator has at least two more bits than the weight's dtype, this
  * equals the correctly rounded value of the exact W + d. */
-#ifndef LK_FUSE_INTERNAL_H
-#define LK_FUSE_INTERNAL_H
+#ifndef LK_FUSE_FUSE_H
+#define LK_FUSE_FUSE_H
 
 #include <stddef.h>
 #include <stdint.h>

@@ -1,9 +1,9 @@
-/* fp8_impl.h — FP8 decoding and rounding as inline functions, shared by
+/* core/fp8.h — FP8 decoding and rounding as inline functions, shared by
  * src/core/dtype.c (the public lk_fp8_* functions) and the FP8 fuse loop
  * (src/fuse/fp8.c), which calls them once per element and must not pay a
  * call. Internal to the library. */
-#ifndef LK_CORE_FP8_IMPL_H
-#define LK_CORE_FP8_IMPL_H
+#ifndef LK_CORE_FP8_H
+#define LK_CORE_FP8_H
 
 #include <math.h>
 #include <stdint.h>
@@ -53,8 +53,7 @@ static inline float fp8_to_f32(uint8_t c, const fp8fmt *f) {
  * so its last kept bit is the FP8 quantum 2^(max(e, emin) - mbits); the
  * dropped bits decide the rounding. */
 static inline int fp8_from_double(double x, const fp8fmt *f, int stochastic, uint32_t rbits, uint8_t *code) {
-    uint64_t u;
-    memcpy(&u, &x, 8);
+    uint64_t u = lk_d2u(x);
     uint8_t sign = (uint8_t)((u >> 56) & 0x80u);
     uint64_t a = u & 0x7fffffffffffffffull;
     if (a > 0x7ff0000000000000ull) { /* NaN */
