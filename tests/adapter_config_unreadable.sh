@@ -8,7 +8,10 @@
 # block: the command runs under a timeout), no read permission (as root,
 # checked as user nobody through setpriv; skipped with the reason when that
 # cannot be done). The control: no config at all still fuses, with the
-# "alpha defaults to r" warning.
+# "alpha defaults to r" warning. A link loop is named as one. In a folder,
+# an adapter_model.safetensors that is a FIFO or a dangling link is named
+# by what it is (not "folder has no adapter_model.safetensors", and the
+# folder's other weights file is not taken instead).
 # Usage: bash adapter_config_unreadable.sh <path-to-lorakit> <build-dir>
 set -uo pipefail
 LK=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
@@ -53,6 +56,12 @@ for form in folder sidecar; do
   expect 1 inspect "$(target c1)"
   err_has "which does not exist"
 
+  # a link loop (QA: the message read "which Too many levels of symbolic links (a dangling link ...)")
+  fresh c5
+  ln -s adapter_config.json "$TMP/c5/adapter_config.json"
+  expect 1 inspect "$(target c5)"
+  err_has "$TMP/c5/adapter_config.json is a symbolic link to 'adapter_config.json' that cannot be followed: a link loop (too many levels of symbolic links)"
+
   # a folder
   fresh c2
   mkdir "$TMP/c2/adapter_config.json"
@@ -86,4 +95,19 @@ for form in folder sidecar; do
     echo "adapter_config_unreadable.sh: SKIP the permission case: running as root and cannot run as nobody (setpriv missing, or the build is not readable by nobody)"
   fi
 done
+# the adapter file itself in a folder: something there that cannot be read is named by what it is,
+# never "folder has no adapter_model.safetensors" (QA: a FIFO and a dangling link were reported so)
+rm -rf "$TMP/m1" "$TMP/m2" "$TMP/m3"; mkdir -p "$TMP/m1" "$TMP/m2" "$TMP/m3"
+cp "$FX/peft/adapter_config.json" "$TMP/m1/"; cp "$FX/peft/adapter_config.json" "$TMP/m2/"
+mkfifo "$TMP/m1/adapter_model.safetensors"
+expect 1 inspect "$TMP/m1"
+err_has "$TMP/m1: $TMP/m1/adapter_model.safetensors: is a FIFO, not a regular file"
+ln -s ../blobs/feed "$TMP/m2/adapter_model.safetensors"
+cp "$FX/peft/adapter_model.safetensors" "$TMP/m2/pytorch_lora_weights.safetensors" # not taken instead
+expect 1 fuse "$B" -l "$TMP/m2" -o "$TMP/out_m2.safetensors"
+err_has "$TMP/m2/adapter_model.safetensors is a symbolic link to '../blobs/feed', which does not exist"
+[ -e "$TMP/out_m2.safetensors" ] && fail "output written after a dangling adapter file"
+cp "$FX/peft/adapter_config.json" "$TMP/m3/" # no weights file there at all
+expect 1 fuse "$B" -l "$TMP/m3" -o "$TMP/out_m3.safetensors"
+err_has "$TMP/m3: folder has no adapter_model.safetensors"
 echo "adapter_config_unreadable.sh: ok"

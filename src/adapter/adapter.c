@@ -339,27 +339,15 @@ static lk_status keep_config(lk_adapter *a, char *cfg, lk_status s) {
  * no permission) is an error naming the path and why, never read as absent
  * (the adapter would fuse at alpha = r). */
 static lk_status read_config(lk_adapter *a, char *cfg) {
-    struct stat lsb, sb;
-    lk_status s = LK_OK;
-    if (lstat(cfg, &lsb) != 0) {
-        if (errno != ENOENT && errno != ENOTDIR)
-            s = lk_error(LK_ERR_IO, "%s: %s: cannot look at it: %s", a->path, cfg, strerror(errno));
+    int absent;
+    lk_status s = lk_input_check(cfg, &absent);
+    if (!s && absent) {
         lk_free(cfg);
-        return s;
+        return LK_OK;
     }
-    if (S_ISLNK(lsb.st_mode) && stat(cfg, &sb) != 0) {
-        int e = errno;
-        char to[1024];
-        ssize_t n = readlink(cfg, to, sizeof to - 1);
-        to[n > 0 ? n : 0] = '\0';
-        s = lk_error(LK_ERR_IO, "%s: %s is a symbolic link to '%s', which %s (a dangling link, e.g. a Hugging Face "
-                     "cache snapshot whose blob is missing)", a->path, cfg, to,
-                     e == ENOENT ? "does not exist" : strerror(e));
-    } else {
-        s = lk_peft_config_load(cfg, &a->cfg); /* lk_open_input: a regular file, named by kind otherwise */
-        if (s && s != LK_ERR_NOMEM && s != LK_ERR_CONFIG && s != LK_ERR_FORMAT && s != LK_ERR_UNSUPPORTED)
-            lk_error_prefix(s, "%s: adapter_config.json exists but cannot be read", a->path);
-    }
+    if (!s) s = lk_peft_config_load(cfg, &a->cfg); /* lk_open_input: a regular file, named by kind otherwise */
+    if (s && s != LK_ERR_NOMEM && s != LK_ERR_CONFIG && s != LK_ERR_FORMAT && s != LK_ERR_UNSUPPORTED)
+        lk_error_prefix(s, "%s: adapter_config.json exists but cannot be read", a->path);
     return keep_config(a, cfg, s);
 }
 
@@ -380,7 +368,14 @@ static lk_status locate(lk_adapter *a) {
     for (size_t i = 0; i < 2; i++) {
         char *p = lk_path_join(a->path, names[i]);
         if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->path);
-        if (file_exists(p)) {
+        /* something there that is not a readable file (a FIFO, a dangling link) is named, not taken as absent */
+        int absent;
+        lk_status s = lk_input_check(p, &absent);
+        if (s) {
+            lk_free(p);
+            return lk_error_prefix(s, "%s", a->path);
+        }
+        if (!absent) {
             a->file = p;
             break;
         }

@@ -25,6 +25,53 @@ const char *lk_file_kind(unsigned mode) {
     }
 }
 
+/* The target of symbolic link path, whole (lk_malloc'd), or NULL. */
+static char *link_target(const char *path) {
+    for (size_t cap = 256; cap <= ((size_t)1 << 20); cap *= 4) {
+        char *t = lk_malloc(cap);
+        if (!t) return NULL;
+        ssize_t n = readlink(path, t, cap);
+        if (n >= 0 && (size_t)n < cap) {
+            t[n] = '\0';
+            return t;
+        }
+        lk_free(t);
+        if (n < 0) return NULL;
+    }
+    return NULL;
+}
+
+lk_status lk_input_check(const char *path, int *absent) {
+    struct stat lsb, sb;
+    *absent = 0;
+    if (lstat(path, &lsb) != 0) {
+        if (errno == ENOENT || errno == ENOTDIR) {
+            *absent = 1;
+            return LK_OK;
+        }
+        return lk_error(LK_ERR_IO, "%s: cannot look at it: %s", path, strerror(errno));
+    }
+    if (stat(path, &sb) != 0) { /* a link that does not resolve */
+        int e = errno;
+        char *to = link_target(path);
+        lk_status s;
+        if (e == ENOENT)
+            s = lk_error(LK_ERR_IO, "%s is a symbolic link to '%s', which does not exist (a dangling link, e.g. a "
+                         "Hugging Face cache snapshot whose blob is missing)", path, to ? to : "?");
+        else if (e == ELOOP)
+            s = lk_error(LK_ERR_IO, "%s is a symbolic link to '%s' that cannot be followed: a link loop (too many "
+                         "levels of symbolic links)", path, to ? to : "?");
+        else
+            s = lk_error(LK_ERR_IO, "%s is a symbolic link to '%s' that cannot be followed: %s", path, to ? to : "?",
+                         strerror(e));
+        lk_free(to);
+        return s;
+    }
+    if (!S_ISREG(sb.st_mode))
+        return lk_error(LK_ERR_IO, "%s: is %s, not a regular file", path, lk_file_kind((unsigned)sb.st_mode));
+    return LK_OK;
+}
+
 lk_status lk_open_input(const char *path, int *fd) {
     *fd = -1;
     struct stat sb;

@@ -14,6 +14,15 @@
  * what was opened is checked again. Every user-given file lorakit reads
  * (checkpoints, shards, indexes, adapters, configs, plans) goes through it. */
 lk_status lk_open_input(const char *path, int *fd);
+/* Whether path (links followed) is a regular file an input can be read
+ * from, without opening it: LK_OK with *absent = 1 when nothing at all is
+ * there (a name that was never made), LK_OK with *absent = 0 for a regular
+ * file, else LK_ERR_IO naming what is there: "path: is a FIFO, not a
+ * regular file", "path is a symbolic link to 'T', which does not exist (a
+ * dangling link, ...)", "path is a symbolic link to 'T' that cannot be
+ * followed: a link loop (too many levels of symbolic links)". The link's
+ * target is named whole. */
+lk_status lk_input_check(const char *path, int *absent);
 /* "a FIFO", "a character device", "a block device", "a socket", "a folder",
  * "a symbolic link", "a regular file" or "not a regular file" for an
  * st_mode. */
