@@ -82,8 +82,19 @@ static void refused_everywhere(const char *base, const char *want) {
     assert_int_equal(lk_tracker_create(c, w, &o, &tr), LK_OK);
     assert_int_equal(lk_tracker_apply(tr, &in, 1, NULL), LK_ERR_FORMAT);
     tu_assert_contains(lk_last_error(), want);
+    /* the scale is the base's: named under the base, the adapter only as what was being applied
+     * (QA: swap named the adapter file) */
+    char named[4096];
+    snprintf(named, sizeof named, "base weights (applying %s): m.", g_ad);
+    tu_assert_contains(lk_last_error(), named);
     digest_w(w, after);
     assert_string_equal(before, after);
+    lk_tracker_free(tr);
+    o.base_label = base;
+    assert_int_equal(lk_tracker_create(c, w, &o, &tr), LK_OK);
+    assert_int_equal(lk_tracker_apply(tr, &in, 1, NULL), LK_ERR_FORMAT);
+    snprintf(named, sizeof named, "%s (applying %s): m.", base, g_ad);
+    tu_assert_contains(lk_last_error(), named);
     lk_tracker_free(tr);
     lk_comm_free(c);
     /* lk_fuse_fp8 on its own: refused before the weight is touched */
@@ -110,6 +121,19 @@ static void refused_everywhere(const char *base, const char *want) {
     assert_false(tu_exists(out));
     free(so);
     free(se);
+    /* swap names the base's file */
+    char *plan = tu_path(ar_dir, "plan.yaml");
+    FILE *pf = fopen(plan, "w");
+    assert_non_null(pf);
+    fprintf(pf, "steps:\n  - loras: [{path: '%s', strength: 0.5}]\n", g_ad);
+    fclose(pf);
+    assert_int_equal(tu_run_cli(&so, &se, "swap '%s' --plan '%s'", base, plan), 1);
+    snprintf(named, sizeof named, "%s (applying %s): m.", base, g_ad);
+    tu_assert_contains(se, named);
+    tu_assert_contains(se, want);
+    free(so);
+    free(se);
+    free(plan);
     free(out);
 }
 

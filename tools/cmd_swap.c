@@ -230,6 +230,7 @@ int lk_cmd_swap(int argc, char **argv) {
         o.allow_nonfinite = a.allow_nonfinite || plan->allow_nonfinite;
         o.fp8 = plan->fp8;
         o.alpha_from = a.alpha_from ? a.alpha_from : plan->alpha_from;
+        o.base_label = a.base; /* a bad FP8 scale in the base is named under the base */
         o.threads = a.threads >= 0 ? (int)a.threads : auto_threads(c);
         o.arch = a.arch ? a.arch : plan->arch;
         o.maps = a.n_maps ? a.maps : (const char *const *)plan->maps;

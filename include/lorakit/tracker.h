@@ -88,13 +88,16 @@ typedef struct lk_tracker_opts {
                             equal on every rank (else LK_ERR_MISMATCH). Adapters land
                             where lk_fuse_file with the same arch and maps puts them,
                             row slices of fused weights included */
+    const char *base_label; /* names the weights in messages about their own tensors
+                            (an FP8 scale that is NaN, 0, ...): the base checkpoint's
+                            path; copied; NULL: "base weights" */
 } lk_tracker_opts;
 
 #define LK_TRACKER_BUCKET_DEFAULT ((size_t)64 << 20)
 #define LK_TRACKER_OPTS_DEFAULT                                                               \
     {.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT, .no_lora_swap = 0, .threads = 0,             \
      .allow_nonfinite = 0, .fp8 = {LK_FP8_NEAREST, 0, LK_FP8_RESCALE, 0}, .alpha_from = LK_ALPHA_AUTO,   \
-     .arch = NULL, .maps = NULL, .n_maps = 0}
+     .arch = NULL, .maps = NULL, .n_maps = 0, .base_label = NULL}
 
 typedef struct lk_tracker_stats {
     int skipped;               /* the request equalled the current set */

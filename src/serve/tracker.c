@@ -73,6 +73,7 @@ struct lk_tracker {
     lk_tracker_opts o;  /* o.arch and o.maps point into arch / maps below (owned copies) */
     char *arch;
     char **maps;
+    char *base_label;   /* o.base_label's copy, or NULL */
     int full;           /* the reference-like baseline (serve/tracker.h) */
     int rank, size;
     size_t n;
@@ -277,6 +278,9 @@ static int touches(const lk_adapter *a, const char *name) {
            lk_adapter_find_bias_target(a, name);
 }
 
+/* How messages name the tracker's weights. */
+static const char *base_name(const lk_tracker *t) { return t->base_label ? t->base_label : "base weights"; }
+
 /* Signature of the terms of r on every key into t->next; checks each
  * touched key's plan (two replacements, DoRA with anything else). */
 static lk_status key_signatures(lk_tracker *t, const request *r, lk_fuse_term *terms) {
@@ -297,16 +301,18 @@ static lk_status key_signatures(lk_tracker *t, const request *r, lk_fuse_term *t
             if (lk_dtype_is_fp8(w->dtype) && (plan.replace || plan.dora))
                 return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: %s on an FP8 weight is not supported (LoRA terms only)",
                                 r->e[first].path, w->name, plan.dora ? "DoRA" : "a replacement (modules_to_save, bias)");
+            /* a bad scale is the base's: named under the base, not the adapter that touches the weight */
             if (lk_dtype_is_fp8(w->dtype) && t->k[i].fp8_bad) {
                 long sc;
                 lk_status bad = lk_fp8_scale_of(lk_weights_tensors(t->w), t->n, i, &sc);
-                return lk_error_prefix(bad ? bad : LK_ERR_UNSUPPORTED, "%s", r->e[first].path);
+                return lk_error_prefix(bad ? bad : LK_ERR_UNSUPPORTED, "%s (applying %s)", base_name(t),
+                                       r->e[first].path);
             }
             if (lk_dtype_is_fp8(w->dtype) && t->k[i].scale >= 0) { /* NaN, Inf, 0, < 0: refused before any write */
                 const lk_tensor *sc = lk_weights_tensor(t->w, (size_t)t->k[i].scale);
                 const void *v = t->k[t->k[i].scale].backup ? t->k[t->k[i].scale].backup : sc->data; /* clean values */
                 lk_status bad = lk_fp8_scale_values_check(sc->name, v, sc->dtype, (int64_t)lk_tensor_numel(sc));
-                if (bad) return lk_error_prefix(bad, "%s", r->e[first].path);
+                if (bad) return lk_error_prefix(bad, "%s (applying %s)", base_name(t), r->e[first].path);
             }
         }
         t->next[i] = (first != SIZE_MAX && !s) ? 1 : s; /* 0 is reserved for clean */
@@ -777,6 +783,7 @@ void lk_tracker_free(lk_tracker *t) {
     for (size_t i = 0; t->maps && i < t->o.n_maps; i++) lk_free(t->maps[i]);
     lk_free(t->maps);
     lk_free(t->arch);
+    lk_free(t->base_label);
     lk_free(t);
 }
 
@@ -826,6 +833,9 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         t->comm = group;
         t->w = weights;
         t->o = *opts;
+        t->o.base_label = NULL;
+        if (opts->base_label && !(t->base_label = lk_strdup(opts->base_label)))
+            local = lk_error(LK_ERR_NOMEM, "tracker: out of memory");
         if (!t->o.bucket_bytes) t->o.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT;
         t->full = full;
         t->serial = full || (mode & LK_TRACKER_SERIAL); /* the reference fuses, then broadcasts */
