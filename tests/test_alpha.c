@@ -183,6 +183,10 @@ static void test_tensor_vs_metadata(void **state) {
     assert_string_equal(d1, d2);
     tu_cli_expect(1, NULL, "says 16", NULL, "inspect '%s'", p);
     tu_cli_expect(0, "metadata lora_adapter_metadata", NULL, NULL, "inspect '%s' --alpha-from metadata --json", p);
+    /* and with --base (QA: --alpha-from was refused there): refused under auto, chosen by --alpha-from */
+    tu_cli_expect(1, NULL, "says 16", NULL, "inspect '%s' --base '%s'", p, g_base);
+    tu_cli_expect(0, "\"alpha\":16", NULL, NULL, "inspect '%s' --base '%s' --alpha-from metadata --json", p, g_base);
+    tu_cli_expect(0, "\"alpha\":8", NULL, NULL, "inspect '%s' --base '%s' --alpha-from tensors --json", p, g_base);
     /* the tracker: refused under auto, chosen at creation */
     lk_comm *c;
     lk_weights *w;

@@ -15,7 +15,8 @@
 
 static const char *const INSPECT_USAGE =
     "usage: lorakit inspect FILE|DIR [--json] [--alpha-from tensors|metadata]\n"
-    "       lorakit inspect ADAPTER --base CKPT [--arch NAME] [--map FILE] [--json]\n\n"
+    "       lorakit inspect ADAPTER --base CKPT [--arch NAME] [--map FILE] [--json]\n"
+    "                       [--alpha-from tensors|metadata]\n\n"
     "Lists a checkpoint (a safetensors file, or a sharded set given by its\n"
     "*.safetensors.index*.json or its folder): its metadata (the index's for a\n"
     "sharded set), its shards, then one line per tensor (name, dtype, shape,\n"
@@ -177,7 +178,7 @@ static int inspect(const char *path, const char *base, const lk_resolve_opts *ro
         return LK_EXIT_OK;
     }
     char *js = NULL;
-    lk_status s = base ? lk_inspect_base_json(path, base, ro, &js) : lk_inspect_json_opts(path, ao, &js);
+    lk_status s = base ? lk_inspect_base_json_opts(path, base, ro, ao, &js) : lk_inspect_json_opts(path, ao, &js);
     if (s != LK_OK) return lk_cli_fail();
     if (json) {
         puts(js);
@@ -243,7 +244,6 @@ static int inspect_args(int argc, char **argv, const char **path_out, const char
     }
     if (!path) return lk_cli_usage("inspect", "missing FILE");
     if (!*base && (ro->arch || ro->n_maps)) return lk_cli_usage("inspect", "--arch and --map need --base");
-    if (*base && ao->alpha_from) return lk_cli_usage("inspect", "--alpha-from is not taken with --base");
     *path_out = path;
     *json_out = json;
     return -1;

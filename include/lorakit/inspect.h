@@ -39,6 +39,10 @@ lk_status lk_inspect_json_opts(const char *path, const lk_adapter_opts *opts, ch
  * three weight names, nearest first]}]} (nearest: edit distance over the
  * weights' names in both spellings, for the first 64 unmatched modules). */
 lk_status lk_inspect_base_json(const char *adapter, const char *base, const lk_resolve_opts *opts, char **json);
+/* The same, reading the adapter with aopts (format, alpha_from; NULL:
+ * defaults), as `lorakit inspect ADAPTER --base CKPT --alpha-from ...`. */
+lk_status lk_inspect_base_json_opts(const char *adapter, const char *base, const lk_resolve_opts *opts,
+                                    const lk_adapter_opts *aopts, char **json);
 
 /* lk_inspect_json_opts's text, handed to sink piece by piece (a
  * checkpoint's tensors one at a time), so a many-tensor checkpoint is never

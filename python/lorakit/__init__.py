@@ -388,9 +388,7 @@ def inspect(path, base=None, *, arch=None, maps=(), alpha_from=None):
         if arch is not None or maps:
             raise ValueError("arch and maps need base")
         return json.loads(_c.inspect(path, _alpha_from(alpha_from)))
-    if alpha_from is not None:
-        raise ValueError("alpha_from is not taken with base")
-    return json.loads(_c.inspect_base(path, base, *_tables(arch, maps)))
+    return json.loads(_c.inspect_base(path, base, *_tables(arch, maps), _alpha_from(alpha_from)))
 
 
 def fuse(base, loras, out, *, threads=0, allow_unmatched=False, allow_nonfinite=False, alpha_from=None,

@@ -841,19 +841,22 @@ static int tables_from(PyObject *arch, PyObject *maps, tables *t) {
 
 static const char *tables_arch(const tables *t) { return t->arch ? PyBytes_AS_STRING(t->arch) : NULL; }
 
-/* inspect_base(adapter, base, arch or None, maps: a sequence of paths) */
+/* inspect_base(adapter, base, arch or None, maps: a sequence of paths[, alpha_from]) */
 static PyObject *py_inspect_base(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *adapter, *base, *arch, *maps, *res = NULL;
-    if (!PyArg_ParseTuple(args, "O&O&OO", PyUnicode_FSConverter, &adapter, PyUnicode_FSConverter, &base, &arch, &maps))
+    const char *af = "auto";
+    lk_adapter_opts ao = {0};
+    if (!PyArg_ParseTuple(args, "O&O&OO|s", PyUnicode_FSConverter, &adapter, PyUnicode_FSConverter, &base, &arch, &maps,
+                          &af))
         return NULL;
     tables tb;
-    if (tables_from(arch, maps, &tb) == 0) {
+    if (alpha_from_of(af, &ao.alpha_from) == 0 && tables_from(arch, maps, &tb) == 0) {
         lk_resolve_opts ro = {.arch = tables_arch(&tb), .maps = tb.p, .n_maps = tb.n};
         char *js = NULL;
         lk_status s;
         Py_BEGIN_ALLOW_THREADS
-        s = lk_inspect_base_json(PyBytes_AS_STRING(adapter), PyBytes_AS_STRING(base), &ro, &js);
+        s = lk_inspect_base_json_opts(PyBytes_AS_STRING(adapter), PyBytes_AS_STRING(base), &ro, &ao, &js);
         Py_END_ALLOW_THREADS
         res = json_result(s, js);
         tables_free(&tb);

@@ -43,6 +43,8 @@ def test_alpha_from(files):
     for which, alpha in (("tensors", 8), ("metadata", 16)):
         info = lorakit.inspect(ad, alpha_from=which)
         assert info["modules"][0]["alpha"] == alpha and info["modules"][0]["scale"] == alpha / R
+        placed = lorakit.inspect(ad, base, alpha_from=which)  # with a base too (was refused)
+        assert placed["modules"][0]["alpha"] == alpha and placed["modules"][0]["scale"] == alpha / R
         out = os.path.join(d, f"cli_{which}.safetensors")
         cli("fuse", base, "-l", ad, "-o", out, "--alpha-from", which)
         want = cli("digest", out).stdout.strip()

@@ -450,6 +450,11 @@ static json_t *placement_json(const lk_adapter *a, const lk_tensor *model, size_
 }
 
 lk_status lk_inspect_base_json(const char *adapter, const char *base, const lk_resolve_opts *opts, char **out) {
+    return lk_inspect_base_json_opts(adapter, base, opts, NULL, out);
+}
+
+lk_status lk_inspect_base_json_opts(const char *adapter, const char *base, const lk_resolve_opts *opts,
+                                    const lk_adapter_opts *aopts, char **out) {
     if (!adapter || !base || !out) return lk_error(LK_ERR_ARG, "lk_inspect_base_json: NULL argument");
     *out = NULL;
     lk_adapter *a = NULL;
@@ -458,7 +463,8 @@ lk_status lk_inspect_base_json(const char *adapter, const char *base, const lk_r
     lk_layout lay = {0};
     int have_lay = 0;
     json_t *o = NULL;
-    lk_status s = lk_adapter_open(adapter, LK_FORMAT_AUTO, &a);
+    lk_adapter_opts ao = aopts ? *aopts : (lk_adapter_opts){LK_FORMAT_AUTO, LK_ALPHA_AUTO};
+    lk_status s = lk_adapter_open_opts(adapter, &ao, &a);
     if (!s) s = lk_ckpt_open(base, &ck);
     size_t n = ck ? lk_ckpt_count(ck) : 0;
     if (!s && !(model = lk_malloc((n ? n : 1) * sizeof *model))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
