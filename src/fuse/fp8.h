@@ -9,13 +9,8 @@
 #ifndef LK_FUSE_FP8_H
 #define LK_FUSE_FP8_H
 
-/* The chain's mul and add stay two roundings: no FMA contraction in the
- * files that include this (fp8.c, fp8_avx512.c). */
-#ifdef __clang__
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+/* The chain's mul and add stay two roundings: the fuse layer is built
+ * with -ffp-contract=off (CMakeLists.txt), so no compiler fuses them. */
 
 #include <stddef.h>
 #include <stdint.h>

@@ -48,12 +48,9 @@
  * the CPU's features (LORAKIT_KERNEL=avx512bf16|avx512|avx2|portable forces
  * one; avx512bf16 is the avx512 block with AVX512_BF16 in its BF16
  * epilogue). */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#endif
+/* No FMA contraction: the build compiles the fuse layer with
+ * -ffp-contract=off (CMakeLists.txt), so each operation above is one
+ * rounding as written. */
 
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"

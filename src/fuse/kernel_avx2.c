@@ -23,8 +23,8 @@
  * The bits equal the portable path's: the chain is the same sequence of
  * correctly rounded operations (first term a product, then one fma per
  * term, k ascending), and the epilogue is the same rules. */
-/* (No fp-contract pragma needed: no product here is ever added by a
- * plain add; the chain's products are explicit mul / fmadd.) */
+/* (The chain's products are explicit mul / fmadd; the fuse layer is built
+ * with -ffp-contract=off besides, so no other add is ever fused.) */
 #include "fuse/fuse.h"
 
 #ifdef LK_KERNEL_X86

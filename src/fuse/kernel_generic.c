@@ -7,12 +7,7 @@
  * definition, so however the compiler vectorizes these loops the bits are
  * those of the specification; kernel_avx512.c and kernel_avx2.c are the
  * hand-blocked paths. */
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#endif
+/* (No FMA contraction: the fuse layer is built with -ffp-contract=off.) */
 
 #include <math.h>
 #include <string.h>

@@ -36,13 +36,10 @@
  * these chains bit for bit against an independent scalar replay and within
  * 1 ulp of a float64 reference. */
 /* No FMA contraction anywhere here (the chains above are separate
- * roundings): CMakeLists.txt compiles this file with -ffp-contract=off (a
- * `#pragma GCC optimize` would stop GCC vectorising it), clang reads the
- * pragma, and the AVX2 clones are built without the "fma" feature, so no
- * compiler can fuse a multiply and an add here even when the flag is lost. */
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#endif
+ * roundings): the fuse layer is built with -ffp-contract=off
+ * (CMakeLists.txt; tests/fuzz/CMakeLists.txt for clang), and the AVX2
+ * clones are built without the "fma" feature, so no compiler can fuse a
+ * multiply and an add here even when the flag is lost. */
 
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
