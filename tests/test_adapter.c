@@ -61,6 +61,13 @@ static void check_module(lk_adapter *a, const char *name, int rank, double alpha
 }
 
 /* Opens path, expects status s and a message containing msg. */
+/* The last WARN line logged (a log sink). */
+static char g_warned[4096];
+static void warn_sink(void *ctx, lk_log_level level, const char *msg) {
+    (void)ctx;
+    if (level == LK_LOG_WARN) snprintf(g_warned, sizeof g_warned, "%s", msg);
+}
+
 static void expect_open_error(const char *path, lk_adapter_format fmt, lk_status s, const char *msg) {
     lk_adapter *a = NULL;
     lk_status got = lk_adapter_open(path, fmt, &a);
@@ -278,6 +285,32 @@ static void test_alpha_sources(void **state) {
     a = open_ok(p, LK_FORMAT_AUTO);
     check_module(a, "blocks.1.attn.to_q", 4, 1, 0.25, NULL);
     lk_adapter_free(a);
+    free(p);
+    /* one object per component (QA: {"transformer": {...}} was ignored without a word, alpha = r): read as
+     * the packed form; both forms for one component are refused; a key that is neither is warned about */
+    const char *nested[] = {"lora_adapter_metadata",
+                            "{\"transformer\": {\"r\": 4, \"lora_alpha\": 2, \"alpha_pattern\": {\"blocks.1.attn.to_q\": 12}},"
+                            " \"note\": 3}"};
+    p = tu_path(g_dir, "diff_meta_nested.safetensors");
+    af_save(g, p, nested, 1);
+    g_warned[0] = '\0';
+    lk_log_set_sink(warn_sink, NULL);
+    a = open_ok(p, LK_FORMAT_AUTO);
+    lk_log_set_sink(NULL, NULL);
+    check_module(a, "blocks.0.attn.to_q", 4, 2, 0.5, NULL);
+    check_module(a, "blocks.1.attn.to_q", 4, 12, 3, NULL);
+    assert_string_equal(find_module(a, "blocks.1.attn.to_q")->alpha_source,
+                        "metadata alpha_pattern \"blocks.1.attn.to_q\"");
+    tu_assert_contains(g_warned, "metadata lora_adapter_metadata: key \"note\" is neither a LoraConfig field of a "
+                                 "component (\"component.r\") nor a component's config object; ignored");
+    lk_adapter_free(a);
+    free(p);
+    const char *both[] = {"lora_adapter_metadata", "{\"transformer\": {\"r\": 4}, \"transformer.lora_alpha\": 2}"};
+    p = tu_path(g_dir, "diff_meta_both.safetensors");
+    af_save(g, p, both, 1);
+    expect_open_error(p, LK_FORMAT_AUTO, LK_ERR_CONFIG,
+                      "metadata lora_adapter_metadata: component \"transformer\" is given both as an object and as "
+                      "packed keys (\"transformer.lora_alpha\"); keep one");
     free(p);
     const char *wrong_r[] = {"lora_adapter_metadata", "{\"r\": 8, \"lora_alpha\": 1}"};
     p = tu_path(g_dir, "diff_meta_r.safetensors");

@@ -15,6 +15,7 @@
  * LK_ERR_IO). */
 #include "lorakit/adapter.h"
 #include "core/file.h"
+#include "core/msg.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 #include "lorakit/safetensors.h"
@@ -588,8 +589,33 @@ static char *module_name(lk_adapter_format f, const char *stem, size_t len, int 
 
 #define LK_META_KEY "lora_adapter_metadata"
 
+/* One component's config given as a nested object ({"transformer": {"r":
+ * 4, "lora_alpha": 8}}) into a->meta; refused when the same component is
+ * also packed ("transformer.r"), as which one wins would be a guess. */
+static lk_status meta_nested(lk_adapter *a, json_t *root, const char *label, const char *comp, json_t *cfg) {
+    size_t pl = strlen(comp);
+    const char *k;
+    json_t *v;
+    json_object_foreach(root, k, v) if (!strncmp(k, comp, pl) && k[pl] == '.')
+        return lk_error(LK_ERR_CONFIG, "%s: component \"%s\" is given both as an object and as packed keys (\"%s\"); "
+                        "keep one", label, comp, k);
+    char *prefix = lk_strdup(comp), *txt = json_dumps(cfg, JSON_COMPACT), *plabel = lk_msg_dup("%s (%s)", label, comp);
+    lk_status s = LK_OK;
+    if (!prefix || !txt || !plabel) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+    if (!s) s = lk_peft_config_parse(txt, strlen(txt), plabel, &a->meta[a->n_meta].cfg);
+    free(txt);
+    lk_free(plabel);
+    if (s) {
+        lk_free(prefix);
+        return s;
+    }
+    a->meta[a->n_meta++].prefix = prefix;
+    return LK_OK;
+}
+
 /* diffusers' lora_adapter_metadata: a LoraConfig dict, or one packed per
- * component ({"transformer.r": 4, "transformer.lora_alpha": 8, ...}).
+ * component ({"transformer.r": 4, "transformer.lora_alpha": 8, ...}), or
+ * (read the same way) one object per component ({"transformer": {...}}).
  * kohya's ss_network_alpha. Only for adapters without an adapter_config.json. */
 static lk_status read_metadata(lk_adapter *a) {
     const char *f = a->file;
@@ -613,15 +639,17 @@ static lk_status read_metadata(lk_adapter *a) {
     }
     const char *js = lk_st_metadata_get(a->st, LK_META_KEY);
     if (!js) return LK_OK;
-    char label[600];
-    snprintf(label, sizeof label, "%s: metadata %s", f, LK_META_KEY);
+    char *label = lk_msg_dup("%s: metadata %s", f, LK_META_KEY); /* whole: a long path is shortened by the message */
+    if (!label) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
     json_error_t je;
     json_t *root = json_loads(js, JSON_REJECT_DUPLICATES, &je);
+    lk_status s = LK_OK;
     if (!root || !json_is_object(root)) {
         json_decref(root);
-        return lk_error(LK_ERR_CONFIG, "%s: not a JSON object", label);
+        s = lk_error(LK_ERR_CONFIG, "%s: not a JSON object", label);
+        lk_free(label);
+        return s;
     }
-    lk_status s = LK_OK;
     int packed = !json_object_get(root, "r") && !json_object_get(root, "lora_alpha") &&
                  !json_object_get(root, "peft_type");
     size_t cap = packed ? json_object_size(root) : 1;
@@ -638,7 +666,15 @@ static lk_status read_metadata(lk_adapter *a) {
     json_t *v;
     if (!s && packed) json_object_foreach(root, k, v) {
         const char *dot = strchr(k, '.');
-        if (!dot || dot == k) continue;
+        if (!dot && json_is_object(v) && *k) { /* {"transformer": {"r": 4, ...}}: one component's config, nested */
+            if ((s = meta_nested(a, root, label, k, v))) break;
+            continue;
+        }
+        if (!dot || dot == k) { /* neither "component.field" nor a component's object: said, not silently dropped */
+            lk_log(LK_LOG_WARN, "%s: key \"%s\" is neither a LoraConfig field of a component (\"component.r\") nor a "
+                   "component's config object; ignored", label, k);
+            continue;
+        }
         size_t pl = (size_t)(dot - k), j = 0;
         while (j < a->n_meta && (strlen(a->meta[j].prefix) != pl || strncmp(a->meta[j].prefix, k, pl))) j++;
         if (j < a->n_meta) continue; /* component already built */
@@ -659,11 +695,11 @@ static lk_status read_metadata(lk_adapter *a) {
         }
         char *txt = s ? NULL : json_dumps(sub, JSON_COMPACT);
         json_decref(sub);
-        if (!s && !txt) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
-        char plabel[700];
-        snprintf(plabel, sizeof plabel, "%s (%s)", label, prefix);
+        char *plabel = s ? NULL : lk_msg_dup("%s (%s)", label, prefix);
+        if (!s && (!txt || !plabel)) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
         if (!s) s = lk_peft_config_parse(txt, strlen(txt), plabel, &a->meta[a->n_meta].cfg);
         free(txt);
+        lk_free(plabel);
         if (s) {
             lk_free(prefix);
             break;
@@ -671,6 +707,7 @@ static lk_status read_metadata(lk_adapter *a) {
         a->meta[a->n_meta++].prefix = prefix;
     }
     json_decref(root);
+    lk_free(label);
     return s;
 }
 

@@ -3,11 +3,26 @@
  * its own, with its argument taken at the type its length modifier says,
  * so a long %s argument can be shortened before it is printed. */
 #include "core/msg.h"
+#include "lorakit/alloc.h"
 
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/types.h>
+
+char *lk_msg_dup(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    char *r = n < 0 ? NULL : lk_malloc((size_t)n + 1);
+    if (!r) return NULL;
+    va_start(ap, fmt);
+    vsnprintf(r, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    return r;
+}
 
 size_t lk_msg_fit(char *buf, size_t cap, const char *s, size_t len) {
     if (!cap) return 0;

@@ -24,4 +24,10 @@ size_t lk_msg_vformat(char *buf, size_t cap, const char *fmt, va_list ap);
  * middle when it does not fit. Returns the length written. */
 size_t lk_msg_fit(char *buf, size_t cap, const char *s, size_t len);
 
+/* The whole of printf(fmt, ...), nothing elided, in an lk_malloc'd string
+ * (NULL when out of memory): for labels such as "FILE: metadata KEY" that
+ * messages then name as a %s argument (which lk_msg_vformat shortens in the
+ * middle, with the length, only when it is over LK_MSG_ARG_MAX). */
+char *lk_msg_dup(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
 #endif

@@ -259,6 +259,11 @@ put("adapter", "kohya_bad_ss", save({
     "lora_unet_blocks_0_attn_to_q.lora_down.weight": arr((R, H)),
     "lora_unet_blocks_0_attn_to_q.lora_up.weight": arr((H, R))},
     metadata={"ss_network_dim": "4", "ss_network_alpha": "nan"}))
+# lora_adapter_metadata with one component's config nested (read as the packed form)
+put("adapter", "meta_nested", save({
+    "transformer.blocks.0.attn.to_q.lora_A.weight": arr((R, H)),
+    "transformer.blocks.0.attn.to_q.lora_B.weight": arr((H, R))},
+    metadata={"lora_adapter_metadata": json.dumps({"transformer": {"r": R, "lora_alpha": 2}, "note": 1})}))
 
 # ---- .lorakit-output (src/io/out_dir.c: may a sharded output replace a folder?) ----
 # fuzz_out_record.c's folder holds a.safetensors: "ok" lists it (as lorakit
