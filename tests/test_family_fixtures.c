@@ -228,6 +228,10 @@ static void test_detect_keys_do_not_clash(void **state) {
         {"layouts/flux_bfl.safetensors", "flux"},
         {"layouts/sd1_unet.safetensors", "sd1"},
         {"layouts/sd1_single.safetensors", "sd1"},
+        {"layouts/sdxl_single.safetensors", "openclip,sdxl"}, /* its UNet, and its OpenCLIP text encoder */
+        {"layouts/sdxl_pipe/unet/diffusion_pytorch_model.safetensors", "sdxl"},
+        {"layouts/sd2_single.safetensors", "openclip,sd1"},
+        {"layouts/sd2_pipe/unet/diffusion_pytorch_model.safetensors", "sd1"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         char path[512];

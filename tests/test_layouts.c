@@ -599,6 +599,14 @@ static void test_old_attn_processor_format(void **state) {
     }
     for (size_t i = NM; i < w->n; i++) assert_memory_equal(F[i].data, w->t[i].data, w->t[i].nbytes);
     free_tensors(F, w->n);
+    /* the same module in both namings: an error naming a key of each */
+    add_pair(l, "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q", ".lora_A.weight", ".lora_B.weight", 8, 8);
+    char *dp = save(l, "old_attn_dup.safetensors");
+    assert_int_equal(lk_adapter_open(dp, LK_FORMAT_AUTO, &a), LK_ERR_FORMAT);
+    tu_assert_contains(lk_last_error(), "attn1.processor.to_q_lora.down.weight'");
+    tu_assert_contains(lk_last_error(), "attn1.to_q.lora_A.weight'");
+    tu_assert_contains(lk_last_error(), "are the same module down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q");
+    free(dp);
     free(lp);
     af_free(w);
     af_free(l);
@@ -823,12 +831,14 @@ static void free_all(lk_tensor *t, size_t n) {
  * diffusers' own load + fuse in float64) within 1 ulp of F32, every other
  * tensor byte for byte the base's. Keys of the expectation the base lacks
  * (another component's) must be absent from it entirely. Returns the fused tensors. */
-static lk_tensor *fuse_fixture(const char *base, const char *adapter, const char *expected, size_t *n) {
-    size_t ne;
-    lk_tensor *t = load_all(base, n), *orig = load_all(base, &ne), *e = load_all(expected, &ne);
-    fuse_ok(t, *n, adapter, 1.0f);
+/* t (n tensors, fused) against orig (the same before) and the expectation
+ * e: each expected weight within 1 ulp of F32, every other tensor byte for
+ * byte the base's; with all_expected every expected key must be there (else
+ * keys of another component, "text_encoder.", may be absent). */
+static void check_fused_expected(const lk_tensor *t, const lk_tensor *orig, size_t n, const lk_tensor *e, size_t ne,
+                           int all_expected, const char *adapter, const char *base) {
     size_t checked = 0;
-    for (size_t i = 0; i < *n; i++) {
+    for (size_t i = 0; i < n; i++) {
         const lk_tensor *x = NULL;
         for (size_t k = 0; k < ne && !x; k++)
             if (!strcmp(e[k].name, t[i].name)) x = &e[k];
@@ -847,9 +857,70 @@ static lk_tensor *fuse_fixture(const char *base, const char *adapter, const char
         checked++;
     }
     size_t want_checked = 0;
-    for (size_t k = 0; k < ne; k++) want_checked += strncmp(e[k].name, "text_encoder.", 13) != 0;
+    for (size_t k = 0; k < ne; k++) want_checked += all_expected || strncmp(e[k].name, "text_encoder.", 13) != 0;
     if (checked < want_checked) fail_msg("%s on %s: %zu of %zu expected weights found", adapter, base, checked, want_checked);
+}
+
+/* base fused with adapter: each weight of the expected file (F64, from
+ * diffusers' own load + fuse in float64) within 1 ulp of F32, every other
+ * tensor byte for byte the base's. Keys of the expectation the base lacks
+ * (another component's) must be absent from it entirely. Returns the fused tensors. */
+static lk_tensor *fuse_fixture(const char *base, const char *adapter, const char *expected, size_t *n) {
+    size_t ne;
+    lk_tensor *t = load_all(base, n), *orig = load_all(base, &ne), *e = load_all(expected, &ne);
+    fuse_ok(t, *n, adapter, 1.0f);
+    check_fused_expected(t, orig, *n, e, ne, 0, adapter, base);
     free_all(orig, ne == 0 ? 0 : *n);
+    free_all(e, ne);
+    return t;
+}
+
+/* Every tensor of a diffusers pipeline folder's unet/, text_encoder/ and
+ * text_encoder_2/ files, named as make_layout_fixtures.py names them: the
+ * UNet's as they are, a text encoder's "<component>." + its name. */
+static lk_tensor *load_pipe(const char *dir, size_t *n) {
+    static const char *const comp[][2] = {{"unet/diffusion_pytorch_model.safetensors", ""},
+                                          {"text_encoder/model.safetensors", "text_encoder."},
+                                          {"text_encoder_2/model.safetensors", "text_encoder_2."}};
+    lk_tensor *all = NULL;
+    *n = 0;
+    for (size_t c = 0; c < 3; c++) {
+        char p[700];
+        snprintf(p, sizeof p, "%s/%s", dir, comp[c][0]);
+        if (!tu_exists(p)) continue;
+        size_t k;
+        lk_tensor *t = load_all(p, &k);
+        all = realloc(all, (*n + k) * sizeof *all);
+        for (size_t i = 0; i < k; i++) {
+            char *nm = malloc(strlen(comp[c][1]) + strlen(t[i].name) + 1);
+            sprintf(nm, "%s%s", comp[c][1], t[i].name);
+            free((char *)t[i].name);
+            t[i].name = nm;
+            all[*n + i] = t[i];
+        }
+        *n += k;
+        free(t);
+    }
+    return all;
+}
+
+/* The pipeline folder pipe fused with adapter (lk_fuse_file, OUT a pipeline
+ * folder): every expected weight (all components) within 1 ulp, every other
+ * tensor unchanged; returns the fused output's tensors (load_pipe names). */
+static lk_tensor *fuse_pipe_fixture(const char *pipe, const char *adapter, const char *expected, size_t *n) {
+    char outd[600];
+    static int k;
+    snprintf(outd, sizeof outd, "%s/pipe_fixture_out%d", g_dir, k++);
+    lk_fuse_input in = {adapter, 1.0f, LK_FORMAT_AUTO};
+    lk_fuse_stats st;
+    if (lk_fuse_file(pipe, &in, 1, outd, NULL, &st)) fail_msg("%s on %s: %s", adapter, pipe, lk_last_error());
+    assert_int_equal(st.modules_unmatched, 0);
+    size_t no, ne;
+    lk_tensor *t = load_pipe(outd, n), *orig = load_pipe(pipe, &no), *e = load_all(expected, &ne);
+    assert_int_equal(no, *n);
+    for (size_t i = 0; i < no; i++) assert_string_equal(orig[i].name, t[i].name);
+    check_fused_expected(t, orig, *n, e, ne, 1, adapter, pipe);
+    free_all(orig, no);
     free_all(e, ne);
     return t;
 }
@@ -866,6 +937,15 @@ static void test_tool_fixtures(void **state) {
         {"flux_lora_kohya", "flux_diffusers", "flux_bfl"},
         {"sd1_lora_diffusers", "sd1_unet", "sd1_single"},
         {"sd1_lora_kohya", "sd1_unet", "sd1_single"},
+        /* SDXL (UNet, CLIP, OpenCLIP in conditioner.embedders.1.model. with attn.in_proj_weight) and
+         * SD 2.x (OpenCLIP in cond_stage_model.model.): diffusers pipeline folders (each component
+         * saved by its library) and single files; LoRAs on the UNet and every text encoder */
+        {"sdxl_lora_diffusers", "sdxl_pipe", "sdxl_single"},
+        {"sdxl_lora_kohya", "sdxl_pipe", "sdxl_single"},
+        {"sd2_lora_diffusers", "sd2_pipe", "sd2_single"},
+        {"sd2_lora_kohya", "sd2_pipe", "sd2_single"},
+        /* the diffusers LoRA's attention factors in diffusers' old attention-processor names */
+        {"sd2_lora_oldattn", "sd2_pipe", "sd2_single"},
     };
     size_t map_n;
     char *map = tu_read_file(FIX "layout_map.txt", &map_n);
@@ -873,27 +953,32 @@ static void test_tool_fixtures(void **state) {
     for (size_t c = 0; c < sizeof cs / sizeof cs[0]; c++) {
         char ad[512], b1[512], b2[512], e1[512], e2[512];
         snprintf(ad, sizeof ad, FIX "%s.safetensors", cs[c].adapter);
-        snprintf(b1, sizeof b1, FIX "%s.safetensors", cs[c].diffusers);
+        int pipe = strstr(cs[c].diffusers, "_pipe") != NULL;
+        snprintf(b1, sizeof b1, FIX "%s%s", cs[c].diffusers, pipe ? "" : ".safetensors");
         snprintf(b2, sizeof b2, FIX "%s.safetensors", cs[c].single);
         snprintf(e1, sizeof e1, FIX "expected_%s_diffusers.safetensors", cs[c].adapter);
         snprintf(e2, sizeof e2, FIX "expected_%s_single.safetensors", cs[c].adapter);
-        size_t nd, ns, pairs = 0;
-        lk_tensor *D = fuse_fixture(b1, ad, e1, &nd), *S = fuse_fixture(b2, ad, e2, &ns);
+        size_t nd, ns, pairs = 0, sliced = 0;
+        lk_tensor *D = pipe ? fuse_pipe_fixture(b1, ad, e1, &nd) : fuse_fixture(b1, ad, e1, &nd);
+        lk_tensor *S = fuse_fixture(b2, ad, e2, &ns);
         char *line = map, *save = NULL;
         char *copy = strdup(map);
         for (line = strtok_r(copy, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
             char a[128], dk[256], sk[256];
             long long r0, nr, sr;
             if (sscanf(line, "%127s %255s %lld %lld %255s %lld", a, dk, &r0, &nr, sk, &sr) != 6) fail_msg("%s", line);
-            if (strcmp(a, cs[c].adapter) || !strncmp(dk, "text_encoder.", 13)) continue;
+            if (strcmp(a, cs[c].adapter) || (!pipe && !strncmp(dk, "text_encoder.", 13))) continue;
             const lk_tensor *d = find(D, nd, dk), *s1 = find(S, ns, sk);
+            sliced += nr != s1->shape[0];
             size_t rb = (size_t)d->shape[1] * lk_dtype_size(d->dtype);
             if (memcmp((char *)d->data + (size_t)r0 * rb, (char *)s1->data + (size_t)sr * rb, (size_t)nr * rb))
                 fail_msg("%s: %s rows %lld.. differ from %s rows %lld..", cs[c].adapter, dk, r0, sk, sr);
             pairs++;
         }
         assert_true(pairs > 0);
-        print_message("%s: both layouts within 1 ulp of diffusers, %zu row blocks equal\n", cs[c].adapter, pairs);
+        if (pipe) assert_true(sliced >= 6); /* OpenCLIP's q, k, v: row slices of in_proj_weight */
+        print_message("%s: both layouts within 1 ulp of diffusers, %zu row blocks equal (%zu slices)\n", cs[c].adapter,
+                      pairs, sliced);
         free(copy);
         free_all(D, nd);
         free_all(S, ns);

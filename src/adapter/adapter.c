@@ -559,9 +559,8 @@ static char *old_attn_module(const char *m, size_t len) {
     return out;
 }
 
-/* The module name for a stem in the adapter's format (old_attn: a stem of
- * diffusers' old attention-processor keys). */
-static char *module_name(lk_adapter_format f, const char *stem, size_t len, int old_attn) {
+/* The module name for a stem in the adapter's format. */
+static char *module_name(lk_adapter_format f, const char *stem, size_t len) {
     static const char *const peft_pre[] = {"base_model.model."};
     static const char *const diff_pre[] = {"transformer.", "unet.", "diffusion_model."};
     const char *const *pre = NULL;
@@ -576,7 +575,6 @@ static char *module_name(lk_adapter_format f, const char *stem, size_t len, int 
             break;
         }
     }
-    if (old_attn) return old_attn_module(stem, len);
     char *m = lk_malloc(len + 1);
     if (m) {
         memcpy(m, stem, len);
@@ -1147,6 +1145,13 @@ static int name_cmp_idx(const void *pa, const void *pb, void *ctx) {
     return strcmp(names[*(const size_t *)pa], names[*(const size_t *)pb]);
 }
 
+/* A key of module i, for messages (its stem when it has no factor key). */
+static const char *first_key(const lk_adapter *a, size_t i) {
+    const lk_tensor *t[LK_MODULE_MAX_TENSORS];
+    size_t n = lk_lora_module_tensors(&a->mods[i], t);
+    return n && t[0]->name ? t[0]->name : a->stems[i];
+}
+
 /* Pairs the sorted keys into modules. */
 static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
     const char *f = a->file;
@@ -1178,12 +1183,17 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
         }
         size_t k = a->n;
         if (k == cap) return lk_error(LK_ERR_FORMAT, "%s: more modules than factor pairs", f);
-        char *stem = lk_malloc(ki[i].stem_len + 1);
+        /* the stem: the module's full name (an old attention-processor stem as the module it stands for) */
+        char *stem = !strncmp(ki[i].t->name + ki[i].stem_len, "_lora.", 6)
+                         ? old_attn_module(ki[i].t->name, ki[i].stem_len)
+                         : lk_malloc(ki[i].stem_len + 1);
         if (!stem) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
-        memcpy(stem, ki[i].t->name, ki[i].stem_len);
-        stem[ki[i].stem_len] = '\0';
+        if (strncmp(ki[i].t->name + ki[i].stem_len, "_lora.", 6)) {
+            memcpy(stem, ki[i].t->name, ki[i].stem_len);
+            stem[ki[i].stem_len] = '\0';
+        }
         a->stems[k] = stem;
-        a->names[k] = module_name(a->format, stem, ki[i].stem_len, !strncmp(ki[i].t->name + ki[i].stem_len, "_lora.", 6));
+        a->names[k] = module_name(a->format, stem, strlen(stem));
         a->n = k + 1; /* owned strings are freed from here on */
         if (!a->names[k]) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
         int algo = -1;
@@ -1239,9 +1249,13 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
     qsort_r(ord, a->n, sizeof *ord, name_cmp_idx, a->names);
     lk_status s = LK_OK;
     for (size_t i = 1; i < a->n && !s; i++)
-        if (!strcmp(a->names[ord[i]], a->names[ord[i - 1]]))
-            s = lk_error(LK_ERR_FORMAT, "%s: '%s' and '%s' are the same module %s", f, a->stems[ord[i - 1]],
-                         a->stems[ord[i]], a->names[ord[i]]);
+        if (!strcmp(a->names[ord[i]], a->names[ord[i - 1]])) {
+            /* stems, or keys where the stems are equal too (an old attention-processor module and its PEFT twin) */
+            int same = !strcmp(a->stems[ord[i - 1]], a->stems[ord[i]]);
+            s = lk_error(LK_ERR_FORMAT, "%s: '%s' and '%s' are the same module %s", f,
+                         same ? first_key(a, ord[i - 1]) : a->stems[ord[i - 1]],
+                         same ? first_key(a, ord[i]) : a->stems[ord[i]], a->names[ord[i]]);
+        }
     lk_free(ord);
     return s;
 }
