@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 
 #include "adapter/config.h"
+#include "io/yaml_doc.h"
 
 static tu_rng g_rng = {16};
 
@@ -158,6 +159,63 @@ static void test_layers_pattern_named(void **state) {
     free(dir);
 }
 
+/* YAML files (plans, train configs) keep names whole in their messages
+ * (issue 20 item 16, QA: lk_yerr built them in 512/768-byte buffers and the
+ * path cut keys at 40 characters): a 1,000-byte key is in the message
+ * whole, the reason after it; a reason longer than 768 bytes keeps its end; a
+ * value excerpt that is cut says its whole length. */
+static void test_yaml_names_whole(void **state) {
+    (void)state;
+    char *key = long_name(1000); /* YAML's longest implicit key is 1024 characters */
+    size_t tl = 2 * strlen(key) + 200;
+    char *text = malloc(tl);
+    snprintf(text, tl, "steps:\n  - loras: [{path: a, %s: 1}]\n", key);
+    lk_plan *p = NULL;
+    assert_int_equal(lk_plan_parse(text, strlen(text), "plan.yaml", NULL, &p), LK_ERR_CONFIG);
+    const char *m = lk_last_error();
+    snprintf(text, tl, "plan.yaml:2: steps[0].loras[0].%s: unknown key (valid: path, strength, format)", key);
+    assert_string_equal(m, text);
+    /* a strength of 2,000 bytes that is not a number: the reason survives */
+    char *val = long_name(2000);
+    free(text);
+    tl = strlen(val) + 200;
+    text = malloc(tl);
+    snprintf(text, tl, "steps:\n  - loras: [{path: a, strength: \"1%s\"}]\n", val);
+    assert_int_equal(lk_plan_parse(text, strlen(text), "plan.yaml", NULL, &p), LK_ERR_CONFIG);
+    m = lk_last_error();
+    tu_assert_contains(m, "plan.yaml:2: steps[0].loras[0].strength: strength '1blocks.xxx");
+    size_t ml = strlen(m);
+    assert_true(ml > 20 && !strcmp(m + ml - 17, "' is not a number"));
+    /* a value excerpt names its length */
+    snprintf(text, tl, "steps:\n  - loras: [{path: a, strength: true}]\n  - loras: [{path: %s, strength: [1]}]\n", val);
+    assert_int_equal(lk_plan_parse(text, strlen(text), "plan.yaml", NULL, &p), LK_ERR_CONFIG);
+    tu_assert_contains(lk_last_error(), "expected a finite number, got 'true'");
+    lk_ydoc *d = NULL;
+    snprintf(text, tl, "k: %s\n", val);
+    assert_int_equal(lk_ydoc_parse(text, strlen(text), "t.yaml", &d), LK_OK);
+    char r[64];
+    lk_ynode_repr(lk_ymap_get(lk_ydoc_root(d), "k"), r, sizeof r);
+    assert_string_equal(r, "'blocks.xxxxxxxxxxxxxxxxxxxxxxxxx...(2000 bytes)'");
+    lk_ydoc_free(d);
+    free(text);
+    free(val);
+    free(key);
+}
+
+/* A pattern key and module name in a matching message are whole (they were
+ * cut at 200 bytes, "%.200s", without a mark). */
+static void test_pattern_named_whole(void **state) {
+    (void)state;
+    char *key = long_name(600);
+    size_t n = strlen(key) + 100;
+    char *cfg = malloc(n);
+    snprintf(cfg, n, "{\"r\": 4, \"rank_pattern\": {\"%s(\": 4}}", key);
+    expect_config_error(cfg, "is not a valid pattern");
+    tu_assert_contains(lk_last_error(), key); /* all 600 bytes */
+    free(cfg);
+    free(key);
+}
+
 int main(void) {
     lk_log_set_level(LK_LOG_ERROR);
     const struct CMUnitTest tests[] = {
@@ -165,6 +223,8 @@ int main(void) {
         cmocka_unit_test(test_long_module_name),
         cmocka_unit_test(test_rank_messages),
         cmocka_unit_test(test_layers_pattern_named),
+        cmocka_unit_test(test_yaml_names_whole),
+        cmocka_unit_test(test_pattern_named_whole),
     };
     return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }

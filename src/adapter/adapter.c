@@ -626,7 +626,7 @@ static lk_status read_metadata(lk_adapter *a) {
             a->has_ss_alpha = 1;
             a->ss_alpha = v;
         } else {
-            lk_log(LK_LOG_WARN, "%s: metadata ss_network_alpha '%.64s' is not a finite number; ignored", f, ssa);
+            lk_log(LK_LOG_WARN, "%s: metadata ss_network_alpha '%s' is not a finite number; ignored", f, ssa);
         }
     }
     const char *ssd = lk_st_metadata_get(a->st, "ss_network_dim");

@@ -156,7 +156,7 @@ static lk_status compile(const char *label, const char *field, const char *key, 
         if (err == PCRE2_ERROR_HEAP_FAILED || err == PCRE2_ERROR_NOMEMORY) return lk_error(LK_ERR_NOMEM, "%s: out of memory compiling %s", label, field);
         PCRE2_UCHAR msg[256];
         if (pcre2_get_error_message(err, msg, sizeof msg) < 0) snprintf((char *)msg, sizeof msg, "error %d", err);
-        return lk_error(LK_ERR_CONFIG, "%s: %s: \"%.200s\" is not a valid pattern (PCRE2: %s)", label, field, key,
+        return lk_error(LK_ERR_CONFIG, "%s: %s: \"%s\" is not a valid pattern (PCRE2: %s)", label, field, key,
                         (const char *)msg);
     }
     *out = re;
@@ -170,7 +170,7 @@ static lk_re_budget *budget_of(const lk_peft_config *c) {
 static lk_status budget_error(const lk_peft_config *c, const char *field, const char *key, const char *name) {
     lk_re_budget *b = budget_of(c);
     return lk_error(LK_ERR_CONFIG,
-                    "%s: %s: pattern \"%.200s\" on module %.200s: this adapter's patterns have used lorakit's total "
+                    "%s: %s: pattern \"%s\" on module %s: this adapter's patterns have used lorakit's total "
                     "matching budget (%llu PCRE2 steps, after %llu matches); use plain module names or simpler "
                     "patterns",
                     c->label, field, key, name, (unsigned long long)b->limit, (unsigned long long)b->matches);
@@ -241,10 +241,10 @@ static lk_status match(const lk_peft_config *c, void *re_v, const char *field, c
         PCRE2_UCHAR msg[256];
         if (pcre2_get_error_message(rc, msg, sizeof msg) < 0) snprintf((char *)msg, sizeof msg, "error %d", rc);
         if (rc == PCRE2_ERROR_NOMEMORY)
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory matching %s \"%.200s\"", c->label, field, key);
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory matching %s \"%s\"", c->label, field, key);
         else
             s = lk_error(LK_ERR_CONFIG,
-                         "%s: %s: pattern \"%.200s\" could not be matched against module %s within lorakit's limits "
+                         "%s: %s: pattern \"%s\" could not be matched against module %s within lorakit's limits "
                          "(PCRE2: %s); simplify the pattern",
                          c->label, field, key, name, (const char *)msg);
     }

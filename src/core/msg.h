@@ -24,6 +24,10 @@ size_t lk_msg_vformat(char *buf, size_t cap, const char *fmt, va_list ap);
  * middle when it does not fit. Returns the length written. */
 size_t lk_msg_fit(char *buf, size_t cap, const char *s, size_t len);
 
+/* lk_error with a va_list (status.c). */
+#include "lorakit/status.h"
+lk_status lk_verror(lk_status s, const char *fmt, va_list ap);
+
 /* The whole of printf(fmt, ...), nothing elided, in an lk_malloc'd string
  * (NULL when out of memory): for labels such as "FILE: metadata KEY" that
  * messages then name as a %s argument (which lk_msg_vformat shortens in the

@@ -42,13 +42,18 @@ const char *lk_last_error(void) { return g_err; }
 
 void lk_error_clear(void) { g_err[0] = '\0'; }
 
+lk_status lk_verror(lk_status s, const char *fmt, va_list ap) {
+    char big[4 * LK_ERRBUF]; /* formatted apart: an argument may be lk_last_error() itself */
+    size_t n = lk_msg_vformat(big, sizeof big, fmt, ap);
+    lk_msg_fit(g_err, sizeof g_err, big, n);
+    return s;
+}
+
 lk_status lk_error(lk_status s, const char *fmt, ...) {
-    char big[4 * LK_ERRBUF];
     va_list ap;
     va_start(ap, fmt);
-    size_t n = lk_msg_vformat(big, sizeof big, fmt, ap);
+    lk_verror(s, fmt, ap);
     va_end(ap);
-    lk_msg_fit(g_err, sizeof g_err, big, n);
     return s;
 }
 

@@ -21,6 +21,7 @@
 #include <yaml.h>
 
 #include "core/file.h"
+#include "core/msg.h"
 #include "lorakit/alloc.h"
 
 struct lk_ydoc {
@@ -162,14 +163,18 @@ const lk_ynode *lk_ymap_get(const lk_ynode *m, const char *key) {
 
 /* ----------------------------------------------------------- messages */
 
-/* Appends a printable excerpt of at most max characters of t. */
+/* Appends a printable excerpt of at most max characters of t (others as
+ * '?'), and "...(N bytes)" with t's whole length when t is longer. */
 static size_t put_text(char *buf, size_t o, size_t cap, const char *t, size_t len, size_t max) {
     size_t show = len > max ? max : len;
     for (size_t i = 0; i < show && o + 1 < cap; i++) {
         unsigned char c = (unsigned char)t[i];
         buf[o++] = (c >= 0x20 && c < 0x7f) ? (char)c : '?';
     }
-    for (int i = 0; len > max && i < 3 && o + 1 < cap; i++) buf[o++] = '.';
+    if (len > max && o + 1 < cap) {
+        int w = snprintf(buf + o, cap - o, "...(%zu bytes)", len);
+        o = w < 0 ? o : o + (size_t)w < cap ? o + (size_t)w : cap - 1;
+    }
     buf[o < cap ? o : cap - 1] = '\0';
     return o;
 }
@@ -181,7 +186,7 @@ void lk_ynode_repr(const lk_ynode *n, char *buf, size_t cap) {
     else if (n->type == LK_Y_SEQ) snprintf(buf, cap, "a list");
     else if (cap >= 3) {
         buf[0] = '\'';
-        size_t o = put_text(buf, 1, cap - 1, n->text, n->len, 40);
+        size_t o = put_text(buf, 1, cap - 1, n->text, n->len, 32);
         buf[o++] = '\'';
         buf[o] = '\0';
     } else {
@@ -189,52 +194,85 @@ void lk_ynode_repr(const lk_ynode *n, char *buf, size_t cap) {
     }
 }
 
-#define PATH_DEPTH 24 /* deeper paths show their innermost levels after "..." */
+#define PATH_DEPTH 24 /* deeper paths show their innermost levels after "...(N levels)." */
+
+/* The path's text into buf (NULL: only measured); returns its length. Keys
+ * are whole, non-printable bytes as '?'. */
+static size_t path_text(const lk_ynode *n, const char *key, char *buf) {
+    const lk_ynode *chain[PATH_DEPTH];
+    size_t depth = 0, cut = 0, o = 0;
+    for (const lk_ynode *x = n; x && x->parent; x = x->parent) {
+        if (depth == PATH_DEPTH) cut++;
+        else chain[depth++] = x;
+    }
+    char ix[48];
+    if (cut) {
+        int w = snprintf(ix, sizeof ix, "...(%zu levels)", cut);
+        if (buf) memcpy(buf + o, ix, (size_t)w);
+        o += (size_t)w;
+    }
+    while (depth-- > 0) {
+        const lk_ynode *x = chain[depth], *p = x->parent;
+        const char *t;
+        size_t tl;
+        int dot = 0;
+        if (p->type == LK_Y_SEQ) {
+            int w = snprintf(ix, sizeof ix, "[%zu]", x->slot);
+            t = ix, tl = (size_t)w;
+        } else {
+            const lk_ynode *k = p->kids[x->slot & ~(size_t)1];
+            dot = o > 0;
+            if (k->type == LK_Y_SEQ || k->type == LK_Y_MAP) t = "?", tl = 1;
+            else t = k->text, tl = k->len;
+        }
+        if (dot && buf) buf[o] = '.';
+        o += (size_t)dot;
+        for (size_t i = 0; buf && i < tl; i++) {
+            unsigned char c = (unsigned char)t[i];
+            buf[o + i] = (c >= 0x20 && c < 0x7f) ? (char)c : '?';
+        }
+        o += tl;
+    }
+    if (key && *key) {
+        size_t kl = strlen(key);
+        if (o && buf) buf[o] = '.';
+        o += o > 0;
+        if (buf) memcpy(buf + o, key, kl);
+        o += kl;
+    }
+    if (buf) buf[o] = '\0';
+    return o;
+}
+
+char *lk_ynode_path_dup(const lk_ynode *n, const char *key) {
+    char *b = lk_malloc(path_text(n, key, NULL) + 1);
+    if (b) path_text(n, key, b);
+    return b;
+}
 
 void lk_ynode_path(const lk_ynode *n, char *buf, size_t cap) {
     if (!cap) return;
-    const lk_ynode *chain[PATH_DEPTH];
-    size_t depth = 0;
-    int cut = 0;
-    for (const lk_ynode *x = n; x && x->parent; x = x->parent) {
-        if (depth == PATH_DEPTH) {
-            cut = 1;
-            break;
-        }
-        chain[depth++] = x;
+    char *p = lk_ynode_path_dup(n, NULL);
+    if (!p) {
+        buf[0] = '\0';
+        return;
     }
-    size_t o = 0;
-    buf[0] = '\0';
-    if (cut) o = put_text(buf, o, cap, "...", 3, 3);
-    while (depth-- > 0) {
-        const lk_ynode *x = chain[depth], *p = x->parent;
-        if (p->type == LK_Y_SEQ) {
-            char ix[32];
-            int w = snprintf(ix, sizeof ix, "[%zu]", x->slot);
-            o = put_text(buf, o, cap, ix, (size_t)w, sizeof ix);
-        } else {
-            const lk_ynode *k = p->kids[x->slot & ~(size_t)1];
-            if (o) o = put_text(buf, o, cap, ".", 1, 1);
-            if (k->type == LK_Y_SEQ || k->type == LK_Y_MAP) o = put_text(buf, o, cap, "?", 1, 1);
-            else o = put_text(buf, o, cap, k->text, k->len, 40);
-        }
-    }
+    lk_msg_fit(buf, cap, p, strlen(p)); /* a path longer than cap loses its middle, with the count */
+    lk_free(p);
 }
 
 lk_status lk_yerr(const lk_ydoc *d, const lk_ynode *n, const char *key, const char *fmt, ...) {
-    char path[512], msg[768];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    lk_verror(LK_ERR_CONFIG, fmt, ap); /* the reason first, whole (a long argument keeps head, tail and length) */
     va_end(ap);
-    lk_ynode_path(n, path, sizeof path);
-    if (key && *key) {
-        size_t o = strlen(path);
-        snprintf(path + o, sizeof path - o, "%s%s", o ? "." : "", key);
-    }
     char line[32] = "";
     if (n) snprintf(line, sizeof line, ":%d", n->line);
-    return lk_error(LK_ERR_CONFIG, "%s%s: %s%s%s", d->label, line, path, *path ? ": " : "", msg);
+    char *path = lk_ynode_path_dup(n, key); /* whole; the message shortens a long one with its length */
+    if (path && *path) lk_error_prefix(LK_ERR_CONFIG, "%s%s: %s", d->label, line, path);
+    else lk_error_prefix(LK_ERR_CONFIG, "%s%s", d->label, line);
+    lk_free(path);
+    return LK_ERR_CONFIG;
 }
 
 /* ------------------------------------------------------------ the tree */

@@ -91,10 +91,16 @@ const char *lk_ynode_str(const lk_ynode *n);
  * reference which coerces strings. */
 int lk_ytext_int(const char *text, size_t len, long long lo, long long hi, long long *out);
 
-/* "steps[1].loras[0].strength" (empty for the root); truncated to cap. */
+/* "steps[1].loras[0].strength" (empty for the root), keys whole (bytes
+ * outside printable ASCII as '?'), then ".key" when key is given: an
+ * lk_malloc'd string, NULL when out of memory. */
+char *lk_ynode_path_dup(const lk_ynode *n, const char *key);
+/* The same into buf; one longer than cap loses its middle, which is
+ * replaced by "...(N bytes elided)...". */
 void lk_ynode_path(const lk_ynode *n, char *buf, size_t cap);
-/* A printable excerpt for messages: 'text' (at most 40 characters, others
- * as ?), "a mapping" or "a list". */
+/* A printable excerpt for messages: 'text' (at most 32 characters, others
+ * as ?, a longer one followed by "...(N bytes)" with its length), "a
+ * mapping" or "a list". */
 void lk_ynode_repr(const lk_ynode *n, char *buf, size_t cap);
 /* Records LK_ERR_CONFIG "label:line: path[.key]: message" for node n (the
  * line of n; n NULL gives "label: key: message") and returns it. */

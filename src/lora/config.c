@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/msg.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 
@@ -87,10 +88,11 @@ static lk_status parse_targets(cfg_ctx *c, const lk_ynode *v, lk_lora_config *cf
             char r[64];
             lk_ynode_repr(it, r, sizeof r);
             /* the list's path: an item reached through an alias has another */
-            char where[512];
-            lk_ynode_path(v, where, sizeof where);
-            return lk_error(LK_ERR_CONFIG, "%s:%d: %s: item %zu must be a non-empty string, got %s",
-                            c->label, it->line, where, i, r);
+            char *where = lk_ynode_path_dup(v, NULL);
+            lk_status s = lk_error(LK_ERR_CONFIG, "%s:%d: %s: item %zu must be a non-empty string, got %s",
+                                   c->label, it->line, where ? where : "?", i, r);
+            lk_free(where);
+            return s;
         }
         cfg->targets[i] = lk_strdup(t);
         if (!cfg->targets[i]) return lk_error(LK_ERR_NOMEM, "out of memory");
@@ -121,8 +123,8 @@ static lk_status parse_block(cfg_ctx *c, const lk_ynode *lora, lk_lora_config *c
     const lk_ynode *v[N_VALID_KEYS];
     lk_status s;
     for (int k = 0; k < N_VALID_KEYS; k++) v[k] = lk_ymap_get(lora, g_valid_keys[k]);
-    char unknown[384] = "";
-    size_t ulen = 0;
+    char unknown[1024] = ""; /* the first unknown keys; the count says how many there are */
+    size_t ulen = 0, listed = 0;
     for (size_t i = 0; i < lora->n; i++) {
         const lk_ynode *k = lk_ymap_key(lora, i);
         const char *kt = lk_ynode_str(k);
@@ -132,10 +134,9 @@ static lk_status parse_block(cfg_ctx *c, const lk_ynode *lora, lk_lora_config *c
         char r[64];
         lk_ynode_repr(k, r, sizeof r);
         cfg->n_unknown_keys++;
-        if (ulen < sizeof unknown - 1) {
-            int w = snprintf(unknown + ulen, sizeof unknown - ulen, "%s%s", ulen ? ", " : "", r);
-            if (w > 0) ulen += (size_t)w;
-            if (ulen >= sizeof unknown) ulen = sizeof unknown - 1;
+        if (ulen + strlen(r) + 2 < sizeof unknown - 32) { /* whole entries only, room left for the count */
+            ulen += (size_t)snprintf(unknown + ulen, sizeof unknown - ulen, "%s%s", ulen ? ", " : "", r);
+            listed++;
         }
     }
     const lk_ynode *enable = v[0], *rank = v[1], *alpha = v[2], *targets = v[3];
@@ -164,11 +165,15 @@ static lk_status parse_block(cfg_ctx *c, const lk_ynode *lora, lk_lora_config *c
     if (!rank_given) cfg->rank = 0;
 
     if (cfg->n_unknown_keys) {
-        snprintf(cfg->warning, sizeof cfg->warning,
-                 "%s:%d: models.%s.lora: ignoring unrecognized lora keys [%s] (valid keys: "
-                 "enable, rank, alpha, target_modules)",
-                 c->label, lora->line, c->role, unknown);
-        lk_log(LK_LOG_WARN, "%s", cfg->warning);
+        if (listed < cfg->n_unknown_keys)
+            snprintf(unknown + ulen, sizeof unknown - ulen, ", ... (%zu in all)", cfg->n_unknown_keys);
+        char *w = lk_msg_dup("%s:%d: models.%s.lora: ignoring unrecognized lora keys [%s] (valid keys: "
+                             "enable, rank, alpha, target_modules)",
+                             c->label, lora->line, c->role, unknown);
+        if (!w) return lk_error(LK_ERR_NOMEM, "out of memory");
+        lk_log(LK_LOG_WARN, "%s", w); /* whole; the struct's copy loses its middle, with the count, if it must */
+        lk_msg_fit(cfg->warning, sizeof cfg->warning, w, strlen(w));
+        lk_free(w);
     }
     if (!cfg->enable && rank_given) {
         snprintf(cfg->info, sizeof cfg->info,
@@ -196,14 +201,15 @@ lk_status lk_lora_config_from_doc(const lk_ydoc *d, const char *role, lk_lora_co
     lk_status s = find_models(&c, &models, 0);
     if (s == LK_OK) r = lk_ymap_get(models, role);
     if (s == LK_OK && !r) {
-        char names[512] = "";
-        size_t o = 0;
-        for (size_t i = 0; i < models->n && o < sizeof names - 1; i++) {
+        char names[1024] = ""; /* whole entries, then the count of all when they do not fit */
+        size_t o = 0, i = 0;
+        for (; i < models->n; i++) {
             char rr[64];
             lk_ynode_repr(lk_ymap_key(models, i), rr, sizeof rr);
-            int w = snprintf(names + o, sizeof names - o, "%s%s", o ? ", " : "", rr);
-            if (w > 0) o += (size_t)w;
+            if (o + strlen(rr) + 2 >= sizeof names - 32) break;
+            o += (size_t)snprintf(names + o, sizeof names - o, "%s%s", o ? ", " : "", rr);
         }
+        if (i < models->n) snprintf(names + o, sizeof names - o, ", ... (%zu in all)", models->n);
         s = lk_yerr(d, models, NULL, "no role '%s' (roles: %s)", role, o ? names : "none");
     } else if (s == LK_OK && is_null(r)) {
         /* `student:` with nothing under it: no lora block either. */

@@ -54,12 +54,7 @@ static lk_status parse_lora(pctx *c, const lk_ynode *n, lk_fuse_input *out) {
         } else if (!strcmp(k, "format")) {
             const char *f = lk_ynode_str(vn);
             if (!f) return lk_yerr(c->doc, vn, NULL, "expected a format name");
-            lk_status s = lk_adapter_format_parse(f, &out->format);
-            if (s) {
-                char where[512];
-                lk_ynode_path(vn, where, sizeof where);
-                return lk_error_prefix(LK_ERR_CONFIG, "%s:%d: %s", c->label, vn->line, where);
-            }
+            if (lk_adapter_format_parse(f, &out->format)) return lk_yerr(c->doc, vn, NULL, "%s", lk_last_error());
         } else {
             return lk_yerr(c->doc, kn, NULL, "unknown key (valid: path, strength, format)");
         }
