@@ -166,8 +166,8 @@ int lk_cmd_fuse(int argc, char **argv) {
             out = argv[++i];
         } else if (!strcmp(a, "--threads")) {
             long t;
-            if (!has_val || !lk_cli_parse_int(argv[i + 1], &t) || t < 0 || t > 4096) {
-                lk_cli_usage("fuse", "--threads needs a number from 0 to 4096");
+            if (!has_val || !lk_cli_parse_int(argv[i + 1], &t) || !lk_knob_in_range(LK_KNOB_THREADS, (double)t)) {
+                lk_cli_usage("fuse", "--threads needs a number from %d to %d", LK_KNOB_THREADS_MIN, LK_KNOB_THREADS_MAX);
                 goto done;
             }
             opts.fuse.threads = (int)t;

@@ -15,6 +15,8 @@
 
 #include "cli.h"
 
+/* a printf format: the knobs' defaults in order (bucket_mb, timeout,
+ * --bucket-mb, --timeout) */
 static const char *const SWAP_USAGE =
     "usage: lorakit swap BASE --plan PLAN.yaml [--json] [--bucket-mb N] [--threads N]\n"
     "                    [--allow-nonfinite] [--timeout S] [--alpha-from tensors|metadata]\n"
@@ -25,14 +27,14 @@ static const char *const SWAP_USAGE =
     "them through one staging buffer. Run it as `mpirun -n K lorakit swap ...`\n"
     "for K ranks, or alone for one. Each rank reads the plan path it is given.\n\n"
     "plan (YAML; adapter paths are relative to the plan's folder):\n"
-    "  bucket_mb: 64          # optional: staging buffer in MiB\n"
+    "  bucket_mb: %-12d# optional: staging buffer in MiB\n"
     "  no_lora_swap: false    # optional: fuse the first set in place, no backup\n"
     "  allow_nonfinite: false # optional: keep NaN/Inf fused results (see below)\n"
     "  fp8_rounding: nearest  # optional, FP8 weights: nearest | stochastic\n"
     "  fp8_seed: 0            # optional: stochastic rounding's seed\n"
     "  fp8_scale: rescale     # optional: rescale | keep the weights' scales\n"
     "  fp8_saturate: false    # optional: clamp instead of failing on overflow\n"
-    "  timeout: 300           # optional: seconds a collective may wait (0 = none)\n"
+    "  timeout: %-14d# optional: seconds a collective may wait (0 = none)\n"
     "  alpha_from: tensors    # optional: tensors | metadata (see --alpha-from)\n"
     "  arch: flux             # optional: family table (see --arch)\n"
     "  maps: [mine.lkmap]     # optional: extra name tables (see --map)\n"
@@ -54,7 +56,7 @@ static const char *const SWAP_USAGE =
     "options:\n"
     "  --plan FILE      the plan (required)\n"
     "  --json           JSON lines instead of text\n"
-    "  --bucket-mb N    staging buffer in MiB (overrides the plan; default 64)\n"
+    "  --bucket-mb N    staging buffer in MiB (overrides the plan; default %d)\n"
     "  --threads N      fuse threads per rank (default: cores / ranks on this node)\n"
     "  --allow-nonfinite  apply a set even when fusing turns a finite weight into\n"
     "                   NaN or Inf (e.g. a NaN in an adapter); by default such a\n"
@@ -80,7 +82,7 @@ static const char *const SWAP_USAGE =
 typedef struct swap_args {
     const char *base, *plan;
     int json;
-    long bucket_mb; /* 0: from the plan, else 64 */
+    long bucket_mb; /* 0: from the plan, else LK_KNOB_SWAP_BUCKET_MB's default */
     long threads;   /* -1: automatic */
     int allow_nonfinite;
     double timeout; /* -1: from the plan, else LK_COMM_TIMEOUT_DEFAULT */
@@ -96,6 +98,7 @@ static lk_status parse_args(int argc, char **argv, swap_args *a) {
     a->threads = -1;
     a->timeout = -1;
     if (!(a->maps = calloc((size_t)argc, sizeof *a->maps))) return lk_error(LK_ERR_NOMEM, "out of memory");
+    char range[64];
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         if (!strcmp(o, "--json")) a->json = 1;
@@ -112,13 +115,15 @@ static lk_status parse_args(int argc, char **argv, swap_args *a) {
                 if (lk_alpha_from_parse(v, &a->alpha_from)) return LK_ERR_ARG;
             } else if (!strcmp(o, "--timeout")) {
                 if (!lk_cli_parse_timeout(v, &a->timeout))
-                    return lk_error(LK_ERR_ARG, "--timeout expects seconds in 0..1e9 (0 = none), got '%s'", v);
+                    return lk_error(LK_ERR_ARG, "--timeout expects seconds in %s (0 = none), got '%s'",
+                                    lk_knob_range(LK_KNOB_TIMEOUT_S, range, sizeof range), v);
             } else if (!strcmp(o, "--bucket-mb")) {
-                if (!lk_cli_parse_int(v, &a->bucket_mb) || !lk_bucket_mb_valid(a->bucket_mb))
-                    return lk_error(LK_ERR_ARG, "--bucket-mb expects a whole number of MiB in 1..%d, got '%s'",
-                                    LK_BUCKET_MB_MAX, v);
-            } else if (!lk_cli_parse_int(v, &a->threads) || a->threads < 0 || a->threads > 4096)
-                return lk_error(LK_ERR_ARG, "--threads expects 0..4096, got '%s'", v);
+                if (!lk_cli_parse_int(v, &a->bucket_mb) || !lk_knob_in_range(LK_KNOB_SWAP_BUCKET_MB, (double)a->bucket_mb))
+                    return lk_error(LK_ERR_ARG, "--bucket-mb expects a whole number of MiB in %s, got '%s'",
+                                    lk_knob_range(LK_KNOB_SWAP_BUCKET_MB, range, sizeof range), v);
+            } else if (!lk_cli_parse_int(v, &a->threads) || !lk_knob_in_range(LK_KNOB_THREADS, (double)a->threads))
+                return lk_error(LK_ERR_ARG, "--threads expects %s, got '%s'", lk_knob_range(LK_KNOB_THREADS, range,
+                                sizeof range), v);
         } else if (o[0] == '-' && o[1]) return lk_error(LK_ERR_ARG, "unknown option '%s'", o);
         else if (a->base) return lk_error(LK_ERR_ARG, "one BASE expected, got '%s' and '%s'", a->base, o);
         else a->base = o;
@@ -195,7 +200,8 @@ static int run_steps(lk_comm *c, lk_tracker *t, lk_weights *w, const lk_plan *pl
 
 int lk_cmd_swap(int argc, char **argv) {
     if (lk_cli_wants_help(argc, argv)) {
-        fputs(SWAP_USAGE, stdout);
+        printf(SWAP_USAGE, LK_KNOB_SWAP_BUCKET_MB_DEFAULT, LK_KNOB_TIMEOUT_S_DEFAULT, LK_KNOB_SWAP_BUCKET_MB_DEFAULT,
+               LK_KNOB_TIMEOUT_S_DEFAULT);
         return LK_EXIT_OK;
     }
     lk_comm *c = NULL;
@@ -225,7 +231,7 @@ int lk_cmd_swap(int argc, char **argv) {
     if (!s) {
         lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
         long mb = a.bucket_mb ? a.bucket_mb : plan->bucket_mb;
-        if (mb) o.bucket_bytes = (size_t)mb << 20;
+        if (mb) (void)lk_knob_mib_bytes(LK_KNOB_SWAP_BUCKET_MB, (double)mb, &o.bucket_bytes); /* checked by the parsers */
         o.no_lora_swap = plan->no_lora_swap;
         o.allow_nonfinite = a.allow_nonfinite || plan->allow_nonfinite;
         o.fp8 = plan->fp8;

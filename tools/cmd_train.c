@@ -36,7 +36,8 @@ static void usage(FILE *f) {
             "CONFIG keys: model {d_model, n_layers, n_heads, d_ff} or base PATH, task,\n"
             "digits, steps, global_batch, lr, weight_decay, clip, schedule (cosine|constant),\n"
             "seed, log_every, eval_examples, output, timeout (seconds, 0 = none),\n"
-            "models.<role>.lora {enable, rank, alpha, target_modules}. See examples/*.yaml.\n");
+            "models.<role>.lora {enable, rank, alpha, target_modules}. See examples/*.yaml.\n",
+            LK_KNOB_TIMEOUT_S_DEFAULT);
 }
 
 typedef struct {
@@ -142,6 +143,7 @@ int lk_cmd_train(int argc, char **argv) {
     const char *cfgpath = NULL, *role = NULL;
     int quiet = 0;
     double timeout = -1; /* -1: the config's */
+    char range[64];
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--role")) {
             if (++i >= argc) return lk_cli_usage("train", "--role needs a value");
@@ -151,7 +153,8 @@ int lk_cmd_train(int argc, char **argv) {
         } else if (!strcmp(argv[i], "--timeout")) {
             if (++i >= argc) return lk_cli_usage("train", "--timeout needs a value");
             if (!lk_cli_parse_timeout(argv[i], &timeout))
-                return lk_cli_usage("train", "--timeout expects seconds in 0..1e9 (0 = none), got '%s'", argv[i]);
+                return lk_cli_usage("train", "--timeout expects seconds in %s (0 = none), got '%s'",
+                                    lk_knob_range(LK_KNOB_TIMEOUT_S, range, sizeof range), argv[i]);
         } else if (argv[i][0] == '-' && argv[i][1]) {
             return lk_cli_usage("train", "unknown option '%s'", argv[i]);
         } else if (!cfgpath) {

@@ -9,6 +9,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include "lorakit/knobs.h"
 #include "lorakit/status.h"
 
 #ifdef __cplusplus
@@ -92,9 +93,10 @@ lk_status lk_comm_split(lk_comm *c, int color, int key, lk_comm **out);
  * Not covered: creating communicators (lk_comm_world, lk_comm_from_mpi,
  * lk_comm_split), which MPI offers only as blocking calls. */
 
-/* 300 s: long enough for a rank to load its adapters or fuse its largest
- * key while the others wait, short enough that a stalled job ends. */
-#define LK_COMM_TIMEOUT_DEFAULT 300.0
+/* The knob LK_KNOB_TIMEOUT_S (lorakit/knobs.h), 300 s: long enough for a
+ * rank to load its adapters or fuse its largest key while the others wait,
+ * short enough that a stalled job ends. */
+#define LK_COMM_TIMEOUT_DEFAULT ((double)LK_KNOB_TIMEOUT_S_DEFAULT)
 
 /* Sets c's timeout in seconds (0 = wait forever). Local: set the same value
  * on every rank. A new communicator starts at LK_COMM_TIMEOUT_DEFAULT; one
@@ -124,10 +126,11 @@ lk_status lk_comm_agree(lk_comm *c, lk_status local);
  * and largest size, for the caller's message. One allreduce. */
 lk_status lk_comm_agree_layout(lk_comm *c, uint64_t hash, uint64_t size, int *same, uint64_t range[2]);
 
-/* 4 MiB, measured (bench sync, 4 ranks on Open MPI shared memory): buckets
- * of 256 KiB to 4 MiB were at least as fast as one call per parameter,
- * 25 MiB buckets (DDP's GPU default) sometimes slower. */
-#define LK_COMM_AVERAGE_BUCKET_DEFAULT ((size_t)4 << 20)
+/* The knob LK_KNOB_SYNC_BUCKET_MB's default, 4 MiB, measured (bench sync,
+ * 4 ranks on Open MPI shared memory): buckets of 256 KiB to 4 MiB were at
+ * least as fast as one call per parameter, 25 MiB buckets (DDP's GPU
+ * default) sometimes slower. */
+#define LK_COMM_AVERAGE_BUCKET_DEFAULT ((size_t)LK_KNOB_SYNC_BUCKET_MB_DEFAULT << 20)
 
 /* Averages n float buffers over the ranks, in place: bufs[i] holds
  * counts[i] floats; each element becomes the sum over ranks divided by the

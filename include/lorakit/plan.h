@@ -23,14 +23,15 @@
 #include <stddef.h>
 #include "lorakit/status.h"
 #include "lorakit/fuse.h"
+#include "lorakit/knobs.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define LK_PLAN_MAX_BYTES (16u << 20) /* plan files past 16 MiB are refused */
+/* plan files past LK_KNOB_CONFIG_MAX_BYTES (lorakit/knobs.h, 16 MiB) are refused */
+#define LK_PLAN_MAX_BYTES ((unsigned)LK_KNOB_CONFIG_MAX_BYTES_DEFAULT)
 #define LK_PLAN_MAX_ENTRIES 65536     /* steps, and adapters over all steps */
-#define LK_PLAN_TIMEOUT_MAX 1e9       /* seconds (about 31 years) */
 
 typedef struct lk_plan_step {
     lk_fuse_input *loras; /* paths owned by the plan */
@@ -42,7 +43,7 @@ typedef struct lk_plan {
     long bucket_mb;       /* 0 when the plan does not set it */
     int no_lora_swap;
     int allow_nonfinite;  /* 0 when the plan does not set it */
-    double timeout;       /* seconds, 0..LK_PLAN_TIMEOUT_MAX (0 = none; lk_comm_set_timeout);
+    double timeout;       /* seconds, the bounds of LK_KNOB_TIMEOUT_S (0 = none; lk_comm_set_timeout);
                              -1 when the plan does not set it */
     lk_fp8_opts fp8;      /* fp8_rounding, fp8_seed, fp8_scale, fp8_saturate (all zero: nearest, seed 0, rescale, no) */
     lk_alpha_from alpha_from; /* LK_ALPHA_AUTO when the plan does not set it */

@@ -47,6 +47,7 @@
 #include "lorakit/comm.h"
 #include "lorakit/digest.h"
 #include "lorakit/fuse.h"
+#include "lorakit/knobs.h"
 #include "lorakit/weights.h"
 
 #ifdef __cplusplus
@@ -56,15 +57,15 @@ extern "C" {
 typedef struct lk_tracker lk_tracker;
 
 /* Bucket sizes given in MiB by people (swap plans, the CLI's --bucket-mb,
- * the benches) are 1..LK_BUCKET_MB_MAX; the library itself takes bytes. */
-#define LK_BUCKET_MB_MAX 1048576
-/* The one range check for them: 1 when mb is in 1..LK_BUCKET_MB_MAX. */
-static inline int lk_bucket_mb_valid(long long mb) { return mb >= 1 && mb <= LK_BUCKET_MB_MAX; }
+ * Python, the benches) are the knob LK_KNOB_SWAP_BUCKET_MB (lorakit/knobs.h:
+ * default and bounds), turned into bytes by lk_knob_mib_bytes; the library
+ * itself takes bytes. */
 
 typedef struct lk_tracker_opts {
     size_t bucket_bytes; /* broadcast round size, as lk_lora_sync_opts.bucket_bytes;
-                            0: 64 MiB, LK_TRACKER_BUCKET_DEFAULT (LTX's tracker
-                            defaults to 256 MiB) */
+                            0: LK_TRACKER_BUCKET_DEFAULT (the knob
+                            LK_KNOB_SWAP_BUCKET_MB's default, 64 MiB; LTX's
+                            tracker defaults to 256 MiB) */
     int no_lora_swap;    /* no backup: the first set is fused in place; any later
                             change or reset is LK_ERR_STATE */
     int threads;         /* fuse threads per rank, 0 = all cores */
@@ -93,7 +94,7 @@ typedef struct lk_tracker_opts {
                             path; copied; NULL: "base weights" */
 } lk_tracker_opts;
 
-#define LK_TRACKER_BUCKET_DEFAULT ((size_t)64 << 20)
+#define LK_TRACKER_BUCKET_DEFAULT ((size_t)LK_KNOB_SWAP_BUCKET_MB_DEFAULT << 20)
 #define LK_TRACKER_OPTS_DEFAULT                                                               \
     {.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT, .no_lora_swap = 0, .threads = 0,             \
      .allow_nonfinite = 0, .fp8 = {LK_FP8_NEAREST, 0, LK_FP8_RESCALE, 0}, .alpha_from = LK_ALPHA_AUTO,   \

@@ -23,6 +23,15 @@ from . import _lorakit as _c
 from ._adapter import Adapter
 from ._lorakit import LoraError, __version__
 
+# Defaults and bounds of every setting: one table in the C library
+# (lorakit/knobs.h), read through the extension.
+_KNOBS = _c.knobs()
+
+
+def _default(knob):
+    v = _KNOBS[knob]["default"]
+    return int(v) if float(v).is_integer() else v
+
 __all__ = [
     "Adapter", "LoraError", "LoraWarning", "Tracker", "__version__", "check_replicas", "digest", "digest_tensors", "fuse", "fuse_",
     "inspect", "set_log_level", "sync_grads", "sync_param_grads",
@@ -464,14 +473,16 @@ class Tracker:
     component (the transformer's or UNet's state_dict).
     """
 
-    def __init__(self, tensors, *, comm=None, bucket_mb=64, no_lora_swap=False, threads=0,
-                 allow_nonfinite=False, timeout=300.0, alpha_from=None, arch=None, maps=()):
+    def __init__(self, tensors, *, comm=None, bucket_mb=_default("swap_bucket_mb"), no_lora_swap=False,
+                 threads=_default("threads"), allow_nonfinite=False, timeout=float(_default("timeout_s")),
+                 alpha_from=None, arch=None, maps=()):
         lc = _comm(comm)
         self._source = tensors if _is_module(tensors) else None
 
         def prepare():
             items, _ = _items(tensors, dedupe=True)
-            return items, int(bucket_mb), int(threads), float(timeout), _alpha_from(alpha_from), _tables(arch, maps)
+            return (items, _c.mib_bytes("swap_bucket_mb", float(bucket_mb)), int(threads), float(timeout),
+                    _alpha_from(alpha_from), _tables(arch, maps))
 
         items = _collective(lc, prepare)
         self._comm = lc
@@ -552,7 +563,7 @@ def _zeros_like(x):
     return np.zeros(np.shape(x), dtype=np.float32)
 
 
-def sync_grads(grads, comm=None, *, like=None, bucket_mb=4):
+def sync_grads(grads, comm=None, *, like=None, bucket_mb=_default("sync_bucket_mb")):
     """Averages float32 gradients over comm, in place, in buckets of
     bucket_mb MiB (a few collectives, not one per tensor). A None entry (a
     layer this rank skipped) contributes zeros shaped like like[i] and comes
@@ -570,12 +581,11 @@ def sync_grads(grads, comm=None, *, like=None, bucket_mb=4):
                 if like is None or like[i] is None:
                     raise ValueError(f"grads[{i}] is None and like[{i}] does not give its shape")
                 out[i] = _zeros_like(like[i])
-        if bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
-        return out, [_item(f"grads[{i}]", g) for i, g in enumerate(out)]
+        bucket = _c.mib_bytes("sync_bucket_mb", float(bucket_mb))
+        return out, [_item(f"grads[{i}]", g) for i, g in enumerate(out)], bucket
 
-    out, items = _collective(lc, prepare)
-    _c.sync_grads(lc, items, int(bucket_mb * (1 << 20)))
+    out, items, bucket = _collective(lc, prepare)
+    _c.sync_grads(lc, items, bucket)
     return out
 
 
@@ -592,7 +602,7 @@ def _params(params):
     return out
 
 
-def sync_param_grads(params, comm=None, *, bucket_mb=4):
+def sync_param_grads(params, comm=None, *, bucket_mb=_default("sync_bucket_mb")):
     """sync_grads over PyTorch parameters' .grad (module.parameters(),
     module.named_parameters() or a module): a parameter whose .grad is
     None gets the averaged gradient assigned (as FastVideo does)."""

@@ -25,6 +25,7 @@
 #include <stdarg.h>
 #include <stdint.h>
 #include <string.h>
+#include <strings.h>
 
 #include "lorakit/lorakit.h"
 #ifdef LK_HAVE_MPI
@@ -866,6 +867,15 @@ static PyObject *py_inspect_base(PyObject *mod, PyObject *args) {
     return res;
 }
 
+/* threads within LK_KNOB_THREADS's bounds, else ValueError and 0. */
+static int threads_ok(int threads) {
+    if (lk_knob_in_range(LK_KNOB_THREADS, threads)) return 1;
+    char r[64];
+    PyErr_Format(PyExc_ValueError, "threads must be in %s, got %d", lk_knob_range(LK_KNOB_THREADS, r, sizeof r),
+                 threads);
+    return 0;
+}
+
 static PyObject *py_fuse(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *base, *out, *loras, *arch, *maps;
@@ -877,7 +887,7 @@ static PyObject *py_fuse(PyObject *mod, PyObject *args) {
     request r;
     tables tb = {0};
     PyObject *res = NULL;
-    if (alpha_from_of(af, &o.alpha_from) == 0 && tables_from(arch, maps, &tb) == 0 && request_from(loras, &r) == 0) {
+    if (threads_ok(o.fuse.threads) && alpha_from_of(af, &o.alpha_from) == 0 && tables_from(arch, maps, &tb) == 0 && request_from(loras, &r) == 0) {
         o.arch = tables_arch(&tb);
         o.maps = tb.p;
         o.n_maps = tb.n;
@@ -909,7 +919,7 @@ static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
         return NULL;
     request r;
     tables tb;
-    if (alpha_from_of(af, &o.alpha_from) < 0 || tables_from(arch, maps, &tb) < 0) return NULL;
+    if (!threads_ok(o.fuse.threads) || alpha_from_of(af, &o.alpha_from) < 0 || tables_from(arch, maps, &tb) < 0) return NULL;
     if (request_from(loras, &r) < 0) {
         tables_free(&tb);
         return NULL;
@@ -939,8 +949,52 @@ static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
     return res;
 }
 
+/* knobs() -> {id: {name, unit, default, min, max, layer, what}}: the table
+ * of lorakit/knobs.h (ids in lower case: "swap_bucket_mb"), where the
+ * package takes its defaults and bounds from. */
+static PyObject *py_knobs(PyObject *mod, PyObject *noargs) {
+    (void)mod;
+    (void)noargs;
+    PyObject *d = PyDict_New();
+    for (int i = 0; d && i < LK_KNOB_COUNT; i++) {
+        const lk_knob *k = lk_knob_get((lk_knob_id)i);
+        char id[64];
+        size_t j = 0;
+        for (; k->id[j] && j < sizeof id - 1; j++) id[j] = (char)(k->id[j] >= 'A' && k->id[j] <= 'Z' ? k->id[j] + 32 : k->id[j]);
+        id[j] = '\0';
+        PyObject *row = Py_BuildValue("{s:s, s:s, s:d, s:d, s:d, s:s, s:s}", "name", k->name, "unit", k->unit,
+                                      "default", k->def, "min", k->min, "max", k->max, "layer", k->layer, "what",
+                                      k->what);
+        if (!row || PyDict_SetItemString(d, id, row) < 0) Py_CLEAR(d);
+        Py_XDECREF(row);
+    }
+    return d;
+}
+
+/* mib_bytes(id, mib) -> bytes: lk_knob_mib_bytes, the one MiB -> bytes
+ * conversion (ValueError naming the knob and value when out of bounds or
+ * 0 bytes). id as in knobs(). */
+static PyObject *py_mib_bytes(PyObject *mod, PyObject *args) {
+    (void)mod;
+    const char *id;
+    double mib;
+    if (!PyArg_ParseTuple(args, "sd", &id, &mib)) return NULL;
+    for (int i = 0; i < LK_KNOB_COUNT; i++) {
+        const lk_knob *k = lk_knob_get((lk_knob_id)i);
+        if (strcasecmp(k->id, id)) continue;
+        size_t b;
+        if (lk_knob_mib_bytes((lk_knob_id)i, mib, &b)) {
+            PyErr_SetString(PyExc_ValueError, lk_last_error());
+            return NULL;
+        }
+        return PyLong_FromSize_t(b);
+    }
+    PyErr_Format(PyExc_KeyError, "no knob %s", id);
+    return NULL;
+}
+
 /* sync_grads(comm, items, bucket_bytes) -> collectives: averages float32
- * tensors over comm in place. */
+ * tensors over comm in place; bucket_bytes from mib_bytes. */
 static PyObject *py_sync_grads(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *co, *items;
@@ -949,8 +1003,8 @@ static PyObject *py_sync_grads(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOn", &co, &items, &bucket)) return NULL;
     lk_comm *c = comm_of(co);
     if (!c) return NULL;
-    if (bucket < 0) {
-        PyErr_SetString(PyExc_ValueError, "bucket_mb must be positive");
+    if (bucket < 1) {
+        PyErr_Format(PyExc_ValueError, "bucket_bytes must be >= 1, got %zd", bucket);
         ok = 0;
     }
     size_t n = 0;
@@ -1052,7 +1106,7 @@ static void Tracker_dealloc(TrackerObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Tracker(comm, items, bucket_mb, no_lora_swap, threads, allow_nonfinite,
+/* Tracker(comm, items, bucket_bytes, no_lora_swap, threads, allow_nonfinite,
  * timeout, alpha_from, arch, maps): arch and maps as fuse's (copied by the
  * tracker); timeout is the comm's collective timeout while the
  * tracker's own calls run (lk_comm_set_timeout; the comm's own setting is
@@ -1061,20 +1115,24 @@ static void Tracker_dealloc(TrackerObject *self) {
 static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     (void)kw;
     PyObject *co, *items, *arch, *maps;
-    long bucket_mb;
+    Py_ssize_t bucket_bytes; /* from mib_bytes: >= 1 */
     int no_swap, threads, nonfinite, ok = 1;
     double timeout;
     const char *af;
     lk_alpha_from alpha_from;
-    if (!PyArg_ParseTuple(args, "OOlpiidsOO", &co, &items, &bucket_mb, &no_swap, &threads, &nonfinite, &timeout, &af,
+    if (!PyArg_ParseTuple(args, "OOnpiidsOO", &co, &items, &bucket_bytes, &no_swap, &threads, &nonfinite, &timeout, &af,
                           &arch, &maps))
         return -1;
     if (alpha_from_of(af, &alpha_from) < 0) return -1;
     lk_comm *c = comm_of(co);
     if (!c) return -1;
     const double was = lk_comm_timeout(c);
-    if (lk_comm_set_timeout(c, timeout)) {
-        PyErr_Format(PyExc_ValueError, "timeout must be a finite number of seconds >= 0 (0 = none), got %g", timeout);
+    char range[64];
+    if (!lk_knob_in_range(LK_KNOB_TIMEOUT_S, timeout) || lk_comm_set_timeout(c, timeout)) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "timeout must be a finite number of seconds in %s (0 = none), got %g",
+                 lk_knob_range(LK_KNOB_TIMEOUT_S, range, sizeof range), timeout);
+        PyErr_SetString(PyExc_ValueError, msg);
         return -1;
     }
     lk_comm_set_timeout(c, was);
@@ -1087,8 +1145,9 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     self->comm = co;
     self->loras = PyList_New(0);
     if (!self->loras) return -1;
-    if (ok && !lk_bucket_mb_valid(bucket_mb)) {
-        PyErr_Format(PyExc_ValueError, "bucket_mb must be in 1..%d, got %ld", LK_BUCKET_MB_MAX, bucket_mb);
+    if (ok && !threads_ok(threads)) ok = 0;
+    if (ok && bucket_bytes < 1) {
+        PyErr_Format(PyExc_ValueError, "bucket_bytes must be >= 1, got %zd", bucket_bytes);
         ok = 0;
     }
     if (ok && !(self->v = views_from(items, NEED_WRITE, &self->n))) ok = 0;
@@ -1109,7 +1168,7 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
         return -1;
     }
     lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
-    o.bucket_bytes = (size_t)bucket_mb << 20;
+    o.bucket_bytes = (size_t)bucket_bytes;
     o.no_lora_swap = no_swap;
     o.threads = threads;
     o.allow_nonfinite = nonfinite;
@@ -1315,6 +1374,8 @@ static PyMethodDef methods[] = {
     {"log_level", py_log_level, METH_VARARGS, NULL},
     {"strength_parse", py_strength_parse, METH_VARARGS, NULL},
     {"digest", py_digest, METH_VARARGS, NULL},
+    {"knobs", py_knobs, METH_NOARGS, NULL},
+    {"mib_bytes", py_mib_bytes, METH_VARARGS, NULL},
     {"digest_tensors", py_digest_tensors, METH_VARARGS, NULL},
     {"inspect", py_inspect, METH_VARARGS, NULL},
     {"inspect_base", py_inspect_base, METH_VARARGS, NULL},

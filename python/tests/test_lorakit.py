@@ -246,6 +246,37 @@ def test_sync_grads_one_process():
     assert lorakit.check_replicas({"a": g[0]}, None) is True
 
 
+def test_knobs_bounds_and_zero_bytes(model):
+    """Defaults and bounds come from the C table (lorakit/knobs.h): the
+    signatures show its defaults (64 MiB, 4 MiB, 300 s, written here from the
+    README), and a bucket out of bounds or under one byte is a ValueError
+    naming the knob and value, never "the default" (before, bucket_mb=1e-9
+    became 0 bytes and silently 4 MiB)."""
+    import inspect as pyinspect
+    k = lorakit._KNOBS
+    assert (k["swap_bucket_mb"]["default"], k["swap_bucket_mb"]["min"], k["swap_bucket_mb"]["max"]) == (64, 1, 1048576)
+    assert (k["sync_bucket_mb"]["default"], k["timeout_s"]["default"], k["threads"]["max"]) == (4, 300, 4096)
+    sig = pyinspect.signature(lorakit.Tracker.__init__).parameters
+    assert sig["bucket_mb"].default == 64 and sig["timeout"].default == 300.0 and sig["threads"].default == 0
+    assert pyinspect.signature(lorakit.sync_grads).parameters["bucket_mb"].default == 4
+    g = [np.ones(3, np.float32)]
+    for bad, msg in ((1e-9, "bucket_mb: 1e-09 MiB rounds to 0 bytes"), (0, "bucket_mb: 0 MiB rounds to 0 bytes"),
+                     (-1, r"bucket_mb: -1 MiB is outside 0\.\.1048576")):
+        with pytest.raises(ValueError, match=msg):
+            lorakit.sync_grads(g, None, bucket_mb=bad)
+    assert lorakit.sync_grads(g, None, bucket_mb=1 / 1048576)[0].tolist() == [1, 1, 1]  # one byte: allowed
+    t = load_numpy(model["base"])
+    for bad, msg in ((0.5, r"bucket_mb: 0.5 MiB is outside 1\.\.1048576"), (2 ** 21, "outside 1..1048576")):
+        with pytest.raises(ValueError, match=msg):
+            lorakit.Tracker(t, bucket_mb=bad)
+    with pytest.raises(ValueError, match=r"threads must be in 0\.\.4096, got 5000"):
+        lorakit.Tracker(t, threads=5000)
+    with pytest.raises(ValueError, match=r"seconds in 0\.\.1e9 \(0 = none\), got 2e\+09"):
+        lorakit.Tracker(t, timeout=2e9)
+    with pytest.raises(ValueError, match=r"threads must be in 0\.\.4096, got -1"):
+        lorakit.fuse_(t, [], threads=-1)
+
+
 def test_ml_dtypes_bfloat16(model_bf16):
     ml = pytest.importorskip("ml_dtypes", reason="ml_dtypes is not installed (BF16 NumPy arrays need it)")
     t = {k: (a.view(ml.bfloat16) if dt == "BF16" else a) for k, (dt, a) in st_io.read(model_bf16["base"]).items()}

@@ -38,7 +38,7 @@
 #define MAX_CAPTURES 8
 #define MAX_DEN 4096
 #define MAX_TOKENS 9
-#define TABLE_MAX_BYTES (4u << 20)
+#define TABLE_MAX_BYTES ((unsigned)LK_KNOB_FAMILY_TABLE_MAX_BYTES_DEFAULT) /* lorakit/knobs.h */
 
 void lk_family_free(lk_family *f) {
     if (!f) return;

@@ -141,9 +141,11 @@ static lk_status parse_doc(const lk_ydoc *d, const char *cfgdir, lk_train_config
             have_out = 1;
         } else if (!strcmp(k, "timeout")) {
             double t;
-            if (!lk_ynode_num(v, &t) || !(t >= 0 && t <= 1e9)) {
+            if (!lk_ynode_num(v, &t) || !lk_knob_in_range(LK_KNOB_TIMEOUT_S, t)) {
                 const char *s = lk_ynode_str(v);
-                st = lk_yerr(d, v, NULL, "expected seconds in 0..1e9 (0 = none), got \"%s\"", s ? s : "(not a scalar)");
+                char range[64];
+                st = lk_yerr(d, v, NULL, "expected seconds in %s (0 = none), got \"%s\"",
+                             lk_knob_range(LK_KNOB_TIMEOUT_S, range, sizeof range), s ? s : "(not a scalar)");
             } else c->timeout = t;
         } else if (!strcmp(k, "models")) {
             /* the lora block: lk_lora_config_from_doc */

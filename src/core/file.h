@@ -4,6 +4,7 @@
 #define LK_CORE_FILE_H
 
 #include <stddef.h>
+#include "lorakit/knobs.h"
 #include "lorakit/status.h"
 
 /* Opens path read-only as an input file into *fd (O_CLOEXEC, blocking
@@ -38,7 +39,7 @@ lk_status lk_read_file(const char *path, size_t max, char **buf, size_t *len);
 /* The one size limit for a config file lorakit parses (YAML configs and
  * plans, adapter_config.json): a 16 MiB config is already absurd; the limit
  * bounds what hostile input can make a parser allocate. */
-#define LK_CONFIG_MAX_BYTES (16u << 20)
+#define LK_CONFIG_MAX_BYTES ((unsigned)LK_KNOB_CONFIG_MAX_BYTES_DEFAULT) /* lorakit/knobs.h */
 
 /* lk_read_file with LK_CONFIG_MAX_BYTES; a larger file is LK_ERR_CONFIG
  * "path: larger than the 16777216-byte limit for a config file". */

@@ -37,7 +37,7 @@
 #include <sys/stat.h>
 
 /* Largest index file read (a 1T-parameter model's index is a few MB). */
-#define INDEX_MAX ((size_t)64 << 20)
+#define INDEX_MAX ((size_t)LK_KNOB_INDEX_MAX_BYTES_DEFAULT) /* lorakit/knobs.h */
 
 struct lk_ckpt {
     char *path;        /* the file or index opened */

@@ -104,11 +104,11 @@ static lk_status parse_root(pctx *c, lk_plan *p) {
         if (!k) return lk_yerr(c->doc, kn, "(top level)", "keys must be strings");
         if (!strcmp(k, "bucket_mb")) {
             long long b;
-            if (!lk_ynode_int(vn, LLONG_MIN, LLONG_MAX, &b) || !lk_bucket_mb_valid(b)) {
-                char r[64];
+            if (!lk_ynode_int(vn, LLONG_MIN, LLONG_MAX, &b) || !lk_knob_in_range(LK_KNOB_SWAP_BUCKET_MB, (double)b)) {
+                char r[64], range[64];
                 lk_ynode_repr(vn, r, sizeof r);
-                return lk_yerr(c->doc, vn, NULL, "expected a whole number of MiB in 1..%d, got %s",
-                               LK_BUCKET_MB_MAX, r);
+                return lk_yerr(c->doc, vn, NULL, "expected a whole number of MiB in %s, got %s",
+                               lk_knob_range(LK_KNOB_SWAP_BUCKET_MB, range, sizeof range), r);
             }
             p->bucket_mb = (long)b;
         } else if (!strcmp(k, "no_lora_swap") || !strcmp(k, "allow_nonfinite")) {
@@ -127,10 +127,11 @@ static lk_status parse_root(pctx *c, lk_plan *p) {
             p->fp8.seed = (uint64_t)v;
         } else if (!strcmp(k, "timeout")) {
             double t;
-            if (!lk_ynode_num(vn, &t) || !(t >= 0 && t <= LK_PLAN_TIMEOUT_MAX)) {
-                char r[64];
+            if (!lk_ynode_num(vn, &t) || !lk_knob_in_range(LK_KNOB_TIMEOUT_S, t)) {
+                char r[64], range[64];
                 lk_ynode_repr(vn, r, sizeof r);
-                return lk_yerr(c->doc, vn, NULL, "expected seconds in 0..%g (0 = none), got %s", LK_PLAN_TIMEOUT_MAX, r);
+                return lk_yerr(c->doc, vn, NULL, "expected seconds in %s (0 = none), got %s",
+                               lk_knob_range(LK_KNOB_TIMEOUT_S, range, sizeof range), r);
             }
             p->timeout = t;
         } else if (!strcmp(k, "fp8_saturate")) {

@@ -18,7 +18,7 @@
 
 static void fz_plan_check(const lk_plan *p, const char *base) {
     FZ_CHECK(p->n_steps <= LK_PLAN_MAX_ENTRIES);
-    FZ_CHECK(p->bucket_mb >= 0 && p->bucket_mb <= LK_BUCKET_MB_MAX);
+    FZ_CHECK(p->bucket_mb >= 0 && p->bucket_mb <= LK_KNOB_SWAP_BUCKET_MB_MAX);
     FZ_CHECK(p->no_lora_swap == 0 || p->no_lora_swap == 1);
     FZ_CHECK(p->n_steps == 0 || p->steps != NULL);
     size_t total = 0, blen = strlen(base);

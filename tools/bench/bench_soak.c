@@ -369,7 +369,7 @@ static lk_status soak_run(lk_comm *c, const soak_opts *o, const char *dir, soak_
     lk_tracker *t = NULL;
     if (!s) s = lk_comm_agree(c, lk_weights_load(base, &w));
     lk_tracker_opts to = LK_TRACKER_OPTS_DEFAULT;
-    to.bucket_bytes = (size_t)o->bucket_mb << 20;
+    if (!s) s = lk_knob_mib_bytes(LK_KNOB_SWAP_BUCKET_MB, (double)o->bucket_mb, &to.bucket_bytes);
     to.threads = (int)o->threads;
     if (!s) s = lk_tracker_create(c, w, &to, &t);
     uint64_t rss = (uint64_t)rss_kb();

@@ -231,10 +231,10 @@ static const char *const OPS[N_OPS] = {"apply", "strength", "swap", "reset"};
 static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int mode, const char *pa, const char *pb,
                           result med[N_OPS], size_t *staging, int *overlaps, result *create) {
     lk_tracker_opts to = LK_TRACKER_OPTS_DEFAULT;
-    to.bucket_bytes = (size_t)o->bucket_mb << 20;
+    lk_status s = lk_knob_mib_bytes(LK_KNOB_SWAP_BUCKET_MB, (double)o->bucket_mb, &to.bucket_bytes);
     to.threads = (int)o->threads;
     lk_tracker *t;
-    lk_status s = lk_comm_barrier(c);
+    if (!s) s = lk_comm_barrier(c);
     double t0 = lk_now_s();
     if (!s) s = lk_tracker_create_ex(c, w, &to, mode, &t);
     if (s) return s;

@@ -250,7 +250,7 @@ int lk_bench_sync(int argc, char **argv) {
         return LK_EXIT_OK;
     }
     ctx c = {.repeat = 5};
-    long dim = 1152, rank = 16, bucket_mb = 4, bucket_kb = 0, tokens = 512, ldim = 4096;
+    long dim = 1152, rank = 16, bucket_mb = LK_KNOB_SYNC_BUCKET_MB_DEFAULT, bucket_kb = 0, tokens = 512, ldim = 4096;
     int do_linear = 1, do_sync = 1;
     for (int i = 1; i < argc; i++) {
         long *dst = NULL;
@@ -284,7 +284,10 @@ int lk_bench_sync(int argc, char **argv) {
     else if (do_sync && N != 4 && R == 0)
         fprintf(stderr, "lorakit bench sync: measuring on %d ranks; the reference figures are for "
                         "`mpirun -n 4`\n", N);
-    size_t bucket_bytes = bucket_kb ? (size_t)bucket_kb << 10 : (size_t)bucket_mb << 20;
+    size_t bucket_bytes = 0;
+    if (lk_knob_mib_bytes(LK_KNOB_SYNC_BUCKET_MB, bucket_kb ? (double)bucket_kb / 1024.0 : (double)bucket_mb,
+                          &bucket_bytes))
+        return lk_cli_usage("bench sync", "%s", lk_last_error());
     if (do_sync && N > 1) {
         static const int counts[3] = {100, 300, 1000};
         for (int k = 0; k < 3 && s == LK_OK; k++)

@@ -53,7 +53,7 @@ int lk_cli_parse_double(const char *s, double *out) {
 
 int lk_cli_parse_timeout(const char *s, double *out) {
     double v;
-    if (!lk_cli_parse_double(s, &v) || !(v >= 0 && v <= 1e9)) return 0;
+    if (!lk_cli_parse_double(s, &v) || !lk_knob_in_range(LK_KNOB_TIMEOUT_S, v)) return 0;
     *out = v;
     return 1;
 }

@@ -23,11 +23,13 @@ int lk_cli_parse_int(const char *s, long *out);
 int lk_cli_parse_double(const char *s, double *out);
 
 #include "lorakit/comm.h"
-/* --timeout SECONDS: a number in 0..1e9 (0 = none); returns 0 on failure. */
+/* --timeout SECONDS: a number within LK_KNOB_TIMEOUT_S's bounds (0 = none);
+ * returns 0 on failure. */
 int lk_cli_parse_timeout(const char *s, double *out);
+/* A printf format piece: one %d, LK_KNOB_TIMEOUT_S_DEFAULT. */
 #define LK_CLI_TIMEOUT_HELP                                                              \
     "  --timeout S     seconds a collective may wait for the other ranks (default\n"    \
-    "                  300; 0 = none); on expiry every waiting rank prints which\n"     \
+    "                  %d; 0 = none); on expiry every waiting rank prints which\n"     \
     "                  collective and which ranks it waited for, and the job is\n"      \
     "                  aborted (MPI_Abort: a collective cannot be cancelled)\n"
 /* After LK_ERR_TIMEOUT (lk_last_error() holds the report): prints
