@@ -846,6 +846,207 @@ static void test_errors(void **state) {
     for (size_t i = 0; i < sizeof res; i++) assert_int_equal(((unsigned char *)res)[i], 0x55);
 }
 
+/* ---- LoHa, LoKr and dense terms (terms.c) on every path ----
+ * The canonical arithmetic of terms.c's header, replayed here from its
+ * statement: d0 = the LoRA chain (rf_delta) or +0, then d = acc(d0 + x)
+ * with x the term's delta (dense: acc(s D); LoHa: acc(P1 P2), P1 the
+ * chain with s in B', P2 without; LoKr: acc(acc(s W1) acc(W2)), W1 and W2
+ * f64 chains), then rf_element's single rounding. The AVX-512 paths fuse
+ * one term alone in registers (kernel_avx512.c's fused rows), a mix of
+ * terms through the staged rows, the AVX2 and portable paths always staged:
+ * every one must give these bytes, at 1-3 threads, in place or not. */
+
+/* W1 or W2 of a Kronecker term at [i, q]: B @ A as a f64 chain, or B. */
+static double tx_factor(const lk_tensor *B, const lk_tensor *A, size_t i, size_t q) {
+    if (!A) return rf_get(B, i * (size_t)B->shape[1] + q);
+    const rf_term t = {A, B, 1.0};
+    return rf_delta(1, &t, 1, i, q, (size_t)A->shape[1]);
+}
+
+/* d of element (o, j) for terms t (LoRA terms first, as callers order them). */
+static double tx_delta(int wide, const lk_fuse_term *t, size_t nt, size_t o, size_t j, size_t in) {
+    rf_term lr[4];
+    size_t nl = 0;
+    for (size_t i = 0; i < nt; i++)
+        if (t[i].kind == LK_TERM_LORA) lr[nl++] = (rf_term){t[i].A, t[i].B, t[i].scale};
+    double d = nl ? rf_delta(wide, lr, nl, o, j, in) : 0.0;
+    volatile float df = (float)d;
+    for (size_t i = 0; i < nt; i++) {
+        const lk_fuse_term *x = &t[i];
+        if (x->kind == LK_TERM_LORA || x->scale == 0.0) continue;
+        double xv;
+        if (x->kind == LK_TERM_DENSE) {
+            const double v = rf_get(x->B, o * in + j);
+            xv = wide ? x->scale * v : (double)(float)(x->scale * v);
+        } else if (x->kind == LK_TERM_HADA) {
+            const rf_term t1 = {x->A, x->B, x->scale}, t2 = {x->A2, x->B2, 1.0};
+            const double p1 = rf_delta(wide, &t1, 1, o, j, in), p2 = rf_delta(wide, &t2, 1, o, j, in);
+            volatile float pf = (float)p1 * (float)p2;
+            xv = wide ? p1 * p2 : (double)pf;
+        } else {
+            const size_t c = (size_t)x->B2->shape[0];
+            const size_t D = (size_t)(x->A2 ? x->A2->shape[1] : x->B2->shape[1]);
+            const double w1 = x->scale * tx_factor(x->B, x->A, o / c, j / D), w2 = tx_factor(x->B2, x->A2, o % c, j % D);
+            volatile float pf = (float)w1 * (float)w2;
+            xv = wide ? w1 * w2 : (double)pf;
+        }
+        if (wide) d = d + xv;
+        else df = df + (float)xv;
+    }
+    return wide ? d : (double)df;
+}
+
+static void tx_set(const lk_tensor *t, size_t i, float v) {
+    lk_from_f32((char *)t->data + i * lk_dtype_size(t->dtype), &v, t->dtype, 1);
+}
+
+static void test_terms_paths(void **state) {
+    (void)state;
+    typedef struct tcase {
+        int64_t out, in;
+        int kind;           /* 0 dense, 1 LoHa, 2 LoKr (w1 full, w2 = w2a @ w2b), 3 LoKr (w1 = w1a @ w1b, w2 full), 4 LoRA + LoHa */
+        int64_t a, b, c, D; /* LoKr: w1 a x b, w2 c x D; LoHa: the two ranks in a, b */
+        float scale;
+        int ddt;            /* dense: the delta's dtype (index into DTS) */
+    } tcase;
+    const tcase cases[] = {
+        {13, 150, 0, 0, 0, 0, 0, 1.0f, 2},  /* BF16 delta, scale 1: ties on BF16 weights */
+        {13, 150, 0, 0, 0, 0, 0, -0.37f, 0},
+        {7, 37, 0, 0, 0, 0, 0, 1.0f, 1},
+        {13, 150, 1, 3, 5, 0, 0, 0.8f, 0},   /* row tail of the 3-row block, column tails */
+        {5, 64, 1, 1, 1, 0, 0, -1.5f, 0},    /* ranks 1: x = -0 at [0, 0] (below) */
+        {11, 200, 1, 16, 7, 0, 0, 0.25f, 1},
+        {14, 150, 2, 2, 3, 7, 50, 0.6f, 0},  /* D = 50: masked groups inside each row */
+        {10, 140, 3, 2, 2, 5, 70, 1.0f, 0},  /* D = 70: two segments per q */
+        {13, 150, 4, 3, 4, 0, 0, 0.9f, 0},   /* LoRA + LoHa: the staged rows */
+    };
+    tu_rng rng = {1818};
+    unsigned long checked = 0;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+        for (int wd = 0; wd < 3; wd++) {
+            const tcase *f = &cases[c];
+            const lk_dtype dt = DTS[wd];
+            const size_t n = (size_t)(f->out * f->in), esz = lk_dtype_size(dt);
+            ar_tensor W, T[6];
+            int nt = 0;
+            ar_tensor_rand(&W, "w", dt, f->out, f->in, &rng, -1, 1);
+            const uint32_t sp[3][5] = {{0x80000000u, 0x7f812345u, 0x7f800000u, 0x00000005u, 0x3f800000u},
+                                       {0x8000u, 0x7c2au, 0x7c00u, 0x0003u, 0x3c00u},
+                                       {0x8000u, 0x7f91u, 0xff80u, 0x0021u, 0x3f80u}};
+            for (int i = 0; i < 5; i++) memcpy((char *)W.t.data + (size_t)(i * 7) % n * esz, &sp[wd][i], esz);
+            lk_fuse_term terms[2];
+            size_t n_terms = 1;
+#define RT(rows, cols, fd) (ar_tensor_rand(&T[nt], "f", DTS[(fd) % 3], (rows), (cols), &rng, -1, 1), &T[nt++].t)
+            if (f->kind == 0) {
+                lk_tensor *D = RT(f->out, f->in, f->ddt);
+                if (f->ddt != 0) { /* special deltas: -0, Inf, a value that overflows */
+                    const uint16_t dsp[3] = {0x8000u, f->ddt == 1 ? 0x7c00u : 0x7f80u, f->ddt == 1 ? 0x7bffu : 0x7f7fu};
+                    for (int i = 0; i < 3; i++) memcpy((char *)D->data + (size_t)(i * 11) % n * 2, &dsp[i], 2);
+                }
+                terms[0] = (lk_fuse_term){.B = D, .scale = f->scale, .kind = LK_TERM_DENSE};
+            } else if (f->kind == 1 || f->kind == 4) {
+                lk_tensor *B1 = RT(f->out, f->a, wd + 1), *A1 = RT(f->a, f->in, wd + 2);
+                lk_tensor *B2 = RT(f->out, f->b, wd), *A2 = RT(f->b, f->in, wd + 1);
+                terms[0] = (lk_fuse_term){.A = A1, .B = B1, .A2 = A2, .B2 = B2, .scale = f->scale, .kind = LK_TERM_HADA};
+                if (f->a == 1 && f->b == 1) { /* P1[0,0] = (-1.5 * +0) * 1 = -0, P2 = 1: x = -0 on W = -0 */
+                    tx_set(B1, 0, 0.0f);
+                    tx_set(A1, 0, 1.0f);
+                    tx_set(B2, 0, 1.0f);
+                    tx_set(A2, 0, 1.0f);
+                }
+                if (f->kind == 4) {
+                    lk_tensor *LB = RT(f->out, 2, wd), *LA = RT(2, f->in, wd + 2);
+                    terms[1] = terms[0];
+                    terms[0] = (lk_fuse_term){.A = LA, .B = LB, .scale = -0.7};
+                    n_terms = 2;
+                }
+            } else if (f->kind == 2) {
+                lk_tensor *w1 = RT(f->a, f->b, wd), *w2b = RT(f->c, 3, wd + 1), *w2a = RT(3, f->D, wd + 2);
+                terms[0] = (lk_fuse_term){.B = w1, .A2 = w2a, .B2 = w2b, .scale = f->scale, .kind = LK_TERM_KRON};
+                /* W1s[0,0] = +0, W2[0,0] = -1 (+ 0 * ...): x = -0 on W = -0 */
+                tx_set(w1, 0, 0.0f);
+                tx_set(w2b, 0, -1.0f);
+                tx_set(w2b, 1, 0.0f);
+                tx_set(w2b, 2, 0.0f);
+                tx_set(w2a, 0, 1.0f);
+            } else {
+                lk_tensor *w1b = RT(f->a, 2, wd), *w1a = RT(2, f->b, wd + 1), *w2 = RT(f->c, f->D, wd + 2);
+                terms[0] = (lk_fuse_term){.A = w1a, .B = w1b, .B2 = w2, .scale = f->scale, .kind = LK_TERM_KRON};
+            }
+#undef RT
+            char *want = malloc(W.t.nbytes), *res = malloc(W.t.nbytes);
+            for (size_t i = 0; i < n; i++) {
+                uint32_t wb = 0, r;
+                memcpy(&wb, (const char *)W.t.data + i * esz, esz);
+                r = rf_element(dt, wb, rf_get(&W.t, i),
+                               tx_delta(dt == LK_DTYPE_F32, terms, n_terms, i / (size_t)f->in, i % (size_t)f->in,
+                                        (size_t)f->in));
+                memcpy(want + i * esz, &r, esz);
+            }
+            for (int pth = 0; pth < N_PATHS; pth++) {
+                if (!force_path(PATHS[pth])) continue;
+                for (int th = 1; th <= 3; th++) {
+                    lk_fuse_opts o = {.threads = th, .allow_nonfinite = 1};
+                    memset(res, 0xa5, W.t.nbytes);
+                    if (th == 3) memcpy(res, W.t.data, W.t.nbytes); /* in place */
+                    assert_int_equal(lk_fuse_tensor(res, th == 3 ? res : W.t.data, dt, f->out, f->in, terms, n_terms,
+                                                    &o, "w"),
+                                     LK_OK);
+                    for (size_t i = 0; i < n; i++)
+                        if (memcmp(res + i * esz, want + i * esz, esz))
+                            fail_msg("case %zu %s path %s threads %d: element %zu differs from the specification", c,
+                                     lk_dtype_name(dt), PATHS[pth], th, i);
+                    checked++;
+                }
+            }
+            unsetenv("LORAKIT_KERNEL");
+            free(want);
+            free(res);
+            ar_tensor_free(&W);
+            for (int i = 0; i < nt; i++) ar_tensor_free(&T[i]);
+        }
+    assert_true(checked >= 8 * 3 * 3);
+}
+
+/* A LoHa term big enough for several threads and row blocks (2^19
+ * elements, BF16): every path and thread count gives the bytes of the
+ * portable path at one thread, which test_terms_paths ties to the
+ * specification. */
+static void test_terms_threads(void **state) {
+    (void)state;
+    tu_rng rng = {99};
+    const int64_t out = 515, in = 1030;
+    ar_tensor W, A1, B1, A2, B2;
+    ar_tensor_rand(&W, "w", LK_DTYPE_BF16, out, in, &rng, -1, 1);
+    ar_tensor_rand(&A1, "A", LK_DTYPE_BF16, 8, in, &rng, -0.5f, 0.5f);
+    ar_tensor_rand(&B1, "B", LK_DTYPE_F32, out, 8, &rng, -0.5f, 0.5f);
+    ar_tensor_rand(&A2, "A", LK_DTYPE_F16, 4, in, &rng, -0.5f, 0.5f);
+    ar_tensor_rand(&B2, "B", LK_DTYPE_BF16, out, 4, &rng, -0.5f, 0.5f);
+    lk_fuse_term t = {.A = &A1.t, .B = &B1.t, .A2 = &A2.t, .B2 = &B2.t, .scale = 0.3, .kind = LK_TERM_HADA};
+    void *first = malloc(W.t.nbytes), *res = malloc(W.t.nbytes);
+    assert_true(force_path("portable"));
+    lk_fuse_opts o1 = {.threads = 1};
+    assert_int_equal(lk_fuse_tensor(first, W.t.data, LK_DTYPE_BF16, out, in, &t, 1, &o1, "w"), LK_OK);
+    const int th[3] = {1, 2, 3};
+    for (int pth = 0; pth < N_PATHS; pth++) {
+        if (!force_path(PATHS[pth])) continue;
+        for (int i = 0; i < 3; i++) {
+            lk_fuse_opts o = {.threads = th[i]};
+            memset(res, 0, W.t.nbytes);
+            assert_int_equal(lk_fuse_tensor(res, W.t.data, LK_DTYPE_BF16, out, in, &t, 1, &o, "w"), LK_OK);
+            assert_memory_equal(res, first, W.t.nbytes);
+        }
+    }
+    unsetenv("LORAKIT_KERNEL");
+    free(first);
+    free(res);
+    ar_tensor_free(&W);
+    ar_tensor_free(&A1);
+    ar_tensor_free(&B1);
+    ar_tensor_free(&A2);
+    ar_tensor_free(&B2);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_matches_reference), cmocka_unit_test(test_thread_invariance),
@@ -855,7 +1056,8 @@ int main(void) {
         cmocka_unit_test(test_nonfinite_bf16_block), cmocka_unit_test(test_single_rounding_hand),
         cmocka_unit_test(test_f32_cancellation), cmocka_unit_test(test_delta_api),
         cmocka_unit_test(test_add_odd_hand), cmocka_unit_test(test_ties_in_blocks),
-        cmocka_unit_test(test_epilogue_edges),
+        cmocka_unit_test(test_epilogue_edges), cmocka_unit_test(test_terms_paths),
+        cmocka_unit_test(test_terms_threads),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

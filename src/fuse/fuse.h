@@ -70,6 +70,10 @@ lk_status lk_kdelta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int
                             const lk_fuse_term *terms, size_t n_terms, const char *name, lk_kdelta **p);
 void lk_kdelta_rows(const lk_kdelta *p, void *delta, size_t ld, size_t row, size_t n);
 void lk_kdelta_free(lk_kdelta *p);
+/* The prepared factors when they are in panels (an AVX-512 path): *ap the
+ * panels of A (LK_PW32 f32 columns narrow, LK_PW64 f64 wide), *bs B' of
+ * the prepared rows, *R the rank; returns 0 (and sets nothing) otherwise. */
+int lk_kdelta_panels(const lk_kdelta *p, const void **ap, const void **bs, size_t *R);
 
 /* The error for the first element (bad_at = o * in + j, SIZE_MAX: none) a
  * fuse made non-finite from weight w to r, unless opts allow it. */
@@ -115,6 +119,8 @@ int lk_fuse_kernel_supported(const char *name);
 
 #define LK_PW32 64 /* columns per packed panel, f32 accumulator */
 #define LK_PW64 32 /* columns per packed panel, f64 accumulator */
+/* A column tile: the panels of A a block's rows share, kept near this size (L1) */
+#define LK_TILE_BYTES (24u * 1024u)
 
 typedef struct lk_kjob lk_kjob;
 typedef struct lk_kworker {
@@ -179,8 +185,32 @@ void lk_kernel_note_bad(lk_kworker *wk, size_t o, size_t col0, size_t n, const v
 void lk_kernel_finish_slow(lk_kworker *wk, size_t o, size_t col0, size_t n, const void *src, const float *d32,
                            const double *d64, void *dst);
 
+/* terms.c's fused rows (the AVX-512 paths): one LoHa, LoKr or dense term
+ * alone on a weight, its delta made in registers and rounded by the LoRA
+ * block's epilogue, with terms.c's canonical arithmetic (d = +0 + x). k
+ * holds what the epilogue and lk_kernel_finish_slow read (w_out, w_in, dt,
+ * wide, out, in) and, for LoHa, npan and pan_tile (the column tiling). */
+typedef struct lk_xjob {
+    lk_kjob k;
+    int kind;               /* lk_term_kind: LK_TERM_DENSE, _HADA or _KRON */
+    const void *dense;      /* dense: D (out x in, dtype ddt), x = acc(scale * D) */
+    int ddt;
+    double scale;
+    const void *ap1, *bs1;  /* LoHa: P1's panels and B' (all rows), rank R1 */
+    const void *ap2, *bs2;  /* P2's, rank R2 (f32 narrow, f64 wide; LK_PW32 / LK_PW64 panels) */
+    size_t R1, R2;
+    const void *w1, *w2;    /* LoKr: acc(s W1) (a x b) and acc(W2) (c x D) */
+    size_t b, c, D;
+} lk_xjob;
+/* Rows [o0, o1) of an lk_xjob (wk->job is &jb->k). */
+typedef void (*lk_xrows_fn)(const lk_xjob *jb, lk_kworker *wk, size_t o0, size_t o1);
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define LK_KERNEL_X86 1
+void lk_xrows_avx512(const lk_xjob *jb, lk_kworker *wk, size_t o0, size_t o1);
+void lk_xrows_avx512bf16(const lk_xjob *jb, lk_kworker *wk, size_t o0, size_t o1);
+/* The f64 chain alone, from A in LK_PW64 panels and B' rows x R. */
+void lk_kdelta64_avx512(double *d, size_t ld, const double *ap, const double *bs, size_t R, size_t in, size_t rows);
 void lk_kblock_avx512(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
 void lk_kblock_avx512bf16(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size_t p0, size_t p1);
 /* The f32 chain alone into d (rows x in, row stride ld) from A in LK_PW32

@@ -71,7 +71,6 @@
 #endif
 
 #define ROWS_PER_CHUNK (4 * LK_KMR)
-#define TILE_BYTES (24u * 1024u)
 #define WORK_PER_THREAD ((size_t)1 << 20)
 
 float lk_fuse_add_odd_f32(float w, float d) { return scalar_add_odd_f32(w, d); }
@@ -487,7 +486,7 @@ static lk_status fuse_whole(void *w_out, const void *w_in, lk_dtype dtype, int64
     make_bs(bs, wide, R, 0, O, terms, n_terms, tmp);
     make_panels(ap, wide, pw, R, I, terms, n_terms, tmp);
 
-    size_t pan_tile = TILE_BYTES / (R * pw * vsz);
+    size_t pan_tile = LK_TILE_BYTES / (R * pw * vsz);
     if (pan_tile < 1) pan_tile = 1;
     memset(sh, 0, sizeof *sh);
     sh->job = (lk_kjob){.w_out = w_out, .w_in = w_in, .dt = (int)dtype, .wide = wide, .out = O, .in = I, .R = R,
@@ -590,7 +589,7 @@ __attribute__((target("avx2,fma"))) static void delta64_avx2(double *d, size_t l
 #endif
 
 struct lk_kdelta {
-    int wide, panels; /* panels: A in LK_PW32-column panels for the AVX-512 delta block, else plain R x in */
+    int wide, panels; /* panels: A in LK_PW32 (wide: LK_PW64) column panels for the AVX-512 delta block, else plain R x in */
     size_t R, I, row0, rows;
     void *A, *bs;   /* A (packed), B' of rows [row0, row0 + rows) */
     int fast;       /* the path is not portable */
@@ -620,13 +619,13 @@ lk_status lk_kdelta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int
     *p = (lk_kdelta){.wide = wide, .R = R, .I = I, .row0 = (size_t)row0, .rows = n,
                          .fast = strcmp(path, "portable") != 0};
 #ifdef LK_KERNEL_X86
-    p->panels = !wide && !strncmp(path, "avx512", 6);
+    p->panels = !strncmp(path, "avx512", 6);
 #endif
     if (R == 0) {
         *pp = p;
         return LK_OK;
     }
-    const size_t pw = p->panels ? LK_PW32 : I, npan = (I + pw - 1) / pw;
+    const size_t pw = !p->panels ? I : wide ? LK_PW64 : LK_PW32, npan = (I + pw - 1) / pw;
     size_t a_n, b_n, tot;
     if (!lk_checked_mul(npan * pw, R, &a_n) || !lk_checked_mul(n, R, &b_n) || !lk_checked_add(a_n, b_n, &tot) ||
         !lk_checked_mul(tot, vsz, &tot) || !lk_checked_add(tot, ((I > R ? I : R) + 32) * sizeof(float), &tot)) {
@@ -661,7 +660,8 @@ void lk_kdelta_rows(const lk_kdelta *p, void *delta, size_t ld, size_t row, size
     if (p->wide) {
         const double *bs = (const double *)p->bs + r0 * R;
 #ifdef LK_KERNEL_X86
-        if (p->fast) delta64_avx2(delta, ld, p->A, bs, R, I, rows);
+        if (p->panels) lk_kdelta64_avx512(delta, ld, p->A, bs, R, I, rows);
+        else if (p->fast) delta64_avx2(delta, ld, p->A, bs, R, I, rows);
         else
 #endif
             delta64_portable(delta, ld, p->A, bs, R, I, rows);
@@ -675,6 +675,14 @@ void lk_kdelta_rows(const lk_kdelta *p, void *delta, size_t ld, size_t row, size
             delta32_portable(delta, ld, p->A, bs, R, I, rows);
     }
     fesetenv(&saved);
+}
+
+int lk_kdelta_panels(const lk_kdelta *p, const void **ap, const void **bs, size_t *R) {
+    if (!p->panels || !p->R) return 0;
+    *ap = p->A;
+    *bs = p->bs;
+    *R = p->R;
+    return 1;
 }
 
 void lk_kdelta_free(lk_kdelta *p) {

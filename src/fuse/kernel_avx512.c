@@ -33,6 +33,7 @@
 #define LK_K512_NAME lk_kblock_avx512
 #define LK_K512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"
 #define LK_K512_BF16ISA 0
+#define LK_X512_NAME lk_xrows_avx512
 #endif
 #define LK_T __attribute__((target(LK_K512_TARGET)))
 #define LK_TI static inline __attribute__((always_inline)) LK_T
@@ -111,6 +112,36 @@ LK_TI __m256i round_bf16(__m256i w16, __m512 d, __mmask32 *special) {
 }
 #endif
 
+/* The exact BF16 rounding of 16 lanes in vector code, for a group whose
+ * fast case found a tie, or for every group where ties are common: the
+ * odd sum (TwoSum and the odd step, as for F16), then RNE on the bits
+ * (with AVX512_BF16: VCVTNEPS2BF16, a denormal sum left to the slow path
+ * as in round_bf16); *special marks lanes left to the slow path: s Inf or
+ * NaN, or a result that rounds to Inf. A dense BF16 delta on a BF16 weight
+ * makes ties often (8 significant bits each, so W + D is usually exact in
+ * f32 and its low 16 bits are 0x8000 for 1 lane in 2^(bits of D below W's
+ * unit), 1 in 64 with the bench's data), far too often for the slow path. */
+#if !LK_K512_BF16ISA
+LK_TI __m256i round_bf16_odd(__m256i w16, __m512 d, __mmask16 *special) {
+    const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16));
+    const __m512i su = _mm512_castps_si512(odd_add_ps(w, d));
+    const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                          _mm512_and_si512(_mm512_srli_epi32(su, 16), _mm512_set1_epi32(1)));
+    *special = _mm512_cmpge_epu32_mask(_mm512_and_si512(su, _mm512_set1_epi32(0x7fffffff)),
+                                       _mm512_set1_epi32(0x7f7f8000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(su, bias), 16));
+}
+#else
+LK_TI __m256i round_bf16_odd(__m256i w16, __m512 d, __mmask16 *special) {
+    const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w16), 16));
+    const __m512 s = odd_add_ps(w, d);
+    const __m256i r = (__m256i)_mm512_cvtneps_pbh(s);
+    const __m256i em = _mm256_set1_epi16(0x7f80);
+    *special = _mm512_fpclass_ps_mask(s, 0xB9) | _mm256_cmpeq_epi16_mask(_mm256_and_si256(r, em), em);
+    return r;
+}
+#endif
+
 /* The same for F16: odd rounding in f32, then the hardware's RNE. */
 LK_TI __m256i round_f16(__m256i w16, __m512 d, __mmask32 *special) {
     const __m512 s = odd_add_ps(_mm512_cvtph_ps(w16), d);
@@ -166,7 +197,7 @@ LK_TI void prefetch_rows(const unsigned char *seg, size_t ldw, const int MR) {
  * panel's h-th vector of columns, from the panel ap ([k][PW]) and B' rows
  * bs (stride R): the first product, then one fma per k (step 3 of
  * kernel.c). chain16: f32, 64 columns; chain32: f64, 32 columns. */
-#define LK_CHAIN(NAME, VT, ET, PW, VL, LOAD, SET1, MUL, FMA)                                                   \
+#define LK_CHAIN(NAME, VT, ET, PW, VL, LOAD, SET1, MUL, FMA, KEEP)                                             \
     LK_TI void NAME(VT acc[LK_KMR][4], const ET *ap, const ET *bs, size_t R, const int MR) {                  \
         {                                                                                                      \
             const VT a0 = LOAD(ap), a1 = LOAD(ap + VL), a2 = LOAD(ap + 2 * VL), a3 = LOAD(ap + 3 * VL);        \
@@ -180,7 +211,8 @@ LK_TI void prefetch_rows(const unsigned char *seg, size_t ldw, const int MR) {
         }                                                                                                      \
         for (size_t k = 1; k < R; k++) {                                                                       \
             const ET *a = ap + k * PW;                                                                         \
-            const VT a0 = LOAD(a), a1 = LOAD(a + VL), a2 = LOAD(a + 2 * VL), a3 = LOAD(a + 3 * VL);            \
+            VT a0 = LOAD(a), a1 = LOAD(a + VL), a2 = LOAD(a + 2 * VL), a3 = LOAD(a + 3 * VL);                  \
+            KEEP(a0, a1, a2, a3);                                                                              \
             _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {                                             \
                 const VT b = SET1(bs[(size_t)r * R + k]);                                                      \
                 acc[r][0] = FMA(b, a0, acc[r][0]);                                                             \
@@ -190,9 +222,108 @@ LK_TI void prefetch_rows(const unsigned char *seg, size_t ldw, const int MR) {
             }                                                                                                  \
         }                                                                                                      \
     }
-LK_CHAIN(chain16, __m512, float, LK_PW32, 16, _mm512_loadu_ps, _mm512_set1_ps, _mm512_mul_ps, _mm512_fmadd_ps)
-LK_CHAIN(chain32, __m512d, double, LK_PW64, 8, _mm512_loadu_pd, _mm512_set1_pd, _mm512_mul_pd, _mm512_fmadd_pd)
+#define LK_NOKEEP(a0, a1, a2, a3) ((void)0)
+/* The A vectors held in registers: an empty asm makes them opaque, so the
+ * compiler cannot fold each load into every row's FMA (it did in LoHa's
+ * 3-row blocks, two chains at a time: 4 loads per 3 FMAs, load-bound). */
+#define LK_KEEP(a0, a1, a2, a3) __asm__("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3))
+LK_CHAIN(chain16, __m512, float, LK_PW32, 16, _mm512_loadu_ps, _mm512_set1_ps, _mm512_mul_ps, _mm512_fmadd_ps,
+         LK_NOKEEP)
+LK_CHAIN(chain32, __m512d, double, LK_PW64, 8, _mm512_loadu_pd, _mm512_set1_pd, _mm512_mul_pd, _mm512_fmadd_pd,
+         LK_NOKEEP)
+LK_CHAIN(chain16k, __m512, float, LK_PW32, 16, _mm512_loadu_ps, _mm512_set1_ps, _mm512_mul_ps, _mm512_fmadd_ps,
+         LK_KEEP)
+LK_CHAIN(chain32k, __m512d, double, LK_PW64, 8, _mm512_loadu_pd, _mm512_set1_pd, _mm512_mul_pd, _mm512_fmadd_pd,
+         LK_KEEP)
 #undef LK_CHAIN
+#undef LK_NOKEEP
+#undef LK_KEEP
+
+/* One 16-lane group of a narrow weight: the fast rounding into *out; a
+ * BF16 tie is redone exactly in vector code (round_bf16_odd). Nonzero:
+ * the group needs the slow path (Inf, NaN, or F16's special lanes). */
+LK_TI unsigned group16(int bf, __m256i w16, __m512 d, __m256i *out, const int exact) {
+    if (exact && bf) {
+        __mmask16 sx;
+        *out = round_bf16_odd(w16, d, &sx);
+        return sx;
+    }
+    __mmask32 sp;
+    *out = bf ? round_bf16(w16, d, &sp) : round_f16(w16, d, &sp);
+    if (__builtin_expect(sp != 0, 0) && bf) {
+        __mmask16 sx;
+        *out = round_bf16_odd(w16, d, &sx);
+        return sx;
+    }
+    return sp;
+}
+
+/* One row segment of a narrow (BF16 / F16) weight: v[0..3] the f32 delta
+ * of columns col0 .. col0 + 63, n of them real (n >= 64: the whole
+ * segment; else lanes [0, n), loaded and stored masked: past n the
+ * caller's delta is 0 and the masked load gives w = 0, never special),
+ * W + d rounded once from src into dst; a group with an Inf or NaN redone
+ * by the slow path. The LoRA block and terms' fused rows (below) all end
+ * here. */
+LK_TI void seg16x(lk_kworker *wk, int bf, size_t o, size_t col0, long n, const unsigned char *src,
+                  unsigned char *dst, const __m512 v[4], const int exact) {
+    __m256i o16[4];
+    unsigned sp = 0;
+    if (__builtin_expect(n >= LK_PW32, 1)) { /* the common case: whole panel, one test per row */
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++) sp |= group16(bf, _mm256_loadu_si256((const __m256i *)(src + 32 * h)), v[h], &o16[h], exact);
+        if (__builtin_expect(sp == 0, 1)) {
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; h++) _mm256_storeu_si256((__m256i *)(dst + 32 * h), o16[h]);
+            return;
+        }
+    } else {
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++)
+            sp |= group16(bf, _mm256_maskz_loadu_epi16(lanes16(n - 16 * h), src + 32 * h), v[h], &o16[h], exact);
+        if (__builtin_expect(sp == 0, 1)) {
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; h++) _mm256_mask_storeu_epi16(dst + 32 * h, lanes16(n - 16 * h), o16[h]);
+            return;
+        }
+    }
+    row_slow(wk, 0, o, col0, n >= LK_PW32 ? LK_PW32 : (size_t)n, src, dst, _mm512_castps_si512(v[0]),
+             _mm512_castps_si512(v[1]), _mm512_castps_si512(v[2]), _mm512_castps_si512(v[3]));
+}
+
+LK_TI void seg16(lk_kworker *wk, int bf, size_t o, size_t col0, long n, const unsigned char *src, unsigned char *dst,
+                 const __m512 v[4]) {
+    seg16x(wk, bf, o, col0, n, src, dst, v, 0);
+}
+
+/* The same for an F32 weight: v[0..3] the f64 delta of 32 columns. */
+LK_TI void seg32(lk_kworker *wk, size_t o, size_t col0, long n, const unsigned char *src, unsigned char *dst,
+                 const __m512d v[4]) {
+    const int whole = n >= LK_PW64;
+    __m256i o32[4];
+    __mmask8 sp[4];
+    if (__builtin_expect(whole, 1)) {
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++)
+            o32[h] = round_f32w(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), v[h], &sp[h]);
+    } else {
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++) /* past n: w = 0, d = 0, never special */
+            o32[h] = round_f32w(_mm256_maskz_loadu_epi32(lanes8(n - 8 * h), src + 32 * h), v[h], &sp[h]);
+    }
+    if (__builtin_expect((sp[0] | sp[1] | sp[2] | sp[3]) != 0, 0)) {
+        row_slow(wk, 1, o, col0, whole ? LK_PW64 : (size_t)n, src, dst, _mm512_castpd_si512(v[0]),
+                 _mm512_castpd_si512(v[1]), _mm512_castpd_si512(v[2]), _mm512_castpd_si512(v[3]));
+        return;
+    }
+    if (__builtin_expect(whole, 1)) {
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++) _mm256_storeu_si256((__m256i *)(dst + 32 * h), o32[h]);
+    } else {
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++) _mm256_mask_storeu_epi32(dst + 32 * h, lanes8(n - 8 * h), o32[h]);
+    }
+}
 
 /* The MR x 64 f32 block and its BF16/F16 epilogue. MR is a constant in
  * each instantiation and every loop over rows and vectors is unrolled, so
@@ -205,53 +336,13 @@ LK_TI void block16(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
     unsigned char *wout = (unsigned char *)jb->w_out + o * ldw;
     for (size_t p = p0; p < p1; p++) {
         const size_t col0 = p * LK_PW32;
-        const long n = (long)(in - col0);
         __m512 acc[LK_KMR][4];
         prefetch_rows(win + col0 * 2, ldw, MR);
         chain16(acc, jb->Ap32 + p * R * LK_PW32, bs, R, MR);
-        const int whole = n >= LK_PW32;
 #pragma GCC unroll 6
-        for (int r = 0; r < MR; r++) {
-            const unsigned char *src = win + (size_t)r * ldw + col0 * 2;
-            unsigned char *dst = wout + (size_t)r * ldw + col0 * 2;
-            if (__builtin_expect(whole, 1)) { /* the common case: whole panel, one test per row */
-                __m256i o16[4];
-                __mmask32 sp[4];
-#pragma GCC unroll 4
-                for (int h = 0; h < 4; h++)
-                    o16[h] = bf ? round_bf16(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), acc[r][h], &sp[h])
-                                : round_f16(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), acc[r][h], &sp[h]);
-                if (__builtin_expect((sp[0] | sp[1] | sp[2] | sp[3]) != 0, 0)) {
-                    row_slow(wk, 0, o + (size_t)r, col0, LK_PW32, src, dst, _mm512_castps_si512(acc[r][0]),
-                             _mm512_castps_si512(acc[r][1]), _mm512_castps_si512(acc[r][2]),
-                             _mm512_castps_si512(acc[r][3]));
-                    continue;
-                }
-#pragma GCC unroll 4
-                for (int h = 0; h < 4; h++) _mm256_storeu_si256((__m256i *)(dst + 32 * h), o16[h]);
-                continue;
-            }
-            /* the last panel of a row: lanes [0, n); the zero-padded panel
-             * gives d = 0 and the masked load w = 0 past n, never special */
-            __m256i o16[4];
-            __mmask32 spall = 0;
-#pragma GCC unroll 4
-            for (int h = 0; h < 4; h++) {
-                __mmask32 sp;
-                const __mmask16 m = lanes16(n - 16 * h);
-                const __m256i w16 = _mm256_maskz_loadu_epi16(m, src + 32 * h);
-                o16[h] = bf ? round_bf16(w16, acc[r][h], &sp) : round_f16(w16, acc[r][h], &sp);
-                spall |= sp;
-            }
-            if (__builtin_expect(spall != 0, 0)) {
-                row_slow(wk, 0, o + (size_t)r, col0, (size_t)n, src, dst, _mm512_castps_si512(acc[r][0]),
-                         _mm512_castps_si512(acc[r][1]), _mm512_castps_si512(acc[r][2]),
-                         _mm512_castps_si512(acc[r][3]));
-                continue;
-            }
-#pragma GCC unroll 4
-            for (int h = 0; h < 4; h++) _mm256_mask_storeu_epi16(dst + 32 * h, lanes16(n - 16 * h), o16[h]);
-        }
+        for (int r = 0; r < MR; r++)
+            seg16(wk, bf, o + (size_t)r, col0, (long)(in - col0), win + (size_t)r * ldw + col0 * 2,
+                  wout + (size_t)r * ldw + col0 * 2, acc[r]);
     }
 }
 
@@ -263,40 +354,13 @@ LK_TI void block32(const lk_kjob *jb, lk_kworker *wk, size_t o, const int MR, si
     unsigned char *wout = (unsigned char *)jb->w_out + o * ldw;
     for (size_t p = p0; p < p1; p++) {
         const size_t col0 = p * LK_PW64;
-        const long n = (long)(in - col0);
         __m512d acc[LK_KMR][4];
         prefetch_rows(win + col0 * 4, ldw, MR);
         chain32(acc, jb->Ap64 + p * R * LK_PW64, bs, R, MR);
-        const int whole = n >= LK_PW64;
 #pragma GCC unroll 6
-        for (int r = 0; r < MR; r++) {
-            const unsigned char *src = win + (size_t)r * ldw + col0 * 4;
-            unsigned char *dst = wout + (size_t)r * ldw + col0 * 4;
-            __m256i o32[4];
-            __mmask8 sp[4];
-            if (__builtin_expect(whole, 1)) {
-#pragma GCC unroll 4
-                for (int h = 0; h < 4; h++)
-                    o32[h] = round_f32w(_mm256_loadu_si256((const __m256i *)(src + 32 * h)), acc[r][h], &sp[h]);
-            } else {
-#pragma GCC unroll 4
-                for (int h = 0; h < 4; h++) /* past n: w = 0, d = 0, never special */
-                    o32[h] = round_f32w(_mm256_maskz_loadu_epi32(lanes8(n - 8 * h), src + 32 * h), acc[r][h], &sp[h]);
-            }
-            if (__builtin_expect((sp[0] | sp[1] | sp[2] | sp[3]) != 0, 0)) {
-                row_slow(wk, 1, o + (size_t)r, col0, whole ? LK_PW64 : (size_t)n, src, dst,
-                         _mm512_castpd_si512(acc[r][0]), _mm512_castpd_si512(acc[r][1]),
-                         _mm512_castpd_si512(acc[r][2]), _mm512_castpd_si512(acc[r][3]));
-                continue;
-            }
-            if (__builtin_expect(whole, 1)) {
-#pragma GCC unroll 4
-                for (int h = 0; h < 4; h++) _mm256_storeu_si256((__m256i *)(dst + 32 * h), o32[h]);
-            } else {
-#pragma GCC unroll 4
-                for (int h = 0; h < 4; h++) _mm256_mask_storeu_epi32(dst + 32 * h, lanes8(n - 8 * h), o32[h]);
-            }
-        }
+        for (int r = 0; r < MR; r++)
+            seg32(wk, o + (size_t)r, col0, (long)(in - col0), win + (size_t)r * ldw + col0 * 4,
+                  wout + (size_t)r * ldw + col0 * 4, acc[r]);
     }
 }
 
@@ -307,34 +371,203 @@ LK_T void LK_K512_NAME(const lk_kjob *jb, lk_kworker *wk, size_t o, int mr, size
 #undef WIDE
 #undef NARROW
 }
-#if !LK_K512_BF16ISA /* the delta alone has no BF16 epilogue: built once */
-/* MR rows of the delta, every panel, stored (masked in the last panel). */
-LK_TI void dblock16(float *d, size_t ld, const float *ap, const float *bs, size_t R, size_t in, const int MR) {
-    const size_t npan = (in + LK_PW32 - 1) / LK_PW32;
-    for (size_t p = 0; p < npan; p++) {
-        const size_t col0 = p * LK_PW32;
-        const long n = (long)(in - col0);
-        __m512 acc[LK_KMR][4];
-        chain16(acc, ap + p * R * LK_PW32, bs, R, MR);
-#pragma GCC unroll 6
-        for (int r = 0; r < MR; r++) {
-            float *dst = d + (size_t)r * ld + col0;
-            if (__builtin_expect(n >= LK_PW32, 1)) {
+/* ---- terms.c's fused rows: one LoHa, LoKr or dense term alone ----
+ * The delta of each 64-column (f64: 32-column) row segment is made in
+ * registers exactly as terms.c's canonical arithmetic says (d0 = +0, then
+ * d = acc(d0 + x), x the term's delta) and handed to seg16 / seg32, the
+ * LoRA block's single rounding: no row of the delta is ever stored. */
+
+/* LoHa: MR (1..3) rows x one panel get both chains (P1 with the scale in
+ * B', P2 without: chain16 / chain32, the LoRA chain's operations) in
+ * 2 x MR x 4 registers; x = acc(P1 * P2). */
+#define LK_HADA(NAME, VT, ET, PW, CHAIN, MUL, ADD, ZERO, SEG, ESZ, ...)                                       \
+    LK_TI void NAME(const lk_xjob *jb, lk_kworker *wk, size_t o, const int MR, size_t p0, size_t p1) {          \
+        const size_t R1 = jb->R1, R2 = jb->R2, in = jb->k.in, ldw = in * ESZ;                                  \
+        const ET *b1 = (const ET *)jb->bs1 + o * R1, *b2 = (const ET *)jb->bs2 + o * R2;                       \
+        const unsigned char *win = (const unsigned char *)jb->k.w_in + o * ldw;                               \
+        unsigned char *wout = (unsigned char *)jb->k.w_out + o * ldw;                                          \
+        for (size_t p = p0; p < p1; p++) {                                                                     \
+            const size_t col0 = p * PW;                                                                        \
+            VT p1v[LK_KMR][4], p2v[LK_KMR][4];                                                                 \
+            prefetch_rows(win + col0 * ESZ, ldw, MR);                                                          \
+            CHAIN(p1v, (const ET *)jb->ap1 + p * R1 * PW, b1, R1, MR);                                         \
+            CHAIN(p2v, (const ET *)jb->ap2 + p * R2 * PW, b2, R2, MR);                                         \
+            _Pragma("GCC unroll 3") for (int r = 0; r < MR; r++) {                                             \
+                VT d[4];                                                                                       \
+                _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) d[h] = ADD(ZERO, MUL(p1v[r][h], p2v[r][h])); \
+                SEG(wk, __VA_ARGS__ o + (size_t)r, col0, (long)(in - col0), win + (size_t)r * ldw + col0 * ESZ,    \
+                    wout + (size_t)r * ldw + col0 * ESZ, d);                                                   \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+LK_HADA(hada16, __m512, float, LK_PW32, chain16k, _mm512_mul_ps, _mm512_add_ps, _mm512_setzero_ps(), seg16, 2, jb->k.dt == LK_DTYPE_BF16,)
+LK_HADA(hada32, __m512d, double, LK_PW64, chain32k, _mm512_mul_pd, _mm512_add_pd, _mm512_setzero_pd(), seg32, 4,)
+#undef LK_HADA
+
+/* 16 lanes (n real, masked past n: 0) of a dense delta of dtype DDT from
+ * element e, as f32 (exact). */
+LK_TI __m512 dense_load16(const void *dense, int ddt, size_t e, long n) {
+    const __mmask16 m = lanes16(n);
+    if (ddt == LK_DTYPE_F32) return _mm512_maskz_loadu_ps(m, (const float *)dense + e);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)dense + e);
+    if (ddt == LK_DTYPE_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* s * (double)x for the low (hi = 0) or high 8 lanes of x, in f64. */
+LK_TI __m512d scaled_pd(__m512d s, __m512 x, const int hi) {
+    return _mm512_mul_pd(s, _mm512_cvtps_pd(hi ? _mm512_extractf32x8_ps(x, 1) : _mm512_castps512_ps256(x)));
+}
+
+/* Dense, narrow: x = acc(s * D) (D itself when s = 1: the same bits), one
+ * pass over W and D, 64 columns at a time. */
+LK_TI void dense16_rows(const lk_xjob *jb, lk_kworker *wk, size_t o0, size_t o1, const int ddt, const int one) {
+    const size_t in = jb->k.in;
+    const int bf = jb->k.dt == LK_DTYPE_BF16;
+    const __m512d sc = _mm512_set1_pd(jb->scale);
+    for (size_t o = o0; o < o1; o++) {
+        const unsigned char *src = (const unsigned char *)jb->k.w_in + o * in * 2;
+        unsigned char *dst = (unsigned char *)jb->k.w_out + o * in * 2;
+        for (size_t c = 0; c < in; c += LK_PW32) {
+            const long n = (long)(in - c);
+            __m512 d[4];
 #pragma GCC unroll 4
-                for (int h = 0; h < 4; h++) _mm512_storeu_ps(dst + 16 * h, acc[r][h]);
-            } else {
-#pragma GCC unroll 4
-                for (int h = 0; h < 4; h++) _mm512_mask_storeu_ps(dst + 16 * h, lanes16(n - 16 * h), acc[r][h]);
+            for (int h = 0; h < 4; h++) {
+                __m512 x = dense_load16(jb->dense, ddt, o * in + c + 16 * (size_t)h, n - 16 * h);
+                if (!one) /* each half rounded once from f64 */
+                    x = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(scaled_pd(sc, x, 0))),
+                                           _mm512_cvtpd_ps(scaled_pd(sc, x, 1)), 1);
+                d[h] = _mm512_add_ps(_mm512_setzero_ps(), x);
             }
+            seg16x(wk, bf, o, c, n, src + c * 2, dst + c * 2, d, 1);
         }
     }
 }
+
+/* Dense, wide (F32 weights): x = s * (double)D in f64, 32 columns at a time. */
+LK_TI void dense32_rows(const lk_xjob *jb, lk_kworker *wk, size_t o0, size_t o1, const int ddt) {
+    const size_t in = jb->k.in;
+    const __m512d sc = _mm512_set1_pd(jb->scale);
+    for (size_t o = o0; o < o1; o++) {
+        const unsigned char *src = (const unsigned char *)jb->k.w_in + o * in * 4;
+        unsigned char *dst = (unsigned char *)jb->k.w_out + o * in * 4;
+        for (size_t c = 0; c < in; c += LK_PW64) {
+            const long n = (long)(in - c);
+            __m512d d[4];
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m512 x = dense_load16(jb->dense, ddt, o * in + c + 16 * (size_t)h, n - 16 * h);
+                d[2 * h] = _mm512_add_pd(_mm512_setzero_pd(), scaled_pd(sc, x, 0));
+                d[2 * h + 1] = _mm512_add_pd(_mm512_setzero_pd(), scaled_pd(sc, x, 1));
+            }
+            seg32(wk, o, c, n, src + c * 4, dst + c * 4, d);
+        }
+    }
+}
+
+/* LoKr: row o = i c + k of kron(W1s, W2) is, for each q < b, W1s[i, q] *
+ * W2[k, :] in columns q D .. q D + D - 1: x = acc(W1s[i, q] * W2[k, m]),
+ * 64 (f64: 32) columns of one q at a time (masked past D: W2 0). */
+#define LK_KRON(NAME, VT, ET, PW, VL, SET1, MLOAD, MASK, MUL, ADD, ZERO, SEG, ESZ, ...)                         \
+    LK_TI void NAME(const lk_xjob *jb, lk_kworker *wk, size_t o0, size_t o1) {                                  \
+        const size_t in = jb->k.in, b = jb->b, c = jb->c, D = jb->D;                                           \
+        for (size_t o = o0; o < o1; o++) {                                                                     \
+            const ET *w1 = (const ET *)jb->w1 + (o / c) * b, *w2 = (const ET *)jb->w2 + (o % c) * D;          \
+            const unsigned char *src = (const unsigned char *)jb->k.w_in + o * in * ESZ;                       \
+            unsigned char *dst = (unsigned char *)jb->k.w_out + o * in * ESZ;                                  \
+            for (size_t q = 0; q < b; q++) {                                                                   \
+                const VT s = SET1(w1[q]);                                                                      \
+                for (size_t m = 0; m < D; m += PW) {                                                           \
+                    const long n = (long)(D - m);                                                              \
+                    const size_t col = q * D + m;                                                              \
+                    VT d[4];                                                                                   \
+                    _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) d[h] =                                 \
+                        ADD(ZERO, MUL(s, MLOAD(MASK(n - VL * h), w2 + m + VL * (size_t)h)));                   \
+                    SEG(wk, __VA_ARGS__ o, col, n, src + col * ESZ, dst + col * ESZ, d);                       \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+LK_KRON(kron16_rows, __m512, float, LK_PW32, 16, _mm512_set1_ps, _mm512_maskz_loadu_ps, lanes16, _mm512_mul_ps,
+        _mm512_add_ps, _mm512_setzero_ps(), seg16, 2, jb->k.dt == LK_DTYPE_BF16,)
+LK_KRON(kron32_rows, __m512d, double, LK_PW64, 8, _mm512_set1_pd, _mm512_maskz_loadu_pd, lanes8, _mm512_mul_pd,
+        _mm512_add_pd, _mm512_setzero_pd(), seg32, 4,)
+#undef LK_KRON
+
+/* Rows [o0, o1) of the job (kind in jb->kind; see fuse/fuse.h). */
+LK_T void LK_X512_NAME(const lk_xjob *jb, lk_kworker *wk, size_t o0, size_t o1) {
+    const int wide = jb->k.wide;
+    if (jb->kind == LK_TERM_HADA) {
+        for (size_t pt = 0; pt < jb->k.npan; pt += jb->k.pan_tile) {
+            const size_t pe = pt + jb->k.pan_tile < jb->k.npan ? pt + jb->k.pan_tile : jb->k.npan;
+            for (size_t o = o0; o < o1; o += 3) {
+                const int mr = o1 - o < 3 ? (int)(o1 - o) : 3;
+#define HADA(M) (wide ? hada32(jb, wk, o, M, pt, pe) : hada16(jb, wk, o, M, pt, pe))
+                if (mr == 3) HADA(3);
+                else if (mr == 2) HADA(2);
+                else HADA(1);
+#undef HADA
+            }
+        }
+    } else if (jb->kind == LK_TERM_KRON) {
+        if (wide) kron32_rows(jb, wk, o0, o1);
+        else kron16_rows(jb, wk, o0, o1);
+    } else if (wide) {
+        if (jb->ddt == LK_DTYPE_F32) dense32_rows(jb, wk, o0, o1, LK_DTYPE_F32);
+        else if (jb->ddt == LK_DTYPE_F16) dense32_rows(jb, wk, o0, o1, LK_DTYPE_F16);
+        else dense32_rows(jb, wk, o0, o1, LK_DTYPE_BF16);
+    } else {
+        const int one = jb->scale == 1.0;
+#define DENSE(T) (one ? dense16_rows(jb, wk, o0, o1, T, 1) : dense16_rows(jb, wk, o0, o1, T, 0))
+        if (jb->ddt == LK_DTYPE_F32) DENSE(LK_DTYPE_F32);
+        else if (jb->ddt == LK_DTYPE_F16) DENSE(LK_DTYPE_F16);
+        else DENSE(LK_DTYPE_BF16);
+#undef DENSE
+    }
+}
+
+#if !LK_K512_BF16ISA /* the delta alone has no BF16 epilogue: built once */
+/* MR rows of the delta, every panel, stored (masked in the last panel):
+ * f32 (dblock16, 64 columns a panel) or f64 (dblock32, 32). */
+#define LK_DBLOCK(NAME, ET, VT, PW, VL, CHAIN, STORE, MSTORE, MASK)                                           \
+    LK_TI void NAME(ET *d, size_t ld, const ET *ap, const ET *bs, size_t R, size_t in, const int MR) {        \
+        const size_t npan = (in + PW - 1) / PW;                                                                \
+        for (size_t p = 0; p < npan; p++) {                                                                    \
+            const size_t col0 = p * PW;                                                                        \
+            const long n = (long)(in - col0);                                                                  \
+            VT acc[LK_KMR][4];                                                                                 \
+            CHAIN(acc, ap + p * R * PW, bs, R, MR);                                                            \
+            _Pragma("GCC unroll 6") for (int r = 0; r < MR; r++) {                                             \
+                ET *dst = d + (size_t)r * ld + col0;                                                           \
+                if (__builtin_expect(n >= PW, 1)) {                                                            \
+                    _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) STORE(dst + VL * h, acc[r][h]);        \
+                } else {                                                                                       \
+                    _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++)                                        \
+                        MSTORE(dst + VL * h, MASK(n - VL * h), acc[r][h]);                                     \
+                }                                                                                              \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+LK_DBLOCK(dblock16, float, __m512, LK_PW32, 16, chain16, _mm512_storeu_ps, _mm512_mask_storeu_ps, lanes16)
+LK_DBLOCK(dblock32, double, __m512d, LK_PW64, 8, chain32, _mm512_storeu_pd, _mm512_mask_storeu_pd, lanes8)
+#undef LK_DBLOCK
 
 LK_T void lk_kdelta32_avx512(float *d, size_t ld, const float *ap, const float *bs, size_t R, size_t in, size_t rows) {
     for (size_t o = 0; o < rows; o += LK_KMR) {
         float *dr = d + o * ld;
         const float *br = bs + o * R;
 #define DELTA(M) dblock16(dr, ld, ap, br, R, in, M)
+        LK_KMR_SWITCH(rows - o < LK_KMR ? (int)(rows - o) : LK_KMR, DELTA);
+#undef DELTA
+    }
+}
+
+LK_T void lk_kdelta64_avx512(double *d, size_t ld, const double *ap, const double *bs, size_t R, size_t in,
+                             size_t rows) {
+    for (size_t o = 0; o < rows; o += LK_KMR) {
+        double *dr = d + o * ld;
+        const double *br = bs + o * R;
+#define DELTA(M) dblock32(dr, ld, ap, br, R, in, M)
         LK_KMR_SWITCH(rows - o < LK_KMR ? (int)(rows - o) : LK_KMR, DELTA);
 #undef DELTA
     }

@@ -8,5 +8,6 @@
 #define LK_K512_NAME lk_kblock_avx512bf16
 #define LK_K512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx512bf16"
 #define LK_K512_BF16ISA 1
+#define LK_X512_NAME lk_xrows_avx512bf16
 #include "kernel_avx512.c"
 #endif

@@ -32,9 +32,20 @@
  * factor product is accurate to a few f64 ulps and the result is within
  * 1 ulp of W + exact delta unless the delta cancels to below 2^-29 of its
  * terms; for BF16 / F16 / FP8 the f32 steps carry 16 (13) more bits than the
- * weight, so the one final rounding dominates. tests/test_terms.c checks
- * these chains bit for bit against an independent scalar replay and within
- * 1 ulp of a float64 reference. */
+ * weight, so the one final rounding dominates. tests/test_lycoris.c and
+ * test_fuse_kernel.c (test_terms_paths, every CPU path and 1-3 threads)
+ * check these chains bit for bit against independent scalar replays, and
+ * test_lycoris(_parity).c within 1 ulp of a float64 reference.
+ *
+ * HOW (speed): a weight whose only live term is one LoHa, LoKr or dense
+ * term goes, on the AVX-512 paths, to kernel_avx512.c's fused rows: the
+ * delta of each 64-column row segment is made in registers (LoHa: both
+ * chains for 3 rows x 64 columns in 24 zmm, column tiles of both A's kept
+ * in L1; LoKr: W1s[i, q] times a row of W2; dense: one streaming pass over
+ * W and D) and rounded by the LoRA block's epilogue, so no delta is ever
+ * stored. Any other mix of terms, and the AVX2 / portable paths, stage a
+ * block's delta in a buffer (lk_fuse_delta_rows) and round it with the
+ * vector code below: the same operations, so the same bytes. */
 /* No FMA contraction anywhere here (the chains above are separate
  * roundings): the fuse layer is built with -ffp-contract=off
  * (CMakeLists.txt; tests/fuzz/CMakeLists.txt for clang), and the AVX2
@@ -57,6 +68,7 @@
 #define LK_AI static inline __attribute__((always_inline))
 #define BLOCK_ELEMS ((size_t)1 << 14) /* a worker's block of rows: ~64 KiB of f32 delta, kept in L2 */
 #define CONV_CHUNK 512                /* dense: columns converted at a time */
+#define FUSED_ROWS 24                 /* the fused rows' block (fused_rows) */
 
 typedef struct xterm {
     lk_term_kind kind;
@@ -74,7 +86,8 @@ struct lk_delta_prep {
     xterm *x;
     size_t nx;
     int hada;
-    size_t live; /* terms with a non-zero scale */
+    size_t live;      /* terms with a non-zero scale */
+    size_t lora_live; /* LoRA terms among them */
 };
 
 /* ---- validation ---- */
@@ -259,13 +272,14 @@ lk_status lk_fuse_delta_prepare(int wide, int64_t out, int64_t in, int64_t row0,
     lk_status st = lk_fuse_check_rows(out, in, row0, rows, name);
     if (st) return st;
     if (n_terms && !terms) return lk_error(LK_ERR_ARG, "%s: NULL terms", name);
-    size_t nl = 0, nx = 0, live = 0;
+    size_t nl = 0, nx = 0, live = 0, lora_live = 0;
     for (size_t t = 0; t < n_terms; t++) {
         st = check_term(out, in, &terms[t], t, name);
         if (st) return st;
         if (terms[t].kind == LK_TERM_LORA) nl++;
         else if (terms[t].scale != 0.0) nx++;
         live += terms[t].scale != 0.0;
+        lora_live += terms[t].kind == LK_TERM_LORA && terms[t].scale != 0.0;
     }
     lk_delta_prep *p = lk_calloc(1, sizeof *p);
     lk_fuse_term *lt = lk_malloc((nl ? nl : 1) * sizeof *lt);
@@ -276,6 +290,7 @@ lk_status lk_fuse_delta_prepare(int wide, int64_t out, int64_t in, int64_t row0,
     }
     p->wide = wide;
     p->live = live;
+    p->lora_live = lora_live;
     p->O = (size_t)out;
     p->I = (size_t)in;
     p->row0 = (size_t)row0;
@@ -460,6 +475,8 @@ typedef struct tjob {
     lk_dtype dt;
     size_t O, I, rb, n_blocks;
     const lk_delta_prep *prep;
+    lk_xrows_fn xrows; /* the fused rows of one term alone (AVX-512), else NULL: the staged rows */
+    lk_xjob x;
     atomic_size_t next;
 } tjob;
 
@@ -467,15 +484,14 @@ typedef struct tworker {
     tjob *job;
     void *d, *scratch;
     float *wv, *rv;
-    size_t bad_at;
-    double bad_w, bad_r;
+    lk_kworker kw; /* the first element made non-finite (kw.job: &job->x.k) */
 } tworker;
 
 static void note_bad(tworker *wk, size_t at, double w, double r) {
-    if (at < wk->bad_at) {
-        wk->bad_at = at;
-        wk->bad_w = w;
-        wk->bad_r = r;
+    if (at < wk->kw.bad_at) {
+        wk->kw.bad_at = at;
+        wk->kw.bad_w = w;
+        wk->kw.bad_r = r;
     }
 }
 
@@ -621,6 +637,10 @@ __attribute__((target("avx2"))) static void round64_avx2(uint32_t *o, const uint
 static void tblock(tworker *wk, size_t b, int fast) {
     tjob *j = wk->job;
     const size_t r0 = b * j->rb, n = j->O - r0 < j->rb ? j->O - r0 : j->rb, I = j->I, esz = lk_dtype_size(j->dt);
+    if (j->xrows) {
+        j->xrows(&j->x, &wk->kw, r0, r0 + n);
+        return;
+    }
     lk_fuse_delta_rows(j->prep, wk->d, I, r0, n, wk->scratch);
     for (size_t i = 0; i < n; i++) {
         const size_t o = r0 + i;
@@ -676,6 +696,47 @@ static void tblock(tworker *wk, size_t b, int fast) {
     }
 }
 
+/* The fused rows for a weight whose only live term is one LoHa, LoKr or
+ * dense term, on an AVX-512 path (x filled in); NULL otherwise (the staged
+ * rows: any other mix of terms, or the AVX2 / portable paths, whose bytes
+ * are the same). */
+static lk_xrows_fn fused_rows(const lk_delta_prep *p, void *w_out, const void *w_in, lk_dtype dt, lk_xjob *x) {
+    if (p->lora_live || p->nx != 1) return NULL;
+#ifdef LK_KERNEL_X86
+    const char *path = lk_fuse_kernel_path();
+    lk_xrows_fn fn = !strcmp(path, "avx512bf16") ? lk_xrows_avx512bf16
+                     : !strcmp(path, "avx512")   ? lk_xrows_avx512
+                                                 : NULL;
+    if (!fn) return NULL;
+    const xterm *t = &p->x[0];
+    const int wide = p->wide;
+    const size_t pw = wide ? LK_PW64 : LK_PW32, vsz = wide ? sizeof(double) : sizeof(float);
+    *x = (lk_xjob){.k = {.w_out = w_out, .w_in = w_in, .dt = (int)dt, .wide = wide, .out = p->O, .in = p->I},
+                   .kind = (int)t->kind};
+    if (t->kind == LK_TERM_DENSE) {
+        x->dense = t->dense->data;
+        x->ddt = (int)t->dense->dtype;
+        x->scale = t->scale;
+    } else if (t->kind == LK_TERM_HADA) {
+        if (!lk_kdelta_panels(t->p1, &x->ap1, &x->bs1, &x->R1) || !lk_kdelta_panels(t->p2, &x->ap2, &x->bs2, &x->R2))
+            return NULL;
+        x->k.npan = (p->I + pw - 1) / pw;
+        x->k.pan_tile = LK_TILE_BYTES / ((x->R1 + x->R2) * pw * vsz); /* both chains' A slices stay in L1 */
+        if (x->k.pan_tile < 1) x->k.pan_tile = 1;
+    } else {
+        x->w1 = t->w1;
+        x->w2 = t->w2;
+        x->b = t->b;
+        x->c = t->c;
+        x->D = t->D;
+    }
+    return fn;
+#else
+    (void)w_out, (void)w_in, (void)dt, (void)x;
+    return NULL;
+#endif
+}
+
 static void *tworker_main(void *arg) {
     tworker *wk = arg;
     fesetenv(FE_DFL_ENV);
@@ -707,12 +768,19 @@ lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, in
     size_t cap = numel >> 18; /* a thread per 2^18 elements at least: a small weight runs on this thread */
     if (cap < 1) cap = 1;
     if ((size_t)nw > cap) nw = (int)cap;
-    size_t rb = BLOCK_ELEMS / I, per = (O + 4 * (size_t)nw - 1) / (4 * (size_t)nw);
-    if (rb > per) rb = per;
+    tjob job = {.w_out = w_out, .w_in = w_in, .dt = dtype, .O = O, .I = I, .prep = prep};
+    job.xrows = fused_rows(prep, w_out, w_in, dtype, &job.x);
+    /* staged: a block's delta (~64 KiB) in a buffer; fused: FUSED_ROWS rows
+     * (a multiple of LoHa's 3-row block) share each tile of the factors */
+    size_t rb = job.xrows ? FUSED_ROWS : BLOCK_ELEMS / I, per = (O + 4 * (size_t)nw - 1) / (4 * (size_t)nw);
+    if (rb > per) rb = job.xrows ? (per + 2) / 3 * 3 : per;
     if (rb < 1) rb = 1;
     size_t n_blocks = (O + rb - 1) / rb;
     if ((size_t)nw > n_blocks) nw = (int)n_blocks;
-    const size_t sb = lk_fuse_delta_scratch(prep, rb), per_w = rb * I * vsz + sb + 2 * I * sizeof(float) + 64;
+    job.rb = rb;
+    job.n_blocks = n_blocks;
+    const size_t sb = job.xrows ? 0 : lk_fuse_delta_scratch(prep, rb);
+    const size_t per_w = job.xrows ? 64 : rb * I * vsz + sb + 2 * I * sizeof(float) + 64;
     tworker *wk = lk_calloc((size_t)nw, sizeof *wk);
     unsigned char *mem = wk ? lk_malloc(per_w * (size_t)nw) : NULL;
     pthread_t tid[LK_FUSE_MAX_THREADS];
@@ -722,13 +790,14 @@ lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, in
         lk_fuse_delta_free(prep);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for %d row buffers of %zu bytes", name, nw, per_w);
     }
-    tjob job = {.w_out = w_out, .w_in = w_in, .dt = dtype, .O = O, .I = I, .rb = rb, .n_blocks = n_blocks,
-                .prep = prep};
     atomic_init(&job.next, 0);
     for (int t = 0; t < nw; t++) {
         unsigned char *m = mem + (size_t)t * per_w;
-        wk[t] = (tworker){.job = &job, .d = m, .scratch = sb ? m + rb * I * vsz : NULL,
-                          .wv = (float *)(m + rb * I * vsz + sb), .bad_at = SIZE_MAX};
+        wk[t] = (tworker){.job = &job, .kw = {.job = &job.x.k, .bad_at = SIZE_MAX}};
+        if (job.xrows) continue; /* the fused rows need no buffers */
+        wk[t].d = m;
+        wk[t].scratch = sb ? m + rb * I * vsz : NULL;
+        wk[t].wv = (float *)(m + rb * I * vsz + sb);
         wk[t].rv = wk[t].wv + I;
     }
     fenv_t saved;
@@ -741,7 +810,7 @@ lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, in
     size_t bad_at = SIZE_MAX;
     double bw = 0, br = 0;
     for (int t = 0; t < nw; t++)
-        if (wk[t].bad_at < bad_at) bad_at = wk[t].bad_at, bw = wk[t].bad_w, br = wk[t].bad_r;
+        if (wk[t].kw.bad_at < bad_at) bad_at = wk[t].kw.bad_at, bw = wk[t].kw.bad_w, br = wk[t].kw.bad_r;
     lk_free(mem);
     lk_free(wk);
     lk_fuse_delta_free(prep);
