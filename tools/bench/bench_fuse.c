@@ -49,7 +49,10 @@ static const char *const FUSE_BENCH_USAGE =
     "(f) the FMA peak: a register-only FMA loop's single-precision lanes/s,\n"
     "(g) rank 16 through the per-key plan: linear LoRA, conv LoRA (a [dim,\n"
     "dim/16, 4, 4] weight), LoHa, LoKr (lokr_w1 8 x 8), a dense diff, with\n"
-    "ratio_to_lora (GB/s over the LoRA row's at the same threads).\n"
+    "ratio_to_lora (GB/s over the LoRA row's at the same threads), and (h) a\n"
+    "dense diff on every weight of the DRAM buffer (model scope).\n"
+    "(g) and (h) also give the median of the --repeat runs, and for dense\n"
+    "ratio_to_dram_bytes: every byte moved (the diff's read too) over (a).\n"
     "GB/s of W traffic (read + write); ratio_to_dram against (a)'s DRAM pass\n"
     "at the same thread count; fma_fraction = rank x elements / s over (f)'s\n"
     "figure, and fma_fraction_at_dram the fraction a run at the DRAM pass's\n"
@@ -365,8 +368,9 @@ static int algo_rows(int json, uint16_t *w, size_t D, const uint16_t *a16, const
         lk_error(LK_ERR_IO, "bench fuse: cannot make a temporary folder");
         return -1;
     }
-    double lora_gbps[2] = {0, 0};
-    int rc = 0;
+    double lora_gbps[2] = {0, 0}, lora_med[2] = {0, 0};
+    double *times = malloc((size_t)repeat * sizeof *times);
+    int rc = times ? 0 : -1;
     for (size_t c = 0; c < 5 && !rc; c++) {
         if (c == 1 && D % 16) continue;
         char path[256];
@@ -391,28 +395,86 @@ static int algo_rows(int json, uint16_t *w, size_t D, const uint16_t *a16, const
                 double t0 = lk_now_s(), c0 = lk_bench_cpu();
                 if (lk_fuse_key_apply(w, w, &wt, &k, terms, &o) != LK_OK) rc = -1;
                 double t = lk_now_s() - t0;
+                if (rep) times[rep - 1] = t;
                 if (rep && t < best) {
                     best = t;
                     cpu = lk_bench_cpu() - c0;
                 }
             }
-            const double gbps = 2.0 * (double)(D * D * 2) / best / 1e9;
-            if (c == 0) lora_gbps[ti] = gbps;
+            const double med = lk_bench_median(times, (int)repeat);
+            const double gbps = 2.0 * (double)(D * D * 2) / best / 1e9, gmed = 2.0 * (double)(D * D * 2) / med / 1e9;
+            if (c == 0) lora_gbps[ti] = gbps, lora_med[ti] = gmed;
+            /* bytes moved: W read and written, plus the dense diff read once */
+            const double moved = c == 4 ? 1.5 : 1.0;
             if (json)
                 printf("{\"bench\":\"fuse\",\"method\":\"lorakit\",\"scope\":\"tensor\",\"algo\":\"%s\",\"dtype\":\"bf16\","
                        "\"rank\":16,\"threads\":%d,\"bytes\":%zu,\"seconds\":%.6f,\"gbps\":%.3f,\"ratio_to_lora\":%.3f,"
-                       "\"ratio_to_dram\":%.3f,\"cpu_seconds\":%.6f}\n",
-                       cs[c].algo, tcount[ti], D * D * 2, best, gbps, gbps / lora_gbps[ti], gbps / dram_bw[ti], cpu);
+                       "\"ratio_to_dram\":%.3f,\"seconds_median\":%.6f,\"ratio_to_lora_median\":%.3f,"
+                       "\"ratio_to_dram_median\":%.3f,\"ratio_to_dram_bytes_median\":%.3f,\"cpu_seconds\":%.6f}\n",
+                       cs[c].algo, tcount[ti], D * D * 2, best, gbps, gbps / lora_gbps[ti], gbps / dram_bw[ti], med,
+                       gmed / lora_med[ti], gmed / dram_bw[ti], moved * gmed / dram_bw[ti], cpu);
             else
                 printf("lorakit  %-9s rank 16  threads %3d  %9.3f ms (cpu %9.3f ms)  %8.2f GB/s  %5.2f x lora  %5.2f x "
-                       "dram\n", cs[c].algo, tcount[ti], best * 1e3, cpu * 1e3, gbps, gbps / lora_gbps[ti],
-                       gbps / dram_bw[ti]);
+                       "dram  | median %9.3f ms  %5.2f x lora  %5.2f x dram  %5.2f x dram (all bytes)\n",
+                       cs[c].algo, tcount[ti], best * 1e3, cpu * 1e3, gbps, gbps / lora_gbps[ti], gbps / dram_bw[ti],
+                       med * 1e3, gmed / lora_med[ti], gmed / dram_bw[ti], moved * gmed / dram_bw[ti]);
         }
         lk_adapter_free(ad);
         remove(path);
     }
     rmdir(dir);
+    free(times);
     return rc;
+}
+
+/* (h) dense diffs at model scope: every dim x dim BF16 weight of the DRAM
+ * buffer (a) measured (model) with a BF16 diff of its own (diffs, the same
+ * size), lk_fuse_tensor in place on each in turn, as a whole-model fuse
+ * does. ratio_to_dram counts W traffic (read + write) as every other row;
+ * ratio_to_dram_bytes counts every byte moved (the diff's read too: 1.5 x
+ * W traffic) against the same pass, so 1.0 is the memory system's limit.
+ * Median of --repeat runs (the best too). */
+static int dense_model_rows(int json, uint16_t *model, const uint16_t *diffs, size_t D, size_t n_model,
+                            const int *tcount, int nth, const double *dram_bw, long repeat) {
+    const size_t N = D * D;
+    double *times = malloc((size_t)repeat * sizeof *times);
+    if (!times) return -1;
+    lk_tensor dt = {.name = "diff", .dtype = LK_DTYPE_BF16, .ndim = 2, .shape = {(int64_t)D, (int64_t)D},
+                    .nbytes = N * 2};
+    for (int ti = 0; ti < nth; ti++) {
+        lk_fuse_opts o = {.threads = tcount[ti], .allow_nonfinite = 1};
+        double best = 1e30;
+        for (long rep = 0; rep <= repeat; rep++) {
+            double t0 = lk_now_s();
+            for (size_t t = 0; t < n_model; t++) {
+                dt.data = (void *)(diffs + t * N);
+                lk_fuse_term term = {.B = &dt, .scale = 1.0, .kind = LK_TERM_DENSE};
+                if (lk_fuse_tensor(model + t * N, model + t * N, LK_DTYPE_BF16, (int64_t)D, (int64_t)D, &term, 1, &o,
+                                   "bench") != LK_OK) {
+                    free(times);
+                    return -1;
+                }
+            }
+            double t = lk_now_s() - t0;
+            if (rep) times[rep - 1] = t;
+            if (rep && t < best) best = t;
+        }
+        const double med = lk_bench_median(times, (int)repeat), wb = 2.0 * (double)(n_model * N * 2);
+        const double gbps = wb / best / 1e9, gmed = wb / med / 1e9;
+        if (json)
+            printf("{\"bench\":\"fuse\",\"method\":\"lorakit\",\"scope\":\"model\",\"algo\":\"dense\",\"dtype\":\"bf16\","
+                   "\"threads\":%d,\"tensors\":%zu,\"bytes\":%zu,\"seconds\":%.6f,\"gbps\":%.3f,\"ratio_to_dram\":%.3f,"
+                   "\"seconds_median\":%.6f,\"ratio_to_dram_median\":%.3f,\"ratio_to_dram_bytes_median\":%.3f}\n",
+                   tcount[ti], n_model, n_model * N * 2, best, gbps, gbps / dram_bw[ti], med, gmed / dram_bw[ti],
+                   1.5 * gmed / dram_bw[ti]);
+        else
+            printf("lorakit  dense     model   threads %3d  %9.3f ms  %8.2f GB/s  %5.2f x dram  | median %9.3f ms  "
+                   "%5.2f x dram  %5.2f x dram (all bytes)\n",
+                   tcount[ti], best * 1e3, gbps, gbps / dram_bw[ti], med * 1e3, gmed / dram_bw[ti],
+                   1.5 * gmed / dram_bw[ti]);
+    }
+    free(times);
+    return 0;
 }
 
 static void free_all(void **p, int n) {
@@ -596,6 +658,17 @@ int lk_bench_fuse(int argc, char **argv) {
             }
             for (size_t i = 0; dd && i < N; i++) dd[i] = a16[i % (rmax * D)];
             if (!bad) bad = algo_rows(json, w, D, a16, b16, dd, tcount, nth, dram_bw, repeat);
+            /* (h): the DRAM-sized buffer with a diff per weight */
+            uint16_t *diffs = bad ? NULL : malloc(mbytes);
+            if (!bad && !diffs) {
+                free(dd);
+                free_all(owned, 8);
+                lk_error(LK_ERR_NOMEM, "bench fuse: out of memory for %zu MiB of dense diffs", mbytes >> 20);
+                return lk_cli_fail();
+            }
+            for (size_t t = 0; diffs && t < n_model; t++) memcpy(diffs + t * N, dd, wbytes);
+            if (!bad) bad = dense_model_rows(json, model, diffs, D, n_model, tcount, nth, dram_bw, repeat);
+            free(diffs);
             free(dd);
             if (bad) {
                 free_all(owned, 8);
