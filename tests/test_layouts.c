@@ -776,6 +776,31 @@ static void test_inspect_base(void **state) {
     lk_free(js);
     free(npp);
     af_free(np);
+    /* a pipeline folder as the base: each module with the component folder it lands in, its weights as
+     * "<component>/<key>" (lycoris-lora's SDXL file: lora_te2_ on text_encoder_2/, lora_unet_ on unet/) */
+    if (lk_inspect_base_json(LK_TEST_SRC_DIR "/tests/fixtures/layouts/sdxl_lora_kohya.safetensors",
+                             LK_TEST_SRC_DIR "/tests/fixtures/layouts/sdxl_pipe", NULL, &js))
+        fail_msg("%s", lk_last_error());
+    tu_assert_contains(js, "\"family\":\"sdxl\",\"modules_placed\":190,\"modules_unmatched\":0");
+    tu_assert_contains(js, "{\"module\":\"lora_te2_text_model_encoder_layers_0_self_attn_k_proj\",\"component\":"
+                           "\"text_encoder_2\",\"algorithm\":\"lora\",\"rank\":4,\"alpha\":2.0,\"alpha_source\":"
+                           "\".alpha tensor\",\"scale\":0.5,\"placements\":[{\"weight\":"
+                           "\"text_encoder_2/text_model.encoder.layers.0.self_attn.k_proj.weight\"");
+    tu_assert_contains(js, "{\"module\":\"lora_unet_down_blocks_1_attentions_0_proj_in\",\"component\":\"unet\",");
+    tu_assert_contains(js, "\"weight\":\"unet/down_blocks.1.attentions.0.proj_in.weight\"");
+    lk_free(js);
+    af_file *pu = af_new();
+    add_pair(pu, "unet.down_blocks.1.attentions.0.proj_in", ".lora_A.weight", ".lora_B.weight", 8, 8);
+    add_pair(pu, "unet.down_blocks.1.attentions.0.proj_inn", ".lora_A.weight", ".lora_B.weight", 8, 8);
+    char *pup = save(pu, "inspect_pipe.safetensors");
+    if (lk_inspect_base_json(pup, LK_TEST_SRC_DIR "/tests/fixtures/layouts/sdxl_pipe", NULL, &js))
+        fail_msg("%s", lk_last_error());
+    tu_assert_contains(js, "\"modules_placed\":1,\"modules_unmatched\":1");
+    tu_assert_contains(js, "{\"module\":\"down_blocks.1.attentions.0.proj_inn\",\"component\":\"unet\",\"nearest\":["
+                           "\"unet/down_blocks.1.attentions.0.proj_in.weight\"");
+    lk_free(js);
+    free(pup);
+    af_free(pu);
     /* kohya's lora_unet_ / lora_te_ (lycoris-lora's file) on an SD single file; diffusers' unet. on its UNet */
     static const struct {
         const char *lora, *base, *want[2];

@@ -31,9 +31,12 @@ lk_status lk_inspect_json_opts(const char *path, const lk_adapter_opts *opts, ch
 
 /* Where every module of `adapter` lands on checkpoint `base`
  * (`lorakit inspect ADAPTER --base CKPT --json`), resolved as a fuse would
- * (opts: arch, maps; unmatched modules are listed, not an error):
+ * (opts: arch, maps; unmatched modules are listed, not an error); base may
+ * be a diffusers pipeline folder (model_index.json): the adapter is
+ * resolved against each component folder with a checkpoint, its weights
+ * named "<component>/<key>":
  * {adapter, base, format, family (or null), modules_placed,
- * modules_unmatched, modules: [{module, algorithm, rank, alpha,
+ * modules_unmatched, modules: [{module, component, algorithm, rank, alpha,
  * alpha_source, scale, placements: [{weight, rule, whole, rows: [from, to],
  * b_rows: [from, to]}]}], unmatched: [{module, component, nearest: [up to
  * three weight names, nearest first]}]} (nearest: edit distance over the

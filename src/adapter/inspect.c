@@ -10,6 +10,7 @@
 #include "lorakit/safetensors.h"
 #include "adapter/adapter.h"
 #include "adapter/layout.h"
+#include "core/file.h"
 
 #include <jansson.h>
 #include <stdlib.h>
@@ -356,40 +357,68 @@ static size_t edit_distance(const char *a, const char *b, size_t cap) {
 #define LK_NEAREST 3
 #define LK_NEAREST_MODULES 64 /* unmatched modules that get suggestions (each one is a pass over the names) */
 
-/* The three model weights whose names (either spelling, after the layout's
- * prefixes and tables) are nearest to module name q. */
-static json_t *nearest(const lk_layout *l, const lk_tensor *model, const char *q, int kohya) {
-    size_t best[LK_NEAREST], dist[LK_NEAREST], nb = 0;
-    for (size_t i = 0; i < l->n; i++) {
-        const lk_alias *al = &l->al[i];
-        size_t cap = nb == LK_NEAREST ? dist[LK_NEAREST - 1] : (size_t)-1;
-        size_t d = edit_distance(q, kohya ? al->uname : al->name, cap == (size_t)-1 ? 4096 : cap + 1);
-        size_t k = 0;
-        while (k < nb && best[k] != al->key) k++;
-        if (k < nb) { /* the weight already listed: keep its best distance */
-            if (d < dist[k]) dist[k] = d;
-            else continue;
-        } else if (nb < LK_NEAREST) {
-            k = nb++;
-        } else if (d < dist[LK_NEAREST - 1] ||
-                   (d == dist[LK_NEAREST - 1] && strcmp(model[al->key].name, model[best[LK_NEAREST - 1]].name) < 0)) {
-            k = LK_NEAREST - 1;
-        } else {
-            continue;
-        }
-        best[k] = al->key;
-        dist[k] = d;
-        while (k > 0 && (dist[k] < dist[k - 1] ||
-                         (dist[k] == dist[k - 1] && strcmp(model[best[k]].name, model[best[k - 1]].name) < 0))) {
-            size_t tb = best[k], td = dist[k];
-            best[k] = best[k - 1], dist[k] = dist[k - 1];
-            best[k - 1] = tb, dist[k - 1] = td;
-            k--;
+/* One checkpoint the adapter is resolved against: the base, or one
+ * component folder of a pipeline base (comp: its name, which prefixes its
+ * weights as "<comp>/<key>"; NULL for a plain base). */
+typedef struct part {
+    const char *comp;
+    lk_ckpt *ck;
+    lk_tensor *model;
+    size_t n;
+    lk_layout lay;
+    int have_lay;
+} part;
+
+/* "<comp>/<key>", or key itself for a plain base; NULL without memory. */
+static json_t *weight_json(const part *p, const char *key) {
+    if (!p->comp) return json_string(key);
+    char *w = lk_path_join(p->comp, key);
+    json_t *j = w ? json_string(w) : NULL;
+    lk_free(w);
+    return j;
+}
+
+/* The three model weights (over every part) whose names, either spelling,
+ * after the layout's prefixes and tables, are nearest to module name q. */
+static json_t *nearest(const part *parts, size_t np, const char *q, int kohya) {
+    size_t best[LK_NEAREST], bpart[LK_NEAREST], dist[LK_NEAREST], nb = 0;
+    for (size_t pi = 0; pi < np; pi++) {
+        const lk_layout *l = &parts[pi].lay;
+        const lk_tensor *model = parts[pi].model;
+        for (size_t i = 0; i < l->n; i++) {
+            const lk_alias *al = &l->al[i];
+            size_t cap = nb == LK_NEAREST ? dist[LK_NEAREST - 1] : (size_t)-1;
+            size_t d = edit_distance(q, kohya ? al->uname : al->name, cap == (size_t)-1 ? 4096 : cap + 1);
+            size_t k = 0;
+            while (k < nb && !(best[k] == al->key && bpart[k] == pi)) k++;
+            if (k < nb) { /* the weight already listed: keep its best distance */
+                if (d < dist[k]) dist[k] = d;
+                else continue;
+            } else if (nb < LK_NEAREST) {
+                k = nb++;
+            } else if (d < dist[LK_NEAREST - 1] ||
+                       (d == dist[LK_NEAREST - 1] &&
+                        strcmp(model[al->key].name, parts[bpart[LK_NEAREST - 1]].model[best[LK_NEAREST - 1]].name) < 0)) {
+                k = LK_NEAREST - 1;
+            } else {
+                continue;
+            }
+            best[k] = al->key;
+            bpart[k] = pi;
+            dist[k] = d;
+            while (k > 0 && (dist[k] < dist[k - 1] ||
+                             (dist[k] == dist[k - 1] &&
+                              strcmp(parts[bpart[k]].model[best[k]].name, parts[bpart[k - 1]].model[best[k - 1]].name) < 0))) {
+                size_t tb = best[k], tp = bpart[k], td = dist[k];
+                best[k] = best[k - 1], bpart[k] = bpart[k - 1], dist[k] = dist[k - 1];
+                best[k - 1] = tb, bpart[k - 1] = tp, dist[k - 1] = td;
+                k--;
+            }
         }
     }
     json_t *arr = json_array();
     for (size_t k = 0; arr && k < nb; k++)
-        if (json_array_append_new(arr, json_string(model[best[k]].name))) {
+        if (json_array_append_new(arr, weight_json(&parts[bpart[k]], parts[bpart[k]].model[best[k]].name))) {
             json_decref(arr);
             return NULL;
         }
@@ -398,59 +427,125 @@ static json_t *nearest(const lk_layout *l, const lk_tensor *model, const char *q
 
 static json_t *rows_json(int64_t a, int64_t n) { return json_pack("[I, I]", (json_int_t)a, (json_int_t)(a + n)); }
 
-static json_t *placement_json(const lk_adapter *a, const lk_tensor *model, size_t n_model, const lk_layout *l) {
-    json_t *mods = json_array(), *un = json_array();
-    int bad = !mods || !un;
+/* Appends the placements of a (as just resolved against part p) to pl[i]
+ * per module; where[i] gets the component of a module's first placement. */
+static int add_placements(const lk_adapter *a, const part *p, json_t **pl, const char **where) {
+    for (size_t k = 0; k < lk_adapter_placement_count(a); k++) {
+        const lk_adapter_placement *pc = lk_adapter_placement_at(a, k);
+        size_t i = (size_t)(pc->module - lk_adapter_module(a, 0));
+        if (!where[i]) {
+            int kohya = lk_adapter_get_format(a) == LK_FORMAT_KOHYA && !strchr(pc->module->module, '.');
+            where[i] = p->comp ? p->comp : lk_layout_component(kohya ? pc->module->module : a->stems[i], kohya, pc->target);
+        }
+        json_t *w = weight_json(p, pc->target);
+        if (!w || json_array_append_new(pl[i], json_pack("{s:o, s:s, s:b, s:o, s:o}", "weight", w, "rule", pc->rule,
+                                                        "whole", pc->whole, "rows", rows_json(pc->row0, pc->rows),
+                                                        "b_rows", rows_json(pc->b_row0, pc->rows))))
+            return 1;
+    }
+    return 0;
+}
+
+/* The JSON object of lk_inspect_base_json: a resolved against every part. */
+static json_t *placement_json(lk_adapter *a, part *parts, size_t np, const lk_resolve_opts *ro, lk_status *st) {
+    size_t nm = lk_adapter_count(a);
+    json_t **pl = lk_calloc(nm ? nm : 1, sizeof *pl), *mods = json_array(), *un = json_array(), *res = NULL;
+    const char **where = lk_calloc(nm ? nm : 1, sizeof *where);
+    char *fam = NULL; /* the families of every part, "sdxl,openclip" */
+    int bad = !pl || !where || !mods || !un;
+    for (size_t i = 0; i < nm && !bad; i++) bad |= !(pl[i] = json_array());
+    for (size_t pi = 0; pi < np && !bad && !*st; pi++) {
+        lk_resolve_opts r = *ro;
+        r.component = parts[pi].comp;
+        if ((*st = lk_adapter_resolve_opts(a, parts[pi].model, parts[pi].n, &r, NULL))) break;
+        bad |= add_placements(a, &parts[pi], pl, where);
+        const char *f = lk_adapter_family(a) ? lk_adapter_family(a) : parts[pi].lay.family;
+        if (f && (!fam || !strstr(fam, f))) { /* (a family list, not a family name: joined whole) */
+            size_t ol = fam ? strlen(fam) : 0;
+            char *nf = lk_realloc(fam, ol + strlen(f) + 2);
+            if (!nf) bad = 1;
+            else snprintf(nf + ol, strlen(f) + 2, "%s%s", ol ? "," : "", f), fam = nf;
+        }
+    }
     size_t placed = 0, n_un = 0;
-    for (size_t i = 0; i < lk_adapter_count(a) && !bad; i++) {
+    for (size_t i = 0; i < nm && !bad && !*st; i++) {
         const lk_lora_module *m = lk_adapter_module(a, i);
         /* the module's full name (a diffusers module keeps its unet. / transformer. there) */
         int kohya = lk_adapter_get_format(a) == LK_FORMAT_KOHYA && !strchr(m->module, '.');
-        const char *full = kohya ? m->module : a->stems[i], *first = NULL;
-        json_t *pl = json_array();
-        bad |= !pl;
-        for (size_t k = 0; k < lk_adapter_placement_count(a) && !bad; k++) {
-            const lk_adapter_placement *p = lk_adapter_placement_at(a, k);
-            if (p->module != m) continue;
-            if (!first) first = p->target;
-            bad |= json_array_append_new(pl, json_pack("{s:s, s:s, s:b, s:o, s:o}", "weight", p->target, "rule",
-                                                       p->rule, "whole", p->whole, "rows", rows_json(p->row0, p->rows),
-                                                       "b_rows", rows_json(p->b_row0, p->rows)));
-        }
-        if (bad) {
-            json_decref(pl);
-            break;
-        }
-        if (!json_array_size(pl)) {
-            json_decref(pl);
+        const char *full = kohya ? m->module : a->stems[i];
+        if (!json_array_size(pl[i])) {
             int comp;
             const char *q = lk_layout_strip_module(full, kohya, &comp);
-            json_t *nr = n_un++ < LK_NEAREST_MODULES ? nearest(l, model, q, kohya) : json_array();
+            json_t *nr = n_un++ < LK_NEAREST_MODULES ? nearest(parts, np, q, kohya) : json_array();
             bad |= !nr || json_array_append_new(un, json_pack("{s:s, s:s, s:o}", "module", m->module, "component",
                                                               lk_layout_component(full, kohya, NULL), "nearest", nr));
             continue;
         }
         placed++;
         bad |= json_array_append_new(
-            mods, json_pack("{s:s, s:s, s:s, s:i, s:f, s:s, s:f, s:o}", "module", m->module, "component",
-                            lk_layout_component(full, kohya, first), "algorithm", m->magnitude.data ? "dora" : "lora",
-                            "rank", m->rank, "alpha", (double)m->alpha, "alpha_source", m->alpha_source, "scale",
-                            m->scale, "placements", pl));
+            mods, json_pack("{s:s, s:s, s:s, s:i, s:f, s:s, s:f, s:O}", "module", m->module, "component", where[i],
+                            "algorithm", m->magnitude.data ? "dora" : "lora", "rank", m->rank, "alpha",
+                            (double)m->alpha, "alpha_source", m->alpha_source, "scale", m->scale, "placements", pl[i]));
     }
-    (void)n_model;
-    if (bad) {
-        json_decref(mods);
-        json_decref(un);
-        return NULL;
-    }
-    const char *fam = lk_adapter_family(a) ? lk_adapter_family(a) : l->family;
-    return json_pack("{s:s, s:s, s:s?, s:I, s:I, s:o, s:o}", "adapter", lk_adapter_path(a), "format",
-                     lk_adapter_format_name(lk_adapter_get_format(a)), "family", fam, "modules_placed",
-                     (json_int_t)placed, "modules_unmatched", (json_int_t)n_un, "modules", mods, "unmatched", un);
+    if (!bad && !*st)
+        res = json_pack("{s:s, s:s, s:s?, s:I, s:I, s:O, s:O}", "adapter", lk_adapter_path(a), "format",
+                        lk_adapter_format_name(lk_adapter_get_format(a)), "family", fam, "modules_placed",
+                        (json_int_t)placed, "modules_unmatched", (json_int_t)n_un, "modules", mods, "unmatched", un);
+    for (size_t i = 0; pl && i < nm; i++) json_decref(pl[i]);
+    lk_free(pl);
+    lk_free(where);
+    lk_free(fam);
+    json_decref(mods);
+    json_decref(un);
+    return res;
 }
 
 lk_status lk_inspect_base_json(const char *adapter, const char *base, const lk_resolve_opts *opts, char **out) {
     return lk_inspect_base_json_opts(adapter, base, opts, NULL, out);
+}
+
+/* A diffusers pipeline folder (model_index.json): its component folders. */
+static int is_pipeline(const char *base) {
+    struct stat sb;
+    char *p = lk_path_join(base, "model_index.json");
+    int r = p && stat(base, &sb) == 0 && S_ISDIR(sb.st_mode) && stat(p, &sb) == 0 && S_ISREG(sb.st_mode);
+    lk_free(p);
+    return r;
+}
+
+/* The parts of base: itself, or (a pipeline folder) each component folder
+ * that holds a checkpoint. */
+static lk_status open_parts(const char *base, const lk_resolve_opts *ro, const char *label, part *parts, size_t *np) {
+    static const char *const comps[] = {"unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3"};
+    int pipe = is_pipeline(base);
+    lk_status s = LK_OK;
+    *np = 0;
+    for (size_t k = 0; k < (pipe ? sizeof comps / sizeof comps[0] : 1) && !s; k++) {
+        part *p = &parts[*np];
+        memset(p, 0, sizeof *p);
+        char *dir = pipe ? lk_path_join(base, comps[k]) : NULL;
+        struct stat sb;
+        if (pipe && !dir) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+        if (s || (pipe && (stat(dir, &sb) || !S_ISDIR(sb.st_mode) || lk_ckpt_open(dir, &p->ck)))) {
+            lk_free(dir); /* (a component folder without a checkpoint: nothing of the adapter lands there) */
+            continue;
+        }
+        lk_free(dir);
+        if (!pipe && (s = lk_ckpt_open(base, &p->ck))) break;
+        p->comp = pipe ? comps[k] : NULL;
+        (*np)++;
+        p->n = lk_ckpt_count(p->ck);
+        if (!(p->model = lk_malloc((p->n ? p->n : 1) * sizeof *p->model))) {
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+            break;
+        }
+        for (size_t i = 0; i < p->n; i++) p->model[i] = *lk_ckpt_tensor(p->ck, i);
+        lk_layout_opts lo = {ro->arch, ro->maps, ro->n_maps};
+        if (!(s = lk_layout_build(p->model, p->n, &lo, label, &p->lay))) p->have_lay = 1;
+    }
+    if (!s && pipe && !*np) s = lk_error(LK_ERR_FORMAT, "%s: a pipeline folder with no checkpoint in unet/, transformer/ "
+                                         "or text_encoder[_2|_3]/", base);
+    return s;
 }
 
 lk_status lk_inspect_base_json_opts(const char *adapter, const char *base, const lk_resolve_opts *opts,
@@ -458,30 +553,23 @@ lk_status lk_inspect_base_json_opts(const char *adapter, const char *base, const
     if (!adapter || !base || !out) return lk_error(LK_ERR_ARG, "lk_inspect_base_json: NULL argument");
     *out = NULL;
     lk_adapter *a = NULL;
-    lk_ckpt *ck = NULL;
-    lk_tensor *model = NULL;
-    lk_layout lay = {0};
-    int have_lay = 0;
+    part parts[5];
+    size_t np = 0;
     json_t *o = NULL;
     lk_adapter_opts ao = aopts ? *aopts : (lk_adapter_opts){LK_FORMAT_AUTO, LK_ALPHA_AUTO};
-    lk_status s = lk_adapter_open_opts(adapter, &ao, &a);
-    if (!s) s = lk_ckpt_open(base, &ck);
-    size_t n = ck ? lk_ckpt_count(ck) : 0;
-    if (!s && !(model = lk_malloc((n ? n : 1) * sizeof *model))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
-    for (size_t i = 0; !s && i < n; i++) model[i] = *lk_ckpt_tensor(ck, i);
     lk_resolve_opts ro = opts ? *opts : (lk_resolve_opts){0};
     ro.allow_unmatched = LK_RESOLVE_LIST_ALL; /* inspect shows the unmatched modules, all of them if need be */
-    if (!s) s = lk_adapter_resolve_opts(a, model, n, &ro, NULL);
-    lk_layout_opts lo = {ro.arch, ro.maps, ro.n_maps};
-    if (!s && !(s = lk_layout_build(model, n, &lo, lk_adapter_path(a), &lay))) have_lay = 1;
+    lk_status s = lk_adapter_open_opts(adapter, &ao, &a);
+    if (!s) s = open_parts(base, &ro, lk_adapter_path(a), parts, &np);
     if (!s) {
-        o = placement_json(a, model, n, &lay);
+        o = placement_json(a, parts, np, &ro, &s);
         if (o && json_object_set_new(o, "base", json_string(base))) {
             json_decref(o);
             o = NULL;
         }
-        if (!o) s = lk_error(LK_ERR_UNSUPPORTED, "%s: cannot describe as JSON (a name that is not UTF-8, or out of "
-                             "memory)", adapter);
+        if (!o && !s)
+            s = lk_error(LK_ERR_UNSUPPORTED, "%s: cannot describe as JSON (a name that is not UTF-8, or out of "
+                         "memory)", adapter);
     }
     if (!s) {
         char *js = json_dumps(o, JSON_COMPACT);
@@ -490,9 +578,11 @@ lk_status lk_inspect_base_json_opts(const char *adapter, const char *base, const
         if (!*out) s = lk_error(LK_ERR_NOMEM, "%s: out of memory building JSON", adapter);
     }
     json_decref(o);
-    if (have_lay) lk_layout_free(&lay);
-    lk_free(model);
-    lk_ckpt_close(ck);
+    for (size_t i = 0; i < np; i++) {
+        if (parts[i].have_lay) lk_layout_free(&parts[i].lay);
+        lk_free(parts[i].model);
+        lk_ckpt_close(parts[i].ck);
+    }
     lk_adapter_free(a);
     return s;
 }
