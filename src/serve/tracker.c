@@ -74,7 +74,6 @@ struct lk_tracker {
     char *arch;
     char **maps;
     char *base_label;   /* o.base_label's copy, or NULL */
-    int full;           /* the reference-like baseline (serve/tracker.h) */
     int rank, size;
     size_t n;
     size_t *ord;        /* key indices in byte-wise name order */
@@ -325,7 +324,7 @@ static lk_status key_signatures(lk_tracker *t, const request *r, lk_fuse_term *t
 
 /* ---- per-key work on the owner ---- */
 
-static int changed(const lk_tracker *t, size_t i) { return t->full || t->next[i] != t->k[i].sig; }
+static int changed(const lk_tracker *t, size_t i) { return t->next[i] != t->k[i].sig; }
 
 /* An FP8 weight (with its scale, if any) from clean + terms: restored from
  * the backups, then fused in place (lk_fuse_fp8 rewrites the scale). */
@@ -352,10 +351,9 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
     int nt = lk_fuse_key_touches(&plan);
     *fused = nt;
     if (lk_dtype_is_fp8(w->dtype)) return recompute_fp8(t, i, terms, nt ? plan.n_terms : 0);
-    if (!nt || t->full) { /* full mode copies first and fuses in place, as the reference does */
+    if (!nt) {
         if (clean != w->data) memcpy(w->data, clean, w->nbytes);
-        clean = w->data;
-        if (!nt) return LK_OK;
+        return LK_OK;
     }
     lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite, t->o.fp8};
     return lk_fuse_key_apply(w->data, clean, w, &plan, terms, &fo);
@@ -650,7 +648,7 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash, int mode) {
     }
     /* the mode: serial or not changes where the agreement on the fuse
      * sits among the collectives (the automatic choice is agreed apart) */
-    uint64_t opts[10] = {t->o.bucket_bytes, t->o.no_lora_swap != 0, t->full != 0, t->o.allow_nonfinite != 0,
+    uint64_t opts[9] = {t->o.bucket_bytes, t->o.no_lora_swap != 0, t->o.allow_nonfinite != 0,
                          (uint64_t)t->o.fp8.rounding, t->o.fp8.seed, (uint64_t)t->o.fp8.scale, t->o.fp8.saturate != 0,
                          (uint64_t)mode, (uint64_t)t->o.alpha_from};
     XXH3_64bits_update(&hs, opts, sizeof opts);
@@ -815,7 +813,6 @@ lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracke
 
 lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, int mode,
                                lk_tracker **out) {
-    const int full = (mode & LK_TRACKER_FULL) != 0;
     uint64_t *hosts = NULL; /* one host-name hash per rank (spare_cores) */
     if (!group || !out) return lk_error(LK_ERR_ARG, "lk_tracker_create: NULL group or output");
     *out = NULL;
@@ -827,6 +824,8 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
     else if (opts->threads < 0) local = lk_error(LK_ERR_ARG, "tracker: threads must be >= 0 (got %d)", opts->threads);
     else if ((int)opts->alpha_from < 0 || opts->alpha_from >= LK_ALPHA_COUNT)
         local = lk_error(LK_ERR_ARG, "tracker: invalid alpha source %d", (int)opts->alpha_from);
+    else if (mode & ~(LK_TRACKER_SERIAL | LK_TRACKER_OVERLAP))
+        local = lk_error(LK_ERR_ARG, "tracker: unknown mode bits in %d", mode);
     else if ((mode & LK_TRACKER_SERIAL) && (mode & LK_TRACKER_OVERLAP))
         local = lk_error(LK_ERR_ARG, "tracker: mode %d asks for both serial and overlap", mode);
     if (!local) {
@@ -837,8 +836,7 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         if (opts->base_label && !(t->base_label = lk_strdup(opts->base_label)))
             local = lk_error(LK_ERR_NOMEM, "tracker: out of memory");
         if (!t->o.bucket_bytes) t->o.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT;
-        t->full = full;
-        t->serial = full || (mode & LK_TRACKER_SERIAL); /* the reference fuses, then broadcasts */
+        t->serial = (mode & LK_TRACKER_SERIAL) != 0;
         t->rank = lk_comm_rank(group);
         t->size = lk_comm_size(group);
         t->n = lk_weights_count(weights);
@@ -863,9 +861,6 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         t->seg_need = lk_calloc(t->n + 1, sizeof *t->seg_need);
         if (!t->segs || !t->seg_need) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
     }
-    if (!local && full && !opts->no_lora_swap) /* the reference clones every owned key up front */
-        for (size_t i = 0; !local && i < t->n; i++)
-            if (t->k[i].owner == t->rank) local = backup_key(t, i);
     int same = 1;
     lk_status s = agree_hash(group, local, shape_hash, &same);
     if (!s && !same)
@@ -874,7 +869,7 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
                      t->o.bucket_bytes, opts->no_lora_swap, mode, opts->allow_nonfinite,
                      t->o.arch ? t->o.arch : "(auto)", t->o.n_maps, t->rank);
     if (!s && t->size > 1) s = check_base(t, LK_OK);
-    if (!s && t->size > 1 && !full && !(mode & LK_TRACKER_SERIAL)) {
+    if (!s && t->size > 1 && !(mode & LK_TRACKER_SERIAL)) {
         /* a fuse worker thread when forced, else where this rank has a spare core */
         char host[256] = {0};
         gethostname(host, sizeof host - 1);

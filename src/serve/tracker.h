@@ -7,11 +7,8 @@
 
 /* lk_tracker_create_ex modes (bits; 0 is lk_tracker_create's tracker). */
 enum {
-    /* The benchmark baseline that behaves like the reference (LTX): every
-     * owned key is backed up at creation, restored on every change, and
-     * every key is re-broadcast, after all of them are fused (serial).
-     * Same bytes, more work: `lorakit bench swap` measures the difference. */
-    LK_TRACKER_FULL = 1,
+    /* (1 was the reference-like `full` baseline: it is the benchmark's
+     * own now, tools/bench/bench_full.c.) */
     /* No overlap: owners fuse every changed key, the ranks agree, then the
      * broadcast starts (the tracker before the overlap). Same bytes. */
     LK_TRACKER_SERIAL = 2,

@@ -1,6 +1,7 @@
 /* bench_swap.c — `lorakit bench swap`: the delta-aware hot-swap tracker
  * against the reference's behaviour (`full` mode: every owned key cloned up
- * front, restored on every change, every key re-broadcast) and against
+ * front, restored on every change, every key re-broadcast; the benchmark's
+ * own baseline, bench_full.c, checked to leave the same bytes) and against
  * reloading the checkpoint from disk.
  *
  * Model: DiT blocks in BF16 (attn1.to_q/to_k/to_v/to_out.0 at d x d,
@@ -26,6 +27,7 @@
 
 #include "cli_util.h"
 #include "lorakit/lorakit.h"
+#include "bench_full.h"
 #include "bench_util.h"
 #include "serve/tracker.h"
 
@@ -187,11 +189,21 @@ static int cmp_d(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+/* The `full` baseline (bench_full.c) where run_mode takes a tracker mode. */
+#define MODE_FULL (-1)
+
+/* A tracker (the library's, in a mode of serve/tracker.h) or the
+ * baseline. */
+typedef struct swapper {
+    lk_tracker *t;
+    lk_bench_full *f;
+} swapper;
+
 /* One tracker call on every rank, reduced over the group. */
-static lk_status timed_apply(lk_comm *c, lk_tracker *t, const lk_fuse_input *in, size_t n, result *r) {
+static lk_status timed_apply(lk_comm *c, const swapper *sw, const lk_fuse_input *in, size_t n, result *r) {
     lk_tracker_stats st;
     lk_status s = lk_comm_barrier(c);
-    if (!s) s = lk_tracker_apply(t, in, n, &st);
+    if (!s) s = sw->t ? lk_tracker_apply(sw->t, in, n, &st) : lk_bench_full_apply(sw->f, in, n, &st);
     if (s) return s;
     const double ph[5] = {st.seconds, st.seconds_agree, st.seconds_load, st.seconds_fuse, st.seconds_broadcast};
     uint64_t mx[6] = {st.backup_bytes}, sum[2] = {st.keys_fused, st.keys_restored};
@@ -224,29 +236,33 @@ static void print_result(const bopts *o, int ranks, const char *mode, const char
 enum { OP_APPLY, OP_STRENGTH, OP_SWAP, OP_RESET, N_OPS };
 static const char *const OPS[N_OPS] = {"apply", "strength", "swap", "reset"};
 
-/* Runs the four ops --repeat times in one tracker mode (serve/tracker.h);
- * med[] gets the medians, *create the slowest rank's lk_tracker_create
- * (from a barrier; it includes the check that every rank holds the same
- * base bytes). */
+/* Runs the four ops --repeat times in one tracker mode (serve/tracker.h,
+ * or MODE_FULL); med[] gets the medians, *create the slowest rank's
+ * lk_tracker_create (from a barrier; it includes the check that every rank
+ * holds the same base bytes). Every mode must leave the same bytes: after
+ * each op of the last repeat the weights' digest goes into dig[op] (the
+ * first mode run) or is compared with it (LK_ERR_MISMATCH). */
 static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int mode, const char *pa, const char *pb,
-                          result med[N_OPS], size_t *staging, int *overlaps, result *create) {
+                          result med[N_OPS], size_t *staging, int *overlaps, result *create,
+                          char dig[N_OPS][LK_DIGEST_HEX], const char *name) {
     lk_tracker_opts to = LK_TRACKER_OPTS_DEFAULT;
     lk_status s = lk_knob_mib_bytes(LK_KNOB_SWAP_BUCKET_MB, (double)o->bucket_mb, &to.bucket_bytes);
     to.threads = (int)o->threads;
-    lk_tracker *t;
+    swapper sw = {NULL, NULL};
     if (!s) s = lk_comm_barrier(c);
     double t0 = lk_now_s();
-    if (!s) s = lk_tracker_create_ex(c, w, &to, mode, &t);
+    if (!s) s = mode == MODE_FULL ? lk_bench_full_create(c, w, &to, &sw.f) : lk_tracker_create_ex(c, w, &to, mode, &sw.t);
     if (s) return s;
     uint64_t ns = (uint64_t)((lk_now_s() - t0) * 1e9);
     if ((s = lk_comm_allreduce_u64(c, &ns, 1, LK_REDUCE_MAX))) {
-        lk_tracker_free(t);
+        lk_tracker_free(sw.t);
+        lk_bench_full_free(sw.f);
         return s;
     }
     memset(create, 0, sizeof *create);
     create->seconds = (double)ns * 1e-9;
-    *staging = lk_tracker_staging_bytes(t);
-    *overlaps = lk_tracker_overlaps(t);
+    *staging = sw.t ? lk_tracker_staging_bytes(sw.t) : lk_bench_full_staging_bytes(sw.f);
+    *overlaps = sw.t ? lk_tracker_overlaps(sw.t) : 0;
     lk_fuse_input a1[] = {{pa, 1.0f, LK_FORMAT_AUTO}}, a05[] = {{pa, 0.5f, LK_FORMAT_AUTO}},
                   b1[] = {{pb, 1.0f, LK_FORMAT_AUTO}};
     const lk_fuse_input *req[N_OPS] = {a1, a05, b1, NULL};
@@ -254,8 +270,16 @@ static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int mode, c
     double *sec = lk_calloc((size_t)o->repeat, sizeof *sec);
     if (!runs || !sec) s = lk_error(LK_ERR_NOMEM, "bench swap: out of memory");
     for (long k = 0; !s && k < o->repeat; k++)
-        for (int op = 0; !s && op < N_OPS; op++)
-            s = timed_apply(c, t, req[op], req[op] ? 1 : 0, &runs[k * N_OPS + op]);
+        for (int op = 0; !s && op < N_OPS; op++) {
+            s = timed_apply(c, &sw, req[op], req[op] ? 1 : 0, &runs[k * N_OPS + op]);
+            if (s || k != o->repeat - 1) continue;
+            char hex[LK_DIGEST_HEX] = {0};
+            if ((s = lk_weights_digest(w, hex))) break;
+            if (!dig[op][0]) memcpy(dig[op], hex, sizeof hex);
+            else if (strcmp(dig[op], hex))
+                s = lk_error(LK_ERR_MISMATCH, "bench swap: %s %s left digest %s, the first mode %s (rank %d)", name,
+                             OPS[op], hex, dig[op], lk_comm_rank(c));
+        }
     for (int op = 0; !s && op < N_OPS; op++) { /* report the whole median run */
         for (long k = 0; k < o->repeat; k++) sec[k] = runs[k * N_OPS + op].seconds;
         qsort(sec, (size_t)o->repeat, sizeof *sec, cmp_d);
@@ -264,7 +288,8 @@ static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int mode, c
     }
     lk_free(runs);
     lk_free(sec);
-    lk_tracker_free(t);
+    lk_tracker_free(sw.t);
+    lk_bench_full_free(sw.f);
     return s;
 }
 
@@ -380,14 +405,16 @@ int lk_bench_swap(int argc, char **argv) {
                o.bucket_mb, o.repeat);
     /* delta (the tracker), full (the reference's behaviour), and with
      * --compare the delta mode with the overlap forced off and on */
-    static const int MODE[4] = {0, LK_TRACKER_FULL, LK_TRACKER_SERIAL, LK_TRACKER_OVERLAP};
+    static const int MODE[4] = {0, MODE_FULL, LK_TRACKER_SERIAL, LK_TRACKER_OVERLAP};
     static const char *const MODE_NAME[4] = {"delta", "full", "delta_serial", "delta_overlap"};
     static const char *const OVERLAP_NAME[3] = {"off", "nonblocking", "nonblocking+thread"}; /* lk_tracker_overlaps */
     result res[4][N_OPS], created[4];
+    char dig[N_OPS][LK_DIGEST_HEX] = {{0}}; /* every mode's bytes after each op: the first mode's */
     size_t staging[4];
     int overlaps[4];
     for (int mode = 0; mode < (o.compare ? 4 : 2) && !s; mode++) {
-        s = run_mode(c, w, &o, MODE[mode], pa, pb, res[mode], &staging[mode], &overlaps[mode], &created[mode]);
+        s = run_mode(c, w, &o, MODE[mode], pa, pb, res[mode], &staging[mode], &overlaps[mode], &created[mode], dig,
+                     MODE_NAME[mode]);
         if (!s && rank == 0) print_result(&o, ranks, MODE_NAME[mode], "create", &created[mode], staging[mode]);
         for (int op = 0; !s && rank == 0 && op < N_OPS; op++)
             print_result(&o, ranks, MODE_NAME[mode], OPS[op], &res[mode][op], staging[mode]);

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# bench_swap.sh LORAKIT BUILD_DIR — `lorakit bench swap` on a tiny model at
+# 3 ranks with --compare: the `full` baseline (tools/bench/bench_full.c, the
+# reference's tracker rebuilt in the bench) keeps its rows, moves every
+# byte of the model on every op (the reference re-broadcasts every key) and
+# leaves the bytes the library's tracker leaves (the bench compares every
+# mode's digest after each op and exits 1 otherwise). ~2 s.
+set -euo pipefail
+LK="$1"
+if ! command -v mpirun >/dev/null; then echo "skip: no mpirun"; exit 0; fi
+source "$(dirname "$0")/util/mpi_env.sh"
+work="$(mktemp -d "${TMPDIR:-/tmp}/lkbenchswap.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+fail() { echo "bench_swap.sh: FAIL: $*"; exit 1; }
+timeout 120 mpirun -n 3 "$LK" bench swap --size-mb 2 --dim 128 --rank 4 --bucket-mb 1 --repeat 1 --json --compare \
+  --dir "$work" >"$work/out" 2>"$work/err" || { cat "$work/err"; fail "bench swap exited $?"; }
+python3 - "$work/out" <<'PY' || fail "rows"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+full = {r["op"]: r for r in rows if r.get("mode") == "full"}
+delta = {r["op"]: r for r in rows if r.get("mode") == "delta"}
+summary = [r for r in rows if r.get("mode") == "summary"][0]
+assert sorted(full) == ["apply", "create", "reset", "strength", "swap"], sorted(full)
+model = summary["model_bytes"]
+for op in ("apply", "strength", "swap", "reset"):
+    # the baseline sends the whole model; the delta tracker only the attention third
+    assert full[op]["bytes_broadcast"] == model, (op, full[op])
+    assert delta[op]["bytes_broadcast"] == summary["touched_bytes"], (op, delta[op])
+# every rank keeps a clone of everything it owns: at least a third of the model
+assert full["apply"]["backup_bytes_max"] >= model // 3, full["apply"]
+assert summary["swap_delta_over_full"] > 0
+PY
+echo "bench_swap.sh: ok"
