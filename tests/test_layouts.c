@@ -967,6 +967,8 @@ static void test_tool_fixtures(void **state) {
          * saved by its library) and single files; LoRAs on the UNet and every text encoder */
         {"sdxl_lora_diffusers", "sdxl_pipe", "sdxl_single"},
         {"sdxl_lora_kohya", "sdxl_pipe", "sdxl_single"},
+        /* the kohya file under sd-scripts' SDXL UNet names (lora_unet_input_blocks_4_1_...: the sdxl table) */
+        {"sdxl_lora_kohyasgm", "sdxl_pipe", "sdxl_single"},
         /* the diffusers LoRA through diffusers' convert_state_dict_to_kohya (lora_te1_text_model_..., alpha r) */
         {"sdxl_lora_kohyaconv", "sdxl_pipe", "sdxl_single"},
         {"sd2_lora_diffusers", "sd2_pipe", "sd2_single"},
