@@ -6,11 +6,16 @@
  * (lk_resolve_opts.component keeps other components' prefixed modules out),
  * so a module that lands nowhere, or in two components, is refused before
  * anything is written. Then the output is built in a temporary folder beside
- * OUT: each component with modules is fused by lk_fuse_file (which keeps its
- * file or shard layout), everything else is copied, and the folder is renamed
- * onto OUT in one step; any failure removes the temporary folder. */
+ * OUT (io/out_dir.h, tree mode): each component with modules is fused by
+ * lk_fuse_file (which keeps its file or shard layout), everything else is
+ * copied, and the folder is renamed onto OUT in one step; any failure
+ * removes the temporary folder, and OUT is as it was. OUT may be new, an
+ * empty folder, or a folder lorakit wrote (its .lorakit-output names every
+ * file and folder in it), replaced whole; never the base folder, a folder
+ * holding it, or one inside it. */
 #include "lorakit/fuse.h"
 #include "core/file.h"
+#include "io/out_dir.h"
 #include "lorakit/alloc.h"
 #include "lorakit/checkpoint.h"
 #include "lorakit/log.h"
@@ -18,7 +23,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,11 +39,6 @@ int lk_fuse_is_pipeline(const char *base) {
     char p[4096]; /* no allocation: a check that cannot fail (a longer path is no folder lorakit opens) */
     if ((size_t)snprintf(p, sizeof p, "%s/model_index.json", base) >= sizeof p) return 0;
     return stat(p, &sb) == 0 && S_ISREG(sb.st_mode);
-}
-
-static int rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb, (void)flag, (void)ftw;
-    return remove(p);
 }
 
 static lk_status copy_file(const char *from, const char *to) {
@@ -93,6 +92,51 @@ static lk_status copy_tree(const char *from, const char *to, const char *skip, i
     return s;
 }
 
+/* realpath(p), or, for a path that does not exist yet, realpath of its
+ * folder + its last name (malloc'd; NULL with errno set). */
+static char *real_or_new(const char *p) {
+    char *r = realpath(p, NULL);
+    if (r || errno != ENOENT) return r;
+    size_t l = strlen(p);
+    while (l > 1 && p[l - 1] == '/') l--;
+    const char *sl = memrchr(p, '/', l);
+    char *dir = sl ? strndup(p, sl == p ? 1 : (size_t)(sl - p)) : strdup(".");
+    char *rd = dir ? realpath(dir, NULL) : NULL;
+    const char *name = sl ? sl + 1 : p;
+    size_t nl = l - (size_t)(name - p);
+    char *out = rd ? malloc(strlen(rd) + nl + 2) : NULL;
+    if (out) sprintf(out, "%s%s%.*s", rd, strcmp(rd, "/") ? "/" : "", (int)nl, name);
+    free(dir);
+    free(rd);
+    return out;
+}
+
+/* 1 when folder a is b or holds it (by real paths). */
+static int holds(const char *a, const char *b) {
+    size_t n = strlen(a);
+    return !strncmp(a, b, n) && (b[n] == '\0' || b[n] == '/' || (n == 1 && a[0] == '/'));
+}
+
+/* OUT may not be the base folder, hold it (replacing OUT would remove it)
+ * or sit inside it (the copy of the base would hold itself). */
+static lk_status check_out_vs_base(const char *base, const char *out) {
+    char *rb = realpath(base, NULL), *ro = rb ? real_or_new(out) : NULL;
+    lk_status s = LK_OK;
+    if (!rb) s = lk_error(LK_ERR_IO, "%s: %s", base, strerror(errno));
+    else if (!ro) s = lk_error(LK_ERR_IO, "%s: cannot resolve the output path: %s", out, strerror(errno));
+    else if (!strcmp(rb, ro))
+        s = lk_error(LK_ERR_ARG, "%s: is the input pipeline folder %s; a fused pipeline is written to another folder",
+                     out, base);
+    else if (holds(ro, rb))
+        s = lk_error(LK_ERR_ARG, "%s: holds the input pipeline folder %s; name an output folder outside it", out, base);
+    else if (holds(rb, ro))
+        s = lk_error(LK_ERR_ARG, "%s: is inside the input pipeline folder %s (the copy of the folder would hold "
+                     "itself); name an output folder outside it", out, base);
+    free(rb);
+    free(ro);
+    return s;
+}
+
 typedef struct comp {
     const char *name;
     char *dir;
@@ -107,8 +151,9 @@ lk_status lk_fuse_pipeline(const char *base, const lk_fuse_input *inputs, const 
     comp c[N_COMP];
     memset(c, 0, sizeof c);
     lk_status s = LK_OK;
-    char *tmp = NULL;
-    int made_tmp = 0;
+    lk_out_dir *od = NULL;
+    lk_out_inputs oin = LK_OUT_INPUTS_INIT; /* adapters and component checkpoints: never an old file of OUT */
+    const char *tmp = NULL;
     lk_fuse_stats total = {0};
     for (size_t k = 0; k < N_COMP && !s; k++) {
         c[k].name = g_components[k];
@@ -118,12 +163,19 @@ lk_status lk_fuse_pipeline(const char *base, const lk_fuse_input *inputs, const 
             lk_log(LK_LOG_DEBUG, "%s: %s has no checkpoint (%s): copied", base, c[k].name, lk_last_error());
             c[k].ck = NULL;
         }
+        if (!s && c[k].ck) s = lk_out_inputs_add_ckpt(&oin, c[k].ck);
     }
     /* every module of every adapter lands in exactly one component */
     for (size_t i = 0; i < n && !s; i++) {
         lk_adapter *a = NULL;
         lk_adapter_opts ao = {inputs[i].format, opts->alpha_from};
         if ((s = lk_fuse_input_open(&inputs[i], sources ? sources[i] : NULL, &ao, &a))) break;
+        if (!sources || !sources[i]) s = lk_out_inputs_add(&oin, lk_adapter_file(a), "adapter");
+        if (!s && lk_adapter_config_file(a)) s = lk_out_inputs_add(&oin, lk_adapter_config_file(a), "adapter config");
+        if (s) {
+            lk_adapter_free(a);
+            break;
+        }
         size_t nm = lk_adapter_count(a);
         int *where = lk_malloc((nm ? nm : 1) * sizeof *where);
         if (!where) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", inputs[i].path);
@@ -167,20 +219,10 @@ lk_status lk_fuse_pipeline(const char *base, const lk_fuse_input *inputs, const 
         lk_free(where);
         lk_adapter_free(a);
     }
-    /* OUT: new, or an empty folder (removed, then made again by the rename) */
+    /* OUT: new, empty, or a pipeline lorakit wrote (replaced whole); never the base */
     struct stat sb;
-    if (!s && stat(out, &sb) == 0 && (!S_ISDIR(sb.st_mode) || rmdir(out)))
-        s = lk_error(LK_ERR_IO, "%s: exists and is not an empty folder (a fused pipeline is written to a new folder)",
-                     out);
-    if (!s) {
-        size_t tl = strlen(out) + 48;
-        if (!(tmp = lk_malloc(tl))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
-        else snprintf(tmp, tl, "%s.lorakit-tmp-%ld", out, (long)getpid());
-    }
-    if (!s) {
-        if (mkdir(tmp, 0755)) s = lk_error(LK_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-        else made_tmp = 1;
-    }
+    if (!s) s = check_out_vs_base(base, out);
+    if (!s && !(s = lk_out_dir_begin_tree(out, &oin, &od))) tmp = lk_out_dir_path(od);
     /* the fused components, then everything else copied */
     for (size_t k = 0; k < N_COMP && !s; k++) {
         if (!c[k].ck || !c[k].hits) continue;
@@ -226,13 +268,13 @@ lk_status lk_fuse_pipeline(const char *base, const lk_fuse_input *inputs, const 
         }
         if (d) closedir(d);
     }
-    if (!s && rename(tmp, out)) s = lk_error(LK_ERR_IO, "%s: cannot rename into place: %s", out, strerror(errno));
-    if (s && made_tmp) nftw(tmp, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
+    if (!s && (s = lk_out_dir_commit(od)) == LK_OK) od = NULL; /* commit frees od on success */
+    lk_out_dir_abort(od);
+    lk_out_inputs_free(&oin);
     for (size_t k = 0; k < N_COMP; k++) {
         lk_ckpt_close(c[k].ck);
         lk_free(c[k].dir);
     }
-    lk_free(tmp);
     if (!s && stats) *stats = total;
     return s;
 }

@@ -22,6 +22,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,6 +47,9 @@ struct lk_out_dir {
     namelist files; /* the files written into tmp: the output's files */
     namelist old;   /* replacing: the old folder's files (removed after the exchange) */
     int replace;    /* out is a non-empty folder lorakit wrote */
+    int tree;       /* a folder tree (lk_out_dir_begin_tree): names are relative paths */
+    namelist folders;     /* tree: the output's folders (relative paths, parents first) */
+    namelist old_folders; /* tree, replacing: the old folder's folders (removed deepest first) */
 };
 
 static int ends_with(const char *s, const char *suf) {
@@ -120,9 +124,10 @@ static void fsync_dir(const char *d) {
     }
 }
 
-/* The names out/.lorakit-output records, into *names (no registration).
- * LK_ERR_ARG when there is none or it is not lorakit's record. */
-static lk_status read_marker(const char *out, namelist *names) {
+/* The names out/.lorakit-output records, into *names (no registration),
+ * and, when folders is given, its "folders" (a tree's). LK_ERR_ARG when
+ * there is none or it is not lorakit's record. */
+static lk_status read_marker(const char *out, namelist *names, namelist *folders) {
     char *p = lk_path_join(out, MARKER), *text = NULL;
     size_t len = 0;
     if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
@@ -143,16 +148,55 @@ static lk_status read_marker(const char *out, namelist *names) {
         if (!n) s = lk_error(LK_ERR_ARG, "%s: files[%zu] is not a string", p, i);
         else if (!namelist_add(names, n, NULL)) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", p);
     }
+    json_t *dirs = folders && !s ? json_object_get(root, "folders") : NULL;
+    if (dirs && !json_is_array(dirs)) s = lk_error(LK_ERR_ARG, "%s: \"folders\" is not a list", p);
+    for (size_t i = 0; !s && i < json_array_size(dirs); i++) {
+        const char *n = json_string_value(json_array_get(dirs, i));
+        if (!n) s = lk_error(LK_ERR_ARG, "%s: folders[%zu] is not a string", p, i);
+        else if (!namelist_add(folders, n, NULL)) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", p);
+    }
     json_decref(root);
     lk_free(text);
     lk_free(p);
     return s;
 }
 
+/* The entries under root/rel (rel "" for root itself), recursively, as
+ * paths relative to root: regular files into files, folders into folders
+ * (parents before children). Anything else (a link, a device, ...) is
+ * LK_ERR_ARG naming it, as is a tree deeper than 16. */
+static lk_status list_tree(const char *root, const char *rel, int depth, namelist *files, namelist *folders) {
+    if (depth > 16) return lk_error(LK_ERR_ARG, "%s/%s: folders nested too deep for an output folder", root, rel);
+    char *dir = *rel ? lk_path_join(root, rel) : lk_strdup(root);
+    if (!dir) return lk_error(LK_ERR_NOMEM, "%s: out of memory", root);
+    DIR *d = opendir(dir);
+    lk_status s = d ? LK_OK : lk_error(LK_ERR_IO, "%s: cannot open the folder: %s", dir, strerror(errno));
+    for (struct dirent *e; !s && (e = readdir(d));) {
+        if (dot_or_dotdot(e->d_name)) continue;
+        char *r = *rel ? lk_path_join(rel, e->d_name) : lk_strdup(e->d_name), *p = r ? lk_path_join(root, r) : NULL;
+        struct stat sb;
+        if (!p) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", root);
+        else if (lstat(p, &sb) != 0) s = lk_error(LK_ERR_IO, "%s: %s", p, strerror(errno));
+        else if (S_ISREG(sb.st_mode)) s = namelist_add(files, r, NULL) ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", root);
+        else if (!S_ISDIR(sb.st_mode))
+            s = lk_error(LK_ERR_ARG, "%s: is %s, which lorakit never writes in an output folder", p,
+                         lk_file_kind((unsigned)sb.st_mode));
+        else if (!namelist_add(folders, r, NULL)) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", root);
+        else s = list_tree(root, r, depth + 1, files, folders);
+        lk_free(r);
+        lk_free(p);
+    }
+    if (d) closedir(d);
+    lk_free(dir);
+    return s;
+}
+
 /* OUT exists: it must be a folder, empty or written by lorakit with no
  * input among its files; the files to remove after the exchange go to
  * od->old (this process's own listing of the folder, never the record's
- * names, so nothing outside the folder can be named). */
+ * names, so nothing outside the folder can be named). A tree (od->tree):
+ * every file and folder under it, by relative path, and the record must
+ * name each folder too (od->old_folders). */
 static lk_status check_existing(lk_out_dir *od, const lk_out_inputs *in) {
     const char *out = od->out;
     struct stat sb;
@@ -162,17 +206,22 @@ static lk_status check_existing(lk_out_dir *od, const lk_out_inputs *in) {
     lk_status s = S_ISREG(sb.st_mode) ? lk_out_check(out, in) : LK_OK; /* an input: say so first */
     if (s) return s;
     if (!S_ISDIR(sb.st_mode))
-        return lk_error(LK_ERR_ARG, "%s: exists and is %s, not a folder (a sharded output is a folder; name a "
-                        "FILE.safetensors for one file)", out, lk_file_kind((unsigned)sb.st_mode));
-    DIR *d = opendir(out);
-    if (!d) return lk_error(LK_ERR_IO, "%s: cannot open the folder: %s", out, strerror(errno));
-    for (struct dirent *e; !s && (e = readdir(d));)
-        if (!dot_or_dotdot(e->d_name) && !namelist_add(&od->old, e->d_name, NULL))
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
-    closedir(d);
-    if (s || !od->old.n) return s; /* empty: the rename goes onto it */
-    namelist rec = {0};
-    s = read_marker(out, &rec);
+        return lk_error(LK_ERR_ARG, "%s: exists and is %s, not a folder (%s)", out, lk_file_kind((unsigned)sb.st_mode),
+                        od->tree ? "this output is a folder" : "a sharded output is a folder; name a FILE.safetensors "
+                        "for one file");
+    if (od->tree) {
+        s = list_tree(out, "", 0, &od->old, &od->old_folders);
+    } else {
+        DIR *d = opendir(out);
+        if (!d) return lk_error(LK_ERR_IO, "%s: cannot open the folder: %s", out, strerror(errno));
+        for (struct dirent *e; !s && (e = readdir(d));)
+            if (!dot_or_dotdot(e->d_name) && !namelist_add(&od->old, e->d_name, NULL))
+                s = lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
+        closedir(d);
+    }
+    if (s || (!od->old.n && !od->old_folders.n)) return s; /* empty: the rename goes onto it */
+    namelist rec = {0}, recf = {0};
+    s = read_marker(out, &rec, od->tree ? &recf : NULL);
     for (size_t i = 0; !s && i < od->old.n; i++) {
         const char *n = od->old.v[i];
         char *p = lk_path_join(out, n);
@@ -186,12 +235,29 @@ static lk_status check_existing(lk_out_dir *od, const lk_out_inputs *in) {
         else s = lk_out_check(p, in);
         lk_free(p);
     }
+    for (size_t i = 0; !s && i < od->old_folders.n; i++)
+        if (!namelist_has(&recf, od->old_folders.v[i]))
+            s = lk_error(LK_ERR_ARG, "%s: the output folder holds the folder %s, which lorakit did not make there (it "
+                         "is not in its " MARKER "); name a new or empty folder", out, od->old_folders.v[i]);
     namelist_free(&rec);
+    namelist_free(&recf);
     od->replace = 1;
     return s;
 }
 
+static lk_status out_dir_begin(const char *out, const lk_out_inputs *in, int tree, lk_out_dir **odp);
+
 lk_status lk_out_dir_begin(const char *out, const lk_out_inputs *in, lk_out_dir **odp) {
+    return out_dir_begin(out, in, 0, odp);
+}
+
+lk_status lk_out_dir_begin_tree(const char *out, const lk_out_inputs *in, lk_out_dir **odp) {
+    return out_dir_begin(out, in, 1, odp);
+}
+
+const char *lk_out_dir_path(const lk_out_dir *od) { return od->tmp; }
+
+static lk_status out_dir_begin(const char *out, const lk_out_inputs *in, int tree, lk_out_dir **odp) {
     *odp = NULL;
     size_t l = strlen(out);
     while (l > 1 && out[l - 1] == '/') l--; /* "dir/" names dir */
@@ -206,6 +272,7 @@ lk_status lk_out_dir_begin(const char *out, const lk_out_inputs *in, lk_out_dir 
     memcpy(o, out, l);
     o[l] = 0;
     od->out = o;
+    od->tree = tree;
     lk_status s = check_existing(od, in);
     if (!s) s = lk_temp_sweep(o);
     if (s) {
@@ -242,9 +309,18 @@ lk_status lk_out_dir_begin(const char *out, const lk_out_inputs *in, lk_out_dir 
     return LK_OK;
 }
 
+static int rm_entry(const char *p, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)ftw;
+    if (flag == FTW_DP) rmdir(p);
+    else unlink(p);
+    return 0;
+}
+
 void lk_out_dir_abort(lk_out_dir *od) {
     if (!od) return;
-    /* Only this process writes the folder it made: remove what is there. */
+    /* Only this process writes the folder it made: remove what is there
+     * (a tree: everything under it, links not followed). */
+    if (od->tree && od->tmp) nftw(od->tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
     DIR *d = od->tmp ? opendir(od->tmp) : NULL;
     if (d) {
         struct dirent *e;
@@ -259,6 +335,8 @@ void lk_out_dir_abort(lk_out_dir *od) {
     if (od->tmp) rmdir(od->tmp);
     namelist_free(&od->files);
     namelist_free(&od->old);
+    namelist_free(&od->folders);
+    namelist_free(&od->old_folders);
     lk_temp_drop(od->tmp_reg);
     lk_free(od->tmp);
     lk_free(od->out);
@@ -367,13 +445,23 @@ lk_status lk_out_dir_copy_small(lk_out_dir *od, const lk_ckpt *ck) {
 
 /* .lorakit-output in the temporary folder: the names of the files in it. */
 static lk_status write_marker(lk_out_dir *od) {
-    json_t *root = json_object(), *files = json_array();
-    int bad = !root || !files;
+    if (od->tree) { /* the tree as written into the temporary folder (all of it this process's) */
+        namelist_free(&od->files);
+        namelist_free(&od->folders);
+        lk_status s = list_tree(od->tmp, "", 0, &od->files, &od->folders);
+        if (s) return s;
+    }
+    json_t *root = json_object(), *files = json_array(), *folders = od->tree ? json_array() : NULL;
+    int bad = !root || !files || (od->tree && !folders);
     for (size_t i = 0; !bad && i < od->files.n; i++) bad |= json_array_append_new(files, json_string(od->files.v[i]));
+    for (size_t i = 0; !bad && od->tree && i < od->folders.n; i++)
+        bad |= json_array_append_new(folders, json_string(od->folders.v[i]));
     if (!bad) bad |= json_object_set_new(root, "lorakit_output", json_integer(1));
     if (!bad) bad |= json_object_set(root, "files", files);
+    if (!bad && folders) bad |= json_object_set(root, "folders", folders);
     char *text = bad ? NULL : json_dumps(root, JSON_INDENT(1));
     json_decref(files);
+    json_decref(folders);
     json_decref(root);
     char *p = text ? lk_out_dir_file(od, MARKER) : NULL;
     lk_status s = p ? write_file(p, text, strlen(text)) : lk_error(LK_ERR_NOMEM, "%s: out of memory", od->out);
@@ -408,6 +496,11 @@ lk_status lk_out_dir_commit(lk_out_dir *od) {
             if (p) unlink(p);
             lk_free(p);
         }
+        for (size_t i = od->old_folders.n; i-- > 0;) { /* children were listed after their parents */
+            char *p = lk_path_join(od->tmp, od->old_folders.v[i]);
+            if (p) rmdir(p);
+            lk_free(p);
+        }
         if (rmdir(od->tmp) != 0)
             lk_log(LK_LOG_WARN, "%s: replaced; the old folder, now %s, could not be removed: %s", od->out, od->tmp,
                    strerror(errno));
@@ -426,6 +519,8 @@ lk_status lk_out_dir_commit(lk_out_dir *od) {
     lk_free(parent);
     namelist_free(&od->files);
     namelist_free(&od->old);
+    namelist_free(&od->folders);
+    namelist_free(&od->old_folders);
     lk_temp_drop(od->tmp_reg);
     lk_free(od->tmp);
     lk_free(od->out);

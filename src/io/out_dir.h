@@ -33,6 +33,15 @@ int lk_ckpt_is_index_name(const char *name);
 
 /* in: the run's inputs (io/out_file.h), none of which OUT_DIR's old files may be. */
 lk_status lk_out_dir_begin(const char *out, const lk_out_inputs *in, lk_out_dir **od);
+/* A folder tree (a pipeline folder: files in subfolders) written the same
+ * way: the caller writes anything under lk_out_dir_path(od); commit records
+ * every file and folder it finds there (relative paths, in "files" and
+ * "folders"), and an existing OUT_DIR may be replaced only when its record
+ * names every file and every folder in it (none an input), links and other
+ * kinds refused by name. Abort removes the whole temporary tree. */
+lk_status lk_out_dir_begin_tree(const char *out, const lk_out_inputs *in, lk_out_dir **od);
+/* The temporary folder the output is written into (exists while od lives). */
+const char *lk_out_dir_path(const lk_out_dir *od);
 /* The temporary path of file `name` (lk_malloc'd; NULL when out of
  * memory), which becomes one of the output's files: recorded in
  * .lorakit-output, and registered for removal on a signal (io/temp.h). */

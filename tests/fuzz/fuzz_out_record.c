@@ -9,7 +9,9 @@
  * array of strings naming "a.safetensors" (checked here with jansson,
  * independently of out_dir.c's reading). The accepted begin is aborted, never
  * committed; afterwards the folder holds exactly what it held (the two
- * files) and its parent no temporary. */
+ * files) and its parent no temporary. The same folder through the tree mode
+ * (lk_out_dir_begin_tree, a pipeline output): accepted only with the same
+ * record, whose "folders", when present, is a list of strings. */
 #include "fuzz_common.h"
 #include "io/out_dir.h"
 
@@ -51,6 +53,21 @@ static void fz_out_record(const uint8_t *data, size_t size) {
             named |= !strcmp(json_string_value(json_array_get(files, i)), "a.safetensors");
         }
         FZ_CHECK(named);
+        json_decref(root);
+        lk_out_dir_abort(od);
+    }
+    FZ_CHECK(fz_count(out) == 2);
+    FZ_CHECK(fz_count(fz_mkdir_tmp("recparent")) == 1);
+    lk_status st = lk_out_dir_begin_tree(out, NULL, &od);
+    if (st) {
+        fz_clean_error(st);
+        FZ_CHECK(od == NULL);
+    } else {
+        FZ_CHECK(s == LK_OK || s == LK_ERR_NOMEM); /* the flat check accepted the same record */
+        json_t *root = json_loadb((const char *)data, size, JSON_REJECT_DUPLICATES, NULL);
+        json_t *folders = root ? json_object_get(root, "folders") : NULL;
+        FZ_CHECK(root && (!folders || json_is_array(folders)));
+        for (size_t i = 0; i < json_array_size(folders); i++) FZ_CHECK(json_is_string(json_array_get(folders, i)));
         json_decref(root);
         lk_out_dir_abort(od);
     }

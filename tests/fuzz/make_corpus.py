@@ -275,6 +275,9 @@ put("out_record", "not_string.json", '{"lorakit_output": 1, "files": ["a.safeten
 put("out_record", "bad_version.json", '{"lorakit_output": "1", "files": ["a.safetensors"]}')
 put("out_record", "odd_names.json", '{"lorakit_output": 1, "files": ["../a.safetensors", "a.safetensors", "a.safetensors"]}')
 put("out_record", "array.json", "[]")
+# a pipeline output's record (tree mode) also lists its folders
+put("out_record", "tree.json", '{"lorakit_output": 1, "files": ["a.safetensors", "unet/x.safetensors"], "folders": ["unet"]}')
+put("out_record", "tree_bad_folders.json", '{"lorakit_output": 1, "files": ["a.safetensors"], "folders": "unet"}')
 # ---- diffusers' old attention-processor LoRA format (appended last, so the rng draws of the seeds above are unchanged) ----
 put("adapter", "old_attn_processor", save({
     "unet.blocks.0.attn.processor.to_q_lora.down.weight": arr((R, H)),
