@@ -133,6 +133,42 @@ static void test_sync_stall(void **state) {
     lk_lora_params_free(p);
 }
 
+/* A rank that gives up tells the others (issue 20 item 14, QA: only some
+ * ranks printed their error before the abort): rank 0 waits at a 0.5 s
+ * timeout, ranks 1..N-2 at 20 s, the last rank comes 2.5 s late. The
+ * middle ranks must not wait on until it comes (the job is being aborted
+ * under them): they return LK_ERR_TIMEOUT within 2 s (0.5 s + rank 0's
+ * 0.25 s grace + their own 0.5 s look + slack), naming rank 0 as the one
+ * that timed out and the late rank as waited for. Before, they completed
+ * the barrier at 2.5 s (LK_OK). Needs a middle rank: 3 ranks or more. */
+static void test_giveup_reaches_waiters(void **state) {
+    (void)state;
+    if (N < 3) skip();
+    lk_comm *c = NULL;
+    assert_int_equal(lk_comm_from_mpi(MPI_COMM_WORLD, &c), LK_OK);
+    assert_int_equal(lk_comm_set_timeout(c, R == 0 ? 0.5 : 20.0), LK_OK);
+    if (R == N - 1) usleep(2500000);
+    timed r;
+    double t0 = tu_clock(CLOCK_MONOTONIC);
+    r.st = lk_comm_barrier(c);
+    r.wall = tu_clock(CLOCK_MONOTONIC) - t0;
+    snprintf(r.msg, sizeof r.msg, "%s", lk_last_error());
+    fprintf(stderr, "rank %d: %s after %.2f s: %s\n", R, lk_status_str(r.st), r.wall, r.st ? r.msg : "");
+    if (R == 0) {
+        assert_int_equal(r.st, LK_ERR_TIMEOUT);
+        assert_true(r.wall >= 0.5 && r.wall < 2.0);
+    } else if (R < N - 1) {
+        assert_int_equal(r.st, LK_ERR_TIMEOUT);
+        assert_true(r.wall < 2.0);
+        tu_assert_contains(r.msg, "rank 0 timed out in collective #1 (barrier), so this one cannot complete");
+        char want[64]; /* rank 0, already gone, does not answer either */
+        snprintf(want, sizeof want, "waiting for ranks 0, %d (no answer", N - 1);
+        tu_assert_contains(r.msg, want);
+    }
+    assert_int_equal(lk_comm_barrier(W), LK_OK);
+    lk_comm_free(c);
+}
+
 int main(int argc, char **argv) {
     W = tu_mpi_init(&argc, &argv);
     R = lk_comm_rank(W);
@@ -140,6 +176,7 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tracker_stall),
         cmocka_unit_test(test_sync_stall),
+        cmocka_unit_test(test_giveup_reaches_waiters),
     };
     return tu_mpi_finish(W, cmocka_run_group_tests(tests, NULL, NULL));
 }

@@ -63,8 +63,8 @@ static const char *const SWAP_USAGE =
     "                   step fails and the weights stay as they were. Same as\n"
     "                   allow_nonfinite: true in the plan (either one turns it on)\n"
     LK_CLI_TIMEOUT_HELP
-    "                  (overrides the plan's timeout; loading the plan and the\n"
-    "                  base is not timed: a rank may take long to read them)\n"
+    "                  (overrides the plan's timeout; it also bounds how long a\n"
+    "                  rank waits for the others to read the plan and the base)\n"
     LK_CLI_ALPHA_FROM_HELP
     "                         (overrides the plan's alpha_from)\n"
     "  --arch NAME      the model family table that maps diffusers names onto the\n"
@@ -211,7 +211,12 @@ int lk_cmd_swap(int argc, char **argv) {
     lk_plan *plan = NULL;
     lk_weights *w = NULL;
     lk_tracker *t = NULL;
-    lk_status s = lk_comm_agree(c, parse_args(argc, argv, &a));
+    lk_status s = lk_comm_agree(c, parse_args(argc, argv, &a)); /* at the default timeout: --timeout is not known yet */
+    if (s == LK_ERR_TIMEOUT) {
+        lk_error_prefix(s, "agreeing on the arguments");
+        rc = lk_cli_timeout_abort(c);
+        goto out;
+    }
     if (s) {
         rc = s == LK_ERR_ARG ? LK_EXIT_USAGE : LK_EXIT_FAIL;
         if (rank0) {
@@ -220,13 +225,19 @@ int lk_cmd_swap(int argc, char **argv) {
         }
         goto out;
     }
-    /* reading the plan and the base is not timed: one rank may take long */
-    lk_comm_set_timeout(c, 0);
+    /* Reading the plan and the base: the agreement after each is timed too (a rank stalled while reading
+     * blocked the others forever: QA saw a 58 s silence). A rank waits that long for the slowest rank to
+     * finish reading: --timeout when given (else the default) for the plan, then the plan's timeout */
+    lk_comm_set_timeout(c, a.timeout >= 0 ? a.timeout : LK_COMM_TIMEOUT_DEFAULT);
     s = lk_comm_agree(c, lk_plan_load(a.plan, &plan));
-    if (!s) s = lk_comm_agree(c, lk_weights_load(a.base, &w));
+    if (s == LK_ERR_TIMEOUT) lk_error_prefix(s, "reading the plan %s", a.plan);
     if (!s) {
         double to = a.timeout >= 0 ? a.timeout : plan->timeout >= 0 ? plan->timeout : LK_COMM_TIMEOUT_DEFAULT;
         s = lk_comm_set_timeout(c, to); /* checked by the parsers: cannot fail */
+    }
+    if (!s) {
+        s = lk_comm_agree(c, lk_weights_load(a.base, &w));
+        if (s == LK_ERR_TIMEOUT) lk_error_prefix(s, "reading the base %s", a.base);
     }
     if (!s) {
         lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
@@ -252,6 +263,13 @@ int lk_cmd_swap(int argc, char **argv) {
         goto out;
     }
     rc = run_steps(c, t, w, plan, a.plan, a.json);
+    /* every rank here before MPI_Finalize (which cannot be timed: a rank stalled in it stops the job's end) */
+    if (lk_comm_size(c) > 1 && (s = lk_comm_barrier(c)) == LK_ERR_TIMEOUT) {
+        lk_error_prefix(s, "finishing (every rank done with the plan)");
+        rc = lk_cli_timeout_abort(c);
+    } else if (s) {
+        rc = lk_cli_fail();
+    }
 out:
     lk_tracker_free(t);
     lk_weights_free(w);

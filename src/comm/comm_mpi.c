@@ -39,7 +39,10 @@ typedef struct ctl_msg {
     uint64_t seq;
     char op[48];
 } ctl_msg;
-enum { TAG_ASK = 1, TAG_ANSWER = 2 };
+/* TAG_GIVEUP: a rank whose collective timed out for good tells every
+ * other rank, so that each rank still waiting reports its own view before
+ * the job is aborted (rather than being ended by the abort unheard). */
+enum { TAG_ASK = 1, TAG_ANSWER = 2, TAG_GIVEUP = 3 };
 
 typedef struct mpi_impl {
     MPI_Comm comm;
@@ -176,10 +179,12 @@ static void describe(const lk_comm *c, const ctl_msg *ans, char *buf, size_t cap
  * is, collects answers for a short grace (answering others meanwhile),
  * and returns LK_ERR_TIMEOUT describing them; or LK_OK if *r completes
  * within the grace after all. */
-static lk_status expire(lk_comm *c, MPI_Request *r, const lk_comm_wait *w) {
+static lk_status expire(lk_comm *c, MPI_Request *r, const lk_comm_wait *w, double grace_cap, const char *lead) {
     mpi_impl *m = c->impl;
     ctl_msg *ans = lk_calloc((size_t)c->size, sizeof *ans);
-    char detail[768] = "";
+    char detail[1024] = "";
+    size_t dl = 0;
+    if (lead) lk_appendf(detail, sizeof detail, &dl, "%s", lead);
     if (ans) {
         ctl_msg q;
         memset(&q, 0, sizeof q);
@@ -187,6 +192,7 @@ static lk_status expire(lk_comm *c, MPI_Request *r, const lk_comm_wait *w) {
         for (int p = 0; p < c->size; p++)
             if (p != c->rank) ctl_send(m, &q, p, TAG_ASK);
         double grace = c->timeout / 2 < 0.25 ? 0.25 : c->timeout / 2 > 2 ? 2 : c->timeout / 2;
+        if (grace > grace_cap) grace = grace_cap;
         const double end = lk_now_s() + grace;
         int answered = 0;
         while (answered < c->size - 1 && lk_now_s() < end) {
@@ -211,10 +217,32 @@ static lk_status expire(lk_comm *c, MPI_Request *r, const lk_comm_wait *w) {
             struct timespec ts = {0, 1000000};
             nanosleep(&ts, NULL);
         }
-        describe(c, ans, detail, sizeof detail);
+        describe(c, ans, detail + dl, sizeof detail - dl);
         lk_free(ans);
     }
+    ctl_msg g; /* for good: tell the others, who may still be waiting without knowing */
+    memset(&g, 0, sizeof g);
+    g.asked = c->seq;
+    g.seq = c->seq;
+    snprintf(g.op, sizeof g.op, "%s", c->op ? c->op : "?");
+    for (int p = 0; p < c->size; p++)
+        if (p != c->rank) ctl_send(m, &g, p, TAG_GIVEUP);
     return lk_comm_timeout_error(c, w, detail);
+}
+
+/* Whether another rank gave up for good (TAG_GIVEUP); *lead gets what to
+ * say about it. */
+static int gave_up(lk_comm *c, char *lead, size_t cap) {
+    mpi_impl *m = c->impl;
+    int flag = 0;
+    MPI_Status st;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_GIVEUP, m->ctl, &flag, &st) != MPI_SUCCESS || !flag) return 0;
+    ctl_msg g;
+    if (MPI_Recv(&g, (int)sizeof g, MPI_BYTE, st.MPI_SOURCE, TAG_GIVEUP, m->ctl, MPI_STATUS_IGNORE) != MPI_SUCCESS)
+        return 0;
+    snprintf(lead, cap, "; rank %d timed out in collective #%llu (%.*s), so this one cannot complete and the job is "
+             "ending", st.MPI_SOURCE, (unsigned long long)g.seq, (int)sizeof g.op, g.op);
+    return 1;
 }
 
 /* Completes *r (started when w started): MPI_Test, answering questions and
@@ -224,8 +252,13 @@ static lk_status wait_req(lk_comm *c, MPI_Request *r, lk_comm_wait *w, const cha
         int done = 0, rc = MPI_Test(r, &done, MPI_STATUS_IGNORE);
         if (rc != MPI_SUCCESS) return mpi_fail(rc, op);
         if (done) return LK_OK;
-        if (lk_comm_wait_expired(c, w)) return expire(c, r, w);
-        if (c->size > 1) ctl_answer(c);
+        if (lk_comm_wait_expired(c, w)) return expire(c, r, w, 2.0, NULL);
+        if (c->size > 1) {
+            char lead[256];
+            ctl_answer(c);
+            /* another rank gave up: report now (a short look at the others first), before its abort ends us */
+            if (gave_up(c, lead, sizeof lead)) return expire(c, r, w, 0.5, lead);
+        }
         lk_comm_wait_pause(w);
     }
 }
