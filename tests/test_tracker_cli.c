@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 static const swap_model M = {2, 96, 192, 1};
@@ -275,6 +276,47 @@ static void test_layout_tables(void **state) {
 #undef LFX
 }
 
+/* A diffusers pipeline folder as BASE (issue 19): refused, naming the
+ * component folders to pass; its transformer/ folder swaps as the offline
+ * fuse of that folder gives. */
+static void test_pipeline_base(void **state) {
+    (void)state;
+    char *pipe = tu_path(g_dir, "pipe"), *tr = tu_path(pipe, "transformer"), *sch = tu_path(pipe, "scheduler");
+    assert_int_equal(mkdir(pipe, 0755), 0);
+    assert_int_equal(mkdir(tr, 0755), 0);
+    assert_int_equal(mkdir(sch, 0755), 0);
+    size_t n;
+    char *bytes = tu_read_file(LK_TEST_SRC_DIR "/tests/fixtures/layouts/flux_diffusers.safetensors", &n);
+    char *model = tu_path(tr, "diffusion_pytorch_model.safetensors");
+    assert_int_equal(tu_write_file(model, bytes, n), 0);
+    char *mi = tu_path(pipe, "model_index.json");
+    assert_int_equal(tu_write_file(mi, "{}", 2), 0);
+    const char *lora = LK_TEST_SRC_DIR "/tests/fixtures/layouts/flux_lora_diffusers.safetensors";
+    char text[700], want[LK_DIGEST_HEX], l[600], *out = NULL, *err = NULL;
+    snprintf(text, sizeof text, "steps:\n  - loras: [{path: '%s', strength: 0.6}]\n", lora);
+    char *plan = write_plan("pipe.yaml", text);
+    assert_int_equal(sh(&out, &err, "'%s' swap '%s' --plan '%s'", bin(), pipe, plan), 1);
+    tu_assert_contains(err, "is a diffusers pipeline folder (model_index.json)");
+    tu_assert_contains(err, "pass the component's folder (");
+    tu_assert_contains(err, tr);
+    assert_null(strstr(err, "scheduler")); /* only the model components are offered */
+    assert_string_equal(out, "");
+    free(out);
+    free(err);
+    snprintf(l, sizeof l, "-l '%s:0.6'", lora);
+    offline_on(tr, l, want);
+    assert_int_equal(sh(&out, NULL, "'%s' swap '%s' --plan '%s'", bin(), tr, plan), 0);
+    tu_assert_contains(out, want);
+    free(out);
+    free(bytes);
+    free(plan);
+    free(mi);
+    free(model);
+    free(sch);
+    free(tr);
+    free(pipe);
+}
+
 /* examples/serve_swap at 2 ranks: A, A+B, reset, as its README snippet shows. */
 static void test_example(void **state) {
     (void)state;
@@ -304,6 +346,7 @@ int main(void) {
         cmocka_unit_test(test_different_plans_per_rank),
         cmocka_unit_test(test_usage_and_bad_plan),
         cmocka_unit_test(test_layout_tables),
+        cmocka_unit_test(test_pipeline_base),
         cmocka_unit_test(test_example),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

@@ -23,7 +23,9 @@ typedef struct lk_weights lk_weights;
 
 /* Loads every tensor of a checkpoint (a safetensors file, an index of a
  * sharded set, or a folder holding one: lk_ckpt_open) into memory (one
- * allocation; tensors in shard then file order). */
+ * allocation; tensors in shard then file order). A diffusers pipeline
+ * folder (model_index.json: several models) is LK_ERR_ARG naming the
+ * component folders to load instead (its transformer/, unet/, ...). */
 lk_status lk_weights_load(const char *path, lk_weights **out);
 /* Borrows n tensors (names and data stay the caller's and must outlive the
  * weights; data must be writable). The table itself is copied. Duplicate

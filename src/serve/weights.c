@@ -11,8 +11,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/file.h"
 #include "lorakit/alloc.h"
 #include "lorakit/checkpoint.h"
+#include "lorakit/fuse.h"
+
+#include <stdio.h>
+#include <sys/stat.h>
 
 struct lk_weights {
     size_t n;
@@ -38,9 +43,33 @@ static lk_status build_index(lk_weights *w) {
 
 #define ALIGN_UP(x) (((x) + 63) & ~(size_t)63)
 
+/* A diffusers pipeline folder holds several models (transformer or UNet,
+ * text encoders, VAE); weights are one model: refused, naming the
+ * component folders to pass instead. */
+static lk_status refuse_pipeline(const char *path) {
+    static const char *const comps[] = {"transformer", "unet", "text_encoder", "text_encoder_2", "text_encoder_3"};
+    size_t cap = 5 * (strlen(path) + 24) + 1, used = 0;
+    char *list = lk_malloc(cap);
+    if (!list) return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
+    list[0] = '\0';
+    for (size_t i = 0; i < sizeof comps / sizeof comps[0]; i++) {
+        char *p = lk_path_join(path, comps[i]);
+        struct stat sb;
+        if (p && stat(p, &sb) == 0 && S_ISDIR(sb.st_mode))
+            used += (size_t)snprintf(list + used, cap - used, "%s%s", used ? ", " : "", p);
+        lk_free(p);
+    }
+    if (!used) snprintf(list, cap, "e.g. %s/transformer or %s/unet", path, path);
+    lk_status s = lk_error(LK_ERR_ARG, "%s: is a diffusers pipeline folder (model_index.json), which holds several "
+                           "models; hot-swapping works on one checkpoint: pass the component's folder (%s)", path, list);
+    lk_free(list);
+    return s;
+}
+
 lk_status lk_weights_load(const char *path, lk_weights **out) {
     if (!path || !out) return lk_error(LK_ERR_ARG, "lk_weights_load: NULL argument");
     *out = NULL;
+    if (lk_fuse_is_pipeline(path)) return refuse_pipeline(path);
     lk_ckpt *st = NULL;
     lk_status s = lk_ckpt_open(path, &st);
     if (s) return s;
