@@ -463,3 +463,19 @@ def test_fuse_pipeline_folder(tmp_path):
     with pytest.raises(lorakit.LoraError, match="--arch nope"):
         lorakit.fuse(pipe, [(lora, 0.9)], str(tmp_path / "nope"), arch="nope")
     assert not os.path.exists(tmp_path / "nope")
+
+
+def test_inspect_base_pipeline_folder(tmp_path):
+    """inspect(adapter, base=PIPELINE_DIR) is `lorakit inspect ADAPTER --base
+    PIPELINE_DIR --json`: a diffusers SD LoRA's modules placed on the
+    weights of their component folders (unet/..., text_encoder/...)."""
+    pipe = make_pipeline(str(tmp_path))
+    lora = os.path.join(LAYOUTS, "sd1_lora_diffusers.safetensors")
+    got = lorakit.inspect(lora, base=pipe)
+    assert got == json.loads(cli("inspect", lora, "--base", pipe, "--json").stdout)
+    assert got["modules_unmatched"] == 0 and got["modules_placed"] > 0
+    comps = {m["component"] for m in got["modules"]}
+    assert comps == {"unet", "text_encoder"}
+    for m in got["modules"]:
+        for p in m["placements"]:
+            assert p["weight"].startswith(m["component"] + "/"), (m["module"], p["weight"])
