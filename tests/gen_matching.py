@@ -25,6 +25,9 @@ Cases:
            in each of rank_pattern ("blocks\\.<5j>\\.attn\\.to_q") and
            alpha_pattern ("blocks\\.<j>\\d\\.attn\\.to_[a-z]"): regexes that
            are runs of one-character atoms, matched by lookup.
+  grams    like atoms, with regex keys that need PCRE2 but each require a
+           distinctive literal ("(?:blocks|layers)\\.<5j>\\.attn\\.to_q",
+           ".*\\.<j>\\d\\.attn\\.to_(?:q|k)").
   mixed    [PEFT_VERSION [MODULES_TO_SAVE_JSON]] the MIXED_* adapter below (a
            few hundred modules).
 """
@@ -81,6 +84,8 @@ MIXED_KEYS = [
     "to_k", r"[]x]locks\.5\.ff\.net\.0\.proj", r"[b-c]locks\.5\.ff\.net\.0\.proj", r"attn\.to_\s", "proj",
     r"single\.\d\.attn[_]to\wv", "single.1.attn.to.v", "t\u00f6_q", "blocks.2", r"blocks\.3\.attn\.to\_v", r"attn\.to_q",
     "x.y.z", "blocks.1.ff.net.0.proj", r"ff\.net\.\S\.proj", "q", "single.12.attn_to_v", "attn_to_v", r"to_[\w]",
+    r"(?:blocks|single)\.1\d?\.attn[._]to_v", r"x*blocks\.2\.ff\.net\.0\.pro+j", r"attn\.to_[kq]+",
+    r"(?i:BLOCKS)\.4\.attn\.to_k", r"ab?locks\.5\.attn\.to_q|single\.5\..*",
 ]
 MIXED_CONFIG = {
     "r": 1,
@@ -109,20 +114,25 @@ def main():
             "alpha_pattern": dict(pat),
         }
         adapter(out, mods, cfg, "model.diffusion_model.")
-    elif case == "atoms":
-        # keys that are runs of one-character atoms, as PEFT users write
-        # them: N_KEYS rank_pattern keys with escaped dots, each naming one
-        # module, and N_KEYS alpha_pattern keys with \d and a [...] set, each
-        # naming the ten modules blocks.<j><digit>
+    elif case in ("atoms", "grams"):
+        # atoms: keys that are runs of one-character atoms, as PEFT users
+        # write them: N_KEYS rank_pattern keys with escaped dots, each naming
+        # one module, and N_KEYS alpha_pattern keys with \d and a [...] set,
+        # each naming the ten modules blocks.<j><digit>. grams: the same
+        # modules through regex keys (groups, alternation, '.*') that each
+        # require a distinctive literal (the required-literal prefilter)
         nm = int(sys.argv[3]) if len(sys.argv) > 3 else 10000
         nk = int(sys.argv[4]) if len(sys.argv) > 4 else 2000
-        mods = ["blocks.%d.attn.to_q" % i for i in range(nm)]
+        rank_fmt, alpha_fmt = {
+            "atoms": (r"blocks\.%d\.attn\.to_q", r"blocks\.%d\d\.attn\.to_[a-z]"),
+            "grams": (r"(?:blocks|layers)\.%d\.attn\.to_q", r".*\.%d\d\.attn\.to_(?:q|k)"),
+        }[case]
         cfg = {
             "target_modules": ["to_q"],
-            "rank_pattern": {r"blocks\.%d\.attn\.to_q" % (5 * j): 1 for j in range(nk)},
-            "alpha_pattern": {r"blocks\.%d\d\.attn\.to_[a-z]" % j: j + 2 for j in range(nk)},
+            "rank_pattern": {rank_fmt % (5 * j): 1 for j in range(nk)},
+            "alpha_pattern": {alpha_fmt % j: j + 2 for j in range(nk)},
         }
-        adapter(out, mods, cfg)
+        adapter(out, ["blocks.%d.attn.to_q" % i for i in range(nm)], cfg)
     elif case == "regex":
         nm = int(sys.argv[3]) if len(sys.argv) > 3 else 200
         nk = int(sys.argv[4]) if len(sys.argv) > 4 else 100

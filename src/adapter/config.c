@@ -419,6 +419,11 @@ static void lit_free(lk_lit_index *x) {
     lk_free(x->set_of);
     lk_free(x->sets);
     lk_names_free(&x->all);
+    lk_names_free(&x->grams);
+    lk_free(x->gram_arena);
+    lk_free(x->gram_next);
+    lk_free(x->always);
+    lk_free(x->mark);
     memset(x, 0, sizeof *x);
 }
 
@@ -441,6 +446,8 @@ static long set_id(lk_lit_index *x, const lk_cset b, size_t *cap) {
     x->sets[x->n_sets][0] = b[0], x->sets[x->n_sets][1] = b[1];
     return (long)x->n_sets++;
 }
+
+static lk_status gram_build(const lk_peft_config *c, char *const *keys, size_t n, lk_lit_index *x);
 
 /* Indexes keys[0..n) (borrowed: they outlive the index). */
 static lk_status lit_build(const lk_peft_config *c, char *const *keys, size_t n, lk_lit_index *x) {
@@ -510,7 +517,9 @@ static lk_status lit_build(const lk_peft_config *c, char *const *keys, size_t n,
     lk_free(tail);
     lk_names_free(&sigs);
     qsort(x->shape, x->n_shape, sizeof *x->shape, shape_cmp);
-    return LK_OK;
+    lk_status gs = gram_build(c, keys, n, x);
+    if (gs) lit_free(x);
+    return gs;
 nomem:
     lk_free(sets);
     lk_free(tail);
@@ -518,6 +527,186 @@ nomem:
     lit_free(x);
     return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
 }
+
+/* ---- the regex keys' prefilter ---- */
+
+/* The end of the [...] set at k[i] = '[' (past its ']'), or 0 when it is
+ * not one read here (nested '[', an escape at the end). */
+static size_t set_end(const char *k, size_t i) {
+    size_t j = i + 1;
+    if (k[j] == '^') j++;
+    if (k[j] == ']') j++;
+    while (k[j] && k[j] != ']') {
+        if (k[j] == '[') return 0;
+        if (k[j] == '\\' && !k[++j]) return 0;
+        j++;
+    }
+    return k[j] ? j + 1 : 0;
+}
+
+/* The runs of characters every match of Python pattern k must hold, read
+ * conservatively, into out (strlen(k) + 1 bytes) each followed by
+ * LK_LIT_WILD; their total length with the separators, 0 when none is sure: a top-level '|', inline flags, '{', escapes other
+ * than punctuation and \d \w \s \b \A \Z (and capitals), a group's content
+ * (skipped whole), anything not printable ASCII. An atom quantified by ?
+ * or * drops out of its run; one quantified by + ends it. A key takes the
+ * rarest gram of any of its runs. */
+static size_t required_literal(const char *k, char *out) {
+    size_t total = 0, cur = 0, i = 0, n = strlen(k);
+    char *run = lk_malloc(n + 1);
+    if (!run) return 0;
+    int last_lit = 0;
+#define END_RUN()                                                                                                      \
+    do {                                                                                                               \
+        if (cur) memcpy(out + total, run, cur), total += cur, out[total++] = LK_LIT_WILD;                              \
+        cur = 0, last_lit = 0;                                                                                         \
+    } while (0)
+    while (i < n) {
+        char c = k[i];
+        if (c == '\\') {
+            char e = k[i + 1];
+            i += 2;
+            if (literal_escape(e)) {
+                run[cur++] = e, last_lit = 1;
+                continue;
+            }
+            if (!e || !strchr("dwsDWSbBAZz", e)) goto none;
+            END_RUN();
+        } else if (c == '[') {
+            if (!(i = set_end(k, i))) goto none;
+            END_RUN();
+        } else if (c == '(') {
+            if (k[i + 1] == '?' && k[i + 2] && strchr("aiLmsux-", k[i + 2])) goto none; /* inline flags */
+            size_t depth = 0;
+            for (;;) { /* past the group's ')' */
+                if (!k[i]) goto none;
+                if (k[i] == '\\') {
+                    if (!k[i + 1]) goto none;
+                    i += 2;
+                } else if (k[i] == '[') {
+                    if (!(i = set_end(k, i))) goto none;
+                } else {
+                    depth += k[i] == '(';
+                    if (k[i] == ')' && --depth == 0) {
+                        i++;
+                        break;
+                    }
+                    i++;
+                }
+            }
+            END_RUN();
+        } else if (c == '|' || c == ')' || c == '{') {
+            goto none;
+        } else if (c == '*' || c == '?') {
+            if (last_lit) cur--; /* the atom before may be absent */
+            END_RUN();
+            i++;
+        } else if (c == '+') {
+            END_RUN();
+            i++;
+        } else if (c == '.' || c == '^' || c == '$' || (unsigned char)c < 0x20 || (unsigned char)c > 0x7e) {
+            END_RUN();
+            i++;
+        } else {
+            run[cur++] = c, last_lit = 1;
+            i++;
+        }
+    }
+    END_RUN();
+#undef END_RUN
+    lk_free(run);
+    return total;
+none:
+    lk_free(run);
+    return 0;
+}
+
+/* The prefilter over the regex keys x->re_keys of keys[0..n). */
+static lk_status gram_build(const lk_peft_config *c, char *const *keys, size_t n, lk_lit_index *x) {
+    const size_t G = LK_GRAM_LEN, m = x->n_re_keys;
+    char **lit = lk_calloc(m ? m : 1, sizeof *lit);
+    size_t *ll = lk_calloc(m ? m : 1, sizeof *ll), *tail = lk_malloc((n ? n : 1) * sizeof *tail), windows = 0;
+    lk_names cnt = {0};
+    size_t *count = NULL;
+    lk_status s = LK_OK;
+    if (!lit || !ll || !tail || !(x->always = lk_calloc(n ? n : 1, 1)) || !(x->mark = lk_calloc(n ? n : 1, sizeof *x->mark)) ||
+        !(x->gram_next = lk_malloc((n ? n : 1) * sizeof *x->gram_next)) || !(x->gram_arena = lk_malloc(m * G + 1)) ||
+        lk_names_init(&x->grams, m))
+        goto nomem;
+    for (size_t i = 0; i < n; i++) x->gram_next[i] = SIZE_MAX;
+    x->n_keys = n;
+    for (size_t j = 0; j < m; j++) {
+        if (!(lit[j] = lk_malloc(strlen(keys[x->re_keys[j]]) + 1))) goto nomem;
+        ll[j] = required_literal(keys[x->re_keys[j]], lit[j]);
+        if (ll[j] >= G) windows += ll[j] - G + 1;
+    }
+    /* how many windows each gram is, over all keys: a key takes its rarest */
+    if (lk_names_init(&cnt, windows) || !(count = lk_calloc(windows ? windows : 1, sizeof *count))) goto nomem;
+    size_t ids = 0;
+    for (size_t j = 0; j < m; j++)
+        for (size_t w = 0; ll[j] >= G && w + G <= ll[j]; w++) {
+            size_t first;
+            if (memchr(lit[j] + w, LK_LIT_WILD, G)) continue; /* across two runs */
+            if (lk_names_add(&cnt, lit[j] + w, G, ids, &first)) goto nomem;
+            if (first == ids) ids++;
+            count[first]++;
+        }
+    char *ap = x->gram_arena;
+    for (size_t j = 0; j < m; j++) {
+        size_t k = x->re_keys[j], pick = SIZE_MAX, least = SIZE_MAX;
+        for (size_t w = 0; ll[j] >= G && w + G <= ll[j]; w++) {
+            if (memchr(lit[j] + w, LK_LIT_WILD, G)) continue;
+            size_t t = count[lk_names_get(&cnt, lit[j] + w, G)];
+            if (t < least) least = t, pick = w;
+        }
+        if (pick == SIZE_MAX) {
+            x->always[k] = 1;
+            continue;
+        }
+        memcpy(ap, lit[j] + pick, G);
+        size_t first;
+        if (lk_names_add(&x->grams, ap, G, k, &first)) goto nomem;
+        if (first == k) {
+            ap += G;
+            tail[k] = k;
+        } else {
+            x->gram_next[tail[first]] = k;
+            tail[first] = k;
+        }
+    }
+    goto out;
+nomem:
+    s = lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
+out:
+    for (size_t j = 0; lit && j < m; j++) lk_free(lit[j]);
+    lk_free(lit);
+    lk_free(ll);
+    lk_free(tail);
+    lk_free(count);
+    lk_names_free(&cnt);
+    return s;
+}
+
+/* Marks the regex keys that plain name may match (their gram is in it);
+ * the others are skipped by gram_skip. */
+static lk_status gram_mark(const lk_peft_config *c, const lk_lit_index *cx, const char *field, const char *name) {
+    lk_lit_index *x = (lk_lit_index *)cx; /* indexes live in heap configs, never const ones */
+    if (!x->n_re_keys) return LK_OK;
+    if (++x->epoch == 0) { /* wrapped: no stale mark may equal the new epoch */
+        memset(x->mark, 0, x->n_keys * sizeof *x->mark);
+        x->epoch = 1;
+    }
+    size_t nl = strlen(name);
+    lk_status s = charge(c, 1 + nl / 4, field, "<any>", name);
+    if (s) return s;
+    for (size_t i = 0; i + LK_GRAM_LEN <= nl; i++)
+        for (size_t k = lk_names_get(&x->grams, name + i, LK_GRAM_LEN); k != SIZE_MAX; k = x->gram_next[k])
+            x->mark[k] = x->epoch;
+    return LK_OK;
+}
+
+/* Whether regex key k cannot match the name last marked. */
+static int gram_skip(const lk_lit_index *x, size_t k) { return !x->always[k] && x->mark[k] != x->epoch; }
 
 /* The smallest key index whose shape has length len and which matches
  * w[0..len) atom by atom; charged to the budget. buf: len bytes of
@@ -1028,10 +1217,12 @@ static lk_status first_hit(const lk_peft_config *c, int l, const char *name, siz
     *out = SIZE_MAX;
     if (plain && (s = lit_find(c, x, field, name, c->rule == LK_PEFT_RULE_CURRENT ? LIT_SUFFIX : LIT_DOT_SUFFIX, &best)))
         return s;
+    if (plain && (s = gram_mark(c, x, field, name))) return s;
     size_t m = plain ? x->n_re_keys : n;
     for (size_t k = 0; k < m; k++) {
         size_t i = plain ? x->re_keys[k] : k;
         if (i >= best) break;
+        if (plain && gram_skip(x, i)) continue; /* its required text is not in name */
         int hit;
         void **re = (void **)&p[i].re; /* configs are heap objects, never const ones */
         if ((s = lazy_re(c, re, field, p[i].key, c->rule == LK_PEFT_RULE_CURRENT ? CUR_TMPL : OLD_TMPL))) return s;
@@ -1088,9 +1279,11 @@ lk_status lk_peft_targets(const lk_peft_config *c, const char *name, int *hit) {
         size_t best;
         if (plain && (s = lit_find(c, &c->to_save_lit, "modules_to_save", name, LIT_WINDOW, &best))) return s;
         if (plain && best != SIZE_MAX) return LK_OK;
+        if (plain && (s = gram_mark(c, &c->to_save_lit, "modules_to_save", name))) return s;
         size_t m = plain ? c->to_save_lit.n_re_keys : c->n_to_save;
         for (size_t k = 0; k < m; k++) {
             size_t i = plain ? c->to_save_lit.re_keys[k] : k;
+            if (plain && gram_skip(&c->to_save_lit, i)) continue;
             if ((s = lazy_re(c, &c->to_save_re[i], "modules_to_save", c->to_save[i], TO_SAVE_TMPL))) return s;
             if ((s = match(c, c->to_save_re[i], "modules_to_save", c->to_save[i], name, &h, NULL))) return s;
             if (h) return LK_OK;

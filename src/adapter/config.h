@@ -55,7 +55,19 @@ typedef struct lk_lit_index {
     const unsigned char **set_of; /* per atom-run key: per position 0 (literal) or 1 + its set's index */
     uint64_t (*sets)[2]; /* the distinct sets, as bitmaps over ASCII */
     size_t n_sets;
+    /* The regex keys' prefilter: a key whose text requires a literal run of
+     * at least LK_GRAM_LEN characters (no top-level '|', no inline flags) can
+     * match only names holding its rarest LK_GRAM_LEN-gram, so a name runs
+     * PCRE2 only for the keys whose gram it holds and the keys without one. */
+    lk_names grams;      /* gram -> the first key (index into the pattern list) choosing it */
+    char *gram_arena;    /* the grams' bytes */
+    size_t *gram_next;   /* per key: the next key choosing the same gram, or SIZE_MAX */
+    unsigned char *always; /* per key: no gram, PCRE2 on every name */
+    uint32_t *mark;      /* per key: the epoch of the last name whose grams named it */
+    uint32_t epoch;
+    size_t n_keys;       /* keys indexed (the length of always, mark, gram_next) */
 } lk_lit_index;
+#define LK_GRAM_LEN 3
 
 /* The total PCRE2 work allowed to the patterns of one adapter (every config
  * it reads shares one; see config.c). */
