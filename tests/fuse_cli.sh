@@ -150,7 +150,7 @@ fi
 expect 0 bench fuse --help; out_has "usage: lorakit bench fuse"
 expect 2 bench fuse --dim 0
 expect 0 bench fuse --json --dim 96 --repeat 1 --threads 2 --dram-mb 1
-[ "$(wc -l <"$TMP/out")" = 48 ] || { cat "$TMP/out"; fail "bench fuse: expected 48 JSON lines"; }
+[ "$(wc -l <"$TMP/out")" = 50 ] || { cat "$TMP/out"; fail "bench fuse: expected 50 JSON lines"; }
 for t in 1 2; do
   grep -E "^\{\"bench\":\"bandwidth\",\"kind\":\"cache\",\"bytes\":18432,\"threads\":$t,\"gbps\":[0-9.]+\}$" "$TMP/out" >/dev/null || fail "cache bandwidth line t=$t"
   grep -E "^\{\"bench\":\"bandwidth\",\"kind\":\"dram\",\"bytes\":1032192,\"llc_bytes\":[0-9]+,\"threads\":$t,\"gbps\":[0-9.]+\}$" "$TMP/out" >/dev/null || fail "dram bandwidth line t=$t"
@@ -169,4 +169,9 @@ for al in lora conv_lora loha lokr dense; do for t in 1 2; do
   grep -E "^\{\"bench\":\"fuse\",\"method\":\"lorakit\",\"scope\":\"tensor\",\"algo\":\"$al\",\"dtype\":\"bf16\",\"rank\":16,\"threads\":$t,\"bytes\":18432,\"seconds\":[0-9.]+,\"gbps\":[0-9.]+,\"ratio_to_lora\":[0-9.]+,\"ratio_to_dram\":[0-9.]+," "$TMP/out" >/dev/null \
     || { cat "$TMP/out"; fail "bench fuse algorithm line $al t=$t"; }
 done; done
+# the dense row at model scope (every weight of the DRAM-sized buffer, diff read too)
+for t in 1 2; do
+  grep -E "^\{\"bench\":\"fuse\",\"method\":\"lorakit\",\"scope\":\"model\",\"algo\":\"dense\",\"dtype\":\"bf16\",\"threads\":$t,\"tensors\":[0-9]+,\"bytes\":1032192,\"seconds\":[0-9.]+,\"gbps\":[0-9.]+,\"ratio_to_dram\":[0-9.]+,.*\"ratio_to_dram_bytes_median\":[0-9.]+\}$" "$TMP/out" >/dev/null \
+    || { cat "$TMP/out"; fail "bench fuse dense model line t=$t"; }
+done
 echo "fuse_cli.sh: ok"
