@@ -163,7 +163,8 @@ typedef struct lk_tracker_summary {
 
 /* Collective: sums, maxima and (when digest is 1) every rank's content
  * digest of its weights compared with rank 0's (lk_comm_same_bytes), from
- * each rank's stats of its last call (NULL: zeros). Call it on every rank
+ * each rank's stats of its last call (NULL: zeros; w may be NULL when
+ * digest is 0). Call it on every rank
  * after each call, whatever its status, except after LK_ERR_COMM (the group
  * is gone). */
 lk_status lk_tracker_summarize(lk_comm *c, const lk_weights *w, const lk_tracker_stats *stats, int digest,

@@ -199,20 +199,18 @@ typedef struct swapper {
     lk_bench_full *f;
 } swapper;
 
-/* One tracker call on every rank, reduced over the group. */
+/* One tracker call on every rank, reduced over the group (the library's
+ * summary of a call: the slowest rank's times, summed key counts). */
 static lk_status timed_apply(lk_comm *c, const swapper *sw, const lk_fuse_input *in, size_t n, result *r) {
     lk_tracker_stats st;
     lk_status s = lk_comm_barrier(c);
     if (!s) s = sw->t ? lk_tracker_apply(sw->t, in, n, &st) : lk_bench_full_apply(sw->f, in, n, &st);
+    lk_tracker_summary sum;
+    if (!s) s = lk_tracker_summarize(c, NULL, &st, 0, &sum);
     if (s) return s;
-    const double ph[5] = {st.seconds, st.seconds_agree, st.seconds_load, st.seconds_fuse, st.seconds_broadcast};
-    uint64_t mx[6] = {st.backup_bytes}, sum[2] = {st.keys_fused, st.keys_restored};
-    for (int k = 0; k < 5; k++) mx[1 + k] = (uint64_t)(ph[k] * 1e9);
-    s = lk_comm_allreduce_u64(c, mx, 6, LK_REDUCE_MAX);
-    if (!s) s = lk_comm_allreduce_u64(c, sum, 2, LK_REDUCE_SUM);
-    *r = (result){(double)mx[1] * 1e-9, {0}, st.bytes_broadcast, mx[0], sum[0], sum[1]};
-    for (int k = 0; k < 4; k++) r->phase[k] = (double)mx[2 + k] * 1e-9;
-    return s;
+    *r = (result){sum.seconds, {sum.seconds_agree, sum.seconds_load, sum.seconds_fuse, sum.seconds_broadcast},
+                  sum.bytes_broadcast, sum.backup_bytes_max, sum.keys_fused, sum.keys_restored};
+    return LK_OK;
 }
 
 static void print_result(const bopts *o, int ranks, const char *mode, const char *op, const result *r, size_t staging) {
