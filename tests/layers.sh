@@ -2,7 +2,8 @@
 # layers.sh — the build enforces the layer graph (README "Architecture"):
 # a layer's include tree holds its own headers and those of the layers below
 # it, never one above, and an upward call does not link against the layer
-# check libraries (-Wl,--no-undefined). The expected graph is written here by
+# check libraries (-Wl,--no-undefined), and no two source files call each
+# other, directly or round a circle. The expected graph is written here by
 # hand from the README diagram, independently of CMakeLists.txt.
 # Usage: bash layers.sh <path-to-lorakit> <build-dir>   (as ctest runs it)
 set -u
@@ -68,5 +69,13 @@ if [ -f "$LIBDIR/liblk_layer_io.so" ]; then
     echo "FAIL a downward call to io did not link:"; cat "$TMP/e"; fail=1
   fi
 fi
+# No circle between source files: A -> B when A uses a symbol B defines
+# (read from the built objects); a leaf (a kernel path, a reader) never
+# calls back into its caller. tools/dev/source_circles.sh prints each circle.
+SRC=$(cd "$(dirname "$0")/.." && pwd)
+if ! sh "$SRC/tools/dev/source_circles.sh" "$BUILD" >"$TMP/circles" 2>&1; then
+  echo "FAIL circles between source files:"; cat "$TMP/circles"; fail=1
+fi
+
 [ $fail = 0 ] && echo "layers.sh: OK"
 exit $fail

@@ -57,21 +57,11 @@
 
 #define LK_FP8_AI static inline __attribute__((always_inline))
 
-LK_FP8_AI uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 uint64_t lk_fp8_stream_key(uint64_t seed, const char *name) {
-    return mix64(XXH3_64bits(name, strlen(name)) ^ mix64(seed + 0x9e3779b97f4a7c15ull));
+    return fp8_mix64(XXH3_64bits(name, strlen(name)) ^ fp8_mix64(seed + 0x9e3779b97f4a7c15ull));
 }
 
-LK_FP8_AI uint32_t random_bits(uint64_t key, uint64_t index) {
-    return (uint32_t)(mix64(key + (index + 1) * 0x9e3779b97f4a7c15ull) >> 32);
-}
-
-uint32_t lk_fp8_random_bits(uint64_t key, uint64_t index) { return random_bits(key, index); }
+uint32_t lk_fp8_random_bits(uint64_t key, uint64_t index) { return fp8_random_bits(key, index); }
 
 static double scale_get(const void *p, lk_dtype d, size_t i) {
     float f;
@@ -131,32 +121,6 @@ typedef struct fworker {
     lk_fp8_stats stats; /* pass 2 */
 } fworker;
 
-/* ---- the per-row epilogue, plain C (fuse/fp8.h) ---- */
-
-float lk_fp8_amax_portable(const lk_fp8_ctx *x, const uint8_t *w, const float *d, size_t n, double s_old, float m) {
-    for (size_t c = 0; c < n; c++) {
-        float a = fabsf((float)((double)x->dec[w[c]] * s_old + (double)d[c]));
-        m = a > m ? a : m; /* NaN never wins */
-    }
-    return m;
-}
-
-void lk_fp8_round_portable(const lk_fp8_ctx *x, uint8_t *w, const float *d, size_t n, double s_old, double s_new,
-                           size_t e0, lk_fp8_stats *st) {
-    for (size_t c = 0; c < n; c++) {
-        size_t e = e0 + c;
-        double w0 = (double)x->dec[w[c]] * s_old, v = w0 + (double)d[c];
-        if (!isfinite(v) && isfinite(w0) && e < st->bad_e) {
-            st->bad_e = e;
-            st->bad_v = v;
-        }
-        uint8_t code;
-        st->over += (size_t)fp8_from_double(s_new == 1.0 ? v : v / s_new, x->fmt, x->stoch,
-                                            x->stoch ? lk_fp8_random_bits(x->key, e) : 0, &code);
-        w[c] = code;
-    }
-}
-
 /* ---- the same epilogue, branch-free plain C (the avx2 and portable
  * paths): groups of 8 elements computed lane by lane with selects instead
  * of branches (so the compiler vectorises the group loop), exactly
@@ -192,7 +156,7 @@ LK_FP8_AI void round_group(const lk_fp8_ctx *x, uint8_t *w, const float *d, doub
         const uint64_t r = m >> shu, rem = m - (r << shu);
         uint64_t up;
         if (stoch) {
-            const uint64_t rb = random_bits(x->key, e0 + (size_t)i);
+            const uint64_t rb = fp8_random_bits(x->key, e0 + (size_t)i);
             up = (rb << (shu - 32)) < rem;
         } else {
             /* the dropped bits moved to the top (shu is 49..63): half is 2^63 */

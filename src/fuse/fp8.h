@@ -12,10 +12,10 @@
 /* The chain's mul and add stay two roundings: the fuse layer is built
  * with -ffp-contract=off (CMakeLists.txt), so no compiler fuses them. */
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include "core/fp8.h"
-#include "lorakit/fuse.h" /* lk_fp8_random_bits */
 
 typedef struct lk_fp8_ctx {
     const fp8fmt *fmt;
@@ -39,9 +39,43 @@ typedef float (*lk_fp8_amax_fn)(const lk_fp8_ctx *x, const uint8_t *w, const flo
 typedef void (*lk_fp8_round_fn)(const lk_fp8_ctx *x, uint8_t *w, const float *d, size_t n, double s_old,
                                 double s_new, size_t e0, lk_fp8_stats *st);
 
-float lk_fp8_amax_portable(const lk_fp8_ctx *x, const uint8_t *w, const float *d, size_t n, double s_old, float m);
-void lk_fp8_round_portable(const lk_fp8_ctx *x, uint8_t *w, const float *d, size_t n, double s_old, double s_new,
-                           size_t e0, lk_fp8_stats *st);
+/* SplitMix64's finaliser, and the stochastic rounding's 32 random bits for
+ * element `index` of the stream `key` (lk_fp8_random_bits, fuse.h). */
+static inline __attribute__((always_inline)) uint64_t fp8_mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static inline __attribute__((always_inline)) uint32_t fp8_random_bits(uint64_t key, uint64_t index) {
+    return (uint32_t)(fp8_mix64(key + (index + 1) * 0x9e3779b97f4a7c15ull) >> 32);
+}
+
+/* The per-element definition in plain C: the portable path, and the vector
+ * paths' rare lanes and row tails (inline here, so the vector files call
+ * nothing in fp8.c, their dispatcher). */
+static inline float lk_fp8_amax_portable(const lk_fp8_ctx *x, const uint8_t *w, const float *d, size_t n, double s_old, float m) {
+    for (size_t c = 0; c < n; c++) {
+        float a = fabsf((float)((double)x->dec[w[c]] * s_old + (double)d[c]));
+        m = a > m ? a : m; /* NaN never wins */
+    }
+    return m;
+}
+
+static inline void lk_fp8_round_portable(const lk_fp8_ctx *x, uint8_t *w, const float *d, size_t n, double s_old,
+                                         double s_new, size_t e0, lk_fp8_stats *st) {
+    for (size_t c = 0; c < n; c++) {
+        size_t e = e0 + c;
+        double w0 = (double)x->dec[w[c]] * s_old, v = w0 + (double)d[c];
+        if (!isfinite(v) && isfinite(w0) && e < st->bad_e) {
+            st->bad_e = e;
+            st->bad_v = v;
+        }
+        uint8_t code;
+        st->over += (size_t)fp8_from_double(s_new == 1.0 ? v : v / s_new, x->fmt, x->stoch,
+                                            x->stoch ? fp8_random_bits(x->key, e) : 0, &code);
+        w[c] = code;
+    }
+}
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define LK_FP8_X86 1
 float lk_fp8_amax_avx512(const lk_fp8_ctx *x, const uint8_t *w, const float *d, size_t n, double s_old, float m);

@@ -80,9 +80,22 @@ int lk_kdelta_panels(const lk_kdelta *p, const void **ap, const void **bs, size_
 lk_status lk_fuse_nonfinite(const char *name, size_t bad_at, size_t in, double w, double r, const lk_fuse_opts *opts);
 /* A weight of out x in rows and a row range [row0, row0 + rows) inside it. */
 lk_status lk_fuse_check_rows(int64_t out, int64_t in, int64_t row0, int64_t rows, const char *name);
+/* lk_fuse_file_src for one checkpoint (fuse_file.c): a single file, an index
+ * or a folder holding one; lk_fuse_file_src (pipeline.c) sends pipeline
+ * folders to lk_fuse_pipeline, which fuses each component with this. */
+lk_status lk_fuse_checkpoint(const char *base, const lk_fuse_input *inputs, const lk_adapter_source *const *sources,
+                             size_t n, const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
 /* A factor's checks (dtype F32/F16/BF16, or F64 for an "A", 2-D, data). */
 lk_status lk_fuse_check_factor(const lk_tensor *t, const char *what, const char *name, size_t ti);
 
+/* lk_fuse_tensor (tensor.c) for LoRA terms only, or terms on row slices
+ * (kernel.c: bands of rows covered by the same terms, each fused whole). */
+lk_status lk_fuse_tensor_lora(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                              const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name);
+/* The weight's checks (buffers, a fusable dtype, a positive shape whose
+ * bytes fit in size_t), as the kernel makes them (kernel.c). */
+lk_status lk_fuse_check_weight(const void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                               const char *name);
 /* lk_fuse_tensor for a term list with LoHa / LoKr / dense terms (terms.c;
  * called by lk_fuse_tensor once the buffers, dtype and shape are checked):
  * threads take blocks of rows, each block's delta from lk_fuse_delta_rows,
@@ -171,19 +184,6 @@ struct lk_kjob {
     const double *Ap64, *Bs64; /* wide:   panels [p][k][LK_PW64], B' out x R */
     lk_kblock_fn block;
 };
-
-/* Records the first element of row o, columns col0 .. col0+n, that went
- * from a finite weight to a non-finite result (win, res: n elements of the
- * weight before and of the result, in the weight's dtype). Rare path. */
-void lk_kernel_note_bad(lk_kworker *wk, size_t o, size_t col0, size_t n, const void *win, const void *res);
-
-/* The rare lanes of a vector path: elements [col0, col0 + n) of row o
- * (n <= 64), W read from src (the weight's dtype; may equal dst), the
- * delta from d32 (narrow) or d64 (wide), written to dst with every rule of
- * the scalar definition (NaN, Inf), noting a finite weight made
- * non-finite. */
-void lk_kernel_finish_slow(lk_kworker *wk, size_t o, size_t col0, size_t n, const void *src, const float *d32,
-                           const double *d64, void *dst);
 
 /* terms.c's fused rows (the AVX-512 paths): one LoHa, LoKr or dense term
  * alone on a weight, its delta made in registers and rounded by the LoRA

@@ -22,12 +22,14 @@
  * shard, the new index and the copied small files are complete. */
 #include "core/clock.h"
 #include "lorakit/fuse.h"
+#include "fuse/fuse.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
 #include "lorakit/checkpoint.h"
 #include "lorakit/safetensors.h"
 #include "io/out_dir.h"
 #include "io/out_file.h"
+#include "io/checkpoint.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -355,17 +357,11 @@ lk_status lk_fuse_input_open(const lk_fuse_input *in, const lk_adapter_source *s
     return lk_adapter_open_mem(&labelled, opts, out);
 }
 
-lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, const char *out,
-                       const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
-    return lk_fuse_file_src(base, inputs, NULL, n, out, opts, stats);
-}
-
-lk_status lk_fuse_file_src(const char *base, const lk_fuse_input *inputs, const lk_adapter_source *const *sources,
-                           size_t n, const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
+lk_status lk_fuse_checkpoint(const char *base, const lk_fuse_input *inputs, const lk_adapter_source *const *sources,
+                             size_t n, const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
     static const lk_fuse_file_opts defaults;
     if (!opts) opts = &defaults;
     if (!base || !out || (n && !inputs)) return lk_error(LK_ERR_ARG, "lk_fuse_file: NULL argument");
-    if (!opts->component && lk_fuse_is_pipeline(base)) return lk_fuse_pipeline(base, inputs, sources, n, out, opts, stats);
     double t0 = lk_now_s();
     lk_status s;
     fctx c;

@@ -2,7 +2,8 @@
  *
  * Shapes: W out x in (F32/F16/BF16), A_t r_t x in, B_t out x r_t (any mix of
  * F32/F16/BF16). Every caller (lk_fuse_file, the hot-swap tracker, adapter
- * export) goes through lk_fuse_tensor, so speed and determinism live here.
+ * export) goes through lk_fuse_tensor (tensor.c), which sends LoRA terms
+ * here (lk_fuse_tensor_lora), so speed and determinism live here.
  *
  * THE CANONICAL ARITHMETIC (the same bits on every path and every machine):
  *  1. The terms with a non-zero scale, in the order given (callers pass the
@@ -151,55 +152,6 @@ static lk_kblock_fn path_block(const char *path) {
 #endif
     (void)path;
     return lk_kblock_portable;
-}
-
-/* ---- non-finite results ---- */
-
-void lk_kernel_note_bad(lk_kworker *wk, size_t o, size_t col0, size_t n, const void *win, const void *res) {
-    const lk_kjob *jb = wk->job;
-    const size_t esz = lk_dtype_size((lk_dtype)jb->dt);
-    for (size_t j = 0; j < n; j++) {
-        size_t off = o * jb->in + col0 + j;
-        if (off >= wk->bad_at) break;
-        float wv, rv;
-        lk_to_f32(&wv, (const char *)win + j * esz, (lk_dtype)jb->dt, 1);
-        lk_to_f32(&rv, (const char *)res + j * esz, (lk_dtype)jb->dt, 1);
-        if (isfinite(wv) && !isfinite(rv)) {
-            wk->bad_at = off;
-            wk->bad_w = wv;
-            wk->bad_r = rv;
-            break;
-        }
-    }
-}
-
-void lk_kernel_finish_slow(lk_kworker *wk, size_t o, size_t col0, size_t n, const void *src, const float *d32,
-                           const double *d64, void *dst) {
-    const lk_kjob *jb = wk->job;
-    const lk_dtype dt = (lk_dtype)jb->dt;
-    const size_t esz = lk_dtype_size(dt);
-    unsigned char win[64 * 4], res[64 * 4];
-    memcpy(win, src, n * esz);
-    int bad = 0;
-    for (size_t j = 0; j < n; j++) {
-        if (dt == LK_DTYPE_F32) {
-            uint32_t wb, rb;
-            memcpy(&wb, win + j * 4, 4);
-            rb = scalar_round_f64_to_f32(wb, d64[j]);
-            memcpy(res + j * 4, &rb, 4);
-            bad |= ((rb & 0x7f800000u) == 0x7f800000u) & ((wb & 0x7f800000u) != 0x7f800000u);
-        } else {
-            float wv, rv;
-            lk_to_f32(&wv, win + j * esz, dt, 1);
-            rv = scalar_round_f32(wv, d32[j]);
-            lk_from_f32(res + j * esz, &rv, dt, 1);
-            float back;
-            lk_to_f32(&back, res + j * esz, dt, 1);
-            bad |= isfinite(wv) && !isfinite(back);
-        }
-    }
-    memcpy(dst, res, n * esz);
-    if (bad) lk_kernel_note_bad(wk, o, col0, n, win, res);
 }
 
 /* ---- the work split ---- */
@@ -412,10 +364,8 @@ static lk_status fuse_bands(void *w_out, const void *w_in, lk_dtype dtype, int64
     return s;
 }
 
-lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
-                         const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts,
-                         const char *name) {
-    if (!name) name = "(tensor)";
+lk_status lk_fuse_tensor_lora(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                              const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name) {
     int sliced = 0;
     for (size_t t = 0; terms && t < n_terms && !sliced; t++) sliced = lk_fuse_term_sliced(&terms[t]);
     if (sliced && w_out && w_in && lk_dtype_is_fusable(dtype) && out > 0 && in > 0)
@@ -423,8 +373,8 @@ lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t 
     return fuse_whole(w_out, w_in, dtype, out, in, terms, n_terms, opts, name);
 }
 
-static lk_status fuse_whole(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
-                            const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name) {
+lk_status lk_fuse_check_weight(const void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                               const char *name) {
     if (!w_out || !w_in) return lk_error(LK_ERR_ARG, "%s: NULL weight buffer", name);
     if (!lk_dtype_is_fusable(dtype))
         return lk_error(LK_ERR_DTYPE, "%s: weight dtype %s cannot be fused (only F32, F16, BF16)", name,
@@ -436,11 +386,16 @@ static lk_status fuse_whole(void *w_out, const void *w_in, lk_dtype dtype, int64
     if ((uint64_t)out > SIZE_MAX || (uint64_t)in > SIZE_MAX || !lk_checked_mul(O, I, &numel) ||
         !lk_checked_mul(numel, esz, &wbytes))
         return lk_error(LK_ERR_SHAPE, "%s: weight %lldx%lld is too large", name, (long long)out, (long long)in);
+    return LK_OK;
+}
 
-    for (size_t t = 0; t < n_terms && terms; t++) /* LoHa, LoKr, dense: the row driver (terms.c) */
-        if (terms[t].kind != LK_TERM_LORA) return lk_fuse_tensor_terms(w_out, w_in, dtype, out, in, terms, n_terms, opts, name);
+static lk_status fuse_whole(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                            const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name) {
+    lk_status st = lk_fuse_check_weight(w_out, w_in, dtype, out, in, name);
+    if (st) return st;
+    const size_t O = (size_t)out, I = (size_t)in, numel = O * I, wbytes = numel * lk_dtype_size(dtype);
     size_t R;
-    lk_status st = check_terms(out, in, terms, n_terms, name, &R);
+    st = check_terms(out, in, terms, n_terms, name, &R);
     if (st) return st;
     if (R == 0) { /* nothing to add: the bytes stay exactly as they are */
         if (w_out != w_in) memmove(w_out, w_in, wbytes);

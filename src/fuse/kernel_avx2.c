@@ -26,6 +26,7 @@
 /* (The chain's products are explicit mul / fmadd; the fuse layer is built
  * with -ffp-contract=off besides, so no other add is ever fused.) */
 #include "fuse/fuse.h"
+#include "fuse/kernel_scalar.h"
 
 #ifdef LK_KERNEL_X86
 #include <immintrin.h>

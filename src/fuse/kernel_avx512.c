@@ -19,6 +19,7 @@
  * The bits equal the portable path's: the chain is the same sequence of
  * correctly rounded fmas, and the epilogue is the same integer rules. */
 #include "fuse/fuse.h"
+#include "fuse/kernel_scalar.h"
 
 #ifdef LK_KERNEL_X86
 #include <immintrin.h>

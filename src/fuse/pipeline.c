@@ -7,7 +7,7 @@
  * so a module that lands nowhere, or in two components, is refused before
  * anything is written. Then the output is built in a temporary folder beside
  * OUT (io/out_dir.h, tree mode): each component with modules is fused by
- * lk_fuse_file (which keeps its file or shard layout), everything else is
+ * lk_fuse_checkpoint (which keeps its file or shard layout), everything else is
  * copied, and the folder is renamed onto OUT in one step; any failure
  * removes the temporary folder, and OUT is as it was. OUT may be new, an
  * empty folder, or a folder lorakit wrote (its .lorakit-output names every
@@ -16,9 +16,11 @@
 #include "lorakit/fuse.h"
 #include "core/file.h"
 #include "io/out_dir.h"
+#include "io/checkpoint.h"
 #include "lorakit/alloc.h"
 #include "lorakit/checkpoint.h"
 #include "lorakit/log.h"
+#include "fuse/fuse.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -32,6 +34,21 @@
 
 static const char *const g_components[] = {"unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3"};
 #define N_COMP (sizeof g_components / sizeof g_components[0])
+
+/* lk_fuse_file's entry: a pipeline folder (below), or one checkpoint
+ * (lk_fuse_checkpoint, fuse_file.c, which calls nothing here; it checks the
+ * arguments). */
+lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n, const char *out,
+                       const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
+    return lk_fuse_file_src(base, inputs, NULL, n, out, opts, stats);
+}
+
+lk_status lk_fuse_file_src(const char *base, const lk_fuse_input *inputs, const lk_adapter_source *const *sources,
+                           size_t n, const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
+    if (base && out && (!n || inputs) && !(opts && opts->component) && lk_fuse_is_pipeline(base))
+        return lk_fuse_pipeline(base, inputs, sources, n, out, opts, stats);
+    return lk_fuse_checkpoint(base, inputs, sources, n, out, opts, stats);
+}
 
 int lk_fuse_is_pipeline(const char *base) {
     struct stat sb;
@@ -242,7 +259,7 @@ lk_status lk_fuse_pipeline(const char *base, const lk_fuse_input *inputs, const 
         fo.component = c[k].name;
         fo.allow_unmatched = 1; /* checked above over all components */
         lk_fuse_stats st = {0};
-        if (!s) s = lk_fuse_file_src(c[k].dir, inputs, sources, n, of ? of : od, &fo, &st);
+        if (!s) s = lk_fuse_checkpoint(c[k].dir, inputs, sources, n, of ? of : od, &fo, &st);
         total.tensors_total += st.tensors_total;
         total.tensors_fused += st.tensors_fused;
         lk_free(od);

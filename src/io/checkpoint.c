@@ -25,7 +25,7 @@
 #include "lorakit/log.h"
 
 #include "core/file.h"
-#include "io/out_dir.h"
+#include "io/checkpoint.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -111,6 +111,22 @@ long lk_ckpt_find(const lk_ckpt *ck, const char *name) {
 static int ends_with(const char *s, const char *suf) {
     size_t a = strlen(s), b = strlen(suf);
     return a >= b && !memcmp(s + a - b, suf, b);
+}
+
+int lk_ckpt_is_index_name(const char *n) {
+    return ends_with(n, ".json") && strstr(n, ".safetensors.index.") != NULL;
+}
+
+lk_status lk_out_inputs_add_ckpt(lk_out_inputs *in, const lk_ckpt *ck) {
+    int sharded = lk_ckpt_sharded(ck);
+    lk_status s = sharded ? lk_out_inputs_add(in, lk_ckpt_path(ck), "base index") : LK_OK;
+    for (size_t j = 0; !s && j < lk_ckpt_shard_count(ck); j++) {
+        char *p = lk_path_join(lk_ckpt_dir(ck), lk_ckpt_shard_name(ck, j));
+        s = p ? lk_out_inputs_add(in, p, sharded ? "base shard" : "base")
+              : lk_error(LK_ERR_NOMEM, "%s: out of memory", lk_ckpt_path(ck));
+        lk_free(p);
+    }
+    return s;
 }
 
 /* A shard of a sharded set: "<stem>-<digits>-of-<digits>.safetensors". */

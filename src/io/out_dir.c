@@ -14,6 +14,7 @@
  * atomically: there the old folder is left as it was and the error says
  * to remove it or name a new one. */
 #include "io/out_dir.h"
+#include "io/checkpoint.h"
 #include "io/temp.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
@@ -58,10 +59,6 @@ static int ends_with(const char *s, const char *suf) {
 }
 
 static int dot_or_dotdot(const char *n) { return n[0] == '.' && (!n[1] || (n[1] == '.' && !n[2])); }
-
-int lk_ckpt_is_index_name(const char *n) {
-    return ends_with(n, ".json") && strstr(n, ".safetensors.index.") != NULL;
-}
 
 int lk_out_is_file(const char *out) {
     struct stat sb;

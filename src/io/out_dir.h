@@ -28,8 +28,6 @@ typedef struct lk_out_dir lk_out_dir;
 
 /* 1 when out names one file (ends in ".safetensors" and is not a folder). */
 int lk_out_is_file(const char *out);
-/* 1 for an index file name ("*.safetensors.index.json", "*.safetensors.index.<variant>.json"). */
-int lk_ckpt_is_index_name(const char *name);
 
 /* in: the run's inputs (io/out_file.h), none of which OUT_DIR's old files may be. */
 lk_status lk_out_dir_begin(const char *out, const lk_out_inputs *in, lk_out_dir **od);

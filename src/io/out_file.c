@@ -56,18 +56,6 @@ lk_status lk_out_inputs_add(lk_out_inputs *in, const char *path, const char *wha
     return LK_OK;
 }
 
-lk_status lk_out_inputs_add_ckpt(lk_out_inputs *in, const lk_ckpt *ck) {
-    int sharded = lk_ckpt_sharded(ck);
-    lk_status s = sharded ? lk_out_inputs_add(in, lk_ckpt_path(ck), "base index") : LK_OK;
-    for (size_t j = 0; !s && j < lk_ckpt_shard_count(ck); j++) {
-        char *p = lk_path_join(lk_ckpt_dir(ck), lk_ckpt_shard_name(ck, j));
-        s = p ? lk_out_inputs_add(in, p, sharded ? "base shard" : "base")
-              : lk_error(LK_ERR_NOMEM, "%s: out of memory", lk_ckpt_path(ck));
-        lk_free(p);
-    }
-    return s;
-}
-
 void lk_out_inputs_free(lk_out_inputs *in) {
     for (size_t i = 0; i < in->n; i++) lk_free(in->v[i].path);
     lk_free(in->v);

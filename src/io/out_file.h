@@ -15,7 +15,6 @@
 #define LK_IO_OUT_FILE_H
 
 #include <stddef.h>
-#include "lorakit/checkpoint.h"
 #include "lorakit/status.h"
 
 typedef struct lk_out_file {
@@ -51,8 +50,6 @@ typedef struct lk_out_inputs {
  * "adapter config", a string literal). A path that does not exist is
  * skipped: no output can be it. LK_ERR_NOMEM. */
 lk_status lk_out_inputs_add(lk_out_inputs *in, const char *path, const char *what);
-/* Adds a checkpoint's files: the index and every shard, or its one file. */
-lk_status lk_out_inputs_add_ckpt(lk_out_inputs *in, const lk_ckpt *ck);
 void lk_out_inputs_free(lk_out_inputs *in);
 /* LK_OK when path may be written as an output file: it does not exist, or
  * it is a regular file that is none of in's files (in may be NULL).

@@ -14,11 +14,10 @@ build=$1
 verbose=${2:-}
 objs=$(find "$build/CMakeFiles" -path '*/lk_*.dir/src/*' -name '*.c.o' ! -path '*/lk_layer_*' | sort)
 [ -n "$objs" ] || { echo "source_circles.sh: no objects under $build/CMakeFiles/lk_<layer>.dir" >&2; exit 2; }
-for o in $objs; do
-  f=${o#*.dir/}; f=${f%.o}
-  nm -g --defined-only "$o" | awk -v f="$f" 'NF == 3 { print "D", f, $3 }'
-  nm -u "$o" | awk -v f="$f" '{ print "U", f, $NF }'
-done | awk -v verbose="$verbose" '
+# two nm runs over all objects; -A starts each line with "<object>:"
+{ nm -A -g --defined-only $objs | sed 's/^/D /'; nm -A -u $objs | sed 's/^/U /'; } |
+  awk '{ f = $2; sub(/\.o:.*/, "", f); sub(/.*\.dir\//, "", f); print $1, f, $NF }' |
+  awk -v verbose="$verbose" '
   $1 == "D" { def[$3] = def[$3] " " $2; node[$2] = 1; next }
   $1 == "U" { use[++nu] = $2 " " $3; node[$2] = 1 }
   END {
