@@ -183,7 +183,8 @@ int lk_adapter_looks_like(const char *path);
 
 /* Maps every module onto one of the model's tensors (name + shape only are
  * used) and checks A is r x in, B is out x r against the 2-D weight out x in
- * (which must be F32/F16/BF16). Module <m> targets "<m>.weight", else (a
+ * (which must be F32, F16, BF16 or FP8: F8_E4M3 / F8_E5M2; else
+ * LK_ERR_DTYPE). Module <m> targets "<m>.weight", else (a
  * diffusers file) "<prefix>.<m>.weight", else the only key ending in
  * ".<m>.weight"; kohya names match a model key whose dots, as '_', give the
  * name after "lora_unet_" / "lora_te[12]_". Two candidates are an error

@@ -156,28 +156,12 @@ typedef struct lk_fuse_stats {
     double seconds;
 } lk_fuse_stats;
 
-/* Fuses the inputs into base and writes out (atomically; on any error no
- * file exists at out). Refuses out equal to base or to an adapter file (same
- * st_dev/st_ino, whatever the path). Every adapter is opened, resolved and
- * checked before the output is created. Terms are summed in the canonical
- * order of lk_fuse_canonical_order, so the bytes do not depend on the order
- * of `inputs`; a term's scale is the double strength * module scale (see
- * lk_fuse_key_plan). Tensors no module targets, and all non-float tensors, are copied
- * byte for byte; the base's metadata is kept and "lorakit.fused" records the
- * adapters (a JSON array of {"path", "strength", "format"}, appended to the
- * base's own record when it has one). Peak memory: one tensor buffer (the
- * largest fused tensor, at least min(8 MiB, the largest copied tensor))
- * plus the adapters' factors (held in memory from open) and the f32 factors
- * of one tensor. The base's tensor bytes are read with pread, never through
- * its mmap: a base truncated or rewritten by another process during the fuse
- * is LK_ERR_IO naming the file and tensor ("changed on disk while being
- * read"), with no output left. */
 /* A strength as typed (the CLI's -l ADAPTER:STRENGTH, a plan's strength):
- * (messages and JSON show a strength as lk_num_str does: the shortest
- * decimal that reads back as the double used). 
  * the whole of text must be one number in strtod's syntax, finite, and not a
  * non-zero number so small that it reads as 0 (1e-400); a subnormal such as
- * 1e-320 is kept as read. LK_ERR_ARG naming the text as typed and why. */
+ * 1e-320 is kept as read. LK_ERR_ARG naming the text as typed and why.
+ * (Messages and JSON show a strength as lk_num_str does: the shortest
+ * decimal that reads back as the double used.) */
 lk_status lk_fuse_strength_parse(const char *text, double *out);
 
 /* The canonical summation order of a request: order[] receives the indices
@@ -217,6 +201,25 @@ int lk_fuse_key_touches(const lk_fuse_key *k);
 lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, const lk_fuse_key *k,
                             const lk_fuse_term *terms, const lk_fuse_opts *opts);
 
+/* Fuses the inputs into base and writes out (atomically; on any error no
+ * file exists at out). Refuses out equal to base or to an adapter file (same
+ * st_dev/st_ino, whatever the path). Every adapter is opened, resolved and
+ * checked before the output is created. Terms are summed in the canonical
+ * order of lk_fuse_canonical_order, so the bytes do not depend on the order
+ * of `inputs`. A term's scale is strength * module scale, a product of two
+ * doubles formed once (lk_fuse_key_plan) and kept a double
+ * (lk_fuse_term.scale); the kernel forms scale * B[o,k] in double and
+ * rounds it to f32 only for BF16, F16 and FP8 weights (kernel.c's header).
+ * Tensors no module targets, and all non-float tensors, are copied byte for
+ * byte; the base's metadata is kept and "lorakit.fused" records the
+ * adapters (a JSON array of {"path", "strength", "format"}, appended to the
+ * base's own record when it has one). Peak memory: one tensor buffer (the
+ * largest fused tensor, at least min(8 MiB, the largest copied tensor))
+ * plus the adapters' factors (held in memory from open) and the f32 factors
+ * of one tensor. The base's tensor bytes are read with pread, never through
+ * its mmap: a base truncated or rewritten by another process during the fuse
+ * is LK_ERR_IO naming the file and tensor ("changed on disk while being
+ * read"), with no output left. */
 lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n,
                        const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
 

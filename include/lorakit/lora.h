@@ -44,7 +44,7 @@ extern "C" {
 
 /* ------------------------------------------------------------------ config */
 
-/* The reference's default targets (substring match against module names). */
+/* FastVideo's default targets (substring match against module names). */
 extern const char *const lk_lora_default_targets[];  /* NULL-terminated */
 
 /* The resolved `models.<role>.lora` block. Owns its strings: release with
@@ -63,7 +63,7 @@ typedef struct lk_lora_config {
     char info[512];        /* the info logged for "rank set but enable false" ("" if none) */
 } lk_lora_config;
 
-/* Reads `models.<role>.lora` from a YAML file. Rules (the reference's):
+/* Reads `models.<role>.lora` from a YAML file. Rules (FastVideo's training config reader's):
  *  - no `lora` block, or `lora: null`        -> configured = 0, LK_OK
  *  - `lora` not a mapping                    -> LK_ERR_CONFIG
  *  - enable: true|false (YAML 1.1 booleans, null = false); default false;
@@ -253,7 +253,7 @@ void lk_lora_params_zero_grad(lk_lora_params *p);
 typedef struct lk_lora_sync_opts {
     size_t bucket_bytes; /* 0: LK_COMM_AVERAGE_BUCKET_DEFAULT (4 MiB). One
                             allreduce per bucket per mesh dim. */
-    int per_param;       /* 1: one allreduce per parameter (the reference's
+    int per_param;       /* 1: one allreduce per parameter (FastVideo's
                             way; for benchmarks and comparison only) */
 } lk_lora_sync_opts;
 

@@ -6,8 +6,8 @@
  * cross-entropy. Every layer has a paired forward/backward; parameters live in
  * one allocation and their gradients in another, in a fixed order.
  *
- * Linear layers carry diffusers/HF checkpoint names so the reference LoRA
- * target list applies unchanged; weights are [out, in] like torch.nn.Linear:
+ * Linear layers carry diffusers/HF checkpoint names so FastVideo's default LoRA
+ * target list (lk_lora_default_targets) applies unchanged; weights are [out, in] like torch.nn.Linear:
  *
  *   tok_emb.weight                 [vocab, d_model]
  *   pos_emb.weight                 [max_seq, d_model]

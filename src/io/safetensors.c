@@ -5,8 +5,8 @@
  * (an object: tensor name -> {dtype, shape, data_offsets}, plus an optional
  * "__metadata__" string->string object), then the data buffer.
  *
- * Reader. Files are hostile input: we check everything the reference Rust
- * `safetensors` crate checks (header length bound and 8+N overflow, UTF-8,
+ * Reader. Files are hostile input: we check everything huggingface's Rust
+ * `safetensors` crate (the format's reference implementation) checks (header length bound and 8+N overflow, UTF-8,
  * JSON object, known dtype, non-negative integer shape and offsets, begin <=
  * end, element count * element size with overflow checks equal to end-begin,
  * the tensors sorted by offset tiling the data buffer from 0 with no gap or
@@ -16,8 +16,8 @@
  * are views into the mapping, kept in file (offset) order; a name-sorted
  * index gives O(log n) lookup.
  *
- * Writer. Same layout as the reference: tensors ordered by dtype (largest
- * element first; our lk_dtype enum follows the reference's Dtype order) then
+ * Writer. Same layout as the crate's serializer: tensors ordered by dtype
+ * (largest element first; our lk_dtype enum follows the crate's Dtype order) then
  * name, packed, header padded with spaces to a multiple of 8, so every tensor
  * is aligned to its element size within the file. The caller declares all
  * tensors, then begin() writes the header into a temporary file next to the
@@ -162,7 +162,7 @@ static lk_status parse_entry(const char *lbl, const char *name, const json_t *v,
     if (e->begin > e->end)
         return lk_error(LK_ERR_FORMAT, "%s: %s: data_offsets begin %llu > end %llu", lbl, name,
                         (unsigned long long)e->begin, (unsigned long long)e->end);
-    /* Element count and byte size, overflow-checked (as the reference). */
+    /* Element count and byte size, overflow-checked (as the crate). */
     uint64_t numel = 1;
     for (int i = 0; i < e->ndim; i++) {
         uint64_t d = (uint64_t)e->shape[i];

@@ -6,7 +6,7 @@
  * accepted and logged at info; alpha defaults to rank; unknown keys are a
  * warning listing the valid ones; a non-mapping block is an error; no block
  * means "not configured". rank and alpha may be quoted integers ("16"), as
- * the reference's int() coerces them. Two deliberate tightenings, both errors
+ * FastVideo's int() coerces them. Two deliberate tightenings, both errors
  * rather than Python's silent coercions: `enable` must be a YAML boolean
  * (Python's bool("false") is True), and target_modules must be a list
  * (Python's list("to_q") is four one-letter targets).
@@ -78,7 +78,7 @@ static lk_status parse_targets(cfg_ctx *c, const lk_ynode *v, lk_lora_config *cf
         return lk_yerr(c->doc, v, NULL, "must be a list of module name substrings, got %s", r);
     }
     size_t n = v->n;
-    if (n == 0) return LK_OK; /* [] falls back to the defaults, as `or` does in the reference */
+    if (n == 0) return LK_OK; /* [] falls back to the defaults, as `or` does in FastVideo's reader */
     cfg->targets = lk_calloc(n, sizeof(char *));
     if (!cfg->targets) return lk_error(LK_ERR_NOMEM, "out of memory");
     for (size_t i = 0; i < n; i++) {
@@ -102,7 +102,7 @@ static lk_status parse_targets(cfg_ctx *c, const lk_ynode *v, lk_lora_config *cf
     return LK_OK;
 }
 
-/* An integer, or a string holding one (the reference's int()); null: unset. */
+/* An integer, or a string holding one (FastVideo's int()); null: unset. */
 static lk_status parse_int_key(cfg_ctx *c, const lk_ynode *v, int *val, int *given) {
     long long x;
     *given = 0;
@@ -193,9 +193,9 @@ void lk_lora_config_clear(lk_lora_config *cfg) {
 }
 
 lk_status lk_lora_config_from_doc(const lk_ydoc *d, const char *role, lk_lora_config *out) {
-    if (!out) return lk_error(LK_ERR_ARG, "lk_lora_config_parse: out is NULL");
+    if (!out) return lk_error(LK_ERR_ARG, "lk_lora_config_from_doc: out is NULL");
     memset(out, 0, sizeof *out);
-    if (!d || !role || !*role) return lk_error(LK_ERR_ARG, "lk_lora_config_parse: no YAML or no role");
+    if (!d || !role || !*role) return lk_error(LK_ERR_ARG, "lk_lora_config_from_doc: no YAML document or no role");
     cfg_ctx c = {.doc = d, .label = lk_ydoc_label(d), .role = role};
     const lk_ynode *models, *r = NULL, *lora = NULL;
     lk_status s = find_models(&c, &models, 0);
@@ -249,7 +249,7 @@ lk_status lk_lora_config_load(const char *path, const char *role, lk_lora_config
     if (!out) return lk_error(LK_ERR_ARG, "lk_lora_config_load: out is NULL");
     memset(out, 0, sizeof *out);
     if (!path) return lk_error(LK_ERR_ARG, "lk_lora_config_load: path is NULL");
-    if (!role || !*role) return lk_error(LK_ERR_ARG, "lk_lora_config_parse: no YAML or no role");
+    if (!role || !*role) return lk_error(LK_ERR_ARG, "lk_lora_config_load: no role");
     lk_ydoc *d;
     lk_status s = lk_ydoc_load(path, &d);
     if (s != LK_OK) return s;

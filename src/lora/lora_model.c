@@ -5,7 +5,7 @@
  * The host keeps its own weight memory (its model may be one allocation,
  * llm.c style) and registers views of it; lorakit owns only what LoRA adds:
  * the parameter set (one buffer, see params.c) and one scratch buffer for the
- * backward. Targeting is the reference's substring rule: a layer is wrapped
+ * backward. Targeting is FastVideo's substring rule: a layer is wrapped
  * when its name contains a target and no exclude string. Every entry point
  * checks everything first and then commits, so a failure leaves the model as
  * it was. */

@@ -1,9 +1,9 @@
 /* sync.c — gradient averaging and replica checks for the adapter parameters.
  *
- * Adapter parameters are replicated on every mesh dim (as the reference's
- * Replicate() placements), so a gradient is averaged over each dim of size
+ * Adapter parameters are replicated on every mesh dim (FastVideo's
+ * training code places them with Replicate()), so a gradient is averaged over each dim of size
  * > 1 in turn: sum over the dim's sub-communicator, then divide by its size.
- * The reference issues one allreduce per parameter from a walk over modules
+ * FastVideo issues one allreduce per parameter from a walk over modules
  * and zero-fills a missing gradient so no rank skips a collective; here the
  * gradients already live in one zero-initialised buffer, so the same promise
  * holds by construction and the buffer goes out in a few large buckets

@@ -7,7 +7,7 @@
 
 /* lk_tracker_create_ex modes (bits; 0 is lk_tracker_create's tracker). */
 enum {
-    /* (1 was the reference-like `full` baseline: it is the benchmark's
+    /* (1 was the LTX-tracker-like `full` baseline: it is the benchmark's
      * own now, tools/bench/bench_full.c.) */
     /* No overlap: owners fuse every changed key, the ranks agree, then the
      * broadcast starts (the tracker before the overlap). Same bytes. */
