@@ -311,9 +311,8 @@ static lk_status check_inside(const char *label, const char *realdir, const char
     return s;
 }
 
-static lk_status open_index(lk_ckpt *ck, const char *path) {
-    if (!(ck->path = lk_strdup(path)) || !(ck->dir = dir_of(path)) || !(ck->index_name = lk_strdup(base_of(path))))
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
+/* open_index's steps. The index file, read whole (bounded) and parsed. */
+static lk_status read_index(const char *path, json_t **root) {
     char *text = NULL;
     size_t len = 0;
     lk_status s = lk_read_file(path, INDEX_MAX, &text, &len);
@@ -322,20 +321,17 @@ static lk_status open_index(lk_ckpt *ck, const char *path) {
         lk_free(text);
         return lk_error(LK_ERR_FORMAT, "%s: index larger than %zu bytes", path, INDEX_MAX);
     }
-    json_t *root = NULL;
-    s = index_parse(text, len, path, &root);
+    s = index_parse(text, len, path, root);
     lk_free(text);
-    if (s) return s;
-    json_t *wm = json_object_get(root, "weight_map"), *meta = json_object_get(root, "metadata");
-    char *realdir = NULL;
-    const char **first_tensor = NULL;
+    return s;
+}
+
+/* The distinct shard names of the weight_map, sorted (*names: lk_malloc'd,
+ * the strings borrowed from wm). */
+static lk_status distinct_shards(json_t *wm, const char *path, char ***names_out, size_t *ns_out) {
     size_t nw = json_object_size(wm);
-    /* The distinct shard names, sorted. */
     char **names = lk_malloc((nw ? nw : 1) * sizeof *names);
-    if (!names) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
-        goto done;
-    }
+    if (!names) return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
     size_t nn = 0;
     const char *k;
     json_t *v;
@@ -344,14 +340,20 @@ static lk_status open_index(lk_ckpt *ck, const char *path) {
     size_t ns = 0;
     for (size_t i = 0; i < nn; i++)
         if (!ns || strcmp(names[i], names[ns - 1])) names[ns++] = names[i];
-    if (!ns) {
-        s = lk_error(LK_ERR_FORMAT, "%s: weight_map is empty", path);
-        goto done;
-    }
+    *names_out = names;
+    *ns_out = ns;
+    if (!ns) return lk_error(LK_ERR_FORMAT, "%s: weight_map is empty", path);
+    return LK_OK;
+}
+
+/* Opens every shard (each inside the index's folder), naming in messages a
+ * tensor the map assigns to it. */
+static lk_status open_shards(lk_ckpt *ck, const char *path, json_t *wm, char **names, size_t ns) {
+    lk_status s = LK_OK;
     ck->shards = lk_calloc(ns, sizeof *ck->shards);
     ck->shard_names = lk_calloc(ns, sizeof *ck->shard_names);
-    first_tensor = lk_calloc(ns, sizeof *first_tensor);
-    realdir = realpath(ck->dir, NULL);
+    const char **first_tensor = lk_calloc(ns, sizeof *first_tensor);
+    char *realdir = realpath(ck->dir, NULL);
     if (!ck->shards || !ck->shard_names || !first_tensor) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
         goto done;
@@ -361,7 +363,8 @@ static lk_status open_index(lk_ckpt *ck, const char *path) {
         goto done;
     }
     ck->n_shards = ns;
-    /* A tensor the map assigns to each shard, for messages. */
+    const char *k;
+    json_t *v;
     json_object_foreach(wm, k, v) {
         char *sv = (char *)json_string_value(v);
         char **hit = bsearch(&sv, names, ns, sizeof *names, cmp_str);
@@ -382,31 +385,38 @@ static lk_status open_index(lk_ckpt *ck, const char *path) {
             lk_error_prefix(s, "%s: shard %s (holding %s)", path, names[j], first_tensor[j]);
         lk_free(sp);
     }
-    if (s) goto done;
-    if ((s = build_table(ck, path))) goto done;
-    /* Every shard's tensor is mapped to that shard ... */
+done:
+    free(realdir);
+    lk_free(first_tensor);
+    return s;
+}
+
+/* Every shard's tensor is mapped to that shard, and every mapped tensor is
+ * there. */
+static lk_status check_weight_map(const lk_ckpt *ck, const char *path, json_t *wm) {
     for (size_t i = 0; i < ck->n; i++) {
         const char *sh = ck->shard_names[lk_ckpt_tensor_shard(ck, i)];
         json_t *m = json_object_get(wm, ck->t[i].name);
-        if (!m) {
-            s = lk_error(LK_ERR_FORMAT, "%s: shard %s holds tensor %s, which the index's weight_map omits", path, sh,
-                         ck->t[i].name);
-            goto done;
-        }
-        if (strcmp(json_string_value(m), sh)) {
-            s = lk_error(LK_ERR_FORMAT, "%s: tensor %s is in shard %s, but the weight_map names shard %s", path,
-                         ck->t[i].name, sh, json_string_value(m));
-            goto done;
-        }
+        if (!m)
+            return lk_error(LK_ERR_FORMAT, "%s: shard %s holds tensor %s, which the index's weight_map omits", path,
+                            sh, ck->t[i].name);
+        if (strcmp(json_string_value(m), sh))
+            return lk_error(LK_ERR_FORMAT, "%s: tensor %s is in shard %s, but the weight_map names shard %s", path,
+                            ck->t[i].name, sh, json_string_value(m));
     }
-    /* ... and every mapped tensor is there. */
+    const char *k;
+    json_t *v;
     json_object_foreach(wm, k, v) {
-        if (lk_ckpt_find(ck, k) < 0) {
-            s = lk_error(LK_ERR_FORMAT, "%s: tensor %s: the weight_map names shard %s, which does not hold it", path, k,
-                         json_string_value(v));
-            goto done;
-        }
+        if (lk_ckpt_find(ck, k) < 0)
+            return lk_error(LK_ERR_FORMAT, "%s: tensor %s: the weight_map names shard %s, which does not hold it", path,
+                            k, json_string_value(v));
     }
+    return LK_OK;
+}
+
+/* The index's metadata, kept as compact JSON; a total_size that disagrees
+ * with the tensors is only warned about. */
+static lk_status keep_index_metadata(lk_ckpt *ck, const char *path, json_t *meta) {
     json_t *ts = meta ? json_object_get(meta, "total_size") : NULL;
     if (ts && json_is_number(ts) && json_number_value(ts) != (double)ck->total)
         lk_log(LK_LOG_WARN, "%s: metadata.total_size is %.0f but the tensors hold %llu bytes (using %llu)", path,
@@ -415,17 +425,27 @@ static lk_status open_index(lk_ckpt *ck, const char *path) {
         lk_log(LK_LOG_WARN, "%s: metadata.total_size is not a number (the tensors hold %llu bytes)", path,
                (unsigned long long)ck->total);
     char *mt = meta ? json_dumps(meta, JSON_COMPACT | JSON_REAL_PRECISION(17)) : NULL;
-    if (meta && !mt) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
-        goto done;
-    }
+    if (meta && !mt) return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
     ck->index_meta = lk_strdup(mt ? mt : "{}");
     free(mt);
-    if (!ck->index_meta) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
-done:
-    free(realdir);
-    lk_free(first_tensor);
+    return ck->index_meta ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
+}
+
+static lk_status open_index(lk_ckpt *ck, const char *path) {
+    if (!(ck->path = lk_strdup(path)) || !(ck->dir = dir_of(path)) || !(ck->index_name = lk_strdup(base_of(path))))
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
+    json_t *root = NULL;
+    lk_status s = read_index(path, &root);
+    if (s) return s;
+    json_t *wm = json_object_get(root, "weight_map"), *meta = json_object_get(root, "metadata");
+    char **names = NULL;
+    size_t ns = 0;
+    s = distinct_shards(wm, path, &names, &ns);
+    if (!s) s = open_shards(ck, path, wm, names, ns);
     lk_free(names);
+    if (!s) s = build_table(ck, path);
+    if (!s) s = check_weight_map(ck, path, wm);
+    if (!s) s = keep_index_metadata(ck, path, meta);
     json_decref(root);
     return s;
 }
