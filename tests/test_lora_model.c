@@ -506,6 +506,51 @@ static void test_peft_roundtrip(void **state) {
     free(dir); free(ad); free(js); free(st_path);
 }
 
+/* Every allocation of load_base failed in turn (the checkpoint's, the
+ * match table's, the staging buffer's): a clean NOMEM, and the model's
+ * weights and adapters exactly as before; then the load succeeds. */
+static void test_load_base_alloc_failures(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    char *path = tu_path(dir, "base.safetensors");
+    host src = make_host(NULL, 77);
+    write_base(path, &src, 1, 1);
+    host h = make_host(NULL, 1);
+    const char *t[] = {"to_q"};
+    lk_lora_config c = cfg_of(2, 2, t, 1);
+    assert_int_equal(lk_lora_enable(h.m, &c, NULL, 42, NULL), LK_OK);
+    lk_lora_params *p = lk_lora_model_params(h.m);
+    lk_lora_layer *q0 = lk_lora_model_find(h.m, "blocks.0.attn.to_q");
+    const size_t np = lk_lora_params_numel(p) * sizeof(float), nw = sizeof(float) * layer_in(0) * layer_out(0);
+    float *pa = malloc(np), *wa = malloc(nw);
+    memcpy(pa, lk_lora_params_data(p), np);
+    memcpy(wa, lk_lora_layer_weight(q0), nw);
+    int ok = 0;
+    unsigned long k = 1;
+    for (; k < 500 && !ok; k++) {
+        lk_alloc_fail_at(k);
+        lk_status s = lk_lora_model_load_base(h.m, path, NULL);
+        lk_alloc_fail_at(0);
+        if (s == LK_OK) {
+            ok = 1;
+        } else {
+            assert_int_equal(s, LK_ERR_NOMEM);
+            assert_memory_equal(lk_lora_params_data(p), pa, np);
+            assert_memory_equal(lk_lora_layer_weight(q0), wa, nw);
+        }
+    }
+    assert_true(ok);
+    assert_true(k > 3); /* the walk failed some allocations before the load went through */
+    assert_float_equal(lk_lora_layer_A(q0)[5], 0.625f, 0.0f); /* the stored lora_A, as in load_base_aliases */
+    free(pa);
+    free(wa);
+    free_host(&h);
+    free_host(&src);
+    tu_rmtree(dir);
+    free(path);
+    free(dir);
+}
+
 /* Every allocation of enable failed in turn: clean NOMEM, model unchanged. */
 static void test_enable_alloc_failures(void **state) {
     (void)state;
@@ -583,6 +628,7 @@ int main(void) {
         cmocka_unit_test(test_adamw),
         cmocka_unit_test(test_peft_roundtrip),
         cmocka_unit_test(test_enable_alloc_failures),
+        cmocka_unit_test(test_load_base_alloc_failures),
         cmocka_unit_test(test_long_names),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

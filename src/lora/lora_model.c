@@ -362,6 +362,140 @@ static lk_status check_shape(const lk_ckpt *st, const char *path, long i, int nd
     return LK_OK;
 }
 
+/* lk_lora_model_load_base's steps: match (every model tensor to its file
+ * tensor, shapes checked), validate (nothing in the file left over), read
+ * (all present tensors staged, nothing written yet), commit. */
+
+/* A layer's weight and bias (wrapped or plain names) and, when wrapped, its
+ * lora_A / lora_B, appended to items[*ni]. */
+static lk_status match_layer(lk_lora_model *m, lk_lora_layer *l, lk_ckpt *st, const char *path,
+                             const lk_lora_load_opts *o, load_item *items, size_t *ni) {
+    static const char *const parts[2] = {"weight", "bias"};
+    lk_status s = LK_OK;
+    for (int part = 0; part < 2 && s == LK_OK; part++) {
+        float *dst = part ? l->b : l->W;
+        char *plain = join(l->name, parts[part]);
+        char *based = join(l->name, part ? "base_layer.bias" : "base_layer.weight");
+        if (!plain || !based) {
+            lk_free(plain);
+            lk_free(based);
+            return lk_error(LK_ERR_NOMEM, "out of memory");
+        }
+        long idx = -1;
+        /* The wrapped name first, the plain one as its alias (and the other
+         * way round before wrapping): both load the same weight. */
+        s = l->wrapped ? find2(st, path, based, plain, &idx) : find2(st, path, plain, based, &idx);
+        if (s == LK_OK && idx >= 0 && !dst)
+            s = lk_error(LK_ERR_SHAPE, "%s: %s: the model's layer has no bias", path,
+                         lk_ckpt_tensor(st, (size_t)idx)->name);
+        if (s == LK_OK && dst) {
+            int64_t shape[2] = {l->out, l->in};
+            if (idx >= 0) s = check_shape(st, path, idx, part ? 1 : 2, shape);
+            else if (!o->allow_missing)
+                s = lk_error(LK_ERR_FORMAT, "%s: missing tensor '%s' (nor '%s')", path, l->wrapped ? based : plain,
+                             l->wrapped ? plain : based);
+            items[(*ni)++] = (load_item){dst, (size_t)l->out * (part ? 1 : (size_t)l->in), idx, parts[part]};
+        }
+        lk_free(plain);
+        lk_free(based);
+    }
+    if (s != LK_OK || !l->wrapped) return s;
+    lk_lora_params *p = m->params;
+    for (int ab = 0; ab < 2 && s == LK_OK; ab++) {
+        long pi = ab ? l->pB : l->pA;
+        long idx = lk_ckpt_find(st, p->names[pi]);
+        int64_t shape[2] = {p->rows[pi], p->cols[pi]};
+        if (idx >= 0) s = check_shape(st, path, idx, 2, shape);
+        items[(*ni)++] = (load_item){p->data + p->offset[pi], (size_t)(p->rows[pi] * p->cols[pi]), idx,
+                                     ab ? "lora_B" : "lora_A"};
+    }
+    return s;
+}
+
+/* Every layer, then the model's other tensors. */
+static lk_status match_all(lk_lora_model *m, lk_ckpt *st, const char *path, const lk_lora_load_opts *o,
+                           load_item *items, size_t *ni) {
+    lk_status s = LK_OK;
+    for (size_t i = 0; s == LK_OK && i < m->n_layers; i++) s = match_layer(m, m->layers[i], st, path, o, items, ni);
+    for (size_t i = 0; s == LK_OK && i < m->n_tensors; i++) {
+        other_tensor *t = &m->tensors[i];
+        long idx = lk_ckpt_find(st, t->name);
+        if (idx >= 0) s = check_shape(st, path, idx, t->ndim, t->shape);
+        else if (!o->allow_missing) s = lk_error(LK_ERR_FORMAT, "%s: missing tensor '%s'", path, t->name);
+        items[(*ni)++] = (load_item){t->data, t->numel, idx, "tensor"};
+    }
+    return s;
+}
+
+/* The file's tensors no item uses (used: n_file bytes of scratch): an error
+ * unless allow_unexpected; *n_unexpected counts them. */
+static lk_status check_unexpected(lk_ckpt *st, const char *path, const lk_lora_load_opts *o, const load_item *items,
+                                  size_t ni, unsigned char *used, size_t *n_unexpected) {
+    for (size_t i = 0; i < ni; i++)
+        if (items[i].src >= 0) used[items[i].src] = 1;
+    lk_status s = LK_OK;
+    for (size_t i = 0; s == LK_OK && i < lk_ckpt_count(st); i++) {
+        if (used[i]) continue;
+        if (!o->allow_unexpected)
+            s = lk_error(LK_ERR_UNMATCHED, "%s: tensor '%s' matches nothing in the model", path,
+                         lk_ckpt_tensor(st, i)->name);
+        (*n_unexpected)++;
+    }
+    return s;
+}
+
+/* Reads every present tensor (pread, not the mapping: a file truncated
+ * meanwhile is an error, not a SIGBUS) into one staging buffer, item i at
+ * (*at)[i], before anything is written: on a read error the model is
+ * unchanged. */
+static lk_status read_staged(lk_ckpt *st, const char *path, const load_item *items, size_t ni, unsigned char **stage,
+                             size_t **at) {
+    size_t total = 0;
+    *at = lk_malloc((ni ? ni : 1) * sizeof **at);
+    for (size_t i = 0; *at && i < ni; i++) {
+        (*at)[i] = total;
+        if (items[i].src >= 0) total += lk_ckpt_tensor(st, (size_t)items[i].src)->nbytes;
+    }
+    *stage = *at ? lk_malloc(total ? total : 1) : NULL;
+    if (!*stage) return lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu tensors", path, ni);
+    lk_status s = LK_OK;
+    for (size_t i = 0; s == LK_OK && i < ni; i++)
+        if (items[i].src >= 0)
+            s = lk_ckpt_read(st, (size_t)items[i].src, 0, *stage + (*at)[i],
+                             lk_ckpt_tensor(st, (size_t)items[i].src)->nbytes);
+    return s;
+}
+
+/* Commit (cannot fail): convert every present tensor; re-initialise absent
+ * adapters from the seed. Returns how many adapter layers were. */
+static size_t commit_loaded(lk_lora_model *m, lk_ckpt *st, const load_item *items, size_t ni,
+                            const unsigned char *stage, const size_t *at) {
+    size_t n_init = 0;
+    for (size_t i = 0; i < ni; i++)
+        if (items[i].src >= 0)
+            lk_to_f32(items[i].dst, stage + at[i], lk_ckpt_tensor(st, (size_t)items[i].src)->dtype, items[i].numel);
+    for (size_t i = 0; i < m->n_layers; i++) {
+        lk_lora_layer *l = m->layers[i];
+        if (!l->wrapped) continue;
+        long ia = lk_ckpt_find(st, m->params->names[l->pA]);
+        long ib = lk_ckpt_find(st, m->params->names[l->pB]);
+        if (ia < 0 && ib < 0) {
+            init_layer(l, m->seed);
+            n_init++;
+        } else if (ia < 0 || ib < 0) {
+            /* Only one factor present: initialise the missing one alone. */
+            lk_lora_params *p = m->params;
+            if (ia < 0)
+                lk_lora_rand_uniform(p->data + p->offset[l->pA], (size_t)l->r * (size_t)l->in, m->seed,
+                                     p->names[l->pA], 1.0f / sqrtf((float)l->in));
+            else
+                memset(p->data + p->offset[l->pB], 0, (size_t)l->out * (size_t)l->r * sizeof(float));
+            n_init++;
+        }
+    }
+    return n_init;
+}
+
 lk_status lk_lora_model_load_base(lk_lora_model *m, const char *path, const lk_lora_load_opts *opts) {
     if (!m || !path) return lk_error(LK_ERR_ARG, "lk_lora_model_load_base: missing model or path");
     lk_lora_load_opts o = {0};
@@ -369,119 +503,16 @@ lk_status lk_lora_model_load_base(lk_lora_model *m, const char *path, const lk_l
     lk_ckpt *st;
     lk_status s = lk_ckpt_open(path, &st);
     if (s != LK_OK) return s;
-    size_t n_file = lk_ckpt_count(st);
-    size_t cap = 4 * m->n_layers + m->n_tensors + 1;
-    load_item *items = lk_calloc(cap, sizeof *items);
-    unsigned char *used = lk_calloc(n_file ? n_file : 1, 1);
-    char *names[2] = {NULL, NULL};
-    size_t ni = 0;
-    if (!items || !used) s = lk_error(LK_ERR_NOMEM, "out of memory");
-    for (size_t i = 0; s == LK_OK && i < m->n_layers; i++) {
-        lk_lora_layer *l = m->layers[i];
-        static const char *const parts[2] = {"weight", "bias"};
-        for (int part = 0; part < 2 && s == LK_OK; part++) {
-            float *dst = part ? l->b : l->W;
-            names[0] = join(l->name, parts[part]);
-            names[1] = join(l->name, part ? "base_layer.bias" : "base_layer.weight");
-            const char *based = names[1];
-            if (!names[0] || !names[1]) {
-                lk_free(names[0]);
-                lk_free(names[1]);
-                s = lk_error(LK_ERR_NOMEM, "out of memory");
-                break;
-            }
-            long idx = -1;
-            /* The wrapped name first, the plain one as its alias (and the other
-             * way round before wrapping): both load the same weight. */
-            s = l->wrapped ? find2(st, path, based, names[0], &idx) : find2(st, path, names[0], based, &idx);
-            if (s == LK_OK && idx >= 0 && !dst)
-                s = lk_error(LK_ERR_SHAPE, "%s: %s: the model's layer has no bias", path,
-                             lk_ckpt_tensor(st, (size_t)idx)->name);
-            if (s == LK_OK && dst) {
-                int64_t shape[2] = {l->out, l->in};
-                if (idx >= 0) s = check_shape(st, path, idx, part ? 1 : 2, shape);
-                else if (!o.allow_missing)
-                    s = lk_error(LK_ERR_FORMAT, "%s: missing tensor '%s' (nor '%s')", path,
-                                 l->wrapped ? based : names[0], l->wrapped ? names[0] : based);
-                items[ni++] = (load_item){dst, (size_t)l->out * (part ? 1 : (size_t)l->in), idx,
-                                          parts[part]};
-            }
-            lk_free(names[0]);
-            lk_free(names[1]);
-            names[0] = names[1] = NULL;
-        }
-        if (s != LK_OK || !l->wrapped) continue;
-        lk_lora_params *p = m->params;
-        for (int ab = 0; ab < 2 && s == LK_OK; ab++) {
-            long pi = ab ? l->pB : l->pA;
-            long idx = lk_ckpt_find(st, p->names[pi]);
-            int64_t shape[2] = {p->rows[pi], p->cols[pi]};
-            if (idx >= 0) s = check_shape(st, path, idx, 2, shape);
-            items[ni++] = (load_item){p->data + p->offset[pi],
-                                      (size_t)(p->rows[pi] * p->cols[pi]), idx, ab ? "lora_B" : "lora_A"};
-        }
-    }
-    for (size_t i = 0; s == LK_OK && i < m->n_tensors; i++) {
-        other_tensor *t = &m->tensors[i];
-        long idx = lk_ckpt_find(st, t->name);
-        if (idx >= 0) s = check_shape(st, path, idx, t->ndim, t->shape);
-        else if (!o.allow_missing) s = lk_error(LK_ERR_FORMAT, "%s: missing tensor '%s'", path, t->name);
-        items[ni++] = (load_item){t->data, t->numel, idx, "tensor"};
-    }
-    for (size_t i = 0; s == LK_OK && i < ni; i++)
-        if (items[i].src >= 0) used[items[i].src] = 1;
-    size_t n_unexpected = 0;
-    for (size_t i = 0; s == LK_OK && i < n_file; i++) {
-        if (used[i]) continue;
-        if (!o.allow_unexpected)
-            s = lk_error(LK_ERR_UNMATCHED, "%s: tensor '%s' matches nothing in the model", path,
-                         lk_ckpt_tensor(st, i)->name);
-        n_unexpected++;
-    }
-    /* Read every present tensor (pread, not the mapping: a file truncated
-     * meanwhile is an error, not a SIGBUS) before writing any: on a read
-     * error the model is unchanged. */
-    unsigned char *stage = NULL;
+    size_t n_file = lk_ckpt_count(st), n_unexpected = 0, ni = 0;
+    load_item *items = lk_calloc(4 * m->n_layers + m->n_tensors + 1, sizeof *items);
+    unsigned char *used = lk_calloc(n_file ? n_file : 1, 1), *stage = NULL;
     size_t *at = NULL;
+    if (!items || !used) s = lk_error(LK_ERR_NOMEM, "out of memory");
+    if (s == LK_OK) s = match_all(m, st, path, &o, items, &ni);
+    if (s == LK_OK) s = check_unexpected(st, path, &o, items, ni, used, &n_unexpected);
+    if (s == LK_OK) s = read_staged(st, path, items, ni, &stage, &at);
     if (s == LK_OK) {
-        size_t total = 0;
-        at = lk_malloc((ni ? ni : 1) * sizeof *at);
-        for (size_t i = 0; at && i < ni; i++) {
-            at[i] = total;
-            if (items[i].src >= 0) total += lk_ckpt_tensor(st, (size_t)items[i].src)->nbytes;
-        }
-        stage = at ? lk_malloc(total ? total : 1) : NULL;
-        if (!stage) s = lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu tensors", path, ni);
-        for (size_t i = 0; s == LK_OK && i < ni; i++)
-            if (items[i].src >= 0)
-                s = lk_ckpt_read(st, (size_t)items[i].src, 0, stage + at[i],
-                                 lk_ckpt_tensor(st, (size_t)items[i].src)->nbytes);
-    }
-    if (s == LK_OK) {
-        /* Commit: convert every present tensor; re-initialise absent adapters. */
-        size_t n_init = 0;
-        for (size_t i = 0; i < ni; i++)
-            if (items[i].src >= 0)
-                lk_to_f32(items[i].dst, stage + at[i], lk_ckpt_tensor(st, (size_t)items[i].src)->dtype, items[i].numel);
-        for (size_t i = 0; i < m->n_layers; i++) {
-            lk_lora_layer *l = m->layers[i];
-            if (!l->wrapped) continue;
-            long ia = lk_ckpt_find(st, m->params->names[l->pA]);
-            long ib = lk_ckpt_find(st, m->params->names[l->pB]);
-            if (ia < 0 && ib < 0) {
-                init_layer(l, m->seed);
-                n_init++;
-            } else if (ia < 0 || ib < 0) {
-                /* Only one factor present: initialise the missing one alone. */
-                lk_lora_params *p = m->params;
-                if (ia < 0)
-                    lk_lora_rand_uniform(p->data + p->offset[l->pA], (size_t)l->r * (size_t)l->in,
-                                         m->seed, p->names[l->pA], 1.0f / sqrtf((float)l->in));
-                else
-                    memset(p->data + p->offset[l->pB], 0, (size_t)l->out * (size_t)l->r * sizeof(float));
-                n_init++;
-            }
-        }
+        size_t n_init = commit_loaded(m, st, items, ni, stage, at);
         lk_log(LK_LOG_INFO, "%s: loaded %zu tensors, %zu adapter layers initialised from the seed, %zu ignored",
                path, n_file - n_unexpected, n_init, n_unexpected);
     }
