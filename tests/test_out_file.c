@@ -221,6 +221,13 @@ static void test_sweep(void **state) {
     assert_int_equal(mkdir(p, 0777), 0);
     char *q = tu_path(p, "x.safetensors.tmp.1.0");
     assert_int_equal(tu_write_file(q, "partial", 7), 0);
+    /* a pipeline output's temporary is a tree: unet/, unet/sub/ (nothing in
+     * them is registered; the sweep removes the tree whole) */
+    char *u = tu_path(p, "unet"), *us = tu_path(u, "sub"), *uf = tu_path(us, "w.safetensors");
+    assert_int_equal(mkdir(u, 0777), 0);
+    assert_int_equal(mkdir(us, 0777), 0);
+    assert_int_equal(tu_write_file(uf, "partial", 7), 0);
+    free(u); free(us); free(uf);
     char *od = tu_path(dir, "outdir");
     assert_int_equal(lk_temp_sweep(od), LK_OK);
     assert_false(tu_exists(p));
@@ -244,6 +251,12 @@ static void test_signal_cleanup(void **state) {
         void *h1, *h2, *h3;
         if (lk_temp_add(f, 0, &h1) || lk_temp_add(d, 1, &h2) || lk_temp_add(df, 0, &h3)) _exit(10);
         if (tu_write_file(f, "x", 1) || mkdir(d, 0777) || tu_write_file(df, "y", 1)) _exit(11);
+        /* a registered folder's tree goes whole (a pipeline output's
+         * temporary: its components' files are not registered one by one) */
+        char sub[4096], subf[4096];
+        snprintf(sub, sizeof sub, "%s/unet", d);
+        snprintf(subf, sizeof subf, "%s/unet/w.safetensors", d);
+        if (mkdir(sub, 0777) || tu_write_file(subf, "z", 1)) _exit(13);
         lk_temp_cleanup();
         _exit(tu_exists(f) || tu_exists(d) ? 12 : 0); /* _exit: the consumed registrations are not leaks */
     }
@@ -269,6 +282,27 @@ static void test_signal_cleanup(void **state) {
                      WIFSIGNALED(st) ? WTERMSIG(st) : WEXITSTATUS(st));
         assert_int_equal(count_entries(dir), 0);
     }
+    /* a signal while a registered folder holds a tree (a pipeline output in
+     * progress): the handler removes it whole, async-signal-safely */
+    p = fork();
+    assert_true(p >= 0);
+    if (p == 0) {
+        signal(SIGUSR1, SIG_DFL);
+        if (lk_temp_cleanup_on_signals()) _exit(20);
+        void *h;
+        char a[4096], b[4096], c[4096];
+        snprintf(a, sizeof a, "%s/text_encoder", d);
+        snprintf(b, sizeof b, "%s/text_encoder/deep", d);
+        snprintf(c, sizeof c, "%s/text_encoder/deep/m.safetensors", d);
+        if (lk_temp_add(d, 1, &h) || mkdir(d, 0777) || mkdir(a, 0777) || mkdir(b, 0777) || tu_write_file(c, "w", 1) ||
+            tu_write_file(df, "y", 1))
+            _exit(21);
+        raise(SIGUSR1);
+        _exit(22);
+    }
+    assert_int_equal(waitpid(p, &st, 0), p);
+    assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGUSR1);
+    assert_int_equal(count_entries(dir), 0);
     p = fork();
     assert_true(p >= 0);
     if (p == 0) {

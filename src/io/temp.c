@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #define SLOTS 64
@@ -81,6 +82,55 @@ void lk_temp_drop(void *handle) {
     lk_free(atomic_exchange((_Atomic(char *) *)handle, NULL));
 }
 
+/* Empties the folder open as fd of regular files and of folders of them
+ * (to depth 16; links, FIFOs and the like stay), with async-signal-safe
+ * calls only (openat, getdents64, fstatat, unlinkat, lseek, close: no
+ * malloc, no opendir), since a signal handler runs it: a pipeline's
+ * temporary output is a tree (unet/, text_encoder/, ...) whose files are
+ * not registered one by one. Entries removed while reading could make a
+ * pass miss some, so passes repeat until one removes nothing. Closes fd. */
+#define TREE_DEPTH 16
+struct lk_dirent64 {
+    unsigned long long d_ino;
+    long long d_off;
+    unsigned short d_reclen;
+    unsigned char d_type;
+    char d_name[];
+};
+
+static void empty_tree_fd(int fd, int depth) {
+    char buf[2048] __attribute__((aligned(8)));
+    for (int removed = 1; removed;) {
+        removed = 0;
+        if (lseek(fd, 0, SEEK_SET) != 0) break;
+        for (long n; (n = syscall(SYS_getdents64, fd, buf, sizeof buf)) > 0;)
+            for (long off = 0; off < n;) {
+                struct lk_dirent64 *e = (struct lk_dirent64 *)(buf + off);
+                off += e->d_reclen;
+                const char *nm = e->d_name;
+                if (nm[0] == '.' && (!nm[1] || (nm[1] == '.' && !nm[2]))) continue;
+                struct stat es;
+                if (fstatat(fd, nm, &es, AT_SYMLINK_NOFOLLOW) != 0) continue;
+                if (S_ISREG(es.st_mode)) {
+                    removed += unlinkat(fd, nm, 0) == 0;
+                } else if (S_ISDIR(es.st_mode) && depth < TREE_DEPTH) {
+                    int sub = openat(fd, nm, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+                    if (sub >= 0) empty_tree_fd(sub, depth + 1);
+                    removed += unlinkat(fd, nm, AT_REMOVEDIR) == 0;
+                }
+            }
+    }
+    close(fd);
+}
+
+/* Removes a temporary folder: its tree (empty_tree_fd), then itself;
+ * -1 with errno when the folder stays. */
+static int remove_tree(const char *path) {
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd >= 0) empty_tree_fd(fd, 1);
+    return rmdir(path);
+}
+
 /* Removes every registered path of one kind ('f' files, 'd' folders). */
 static void remove_kind(char kind) {
     for (block *b = &g_first; b; b = atomic_load(&b->next))
@@ -88,7 +138,7 @@ static void remove_kind(char kind) {
             char *p = atomic_load(&b->slot[i]);
             if (!p || p[0] != kind || !atomic_compare_exchange_strong(&b->slot[i], &p, NULL)) continue;
             if (kind == 'f') unlink(p + 1);
-            else rmdir(p + 1);
+            else remove_tree(p + 1);
         }
 }
 
@@ -216,23 +266,11 @@ static double latest_mtime(const char *path, const struct stat *sb, int folder) 
     return t;
 }
 
-/* Removes a stale temporary folder: its regular files, then itself. 0 when
- * something stayed (named in *left). */
+/* Removes a stale temporary folder: its regular files and folders of them
+ * (a pipeline output's tree), then itself; lorakit writes nothing else
+ * there, so anything else stays. 0 when something stayed (named in *left). */
 static int remove_folder(const char *path, char *left, size_t cap) {
-    DIR *d = opendir(path);
-    if (!d) {
-        snprintf(left, cap, "cannot open it: %s", strerror(errno));
-        return 0;
-    }
-    for (struct dirent *e; (e = readdir(d));) {
-        struct stat es;
-        if (e->d_name[0] == '.' && (!e->d_name[1] || (e->d_name[1] == '.' && !e->d_name[2]))) continue;
-        /* lorakit writes only regular files there; anything else stays */
-        if (fstatat(dirfd(d), e->d_name, &es, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(es.st_mode))
-            unlinkat(dirfd(d), e->d_name, 0);
-    }
-    closedir(d);
-    if (rmdir(path) == 0) return 1;
+    if (remove_tree(path) == 0) return 1;
     snprintf(left, cap, "%s", strerror(errno));
     return 0;
 }

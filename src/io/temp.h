@@ -14,7 +14,8 @@
 
 #include "lorakit/status.h"
 
-/* Registers path (a file; with dir = 1 a folder, removed after every file)
+/* Registers path (a file; with dir = 1 a folder, removed with its tree of
+ * regular files and folders, after every registered file)
  * as a temporary of this process; *handle is for lk_temp_drop. Register
  * before creating it, drop after renaming or removing it: a signal in
  * between only removes a path that no longer exists. LK_ERR_NOMEM names
@@ -25,7 +26,7 @@ void lk_temp_drop(void *handle);
 
 /* Removes the temporaries that a process no longer running left beside
  * out: files "<name>.tmp.<pid>.<n>" (io/out_file.c) and folders
- * ".<name>.lorakit-tmp-<pid>-<n>" (io/out_dir.c) in out's folder, where
+ * ".<name>.lorakit-tmp-<pid>-<n>" (io/out_dir.c, with their trees) in out's folder, where
  * <name> is out's last component. One is stale when no process has that
  * pid, or when the process that has it started after the temporary was
  * last modified (the pid was reused: the writer that modified it is gone).
