@@ -320,166 +320,193 @@ static lk_status agree(lk_comm *world, lk_status mine, const char *what) {
     return LK_OK;
 }
 
+/* lk_train_run's state, and its steps: set up (outputs checked, model,
+ * trainable parameters, mesh, optimizer, batch), the steps, the checks
+ * after them (replicas, held-out accuracy), save. Each step agrees across
+ * the ranks before it returns, so every rank takes the same path. */
+typedef struct train_run {
+    const lk_train_config *cfg;
+    lk_comm *world;
+    int rank, K, Bl, T;
+    lk_model *m;
+    lk_model_lora *ml;
+    lk_lora_params *p, *own;
+    lk_mesh *mesh;
+    lk_adamw *opt;
+    int *in, *tg;
+    long at; /* the step in progress (0: setting up, -1: after the steps), for a timeout's report */
+} train_run;
+
+static lk_status run_setup(train_run *t, lk_train_result *r) {
+    const lk_train_config *cfg = t->cfg;
+    /* rank 0 writes the outputs: refused ones are known before any work */
+    lk_status st = t->rank == 0 ? check_outputs(cfg) : LK_OK;
+    if ((st = agree(t->world, st, "checking the outputs"))) return st;
+
+    /* model: from the base checkpoint or fresh from the seed */
+    if (cfg->base[0]) st = lk_model_load(cfg->base, &t->m);
+    else st = lk_model_create(&cfg->model, cfg->seed, &t->m);
+    if (!st) {
+        const lk_model_config *mc = lk_model_get_config(t->m);
+        if (mc->vocab < LK_TASK_VOCAB || mc->max_seq < t->T)
+            st = lk_error(LK_ERR_CONFIG, "%s: the model has vocab %d and max_seq %d; the task "
+                          "needs %d and %d", cfg->base, mc->vocab, mc->max_seq, LK_TASK_VOCAB, t->T);
+    }
+    if ((st = agree(t->world, st, "loading the model"))) return st;
+    if (cfg->lora.enable) {
+        st = lk_model_lora_attach(t->m, &cfg->lora, cfg->seed, &t->ml);
+        if (!st) {
+            t->p = lk_lora_model_params(lk_model_lora_get(t->ml));
+            st = lk_lora_finalize(lk_model_lora_get(t->ml), &r->lora_layers);
+        }
+    } else {
+        st = full_params(t->m, &t->own);
+        if (!st) {
+            t->p = t->own;
+            mirror(t->m, t->p, 0);
+        }
+    }
+    if (!st) st = lk_mesh_create(t->world, t->K, 1, &t->mesh);
+    if (!st) {
+        lk_adamw_opts o = {.lr = cfg->lr, .weight_decay = cfg->weight_decay};
+        st = lk_adamw_create(t->p, &o, &t->opt);
+    }
+    if (!st) {
+        t->in = lk_malloc((size_t)t->Bl * t->T * sizeof(int));
+        t->tg = lk_malloc((size_t)t->Bl * t->T * sizeof(int));
+        if (!t->in || !t->tg) st = lk_error(LK_ERR_NOMEM, "train: out of memory for the batch");
+    }
+    if ((st = agree(t->world, st, "setting up training"))) return st;
+    r->trainable = lk_lora_params_numel(t->p);
+    return LK_OK;
+}
+
+static lk_status run_steps(train_run *t, lk_train_progress_fn fn, void *ctx, lk_train_result *r) {
+    const lk_train_config *cfg = t->cfg;
+    lk_status st;
+    double t0 = lk_now_s();
+    for (long s = 0; s < cfg->steps; s++) {
+        t->at = s + 1;
+        float lr = cfg->lr;
+        if (cfg->cosine && cfg->steps > 1)
+            lr = cfg->lr * (0.1f + 0.9f * 0.5f * (1.0f + cosf(3.14159265f * (float)s /
+                                                               (float)(cfg->steps - 1))));
+        lk_adamw_set_lr(t->opt, lr);
+        uint64_t first = (uint64_t)s * (uint64_t)cfg->global_batch + (uint64_t)t->rank * t->Bl;
+        float loss = 0.0f, norm = 0.0f;
+        st = lk_task_batch(cfg->task, cfg->digits, cfg->seed, first, t->Bl, t->in, t->tg);
+        if (!st) st = lk_model_forward(t->m, t->in, t->tg, t->Bl, t->T, &loss);
+        if (!st) {
+            if (t->ml) lk_lora_params_zero_grad(t->p);
+            else lk_model_zero_grad(t->m);
+            st = lk_model_backward(t->m);
+        }
+        if (!st && !t->ml) mirror(t->m, t->p, 1);
+        if ((st = agree(t->world, st, "the forward/backward pass"))) return st;
+        /* every rank, every step: the collective count never depends on data */
+        if ((st = lk_lora_sync_grads(t->p, t->mesh, NULL))) return st;
+        st = lk_lora_clip_grad_norm(t->p, cfg->clip, &norm);
+        if (!st) st = lk_adamw_step(t->opt, t->p);
+        if ((st = agree(t->world, st, "the optimizer step"))) return st;
+        if (!t->ml) mirror(t->m, t->p, 2);
+        if ((st = lk_comm_allreduce_f32_sum(t->world, &loss, 1))) return st;
+        loss /= (float)t->K;
+        if (s == 0) r->first_loss = loss;
+        r->final_loss = loss;
+        r->steps = s + 1;
+        lk_train_progress pr = {.step = s + 1, .steps = cfg->steps, .loss = loss,
+                                .grad_norm = norm};
+        pr.elapsed = lk_now_s() - t0;
+        pr.tokens_per_s = pr.elapsed > 0 ? (double)(s + 1) * cfg->global_batch * t->T / pr.elapsed
+                                         : 0.0;
+        if (fn && fn(ctx, &pr)) return lk_error(LK_ERR_STATE, "training stopped at step %ld", s + 1);
+    }
+    r->seconds = lk_now_s() - t0;
+    t->at = -1;
+    return LK_OK;
+}
+
+static lk_status run_verify(train_run *t, lk_train_result *r) {
+    const lk_train_config *cfg = t->cfg;
+    /* the replicas must be bit-identical: same data order, same averaged
+     * gradients, same optimizer arithmetic */
+    size_t drifted = 0;
+    lk_status st = lk_lora_check_replicas(t->p, t->mesh, &drifted);
+    if (st && st != LK_ERR_MISMATCH) return st;
+    r->replicas_agree = st == LK_OK;
+    if (st) return st;
+
+    /* held-out accuracy, sharded over the ranks */
+    if (cfg->eval_examples > 0) {
+        int per = (cfg->eval_examples + t->K - 1) / t->K;
+        int lo = t->rank * per, hi = lo + per > cfg->eval_examples ? cfg->eval_examples : lo + per;
+        lk_task_eval ev = {0, 0, 0.0};
+        if (hi > lo)
+            st = lk_task_evaluate(t->m, cfg->task, cfg->digits, cfg->seed + 1000003u, (uint64_t)lo,
+                                  hi - lo, 250, &ev, NULL);
+        if ((st = agree(t->world, st, "evaluation"))) return st;
+        uint64_t c = (uint64_t)ev.correct;
+        if ((st = lk_comm_allreduce_u64(t->world, &c, 1, LK_REDUCE_SUM))) return st;
+        r->accuracy = (double)c / cfg->eval_examples;
+    }
+    return LK_OK;
+}
+
+/* rank 0 writes; everyone learns whether it worked */
+static lk_status run_save(train_run *t, lk_train_result *r) {
+    const lk_train_config *cfg = t->cfg;
+    lk_status st = LK_OK;
+    if (t->rank == 0) {
+        st = mkdir_p(cfg->output);
+        if (!st && t->ml) {
+            st = lk_lora_save_peft(lk_model_lora_get(t->ml), cfg->output);
+            snprintf(r->saved, sizeof r->saved, "%s", cfg->output);
+        } else if (!st) {
+            int w = snprintf(r->saved, sizeof r->saved, "%s/model.safetensors", cfg->output);
+            st = w >= (int)sizeof r->saved ? lk_error(LK_ERR_IO, "%s: path too long", cfg->output)
+                                           : lk_model_save(t->m, r->saved);
+        }
+        /* the optimizer state, for resuming: OUTPUT/optimizer.safetensors */
+        if (!st) st = lk_adamw_save(t->opt, t->p, cfg->output);
+    }
+    return agree(t->world, st, "saving on rank 0");
+}
+
 lk_status lk_train_run(const lk_train_config *cfg, lk_comm *world, lk_train_progress_fn fn,
                        void *ctx, lk_train_result *res) {
     if (!cfg || !world) return lk_error(LK_ERR_ARG, "lk_train_run: NULL argument");
-    int rank = lk_comm_rank(world), K = lk_comm_size(world);
+    int K = lk_comm_size(world);
     if (cfg->global_batch % K)
         return lk_error(LK_ERR_CONFIG, "global_batch %d does not split evenly over %d ranks",
                         cfg->global_batch, K);
     lk_train_result r;
     memset(&r, 0, sizeof r);
-    int Bl = cfg->global_batch / K, T = lk_task_train_len(cfg->digits);
-    lk_model *m = NULL;
-    lk_model_lora *ml = NULL;
-    lk_lora_params *p = NULL, *own = NULL;
-    lk_mesh *mesh = NULL;
-    lk_adamw *opt = NULL;
-    int *in = NULL, *tg = NULL;
+    train_run t = {.cfg = cfg, .world = world, .rank = lk_comm_rank(world), .K = K,
+                   .Bl = cfg->global_batch / K, .T = lk_task_train_len(cfg->digits)};
     lk_status st;
-    long at = 0; /* the step in progress (0: setting up, -1: after the steps), for a timeout's report */
     const double timeout_was = lk_comm_timeout(world);
     if ((st = lk_comm_set_timeout(world, cfg->timeout))) return lk_error_prefix(st, "train: timeout");
 
     /* OpenBLAS first: an address-space limit too low for it is an error here, on every rank */
     if ((st = agree(world, lk_gemm_prepare(), "loading OpenBLAS"))) return st;
 
-    /* rank 0 writes the outputs: refused ones are known before any work */
-    st = rank == 0 ? check_outputs(cfg) : LK_OK;
-    if ((st = agree(world, st, "checking the outputs"))) goto done;
+    st = run_setup(&t, &r);
+    if (!st) st = run_steps(&t, fn, ctx, &r);
+    if (!st) st = run_verify(&t, &r);
+    if (!st) st = run_save(&t, &r);
 
-    /* model: from the base checkpoint or fresh from the seed */
-    if (cfg->base[0]) st = lk_model_load(cfg->base, &m);
-    else st = lk_model_create(&cfg->model, cfg->seed, &m);
-    if (!st) {
-        const lk_model_config *mc = lk_model_get_config(m);
-        if (mc->vocab < LK_TASK_VOCAB || mc->max_seq < T)
-            st = lk_error(LK_ERR_CONFIG, "%s: the model has vocab %d and max_seq %d; the task "
-                          "needs %d and %d", cfg->base, mc->vocab, mc->max_seq, LK_TASK_VOCAB, T);
-    }
-    if ((st = agree(world, st, "loading the model"))) goto done;
-    if (cfg->lora.enable) {
-        st = lk_model_lora_attach(m, &cfg->lora, cfg->seed, &ml);
-        if (!st) {
-            p = lk_lora_model_params(lk_model_lora_get(ml));
-            st = lk_lora_finalize(lk_model_lora_get(ml), &r.lora_layers);
-        }
-    } else {
-        st = full_params(m, &own);
-        if (!st) {
-            p = own;
-            mirror(m, p, 0);
-        }
-    }
-    if (!st) st = lk_mesh_create(world, K, 1, &mesh);
-    if (!st) {
-        lk_adamw_opts o = {.lr = cfg->lr, .weight_decay = cfg->weight_decay};
-        st = lk_adamw_create(p, &o, &opt);
-    }
-    if (!st) {
-        in = lk_malloc((size_t)Bl * T * sizeof(int));
-        tg = lk_malloc((size_t)Bl * T * sizeof(int));
-        if (!in || !tg) st = lk_error(LK_ERR_NOMEM, "train: out of memory for the batch");
-    }
-    if ((st = agree(world, st, "setting up training"))) goto done;
-    r.trainable = lk_lora_params_numel(p);
-
-    double t0 = lk_now_s();
-    for (long s = 0; s < cfg->steps; s++) {
-        at = s + 1;
-        float lr = cfg->lr;
-        if (cfg->cosine && cfg->steps > 1)
-            lr = cfg->lr * (0.1f + 0.9f * 0.5f * (1.0f + cosf(3.14159265f * (float)s /
-                                                               (float)(cfg->steps - 1))));
-        lk_adamw_set_lr(opt, lr);
-        uint64_t first = (uint64_t)s * (uint64_t)cfg->global_batch + (uint64_t)rank * Bl;
-        float loss = 0.0f, norm = 0.0f;
-        st = lk_task_batch(cfg->task, cfg->digits, cfg->seed, first, Bl, in, tg);
-        if (!st) st = lk_model_forward(m, in, tg, Bl, T, &loss);
-        if (!st) {
-            if (ml) lk_lora_params_zero_grad(p);
-            else lk_model_zero_grad(m);
-            st = lk_model_backward(m);
-        }
-        if (!st && !ml) mirror(m, p, 1);
-        if ((st = agree(world, st, "the forward/backward pass"))) goto done;
-        /* every rank, every step: the collective count never depends on data */
-        if ((st = lk_lora_sync_grads(p, mesh, NULL))) goto done;
-        st = lk_lora_clip_grad_norm(p, cfg->clip, &norm);
-        if (!st) st = lk_adamw_step(opt, p);
-        if ((st = agree(world, st, "the optimizer step"))) goto done;
-        if (!ml) mirror(m, p, 2);
-        if ((st = lk_comm_allreduce_f32_sum(world, &loss, 1))) goto done;
-        loss /= (float)K;
-        if (s == 0) r.first_loss = loss;
-        r.final_loss = loss;
-        r.steps = s + 1;
-        lk_train_progress pr = {.step = s + 1, .steps = cfg->steps, .loss = loss,
-                                .grad_norm = norm};
-        pr.elapsed = lk_now_s() - t0;
-        pr.tokens_per_s = pr.elapsed > 0 ? (double)(s + 1) * cfg->global_batch * T / pr.elapsed
-                                         : 0.0;
-        if (fn && fn(ctx, &pr)) {
-            st = lk_error(LK_ERR_STATE, "training stopped at step %ld", s + 1);
-            goto done;
-        }
-    }
-    r.seconds = lk_now_s() - t0;
-    at = -1;
-
-    /* the replicas must be bit-identical: same data order, same averaged
-     * gradients, same optimizer arithmetic */
-    size_t drifted = 0;
-    st = lk_lora_check_replicas(p, mesh, &drifted);
-    if (st && st != LK_ERR_MISMATCH) goto done;
-    r.replicas_agree = st == LK_OK;
-    if (st) goto done;
-
-    /* held-out accuracy, sharded over the ranks */
-    if (cfg->eval_examples > 0) {
-        int per = (cfg->eval_examples + K - 1) / K;
-        int lo = rank * per, hi = lo + per > cfg->eval_examples ? cfg->eval_examples : lo + per;
-        lk_task_eval ev = {0, 0, 0.0};
-        st = LK_OK;
-        if (hi > lo)
-            st = lk_task_evaluate(m, cfg->task, cfg->digits, cfg->seed + 1000003u, (uint64_t)lo,
-                                  hi - lo, 250, &ev, NULL);
-        if ((st = agree(world, st, "evaluation"))) goto done;
-        uint64_t c = (uint64_t)ev.correct;
-        if ((st = lk_comm_allreduce_u64(world, &c, 1, LK_REDUCE_SUM))) goto done;
-        r.accuracy = (double)c / cfg->eval_examples;
-    }
-
-    /* rank 0 writes; everyone learns whether it worked */
-    st = LK_OK;
-    if (rank == 0) {
-        st = mkdir_p(cfg->output);
-        if (!st && ml) {
-            st = lk_lora_save_peft(lk_model_lora_get(ml), cfg->output);
-            snprintf(r.saved, sizeof r.saved, "%s", cfg->output);
-        } else if (!st) {
-            int w = snprintf(r.saved, sizeof r.saved, "%s/model.safetensors", cfg->output);
-            st = w >= (int)sizeof r.saved ? lk_error(LK_ERR_IO, "%s: path too long", cfg->output)
-                                          : lk_model_save(m, r.saved);
-        }
-        /* the optimizer state, for resuming: OUTPUT/optimizer.safetensors */
-        if (!st) st = lk_adamw_save(opt, p, cfg->output);
-    }
-    st = agree(world, st, "saving on rank 0");
-
-done:
     if (st == LK_ERR_TIMEOUT) {
-        if (at > 0) lk_error_prefix(st, "train step %ld", at);
-        else lk_error_prefix(st, "train (%s)", at ? "after the steps" : "setting up");
+        if (t.at > 0) lk_error_prefix(st, "train step %ld", t.at);
+        else lk_error_prefix(st, "train (%s)", t.at ? "after the steps" : "setting up");
     }
     lk_comm_set_timeout(world, timeout_was);
     if (res) *res = r;
-    lk_free(in);
-    lk_free(tg);
-    lk_adamw_free(opt);
-    lk_mesh_free(mesh);
-    lk_lora_params_free(own);
-    lk_model_lora_detach(m, ml);
-    lk_model_free(m);
+    lk_free(t.in);
+    lk_free(t.tg);
+    lk_adamw_free(t.opt);
+    lk_mesh_free(t.mesh);
+    lk_lora_params_free(t.own);
+    lk_model_lora_detach(t.m, t.ml);
+    lk_model_free(t.m);
     return st;
 }
