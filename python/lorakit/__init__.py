@@ -187,7 +187,8 @@ def _strength(i, typed):
     """A strength as the double it names: a number (not a bool: True is not
     1.0 here), or text read by the CLI's and the plan's parser (so "0.7",
     "0x1p-3" and "1e-400" mean what -l PATH:STRENGTH makes of them)."""
-    if isinstance(typed, bool) or type(typed).__name__ == "bool_":  # Python's and numpy's bools
+    # Python's and numpy's bools (numpy 1.x names its type bool_, numpy 2.x bool)
+    if isinstance(typed, bool) or (type(typed).__module__ == "numpy" and type(typed).__name__ in ("bool_", "bool")):
         raise TypeError(f"loras[{i}]: strength must be a number, got {typed!r} (a bool)")
     if isinstance(typed, bytes):
         typed = typed.decode("utf-8", "replace")
