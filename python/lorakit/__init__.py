@@ -456,7 +456,8 @@ class Tracker:
     every rank instead of writing memory the model no longer uses.
 
     timeout: seconds each collective of the tracker's calls may wait for the
-    other ranks (default 300; 0 = none). On expiry every waiting rank raises
+    other ranks (0 = none; the default, shown in the signature, is the
+    library's timeout_s setting in lorakit/knobs.h). On expiry every waiting rank raises
     LoraError (status LK_ERR_TIMEOUT) naming the collective, the phase and
     the ranks it waited for. A collective cannot be cancelled: the tracker
     and its communicator are unusable after that and the job should end
