@@ -172,13 +172,17 @@ typedef struct fctx {
     size_t *order; /* canonical summation order of the inputs */
     lk_adapter **ord_ad; /* the adapters and strengths in that order */
     double *ord_s;
-    lk_st_writer **w; /* one per output file */
-    size_t n_w;
-    lk_out_dir *od;   /* sharded output: the temporary folder */
     long *scale_of;   /* fused FP8 weight: index of its scale tensor, else -1 */
     unsigned char *is_scale; /* 1: the scale of a fused FP8 weight (written with it) */
+    size_t *backup;   /* lk_fuse_tensors: the tensors backed up in buf, in order */
+    void *arrays;     /* the one allocation ad .. backup are carved from (alloc_arrays) */
+    lk_st_writer **w; /* one per output file */
+    size_t n_w;
+    int one_file;     /* one output file (else one per shard, in od) */
+    lk_out_dir *od;   /* sharded output: the temporary folder */
     void *sbuf;       /* one scale tensor's bytes */
-    void *buf;
+    void *buf;        /* the tensor buffer (lk_fuse_tensors: the backup) */
+    size_t buf_bytes;
     char *record;
 } fctx;
 
@@ -186,18 +190,53 @@ static void fctx_free(fctx *c) {
     for (size_t j = 0; j < c->n_w; j++) lk_st_writer_free(c->w[j]);
     lk_free(c->w);
     lk_out_dir_abort(c->od);
-    lk_free(c->scale_of);
-    lk_free(c->is_scale);
     lk_free(c->sbuf);
     for (size_t i = 0; i < c->n_ad; i++) lk_adapter_free(c->ad[i]);
-    lk_free(c->ad);
-    lk_free(c->terms);
-    lk_free(c->order);
-    lk_free(c->ord_ad);
-    lk_free(c->ord_s);
+    lk_free(c->arrays);
     lk_free(c->buf);
     lk_free(c->record);
     lk_ckpt_close(c->ck);
+}
+
+/* Reserves n elements of size sz, aligned to al (a power of two), at the
+ * end of a layout of *size bytes: their offset into *at. 0 on overflow. */
+static int carve(size_t *size, size_t n, size_t sz, size_t al, size_t *at) {
+    size_t bytes;
+    if (!lk_checked_add(*size, al - 1, at) || !lk_checked_mul(n, sz, &bytes)) return 0;
+    *at &= ~(al - 1);
+    return lk_checked_add(*at, bytes, size);
+}
+
+/* The request's arrays from one zeroed allocation (c->arrays, freed by
+ * fctx_free), as llm.c carves its buffers: per adapter ad, order, ord_ad,
+ * ord_s and LK_ADAPTER_MAX_SLICES terms (one term, or one per row slice);
+ * per model tensor scale_of (all -1) and is_scale, and for an in-memory
+ * fuse (no checkpoint) backup. */
+static lk_status alloc_arrays(fctx *c, const char *label, size_t n, size_t nt) {
+    const size_t na = n ? n : 1, nm = nt ? nt : 1;
+    size_t size = 0, o_ad, o_order, o_ord_ad, o_ord_s, o_terms, o_scale_of, o_is_scale, o_backup, n_terms;
+    int ok = lk_checked_mul(na, LK_ADAPTER_MAX_SLICES, &n_terms) &&
+             carve(&size, na, sizeof *c->ad, _Alignof(lk_adapter *), &o_ad) &&
+             carve(&size, na, sizeof *c->order, _Alignof(size_t), &o_order) &&
+             carve(&size, na, sizeof *c->ord_ad, _Alignof(lk_adapter *), &o_ord_ad) &&
+             carve(&size, na, sizeof *c->ord_s, _Alignof(double), &o_ord_s) &&
+             carve(&size, n_terms, sizeof *c->terms, _Alignof(lk_fuse_term), &o_terms) &&
+             carve(&size, nm, sizeof *c->scale_of, _Alignof(long), &o_scale_of) &&
+             carve(&size, nm, sizeof *c->is_scale, 1, &o_is_scale) &&
+             carve(&size, c->ck ? 0 : nm, sizeof *c->backup, _Alignof(size_t), &o_backup);
+    unsigned char *m = ok ? lk_calloc(1, size) : NULL;
+    if (!m) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    c->arrays = m;
+    c->ad = (lk_adapter **)(void *)(m + o_ad);
+    c->order = (size_t *)(void *)(m + o_order);
+    c->ord_ad = (lk_adapter **)(void *)(m + o_ord_ad);
+    c->ord_s = (double *)(void *)(m + o_ord_s);
+    c->terms = (lk_fuse_term *)(void *)(m + o_terms);
+    c->scale_of = (long *)(void *)(m + o_scale_of);
+    c->is_scale = m + o_is_scale;
+    c->backup = c->ck ? NULL : (size_t *)(void *)(m + o_backup);
+    for (size_t i = 0; i < nt; i++) c->scale_of[i] = -1;
+    return LK_OK;
 }
 
 /* The record already in the base: a single file's metadata, or the index
@@ -267,11 +306,7 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
         if (!isfinite(inputs[i].strength))
             return lk_error(LK_ERR_ARG, "%s: strength %g is not finite", inputs[i].path, inputs[i].strength);
     }
-    c->ad = lk_calloc(n ? n : 1, sizeof *c->ad);
-    c->order = lk_malloc((n ? n : 1) * sizeof *c->order);
-    c->terms = lk_calloc((n ? n : 1) * LK_ADAPTER_MAX_SLICES, sizeof *c->terms); /* per adapter: one term, or
-                                                                                     one per row slice */
-    if (!c->ad || !c->order || !c->terms) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    if ((s = alloc_arrays(c, label, n, nt))) return s;
     lk_fuse_canonical_order(inputs, n, c->order);
     /* Open and validate every adapter before anything is written. */
     for (size_t i = 0; i < n; i++) {
@@ -291,9 +326,6 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
         }
         st->modules_unmatched += un;
     }
-    c->ord_ad = lk_malloc((n ? n : 1) * sizeof *c->ord_ad);
-    c->ord_s = lk_malloc((n ? n : 1) * sizeof *c->ord_s);
-    if (!c->ord_ad || !c->ord_s) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
     size_t live = 0;
     for (size_t j = 0; j < n; j++) {
         c->ord_ad[j] = c->ad[c->order[j]];
@@ -357,176 +389,212 @@ lk_status lk_fuse_input_open(const lk_fuse_input *in, const lk_adapter_source *s
     return lk_adapter_open_mem(&labelled, opts, out);
 }
 
+/* Every model tensor's plan, before anything is written: an FP8 weight's
+ * layout checked and its scale marked (fp8_prepare); sizes c->buf_bytes (the
+ * largest fused tensor, and at least the largest copy chunk), *sbuf_bytes
+ * (the largest scale of a fused FP8 weight) and *total (all the bytes, for
+ * the progress). Allocates nothing. */
+static lk_status plan_tensors(fctx *c, const char *base, size_t nt, size_t *sbuf_bytes, uint64_t *total) {
+    size_t copy_bytes = 0;
+    for (size_t i = 0; i < nt; i++) {
+        size_t nb = c->model[i].nbytes;
+        *total += nb;
+        lk_fuse_key plan;
+        lk_status s = gather(c, &c->model[i], &plan);
+        if (s) return s;
+        if (!lk_fuse_key_touches(&plan)) {
+            if (nb > copy_bytes) copy_bytes = nb;
+            continue;
+        }
+        if (nb > c->buf_bytes) c->buf_bytes = nb;
+        if (!lk_dtype_is_fp8(c->model[i].dtype)) continue;
+        if ((s = fp8_prepare(c, base, c->model, nt, i, &plan))) return s;
+        if (c->scale_of[i] >= 0 && c->model[c->scale_of[i]].nbytes > *sbuf_bytes)
+            *sbuf_bytes = c->model[c->scale_of[i]].nbytes;
+    }
+    if (copy_bytes > COPY_CHUNK) copy_bytes = COPY_CHUNK;
+    if (copy_bytes > c->buf_bytes) c->buf_bytes = copy_bytes;
+    return LK_OK;
+}
+
+/* The scale buffer c->sbuf (sbuf_bytes; freed by fctx_free), then every
+ * fused FP8 weight's scale values read into it and checked, before
+ * anything is written. */
+static lk_status check_fp8_scales(fctx *c, const char *base, size_t nt, size_t sbuf_bytes) {
+    if (sbuf_bytes && !(c->sbuf = lk_malloc(sbuf_bytes))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+    for (size_t i = 0; i < nt; i++) {
+        long si = c->scale_of[i];
+        if (si < 0) continue;
+        const lk_tensor *sc = &c->model[si];
+        lk_status s = lk_ckpt_read(c->ck, (size_t)si, 0, c->sbuf, sc->nbytes);
+        if (!s) s = lk_fp8_scale_values_check(sc->name, c->sbuf, sc->dtype, (int64_t)lk_tensor_numel(sc));
+        if (s) return lk_error_prefix(s, "%s", base);
+    }
+    return LK_OK;
+}
+
+/* c->record: the base's lorakit.fused record followed by this request, each
+ * input recorded with the format its adapter was read as. */
+static lk_status make_record(fctx *c, const char *base, const lk_fuse_input *inputs, size_t n,
+                             lk_alpha_from alpha_from) {
+    lk_fuse_input *rec = lk_malloc((n ? n : 1) * sizeof *rec);
+    if (!rec) return lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+    for (size_t i = 0; i < n; i++) {
+        rec[i] = inputs[i];
+        rec[i].format = lk_adapter_get_format(c->ad[i]);
+    }
+    json_t *hold;
+    const char *old = base_record(c->ck, &hold);
+    lk_status s = fused_record(lk_ckpt_path(c->ck), old, rec, n, alpha_from, &c->record);
+    json_decref(hold);
+    lk_free(rec);
+    return s;
+}
+
+/* The writer of model tensor i, and i's index in it (*wi): tensors are
+ * declared in checkpoint order, so that is its index in the checkpoint
+ * (one file) or in its shard. */
+static lk_st_writer *writer_of(const fctx *c, size_t i, size_t *wi) {
+    *wi = c->one_file ? i : lk_ckpt_tensor_local(c->ck, i);
+    return c->w[c->one_file ? 0 : lk_ckpt_tensor_shard(c->ck, i)];
+}
+
+/* The output's writers (c->w; fctx_free frees them, and their temporary
+ * files with them): one output file, or, for a sharded base fused to a
+ * folder, one per shard in a temporary folder (c->od). OUT is checked
+ * against every input first (check_out); then each writer gets its
+ * metadata and its tensors declared, and begins. */
+static lk_status open_writers(fctx *c, const char *base, const char *out, size_t nt) {
+    c->one_file = !lk_ckpt_sharded(c->ck) || lk_out_is_file(out);
+    size_t n_w = c->one_file ? 1 : lk_ckpt_shard_count(c->ck);
+    if (!(c->w = lk_calloc(n_w, sizeof *c->w))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
+    c->n_w = n_w;
+    /* OUT (each of its files) is none of the inputs, by any path, and no
+     * device, FIFO or folder is replaced (io/out_file.h) */
+    lk_status s = check_out(c, out, c->one_file);
+    for (size_t j = 0; !s && j < c->n_w; j++) {
+        char *wp = c->one_file ? NULL : lk_out_dir_file(c->od, lk_ckpt_shard_name(c->ck, j));
+        if (!c->one_file && !wp) return lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
+        s = lk_st_writer_create(c->one_file ? out : wp, &c->w[j]);
+        lk_free(wp);
+        if (!s) s = writer_metadata(c, j, c->one_file);
+    }
+    for (size_t i = 0; !s && i < nt; i++) {
+        size_t wi;
+        lk_st_writer *w = writer_of(c, i, &wi);
+        s = lk_st_writer_declare(w, c->model[i].name, c->model[i].dtype, c->model[i].ndim,
+                                 c->model[i].shape, NULL);
+    }
+    for (size_t j = 0; !s && j < c->n_w; j++) s = lk_st_writer_begin(c->w[j]);
+    return s;
+}
+
+/* lk_fuse_fp8 on FP8 weight t, its bytes at w, with its scale sc's bytes at
+ * sd (sc NULL: no scale). */
+static lk_status fuse_fp8_weight(const fctx *c, const lk_tensor *t, void *w, const lk_tensor *sc, void *sd,
+                                 const lk_fuse_key *plan, const lk_fuse_opts *fo) {
+    return lk_fuse_fp8(w, t->dtype, t->shape[0], (int64_t)(lk_tensor_numel(t) / (size_t)t->shape[0]),
+                       sc ? sd : NULL, sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0,
+                       c->terms, plan->n_terms, fo, t->name);
+}
+
+/* Fused tensor i: read whole into c->buf (an FP8 weight's scale into
+ * c->sbuf), fused there in place, written (the scale too, possibly
+ * rescaled). */
+static lk_status write_fused(fctx *c, size_t i, const lk_fuse_key *plan, const char *base, const lk_fuse_opts *fo) {
+    const lk_tensor *t = &c->model[i];
+    const long si = c->scale_of[i];
+    const lk_tensor *sc = si >= 0 ? &c->model[si] : NULL;
+    lk_status s = lk_ckpt_read(c->ck, i, 0, c->buf, t->nbytes);
+    if (!s && sc) s = lk_ckpt_read(c->ck, (size_t)si, 0, c->sbuf, sc->nbytes);
+    if (s) return s;
+    if (lk_dtype_is_fp8(t->dtype)) s = fuse_fp8_weight(c, t, c->buf, sc, c->sbuf, plan, fo);
+    else s = lk_fuse_key_apply(c->buf, c->buf, t, plan, c->terms, fo);
+    if (s) return lk_error_prefix(s, "%s", base);
+    size_t wi, swi;
+    lk_st_writer *w = writer_of(c, i, &wi);
+    if ((s = lk_st_writer_write(w, wi, 0, c->buf, t->nbytes)) || !sc) return s;
+    lk_st_writer *sw = writer_of(c, (size_t)si, &swi);
+    return lk_st_writer_write(sw, swi, 0, c->sbuf, sc->nbytes);
+}
+
+/* Untouched tensor i, copied byte for byte through c->buf in chunks. */
+static lk_status copy_tensor(fctx *c, size_t i) {
+    const lk_tensor *t = &c->model[i];
+    size_t wi;
+    lk_st_writer *w = writer_of(c, i, &wi);
+    lk_status s = LK_OK;
+    for (size_t off = 0; !s && off < t->nbytes;) {
+        size_t len = t->nbytes - off < c->buf_bytes ? t->nbytes - off : c->buf_bytes;
+        if (!(s = lk_ckpt_read(c->ck, i, off, c->buf, len))) s = lk_st_writer_write(w, wi, off, c->buf, len);
+        off += len;
+    }
+    return s;
+}
+
+/* Model tensor i into its writer: fused (write_fused) or copied; the scale
+ * of a fused FP8 weight is skipped here (written with its weight). */
+static lk_status write_tensor(fctx *c, size_t i, const char *base, const lk_fuse_opts *fo, lk_fuse_stats *st) {
+    if (c->is_scale[i]) return LK_OK;
+    lk_fuse_key plan;
+    lk_status s = gather(c, &c->model[i], &plan);
+    if (s) return s;
+    if (!lk_fuse_key_touches(&plan)) return copy_tensor(c, i);
+    if (!(s = write_fused(c, i, &plan, base, fo))) st->tensors_fused++;
+    return s;
+}
+
+/* Commits every writer (each renames its file into place), then for a
+ * sharded output writes the index and the small files and renames the
+ * folder onto OUT (c->od is NULL after; on a failure fctx_free removes it). */
+static lk_status publish(fctx *c) {
+    lk_status s = LK_OK;
+    for (size_t j = 0; !s && j < c->n_w; j++) s = lk_st_writer_commit(c->w[j]);
+    if (s || !c->od) return s;
+    if ((s = lk_out_dir_index(c->od, c->ck, FUSED_KEY, c->record)) || (s = lk_out_dir_copy_small(c->od, c->ck)) ||
+        (s = lk_out_dir_commit(c->od)))
+        return s;
+    c->od = NULL;
+    return LK_OK;
+}
+
+/* Plan (every adapter resolved, every key's plan and FP8 scale checked),
+ * record, open the writers, write every tensor in the base's order, publish:
+ * nothing is written before the plan holds, and a failure at any step
+ * leaves no output (fctx_free). */
 lk_status lk_fuse_checkpoint(const char *base, const lk_fuse_input *inputs, const lk_adapter_source *const *sources,
                              size_t n, const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
     static const lk_fuse_file_opts defaults;
     if (!opts) opts = &defaults;
     if (!base || !out || (n && !inputs)) return lk_error(LK_ERR_ARG, "lk_fuse_file: NULL argument");
     double t0 = lk_now_s();
-    lk_status s;
     fctx c;
     memset(&c, 0, sizeof c);
     lk_fuse_stats st = {0};
-    if ((s = lk_ckpt_open(base, &c.ck))) goto fail;
-    size_t nt = lk_ckpt_count(c.ck);
-    st.tensors_total = nt;
-    c.model = lk_ckpt_tensor(c.ck, 0); /* the tensors are one array (a copy was 96 bytes a tensor more) */
-    if ((s = prepare(&c, base, c.model, nt, inputs, sources, n, opts, &st))) goto fail;
-    size_t buf_bytes = 0, copy_bytes = 0, sbuf_bytes = 0;
-    uint64_t total_bytes = 0;
-    c.scale_of = lk_malloc((nt ? nt : 1) * sizeof *c.scale_of);
-    c.is_scale = lk_calloc(nt ? nt : 1, 1);
-    if (!c.scale_of || !c.is_scale) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
-        goto fail;
+    size_t nt = 0, sbuf_bytes = 0;
+    uint64_t total_bytes = 0, done = 0;
+    lk_status s = lk_ckpt_open(base, &c.ck);
+    if (!s) {
+        st.tensors_total = nt = lk_ckpt_count(c.ck);
+        c.model = lk_ckpt_tensor(c.ck, 0); /* the tensors are one array (a copy was 96 bytes a tensor more) */
+        s = prepare(&c, base, c.model, nt, inputs, sources, n, opts, &st);
     }
-    for (size_t i = 0; i < nt; i++) {
-        size_t nb = c.model[i].nbytes;
-        total_bytes += nb;
-        lk_fuse_key plan;
-        c.scale_of[i] = -1;
-        if ((s = gather(&c, &c.model[i], &plan))) goto fail;
-        if (lk_fuse_key_touches(&plan)) {
-            if (nb > buf_bytes) buf_bytes = nb;
-            /* an FP8 weight's layout is checked before anything is written */
-            if (lk_dtype_is_fp8(c.model[i].dtype)) {
-                if ((s = fp8_prepare(&c, base, c.model, nt, i, &plan))) goto fail;
-                if (c.scale_of[i] >= 0 && c.model[c.scale_of[i]].nbytes > sbuf_bytes)
-                    sbuf_bytes = c.model[c.scale_of[i]].nbytes;
-            }
-        } else if (nb > copy_bytes) {
-            copy_bytes = nb;
-        }
-    }
-    if (sbuf_bytes && !(c.sbuf = lk_malloc(sbuf_bytes))) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
-        goto fail;
-    }
-    for (size_t i = 0; i < nt; i++) { /* every fused FP8 weight's scale values, before anything is written */
-        long si = c.scale_of[i];
-        if (si < 0) continue;
-        const lk_tensor *sc = &c.model[si];
-        if ((s = lk_ckpt_read(c.ck, (size_t)si, 0, c.sbuf, sc->nbytes)) ||
-            (s = lk_fp8_scale_values_check(sc->name, c.sbuf, sc->dtype, (int64_t)lk_tensor_numel(sc)))) {
-            lk_error_prefix(s, "%s", base);
-            goto fail;
-        }
-    }
-    if (copy_bytes > COPY_CHUNK) copy_bytes = COPY_CHUNK;
-    if (copy_bytes > buf_bytes) buf_bytes = copy_bytes;
-    if (buf_bytes && !(c.buf = lk_malloc(buf_bytes))) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a %zu-byte tensor buffer", base, buf_bytes);
-        goto fail;
-    }
-    /* The recorded inputs carry the format each adapter was read as. */
-    lk_fuse_input *rec = lk_malloc((n ? n : 1) * sizeof *rec);
-    if (!rec) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
-        goto fail;
-    }
-    for (size_t i = 0; i < n; i++) {
-        rec[i] = inputs[i];
-        rec[i].format = lk_adapter_get_format(c.ad[i]);
-    }
-    json_t *hold;
-    const char *old = base_record(c.ck, &hold);
-    s = fused_record(lk_ckpt_path(c.ck), old, rec, n, opts->alpha_from, &c.record);
-    json_decref(hold);
-    lk_free(rec);
-    if (s) goto fail;
-
-    /* One output file, or (a sharded base fused to a folder) one per shard. */
-    int one_file = !lk_ckpt_sharded(c.ck) || lk_out_is_file(out);
-    c.n_w = one_file ? 1 : lk_ckpt_shard_count(c.ck);
-    if (!(c.w = lk_calloc(c.n_w, sizeof *c.w))) {
-        c.n_w = 0;
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
-        goto fail;
-    }
-    /* OUT (each of its files) is none of the inputs, by any path, and no
-     * device, FIFO or folder is replaced (io/out_file.h) */
-    if ((s = check_out(&c, out, one_file))) goto fail;
-    for (size_t j = 0; j < c.n_w; j++) {
-        char *wp = one_file ? NULL : lk_out_dir_file(c.od, lk_ckpt_shard_name(c.ck, j));
-        if (!one_file && !wp) {
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
-            goto fail;
-        }
-        s = lk_st_writer_create(one_file ? out : wp, &c.w[j]);
-        lk_free(wp);
-        if (s || (s = writer_metadata(&c, j, one_file))) goto fail;
-    }
-    /* Declared in checkpoint order, so a tensor's index in its writer is its
-     * index in the checkpoint (one file) or in its shard. */
-    for (size_t i = 0; i < nt; i++)
-        if ((s = lk_st_writer_declare(c.w[one_file ? 0 : lk_ckpt_tensor_shard(c.ck, i)], c.model[i].name,
-                                      c.model[i].dtype, c.model[i].ndim, c.model[i].shape, NULL)))
-            goto fail;
-    for (size_t j = 0; j < c.n_w; j++)
-        if ((s = lk_st_writer_begin(c.w[j]))) goto fail;
-
-    uint64_t done = 0;
-    for (size_t i = 0; i < nt; i++) {
-        const lk_tensor *t = &c.model[i];
-        lk_st_writer *w = c.w[one_file ? 0 : lk_ckpt_tensor_shard(c.ck, i)];
-        size_t wi = one_file ? i : lk_ckpt_tensor_local(c.ck, i);
-        lk_fuse_key plan;
-        if (c.is_scale[i]) {
-            plan = (lk_fuse_key){0}; /* written with its FP8 weight (possibly rescaled) */
-        } else if ((s = gather(&c, t, &plan))) {
-            goto fail;
-        }
-        if (c.is_scale[i]) {
-        } else if (lk_fuse_key_touches(&plan) && lk_dtype_is_fp8(t->dtype)) {
-            long si = c.scale_of[i];
-            const lk_tensor *sc = si >= 0 ? &c.model[si] : NULL;
-            if ((s = lk_ckpt_read(c.ck, i, 0, c.buf, t->nbytes))) goto fail;
-            if (sc && (s = lk_ckpt_read(c.ck, (size_t)si, 0, c.sbuf, sc->nbytes))) goto fail;
-            s = lk_fuse_fp8(c.buf, t->dtype, t->shape[0], (int64_t)(lk_tensor_numel(t) / (size_t)t->shape[0]), sc ? c.sbuf : NULL, sc ? sc->dtype : LK_DTYPE_F32,
-                            sc ? (int64_t)lk_tensor_numel(sc) : 0, c.terms, plan.n_terms, &opts->fuse, t->name);
-            if (s) {
-                lk_error_prefix(s, "%s", base);
-                goto fail;
-            }
-            if ((s = lk_st_writer_write(w, wi, 0, c.buf, t->nbytes))) goto fail;
-            if (sc && (s = lk_st_writer_write(c.w[one_file ? 0 : lk_ckpt_tensor_shard(c.ck, (size_t)si)],
-                                              one_file ? (size_t)si : lk_ckpt_tensor_local(c.ck, (size_t)si), 0,
-                                              c.sbuf, sc->nbytes)))
-                goto fail;
-            st.tensors_fused++;
-        } else if (lk_fuse_key_touches(&plan)) {
-            if ((s = lk_ckpt_read(c.ck, i, 0, c.buf, t->nbytes))) goto fail;
-            s = lk_fuse_key_apply(c.buf, c.buf, t, &plan, c.terms, &opts->fuse);
-            if (s) {
-                lk_error_prefix(s, "%s", base);
-                goto fail;
-            }
-            if ((s = lk_st_writer_write(w, wi, 0, c.buf, t->nbytes))) goto fail;
-            st.tensors_fused++;
-        } else {
-            for (size_t off = 0; off < t->nbytes;) {
-                size_t len = t->nbytes - off < buf_bytes ? t->nbytes - off : buf_bytes;
-                if ((s = lk_ckpt_read(c.ck, i, off, c.buf, len)) || (s = lk_st_writer_write(w, wi, off, c.buf, len)))
-                    goto fail;
-                off += len;
-            }
-        }
-        done += t->nbytes;
+    if (!s) s = plan_tensors(&c, base, nt, &sbuf_bytes, &total_bytes);
+    if (!s) s = check_fp8_scales(&c, base, nt, sbuf_bytes);
+    if (!s && c.buf_bytes && !(c.buf = lk_malloc(c.buf_bytes)))
+        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a %zu-byte tensor buffer", base, c.buf_bytes);
+    if (!s) s = make_record(&c, base, inputs, n, opts->alpha_from);
+    if (!s) s = open_writers(&c, base, out, nt);
+    for (size_t i = 0; !s && i < nt; i++) {
+        if ((s = write_tensor(&c, i, base, &opts->fuse, &st))) break;
+        done += c.model[i].nbytes;
         if (opts->on_progress) opts->on_progress(opts->progress_ctx, done, total_bytes, i + 1, nt);
     }
-    for (size_t j = 0; j < c.n_w; j++)
-        if ((s = lk_st_writer_commit(c.w[j]))) goto fail;
-    if (c.od) {
-        if ((s = lk_out_dir_index(c.od, c.ck, FUSED_KEY, c.record)) || (s = lk_out_dir_copy_small(c.od, c.ck)) ||
-            (s = lk_out_dir_commit(c.od)))
-            goto fail;
-        c.od = NULL;
+    if (!s) s = publish(&c);
+    if (!s && stats) {
+        st.seconds = lk_now_s() - t0;
+        *stats = st;
     }
-    st.seconds = lk_now_s() - t0;
-    if (stats) *stats = st;
-    fctx_free(&c);
-    return LK_OK;
-fail:
     fctx_free(&c);
     return s;
 }
@@ -536,6 +604,70 @@ lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *in
     return lk_fuse_tensors_src(tensors, nt, inputs, NULL, n, opts, stats);
 }
 
+/* Every tensor of an in-memory fuse checked (its data there, its plan, an
+ * FP8 weight's layout and scale values), then the backup of every touched
+ * tensor and FP8 scale taken as one allocation (c->buf) before the first
+ * write, so running out of memory changes nothing. */
+static lk_status plan_backup(fctx *c, const char *label, const lk_tensor *tensors, size_t nt) {
+    size_t backup_bytes = 0;
+    for (size_t i = 0; i < nt; i++) {
+        if (!tensors[i].data && tensors[i].nbytes)
+            return lk_error(LK_ERR_ARG, "%s: %s has no data", label, tensors[i].name);
+        lk_fuse_key plan;
+        lk_status s = gather(c, &tensors[i], &plan);
+        if (s) return s;
+        if (!lk_fuse_key_touches(&plan)) continue;
+        backup_bytes += tensors[i].nbytes;
+        if (!lk_dtype_is_fp8(tensors[i].dtype)) continue;
+        if ((s = fp8_prepare(c, label, tensors, nt, i, &plan))) return s;
+        if (c->scale_of[i] >= 0) backup_bytes += tensors[c->scale_of[i]].nbytes;
+    }
+    if (backup_bytes && !(c->buf = lk_malloc(backup_bytes)))
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for a %zu-byte backup of the fused tensors", label,
+                        backup_bytes);
+    return LK_OK;
+}
+
+/* Tensor i's bytes appended to the backup at *off, its index to c->backup. */
+static void back_up(fctx *c, const lk_tensor *tensors, size_t i, size_t *off, size_t *n_bk) {
+    memcpy((char *)c->buf + *off, tensors[i].data, tensors[i].nbytes);
+    *off += tensors[i].nbytes;
+    c->backup[(*n_bk)++] = i;
+}
+
+/* Every touched tensor fused in place, backed up first (with an FP8
+ * weight's scale); a failure part-way (LK_ERR_NONFINITE from a kernel)
+ * gives every tensor backed up so far its bytes back. */
+static lk_status fuse_in_place(fctx *c, lk_tensor *tensors, size_t nt, const lk_fuse_opts *fo, lk_fuse_stats *st) {
+    size_t off = 0, n_bk = 0;
+    lk_status s = LK_OK;
+    for (size_t i = 0; i < nt && !s; i++) {
+        lk_tensor *t = &tensors[i];
+        lk_fuse_key plan;
+        if (c->is_scale[i]) continue; /* with its weight */
+        if ((s = gather(c, t, &plan))) break;
+        if (!lk_fuse_key_touches(&plan)) continue;
+        long si = c->scale_of[i];
+        lk_tensor *sc = si >= 0 ? &tensors[si] : NULL;
+        back_up(c, tensors, i, &off, &n_bk);
+        if (sc) back_up(c, tensors, (size_t)si, &off, &n_bk);
+        if (lk_dtype_is_fp8(t->dtype)) s = fuse_fp8_weight(c, t, t->data, sc, sc ? sc->data : NULL, &plan, fo);
+        else s = lk_fuse_key_apply(t->data, t->data, t, &plan, c->terms, fo);
+        if (!s) st->tensors_fused++;
+    }
+    if (s) { /* every tensor backed up so far back to its bytes */
+        size_t back = 0;
+        for (size_t j = 0; j < n_bk; j++) {
+            memcpy(tensors[c->backup[j]].data, (char *)c->buf + back, tensors[c->backup[j]].nbytes);
+            back += tensors[c->backup[j]].nbytes;
+        }
+    }
+    return s;
+}
+
+/* Plan (prepare, plan_backup), then fuse in place (fuse_in_place): as
+ * lk_fuse_checkpoint refuses and sums, with the tensors as they were on
+ * any failure. */
 lk_status lk_fuse_tensors_src(lk_tensor *tensors, size_t nt, const lk_fuse_input *inputs,
                               const lk_adapter_source *const *sources, size_t n, const lk_fuse_file_opts *opts,
                               lk_fuse_stats *stats) {
@@ -548,83 +680,16 @@ lk_status lk_fuse_tensors_src(lk_tensor *tensors, size_t nt, const lk_fuse_input
     memset(&c, 0, sizeof c);
     lk_fuse_stats st = {0};
     st.tensors_total = nt;
-    size_t *bk = NULL, n_bk = 0; /* tensors backed up, in order */
     lk_status s = prepare(&c, label, tensors, nt, inputs, sources, n, opts, &st);
-    if (s) goto fail;
-    c.scale_of = lk_malloc((nt ? nt : 1) * sizeof *c.scale_of);
-    c.is_scale = lk_calloc(nt ? nt : 1, 1);
-    bk = lk_malloc((nt ? nt : 1) * sizeof *bk);
-    if (!c.scale_of || !c.is_scale || !bk) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
-        goto fail;
-    }
-    /* The backup of every touched tensor (and an FP8 weight's scale) is
-     * taken in one allocation before the first write, so running out of
-     * memory changes nothing, and a kernel failure (LK_ERR_NONFINITE)
-     * part-way restores every tensor. */
-    size_t backup_bytes = 0;
-    for (size_t i = 0; i < nt; i++) {
-        c.scale_of[i] = -1;
-        if (!tensors[i].data && tensors[i].nbytes) {
-            s = lk_error(LK_ERR_ARG, "%s: %s has no data", label, tensors[i].name);
-            goto fail;
-        }
-        lk_fuse_key plan;
-        if ((s = gather(&c, &tensors[i], &plan))) goto fail;
-        if (!lk_fuse_key_touches(&plan)) continue;
-        backup_bytes += tensors[i].nbytes;
-        if (lk_dtype_is_fp8(tensors[i].dtype)) {
-            if ((s = fp8_prepare(&c, label, tensors, nt, i, &plan))) goto fail;
-            if (c.scale_of[i] >= 0) backup_bytes += tensors[c.scale_of[i]].nbytes;
-        }
-    }
-    if (backup_bytes && !(c.buf = lk_malloc(backup_bytes))) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a %zu-byte backup of the fused tensors", label,
-                     backup_bytes);
-        goto fail;
-    }
-    size_t off = 0;
-    for (size_t i = 0; i < nt && !s; i++) {
-        lk_tensor *t = &tensors[i];
-        lk_fuse_key plan;
-        if (c.is_scale[i]) continue; /* with its weight */
-        if ((s = gather(&c, t, &plan))) break;
-        if (!lk_fuse_key_touches(&plan)) continue;
-        long si = c.scale_of[i];
-        lk_tensor *sc = si >= 0 ? &tensors[si] : NULL;
-        memcpy((char *)c.buf + off, t->data, t->nbytes);
-        off += t->nbytes;
-        bk[n_bk++] = i;
-        if (sc) {
-            memcpy((char *)c.buf + off, sc->data, sc->nbytes);
-            off += sc->nbytes;
-            bk[n_bk++] = (size_t)si;
-        }
-        if (lk_dtype_is_fp8(t->dtype))
-            s = lk_fuse_fp8(t->data, t->dtype, t->shape[0], (int64_t)(lk_tensor_numel(t) / (size_t)t->shape[0]), sc ? sc->data : NULL,
-                            sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, c.terms,
-                            plan.n_terms, &opts->fuse, t->name);
-        else
-            s = lk_fuse_key_apply(t->data, t->data, t, &plan, c.terms, &opts->fuse);
-        if (!s) st.tensors_fused++;
-    }
-    if (s) { /* every tensor backed up so far back to its bytes */
-        size_t back = 0;
-        for (size_t j = 0; j < n_bk; j++) {
-            memcpy(tensors[bk[j]].data, (char *)c.buf + back, tensors[bk[j]].nbytes);
-            back += tensors[bk[j]].nbytes;
-        }
-    }
-fail:
+    if (!s) s = plan_backup(&c, label, tensors, nt);
+    if (!s) s = fuse_in_place(&c, tensors, nt, &opts->fuse, &st);
     if (!s && stats) {
         st.seconds = lk_now_s() - t0;
         *stats = st;
     }
-    lk_free(bk);
     fctx_free(&c);
     return s;
 }
-
 char *lk_fuse_summary_json(const char *base, const char *out, const lk_fuse_input *inputs, size_t n,
                            const lk_fuse_stats *st) {
     json_t *ads = json_array();
