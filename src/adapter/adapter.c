@@ -291,10 +291,12 @@ void lk_adapter_free(lk_adapter *a) {
 
 /* ---- opening ---- */
 
+/* One LoRA key of the file: its tensor, module part, role and family. */
 typedef struct keyinfo {
     const lk_tensor *t;
     size_t stem_len;
     enum role role;
+    enum family fam;
 } keyinfo;
 
 static int key_cmp(const void *pa, const void *pb) {
@@ -483,16 +485,15 @@ static lk_status other_key(const lk_adapter *a, const char *k, char **name, cons
 }
 
 /* The format from the families present (every key here has a family). */
-static lk_status detect(lk_adapter *a, const keyinfo *ki, const enum family *fam, size_t n,
-                        lk_adapter_format forced) {
+static lk_status detect(lk_adapter *a, const keyinfo *ki, size_t n, lk_adapter_format forced) {
     const char *f = a->file;
     size_t first[6] = {SIZE_MAX, SIZE_MAX, SIZE_MAX, SIZE_MAX, SIZE_MAX, SIZE_MAX};
     for (size_t i = 0; i < n; i++)
-        if (first[fam[i]] == SIZE_MAX) first[fam[i]] = i;
+        if (first[ki[i].fam] == SIZE_MAX) first[ki[i].fam] = i;
     if (forced != LK_FORMAT_AUTO) {
         enum family want = family_of(forced);
         for (size_t i = 0; i < n; i++)
-            if (fam[i] != want && !(fam[i] == FAM_ALPHA && want != FAM_FV) && fam[i] != FAM_ANY)
+            if (ki[i].fam != want && !(ki[i].fam == FAM_ALPHA && want != FAM_FV) && ki[i].fam != FAM_ANY)
                 return lk_error(LK_ERR_FORMAT, "%s: key '%s' is not a %s adapter key", f, ki[i].t->name,
                                 lk_adapter_format_name(forced));
         if (n == 0) return lk_error(LK_ERR_FORMAT, "%s: no tensors: not a LoRA adapter", f);
@@ -1363,82 +1364,81 @@ lk_status lk_adapter_open_mem(const lk_adapter_source *src, const lk_adapter_opt
     return open_any(src->label, src, opts, out);
 }
 
-static lk_status open_any(const char *path, const lk_adapter_source *src, const lk_adapter_opts *opts,
-                          lk_adapter **out) {
-    static const lk_adapter_opts defaults;
-    if (!opts) opts = &defaults;
-    const lk_adapter_format format = opts->format;
-    if (!path || !out) return lk_error(LK_ERR_ARG, "lk_adapter_open: NULL argument");
-    if ((int)format < 0 || format >= LK_FORMAT_COUNT)
-        return lk_error(LK_ERR_ARG, "%s: invalid adapter format %d", path, (int)format);
-    if ((int)opts->alpha_from < 0 || opts->alpha_from >= LK_ALPHA_COUNT)
-        return lk_error(LK_ERR_ARG, "%s: invalid alpha source %d", path, (int)opts->alpha_from);
-    lk_adapter *a = lk_calloc(1, sizeof *a);
-    if (!a) return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
-    a->alpha_from = opts->alpha_from;
-    keyinfo *ki = NULL;
-    enum family *fam = NULL;
-    lk_status s = LK_OK;
-    if (!(a->path = lk_strdup(path))) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
-        goto fail;
-    }
-    if ((s = src ? from_memory(a, src) : locate(a))) goto fail;
-    if ((s = src ? lk_st_open_mem(src->bytes, src->n, a->file, &a->st) : lk_st_open(a->file, &a->st))) goto fail;
-    size_t n = lk_st_count(a->st), nl = 0;
-    ki = lk_malloc((n ? n : 1) * sizeof *ki);
-    fam = lk_malloc((n ? n : 1) * sizeof *fam);
+/* The file's keys sorted out (a->file and a->st open): each LoRA key into
+ * *ki (allocated here, one entry per key of the file; the caller frees it,
+ * on failure too), *nl of them; every other key a tensor PEFT saved whole
+ * into a->reps (allocated here with rep_names / rep_targets, owned by a). A
+ * key no format reads is an error naming it. */
+static lk_status split_keys(lk_adapter *a, lk_adapter_format format, keyinfo **kip, size_t *nl) {
+    size_t n = lk_st_count(a->st);
+    keyinfo *ki = *kip = lk_malloc((n ? n : 1) * sizeof *ki);
     a->reps = lk_calloc(n ? n : 1, sizeof *a->reps);
     a->rep_names = lk_calloc(n ? n : 1, sizeof *a->rep_names);
     a->rep_targets = lk_calloc(n ? n : 1, sizeof *a->rep_targets);
-    if (!ki || !fam || !a->reps || !a->rep_names || !a->rep_targets) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
-        goto fail;
-    }
-    /* LoRA keys to ki; every other key must be a tensor PEFT saved whole */
+    if (!ki || !a->reps || !a->rep_names || !a->rep_targets) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+    *nl = 0;
     for (size_t i = 0; i < n; i++) {
         const lk_tensor *t = lk_st_tensor(a->st, i);
-        ki[nl].t = t;
-        fam[nl] = classify(t->name, &ki[nl].role, &ki[nl].stem_len);
-        if (fam[nl] != FAM_NONE) {
-            nl++;
+        keyinfo *k = &ki[*nl];
+        k->t = t;
+        k->fam = classify(t->name, &k->role, &k->stem_len);
+        if (k->fam != FAM_NONE) {
+            (*nl)++;
             continue;
         }
-        if (format != LK_FORMAT_AUTO && format != LK_FORMAT_PEFT) {
-            s = lk_error(LK_ERR_FORMAT, "%s: key '%s' is not a %s adapter key", a->file, t->name,
-                         lk_adapter_format_name(format));
-            goto fail;
-        }
+        if (format != LK_FORMAT_AUTO && format != LK_FORMAT_PEFT)
+            return lk_error(LK_ERR_FORMAT, "%s: key '%s' is not a %s adapter key", a->file, t->name,
+                            lk_adapter_format_name(format));
         const char *why = NULL;
-        if ((s = other_key(a, t->name, &a->rep_names[a->n_rep], &why))) goto fail;
+        lk_status s = other_key(a, t->name, &a->rep_names[a->n_rep], &why);
+        if (s) return s;
         a->reps[a->n_rep] = (lk_adapter_tensor){.key = t->name, .why = why, .t = *t};
         a->n_rep++;
     }
-    if ((s = detect(a, ki, fam, nl, format))) goto fail;
-    if (a->n_rep && a->format != LK_FORMAT_PEFT) {
-        s = lk_error(LK_ERR_FORMAT, "%s: key '%s' is saved whole, which only PEFT adapters do, but the file reads as %s",
-                     a->file, a->reps[0].key, lk_adapter_format_name(a->format));
-        goto fail;
-    }
+    return LK_OK;
+}
+
+/* The adapter's format from its LoRA keys ki[0..nl) (detect), then what
+ * the format decides: replacements only in PEFT, the config only for PEFT
+ * (another format drops it with a warning), alpha / rank from the file's
+ * metadata without one, rsLoRA. */
+static lk_status settle_format(lk_adapter *a, const keyinfo *ki, size_t nl, lk_adapter_format format) {
+    lk_status s = detect(a, ki, nl, format);
+    if (s) return s;
+    if (a->n_rep && a->format != LK_FORMAT_PEFT)
+        return lk_error(LK_ERR_FORMAT, "%s: key '%s' is saved whole, which only PEFT adapters do, but the file reads "
+                        "as %s", a->file, a->reps[0].key, lk_adapter_format_name(a->format));
     if (a->has_config && a->format != LK_FORMAT_PEFT) {
         lk_log(LK_LOG_WARN, "%s: %s ignored: the adapter is read as %s", a->path, a->config_path,
                lk_adapter_format_name(a->format));
         lk_peft_config_free(&a->cfg);
         a->has_config = 0;
     }
-    if (!a->has_config && (s = read_metadata(a))) goto fail;
+    if (!a->has_config && (s = read_metadata(a))) return s;
     a->rslora = a->has_config ? a->cfg.rslora : (a->n_meta == 1 && a->meta[0].cfg.rslora);
+    return LK_OK;
+}
+
+/* The modules from the LoRA keys ki[0..nl) (sorted here), checked against
+ * the replacements, their tensors copied out of the file, and each
+ * module's A and B as the file holds them (a->fa, a->fb). Everything made
+ * is owned by a. */
+static lk_status build_modules(lk_adapter *a, keyinfo *ki, size_t nl) {
     qsort(ki, nl, sizeof *ki, key_cmp);
-    if ((s = pair(a, ki, nl))) goto fail;
-    if ((s = check_replacements(a))) goto fail;
-    if ((s = copy_factors(a))) goto fail;
+    lk_status s;
+    if ((s = pair(a, ki, nl)) || (s = check_replacements(a)) || (s = copy_factors(a))) return s;
     a->fa = lk_malloc((a->n ? a->n : 1) * sizeof *a->fa);
     a->fb = lk_malloc((a->n ? a->n : 1) * sizeof *a->fb);
-    if (!a->fa || !a->fb) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
-        goto fail;
-    }
+    if (!a->fa || !a->fb) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
     for (size_t i = 0; i < a->n; i++) a->fa[i] = a->mods[i].A, a->fb[i] = a->mods[i].B;
+    return LK_OK;
+}
+
+/* The warnings of an opened adapter: modules outside target_modules, alpha
+ * = r where ss_network_alpha says otherwise or where its rank is not
+ * ss_network_dim, and a PEFT file with neither a config nor alpha in its
+ * metadata. Cannot fail. */
+static void warn_opened(const lk_adapter *a) {
     if (a->n_untargeted)
         lk_log(LK_LOG_WARN, "%s: %zu of %zu modules are not covered by target_modules in adapter_config.json",
                a->path, a->n_untargeted, a->n);
@@ -1457,13 +1457,40 @@ static lk_status open_any(const char *path, const lk_adapter_source *src, const 
             lk_log(LK_LOG_WARN, "%s: no adapter_config.json beside it or alpha in its metadata: alpha defaults to r "
                    "(scale 1) for %zu of %zu modules", a->path, dflt, a->n);
     }
+}
+
+/* Opens path (a file or folder; src: the bytes of an in-memory one) in
+ * steps: locate the file and config, open the safetensors, split the keys,
+ * settle the format, build the modules, warn. ki (split_keys') is the
+ * open's only scratch; on failure everything made so far is freed with the
+ * adapter. */
+static lk_status open_any(const char *path, const lk_adapter_source *src, const lk_adapter_opts *opts,
+                          lk_adapter **out) {
+    static const lk_adapter_opts defaults;
+    if (!opts) opts = &defaults;
+    const lk_adapter_format format = opts->format;
+    if (!path || !out) return lk_error(LK_ERR_ARG, "lk_adapter_open: NULL argument");
+    if ((int)format < 0 || format >= LK_FORMAT_COUNT)
+        return lk_error(LK_ERR_ARG, "%s: invalid adapter format %d", path, (int)format);
+    if ((int)opts->alpha_from < 0 || opts->alpha_from >= LK_ALPHA_COUNT)
+        return lk_error(LK_ERR_ARG, "%s: invalid alpha source %d", path, (int)opts->alpha_from);
+    lk_adapter *a = lk_calloc(1, sizeof *a);
+    if (!a) return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
+    a->alpha_from = opts->alpha_from;
+    keyinfo *ki = NULL;
+    size_t nl = 0;
+    lk_status s = (a->path = lk_strdup(path)) ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
+    if (!s) s = src ? from_memory(a, src) : locate(a);
+    if (!s) s = src ? lk_st_open_mem(src->bytes, src->n, a->file, &a->st) : lk_st_open(a->file, &a->st);
+    if (!s) s = split_keys(a, format, &ki, &nl);
+    if (!s) s = settle_format(a, ki, nl, format);
+    if (!s) s = build_modules(a, ki, nl);
     lk_free(ki);
-    lk_free(fam);
+    if (s) {
+        lk_adapter_free(a);
+        return s;
+    }
+    warn_opened(a);
     *out = a;
     return LK_OK;
-fail:
-    lk_free(ki);
-    lk_free(fam);
-    lk_adapter_free(a);
-    return s;
 }
