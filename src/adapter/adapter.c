@@ -1153,15 +1153,24 @@ static const char *first_key(const lk_adapter *a, size_t i) {
     return n && t[0]->name ? t[0]->name : a->stems[i];
 }
 
-/* Pairs the sorted keys into modules. */
-static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
-    const char *f = a->file;
-    /* one matching budget for every config of the adapter */
+/* The name of role r's tensor in a's format, for messages. */
+static const char *role_name(const lk_adapter *a, enum role r) {
+    switch (r) {
+    case ROLE_A: return lk_adapter_factor_name(a, 0);
+    case ROLE_B: return lk_adapter_factor_name(a, 1);
+    case ROLE_ALPHA: return "alpha";
+    case ROLE_MAG: return "lora_magnitude_vector";
+    case ROLE_BBIAS: return "lora_B bias";
+    default: return role_key(r);
+    }
+}
+
+/* The module arrays (mods, names, stems, targets, bias_targets, sources,
+ * embed) for at most n modules, owned by a; every config of the adapter on
+ * one matching budget. */
+static lk_status alloc_modules(lk_adapter *a, size_t n) {
     if (a->has_config) lk_peft_config_share_budget(&a->cfg, &a->re_budget);
     for (size_t i = 0; i < a->n_meta; i++) lk_peft_config_share_budget(&a->meta[i].cfg, &a->re_budget);
-    const char *rn[ROLE_COUNT] = {lk_adapter_factor_name(a, 0), lk_adapter_factor_name(a, 1), "alpha",
-                                  "lora_magnitude_vector", "lora_B bias"};
-    for (int r = ROLE_MID; r < ROLE_COUNT; r++) rn[r] = role_key((enum role)r);
     size_t cap = n + 1;
     a->mods = lk_calloc(cap, sizeof *a->mods);
     a->names = lk_calloc(cap, sizeof *a->names);
@@ -1171,79 +1180,96 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
     a->sources = lk_calloc(cap, sizeof *a->sources);
     a->embed = lk_calloc(cap, sizeof *a->embed);
     if (!a->mods || !a->names || !a->stems || !a->targets || !a->bias_targets || !a->sources || !a->embed)
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
-    for (size_t i = 0; i < n;) {
-        size_t j = i;
-        const lk_tensor *by_role[ROLE_COUNT] = {NULL};
-        for (; j < n && ki[j].stem_len == ki[i].stem_len && !memcmp(ki[j].t->name, ki[i].t->name, ki[i].stem_len);
-             j++) {
-            if (by_role[ki[j].role])
-                return lk_error(LK_ERR_FORMAT, "%s: '%s' and '%s' are both the %s of one module", f,
-                                by_role[ki[j].role]->name, ki[j].t->name, rn[ki[j].role]);
-            by_role[ki[j].role] = ki[j].t;
-        }
-        size_t k = a->n;
-        if (k == cap) return lk_error(LK_ERR_FORMAT, "%s: more modules than factor pairs", f);
-        /* the stem: the module's full name (an old attention-processor stem as the module it stands for) */
-        char *stem = !strncmp(ki[i].t->name + ki[i].stem_len, "_lora.", 6)
-                         ? old_attn_module(ki[i].t->name, ki[i].stem_len)
-                         : lk_malloc(ki[i].stem_len + 1);
-        if (!stem) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
-        if (strncmp(ki[i].t->name + ki[i].stem_len, "_lora.", 6)) {
-            memcpy(stem, ki[i].t->name, ki[i].stem_len);
-            stem[ki[i].stem_len] = '\0';
-        }
-        a->stems[k] = stem;
-        a->names[k] = module_name(a->format, stem, strlen(stem));
-        a->n = k + 1; /* owned strings are freed from here on */
-        if (!a->names[k]) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
-        int algo = -1;
-        const lk_tensor *algo_key = NULL;
-        for (int r = 0; r < ROLE_COUNT; r++) {
-            int ar = by_role[r] ? role_algo((enum role)r) : -1;
-            if (ar < 0) continue;
-            if (algo >= 0 && ar != algo)
-                return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' (%s) and '%s' (%s) in one module", f, a->names[k],
-                                algo_key->name, lk_algo_name((lk_algo)algo), by_role[r]->name,
-                                lk_algo_name((lk_algo)ar));
-            if (algo < 0) algo = ar, algo_key = by_role[r];
-        }
-        if (algo > LK_ALGO_LORA) {
-            lk_status s = build_lyco(a, k, by_role, (lk_algo)algo);
-            if (s) return s;
-            i = j;
-            continue;
-        }
-        if (!by_role[ROLE_A] || !by_role[ROLE_B]) {
-            const lk_tensor *only = NULL;
-            for (int r = ROLE_COUNT - 1; r >= 0; r--)
-                if (by_role[r]) only = by_role[r];
-            if (!by_role[ROLE_A] && !by_role[ROLE_B])
-                return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' without %s and %s", f, a->names[k], only->name, rn[0],
-                                rn[1]);
-            return lk_error(LK_ERR_FORMAT, "%s: %s: %s without %s", f, a->names[k],
-                            by_role[ROLE_A] ? rn[0] : rn[1], by_role[ROLE_A] ? rn[1] : rn[0]);
-        }
-        if (a->format == LK_FORMAT_PEFT && by_role[ROLE_ALPHA])
-            return lk_error(LK_ERR_FORMAT, "%s: %s: PEFT adapters keep alpha in adapter_config.json, not in '%s'", f,
-                            a->names[k], by_role[ROLE_ALPHA]->name);
-        if (by_role[ROLE_MAG]) a->dora = 1;
-        size_t an = strlen(by_role[ROLE_A]->name), bn = strlen(by_role[ROLE_B]->name);
-        int ea = an >= 16 && !strcmp(by_role[ROLE_A]->name + an - 16, "lora_embedding_A");
-        int eb = bn >= 16 && !strcmp(by_role[ROLE_B]->name + bn - 16, "lora_embedding_B");
-        if (ea != eb)
-            return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' and '%s' mix an embedding LoRA and a linear one", f,
-                            a->names[k], by_role[ROLE_A]->name, by_role[ROLE_B]->name);
-        a->embed[k] = (unsigned char)ea;
-        lk_status s = build_module(a, k, by_role);
-        if (s) return s;
-        i = j;
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+    return LK_OK;
+}
+/* The keys of one module: the run of sorted keys ki[i..*end) sharing
+ * ki[i]'s stem, by role into by_role (ROLE_COUNT entries, all NULL on
+ * entry). Two keys of one role are an error naming both. */
+static lk_status group_keys(const lk_adapter *a, const keyinfo *ki, size_t n, size_t i, const lk_tensor **by_role,
+                            size_t *end) {
+    size_t j = i;
+    for (; j < n && ki[j].stem_len == ki[i].stem_len && !memcmp(ki[j].t->name, ki[i].t->name, ki[i].stem_len); j++) {
+        if (by_role[ki[j].role])
+            return lk_error(LK_ERR_FORMAT, "%s: '%s' and '%s' are both the %s of one module", a->file,
+                            by_role[ki[j].role]->name, ki[j].t->name, role_name(a, ki[j].role));
+        by_role[ki[j].role] = ki[j].t;
     }
+    *end = j;
+    return LK_OK;
+}
+
+/* Module k's stem (its full name; an old attention-processor stem as the
+ * module it stands for) and name, from key ki; both owned by a (a->n is
+ * k + 1 from here on). */
+static lk_status add_stem(lk_adapter *a, size_t k, const keyinfo *ki) {
+    const char *key = ki->t->name;
+    int old_attn = !strncmp(key + ki->stem_len, "_lora.", 6);
+    char *stem = old_attn ? old_attn_module(key, ki->stem_len) : lk_malloc(ki->stem_len + 1);
+    if (!stem) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+    if (!old_attn) {
+        memcpy(stem, key, ki->stem_len);
+        stem[ki->stem_len] = '\0';
+    }
+    a->stems[k] = stem;
+    a->names[k] = module_name(a->format, stem, strlen(stem));
+    a->n = k + 1; /* owned strings are freed from here on */
+    return a->names[k] ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+}
+
+/* The algorithm of module k's tensors (-1: none names one): keys of two
+ * algorithms in one module are an error naming a key of each. */
+static lk_status module_algo(const lk_adapter *a, size_t k, const lk_tensor *const *by_role, int *algo) {
+    const lk_tensor *algo_key = NULL;
+    *algo = -1;
+    for (int r = 0; r < ROLE_COUNT; r++) {
+        int ar = by_role[r] ? role_algo((enum role)r) : -1;
+        if (ar < 0) continue;
+        if (*algo >= 0 && ar != *algo)
+            return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' (%s) and '%s' (%s) in one module", a->file, a->names[k],
+                            algo_key->name, lk_algo_name((lk_algo)*algo), by_role[r]->name, lk_algo_name((lk_algo)ar));
+        if (*algo < 0) *algo = ar, algo_key = by_role[r];
+    }
+    return LK_OK;
+}
+
+/* Checks LoRA module k's keys before it is built: both factors there, no
+ * .alpha in a PEFT file, both factors embedding or both linear; notes
+ * DoRA (a->dora) and an embedding (a->embed[k]). */
+static lk_status check_lora_keys(lk_adapter *a, size_t k, const lk_tensor *const *by_role) {
+    const char *f = a->file, *m = a->names[k];
+    const lk_tensor *A = by_role[ROLE_A], *B = by_role[ROLE_B];
+    if (!A || !B) {
+        const lk_tensor *only = NULL;
+        for (int r = ROLE_COUNT - 1; r >= 0; r--)
+            if (by_role[r]) only = by_role[r];
+        const char *an = role_name(a, ROLE_A), *bn = role_name(a, ROLE_B);
+        if (!A && !B) return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' without %s and %s", f, m, only->name, an, bn);
+        return lk_error(LK_ERR_FORMAT, "%s: %s: %s without %s", f, m, A ? an : bn, A ? bn : an);
+    }
+    if (a->format == LK_FORMAT_PEFT && by_role[ROLE_ALPHA])
+        return lk_error(LK_ERR_FORMAT, "%s: %s: PEFT adapters keep alpha in adapter_config.json, not in '%s'", f, m,
+                        by_role[ROLE_ALPHA]->name);
+    if (by_role[ROLE_MAG]) a->dora = 1;
+    size_t al = strlen(A->name), bl = strlen(B->name);
+    int ea = al >= 16 && !strcmp(A->name + al - 16, "lora_embedding_A");
+    int eb = bl >= 16 && !strcmp(B->name + bl - 16, "lora_embedding_B");
+    if (ea != eb)
+        return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' and '%s' mix an embedding LoRA and a linear one", f, m, A->name,
+                        B->name);
+    a->embed[k] = (unsigned char)ea;
+    return LK_OK;
+}
+
+/* Checks the modules as a whole: DoRA on every module or none, and no two
+ * stems giving one module name (e.g. "transformer.x" and "x"; found by
+ * sorting an index of the names, its only allocation, freed here). */
+static lk_status check_modules(const lk_adapter *a) {
+    const char *f = a->file;
     for (size_t i = 0; i < a->n; i++)
         if (a->dora && !a->mods[i].magnitude.name)
             return lk_error(LK_ERR_FORMAT, "%s: %s has no lora_magnitude_vector but other modules do (DoRA)", f,
                             a->names[i]);
-    /* Two stems giving one module name (e.g. "transformer.x" and "x"). */
     size_t *ord = lk_malloc((a->n ? a->n : 1) * sizeof *ord);
     if (!ord) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
     for (size_t i = 0; i < a->n; i++) ord[i] = i;
@@ -1259,6 +1285,28 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
         }
     lk_free(ord);
     return s;
+}
+
+/* Pairs the sorted keys ki[0..n) into modules, in steps: group one stem's
+ * keys by role, name the module, find its algorithm, build it (LyCORIS /
+ * dense, or LoRA after its key checks); then check the modules as a whole.
+ * What is built is owned by a. */
+static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
+    lk_status s = alloc_modules(a, n);
+    for (size_t i = 0, j = 0; !s && i < n; i = j) {
+        const lk_tensor *by_role[ROLE_COUNT] = {NULL};
+        int algo;
+        size_t k = a->n;
+        if ((s = group_keys(a, ki, n, i, by_role, &j))) break;
+        if (k == n + 1) {
+            s = lk_error(LK_ERR_FORMAT, "%s: more modules than factor pairs", a->file);
+            break;
+        }
+        if ((s = add_stem(a, k, &ki[i])) || (s = module_algo(a, k, by_role, &algo))) break;
+        if (algo > LK_ALGO_LORA) s = build_lyco(a, k, by_role, (lk_algo)algo);
+        else if (!(s = check_lora_keys(a, k, by_role))) s = build_module(a, k, by_role);
+    }
+    return s ? s : check_modules(a);
 }
 
 /* Checks the replacements against the modules: a module both LoRA-wrapped
