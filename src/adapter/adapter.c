@@ -874,19 +874,21 @@ static lk_status file_alpha(lk_adapter *a, size_t i, const lk_tensor *alpha_t, c
     return *source ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
 }
 
-/* Fills module i from its tensors (by role; A and B present). */
-static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *by_role) {
+/* Checks LoRA module i's factors (A and B present): dtypes and shapes,
+ * rank > 0 and equal on both sides, a convolution's up factor [out, r, 1,
+ * 1], a LoCon Tucker core lora_mid between them. *r: the rank. */
+static lk_status check_lora_factors(const lk_adapter *a, size_t i, const lk_tensor *const *by_role, int64_t *r) {
     const char *f = a->file, *m = a->names[i];
     const char *an = lk_adapter_factor_name(a, 0), *bn = lk_adapter_factor_name(a, 1);
-    const lk_tensor *A = by_role[ROLE_A], *B = by_role[ROLE_B], *alpha_t = by_role[ROLE_ALPHA];
+    const lk_tensor *A = by_role[ROLE_A], *B = by_role[ROLE_B], *mid = by_role[ROLE_MID];
     lk_status s;
     if ((s = check_factor(f, m, A, an)) || (s = check_factor(f, m, B, bn))) return s;
-    int64_t r = A->shape[0];
-    if (r <= 0 || A->shape[1] <= 0 || B->shape[0] <= 0)
+    *r = A->shape[0];
+    if (*r <= 0 || A->shape[1] <= 0 || B->shape[0] <= 0)
         return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %lldx%lld and %s is %lldx%lld: rank must be > 0", f, m, an,
                         (long long)A->shape[0], (long long)A->shape[1], bn, (long long)B->shape[0],
                         (long long)B->shape[1]);
-    if (B->shape[1] != r && !by_role[ROLE_MID])
+    if (B->shape[1] != *r && !mid)
         return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %lldx%lld but %s is %lldx%lld (ranks differ)", f, m, an,
                         (long long)A->shape[0], (long long)A->shape[1], bn, (long long)B->shape[0],
                         (long long)B->shape[1]);
@@ -895,16 +897,23 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *b
     lk_shape_str(B, bs, sizeof bs);
     if (!trailing_ones(B))
         return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %s: a convolution's up factor must be [out, r, 1, 1]", f, m, bn, bs);
-    const lk_tensor *mid = by_role[ROLE_MID];
-    if (mid) { /* LoCon Tucker: down [r, in, 1, 1], mid [r, r, kh, kw], up [out, r, 1, 1] */
-        lk_shape_str(mid, ms, sizeof ms);
-        if ((s = check_factor(f, m, mid, "lora_mid"))) return s;
-        if (mid->shape[0] != B->shape[1] || mid->shape[1] != r || !trailing_ones(A))
-            return lk_error(LK_ERR_SHAPE, "%s: %s: Tucker core lora_mid is %s but %s is %s and %s is %s (expected "
-                            "[%lld, %lld, kh, kw] between [out, %lld, 1, 1] and [%lld, in, 1, 1])", f, m, ms, bn, bs, an,
-                            as, (long long)B->shape[1], (long long)r, (long long)B->shape[1], (long long)r);
-    }
-    const lk_tensor *mag = by_role[ROLE_MAG], *bb = by_role[ROLE_BBIAS];
+    if (!mid) return LK_OK;
+    /* LoCon Tucker: down [r, in, 1, 1], mid [r, r, kh, kw], up [out, r, 1, 1] */
+    lk_shape_str(mid, ms, sizeof ms);
+    if ((s = check_factor(f, m, mid, "lora_mid"))) return s;
+    if (mid->shape[0] != B->shape[1] || mid->shape[1] != *r || !trailing_ones(A))
+        return lk_error(LK_ERR_SHAPE, "%s: %s: Tucker core lora_mid is %s but %s is %s and %s is %s (expected "
+                        "[%lld, %lld, kh, kw] between [out, %lld, 1, 1] and [%lld, in, 1, 1])", f, m, ms, bn, bs, an,
+                        as, (long long)B->shape[1], (long long)*r, (long long)B->shape[1], (long long)*r);
+    return LK_OK;
+}
+
+/* Checks LoRA module i's vectors: one DoRA magnitude at most, none on an
+ * embedding, each allowed by the config and [out] (B's rows) long. */
+static lk_status check_lora_vectors(const lk_adapter *a, size_t i, const lk_tensor *const *by_role) {
+    const char *f = a->file, *m = a->names[i];
+    const lk_tensor *mag = by_role[ROLE_MAG], *bb = by_role[ROLE_BBIAS], *B = by_role[ROLE_B];
+    lk_status s;
     if (mag && by_role[ROLE_DORA])
         return lk_error(LK_ERR_FORMAT, "%s: %s: both '%s' and '%s' (two DoRA magnitudes)", f, m, mag->name,
                         by_role[ROLE_DORA]->name);
@@ -922,24 +931,48 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *b
                             bb->name, a->config_path);
         if ((s = check_vector(f, m, bb, "lora_B.bias", B->shape[0]))) return s;
     }
-    double alpha = (double)r;
+    return LK_OK;
+}
+
+/* Alpha of LoRA module i (rank r): from adapter_config.json for PEFT with
+ * one (counting a module outside target_modules), else from the file
+ * (file_alpha). Its source text goes to a->sources[i] (owned by a). */
+static lk_status lora_alpha(lk_adapter *a, size_t i, const lk_tensor *alpha_t, int64_t r, double *alpha) {
+    const char *f = a->file, *m = a->names[i], *an = lk_adapter_factor_name(a, 0);
     char *source = NULL;
+    lk_status s;
     if (a->format == LK_FORMAT_PEFT && a->has_config) {
-        if ((s = config_alpha(a, &a->cfg, m, m, an, r, "", &alpha, &source))) return s;
+        if ((s = config_alpha(a, &a->cfg, m, m, an, r, "", alpha, &source))) return s;
         int hit;
         if ((s = lk_peft_targets(&a->cfg, m, &hit))) {
             lk_free(source);
             return s;
         }
         if (!hit) a->n_untargeted++;
-    } else if ((s = file_alpha(a, i, alpha_t, an, r, &alpha, &source))) {
+    } else if ((s = file_alpha(a, i, alpha_t, an, r, alpha, &source))) {
         return s;
     }
     if (!source) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
     a->sources[i] = source;
+    return LK_OK;
+}
+
+/* Fills LoRA module i from its tensors (by role; A and B present) in
+ * steps: check the factors, check the vectors, alpha, then scale and the
+ * module itself. */
+static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *by_role) {
+    const char *m = a->names[i];
+    const lk_tensor *A = by_role[ROLE_A], *B = by_role[ROLE_B], *mid = by_role[ROLE_MID];
+    const lk_tensor *mag = by_role[ROLE_MAG], *bb = by_role[ROLE_BBIAS];
+    int64_t r;
+    double alpha = 0;
+    lk_status s;
+    if ((s = check_lora_factors(a, i, by_role, &r)) || (s = check_lora_vectors(a, i, by_role)) ||
+        (s = lora_alpha(a, i, by_role[ROLE_ALPHA], r, &alpha)))
+        return s;
     double scale = a->rslora ? alpha / sqrt((double)r) : alpha / (double)r;
     if (!isfinite((float)scale))
-        return lk_error(LK_ERR_NONFINITE, "%s: %s: scale alpha/%s = %g is not finite as a float", f, m,
+        return lk_error(LK_ERR_NONFINITE, "%s: %s: scale alpha/%s = %g is not finite as a float", a->file, m,
                         a->rslora ? "sqrt(r)" : "r", scale);
     lk_lora_module *mod = &a->mods[i];
     mod->module = m;
@@ -949,7 +982,7 @@ static lk_status build_module(lk_adapter *a, size_t i, const lk_tensor *const *b
     mod->scale = scale;
     mod->A = *A;
     mod->B = *B;
-    mod->alpha_source = source;
+    mod->alpha_source = a->sources[i];
     if (mag) mod->magnitude = *mag;
     if (bb) mod->bias = *bb;
     mod->algo = LK_ALGO_LORA;
