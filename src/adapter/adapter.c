@@ -1051,11 +1051,20 @@ static lk_status low_rank_half(const char *f, const char *m, const lk_tensor *up
     return LK_OK;
 }
 
-/* LoHa, LoKr, full, norm, set_weight: module i from its tensors. */
-static lk_status build_lyco(lk_adapter *a, size_t i, const lk_tensor *const *br, lk_algo algo) {
+/* What a LyCORIS / dense module's tensors give: its delta's rows (out)
+ * and elements per row (in), its rank, whether alpha / r applies, and the
+ * alpha source when the algorithm fixes it. */
+typedef struct lyco_shape {
+    int64_t rank, out, in;
+    int scaled;
+    const char *src;
+} lyco_shape;
+
+/* Checks the keys of LyCORIS / dense module i before its algorithm's own
+ * checks: every tensor but alpha F32/F16/BF16, no PEFT-only tensor, no
+ * DoRA on a dense module. */
+static lk_status check_lyco_keys(const lk_adapter *a, size_t i, const lk_tensor *const *br, lk_algo algo) {
     const char *f = a->file, *m = a->names[i];
-    lk_lora_module *mod = &a->mods[i];
-    lk_status s;
     for (int r = 0; r < ROLE_COUNT; r++)
         if (br[r] && r != ROLE_ALPHA && !lk_dtype_is_fusable(br[r]->dtype))
             return lk_error(LK_ERR_DTYPE, "%s: %s: '%s' has dtype %s; adapter tensors must be F32, F16 or BF16", f, m,
@@ -1066,110 +1075,158 @@ static lk_status build_lyco(lk_adapter *a, size_t i, const lk_tensor *const *br,
     if (br[ROLE_DORA] && (algo == LK_ALGO_FULL || algo == LK_ALGO_NORM || algo == LK_ALGO_SET))
         return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' (DoRA) on a %s module", f, m, br[ROLE_DORA]->name,
                         lk_algo_name(algo));
-    int64_t rank = 0, out = 0, in = 0;
-    int scaled = 1; /* alpha / r applies */
-    const char *src = NULL;
-    if (algo == LK_ALGO_LOHA) {
-        static const enum role need[] = {ROLE_HW1A, ROLE_HW1B, ROLE_HW2A, ROLE_HW2B};
-        for (size_t k = 0; k < 4; k++)
-            if (!br[need[k]])
-                return lk_error(LK_ERR_FORMAT, "%s: %s: LoHa needs hada_w1_a, hada_w1_b, hada_w2_a and hada_w2_b; "
-                                "%s is missing", f, m, role_key(need[k]));
-        if (!br[ROLE_HT1] != !br[ROLE_HT2])
-            return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' without %s (LoHa Tucker needs both cores)", f, m,
-                            (br[ROLE_HT1] ? br[ROLE_HT1] : br[ROLE_HT2])->name, br[ROLE_HT1] ? "hada_t2" : "hada_t1");
-        int64_t o2, i2, r2;
-        if ((s = low_rank_half(f, m, br[ROLE_HW1A], br[ROLE_HW1B], br[ROLE_HT1], &out, &in, &rank)) ||
-            (s = low_rank_half(f, m, br[ROLE_HW2A], br[ROLE_HW2B], br[ROLE_HT2], &o2, &i2, &r2)))
-            return s;
-        if (o2 != out || i2 != in)
-            return lk_error(LK_ERR_SHAPE, "%s: %s: the Hadamard halves differ: hada_w1 gives %lld x %lld, hada_w2 "
-                            "%lld x %lld", f, m, (long long)out, (long long)in, (long long)o2, (long long)i2);
-        mod->w1a = *br[ROLE_HW1A];
-        mod->w1b = *br[ROLE_HW1B];
-        mod->w2a = *br[ROLE_HW2A];
-        mod->w2b = *br[ROLE_HW2B];
-        if (br[ROLE_HT1]) mod->t1 = *br[ROLE_HT1], mod->t2 = *br[ROLE_HT2];
-    } else if (algo == LK_ALGO_LOKR) {
-        const lk_tensor *w1 = br[ROLE_KW1], *w1a = br[ROLE_KW1A], *w1b = br[ROLE_KW1B];
-        const lk_tensor *w2 = br[ROLE_KW2], *w2a = br[ROLE_KW2A], *w2b = br[ROLE_KW2B], *t2 = br[ROLE_KT2];
-        if (!w1 == !(w1a || w1b) || (!w1 && (!w1a || !w1b)))
-            return lk_error(LK_ERR_FORMAT, "%s: %s: LoKr needs lokr_w1, or lokr_w1_a and lokr_w1_b (found %s%s%s)", f,
-                            m, w1 ? "lokr_w1 " : "", w1a ? "lokr_w1_a " : "", w1b ? "lokr_w1_b" : "");
-        if (!w2 == !(w2a || w2b) || (!w2 && (!w2a || !w2b)))
-            return lk_error(LK_ERR_FORMAT, "%s: %s: LoKr needs lokr_w2, or lokr_w2_a and lokr_w2_b (found %s%s%s)", f,
-                            m, w2 ? "lokr_w2 " : "", w2a ? "lokr_w2_a " : "", w2b ? "lokr_w2_b" : "");
-        if (t2 && w2)
-            return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' (a Tucker core) with a full lokr_w2", f, m, t2->name);
-        int64_t a1, b1, c2, d2, r1 = 0, r2 = 0;
-        if (w1) {
-            if ((s = check_factor(f, m, w1, w1->name))) return s;
-            if (w1->ndim != 2) return shape_pair_error(f, m, "lokr_w1 must be 2-D", w1, w1);
-            a1 = w1->shape[0];
-            b1 = w1->shape[1];
-        } else if ((s = low_rank_half(f, m, w1a, w1b, NULL, &a1, &b1, &r1))) {
-            return s;
-        }
-        if (w2) {
-            if ((s = check_factor(f, m, w2, w2->name))) return s;
-            c2 = w2->shape[0];
-            d2 = (int64_t)(lk_tensor_numel(w2) / (size_t)c2);
-        } else if ((s = low_rank_half(f, m, w2a, w2b, t2, &c2, &d2, &r2))) {
-            return s;
-        }
-        if (r1 && r2 && r1 != r2)
-            return shape_pair_error(f, m, "the two decomposed LoKr factors have different ranks", w1b, w2b);
-        out = a1 * c2;
-        in = b1 * d2;
-        rank = r1 ? r1 : r2;
-        scaled = !(w1 && w2);
-        if (!scaled) src = "LoKr with both factors full: scale 1 (LyCORIS)";
-        if (w1) mod->w1 = *w1;
-        else mod->w1a = *w1a, mod->w1b = *w1b;
-        if (w2) mod->w2 = *w2;
-        else mod->w2a = *w2a, mod->w2b = *w2b;
-        if (t2) mod->t2 = *t2;
-    } else { /* full, norm, set_weight: the tensor itself at scale 1 */
-        const lk_tensor *w = algo == LK_ALGO_FULL ? br[ROLE_DIFF] : algo == LK_ALGO_NORM ? br[ROLE_WNORM] : br[ROLE_SETW];
-        const lk_tensor *b = algo == LK_ALGO_FULL ? br[ROLE_DIFFB] : algo == LK_ALGO_NORM ? br[ROLE_BNORM] : NULL;
-        const lk_tensor *x = w ? w : b;
-        if (!x) return lk_error(LK_ERR_FORMAT, "%s: %s: no tensor", f, m);
-        if (x->ndim < 1 || lk_tensor_numel(x) == 0)
-            return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' has no elements", f, m, x->name);
-        if (b && b->ndim != 1) return shape_pair_error(f, m, "a bias delta must be 1-D", b, b);
-        if (w) mod->dense = *w;
-        if (b) mod->bias = *b;
-        out = x->shape[0];
-        in = (int64_t)(lk_tensor_numel(x) / (size_t)out);
-        scaled = 0;
-        src = "none: dense, scale 1";
-    }
-    double alpha = (double)rank;
-    if (scaled && br[ROLE_ALPHA]) {
-        if ((s = read_alpha(a, br[ROLE_ALPHA], &alpha))) return s;
-        src = alpha == 0.0 ? ".alpha tensor (0: r, as LyCORIS)" : ".alpha tensor";
-        if (alpha == 0.0) alpha = (double)rank;
-    } else if (scaled) {
-        src = "default r";
-    } else if (br[ROLE_ALPHA] && algo != LK_ALGO_LOKR) {
-        lk_log(LK_LOG_WARN, "%s: %s: '%s' ignored: a %s module has no alpha", f, m, br[ROLE_ALPHA]->name,
+    return LK_OK;
+}
+
+/* LoHa module i: four factors (two Tucker cores or none), two halves of
+ * one delta shape; its tensors into a->mods[i]. */
+static lk_status build_loha(lk_adapter *a, size_t i, const lk_tensor *const *br, lyco_shape *sh) {
+    const char *f = a->file, *m = a->names[i];
+    lk_lora_module *mod = &a->mods[i];
+    static const enum role need[] = {ROLE_HW1A, ROLE_HW1B, ROLE_HW2A, ROLE_HW2B};
+    for (size_t k = 0; k < 4; k++)
+        if (!br[need[k]])
+            return lk_error(LK_ERR_FORMAT, "%s: %s: LoHa needs hada_w1_a, hada_w1_b, hada_w2_a and hada_w2_b; "
+                            "%s is missing", f, m, role_key(need[k]));
+    if (!br[ROLE_HT1] != !br[ROLE_HT2])
+        return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' without %s (LoHa Tucker needs both cores)", f, m,
+                        (br[ROLE_HT1] ? br[ROLE_HT1] : br[ROLE_HT2])->name, br[ROLE_HT1] ? "hada_t2" : "hada_t1");
+    int64_t o2, i2, r2;
+    lk_status s;
+    if ((s = low_rank_half(f, m, br[ROLE_HW1A], br[ROLE_HW1B], br[ROLE_HT1], &sh->out, &sh->in, &sh->rank)) ||
+        (s = low_rank_half(f, m, br[ROLE_HW2A], br[ROLE_HW2B], br[ROLE_HT2], &o2, &i2, &r2)))
+        return s;
+    if (o2 != sh->out || i2 != sh->in)
+        return lk_error(LK_ERR_SHAPE, "%s: %s: the Hadamard halves differ: hada_w1 gives %lld x %lld, hada_w2 "
+                        "%lld x %lld", f, m, (long long)sh->out, (long long)sh->in, (long long)o2, (long long)i2);
+    mod->w1a = *br[ROLE_HW1A];
+    mod->w1b = *br[ROLE_HW1B];
+    mod->w2a = *br[ROLE_HW2A];
+    mod->w2b = *br[ROLE_HW2B];
+    if (br[ROLE_HT1]) mod->t1 = *br[ROLE_HT1], mod->t2 = *br[ROLE_HT2];
+    return LK_OK;
+}
+
+/* One Kronecker factor of LoKr, full (w, rows x columns) or low-rank (wa,
+ * wb, Tucker core t): *rows, *cols and *rank (0 when full). */
+static lk_status lokr_factor(const char *f, const char *m, const lk_tensor *w, const lk_tensor *wa,
+                             const lk_tensor *wb, const lk_tensor *t, int first, int64_t *rows, int64_t *cols,
+                             int64_t *rank) {
+    lk_status s;
+    *rank = 0;
+    if (!w) return low_rank_half(f, m, wa, wb, t, rows, cols, rank);
+    if ((s = check_factor(f, m, w, w->name))) return s;
+    if (first && w->ndim != 2) return shape_pair_error(f, m, "lokr_w1 must be 2-D", w, w);
+    *rows = w->shape[0];
+    *cols = first ? w->shape[1] : (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]);
+    return LK_OK;
+}
+
+/* LoKr module i: lokr_w1 or its two factors, lokr_w2 or its two factors
+ * (with a Tucker core or not); delta [a1 c2, b1 d2]; scale 1 when both are
+ * full (LyCORIS). Its tensors into a->mods[i]. */
+static lk_status build_lokr(lk_adapter *a, size_t i, const lk_tensor *const *br, lyco_shape *sh) {
+    const char *f = a->file, *m = a->names[i];
+    lk_lora_module *mod = &a->mods[i];
+    const lk_tensor *w1 = br[ROLE_KW1], *w1a = br[ROLE_KW1A], *w1b = br[ROLE_KW1B];
+    const lk_tensor *w2 = br[ROLE_KW2], *w2a = br[ROLE_KW2A], *w2b = br[ROLE_KW2B], *t2 = br[ROLE_KT2];
+    if (!w1 == !(w1a || w1b) || (!w1 && (!w1a || !w1b)))
+        return lk_error(LK_ERR_FORMAT, "%s: %s: LoKr needs lokr_w1, or lokr_w1_a and lokr_w1_b (found %s%s%s)", f,
+                        m, w1 ? "lokr_w1 " : "", w1a ? "lokr_w1_a " : "", w1b ? "lokr_w1_b" : "");
+    if (!w2 == !(w2a || w2b) || (!w2 && (!w2a || !w2b)))
+        return lk_error(LK_ERR_FORMAT, "%s: %s: LoKr needs lokr_w2, or lokr_w2_a and lokr_w2_b (found %s%s%s)", f,
+                        m, w2 ? "lokr_w2 " : "", w2a ? "lokr_w2_a " : "", w2b ? "lokr_w2_b" : "");
+    if (t2 && w2) return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' (a Tucker core) with a full lokr_w2", f, m, t2->name);
+    int64_t a1, b1, c2, d2, r1, r2;
+    lk_status s;
+    if ((s = lokr_factor(f, m, w1, w1a, w1b, NULL, 1, &a1, &b1, &r1)) ||
+        (s = lokr_factor(f, m, w2, w2a, w2b, t2, 0, &c2, &d2, &r2)))
+        return s;
+    if (r1 && r2 && r1 != r2)
+        return shape_pair_error(f, m, "the two decomposed LoKr factors have different ranks", w1b, w2b);
+    sh->out = a1 * c2;
+    sh->in = b1 * d2;
+    sh->rank = r1 ? r1 : r2;
+    sh->scaled = !(w1 && w2);
+    if (!sh->scaled) sh->src = "LoKr with both factors full: scale 1 (LyCORIS)";
+    if (w1) mod->w1 = *w1;
+    else mod->w1a = *w1a, mod->w1b = *w1b;
+    if (w2) mod->w2 = *w2;
+    else mod->w2a = *w2a, mod->w2b = *w2b;
+    if (t2) mod->t2 = *t2;
+    return LK_OK;
+}
+
+/* A full (diff / diff_b), norm (w_norm / b_norm) or set_weight module i:
+ * the tensor itself at scale 1; its tensors into a->mods[i]. */
+static lk_status build_dense(lk_adapter *a, size_t i, const lk_tensor *const *br, lk_algo algo, lyco_shape *sh) {
+    const char *f = a->file, *m = a->names[i];
+    lk_lora_module *mod = &a->mods[i];
+    const lk_tensor *w = algo == LK_ALGO_FULL ? br[ROLE_DIFF] : algo == LK_ALGO_NORM ? br[ROLE_WNORM] : br[ROLE_SETW];
+    const lk_tensor *b = algo == LK_ALGO_FULL ? br[ROLE_DIFFB] : algo == LK_ALGO_NORM ? br[ROLE_BNORM] : NULL;
+    const lk_tensor *x = w ? w : b;
+    if (!x) return lk_error(LK_ERR_FORMAT, "%s: %s: no tensor", f, m);
+    if (x->ndim < 1 || lk_tensor_numel(x) == 0)
+        return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' has no elements", f, m, x->name);
+    if (b && b->ndim != 1) return shape_pair_error(f, m, "a bias delta must be 1-D", b, b);
+    if (w) mod->dense = *w;
+    if (b) mod->bias = *b;
+    sh->out = x->shape[0];
+    sh->in = (int64_t)(lk_tensor_numel(x) / (size_t)sh->out);
+    sh->scaled = 0;
+    sh->src = "none: dense, scale 1";
+    return LK_OK;
+}
+
+/* Alpha of a LyCORIS module scaled by alpha / r: its .alpha tensor (0
+ * read as r, as LyCORIS does) or r; an .alpha on an unscaled module is
+ * ignored with a warning (LoKr with both factors full: silently). */
+static lk_status lyco_alpha(const lk_adapter *a, size_t i, const lk_tensor *alpha_t, lk_algo algo, lyco_shape *sh,
+                            double *alpha) {
+    *alpha = (double)sh->rank;
+    if (sh->scaled && alpha_t) {
+        lk_status s = read_alpha(a, alpha_t, alpha);
+        if (s) return s;
+        sh->src = *alpha == 0.0 ? ".alpha tensor (0: r, as LyCORIS)" : ".alpha tensor";
+        if (*alpha == 0.0) *alpha = (double)sh->rank;
+    } else if (sh->scaled) {
+        sh->src = "default r";
+    } else if (alpha_t && algo != LK_ALGO_LOKR) {
+        lk_log(LK_LOG_WARN, "%s: %s: '%s' ignored: a %s module has no alpha", a->file, a->names[i], alpha_t->name,
                lk_algo_name(algo));
     }
-    char *source = source_str(src, NULL);
+    return LK_OK;
+}
+
+/* LoHa, LoKr, full, norm, set_weight: module i from its tensors, in steps:
+ * check the keys, the algorithm's shapes and tensors, alpha, then the
+ * scale and the module (its alpha source owned by a->sources[i]). */
+static lk_status build_lyco(lk_adapter *a, size_t i, const lk_tensor *const *br, lk_algo algo) {
+    const char *f = a->file, *m = a->names[i];
+    lk_lora_module *mod = &a->mods[i];
+    lyco_shape sh = {0, 0, 0, 1, NULL}; /* alpha / r applies unless the algorithm says otherwise */
+    double alpha;
+    lk_status s = check_lyco_keys(a, i, br, algo);
+    if (!s) s = algo == LK_ALGO_LOHA   ? build_loha(a, i, br, &sh)
+                : algo == LK_ALGO_LOKR ? build_lokr(a, i, br, &sh)
+                                       : build_dense(a, i, br, algo, &sh);
+    if (!s) s = lyco_alpha(a, i, br[ROLE_ALPHA], algo, &sh, &alpha);
+    if (s) return s;
+    char *source = source_str(sh.src, NULL);
     if (!source) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
     a->sources[i] = source;
-    double scale = scaled ? alpha / (double)rank : 1.0;
+    double scale = sh.scaled ? alpha / (double)sh.rank : 1.0;
     if (!isfinite((float)scale))
         return lk_error(LK_ERR_NONFINITE, "%s: %s: scale alpha/r = %g is not finite as a float", f, m, scale);
     mod->module = m;
     mod->target = NULL;
-    mod->rank = (int)rank;
-    mod->alpha = scaled ? alpha : 1.0;
+    mod->rank = (int)sh.rank;
+    mod->alpha = sh.scaled ? alpha : 1.0;
     mod->scale = scale;
     mod->alpha_source = source;
     mod->algo = algo;
-    mod->out = out;
-    mod->in = in;
+    mod->out = sh.out;
+    mod->in = sh.in;
     if (br[ROLE_DORA]) mod->dora_scale = *br[ROLE_DORA];
     return LK_OK;
 }
