@@ -588,6 +588,22 @@ static char *module_name(lk_adapter_format f, const char *stem, size_t len) {
 
 #define LK_META_KEY "lora_adapter_metadata"
 
+/* One LoraConfig in JSON text txt (json_dumps', freed here) into
+ * a->meta[a->n_meta], labelled plabel (borrowed), under component prefix
+ * (taken: kept on success, freed on failure; NULL: the whole file's
+ * config). txt or plabel NULL: out of memory. */
+static lk_status meta_add(lk_adapter *a, char *txt, const char *plabel, char *prefix) {
+    lk_status s = txt && plabel ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+    if (!s) s = lk_peft_config_parse(txt, strlen(txt), plabel, &a->meta[a->n_meta].cfg);
+    free(txt);
+    if (s) {
+        lk_free(prefix);
+        return s;
+    }
+    a->meta[a->n_meta++].prefix = prefix;
+    return LK_OK;
+}
+
 /* One component's config given as a nested object ({"transformer": {"r":
  * 4, "lora_alpha": 8}}) into a->meta; refused when the same component is
  * also packed ("transformer.r"), as which one wins would be a guess. */
@@ -598,26 +614,16 @@ static lk_status meta_nested(lk_adapter *a, json_t *root, const char *label, con
     json_object_foreach(root, k, v) if (!strncmp(k, comp, pl) && k[pl] == '.')
         return lk_error(LK_ERR_CONFIG, "%s: component \"%s\" is given both as an object and as packed keys (\"%s\"); "
                         "keep one", label, comp, k);
-    char *prefix = lk_strdup(comp), *txt = json_dumps(cfg, JSON_COMPACT), *plabel = lk_msg_dup("%s (%s)", label, comp);
-    lk_status s = LK_OK;
-    if (!prefix || !txt || !plabel) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
-    if (!s) s = lk_peft_config_parse(txt, strlen(txt), plabel, &a->meta[a->n_meta].cfg);
-    free(txt);
+    char *prefix = lk_strdup(comp), *plabel = lk_msg_dup("%s (%s)", label, comp);
+    lk_status s = prefix ? meta_add(a, json_dumps(cfg, JSON_COMPACT), plabel, prefix)
+                         : lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
     lk_free(plabel);
-    if (s) {
-        lk_free(prefix);
-        return s;
-    }
-    a->meta[a->n_meta++].prefix = prefix;
-    return LK_OK;
+    return s;
 }
 
-/* diffusers' lora_adapter_metadata: a LoraConfig dict, or one packed per
- * component ({"transformer.r": 4, "transformer.lora_alpha": 8, ...}), or
- * (read the same way) one object per component ({"transformer": {...}}).
- * kohya's ss_network_alpha. Only for adapters without an adapter_config.json. */
-static lk_status read_metadata(lk_adapter *a) {
-    const char *f = a->file;
+/* kohya's ss_network_alpha (a finite number, else a warning) and
+ * ss_network_dim (a positive whole number, else ignored). Cannot fail. */
+static void read_kohya_meta(lk_adapter *a) {
     const char *ssa = lk_st_metadata_get(a->st, "ss_network_alpha");
     if (ssa) {
         char *end;
@@ -627,7 +633,7 @@ static lk_status read_metadata(lk_adapter *a) {
             a->has_ss_alpha = 1;
             a->ss_alpha = v;
         } else {
-            lk_log(LK_LOG_WARN, "%s: metadata ss_network_alpha '%s' is not a finite number; ignored", f, ssa);
+            lk_log(LK_LOG_WARN, "%s: metadata ss_network_alpha '%s' is not a finite number; ignored", a->file, ssa);
         }
     }
     const char *ssd = lk_st_metadata_get(a->st, "ss_network_dim");
@@ -636,37 +642,50 @@ static lk_status read_metadata(lk_adapter *a) {
         long v = strtol(ssd, &end, 10);
         if (end != ssd && !*end && v > 0) a->ss_dim = v;
     }
-    const char *js = lk_st_metadata_get(a->st, LK_META_KEY);
-    if (!js) return LK_OK;
-    char *label = lk_msg_dup("%s: metadata %s", f, LK_META_KEY); /* whole: a long path is shortened by the message */
-    if (!label) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
-    json_error_t je;
-    json_t *root = json_loads(js, JSON_REJECT_DUPLICATES, &je);
+}
+
+/* The component k[0..pl) of a packed record ({"transformer.r": 4, ...}):
+ * its "<component>.<field>" keys gathered into one LoraConfig, read into
+ * a->meta. */
+static lk_status meta_packed(lk_adapter *a, json_t *root, const char *label, const char *k, size_t pl) {
+    json_t *sub = json_object();
+    char *prefix = lk_malloc(pl + 1);
     lk_status s = LK_OK;
-    if (!root || !json_is_object(root)) {
-        json_decref(root);
-        s = lk_error(LK_ERR_CONFIG, "%s: not a JSON object", label);
-        lk_free(label);
+    if (!sub || !prefix) {
+        json_decref(sub);
+        lk_free(prefix);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+    }
+    memcpy(prefix, k, pl);
+    prefix[pl] = '\0';
+    const char *k2;
+    json_t *v2;
+    json_object_foreach(root, k2, v2) if (!strncmp(k2, prefix, pl) && k2[pl] == '.' && k2[pl + 1]) {
+        if (json_object_set(sub, k2 + pl + 1, v2)) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+    }
+    char *txt = s ? NULL : json_dumps(sub, JSON_COMPACT);
+    json_decref(sub);
+    if (s) {
+        lk_free(prefix);
         return s;
     }
-    int packed = !json_object_get(root, "r") && !json_object_get(root, "lora_alpha") &&
-                 !json_object_get(root, "peft_type");
-    size_t cap = packed ? json_object_size(root) : 1;
-    a->meta = lk_calloc(cap ? cap : 1, sizeof *a->meta);
-    if (!a->meta) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
-    if (!s && !packed) {
-        char *txt = json_dumps(root, JSON_COMPACT);
-        if (!txt) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
-        else s = lk_peft_config_parse(txt, strlen(txt), label, &a->meta[0].cfg);
-        free(txt);
-        if (!s) a->n_meta = 1;
-    }
+    char *plabel = lk_msg_dup("%s (%s)", label, prefix);
+    s = meta_add(a, txt, plabel, prefix);
+    lk_free(plabel);
+    return s;
+}
+
+/* Every component of a per-component record (keys "<component>.<field>",
+ * or a component's whole config as an object) into a->meta; other keys
+ * are named in a warning and skipped. */
+static lk_status meta_components(lk_adapter *a, json_t *root, const char *label) {
     const char *k;
     json_t *v;
-    if (!s && packed) json_object_foreach(root, k, v) {
+    json_object_foreach(root, k, v) {
         const char *dot = strchr(k, '.');
+        lk_status s;
         if (!dot && json_is_object(v) && *k) { /* {"transformer": {"r": 4, ...}}: one component's config, nested */
-            if ((s = meta_nested(a, root, label, k, v))) break;
+            if ((s = meta_nested(a, root, label, k, v))) return s;
             continue;
         }
         if (!dot || dot == k) { /* neither "component.field" nor a component's object: said, not silently dropped */
@@ -677,34 +696,35 @@ static lk_status read_metadata(lk_adapter *a) {
         size_t pl = (size_t)(dot - k), j = 0;
         while (j < a->n_meta && (strlen(a->meta[j].prefix) != pl || strncmp(a->meta[j].prefix, k, pl))) j++;
         if (j < a->n_meta) continue; /* component already built */
-        json_t *sub = json_object();
-        char *prefix = lk_malloc(pl + 1);
-        if (!sub || !prefix) {
-            json_decref(sub);
-            lk_free(prefix);
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
-            break;
-        }
-        memcpy(prefix, k, pl);
-        prefix[pl] = '\0';
-        const char *k2;
-        json_t *v2;
-        json_object_foreach(root, k2, v2) if (!strncmp(k2, prefix, pl) && k2[pl] == '.' && k2[pl + 1]) {
-            if (json_object_set(sub, k2 + pl + 1, v2)) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
-        }
-        char *txt = s ? NULL : json_dumps(sub, JSON_COMPACT);
-        json_decref(sub);
-        char *plabel = s ? NULL : lk_msg_dup("%s (%s)", label, prefix);
-        if (!s && (!txt || !plabel)) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
-        if (!s) s = lk_peft_config_parse(txt, strlen(txt), plabel, &a->meta[a->n_meta].cfg);
-        free(txt);
-        lk_free(plabel);
-        if (s) {
-            lk_free(prefix);
-            break;
-        }
-        a->meta[a->n_meta++].prefix = prefix;
+        if ((s = meta_packed(a, root, label, k, pl))) return s;
     }
+    return LK_OK;
+}
+
+/* diffusers' lora_adapter_metadata: a LoraConfig dict, or one packed per
+ * component ({"transformer.r": 4, "transformer.lora_alpha": 8, ...}), or
+ * (read the same way) one object per component ({"transformer": {...}}).
+ * kohya's ss_network_alpha. Only for adapters without an adapter_config.json.
+ * In steps: kohya's keys, the JSON record, then one config or one per
+ * component into a->meta (owned by a). */
+static lk_status read_metadata(lk_adapter *a) {
+    const char *f = a->file;
+    read_kohya_meta(a);
+    const char *js = lk_st_metadata_get(a->st, LK_META_KEY);
+    if (!js) return LK_OK;
+    char *label = lk_msg_dup("%s: metadata %s", f, LK_META_KEY); /* whole: a long path is shortened by the message */
+    if (!label) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+    json_error_t je;
+    json_t *root = json_loads(js, JSON_REJECT_DUPLICATES, &je);
+    lk_status s = LK_OK;
+    int packed = 0;
+    if (!root || !json_is_object(root)) s = lk_error(LK_ERR_CONFIG, "%s: not a JSON object", label);
+    else packed = !json_object_get(root, "r") && !json_object_get(root, "lora_alpha") &&
+                  !json_object_get(root, "peft_type");
+    size_t cap = packed ? json_object_size(root) : 1;
+    if (!s && !(a->meta = lk_calloc(cap ? cap : 1, sizeof *a->meta))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+    if (!s && !packed) s = meta_add(a, json_dumps(root, JSON_COMPACT), label, NULL);
+    if (!s && packed) s = meta_components(a, root, label);
     json_decref(root);
     lk_free(label);
     return s;
