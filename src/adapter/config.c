@@ -1092,6 +1092,100 @@ static lk_peft_rule rule_of(const char *version) {
     return LK_PEFT_RULE_CURRENT;
 }
 
+/* The PCRE2 match context every match of config c runs under (its
+ * memory through lk_malloc; match, depth and heap limits), owned by c, and
+ * c's own matching budget. */
+static lk_status match_context(lk_peft_config *c) {
+    pcre2_general_context *g = pcre2_general_context_create(re_malloc, re_free, NULL);
+    c->mctx = g ? pcre2_match_context_create(g) : NULL;
+    pcre2_general_context_free(g);
+    if (!c->mctx) return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
+    pcre2_set_match_limit(c->mctx, LK_RE_MATCH_LIMIT);
+    pcre2_set_depth_limit(c->mctx, LK_RE_DEPTH_LIMIT);
+    pcre2_set_heap_limit(c->mctx, LK_RE_HEAP_KIB);
+    c->own.limit = LK_RE_BUDGET;
+    return LK_OK;
+}
+
+/* r (a whole number from 1 to LK_PEFT_RANK_MAX) and lora_alpha (a finite
+ * number) of root into c, when given. */
+static lk_status parse_rank_alpha(lk_peft_config *c, json_t *root) {
+    const char *label = c->label;
+    json_t *v;
+    if ((v = json_object_get(root, "r")) && !json_is_null(v)) {
+        if (!json_is_number(v)) return lk_error(LK_ERR_CONFIG, "%s: r must be a number", label);
+        double d = json_number_value(v);
+        if (d != floor(d) || d <= 0 || d > LK_PEFT_RANK_MAX) {
+            char vb[LK_NUM_STR_MAX];
+            return lk_error(LK_ERR_CONFIG, "%s: r = %s: the rank must be a whole number from 1 to %d", label,
+                            lk_num_str(d, vb), LK_PEFT_RANK_MAX);
+        }
+        c->r = (long)d;
+    }
+    if ((v = json_object_get(root, "lora_alpha")) && !json_is_null(v)) {
+        if (!json_is_number(v) || !isfinite(json_number_value(v)))
+            return lk_error(LK_ERR_CONFIG, "%s: lora_alpha must be a finite number", label);
+        c->alpha = json_number_value(v);
+    }
+    return LK_OK;
+}
+
+/* The scalar fields of root into c, in order: peft_type (LORA only), the
+ * refused and unknown fields (check_fields), peft_version (the rule), r,
+ * lora_alpha, the flags, bias. */
+static lk_status parse_scalars(lk_peft_config *c, json_t *root) {
+    const char *label = c->label;
+    char val[96];
+    lk_status s;
+    json_t *v;
+    if ((v = json_object_get(root, "peft_type")) && !json_is_null(v) &&
+        (!json_is_string(v) || strcmp(json_string_value(v), "LORA"))) {
+        value_text(v, val, sizeof val);
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: peft_type = %s; only LORA adapters can be fused", label, val);
+    }
+    if ((s = check_fields(c, root))) return s;
+    if ((v = json_object_get(root, "peft_version")) && json_is_string(v)) {
+        snprintf(c->version, sizeof c->version, "%s", json_string_value(v));
+        c->rule = rule_of(c->version);
+    }
+    if ((s = parse_rank_alpha(c, root))) return s;
+    c->rslora = json_is_true(json_object_get(root, "use_rslora"));
+    c->use_dora = json_is_true(json_object_get(root, "use_dora"));
+    c->lora_bias = json_is_true(json_object_get(root, "lora_bias"));
+    c->fan_in_fan_out = json_is_true(json_object_get(root, "fan_in_fan_out"));
+    if ((v = json_object_get(root, "bias")) && !json_is_null(v)) {
+        const char *b = json_is_string(v) ? json_string_value(v) : "";
+        if (!strcmp(b, "none")) c->bias = LK_PEFT_BIAS_NONE;
+        else if (!strcmp(b, "all")) c->bias = LK_PEFT_BIAS_ALL;
+        else if (!strcmp(b, "lora_only")) c->bias = LK_PEFT_BIAS_LORA_ONLY;
+        else {
+            value_text(v, val, sizeof val);
+            return lk_error(LK_ERR_UNSUPPORTED, "%s: bias = %s (PEFT's values: \"none\", \"all\", \"lora_only\")", label,
+                            val);
+        }
+    }
+    return LK_OK;
+}
+
+/* The matching rules of root into c, in order: rank_pattern,
+ * alpha_pattern, target_modules, exclude_modules, the layer rule,
+ * modules_to_save (c->rule, from the scalars, picks PEFT's templates). */
+static lk_status parse_rules(lk_peft_config *c, json_t *root) {
+    lk_status s;
+    if ((s = parse_patterns(c, json_object_get(root, "rank_pattern"), "rank_pattern", 1, &c->rank_pat, &c->n_rank_pat,
+                            &c->rank_lit)) ||
+        (s = parse_patterns(c, json_object_get(root, "alpha_pattern"), "alpha_pattern", 0, &c->alpha_pat,
+                            &c->n_alpha_pat, &c->alpha_lit)) ||
+        (s = parse_match(c, json_object_get(root, "target_modules"), "target_modules", &c->target)) ||
+        (s = parse_match(c, json_object_get(root, "exclude_modules"), "exclude_modules", &c->exclude)) ||
+        (s = parse_layers(c, root)))
+        return s;
+    return parse_to_save(c, json_object_get(root, "modules_to_save"));
+}
+
+/* In steps: the JSON text (an object), the match context, the scalar
+ * fields, the matching rules. On failure everything parsed is freed and
+ * *out is untouched. */
 lk_status lk_peft_config_parse(const char *text, size_t len, const char *label, lk_peft_config *out) {
     lk_peft_config c;
     memset(&c, 0, sizeof c);
@@ -1101,87 +1195,13 @@ lk_status lk_peft_config_parse(const char *text, size_t len, const char *label, 
     json_error_t je;
     json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &je);
     lk_status s = LK_OK;
-    json_t *v;
-    if (!root) {
+    if (!root)
         s = lk_error(LK_ERR_CONFIG, "%s: invalid JSON at line %d column %d: %s", label, je.line, je.column, je.text);
-        goto done;
-    }
-    if (!json_is_object(root)) {
+    else if (!json_is_object(root))
         s = lk_error(LK_ERR_CONFIG, "%s: not a JSON object", label);
-        goto done;
-    }
-    {
-        pcre2_general_context *g = pcre2_general_context_create(re_malloc, re_free, NULL);
-        c.mctx = g ? pcre2_match_context_create(g) : NULL;
-        pcre2_general_context_free(g);
-        if (!c.mctx) {
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
-            goto done;
-        }
-        pcre2_set_match_limit(c.mctx, LK_RE_MATCH_LIMIT);
-        pcre2_set_depth_limit(c.mctx, LK_RE_DEPTH_LIMIT);
-        pcre2_set_heap_limit(c.mctx, LK_RE_HEAP_KIB);
-        c.own.limit = LK_RE_BUDGET;
-    }
-    if ((v = json_object_get(root, "peft_type")) && !json_is_null(v) &&
-        (!json_is_string(v) || strcmp(json_string_value(v), "LORA"))) {
-        char val[96];
-        value_text(v, val, sizeof val);
-        s = lk_error(LK_ERR_UNSUPPORTED, "%s: peft_type = %s; only LORA adapters can be fused", label, val);
-        goto done;
-    }
-    if ((s = check_fields(&c, root))) goto done;
-    if ((v = json_object_get(root, "peft_version")) && json_is_string(v)) {
-        snprintf(c.version, sizeof c.version, "%s", json_string_value(v));
-        c.rule = rule_of(c.version);
-    }
-    if ((v = json_object_get(root, "r")) && !json_is_null(v)) {
-        double d = json_is_number(v) ? json_number_value(v) : NAN;
-        if (!json_is_number(v) || d != floor(d) || d <= 0 || d > LK_PEFT_RANK_MAX) {
-            char vb[LK_NUM_STR_MAX];
-            if (json_is_number(v))
-                s = lk_error(LK_ERR_CONFIG, "%s: r = %s: the rank must be a whole number from 1 to %d", label,
-                             lk_num_str(d, vb), LK_PEFT_RANK_MAX);
-            else
-                s = lk_error(LK_ERR_CONFIG, "%s: r must be a number", label);
-            goto done;
-        }
-        c.r = (long)d;
-    }
-    if ((v = json_object_get(root, "lora_alpha")) && !json_is_null(v)) {
-        if (!json_is_number(v) || !isfinite(json_number_value(v))) {
-            s = lk_error(LK_ERR_CONFIG, "%s: lora_alpha must be a finite number", label);
-            goto done;
-        }
-        c.alpha = json_number_value(v);
-    }
-    c.rslora = json_is_true(json_object_get(root, "use_rslora"));
-    c.use_dora = json_is_true(json_object_get(root, "use_dora"));
-    c.lora_bias = json_is_true(json_object_get(root, "lora_bias"));
-    c.fan_in_fan_out = json_is_true(json_object_get(root, "fan_in_fan_out"));
-    if ((v = json_object_get(root, "bias")) && !json_is_null(v)) {
-        const char *b = json_is_string(v) ? json_string_value(v) : "";
-        if (!strcmp(b, "none")) c.bias = LK_PEFT_BIAS_NONE;
-        else if (!strcmp(b, "all")) c.bias = LK_PEFT_BIAS_ALL;
-        else if (!strcmp(b, "lora_only")) c.bias = LK_PEFT_BIAS_LORA_ONLY;
-        else {
-            char val[96];
-            value_text(v, val, sizeof val);
-            s = lk_error(LK_ERR_UNSUPPORTED, "%s: bias = %s (PEFT's values: \"none\", \"all\", \"lora_only\")", label, val);
-            goto done;
-        }
-    }
-    if ((s = parse_patterns(&c, json_object_get(root, "rank_pattern"), "rank_pattern", 1, &c.rank_pat, &c.n_rank_pat,
-                            &c.rank_lit)))
-        goto done;
-    if ((s = parse_patterns(&c, json_object_get(root, "alpha_pattern"), "alpha_pattern", 0, &c.alpha_pat,
-                            &c.n_alpha_pat, &c.alpha_lit)))
-        goto done;
-    if ((s = parse_match(&c, json_object_get(root, "target_modules"), "target_modules", &c.target))) goto done;
-    if ((s = parse_match(&c, json_object_get(root, "exclude_modules"), "exclude_modules", &c.exclude))) goto done;
-    if ((s = parse_layers(&c, root))) goto done;
-    s = parse_to_save(&c, json_object_get(root, "modules_to_save"));
-done:
+    if (!s) s = match_context(&c);
+    if (!s) s = parse_scalars(&c, root);
+    if (!s) s = parse_rules(&c, root);
     json_decref(root);
     if (s) {
         lk_peft_config_free(&c);
