@@ -413,16 +413,14 @@ static long last_number(const char *p, char *const *names, size_t n) {
 }
 
 /* last[2r], last[2r + 1]: the number '#last' stands for in rule r's original
- * and diffusers pattern on this model (-1: none or no '#last'). */
-static lk_status last_numbers(const lk_family *f, char *const *names, size_t n, const char *label, long **out) {
-    *out = lk_malloc((f->n_rules ? 2 * f->n_rules : 1) * sizeof **out);
-    if (!*out) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+ * and diffusers pattern on this model (-1: none or no '#last'); last holds
+ * 2 * f->n_rules entries. */
+static void last_numbers(const lk_family *f, char *const *names, size_t n, long *last) {
     for (size_t r = 0; r < f->n_rules; r++) {
         int has = f->rules[r].last >= 0;
-        (*out)[2 * r] = has ? last_number(f->rules[r].orig, names, n) : -1;
-        (*out)[2 * r + 1] = has ? last_number(f->rules[r].diff, names, n) : -1;
+        last[2 * r] = has ? last_number(f->rules[r].orig, names, n) : -1;
+        last[2 * r + 1] = has ? last_number(f->rules[r].diff, names, n) : -1;
     }
-    return LK_OK;
 }
 
 /* Level-2 aliases of model key k (stripped name nm) from table f (last:
@@ -467,89 +465,147 @@ static lk_status rule_strings(lk_layout *l, const lk_family *f, const char *what
 
 static const lk_frac g_all = {0, 1, 1, 1};
 
+#define MAX_MAPS 16
+
+/* The tables one build applies: the families picked, then the --map
+ * files; per table, the index of its first rule string in the layout's
+ * rules and its '#last' numbers (last_numbers'), all tables' in one
+ * allocation. Freed by tables_free. */
+typedef struct tables {
+    lk_family fam[MAX_FAMILIES];
+    int n_fam;
+    lk_family *maps;
+    size_t n_maps;
+    size_t first_rule[MAX_FAMILIES + MAX_MAPS];
+    long *last_of[MAX_FAMILIES + MAX_MAPS];
+    long *last;
+} tables;
+
+/* Table i of t: the families first, then the maps. */
+static lk_family *table_at(tables *t, size_t i) {
+    return i < (size_t)t->n_fam ? &t->fam[i] : &t->maps[i - (size_t)t->n_fam];
+}
+
+static void tables_free(tables *t) {
+    for (int f = 0; f < t->n_fam; f++) lk_family_free(&t->fam[f]);
+    for (size_t i = 0; i < t->n_maps; i++) lk_family_free(&t->maps[i]);
+    lk_free(t->maps);
+    lk_free(t->last);
+}
+
+/* The model's "<k>.weight" names with their wrapper prefixes stripped,
+ * sorted, for detecting families (pointers into the model's names; *names
+ * allocated here, the caller frees it, on failure too). */
+static lk_status model_names(const lk_tensor *model, size_t n_model, const char *label, char ***names, size_t *nn) {
+    *nn = 0;
+    if (!(*names = lk_calloc(n_model ? n_model : 1, sizeof **names)))
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    for (size_t i = 0; i < n_model; i++) {
+        int comp;
+        const char *k = model[i].name;
+        if (k) (*names)[(*nn)++] = (char *)strip_model(k, &comp, NULL);
+    }
+    qsort(*names, *nn, sizeof **names, str_cmp);
+    return LK_OK;
+}
+
+/* The tables to apply (into t, owned by it): the families (--arch, or
+ * those the model's names satisfy), named in out->family ("sdxl,openclip")
+ * and logged, then the --map files (at most MAX_MAPS). */
+static lk_status pick_tables(lk_layout *out, const lk_layout_opts *o, const char *label, char *const *names,
+                             size_t nn, tables *t) {
+    lk_status s = pick_family(label, o ? o->arch : NULL, names, nn, t->fam, &t->n_fam);
+    for (int f = 0; !s && f < t->n_fam; f++) {
+        size_t ol = out->family ? strlen(out->family) : 0, nl = strlen(t->fam[f].name);
+        char *nf = lk_realloc(out->family, ol + nl + 2);
+        if (!nf) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+        snprintf(nf + ol, nl + 2, "%s%s", ol ? "," : "", t->fam[f].name);
+        out->family = nf;
+        lk_log(LK_LOG_INFO, "%s: model family %s (%s)", label, t->fam[f].name, t->fam[f].file);
+    }
+    if (!s && o && o->n_maps) {
+        if (!(t->maps = lk_calloc(o->n_maps, sizeof *t->maps))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+        for (size_t i = 0; !s && i < o->n_maps; i++) {
+            s = lk_family_load(o->maps[i], 0, &t->maps[i]);
+            if (!s) t->n_maps++;
+        }
+    }
+    if (!s && t->n_maps > MAX_MAPS) s = lk_error(LK_ERR_ARG, "%s: at most 16 --map files", label);
+    return s;
+}
+
+/* Each table's rule strings (appended to out->rules) and '#last' numbers
+ * on this model (into t->last, one allocation for all tables). */
+static lk_status table_rules(lk_layout *out, tables *t, char *const *names, size_t nn, const char *label) {
+    size_t nt = (size_t)t->n_fam + t->n_maps, total = 0;
+    lk_status s = LK_OK;
+    for (size_t i = 0; i < nt && !s; i++)
+        s = rule_strings(out, table_at(t, i), i < (size_t)t->n_fam ? "family" : "--map", &t->first_rule[i], label);
+    for (size_t i = 0; i < nt && !s; i++)
+        if (!lk_checked_add(total, 2 * table_at(t, i)->n_rules, &total))
+            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    if (s || !nt) return s;
+    if (!(t->last = lk_calloc(total ? total : 1, sizeof *t->last))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    for (size_t i = 0, off = 0; i < nt; i++) {
+        t->last_of[i] = t->last + off;
+        last_numbers(table_at(t, i), names, nn, t->last_of[i]);
+        off += 2 * table_at(t, i)->n_rules;
+    }
+    return LK_OK;
+}
+
+/* The aliases of model key k ("<m>.weight", or OpenCLIP's fused
+ * "<attn>.in_proj_weight" as module "<attn>.in_proj"): each table's
+ * (level 2), then the name with its prefix stripped (level 1). Other keys
+ * have none. */
+static lk_status key_aliases(builder *b, tables *t, const lk_tensor *model, size_t k) {
+    const char *key = model[k].name;
+    int inproj = key && has_suffix(key, ".in_proj_weight");
+    if (!key || (!has_suffix(key, ".weight") && !inproj)) return LK_OK;
+    int comp;
+    const char *st = strip_model(key, &comp, NULL);
+    size_t sl = strlen(st) - 7, nt = (size_t)t->n_fam + t->n_maps;
+    char *nm = lk_malloc(sl + 1);
+    if (!nm) return lk_error(LK_ERR_NOMEM, "%s: out of memory", b->label);
+    memcpy(nm, st, sl);
+    nm[sl] = '\0';
+    lk_status s = LK_OK;
+    for (size_t i = 0; !s && i < nt; i++)
+        s = table_aliases(b, table_at(t, i), b->l->rules + t->first_rule[i], t->last_of[i], nm, k, comp);
+    if (s) {
+        lk_free(nm);
+        return s;
+    }
+    return add_alias(b, nm, k, comp, 1, "prefix", g_all, g_all);
+}
+
+/* The aliases' two sorted orders, by name and by kohya name (owned by out). */
+static lk_status sort_aliases(lk_layout *out, const char *label) {
+    out->by_name = lk_malloc((out->n ? out->n : 1) * sizeof *out->by_name);
+    out->by_uname = lk_malloc((out->n ? out->n : 1) * sizeof *out->by_uname);
+    if (!out->by_name || !out->by_uname) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    for (size_t i = 0; i < out->n; i++) out->by_name[i] = out->by_uname[i] = i;
+    qsort_r(out->by_name, out->n, sizeof *out->by_name, name_cmp, out);
+    qsort_r(out->by_uname, out->n, sizeof *out->by_uname, uname_cmp, out);
+    return LK_OK;
+}
+
+/* In steps: the model's names, the tables to apply, their rules, every
+ * key's aliases, the sorted orders. The names and tables are this build's
+ * scratch; on failure out is freed (and zeroed). */
 lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layout_opts *o, const char *label,
                           lk_layout *out) {
     memset(out, 0, sizeof *out);
     builder b = {out, 0, label};
-    lk_family fam[MAX_FAMILIES], *maps = NULL;
-    int have_fam = 0;
-    size_t n_maps = 0, nn = 0;
-    char **names = lk_calloc(n_model ? n_model : 1, sizeof *names); /* stripped "<k>.weight" names, for detection */
-    lk_status s = names ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
-    for (size_t i = 0; i < n_model && !s; i++) {
-        int comp;
-        const char *k = model[i].name;
-        if (k) names[nn++] = (char *)strip_model(k, &comp, NULL);
-    }
-    if (!s) qsort(names, nn, sizeof *names, str_cmp);
-    if (!s) s = pick_family(label, o ? o->arch : NULL, names, nn, fam, &have_fam);
-    for (int f = 0; !s && f < have_fam; f++) { /* "sdxl,openclip" */
-        size_t ol = out->family ? strlen(out->family) : 0, nl = strlen(fam[f].name);
-        char *nf = lk_realloc(out->family, ol + nl + 2);
-        if (!nf) {
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
-            break;
-        }
-        snprintf(nf + ol, nl + 2, "%s%s", ol ? "," : "", fam[f].name);
-        out->family = nf;
-        lk_log(LK_LOG_INFO, "%s: model family %s (%s)", label, fam[f].name, fam[f].file);
-    }
-    if (!s && o && o->n_maps) {
-        maps = lk_calloc(o->n_maps, sizeof *maps);
-        if (!maps) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
-        for (size_t i = 0; !s && i < o->n_maps; i++) {
-            s = lk_family_load(o->maps[i], 0, &maps[i]);
-            if (!s) n_maps++;
-        }
-    }
-    size_t fam_rules[MAX_FAMILIES] = {0}, map_rules[16] = {0};
-    long *fam_last[MAX_FAMILIES] = {0}, *map_last[16] = {0};
-    if (!s && n_maps > 16) s = lk_error(LK_ERR_ARG, "%s: at most 16 --map files", label);
-    for (int f = 0; !s && f < have_fam; f++) s = rule_strings(out, &fam[f], "family", &fam_rules[f], label);
-    for (size_t i = 0; !s && i < n_maps; i++) s = rule_strings(out, &maps[i], "--map", &map_rules[i], label);
-    for (int f = 0; !s && f < have_fam; f++) s = last_numbers(&fam[f], names, nn, label, &fam_last[f]);
-    for (size_t i = 0; !s && i < n_maps; i++) s = last_numbers(&maps[i], names, nn, label, &map_last[i]);
-    for (size_t k = 0; k < n_model && !s; k++) {
-        const char *key = model[k].name;
-        /* "<m>.weight", and OpenCLIP's fused "<attn>.in_proj_weight" as module "<attn>.in_proj" */
-        int inproj = key && has_suffix(key, ".in_proj_weight");
-        if (!key || (!has_suffix(key, ".weight") && !inproj)) continue;
-        int comp;
-        const char *st = strip_model(key, &comp, NULL);
-        size_t sl = strlen(st) - 7;
-        char *nm = lk_malloc(sl + 1);
-        if (!nm) {
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
-            break;
-        }
-        memcpy(nm, st, sl);
-        nm[sl] = '\0';
-        for (int f = 0; !s && f < have_fam; f++)
-            s = table_aliases(&b, &fam[f], out->rules + fam_rules[f], fam_last[f], nm, k, comp);
-        for (size_t i = 0; !s && i < n_maps; i++)
-            s = table_aliases(&b, &maps[i], out->rules + map_rules[i], map_last[i], nm, k, comp);
-        if (!s) s = add_alias(&b, nm, k, comp, 1, "prefix", g_all, g_all);
-        else lk_free(nm);
-    }
-    if (!s) {
-        out->by_name = lk_malloc((out->n ? out->n : 1) * sizeof *out->by_name);
-        out->by_uname = lk_malloc((out->n ? out->n : 1) * sizeof *out->by_uname);
-        if (!out->by_name || !out->by_uname) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
-    }
-    if (!s) {
-        for (size_t i = 0; i < out->n; i++) out->by_name[i] = out->by_uname[i] = i;
-        qsort_r(out->by_name, out->n, sizeof *out->by_name, name_cmp, out);
-        qsort_r(out->by_uname, out->n, sizeof *out->by_uname, uname_cmp, out);
-    }
-    for (int f = 0; f < have_fam; f++) {
-        lk_family_free(&fam[f]);
-        lk_free(fam_last[f]);
-    }
-    for (size_t i = 0; i < n_maps; i++) {
-        lk_family_free(&maps[i]);
-        lk_free(map_last[i]);
-    }
-    lk_free(maps);
+    tables t = {.n_fam = 0};
+    char **names = NULL;
+    size_t nn = 0;
+    lk_status s = model_names(model, n_model, label, &names, &nn);
+    if (!s) s = pick_tables(out, o, label, names, nn, &t);
+    if (!s) s = table_rules(out, &t, names, nn, label);
+    for (size_t k = 0; k < n_model && !s; k++) s = key_aliases(&b, &t, model, k);
+    if (!s) s = sort_aliases(out, label);
+    tables_free(&t);
     lk_free(names);
     if (s) lk_layout_free(out);
     return s;
