@@ -208,6 +208,101 @@ static void init_layer(lk_lora_layer *l, uint64_t seed) {
     memset(p->data + p->offset[l->pB], 0, (size_t)l->out * (size_t)l->r * sizeof(float));
 }
 
+/* What lk_lora_enable wraps: the targets (the config's, or the defaults),
+ * the excludes, and the selected layers' parameter specs and names. specs
+ * and names are carved from one allocation (block); the names are owned
+ * and freed with it by enable_plan_free. */
+typedef struct enable_plan {
+    char *const *targets;
+    size_t n_targets;
+    const char *const *exclude;
+    size_t n;                   /* selected layers */
+    void *block;                /* specs[2n], then names[2n] */
+    lk_lora_param_spec *specs;
+    char **names;
+} enable_plan;
+
+/* Whether the plan wraps layer l: a target substring in its name, no exclude substring. */
+static int selected(const enable_plan *e, const lk_lora_layer *l) {
+    return contains_any(l->name, e->targets, e->n_targets) && !excluded(l->name, e->exclude);
+}
+
+/* Fills e's targets and counts the selected layers into e->n; none selected is
+ * the config's error, naming the targets and the excludes. Allocates nothing. */
+static lk_status enable_select(const lk_lora_model *m, const lk_lora_config *cfg, const char *const *exclude,
+                               enable_plan *e) {
+    e->targets = cfg->targets;
+    e->n_targets = cfg->n_targets;
+    e->exclude = exclude;
+    if (!e->targets || !e->n_targets) {
+        e->targets = (char *const *)lk_lora_default_targets;
+        e->n_targets = 0;
+        while (lk_lora_default_targets[e->n_targets]) e->n_targets++;
+    }
+    for (size_t i = 0; i < m->n_layers; i++) e->n += (size_t)selected(e, m->layers[i]);
+    if (e->n) return LK_OK;
+    char tl[1024], el[512] = "[]";
+    list_str(tl, sizeof tl, e->targets, e->n_targets);
+    size_t ne = 0;
+    while (exclude && exclude[ne]) ne++;
+    if (ne) list_str(el, sizeof el, (char *const *)exclude, ne);
+    return lk_error(LK_ERR_CONFIG,
+                    "no LoRA-compatible layers were found for the requested target modules "
+                    "%s (excluded: %s; %zu linear layers registered)",
+                    tl, el, m->n_layers);
+}
+
+/* The "<layer>.lora_A" [rank, in] and "<layer>.lora_B" [out, rank] specs of
+ * every selected layer, in layer order, into e's one block (freed, names
+ * too, by enable_plan_free, also on a failure here). */
+static lk_status enable_specs(const lk_lora_model *m, int rank, enable_plan *e) {
+    /* specs first: their alignment (a pointer's at least) suits the names after them */
+    e->block = lk_calloc(2 * e->n, sizeof *e->specs + sizeof *e->names);
+    if (!e->block) return lk_error(LK_ERR_NOMEM, "out of memory");
+    e->specs = e->block;
+    e->names = (char **)(e->specs + 2 * e->n);
+    size_t k = 0;
+    for (size_t i = 0; i < m->n_layers; i++) {
+        const lk_lora_layer *l = m->layers[i];
+        if (!selected(e, l)) continue;
+        e->names[k] = join(l->name, "lora_A");
+        e->names[k + 1] = join(l->name, "lora_B");
+        if (!e->names[k] || !e->names[k + 1]) return lk_error(LK_ERR_NOMEM, "out of memory");
+        e->specs[k] = (lk_lora_param_spec){e->names[k], rank, l->in};
+        e->specs[k + 1] = (lk_lora_param_spec){e->names[k + 1], l->out, rank};
+        k += 2;
+    }
+    return LK_OK;
+}
+
+static void enable_plan_free(enable_plan *e) {
+    for (size_t i = 0; e->block && i < 2 * e->n; i++) lk_free(e->names[i]);
+    lk_free(e->block);
+}
+
+/* Commit (cannot fail): the model takes p and wraps every selected layer
+ * onto its A/B parameters, initialised from seed. */
+static void enable_commit(lk_lora_model *m, const lk_lora_config *cfg, const enable_plan *e, lk_lora_params *p,
+                          uint64_t seed) {
+    m->params = p;
+    m->enabled = 1;
+    m->rank = cfg->rank;
+    m->alpha = cfg->alpha_given || cfg->alpha ? cfg->alpha : cfg->rank;
+    m->seed = seed;
+    size_t k = 0;
+    for (size_t i = 0; i < m->n_layers; i++) {
+        lk_lora_layer *l = m->layers[i];
+        if (!selected(e, l)) continue;
+        l->wrapped = 1;
+        l->r = cfg->rank;
+        l->scale = (float)m->alpha / (float)cfg->rank;
+        l->pA = lk_lora_params_find(p, e->names[k]);
+        l->pB = lk_lora_params_find(p, e->names[k + 1]);
+        init_layer(l, seed);
+        k += 2;
+    }
+}
+
 lk_status lk_lora_enable(lk_lora_model *m, const lk_lora_config *cfg, const char *const *exclude,
                          uint64_t seed, size_t *count) {
     if (count) *count = 0;
@@ -217,77 +312,21 @@ lk_status lk_lora_enable(lk_lora_model *m, const lk_lora_config *cfg, const char
         return lk_error(LK_ERR_CONFIG, "lk_lora_enable: the LoRA config is not enabled");
     if (cfg->rank <= 0)
         return lk_error(LK_ERR_CONFIG, "lk_lora_enable: lora rank must be > 0, got %d", cfg->rank);
-    char *const *targets = cfg->targets;
-    size_t n_targets = cfg->n_targets;
-    if (!targets || !n_targets) {
-        targets = (char *const *)lk_lora_default_targets;
-        n_targets = 0;
-        while (lk_lora_default_targets[n_targets]) n_targets++;
-    }
-    size_t n = 0;
-    for (size_t i = 0; i < m->n_layers; i++)
-        if (contains_any(m->layers[i]->name, targets, n_targets) &&
-            !excluded(m->layers[i]->name, exclude))
-            n++;
-    if (n == 0) {
-        char tl[1024], el[512] = "[]";
-        list_str(tl, sizeof tl, targets, n_targets);
-        size_t ne = 0;
-        while (exclude && exclude[ne]) ne++;
-        if (ne) list_str(el, sizeof el, (char *const *)exclude, ne);
-        return lk_error(LK_ERR_CONFIG,
-                        "no LoRA-compatible layers were found for the requested target modules "
-                        "%s (excluded: %s; %zu linear layers registered)",
-                        tl, el, m->n_layers);
-    }
+    enable_plan e = {0};
+    lk_status s = enable_select(m, cfg, exclude, &e);
+    if (s) return s;
     if ((size_t)cfg->rank > (size_t)INT32_MAX / 2)
         return lk_error(LK_ERR_CONFIG, "lora rank %d too large", cfg->rank);
-    lk_lora_param_spec *specs = lk_calloc(2 * n, sizeof *specs);
-    char **names = lk_calloc(2 * n, sizeof(char *));
-    lk_status s = LK_OK;
-    if (!specs || !names) s = lk_error(LK_ERR_NOMEM, "out of memory");
-    size_t k = 0;
-    for (size_t i = 0; s == LK_OK && i < m->n_layers; i++) {
-        lk_lora_layer *l = m->layers[i];
-        if (!contains_any(l->name, targets, n_targets) || excluded(l->name, exclude)) continue;
-        names[k] = join(l->name, "lora_A");
-        names[k + 1] = join(l->name, "lora_B");
-        if (!names[k] || !names[k + 1]) {
-            s = lk_error(LK_ERR_NOMEM, "out of memory");
-            break;
-        }
-        specs[k] = (lk_lora_param_spec){names[k], cfg->rank, l->in};
-        specs[k + 1] = (lk_lora_param_spec){names[k + 1], l->out, cfg->rank};
-        k += 2;
-    }
     lk_lora_params *p = NULL;
-    if (s == LK_OK) s = lk_lora_params_create(specs, 2 * n, &p);
+    s = enable_specs(m, cfg->rank, &e);
+    if (s == LK_OK) s = lk_lora_params_create(e.specs, 2 * e.n, &p);
     if (s == LK_OK) {
-        /* Commit: nothing below can fail. */
-        m->params = p;
-        m->enabled = 1;
-        m->rank = cfg->rank;
-        m->alpha = cfg->alpha_given || cfg->alpha ? cfg->alpha : cfg->rank;
-        m->seed = seed;
-        k = 0;
-        for (size_t i = 0; i < m->n_layers; i++) {
-            lk_lora_layer *l = m->layers[i];
-            if (!contains_any(l->name, targets, n_targets) || excluded(l->name, exclude)) continue;
-            l->wrapped = 1;
-            l->r = cfg->rank;
-            l->scale = (float)m->alpha / (float)cfg->rank;
-            l->pA = lk_lora_params_find(p, names[k]);
-            l->pB = lk_lora_params_find(p, names[k + 1]);
-            init_layer(l, seed);
-            k += 2;
-        }
-        if (count) *count = n;
+        enable_commit(m, cfg, &e, p, seed);
+        if (count) *count = e.n;
         lk_log(LK_LOG_INFO, "enabled LoRA training with rank=%d alpha=%d on %zu layers", m->rank,
-               m->alpha, n);
+               m->alpha, e.n);
     }
-    for (size_t i = 0; names && i < 2 * n; i++) lk_free(names[i]);
-    lk_free(names);
-    lk_free(specs);
+    enable_plan_free(&e);
     return s;
 }
 
