@@ -481,6 +481,32 @@ static void test_peft_roundtrip(void **state) {
     assert_int_equal(lk_lora_finalize(g.m, &count), LK_OK);
     assert_int_equal(count, 5);
 
+    /* every allocation of the load failed in turn (the paths, the config,
+     * the checkpoint's, the match table, each key's name): a clean NOMEM and
+     * the parameters as before; then the load goes through, as above */
+    host g2 = make_host(perm, 1);
+    assert_int_equal(lk_lora_enable(g2.m, &c, ex, 99, NULL), LK_OK);
+    lk_lora_params *p2 = lk_lora_model_params(g2.m);
+    const size_t nb2 = lk_lora_params_numel(p2) * sizeof(float);
+    float *before2 = malloc(nb2);
+    memcpy(before2, lk_lora_params_data(p2), nb2);
+    unsigned long k_ok = 0;
+    for (unsigned long kf = 1; kf < 500 && !k_ok; kf++) {
+        lk_alloc_fail_at(kf);
+        lk_status s = lk_lora_load_peft(g2.m, ad);
+        lk_alloc_fail_at(0);
+        if (s == LK_OK) {
+            k_ok = kf;
+        } else {
+            assert_int_equal(s, LK_ERR_NOMEM);
+            assert_memory_equal(lk_lora_params_data(p2), before2, nb2);
+        }
+    }
+    assert_true(k_ok > 5); /* the walk failed some allocations before the load went through */
+    assert_memory_equal(lk_lora_params_data(p2), lk_lora_params_data(p), nb2);
+    free(before2);
+    free_host(&g2);
+
     /* mismatches are refused and change nothing */
     host k = make_host(NULL, 1);
     lk_lora_config c4 = cfg_of(4, 6, t, 3);

@@ -152,85 +152,116 @@ static lk_status read_peft_config(const char *path, int *r, int *alpha) {
     return s;
 }
 
+/* One lk_lora_load_peft: the folder's two paths, the open checkpoint, and
+ * per wrapped layer i the checkpoint's index of its lora_A (idx[2i]) and
+ * lora_B (idx[2i + 1]). Everything here is freed by peft_load_free. */
+typedef struct peft_load {
+    lk_lora_model *m;
+    char *st_path, *js_path;
+    lk_st *st;
+    long *idx;
+    size_t nl, nw; /* layers, wrapped layers */
+} peft_load;
+
+/* Reads adapter_config.json, checks its r and lora_alpha against the
+ * model's, then opens the checkpoint into p->st. */
+static lk_status peft_open(peft_load *p, int rank, int alpha) {
+    int fr = 0, fa = 0;
+    lk_status s = read_peft_config(p->js_path, &fr, &fa);
+    if (s == LK_OK && (fr != rank || fa != alpha))
+        s = lk_error(LK_ERR_CONFIG, "%s: r=%d lora_alpha=%d but the model was enabled with rank=%d alpha=%d",
+                     p->js_path, fr, fa, rank, alpha);
+    if (s == LK_OK) s = lk_st_open(p->st_path, &p->st);
+    return s;
+}
+
+/* Finds wrapped layer l's lora_A (ab 0) or lora_B (ab 1) in the checkpoint
+ * into *ti and checks its dtype and shape. */
+static lk_status peft_match_one(const peft_load *p, lk_lora_layer *l, int ab, long *ti) {
+    char *key = peft_key(lk_lora_layer_name(l), ab ? "lora_B" : "lora_A");
+    if (!key) return lk_error(LK_ERR_NOMEM, "out of memory");
+    lk_status s = LK_OK;
+    *ti = lk_st_find(p->st, key);
+    int64_t want0 = ab ? lk_lora_layer_out(l) : lk_lora_layer_rank(l), want1 = ab ? lk_lora_layer_rank(l) : lk_lora_layer_in(l);
+    if (*ti < 0) {
+        s = lk_error(LK_ERR_FORMAT, "%s: missing '%s' for the wrapped layer %s", p->st_path, key, lk_lora_layer_name(l));
+    } else {
+        const lk_tensor *t = lk_st_tensor(p->st, (size_t)*ti);
+        if (!lk_dtype_is_fusable(t->dtype))
+            s = lk_error(LK_ERR_DTYPE, "%s: %s: dtype %s", p->st_path, key, lk_dtype_name(t->dtype));
+        else if (t->ndim != 2 || t->shape[0] != want0 || t->shape[1] != want1) {
+            char have[96];
+            lk_shape_str(t, have, sizeof have);
+            s = lk_error(LK_ERR_SHAPE, "%s: %s: %s is %s but the model expects [%lld, %lld]", p->st_path,
+                         lk_lora_layer_name(l), ab ? "lora_B" : "lora_A", have, (long long)want0, (long long)want1);
+        }
+    }
+    lk_free(key);
+    return s;
+}
+
+/* Matches every wrapped layer's two tensors (p->idx, p->nw), then checks the
+ * checkpoint holds nothing else, naming one tensor that belongs to no
+ * wrapped layer. Reads no tensor data. */
+static lk_status peft_match(peft_load *p) {
+    p->idx = lk_calloc(2 * p->nl + 1, sizeof *p->idx);
+    if (!p->idx) return lk_error(LK_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; i < p->nl; i++) {
+        lk_lora_layer *l = lk_lora_model_layer(p->m, i);
+        if (!lk_lora_layer_wrapped(l)) continue;
+        for (int ab = 0; ab < 2; ab++) {
+            lk_status s = peft_match_one(p, l, ab, &p->idx[2 * i + ab]);
+            if (s) return s;
+        }
+        p->nw++;
+    }
+    if (lk_st_count(p->st) == 2 * p->nw) return LK_OK;
+    const char *extra = "?";
+    for (size_t j = 0; j < lk_st_count(p->st); j++) {
+        int found = 0;
+        for (size_t i = 0; i < 2 * p->nl && !found; i++) {
+            lk_lora_layer *l = lk_lora_model_layer(p->m, i / 2);
+            found = lk_lora_layer_wrapped(l) && p->idx[i] == (long)j;
+        }
+        if (!found) {
+            extra = lk_st_tensor(p->st, j)->name;
+            break;
+        }
+    }
+    return lk_error(LK_ERR_UNMATCHED, "%s: %zu tensors but the model has %zu adapter tensors; '%s' "
+                    "matches no wrapped layer", p->st_path, lk_st_count(p->st), 2 * p->nw, extra);
+}
+
+/* Commit (cannot fail): every matched tensor converted into the model's F32 A and B. */
+static void peft_commit(const peft_load *p) {
+    for (size_t i = 0; i < p->nl; i++) {
+        lk_lora_layer *l = lk_lora_model_layer(p->m, i);
+        if (!lk_lora_layer_wrapped(l)) continue;
+        for (int ab = 0; ab < 2; ab++) {
+            const lk_tensor *t = lk_st_tensor(p->st, (size_t)p->idx[2 * i + ab]);
+            lk_to_f32(ab ? lk_lora_layer_B(l) : lk_lora_layer_A(l), t->data, t->dtype, lk_tensor_numel(t));
+        }
+    }
+}
+
+static void peft_load_free(peft_load *p) {
+    lk_free(p->idx);
+    lk_st_close(p->st);
+    lk_free(p->st_path);
+    lk_free(p->js_path);
+}
+
 lk_status lk_lora_load_peft(lk_lora_model *m, const char *dir) {
     if (!m || !dir) return lk_error(LK_ERR_ARG, "lk_lora_load_peft: missing model or folder");
     int alpha, rank = lk_lora_model_rank_alpha(m, &alpha);
     if (rank <= 0) return lk_error(LK_ERR_STATE, "%s: LoRA is not enabled on this model", dir);
-    char *st_path = lk_path_join(dir, "adapter_model.safetensors");
-    char *js_path = lk_path_join(dir, "adapter_config.json");
-    if (!st_path || !js_path) {
-        lk_free(st_path);
-        lk_free(js_path);
-        return lk_error(LK_ERR_NOMEM, "out of memory");
-    }
-    int fr = 0, fa = 0;
-    lk_st *st = NULL;
-    lk_status s = read_peft_config(js_path, &fr, &fa);
-    if (s == LK_OK && (fr != rank || fa != alpha))
-        s = lk_error(LK_ERR_CONFIG, "%s: r=%d lora_alpha=%d but the model was enabled with rank=%d alpha=%d",
-                     js_path, fr, fa, rank, alpha);
-    if (s == LK_OK) s = lk_st_open(st_path, &st);
-    size_t nl = lk_lora_model_layer_count(m), nw = 0;
-    long *idx = s == LK_OK ? lk_calloc(2 * nl + 1, sizeof *idx) : NULL;
-    if (s == LK_OK && !idx) s = lk_error(LK_ERR_NOMEM, "out of memory");
-    for (size_t i = 0; s == LK_OK && i < nl; i++) {
-        lk_lora_layer *l = lk_lora_model_layer(m, i);
-        if (!lk_lora_layer_wrapped(l)) continue;
-        for (int ab = 0; ab < 2 && s == LK_OK; ab++) {
-            char *key = peft_key(lk_lora_layer_name(l), ab ? "lora_B" : "lora_A");
-            if (!key) {
-                s = lk_error(LK_ERR_NOMEM, "out of memory");
-                break;
-            }
-            long ti = lk_st_find(st, key);
-            int64_t want0 = ab ? lk_lora_layer_out(l) : lk_lora_layer_rank(l), want1 = ab ? lk_lora_layer_rank(l) : lk_lora_layer_in(l);
-            if (ti < 0) {
-                s = lk_error(LK_ERR_FORMAT, "%s: missing '%s' for the wrapped layer %s", st_path, key, lk_lora_layer_name(l));
-            } else {
-                const lk_tensor *t = lk_st_tensor(st, (size_t)ti);
-                if (!lk_dtype_is_fusable(t->dtype))
-                    s = lk_error(LK_ERR_DTYPE, "%s: %s: dtype %s", st_path, key, lk_dtype_name(t->dtype));
-                else if (t->ndim != 2 || t->shape[0] != want0 || t->shape[1] != want1) {
-                    char have[96];
-                    lk_shape_str(t, have, sizeof have);
-                    s = lk_error(LK_ERR_SHAPE, "%s: %s: %s is %s but the model expects [%lld, %lld]", st_path,
-                                 lk_lora_layer_name(l), ab ? "lora_B" : "lora_A", have, (long long)want0, (long long)want1);
-                }
-            }
-            idx[2 * i + ab] = ti;
-            lk_free(key);
-        }
-        nw++;
-    }
-    if (s == LK_OK && lk_st_count(st) != 2 * nw) {
-        /* name one tensor that belongs to no wrapped layer */
-        const char *extra = "?";
-        for (size_t j = 0; j < lk_st_count(st); j++) {
-            int found = 0;
-            for (size_t i = 0; i < 2 * nl && !found; i++) {
-                lk_lora_layer *l = lk_lora_model_layer(m, i / 2);
-                found = lk_lora_layer_wrapped(l) && idx[i] == (long)j;
-            }
-            if (!found) {
-                extra = lk_st_tensor(st, j)->name;
-                break;
-            }
-        }
-        s = lk_error(LK_ERR_UNMATCHED, "%s: %zu tensors but the model has %zu adapter tensors; '%s' "
-                     "matches no wrapped layer", st_path, lk_st_count(st), 2 * nw, extra);
-    }
-    if (s == LK_OK)
-        for (size_t i = 0; i < nl; i++) {
-            lk_lora_layer *l = lk_lora_model_layer(m, i);
-            if (!lk_lora_layer_wrapped(l)) continue;
-            for (int ab = 0; ab < 2; ab++) {
-                const lk_tensor *t = lk_st_tensor(st, (size_t)idx[2 * i + ab]);
-                lk_to_f32(ab ? lk_lora_layer_B(l) : lk_lora_layer_A(l), t->data, t->dtype, lk_tensor_numel(t));
-            }
-        }
-    lk_free(idx);
-    lk_st_close(st);
-    lk_free(st_path);
-    lk_free(js_path);
+    peft_load p = {.m = m, .nl = lk_lora_model_layer_count(m)};
+    p.st_path = lk_path_join(dir, "adapter_model.safetensors");
+    p.js_path = lk_path_join(dir, "adapter_config.json");
+    lk_status s = p.st_path && p.js_path ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
+    if (s == LK_OK) s = peft_open(&p, rank, alpha);
+    if (s == LK_OK) s = peft_match(&p);
+    if (s == LK_OK) peft_commit(&p);
+    peft_load_free(&p);
     return s;
 }
