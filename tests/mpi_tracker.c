@@ -344,6 +344,24 @@ static void test_base_differs(void **state) {
     tu_assert_contains(lk_last_error(), want);
     snprintf(want, sizeof want, "; rank %d holds XXH3-64 ", N - 1);
     tu_assert_contains(lk_last_error(), want);
+    /* every allocation of that create failed in turn on the last rank:
+     * LK_ERR_NOMEM on every rank and no tracker, until none is left to fail
+     * and the mismatch is found again; the last allocation to fail is the
+     * gather of every rank's hashes (the tracker's own message) */
+    char last[256] = "";
+    unsigned long k = 1;
+    for (;; k++) {
+        if (R == N - 1) lk_alloc_fail_at(k);
+        lk_status s = lk_tracker_create(W, w, &o, &t);
+        lk_alloc_fail_at(0);
+        assert_null(t);
+        if (s == LK_ERR_MISMATCH) break;
+        if (s != LK_ERR_NOMEM) fail_msg("rank %d: allocation %lu: got %s: %s", R, k, lk_status_str(s), lk_last_error());
+        snprintf(last, sizeof last, "%s", lk_last_error());
+    }
+    assert_true(k > 3);
+    tu_assert_contains(lk_last_error(), "1 of ");
+    if (R == N - 1) tu_assert_contains(last, "tracker: out of memory comparing ");
     if (N > 2) {
         if (R == 1) flip(w, "blocks.0.attn.to_q.weight");
         assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_ERR_MISMATCH);

@@ -32,4 +32,12 @@ lk_status lk_comm_bcastv_ready(lk_comm *c, const lk_comm_seg *seg, size_t nseg, 
  * too); on a failure the result is lk_comm_agree's. */
 lk_status lk_comm_agree_min(lk_comm *c, lk_status local, uint64_t *v, size_t n);
 
+/* lk_comm_same_bytes, handing back what it gathered: all (the caller's,
+ * n * item_bytes * size bytes; not NULL) gets every rank's items, rank r's
+ * at r * n * item_bytes, and nothing is allocated here. The same
+ * collectives, checks, messages and *out as lk_comm_same_bytes; a caller
+ * that could not get all passes its error as local. */
+lk_status lk_comm_same_bytes_all(lk_comm *c, lk_status local, const void *items, size_t item_bytes, size_t n,
+                                 void *all, lk_comm_same *out);
+
 #endif

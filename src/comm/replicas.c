@@ -137,8 +137,8 @@ lk_status lk_comm_average_f32(lk_comm *c, float *const *bufs, const size_t *coun
 
 /* ---- do the ranks hold the same bytes ---- */
 
-lk_status lk_comm_same_bytes(lk_comm *c, lk_status local, const void *items, size_t item_bytes, size_t n,
-                             void *rank0, lk_comm_same *out) {
+lk_status lk_comm_same_bytes_all(lk_comm *c, lk_status local, const void *items, size_t item_bytes, size_t n,
+                                 void *all, lk_comm_same *out) {
     if (!c || !out) return lk_error(LK_ERR_ARG, "comm same bytes: NULL communicator or result");
     memset(out, 0, sizeof *out);
     out->first = n;
@@ -148,26 +148,36 @@ lk_status lk_comm_same_bytes(lk_comm *c, lk_status local, const void *items, siz
         local = lk_error(LK_ERR_ARG, "comm same bytes: %zu items of %zu bytes x %zu ranks overflows", n, item_bytes,
                          size);
     if (!local && mine && !items) local = lk_error(LK_ERR_ARG, "comm same bytes: NULL items");
-    unsigned char *all = local ? NULL : lk_malloc(all_bytes ? all_bytes : 1);
-    if (!local && !all) local = lk_error(LK_ERR_NOMEM, "comm same bytes: out of memory for %zu bytes", all_bytes);
+    if (!local && !all) local = lk_error(LK_ERR_ARG, "comm same bytes: NULL gather buffer");
     /* a rank that failed to make its items, or to get memory, still joins:
      * every rank returns its error before anything is gathered */
     lk_status s = lk_comm_agree(c, local);
     if (!s) s = lk_comm_allgather(c, items, mine, all);
-    if (!s) {
-        for (size_t k = 0; k < n; k++) {
-            const unsigned char *r0 = all + k * item_bytes;
-            int differs = 0;
-            for (size_t r = 1; r < size; r++) differs |= memcmp(all + r * mine + k * item_bytes, r0, item_bytes) != 0;
-            if (!differs || out->n_differ++) continue;
-            out->first = k;
-            size_t o = 0;
-            for (size_t r = 1; r < size && o < sizeof out->ranks - 12; r++)
-                if (memcmp(all + r * mine + k * item_bytes, r0, item_bytes))
-                    o += (size_t)snprintf(out->ranks + o, sizeof out->ranks - o, "%s%zu", o ? ", " : "", r);
-        }
-        if (rank0 && mine) memcpy(rank0, all, mine);
+    for (size_t k = 0; !s && k < n; k++) {
+        const unsigned char *a = all, *r0 = a + k * item_bytes;
+        int differs = 0;
+        for (size_t r = 1; r < size; r++) differs |= memcmp(a + r * mine + k * item_bytes, r0, item_bytes) != 0;
+        if (!differs || out->n_differ++) continue;
+        out->first = k;
+        size_t o = 0;
+        for (size_t r = 1; r < size && o < sizeof out->ranks - 12; r++)
+            if (memcmp(a + r * mine + k * item_bytes, r0, item_bytes))
+                o += (size_t)snprintf(out->ranks + o, sizeof out->ranks - o, "%s%zu", o ? ", " : "", r);
     }
+    return s;
+}
+
+lk_status lk_comm_same_bytes(lk_comm *c, lk_status local, const void *items, size_t item_bytes, size_t n,
+                             void *rank0, lk_comm_same *out) {
+    if (!c || !out) return lk_error(LK_ERR_ARG, "comm same bytes: NULL communicator or result");
+    size_t mine = 0, all_bytes = 0;
+    /* the sizes' and items' checks are lk_comm_same_bytes_all's: nothing is allocated before they pass */
+    int fits = lk_checked_mul(n, item_bytes, &mine) && lk_checked_mul(mine, (size_t)lk_comm_size(c), &all_bytes);
+    unsigned char *all = local || !fits || (mine && !items) ? NULL : lk_malloc(all_bytes ? all_bytes : 1);
+    if (!local && fits && (!mine || items) && !all)
+        local = lk_error(LK_ERR_NOMEM, "comm same bytes: out of memory for %zu bytes", all_bytes);
+    lk_status s = lk_comm_same_bytes_all(c, local, items, item_bytes, n, all, out);
+    if (!s && rank0 && mine) memcpy(rank0, all, mine);
     lk_free(all);
     return s;
 }

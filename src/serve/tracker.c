@@ -689,14 +689,63 @@ static int spare_cores(const uint64_t *hosts, int size, int rank) {
     return cpus >= 2L * local;
 }
 
+/* Each distinct value of hv[r * stride] (r < size) with the ranks holding
+ * it, in order of first appearance, into msg: "rank 0 holds XXH3-64 ...;
+ * ranks 1, 2 hold XXH3-64 ..." (at most 8 values and 16 ranks each). */
+static void rank_groups(const uint64_t *hv, size_t stride, int size, char *msg, size_t cap) {
+    size_t len = 0;
+    int groups = 0;
+    for (int r = 0; r < size; r++) {
+        const uint64_t v = hv[(size_t)r * stride];
+        int seen = 0, count = 0, listed = 0;
+        for (int q = 0; q < r && !seen; q++) seen = hv[(size_t)q * stride] == v;
+        if (seen) continue;
+        if (groups++ == 8) {
+            lk_appendf(msg, cap, &len, "; ...");
+            break;
+        }
+        for (int q = r; q < size; q++) count += hv[(size_t)q * stride] == v;
+        lk_appendf(msg, cap, &len, "%s%s", groups > 1 ? "; " : "", count > 1 ? "ranks " : "rank ");
+        for (int q = r; q < size && listed < 16; q++)
+            if (hv[(size_t)q * stride] == v) lk_appendf(msg, cap, &len, "%s%d", listed++ ? ", " : "", q);
+        lk_appendf(msg, cap, &len, "%s hold%s XXH3-64 %016llx", count > listed ? ", ..." : "", count > 1 ? "" : "s",
+                   (unsigned long long)v);
+    }
+}
+
+/* After the ranks' hashes of their base weights disagreed: every rank's
+ * per-key hashes h[0..n) (name order) gathered by lk_comm_same_bytes_all
+ * into one allocation, then the error, the same on every rank, naming how
+ * many keys differ, the first of them and which ranks hold which bytes of
+ * it. Collective. */
+static lk_status base_differs(lk_tracker *t, const uint64_t *h) {
+    const size_t n = t->n;
+    size_t bytes = 0;
+    uint64_t *hv = lk_checked_mul(n, (size_t)t->size * sizeof *hv, &bytes) ? lk_malloc(bytes) : NULL;
+    lk_status local = hv ? LK_OK : lk_error(LK_ERR_NOMEM, "tracker: out of memory comparing %zu tensors", n);
+    lk_comm_same same;
+    lk_status s = lk_comm_same_bytes_all(t->comm, local, h, sizeof *h, n, hv, &same);
+    if (!s && same.first == n) s = lk_error(LK_ERR_MISMATCH, "tracker: the ranks' base weights hash differently, yet no "
+                                                             "single tensor differs (a hash collision?)");
+    if (!s) {
+        char msg[1536] = "";
+        rank_groups(hv + same.first, n, t->size, msg, sizeof msg);
+        s = lk_error(LK_ERR_MISMATCH, "tracker: the ranks hold different base weights: %zu of %zu tensors differ; the "
+                     "first in byte-wise name order is %s: %s (every rank must load the same base bytes)",
+                     same.n_differ, n, lk_weights_tensor(t->w, t->ord[same.first])->name, msg);
+    }
+    lk_free(hv);
+    return s;
+}
+
 /* Every rank must hold the same base bytes: each fuses into its own copy
  * and receives the owners' keys, so ranks that loaded different bytes
  * would serve different weights (every step's digests disagreeing). Each
  * rank hashes every tensor (XXH3-64, byte-wise name order) and the ranks
  * compare a hash of those hashes (one small agreement); only on a
- * difference do they compare every key (one allreduce of 2 words per key)
- * and gather the first differing key's hash from every rank, so the error,
- * the same on every rank, names that key and which ranks hold which bytes.
+ * difference do they gather every key's hash from every rank
+ * (base_differs), so the error, the same on every rank, names the first
+ * differing key and which ranks hold which bytes of it.
  * Collective; local is this rank's status so far (agreed on first). */
 static lk_status check_base(lk_tracker *t, lk_status local) {
     const size_t n = t->n;
@@ -715,54 +764,8 @@ static lk_status check_base(lk_tracker *t, lk_status local) {
     lk_status s = agree_hash(t->comm, local, all, &same);
     lk_log(LK_LOG_DEBUG, "tracker: base check: hashed %zu tensors (%.1f MiB) in %.3f s, agreed in %.3f s", n,
            (double)lk_weights_nbytes(t->w) / 1048576.0, t1 - t0, lk_now_s() - t1);
-    if (s || same) {
-        lk_free(h);
-        return s;
-    }
-    /* per key: max of h and of ~h, equal everywhere iff max h == ~max ~h */
-    uint64_t *v = lk_malloc(2 * n * sizeof *v), *hv = lk_malloc((size_t)t->size * sizeof *hv);
-    local = v && hv ? LK_OK : lk_error(LK_ERR_NOMEM, "tracker: out of memory comparing %zu tensors", n);
-    for (size_t c = 0; !local && c < n; c++) {
-        v[c] = h[c];
-        v[n + c] = ~h[c];
-    }
-    if (!(s = lk_comm_agree(t->comm, local))) s = lk_comm_allreduce_u64(t->comm, v, 2 * n, LK_REDUCE_MAX);
-    size_t first = n, differ = 0;
-    for (size_t c = 0; !s && c < n; c++)
-        if (v[c] != ~v[n + c]) {
-            if (first == n) first = c;
-            differ++;
-        }
-    if (!s && first == n) s = lk_error(LK_ERR_MISMATCH, "tracker: the ranks' base weights hash differently, yet no "
-                                                        "single tensor differs (a hash collision?)");
-    if (!s) s = lk_comm_allgather(t->comm, &h[first], sizeof *h, hv);
-    if (!s) {
-        /* each distinct hash with the ranks holding it, in order of first appearance */
-        char msg[1536] = "";
-        size_t len = 0;
-        int groups = 0;
-        for (int r = 0; r < t->size; r++) {
-            int seen = 0, count = 0, listed = 0;
-            for (int q = 0; q < r && !seen; q++) seen = hv[q] == hv[r];
-            if (seen) continue;
-            if (groups++ == 8) {
-                lk_appendf(msg, sizeof msg, &len, "; ...");
-                break;
-            }
-            for (int q = r; q < t->size; q++) count += hv[q] == hv[r];
-            lk_appendf(msg, sizeof msg, &len, "%s%s", groups > 1 ? "; " : "", count > 1 ? "ranks " : "rank ");
-            for (int q = r; q < t->size && listed < 16; q++)
-                if (hv[q] == hv[r]) lk_appendf(msg, sizeof msg, &len, "%s%d", listed++ ? ", " : "", q);
-            lk_appendf(msg, sizeof msg, &len, "%s hold%s XXH3-64 %016llx", count > listed ? ", ..." : "",
-                   count > 1 ? "" : "s", (unsigned long long)hv[r]);
-        }
-        s = lk_error(LK_ERR_MISMATCH, "tracker: the ranks hold different base weights: %zu of %zu tensors differ; the "
-                     "first in byte-wise name order is %s: %s (every rank must load the same base bytes)",
-                     differ, n, lk_weights_tensor(t->w, t->ord[first])->name, msg);
-    }
+    if (!s && !same) s = base_differs(t, h);
     lk_free(h);
-    lk_free(v);
-    lk_free(hv);
     return s;
 }
 
