@@ -455,6 +455,86 @@ static void test_alloc_failures(void **state) {
     close_fixture(&f);
 }
 
+/* Every allocation of a create fails in turn (the tracker, the table
+ * copies, the per-key arrays, the planning scratch, with a label and a
+ * family): LK_ERR_NOMEM and no tracker; then the create succeeds. */
+static void test_create_alloc_failures(void **state) {
+    (void)state;
+    lk_comm *c;
+    lk_weights *w;
+    assert_int_equal(lk_comm_self(&c), LK_OK);
+    assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.threads = 1;
+    o.base_label = "the base";
+    unsigned long k;
+    lk_tracker *t = NULL;
+    for (k = 1; k < 1000; k++) {
+        lk_alloc_fail_at(k);
+        lk_status s = lk_tracker_create(c, w, &o, &t);
+        lk_alloc_fail_at(0);
+        if (s == LK_OK) break;
+        assert_int_equal(s, LK_ERR_NOMEM);
+        assert_null(t);
+    }
+    assert_true(k > 3);
+    assert_int_equal(lk_tracker_apply(t, NULL, 0, NULL), LK_OK); /* usable */
+    lk_tracker_free(t);
+    lk_weights_free(w);
+    lk_comm_free(c);
+}
+
+/* no_lora_swap has no backup: every allocation of its first apply before
+ * the fuse proper (the request, the scratch, the trial fuse's buffer and
+ * the trial's own) fails in turn, each on a new tracker: LK_ERR_NOMEM with
+ * the base bytes untouched, no backup, nothing applied and the tracker
+ * usable. The walk ends at the first failure in the fuse proper, after the
+ * trial: with nothing to roll back to, that one leaves the tracker unusable
+ * (and keys fused before it in place), as no_lora_swap's contract allows.
+ * Then the apply on a clean base equals the offline fuse. */
+static void count_sink(void *ctx, lk_log_level level, const char *msg) {
+    if (level == LK_LOG_ERROR && strstr(msg, "could not be rolled back; the tracker is now unusable")) ++*(int *)ctx;
+}
+
+static void test_no_lora_swap_alloc_failures(void **state) {
+    (void)state;
+    int unusable = 0;
+    fixture f;
+    open_fixture(&f, 64, 1);
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.bucket_bytes = (size_t)64 << 20;
+    o.no_lora_swap = 1;
+    o.threads = 1;
+    lk_fuse_input ab[] = {{g_a, 1.0f, LK_FORMAT_AUTO}, {g_b, 0.5f, LK_FORMAT_AUTO}};
+    char got[LK_DIGEST_HEX], want[LK_DIGEST_HEX];
+    lk_tracker_stats st;
+    unsigned long k;
+    lk_log_set_sink(count_sink, &unusable); /* the fuse proper's failure logs that the tracker is unusable */
+    for (k = 1; k < 10000; k++) {
+        lk_alloc_fail_at(k);
+        lk_status s = lk_tracker_apply(f.t, ab, 2, &st);
+        lk_alloc_fail_at(0);
+        assert_int_equal(s, LK_ERR_NOMEM); /* the fuse proper allocates: the walk ends before a success */
+        if (lk_tracker_apply(f.t, NULL, 0, NULL) == LK_ERR_STATE) break; /* unusable: failed in the fuse proper */
+        digest_of(f.w, got);
+        assert_string_equal(got, g_base_digest);
+        assert_int_equal(st.backup_bytes, 0);
+        assert_int_equal(lk_tracker_applied(f.t), 0);
+        lk_tracker_free(f.t);
+        assert_int_equal(lk_tracker_create(f.c, f.w, &o, &f.t), LK_OK);
+    }
+    lk_log_set_sink(NULL, NULL);
+    assert_int_equal(unusable, 1);
+    assert_true(k > 3);
+    close_fixture(&f);
+    open_fixture(&f, 64, 1);
+    assert_int_equal(lk_tracker_apply(f.t, ab, 2, &st), LK_OK);
+    offline_digest(ab, 2, want);
+    digest_of(f.w, got);
+    assert_string_equal(got, want);
+    close_fixture(&f);
+}
+
 static void test_weights_wrap(void **state) {
     (void)state;
     float data[6] = {1, 2, 3, 4, 5, 6};
@@ -506,6 +586,7 @@ int main(void) {
         cmocka_unit_test(test_sequence),    cmocka_unit_test(test_element_reference),
         cmocka_unit_test(test_failures),    cmocka_unit_test(test_no_lora_swap),
         cmocka_unit_test(test_create_args), cmocka_unit_test(test_alloc_failures),
+        cmocka_unit_test(test_create_alloc_failures), cmocka_unit_test(test_no_lora_swap_alloc_failures),
         cmocka_unit_test(test_adapter_rewritten), cmocka_unit_test(test_allow_nonfinite),
         cmocka_unit_test(test_weights_wrap), cmocka_unit_test(test_summary_json),
     };

@@ -63,6 +63,7 @@ typedef struct request {
     lk_adapter **ad; /* opened adapters, once loaded */
     const lk_adapter_source **src; /* in-memory sources (NULL: a file), valid during the apply only */
     uint64_t *content; /* per-entry hash of the adapter's modules and bytes, once loaded */
+    void *mem;     /* the one allocation e, s, id, ad, src and content are carved from */
     size_t n;
     uint64_t hash;
 } request;
@@ -76,6 +77,7 @@ struct lk_tracker {
     char *base_label;   /* o.base_label's copy, or NULL */
     int rank, size;
     size_t n;
+    void *key_mem;      /* the one allocation the per-key arrays below are carved from (alloc_keys) */
     size_t *ord;        /* key indices in byte-wise name order */
     key_state *k;
     uint64_t *next;     /* scratch: each key's signature under the new set */
@@ -93,6 +95,29 @@ struct lk_tracker {
 };
 
 
+/* One allocation carved into arrays (as llm.c carves its buffers): a first
+ * pass lays the parts out (carve_part: each offset rounded up to its
+ * type's alignment, the total checked for overflow), one lk_calloc of
+ * c.bytes, then each array is the block plus its offset. */
+typedef struct carve {
+    size_t bytes; /* the block's size so far */
+    int overflow; /* the sizes do not fit in size_t: allocate nothing */
+} carve;
+
+/* Reserves count elements of size bytes at an offset aligned to align (a
+ * power of two); returns that offset. */
+static size_t carve_part(carve *c, size_t count, size_t size, size_t align) {
+    size_t off = 0, len = 0;
+    if (!lk_checked_add(c->bytes, align - 1, &off) || !lk_checked_mul(count, size, &len)) c->overflow = 1;
+    off &= ~(align - 1);
+    if (!lk_checked_add(off, len, &c->bytes)) c->overflow = 1;
+    return off;
+}
+#define CARVE(c, count, type) carve_part((c), (count), sizeof(type), _Alignof(type))
+
+/* The block for c (zeroed), or NULL when it overflows or there is no memory. */
+static char *carve_alloc(const carve *c) { return c->overflow ? NULL : lk_calloc(1, c->bytes ? c->bytes : 1); }
+
 /* Agreement on success (lk_comm_agree) and on a value, in one collective:
  * on LK_OK, *same = 1 iff every rank passed h. */
 static lk_status agree_hash(lk_comm *c, lk_status local, uint64_t h, int *same) {
@@ -109,12 +134,7 @@ static void request_clear(request *r) {
         if (r->ad) lk_adapter_free(r->ad[i]);
         lk_free((void *)r->e[i].path);
     }
-    lk_free(r->e);
-    lk_free(r->src);
-    lk_free(r->s);
-    lk_free(r->id);
-    lk_free(r->ad);
-    lk_free(r->content);
+    lk_free(r->mem);
     memset(r, 0, sizeof *r);
 }
 
@@ -146,44 +166,44 @@ static lk_status request_make(const lk_fuse_input *in, const lk_adapter_source *
         m += in[i].strength != 0.0;
     }
     if (!m) return LK_OK;
-    /* the canonical order lk_fuse_file sums in, so the bytes agree with it */
-    lk_fuse_input *kept = lk_calloc(m, sizeof *kept);
-    size_t *order = lk_calloc(m, sizeof *order), k = 0;
-    r->e = lk_calloc(m, sizeof *r->e);
-    r->s = lk_calloc(m, sizeof *r->s);
-    r->id = lk_calloc(m, sizeof *r->id);
-    r->src = lk_calloc(m, sizeof *r->src);
-    const lk_adapter_source **kept_src = lk_calloc(m, sizeof *kept_src);
-    if (!kept || !order || !r->e || !r->s || !r->id || !r->src || !kept_src) {
-        lk_free(kept_src);
-        goto nomem;
-    }
+    /* one block: the request's arrays, then the scratch used only here (the
+     * kept entries and their sources, and their canonical order) */
+    carve c = {0};
+    const size_t o_e = CARVE(&c, m, lk_fuse_input), o_s = CARVE(&c, m, double), o_id = CARVE(&c, m, uint64_t),
+                 o_ad = CARVE(&c, m, lk_adapter *), o_src = CARVE(&c, m, const lk_adapter_source *),
+                 o_content = CARVE(&c, m, uint64_t), o_kept = CARVE(&c, m, lk_fuse_input),
+                 o_kept_src = CARVE(&c, m, const lk_adapter_source *), o_order = CARVE(&c, m, size_t);
+    char *b = carve_alloc(&c);
+    if (!b) return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory for the request");
+    r->mem = b;
+    r->e = (lk_fuse_input *)(b + o_e);
+    r->s = (double *)(b + o_s);
+    r->id = (uint64_t *)(b + o_id);
+    r->ad = (lk_adapter **)(b + o_ad);
+    r->src = (const lk_adapter_source **)(b + o_src);
+    r->content = (uint64_t *)(b + o_content);
+    lk_fuse_input *kept = (lk_fuse_input *)(b + o_kept);
+    const lk_adapter_source **kept_src = (const lk_adapter_source **)(b + o_kept_src);
+    size_t *order = (size_t *)(b + o_order), k = 0;
     for (size_t i = 0; i < n; i++)
         if (in[i].strength != 0.0) kept_src[k] = src ? src[i] : NULL, kept[k++] = in[i];
+    /* the canonical order lk_fuse_file sums in, so the bytes agree with it */
     lk_fuse_canonical_order(kept, m, order);
     for (; r->n < m; r->n++) {
         r->src[r->n] = kept_src[order[r->n]];
         r->e[r->n] = kept[order[r->n]];
         r->e[r->n].path = lk_strdup(kept[order[r->n]].path);
         if (!r->e[r->n].path) {
-            lk_free(kept_src);
-            goto nomem;
+            request_clear(r);
+            return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory for the request");
         }
     }
-    lk_free(kept_src);
-    lk_free(kept);
-    lk_free(order);
     for (size_t i = 0; i < r->n; i++) {
         r->id[i] = entry_id(&r->e[i]);
         r->s[i] = r->e[i].strength;
     }
     r->hash = XXH3_64bits_withSeed(r->id, r->n * sizeof *r->id, r->n);
     return LK_OK;
-nomem:
-    lk_free(kept);
-    lk_free(order);
-    request_clear(r);
-    return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory for the request");
 }
 
 static int request_equal(const request *a, const request *b) {
@@ -245,12 +265,9 @@ static uint64_t adapter_content(const lk_adapter *a) {
     return XXH3_64bits_digest(&h);
 }
 
-/* Opens and resolves every adapter of r against the model (local). */
+/* Opens and resolves every adapter of r against the model into r->ad and
+ * r->content (local; request_clear frees the adapters). */
 static lk_status request_load(lk_tracker *t, request *r) {
-    if (!r->n) return LK_OK;
-    r->ad = lk_calloc(r->n, sizeof *r->ad);
-    r->content = lk_calloc(r->n, sizeof *r->content);
-    if (!r->ad || !r->content) return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
     for (size_t i = 0; i < r->n; i++) {
         lk_adapter_opts ao = {r->e[i].format, t->o.alpha_from};
         lk_status s = lk_fuse_input_open(&r->e[i], r->src ? r->src[i] : NULL, &ao, &r->ad[i]);
@@ -773,19 +790,38 @@ void lk_tracker_free(lk_tracker *t) {
     if (!t) return;
     for (size_t i = 0; t->k && i < t->n; i++) lk_free(t->k[i].backup);
     request_clear(&t->cur);
-    lk_free(t->k);
-    lk_free(t->ord);
-    lk_free(t->next);
-    lk_free(t->segs);
-    lk_free(t->seg_need);
-    lk_free(t->seq);
-    lk_free(t->need);
-    lk_free(t->seq_done);
+    lk_free(t->key_mem);
     for (size_t i = 0; t->maps && i < t->o.n_maps; i++) lk_free(t->maps[i]);
     lk_free(t->maps);
     lk_free(t->arch);
     lk_free(t->base_label);
     lk_free(t);
+}
+
+/* The per-key arrays carved from one zeroed allocation, t->key_mem (freed
+ * by lk_tracker_free): ord, k, next, seq, need and seq_done (one entry per
+ * key, at least one) and, with more than one rank, the broadcast's segs and
+ * seg_need (one per key, plus one). Local. */
+static lk_status alloc_keys(lk_tracker *t) {
+    const size_t n = t->n ? t->n : 1, nseg = t->size > 1 ? t->n + 1 : 0;
+    carve c = {0};
+    const size_t o_ord = CARVE(&c, n, size_t), o_k = CARVE(&c, n, key_state), o_next = CARVE(&c, n, uint64_t),
+                 o_seq = CARVE(&c, n, size_t), o_need = CARVE(&c, n, size_t), o_segs = CARVE(&c, nseg, lk_comm_seg),
+                 o_seg_need = CARVE(&c, nseg, size_t), o_seq_done = CARVE(&c, n, unsigned char);
+    char *b = carve_alloc(&c);
+    if (!b) return lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
+    t->key_mem = b;
+    t->ord = (size_t *)(b + o_ord);
+    t->k = (key_state *)(b + o_k);
+    t->next = (uint64_t *)(b + o_next);
+    t->seq = (size_t *)(b + o_seq);
+    t->need = (size_t *)(b + o_need);
+    t->seq_done = (unsigned char *)(b + o_seq_done);
+    if (nseg) {
+        t->segs = (lk_comm_seg *)(b + o_segs);
+        t->seg_need = (size_t *)(b + o_seg_need);
+    }
+    return LK_OK;
 }
 
 /* Owned copies of opts' arch and maps into t (t->o points at them), then
@@ -843,13 +879,7 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         t->rank = lk_comm_rank(group);
         t->size = lk_comm_size(group);
         t->n = lk_weights_count(weights);
-        t->ord = lk_calloc(t->n ? t->n : 1, sizeof *t->ord);
-        t->k = lk_calloc(t->n ? t->n : 1, sizeof *t->k);
-        t->next = lk_calloc(t->n ? t->n : 1, sizeof *t->next);
-        t->seq = lk_calloc(t->n ? t->n : 1, sizeof *t->seq);
-        t->need = lk_calloc(t->n ? t->n : 1, sizeof *t->need);
-        t->seq_done = lk_calloc(t->n ? t->n : 1, sizeof *t->seq_done);
-        if (!t->ord || !t->k || !t->next || !t->seq || !t->need || !t->seq_done) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
+        if (!local) local = alloc_keys(t);
     }
     if (!local) local = copy_tables(t, opts);
     if (!local) find_scales(t);
@@ -860,9 +890,6 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         size_t total = lk_weights_nbytes(weights);
         size_t cap = t->o.bucket_bytes;
         t->staging_bytes = cap < total ? cap : (total ? total : 1);
-        t->segs = lk_calloc(t->n + 1, sizeof *t->segs);
-        t->seg_need = lk_calloc(t->n + 1, sizeof *t->seg_need);
-        if (!t->segs || !t->seg_need) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
     }
     int same = 1;
     lk_status s = agree_hash(group, local, shape_hash, &same);
@@ -896,164 +923,237 @@ lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, 
     return lk_tracker_apply_src(t, loras, NULL, n, stats);
 }
 
+/* One apply's state, shared by its steps. The scratch is one allocation
+ * (apply_scratch): both threads' term lists and the keys this call backs
+ * up. The apply frees the scratch and the request (unless the tracker took
+ * it: apply_change's commit). */
+typedef struct apply_op {
+    lk_tracker *t;
+    lk_tracker_stats *st;
+    request req;
+    void *scratch;          /* the one allocation terms and fresh are carved from */
+    lk_fuse_term *terms;    /* 2 * max_terms: the main thread's, then the worker's */
+    size_t max_terms;
+    size_t *fresh, n_fresh; /* keys this call backed up: dropped again on a failure */
+    const char *phase;      /* names a collective that times out */
+    double t0;
+} apply_op;
+
+/* Step 1: makes the request (local) and agrees on it: a rank whose request
+ * differs is every rank's error, naming this rank's request. */
+static lk_status apply_agree_request(apply_op *a, const lk_fuse_input *loras, const lk_adapter_source *const *sources,
+                                     size_t n) {
+    lk_tracker *t = a->t;
+    lk_status local = t->broken ? lk_error(LK_ERR_STATE, "tracker is unusable after a failed rollback, "
+                                                      "transport or timeout")
+                                : request_make(loras, sources, n, &a->req);
+    int same = 1;
+    lk_status s = agree_hash(t->comm, local, a->req.hash, &same);
+    if (!s && !same) {
+        char desc[512];
+        request_describe(&a->req, desc, sizeof desc);
+        s = lk_error(LK_ERR_MISMATCH, "ranks disagree on the adapter request (rank %d asked for %s)", t->rank, desc);
+    }
+    a->st->backup_bytes = t->backup_bytes;
+    a->st->seconds_agree = lk_now_s() - a->t0;
+    return s;
+}
+
+/* The apply's scratch from one zeroed allocation (a->scratch): both
+ * threads' term lists (max_terms each: row slices of the larger of the new
+ * and the current request, whose terms a rollback recomputes) and fresh
+ * (one entry per key). */
+static lk_status apply_scratch(apply_op *a) {
+    const size_t n_ad = a->req.n > a->t->cur.n ? a->req.n : a->t->cur.n;
+    a->max_terms = (n_ad + 1) * LK_ADAPTER_MAX_SLICES; /* row slices */
+    carve c = {0};
+    const size_t o_terms = CARVE(&c, 2 * a->max_terms, lk_fuse_term),
+                 o_fresh = CARVE(&c, a->t->n ? a->t->n : 1, size_t);
+    char *b = carve_alloc(&c);
+    if (!b) return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
+    a->scratch = b;
+    a->terms = (lk_fuse_term *)(b + o_terms);
+    a->fresh = (size_t *)(b + o_fresh);
+    return LK_OK;
+}
+
+/* no_lora_swap has no backup to roll back to: each owned changed key is
+ * fused once into scratch first, so a failing term is found before
+ * anything is written. The scratch is one allocation: room for the largest
+ * such key, then for the largest FP8 scale (an FP8 weight is tried with its
+ * scale). Local; writes no weight. */
+static lk_status trial_fuse(lk_tracker *t, const request *r, lk_fuse_term *terms) {
+    size_t big = 0, big_scale = 0;
+    for (size_t i = 0; i < t->n; i++) {
+        if (t->k[i].owner != t->rank || !t->next[i]) continue;
+        size_t nb = lk_weights_tensor(t->w, i)->nbytes, sb = 0;
+        if (t->k[i].weight < 0 && t->k[i].scale >= 0) sb = lk_weights_tensor(t->w, (size_t)t->k[i].scale)->nbytes;
+        big = nb > big ? nb : big;
+        big_scale = sb > big_scale ? sb : big_scale;
+    }
+    carve c = {0};
+    carve_part(&c, big, 1, 1); /* the key, at offset 0 */
+    const size_t o_scale = carve_part(&c, big_scale, 1, _Alignof(max_align_t));
+    unsigned char *scratch = big ? (unsigned char *)carve_alloc(&c) : NULL;
+    if (big && !scratch) return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory (%zu bytes)", c.bytes);
+    lk_status local = LK_OK;
+    for (size_t i = 0; !local && i < t->n; i++) {
+        if (t->k[i].owner != t->rank || !t->next[i]) continue;
+        if (t->k[i].weight >= 0) continue; /* a scale: tried with its weight */
+        const lk_tensor *w = lk_weights_tensor(t->w, i);
+        lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite, t->o.fp8};
+        lk_fuse_key plan;
+        local = key_terms(t, r, i, terms, &plan);
+        if (!local && lk_dtype_is_fp8(w->dtype)) {
+            const lk_tensor *sc = t->k[i].scale >= 0 ? lk_weights_tensor(t->w, (size_t)t->k[i].scale) : NULL;
+            unsigned char *sbuf = sc ? scratch + o_scale : NULL;
+            memcpy(scratch, w->data, w->nbytes);
+            if (sc) memcpy(sbuf, sc->data, sc->nbytes);
+            local = lk_fuse_fp8(scratch, w->dtype, w->shape[0], (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]), sbuf,
+                                sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, plan.n_terms,
+                                &fo, w->name);
+        } else if (!local)
+            local = lk_fuse_key_apply(scratch, w->data, w, &plan, terms, &fo);
+    }
+    lk_free(scratch);
+    return local;
+}
+
+/* Step 3 (local, no collective): the scratch, the adapters opened and
+ * resolved, every key's new signature (t->next), a backup of each owned
+ * key the request touches first (listed in fresh), and under no_lora_swap
+ * a trial fuse. Returns this rank's status, for apply_agree_loaded. */
+static lk_status apply_prepare(apply_op *a) {
+    lk_tracker *t = a->t;
+    lk_status local = apply_scratch(a);
+    if (!local) local = request_load(t, &a->req);
+    if (!local) local = key_signatures(t, &a->req, a->terms);
+    for (size_t i = 0; !local && i < t->n; i++) {
+        if (t->k[i].owner != t->rank || !t->next[i] || t->k[i].backup || t->o.no_lora_swap) continue;
+        local = backup_key(t, i);
+        if (!local) a->fresh[a->n_fresh++] = i;
+    }
+    if (!local && t->o.no_lora_swap) local = trial_fuse(t, &a->req, a->terms);
+    return local;
+}
+
+/* Step 3's agreement: every rank's status, and the keys' new signatures in
+ * name order (file order may differ between ranks); on a failure the
+ * backups this call made are dropped. Fills the load and agreement times. */
+static lk_status apply_agree_loaded(apply_op *a, lk_status local) {
+    lk_tracker *t = a->t;
+    const double t1 = lk_now_s();
+    a->phase = "agreeing on the adapters loaded";
+    XXH3_state_t hs;
+    XXH3_64bits_reset(&hs);
+    for (size_t c = 0; c < t->n; c++) XXH3_64bits_update(&hs, &t->next[t->ord[c]], sizeof t->next[0]);
+    int same = 1;
+    lk_status s = agree_hash(t->comm, local, XXH3_64bits_digest(&hs), &same);
+    if (!s && !same)
+        s = lk_error(LK_ERR_MISMATCH, "ranks read different adapter contents or resolved them onto "
+                                      "different weights (do the adapter files differ between ranks?)");
+    a->st->seconds_load = t1 - a->t0 - a->st->seconds_agree;
+    a->st->seconds_agree += lk_now_s() - t1;
+    for (size_t j = 0; s && j < a->n_fresh; j++) drop_backup(t, a->fresh[j]);
+    return s;
+}
+
+/* Steps 4-5, serial (or one rank): every changed key fused, the ranks
+ * agree, then one broadcast; a failed fuse rolls back before anything was
+ * sent. A failed broadcast leaves the tracker broken. */
+static lk_status fuse_then_send(apply_op *a, fuse_job *job, double t1) {
+    lk_tracker *t = a->t;
+    job_wait(job, job->n_seq);
+    a->st->seconds_fuse = lk_now_s() - t1;
+    a->phase = "agreeing on the fuse";
+    lk_status s = lk_comm_agree(t->comm, job_status(job));
+    if (s) return rollback(t, s, job, a->st, a->fresh, a->n_fresh, 0);
+    const double t2 = lk_now_s();
+    a->phase = "broadcasting the changed keys";
+    s = broadcast(t, a->st, NULL);
+    a->st->seconds_broadcast = lk_now_s() - t2;
+    if (s) t->broken = 1;
+    return s;
+}
+
+/* Steps 4-5, overlapped: the broadcast takes each key as its owner fuses it
+ * (a worker thread helps where this rank has a spare core), then the ranks
+ * agree on the fuse. Receivers may already hold new bytes: on a failure
+ * every owner rolls back and every changed key is sent again. A failed
+ * transport leaves the tracker broken (receivers hold what they got). */
+static lk_status fuse_while_sending(apply_op *a, fuse_job *job, double t1) {
+    lk_tracker *t = a->t;
+    pthread_t tid;
+    int threaded = t->fuse_thread && job->n_seq > 1 && pthread_create(&tid, NULL, job_main, job) == 0;
+    a->phase = "broadcasting the changed keys";
+    lk_status s = broadcast(t, a->st, job); /* no thread: the main thread fuses each key when it is due */
+    if (threaded) pthread_join(tid, NULL);
+    job_wait(job, job->n_seq); /* keys no piece waited for (0 bytes) */
+    a->st->seconds_fuse = job->t_end - job->t0;
+    a->st->seconds_broadcast = lk_now_s() - t1;
+    if (s) {
+        t->broken = 1;
+        return s;
+    }
+    a->phase = "agreeing on the fuse";
+    s = lk_comm_agree(t->comm, job_status(job));
+    if (s && s != LK_ERR_TIMEOUT) s = rollback(t, s, job, a->st, a->fresh, a->n_fresh, 1); /* a timeout: no group to resend over */
+    return s;
+}
+
+/* Steps 4-5: the owners recompute the changed keys and every rank gets
+ * them (fuse_then_send or fuse_while_sending); on a failure anywhere,
+ * every owner has rolled back (rollback). Fills the fuse figures. */
+static lk_status apply_fuse_send(apply_op *a) {
+    lk_tracker *t = a->t;
+    const double t1 = lk_now_s();
+    fuse_job job;
+    job_init(&job, t, &a->req, a->terms, a->terms + a->max_terms);
+    lk_status s = t->serial || t->size == 1 ? fuse_then_send(a, &job, t1) : fuse_while_sending(a, &job, t1);
+    a->st->keys_fused = s ? 0 : job.fused;
+    a->st->keys_restored = s ? 0 : job.restored;
+    job_destroy(&job);
+    return s;
+}
+
+/* A changed request: steps 3 to 5, then the commit (cannot fail): the
+ * keys' new signatures, and the tracker takes the request (a->req emptied;
+ * the old set's adapters, kept open for a rollback, are closed). */
+static lk_status apply_change(apply_op *a) {
+    lk_status s = apply_agree_loaded(a, apply_prepare(a));
+    if (!s) s = apply_fuse_send(a);
+    if (s) return s;
+    lk_tracker *t = a->t;
+    for (size_t i = 0; i < t->n; i++) t->k[i].sig = t->next[i];
+    request_clear(&t->cur);
+    t->cur = a->req;
+    memset(&a->req, 0, sizeof a->req);
+    return LK_OK;
+}
+
 lk_status lk_tracker_apply_src(lk_tracker *t, const lk_fuse_input *loras, const lk_adapter_source *const *sources,
                                size_t n, lk_tracker_stats *stats) {
     lk_tracker_stats st_local;
     lk_tracker_stats *st = stats ? stats : &st_local;
     memset(st, 0, sizeof *st);
     if (!t) return lk_error(LK_ERR_ARG, "lk_tracker_apply: NULL tracker");
-    double t0 = lk_now_s(), t1;
-    const char *phase = "agreeing on the request"; /* names a collective that times out */
-
-    /* 1. agree on the request */
-    request req = {0};
-    lk_status local = t->broken ? lk_error(LK_ERR_STATE, "tracker is unusable after a failed rollback, "
-                                                      "transport or timeout")
-                                : request_make(loras, sources, n, &req);
-    int same = 1;
-    lk_status s = agree_hash(t->comm, local, req.hash, &same);
-    if (!s && !same) {
-        char desc[512];
-        request_describe(&req, desc, sizeof desc);
-        s = lk_error(LK_ERR_MISMATCH, "ranks disagree on the adapter request (rank %d asked for %s)", t->rank, desc);
-    }
-    st->backup_bytes = t->backup_bytes;
-    t1 = lk_now_s();
-    st->seconds_agree = t1 - t0;
-    if (s) goto out;
-
+    apply_op a = {.t = t, .st = st, .phase = "agreeing on the request", .t0 = lk_now_s()};
+    lk_status s = apply_agree_request(&a, loras, sources, n);
     /* 2. skip an unchanged set; no_lora_swap refuses any change */
-    if (request_equal(&req, &t->cur)) {
+    if (!s && request_equal(&a.req, &t->cur))
         st->skipped = 1;
-        goto out;
-    }
-    if (t->o.no_lora_swap && t->cur.n) {
+    else if (!s && t->o.no_lora_swap && t->cur.n)
         s = lk_error(LK_ERR_STATE, "no_lora_swap tracker cannot %s: it has no backup of the clean weights",
-                     req.n ? "change its adapters" : "reset");
-        goto out;
-    }
-
-    /* 3. load and validate; back up newly touched owned keys; agree */
-    size_t max_terms = ((req.n > t->cur.n ? req.n : t->cur.n) + 1) * LK_ADAPTER_MAX_SLICES; /* row slices */
-    lk_fuse_term *terms = lk_calloc(2 * max_terms, sizeof *terms); /* two threads' scratch */
-    size_t *fresh = lk_calloc(t->n ? t->n : 1, sizeof *fresh), n_fresh = 0;
-    local = (terms && fresh) ? LK_OK : lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
-    if (!local) local = request_load(t, &req);
-    if (!local) local = key_signatures(t, &req, terms);
-    for (size_t i = 0; !local && i < t->n; i++) {
-        if (t->k[i].owner != t->rank || !t->next[i] || t->k[i].backup || t->o.no_lora_swap) continue;
-        local = backup_key(t, i);
-        if (!local) fresh[n_fresh++] = i;
-    }
-    if (!local && t->o.no_lora_swap) {
-        /* No backup to roll back to: fuse each owned key once into scratch
-         * first, so a failing term is found before anything is written. */
-        size_t big = 0;
-        for (size_t i = 0; i < t->n; i++)
-            if (t->k[i].owner == t->rank && t->next[i] && lk_weights_tensor(t->w, i)->nbytes > big)
-                big = lk_weights_tensor(t->w, i)->nbytes;
-        void *scratch = big ? lk_malloc(big) : NULL;
-        if (big && !scratch) local = lk_error(LK_ERR_NOMEM, "tracker apply: out of memory (%zu bytes)", big);
-        for (size_t i = 0; !local && i < t->n; i++) {
-            if (t->k[i].owner != t->rank || !t->next[i]) continue;
-            const lk_tensor *w = lk_weights_tensor(t->w, i);
-            lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite, t->o.fp8};
-            lk_fuse_key plan;
-            if (t->k[i].weight >= 0) continue; /* a scale: tried with its weight */
-            local = key_terms(t, &req, i, terms, &plan);
-            if (!local && lk_dtype_is_fp8(w->dtype)) {
-                const lk_tensor *sc = t->k[i].scale >= 0 ? lk_weights_tensor(t->w, (size_t)t->k[i].scale) : NULL;
-                unsigned char *sbuf = sc ? lk_malloc(sc->nbytes) : NULL;
-                if (sc && !sbuf) {
-                    local = lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
-                    break;
-                }
-                memcpy(scratch, w->data, w->nbytes);
-                if (sc) memcpy(sbuf, sc->data, sc->nbytes);
-                local = lk_fuse_fp8(scratch, w->dtype, w->shape[0], (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]), sbuf, sc ? sc->dtype : LK_DTYPE_F32,
-                                    sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, plan.n_terms, &fo, w->name);
-                lk_free(sbuf);
-                continue;
-            }
-            if (!local) local = lk_fuse_key_apply(scratch, w->data, w, &plan, terms, &fo);
-        }
-        lk_free(scratch);
-    }
-    t1 = lk_now_s();
-    phase = "agreeing on the adapters loaded";
-    {
-        XXH3_state_t hs; /* in name order: file order may differ between ranks */
-        XXH3_64bits_reset(&hs);
-        for (size_t c = 0; c < t->n; c++) XXH3_64bits_update(&hs, &t->next[t->ord[c]], sizeof t->next[0]);
-        s = agree_hash(t->comm, local, XXH3_64bits_digest(&hs), &same);
-        if (!s && !same)
-            s = lk_error(LK_ERR_MISMATCH, "ranks read different adapter contents or resolved them onto "
-                                          "different weights (do the adapter files differ between ranks?)");
-    }
-    st->seconds_load = t1 - t0 - st->seconds_agree;
-    st->seconds_agree += lk_now_s() - t1;
-    if (s) {
-        for (size_t j = 0; j < n_fresh; j++) drop_backup(t, fresh[j]);
-        goto done;
-    }
-
-    /* 4-5. owners recompute the changed keys while the broadcast sends
-     * them (serial: all of them first, then agree, then broadcast); on a
-     * failure anywhere, every owner rolls back (rollback) */
-    t1 = lk_now_s();
-    fuse_job job;
-    job_init(&job, t, &req, terms, terms + max_terms);
-    if (t->serial || t->size == 1) {
-        job_wait(&job, job.n_seq);
-        st->seconds_fuse = lk_now_s() - t1;
-        phase = "agreeing on the fuse";
-        s = lk_comm_agree(t->comm, job_status(&job));
-        if (!s) {
-            t1 = lk_now_s();
-            phase = "broadcasting the changed keys";
-            s = broadcast(t, st, NULL);
-            st->seconds_broadcast = lk_now_s() - t1;
-            if (s) t->broken = 1;
-        } else s = rollback(t, s, &job, st, fresh, n_fresh, 0);
-    } else {
-        pthread_t tid;
-        int threaded = t->fuse_thread && job.n_seq > 1 && pthread_create(&tid, NULL, job_main, &job) == 0;
-        phase = "broadcasting the changed keys";
-        s = broadcast(t, st, &job); /* no thread: the main thread fuses each key when it is due */
-        if (threaded) pthread_join(tid, NULL);
-        job_wait(&job, job.n_seq); /* keys no piece waited for (0 bytes) */
-        st->seconds_fuse = job.t_end - job.t0;
-        st->seconds_broadcast = lk_now_s() - t1;
-        if (s) t->broken = 1; /* the transport failed: receivers hold what they got */
-        else {
-            /* Receivers may already hold new bytes: agree, and on failure
-             * restore the owners and send every changed key again. */
-            phase = "agreeing on the fuse";
-            s = lk_comm_agree(t->comm, job_status(&job));
-            if (s && s != LK_ERR_TIMEOUT) s = rollback(t, s, &job, st, fresh, n_fresh, 1); /* a timeout: no group to resend over */
-        }
-    }
-    st->keys_fused = job.fused;
-    st->keys_restored = job.restored;
-    job_destroy(&job);
-    if (s) {
-        st->keys_fused = st->keys_restored = 0;
-        goto done;
-    }
-    for (size_t i = 0; i < t->n; i++) t->k[i].sig = t->next[i];
-    request_clear(&t->cur);
-    t->cur = req;
-    memset(&req, 0, sizeof req);
-done:
-    lk_free(terms);
-    lk_free(fresh);
-out:
-    request_clear(&req);
+                     a.req.n ? "change its adapters" : "reset");
+    else if (!s)
+        s = apply_change(&a);
+    lk_free(a.scratch);
+    request_clear(&a.req);
     st->backup_bytes = t->backup_bytes;
-    st->seconds = lk_now_s() - t0;
+    st->seconds = lk_now_s() - a.t0;
     if (s == LK_ERR_TIMEOUT) { /* the group is gone (comm.h) */
         t->broken = 1;
-        lk_error_prefix(s, "tracker apply: %s", phase);
+        lk_error_prefix(s, "tracker apply: %s", a.phase);
     }
     return s;
 }
