@@ -248,129 +248,166 @@ static void shape_of(const int64_t *sh, int nd, char *buf, size_t cap) {
 
 static size_t al16(size_t n) { return (n + 15) & ~(size_t)15; }
 
+/* The delta a module adds to its weight, as fit_module checks it: its shape
+ * sh[0..n) (n = 0: nothing left to check) and the tensor an error names. */
+typedef struct delta_shape {
+    int64_t sh[LK_MAX_DIMS + 2];
+    int n;
+    const lk_tensor *named;
+} delta_shape;
+
+/* A replacement (LK_ALGO_SET) against w: the same shape, a dtype the fuse
+ * converts (ws: w's shape as text). */
+static lk_status fit_replacement(const lk_adapter *a, const lk_lora_module *m, const lk_tensor *w, const char *ws) {
+    char xs[96];
+    int same = w->ndim == m->dense.ndim;
+    for (int d = 0; same && d < w->ndim; d++) same = w->shape[d] == m->dense.shape[d];
+    lk_shape_str(&m->dense, xs, sizeof xs);
+    if (!same)
+        return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s but the model weight %s is %s", a->file, m->module,
+                        m->dense.name, xs, w->name, ws);
+    if (!(lk_dtype_is_fusable(w->dtype) && lk_dtype_is_fusable(m->dense.dtype)) && w->dtype != m->dense.dtype)
+        return lk_error(LK_ERR_DTYPE, "%s: %s: '%s' is %s but the model weight %s is %s", a->file, m->module,
+                        m->dense.name, lk_dtype_name(m->dense.dtype), w->name, lk_dtype_name(w->dtype));
+    return LK_OK;
+}
+
+/* A LoRA's delta (conv and Tucker too) on a weight of N elements per row;
+ * *xbytes: a Tucker fold's bytes. */
+static void lora_delta(const lk_lora_module *m, size_t N, delta_shape *ds, size_t *xbytes) {
+    ds->named = m->mid.data ? &m->mid : &m->A;
+    ds->sh[0] = m->B.shape[0];
+    if (m->mid.data) {
+        ds->sh[1] = m->A.shape[1];
+        for (int d = 2; d < m->mid.ndim; d++) ds->sh[d] = m->mid.shape[d];
+        ds->n = m->mid.ndim;
+        *xbytes = al16((size_t)m->mid.shape[0] * N * sizeof(double));
+    } else {
+        for (int d = 1; d < m->A.ndim; d++) ds->sh[d] = m->A.shape[d];
+        ds->n = m->A.ndim;
+    }
+}
+
+/* A LoHa's delta on w (N elements per row); *xbytes: its Tucker folds and
+ * transposed factors' bytes. */
+static void loha_delta(const lk_lora_module *m, const lk_tensor *w, size_t N, delta_shape *ds, size_t *xbytes) {
+    ds->named = &m->w1b;
+    ds->sh[0] = m->out;
+    if (m->t1.data) {
+        ds->sh[1] = m->w1b.shape[1];
+        for (int d = 2; d < m->t1.ndim; d++) ds->sh[d] = m->t1.shape[d];
+        ds->n = m->t1.ndim;
+        *xbytes = 2 * al16((size_t)m->t1.shape[0] * N * sizeof(double)) + al16(m->w1a.nbytes) + al16(m->w2a.nbytes);
+    } else if (m->w1b.ndim > 2) {
+        for (int d = 1; d < m->w1b.ndim; d++) ds->sh[d] = m->w1b.shape[d];
+        ds->n = m->w1b.ndim;
+    } else { /* LyCORIS flattens a conv's factor to [r, in kh kw] */
+        ds->sh[1] = m->in;
+        ds->n = (size_t)m->in == N ? 0 : 2; /* matches by elements per row */
+        if (!ds->n && m->out != w->shape[0]) ds->n = 2;
+    }
+}
+
+/* A LoKr's kron(w1, w2) checked against w (N elements per row, ws its shape
+ * as text) with a message of its own; *xbytes: its Tucker fold and
+ * transposed factor's bytes. Leaves nothing for fit_module to check. */
+static lk_status lokr_delta(const lk_adapter *a, const lk_lora_module *m, const lk_tensor *w, size_t N,
+                            const char *ws, delta_shape *ds, size_t *xbytes) {
+    const lk_tensor *w1 = m->w1.data ? &m->w1 : &m->w1a, *w2 = m->w2.data ? &m->w2 : m->t2.data ? &m->t2 : &m->w2b;
+    const int64_t a1 = m->w1.data ? m->w1.shape[0] : m->w1a.shape[0],
+                  b1 = m->w1.data ? m->w1.shape[1] : m->w1b.shape[1];
+    ds->named = w1;
+    ds->sh[0] = m->out;
+    if (m->w2.data && m->w2.ndim > 2) { /* kron(w1 [a, b, 1, 1], w2 [c, d, kh, kw]) */
+        ds->sh[1] = b1 * m->w2.shape[1];
+        for (int d = 2; d < m->w2.ndim; d++) ds->sh[d] = m->w2.shape[d];
+        ds->n = m->w2.ndim;
+    } else if (m->t2.data) {
+        ds->sh[1] = b1 * m->w2b.shape[1];
+        for (int d = 2; d < m->t2.ndim; d++) ds->sh[d] = m->t2.shape[d];
+        ds->n = m->t2.ndim;
+        *xbytes = al16((size_t)m->t2.shape[0] * (size_t)(m->in / b1) * sizeof(double)) + al16(m->w2a.nbytes);
+    } else {
+        ds->sh[1] = m->in;
+        ds->n = 2;
+        if ((size_t)m->in == N && m->out == w->shape[0]) ds->n = 0;
+    }
+    if (ds->n && !same_tail(ds->sh, ds->n, w)) {
+        char s1[96], s2[96], dss[96];
+        lk_shape_str(w1, s1, sizeof s1);
+        lk_shape_str(w2, s2, sizeof s2);
+        shape_of(ds->sh, ds->n, dss, sizeof dss);
+        return lk_error(LK_ERR_SHAPE, "%s: %s: kron('%s' %s, '%s' %s) is %s (a = %lld rows of w1) but the model "
+                        "weight %s is %s", a->file, m->module, w1->name, s1, w2->name, s2, dss, (long long)a1, w->name,
+                        ws);
+    }
+    ds->n = 0;
+    return LK_OK;
+}
+
+/* A full or norm diff's delta: the dense tensor's own shape (none: nothing
+ * to check). */
+static void dense_delta(const lk_lora_module *m, const lk_tensor *w, delta_shape *ds) {
+    ds->named = m->dense.data ? &m->dense : NULL;
+    if (ds->named) {
+        for (int d = 0; d < m->dense.ndim; d++) ds->sh[d] = m->dense.shape[d];
+        ds->n = m->dense.ndim;
+        if (ds->n == 1 && w->ndim == 1) ds->n = ds->sh[0] == w->shape[0] ? 0 : 1;
+    }
+}
+
+/* A DoRA magnitude against w (ws its shape as text): per output row or per
+ * input channel, and not on an FP8 weight. */
+static lk_status fit_dora(const lk_adapter *a, const lk_lora_module *m, const lk_tensor *w, const char *ws) {
+    const lk_tensor *d = &m->dora_scale;
+    char xs[96];
+    size_t n = lk_tensor_numel(d);
+    int on_out = d->shape[0] == w->shape[0] && n == (size_t)w->shape[0];
+    int on_in = w->ndim >= 2 && d->ndim >= 2 && d->shape[0] == 1 && n == (size_t)w->shape[1];
+    if (!on_out && !on_in) {
+        lk_shape_str(d, xs, sizeof xs);
+        return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s; for the model weight %s %s DoRA needs [%lld, 1, ...] "
+                        "(per output row) or [1, %lld, ...] (per input channel)", a->file, m->module, d->name, xs,
+                        w->name, ws, (long long)w->shape[0], (long long)(w->ndim >= 2 ? w->shape[1] : 0));
+    }
+    if (lk_dtype_is_fp8(w->dtype))
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: DoRA on an FP8 weight (%s) is not supported", a->file, m->module,
+                        w->name);
+    return LK_OK;
+}
+
 /* Checks module i (its factors oriented as in m) against weight w; *xbytes
- * gets the bytes its folded / transposed kernel factors need. */
+ * gets the bytes its folded / transposed kernel factors need. Steps: a
+ * replacement's own check; the weight's dtype and rank; the algorithm's
+ * delta shape against the weight; DoRA's magnitude. */
 static lk_status fit_module(const lk_adapter *a, const lk_lora_module *m, const lk_tensor *w, size_t *xbytes) {
-    const char *f = a->file;
-    char ws[96], ds[96], xs[96];
+    char ws[96], xs[96], dss[96];
     lk_shape_str(w, ws, sizeof ws);
     *xbytes = 0;
-    int64_t dsh[LK_MAX_DIMS + 2];
-    int dn = 0;
-    const lk_tensor *named = NULL; /* the key named in a shape error */
-    if (m->algo == LK_ALGO_SET) {
-        int same = w->ndim == m->dense.ndim;
-        for (int d = 0; same && d < w->ndim; d++) same = w->shape[d] == m->dense.shape[d];
-        lk_shape_str(&m->dense, xs, sizeof xs);
-        if (!same)
-            return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s but the model weight %s is %s", f, m->module,
-                            m->dense.name, xs, w->name, ws);
-        if (!(lk_dtype_is_fusable(w->dtype) && lk_dtype_is_fusable(m->dense.dtype)) && w->dtype != m->dense.dtype)
-            return lk_error(LK_ERR_DTYPE, "%s: %s: '%s' is %s but the model weight %s is %s", f, m->module,
-                            m->dense.name, lk_dtype_name(m->dense.dtype), w->name, lk_dtype_name(w->dtype));
-        return LK_OK;
-    }
+    if (m->algo == LK_ALGO_SET) return fit_replacement(a, m, w, ws);
     if (!lk_dtype_is_fusable(w->dtype) && !lk_dtype_is_fp8(w->dtype))
         return lk_error(LK_ERR_DTYPE, "%s: %s: the model weight %s is %s; only F32, F16, BF16 and FP8 can be fused",
-                        f, m->module, w->name, lk_dtype_name(w->dtype));
+                        a->file, m->module, w->name, lk_dtype_name(w->dtype));
     if (w->ndim < 1 || (w->ndim < 2 && m->algo != LK_ALGO_FULL && m->algo != LK_ALGO_NORM))
-        return lk_error(LK_ERR_SHAPE, "%s: %s: the model weight %s is %s; %s needs a 2-D or convolution weight", f,
-                        m->module, w->name, ws, lk_algo_name(m->algo));
-    const size_t numel = lk_tensor_numel(w), N = numel / (size_t)w->shape[0];
+        return lk_error(LK_ERR_SHAPE, "%s: %s: the model weight %s is %s; %s needs a 2-D or convolution weight",
+                        a->file, m->module, w->name, ws, lk_algo_name(m->algo));
+    const size_t N = lk_tensor_numel(w) / (size_t)w->shape[0];
+    delta_shape ds = {.n = 0, .named = NULL};
+    lk_status s = LK_OK;
     switch (m->algo) {
-    case LK_ALGO_LORA:
-        named = m->mid.data ? &m->mid : &m->A;
-        dsh[0] = m->B.shape[0];
-        if (m->mid.data) {
-            dsh[1] = m->A.shape[1];
-            for (int d = 2; d < m->mid.ndim; d++) dsh[d] = m->mid.shape[d];
-            dn = m->mid.ndim;
-            *xbytes = al16((size_t)m->mid.shape[0] * N * sizeof(double));
-        } else {
-            for (int d = 1; d < m->A.ndim; d++) dsh[d] = m->A.shape[d];
-            dn = m->A.ndim;
-        }
-        break;
-    case LK_ALGO_LOHA:
-        named = &m->w1b;
-        dsh[0] = m->out;
-        if (m->t1.data) {
-            dsh[1] = m->w1b.shape[1];
-            for (int d = 2; d < m->t1.ndim; d++) dsh[d] = m->t1.shape[d];
-            dn = m->t1.ndim;
-            *xbytes = 2 * al16((size_t)m->t1.shape[0] * N * sizeof(double)) +
-                      al16(m->w1a.nbytes) + al16(m->w2a.nbytes);
-        } else if (m->w1b.ndim > 2) {
-            for (int d = 1; d < m->w1b.ndim; d++) dsh[d] = m->w1b.shape[d];
-            dn = m->w1b.ndim;
-        } else { /* LyCORIS flattens a conv's factor to [r, in kh kw] */
-            dsh[1] = m->in;
-            dn = (size_t)m->in == N ? 0 : 2; /* matches by elements per row */
-            if (!dn && m->out != w->shape[0]) dn = 2;
-        }
-        break;
-    case LK_ALGO_LOKR: {
-        const lk_tensor *w1 = m->w1.data ? &m->w1 : &m->w1a, *w2 = m->w2.data ? &m->w2 : m->t2.data ? &m->t2 : &m->w2b;
-        const int64_t a1 = m->w1.data ? m->w1.shape[0] : m->w1a.shape[0],
-                      b1 = m->w1.data ? m->w1.shape[1] : m->w1b.shape[1];
-        named = w1;
-        dsh[0] = m->out;
-        if (m->w2.data && m->w2.ndim > 2) { /* kron(w1 [a, b, 1, 1], w2 [c, d, kh, kw]) */
-            dsh[1] = b1 * m->w2.shape[1];
-            for (int d = 2; d < m->w2.ndim; d++) dsh[d] = m->w2.shape[d];
-            dn = m->w2.ndim;
-        } else if (m->t2.data) {
-            dsh[1] = b1 * m->w2b.shape[1];
-            for (int d = 2; d < m->t2.ndim; d++) dsh[d] = m->t2.shape[d];
-            dn = m->t2.ndim;
-            *xbytes = al16((size_t)m->t2.shape[0] * (size_t)(m->in / b1) * sizeof(double)) + al16(m->w2a.nbytes);
-        } else {
-            dsh[1] = m->in;
-            dn = 2;
-            if ((size_t)m->in == N && m->out == w->shape[0]) dn = 0;
-        }
-        if (dn && !same_tail(dsh, dn, w)) {
-            char s1[96], s2[96];
-            lk_shape_str(w1, s1, sizeof s1);
-            lk_shape_str(w2, s2, sizeof s2);
-            shape_of(dsh, dn, ds, sizeof ds);
-            return lk_error(LK_ERR_SHAPE, "%s: %s: kron('%s' %s, '%s' %s) is %s (a = %lld rows of w1) but the model "
-                            "weight %s is %s", f, m->module, w1->name, s1, w2->name, s2, ds, (long long)a1, w->name, ws);
-        }
-        dn = 0;
-        break;
+    case LK_ALGO_LORA: lora_delta(m, N, &ds, xbytes); break;
+    case LK_ALGO_LOHA: loha_delta(m, w, N, &ds, xbytes); break;
+    case LK_ALGO_LOKR: s = lokr_delta(a, m, w, N, ws, &ds, xbytes); break;
+    default: dense_delta(m, w, &ds); break;
     }
-    default: /* full, norm: the dense tensor's own shape */
-        named = m->dense.data ? &m->dense : NULL;
-        if (named) {
-            for (int d = 0; d < m->dense.ndim; d++) dsh[d] = m->dense.shape[d];
-            dn = m->dense.ndim;
-            if (dn == 1 && w->ndim == 1) dn = dsh[0] == w->shape[0] ? 0 : 1;
-        }
-        break;
+    if (s) return s;
+    if (ds.n && !same_tail(ds.sh, ds.n, w)) {
+        lk_shape_str(ds.named, xs, sizeof xs);
+        shape_of(ds.sh, ds.n, dss, sizeof dss);
+        return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s, a delta of %s, but the model weight %s is %s", a->file,
+                        m->module, ds.named->name, xs, dss, w->name, ws);
     }
-    if (dn && !same_tail(dsh, dn, w)) {
-        lk_shape_str(named, xs, sizeof xs);
-        shape_of(dsh, dn, ds, sizeof ds);
-        return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s, a delta of %s, but the model weight %s is %s", f,
-                        m->module, named->name, xs, ds, w->name, ws);
-    }
-    if (m->dora_scale.data) {
-        const lk_tensor *d = &m->dora_scale;
-        size_t n = lk_tensor_numel(d);
-        int on_out = d->shape[0] == w->shape[0] && n == (size_t)w->shape[0];
-        int on_in = w->ndim >= 2 && d->ndim >= 2 && d->shape[0] == 1 && n == (size_t)w->shape[1];
-        if (!on_out && !on_in) {
-            lk_shape_str(d, xs, sizeof xs);
-            return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s; for the model weight %s %s DoRA needs [%lld, 1, ...] "
-                            "(per output row) or [1, %lld, ...] (per input channel)", f, m->module, d->name, xs,
-                            w->name, ws, (long long)w->shape[0], (long long)(w->ndim >= 2 ? w->shape[1] : 0));
-        }
-        if (lk_dtype_is_fp8(w->dtype))
-            return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: DoRA on an FP8 weight (%s) is not supported", f, m->module,
-                            w->name);
-    }
-    return LK_OK;
+    return m->dora_scale.data ? fit_dora(a, m, w, ws) : LK_OK;
 }
 
 /* A 2-D view of t (same data). */
