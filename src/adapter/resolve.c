@@ -671,447 +671,553 @@ lk_status lk_adapter_resolve(lk_adapter *a, const lk_tensor *model, size_t n_mod
     return lk_adapter_resolve_opts(a, model, n_model, &o, n_unmatched);
 }
 
-lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t n_model, const lk_resolve_opts *opts,
-                                  size_t *n_unmatched) {
-    if (!a || (n_model && !model)) return lk_error(LK_ERR_ARG, "lk_adapter_resolve: NULL argument");
-    int allow_unmatched = opts ? opts->allow_unmatched : 0;
-    int want_comp = opts && opts->component ? lk_comp_from_name(opts->component) : LK_COMP_ANY;
-    if (opts && opts->component && want_comp == LK_COMP_ANY)
-        return lk_error(LK_ERR_ARG, "%s: unknown pipeline component '%s'", a->file, opts->component);
-    lk_status s = LK_OK;
-    size_t *ord = lk_malloc((n_model ? n_model : 1) * sizeof *ord);
-    char **tnames = lk_calloc(a->n ? a->n : 1, sizeof *tnames);
-    char **bnames = lk_calloc(a->n ? a->n : 1, sizeof *bnames);
-    size_t *bby = lk_malloc((a->n ? a->n : 1) * sizeof *bby), n_bby = 0;
-    char **rnames = lk_calloc(a->n_rep ? a->n_rep : 1, sizeof *rnames);
-    unsigned char *trans = lk_calloc(a->n ? a->n : 1, sizeof *trans);
-    size_t tbytes = 0, xbytes = 0;
-    size_t *tidx = lk_malloc((a->n ? a->n : 1) * sizeof *tidx);
-    size_t *rby = lk_malloc((a->n_rep ? a->n_rep : 1) * sizeof *rby), n_rby = 0;
-    size_t n_tp = 0, tp_cap = 0;
-    tplace *tp = NULL;
-    lk_adapter_placement *pl = NULL;
-    char **plstr = NULL;
-    unsigned char *mcomp = lk_calloc(a->n ? a->n : 1, 1); /* component of each unmatched module */
-    size_t comp_hit[LK_COMP_COUNT] = {0}, comp_miss[LK_COMP_COUNT] = {0}, comp_first[LK_COMP_COUNT];
-    lk_layout lay = {0};
-    int have_lay = 0;
-    kname *kn = NULL;
-    size_t n_kn = 0, unmatched = 0, first_unmatched = SIZE_MAX, matched = 0;
-    /* per module and per saved tensor: the exact hit, and the first two keys ending in ".<name>[.weight]" */
-    size_t nm_ = a->n ? a->n : 1, nr_ = a->n_rep ? a->n_rep : 1, nsz;
-    size_t *mx = lk_checked_mul(nm_ + nr_, 4 * sizeof *mx, &nsz) ? lk_malloc(nsz) : NULL;
-    size_t *mfirst = NULL, *msecond = NULL, *msame = NULL, *rx = NULL, *rfirst = NULL, *rsecond = NULL, *rsame = NULL;
-    lk_names mt = {0}, rt = {0};
-    const char *first_unmatched_rep = NULL;
-    if (!ord || !tnames || !bnames || !bby || !rnames || !rby || !trans || !mx || !mcomp || !tidx) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
-        goto done;
-    }
-    mfirst = mx + nm_, msecond = mfirst + nm_, msame = msecond + nm_;
-    rx = msame + nm_, rfirst = rx + nr_, rsecond = rfirst + nr_, rsame = rsecond + nr_;
+/* ---- lk_adapter_resolve_opts in steps: scratch, index the model, match
+ * and place each module and saved tensor, check the whole, build, commit ---- */
+
+/* One resolve. scratch is one allocation carved into the per-key,
+ * per-module and per-saved-tensor arrays below. Owned here until commit
+ * moves them into the adapter (resolve_free frees what is left): the
+ * strings in tnames / bnames / rnames, tp, bby, rby, pl, plstr, tf, xf,
+ * the name tables, kn and the layout. */
+typedef struct resolve_ctx {
+    lk_adapter *a;
+    const lk_tensor *model;
+    size_t n_model;
+    const lk_resolve_opts *opts;
+    int allow_unmatched, want_comp;
+    unsigned char *scratch;
+    size_t *ord;                  /* model indices sorted by name */
+    size_t *tidx;                 /* per module: its (first) weight */
+    size_t *mx, *mfirst, *msecond, *msame; /* per module: exact hit, first two suffix hits, id in mt */
+    size_t *rx, *rfirst, *rsecond, *rsame; /* the same per saved tensor, in rt */
+    char **tnames, **bnames;      /* per module: its weight's and its bias's names, or NULL */
+    char **rnames;                /* per saved tensor: the model tensor it replaces, or NULL */
+    unsigned char *trans, *mcomp; /* per module: transposed; the component of an unmatched one */
+    lk_names mt, rt;              /* module and saved-tensor names looked up by suffix */
+    kname *kn;                    /* kohya: the model's kohya names, sorted */
+    size_t n_kn;
+    lk_layout lay;
+    int have_lay;
+    tplace *tp;                   /* the placements being built */
+    size_t n_tp, tp_cap;
+    size_t *bby, n_bby;           /* modules with a bias target (a->by_bias) */
+    size_t *rby, n_rby;           /* matched saved tensors (a->rep_by_target) */
+    size_t tbytes, xbytes;        /* transposed / folded factors' bytes */
+    lk_adapter_placement *pl;
+    char **plstr;
+    void *tf, *xf;                /* the transposed and folded factors */
+    size_t matched, unmatched, foreign, first_unmatched;
+    const char *first_unmatched_rep;
+    size_t comp_hit[LK_COMP_COUNT], comp_miss[LK_COMP_COUNT], comp_first[LK_COMP_COUNT];
+} resolve_ctx;
+
+/* Lays out a block: n elements of es bytes aligned to al (a power of two)
+ * at the end of the *size bytes so far (advanced); their offset, or
+ * SIZE_MAX (and *size = SIZE_MAX, failing every later carve) on overflow. */
+static size_t carve(size_t *size, size_t n, size_t es, size_t al) {
+    if (*size == SIZE_MAX) return SIZE_MAX;
+    size_t at = (*size + al - 1) & ~(al - 1), nb;
+    if (at < *size || !lk_checked_mul(n, es, &nb) || !lk_checked_add(at, nb, size))
+        return *size = SIZE_MAX;
+    return at;
+}
+
+/* The resolve's scratch as one allocation, carved (the name arrays and the
+ * flags zeroed); bby and rby on their own (the adapter keeps them). On
+ * failure c owns what was made. */
+static lk_status resolve_scratch(resolve_ctx *c) {
+    const size_t n = c->a->n, nr = c->a->n_rep;
+    size_t size = 0;
+    const size_t o_ord = carve(&size, c->n_model, sizeof(size_t), _Alignof(size_t));
+    const size_t o_tidx = carve(&size, n, sizeof(size_t), _Alignof(size_t));
+    const size_t o_mx = carve(&size, n, 4 * sizeof(size_t), _Alignof(size_t));
+    const size_t o_rx = carve(&size, nr, 4 * sizeof(size_t), _Alignof(size_t));
+    const size_t o_names = carve(&size, n, 2 * sizeof(char *), _Alignof(char *));
+    const size_t o_rnames = carve(&size, nr, sizeof(char *), _Alignof(char *));
+    const size_t o_flags = carve(&size, n, 2, 1);
+    unsigned char *p = c->scratch = size == SIZE_MAX ? NULL : lk_malloc(size ? size : 1);
+    c->bby = lk_calloc(n ? n : 1, sizeof *c->bby);
+    c->rby = lk_calloc(nr ? nr : 1, sizeof *c->rby);
+    if (!p || !c->bby || !c->rby) return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->a->file);
+    memset(p + o_names, 0, size - o_names); /* tnames, bnames, rnames, trans, mcomp */
+    c->ord = (size_t *)(p + o_ord);
+    c->tidx = (size_t *)(p + o_tidx);
+    c->mx = (size_t *)(p + o_mx), c->mfirst = c->mx + n, c->msecond = c->mfirst + n, c->msame = c->msecond + n;
+    c->rx = (size_t *)(p + o_rx), c->rfirst = c->rx + nr, c->rsecond = c->rfirst + nr, c->rsame = c->rsecond + nr;
+    c->tnames = (char **)(p + o_names), c->bnames = c->tnames + n;
+    c->rnames = (char **)(p + o_rnames);
+    c->trans = p + o_flags, c->mcomp = c->trans + n;
+    return LK_OK;
+}
+
+/* The layout (prefixes, components, the family's table), built once, when
+ * first needed; c owns it. */
+static lk_status need_layout(resolve_ctx *c) {
+    if (c->have_lay) return LK_OK;
+    const lk_resolve_opts *o = c->opts;
+    lk_layout_opts lo = {o ? o->arch : NULL, o ? o->maps : NULL, o ? o->n_maps : 0};
+    lk_status s = lk_layout_build(c->model, c->n_model, &lo, c->a->path, &c->lay);
+    if (!s) c->have_lay = 1;
+    return s;
+}
+
+/* The lookups every module shares: the table the user named, the model's
+ * keys sorted, their kohya names, and for each module and saved tensor the
+ * exact key and the first two keys ending in ".<name>[.weight]". */
+static lk_status resolve_index(resolve_ctx *c) {
+    const lk_adapter *a = c->a;
+    const lk_tensor *model = c->model;
+    const size_t n_model = c->n_model;
+    lk_status s;
     /* A table the user named (--arch, --map) is read and checked even where every module lands
      * without it: a missing or malformed one is an error, never silently unused. */
-    if (opts && (opts->arch || opts->n_maps)) {
-        lk_layout_opts lo = {opts->arch, opts->maps, opts->n_maps};
-        if ((s = lk_layout_build(model, n_model, &lo, a->path, &lay))) goto done;
-        have_lay = 1;
-    }
+    if (c->opts && (c->opts->arch || c->opts->n_maps) && (s = need_layout(c))) return s;
     for (size_t i = 0; i < n_model; i++) {
-        if (!model[i].name) {
-            s = lk_error(LK_ERR_ARG, "lk_adapter_resolve: model tensor %zu has no name", i);
-            goto done;
-        }
-        ord[i] = i;
+        if (!model[i].name) return lk_error(LK_ERR_ARG, "lk_adapter_resolve: model tensor %zu has no name", i);
+        c->ord[i] = i;
     }
-    qsort_r(ord, n_model, sizeof *ord, idx_cmp, (void *)model);
-    if (a->format == LK_FORMAT_KOHYA && (s = kohya_names(a->file, model, n_model, &kn, &n_kn))) goto done;
-    { /* dotted names (kohya's underscore names are looked up below) */
-        for (size_t i = 0; i < a->n; i++) {
-            const lk_lora_module *m = &a->mods[i];
-            if (a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.')) {
-                mx[i] = SIZE_MAX;
-                continue;
-            }
-            size_t t = find_with_suffix(model, ord, n_model, m->module);
-            if (t == SIZE_MAX && strcmp(a->stems[i], m->module))
-                t = find_with_suffix(model, ord, n_model, a->stems[i]);
-            mx[i] = t;
-        }
-        if ((s = suffix_table(a->file, &mt, a->names, mx, a->n, msame))) goto done;
-        suffix_hits(&mt, model, n_model, ".weight", a->n, mfirst, msecond);
-    }
-    for (size_t r = 0; r < a->n_rep; r++) rx[r] = find_model(model, ord, n_model, a->rep_names[r]);
-    if ((s = suffix_table(a->file, &rt, a->rep_names, rx, a->n_rep, rsame))) goto done;
-    suffix_hits(&rt, model, n_model, "", a->n_rep, rfirst, rsecond);
-
-    for (size_t i = 0; i < a->n; i++) {
+    qsort_r(c->ord, n_model, sizeof *c->ord, idx_cmp, (void *)model);
+    if (a->format == LK_FORMAT_KOHYA && (s = kohya_names(a->file, model, n_model, &c->kn, &c->n_kn))) return s;
+    for (size_t i = 0; i < a->n; i++) { /* dotted names (kohya's underscore names are looked up by match_module) */
         const lk_lora_module *m = &a->mods[i];
-        size_t t = SIZE_MAX;
-        const char *rule = "exact";
-        int kohya = a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.');
-        if (kohya) {
-            kname key = {.name = (char *)kohya_rest(m->module)};
-            kname *hit = bsearch(&key, kn, n_kn, sizeof *kn, kname_cmp);
-            rule = "kohya form";
-            if (hit) {
-                kname *lo = hit, *hi = hit;
-                while (lo > kn && !strcmp(lo[-1].name, key.name)) lo--;
-                while (hi + 1 < kn + n_kn && !strcmp(hi[1].name, key.name)) hi++;
-                if (lo != hi) {
-                    s = lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model weights %s and %s", a->file,
-                                 m->module, model[lo->idx].name, model[lo[1].idx].name);
-                    goto done;
-                }
-                t = hit->idx;
-            }
-        } else {
-            t = mx[i];
-            if (t == SIZE_MAX) { /* the one model key ending in ".<m>.weight" */
-                rule = "suffix";
-                t = mfirst[msame[i]];
-                if (msecond[msame[i]] != SIZE_MAX) {
-                    s = lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model weights %s and %s", a->file,
-                                 m->module, model[t].name, model[msecond[msame[i]]].name);
-                    goto done;
-                }
-            }
-        }
-        if (want_comp) { /* one component of a pipeline: another component's modules are not ours */
-            int mc;
-            lk_layout_strip_module(kohya ? m->module : a->stems[i], kohya, &mc);
-            if (mc != LK_COMP_ANY && mc != want_comp) continue;
-        }
-        cand c[LK_ADAPTER_MAX_SLICES];
-        size_t nc = 0;
-        int comp = LK_COMP_ANY;
-        if (t != SIZE_MAX) {
-            c[0] = (cand){t, g_whole, g_whole, rule, 0};
-            nc = 1;
-            lk_layout_strip_module(kohya ? m->module : a->stems[i], kohya, &comp);
-        } else {
-            if (!have_lay) {
-                lk_layout_opts lo = {opts ? opts->arch : NULL, opts ? opts->maps : NULL, opts ? opts->n_maps : 0};
-                if ((s = lk_layout_build(model, n_model, &lo, a->path, &lay))) goto done;
-                have_lay = 1;
-            }
-            if ((s = layout_cands(a, i, &lay, model, c, &nc, &comp))) goto done;
-        }
-        if (nc == 0 && want_comp) continue; /* the pipeline checks that every module landed somewhere */
-        if (nc == 0 && m->algo == LK_ALGO_SET) { /* a replacement needs its weight, always */
-            s = lk_error(LK_ERR_UNMATCHED, "%s: %s: '%s' replaces a weight the model does not have (no %s.weight)",
-                         a->file, m->module, m->dense.name, a->format == LK_FORMAT_KOHYA ? kohya_rest(m->module)
-                                                                                          : m->module);
-            goto done;
-        }
-        if (nc == 0) {
-            mcomp[i] = (unsigned char)comp;
-            if (comp_miss[comp]++ == 0) comp_first[comp] = i;
-            if (unmatched++ == 0) first_unmatched = i;
+        if (a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.')) {
+            c->mx[i] = SIZE_MAX;
             continue;
         }
-        comp_hit[comp]++;
-        matched++;
-        int tr = nc == 1 && is_transposed(a, i, &model[c[0].key]);
-        if (tr && m->magnitude.name) {
-            s = lk_error(LK_ERR_UNSUPPORTED, "%s: %s: DoRA on a transposed (fan_in_fan_out) weight is not supported",
-                         a->file, m->module);
-            goto done;
-        }
-        if (n_tp + nc > tp_cap) {
-            size_t nc2 = (tp_cap ? 2 * tp_cap : 64) + nc;
-            tplace *ntp = lk_realloc(tp, nc2 * sizeof *ntp);
-            if (!ntp) {
-                s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
-                goto done;
-            }
-            tp = ntp;
-            tp_cap = nc2;
-        }
-        size_t xb = 0;
-        if ((s = place(a, i, model, c, nc, tr, tp, &n_tp, &xb))) goto done;
-        if (!lk_checked_add(xbytes, xb, &xbytes)) {
-            s = lk_error(LK_ERR_NOMEM, "%s: the folded factors' size overflows", a->file);
-            goto done;
-        }
-        t = c[0].key;
-        tidx[i] = t;
-        if (tr) {
-            size_t nb = ((a->fa[i].nbytes + 15) & ~(size_t)15) + ((a->fb[i].nbytes + 15) & ~(size_t)15);
-            if (!lk_checked_add(tbytes, nb, &tbytes)) {
-                s = lk_error(LK_ERR_NOMEM, "%s: the transposed factors' size overflows", a->file);
-                goto done;
-            }
-            trans[i] = 1;
-        }
-        if (!(tnames[i] = lk_strdup(model[t].name))) {
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
-            goto done;
-        }
-        if (m->bias.name) { /* lora_bias: the layer's own bias, "<m>.bias" */
-            size_t tl = strlen(model[t].name) - 6; /* "<m>." of "<m>.weight" */
-            size_t b = find_concat(model, ord, n_model, model[t].name, tl, "bias");
-            if (b == SIZE_MAX) {
-                s = lk_error(LK_ERR_UNMATCHED, "%s: %s has a bias delta ('%s') but the model has no %.*sbias to add it "
-                             "to", a->file, m->module, m->bias.name, (int)tl, model[t].name);
-                goto done;
-            }
-            const lk_tensor *bw = &model[b];
-            if (bw->ndim != 1 || bw->shape[0] != model[t].shape[0] || !lk_dtype_is_fusable(bw->dtype) ||
-                lk_tensor_numel(&m->bias) != (size_t)bw->shape[0]) {
-                s = lk_error(LK_ERR_SHAPE, "%s: %s: the model's %s is %s with %d dims; '%s' needs a 1-D "
-                             "F32/F16/BF16 bias of %lld values", a->file, m->module, bw->name, lk_dtype_name(bw->dtype),
-                             bw->ndim, m->bias.name, (long long)model[t].shape[0]);
-                goto done;
-            }
-            if (!(bnames[i] = lk_strdup(bw->name))) {
-                s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
-                goto done;
-            }
-            bby[n_bby++] = i;
-        }
+        size_t t = find_with_suffix(model, c->ord, n_model, m->module);
+        if (t == SIZE_MAX && strcmp(a->stems[i], m->module)) t = find_with_suffix(model, c->ord, n_model, a->stems[i]);
+        c->mx[i] = t;
     }
-    for (size_t r = 0; r < a->n_rep; r++) { /* tensors saved whole: the model key of that name */
-        const lk_adapter_tensor *rp = &a->reps[r];
-        size_t t = rx[r];
-        if (t == SIZE_MAX) { /* the one model key ending in "." + nm */
-            t = rfirst[rsame[r]];
-            if (rsecond[rsame[r]] != SIZE_MAX) {
-                s = lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model tensors %s and %s", a->file, rp->key,
-                             model[t].name, model[rsecond[rsame[r]]].name);
-                goto done;
-            }
-        }
-        if (t == SIZE_MAX) {
-            if (unmatched++ == 0) first_unmatched_rep = rp->key;
-            continue;
-        }
-        const lk_tensor *w = &model[t];
-        int same = w->ndim == rp->t.ndim;
-        for (int d = 0; same && d < w->ndim; d++) same = w->shape[d] == rp->t.shape[d];
-        char ws[64], rs[64];
-        if (!same) {
-            lk_shape_str(w, ws, sizeof ws);
-            lk_shape_str(&rp->t, rs, sizeof rs);
-            s = lk_error(LK_ERR_SHAPE, "%s: '%s' (%s) is %s but the model's %s is %s", a->file, rp->key, rp->why, rs,
-                         w->name, ws);
-            goto done;
-        }
-        if (!(lk_dtype_is_fusable(w->dtype) && lk_dtype_is_fusable(rp->t.dtype)) && w->dtype != rp->t.dtype) {
-            s = lk_error(LK_ERR_DTYPE, "%s: '%s' (%s) is %s but the model's %s is %s", a->file, rp->key, rp->why,
-                         lk_dtype_name(rp->t.dtype), w->name, lk_dtype_name(w->dtype));
-            goto done;
-        }
-        if (!(rnames[r] = lk_strdup(w->name))) {
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
-            goto done;
-        }
-        rby[n_rby++] = r;
+    if ((s = suffix_table(a->file, &c->mt, a->names, c->mx, a->n, c->msame))) return s;
+    suffix_hits(&c->mt, model, n_model, ".weight", a->n, c->mfirst, c->msecond);
+    for (size_t r = 0; r < a->n_rep; r++) c->rx[r] = find_model(model, c->ord, n_model, a->rep_names[r]);
+    if ((s = suffix_table(a->file, &c->rt, a->rep_names, c->rx, a->n_rep, c->rsame))) return s;
+    suffix_hits(&c->rt, model, n_model, "", a->n_rep, c->rfirst, c->rsecond);
+    return LK_OK;
+}
+
+/* Module i's weight by name alone (*rule says how): its kohya form among
+ * the model's kohya names, else "<m>.weight" (or its stem's), else the one
+ * key ending in ".<m>.weight"; *t = SIZE_MAX when none. Two hits: an
+ * ambiguity error. */
+static lk_status match_module(const resolve_ctx *c, size_t i, int kohya, size_t *t, const char **rule) {
+    const lk_adapter *a = c->a;
+    const lk_lora_module *m = &a->mods[i];
+    *t = SIZE_MAX;
+    *rule = "exact";
+    if (kohya) {
+        kname key = {.name = (char *)kohya_rest(m->module)};
+        kname *hit = bsearch(&key, c->kn, c->n_kn, sizeof *c->kn, kname_cmp);
+        *rule = "kohya form";
+        if (!hit) return LK_OK;
+        kname *lo = hit, *hi = hit;
+        while (lo > c->kn && !strcmp(lo[-1].name, key.name)) lo--;
+        while (hi + 1 < c->kn + c->n_kn && !strcmp(hi[1].name, key.name)) hi++;
+        if (lo != hi)
+            return lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model weights %s and %s", a->file,
+                            m->module, c->model[lo->idx].name, c->model[lo[1].idx].name);
+        *t = hit->idx;
+        return LK_OK;
     }
-    /* Modules of a component the base does not hold (a diffusers SD LoRA's
-     * text_encoder. half on a UNet file): one warning per component, not
-     * unmatched, when other modules landed and none of that component did. */
-    size_t foreign = 0;
+    *t = c->mx[i];
+    if (*t == SIZE_MAX) { /* the one model key ending in ".<m>.weight" */
+        *rule = "suffix";
+        *t = c->mfirst[c->msame[i]];
+        if (c->msecond[c->msame[i]] != SIZE_MAX)
+            return lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model weights %s and %s", a->file,
+                            m->module, c->model[*t].name, c->model[c->msecond[c->msame[i]]].name);
+    }
+    return LK_OK;
+}
+
+/* Room in c->tp for nc more placements. */
+static lk_status tp_reserve(resolve_ctx *c, size_t nc) {
+    if (c->n_tp + nc <= c->tp_cap) return LK_OK;
+    size_t cap = (c->tp_cap ? 2 * c->tp_cap : 64) + nc;
+    tplace *tp = lk_realloc(c->tp, cap * sizeof *tp);
+    if (!tp) return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->a->file);
+    c->tp = tp;
+    c->tp_cap = cap;
+    return LK_OK;
+}
+
+/* Module i on its candidate weights cs[0..nc): transposed or not, placed
+ * (place), its transposed / folded bytes counted, its weight's name kept
+ * (tnames[i], owned by c). */
+static lk_status place_module(resolve_ctx *c, size_t i, const cand *cs, size_t nc) {
+    const lk_adapter *a = c->a;
+    const lk_lora_module *m = &a->mods[i];
+    int tr = nc == 1 && is_transposed(a, i, &c->model[cs[0].key]);
+    if (tr && m->magnitude.name)
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: DoRA on a transposed (fan_in_fan_out) weight is not supported",
+                        a->file, m->module);
+    lk_status s = tp_reserve(c, nc);
+    size_t xb = 0;
+    if (s || (s = place(a, i, c->model, cs, nc, tr, c->tp, &c->n_tp, &xb))) return s;
+    if (!lk_checked_add(c->xbytes, xb, &c->xbytes))
+        return lk_error(LK_ERR_NOMEM, "%s: the folded factors' size overflows", a->file);
+    const size_t t = cs[0].key;
+    c->tidx[i] = t;
+    if (tr) {
+        size_t nb = ((a->fa[i].nbytes + 15) & ~(size_t)15) + ((a->fb[i].nbytes + 15) & ~(size_t)15);
+        if (!lk_checked_add(c->tbytes, nb, &c->tbytes))
+            return lk_error(LK_ERR_NOMEM, "%s: the transposed factors' size overflows", a->file);
+        c->trans[i] = 1;
+    }
+    if (!(c->tnames[i] = lk_strdup(c->model[t].name))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+    return LK_OK;
+}
+
+/* lora_bias of placed module i: the layer's own bias, "<m>.bias" beside its
+ * weight, checked; its name kept (bnames[i], owned by c). */
+static lk_status module_bias(resolve_ctx *c, size_t i) {
+    const lk_adapter *a = c->a;
+    const lk_lora_module *m = &a->mods[i];
+    const lk_tensor *model = c->model, *w = &model[c->tidx[i]];
+    size_t tl = strlen(w->name) - 6; /* "<m>." of "<m>.weight" */
+    size_t b = find_concat(model, c->ord, c->n_model, w->name, tl, "bias");
+    if (b == SIZE_MAX)
+        return lk_error(LK_ERR_UNMATCHED, "%s: %s has a bias delta ('%s') but the model has no %.*sbias to add it "
+                        "to", a->file, m->module, m->bias.name, (int)tl, w->name);
+    const lk_tensor *bw = &model[b];
+    if (bw->ndim != 1 || bw->shape[0] != w->shape[0] || !lk_dtype_is_fusable(bw->dtype) ||
+        lk_tensor_numel(&m->bias) != (size_t)bw->shape[0])
+        return lk_error(LK_ERR_SHAPE, "%s: %s: the model's %s is %s with %d dims; '%s' needs a 1-D "
+                        "F32/F16/BF16 bias of %lld values", a->file, m->module, bw->name, lk_dtype_name(bw->dtype),
+                        bw->ndim, m->bias.name, (long long)w->shape[0]);
+    if (!(c->bnames[i] = lk_strdup(bw->name))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+    c->bby[c->n_bby++] = i;
+    return LK_OK;
+}
+
+/* Module i: its candidate weights by name (match_module) or through the
+ * layout; skipped when it belongs to another pipeline component, counted
+ * when it lands nowhere, else placed (place_module) with its bias. */
+static lk_status resolve_module(resolve_ctx *c, size_t i) {
+    const lk_adapter *a = c->a;
+    const lk_lora_module *m = &a->mods[i];
+    const int kohya = a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.');
+    const char *rule, *stem = kohya ? m->module : a->stems[i];
+    size_t t;
+    lk_status s = match_module(c, i, kohya, &t, &rule);
+    if (s) return s;
+    if (c->want_comp) { /* one component of a pipeline: another component's modules are not ours */
+        int mc;
+        lk_layout_strip_module(stem, kohya, &mc);
+        if (mc != LK_COMP_ANY && mc != c->want_comp) return LK_OK;
+    }
+    cand cs[LK_ADAPTER_MAX_SLICES];
+    size_t nc = 0;
+    int comp = LK_COMP_ANY;
+    if (t != SIZE_MAX) {
+        cs[0] = (cand){t, g_whole, g_whole, rule, 0};
+        nc = 1;
+        lk_layout_strip_module(stem, kohya, &comp);
+    } else if ((s = need_layout(c)) || (s = layout_cands(a, i, &c->lay, c->model, cs, &nc, &comp))) {
+        return s;
+    }
+    if (nc == 0 && c->want_comp) return LK_OK; /* the pipeline checks that every module landed somewhere */
+    if (nc == 0 && m->algo == LK_ALGO_SET) /* a replacement needs its weight, always */
+        return lk_error(LK_ERR_UNMATCHED, "%s: %s: '%s' replaces a weight the model does not have (no %s.weight)",
+                        a->file, m->module, m->dense.name, a->format == LK_FORMAT_KOHYA ? kohya_rest(m->module)
+                                                                                         : m->module);
+    if (nc == 0) {
+        c->mcomp[i] = (unsigned char)comp;
+        if (c->comp_miss[comp]++ == 0) c->comp_first[comp] = i;
+        if (c->unmatched++ == 0) c->first_unmatched = i;
+        return LK_OK;
+    }
+    c->comp_hit[comp]++;
+    c->matched++;
+    if ((s = place_module(c, i, cs, nc))) return s;
+    return m->bias.name ? module_bias(c, i) : LK_OK;
+}
+
+/* Saved tensor r (kept whole): the model key of its name, or the one key
+ * ending in "." + name, with its shape and dtype checked; its name kept
+ * (rnames[r], owned by c); counted when none. */
+static lk_status resolve_rep(resolve_ctx *c, size_t r) {
+    const lk_adapter *a = c->a;
+    const lk_adapter_tensor *rp = &a->reps[r];
+    size_t t = c->rx[r];
+    if (t == SIZE_MAX) { /* the one model key ending in "." + nm */
+        t = c->rfirst[c->rsame[r]];
+        if (c->rsecond[c->rsame[r]] != SIZE_MAX)
+            return lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model tensors %s and %s", a->file, rp->key,
+                            c->model[t].name, c->model[c->rsecond[c->rsame[r]]].name);
+    }
+    if (t == SIZE_MAX) {
+        if (c->unmatched++ == 0) c->first_unmatched_rep = rp->key;
+        return LK_OK;
+    }
+    const lk_tensor *w = &c->model[t];
+    int same = w->ndim == rp->t.ndim;
+    for (int d = 0; same && d < w->ndim; d++) same = w->shape[d] == rp->t.shape[d];
+    char ws[64], rs[64];
+    if (!same) {
+        lk_shape_str(w, ws, sizeof ws);
+        lk_shape_str(&rp->t, rs, sizeof rs);
+        return lk_error(LK_ERR_SHAPE, "%s: '%s' (%s) is %s but the model's %s is %s", a->file, rp->key, rp->why, rs,
+                        w->name, ws);
+    }
+    if (!(lk_dtype_is_fusable(w->dtype) && lk_dtype_is_fusable(rp->t.dtype)) && w->dtype != rp->t.dtype)
+        return lk_error(LK_ERR_DTYPE, "%s: '%s' (%s) is %s but the model's %s is %s", a->file, rp->key, rp->why,
+                        lk_dtype_name(rp->t.dtype), w->name, lk_dtype_name(w->dtype));
+    if (!(c->rnames[r] = lk_strdup(w->name))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+    c->rby[c->n_rby++] = r;
+    return LK_OK;
+}
+
+/* Modules of a component the base does not hold (a diffusers SD LoRA's
+ * text_encoder. half on a UNet file): one warning per component, not
+ * unmatched, when other modules landed and none of that component did. */
+static void skip_foreign(resolve_ctx *c) {
+    const lk_adapter *a = c->a;
     for (int k = LK_COMP_DIFFUSION; k < LK_COMP_COUNT; k++)
-        if (comp_miss[k] && !comp_hit[k] && matched) {
+        if (c->comp_miss[k] && !c->comp_hit[k] && c->matched) {
             lk_log(LK_LOG_WARN, "%s: %zu modules for component %s (first: %s) are skipped: the base holds no %s "
-                   "weights", a->path, comp_miss[k], lk_comp_name(k), a->mods[comp_first[k]].module, lk_comp_name(k));
-            foreign += comp_miss[k];
-            unmatched -= comp_miss[k];
-            if (first_unmatched != SIZE_MAX && mcomp[first_unmatched] == k) first_unmatched = SIZE_MAX;
+                   "weights", a->path, c->comp_miss[k], lk_comp_name(k), a->mods[c->comp_first[k]].module,
+                   lk_comp_name(k));
+            c->foreign += c->comp_miss[k];
+            c->unmatched -= c->comp_miss[k];
+            if (c->first_unmatched != SIZE_MAX && c->mcomp[c->first_unmatched] == k) c->first_unmatched = SIZE_MAX;
         }
-    if (foreign && first_unmatched == SIZE_MAX) /* the first unmatched module of another component */
-        for (size_t i = 0; i < a->n && first_unmatched == SIZE_MAX; i++)
-            if (!tnames[i] && !(comp_miss[mcomp[i]] && !comp_hit[mcomp[i]] && mcomp[i] != LK_COMP_ANY))
-                first_unmatched = i;
+    if (c->foreign && c->first_unmatched == SIZE_MAX) /* the first unmatched module of another component */
+        for (size_t i = 0; i < a->n && c->first_unmatched == SIZE_MAX; i++)
+            if (!c->tnames[i] && !(c->comp_miss[c->mcomp[i]] && !c->comp_hit[c->mcomp[i]] && c->mcomp[i] != LK_COMP_ANY))
+                c->first_unmatched = i;
+}
+
+/* Unmatched modules and saved tensors: an error naming the first unless
+ * allow_unmatched; an adapter of which nothing lands, always an error. */
+static lk_status check_unmatched(const resolve_ctx *c) {
+    const lk_adapter *a = c->a;
+    const size_t unmatched = c->unmatched, first_unmatched = c->first_unmatched;
     /* the hint for the first unmatched module: --allow-unmatched helps only when something else lands */
-    const char *more_unmatched = !matched && !n_rby ? " (and nothing else of it matches: is it for this model?)"
-                                 : unmatched > 1     ? " (and more; --allow-unmatched skips them)"
-                                                     : "";
-    if (unmatched && !allow_unmatched && first_unmatched == SIZE_MAX && first_unmatched_rep) {
-        s = lk_error(LK_ERR_UNMATCHED, "%s: '%s' matches no model tensor%s", a->file, first_unmatched_rep,
-                     more_unmatched);
-        goto done;
-    }
-    if (unmatched && !allow_unmatched && first_unmatched != SIZE_MAX) {
+    const char *more_unmatched = !c->matched && !c->n_rby ? " (and nothing else of it matches: is it for this model?)"
+                                 : unmatched > 1          ? " (and more; --allow-unmatched skips them)"
+                                                          : "";
+    if (unmatched && !c->allow_unmatched && first_unmatched == SIZE_MAX && c->first_unmatched_rep)
+        return lk_error(LK_ERR_UNMATCHED, "%s: '%s' matches no model tensor%s", a->file, c->first_unmatched_rep,
+                        more_unmatched);
+    if (unmatched && !c->allow_unmatched && first_unmatched != SIZE_MAX) {
         const lk_lora_module *m = &a->mods[first_unmatched];
         if (a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.'))
-            s = lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (no key <x>.weight with x's dots as '_' = %s)%s",
-                         a->file, m->module, kohya_rest(m->module),
-                         more_unmatched);
-        else
-            s = lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (looked for %s.weight)%s", a->file,
-                         m->module, m->module, more_unmatched);
-        goto done;
+            return lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (no key <x>.weight with x's dots as '_' = "
+                            "%s)%s", a->file, m->module, kohya_rest(m->module), more_unmatched);
+        return lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (looked for %s.weight)%s", a->file,
+                        m->module, m->module, more_unmatched);
     }
     /* An adapter none of whose modules (or saved tensors) lands anywhere is an
      * error even with allow_unmatched: that flag skips some modules, and a
      * fuse that changes nothing at all is never what was meant (the wrong
      * adapter, or the wrong base). */
-    if (a->n + a->n_rep && !matched && !n_rby && allow_unmatched != LK_RESOLVE_LIST_ALL) {
-        const char *first = first_unmatched != SIZE_MAX ? a->mods[first_unmatched].module : first_unmatched_rep;
-        s = lk_error(LK_ERR_UNMATCHED, "%s: none of its %zu module%s matches a weight of the model (first: %s), so it "
-                     "would change nothing; --allow-unmatched skips some unmatched modules, never all of them",
-                     a->file, a->n + a->n_rep, a->n + a->n_rep == 1 ? "" : "s", first ? first : "?");
-        goto done;
+    if (a->n + a->n_rep && !c->matched && !c->n_rby && c->allow_unmatched != LK_RESOLVE_LIST_ALL) {
+        const char *first = first_unmatched != SIZE_MAX ? a->mods[first_unmatched].module : c->first_unmatched_rep;
+        return lk_error(LK_ERR_UNMATCHED, "%s: none of its %zu module%s matches a weight of the model (first: %s), so "
+                        "it would change nothing; --allow-unmatched skips some unmatched modules, never all of them",
+                        a->file, a->n + a->n_rep, a->n + a->n_rep == 1 ? "" : "s", first ? first : "?");
     }
-    /* Two modules on one weight: only on disjoint rows. */
-    if (n_tp) qsort_r(tp, n_tp, sizeof *tp, tplace_cmp, (void *)model);
-    for (size_t i = 1; i < n_tp; i++) {
+    return LK_OK;
+}
+
+/* Two modules on one weight only on disjoint rows, at most
+ * LK_ADAPTER_MAX_SLICES on one; sorts tp by (weight, first row). */
+static lk_status check_placements(resolve_ctx *c) {
+    const lk_adapter *a = c->a;
+    const lk_tensor *model = c->model;
+    const tplace *tp = c->tp;
+    if (c->n_tp) qsort_r(c->tp, c->n_tp, sizeof *c->tp, tplace_cmp, (void *)model);
+    for (size_t i = 1; i < c->n_tp; i++) {
         const tplace *p = &tp[i - 1], *q = &tp[i];
         if (p->key != q->key || p->row0 + p->rows <= q->row0) continue;
         if (p->whole && q->whole)
-            s = lk_error(LK_ERR_FORMAT, "%s: modules %s and %s both target %s", a->file, a->mods[p->mod].module,
-                         a->mods[q->mod].module, model[q->key].name);
-        else
-            s = lk_error(LK_ERR_FORMAT, "%s: modules %s (%s) and %s (%s) both land on rows %lld..%lld of %s", a->file,
-                         a->mods[p->mod].module, p->rule, a->mods[q->mod].module, q->rule, (long long)q->row0,
-                         (long long)(p->row0 + p->rows < q->row0 + q->rows ? p->row0 + p->rows : q->row0 + q->rows),
-                         model[q->key].name);
-        goto done;
+            return lk_error(LK_ERR_FORMAT, "%s: modules %s and %s both target %s", a->file, a->mods[p->mod].module,
+                            a->mods[q->mod].module, model[q->key].name);
+        return lk_error(LK_ERR_FORMAT, "%s: modules %s (%s) and %s (%s) both land on rows %lld..%lld of %s", a->file,
+                        a->mods[p->mod].module, p->rule, a->mods[q->mod].module, q->rule, (long long)q->row0,
+                        (long long)(p->row0 + p->rows < q->row0 + q->rows ? p->row0 + p->rows : q->row0 + q->rows),
+                        model[q->key].name);
     }
-    size_t per_key = 0;
-    for (size_t i = 0, run = 0; i < n_tp; i++) {
+    for (size_t i = 0, run = 0; i < c->n_tp; i++) {
         run = i && tp[i].key == tp[i - 1].key ? run + 1 : 1;
-        if (run > per_key) per_key = run;
-        if (run > LK_ADAPTER_MAX_SLICES) {
-            s = lk_error(LK_ERR_FORMAT, "%s: more than %d modules land on %s", a->file, LK_ADAPTER_MAX_SLICES,
-                         model[tp[i].key].name);
-            goto done;
-        }
+        if (run > LK_ADAPTER_MAX_SLICES)
+            return lk_error(LK_ERR_FORMAT, "%s: more than %d modules land on %s", a->file, LK_ADAPTER_MAX_SLICES,
+                            model[tp[i].key].name);
     }
-    qsort_r(rby, n_rby, sizeof *rby, target_cmp, rnames);
-    for (size_t i = 1; i < n_rby; i++)
-        if (!strcmp(rnames[rby[i]], rnames[rby[i - 1]])) {
-            s = lk_error(LK_ERR_FORMAT, "%s: '%s' and '%s' both replace %s", a->file, a->reps[rby[i - 1]].key,
-                         a->reps[rby[i]].key, rnames[rby[i]]);
-            goto done;
-        }
-    for (size_t i = 0; i < n_rby; i++) { /* a tensor both replaced and LoRA-fused by this adapter */
-        size_t lo = 0, hi = n_tp, r = rby[i];
+    return LK_OK;
+}
+
+/* No model tensor replaced twice, nor both replaced and fused into; sorts
+ * rby by target (tp must be sorted by weight: check_placements). */
+static lk_status check_replacements(resolve_ctx *c) {
+    const lk_adapter *a = c->a;
+    char **rnames = c->rnames;
+    qsort_r(c->rby, c->n_rby, sizeof *c->rby, target_cmp, rnames);
+    for (size_t i = 1; i < c->n_rby; i++)
+        if (!strcmp(rnames[c->rby[i]], rnames[c->rby[i - 1]]))
+            return lk_error(LK_ERR_FORMAT, "%s: '%s' and '%s' both replace %s", a->file, a->reps[c->rby[i - 1]].key,
+                            a->reps[c->rby[i]].key, rnames[c->rby[i]]);
+    for (size_t i = 0; i < c->n_rby; i++) { /* a tensor both replaced and LoRA-fused by this adapter */
+        size_t lo = 0, hi = c->n_tp, r = c->rby[i];
         while (lo < hi) {
             size_t mid = lo + (hi - lo) / 2;
-            int c = strcmp(model[tp[mid].key].name, rnames[r]);
-            if (!c) {
-                s = lk_error(LK_ERR_FORMAT, "%s: '%s' replaces %s, which module %s also fuses into", a->file,
-                             a->reps[r].key, rnames[r], a->mods[tp[mid].mod].module);
-                goto done;
-            }
-            if (c < 0) lo = mid + 1;
+            int cmp = strcmp(c->model[c->tp[mid].key].name, rnames[r]);
+            if (!cmp)
+                return lk_error(LK_ERR_FORMAT, "%s: '%s' replaces %s, which module %s also fuses into", a->file,
+                                a->reps[r].key, rnames[r], a->mods[c->tp[mid].mod].module);
+            if (cmp < 0) lo = mid + 1;
             else hi = mid;
         }
     }
-    qsort_r(bby, n_bby, sizeof *bby, target_cmp, bnames);
-    pl = lk_calloc(n_tp ? n_tp : 1, sizeof *pl);
-    plstr = lk_calloc(2 * (n_tp ? n_tp : 1), sizeof *plstr);
-    if (!pl || !plstr) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
-        goto done;
-    }
+    return LK_OK;
+}
+
+/* Everything commit moves into the adapter, made while failing is still
+ * harmless: bby sorted by bias target, the placements' target and rule
+ * strings, the buffers for transposed and folded factors (owned by c). */
+static lk_status build_outputs(resolve_ctx *c) {
+    const lk_adapter *a = c->a;
+    const size_t n_tp = c->n_tp;
+    qsort_r(c->bby, c->n_bby, sizeof *c->bby, target_cmp, c->bnames);
+    c->pl = lk_calloc(n_tp ? n_tp : 1, sizeof *c->pl);
+    c->plstr = lk_calloc(2 * (n_tp ? n_tp : 1), sizeof *c->plstr);
+    if (!c->pl || !c->plstr) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
     for (size_t i = 0; i < n_tp; i++) {
-        size_t rl = strlen(tp[i].rule) + sizeof "kohya form, ";
-        if (!(plstr[2 * i] = lk_strdup(model[tp[i].key].name)) || !(plstr[2 * i + 1] = lk_malloc(rl))) {
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
-            goto done;
-        }
-        snprintf(plstr[2 * i + 1], rl, "%s%s", tp[i].kohya ? "kohya form, " : "", tp[i].rule);
+        const tplace *p = &c->tp[i];
+        size_t rl = strlen(p->rule) + sizeof "kohya form, ";
+        if (!(c->plstr[2 * i] = lk_strdup(c->model[p->key].name)) || !(c->plstr[2 * i + 1] = lk_malloc(rl)))
+            return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+        snprintf(c->plstr[2 * i + 1], rl, "%s%s", p->kohya ? "kohya form, " : "", p->rule);
     }
-    void *tf = tbytes ? lk_malloc(tbytes) : NULL;
-    void *xf = xbytes ? lk_malloc(xbytes) : NULL;
-    if ((tbytes && !tf) || (xbytes && !xf)) {
-        lk_free(tf);
-        lk_free(xf);
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of transposed and folded factors", a->file,
-                     tbytes + xbytes);
-        goto done;
-    }
-    /* Commit. */
-    unsigned char *tfp = tf, *xp = xf;
-    for (size_t i = 0; i < a->n; i++) {
-        if (a->mods[i].algo == LK_ALGO_LORA) orient(a, i, trans[i], &a->mods[i].A, &a->mods[i].B, &tfp);
-        if (tnames[i]) build_kernel_factors(&a->mods[i], &model[tidx[i]], &xp);
-        else memset(a->mods[i].k, 0, sizeof a->mods[i].k);
-    }
-    lk_free(a->tfactors);
-    a->tfactors = tf;
-    lk_free(a->xfactors);
-    a->xfactors = xf;
-    for (size_t i = 0; i < a->n; i++) {
-        lk_free(a->targets[i]);
-        a->targets[i] = tnames[i];
-        a->mods[i].target = tnames[i];
-        tnames[i] = NULL;
-        lk_free(a->bias_targets[i]);
-        a->bias_targets[i] = bnames[i];
-        a->mods[i].bias_target = bnames[i];
-        bnames[i] = NULL;
-    }
-    for (size_t r = 0; r < a->n_rep; r++) {
-        lk_free(a->rep_targets[r]);
-        a->rep_targets[r] = rnames[r];
-        a->reps[r].target = rnames[r];
-        rnames[r] = NULL;
-    }
-    for (size_t i = 0; i < n_tp; i++) {
-        const lk_lora_module *m = &a->mods[tp[i].mod];
+    c->tf = c->tbytes ? lk_malloc(c->tbytes) : NULL;
+    c->xf = c->xbytes ? lk_malloc(c->xbytes) : NULL;
+    if ((c->tbytes && !c->tf) || (c->xbytes && !c->xf))
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of transposed and folded factors", a->file,
+                        c->tbytes + c->xbytes);
+    return LK_OK;
+}
+
+/* The placements' records: each module's B cut to its rows. */
+static void fill_placements(resolve_ctx *c) {
+    for (size_t i = 0; i < c->n_tp; i++) {
+        const tplace *p = &c->tp[i];
+        const lk_lora_module *m = &c->a->mods[p->mod];
         lk_tensor B = m->B;
         size_t es = lk_dtype_size(B.dtype);
         if (B.data) /* a module without a B factor (dense, LoKr, ...): no rows to offset */
-            B.data = (unsigned char *)B.data + (size_t)tp[i].b_row0 * (size_t)B.shape[1] * es;
-        B.shape[0] = tp[i].rows;
-        B.nbytes = (size_t)tp[i].rows * (size_t)B.shape[1] * es;
-        pl[i] = (lk_adapter_placement){m, plstr[2 * i], tp[i].row0, tp[i].b_row0, tp[i].rows, tp[i].whole,
-                                       plstr[2 * i + 1], B};
+            B.data = (unsigned char *)B.data + (size_t)p->b_row0 * (size_t)B.shape[1] * es;
+        B.shape[0] = p->rows;
+        B.nbytes = (size_t)p->rows * (size_t)B.shape[1] * es;
+        c->pl[i] = (lk_adapter_placement){m, c->plstr[2 * i], p->row0, p->b_row0, p->rows, p->whole,
+                                          c->plstr[2 * i + 1], B};
     }
+}
+
+/* Commit (cannot fail): the kernel factors built, every result moved from c
+ * into the adapter (the adapter's old ones freed), the unmatched warned of. */
+static void commit(resolve_ctx *c, size_t *n_unmatched) {
+    lk_adapter *a = c->a;
+    unsigned char *tfp = c->tf, *xp = c->xf;
+    for (size_t i = 0; i < a->n; i++) {
+        if (a->mods[i].algo == LK_ALGO_LORA) orient(a, i, c->trans[i], &a->mods[i].A, &a->mods[i].B, &tfp);
+        if (c->tnames[i]) build_kernel_factors(&a->mods[i], &c->model[c->tidx[i]], &xp);
+        else memset(a->mods[i].k, 0, sizeof a->mods[i].k);
+    }
+    lk_free(a->tfactors);
+    a->tfactors = c->tf;
+    lk_free(a->xfactors);
+    a->xfactors = c->xf;
+    c->tf = c->xf = NULL;
+    for (size_t i = 0; i < a->n; i++) {
+        lk_free(a->targets[i]);
+        a->targets[i] = c->tnames[i];
+        a->mods[i].target = c->tnames[i];
+        c->tnames[i] = NULL;
+        lk_free(a->bias_targets[i]);
+        a->bias_targets[i] = c->bnames[i];
+        a->mods[i].bias_target = c->bnames[i];
+        c->bnames[i] = NULL;
+    }
+    for (size_t r = 0; r < a->n_rep; r++) {
+        lk_free(a->rep_targets[r]);
+        a->rep_targets[r] = c->rnames[r];
+        a->reps[r].target = c->rnames[r];
+        c->rnames[r] = NULL;
+    }
+    fill_placements(c);
     for (size_t i = 0; i < 2 * a->n_pl; i++) lk_free(a->pl_strs[i]);
     lk_free(a->pl_strs);
     lk_free(a->pl);
-    a->pl = pl;
-    a->pl_strs = plstr;
-    a->n_pl = n_tp;
-    pl = NULL;
-    plstr = NULL;
+    a->pl = c->pl;
+    a->pl_strs = c->plstr;
+    a->n_pl = c->n_tp;
+    c->pl = NULL;
+    c->plstr = NULL;
     lk_free(a->family);
-    a->family = have_lay && lay.family ? lk_strdup(lay.family) : NULL;
+    a->family = c->have_lay && c->lay.family ? lk_strdup(c->lay.family) : NULL;
     lk_free(a->by_bias);
-    a->by_bias = bby;
-    a->n_by_bias = n_bby;
-    bby = NULL;
+    a->by_bias = c->bby;
+    a->n_by_bias = c->n_bby;
+    c->bby = NULL;
     lk_free(a->rep_by_target);
-    a->rep_by_target = rby;
-    a->n_rep_by_target = n_rby;
-    rby = NULL;
-    if (unmatched)
+    a->rep_by_target = c->rby;
+    a->n_rep_by_target = c->n_rby;
+    c->rby = NULL;
+    if (c->unmatched)
         lk_log(LK_LOG_WARN, "%s: %zu of %zu modules%s match no model weight and are skipped (first: %s)", a->path,
-               unmatched, a->n + a->n_rep, a->n_rep ? " and saved tensors" : "",
-               first_unmatched != SIZE_MAX ? a->mods[first_unmatched].module : first_unmatched_rep);
-    if (n_unmatched) *n_unmatched = unmatched + foreign;
-done:
-    if (tnames)
-        for (size_t i = 0; i < a->n; i++) lk_free(tnames[i]);
-    lk_free(tnames);
-    if (bnames)
-        for (size_t i = 0; i < a->n; i++) lk_free(bnames[i]);
-    lk_free(bnames);
-    if (rnames)
-        for (size_t i = 0; i < a->n_rep; i++) lk_free(rnames[i]);
-    lk_free(rnames);
-    lk_free(bby);
-    lk_free(rby);
-    lk_free(trans);
-    if (plstr)
-        for (size_t i = 0; i < 2 * n_tp; i++) lk_free(plstr[i]);
-    lk_free(plstr);
-    lk_free(pl);
-    lk_free(tp);
-    lk_free(mcomp);
-    lk_free(tidx);
-    lk_free(ord);
-    lk_free(mx);
-    lk_names_free(&mt);
-    lk_names_free(&rt);
-    free_knames(kn, n_kn);
-    if (have_lay) lk_layout_free(&lay);
+               c->unmatched, a->n + a->n_rep, a->n_rep ? " and saved tensors" : "",
+               c->first_unmatched != SIZE_MAX ? a->mods[c->first_unmatched].module : c->first_unmatched_rep);
+    if (n_unmatched) *n_unmatched = c->unmatched + c->foreign;
+}
+
+/* Frees what c still owns (everything, after a failure). */
+static void resolve_free(resolve_ctx *c) {
+    if (c->tnames) /* carved: resolve_scratch succeeded */
+        for (size_t i = 0; i < c->a->n; i++) {
+            lk_free(c->tnames[i]);
+            lk_free(c->bnames[i]);
+        }
+    if (c->rnames)
+        for (size_t r = 0; r < c->a->n_rep; r++) lk_free(c->rnames[r]);
+    if (c->plstr)
+        for (size_t i = 0; i < 2 * c->n_tp; i++) lk_free(c->plstr[i]);
+    lk_free(c->plstr);
+    lk_free(c->pl);
+    lk_free(c->tf);
+    lk_free(c->xf);
+    lk_free(c->bby);
+    lk_free(c->rby);
+    lk_free(c->tp);
+    lk_free(c->scratch);
+    lk_names_free(&c->mt);
+    lk_names_free(&c->rt);
+    free_knames(c->kn, c->n_kn);
+    if (c->have_lay) lk_layout_free(&c->lay);
+}
+
+lk_status lk_adapter_resolve_opts(lk_adapter *a, const lk_tensor *model, size_t n_model, const lk_resolve_opts *opts,
+                                  size_t *n_unmatched) {
+    if (!a || (n_model && !model)) return lk_error(LK_ERR_ARG, "lk_adapter_resolve: NULL argument");
+    int want_comp = opts && opts->component ? lk_comp_from_name(opts->component) : LK_COMP_ANY;
+    if (opts && opts->component && want_comp == LK_COMP_ANY)
+        return lk_error(LK_ERR_ARG, "%s: unknown pipeline component '%s'", a->file, opts->component);
+    resolve_ctx c = {.a = a, .model = model, .n_model = n_model, .opts = opts,
+                     .allow_unmatched = opts ? opts->allow_unmatched : 0, .want_comp = want_comp,
+                     .first_unmatched = SIZE_MAX};
+    lk_status s = resolve_scratch(&c);
+    if (!s) s = resolve_index(&c);
+    for (size_t i = 0; !s && i < a->n; i++) s = resolve_module(&c, i);
+    for (size_t r = 0; !s && r < a->n_rep; r++) s = resolve_rep(&c, r);
+    if (!s) {
+        skip_foreign(&c);
+        s = check_unmatched(&c);
+    }
+    if (!s) s = check_placements(&c);
+    if (!s) s = check_replacements(&c);
+    if (!s) s = build_outputs(&c);
+    if (!s) commit(&c, n_unmatched);
+    resolve_free(&c);
     return s;
 }
 
