@@ -688,6 +688,34 @@ static void test_malformed(void **state) {
     RND(a, "lora_unet_lin.dora_scale", LK_DTYPE_F32, 1, 7);
     expect_refused(&m, a, "m7.safetensors", LK_ERR_SHAPE, "'lora_unet_lin.dora_scale' is [1, 7]; for the model "
                    "weight lin.weight [8, 6] DoRA needs [8, 1, ...] (per output row) or [1, 6, ...]");
+    /* an empty dimension in a LyCORIS factor (each divided by zero, SIGFPE, before the check) */
+    a = af_new(); /* LoKr: a full lokr_w2 with no rows */
+    RND(a, "lycoris_lin.lokr_w1", LK_DTYPE_F32, 2, 2);
+    RND(a, "lycoris_lin.lokr_w2", LK_DTYPE_F32, 0, 3);
+    expect_refused(&m, a, "z1.safetensors", LK_ERR_SHAPE,
+                   "lycoris_lin: lycoris_lin.lokr_w2 is [0, 3]: every dimension must be > 0");
+    a = af_new(); /* LoHa: a rank-0 half */
+    RND(a, "lycoris_lin.hada_w1_a", LK_DTYPE_F32, 8, 0);
+    RND(a, "lycoris_lin.hada_w1_b", LK_DTYPE_F32, 0, 6);
+    RND(a, "lycoris_lin.hada_w2_a", LK_DTYPE_F32, 8, 2);
+    RND(a, "lycoris_lin.hada_w2_b", LK_DTYPE_F32, 2, 6);
+    expect_refused(&m, a, "z2.safetensors", LK_ERR_SHAPE,
+                   "lycoris_lin.hada_w1_a is [8, 0]: every dimension must be > 0");
+    a = af_new(); /* LoHa Tucker: an empty core and up factor */
+    RND(a, "lycoris_conv.hada_t1", LK_DTYPE_F32, 0, 2, 3, 3);
+    RND(a, "lycoris_conv.hada_w1_a", LK_DTYPE_F32, 0, 8);
+    RND(a, "lycoris_conv.hada_w1_b", LK_DTYPE_F32, 2, 4);
+    RND(a, "lycoris_conv.hada_t2", LK_DTYPE_F32, 2, 2, 3, 3);
+    RND(a, "lycoris_conv.hada_w2_a", LK_DTYPE_F32, 2, 8);
+    RND(a, "lycoris_conv.hada_w2_b", LK_DTYPE_F32, 2, 4);
+    expect_refused(&m, a, "z3.safetensors", LK_ERR_SHAPE,
+                   "lycoris_conv.hada_w1_a is [0, 8]: every dimension must be > 0");
+    a = af_new(); /* LoCon Tucker: an empty lora_mid between an empty up rank */
+    RND(a, "lora_unet_conv.lora_down.weight", LK_DTYPE_F32, 2, 4, 1, 1);
+    RND(a, "lora_unet_conv.lora_mid.weight", LK_DTYPE_F32, 0, 2, 3, 3);
+    RND(a, "lora_unet_conv.lora_up.weight", LK_DTYPE_F32, 8, 0, 1, 1);
+    expect_refused(&m, a, "z4.safetensors", LK_ERR_SHAPE,
+                   "lora_unet_conv: lora_mid is [0, 2, 3, 3]: every dimension must be > 0");
     a = af_new(); /* two algorithms in one module */
     RND(a, "lycoris_lin.lokr_w1", LK_DTYPE_F32, 2, 2);
     RND(a, "lycoris_lin.hada_w1_a", LK_DTYPE_F32, 8, 2);

@@ -777,8 +777,10 @@ static lk_status read_alpha(const lk_adapter *a, const lk_tensor *t, double *out
 }
 
 /* A factor: F32/F16/BF16, 2-D, or 4-D (a convolution's [r, in, kh, kw] /
- * [out, r, 1, 1], LyCORIS cores [r, r, kh, kw]) with every dimension > 0. */
-static lk_status check_factor(const char *file, const char *m, const lk_tensor *t, const char *role) {
+ * [out, r, 1, 1], LyCORIS cores [r, r, kh, kw]) with every dimension > 0;
+ * all: the first two are checked here too (LoRA's A and B pass 0: their
+ * rank check names them). */
+static lk_status check_factor(const char *file, const char *m, const lk_tensor *t, const char *role, int all) {
     if (!lk_dtype_is_fusable(t->dtype))
         return lk_error(LK_ERR_DTYPE, "%s: %s: %s has dtype %s; adapter factors must be F32, F16 or BF16", file, m,
                         role, lk_dtype_name(t->dtype));
@@ -787,7 +789,7 @@ static lk_status check_factor(const char *file, const char *m, const lk_tensor *
         lk_shape_str(t, sh, sizeof sh);
         return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %s: expected 2 dimensions (4 for a convolution)", file, m, role, sh);
     }
-    for (int d = 2; d < t->ndim; d++)
+    for (int d = all ? 0 : 2; d < t->ndim; d++)
         if (t->shape[d] <= 0) {
             char sh[96];
             lk_shape_str(t, sh, sizeof sh);
@@ -902,7 +904,7 @@ static lk_status check_lora_factors(const lk_adapter *a, size_t i, const lk_tens
     const char *an = lk_adapter_factor_name(a, 0), *bn = lk_adapter_factor_name(a, 1);
     const lk_tensor *A = by_role[ROLE_A], *B = by_role[ROLE_B], *mid = by_role[ROLE_MID];
     lk_status s;
-    if ((s = check_factor(f, m, A, an)) || (s = check_factor(f, m, B, bn))) return s;
+    if ((s = check_factor(f, m, A, an, 0)) || (s = check_factor(f, m, B, bn, 0))) return s;
     *r = A->shape[0];
     if (*r <= 0 || A->shape[1] <= 0 || B->shape[0] <= 0)
         return lk_error(LK_ERR_SHAPE, "%s: %s: %s is %lldx%lld and %s is %lldx%lld: rank must be > 0", f, m, an,
@@ -920,7 +922,7 @@ static lk_status check_lora_factors(const lk_adapter *a, size_t i, const lk_tens
     if (!mid) return LK_OK;
     /* LoCon Tucker: down [r, in, 1, 1], mid [r, r, kh, kw], up [out, r, 1, 1] */
     lk_shape_str(mid, ms, sizeof ms);
-    if ((s = check_factor(f, m, mid, "lora_mid"))) return s;
+    if ((s = check_factor(f, m, mid, "lora_mid", 1))) return s;
     if (mid->shape[0] != B->shape[1] || mid->shape[1] != *r || !trailing_ones(A))
         return lk_error(LK_ERR_SHAPE, "%s: %s: Tucker core lora_mid is %s but %s is %s and %s is %s (expected "
                         "[%lld, %lld, kh, kw] between [out, %lld, 1, 1] and [%lld, in, 1, 1])", f, m, ms, bn, bs, an,
@@ -1046,9 +1048,9 @@ static lk_status shape_pair_error(const char *f, const char *m, const char *what
 static lk_status low_rank_half(const char *f, const char *m, const lk_tensor *up, const lk_tensor *down,
                                const lk_tensor *t, int64_t *out, int64_t *in, int64_t *rank) {
     lk_status s;
-    if ((s = check_factor(f, m, up, up->name)) || (s = check_factor(f, m, down, down->name))) return s;
+    if ((s = check_factor(f, m, up, up->name, 1)) || (s = check_factor(f, m, down, down->name, 1))) return s;
     if (t) {
-        if ((s = check_factor(f, m, t, t->name))) return s;
+        if ((s = check_factor(f, m, t, t->name, 1))) return s;
         if (up->ndim != 2 || down->ndim != 2 || t->shape[0] != up->shape[0] || t->shape[1] != down->shape[0]) {
             char ts[96], us[96], ds[96];
             lk_shape_str(t, ts, sizeof ts);
@@ -1135,7 +1137,7 @@ static lk_status lokr_factor(const char *f, const char *m, const lk_tensor *w, c
     lk_status s;
     *rank = 0;
     if (!w) return low_rank_half(f, m, wa, wb, t, rows, cols, rank);
-    if ((s = check_factor(f, m, w, w->name))) return s;
+    if ((s = check_factor(f, m, w, w->name, 1))) return s;
     if (first && w->ndim != 2) return shape_pair_error(f, m, "lokr_w1 must be 2-D", w, w);
     *rows = w->shape[0];
     *cols = first ? w->shape[1] : (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]);
