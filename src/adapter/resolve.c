@@ -120,35 +120,52 @@ static const char *kohya_rest(const char *m) {
     return lk_layout_strip_module(m, 1, &comp);
 }
 
+/* Lays out a block: n elements of es bytes aligned to al (a power of two)
+ * at the end of the *size bytes so far (advanced); their offset, or
+ * SIZE_MAX (and *size = SIZE_MAX, failing every later carve) on overflow. */
+static size_t carve(size_t *size, size_t n, size_t es, size_t al) {
+    if (*size == SIZE_MAX) return SIZE_MAX;
+    size_t at = (*size + al - 1) & ~(al - 1), nb;
+    if (at < *size || !lk_checked_mul(n, es, &nb) || !lk_checked_add(at, nb, size))
+        return *size = SIZE_MAX;
+    return at;
+}
+
+/* Whether model key nm (l bytes) is a weight, "<x>.weight". */
+static int is_weight_key(const char *nm, size_t l) { return l > 7 && !strcmp(nm + l - 7, ".weight"); }
+
+/* The model's weights in kohya form ("a.b_c.weight" -> "a_b_c"), sorted by
+ * name: the kname array and its strings carved from one allocation (*out,
+ * freed with lk_free). */
 static lk_status kohya_names(const char *file, const lk_tensor *model, size_t n_model, kname **out, size_t *n_out) {
-    kname *k = lk_calloc(n_model ? n_model : 1, sizeof *k);
-    if (!k) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the model's kohya names", file);
-    size_t n = 0;
+    size_t n = 0, chars = 0, size = 0;
+    int ok = 1;
     for (size_t i = 0; i < n_model; i++) {
         const char *nm = model[i].name;
         size_t l = nm ? strlen(nm) : 0;
-        if (l <= 7 || strcmp(nm + l - 7, ".weight")) continue;
-        char *s = lk_malloc(l - 6);
-        if (!s) {
-            for (size_t j = 0; j < n; j++) lk_free(k[j].name);
-            lk_free(k);
-            return lk_error(LK_ERR_NOMEM, "%s: out of memory for the model's kohya names", file);
-        }
+        if (!is_weight_key(nm, l)) continue;
+        n++;
+        ok = ok && lk_checked_add(chars, l - 6, &chars); /* each name and its NUL */
+    }
+    carve(&size, n ? n : 1, sizeof(kname), _Alignof(kname)); /* at 0 */
+    const size_t o_str = carve(&size, chars, 1, 1);
+    kname *k = !ok || size == SIZE_MAX ? NULL : lk_malloc(size);
+    if (!k) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the model's kohya names", file);
+    char *s = (char *)k + o_str;
+    n = 0;
+    for (size_t i = 0; i < n_model; i++) {
+        const char *nm = model[i].name;
+        size_t l = nm ? strlen(nm) : 0;
+        if (!is_weight_key(nm, l)) continue;
         for (size_t j = 0; j < l - 7; j++) s[j] = nm[j] == '.' ? '_' : nm[j];
         s[l - 7] = '\0';
-        k[n].name = s;
-        k[n].idx = i;
-        n++;
+        k[n++] = (kname){s, i};
+        s += l - 6;
     }
     qsort(k, n, sizeof *k, kname_cmp);
     *out = k;
     *n_out = n;
     return LK_OK;
-}
-
-static void free_knames(kname *k, size_t n) {
-    for (size_t i = 0; i < n; i++) lk_free(k[i].name);
-    lk_free(k);
 }
 
 /* Whether module i's factors apply transposed to weight w, as PEFT's
@@ -711,17 +728,6 @@ typedef struct resolve_ctx {
     size_t comp_hit[LK_COMP_COUNT], comp_miss[LK_COMP_COUNT], comp_first[LK_COMP_COUNT];
 } resolve_ctx;
 
-/* Lays out a block: n elements of es bytes aligned to al (a power of two)
- * at the end of the *size bytes so far (advanced); their offset, or
- * SIZE_MAX (and *size = SIZE_MAX, failing every later carve) on overflow. */
-static size_t carve(size_t *size, size_t n, size_t es, size_t al) {
-    if (*size == SIZE_MAX) return SIZE_MAX;
-    size_t at = (*size + al - 1) & ~(al - 1), nb;
-    if (at < *size || !lk_checked_mul(n, es, &nb) || !lk_checked_add(at, nb, size))
-        return *size = SIZE_MAX;
-    return at;
-}
-
 /* The resolve's scratch as one allocation, carved (the name arrays and the
  * flags zeroed); bby and rby on their own (the adapter keeps them). On
  * failure c owns what was made. */
@@ -1192,7 +1198,7 @@ static void resolve_free(resolve_ctx *c) {
     lk_free(c->scratch);
     lk_names_free(&c->mt);
     lk_names_free(&c->rt);
-    free_knames(c->kn, c->n_kn);
+    lk_free(c->kn);
     if (c->have_lay) lk_layout_free(&c->lay);
 }
 
