@@ -383,200 +383,280 @@ static void later_keep(st_later *l, lk_status s) {
     }
 }
 
-/* Parses and validates st->base[0..len) (already loaded); fills the index. */
-static lk_status st_parse(lk_st *st) {
-    const char *lbl = st->path;
+/* ---- st_parse in steps: bound the header, scan it (pass 1), allocate the
+ * table, read every value through jansson (pass 2), check the names, then
+ * the offsets, and put the table into file order. Each step returns the
+ * first error it finds; what it allocates into st is freed by lk_st_close,
+ * the scratch by st_parse. */
+
+/* The state shared by st_parse's steps. */
+typedef struct {
+    lk_st *st;
+    const char *lbl;
+    st_scan sc;                /* over the header's bytes */
+    const char *first;         /* just after the header's '{' */
+    const char *meta0, *meta1; /* the __metadata__ value's bytes (NULL: none) */
+    size_t cnt;                /* tensor entries */
+    size_t names_len;          /* room for their names and NULs */
+    void *scratch;             /* one allocation holding begin and perm */
+    uint64_t *begin;           /* each entry's first data byte, header order */
+    size_t *perm;              /* header indices, put into offset order */
+    st_later meta_err, ent_err; /* the first bad metadata / entry, raised after the names' check */
+} st_parser;
+
+/* A key token [k0, k1) spelling __metadata__ without escapes. */
+static int raw_is_meta(const char *k0, const char *k1) {
+    return (size_t)(k1 - k0) == sizeof META_KEY + 1 && !memcmp(k0 + 1, META_KEY, sizeof META_KEY - 1);
+}
+
+/* The 8-byte header length: bounded and inside the file; the header valid
+ * UTF-8. Sets st->header_len and the scanner over the header. */
+static lk_status parse_header_len(st_parser *p) {
+    const lk_st *st = p->st;
     const unsigned char *b = st->base;
     if (st->len < 8)
         return lk_error(LK_ERR_FORMAT, "%s: file is %zu bytes, shorter than the 8-byte header length",
-                        lbl, st->len);
+                        p->lbl, st->len);
     uint64_t n = 0;
     for (int i = 7; i >= 0; i--) n = (n << 8) | b[i];
     if (n > LK_ST_MAX_HEADER)
-        return lk_error(LK_ERR_FORMAT, "%s: header length %llu exceeds the limit of %llu bytes", lbl,
+        return lk_error(LK_ERR_FORMAT, "%s: header length %llu exceeds the limit of %llu bytes", p->lbl,
                         (unsigned long long)n, (unsigned long long)LK_ST_MAX_HEADER);
     /* n <= 1e8 here, so 8+n cannot overflow; the check stays for clarity. */
     if (n > UINT64_MAX - 8 || 8 + n > st->len)
         return lk_error(LK_ERR_FORMAT, "%s: header length %llu runs past the end of the %zu-byte file",
-                        lbl, (unsigned long long)n, st->len);
-    st->header_len = n;
+                        p->lbl, (unsigned long long)n, st->len);
+    p->st->header_len = n;
     const char *h = (const char *)b + 8;
     if (!utf8_valid((const unsigned char *)h, (size_t)n))
-        return lk_error(LK_ERR_FORMAT, "%s: header is not valid UTF-8", lbl);
+        return lk_error(LK_ERR_FORMAT, "%s: header is not valid UTF-8", p->lbl);
+    p->sc = (st_scan){h, h, h + n, NULL};
+    return LK_OK;
+}
 
-    /* Pass 1: the structure; counts the entries and their names' bytes, finds __metadata__. */
-    st_scan sc = {h, h, h + n, NULL};
-    scan_ws(&sc);
-    if (sc.p == sc.end) return json_err_at(lbl, &sc, sc.p, "'[' or '{' expected near end of file");
-    if (*sc.p != '{') { /* not an object: say what it is (an array by its extent, without a DOM) */
-        const char *v0 = sc.p;
-        if (!scan_value(&sc)) return json_err_at(lbl, &sc, v0, sc.why);
-        const char *v1 = sc.p;
-        scan_ws(&sc);
-        if (sc.p != sc.end) return json_err_at(lbl, &sc, sc.p, "end of file expected");
-        /* an array is checked by jansson too unless large (its DOM would be many times its text) */
-        if (*v0 == '[' && v1 - v0 > (1 << 20))
-            return lk_error(LK_ERR_FORMAT, "%s: header is an array, expected a JSON object", lbl);
-        json_t *v = load_part(lbl, &sc, v0, v1);
-        if (!v) return LK_ERR_FORMAT;
-        lk_status s = lk_error(LK_ERR_FORMAT, "%s: header is %s, expected a JSON object", lbl, json_kind(v));
-        json_decref(v);
-        return s;
+/* A header whose first token is not '{': always an error saying what it is
+ * (an array by its extent, without a DOM; anything else through jansson). */
+static lk_status header_not_object(st_parser *p) {
+    st_scan *sc = &p->sc;
+    const char *v0 = sc->p;
+    if (!scan_value(sc)) return json_err_at(p->lbl, sc, v0, sc->why);
+    const char *v1 = sc->p;
+    scan_ws(sc);
+    if (sc->p != sc->end) return json_err_at(p->lbl, sc, sc->p, "end of file expected");
+    /* an array is checked by jansson too unless large (its DOM would be many times its text) */
+    if (*v0 == '[' && v1 - v0 > (1 << 20))
+        return lk_error(LK_ERR_FORMAT, "%s: header is an array, expected a JSON object", p->lbl);
+    json_t *v = load_part(p->lbl, sc, v0, v1);
+    if (!v) return LK_ERR_FORMAT;
+    lk_status s = lk_error(LK_ERR_FORMAT, "%s: header is %s, expected a JSON object", p->lbl, json_kind(v));
+    json_decref(v);
+    return s;
+}
+
+/* One member of the header object, at sc->p (after whitespace): its key and
+ * value checked for structure, counted, __metadata__ noted. *more: 0 after
+ * the object's closing '}'. Decodes an escaped key through jansson (freed). */
+static lk_status scan_member(st_parser *p, int *more) {
+    st_scan *sc = &p->sc;
+    const char *k0 = sc->p;
+    int esc;
+    if (sc->p >= sc->end || *sc->p != '"') return json_err_at(p->lbl, sc, sc->p, "string or '}' expected");
+    if (!scan_string(sc, &esc))
+        return json_err_at(p->lbl, sc, k0, "invalid string (unterminated or a control character)");
+    const char *k1 = sc->p;
+    int is_meta = 0;
+    if (!esc) {
+        is_meta = raw_is_meta(k0, k1);
+    } else {
+        json_t *kv = load_part(p->lbl, sc, k0, k1);
+        if (!kv) return LK_ERR_FORMAT;
+        is_meta = !strcmp(json_string_value(kv), META_KEY);
+        json_decref(kv);
     }
-    const char *first = ++sc.p, *meta0 = NULL, *meta1 = NULL;
-    size_t cnt = 0, names_len = 0;
+    scan_ws(sc);
+    if (sc->p >= sc->end || *sc->p != ':') return json_err_at(p->lbl, sc, sc->p, "':' expected");
+    sc->p++;
+    scan_ws(sc);
+    const char *v0 = sc->p;
+    if (!scan_value(sc)) return json_err_at(p->lbl, sc, v0, sc->why);
+    p->names_len += (size_t)(k1 - k0) - 1; /* the text (at most the raw bytes) and a NUL */
+    if (is_meta) {
+        if (p->meta0) return json_err_at(p->lbl, sc, k0, "duplicate object key");
+        p->meta0 = v0, p->meta1 = sc->p;
+    } else {
+        p->cnt++;
+    }
+    scan_ws(sc);
+    if (sc->p < sc->end && *sc->p == ',') sc->p++;
+    else if (sc->p < sc->end && *sc->p == '}') *more = 0;
+    else return json_err_at(p->lbl, sc, sc->p, "',' or '}' expected");
+    return LK_OK;
+}
+
+/* Pass 1: the header's structure; counts the entries and their names'
+ * bytes, finds __metadata__, checks that nothing follows the object. */
+static lk_status scan_header(st_parser *p) {
+    st_scan *sc = &p->sc;
+    scan_ws(sc);
+    if (sc->p == sc->end) return json_err_at(p->lbl, sc, sc->p, "'[' or '{' expected near end of file");
+    if (*sc->p != '{') return header_not_object(p);
+    p->first = ++sc->p;
     for (int more = 1; more;) {
-        scan_ws(&sc);
-        if (sc.p < sc.end && *sc.p == '}' && cnt == 0 && !meta0) break;
-        const char *k0 = sc.p;
-        int esc;
-        if (sc.p >= sc.end || *sc.p != '"') return json_err_at(lbl, &sc, sc.p, "string or '}' expected");
-        if (!scan_string(&sc, &esc)) return json_err_at(lbl, &sc, k0, "invalid string (unterminated or a control character)");
-        const char *k1 = sc.p;
-        int is_meta = 0;
-        if (!esc) {
-            is_meta = (size_t)(k1 - k0) == sizeof META_KEY + 1 && !memcmp(k0 + 1, META_KEY, sizeof META_KEY - 1);
-        } else {
-            json_t *kv = load_part(lbl, &sc, k0, k1);
-            if (!kv) return LK_ERR_FORMAT;
-            is_meta = !strcmp(json_string_value(kv), META_KEY);
-            json_decref(kv);
-        }
-        scan_ws(&sc);
-        if (sc.p >= sc.end || *sc.p != ':') return json_err_at(lbl, &sc, sc.p, "':' expected");
-        sc.p++;
-        scan_ws(&sc);
-        const char *v0 = sc.p;
-        if (!scan_value(&sc)) return json_err_at(lbl, &sc, v0, sc.why);
-        names_len += (size_t)(k1 - k0) - 1; /* the text (at most the raw bytes) and a NUL */
-        if (is_meta) {
-            if (meta0) return json_err_at(lbl, &sc, k0, "duplicate object key");
-            meta0 = v0, meta1 = sc.p;
-        } else {
-            cnt++;
-        }
-        scan_ws(&sc);
-        if (sc.p < sc.end && *sc.p == ',') sc.p++;
-        else if (sc.p < sc.end && *sc.p == '}') more = 0;
-        else return json_err_at(lbl, &sc, sc.p, "',' or '}' expected");
+        scan_ws(sc);
+        if (sc->p < sc->end && *sc->p == '}' && p->cnt == 0 && !p->meta0) break;
+        lk_status s = scan_member(p, &more);
+        if (s) return s;
     }
-    sc.p++;
-    scan_ws(&sc);
-    if (sc.p != sc.end) return json_err_at(lbl, &sc, sc.p, "end of file expected");
+    sc->p++;
+    scan_ws(sc);
+    if (sc->p != sc->end) return json_err_at(p->lbl, sc, sc->p, "end of file expected");
+    return LK_OK;
+}
 
-    /* Pass 2: every value through jansson, in header order; the entries into the table. */
-    st_later meta_err = {0}, ent_err = {0};
-    lk_status s = LK_OK;
-    size_t c1 = cnt ? cnt : 1;
-    uint64_t *begin = NULL;
-    size_t *perm = NULL;
+/* The tensor table, the name index and the names (owned by st), and the
+ * scratch begin and perm carved from one allocation (owned by p). */
+static lk_status alloc_tables(st_parser *p) {
+    lk_st *st = p->st;
+    size_t c1 = p->cnt ? p->cnt : 1;
+    /* perm after begin, at an offset aligned for size_t */
+    size_t al = _Alignof(size_t), perm_off = 0, total = 0;
+    int fits = c1 <= (SIZE_MAX - al) / sizeof *p->begin;
+    if (fits) perm_off = (c1 * sizeof *p->begin + al - 1) / al * al;
+    fits = fits && c1 <= (SIZE_MAX - perm_off) / sizeof *p->perm;
+    if (fits) total = perm_off + c1 * sizeof *p->perm;
     st->t = lk_calloc(c1, sizeof *st->t);
     st->by_name = lk_calloc(c1, sizeof *st->by_name);
-    st->names = lk_malloc(names_len ? names_len : 1);
-    begin = lk_calloc(c1, sizeof *begin);
-    perm = lk_calloc(c1, sizeof *perm);
-    if (!st->t || !st->by_name || !st->names || !begin || !perm) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory indexing %zu tensors", lbl, cnt);
-        goto done;
+    st->names = lk_malloc(p->names_len ? p->names_len : 1);
+    p->scratch = fits ? lk_calloc(1, total) : NULL;
+    if (!st->t || !st->by_name || !st->names || !p->scratch)
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory indexing %zu tensors", p->lbl, p->cnt);
+    p->begin = p->scratch;
+    p->perm = (size_t *)(void *)((unsigned char *)p->scratch + perm_off);
+    return LK_OK;
+}
+
+/* __metadata__ through jansson: invalid JSON is raised now, a bad value
+ * kept for later (meta_err). The metadata table is owned by st. */
+static lk_status read_metadata(st_parser *p) {
+    if (!p->meta0) return LK_OK;
+    json_t *m = load_part(p->lbl, &p->sc, p->meta0, p->meta1);
+    if (!m) return LK_ERR_FORMAT;
+    later_keep(&p->meta_err, parse_metadata(p->st, p->lbl, m));
+    json_decref(m);
+    return LK_OK;
+}
+
+/* Entry k of the table from its value v: name, dtype, shape, size and
+ * begin; a bad entry is kept for later (ent_err), after which the entries
+ * are only named. */
+static void take_entry(st_parser *p, size_t k, const json_t *v) {
+    lk_tensor *t = &p->st->t[k];
+    if (!p->ent_err.s) {
+        st_entry e;
+        memset(&e, 0, sizeof e);
+        lk_status es = parse_entry(p->lbl, t->name, v, &e);
+        later_keep(&p->ent_err, es);
+        t->dtype = e.dtype;
+        t->ndim = e.ndim;
+        memcpy(t->shape, e.shape, sizeof t->shape);
+        t->nbytes = (size_t)(e.end - e.begin);
+        p->begin[k] = e.begin;
     }
-    if (meta0) {
-        json_t *m = load_part(lbl, &sc, meta0, meta1);
-        if (!m) {
-            s = LK_ERR_FORMAT;
-            goto done;
-        }
-        later_keep(&meta_err, parse_metadata(st, lbl, m));
-        json_decref(m);
-    }
-    char *np = st->names;
-    sc.p = first;
-    for (size_t k = 0; k < cnt;) {
-        scan_ws(&sc);
-        const char *k0 = sc.p;
+    p->perm[k] = p->st->by_name[k] = k;
+}
+
+/* Pass 2: every entry's value through jansson, in header order (the
+ * structure is known good from pass 1); the names into st->names. */
+static lk_status read_entries(st_parser *p) {
+    st_scan *sc = &p->sc;
+    char *np = p->st->names;
+    sc->p = p->first;
+    for (size_t k = 0; k < p->cnt;) {
+        scan_ws(sc);
+        const char *k0 = sc->p;
         int esc;
-        scan_string(&sc, &esc);
-        const char *k1 = sc.p;
-        scan_ws(&sc);
-        sc.p++; /* ':' */
-        scan_ws(&sc);
-        const char *v0 = sc.p;
-        scan_value(&sc);
-        const char *v1 = sc.p;
-        scan_ws(&sc);
-        sc.p++; /* ',' or '}' */
-        if (k0 + 1 + sizeof META_KEY - 1 + 1 == k1 && !esc && !memcmp(k0 + 1, META_KEY, sizeof META_KEY - 1)) continue;
+        scan_string(sc, &esc);
+        const char *k1 = sc->p;
+        scan_ws(sc);
+        sc->p++; /* ':' */
+        scan_ws(sc);
+        const char *v0 = sc->p;
+        scan_value(sc);
+        const char *v1 = sc->p;
+        scan_ws(sc);
+        sc->p++; /* ',' or '}' */
+        if (!esc && raw_is_meta(k0, k1)) continue;
         size_t kl;
-        if ((s = key_text(lbl, &sc, k0, k1, esc, np, &kl))) goto done;
+        lk_status s = key_text(p->lbl, sc, k0, k1, esc, np, &kl);
+        if (s) return s;
         if (esc && !strcmp(np, META_KEY)) continue; /* the escaped spelling of __metadata__ */
-        json_t *v = load_part(lbl, &sc, v0, v1);
-        if (!v) {
-            s = LK_ERR_FORMAT;
-            goto done;
-        }
-        lk_tensor *t = &st->t[k];
-        t->name = np;
+        json_t *v = load_part(p->lbl, sc, v0, v1);
+        if (!v) return LK_ERR_FORMAT;
+        p->st->t[k].name = np;
         np += kl + 1;
-        if (!ent_err.s) {
-            st_entry e;
-            memset(&e, 0, sizeof e);
-            lk_status es = parse_entry(lbl, t->name, v, &e);
-            later_keep(&ent_err, es);
-            t->dtype = e.dtype;
-            t->ndim = e.ndim;
-            memcpy(t->shape, e.shape, sizeof t->shape);
-            t->nbytes = (size_t)(e.end - e.begin);
-            begin[k] = e.begin;
-        }
+        take_entry(p, k, v);
         json_decref(v);
-        perm[k] = st->by_name[k] = k;
         k++;
     }
-    /* A name twice is invalid JSON (jansson's duplicate key), checked before the rest. */
-    qsort_r(st->by_name, cnt, sizeof *st->by_name, idx_by_name, st->t);
-    for (size_t i = 1; i < cnt; i++)
-        if (!strcmp(st->t[st->by_name[i]].name, st->t[st->by_name[i - 1]].name)) {
-            s = lk_error(LK_ERR_FORMAT, "%s: header is not valid JSON: duplicate object key \"%.200s\"", lbl,
-                         st->t[st->by_name[i]].name);
-            goto done;
-        }
-    if (meta_err.s || ent_err.s) {
-        st_later *l = meta_err.s ? &meta_err : &ent_err;
-        s = lk_error(l->s, "%s", l->msg);
-        goto done;
-    }
-    /* Offsets: sorted by begin they must tile [0, data_len) exactly. */
-    off_ctx oc = {st->t, begin};
-    qsort_r(perm, cnt, sizeof *perm, idx_by_offset, &oc);
-    uint64_t data_len = st->len - 8 - n, pos = 0;
-    for (size_t i = 0; i < cnt; i++) {
+    return LK_OK;
+}
+
+/* Sorts the name index; a name twice is invalid JSON (jansson's duplicate
+ * key), so it is raised before the errors kept for later. */
+static lk_status check_names(st_parser *p) {
+    const lk_st *st = p->st;
+    qsort_r(st->by_name, p->cnt, sizeof *st->by_name, idx_by_name, st->t);
+    for (size_t i = 1; i < p->cnt; i++)
+        if (!strcmp(st->t[st->by_name[i]].name, st->t[st->by_name[i - 1]].name))
+            return lk_error(LK_ERR_FORMAT, "%s: header is not valid JSON: duplicate object key \"%.200s\"", p->lbl,
+                            st->t[st->by_name[i]].name);
+    return LK_OK;
+}
+
+/* The first error kept for later, raised again: the metadata's, else the
+ * first bad entry's. */
+static lk_status raise_later(const st_parser *p) {
+    if (!p->meta_err.s && !p->ent_err.s) return LK_OK;
+    const st_later *l = p->meta_err.s ? &p->meta_err : &p->ent_err;
+    return lk_error(l->s, "%s", l->msg);
+}
+
+/* Offsets: sorted by begin (perm) they must tile [0, data_len) exactly. */
+static lk_status check_tiling(st_parser *p) {
+    const lk_st *st = p->st;
+    size_t *perm = p->perm;
+    off_ctx oc = {st->t, p->begin};
+    qsort_r(perm, p->cnt, sizeof *perm, idx_by_offset, &oc);
+    uint64_t data_len = st->len - 8 - st->header_len, pos = 0;
+    for (size_t i = 0; i < p->cnt; i++) {
         const lk_tensor *t = &st->t[perm[i]];
-        uint64_t bg = begin[perm[i]], en = bg + t->nbytes;
-        if (bg > pos) {
-            s = lk_error(LK_ERR_FORMAT, "%s: %s: data_offsets begin %llu leaves a gap after byte %llu of the data buffer",
-                         lbl, t->name, (unsigned long long)bg, (unsigned long long)pos);
-            goto done;
-        }
-        if (bg < pos) {
-            s = lk_error(LK_ERR_FORMAT, "%s: %s: data_offsets [%llu, %llu] overlap %s, which ends at %llu",
-                         lbl, t->name, (unsigned long long)bg, (unsigned long long)en, st->t[perm[i - 1]].name,
-                         (unsigned long long)pos);
-            goto done;
-        }
-        if (en > data_len) {
-            s = lk_error(LK_ERR_FORMAT, "%s: %s: data_offsets end %llu is past the end of the %llu-byte data buffer",
-                         lbl, t->name, (unsigned long long)en, (unsigned long long)data_len);
-            goto done;
-        }
+        uint64_t bg = p->begin[perm[i]], en = bg + t->nbytes;
+        if (bg > pos)
+            return lk_error(LK_ERR_FORMAT, "%s: %s: data_offsets begin %llu leaves a gap after byte %llu of the data buffer",
+                            p->lbl, t->name, (unsigned long long)bg, (unsigned long long)pos);
+        if (bg < pos)
+            return lk_error(LK_ERR_FORMAT, "%s: %s: data_offsets [%llu, %llu] overlap %s, which ends at %llu",
+                            p->lbl, t->name, (unsigned long long)bg, (unsigned long long)en, st->t[perm[i - 1]].name,
+                            (unsigned long long)pos);
+        if (en > data_len)
+            return lk_error(LK_ERR_FORMAT, "%s: %s: data_offsets end %llu is past the end of the %llu-byte data buffer",
+                            p->lbl, t->name, (unsigned long long)en, (unsigned long long)data_len);
         pos = en;
     }
-    if (pos != data_len) {
-        s = lk_error(LK_ERR_FORMAT, "%s: the tensors cover %llu bytes but the data buffer has %llu (trailing bytes)",
-                     lbl, (unsigned long long)pos, (unsigned long long)data_len);
-        goto done;
-    }
-    /* Into file (offset) order, in place: t[i] <- t[perm[i]]; the name index follows through the inverse,
-     * kept in begin once each data pointer is set. */
-    for (size_t i = 0; i < cnt; i++) st->t[i].data = st->base + 8 + n + begin[i];
+    if (pos != data_len)
+        return lk_error(LK_ERR_FORMAT, "%s: the tensors cover %llu bytes but the data buffer has %llu (trailing bytes)",
+                        p->lbl, (unsigned long long)pos, (unsigned long long)data_len);
+    return LK_OK;
+}
+
+/* Into file (offset) order, in place: t[i] <- t[perm[i]]; the name index
+ * follows through the inverse, kept in begin once each data pointer is set.
+ * Cannot fail; sets st->n. */
+static void into_file_order(st_parser *p) {
+    lk_st *st = p->st;
+    size_t cnt = p->cnt, *perm = p->perm;
+    uint64_t *begin = p->begin;
+    for (size_t i = 0; i < cnt; i++) st->t[i].data = st->base + 8 + st->header_len + begin[i];
     for (size_t i = 0; i < cnt; i++) begin[perm[i]] = i;
     for (size_t i = 0; i < cnt; i++) st->by_name[i] = (size_t)begin[st->by_name[i]];
     for (size_t i = 0; i < cnt; i++) {
@@ -595,9 +675,25 @@ static lk_status st_parse(lk_st *st) {
         }
     }
     st->n = cnt;
-done:
-    lk_free(begin);
-    lk_free(perm);
+}
+
+/* Parses and validates st->base[0..len) (already loaded); fills the index.
+ * On failure st holds what was allocated (freed by lk_st_close), n is 0. */
+static lk_status st_parse(lk_st *st) {
+    st_parser p;
+    memset(&p, 0, sizeof p);
+    p.st = st;
+    p.lbl = st->path;
+    lk_status s = parse_header_len(&p);
+    if (!s) s = scan_header(&p);
+    if (!s) s = alloc_tables(&p);
+    if (!s) s = read_metadata(&p);
+    if (!s) s = read_entries(&p);
+    if (!s) s = check_names(&p);
+    if (!s) s = raise_later(&p);
+    if (!s) s = check_tiling(&p);
+    if (!s) into_file_order(&p);
+    lk_free(p.scratch);
     return s;
 }
 
