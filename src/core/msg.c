@@ -53,6 +53,45 @@ size_t lk_msg_fit(char *buf, size_t cap, const char *s, size_t len) {
     return head + (size_t)ml + tail;
 }
 
+/* One conversion of a format, as snprintf takes it: the spec ("%...c",
+ * any '*' replaced by its int argument), its length modifier and letter. */
+typedef struct {
+    char spec[64];
+    char len[3];
+    char conv;
+    int has_prec;
+} msg_spec;
+
+/* Reads the conversion at p (a '%' not followed by '%') into sp, taking the
+ * int argument of each '*' from ap; returns the format after it. */
+static const char *read_spec(const char *p, va_list *ap, msg_spec *sp) {
+    char *spec = sp->spec;
+    size_t sl = 0;
+    sp->has_prec = 0;
+    spec[sl++] = *p++;
+    while (*p && strchr("-+ #0", *p) && sl < 40) spec[sl++] = *p++;
+    for (int part = 0; part < 2; part++) { /* the width, then the precision */
+        if (part == 1) {
+            if (*p != '.') break;
+            sp->has_prec = 1;
+            spec[sl++] = *p++;
+        }
+        if (*p == '*') {
+            sl += (size_t)snprintf(spec + sl, sizeof sp->spec - sl, "%d", va_arg(*ap, int));
+            p++;
+        } else {
+            while (*p >= '0' && *p <= '9' && sl < 50) spec[sl++] = *p++;
+        }
+    }
+    size_t ll = 0;
+    while (*p && strchr("hlzjtL", *p) && ll < 2) sp->len[ll++] = *p, spec[sl++] = *p++;
+    sp->len[ll] = '\0';
+    sp->conv = *p ? *p++ : 's';
+    spec[sl++] = sp->conv;
+    spec[sl] = '\0';
+    return p;
+}
+
 /* Appends one conversion (spec: "%...c") of the next argument to buf at *o. */
 #define PUT(val)                                                                         \
     do {                                                                                 \
@@ -60,92 +99,76 @@ size_t lk_msg_fit(char *buf, size_t cap, const char *s, size_t len) {
         if (n_ > 0) *o = *o + (size_t)n_ < cap ? *o + (size_t)n_ : cap - 1;             \
     } while (0)
 
+/* A %s argument at *o: one longer than LK_MSG_ARG_MAX (and printed without
+ * a precision) shown as its head and tail; NULL as "(null)". */
+static void put_str(char *buf, size_t cap, size_t *o, const msg_spec *sp, const char *s) {
+    const char *spec = sp->spec;
+    if (!s) s = "(null)";
+    size_t n = sp->has_prec ? strnlen(s, LK_MSG_ARG_MAX + 1) : strlen(s);
+    if (!sp->has_prec && n > LK_MSG_ARG_MAX) { /* a long name: its head and tail */
+        char shortened[LK_MSG_ARG_MAX + 1];
+        lk_msg_fit(shortened, sizeof shortened, s, n);
+        PUT(shortened);
+    } else {
+        PUT(s);
+    }
+}
+
+/* Appends the conversion sp of the next argument of ap to buf at *o, taken
+ * at the type its length modifier says; never past buf[cap - 1]. */
+static void put_arg(char *buf, size_t cap, size_t *o, const msg_spec *sp, va_list *ap) {
+    const char *spec = sp->spec, *len = sp->len;
+    switch (sp->conv) {
+    case 'd': case 'i':
+        if (!strcmp(len, "l")) PUT(va_arg(*ap, long));
+        else if (!strcmp(len, "ll")) PUT(va_arg(*ap, long long));
+        else if (!strcmp(len, "z")) PUT(va_arg(*ap, ssize_t));
+        else if (!strcmp(len, "j")) PUT(va_arg(*ap, intmax_t));
+        else if (!strcmp(len, "t")) PUT(va_arg(*ap, ptrdiff_t));
+        else PUT(va_arg(*ap, int));
+        break;
+    case 'u': case 'o': case 'x': case 'X':
+        if (!strcmp(len, "l")) PUT(va_arg(*ap, unsigned long));
+        else if (!strcmp(len, "ll")) PUT(va_arg(*ap, unsigned long long));
+        else if (!strcmp(len, "z")) PUT(va_arg(*ap, size_t));
+        else if (!strcmp(len, "j")) PUT(va_arg(*ap, uintmax_t));
+        else if (!strcmp(len, "t")) PUT(va_arg(*ap, ptrdiff_t));
+        else PUT(va_arg(*ap, unsigned));
+        break;
+    case 'c': PUT(va_arg(*ap, int)); break;
+    case 'p': PUT(va_arg(*ap, void *)); break;
+    case 'f': case 'F': case 'e': case 'E': case 'g': case 'G': case 'a': case 'A':
+        if (!strcmp(len, "L")) PUT(va_arg(*ap, long double));
+        else PUT(va_arg(*ap, double));
+        break;
+    case 's': put_str(buf, cap, o, sp, va_arg(*ap, const char *)); break;
+    default: { /* not a conversion lorakit uses: the spec shown as written */
+        size_t n = strlen(spec) < cap - 1 - *o ? strlen(spec) : cap - 1 - *o;
+        memcpy(buf + *o, spec, n);
+        *o += n;
+        buf[*o] = '\0';
+        break;
+    }
+    }
+}
+
 size_t lk_msg_vformat(char *buf, size_t cap, const char *fmt, va_list ap) {
     if (!cap) return 0;
-    size_t o0 = 0, *o = &o0;
+    size_t o = 0;
+    va_list aq; /* the steps take the arguments through a pointer to it */
+    va_copy(aq, ap);
     buf[0] = '\0';
-    for (const char *p = fmt; *p && *o + 1 < cap;) {
-        if (*p != '%') {
-            buf[(*o)++] = *p++;
-            buf[*o] = '\0';
+    for (const char *p = fmt; *p && o + 1 < cap;) {
+        if (*p != '%' || p[1] == '%') { /* a character as it is; %% as % */
+            buf[o++] = *p;
+            buf[o] = '\0';
+            p += *p == '%' ? 2 : 1;
             continue;
         }
-        if (p[1] == '%') {
-            buf[(*o)++] = '%';
-            buf[*o] = '\0';
-            p += 2;
-            continue;
-        }
-        /* the spec, with any '*' replaced by its int argument */
-        char spec[64];
-        size_t sl = 0;
-        int has_prec = 0;
-        spec[sl++] = *p++;
-        while (*p && strchr("-+ #0", *p) && sl < 40) spec[sl++] = *p++;
-        for (int part = 0; part < 2; part++) {
-            if (part == 1) {
-                if (*p != '.') break;
-                has_prec = 1;
-                spec[sl++] = *p++;
-            }
-            if (*p == '*') {
-                sl += (size_t)snprintf(spec + sl, sizeof spec - sl, "%d", va_arg(ap, int));
-                p++;
-            } else {
-                while (*p >= '0' && *p <= '9' && sl < 50) spec[sl++] = *p++;
-            }
-        }
-        char len[3] = "";
-        size_t ll = 0;
-        while (*p && strchr("hlzjtL", *p) && ll < 2) len[ll++] = *p, spec[sl++] = *p++;
-        len[ll] = '\0';
-        char conv = *p ? *p++ : 's';
-        spec[sl++] = conv;
-        spec[sl] = '\0';
-        switch (conv) {
-        case 'd': case 'i':
-            if (!strcmp(len, "l")) PUT(va_arg(ap, long));
-            else if (!strcmp(len, "ll")) PUT(va_arg(ap, long long));
-            else if (!strcmp(len, "z")) PUT(va_arg(ap, ssize_t));
-            else if (!strcmp(len, "j")) PUT(va_arg(ap, intmax_t));
-            else if (!strcmp(len, "t")) PUT(va_arg(ap, ptrdiff_t));
-            else PUT(va_arg(ap, int));
-            break;
-        case 'u': case 'o': case 'x': case 'X':
-            if (!strcmp(len, "l")) PUT(va_arg(ap, unsigned long));
-            else if (!strcmp(len, "ll")) PUT(va_arg(ap, unsigned long long));
-            else if (!strcmp(len, "z")) PUT(va_arg(ap, size_t));
-            else if (!strcmp(len, "j")) PUT(va_arg(ap, uintmax_t));
-            else if (!strcmp(len, "t")) PUT(va_arg(ap, ptrdiff_t));
-            else PUT(va_arg(ap, unsigned));
-            break;
-        case 'c': PUT(va_arg(ap, int)); break;
-        case 'p': PUT(va_arg(ap, void *)); break;
-        case 'f': case 'F': case 'e': case 'E': case 'g': case 'G': case 'a': case 'A':
-            if (!strcmp(len, "L")) PUT(va_arg(ap, long double));
-            else PUT(va_arg(ap, double));
-            break;
-        case 's': {
-            const char *s = va_arg(ap, const char *);
-            if (!s) s = "(null)";
-            size_t n = has_prec ? strnlen(s, LK_MSG_ARG_MAX + 1) : strlen(s);
-            if (!has_prec && n > LK_MSG_ARG_MAX) { /* a long name: its head and tail */
-                char shortened[LK_MSG_ARG_MAX + 1];
-                lk_msg_fit(shortened, sizeof shortened, s, n);
-                PUT(shortened);
-            } else {
-                PUT(s);
-            }
-            break;
-        }
-        default: { /* not a conversion lorakit uses: the spec shown as written */
-            size_t n = strlen(spec) < cap - 1 - *o ? strlen(spec) : cap - 1 - *o;
-            memcpy(buf + *o, spec, n);
-            *o += n;
-            buf[*o] = '\0';
-            break;
-        }
-        }
+        msg_spec sp;
+        p = read_spec(p, &aq, &sp);
+        put_arg(buf, cap, &o, &sp, &aq);
     }
-    return *o;
+    va_end(aq);
+    return o;
 }
