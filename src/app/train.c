@@ -88,90 +88,128 @@ static lk_status parse_model(const lk_ydoc *d, const lk_ynode *n, lk_model_confi
     return LK_OK;
 }
 
-static lk_status parse_doc(const lk_ydoc *d, const char *cfgdir, lk_train_config *c) {
-    const char *path = lk_ydoc_label(d);
-    const lk_ynode *root = lk_ydoc_root(d);
-    if (!root || root->type != LK_Y_MAP)
-        return lk_error(LK_ERR_CONFIG, "%s: expected a mapping at the top level", path);
-    int have_model = 0, have_task = 0, have_steps = 0, have_batch = 0, have_lr = 0,
-        have_out = 0;
-    lk_status st = LK_OK;
-    for (size_t i = 0; i < root->n; i++) {
-        const lk_ynode *kn = lk_ymap_key(root, i), *v = lk_ymap_val(root, i);
-        const char *k = lk_ynode_str(kn);
-        long x = 0;
-        if (!k) return lk_yerr(d, kn, NULL, "keys must be strings");
-        if (!strcmp(k, "model")) {
-            st = parse_model(d, v, &c->model);
-            have_model = 1;
-        } else if (!strcmp(k, "base")) {
-            st = get_path(d, cfgdir, v, c->base);
-        } else if (!strcmp(k, "task")) {
-            st = lk_task_from_name(lk_ynode_str(v), &c->task);
-            if (st) lk_error_prefix(st, "%s:%d: task", path, v->line);
-            have_task = 1;
-        } else if (!strcmp(k, "digits")) {
-            if (!(st = get_long(d, v, 1, LK_TASK_MAX_DIGITS, &x))) c->digits = (int)x;
-        } else if (!strcmp(k, "steps")) {
-            st = get_long(d, v, 1, 100000000L, &c->steps);
-            have_steps = 1;
-        } else if (!strcmp(k, "global_batch")) {
-            if (!(st = get_long(d, v, 1, 1 << 20, &x))) c->global_batch = (int)x;
-            have_batch = 1;
-        } else if (!strcmp(k, "lr")) {
-            st = get_float(d, v, 1e-9, 10.0, &c->lr);
-            have_lr = 1;
-        } else if (!strcmp(k, "weight_decay")) {
-            st = get_float(d, v, 0.0, 100.0, &c->weight_decay);
-        } else if (!strcmp(k, "clip")) {
-            st = get_float(d, v, 0.0, 1e6, &c->clip);
-        } else if (!strcmp(k, "schedule")) {
-            const char *s = lk_ynode_str(v);
-            if (s && !strcmp(s, "cosine")) c->cosine = 1;
-            else if (s && !strcmp(s, "constant")) c->cosine = 0;
-            else st = lk_yerr(d, v, NULL, "expected cosine or constant, got \"%s\"", s ? s : "(not a scalar)");
-        } else if (!strcmp(k, "seed")) {
-            if (!(st = get_long(d, v, 0, 0x7fffffffL, &x))) c->seed = (uint64_t)x;
-        } else if (!strcmp(k, "log_every")) {
-            if (!(st = get_long(d, v, 1, 100000000L, &x))) c->log_every = (int)x;
-        } else if (!strcmp(k, "eval_examples")) {
-            if (!(st = get_long(d, v, 0, 1000000L, &x))) c->eval_examples = (int)x;
-        } else if (!strcmp(k, "output")) {
-            st = get_path(d, cfgdir, v, c->output);
-            have_out = 1;
-        } else if (!strcmp(k, "timeout")) {
-            double t;
-            if (!lk_ynode_num(v, &t) || !lk_knob_in_range(LK_KNOB_TIMEOUT_S, t)) {
-                const char *s = lk_ynode_str(v);
-                char range[64];
-                st = lk_yerr(d, v, NULL, "expected seconds in %s (0 = none), got \"%s\"",
-                             lk_knob_range(LK_KNOB_TIMEOUT_S, range, sizeof range), s ? s : "(not a scalar)");
-            } else c->timeout = t;
-        } else if (!strcmp(k, "models")) {
-            /* the lora block: lk_lora_config_from_doc */
-        } else {
-            char valid[256] = "";
-            for (int j = 0; k_keys[j]; j++) {
-                strcat(valid, j ? ", " : "");
-                strcat(valid, k_keys[j]);
-            }
-            return lk_yerr(d, kn, NULL, "unknown key (valid: %s)", valid);
-        }
-        if (st) return st;
+/* Which of the keys the checks after the loop need were given. */
+typedef struct {
+    int model, task, steps, batch, lr, out;
+} train_seen;
+
+/* schedule: cosine or constant, into c->cosine. */
+static lk_status get_schedule(const lk_ydoc *d, const lk_ynode *v, int *cosine) {
+    const char *s = lk_ynode_str(v);
+    if (s && !strcmp(s, "cosine")) *cosine = 1;
+    else if (s && !strcmp(s, "constant")) *cosine = 0;
+    else return lk_yerr(d, v, NULL, "expected cosine or constant, got \"%s\"", s ? s : "(not a scalar)");
+    return LK_OK;
+}
+
+/* timeout: seconds within the timeout knob's range (0 = none). */
+static lk_status get_timeout(const lk_ydoc *d, const lk_ynode *v, double *out) {
+    double t;
+    if (!lk_ynode_num(v, &t) || !lk_knob_in_range(LK_KNOB_TIMEOUT_S, t)) {
+        const char *s = lk_ynode_str(v);
+        char range[64];
+        return lk_yerr(d, v, NULL, "expected seconds in %s (0 = none), got \"%s\"",
+                       lk_knob_range(LK_KNOB_TIMEOUT_S, range, sizeof range), s ? s : "(not a scalar)");
     }
-    const char *missing = !have_task ? "task" : !have_steps ? "steps" : !have_batch ? "global_batch"
-                          : !have_lr ? "lr" : !have_out ? "output"
-                          : (!have_model && !c->base[0]) ? "model (or base)" : NULL;
+    *out = t;
+    return LK_OK;
+}
+
+/* The error for an unknown top-level key kn, listing the valid ones. */
+static lk_status unknown_key(const lk_ydoc *d, const lk_ynode *kn) {
+    char valid[256] = "";
+    for (int j = 0; k_keys[j]; j++) {
+        strcat(valid, j ? ", " : "");
+        strcat(valid, k_keys[j]);
+    }
+    return lk_yerr(d, kn, NULL, "unknown key (valid: %s)", valid);
+}
+
+/* One top-level key k (value v) into c; notes in seen what the checks after
+ * the loop need. Paths are taken relative to cfgdir. */
+static lk_status parse_key(const lk_ydoc *d, const char *cfgdir, const lk_ynode *kn, const char *k,
+                           const lk_ynode *v, lk_train_config *c, train_seen *seen) {
+    lk_status st = LK_OK;
+    long x = 0;
+    if (!strcmp(k, "model")) {
+        st = parse_model(d, v, &c->model);
+        seen->model = 1;
+    } else if (!strcmp(k, "base")) {
+        st = get_path(d, cfgdir, v, c->base);
+    } else if (!strcmp(k, "task")) {
+        st = lk_task_from_name(lk_ynode_str(v), &c->task);
+        if (st) lk_error_prefix(st, "%s:%d: task", lk_ydoc_label(d), v->line);
+        seen->task = 1;
+    } else if (!strcmp(k, "digits")) {
+        if (!(st = get_long(d, v, 1, LK_TASK_MAX_DIGITS, &x))) c->digits = (int)x;
+    } else if (!strcmp(k, "steps")) {
+        st = get_long(d, v, 1, 100000000L, &c->steps);
+        seen->steps = 1;
+    } else if (!strcmp(k, "global_batch")) {
+        if (!(st = get_long(d, v, 1, 1 << 20, &x))) c->global_batch = (int)x;
+        seen->batch = 1;
+    } else if (!strcmp(k, "lr")) {
+        st = get_float(d, v, 1e-9, 10.0, &c->lr);
+        seen->lr = 1;
+    } else if (!strcmp(k, "weight_decay")) {
+        st = get_float(d, v, 0.0, 100.0, &c->weight_decay);
+    } else if (!strcmp(k, "clip")) {
+        st = get_float(d, v, 0.0, 1e6, &c->clip);
+    } else if (!strcmp(k, "schedule")) {
+        st = get_schedule(d, v, &c->cosine);
+    } else if (!strcmp(k, "seed")) {
+        if (!(st = get_long(d, v, 0, 0x7fffffffL, &x))) c->seed = (uint64_t)x;
+    } else if (!strcmp(k, "log_every")) {
+        if (!(st = get_long(d, v, 1, 100000000L, &x))) c->log_every = (int)x;
+    } else if (!strcmp(k, "eval_examples")) {
+        if (!(st = get_long(d, v, 0, 1000000L, &x))) c->eval_examples = (int)x;
+    } else if (!strcmp(k, "output")) {
+        st = get_path(d, cfgdir, v, c->output);
+        seen->out = 1;
+    } else if (!strcmp(k, "timeout")) {
+        st = get_timeout(d, v, &c->timeout);
+    } else if (!strcmp(k, "models")) {
+        /* the lora block: lk_lora_config_from_doc */
+    } else {
+        st = unknown_key(d, kn);
+    }
+    return st;
+}
+
+/* After every key: the required ones given, model or base (not both), and
+ * the model's dims completed and checked. */
+static lk_status check_required(const lk_ydoc *d, const train_seen *seen, lk_train_config *c) {
+    const char *path = lk_ydoc_label(d);
+    const char *missing = !seen->task ? "task" : !seen->steps ? "steps" : !seen->batch ? "global_batch"
+                          : !seen->lr ? "lr" : !seen->out ? "output"
+                          : (!seen->model && !c->base[0]) ? "model (or base)" : NULL;
     if (missing) return lk_error(LK_ERR_CONFIG, "%s: %s is required", path, missing);
-    if (have_model && c->base[0])
+    if (seen->model && c->base[0])
         return lk_error(LK_ERR_CONFIG, "%s: give either model (dims) or base (a checkpoint), "
                         "not both", path);
-    if (have_model) {
+    if (seen->model) {
         c->model.vocab = LK_TASK_VOCAB;
         c->model.max_seq = lk_task_train_len(c->digits);
-        if ((st = lk_model_config_check(&c->model))) return lk_error_prefix(st, "%s", path);
+        lk_status st = lk_model_config_check(&c->model);
+        if (st) return lk_error_prefix(st, "%s", path);
     }
     return LK_OK;
+}
+
+/* The run's keys of the config (all but the lora block) into c. */
+static lk_status parse_doc(const lk_ydoc *d, const char *cfgdir, lk_train_config *c) {
+    const lk_ynode *root = lk_ydoc_root(d);
+    if (!root || root->type != LK_Y_MAP)
+        return lk_error(LK_ERR_CONFIG, "%s: expected a mapping at the top level", lk_ydoc_label(d));
+    train_seen seen = {0};
+    for (size_t i = 0; i < root->n; i++) {
+        const lk_ynode *kn = lk_ymap_key(root, i);
+        const char *k = lk_ynode_str(kn);
+        if (!k) return lk_yerr(d, kn, NULL, "keys must be strings");
+        lk_status st = parse_key(d, cfgdir, kn, k, lk_ymap_val(root, i), c, &seen);
+        if (st) return st;
+    }
+    return check_required(d, &seen, c);
 }
 
 /* The whole config from its tree: the run's keys, then the lora block of
