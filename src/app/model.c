@@ -132,63 +132,58 @@ static void add_param(lk_model *m, size_t *off, const char *name, int ndim, int6
     *off += p->numel;
 }
 
-lk_status lk_model_create(const lk_model_config *cfg_in, uint64_t seed, lk_model **out) {
-    if (!cfg_in || !out) return lk_error(LK_ERR_ARG, "lk_model_create: NULL argument");
-    lk_model_config cfg = *cfg_in;
-    lk_status st = lk_model_config_check(&cfg);
-    if (st) return st;
-    lk_model *m = lk_calloc(1, sizeof *m);
-    if (!m) return lk_error(LK_ERR_NOMEM, "model: out of memory");
-    m->cfg = cfg;
-    m->train_base = 1;
-    int L = cfg.n_layers, C = cfg.d_model, F = cfg.d_ff, V = cfg.vocab;
-    size_t np = G_BLOCK0 + (size_t)L * P_PER_BLOCK + 3;
-    m->params = lk_calloc(np, sizeof *m->params);
-    m->linears = lk_calloc((size_t)L * L_PER_BLOCK, sizeof *m->linears);
-    if (!m->params || !m->linears) goto nomem;
-
-    size_t off = 0;
-    char nm[LK_MODEL_NAME_MAX];
-    add_param(m, &off, "tok_emb.weight", 2, V, C);
-    add_param(m, &off, "pos_emb.weight", 2, cfg.max_seq, C);
+/* Block l's parameters and linears at *off, in the fixed order: norm1,
+ * then each linear's weight and bias, norm2 before the first FF linear. */
+static void lay_out_block(lk_model *m, size_t *off, int l) {
     static const char *const lin_names[L_PER_BLOCK] = {
         "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2"};
-    for (int l = 0; l < L; l++) {
-        snprintf(nm, sizeof nm, "blocks.%d.norm1.weight", l);
-        add_param(m, &off, nm, 1, C, 0);
-        snprintf(nm, sizeof nm, "blocks.%d.norm1.bias", l);
-        add_param(m, &off, nm, 1, C, 0);
-        for (int j = 0; j < L_PER_BLOCK; j++) {
-            if (j == L_FC1) {
-                snprintf(nm, sizeof nm, "blocks.%d.norm2.weight", l);
-                add_param(m, &off, nm, 1, C, 0);
-                snprintf(nm, sizeof nm, "blocks.%d.norm2.bias", l);
-                add_param(m, &off, nm, 1, C, 0);
-            }
-            lk_linear *li = &m->linears[m->n_linears++];
-            snprintf(li->name, sizeof li->name, "blocks.%d.%s", l, lin_names[j]);
-            li->in_f = j == L_FC2 ? F : C;
-            li->out_f = j == L_FC1 ? F : C;
-            li->w_param = m->n_params;
-            snprintf(nm, sizeof nm, "blocks.%d.%s.weight", l, lin_names[j]);
-            add_param(m, &off, nm, 2, li->out_f, li->in_f);
-            li->b_param = m->n_params;
-            snprintf(nm, sizeof nm, "blocks.%d.%s.bias", l, lin_names[j]);
-            add_param(m, &off, nm, 1, li->out_f, 0);
+    int C = m->cfg.d_model, F = m->cfg.d_ff;
+    char nm[LK_MODEL_NAME_MAX];
+    snprintf(nm, sizeof nm, "blocks.%d.norm1.weight", l);
+    add_param(m, off, nm, 1, C, 0);
+    snprintf(nm, sizeof nm, "blocks.%d.norm1.bias", l);
+    add_param(m, off, nm, 1, C, 0);
+    for (int j = 0; j < L_PER_BLOCK; j++) {
+        if (j == L_FC1) {
+            snprintf(nm, sizeof nm, "blocks.%d.norm2.weight", l);
+            add_param(m, off, nm, 1, C, 0);
+            snprintf(nm, sizeof nm, "blocks.%d.norm2.bias", l);
+            add_param(m, off, nm, 1, C, 0);
         }
+        lk_linear *li = &m->linears[m->n_linears++];
+        snprintf(li->name, sizeof li->name, "blocks.%d.%s", l, lin_names[j]);
+        li->in_f = j == L_FC2 ? F : C;
+        li->out_f = j == L_FC1 ? F : C;
+        li->w_param = m->n_params;
+        snprintf(nm, sizeof nm, "blocks.%d.%s.weight", l, lin_names[j]);
+        add_param(m, off, nm, 2, li->out_f, li->in_f);
+        li->b_param = m->n_params;
+        snprintf(nm, sizeof nm, "blocks.%d.%s.bias", l, lin_names[j]);
+        add_param(m, off, nm, 1, li->out_f, 0);
     }
+}
+
+/* The parameter table (names, shapes, offsets into one float array) and the
+ * linears, in the fixed order; sets n_floats. The tables are allocated to
+ * their full size by the caller. */
+static void lay_out_params(lk_model *m) {
+    size_t off = 0;
+    int C = m->cfg.d_model, V = m->cfg.vocab;
+    add_param(m, &off, "tok_emb.weight", 2, V, C);
+    add_param(m, &off, "pos_emb.weight", 2, m->cfg.max_seq, C);
+    for (int l = 0; l < m->cfg.n_layers; l++) lay_out_block(m, &off, l);
     add_param(m, &off, "norm_out.weight", 1, C, 0);
     add_param(m, &off, "norm_out.bias", 1, C, 0);
     add_param(m, &off, "lm_head.weight", 2, V, C);
     m->n_floats = off;
+}
 
-    m->param_mem = lk_calloc(off, sizeof(float));
-    m->grad_mem = lk_calloc(off, sizeof(float));
-    if (!m->param_mem || !m->grad_mem) goto nomem;
-
-    /* init: N(0, 0.02); residual-stream projections N(0, 0.02/sqrt(2L)) */
+/* The deterministic init from seed into param_mem (zeroed): norms weight 1,
+ * bias 0; other biases 0; weights N(0, 0.02), the residual-stream
+ * projections N(0, 0.02/sqrt(2L)). */
+static void init_params(lk_model *m, uint64_t seed) {
     uint64_t s = seed ^ 0x6C6F72616B6974ull; /* "lorakit" */
-    float std_res = 0.02f / sqrtf(2.0f * (float)L);
+    float std_res = 0.02f / sqrtf(2.0f * (float)m->cfg.n_layers);
     for (size_t i = 0; i < m->n_params; i++) {
         lk_model_param *p = &m->params[i];
         float *d = pdata(m, i);
@@ -206,12 +201,32 @@ lk_status lk_model_create(const lk_model_config *cfg_in, uint64_t seed, lk_model
             for (size_t k = 0; k < p->numel; k++) d[k] = sd * normal01(&s);
         }
     }
+}
+
+lk_status lk_model_create(const lk_model_config *cfg_in, uint64_t seed, lk_model **out) {
+    if (!cfg_in || !out) return lk_error(LK_ERR_ARG, "lk_model_create: NULL argument");
+    lk_model_config cfg = *cfg_in;
+    lk_status st = lk_model_config_check(&cfg);
+    if (st) return st;
+    lk_model *m = lk_calloc(1, sizeof *m);
+    if (!m) return lk_error(LK_ERR_NOMEM, "model: out of memory");
+    m->cfg = cfg;
+    m->train_base = 1;
+    size_t np = G_BLOCK0 + (size_t)cfg.n_layers * P_PER_BLOCK + 3;
+    m->params = lk_calloc(np, sizeof *m->params);
+    m->linears = lk_calloc((size_t)cfg.n_layers * L_PER_BLOCK, sizeof *m->linears);
+    if (!m->params || !m->linears) goto nomem;
+    lay_out_params(m);
+    m->param_mem = lk_calloc(m->n_floats, sizeof(float));
+    m->grad_mem = lk_calloc(m->n_floats, sizeof(float));
+    if (!m->param_mem || !m->grad_mem) goto nomem;
+    init_params(m, seed);
     *out = m;
     return LK_OK;
 nomem:
     lk_model_free(m);
     return lk_error(LK_ERR_NOMEM, "model: out of memory creating a %d-layer, d_model %d model",
-                    L, C);
+                    cfg.n_layers, cfg.d_model);
 }
 
 void lk_model_free(lk_model *m) {
