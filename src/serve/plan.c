@@ -94,73 +94,94 @@ static lk_status parse_step(pctx *c, const lk_ynode *n, lk_plan_step *st) {
     return LK_OK;
 }
 
-static lk_status parse_root(pctx *c, lk_plan *p) {
-    const lk_ynode *root = lk_ydoc_root(c->doc);
-    if (!root) return lk_error(LK_ERR_CONFIG, "%s: the plan is empty (it needs 'steps')", c->label);
-    if (root->type != LK_Y_MAP) return lk_yerr(c->doc, root, "(top level)", "expected a mapping with 'steps'");
-    for (size_t i = 0; i < root->n; i++) {
-        const lk_ynode *kn = lk_ymap_key(root, i), *vn = lk_ymap_val(root, i);
-        const char *k = lk_ynode_str(kn);
-        if (!k) return lk_yerr(c->doc, kn, "(top level)", "keys must be strings");
-        if (!strcmp(k, "bucket_mb")) {
-            long long b;
-            if (!lk_ynode_int(vn, LLONG_MIN, LLONG_MAX, &b) || !lk_knob_in_range(LK_KNOB_SWAP_BUCKET_MB, (double)b)) {
-                char r[64], range[64];
-                lk_ynode_repr(vn, r, sizeof r);
-                return lk_yerr(c->doc, vn, NULL, "expected a whole number of MiB in %s, got %s",
-                               lk_knob_range(LK_KNOB_SWAP_BUCKET_MB, range, sizeof range), r);
-            }
-            p->bucket_mb = (long)b;
-        } else if (!strcmp(k, "no_lora_swap") || !strcmp(k, "allow_nonfinite")) {
-            int *dst = k[0] == 'n' ? &p->no_lora_swap : &p->allow_nonfinite;
-            if (!lk_ynode_bool(vn, dst)) return lk_yerr(c->doc, vn, NULL, "expected true or false");
-        } else if (!strcmp(k, "fp8_rounding") || !strcmp(k, "fp8_scale")) {
-            const char *v = lk_ynode_str(vn);
-            lk_status bad = !v ? LK_ERR_ARG
-                            : k[4] == 'r' ? lk_fp8_rounding_parse(v, &p->fp8.rounding)
-                                          : lk_fp8_scale_parse(v, &p->fp8.scale);
-            if (bad)
-                return lk_yerr(c->doc, vn, NULL, "expected %s", k[4] == 'r' ? "nearest or stochastic" : "rescale or keep");
-        } else if (!strcmp(k, "fp8_seed")) {
-            long long v;
-            if (!lk_ynode_int(vn, 0, LLONG_MAX, &v)) return lk_yerr(c->doc, vn, NULL, "expected a whole number >= 0");
-            p->fp8.seed = (uint64_t)v;
-        } else if (!strcmp(k, "timeout")) {
-            double t;
-            if (!lk_ynode_num(vn, &t) || !lk_knob_in_range(LK_KNOB_TIMEOUT_S, t)) {
-                char r[64], range[64];
-                lk_ynode_repr(vn, r, sizeof r);
-                return lk_yerr(c->doc, vn, NULL, "expected seconds in %s (0 = none), got %s",
-                               lk_knob_range(LK_KNOB_TIMEOUT_S, range, sizeof range), r);
-            }
-            p->timeout = t;
-        } else if (!strcmp(k, "fp8_saturate")) {
-            if (!lk_ynode_bool(vn, &p->fp8.saturate)) return lk_yerr(c->doc, vn, NULL, "expected true or false");
-        } else if (!strcmp(k, "alpha_from")) {
-            const char *v = lk_ynode_str(vn);
-            if (!v || lk_alpha_from_parse(v, &p->alpha_from))
-                return lk_yerr(c->doc, vn, NULL, "expected tensors or metadata");
-        } else if (!strcmp(k, "arch")) {
-            const char *v = lk_ynode_str(vn);
-            if (!v || !*v) return lk_yerr(c->doc, vn, NULL, "expected a family name (flux, sdxl, ...; none: no table)");
-            if (!(p->arch = lk_strdup(v))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
-        } else if (!strcmp(k, "maps")) {
-            if (vn->type != LK_Y_SEQ) return lk_yerr(c->doc, vn, NULL, "expected a list of table files ([a.lkmap, ...])");
-            if (vn->n && !(p->maps = lk_calloc(vn->n, sizeof *p->maps)))
-                return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
-            for (size_t j = 0; j < vn->n; j++) {
-                const char *m = lk_ynode_str(vn->kids[j]);
-                if (!m || !*m) return lk_yerr(c->doc, vn->kids[j], NULL, "expected a non-empty file path");
-                if (!(p->maps[j] = lk_path_join(c->base_dir, m))) /* relative to the plan, as adapters */
-                    return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
-                p->n_maps = j + 1;
-            }
-        } else if (strcmp(k, "steps")) {
-            return lk_yerr(c->doc, kn, NULL,
-                           "unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, fp8_rounding, fp8_seed, "
-                           "fp8_scale, fp8_saturate, timeout, alpha_from, arch, maps, steps)");
-        }
+/* maps: a list of table files, each made relative to the plan's folder;
+ * p->maps and its strings are owned by p (lk_plan_free), n_maps counting
+ * those made. */
+static lk_status parse_maps(pctx *c, const lk_ynode *vn, lk_plan *p) {
+    if (vn->type != LK_Y_SEQ) return lk_yerr(c->doc, vn, NULL, "expected a list of table files ([a.lkmap, ...])");
+    if (vn->n && !(p->maps = lk_calloc(vn->n, sizeof *p->maps)))
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
+    for (size_t j = 0; j < vn->n; j++) {
+        const char *m = lk_ynode_str(vn->kids[j]);
+        if (!m || !*m) return lk_yerr(c->doc, vn->kids[j], NULL, "expected a non-empty file path");
+        if (!(p->maps[j] = lk_path_join(c->base_dir, m))) /* relative to the plan, as adapters */
+            return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
+        p->n_maps = j + 1;
     }
+    return LK_OK;
+}
+
+/* bucket_mb: a whole number of MiB in the swap bucket knob's range (the
+ * error names the range and the value as written). */
+static lk_status parse_bucket_mb(pctx *c, const lk_ynode *vn, long *out) {
+    long long b;
+    if (!lk_ynode_int(vn, LLONG_MIN, LLONG_MAX, &b) || !lk_knob_in_range(LK_KNOB_SWAP_BUCKET_MB, (double)b)) {
+        char r[64], range[64];
+        lk_ynode_repr(vn, r, sizeof r);
+        return lk_yerr(c->doc, vn, NULL, "expected a whole number of MiB in %s, got %s",
+                       lk_knob_range(LK_KNOB_SWAP_BUCKET_MB, range, sizeof range), r);
+    }
+    *out = (long)b;
+    return LK_OK;
+}
+
+/* timeout: seconds in the timeout knob's range, 0 = none (the error names
+ * the range and the value as written). */
+static lk_status parse_timeout(pctx *c, const lk_ynode *vn, double *out) {
+    double t;
+    if (!lk_ynode_num(vn, &t) || !lk_knob_in_range(LK_KNOB_TIMEOUT_S, t)) {
+        char r[64], range[64];
+        lk_ynode_repr(vn, r, sizeof r);
+        return lk_yerr(c->doc, vn, NULL, "expected seconds in %s (0 = none), got %s",
+                       lk_knob_range(LK_KNOB_TIMEOUT_S, range, sizeof range), r);
+    }
+    *out = t;
+    return LK_OK;
+}
+
+/* One top-level setting k (key node kn, value vn) into p; "steps" is left
+ * to parse_steps, any other key is an error listing the valid ones. What it
+ * allocates (arch, maps) is owned by p. */
+static lk_status parse_setting(pctx *c, const lk_ynode *kn, const char *k, const lk_ynode *vn, lk_plan *p) {
+    if (!strcmp(k, "bucket_mb")) return parse_bucket_mb(c, vn, &p->bucket_mb);
+    if (!strcmp(k, "timeout")) return parse_timeout(c, vn, &p->timeout);
+    if (!strcmp(k, "maps")) return parse_maps(c, vn, p);
+    if (!strcmp(k, "no_lora_swap") || !strcmp(k, "allow_nonfinite")) {
+        int *dst = k[0] == 'n' ? &p->no_lora_swap : &p->allow_nonfinite;
+        if (!lk_ynode_bool(vn, dst)) return lk_yerr(c->doc, vn, NULL, "expected true or false");
+    } else if (!strcmp(k, "fp8_rounding") || !strcmp(k, "fp8_scale")) {
+        const char *v = lk_ynode_str(vn);
+        lk_status bad = !v ? LK_ERR_ARG
+                        : k[4] == 'r' ? lk_fp8_rounding_parse(v, &p->fp8.rounding)
+                                      : lk_fp8_scale_parse(v, &p->fp8.scale);
+        if (bad)
+            return lk_yerr(c->doc, vn, NULL, "expected %s", k[4] == 'r' ? "nearest or stochastic" : "rescale or keep");
+    } else if (!strcmp(k, "fp8_seed")) {
+        long long v;
+        if (!lk_ynode_int(vn, 0, LLONG_MAX, &v)) return lk_yerr(c->doc, vn, NULL, "expected a whole number >= 0");
+        p->fp8.seed = (uint64_t)v;
+    } else if (!strcmp(k, "fp8_saturate")) {
+        if (!lk_ynode_bool(vn, &p->fp8.saturate)) return lk_yerr(c->doc, vn, NULL, "expected true or false");
+    } else if (!strcmp(k, "alpha_from")) {
+        const char *v = lk_ynode_str(vn);
+        if (!v || lk_alpha_from_parse(v, &p->alpha_from))
+            return lk_yerr(c->doc, vn, NULL, "expected tensors or metadata");
+    } else if (!strcmp(k, "arch")) {
+        const char *v = lk_ynode_str(vn);
+        if (!v || !*v) return lk_yerr(c->doc, vn, NULL, "expected a family name (flux, sdxl, ...; none: no table)");
+        if (!(p->arch = lk_strdup(v))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
+    } else if (strcmp(k, "steps")) {
+        return lk_yerr(c->doc, kn, NULL,
+                       "unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, fp8_rounding, fp8_seed, "
+                       "fp8_scale, fp8_saturate, timeout, alpha_from, arch, maps, steps)");
+    }
+    return LK_OK;
+}
+
+/* steps: the list of steps, bounded by LK_PLAN_MAX_ENTRIES; p->steps is
+ * owned by p, n_steps counting every step begun (so that lk_plan_free
+ * releases a partly parsed one). */
+static lk_status parse_steps(pctx *c, const lk_ynode *root, lk_plan *p) {
     const lk_ynode *steps = lk_ymap_get(root, "steps");
     if (!steps || steps->type != LK_Y_SEQ)
         return lk_yerr(c->doc, steps ? steps : root, steps ? NULL : "steps", "expected a list of steps");
@@ -176,6 +197,21 @@ static lk_status parse_root(pctx *c, lk_plan *p) {
         if (s) return s;
     }
     return LK_OK;
+}
+
+/* The plan's top level: every setting in the order written, then the steps. */
+static lk_status parse_root(pctx *c, lk_plan *p) {
+    const lk_ynode *root = lk_ydoc_root(c->doc);
+    if (!root) return lk_error(LK_ERR_CONFIG, "%s: the plan is empty (it needs 'steps')", c->label);
+    if (root->type != LK_Y_MAP) return lk_yerr(c->doc, root, "(top level)", "expected a mapping with 'steps'");
+    for (size_t i = 0; i < root->n; i++) {
+        const lk_ynode *kn = lk_ymap_key(root, i);
+        const char *k = lk_ynode_str(kn);
+        if (!k) return lk_yerr(c->doc, kn, "(top level)", "keys must be strings");
+        lk_status s = parse_setting(c, kn, k, lk_ymap_val(root, i), p);
+        if (s) return s;
+    }
+    return parse_steps(c, root, p);
 }
 
 static lk_status plan_from_doc(const lk_ydoc *d, const char *base_dir, lk_plan **out) {
