@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <xxhash.h>
 
 #include "testutil.h"
@@ -601,6 +602,75 @@ static void test_enable_alloc_failures(void **state) {
     assert_true(ok);
 }
 
+/* A save (fn(ctx)) with every allocation failed in turn: a clean
+ * LK_ERR_NOMEM and no file at path; then the save writes the bytes of ref
+ * (an unbroken save's). */
+static void save_walk(lk_status (*fn)(void *), void *ctx, const char *path, const char *ref) {
+    unsigned long k = 1;
+    for (;; k++) {
+        lk_alloc_fail_at(k);
+        lk_status s = fn(ctx);
+        lk_alloc_fail_at(0);
+        if (s == LK_OK) break;
+        assert_int_equal(s, LK_ERR_NOMEM);
+        assert_false(tu_exists(path));
+    }
+    assert_true(k > 2);
+    size_t na, nb;
+    void *a = tu_read_file(path, &na), *b = tu_read_file(ref, &nb);
+    assert_true(a && b && na == nb && !memcmp(a, b, na));
+    free(a);
+    free(b);
+}
+
+typedef struct save_args {
+    lk_lora_model *m;
+    lk_adamw *opt;
+    const char *where;
+} save_args;
+
+static lk_status save_base(void *ctx) {
+    save_args *a = ctx;
+    return lk_lora_model_save_base(a->m, a->where);
+}
+
+static lk_status save_adamw(void *ctx) {
+    save_args *a = ctx;
+    return lk_adamw_save(a->opt, lk_lora_model_params(a->m), a->where);
+}
+
+/* Every allocation of lk_lora_model_save_base and of lk_adamw_save failed
+ * in turn: see save_walk. (lk_lora_params_create's are walked through
+ * lk_lora_enable by test_enable_alloc_failures.) */
+static void test_save_alloc_failures(void **state) {
+    (void)state;
+    char *dir = tu_mkdtemp();
+    char *ref = tu_path(dir, "ref.safetensors"), *out = tu_path(dir, "out.safetensors");
+    char *ref_opt = tu_path(dir, "ref_opt"), *out_opt = tu_path(dir, "out_opt");
+    host h = make_host(NULL, 1);
+    lk_lora_config c = cfg_of(2, 2, NULL, 0);
+    assert_int_equal(lk_lora_enable(h.m, &c, NULL, 42, NULL), LK_OK);
+    assert_int_equal(lk_lora_model_save_base(h.m, ref), LK_OK);
+    save_args sa = {h.m, NULL, out};
+    save_walk(save_base, &sa, out, ref);
+    lk_lora_params *p = lk_lora_model_params(h.m);
+    lk_adamw_opts o = {.lr = 0.1f};
+    lk_adamw *opt;
+    assert_int_equal(lk_adamw_create(p, &o, &opt), LK_OK);
+    lk_lora_params_grad(p)[0] = 1;
+    assert_int_equal(lk_adamw_step(opt, p), LK_OK);
+    assert_int_equal(mkdir(ref_opt, 0777), 0);
+    assert_int_equal(mkdir(out_opt, 0777), 0);
+    assert_int_equal(lk_adamw_save(opt, p, ref_opt), LK_OK);
+    char *ref_file = tu_path(ref_opt, "optimizer.safetensors"), *out_file = tu_path(out_opt, "optimizer.safetensors");
+    sa = (save_args){h.m, opt, out_opt};
+    save_walk(save_adamw, &sa, out_file, ref_file);
+    lk_adamw_free(opt);
+    free_host(&h);
+    tu_rmtree(dir);
+    free(dir); free(ref); free(out); free(ref_opt); free(out_opt); free(ref_file); free(out_file);
+}
+
 /* Names far longer than any fixed buffer: every path keeps them whole. */
 static void test_long_names(void **state) {
     (void)state;
@@ -655,6 +725,7 @@ int main(void) {
         cmocka_unit_test(test_peft_roundtrip),
         cmocka_unit_test(test_enable_alloc_failures),
         cmocka_unit_test(test_load_base_alloc_failures),
+        cmocka_unit_test(test_save_alloc_failures),
         cmocka_unit_test(test_long_names),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

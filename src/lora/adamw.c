@@ -110,9 +110,8 @@ lk_status lk_adamw_save(const lk_adamw *o, const lk_lora_params *p, const char *
     lk_status ls = check_layout(o, p);
     if (ls != LK_OK) return ls;
     char *path = state_path(dir);
-    lk_tensor *t = lk_calloc(2 * p->count, sizeof *t);
-    char **names = lk_calloc(2 * p->count, sizeof(char *));
-    lk_status s = (path && t && names) ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
+    lk_tensor *t = lk_calloc(2 * p->count, sizeof *t); /* each t[i].name owned (freed below) */
+    lk_status s = (path && t) ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
     for (size_t k = 0; s == LK_OK && k < p->count; k++)
         for (int j = 0; j < 2; j++) {
             char *nm = state_name(p, k, j);
@@ -120,7 +119,6 @@ lk_status lk_adamw_save(const lk_adamw *o, const lk_lora_params *p, const char *
                 s = lk_error(LK_ERR_NOMEM, "out of memory");
                 break;
             }
-            names[2 * k + j] = nm;
             lk_tensor *v = &t[2 * k + j];
             v->name = nm;
             v->dtype = LK_DTYPE_F32;
@@ -140,8 +138,7 @@ lk_status lk_adamw_save(const lk_adamw *o, const lk_lora_params *p, const char *
     const char *kv[] = {"lorakit.optimizer", "adamw", "step", vals[0], "lr", vals[1],
                         "beta1", vals[2], "beta2", vals[3], "eps", vals[4], "weight_decay", vals[5]};
     if (s == LK_OK) s = lk_st_save(path, t, 2 * p->count, kv, 7);
-    for (size_t i = 0; names && i < 2 * p->count; i++) lk_free(names[i]);
-    lk_free(names);
+    for (size_t i = 0; t && i < 2 * p->count; i++) lk_free((char *)t[i].name);
     lk_free(t);
     lk_free(path);
     return s;

@@ -567,10 +567,12 @@ lk_status lk_lora_model_save_base(const lk_lora_model *m, const char *path) {
     if (!m || !path) return lk_error(LK_ERR_ARG, "lk_lora_model_save_base: missing model or path");
     size_t cap = 2 * m->n_layers + m->n_tensors;
     if (cap == 0) return lk_error(LK_ERR_STATE, "%s: the model has no tensors to save", path);
-    lk_tensor *t = lk_calloc(cap, sizeof *t);
-    char **names = lk_calloc(cap, sizeof(char *));
+    /* one allocation: the tensors, then the names this call makes (the
+     * tensors' alignment, a pointer's at least, suits the pointers after them) */
+    lk_tensor *t = lk_calloc(cap, sizeof *t + sizeof(char *));
+    char **names = t ? (char **)(t + cap) : NULL;
     size_t n = 0;
-    lk_status s = (t && names) ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
+    lk_status s = t ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
     for (size_t i = 0; s == LK_OK && i < m->n_layers; i++) {
         const lk_lora_layer *l = m->layers[i];
         for (int part = 0; part < 2; part++) {
@@ -603,7 +605,6 @@ lk_status lk_lora_model_save_base(const lk_lora_model *m, const char *path) {
     }
     if (s == LK_OK) s = lk_st_save(path, t, n, NULL, 0);
     for (size_t i = 0; names && i < cap; i++) lk_free(names[i]);
-    lk_free(names);
     lk_free(t);
     return s;
 }

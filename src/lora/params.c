@@ -70,9 +70,10 @@ lk_status lk_lora_params_create(const lk_lora_param_spec *specs, size_t n, lk_lo
                             (long long)specs[i].rows, (long long)specs[i].cols);
     }
     lk_lora_params *p = lk_calloc(1, sizeof *p);
-    size_t *idx = lk_calloc(n, sizeof *idx), *tmp = lk_calloc(n, sizeof *tmp);
+    /* the sort's scratch, idx and tmp (n each), from one allocation */
+    size_t *idx = lk_calloc(2 * n, sizeof *idx), *tmp = idx ? idx + n : NULL;
     lk_status s = LK_OK;
-    if (!p || !idx || !tmp) {
+    if (!p || !idx) {
         s = lk_error(LK_ERR_NOMEM, "out of memory for %zu LoRA parameters", n);
         goto done;
     }
@@ -119,7 +120,6 @@ lk_status lk_lora_params_create(const lk_lora_param_spec *specs, size_t n, lk_lo
     }
 done:
     lk_free(idx);
-    lk_free(tmp);
     if (s != LK_OK) {
         lk_lora_params_free(p);
         return s;
