@@ -389,102 +389,150 @@ lk_status lk_fuse_check_weight(const void *w_out, const void *w_in, lk_dtype dty
     return LK_OK;
 }
 
+/* One fuse_whole call: its sizes, its thread count and its one allocation. */
+typedef struct kcall {
+    size_t O, I, R;      /* the weight out x in, the total rank */
+    int wide;            /* F32 weight: f64 accumulator */
+    size_t pw, vsz, npan, n_chunks;
+    int threads;
+    unsigned char *mem;  /* the one allocation (lk_free) that the rest is carved from */
+    void *ap, *bs;       /* A's panels (npan x R x pw) and B' (O x R), on cache lines */
+    float *tmp;          /* a row of A or B, for the conversions */
+    kshared *sh;         /* the job and its chunk counter */
+    kthread *ths;        /* per thread: its worker */
+    pthread_t *tids;
+} kcall;
+
+/* The sizes and the thread count: opts->threads (0: every core), at most
+ * one per chunk of rows, and each thread at least WORK_PER_THREAD fma lanes
+ * (a few tens of microseconds of work, as a thread costs tens of
+ * microseconds to start), so a small weight runs on the calling thread
+ * alone. The bytes do not depend on the split. */
+static void kcall_plan(kcall *k, int64_t out, int64_t in, size_t R, lk_dtype dtype, const lk_fuse_opts *opts) {
+    k->O = (size_t)out;
+    k->I = (size_t)in;
+    k->R = R;
+    k->wide = dtype == LK_DTYPE_F32;
+    k->pw = k->wide ? LK_PW64 : LK_PW32;
+    k->vsz = k->wide ? sizeof(double) : sizeof(float);
+    k->npan = (k->I + k->pw - 1) / k->pw;
+    k->n_chunks = (k->O + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
+    int threads = opts && opts->threads > 0 ? opts->threads : lk_fuse_default_threads();
+    if (threads > LK_FUSE_MAX_THREADS) threads = LK_FUSE_MAX_THREADS;
+    if ((size_t)threads > k->n_chunks) threads = (int)k->n_chunks;
+    const size_t numel = k->O * k->I, work = numel > SIZE_MAX / R ? SIZE_MAX : numel * R;
+    if ((size_t)threads > work / WORK_PER_THREAD) threads = work / WORK_PER_THREAD > 1 ? (int)(work / WORK_PER_THREAD) : 1;
+    k->threads = threads;
+}
+
+/* k->mem, one allocation carved into the panels, B', a conversion row,
+ * then (each on its own cache line) the shared job and the threads'
+ * workers and ids. The panels start on a cache line (malloc gives 16
+ * bytes), so no zmm load of A splits two lines; a_n * vsz is a multiple of
+ * 256, so B' is aligned too. A failure allocates nothing and names the
+ * factors' bytes. */
+static lk_status kcall_alloc(kcall *k, const char *name) {
+    size_t b_n, a_n, tot, sh_at, ths_at, tids_at, all;
+    const size_t nt = (size_t)k->threads;
+    if (!lk_checked_mul(k->O, k->R, &b_n) || !lk_checked_mul(k->npan * k->pw, k->R, &a_n) ||
+        !lk_checked_add(a_n, b_n, &tot) || !lk_checked_mul(tot, k->vsz, &tot) ||
+        !lk_checked_add(tot, ((k->I > k->R ? k->I : k->R) + 32) * sizeof(float), &tot))
+        return lk_error(LK_ERR_SHAPE, "%s: factors too large", name);
+    /* tot: the factors, a row and 32 floats of slack, 16 of which pay for
+     * aligning the start; the rest follows on cache lines */
+    sh_at = (tot + 63) & ~(size_t)63;
+    ths_at = sh_at + ((sizeof(kshared) + 63) & ~(size_t)63);
+    tids_at = ths_at + ((nt * sizeof(kthread) + 63) & ~(size_t)63);
+    all = tids_at + nt * sizeof(pthread_t) + 64;
+    if (all < tot || !(k->mem = lk_malloc(all)))
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the fusion factors (%zu bytes)", name, tot);
+    unsigned char *al = k->mem + ((64u - ((uintptr_t)k->mem & 63u)) & 63u);
+    k->ap = al;
+    k->bs = al + a_n * k->vsz;
+    k->tmp = (float *)(void *)(al + (a_n + b_n) * k->vsz);
+    k->sh = (kshared *)(void *)(al + sh_at);
+    k->ths = (kthread *)(void *)(al + ths_at);
+    k->tids = (pthread_t *)(void *)(al + tids_at);
+    return LK_OK;
+}
+
+/* The job: B' and A's panels made from the terms (steps 2 and 3 of the
+ * header), the column tile keeping A's slice near LK_TILE_BYTES, the
+ * block function of the path in use; every worker fresh. */
+static void kcall_job(kcall *k, void *w_out, const void *w_in, lk_dtype dtype, const lk_fuse_term *terms,
+                      size_t n_terms) {
+    make_bs(k->bs, k->wide, k->R, 0, k->O, terms, n_terms, k->tmp);
+    make_panels(k->ap, k->wide, k->pw, k->R, k->I, terms, n_terms, k->tmp);
+    size_t pan_tile = LK_TILE_BYTES / (k->R * k->pw * k->vsz);
+    if (pan_tile < 1) pan_tile = 1;
+    kshared *sh = k->sh;
+    memset(sh, 0, sizeof *sh);
+    sh->job = (lk_kjob){.w_out = w_out, .w_in = w_in, .dt = (int)dtype, .wide = k->wide, .out = k->O, .in = k->I,
+                        .R = k->R, .npan = k->npan, .pan_tile = pan_tile, .n_chunks = k->n_chunks,
+                        .rows_per_chunk = ROWS_PER_CHUNK, .block = path_block(lk_fuse_kernel_path())};
+    if (k->wide) {
+        sh->job.Ap64 = k->ap;
+        sh->job.Bs64 = k->bs;
+    } else {
+        sh->job.Ap32 = k->ap;
+        sh->job.Bs32 = k->bs;
+    }
+    atomic_init(&sh->next, 0);
+    for (int t = 0; t < k->threads; t++) k->ths[t] = (kthread){.sh = sh, .wk = {.job = &sh->job, .bad_at = SIZE_MAX}};
+}
+
+/* Runs the job on k->threads workers, worker 0 this thread, in the default
+ * FP environment (the caller's is restored after). A thread that fails to
+ * start leaves its share to the others. Returns how many workers ran. */
+static int kcall_run(kcall *k) {
+    fenv_t saved;
+    fegetenv(&saved);
+    fesetenv(FE_DFL_ENV);
+    int started = 0;
+    for (int t = 1; t < k->threads; t++) {
+        if (pthread_create(&k->tids[t], NULL, thread_main, &k->ths[t]) != 0) break;
+        started = t;
+    }
+    run_worker(&k->ths[0]);
+    for (int t = 1; t <= started; t++) pthread_join(k->tids[t], NULL);
+    fesetenv(&saved);
+    return started + 1;
+}
+
+/* The first element (lowest index) that a worker saw become non-finite,
+ * reported by lk_fuse_nonfinite (LK_OK when none, or when allowed). */
+static lk_status kcall_verdict(const kcall *k, int ran, const lk_fuse_opts *opts, const char *name) {
+    size_t bad_at = SIZE_MAX;
+    double bw = 0, br = 0;
+    for (int t = 0; t < ran; t++)
+        if (k->ths[t].wk.bad_at < bad_at) {
+            bad_at = k->ths[t].wk.bad_at;
+            bw = k->ths[t].wk.bad_w;
+            br = k->ths[t].wk.bad_r;
+        }
+    return lk_fuse_nonfinite(name, bad_at, k->I, bw, br, opts);
+}
+
+/* Check, plan, allocate, build the job, run it, report: the weight's bytes
+ * are written only by the run; a check or allocation failure leaves them
+ * as they were. */
 static lk_status fuse_whole(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
                             const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name) {
     lk_status st = lk_fuse_check_weight(w_out, w_in, dtype, out, in, name);
     if (st) return st;
-    const size_t O = (size_t)out, I = (size_t)in, numel = O * I, wbytes = numel * lk_dtype_size(dtype);
     size_t R;
-    st = check_terms(out, in, terms, n_terms, name, &R);
-    if (st) return st;
+    if ((st = check_terms(out, in, terms, n_terms, name, &R))) return st;
     if (R == 0) { /* nothing to add: the bytes stay exactly as they are */
-        if (w_out != w_in) memmove(w_out, w_in, wbytes);
+        if (w_out != w_in) memmove(w_out, w_in, (size_t)out * (size_t)in * lk_dtype_size(dtype));
         return LK_OK;
     }
-
-    const int wide = dtype == LK_DTYPE_F32;
-    const size_t pw = wide ? LK_PW64 : LK_PW32, vsz = wide ? sizeof(double) : sizeof(float);
-    const size_t npan = (I + pw - 1) / pw;
-    int threads = opts && opts->threads > 0 ? opts->threads : lk_fuse_default_threads();
-    if (threads > LK_FUSE_MAX_THREADS) threads = LK_FUSE_MAX_THREADS;
-    const size_t n_chunks = (O + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
-    if ((size_t)threads > n_chunks) threads = (int)n_chunks;
-    /* A thread is started per call, which costs tens of microseconds: give
-     * each at least WORK_PER_THREAD fma lanes (a few tens of microseconds
-     * of work), so a small weight runs on the calling thread alone. The
-     * bytes do not depend on the split. */
-    const size_t work = numel > SIZE_MAX / R ? SIZE_MAX : numel * R;
-    if ((size_t)threads > work / WORK_PER_THREAD) threads = work / WORK_PER_THREAD > 1 ? (int)(work / WORK_PER_THREAD) : 1;
-
-    /* One allocation: B' (O x R), the panels (npan x R x pw), a row of A or B. */
-    size_t b_n, a_n, tot;
-    if (!lk_checked_mul(O, R, &b_n) || !lk_checked_mul(npan * pw, R, &a_n) || !lk_checked_add(a_n, b_n, &tot) ||
-        !lk_checked_mul(tot, vsz, &tot) || !lk_checked_add(tot, ((I > R ? I : R) + 32) * sizeof(float), &tot))
-        return lk_error(LK_ERR_SHAPE, "%s: factors too large", name);
-    unsigned char *mem = lk_malloc(tot);
-    kthread *ths = lk_calloc((size_t)threads, sizeof *ths);
-    pthread_t *tids = lk_calloc((size_t)threads, sizeof *tids);
-    kshared *sh = lk_malloc(sizeof *sh);
-    if (!mem || !ths || !tids || !sh) {
-        lk_free(mem);
-        lk_free(ths);
-        lk_free(tids);
-        lk_free(sh);
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the fusion factors (%zu bytes)", name, tot);
-    }
-    /* The panels start on a cache line (malloc gives 16 bytes), so no zmm
-     * load of A splits two lines; a_n * vsz is a multiple of 256, so B'
-     * is aligned too. The 16 floats of slack added above pay for this. */
-    unsigned char *al = mem + ((64u - ((uintptr_t)mem & 63u)) & 63u);
-    void *ap = al, *bs = al + a_n * vsz;
-    float *tmp = (float *)(al + (a_n + b_n) * vsz);
-    make_bs(bs, wide, R, 0, O, terms, n_terms, tmp);
-    make_panels(ap, wide, pw, R, I, terms, n_terms, tmp);
-
-    size_t pan_tile = LK_TILE_BYTES / (R * pw * vsz);
-    if (pan_tile < 1) pan_tile = 1;
-    memset(sh, 0, sizeof *sh);
-    sh->job = (lk_kjob){.w_out = w_out, .w_in = w_in, .dt = (int)dtype, .wide = wide, .out = O, .in = I, .R = R,
-                        .npan = npan, .pan_tile = pan_tile, .n_chunks = n_chunks, .rows_per_chunk = ROWS_PER_CHUNK,
-                        .block = path_block(lk_fuse_kernel_path())};
-    if (wide) {
-        sh->job.Ap64 = ap;
-        sh->job.Bs64 = bs;
-    } else {
-        sh->job.Ap32 = ap;
-        sh->job.Bs32 = bs;
-    }
-    atomic_init(&sh->next, 0);
-    for (int t = 0; t < threads; t++) {
-        ths[t].sh = sh;
-        ths[t].wk = (lk_kworker){.job = &sh->job, .bad_at = SIZE_MAX};
-    }
-    fenv_t saved;
-    fegetenv(&saved);
-    fesetenv(FE_DFL_ENV);
-    /* Threads that fail to start simply leave their share to the others. */
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&tids[t], NULL, thread_main, &ths[t]) != 0) break;
-        started = t;
-    }
-    run_worker(&ths[0]);
-    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
-    fesetenv(&saved);
-
-    size_t bad_at = SIZE_MAX;
-    double bw = 0, br = 0;
-    for (int t = 0; t <= started; t++)
-        if (ths[t].wk.bad_at < bad_at) {
-            bad_at = ths[t].wk.bad_at;
-            bw = ths[t].wk.bad_w;
-            br = ths[t].wk.bad_r;
-        }
-    lk_free(mem);
-    lk_free(ths);
-    lk_free(tids);
-    lk_free(sh);
-    return lk_fuse_nonfinite(name, bad_at, I, bw, br, opts);
+    kcall k = {0};
+    kcall_plan(&k, out, in, R, dtype, opts);
+    if ((st = kcall_alloc(&k, name))) return st;
+    kcall_job(&k, w_out, w_in, dtype, terms, n_terms);
+    st = kcall_verdict(&k, kcall_run(&k), opts, name);
+    lk_free(k.mem);
+    return st;
 }
 
 lk_status lk_fuse_nonfinite(const char *name, size_t bad_at, size_t in, double w, double r, const lk_fuse_opts *opts) {
