@@ -245,10 +245,11 @@ static void fp8_pass(fjob *j, fworker *wk, int nw, int pass) {
         if (started[t]) pthread_join(tid[t], NULL);
 }
 
-lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void *scale, lk_dtype sdtype,
-                      int64_t n_scale, const lk_fuse_term *terms, size_t k, const lk_fuse_opts *opts,
-                      const char *name) {
-    if (!name) name = "(tensor)";
+/* lk_fuse_fp8's arguments, checked before anything is touched: a bad scale
+ * is refused, not fused. */
+static lk_status fp8_check_args(const uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, const void *scale,
+                                lk_dtype sdtype, int64_t n_scale, const lk_fuse_term *terms, size_t k,
+                                const char *name) {
     if (!w) return lk_error(LK_ERR_ARG, "%s: NULL weight buffer", name);
     if (!lk_dtype_is_fp8(dtype))
         return lk_error(LK_ERR_DTYPE, "%s: lk_fuse_fp8 on a %s weight", name, lk_dtype_name(dtype));
@@ -264,100 +265,164 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
         if (lk_fuse_term_sliced(&terms[t]))
             return lk_error(LK_ERR_UNSUPPORTED, "%s: a LoRA module on a row slice (part of a fused projection) of an "
                             "FP8 weight is not supported", name);
-    if (scale) { /* before anything is written: a bad scale is refused, not fused */
-        char label[512];
-        snprintf(label, sizeof label, "%s's scale", name);
-        lk_status bad = lk_fp8_scale_values_check(label, scale, sdtype, n_scale);
-        if (bad) return bad;
-    }
-    static const lk_fuse_opts defaults;
-    if (!opts) opts = &defaults;
-    const lk_fp8_opts *fo = &opts->fp8;
-    const size_t O = (size_t)out, I = (size_t)in;
-    const int per_row = scale && n_scale == out && out > 1;
-    const int rescale = scale && fo->scale == LK_FP8_RESCALE;
-    const size_t NS = per_row ? O : 1;
+    if (!scale) return LK_OK;
+    char label[512];
+    snprintf(label, sizeof label, "%s's scale", name);
+    return lk_fp8_scale_values_check(label, scale, sdtype, n_scale);
+}
+
+/* One lk_fuse_fp8 call: its split, the factors, and the one allocation that
+ * the scales, the workers, their delta blocks and their scratch are carved
+ * from (the job and the workers live here while the passes run). */
+typedef struct fcall {
+    size_t O, I, rb, n_blocks, NS; /* NS: scale values used (O per row, else 1) */
+    int nw, per_row, rescale;
+    lk_delta_prep *prep;
+    unsigned char *mem;            /* lk_free */
+    double *s0;                    /* the stored scales, then (NS on) the divide-by ones */
+    float *blks;                   /* per worker rb x I of delta */
+    unsigned char *scr;            /* per worker sb bytes of lk_fuse_delta_rows scratch */
+    size_t sb;
+    fworker *wk;
+    fjob job;
+    float dec[256];                /* every code's value */
+} fcall;
+
+/* The split: nw workers over blocks of rb rows, ~BLOCK_FLOATS each, at
+ * least 4 per thread when the tensor has the rows for it, never under 16
+ * rows (or the whole). */
+static void fcall_plan(fcall *f, int64_t out, int64_t in, const void *scale, int64_t n_scale, const lk_fuse_opts *opts) {
+    f->O = (size_t)out;
+    f->I = (size_t)in;
+    f->per_row = scale && n_scale == out && out > 1;
+    f->rescale = scale && opts->fp8.scale == LK_FP8_RESCALE;
+    f->NS = f->per_row ? f->O : 1;
     int nw = opts->threads > 0 ? opts->threads : lk_fuse_default_threads();
     if (nw > LK_FUSE_MAX_THREADS) nw = LK_FUSE_MAX_THREADS;
-    /* blocks of rows: ~BLOCK_FLOATS each, at least 4 per thread when the
-     * tensor has the rows for it, never under 16 rows (or the whole) */
-    size_t rb = BLOCK_FLOATS / I, per = (O + 4 * (size_t)nw - 1) / (4 * (size_t)nw);
+    size_t rb = BLOCK_FLOATS / f->I, per = (f->O + 4 * (size_t)nw - 1) / (4 * (size_t)nw);
     if (rb > per) rb = per;
     if (rb < 16) rb = 16;
-    if (rb > O) rb = O;
-    size_t n_blocks = (O + rb - 1) / rb;
-    if ((size_t)nw > n_blocks) nw = (int)n_blocks;
-    lk_status s = LK_OK;
-    lk_delta_prep *prep = NULL;
-    double *s0 = lk_malloc(2 * NS * sizeof *s0); /* the stored scales, then the divide-by ones */
-    fworker *wk = lk_calloc((size_t)nw, sizeof *wk);
-    float *blks = wk ? lk_malloc((size_t)nw * rb * I * sizeof *blks) : NULL;
-    unsigned char *scr = NULL;
-    if (!s0 || !wk || !blks) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 fuse", name);
-        goto done;
-    }
-    /* the factors are validated and converted once here (the message is
-     * this thread's); the workers share them */
-    if ((s = lk_fuse_delta_prepare(0, out, in, 0, out, terms, k, name, &prep))) goto done;
-    const size_t sb = lk_fuse_delta_scratch(prep, rb);
-    if (sb && !(scr = lk_malloc(sb * (size_t)nw))) {
-        s = lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 fuse", name);
-        goto done;
-    }
-    double *sc = s0 + NS;
-    for (size_t r = 0; r < NS; r++) s0[r] = sc[r] = scale ? scale_get(scale, sdtype, r) : 1.0;
-    float dec[256]; /* every code's value */
+    if (rb > f->O) rb = f->O;
+    f->rb = rb;
+    f->n_blocks = (f->O + rb - 1) / rb;
+    if ((size_t)nw > f->n_blocks) nw = (int)f->n_blocks;
+    f->nw = nw;
+}
+
+/* f->mem, carved (each part on a cache line) into s0 (2 NS doubles), the
+ * nw workers, their delta blocks and their scratch (sized by f->prep). */
+static lk_status fcall_alloc(fcall *f, const char *name) {
+    const size_t nw = (size_t)f->nw;
+    size_t blk = 0, scr = 0, at_wk = 0, at_blk, at_scr = 0, size = 0;
+    f->sb = lk_fuse_delta_scratch(f->prep, f->rb);
+    int ok = lk_checked_mul(2 * f->NS, sizeof(double), &at_wk) && lk_checked_add(at_wk, 63, &at_wk) &&
+             lk_checked_mul(f->rb, f->I, &blk) &&
+             lk_checked_mul(blk, nw * sizeof(float), &blk) && lk_checked_mul(f->sb, nw, &scr);
+    at_wk &= ~(size_t)63;
+    at_blk = at_wk + ((nw * sizeof(fworker) + 63) & ~(size_t)63);
+    ok = ok && lk_checked_add(at_blk, blk, &at_scr) && lk_checked_add(at_scr, 63, &at_scr);
+    at_scr &= ~(size_t)63;
+    ok = ok && lk_checked_add(at_scr, scr, &size) && lk_checked_add(size, 64, &size);
+    if (!ok || !(f->mem = lk_malloc(size))) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 fuse", name);
+    unsigned char *al = f->mem + ((64u - ((uintptr_t)f->mem & 63u)) & 63u);
+    f->s0 = (double *)(void *)al;
+    f->wk = (fworker *)(void *)(al + at_wk);
+    f->blks = (float *)(void *)(al + at_blk);
+    f->scr = f->sb ? al + at_scr : NULL;
+    return LK_OK;
+}
+
+/* The job the workers share: the scales read once (both copies), the code
+ * table of dtype, the rounding (stream key of the tensor's name), and the
+ * amax and round functions of the kernel path in use; every worker fresh. */
+static void fcall_job(fcall *f, uint8_t *w, lk_dtype dtype, void *scale, lk_dtype sdtype, const lk_fp8_opts *fo,
+                      const char *name) {
+    double *sc = f->s0 + f->NS;
+    for (size_t r = 0; r < f->NS; r++) f->s0[r] = sc[r] = scale ? scale_get(scale, sdtype, r) : 1.0;
     const fp8fmt *fmt = dtype == LK_DTYPE_F8_E5M2 ? &LK_FP8_E5M2_FMT : &LK_FP8_E4M3_FMT;
-    for (int c = 0; c < 256; c++) dec[c] = fp8_to_f32((uint8_t)c, fmt);
-    fjob job = {.w = w, .dtype = dtype, .O = O, .I = I, .rb = rb, .n_blocks = n_blocks, .per_row = per_row,
-                .prep = prep, .s0 = s0, .sc = sc, .name = name,
-                .scale = scale, .sdtype = sdtype, .fmax = (float)lk_fp8_max(dtype), .row_rescale = rescale && per_row,
-                .x = {.fmt = fmt, .stoch = fo->rounding == LK_FP8_STOCHASTIC,
-                      .key = lk_fp8_stream_key(fo->seed, name), .dec = dec},
-                .amax = lk_fp8_amax_portable, .round = round_generic_base};
+    for (int c = 0; c < 256; c++) f->dec[c] = fp8_to_f32((uint8_t)c, fmt);
+    f->job = (fjob){.w = w, .dtype = dtype, .O = f->O, .I = f->I, .rb = f->rb, .n_blocks = f->n_blocks,
+                    .per_row = f->per_row, .prep = f->prep, .s0 = f->s0, .sc = sc, .name = name,
+                    .scale = scale, .sdtype = sdtype, .fmax = (float)lk_fp8_max(dtype),
+                    .row_rescale = f->rescale && f->per_row,
+                    .x = {.fmt = fmt, .stoch = fo->rounding == LK_FP8_STOCHASTIC,
+                          .key = lk_fp8_stream_key(fo->seed, name), .dec = f->dec},
+                    .amax = lk_fp8_amax_portable, .round = round_generic_base};
 #ifdef LK_FP8_X86
     const char *path = lk_fuse_kernel_path();
     if (!strncmp(path, "avx512", 6)) { /* avx512 or avx512bf16 */
-        job.amax = lk_fp8_amax_avx512;
-        job.round = lk_fp8_round_avx512;
+        f->job.amax = lk_fp8_amax_avx512;
+        f->job.round = lk_fp8_round_avx512;
     } else if (!strcmp(path, "avx2")) {
-        job.round = round_generic_avx2;
+        f->job.round = round_generic_avx2;
     }
 #endif
-    for (int t = 0; t < nw; t++)
-        wk[t] = (fworker){.job = &job, .blk = blks + (size_t)t * rb * I, .scratch = scr ? scr + (size_t)t * sb : NULL,
-                          .stats = {.bad_e = SIZE_MAX}};
-    if (rescale && !per_row) { /* pass 1: amax of the fused values, as float32, over the whole tensor */
-        fp8_pass(&job, wk, nw, 1);
+    for (int t = 0; t < f->nw; t++)
+        f->wk[t] = (fworker){.job = &f->job, .blk = f->blks + (size_t)t * f->rb * f->I,
+                             .scratch = f->scr ? f->scr + (size_t)t * f->sb : NULL, .stats = {.bad_e = SIZE_MAX}};
+}
+
+/* The passes: for a per-tensor rescale, pass 1 takes the amax of the fused
+ * values (as float32, over the whole tensor) and sets the new scale; pass
+ * 2 (per-row rescale and) rounds once into FP8, in place. */
+static void fcall_run(fcall *f) {
+    if (f->rescale && !f->per_row) {
+        fp8_pass(&f->job, f->wk, f->nw, 1);
         float amax = 0.0f;
-        for (int t = 0; t < nw; t++) amax = fmaxf(amax, wk[t].amax);
-        rescale_one(scale, sdtype, 0, job.fmax, amax, &sc[0]);
+        for (int t = 0; t < f->nw; t++) amax = fmaxf(amax, f->wk[t].amax);
+        rescale_one(f->job.scale, f->job.sdtype, 0, f->job.fmax, amax, &f->job.sc[0]);
     }
-    fp8_pass(&job, wk, nw, 2); /* (per-row rescale and) round once into FP8, in place */
+    fp8_pass(&f->job, f->wk, f->nw, 2);
+}
+
+/* The workers' findings: the first element that became non-finite from
+ * finite inputs (unless allowed), then the overflow count (unless
+ * saturated), as errors naming the tensor. */
+static lk_status fcall_verdict(const fcall *f, const lk_fuse_opts *opts, const char *name) {
+    const lk_fp8_opts *fo = &opts->fp8;
+    const lk_dtype dtype = f->job.dtype;
+    const int scaled = f->job.scale != NULL;
     size_t over = 0, bad_e = SIZE_MAX;
     double bad_v = 0;
-    for (int t = 0; t < nw; t++) {
-        over += wk[t].stats.over;
-        if (wk[t].stats.bad_e < bad_e) {
-            bad_e = wk[t].stats.bad_e;
-            bad_v = wk[t].stats.bad_v;
+    for (int t = 0; t < f->nw; t++) {
+        over += f->wk[t].stats.over;
+        if (f->wk[t].stats.bad_e < bad_e) {
+            bad_e = f->wk[t].stats.bad_e;
+            bad_v = f->wk[t].stats.bad_v;
         }
     }
-    if (!s && bad_e != SIZE_MAX && !opts->allow_nonfinite)
-        s = lk_error(LK_ERR_NONFINITE, "%s: element [%zu, %zu] becomes %g from finite inputs", name, bad_e / I,
-                     bad_e % I, bad_v);
-    if (!s && over && !fo->saturate)
-        s = lk_error(LK_ERR_NONFINITE, "%s: %zu of %zu elements overflow %s (beyond +-%g after dividing by the %s "
-                     "scale); --fp8-saturate clamps them%s", name, over, O * I, lk_dtype_name(dtype),
-                     lk_fp8_max(dtype), rescale ? "new" : scale ? "kept" : "(plain, 1)",
-                     scale && !rescale ? ", --fp8-scale rescale recomputes the scale" : "");
-done:
-    lk_fuse_delta_free(prep);
-    lk_free(scr);
-    lk_free(blks);
-    lk_free(wk);
-    lk_free(s0);
+    if (bad_e != SIZE_MAX && !opts->allow_nonfinite)
+        return lk_error(LK_ERR_NONFINITE, "%s: element [%zu, %zu] becomes %g from finite inputs", name, bad_e / f->I,
+                        bad_e % f->I, bad_v);
+    if (over && !fo->saturate)
+        return lk_error(LK_ERR_NONFINITE, "%s: %zu of %zu elements overflow %s (beyond +-%g after dividing by the %s "
+                        "scale); --fp8-saturate clamps them%s", name, over, f->O * f->I, lk_dtype_name(dtype),
+                        lk_fp8_max(dtype), f->rescale ? "new" : scaled ? "kept" : "(plain, 1)",
+                        scaled && !f->rescale ? ", --fp8-scale rescale recomputes the scale" : "");
+    return LK_OK;
+}
+
+/* Check, split, convert the factors (lk_fuse_delta_prepare: validated
+ * once, the message this thread's), allocate, build the job, run the
+ * passes, report. The weight and its scale are written only by the run. */
+lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void *scale, lk_dtype sdtype,
+                      int64_t n_scale, const lk_fuse_term *terms, size_t k, const lk_fuse_opts *opts,
+                      const char *name) {
+    if (!name) name = "(tensor)";
+    lk_status s = fp8_check_args(w, dtype, out, in, scale, sdtype, n_scale, terms, k, name);
+    if (s) return s;
+    static const lk_fuse_opts defaults;
+    if (!opts) opts = &defaults;
+    fcall f;
+    memset(&f, 0, sizeof f);
+    fcall_plan(&f, out, in, scale, n_scale, opts);
+    if (!(s = lk_fuse_delta_prepare(0, out, in, 0, out, terms, k, name, &f.prep)) && !(s = fcall_alloc(&f, name))) {
+        fcall_job(&f, w, dtype, scale, sdtype, &opts->fp8, name);
+        fcall_run(&f);
+        s = fcall_verdict(&f, opts, name);
+    }
+    lk_fuse_delta_free(f.prep);
+    lk_free(f.mem);
     return s;
 }
 
