@@ -83,6 +83,27 @@ static lk_status copy_file(const char *from, const char *to) {
     return s;
 }
 
+static lk_status copy_tree(const char *from, const char *to, const char *skip, int depth);
+
+/* Entry `name` of folder `from` copied into folder `to`: a folder with its
+ * tree (copy_tree at depth), a regular file; anything else, a symlink
+ * included, is refused by name (hint ends that message). nomem names the
+ * out-of-memory error. */
+static lk_status copy_entry(const char *from, const char *to, const char *name, int depth, const char *nomem,
+                            const char *hint) {
+    char *a = lk_path_join(from, name), *b = lk_path_join(to, name);
+    struct stat sb;
+    lk_status s;
+    if (!a || !b) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", nomem);
+    else if (lstat(a, &sb)) s = lk_error(LK_ERR_IO, "%s: %s", a, strerror(errno));
+    else if (S_ISDIR(sb.st_mode)) s = copy_tree(a, b, NULL, depth);
+    else if (S_ISREG(sb.st_mode)) s = copy_file(a, b);
+    else s = lk_error(LK_ERR_UNSUPPORTED, "%s: not a regular file or folder%s", a, hint);
+    lk_free(a);
+    lk_free(b);
+    return s;
+}
+
 /* Copies folder `from` into the new folder `to` (regular files and folders;
  * anything else, a symlink included, is refused by name). skip: a name in
  * `from` not to copy (the checkpoint a fuse writes), or NULL. */
@@ -95,15 +116,7 @@ static lk_status copy_tree(const char *from, const char *to, const char *skip, i
     struct dirent *e;
     while (!s && (e = readdir(d))) {
         if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || (skip && !strcmp(e->d_name, skip))) continue;
-        char *a = lk_path_join(from, e->d_name), *b = lk_path_join(to, e->d_name);
-        struct stat sb;
-        if (!a || !b) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", from);
-        else if (lstat(a, &sb)) s = lk_error(LK_ERR_IO, "%s: %s", a, strerror(errno));
-        else if (S_ISDIR(sb.st_mode)) s = copy_tree(a, b, NULL, depth + 1);
-        else if (S_ISREG(sb.st_mode)) s = copy_file(a, b);
-        else s = lk_error(LK_ERR_UNSUPPORTED, "%s: not a regular file or folder; a pipeline folder is copied as files", a);
-        lk_free(a);
-        lk_free(b);
+        s = copy_entry(from, to, e->d_name, depth + 1, from, "; a pipeline folder is copied as files");
     }
     closedir(d);
     return s;
@@ -161,137 +174,180 @@ typedef struct comp {
     size_t hits;    /* modules landing here, over all adapters */
 } comp;
 
+/* One pipeline fuse: the request, its components, and the output. */
+typedef struct pctx {
+    const char *base, *out;
+    const lk_fuse_input *inputs;
+    const lk_adapter_source *const *sources;
+    size_t n;
+    const lk_fuse_file_opts *opts;
+    comp c[N_COMP];
+    lk_out_inputs oin; /* adapters and component checkpoints: never an old file of OUT */
+    lk_out_dir *od;    /* OUT's temporary folder, once begun */
+    lk_fuse_stats total;
+} pctx;
+
+/* Every component's folder, and its checkpoint when it has one (a
+ * component without one is copied); each checkpoint is added to the
+ * inputs OUT is checked against. */
+static lk_status open_components(pctx *p) {
+    lk_status s = LK_OK;
+    for (size_t k = 0; k < N_COMP && !s; k++) {
+        comp *c = &p->c[k];
+        c->name = g_components[k];
+        if (!(c->dir = lk_path_join(p->base, c->name))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", p->base);
+        struct stat sb;
+        if (!s && stat(c->dir, &sb) == 0 && S_ISDIR(sb.st_mode) && lk_ckpt_open(c->dir, &c->ck)) {
+            lk_log(LK_LOG_DEBUG, "%s: %s has no checkpoint (%s): copied", p->base, c->name, lk_last_error());
+            c->ck = NULL;
+        }
+        if (!s && c->ck) s = lk_out_inputs_add_ckpt(&p->oin, c->ck);
+    }
+    return s;
+}
+
+/* Adapter a (input `path`) resolved against every component with a
+ * checkpoint (lk_resolve_opts.component keeps other components' prefixed
+ * modules out): where[m] is the component module m lands in, -1 for none;
+ * a module landing in two is refused. Counts each component's hits. */
+static lk_status locate_modules(pctx *p, lk_adapter *a, const char *path, int *where) {
+    const size_t nm = lk_adapter_count(a);
+    for (size_t m = 0; m < nm; m++) where[m] = -1;
+    lk_status s = LK_OK;
+    for (size_t k = 0; k < N_COMP && !s; k++) {
+        comp *c = &p->c[k];
+        if (!c->ck) continue;
+        lk_resolve_opts ro = {.allow_unmatched = LK_RESOLVE_LIST_ALL, .arch = p->opts->arch, .maps = p->opts->maps,
+                              .n_maps = p->opts->n_maps, .component = c->name};
+        s = lk_adapter_resolve_opts(a, lk_ckpt_tensor(c->ck, 0), lk_ckpt_count(c->ck), &ro, NULL);
+        for (size_t m = 0; m < nm && !s; m++) {
+            if (!lk_adapter_module(a, m)->target) continue;
+            if (where[m] >= 0)
+                s = lk_error(LK_ERR_FORMAT, "%s: %s lands in both %s and %s of %s", path,
+                             lk_adapter_module(a, m)->module, p->c[where[m]].name, c->name, p->base);
+            where[m] = (int)k;
+            c->hits++;
+        }
+    }
+    return s;
+}
+
+/* The modules of adapter a that land nowhere: all of them is refused (the
+ * adapter would change nothing), some of them unless allow_unmatched
+ * (then skipped with a warning); counted in p->total. */
+static lk_status check_unmatched(pctx *p, const lk_adapter *a, const char *path, const int *where) {
+    const size_t nm = lk_adapter_count(a);
+    size_t un = 0, first = SIZE_MAX;
+    for (size_t m = 0; m < nm; m++)
+        if (where[m] < 0 && un++ == 0) first = m;
+    lk_status s = LK_OK;
+    if (nm && un == nm) /* as for one file: --allow-unmatched skips some modules, never all */
+        s = lk_error(LK_ERR_UNMATCHED, "%s: none of its %zu modules matches a weight in any component of %s "
+                     "(first: %s), so it would change nothing", path, nm, p->base, lk_adapter_module(a, first)->module);
+    if (!s && un && !p->opts->allow_unmatched)
+        s = lk_error(LK_ERR_UNMATCHED, "%s: %s matches no weight in any component of %s (unet, transformer, "
+                     "text_encoder[_2|_3])%s", path, lk_adapter_module(a, first)->module, p->base,
+                     un > 1 ? " (and more modules; --allow-unmatched skips them)" : "");
+    if (!s && un) lk_log(LK_LOG_WARN, "%s: %zu of %zu modules match no weight in %s and are skipped (first: %s)",
+                         path, un, nm, p->base, lk_adapter_module(a, first)->module);
+    p->total.modules_unmatched += un;
+    return s;
+}
+
+/* Input i opened (its files added to the inputs OUT is checked against),
+ * its modules located and checked, then closed: every module of every
+ * adapter lands in exactly one component. */
+static lk_status route_adapter(pctx *p, size_t i) {
+    const lk_fuse_input *in = &p->inputs[i];
+    const lk_adapter_source *src = p->sources ? p->sources[i] : NULL;
+    lk_adapter *a = NULL;
+    lk_adapter_opts ao = {in->format, p->opts->alpha_from};
+    lk_status s = lk_fuse_input_open(in, src, &ao, &a);
+    if (s) return s;
+    if (!src) s = lk_out_inputs_add(&p->oin, lk_adapter_file(a), "adapter");
+    if (!s && lk_adapter_config_file(a)) s = lk_out_inputs_add(&p->oin, lk_adapter_config_file(a), "adapter config");
+    const size_t nm = lk_adapter_count(a);
+    int *where = s ? NULL : lk_malloc((nm ? nm : 1) * sizeof *where);
+    if (!s && !where) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", in->path);
+    if (!s) s = locate_modules(p, a, in->path, where);
+    if (!s) s = check_unmatched(p, a, in->path, where);
+    lk_free(where);
+    lk_adapter_free(a);
+    return s;
+}
+
+/* 1 when `name` is a component that is fused (it has a checkpoint and
+ * modules land in it). */
+static int is_fused(const pctx *p, const char *name) {
+    for (size_t k = 0; k < N_COMP; k++)
+        if (p->c[k].ck && p->c[k].hits && !strcmp(name, p->c[k].name)) return 1;
+    return 0;
+}
+
+/* Component c fused into the temporary folder: for a one-file checkpoint,
+ * its folder's other files copied first, then the one fused file
+ * (lk_fuse_checkpoint keeps a sharded one's layout), with every input
+ * (unmatched modules allowed there: checked over all components). */
+static lk_status fuse_component(pctx *p, const comp *c) {
+    char *od = lk_path_join(lk_out_dir_path(p->od), c->name), *of = NULL;
+    if (!od) return lk_error(LK_ERR_NOMEM, "%s: out of memory", p->out);
+    lk_status s = LK_OK;
+    if (!lk_ckpt_sharded(c->ck)) {
+        const char *path = lk_ckpt_path(c->ck), *sl = strrchr(path, '/');
+        const char *ckfile = sl ? sl + 1 : path;
+        s = copy_tree(c->dir, od, ckfile, 0);
+        if (!s && !(of = lk_path_join(od, ckfile))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", p->out);
+    }
+    lk_fuse_file_opts fo = *p->opts;
+    fo.component = c->name;
+    fo.allow_unmatched = 1; /* checked above over all components */
+    lk_fuse_stats st = {0};
+    if (!s) s = lk_fuse_checkpoint(c->dir, p->inputs, p->sources, p->n, of ? of : od, &fo, &st);
+    p->total.tensors_total += st.tensors_total;
+    p->total.tensors_fused += st.tensors_fused;
+    lk_free(od);
+    lk_free(of);
+    return s;
+}
+
+/* Everything in the base folder but the fused components, copied into
+ * the temporary folder. */
+static lk_status copy_rest(pctx *p) {
+    DIR *d = opendir(p->base);
+    if (!d) return lk_error(LK_ERR_IO, "%s: cannot read: %s", p->base, strerror(errno));
+    lk_status s = LK_OK;
+    struct dirent *e;
+    while (!s && (e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || is_fused(p, e->d_name)) continue;
+        s = copy_entry(p->base, lk_out_dir_path(p->od), e->d_name, 0, p->out, "");
+    }
+    closedir(d);
+    return s;
+}
+
+/* Open the components, route every adapter's modules, check OUT and begin
+ * its temporary folder, fuse the components with modules, copy the rest,
+ * commit; one cleanup point, where a failure removes the temporary folder. */
 lk_status lk_fuse_pipeline(const char *base, const lk_fuse_input *inputs, const lk_adapter_source *const *sources,
                            size_t n, const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
     static const lk_fuse_file_opts defaults;
-    if (!opts) opts = &defaults;
-    comp c[N_COMP];
-    memset(c, 0, sizeof c);
-    lk_status s = LK_OK;
-    lk_out_dir *od = NULL;
-    lk_out_inputs oin = LK_OUT_INPUTS_INIT; /* adapters and component checkpoints: never an old file of OUT */
-    const char *tmp = NULL;
-    lk_fuse_stats total = {0};
-    for (size_t k = 0; k < N_COMP && !s; k++) {
-        c[k].name = g_components[k];
-        if (!(c[k].dir = lk_path_join(base, c[k].name))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
-        struct stat sb;
-        if (!s && stat(c[k].dir, &sb) == 0 && S_ISDIR(sb.st_mode) && lk_ckpt_open(c[k].dir, &c[k].ck)) {
-            lk_log(LK_LOG_DEBUG, "%s: %s has no checkpoint (%s): copied", base, c[k].name, lk_last_error());
-            c[k].ck = NULL;
-        }
-        if (!s && c[k].ck) s = lk_out_inputs_add_ckpt(&oin, c[k].ck);
-    }
-    /* every module of every adapter lands in exactly one component */
-    for (size_t i = 0; i < n && !s; i++) {
-        lk_adapter *a = NULL;
-        lk_adapter_opts ao = {inputs[i].format, opts->alpha_from};
-        if ((s = lk_fuse_input_open(&inputs[i], sources ? sources[i] : NULL, &ao, &a))) break;
-        if (!sources || !sources[i]) s = lk_out_inputs_add(&oin, lk_adapter_file(a), "adapter");
-        if (!s && lk_adapter_config_file(a)) s = lk_out_inputs_add(&oin, lk_adapter_config_file(a), "adapter config");
-        if (s) {
-            lk_adapter_free(a);
-            break;
-        }
-        size_t nm = lk_adapter_count(a);
-        int *where = lk_malloc((nm ? nm : 1) * sizeof *where);
-        if (!where) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", inputs[i].path);
-        for (size_t m = 0; where && m < nm; m++) where[m] = -1;
-        for (size_t k = 0; k < N_COMP && !s; k++) {
-            if (!c[k].ck) continue;
-            size_t nt = lk_ckpt_count(c[k].ck);
-            lk_tensor *t = lk_malloc((nt ? nt : 1) * sizeof *t);
-            if (!t) {
-                s = lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
-                break;
-            }
-            for (size_t j = 0; j < nt; j++) t[j] = *lk_ckpt_tensor(c[k].ck, j);
-            lk_resolve_opts ro = {.allow_unmatched = LK_RESOLVE_LIST_ALL, .arch = opts->arch, .maps = opts->maps, .n_maps = opts->n_maps,
-                                  .component = c[k].name};
-            s = lk_adapter_resolve_opts(a, t, nt, &ro, NULL);
-            lk_free(t);
-            for (size_t m = 0; m < nm && !s; m++) {
-                if (!lk_adapter_module(a, m)->target) continue;
-                if (where[m] >= 0)
-                    s = lk_error(LK_ERR_FORMAT, "%s: %s lands in both %s and %s of %s", inputs[i].path,
-                                 lk_adapter_module(a, m)->module, c[where[m]].name, c[k].name, base);
-                where[m] = (int)k;
-                c[k].hits++;
-            }
-        }
-        size_t un = 0, first = SIZE_MAX;
-        for (size_t m = 0; m < nm && !s; m++)
-            if (where[m] < 0 && un++ == 0) first = m;
-        if (!s && nm && un == nm) /* as for one file: --allow-unmatched skips some modules, never all */
-            s = lk_error(LK_ERR_UNMATCHED, "%s: none of its %zu modules matches a weight in any component of %s "
-                         "(first: %s), so it would change nothing", inputs[i].path, nm, base,
-                         lk_adapter_module(a, first)->module);
-        if (!s && un && !opts->allow_unmatched)
-            s = lk_error(LK_ERR_UNMATCHED, "%s: %s matches no weight in any component of %s (unet, transformer, "
-                         "text_encoder[_2|_3])%s", inputs[i].path, lk_adapter_module(a, first)->module, base,
-                         un > 1 ? " (and more modules; --allow-unmatched skips them)" : "");
-        if (!s && un) lk_log(LK_LOG_WARN, "%s: %zu of %zu modules match no weight in %s and are skipped (first: %s)",
-                             inputs[i].path, un, nm, base, lk_adapter_module(a, first)->module);
-        total.modules_unmatched += un;
-        lk_free(where);
-        lk_adapter_free(a);
-    }
+    pctx p = {.base = base, .out = out, .inputs = inputs, .sources = sources, .n = n,
+              .opts = opts ? opts : &defaults, .oin = LK_OUT_INPUTS_INIT};
+    lk_status s = open_components(&p);
+    for (size_t i = 0; i < n && !s; i++) s = route_adapter(&p, i);
     /* OUT: new, empty, or a pipeline lorakit wrote (replaced whole); never the base */
-    struct stat sb;
     if (!s) s = check_out_vs_base(base, out);
-    if (!s && !(s = lk_out_dir_begin_tree(out, &oin, &od))) tmp = lk_out_dir_path(od);
-    /* the fused components, then everything else copied */
-    for (size_t k = 0; k < N_COMP && !s; k++) {
-        if (!c[k].ck || !c[k].hits) continue;
-        char *od = lk_path_join(tmp, c[k].name), *of = NULL;
-        const char *ckfile = NULL;
-        if (!od) {
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
-            break;
-        }
-        if (!lk_ckpt_sharded(c[k].ck)) { /* the folder's other files, then the one fused file */
-            const char *p = lk_ckpt_path(c[k].ck), *sl = strrchr(p, '/');
-            ckfile = sl ? sl + 1 : p;
-            s = copy_tree(c[k].dir, od, ckfile, 0);
-            if (!s && !(of = lk_path_join(od, ckfile))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
-        }
-        lk_fuse_file_opts fo = *opts;
-        fo.component = c[k].name;
-        fo.allow_unmatched = 1; /* checked above over all components */
-        lk_fuse_stats st = {0};
-        if (!s) s = lk_fuse_checkpoint(c[k].dir, inputs, sources, n, of ? of : od, &fo, &st);
-        total.tensors_total += st.tensors_total;
-        total.tensors_fused += st.tensors_fused;
-        lk_free(od);
-        lk_free(of);
-    }
-    if (!s) {
-        DIR *d = opendir(base);
-        struct dirent *e;
-        if (!d) s = lk_error(LK_ERR_IO, "%s: cannot read: %s", base, strerror(errno));
-        while (!s && d && (e = readdir(d))) {
-            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-            int fused = 0;
-            for (size_t k = 0; k < N_COMP; k++) fused |= c[k].ck && c[k].hits && !strcmp(e->d_name, c[k].name);
-            if (fused) continue;
-            char *a = lk_path_join(base, e->d_name), *b = lk_path_join(tmp, e->d_name);
-            if (!a || !b) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", out);
-            else if (lstat(a, &sb)) s = lk_error(LK_ERR_IO, "%s: %s", a, strerror(errno));
-            else if (S_ISDIR(sb.st_mode)) s = copy_tree(a, b, NULL, 0);
-            else if (S_ISREG(sb.st_mode)) s = copy_file(a, b);
-            else s = lk_error(LK_ERR_UNSUPPORTED, "%s: not a regular file or folder", a);
-            lk_free(a);
-            lk_free(b);
-        }
-        if (d) closedir(d);
-    }
-    if (!s && (s = lk_out_dir_commit(od)) == LK_OK) od = NULL; /* commit frees od on success */
-    lk_out_dir_abort(od);
-    lk_out_inputs_free(&oin);
+    if (!s) s = lk_out_dir_begin_tree(out, &p.oin, &p.od);
+    for (size_t k = 0; k < N_COMP && !s; k++)
+        if (p.c[k].ck && p.c[k].hits) s = fuse_component(&p, &p.c[k]);
+    if (!s) s = copy_rest(&p);
+    if (!s && (s = lk_out_dir_commit(p.od)) == LK_OK) p.od = NULL; /* commit frees od on success */
+    lk_out_dir_abort(p.od);
+    lk_out_inputs_free(&p.oin);
     for (size_t k = 0; k < N_COMP; k++) {
-        lk_ckpt_close(c[k].ck);
-        lk_free(c[k].dir);
+        lk_ckpt_close(p.c[k].ck);
+        lk_free(p.c[k].dir);
     }
-    if (!s && stats) *stats = total;
+    if (!s && stats) *stats = p.total;
     return s;
 }
