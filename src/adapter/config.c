@@ -271,6 +271,7 @@ static lk_status lazy_re(const lk_peft_config *c, void **re, const char *field, 
  * (name_is_plain: printable ASCII, so Python's and PCRE2's Unicode classes
  * reduce to these). */
 typedef uint64_t lk_cset[2];
+_Static_assert(sizeof(lk_cset) % _Alignof(size_t) == 0, "a size_t array can follow an lk_cset array");
 
 static void cset_add(lk_cset b, unsigned lo, unsigned hi) {
     for (unsigned ch = lo; ch <= hi; ch++) b[ch >> 6] |= UINT64_C(1) << (ch & 63);
@@ -449,23 +450,28 @@ static long set_id(lk_lit_index *x, const lk_cset b, size_t *cap) {
 
 static lk_status gram_build(const lk_peft_config *c, char *const *keys, size_t n, lk_lit_index *x);
 
-/* Indexes keys[0..n) (borrowed: they outlive the index). */
+/* Indexes keys[0..n) (borrowed: they outlive the index). Its scratch, the
+ * atom sets of one key and each key's chain tail, is one allocation. */
 static lk_status lit_build(const lk_peft_config *c, char *const *keys, size_t n, lk_lit_index *x) {
     memset(x, 0, sizeof *x);
     lk_names sigs = {0};
     lk_cset *sets = NULL;
-    size_t *tail = NULL, total = 1, longest = 0, set_cap = 0;
+    size_t *tail = NULL, total = 1, longest = 1, set_cap = 0, scratch, tail_bytes;
     for (size_t i = 0; i < n; i++) {
         size_t len = key_atoms(keys[i], NULL), sl = strlen(keys[i]);
         if (len) total += 3 * len + 2;
         if (sl > longest) longest = sl; /* key_atoms writes up to one set per byte before it may refuse */
     }
+    /* the scratch, one allocation: sets (longest), then tail (n) */
+    if (!lk_checked_mul(longest, sizeof *sets, &scratch) || !lk_checked_mul(n ? n : 1, sizeof *tail, &tail_bytes) ||
+        !lk_checked_add(scratch, tail_bytes, &scratch))
+        goto nomem;
     if (lk_names_init(&x->all, n) || lk_names_init(&sigs, n) ||
         !(x->shape = lk_calloc(n ? n : 1, sizeof *x->shape)) || !(x->re_keys = lk_calloc(n ? n : 1, sizeof *x->re_keys)) ||
-        !(x->next = lk_malloc((n ? n : 1) * sizeof *x->next)) || !(tail = lk_malloc((n ? n : 1) * sizeof *tail)) ||
-        !(x->set_of = lk_calloc(n ? n : 1, sizeof *x->set_of)) || !(sets = lk_malloc((longest ? longest : 1) * sizeof *sets)) ||
-        !(x->arena = lk_malloc(total)))
+        !(x->next = lk_malloc((n ? n : 1) * sizeof *x->next)) || !(x->set_of = lk_calloc(n ? n : 1, sizeof *x->set_of)) ||
+        !(sets = lk_malloc(scratch)) || !(x->arena = lk_malloc(total)))
         goto nomem;
+    tail = (size_t *)(sets + longest);
     char *ap = x->arena;
     for (size_t i = 0; i < n; i++) {
         size_t len = strlen(keys[i]), sh, first;
@@ -514,7 +520,6 @@ static lk_status lit_build(const lk_peft_config *c, char *const *keys, size_t n,
         }
     }
     lk_free(sets);
-    lk_free(tail);
     lk_names_free(&sigs);
     qsort(x->shape, x->n_shape, sizeof *x->shape, shape_cmp);
     lk_status gs = gram_build(c, keys, n, x);
@@ -522,7 +527,6 @@ static lk_status lit_build(const lk_peft_config *c, char *const *keys, size_t n,
     return gs;
 nomem:
     lk_free(sets);
-    lk_free(tail);
     lk_names_free(&sigs);
     lit_free(x);
     return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
@@ -550,11 +554,9 @@ static size_t set_end(const char *k, size_t i) {
  * than punctuation and \d \w \s \b \A \Z (and capitals), a group's content
  * (skipped whole), anything not printable ASCII. An atom quantified by ?
  * or * drops out of its run; one quantified by + ends it. A key takes the
- * rarest gram of any of its runs. */
-static size_t required_literal(const char *k, char *out) {
+ * rarest gram of any of its runs. run: strlen(k) + 1 bytes of scratch. */
+static size_t required_literal(const char *k, char *out, char *run) {
     size_t total = 0, cur = 0, i = 0, n = strlen(k);
-    char *run = lk_malloc(n + 1);
-    if (!run) return 0;
     int last_lit = 0;
 #define END_RUN()                                                                                                      \
     do {                                                                                                               \
@@ -614,30 +616,40 @@ static size_t required_literal(const char *k, char *out) {
     }
     END_RUN();
 #undef END_RUN
-    lk_free(run);
     return total;
 none:
-    lk_free(run);
     return 0;
 }
 
-/* The prefilter over the regex keys x->re_keys of keys[0..n). */
+/* The prefilter over the regex keys x->re_keys of keys[0..n). Its scratch
+ * is one allocation, all size_t then bytes: per regex key j the offset
+ * (pos) and length (ll) of its required literal, per key the tail of its
+ * gram's chain, then the literals' text and required_literal's run buffer. */
 static lk_status gram_build(const lk_peft_config *c, char *const *keys, size_t n, lk_lit_index *x) {
     const size_t G = LK_GRAM_LEN, m = x->n_re_keys;
-    char **lit = lk_calloc(m ? m : 1, sizeof *lit);
-    size_t *ll = lk_calloc(m ? m : 1, sizeof *ll), *tail = lk_malloc((n ? n : 1) * sizeof *tail), windows = 0;
+    size_t *pos = NULL, *ll, *tail, *count = NULL, windows = 0, text = 0, longest = 1, bytes;
     lk_names cnt = {0};
-    size_t *count = NULL;
     lk_status s = LK_OK;
-    if (!lit || !ll || !tail || !(x->always = lk_calloc(n ? n : 1, 1)) || !(x->mark = lk_calloc(n ? n : 1, sizeof *x->mark)) ||
+    for (size_t j = 0; j < m; j++) {
+        size_t l = strlen(keys[x->re_keys[j]]) + 1;
+        if (!lk_checked_add(text, l, &text)) goto nomem;
+        if (l > longest) longest = l;
+    }
+    if (!lk_checked_mul(2 * m + (n ? n : 1), sizeof *pos, &bytes) || !lk_checked_add(bytes, text, &bytes) ||
+        !lk_checked_add(bytes, longest, &bytes) || !(pos = lk_malloc(bytes)) || !(x->always = lk_calloc(n ? n : 1, 1)) ||
+        !(x->mark = lk_calloc(n ? n : 1, sizeof *x->mark)) ||
         !(x->gram_next = lk_malloc((n ? n : 1) * sizeof *x->gram_next)) || !(x->gram_arena = lk_malloc(m * G + 1)) ||
         lk_names_init(&x->grams, m))
         goto nomem;
+    ll = pos + m;
+    tail = ll + m;
+    char *txt = (char *)(tail + (n ? n : 1)), *run = txt + text;
     for (size_t i = 0; i < n; i++) x->gram_next[i] = SIZE_MAX;
     x->n_keys = n;
-    for (size_t j = 0; j < m; j++) {
-        if (!(lit[j] = lk_malloc(strlen(keys[x->re_keys[j]]) + 1))) goto nomem;
-        ll[j] = required_literal(keys[x->re_keys[j]], lit[j]);
+    for (size_t j = 0, at = 0; j < m; j++) {
+        pos[j] = at;
+        at += strlen(keys[x->re_keys[j]]) + 1;
+        ll[j] = required_literal(keys[x->re_keys[j]], txt + pos[j], run);
         if (ll[j] >= G) windows += ll[j] - G + 1;
     }
     /* how many windows each gram is, over all keys: a key takes its rarest */
@@ -646,24 +658,25 @@ static lk_status gram_build(const lk_peft_config *c, char *const *keys, size_t n
     for (size_t j = 0; j < m; j++)
         for (size_t w = 0; ll[j] >= G && w + G <= ll[j]; w++) {
             size_t first;
-            if (memchr(lit[j] + w, LK_LIT_WILD, G)) continue; /* across two runs */
-            if (lk_names_add(&cnt, lit[j] + w, G, ids, &first)) goto nomem;
+            if (memchr(txt + pos[j] + w, LK_LIT_WILD, G)) continue; /* across two runs */
+            if (lk_names_add(&cnt, txt + pos[j] + w, G, ids, &first)) goto nomem;
             if (first == ids) ids++;
             count[first]++;
         }
     char *ap = x->gram_arena;
     for (size_t j = 0; j < m; j++) {
+        const char *lit = txt + pos[j];
         size_t k = x->re_keys[j], pick = SIZE_MAX, least = SIZE_MAX;
         for (size_t w = 0; ll[j] >= G && w + G <= ll[j]; w++) {
-            if (memchr(lit[j] + w, LK_LIT_WILD, G)) continue;
-            size_t t = count[lk_names_get(&cnt, lit[j] + w, G)];
+            if (memchr(lit + w, LK_LIT_WILD, G)) continue;
+            size_t t = count[lk_names_get(&cnt, lit + w, G)];
             if (t < least) least = t, pick = w;
         }
         if (pick == SIZE_MAX) {
             x->always[k] = 1;
             continue;
         }
-        memcpy(ap, lit[j] + pick, G);
+        memcpy(ap, lit + pick, G);
         size_t first;
         if (lk_names_add(&x->grams, ap, G, k, &first)) goto nomem;
         if (first == k) {
@@ -678,10 +691,7 @@ static lk_status gram_build(const lk_peft_config *c, char *const *keys, size_t n
 nomem:
     s = lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
 out:
-    for (size_t j = 0; lit && j < m; j++) lk_free(lit[j]);
-    lk_free(lit);
-    lk_free(ll);
-    lk_free(tail);
+    lk_free(pos);
     lk_free(count);
     lk_names_free(&cnt);
     return s;
