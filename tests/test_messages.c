@@ -48,6 +48,15 @@ static void test_error_keeps_its_end(void **state) {
     lk_error(LK_ERR_ARG, "%.3s|%*d|%-4s|%zu|%lld|%5.2f|%%|%c|%.*s|%x", "abcdef", 4, 7, "ab", (size_t)12,
              (long long)-5, 3.14159, 'z', 2, "xyz", 255u);
     assert_string_equal(lk_last_error(), "abc|   7|ab  |12|-5| 3.14|%|z|xy|ff");
+    /* A negative '*' precision is taken as if there were none and a
+     * negative '*' width as the '-' flag (C11 7.21.6.1p5); the spec reader
+     * once copied "-1" after the '.', which printf cannot parse, and the
+     * whole spec came out as text. Expectation: the C library's snprintf. */
+    char want[64];
+    snprintf(want, sizeof want, "%.*s|%*d|%-*.*f|", -1, "abcdef", -4, 7, 6, -5, 0.25);
+    assert_string_equal(want, "abcdef|7   |0.250000|");
+    lk_error(LK_ERR_ARG, "%.*s|%*d|%-*.*f|", -1, "abcdef", -4, 7, 6, -5, 0.25);
+    assert_string_equal(lk_last_error(), want);
     free(name);
 }
 

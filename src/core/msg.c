@@ -56,7 +56,10 @@ size_t lk_msg_fit(char *buf, size_t cap, const char *s, size_t len) {
 /* One conversion of a format, as snprintf takes it: the spec ("%...c",
  * any '*' replaced by its int argument), its length modifier and letter. */
 typedef struct {
-    char spec[64];
+    /* read_spec's longest spec: '%', 39 flags, an 11-character width ('*'
+     * as -2147483647), '.', a 10-character precision ('*' as 2147483647),
+     * 2 length letters, the letter and the NUL: 66 bytes. */
+    char spec[80];
     char len[3];
     char conv;
     int has_prec;
@@ -77,8 +80,14 @@ static const char *read_spec(const char *p, va_list *ap, msg_spec *sp) {
             spec[sl++] = *p++;
         }
         if (*p == '*') {
-            sl += (size_t)snprintf(spec + sl, sizeof sp->spec - sl, "%d", va_arg(*ap, int));
+            int v = va_arg(*ap, int);
             p++;
+            if (part == 1 && v < 0) { /* a negative precision is as if none (C11 7.21.6.1p5) */
+                sp->has_prec = 0;
+                sl--; /* the '.' */
+                continue;
+            }
+            sl += (size_t)snprintf(spec + sl, sizeof sp->spec - sl, "%d", v);
         } else {
             while (*p >= '0' && *p <= '9' && sl < 50) spec[sl++] = *p++;
         }
