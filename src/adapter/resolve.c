@@ -22,6 +22,7 @@
 #include "adapter/adapter.h"
 #include "adapter/layout.h"
 #include "adapter/names.h"
+#include "core/alloc.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -120,17 +121,6 @@ static const char *kohya_rest(const char *m) {
     return lk_layout_strip_module(m, 1, &comp);
 }
 
-/* Lays out a block: n elements of es bytes aligned to al (a power of two)
- * at the end of the *size bytes so far (advanced); their offset, or
- * SIZE_MAX (and *size = SIZE_MAX, failing every later carve) on overflow. */
-static size_t carve(size_t *size, size_t n, size_t es, size_t al) {
-    if (*size == SIZE_MAX) return SIZE_MAX;
-    size_t at = (*size + al - 1) & ~(al - 1), nb;
-    if (at < *size || !lk_checked_mul(n, es, &nb) || !lk_checked_add(at, nb, size))
-        return *size = SIZE_MAX;
-    return at;
-}
-
 /* Whether model key nm (l bytes) is a weight, "<x>.weight". */
 static int is_weight_key(const char *nm, size_t l) { return l > 7 && !strcmp(nm + l - 7, ".weight"); }
 
@@ -138,7 +128,7 @@ static int is_weight_key(const char *nm, size_t l) { return l > 7 && !strcmp(nm 
  * name: the kname array and its strings carved from one allocation (*out,
  * freed with lk_free). */
 static lk_status kohya_names(const char *file, const lk_tensor *model, size_t n_model, kname **out, size_t *n_out) {
-    size_t n = 0, chars = 0, size = 0;
+    size_t n = 0, chars = 0;
     int ok = 1;
     for (size_t i = 0; i < n_model; i++) {
         const char *nm = model[i].name;
@@ -147,9 +137,10 @@ static lk_status kohya_names(const char *file, const lk_tensor *model, size_t n_
         n++;
         ok = ok && lk_checked_add(chars, l - 6, &chars); /* each name and its NUL */
     }
-    carve(&size, n ? n : 1, sizeof(kname), _Alignof(kname)); /* at 0 */
-    const size_t o_str = carve(&size, chars, 1, 1);
-    kname *k = !ok || size == SIZE_MAX ? NULL : lk_malloc(size);
+    lk_carve lay = {.overflow = !ok};
+    LK_CARVE(&lay, n ? n : 1, kname); /* at 0 */
+    const size_t o_str = LK_CARVE(&lay, chars, char);
+    kname *k = lk_carve_alloc(&lay);
     if (!k) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the model's kohya names", file);
     char *s = (char *)k + o_str;
     n = 0;
@@ -728,24 +719,23 @@ typedef struct resolve_ctx {
     size_t comp_hit[LK_COMP_COUNT], comp_miss[LK_COMP_COUNT], comp_first[LK_COMP_COUNT];
 } resolve_ctx;
 
-/* The resolve's scratch as one allocation, carved (the name arrays and the
- * flags zeroed); bby and rby on their own (the adapter keeps them). On
+/* The resolve's scratch as one zeroed allocation, carved (the name arrays
+ * NULL, the flags 0); bby and rby on their own (the adapter keeps them). On
  * failure c owns what was made. */
 static lk_status resolve_scratch(resolve_ctx *c) {
     const size_t n = c->a->n, nr = c->a->n_rep;
-    size_t size = 0;
-    const size_t o_ord = carve(&size, c->n_model, sizeof(size_t), _Alignof(size_t));
-    const size_t o_tidx = carve(&size, n, sizeof(size_t), _Alignof(size_t));
-    const size_t o_mx = carve(&size, n, 4 * sizeof(size_t), _Alignof(size_t));
-    const size_t o_rx = carve(&size, nr, 4 * sizeof(size_t), _Alignof(size_t));
-    const size_t o_names = carve(&size, n, 2 * sizeof(char *), _Alignof(char *));
-    const size_t o_rnames = carve(&size, nr, sizeof(char *), _Alignof(char *));
-    const size_t o_flags = carve(&size, n, 2, 1);
-    unsigned char *p = c->scratch = size == SIZE_MAX ? NULL : lk_malloc(size ? size : 1);
+    lk_carve lay = {0};
+    const size_t o_ord = LK_CARVE(&lay, c->n_model, size_t);
+    const size_t o_tidx = LK_CARVE(&lay, n, size_t);
+    const size_t o_mx = lk_carve_part(&lay, n, 4 * sizeof(size_t), _Alignof(size_t));
+    const size_t o_rx = lk_carve_part(&lay, nr, 4 * sizeof(size_t), _Alignof(size_t));
+    const size_t o_names = lk_carve_part(&lay, n, 2 * sizeof(char *), _Alignof(char *));
+    const size_t o_rnames = LK_CARVE(&lay, nr, char *);
+    const size_t o_flags = lk_carve_part(&lay, n, 2, 1);
+    unsigned char *p = c->scratch = lk_carve_alloc(&lay);
     c->bby = lk_calloc(n ? n : 1, sizeof *c->bby);
     c->rby = lk_calloc(nr ? nr : 1, sizeof *c->rby);
     if (!p || !c->bby || !c->rby) return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->a->file);
-    memset(p + o_names, 0, size - o_names); /* tnames, bnames, rnames, trans, mcomp */
     c->ord = (size_t *)(p + o_ord);
     c->tidx = (size_t *)(p + o_tidx);
     c->mx = (size_t *)(p + o_mx), c->mfirst = c->mx + n, c->msecond = c->mfirst + n, c->msame = c->msecond + n;

@@ -1,4 +1,5 @@
-/* alloc.c — allocation with an injectable failure for tests.
+/* alloc.c — allocation with an injectable failure for tests, and the carve
+ * (one allocation laid out into arrays, core/alloc.h).
  * The counter is atomic so multi-threaded fuse code can share it; the hook
  * costs one relaxed atomic per allocation, negligible next to malloc. */
 #include "lorakit/alloc.h"
@@ -62,3 +63,16 @@ int lk_checked_add(size_t a, size_t b, size_t *out) {
     *out = a + b;
     return 1;
 }
+
+size_t lk_carve_part(lk_carve *c, size_t count, size_t size, size_t align) {
+    size_t at, len;
+    if (c->overflow || !align || (align & (align - 1)) || !lk_checked_add(c->bytes, align - 1, &at) ||
+        !lk_checked_mul(count, size, &len) || !lk_checked_add(at & ~(align - 1), len, &c->bytes)) {
+        c->overflow = 1;
+        c->bytes = SIZE_MAX;
+        return 0;
+    }
+    return at & ~(align - 1);
+}
+
+void *lk_carve_alloc(const lk_carve *c) { return c->overflow ? NULL : lk_calloc(1, c->bytes); }

@@ -1,10 +1,14 @@
-/* core/alloc.h — the failure-injection hook of lorakit/alloc.h (internal:
- * for lorakit's tests and fuzz targets, not installed). lk_alloc_fail_at(k)
- * makes the k-th allocation from now fail (k >= 1), so a test can walk every
- * allocation of an operation and check for a clean LK_ERR_NOMEM with nothing
- * changed. */
+/* core/alloc.h — the internal side of lorakit/alloc.h (not installed): the
+ * failure-injection hook for lorakit's tests and fuzz targets, and the
+ * carve, one allocation laid out into several arrays, for every layer.
+ *
+ * lk_alloc_fail_at(k) makes the k-th allocation from now fail (k >= 1), so
+ * a test can walk every allocation of an operation and check for a clean
+ * LK_ERR_NOMEM with nothing changed. */
 #ifndef LK_CORE_ALLOC_H
 #define LK_CORE_ALLOC_H
+
+#include <stddef.h>
 
 /* Hidden in the shared liblorakit (not part of its ABI); tests link the
  * static library, where the symbols are ordinary. */
@@ -14,5 +18,42 @@
 LK_TEST_HOOK void lk_alloc_fail_at(unsigned long k);
 /* Allocations made since the last lk_alloc_fail_at call. */
 LK_TEST_HOOK unsigned long lk_alloc_count(void);
+
+/* The carve: the arrays of one operation from one allocation (as llm.c
+ * carves its buffers). A first pass lays the parts out, each at the end of
+ * the block so far, its offset rounded up to its alignment, every sum and
+ * product checked; then one zeroed allocation of the whole; then each array
+ * is the block plus its offset:
+ *
+ *     lk_carve c = {0};
+ *     const size_t o_a = LK_CARVE(&c, n, double), o_b = LK_CARVE(&c, m, size_t);
+ *     char *b = lk_carve_alloc(&c);            (one allocation, zeroed)
+ *     if (!b) return <LK_ERR_NOMEM>;           (no memory, or c overflowed)
+ *     double *a = (double *)(b + o_a);  ...    (lk_free(b) frees them all)
+ *
+ * Start from {0} (or {.overflow = 1} when a size worked out beforehand did
+ * not fit: nothing is then allocated). Offsets are from the block's start,
+ * which lk_calloc aligns for any type, so each part is aligned for its
+ * own. */
+typedef struct lk_carve {
+    size_t bytes; /* the block's size so far (parts and their padding) */
+    int overflow; /* a size did not fit in size_t or an alignment was bad: lk_carve_alloc refuses */
+} lk_carve;
+
+/* Reserves count elements of size bytes each at the end of c, at an offset
+ * rounded up to align (a power of two, at most alignof(max_align_t) for the
+ * pointer to be aligned); returns that offset and advances c->bytes past
+ * the part. count or size 0 reserves nothing (the offset is still aligned).
+ * When count * size, the padding or the new total does not fit in size_t,
+ * or align is not a power of two, sets c->overflow, which stays set: this
+ * and every later part return 0, c->bytes becomes SIZE_MAX, and
+ * lk_carve_alloc refuses. */
+size_t lk_carve_part(lk_carve *c, size_t count, size_t size, size_t align);
+/* lk_carve_part for count elements of type. */
+#define LK_CARVE(c, count, type) lk_carve_part((c), (count), sizeof(type), _Alignof(type))
+/* The block for c, zeroed (one lk_calloc of c->bytes, at least 1 byte;
+ * freed with lk_free), or NULL when it has no memory; NULL without
+ * allocating anything when c overflowed. */
+void *lk_carve_alloc(const lk_carve *c);
 
 #endif

@@ -20,6 +20,7 @@
  * companion in another shard can be written in any order), inside a fresh
  * temporary folder next to OUT_DIR that is renamed onto it only when every
  * shard, the new index and the copied small files are complete. */
+#include "core/alloc.h"
 #include "core/clock.h"
 #include "lorakit/fuse.h"
 #include "fuse/fuse.h"
@@ -198,15 +199,6 @@ static void fctx_free(fctx *c) {
     lk_ckpt_close(c->ck);
 }
 
-/* Reserves n elements of size sz, aligned to al (a power of two), at the
- * end of a layout of *size bytes: their offset into *at. 0 on overflow. */
-static int carve(size_t *size, size_t n, size_t sz, size_t al, size_t *at) {
-    size_t bytes;
-    if (!lk_checked_add(*size, al - 1, at) || !lk_checked_mul(n, sz, &bytes)) return 0;
-    *at &= ~(al - 1);
-    return lk_checked_add(*at, bytes, size);
-}
-
 /* The request's arrays from one zeroed allocation (c->arrays, freed by
  * fctx_free), as llm.c carves its buffers: per adapter ad, order, ord_ad,
  * ord_s and LK_ADAPTER_MAX_SLICES terms (one term, or one per row slice);
@@ -214,17 +206,13 @@ static int carve(size_t *size, size_t n, size_t sz, size_t al, size_t *at) {
  * fuse (no checkpoint) backup. */
 static lk_status alloc_arrays(fctx *c, const char *label, size_t n, size_t nt) {
     const size_t na = n ? n : 1, nm = nt ? nt : 1;
-    size_t size = 0, o_ad, o_order, o_ord_ad, o_ord_s, o_terms, o_scale_of, o_is_scale, o_backup, n_terms;
-    int ok = lk_checked_mul(na, LK_ADAPTER_MAX_SLICES, &n_terms) &&
-             carve(&size, na, sizeof *c->ad, _Alignof(lk_adapter *), &o_ad) &&
-             carve(&size, na, sizeof *c->order, _Alignof(size_t), &o_order) &&
-             carve(&size, na, sizeof *c->ord_ad, _Alignof(lk_adapter *), &o_ord_ad) &&
-             carve(&size, na, sizeof *c->ord_s, _Alignof(double), &o_ord_s) &&
-             carve(&size, n_terms, sizeof *c->terms, _Alignof(lk_fuse_term), &o_terms) &&
-             carve(&size, nm, sizeof *c->scale_of, _Alignof(long), &o_scale_of) &&
-             carve(&size, nm, sizeof *c->is_scale, 1, &o_is_scale) &&
-             carve(&size, c->ck ? 0 : nm, sizeof *c->backup, _Alignof(size_t), &o_backup);
-    unsigned char *m = ok ? lk_calloc(1, size) : NULL;
+    lk_carve k = {0};
+    const size_t o_ad = LK_CARVE(&k, na, lk_adapter *), o_order = LK_CARVE(&k, na, size_t),
+                 o_ord_ad = LK_CARVE(&k, na, lk_adapter *), o_ord_s = LK_CARVE(&k, na, double),
+                 o_terms = lk_carve_part(&k, na, LK_ADAPTER_MAX_SLICES * sizeof(lk_fuse_term), _Alignof(lk_fuse_term)),
+                 o_scale_of = LK_CARVE(&k, nm, long), o_is_scale = LK_CARVE(&k, nm, unsigned char),
+                 o_backup = LK_CARVE(&k, c->ck ? 0 : nm, size_t);
+    unsigned char *m = lk_carve_alloc(&k);
     if (!m) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
     c->arrays = m;
     c->ad = (lk_adapter **)(void *)(m + o_ad);

@@ -27,6 +27,7 @@
  *   restored and broadcast with it, and rewritten only by the weight's
  *   recompute (lk_fuse_fp8 rescales it), never on its own. */
 #include "comm/comm.h"
+#include "core/alloc.h"
 #include "core/clock.h"
 #include "core/text.h"
 #include "lorakit/tracker.h"
@@ -95,29 +96,6 @@ struct lk_tracker {
 };
 
 
-/* One allocation carved into arrays (as llm.c carves its buffers): a first
- * pass lays the parts out (carve_part: each offset rounded up to its
- * type's alignment, the total checked for overflow), one lk_calloc of
- * c.bytes, then each array is the block plus its offset. */
-typedef struct carve {
-    size_t bytes; /* the block's size so far */
-    int overflow; /* the sizes do not fit in size_t: allocate nothing */
-} carve;
-
-/* Reserves count elements of size bytes at an offset aligned to align (a
- * power of two); returns that offset. */
-static size_t carve_part(carve *c, size_t count, size_t size, size_t align) {
-    size_t off = 0, len = 0;
-    if (!lk_checked_add(c->bytes, align - 1, &off) || !lk_checked_mul(count, size, &len)) c->overflow = 1;
-    off &= ~(align - 1);
-    if (!lk_checked_add(off, len, &c->bytes)) c->overflow = 1;
-    return off;
-}
-#define CARVE(c, count, type) carve_part((c), (count), sizeof(type), _Alignof(type))
-
-/* The block for c (zeroed), or NULL when it overflows or there is no memory. */
-static char *carve_alloc(const carve *c) { return c->overflow ? NULL : lk_calloc(1, c->bytes ? c->bytes : 1); }
-
 /* Agreement on success (lk_comm_agree) and on a value, in one collective:
  * on LK_OK, *same = 1 iff every rank passed h. */
 static lk_status agree_hash(lk_comm *c, lk_status local, uint64_t h, int *same) {
@@ -168,12 +146,13 @@ static lk_status request_make(const lk_fuse_input *in, const lk_adapter_source *
     if (!m) return LK_OK;
     /* one block: the request's arrays, then the scratch used only here (the
      * kept entries and their sources, and their canonical order) */
-    carve c = {0};
-    const size_t o_e = CARVE(&c, m, lk_fuse_input), o_s = CARVE(&c, m, double), o_id = CARVE(&c, m, uint64_t),
-                 o_ad = CARVE(&c, m, lk_adapter *), o_src = CARVE(&c, m, const lk_adapter_source *),
-                 o_content = CARVE(&c, m, uint64_t), o_kept = CARVE(&c, m, lk_fuse_input),
-                 o_kept_src = CARVE(&c, m, const lk_adapter_source *), o_order = CARVE(&c, m, size_t);
-    char *b = carve_alloc(&c);
+    lk_carve c = {0};
+    const size_t o_e = LK_CARVE(&c, m, lk_fuse_input), o_s = LK_CARVE(&c, m, double),
+                 o_id = LK_CARVE(&c, m, uint64_t), o_ad = LK_CARVE(&c, m, lk_adapter *),
+                 o_src = LK_CARVE(&c, m, const lk_adapter_source *), o_content = LK_CARVE(&c, m, uint64_t),
+                 o_kept = LK_CARVE(&c, m, lk_fuse_input), o_kept_src = LK_CARVE(&c, m, const lk_adapter_source *),
+                 o_order = LK_CARVE(&c, m, size_t);
+    char *b = lk_carve_alloc(&c);
     if (!b) return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory for the request");
     r->mem = b;
     r->e = (lk_fuse_input *)(b + o_e);
@@ -804,11 +783,12 @@ void lk_tracker_free(lk_tracker *t) {
  * seg_need (one per key, plus one). Local. */
 static lk_status alloc_keys(lk_tracker *t) {
     const size_t n = t->n ? t->n : 1, nseg = t->size > 1 ? t->n + 1 : 0;
-    carve c = {0};
-    const size_t o_ord = CARVE(&c, n, size_t), o_k = CARVE(&c, n, key_state), o_next = CARVE(&c, n, uint64_t),
-                 o_seq = CARVE(&c, n, size_t), o_need = CARVE(&c, n, size_t), o_segs = CARVE(&c, nseg, lk_comm_seg),
-                 o_seg_need = CARVE(&c, nseg, size_t), o_seq_done = CARVE(&c, n, unsigned char);
-    char *b = carve_alloc(&c);
+    lk_carve c = {0};
+    const size_t o_ord = LK_CARVE(&c, n, size_t), o_k = LK_CARVE(&c, n, key_state),
+                 o_next = LK_CARVE(&c, n, uint64_t), o_seq = LK_CARVE(&c, n, size_t),
+                 o_need = LK_CARVE(&c, n, size_t), o_segs = LK_CARVE(&c, nseg, lk_comm_seg),
+                 o_seg_need = LK_CARVE(&c, nseg, size_t), o_seq_done = LK_CARVE(&c, n, unsigned char);
+    char *b = lk_carve_alloc(&c);
     if (!b) return lk_error(LK_ERR_NOMEM, "tracker: out of memory for %zu keys", t->n);
     t->key_mem = b;
     t->ord = (size_t *)(b + o_ord);
@@ -966,10 +946,10 @@ static lk_status apply_agree_request(apply_op *a, const lk_fuse_input *loras, co
 static lk_status apply_scratch(apply_op *a) {
     const size_t n_ad = a->req.n > a->t->cur.n ? a->req.n : a->t->cur.n;
     a->max_terms = (n_ad + 1) * LK_ADAPTER_MAX_SLICES; /* row slices */
-    carve c = {0};
-    const size_t o_terms = CARVE(&c, 2 * a->max_terms, lk_fuse_term),
-                 o_fresh = CARVE(&c, a->t->n ? a->t->n : 1, size_t);
-    char *b = carve_alloc(&c);
+    lk_carve c = {0};
+    const size_t o_terms = LK_CARVE(&c, 2 * a->max_terms, lk_fuse_term),
+                 o_fresh = LK_CARVE(&c, a->t->n ? a->t->n : 1, size_t);
+    char *b = lk_carve_alloc(&c);
     if (!b) return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory");
     a->scratch = b;
     a->terms = (lk_fuse_term *)(b + o_terms);
@@ -991,10 +971,10 @@ static lk_status trial_fuse(lk_tracker *t, const request *r, lk_fuse_term *terms
         big = nb > big ? nb : big;
         big_scale = sb > big_scale ? sb : big_scale;
     }
-    carve c = {0};
-    carve_part(&c, big, 1, 1); /* the key, at offset 0 */
-    const size_t o_scale = carve_part(&c, big_scale, 1, _Alignof(max_align_t));
-    unsigned char *scratch = big ? (unsigned char *)carve_alloc(&c) : NULL;
+    lk_carve c = {0};
+    lk_carve_part(&c, big, 1, 1); /* the key, at offset 0 */
+    const size_t o_scale = lk_carve_part(&c, big_scale, 1, _Alignof(max_align_t));
+    unsigned char *scratch = big ? (unsigned char *)lk_carve_alloc(&c) : NULL;
     if (big && !scratch) return lk_error(LK_ERR_NOMEM, "tracker apply: out of memory (%zu bytes)", c.bytes);
     lk_status local = LK_OK;
     for (size_t i = 0; !local && i < t->n; i++) {
