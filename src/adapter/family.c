@@ -298,31 +298,41 @@ static int is_dir(const char *p) {
 
 /* The installed tables: <folder of this library or executable>/LK_FAMILIES_REL
  * (relative path from the lib/bin folder to <datadir>/lorakit/families,
- * computed by CMake); then the source tree's data/families. */
-char *lk_family_dir(void) {
+ * computed by CMake); then the source tree's data/families. Out of memory
+ * is an error, never a quiet fall to the next place or to "none". */
+static lk_status found_dir(const char *d, char **out) {
+    *out = lk_strdup(d);
+    return *out ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory for the family tables' folder %s", d);
+}
+
+lk_status lk_family_dir(char **out) {
+    *out = NULL;
     const char *env = getenv("LORAKIT_FAMILIES_DIR");
-    if (env && *env) return lk_strdup(env);
+    if (env && *env) return found_dir(env, out);
 #ifdef LK_FAMILIES_REL_LIB
     Dl_info di;
     if (dladdr((void *)lk_family_dir, &di) && di.dli_fname) {
         static const char *const rel[] = {LK_FAMILIES_REL_LIB, LK_FAMILIES_REL_BIN};
         for (size_t i = 0; i < 2; i++) {
             char *d = NULL;
-            if (lk_path_dir(di.dli_fname, &d) || !d) continue;
+            lk_status s = lk_path_dir(di.dli_fname, &d);
+            if (s) return s;
+            if (!d) continue;
             char *p = lk_path_join(d, rel[i]);
             lk_free(d);
+            if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", di.dli_fname);
             char *real = is_dir(p) ? realpath(p, NULL) : NULL; /* ".../bin/../share/..." said plainly */
             lk_free(p);
             if (real) {
-                char *r = lk_strdup(real);
+                s = found_dir(real, out);
                 free(real);
-                return r;
+                return s;
             }
         }
     }
 #endif
 #ifdef LK_FAMILIES_SRC_DIR
-    if (is_dir(LK_FAMILIES_SRC_DIR)) return lk_strdup(LK_FAMILIES_SRC_DIR);
+    if (is_dir(LK_FAMILIES_SRC_DIR)) return found_dir(LK_FAMILIES_SRC_DIR, out);
 #endif
-    return NULL;
+    return LK_OK;
 }

@@ -328,7 +328,9 @@ static lk_status pick_family(const char *label, const char *arch, char *const *n
                              int *found) {
     *found = 0;
     if (arch && !strcmp(arch, "none")) return LK_OK;
-    char *dir = lk_family_dir();
+    char *dir;
+    lk_status ds = lk_family_dir(&dir);
+    if (ds) return ds;
     if (!dir) {
         if (arch) return lk_error(LK_ERR_ARG, "--arch %s: no family tables found (set LORAKIT_FAMILIES_DIR)", arch);
         lk_log(LK_LOG_DEBUG, "%s: no family tables found", label);

@@ -53,8 +53,10 @@ lk_status lk_family_parse(const char *text, size_t len, const char *file, int re
 lk_status lk_family_load(const char *path, int require_name, lk_family *out);
 void lk_family_free(lk_family *f);
 /* The folder holding the installed family tables (LORAKIT_FAMILIES_DIR,
- * else beside the library / executable, else the source tree); lk_malloc'd. */
-char *lk_family_dir(void);
+ * else beside the library / executable, else the source tree) in *out,
+ * lk_malloc'd; *out = NULL (and LK_OK) when there is none. LK_ERR_NOMEM
+ * when out of memory. */
+lk_status lk_family_dir(char **out);
 
 /* A model-side name under which a module may find a weight. */
 typedef struct lk_alias {
