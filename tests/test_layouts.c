@@ -249,6 +249,37 @@ static void test_flux_diffusers_lora(void **state) {
     assert_int_equal(lk_adapter_placements(a, "model.diffusion_model.final_layer.adaLN_modulation.1.weight", &p), 2);
     assert_true(p[0].row0 == 0 && p[0].b_row0 == H && p[1].row0 == H && p[1].b_row0 == 0);
     assert_null(lk_adapter_find_target(a, "model.diffusion_model.single_blocks.0.linear1.weight"));
+    /* each allocation of that resolve failing in turn (all of them, an
+     * early success does not end the walk): a clean LK_ERR_NOMEM with the
+     * adapter still unresolved (no family, no placement), never a success
+     * without the family's name (copied before the commit, which cannot
+     * fail) nor another error (finding the tables' folder out of memory was
+     * once "no tables", then LK_ERR_UNMATCHED) */
+    lk_adapter *b;
+    assert_int_equal(lk_adapter_open(lp, LK_FORMAT_AUTO, &b), LK_OK);
+    lk_alloc_fail_at(0);
+    assert_int_equal(lk_adapter_resolve(b, o->t, o->n, 0, NULL), LK_OK);
+    const unsigned long n_alloc = lk_alloc_count();
+    lk_adapter_free(b);
+    unsigned long n_nomem = 0;
+    for (unsigned long k = 1; k <= n_alloc; k++) {
+        assert_int_equal(lk_adapter_open(lp, LK_FORMAT_AUTO, &b), LK_OK);
+        lk_alloc_fail_at(k);
+        lk_status s = lk_adapter_resolve(b, o->t, o->n, 0, NULL);
+        lk_alloc_fail_at(0);
+        if (s == LK_OK) {
+            if (!lk_adapter_family(b)) fail_msg("allocation %lu failed, yet the resolve succeeded without a family", k);
+            assert_string_equal(lk_adapter_family(b), "flux");
+            assert_int_equal(lk_adapter_placement_count(b), lk_adapter_placement_count(a));
+        } else {
+            if (s != LK_ERR_NOMEM) fail_msg("allocation %lu: %s: %s", k, lk_status_str(s), lk_last_error());
+            assert_null(lk_adapter_family(b));
+            assert_int_equal(lk_adapter_placement_count(b), 0);
+            n_nomem++;
+        }
+        lk_adapter_free(b);
+    }
+    assert_true(n_alloc > 100 && n_nomem == n_alloc);
     lk_adapter_free(a);
     free_layouts(d, D, o, O);
     af_free(l);

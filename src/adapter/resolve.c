@@ -706,6 +706,7 @@ typedef struct resolve_ctx {
     size_t n_kn;
     lk_layout lay;
     int have_lay;
+    char *family;                 /* a copy of lay.family, for the adapter */
     tplace *tp;                   /* the placements being built */
     size_t n_tp, tp_cap;
     size_t *bby, n_bby;           /* modules with a bias target (a->by_bias) */
@@ -1071,7 +1072,8 @@ static lk_status check_replacements(resolve_ctx *c) {
 
 /* Everything commit moves into the adapter, made while failing is still
  * harmless: bby sorted by bias target, the placements' target and rule
- * strings, the buffers for transposed and folded factors (owned by c). */
+ * strings, the buffers for transposed and folded factors, the copy of the
+ * model family's name (owned by c). */
 static lk_status build_outputs(resolve_ctx *c) {
     const lk_adapter *a = c->a;
     const size_t n_tp = c->n_tp;
@@ -1091,6 +1093,8 @@ static lk_status build_outputs(resolve_ctx *c) {
     if ((c->tbytes && !c->tf) || (c->xbytes && !c->xf))
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of transposed and folded factors", a->file,
                         c->tbytes + c->xbytes);
+    if (c->have_lay && c->lay.family && !(c->family = lk_strdup(c->lay.family)))
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the model family's name", a->file);
     return LK_OK;
 }
 
@@ -1151,7 +1155,8 @@ static void commit(resolve_ctx *c, size_t *n_unmatched) {
     c->pl = NULL;
     c->plstr = NULL;
     lk_free(a->family);
-    a->family = c->have_lay && c->lay.family ? lk_strdup(c->lay.family) : NULL;
+    a->family = c->family;
+    c->family = NULL;
     lk_free(a->by_bias);
     a->by_bias = c->bby;
     a->n_by_bias = c->n_bby;
@@ -1189,6 +1194,7 @@ static void resolve_free(resolve_ctx *c) {
     lk_names_free(&c->mt);
     lk_names_free(&c->rt);
     lk_free(c->kn);
+    lk_free(c->family);
     if (c->have_lay) lk_layout_free(&c->lay);
 }
 
