@@ -28,6 +28,7 @@
 #include "lorakit/safetensors.h"
 #include "io/out_file.h"
 #include "core/file.h"
+#include "core/alloc.h"
 #include "lorakit/alloc.h"
 
 #include <errno.h>
@@ -518,20 +519,16 @@ static lk_status scan_header(st_parser *p) {
 static lk_status alloc_tables(st_parser *p) {
     lk_st *st = p->st;
     size_t c1 = p->cnt ? p->cnt : 1;
-    /* perm after begin, at an offset aligned for size_t */
-    size_t al = _Alignof(size_t), perm_off = 0, total = 0;
-    int fits = c1 <= (SIZE_MAX - al) / sizeof *p->begin;
-    if (fits) perm_off = (c1 * sizeof *p->begin + al - 1) / al * al;
-    fits = fits && c1 <= (SIZE_MAX - perm_off) / sizeof *p->perm;
-    if (fits) total = perm_off + c1 * sizeof *p->perm;
+    lk_carve lay = {0};
+    const size_t o_begin = LK_CARVE(&lay, c1, uint64_t), o_perm = LK_CARVE(&lay, c1, size_t);
     st->t = lk_calloc(c1, sizeof *st->t);
     st->by_name = lk_calloc(c1, sizeof *st->by_name);
     st->names = lk_malloc(p->names_len ? p->names_len : 1);
-    p->scratch = fits ? lk_calloc(1, total) : NULL;
+    p->scratch = lk_carve_alloc(&lay);
     if (!st->t || !st->by_name || !st->names || !p->scratch)
         return lk_error(LK_ERR_NOMEM, "%s: out of memory indexing %zu tensors", p->lbl, p->cnt);
-    p->begin = p->scratch;
-    p->perm = (size_t *)(void *)((unsigned char *)p->scratch + perm_off);
+    p->begin = (uint64_t *)(void *)((unsigned char *)p->scratch + o_begin);
+    p->perm = (size_t *)(void *)((unsigned char *)p->scratch + o_perm);
     return LK_OK;
 }
 
