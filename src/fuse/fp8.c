@@ -42,6 +42,7 @@
  * its delta is computed twice (once for the amax, once to round). */
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
+#include "core/alloc.h"
 #include "fuse/fuse.h"
 #include "fuse/fp8.h"
 
@@ -313,19 +314,20 @@ static void fcall_plan(fcall *f, int64_t out, int64_t in, const void *scale, int
  * nw workers, their delta blocks and their scratch (sized by f->prep). */
 static lk_status fcall_alloc(fcall *f, const char *name) {
     const size_t nw = (size_t)f->nw;
-    size_t blk = 0, scr = 0, at_wk = 0, at_blk, at_scr = 0, size = 0;
+    size_t blk = 0, scr = 0, size = 0;
     f->sb = lk_fuse_delta_scratch(f->prep, f->rb);
-    int ok = lk_checked_mul(2 * f->NS, sizeof(double), &at_wk) && lk_checked_add(at_wk, 63, &at_wk) &&
-             lk_checked_mul(f->rb, f->I, &blk) &&
-             lk_checked_mul(blk, nw * sizeof(float), &blk) && lk_checked_mul(f->sb, nw, &scr);
-    at_wk &= ~(size_t)63;
-    at_blk = at_wk + ((nw * sizeof(fworker) + 63) & ~(size_t)63);
-    ok = ok && lk_checked_add(at_blk, blk, &at_scr) && lk_checked_add(at_scr, 63, &at_scr);
-    at_scr &= ~(size_t)63;
-    ok = ok && lk_checked_add(at_scr, scr, &size) && lk_checked_add(size, 64, &size);
-    if (!ok || !(f->mem = lk_malloc(size))) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 fuse", name);
+    /* the parts on cache lines from the aligned start (lk_carve_part), 64
+     * bytes more for that alignment; lk_malloc, not lk_carve_alloc: every
+     * part is written before it is read, and zeroing MBs per call would cost */
+    lk_carve cv = {.overflow = !lk_checked_mul(f->rb, f->I, &blk) || !lk_checked_mul(blk, nw, &blk) ||
+                               !lk_checked_mul(f->sb, nw, &scr)};
+    const size_t at_s0 = lk_carve_part(&cv, 2 * f->NS, sizeof(double), 64),
+                 at_wk = lk_carve_part(&cv, nw, sizeof(fworker), 64), at_blk = lk_carve_part(&cv, blk, sizeof(float), 64),
+                 at_scr = lk_carve_part(&cv, scr, 1, 64);
+    if (cv.overflow || !lk_checked_add(cv.bytes, 64, &size) || !(f->mem = lk_malloc(size)))
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 fuse", name);
     unsigned char *al = f->mem + ((64u - ((uintptr_t)f->mem & 63u)) & 63u);
-    f->s0 = (double *)(void *)al;
+    f->s0 = (double *)(void *)(al + at_s0);
     f->wk = (fworker *)(void *)(al + at_wk);
     f->blks = (float *)(void *)(al + at_blk);
     f->scr = f->sb ? al + at_scr : NULL;

@@ -55,6 +55,7 @@
 
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
+#include "core/alloc.h"
 #include "lorakit/log.h"
 #include "fuse/fuse.h"
 #include "fuse/kernel_scalar.h"
@@ -317,15 +318,15 @@ static lk_status fuse_bands(void *w_out, const void *w_in, lk_dtype dtype, int64
             return lk_error(LK_ERR_SHAPE, "%s: term %zu: rows %lld..%lld are outside the weight's %lld rows", name, t,
                             (long long)r0, (long long)(r0 + terms[t].B->shape[0]), (long long)out);
     }
-    int64_t *cut = lk_malloc((2 * n_terms + 2) * sizeof *cut);
-    lk_fuse_term *bt = lk_malloc(n_terms * sizeof *bt);
-    lk_tensor *bv = lk_malloc(n_terms * sizeof *bv);
-    if (!cut || !bt || !bv) {
-        lk_free(cut);
-        lk_free(bt);
-        lk_free(bv);
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
-    }
+    /* the cuts, and per band its terms and their B row views: one allocation */
+    lk_carve cv = {0};
+    const size_t o_cut = LK_CARVE(&cv, 2 * n_terms + 2, int64_t), o_bt = LK_CARVE(&cv, n_terms, lk_fuse_term),
+                 o_bv = LK_CARVE(&cv, n_terms, lk_tensor);
+    unsigned char *mem = lk_carve_alloc(&cv);
+    if (!mem) return lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
+    int64_t *cut = (int64_t *)(void *)(mem + o_cut);
+    lk_fuse_term *bt = (lk_fuse_term *)(void *)(mem + o_bt);
+    lk_tensor *bv = (lk_tensor *)(void *)(mem + o_bv);
     size_t nc = 0;
     cut[nc++] = 0;
     cut[nc++] = out;
@@ -358,9 +359,7 @@ static lk_status fuse_bands(void *w_out, const void *w_in, lk_dtype dtype, int64
         if (nb) s = fuse_whole(wo, wi, dtype, r1 - r0, in, bt, nb, opts, name);
         else if (wo != wi) memmove(wo, wi, (size_t)(r1 - r0) * rowb);
     }
-    lk_free(cut);
-    lk_free(bt);
-    lk_free(bv);
+    lk_free(mem);
     return s;
 }
 
@@ -432,19 +431,21 @@ static void kcall_plan(kcall *k, int64_t out, int64_t in, size_t R, lk_dtype dty
  * 256, so B' is aligned too. A failure allocates nothing and names the
  * factors' bytes. */
 static lk_status kcall_alloc(kcall *k, const char *name) {
-    size_t b_n, a_n, tot, sh_at, ths_at, tids_at, all;
+    size_t b_n, a_n, tot, all;
     const size_t nt = (size_t)k->threads;
     if (!lk_checked_mul(k->O, k->R, &b_n) || !lk_checked_mul(k->npan * k->pw, k->R, &a_n) ||
         !lk_checked_add(a_n, b_n, &tot) || !lk_checked_mul(tot, k->vsz, &tot) ||
         !lk_checked_add(tot, ((k->I > k->R ? k->I : k->R) + 32) * sizeof(float), &tot))
         return lk_error(LK_ERR_SHAPE, "%s: factors too large", name);
     /* tot: the factors, a row and 32 floats of slack, 16 of which pay for
-     * aligning the start; the rest follows on cache lines */
-    sh_at = (tot + 63) & ~(size_t)63;
-    ths_at = sh_at + ((sizeof(kshared) + 63) & ~(size_t)63);
-    tids_at = ths_at + ((nt * sizeof(kthread) + 63) & ~(size_t)63);
-    all = tids_at + nt * sizeof(pthread_t) + 64;
-    if (all < tot || !(k->mem = lk_malloc(all)))
+     * aligning the start; the rest laid out after it (lk_carve_part) on
+     * cache lines from the aligned start, 64 bytes more for that alignment.
+     * lk_malloc, not lk_carve_alloc: every part is written before it is
+     * read, and zeroing the factors on every call would cost. */
+    lk_carve cv = {.bytes = tot};
+    const size_t sh_at = lk_carve_part(&cv, 1, sizeof(kshared), 64), ths_at = lk_carve_part(&cv, nt, sizeof(kthread), 64),
+                 tids_at = lk_carve_part(&cv, nt, sizeof(pthread_t), 64);
+    if (cv.overflow || !lk_checked_add(cv.bytes, 64, &all) || !(k->mem = lk_malloc(all)))
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for the fusion factors (%zu bytes)", name, tot);
     unsigned char *al = k->mem + ((64u - ((uintptr_t)k->mem & 63u)) & 63u);
     k->ap = al;

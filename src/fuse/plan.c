@@ -33,6 +33,7 @@
  * of the double. */
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
+#include "core/alloc.h"
 #include "lorakit/dtype.h"
 #include "fuse/fuse.h"
 #include "core/bits.h"
@@ -167,14 +168,13 @@ static int64_t chunk_rows(int64_t rows, int64_t cols) {
  * cols): the one chain of fuse/fuse.h, whatever the term kinds. */
 typedef struct dstream {
     lk_delta_prep *p;
-    void *dl, *scratch;
+    void *dl, *scratch; /* scratch is carved from dl's allocation */
     int64_t chunk;
 } dstream;
 
 static void dstream_free(dstream *ds) {
     lk_fuse_delta_free(ds->p);
     lk_free(ds->dl);
-    lk_free(ds->scratch);
 }
 
 static lk_status dstream_open(dstream *ds, int wide, int64_t rows, int64_t cols, const lk_fuse_term *lt, size_t n_lt,
@@ -184,9 +184,15 @@ static lk_status dstream_open(dstream *ds, int wide, int64_t rows, int64_t cols,
     lk_status s = lk_fuse_delta_prepare(wide, rows, cols, 0, rows, lt, n_lt, name, &ds->p);
     if (s) return s;
     size_t sb = lk_fuse_delta_scratch(ds->p, (size_t)ds->chunk);
-    ds->dl = lk_malloc((size_t)(ds->chunk * cols) * (wide ? sizeof(double) : sizeof(float)));
-    ds->scratch = sb ? lk_malloc(sb) : NULL;
-    if (!ds->dl || (sb && !ds->scratch)) {
+    /* the delta rows, then the scratch: one allocation, lk_malloc'd (each
+     * part is written before it is read) */
+    lk_carve cv = {0};
+    const size_t o_dl = lk_carve_part(&cv, (size_t)(ds->chunk * cols), wide ? sizeof(double) : sizeof(float), 64),
+                 o_scr = lk_carve_part(&cv, sb, 1, 64);
+    unsigned char *m = cv.overflow ? NULL : lk_malloc(cv.bytes);
+    ds->dl = m ? m + o_dl : NULL;
+    ds->scratch = m && sb ? m + o_scr : NULL;
+    if (!ds->dl) {
         dstream_free(ds);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for %lld rows of %lld", name, (long long)ds->chunk,
                         (long long)cols);
@@ -217,8 +223,12 @@ static lk_status apply_dora(void *w_out, const void *w_in, const lk_tensor *t, c
     dstream ds;
     lk_status s = dstream_open(&ds, wide, rows, cols, &lt, 1, name);
     if (s) return s;
-    double *acc = lk_malloc((size_t)cols * sizeof *acc), *cs = on_out ? NULL : lk_calloc((size_t)in_ch, sizeof *cs);
-    if (!acc || (!on_out && !cs)) {
+    /* a row of the fused values, and the per-channel norms (zeroed): one allocation */
+    lk_carve cv = {0};
+    const size_t o_acc = LK_CARVE(&cv, (size_t)cols, double), o_cs = LK_CARVE(&cv, on_out ? 0 : (size_t)in_ch, double);
+    unsigned char *mem = lk_carve_alloc(&cv);
+    double *acc = mem ? (double *)(void *)(mem + o_acc) : NULL, *cs = mem && !on_out ? (double *)(void *)(mem + o_cs) : NULL;
+    if (!mem) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
         goto done;
     }
@@ -257,8 +267,7 @@ static lk_status apply_dora(void *w_out, const void *w_in, const lk_tensor *t, c
         }
 #undef DELTA
 done:
-    lk_free(acc);
-    lk_free(cs);
+    lk_free(mem);
     dstream_free(&ds);
     return s;
 }

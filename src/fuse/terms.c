@@ -54,6 +54,7 @@
 
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
+#include "core/alloc.h"
 #include "fuse/fuse.h"
 #include "fuse/kernel_scalar.h"
 
@@ -193,14 +194,14 @@ __attribute__((target("avx2,fma"))) static void chain64_fma(double *dst, const d
 static lk_status product_f64(double *dst, const lk_tensor *B, const lk_tensor *A, const char *name) {
     const size_t m = (size_t)B->shape[0], r = (size_t)B->shape[1], n = A ? (size_t)A->shape[1] : r;
     size_t big = n > r ? n : r;
-    float *tmp = lk_malloc(big * sizeof *tmp);
-    double *a = A ? lk_malloc(r * n * sizeof *a) : NULL, *b = lk_malloc(r * sizeof *b);
-    if (!tmp || (A && !a) || !b) {
-        lk_free(tmp);
-        lk_free(a);
-        lk_free(b);
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory for a Kronecker factor", name);
-    }
+    /* a row in f32, A in f64 (when given), a row of B in f64: one allocation */
+    size_t na = 0;
+    lk_carve cv = {.overflow = A && !lk_checked_mul(r, n, &na)};
+    const size_t o_tmp = LK_CARVE(&cv, big, float), o_a = LK_CARVE(&cv, na, double), o_b = LK_CARVE(&cv, r, double);
+    unsigned char *mem = lk_carve_alloc(&cv);
+    if (!mem) return lk_error(LK_ERR_NOMEM, "%s: out of memory for a Kronecker factor", name);
+    float *tmp = (float *)(void *)(mem + o_tmp);
+    double *a = A ? (double *)(void *)(mem + o_a) : NULL, *b = (double *)(void *)(mem + o_b);
     if (!A) {
         for (size_t i = 0; i < m; i++) load_f64(dst + i * n, B, i * n, n, tmp);
     } else {
@@ -216,9 +217,7 @@ static lk_status product_f64(double *dst, const lk_tensor *B, const lk_tensor *A
             (void)fast;
         }
     }
-    lk_free(tmp);
-    lk_free(a);
-    lk_free(b);
+    lk_free(mem);
     return LK_OK;
 }
 
@@ -229,11 +228,14 @@ static lk_status prep_kron(xterm *x, const lk_fuse_term *t, int wide, const char
     x->c = (size_t)t->B2->shape[0];
     x->D = t->A2 ? (size_t)t->A2->shape[1] : (size_t)t->B2->shape[1];
     const size_t n1 = x->a * x->b, n2 = x->c * x->D, vsz = wide ? sizeof(double) : sizeof(float);
-    double *f1 = lk_malloc(n1 * sizeof *f1), *f2 = lk_malloc(n2 * sizeof *f2);
+    lk_carve cv = {0}; /* the two f64 products: one scratch allocation */
+    const size_t o1 = LK_CARVE(&cv, n1, double), o2 = LK_CARVE(&cv, n2, double);
+    unsigned char *f = lk_carve_alloc(&cv);
+    double *f1 = f ? (double *)(void *)(f + o1) : NULL, *f2 = f ? (double *)(void *)(f + o2) : NULL;
     x->w1 = lk_malloc(n1 * vsz);
     x->w2 = lk_malloc(n2 * vsz);
     lk_status s = LK_OK;
-    if (!f1 || !f2 || !x->w1 || !x->w2) s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a Kronecker term", name);
+    if (!f || !x->w1 || !x->w2) s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a Kronecker term", name);
     if (!s) s = product_f64(f1, t->B, t->A, name);
     if (!s) s = product_f64(f2, t->B2, t->A2, name);
     if (!s) {
@@ -247,8 +249,7 @@ static lk_status prep_kron(xterm *x, const lk_fuse_term *t, int wide, const char
             else ((float *)x->w2)[i] = (float)f2[i];
         }
     }
-    lk_free(f1);
-    lk_free(f2);
+    lk_free(f);
     return s;
 }
 
@@ -781,15 +782,19 @@ lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, in
     job.n_blocks = n_blocks;
     const size_t sb = job.xrows ? 0 : lk_fuse_delta_scratch(prep, rb);
     const size_t per_w = job.xrows ? 64 : rb * I * vsz + sb + 2 * I * sizeof(float) + 64;
-    tworker *wk = lk_calloc((size_t)nw, sizeof *wk);
-    unsigned char *mem = wk ? lk_malloc(per_w * (size_t)nw) : NULL;
+    /* the workers, then their buffers (each per_w bytes): one allocation,
+     * lk_malloc'd (every part is written before it is read) */
+    lk_carve cv = {0};
+    const size_t o_wk = LK_CARVE(&cv, (size_t)nw, tworker), o_buf = lk_carve_part(&cv, (size_t)nw, per_w, 64);
+    unsigned char *block = cv.overflow ? NULL : lk_malloc(cv.bytes);
     pthread_t tid[LK_FUSE_MAX_THREADS];
     int started[LK_FUSE_MAX_THREADS] = {0};
-    if (!wk || !mem) {
-        lk_free(wk);
+    if (!block) {
         lk_fuse_delta_free(prep);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for %d row buffers of %zu bytes", name, nw, per_w);
     }
+    tworker *wk = (tworker *)(void *)(block + o_wk);
+    unsigned char *mem = block + o_buf;
     atomic_init(&job.next, 0);
     for (int t = 0; t < nw; t++) {
         unsigned char *m = mem + (size_t)t * per_w;
@@ -811,8 +816,7 @@ lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, in
     double bw = 0, br = 0;
     for (int t = 0; t < nw; t++)
         if (wk[t].kw.bad_at < bad_at) bad_at = wk[t].kw.bad_at, bw = wk[t].kw.bad_w, br = wk[t].kw.bad_r;
-    lk_free(mem);
-    lk_free(wk);
+    lk_free(block);
     lk_fuse_delta_free(prep);
     return lk_fuse_nonfinite(name, bad_at, I, bw, br, opts);
 }
