@@ -14,6 +14,7 @@
  * crash a fuse or a serving rank with SIGBUS (a change during the copy is
  * LK_ERR_IO). */
 #include "lorakit/adapter.h"
+#include "core/alloc.h"
 #include "core/file.h"
 #include "core/msg.h"
 #include "lorakit/alloc.h"
@@ -1464,37 +1465,40 @@ size_t lk_lora_module_tensors(const lk_lora_module *m, const lk_tensor **out) {
     return n;
 }
 
-/* Copies every module's tensors and the replacements out of the file into
- * a->factors (one allocation, each tensor 16-byte aligned). */
-static lk_status copy_factors(lk_adapter *a) {
-    size_t total = 0;
+/* Every module's tensor slot that holds a tensor, then each replacement's,
+ * in order, carved from c (each tensor 16-byte aligned); with a->factors
+ * set, each tensor's data is read there. A factor that does not fit
+ * leaves c overflowed. */
+static lk_status carve_factors(lk_adapter *a, lk_carve *c) {
     for (size_t i = 0; i < a->n + a->n_rep; i++) {
         lk_tensor *ts[N_SLOTS] = {NULL};
         if (i < a->n) module_slots(&a->mods[i], ts);
         else ts[0] = &a->reps[i - a->n].t;
         for (size_t k = 0; k < N_SLOTS; k++) {
             if (!ts[k] || !ts[k]->name) continue;
-            size_t nb = ts[k]->nbytes;
-            if (!lk_checked_add(nb, 15, &nb) || !lk_checked_add(total, nb & ~(size_t)15, &total))
-                return lk_error(LK_ERR_NOMEM, "%s: the factors' size overflows", a->file);
-        }
-    }
-    a->factors = lk_malloc(total ? total : 1);
-    if (!a->factors) return lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of LoRA factors", a->file, total);
-    unsigned char *p = a->factors;
-    for (size_t i = 0; i < a->n + a->n_rep; i++) {
-        lk_tensor *ts[N_SLOTS] = {NULL};
-        if (i < a->n) module_slots(&a->mods[i], ts);
-        else ts[0] = &a->reps[i - a->n].t;
-        for (size_t k = 0; k < N_SLOTS; k++) {
-            if (!ts[k] || !ts[k]->name) continue;
+            size_t at = lk_carve_part(c, ts[k]->nbytes, 1, 16);
+            if (!a->factors) continue;
+            unsigned char *p = (unsigned char *)a->factors + at;
             lk_status s = lk_st_read(a->st, st_index(a->st, ts[k]), 0, p, ts[k]->nbytes);
             if (s) return s;
             ts[k]->data = p;
-            p += (ts[k]->nbytes + 15) & ~(size_t)15;
         }
     }
+    lk_carve_part(c, 0, 1, 16); /* the block ends 16-byte aligned */
     return LK_OK;
+}
+
+/* Copies every module's tensors and the replacements out of the file into
+ * a->factors (one allocation, laid out by carve_factors). */
+static lk_status copy_factors(lk_adapter *a) {
+    lk_carve lay = {0};
+    carve_factors(a, &lay); /* only lays out: a->factors is NULL */
+    if (lay.overflow) return lk_error(LK_ERR_NOMEM, "%s: the factors' size overflows", a->file);
+    a->factors = lk_carve_alloc(&lay);
+    if (!a->factors)
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for %zu bytes of LoRA factors", a->file, lay.bytes);
+    lk_carve at = {0};
+    return carve_factors(a, &at);
 }
 
 /* The file and config of an in-memory adapter: its label, its config text. */

@@ -37,6 +37,7 @@
  * matching to a few seconds. */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include "adapter/config.h"
+#include "core/alloc.h"
 #include "core/file.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
@@ -271,7 +272,6 @@ static lk_status lazy_re(const lk_peft_config *c, void **re, const char *field, 
  * (name_is_plain: printable ASCII, so Python's and PCRE2's Unicode classes
  * reduce to these). */
 typedef uint64_t lk_cset[2];
-_Static_assert(sizeof(lk_cset) % _Alignof(size_t) == 0, "a size_t array can follow an lk_cset array");
 
 static void cset_add(lk_cset b, unsigned lo, unsigned hi) {
     for (unsigned ch = lo; ch <= hi; ch++) b[ch >> 6] |= UINT64_C(1) << (ch & 63);
@@ -456,22 +456,23 @@ static lk_status lit_build(const lk_peft_config *c, char *const *keys, size_t n,
     memset(x, 0, sizeof *x);
     lk_names sigs = {0};
     lk_cset *sets = NULL;
-    size_t *tail = NULL, total = 1, longest = 1, set_cap = 0, scratch, tail_bytes;
+    size_t *tail = NULL, total = 1, longest = 1, set_cap = 0;
     for (size_t i = 0; i < n; i++) {
         size_t len = key_atoms(keys[i], NULL), sl = strlen(keys[i]);
         if (len) total += 3 * len + 2;
         if (sl > longest) longest = sl; /* key_atoms writes up to one set per byte before it may refuse */
     }
     /* the scratch, one allocation: sets (longest), then tail (n) */
-    if (!lk_checked_mul(longest, sizeof *sets, &scratch) || !lk_checked_mul(n ? n : 1, sizeof *tail, &tail_bytes) ||
-        !lk_checked_add(scratch, tail_bytes, &scratch))
-        goto nomem;
+    lk_carve sc = {0};
+    const size_t o_sets = LK_CARVE(&sc, longest, lk_cset), o_tail = LK_CARVE(&sc, n ? n : 1, size_t);
+    char *scratch = NULL;
     if (lk_names_init(&x->all, n) || lk_names_init(&sigs, n) ||
         !(x->shape = lk_calloc(n ? n : 1, sizeof *x->shape)) || !(x->re_keys = lk_calloc(n ? n : 1, sizeof *x->re_keys)) ||
         !(x->next = lk_malloc((n ? n : 1) * sizeof *x->next)) || !(x->set_of = lk_calloc(n ? n : 1, sizeof *x->set_of)) ||
-        !(sets = lk_malloc(scratch)) || !(x->arena = lk_malloc(total)))
+        !(scratch = lk_carve_alloc(&sc)) || !(x->arena = lk_malloc(total)))
         goto nomem;
-    tail = (size_t *)(sets + longest);
+    sets = (lk_cset *)(void *)(scratch + o_sets);
+    tail = (size_t *)(void *)(scratch + o_tail);
     char *ap = x->arena;
     for (size_t i = 0; i < n; i++) {
         size_t len = strlen(keys[i]), sh, first;
@@ -519,14 +520,14 @@ static lk_status lit_build(const lk_peft_config *c, char *const *keys, size_t n,
             tail[i] = i;
         }
     }
-    lk_free(sets);
+    lk_free(scratch);
     lk_names_free(&sigs);
     qsort(x->shape, x->n_shape, sizeof *x->shape, shape_cmp);
     lk_status gs = gram_build(c, keys, n, x);
     if (gs) lit_free(x);
     return gs;
 nomem:
-    lk_free(sets);
+    lk_free(scratch);
     lk_names_free(&sigs);
     lit_free(x);
     return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
@@ -627,23 +628,28 @@ none:
  * gram's chain, then the literals' text and required_literal's run buffer. */
 static lk_status gram_build(const lk_peft_config *c, char *const *keys, size_t n, lk_lit_index *x) {
     const size_t G = LK_GRAM_LEN, m = x->n_re_keys;
-    size_t *pos = NULL, *ll, *tail, *count = NULL, windows = 0, text = 0, longest = 1, bytes;
+    size_t *pos, *ll, *tail, *count = NULL, windows = 0, longest = 1;
+    char *scratch = NULL;
     lk_names cnt = {0};
     lk_status s = LK_OK;
-    for (size_t j = 0; j < m; j++) {
+    lk_carve sc = {0};
+    const size_t o_pos = LK_CARVE(&sc, m, size_t), o_ll = LK_CARVE(&sc, m, size_t),
+                 o_tail = LK_CARVE(&sc, n ? n : 1, size_t), o_txt = LK_CARVE(&sc, 0, char);
+    for (size_t j = 0; j < m; j++) { /* the literals' text from o_txt: each key's bytes and NUL */
         size_t l = strlen(keys[x->re_keys[j]]) + 1;
-        if (!lk_checked_add(text, l, &text)) goto nomem;
+        lk_carve_part(&sc, l, 1, 1);
         if (l > longest) longest = l;
     }
-    if (!lk_checked_mul(2 * m + (n ? n : 1), sizeof *pos, &bytes) || !lk_checked_add(bytes, text, &bytes) ||
-        !lk_checked_add(bytes, longest, &bytes) || !(pos = lk_malloc(bytes)) || !(x->always = lk_calloc(n ? n : 1, 1)) ||
+    const size_t o_run = lk_carve_part(&sc, longest, 1, 1);
+    if (!(scratch = lk_carve_alloc(&sc)) || !(x->always = lk_calloc(n ? n : 1, 1)) ||
         !(x->mark = lk_calloc(n ? n : 1, sizeof *x->mark)) ||
         !(x->gram_next = lk_malloc((n ? n : 1) * sizeof *x->gram_next)) || !(x->gram_arena = lk_malloc(m * G + 1)) ||
         lk_names_init(&x->grams, m))
         goto nomem;
-    ll = pos + m;
-    tail = ll + m;
-    char *txt = (char *)(tail + (n ? n : 1)), *run = txt + text;
+    pos = (size_t *)(void *)(scratch + o_pos);
+    ll = (size_t *)(void *)(scratch + o_ll);
+    tail = (size_t *)(void *)(scratch + o_tail);
+    char *txt = scratch + o_txt, *run = scratch + o_run;
     for (size_t i = 0; i < n; i++) x->gram_next[i] = SIZE_MAX;
     x->n_keys = n;
     for (size_t j = 0, at = 0; j < m; j++) {
@@ -691,7 +697,7 @@ static lk_status gram_build(const lk_peft_config *c, char *const *keys, size_t n
 nomem:
     s = lk_error(LK_ERR_NOMEM, "%s: out of memory", c->label);
 out:
-    lk_free(pos);
+    lk_free(scratch);
     lk_free(count);
     lk_names_free(&cnt);
     return s;

@@ -13,6 +13,7 @@
  * placements and reports ambiguity naming both weights. The index is built
  * once per resolve, sorted, and searched by bisection. */
 #include "adapter/layout.h"
+#include "core/alloc.h"
 #include "core/file.h"
 #include "lorakit/alloc.h"
 #include "lorakit/log.h"
@@ -539,19 +540,17 @@ static lk_status pick_tables(lk_layout *out, const lk_layout_opts *o, const char
 /* Each table's rule strings (appended to out->rules) and '#last' numbers
  * on this model (into t->last, one allocation for all tables). */
 static lk_status table_rules(lk_layout *out, tables *t, char *const *names, size_t nn, const char *label) {
-    size_t nt = (size_t)t->n_fam + t->n_maps, total = 0;
+    size_t nt = (size_t)t->n_fam + t->n_maps, at[MAX_FAMILIES + MAX_MAPS];
     lk_status s = LK_OK;
     for (size_t i = 0; i < nt && !s; i++)
         s = rule_strings(out, table_at(t, i), i < (size_t)t->n_fam ? "family" : "--map", &t->first_rule[i], label);
-    for (size_t i = 0; i < nt && !s; i++)
-        if (!lk_checked_add(total, 2 * table_at(t, i)->n_rules, &total))
-            s = lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
     if (s || !nt) return s;
-    if (!(t->last = lk_calloc(total ? total : 1, sizeof *t->last))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
-    for (size_t i = 0, off = 0; i < nt; i++) {
-        t->last_of[i] = t->last + off;
+    lk_carve c = {0}; /* each table's two numbers per rule */
+    for (size_t i = 0; i < nt; i++) at[i] = lk_carve_part(&c, table_at(t, i)->n_rules, 2 * sizeof(long), _Alignof(long));
+    if (!(t->last = lk_carve_alloc(&c))) return lk_error(LK_ERR_NOMEM, "%s: out of memory", label);
+    for (size_t i = 0; i < nt; i++) {
+        t->last_of[i] = (long *)(void *)((char *)t->last + at[i]);
         last_numbers(table_at(t, i), names, nn, t->last_of[i]);
-        off += 2 * table_at(t, i)->n_rules;
     }
     return LK_OK;
 }
