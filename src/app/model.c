@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "lorakit/alloc.h"
 #include "lorakit/dtype.h"
 #include "lorakit/log.h"
@@ -61,8 +62,8 @@ struct lk_model {
     int train_base;
 
     /* activations */
-    size_t acts_cap; /* floats in each of act_mem / dact_mem */
-    float *act_mem, *dact_mem;
+    size_t acts_cap; /* bytes in each of act_mem / dact_mem (one carve each) */
+    char *act_mem, *dact_mem;
     lk_layer_acts *layer_a, *layer_d;
     lk_acts a, d;
     int *inputs, *targets;
@@ -429,17 +430,16 @@ lk_status lk_model_load_weights(lk_model *m, const char *path) {
 
 /* ---- activations ---- */
 
-/* Carves one activation set for (B, T) out of mem (or, with mem NULL, only
- * counts the floats needed). */
-static size_t carve(const lk_model_config *c, int B, int T, float *mem, lk_acts *a,
-                    lk_layer_acts *la) {
+/* Lays one activation set for (B, T) out in lay (from {0}), each array
+ * carved from mem when mem is not NULL (lay.bytes: the block's size; lay
+ * overflowed when it does not fit). */
+static void carve(const lk_model_config *c, int B, int T, lk_carve *lay, char *mem, lk_acts *a, lk_layer_acts *la) {
     size_t N = (size_t)B * T, C = (size_t)c->d_model, F = (size_t)c->d_ff, V = (size_t)c->vocab;
     size_t att = (size_t)B * c->n_heads * T * T;
-    size_t off = 0;
-#define TAKE(ptr, n)                             \
-    do {                                         \
-        if (mem) (ptr) = mem + off;              \
-        off += (n);                              \
+#define TAKE(ptr, n)                                       \
+    do {                                                   \
+        size_t at_ = LK_CARVE(lay, (n), float);            \
+        if (mem) (ptr) = (float *)(void *)(mem + at_);     \
     } while (0)
     lk_acts tmpa;
     if (!mem) a = &tmpa;
@@ -473,15 +473,22 @@ static size_t carve(const lk_model_config *c, int B, int T, float *mem, lk_acts 
     TAKE(a->scratch, (size_t)T);
 #undef TAKE
     if (mem) a->layer = la;
-    return off;
+}
+
+/* The bytes of one activation set for (B, T); SIZE_MAX when it does not fit. */
+static size_t acts_bytes(const lk_model_config *c, int B, int T) {
+    lk_carve lay = {0};
+    carve(c, B, T, &lay, NULL, NULL, NULL);
+    return lay.bytes;
 }
 
 static lk_status ensure_acts(lk_model *m, int B, int T) {
-    size_t need = carve(&m->cfg, B, T, NULL, NULL, NULL);
+    lk_carve lay = {0};
+    carve(&m->cfg, B, T, &lay, NULL, NULL, NULL);
     size_t ntok = (size_t)B * T;
-    if (need > m->acts_cap || !m->act_mem) {
-        float *a = lk_malloc(need * sizeof(float));
-        float *d = lk_malloc(need * sizeof(float));
+    if (lay.overflow || lay.bytes > m->acts_cap || !m->act_mem) {
+        char *a = lk_carve_alloc(&lay);
+        char *d = lk_carve_alloc(&lay);
         if (!a || !d) {
             lk_free(a);
             lk_free(d);
@@ -492,7 +499,7 @@ static lk_status ensure_acts(lk_model *m, int B, int T) {
         lk_free(m->dact_mem);
         m->act_mem = a;
         m->dact_mem = d;
-        m->acts_cap = need;
+        m->acts_cap = lay.bytes;
     }
     if (ntok > m->tok_cap || !m->layer_a) {
         int *in = lk_malloc(ntok * sizeof(int));
@@ -514,8 +521,10 @@ static lk_status ensure_acts(lk_model *m, int B, int T) {
         m->targets = tg;
         m->tok_cap = ntok;
     }
-    carve(&m->cfg, B, T, m->act_mem, &m->a, m->layer_a);
-    carve(&m->cfg, B, T, m->dact_mem, &m->d, m->layer_d);
+    lk_carve at = {0};
+    carve(&m->cfg, B, T, &at, m->act_mem, &m->a, m->layer_a);
+    at = (lk_carve){0};
+    carve(&m->cfg, B, T, &at, m->dact_mem, &m->d, m->layer_d);
     return LK_OK;
 }
 
@@ -620,7 +629,7 @@ lk_status lk_model_backward(lk_model *m) {
     lk_acts *a = &m->a, *d = &m->d;
     int tb = m->train_base;
     lk_status st;
-    memset(m->dact_mem, 0, carve(c, B, T, NULL, NULL, NULL) * sizeof(float));
+    memset(m->dact_mem, 0, acts_bytes(c, B, T));
     if (!m->count) return LK_OK;
 
     lk_k_crossentropy_backward(d->logits, a->probs, m->targets, 1.0f / (float)m->count, n, V);

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "lorakit/alloc.h"
 #include "lorakit/fuse.h"
 #include "lorakit/log.h"
@@ -256,11 +257,12 @@ static lk_status enable_select(const lk_lora_model *m, const lk_lora_config *cfg
  * every selected layer, in layer order, into e's one block (freed, names
  * too, by enable_plan_free, also on a failure here). */
 static lk_status enable_specs(const lk_lora_model *m, int rank, enable_plan *e) {
-    /* specs first: their alignment (a pointer's at least) suits the names after them */
-    e->block = lk_calloc(2 * e->n, sizeof *e->specs + sizeof *e->names);
-    if (!e->block) return lk_error(LK_ERR_NOMEM, "out of memory");
-    e->specs = e->block;
-    e->names = (char **)(e->specs + 2 * e->n);
+    lk_carve c = {0};
+    const size_t o_specs = lk_carve_part(&c, e->n, 2 * sizeof *e->specs, _Alignof(lk_lora_param_spec)),
+                 o_names = lk_carve_part(&c, e->n, 2 * sizeof *e->names, _Alignof(char *));
+    if (!(e->block = lk_carve_alloc(&c))) return lk_error(LK_ERR_NOMEM, "out of memory");
+    e->specs = (lk_lora_param_spec *)(void *)((char *)e->block + o_specs);
+    e->names = (char **)(void *)((char *)e->block + o_names);
     size_t k = 0;
     for (size_t i = 0; i < m->n_layers; i++) {
         const lk_lora_layer *l = m->layers[i];
@@ -567,10 +569,12 @@ lk_status lk_lora_model_save_base(const lk_lora_model *m, const char *path) {
     if (!m || !path) return lk_error(LK_ERR_ARG, "lk_lora_model_save_base: missing model or path");
     size_t cap = 2 * m->n_layers + m->n_tensors;
     if (cap == 0) return lk_error(LK_ERR_STATE, "%s: the model has no tensors to save", path);
-    /* one allocation: the tensors, then the names this call makes (the
-     * tensors' alignment, a pointer's at least, suits the pointers after them) */
-    lk_tensor *t = lk_calloc(cap, sizeof *t + sizeof(char *));
-    char **names = t ? (char **)(t + cap) : NULL;
+    /* one allocation: the tensors, then the names this call makes */
+    lk_carve c = {0};
+    const size_t o_t = LK_CARVE(&c, cap, lk_tensor), o_names = LK_CARVE(&c, cap, char *);
+    char *block = lk_carve_alloc(&c);
+    lk_tensor *t = block ? (lk_tensor *)(void *)(block + o_t) : NULL;
+    char **names = block ? (char **)(void *)(block + o_names) : NULL;
     size_t n = 0;
     lk_status s = t ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
     for (size_t i = 0; s == LK_OK && i < m->n_layers; i++) {
@@ -605,7 +609,7 @@ lk_status lk_lora_model_save_base(const lk_lora_model *m, const char *path) {
     }
     if (s == LK_OK) s = lk_st_save(path, t, n, NULL, 0);
     for (size_t i = 0; names && i < cap; i++) lk_free(names[i]);
-    lk_free(t);
+    lk_free(block);
     return s;
 }
 

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <xxhash.h>
 
+#include "core/alloc.h"
 #include "lorakit/alloc.h"
 #include "lorakit/comm.h"
 
@@ -71,9 +72,13 @@ lk_status lk_lora_params_create(const lk_lora_param_spec *specs, size_t n, lk_lo
     }
     lk_lora_params *p = lk_calloc(1, sizeof *p);
     /* the sort's scratch, idx and tmp (n each), from one allocation */
-    size_t *idx = lk_calloc(2 * n, sizeof *idx), *tmp = idx ? idx + n : NULL;
+    lk_carve c = {0};
+    const size_t o_idx = LK_CARVE(&c, n, size_t), o_tmp = LK_CARVE(&c, n, size_t);
+    char *scratch = lk_carve_alloc(&c);
+    size_t *idx = scratch ? (size_t *)(void *)(scratch + o_idx) : NULL;
+    size_t *tmp = scratch ? (size_t *)(void *)(scratch + o_tmp) : NULL;
     lk_status s = LK_OK;
-    if (!p || !idx) {
+    if (!p || !scratch) {
         s = lk_error(LK_ERR_NOMEM, "out of memory for %zu LoRA parameters", n);
         goto done;
     }
@@ -119,7 +124,7 @@ lk_status lk_lora_params_create(const lk_lora_param_spec *specs, size_t n, lk_lo
         goto done;
     }
 done:
-    lk_free(idx);
+    lk_free(scratch);
     if (s != LK_OK) {
         lk_lora_params_free(p);
         return s;
