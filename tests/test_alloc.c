@@ -98,8 +98,45 @@ static void test_alloc(void **state) {
     lk_alloc_fail_at(0);
 }
 
+/* The over-aligned block: its start on a 64-byte line, so parts carved at
+ * align 64 are on lines too (hand-computed: 3 floats at 0, 1 double at 64,
+ * bytes 72); one allocation; refused without allocating when the layout
+ * overflowed, align is not a power of two or is under max_align_t's, or
+ * the size rounded up to align passes SIZE_MAX. */
+static void test_alloc_aligned(void **state) {
+    (void)state;
+    lk_carve c = {0};
+    assert_true(lk_carve_part(&c, 3, sizeof(float), 64) == 0 && lk_carve_part(&c, 1, sizeof(double), 64) == 64);
+    assert_true(c.bytes == 72);
+    for (int k = 0; k < 4; k++) { /* several, so a start malloc would put off a line shows */
+        lk_alloc_fail_at(0);
+        unsigned char *b = lk_carve_alloc_aligned(&c, 64);
+        assert_non_null(b);
+        assert_true(lk_alloc_count() == 1);
+        assert_true((uintptr_t)b % 64 == 0 && (uintptr_t)(b + 64) % 64 == 0);
+        memset(b, 0xab, c.bytes); /* every byte is the block's (ASan checks) */
+        lk_free(b);
+    }
+    lk_alloc_fail_at(0);
+    assert_null(lk_carve_alloc_aligned(&c, 48));                  /* not a power of two */
+    assert_null(lk_carve_alloc_aligned(&c, alignof(max_align_t) / 2)); /* under max_align_t's */
+    lk_carve big = {.bytes = SIZE_MAX - 10};
+    assert_null(lk_carve_alloc_aligned(&big, 64)); /* rounded up to 64 it passes SIZE_MAX */
+    lk_carve bad = {.overflow = 1};
+    assert_null(lk_carve_alloc_aligned(&bad, 64));
+    assert_true(lk_alloc_count() == 0); /* none of them allocated */
+    lk_carve empty = {0};
+    void *e = lk_carve_alloc_aligned(&empty, 64); /* an empty layout still allocates */
+    assert_non_null(e);
+    lk_free(e);
+    lk_alloc_fail_at(1);
+    assert_null(lk_carve_alloc_aligned(&c, 64)); /* an injected failure */
+    lk_alloc_fail_at(0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_offsets), cmocka_unit_test(test_typed_block),
-                                       cmocka_unit_test(test_overflow), cmocka_unit_test(test_alloc)};
+                                       cmocka_unit_test(test_overflow), cmocka_unit_test(test_alloc),
+                                       cmocka_unit_test(test_alloc_aligned)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

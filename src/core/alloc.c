@@ -6,6 +6,7 @@
 #include "core/alloc.h"
 
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,3 +77,12 @@ size_t lk_carve_part(lk_carve *c, size_t count, size_t size, size_t align) {
 }
 
 void *lk_carve_alloc(const lk_carve *c) { return c->overflow ? NULL : lk_calloc(1, c->bytes); }
+
+void *lk_carve_alloc_aligned(const lk_carve *c, size_t align) {
+    size_t n;
+    if (c->overflow || align < _Alignof(max_align_t) || (align & (align - 1)) ||
+        !lk_checked_add(c->bytes ? c->bytes : 1, align - 1, &n))
+        return NULL;
+    if (should_fail()) return NULL;
+    return aligned_alloc(align, n & ~(align - 1)); /* C11: the size a multiple of align; lk_free frees it */
+}

@@ -34,15 +34,16 @@ LK_TEST_HOOK unsigned long lk_alloc_count(void);
  * Start from {0} (or {.overflow = 1} when a size worked out beforehand did
  * not fit: nothing is then allocated). Offsets are from the block's start,
  * which lk_calloc aligns for any type, so each part is aligned for its
- * own. */
+ * own. Parts on cache lines or SIMD widths (an align over
+ * alignof(max_align_t)) take lk_carve_alloc_aligned's block instead. */
 typedef struct lk_carve {
     size_t bytes; /* the block's size so far (parts and their padding) */
     int overflow; /* a size did not fit in size_t or an alignment was bad: lk_carve_alloc refuses */
 } lk_carve;
 
 /* Reserves count elements of size bytes each at the end of c, at an offset
- * rounded up to align (a power of two, at most alignof(max_align_t) for the
- * pointer to be aligned); returns that offset and advances c->bytes past
+ * rounded up to align (a power of two, at most alignof(max_align_t), or at
+ * most lk_carve_alloc_aligned's align, for the pointer to be aligned); returns that offset and advances c->bytes past
  * the part. count or size 0 reserves nothing (the offset is still aligned).
  * When count * size, the padding or the new total does not fit in size_t,
  * or align is not a power of two, sets c->overflow, which stays set: this
@@ -55,5 +56,13 @@ size_t lk_carve_part(lk_carve *c, size_t count, size_t size, size_t align);
  * freed with lk_free), or NULL when it has no memory; NULL without
  * allocating anything when c overflowed. */
 void *lk_carve_alloc(const lk_carve *c);
+/* The block for c, its start aligned to align (a power of two, at least
+ * alignof(max_align_t); 64 puts it on a cache line), NOT zeroed: for a
+ * block whose every part is written before it is read, where clearing
+ * MBs per call would cost. One allocation (counted by lk_alloc_fail_at's
+ * hook), at least align bytes, freed with lk_free; NULL when it has no
+ * memory, and NULL without allocating anything when c overflowed, align
+ * is bad, or c->bytes rounded up to align does not fit. */
+void *lk_carve_alloc_aligned(const lk_carve *c, size_t align);
 
 #endif
