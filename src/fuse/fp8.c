@@ -314,23 +314,22 @@ static void fcall_plan(fcall *f, int64_t out, int64_t in, const void *scale, int
  * nw workers, their delta blocks and their scratch (sized by f->prep). */
 static lk_status fcall_alloc(fcall *f, const char *name) {
     const size_t nw = (size_t)f->nw;
-    size_t blk = 0, scr = 0, size = 0;
+    size_t blk = 0, scr = 0;
     f->sb = lk_fuse_delta_scratch(f->prep, f->rb);
-    /* the parts on cache lines from the aligned start (lk_carve_part), 64
-     * bytes more for that alignment; lk_malloc, not lk_carve_alloc: every
-     * part is written before it is read, and zeroing MBs per call would cost */
+    /* the parts on cache lines from a start on one (lk_carve_alloc_aligned,
+     * not zeroed: every part is written before it is read, and zeroing MBs
+     * per call would cost) */
     lk_carve cv = {.overflow = !lk_checked_mul(f->rb, f->I, &blk) || !lk_checked_mul(blk, nw, &blk) ||
                                !lk_checked_mul(f->sb, nw, &scr)};
     const size_t at_s0 = lk_carve_part(&cv, 2 * f->NS, sizeof(double), 64),
                  at_wk = lk_carve_part(&cv, nw, sizeof(fworker), 64), at_blk = lk_carve_part(&cv, blk, sizeof(float), 64),
                  at_scr = lk_carve_part(&cv, scr, 1, 64);
-    if (cv.overflow || !lk_checked_add(cv.bytes, 64, &size) || !(f->mem = lk_malloc(size)))
+    if (!(f->mem = lk_carve_alloc_aligned(&cv, 64)))
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 fuse", name);
-    unsigned char *al = f->mem + ((64u - ((uintptr_t)f->mem & 63u)) & 63u);
-    f->s0 = (double *)(void *)(al + at_s0);
-    f->wk = (fworker *)(void *)(al + at_wk);
-    f->blks = (float *)(void *)(al + at_blk);
-    f->scr = f->sb ? al + at_scr : NULL;
+    f->s0 = (double *)(void *)(f->mem + at_s0);
+    f->wk = (fworker *)(void *)(f->mem + at_wk);
+    f->blks = (float *)(void *)(f->mem + at_blk);
+    f->scr = f->sb ? f->mem + at_scr : NULL;
     return LK_OK;
 }
 

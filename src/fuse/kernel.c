@@ -424,36 +424,44 @@ static void kcall_plan(kcall *k, int64_t out, int64_t in, size_t R, lk_dtype dty
     k->threads = threads;
 }
 
-/* k->mem, one allocation carved into the panels, B', a conversion row,
- * then (each on its own cache line) the shared job and the threads'
- * workers and ids. The panels start on a cache line (malloc gives 16
- * bytes), so no zmm load of A splits two lines; a_n * vsz is a multiple of
- * 256, so B' is aligned too. A failure allocates nothing and names the
- * factors' bytes. */
+/* The factors' part of a kernel block, carved into cv from its start (on
+ * a cache line: lk_carve_alloc_aligned): A's npan panels of pw columns
+ * (pw * R values each) at *at_a, then B' (rows x R values) right after at
+ * *at_b, then a conversion row of max(I, R) floats and 32 floats of slack
+ * at *at_tmp. The panels on a cache line keep every zmm load of A within
+ * one; with panels a_n * vsz is a multiple of 256, so B' is on one too.
+ * Returns the factors' bytes; cv overflowed when they do not fit. */
+static size_t lay_out_factors(lk_carve *cv, size_t npan, size_t pw, size_t rows, size_t R, size_t I, size_t vsz,
+                            size_t *at_a, size_t *at_b, size_t *at_tmp) {
+    size_t a_n = 0, b_n = 0;
+    cv->overflow |= !lk_checked_mul(npan * pw, R, &a_n) || !lk_checked_mul(rows, R, &b_n);
+    *at_a = lk_carve_part(cv, a_n, vsz, 64);
+    *at_b = lk_carve_part(cv, b_n, vsz, vsz);
+    *at_tmp = lk_carve_part(cv, (I > R ? I : R) + 32, sizeof(float), _Alignof(float));
+    return cv->bytes;
+}
+
+/* k->mem, one allocation carved into the factors (lay_out_factors), then
+ * (each on its own cache line) the shared job and the threads' workers and
+ * ids. Not zeroed (lk_carve_alloc_aligned): every part is written before
+ * it is read, and zeroing the factors on every call would cost. A failure
+ * allocates nothing and names the factors' bytes. */
 static lk_status kcall_alloc(kcall *k, const char *name) {
-    size_t b_n, a_n, tot, all;
     const size_t nt = (size_t)k->threads;
-    if (!lk_checked_mul(k->O, k->R, &b_n) || !lk_checked_mul(k->npan * k->pw, k->R, &a_n) ||
-        !lk_checked_add(a_n, b_n, &tot) || !lk_checked_mul(tot, k->vsz, &tot) ||
-        !lk_checked_add(tot, ((k->I > k->R ? k->I : k->R) + 32) * sizeof(float), &tot))
-        return lk_error(LK_ERR_SHAPE, "%s: factors too large", name);
-    /* tot: the factors, a row and 32 floats of slack, 16 of which pay for
-     * aligning the start; the rest laid out after it (lk_carve_part) on
-     * cache lines from the aligned start, 64 bytes more for that alignment.
-     * lk_malloc, not lk_carve_alloc: every part is written before it is
-     * read, and zeroing the factors on every call would cost. */
-    lk_carve cv = {.bytes = tot};
+    size_t at_a, at_b, at_tmp;
+    lk_carve cv = {0};
+    const size_t tot = lay_out_factors(&cv, k->npan, k->pw, k->O, k->R, k->I, k->vsz, &at_a, &at_b, &at_tmp);
+    if (cv.overflow) return lk_error(LK_ERR_SHAPE, "%s: factors too large", name);
     const size_t sh_at = lk_carve_part(&cv, 1, sizeof(kshared), 64), ths_at = lk_carve_part(&cv, nt, sizeof(kthread), 64),
                  tids_at = lk_carve_part(&cv, nt, sizeof(pthread_t), 64);
-    if (cv.overflow || !lk_checked_add(cv.bytes, 64, &all) || !(k->mem = lk_malloc(all)))
+    if (!(k->mem = lk_carve_alloc_aligned(&cv, 64)))
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for the fusion factors (%zu bytes)", name, tot);
-    unsigned char *al = k->mem + ((64u - ((uintptr_t)k->mem & 63u)) & 63u);
-    k->ap = al;
-    k->bs = al + a_n * k->vsz;
-    k->tmp = (float *)(void *)(al + (a_n + b_n) * k->vsz);
-    k->sh = (kshared *)(void *)(al + sh_at);
-    k->ths = (kthread *)(void *)(al + ths_at);
-    k->tids = (pthread_t *)(void *)(al + tids_at);
+    k->ap = k->mem + at_a;
+    k->bs = k->mem + at_b;
+    k->tmp = (float *)(void *)(k->mem + at_tmp);
+    k->sh = (kshared *)(void *)(k->mem + sh_at);
+    k->ths = (kthread *)(void *)(k->mem + ths_at);
+    k->tids = (pthread_t *)(void *)(k->mem + tids_at);
     return LK_OK;
 }
 
@@ -630,21 +638,21 @@ lk_status lk_kdelta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int
         return LK_OK;
     }
     const size_t pw = !p->panels ? I : wide ? LK_PW64 : LK_PW32, npan = (I + pw - 1) / pw;
-    size_t a_n, b_n, tot;
-    if (!lk_checked_mul(npan * pw, R, &a_n) || !lk_checked_mul(n, R, &b_n) || !lk_checked_add(a_n, b_n, &tot) ||
-        !lk_checked_mul(tot, vsz, &tot) || !lk_checked_add(tot, ((I > R ? I : R) + 32) * sizeof(float), &tot)) {
+    size_t at_a, at_b, at_tmp;
+    lk_carve cv = {0};
+    const size_t tot = lay_out_factors(&cv, npan, pw, n, R, I, vsz, &at_a, &at_b, &at_tmp);
+    if (cv.overflow) {
         lk_free(p);
         return lk_error(LK_ERR_SHAPE, "%s: factors too large", name);
     }
-    p->mem = lk_malloc(tot);
+    p->mem = lk_carve_alloc_aligned(&cv, 64); /* not zeroed: every part is written first */
     if (!p->mem) {
         lk_free(p);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for the fusion factors (%zu bytes)", name, tot);
     }
-    unsigned char *al = p->mem + ((64u - ((uintptr_t)p->mem & 63u)) & 63u); /* panels on a cache line */
-    p->A = al;
-    p->bs = al + a_n * vsz;
-    float *tmp = (float *)(al + (a_n + b_n) * vsz);
+    p->A = p->mem + at_a;
+    p->bs = p->mem + at_b;
+    float *tmp = (float *)(void *)(p->mem + at_tmp);
     make_bs(p->bs, wide, R, (size_t)row0, n, terms, n_terms, tmp);
     make_panels(p->A, wide, pw, R, I, terms, n_terms, tmp);
     *pp = p;
