@@ -1156,6 +1156,31 @@ static void test_pipeline_folder(void **state) {
     assert_int_equal(lk_fuse_file(pipe, &in, 1, outd, NULL, NULL), LK_ERR_UNMATCHED);
     tu_assert_contains(lk_last_error(), "no_such_block.proj matches no weight in any component of");
     assert_false(tu_exists(outd));
+    /* Running out of memory while opening a component's checkpoint fails
+     * the fuse (it is not "no checkpoint: copied", which with
+     * allow_unmatched wrote the pipeline with that component unfused and
+     * succeeded): each allocation up to the adapter's opening (the count of
+     * a fuse whose adapter does not exist) failing in turn is
+     * LK_ERR_NOMEM, with no output. */
+    char ad[512], missing[600];
+    snprintf(ad, sizeof ad, FIX "sd1_lora_kohya.safetensors");
+    snprintf(missing, sizeof missing, "%s/no_such_adapter.safetensors", g_dir);
+    snprintf(outd, sizeof outd, "%s/out_oom", g_dir);
+    lk_fuse_file_opts fo = {0};
+    fo.allow_unmatched = 1;
+    lk_fuse_input miss = {missing, 1.0, LK_FORMAT_AUTO}, real = {ad, 1.0, LK_FORMAT_AUTO};
+    lk_alloc_fail_at(0);
+    assert_int_not_equal(lk_fuse_file(pipe, &miss, 1, outd, &fo, NULL), LK_OK);
+    const unsigned long n_open = lk_alloc_count();
+    for (unsigned long k = 1; k <= n_open; k++) {
+        lk_alloc_fail_at(k);
+        lk_status s = lk_fuse_file(pipe, &real, 1, outd, &fo, NULL);
+        lk_alloc_fail_at(0);
+        if (s != LK_ERR_NOMEM) fail_msg("allocation %lu of %lu: %s: %s", k, n_open, lk_status_str(s), lk_last_error());
+        assert_false(tu_exists(outd));
+    }
+    assert_true(n_open > 10);
+    print_message("pipeline: each of the %lu allocations that open its components failing: LK_ERR_NOMEM\n", n_open);
     free(bp);
     af_free(bad);
     free_all(single, ns);

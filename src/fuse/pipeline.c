@@ -188,8 +188,9 @@ typedef struct pctx {
 } pctx;
 
 /* Every component's folder, and its checkpoint when it has one (a
- * component without one is copied); each checkpoint is added to the
- * inputs OUT is checked against. */
+ * component without one is copied; running out of memory while opening
+ * one is LK_ERR_NOMEM, not "no checkpoint"); each checkpoint is added to
+ * the inputs OUT is checked against. */
 static lk_status open_components(pctx *p) {
     lk_status s = LK_OK;
     for (size_t k = 0; k < N_COMP && !s; k++) {
@@ -197,8 +198,10 @@ static lk_status open_components(pctx *p) {
         c->name = g_components[k];
         if (!(c->dir = lk_path_join(p->base, c->name))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", p->base);
         struct stat sb;
-        if (!s && stat(c->dir, &sb) == 0 && S_ISDIR(sb.st_mode) && lk_ckpt_open(c->dir, &c->ck)) {
-            lk_log(LK_LOG_DEBUG, "%s: %s has no checkpoint (%s): copied", p->base, c->name, lk_last_error());
+        lk_status o = LK_OK;
+        if (!s && stat(c->dir, &sb) == 0 && S_ISDIR(sb.st_mode) && (o = lk_ckpt_open(c->dir, &c->ck))) {
+            if (o == LK_ERR_NOMEM) s = o;
+            else lk_log(LK_LOG_DEBUG, "%s: %s has no checkpoint (%s): copied", p->base, c->name, lk_last_error());
             c->ck = NULL;
         }
         if (!s && c->ck) s = lk_out_inputs_add_ckpt(&p->oin, c->ck);
