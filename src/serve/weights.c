@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/alloc.h"
 #include "core/file.h"
 #include "lorakit/alloc.h"
 #include "lorakit/checkpoint.h"
@@ -137,10 +138,11 @@ lk_status lk_weights_load(const char *path, lk_weights **out) {
 lk_status lk_weights_wrap(const lk_tensor *t, size_t n, lk_weights **out) {
     if (!out || (n && !t)) return lk_error(LK_ERR_ARG, "lk_weights_wrap: NULL argument");
     *out = NULL;
-    size_t total = 0;
-    if (!lk_checked_mul(n, sizeof(lk_tensor) + sizeof(lk_tensor *), &total) ||
-        !lk_checked_add(total, sizeof(lk_weights), &total))
-        return lk_error(LK_ERR_ARG, "lk_weights_wrap: %zu tensors is too many", n);
+    /* one allocation: the weights, the n views, the sorted index */
+    lk_carve lay = {0};
+    const size_t o_w = LK_CARVE(&lay, 1, lk_weights), o_t = LK_CARVE(&lay, n, lk_tensor),
+                 o_sorted = LK_CARVE(&lay, n, const lk_tensor *);
+    if (lay.overflow) return lk_error(LK_ERR_ARG, "lk_weights_wrap: %zu tensors is too many", n);
     size_t nbytes = 0;
     for (size_t i = 0; i < n; i++) {
         size_t numel = 1, want = 0;
@@ -153,14 +155,14 @@ lk_status lk_weights_wrap(const lk_tensor *t, size_t n, lk_weights **out) {
             return lk_error(LK_ERR_ARG, "lk_weights_wrap: tensor %zu (%s): name, dtype, shape and nbytes disagree",
                             i, t[i].name ? t[i].name : "(no name)");
     }
-    unsigned char *raw = lk_malloc(total);
+    unsigned char *raw = lk_carve_alloc(&lay);
     if (!raw) return lk_error(LK_ERR_NOMEM, "lk_weights_wrap: out of memory for %zu tensors", n);
-    lk_weights *w = (lk_weights *)raw;
+    lk_weights *w = (lk_weights *)(void *)(raw + o_w);
     w->block = raw;
     w->n = n;
     w->nbytes = nbytes;
-    w->t = (lk_tensor *)(raw + sizeof(lk_weights));
-    w->sorted = (const lk_tensor **)(raw + sizeof(lk_weights) + n * sizeof(lk_tensor));
+    w->t = (lk_tensor *)(void *)(raw + o_t);
+    w->sorted = (const lk_tensor **)(void *)(raw + o_sorted);
     if (n) memcpy(w->t, t, n * sizeof *t);
     lk_status s = build_index(w);
     if (s) {
