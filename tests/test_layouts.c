@@ -280,6 +280,30 @@ static void test_flux_diffusers_lora(void **state) {
         lk_adapter_free(b);
     }
     assert_true(n_alloc > 100 && n_nomem == n_alloc);
+    /* a tables' folder that is named but cannot be read is an error naming
+     * it, with or without --arch; it was once a quiet resolve without the
+     * tables, which here gave LK_ERR_UNMATCHED for the module names */
+    char *nodir = tu_path(g_dir, "no_such_families_dir");
+    lk_status st[2];
+    char msg[2][512];
+    int fam[2];
+    assert_int_equal(setenv("LORAKIT_FAMILIES_DIR", nodir, 1), 0);
+    for (int with_arch = 0; with_arch < 2; with_arch++) {
+        assert_int_equal(lk_adapter_open(lp, LK_FORMAT_AUTO, &b), LK_OK);
+        lk_resolve_opts ro = {.arch = with_arch ? "flux" : NULL};
+        st[with_arch] = lk_adapter_resolve_opts(b, o->t, o->n, &ro, NULL);
+        snprintf(msg[with_arch], sizeof msg[with_arch], "%s", lk_last_error());
+        fam[with_arch] = lk_adapter_family(b) != NULL;
+        lk_adapter_free(b);
+    }
+    unsetenv("LORAKIT_FAMILIES_DIR"); /* before any assert: the later tests use the shipped tables */
+    for (int w = 0; w < 2; w++) {
+        if (st[w] != LK_ERR_IO) fail_msg("arch %s: %s: %s", w ? "flux" : "NULL", lk_status_str(st[w]), msg[w]);
+        tu_assert_contains(msg[w], "cannot read the family tables in ");
+        tu_assert_contains(msg[w], "no_such_families_dir: No such file or directory");
+        assert_false(fam[w]);
+    }
+    free(nodir);
     lk_adapter_free(a);
     free_layouts(d, D, o, O);
     af_free(l);

@@ -19,6 +19,7 @@
 #include "lorakit/log.h"
 
 #include <dirent.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -338,8 +339,12 @@ static lk_status pick_family(const char *label, const char *arch, char *const *n
         return LK_OK;
     }
     DIR *d = opendir(dir);
-    if (!d) {
-        lk_status s = arch ? lk_error(LK_ERR_IO, "--arch %s: cannot read the family tables in %s", arch, dir) : LK_OK;
+    if (!d) { /* a folder named or found but unreadable (no such folder, no permission, no memory or handles):
+                 an error, never a quiet resolve without the tables */
+        const int e = errno;
+        lk_status s = arch ? lk_error(LK_ERR_IO, "--arch %s: cannot read the family tables in %s: %s", arch, dir,
+                                      strerror(e))
+                           : lk_error(LK_ERR_IO, "%s: cannot read the family tables in %s: %s", label, dir, strerror(e));
         lk_free(dir);
         return s;
     }
