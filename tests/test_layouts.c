@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #define H 8   /* Flux hidden size */
 #define R 4   /* LoRA rank */
@@ -1205,6 +1206,22 @@ static void test_pipeline_folder(void **state) {
     }
     assert_true(n_open > 10);
     print_message("pipeline: each of the %lu allocations that open its components failing: LK_ERR_NOMEM\n", n_open);
+    /* unet/ holding two variants (diffusers repos ship .fp16 beside the
+     * full file): not "no checkpoint: copied", which with allow_unmatched
+     * wrote the pipeline with the UNet unfused and exit 0, but an error
+     * naming the component and lk_ckpt_open's reason; nothing written */
+    char variant[700];
+    snprintf(variant, sizeof variant, "%s/unet/diffusion_pytorch_model.fp16.safetensors", pipe);
+    if (lk_st_save(variant, unet, nu, NULL, 0)) fail_msg("%s", lk_last_error());
+    for (int allow = 0; allow < 2; allow++) {
+        fo.allow_unmatched = allow;
+        assert_int_equal(lk_fuse_file(pipe, &real, 1, outd, &fo, NULL), LK_ERR_IO);
+        tu_assert_contains(lk_last_error(), "whose unet checkpoint could not be opened: ");
+        tu_assert_contains(lk_last_error(), "unet: the folder holds 2 checkpoints (diffusion_pytorch_model.fp16."
+                                            "safetensors, diffusion_pytorch_model.safetensors)");
+        assert_false(tu_exists(outd));
+    }
+    assert_int_equal(unlink(variant), 0);
     free(bp);
     af_free(bad);
     free_all(single, ns);

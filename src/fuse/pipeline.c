@@ -171,8 +171,23 @@ typedef struct comp {
     const char *name;
     char *dir;
     lk_ckpt *ck;    /* NULL: no checkpoint (copied) */
+    char *why;      /* the folder holds a checkpoint that could not be opened: lk_ckpt_open's message */
     size_t hits;    /* modules landing here, over all adapters */
 } comp;
+
+/* Whether folder dir holds a file lk_ckpt_open would consider (a
+ * .safetensors file or a checkpoint index); 1 when it cannot be read. */
+static int holds_checkpoint_file(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return 1;
+    int any = 0;
+    for (struct dirent *e; !any && (e = readdir(d));) {
+        size_t l = strlen(e->d_name);
+        any = (l > 12 && !strcmp(e->d_name + l - 12, ".safetensors")) || lk_ckpt_is_index_name(e->d_name);
+    }
+    closedir(d);
+    return any;
+}
 
 /* One pipeline fuse: the request, its components, and the output. */
 typedef struct pctx {
@@ -189,8 +204,10 @@ typedef struct pctx {
 
 /* Every component's folder, and its checkpoint when it has one (a
  * component without one is copied; running out of memory while opening
- * one is LK_ERR_NOMEM, not "no checkpoint"); each checkpoint is added to
- * the inputs OUT is checked against. */
+ * one is LK_ERR_NOMEM, not "no checkpoint"; a checkpoint file there that
+ * cannot be opened, or two variants, is kept in c->why: check_unmatched
+ * names it rather than let the component pass as having no checkpoint);
+ * each checkpoint is added to the inputs OUT is checked against. */
 static lk_status open_components(pctx *p) {
     lk_status s = LK_OK;
     for (size_t k = 0; k < N_COMP && !s; k++) {
@@ -200,8 +217,12 @@ static lk_status open_components(pctx *p) {
         struct stat sb;
         lk_status o = LK_OK;
         if (!s && stat(c->dir, &sb) == 0 && S_ISDIR(sb.st_mode) && (o = lk_ckpt_open(c->dir, &c->ck))) {
-            if (o == LK_ERR_NOMEM) s = o;
-            else lk_log(LK_LOG_DEBUG, "%s: %s has no checkpoint (%s): copied", p->base, c->name, lk_last_error());
+            if (o == LK_ERR_NOMEM)
+                s = o;
+            else if (holds_checkpoint_file(c->dir) && !(c->why = lk_strdup(lk_last_error())))
+                s = lk_error(LK_ERR_NOMEM, "%s: out of memory", p->base);
+            else
+                lk_log(LK_LOG_DEBUG, "%s: %s has no checkpoint (%s): copied", p->base, c->name, lk_last_error());
             c->ck = NULL;
         }
         if (!s && c->ck) s = lk_out_inputs_add_ckpt(&p->oin, c->ck);
@@ -244,7 +265,11 @@ static lk_status check_unmatched(pctx *p, const lk_adapter *a, const char *path,
     for (size_t m = 0; m < nm; m++)
         if (where[m] < 0 && un++ == 0) first = m;
     lk_status s = LK_OK;
-    if (nm && un == nm) /* as for one file: --allow-unmatched skips some modules, never all */
+    for (size_t k = 0; k < N_COMP && un && !s; k++) /* not a component without a checkpoint: never skipped */
+        if (p->c[k].why)
+            s = lk_error(LK_ERR_IO, "%s: %s matches no weight in %s, whose %s checkpoint could not be opened: %s", path,
+                         lk_adapter_module(a, first)->module, p->base, p->c[k].name, p->c[k].why);
+    if (!s && nm && un == nm) /* as for one file: --allow-unmatched skips some modules, never all */
         s = lk_error(LK_ERR_UNMATCHED, "%s: none of its %zu modules matches a weight in any component of %s "
                      "(first: %s), so it would change nothing", path, nm, p->base, lk_adapter_module(a, first)->module);
     if (!s && un && !p->opts->allow_unmatched)
@@ -350,6 +375,7 @@ lk_status lk_fuse_pipeline(const char *base, const lk_fuse_input *inputs, const 
     for (size_t k = 0; k < N_COMP; k++) {
         lk_ckpt_close(p.c[k].ck);
         lk_free(p.c[k].dir);
+        lk_free(p.c[k].why);
     }
     if (!s && stats) *stats = p.total;
     return s;
