@@ -64,7 +64,7 @@ static lk_status file_digest(const char *path, char hex[LK_DIGEST_HEX]) {
 
 /* Opens path with alpha_from and checks the one module's alpha, scale and source. */
 static void expect_alpha(const char *path, lk_alpha_from from, double alpha, const char *source) {
-    lk_adapter_opts o = {LK_FORMAT_AUTO, from};
+    lk_adapter_opts o = {.format = LK_FORMAT_AUTO, .alpha_from = from};
     lk_adapter *a;
     if (lk_adapter_open_opts(path, &o, &a)) fail_msg("%s: %s", path, lk_last_error());
     assert_int_equal(lk_adapter_count(a), 1);

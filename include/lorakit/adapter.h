@@ -57,10 +57,31 @@ const char *lk_alpha_from_name(lk_alpha_from a);
 /* Parses a name as above; LK_ERR_ARG naming the value and the valid ones. */
 lk_status lk_alpha_from_parse(const char *name, lk_alpha_from *out);
 
-/* How an adapter is read; all zero = auto-detected format, LK_ALPHA_AUTO. */
+/* Whose rules decide what a file means where the tools disagree (DoRA's norm
+ * and epsilon, set_weight at strength != 1, alpha 0, alpha in metadata,
+ * OFT/BOFT strength and constraint; the README's conventions table lists
+ * every point). LK_CONVENTION_LORAKIT (0) is lorakit's documented default;
+ * the others reproduce ComfyUI's loader, LyCORIS's network forward and
+ * PEFT's merge. Part of what the tracker's ranks agree on. */
+typedef enum lk_convention {
+    LK_CONVENTION_LORAKIT = 0,
+    LK_CONVENTION_COMFYUI,
+    LK_CONVENTION_LYCORIS,
+    LK_CONVENTION_PEFT,
+    LK_CONVENTION_COUNT
+} lk_convention;
+
+/* "lorakit", "comfyui", "lycoris", "peft". */
+const char *lk_convention_name(lk_convention c);
+/* Parses a name as above; LK_ERR_ARG naming the value and the valid ones. */
+lk_status lk_convention_parse(const char *name, lk_convention *out);
+
+/* How an adapter is read; all zero = auto-detected format, LK_ALPHA_AUTO,
+ * lorakit's conventions. */
 typedef struct lk_adapter_opts {
     lk_adapter_format format;
     lk_alpha_from alpha_from;
+    lk_convention convention;
 } lk_adapter_opts;
 
 /* The algorithm of an adapter module (LyCORIS names where LyCORIS has it). */

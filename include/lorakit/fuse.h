@@ -75,6 +75,7 @@ typedef struct lk_fuse_opts {
     int threads;          /* 0 = all cores */
     int allow_nonfinite;  /* else a non-finite result from finite input is LK_ERR_NONFINITE */
     lk_fp8_opts fp8;      /* FP8 weights only */
+    lk_convention convention; /* whose rules where the tools disagree (adapter.h); 0 = lorakit */
 } lk_fuse_opts;
 
 /* w_out may equal w_in (in place); both are out x in of dtype `dtype`.

@@ -12,6 +12,23 @@ extern "C" {
 
 #define LK_MAX_DIMS 8
 
+/* Where a tensor's memory lives. All zero = host memory (every tensor before
+ * round 4, and every reader view). LK_DEVICE_EMUL is an emulated device on
+ * the CPU (its own allocations, explicit copies, kernels run as their
+ * per-thread bodies over the launch grid): how CI runs every device path.
+ * The device layer (include/lorakit/device.h) allocates, copies and runs
+ * kernels on each kind; code below it only reads this field. */
+typedef enum lk_device_kind {
+    LK_DEVICE_CPU = 0,
+    LK_DEVICE_CUDA = 1,
+    LK_DEVICE_EMUL = 2
+} lk_device_kind;
+
+typedef struct lk_device {
+    lk_device_kind kind;
+    int index;                   /* cuda:N; 0 for cpu and emul */
+} lk_device;
+
 typedef struct lk_tensor {
     const char *name;
     lk_dtype dtype;
@@ -19,7 +36,11 @@ typedef struct lk_tensor {
     int64_t shape[LK_MAX_DIMS];
     size_t nbytes;               /* product(shape) * dtype size */
     void *data;                  /* borrowed; read-only for reader views */
+    lk_device device;            /* where data lives; zero = host memory */
 } lk_tensor;
+
+/* 1 when the tensor's bytes are in host memory (readable by the CPU). */
+static inline int lk_tensor_on_host(const lk_tensor *t) { return t->device.kind == LK_DEVICE_CPU; }
 
 /* Number of elements (1 for a 0-d tensor). */
 size_t lk_tensor_numel(const lk_tensor *t);

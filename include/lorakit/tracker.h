@@ -78,6 +78,8 @@ typedef struct lk_tracker_opts {
     lk_alpha_from alpha_from; /* where each adapter's alpha comes from (adapter.h);
                             0 = auto. Ranks that differ get different scales,
                             which the content agreement refuses (LK_ERR_MISMATCH) */
+    lk_convention convention; /* whose rules where the tools disagree (adapter.h);
+                            0 = lorakit; must be equal on every rank */
     const char *arch;    /* model family table every adapter is resolved with, as
                             lk_resolve_opts.arch / `lorakit fuse --arch` ("flux",
                             "sdxl", ...; "none": no table); NULL: recognised from
@@ -98,6 +100,7 @@ typedef struct lk_tracker_opts {
 #define LK_TRACKER_OPTS_DEFAULT                                                               \
     {.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT, .no_lora_swap = 0, .threads = 0,             \
      .allow_nonfinite = 0, .fp8 = {LK_FP8_NEAREST, 0, LK_FP8_RESCALE, 0}, .alpha_from = LK_ALPHA_AUTO,   \
+     .convention = LK_CONVENTION_LORAKIT,                                                      \
      .arch = NULL, .maps = NULL, .n_maps = 0, .base_label = NULL}
 
 typedef struct lk_tracker_stats {

@@ -71,6 +71,22 @@ lk_status lk_alpha_from_parse(const char *name, lk_alpha_from *out) {
     return LK_OK;
 }
 
+static const char *const g_conv_names[LK_CONVENTION_COUNT] = {"lorakit", "comfyui", "lycoris", "peft"};
+
+const char *lk_convention_name(lk_convention c) {
+    if ((int)c < 0 || c >= LK_CONVENTION_COUNT) return "unknown";
+    return g_conv_names[c];
+}
+
+lk_status lk_convention_parse(const char *name, lk_convention *out) {
+    int i = name_index(g_conv_names, LK_CONVENTION_COUNT, name);
+    if (i < 0)
+        return lk_error(LK_ERR_ARG, "unknown convention '%s' (valid: lorakit, comfyui, lycoris, peft)",
+                        name ? name : "(null)");
+    *out = (lk_convention)i;
+    return LK_OK;
+}
+
 /* ---- key classification ---- */
 
 enum family { FAM_NONE = 0, FAM_AB, FAM_KOHYA, FAM_FV, FAM_ALPHA, FAM_ANY };

@@ -556,7 +556,7 @@ lk_status lk_inspect_base_json_opts(const char *adapter, const char *base, const
     part parts[5];
     size_t np = 0;
     json_t *o = NULL;
-    lk_adapter_opts ao = aopts ? *aopts : (lk_adapter_opts){LK_FORMAT_AUTO, LK_ALPHA_AUTO};
+    lk_adapter_opts ao = aopts ? *aopts : (lk_adapter_opts){.format = LK_FORMAT_AUTO, .alpha_from = LK_ALPHA_AUTO};
     lk_resolve_opts ro = opts ? *opts : (lk_resolve_opts){0};
     ro.allow_unmatched = LK_RESOLVE_LIST_ALL; /* inspect shows the unmatched modules, all of them if need be */
     lk_status s = lk_adapter_open_opts(adapter, &ao, &a);

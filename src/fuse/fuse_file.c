@@ -299,7 +299,8 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
     /* Open and validate every adapter before anything is written. */
     for (size_t i = 0; i < n; i++) {
         size_t un = 0;
-        lk_adapter_opts ao = {inputs[i].format, fo->alpha_from};
+        lk_adapter_opts ao = {.format = inputs[i].format, .alpha_from = fo->alpha_from,
+                              .convention = fo->fuse.convention};
         if ((s = lk_fuse_input_open(&inputs[i], sources ? sources[i] : NULL, &ao, &c->ad[i]))) return s;
         c->n_ad = i + 1;
         lk_resolve_opts ro = {.allow_unmatched = fo->allow_unmatched, .arch = fo->arch, .maps = fo->maps,

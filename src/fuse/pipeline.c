@@ -289,7 +289,8 @@ static lk_status route_adapter(pctx *p, size_t i) {
     const lk_fuse_input *in = &p->inputs[i];
     const lk_adapter_source *src = p->sources ? p->sources[i] : NULL;
     lk_adapter *a = NULL;
-    lk_adapter_opts ao = {in->format, p->opts->alpha_from};
+    lk_adapter_opts ao = {.format = in->format, .alpha_from = p->opts->alpha_from,
+                          .convention = p->opts->fuse.convention};
     lk_status s = lk_fuse_input_open(in, src, &ao, &a);
     if (s) return s;
     if (!src) s = lk_out_inputs_add(&p->oin, lk_adapter_file(a), "adapter");

@@ -248,7 +248,8 @@ static uint64_t adapter_content(const lk_adapter *a) {
  * r->content (local; request_clear frees the adapters). */
 static lk_status request_load(lk_tracker *t, request *r) {
     for (size_t i = 0; i < r->n; i++) {
-        lk_adapter_opts ao = {r->e[i].format, t->o.alpha_from};
+        lk_adapter_opts ao = {.format = r->e[i].format, .alpha_from = t->o.alpha_from,
+                              .convention = t->o.convention};
         lk_status s = lk_fuse_input_open(&r->e[i], r->src ? r->src[i] : NULL, &ao, &r->ad[i]);
         /* the family table and --map files as lk_fuse_file's resolve: the same placements, the same bytes */
         lk_resolve_opts ro = {.arch = t->o.arch, .maps = t->o.maps, .n_maps = t->o.n_maps};
@@ -330,7 +331,8 @@ static lk_status recompute_fp8(lk_tracker *t, size_t i, const lk_fuse_term *term
     if (t->k[i].backup) memcpy(w->data, t->k[i].backup, w->nbytes);
     if (sc && t->k[t->k[i].scale].backup) memcpy(sc->data, t->k[t->k[i].scale].backup, sc->nbytes);
     if (!nt) return LK_OK;
-    lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite, t->o.fp8};
+    lk_fuse_opts fo = {.threads = t->o.threads, .allow_nonfinite = t->o.allow_nonfinite, .fp8 = t->o.fp8,
+                       .convention = t->o.convention};
     return lk_fuse_fp8(w->data, w->dtype, w->shape[0], (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]), sc ? sc->data : NULL,
                        sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, nt, &fo, w->name);
 }
@@ -351,7 +353,8 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
         if (clean != w->data) memcpy(w->data, clean, w->nbytes);
         return LK_OK;
     }
-    lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite, t->o.fp8};
+    lk_fuse_opts fo = {.threads = t->o.threads, .allow_nonfinite = t->o.allow_nonfinite, .fp8 = t->o.fp8,
+                       .convention = t->o.convention};
     return lk_fuse_key_apply(w->data, clean, w, &plan, terms, &fo);
 }
 
@@ -981,7 +984,8 @@ static lk_status trial_fuse(lk_tracker *t, const request *r, lk_fuse_term *terms
         if (t->k[i].owner != t->rank || !t->next[i]) continue;
         if (t->k[i].weight >= 0) continue; /* a scale: tried with its weight */
         const lk_tensor *w = lk_weights_tensor(t->w, i);
-        lk_fuse_opts fo = {t->o.threads, t->o.allow_nonfinite, t->o.fp8};
+        lk_fuse_opts fo = {.threads = t->o.threads, .allow_nonfinite = t->o.allow_nonfinite, .fp8 = t->o.fp8,
+                       .convention = t->o.convention};
         lk_fuse_key plan;
         local = key_terms(t, r, i, terms, &plan);
         if (!local && lk_dtype_is_fp8(w->dtype)) {

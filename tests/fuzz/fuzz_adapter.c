@@ -52,7 +52,7 @@ static void fz_adapter_fuse(lk_adapter *a) {
  * the open status. */
 static lk_status fz_adapter_try(const char *path, lk_adapter_format fmt, lk_alpha_from af, int allow) {
     lk_adapter *a = NULL;
-    lk_adapter_opts o = {fmt, af};
+    lk_adapter_opts o = {.format = fmt, .alpha_from = af};
     lk_status s = lk_adapter_open_opts(path, &o, &a);
     if (s != LK_OK) {
         fz_clean_error(s);

@@ -93,7 +93,7 @@ static lk_status load(const lk_bench_full *f, const lk_fuse_input *in, size_t n,
     lk_status s = LK_OK;
     for (size_t k = 0; !s && k < n; k++) {
         const lk_fuse_input *e = &in[order[k]];
-        lk_adapter_opts ao = {e->format, f->o.alpha_from};
+        lk_adapter_opts ao = {.format = e->format, .alpha_from = f->o.alpha_from, .convention = f->o.convention};
         lk_resolve_opts ro = {.arch = f->o.arch, .maps = f->o.maps, .n_maps = f->o.n_maps};
         s = lk_fuse_input_open(e, NULL, &ao, &ad[k]);
         if (!s) s = lk_adapter_resolve_opts(ad[k], lk_weights_tensors(f->w), f->n, &ro, NULL);
@@ -107,7 +107,8 @@ static lk_status load(const lk_bench_full *f, const lk_fuse_input *in, size_t n,
  * set touches it. */
 static lk_status refuse(const lk_bench_full *f, lk_adapter *const *ad, const double *strength, size_t n,
                         lk_fuse_term *terms, lk_tracker_stats *st) {
-    const lk_fuse_opts fo = {f->o.threads, f->o.allow_nonfinite, f->o.fp8};
+    const lk_fuse_opts fo = {.threads = f->o.threads, .allow_nonfinite = f->o.allow_nonfinite, .fp8 = f->o.fp8,
+                             .convention = f->o.convention};
     for (size_t c = 0; c < f->n; c++) {
         const size_t i = f->ord[c];
         const lk_tensor *x = lk_weights_tensor(f->w, i);
