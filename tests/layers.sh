@@ -15,16 +15,16 @@ fail=0
 CC=${CC:-cc}
 
 # layer: a public header it owns, an internal header it owns
-declare -A PUB=([core]=status.h [io]=safetensors.h [adapter]=adapter.h [fuse]=fuse.h
+declare -A PUB=([core]=status.h [device]=device.h [io]=safetensors.h [adapter]=adapter.h [fuse]=fuse.h
                 [comm]=comm.h [serve]=tracker.h [lora]=lora.h [app]=lorakit.h)
-declare -A INT=([core]=core/file.h [io]=io/yaml_doc.h [adapter]=adapter/config.h
+declare -A INT=([core]=core/file.h [device]=device/backend.h [io]=io/yaml_doc.h [adapter]=adapter/config.h
                 [fuse]=fuse/fuse.h [comm]=comm/backend.h [serve]=serve/tracker.h
                 [lora]=lora/gemm.h [app]=app/model.h)
 # what each layer may see (itself and everything below it)
-declare -A SEES=([core]="core" [io]="io core" [adapter]="adapter io core"
-                 [fuse]="fuse adapter io core" [comm]="comm core"
-                 [serve]="serve fuse comm adapter io core" [lora]="lora fuse comm adapter io core"
-                 [app]="app serve lora fuse comm adapter io core")
+declare -A SEES=([core]="core" [device]="device core" [io]="io core" [adapter]="adapter io core"
+                 [fuse]="fuse device adapter io core" [comm]="comm core"
+                 [serve]="serve fuse device comm adapter io core" [lora]="lora fuse device comm adapter io core"
+                 [app]="app serve lora fuse device comm adapter io core")
 
 compiles() { # layer header-include-line
   printf '#include "%s"\nint lk_layer_probe;\n' "$2" >"$TMP/p.c"
@@ -32,9 +32,9 @@ compiles() { # layer header-include-line
       $(pkg-config --cflags jansson yaml-0.1 libxxhash 2>/dev/null) "$TMP/p.c" 2>/dev/null
 }
 
-for l in core io adapter fuse comm serve lora app; do
+for l in core device io adapter fuse comm serve lora app; do
   [ -d "$L/$l/include" ] || { echo "FAIL no include tree for layer $l under $L"; fail=1; continue; }
-  for m in core io adapter fuse comm serve lora app; do
+  for m in core device io adapter fuse comm serve lora app; do
     case " ${SEES[$l]} " in *" $m "*) want=0 ;; *) want=1 ;; esac
     for h in "lorakit/${PUB[$m]}" "${INT[$m]}"; do
       compiles "$l" "$h"; got=$?

@@ -8,6 +8,7 @@
 #include "lorakit/alloc.h"
 #include "lorakit/dtype.h"
 #include "lorakit/tensor.h"
+#include "lorakit/device.h"
 #include "lorakit/knobs.h"
 #include "lorakit/safetensors.h"
 #include "lorakit/checkpoint.h"

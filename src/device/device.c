@@ -1,0 +1,410 @@
+/* device.c — the device layer's names, its dispatch, and the cpu and emul
+ * backends (lorakit/device.h says what each backend is).
+ *
+ * emul is built to catch, on a machine without a GPU, the mistakes a GPU
+ * would punish: its allocations are registered (one mutex-guarded table:
+ * the emulated device's memory is process state, as a GPU's is), so a copy
+ * whose device side is host memory, or runs past an allocation, is an
+ * error naming the pointer and the size instead of a silent memcpy; and
+ * its kernels run only through lk_device_launch, the per-thread body over
+ * the whole grid. cuda goes to device_cuda.c. */
+#include "lorakit/device.h"
+#include "lorakit/alloc.h"
+#include "core/clock.h"
+#include "device/backend.h"
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define EMUL_ALIGN 256u
+
+/* ---- names ---- */
+
+lk_status lk_device_parse(const char *text, lk_device *out) {
+    if (!text || !out) return lk_error(LK_ERR_ARG, "device: NULL argument");
+    if (!strcmp(text, "cpu")) {
+        *out = (lk_device){LK_DEVICE_CPU, 0};
+        return LK_OK;
+    }
+    if (!strcmp(text, "emul")) {
+        *out = (lk_device){LK_DEVICE_EMUL, 0};
+        return LK_OK;
+    }
+    if (!strcmp(text, "cuda")) {
+        *out = (lk_device){LK_DEVICE_CUDA, 0};
+        return LK_OK;
+    }
+    if (!strncmp(text, "cuda:", 5)) {
+        const char *p = text + 5;
+        int n = 0, digits = 0;
+        for (; *p >= '0' && *p <= '9' && n <= 1023; p++, digits++) n = n * 10 + (*p - '0');
+        if (digits && !*p && n <= 1023 && !(digits > 1 && text[5] == '0')) {
+            *out = (lk_device){LK_DEVICE_CUDA, n};
+            return LK_OK;
+        }
+    }
+    return lk_error(LK_ERR_ARG, "device '%s': expected cpu, cuda, cuda:N (N = 0..1023) or emul", text);
+}
+
+const char *lk_device_str(lk_device d, char *buf) {
+    switch (d.kind) {
+    case LK_DEVICE_CPU: snprintf(buf, LK_DEVICE_STR_MAX, "cpu"); break;
+    case LK_DEVICE_EMUL: snprintf(buf, LK_DEVICE_STR_MAX, "emul"); break;
+    case LK_DEVICE_CUDA: snprintf(buf, LK_DEVICE_STR_MAX, "cuda:%d", d.index); break;
+    default: snprintf(buf, LK_DEVICE_STR_MAX, "device?%d", (int)d.kind); break;
+    }
+    return buf;
+}
+
+int lk_device_equal(lk_device a, lk_device b) {
+    return a.kind == b.kind && (a.kind != LK_DEVICE_CUDA || a.index == b.index);
+}
+
+int lk_device_cuda_built(void) { return lk_cuda_built(); }
+int lk_device_cuda_count(void) { return lk_cuda_count(); }
+
+static lk_status bad_kind(lk_device d, const char *what) {
+    return lk_error(LK_ERR_ARG, "%s: unknown device kind %d", what, (int)d.kind);
+}
+
+lk_status lk_device_check(lk_device d) {
+    switch (d.kind) {
+    case LK_DEVICE_CPU:
+    case LK_DEVICE_EMUL: return LK_OK;
+    case LK_DEVICE_CUDA: return lk_cuda_check(d.index);
+    }
+    return bad_kind(d, "device check");
+}
+
+/* ---- emul's registry ---- */
+
+typedef struct emul_block {
+    void *raw;           /* what lk_malloc returned */
+    unsigned char *base; /* the device pointer (EMUL_ALIGN-aligned) */
+    size_t size;
+} emul_block;
+
+static pthread_mutex_t g_emul_mu = PTHREAD_MUTEX_INITIALIZER;
+static emul_block *g_emul;
+static size_t g_emul_n, g_emul_cap;
+
+static lk_status emul_alloc(size_t bytes, void **ptr) {
+    if (bytes > SIZE_MAX - EMUL_ALIGN) return lk_error(LK_ERR_NOMEM, "emul: cannot allocate %zu bytes", bytes);
+    void *raw = lk_malloc(bytes + EMUL_ALIGN);
+    if (!raw) return lk_error(LK_ERR_NOMEM, "emul: out of memory for %zu bytes of device memory", bytes);
+    unsigned char *base = (unsigned char *)raw + (EMUL_ALIGN - ((uintptr_t)raw & (EMUL_ALIGN - 1)));
+    pthread_mutex_lock(&g_emul_mu);
+    if (g_emul_n == g_emul_cap) {
+        size_t cap = g_emul_cap ? 2 * g_emul_cap : 64;
+        emul_block *nb = cap <= SIZE_MAX / sizeof *nb ? lk_realloc(g_emul, cap * sizeof *nb) : NULL;
+        if (!nb) {
+            pthread_mutex_unlock(&g_emul_mu);
+            lk_free(raw);
+            return lk_error(LK_ERR_NOMEM, "emul: out of memory for the allocation table");
+        }
+        g_emul = nb;
+        g_emul_cap = cap;
+    }
+    g_emul[g_emul_n++] = (emul_block){raw, base, bytes};
+    pthread_mutex_unlock(&g_emul_mu);
+    *ptr = base;
+    return LK_OK;
+}
+
+static void emul_free(void *ptr) {
+    if (!ptr) return;
+    void *raw = NULL;
+    pthread_mutex_lock(&g_emul_mu);
+    for (size_t i = 0; i < g_emul_n; i++)
+        if (g_emul[i].base == ptr) {
+            raw = g_emul[i].raw;
+            g_emul[i] = g_emul[--g_emul_n];
+            break;
+        }
+    if (!g_emul_n) { /* the table goes with the last block: nothing is left behind */
+        lk_free(g_emul);
+        g_emul = NULL;
+        g_emul_cap = 0;
+    }
+    pthread_mutex_unlock(&g_emul_mu);
+    lk_free(raw); /* not one of ours: nothing is freed (as cudaFree refuses a host pointer) */
+}
+
+static int emul_owns(const void *ptr, size_t bytes) {
+    const unsigned char *p = ptr;
+    int ok = 0;
+    pthread_mutex_lock(&g_emul_mu);
+    for (size_t i = 0; i < g_emul_n && !ok; i++)
+        ok = p >= g_emul[i].base && p <= g_emul[i].base + g_emul[i].size &&
+             bytes <= (size_t)(g_emul[i].base + g_emul[i].size - p);
+    pthread_mutex_unlock(&g_emul_mu);
+    return ok;
+}
+
+/* ---- memory ---- */
+
+lk_status lk_device_alloc(lk_device d, size_t bytes, void **ptr) {
+    if (!ptr) return lk_error(LK_ERR_ARG, "device alloc: NULL pointer");
+    *ptr = NULL;
+    if (!bytes) return LK_OK;
+    switch (d.kind) {
+    case LK_DEVICE_CPU:
+        if (!(*ptr = lk_malloc(bytes))) return lk_error(LK_ERR_NOMEM, "cpu: out of memory for %zu bytes", bytes);
+        return LK_OK;
+    case LK_DEVICE_EMUL: return emul_alloc(bytes, ptr);
+    case LK_DEVICE_CUDA: return lk_cuda_alloc(d.index, bytes, ptr);
+    }
+    return bad_kind(d, "device alloc");
+}
+
+void lk_device_free(lk_device d, void *ptr) {
+    if (!ptr) return;
+    if (d.kind == LK_DEVICE_CPU) lk_free(ptr);
+    else if (d.kind == LK_DEVICE_EMUL) emul_free(ptr);
+    else if (d.kind == LK_DEVICE_CUDA) lk_cuda_free(d.index, ptr);
+}
+
+lk_status lk_device_host_alloc(lk_device d, size_t bytes, void **ptr) {
+    if (!ptr) return lk_error(LK_ERR_ARG, "host alloc: NULL pointer");
+    *ptr = NULL;
+    if (!bytes) return LK_OK;
+    if (d.kind == LK_DEVICE_CUDA) return lk_cuda_host_alloc(d.index, bytes, ptr);
+    if (!(*ptr = lk_malloc(bytes))) return lk_error(LK_ERR_NOMEM, "out of memory for %zu bytes of staging", bytes);
+    return LK_OK;
+}
+
+void lk_device_host_free(lk_device d, void *ptr) {
+    if (!ptr) return;
+    if (d.kind == LK_DEVICE_CUDA) lk_cuda_host_free(ptr);
+    else lk_free(ptr);
+}
+
+int lk_device_owns(lk_device d, const void *ptr, size_t bytes) {
+    if (d.kind == LK_DEVICE_CPU) return 1;
+    if (d.kind == LK_DEVICE_EMUL) return emul_owns(ptr, bytes);
+    if (d.kind == LK_DEVICE_CUDA) return lk_cuda_owns(d.index, ptr, bytes);
+    return 0;
+}
+
+/* ---- streams and events ---- */
+
+static lk_status stream_new(lk_device d, void *native, int owned, lk_stream **out) {
+    lk_stream *s = lk_calloc(1, sizeof *s);
+    if (!s) {
+        if (owned) lk_cuda_stream_destroy(native);
+        return lk_error(LK_ERR_NOMEM, "out of memory for a stream");
+    }
+    *s = (lk_stream){.dev = d, .native = native, .owned = owned};
+    *out = s;
+    return LK_OK;
+}
+
+lk_status lk_stream_create(lk_device d, lk_stream **out) {
+    if (!out) return lk_error(LK_ERR_ARG, "stream create: NULL pointer");
+    *out = NULL;
+    void *native = NULL;
+    if (d.kind == LK_DEVICE_CUDA) {
+        lk_status st = lk_cuda_stream_create(d.index, &native);
+        if (st) return st;
+    } else if (d.kind != LK_DEVICE_CPU && d.kind != LK_DEVICE_EMUL) {
+        return bad_kind(d, "stream create");
+    }
+    return stream_new(d, native, d.kind == LK_DEVICE_CUDA, out);
+}
+
+lk_status lk_stream_wrap(lk_device d, void *native, lk_stream **out) {
+    if (!out) return lk_error(LK_ERR_ARG, "stream wrap: NULL pointer");
+    *out = NULL;
+    if (d.kind == LK_DEVICE_CUDA) {
+        lk_status st = lk_cuda_check(d.index);
+        if (st) return st;
+    }
+    return stream_new(d, d.kind == LK_DEVICE_CUDA ? native : NULL, 0, out);
+}
+
+void lk_stream_free(lk_stream *s) {
+    if (!s) return;
+    if (s->owned) lk_cuda_stream_destroy(s->native);
+    lk_free(s);
+}
+
+void *lk_stream_native(const lk_stream *s) { return s ? s->native : NULL; }
+lk_device lk_stream_device(const lk_stream *s) { return s ? s->dev : (lk_device){LK_DEVICE_CPU, 0}; }
+
+/* A stream given for device d must be one of d's (NULL is d's default). */
+static lk_status stream_on(lk_device d, const lk_stream *s, const char *what) {
+    if (!s || lk_device_equal(s->dev, d)) return LK_OK;
+    char a[LK_DEVICE_STR_MAX], b[LK_DEVICE_STR_MAX];
+    return lk_error(LK_ERR_ARG, "%s on %s: the stream belongs to %s", what, lk_device_str(d, a),
+                    lk_device_str(s->dev, b));
+}
+
+lk_status lk_stream_sync(lk_device d, lk_stream *s) {
+    lk_status st = stream_on(d, s, "stream sync");
+    if (st) return st;
+    return d.kind == LK_DEVICE_CUDA ? lk_cuda_stream_sync(d.index, s ? s->native : NULL) : LK_OK;
+}
+
+lk_status lk_event_create(lk_device d, lk_event **out) {
+    if (!out) return lk_error(LK_ERR_ARG, "event create: NULL pointer");
+    *out = NULL;
+    void *native = NULL;
+    if (d.kind == LK_DEVICE_CUDA) {
+        lk_status st = lk_cuda_event_create(d.index, &native);
+        if (st) return st;
+    }
+    lk_event *e = lk_calloc(1, sizeof *e);
+    if (!e) {
+        if (native) lk_cuda_event_destroy(native);
+        return lk_error(LK_ERR_NOMEM, "out of memory for an event");
+    }
+    *e = (lk_event){.dev = d, .native = native};
+    *out = e;
+    return LK_OK;
+}
+
+void lk_event_free(lk_event *e) {
+    if (!e) return;
+    if (e->native) lk_cuda_event_destroy(e->native);
+    lk_free(e);
+}
+
+lk_status lk_event_record(lk_event *e, lk_stream *s) {
+    if (!e) return lk_error(LK_ERR_ARG, "event record: NULL event");
+    lk_status st = stream_on(e->dev, s, "event record");
+    if (st) return st;
+    if (e->dev.kind == LK_DEVICE_CUDA && (st = lk_cuda_event_record(e->dev.index, e->native, s ? s->native : NULL)))
+        return st;
+    e->at = lk_now_s(); /* cpu/emul: everything before it is done */
+    e->recorded = 1;
+    return LK_OK;
+}
+
+lk_status lk_event_sync(lk_event *e) {
+    if (!e || !e->recorded) return lk_error(LK_ERR_STATE, "event sync: the event was never recorded");
+    return e->dev.kind == LK_DEVICE_CUDA ? lk_cuda_event_sync(e->native) : LK_OK;
+}
+
+lk_status lk_stream_wait_event(lk_stream *s, lk_event *e) {
+    if (!e || !e->recorded) return lk_error(LK_ERR_STATE, "stream wait: the event was never recorded");
+    lk_status st = stream_on(e->dev, s, "stream wait");
+    if (st) return st;
+    return e->dev.kind == LK_DEVICE_CUDA ? lk_cuda_stream_wait(e->dev.index, s ? s->native : NULL, e->native) : LK_OK;
+}
+
+lk_status lk_event_elapsed(const lk_event *a, const lk_event *b, double *seconds) {
+    if (!a || !b || !a->recorded || !b->recorded || !seconds)
+        return lk_error(LK_ERR_STATE, "event elapsed: both events must be recorded");
+    if (a->dev.kind == LK_DEVICE_CUDA) return lk_cuda_event_elapsed(a->native, b->native, seconds);
+    *seconds = b->at - a->at;
+    return LK_OK;
+}
+
+/* ---- copies ---- */
+
+static const char *const g_copy_names[] = {"host->device", "device->host", "device->device"};
+
+static lk_status emul_side(const void *p, size_t bytes, const char *side, lk_copy_kind kind) {
+    if (emul_owns(p, bytes)) return LK_OK;
+    return lk_error(LK_ERR_ARG, "emul: %s copy of %zu bytes: the %s %p is not inside an emul allocation", g_copy_names[kind],
+                    bytes, side, p);
+}
+
+lk_status lk_device_copy(lk_device d, void *dst, const void *src, size_t bytes, lk_copy_kind kind, lk_stream *s) {
+    if (kind < LK_COPY_H2D || kind > LK_COPY_D2D) return lk_error(LK_ERR_ARG, "device copy: unknown kind %d", (int)kind);
+    lk_status st = stream_on(d, s, "device copy");
+    if (st || !bytes) return st;
+    if (!dst || !src) return lk_error(LK_ERR_ARG, "%s copy of %zu bytes: NULL pointer", g_copy_names[kind], bytes);
+    if (kind == LK_COPY_D2D) {
+        const unsigned char *a = dst, *b = src;
+        if (a < b + bytes && b < a + bytes)
+            return lk_error(LK_ERR_ARG, "device->device copy of %zu bytes: the ranges overlap", bytes);
+    }
+    switch (d.kind) {
+    case LK_DEVICE_CPU: memmove(dst, src, bytes); return LK_OK;
+    case LK_DEVICE_EMUL:
+        if (kind != LK_COPY_D2H && (st = emul_side(dst, bytes, "destination", kind))) return st;
+        if (kind != LK_COPY_H2D && (st = emul_side(src, bytes, "source", kind))) return st;
+        memcpy(dst, src, bytes);
+        return LK_OK;
+    case LK_DEVICE_CUDA: return lk_cuda_copy(d.index, dst, src, bytes, kind, s ? s->native : NULL);
+    }
+    return bad_kind(d, "device copy");
+}
+
+lk_status lk_device_memset(lk_device d, void *dst, int value, size_t bytes, lk_stream *s) {
+    lk_status st = stream_on(d, s, "device memset");
+    if (st || !bytes) return st;
+    if (!dst) return lk_error(LK_ERR_ARG, "device memset of %zu bytes: NULL pointer", bytes);
+    switch (d.kind) {
+    case LK_DEVICE_CPU: memset(dst, value, bytes); return LK_OK;
+    case LK_DEVICE_EMUL:
+        if (!emul_owns(dst, bytes))
+            return lk_error(LK_ERR_ARG, "emul: memset of %zu bytes: %p is not inside an emul allocation", bytes, dst);
+        memset(dst, value, bytes);
+        return LK_OK;
+    case LK_DEVICE_CUDA: return lk_cuda_memset(d.index, dst, value, bytes, s ? s->native : NULL);
+    }
+    return bad_kind(d, "device memset");
+}
+
+lk_status lk_tensor_copy(lk_tensor *dst, const lk_tensor *src, lk_stream *s) {
+    if (!dst || !src) return lk_error(LK_ERR_ARG, "tensor copy: NULL tensor");
+    const char *name = src->name ? src->name : "(tensor)";
+    int same = dst->dtype == src->dtype && dst->ndim == src->ndim && dst->nbytes == src->nbytes;
+    for (int i = 0; same && i < src->ndim; i++) same = dst->shape[i] == src->shape[i];
+    if (!same) {
+        char a[96], b[96];
+        lk_shape_str(src, a, sizeof a);
+        lk_shape_str(dst, b, sizeof b);
+        return lk_error(LK_ERR_SHAPE, "%s: copy from %s %s into %s %s", name, lk_dtype_name(src->dtype), a,
+                        lk_dtype_name(dst->dtype), b);
+    }
+    const int sh = lk_tensor_on_host(src), dh = lk_tensor_on_host(dst);
+    if (!sh && !dh && !lk_device_equal(src->device, dst->device)) {
+        char a[LK_DEVICE_STR_MAX], b[LK_DEVICE_STR_MAX];
+        return lk_error(LK_ERR_ARG, "%s: copy from %s to %s: copies between two devices go through the host", name,
+                        lk_device_str(src->device, a), lk_device_str(dst->device, b));
+    }
+    const lk_copy_kind kind = sh ? LK_COPY_H2D : dh ? LK_COPY_D2H : LK_COPY_D2D;
+    const lk_device d = sh ? dst->device : src->device;
+    lk_status st = lk_device_copy(d, dst->data, src->data, src->nbytes, kind, s);
+    return st ? lk_error_prefix(st, "%s", name) : LK_OK;
+}
+
+/* ---- kernels ---- */
+
+static lk_status emul_launch(const lk_kernel *k, lk_dim3 grid, lk_dim3 block, const void *args) {
+    if (!k->emul) return lk_error(LK_ERR_ARG, "emul: kernel %s has no per-thread body", k->name);
+    lk_thread_idx t = {.grid_dim = grid, .block_dim = block};
+    for (t.block_idx.z = 0; t.block_idx.z < grid.z; t.block_idx.z++)
+        for (t.block_idx.y = 0; t.block_idx.y < grid.y; t.block_idx.y++)
+            for (t.block_idx.x = 0; t.block_idx.x < grid.x; t.block_idx.x++)
+                for (t.thread_idx.z = 0; t.thread_idx.z < block.z; t.thread_idx.z++)
+                    for (t.thread_idx.y = 0; t.thread_idx.y < block.y; t.thread_idx.y++)
+                        for (t.thread_idx.x = 0; t.thread_idx.x < block.x; t.thread_idx.x++) k->emul(args, &t);
+    return LK_OK;
+}
+
+lk_status lk_device_launch(lk_device d, const lk_kernel *k, lk_dim3 grid, lk_dim3 block, const void *args,
+                           size_t args_size, lk_stream *s) {
+    if (!k || !args || !args_size) return lk_error(LK_ERR_ARG, "launch: NULL kernel or arguments");
+    lk_status st = stream_on(d, s, "launch");
+    if (st) return st;
+    const uint64_t nthreads = (uint64_t)block.x * block.y * block.z;
+    if (!grid.x || !grid.y || !grid.z || !nthreads || nthreads > 1024 || grid.y > 65535 || grid.z > 65535 ||
+        grid.x > 0x7fffffffu)
+        return lk_error(LK_ERR_ARG, "launch %s: grid %ux%ux%u of blocks %ux%ux%u is outside CUDA's limits", k->name,
+                        grid.x, grid.y, grid.z, block.x, block.y, block.z);
+    switch (d.kind) {
+    case LK_DEVICE_CPU: return lk_error(LK_ERR_ARG, "launch %s: kernels run on a device (cuda, emul), not cpu", k->name);
+    case LK_DEVICE_EMUL: return emul_launch(k, grid, block, args);
+    case LK_DEVICE_CUDA: return lk_cuda_launch(d.index, k, grid, block, args, s ? s->native : NULL);
+    }
+    return bad_kind(d, "launch");
+}
+
+lk_status lk_device_sync(lk_device d) { return d.kind == LK_DEVICE_CUDA ? lk_cuda_sync(d.index) : LK_OK; }
