@@ -60,11 +60,11 @@ static lk_status fz_adapter_try(const char *path, lk_adapter_format fmt, lk_alph
         return s;
     }
     fz_adapter_check_open(a, fmt);
-    size_t unmatched = 12345;
-    lk_status r = lk_adapter_resolve(a, fz_model(), FZ_NMODEL, allow, &unmatched);
+    size_t unmatched = 12345, warned = 0;
+    lk_status r = fz_resolve_counting(a, allow, &unmatched, &warned);
     if (r != LK_OK) fz_clean_error(r);
     else {
-        fz_adapter_check_resolved(a, allow, unmatched);
+        fz_adapter_check_resolved(a, allow, unmatched, warned);
         fz_adapter_fuse(a);
     }
     lk_adapter_free(a);

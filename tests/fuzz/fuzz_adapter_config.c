@@ -121,9 +121,10 @@ static void fz_adapter_config(const uint8_t *data, size_t size) {
     FZ_CHECK(lk_adapter_count(a) == 4);
     fz_adapter_check_open(a, LK_FORMAT_AUTO);
     size_t unmatched = 0;
-    lk_status r = lk_adapter_resolve(a, fz_model(), FZ_NMODEL, 1, &unmatched);
+    size_t warned = 0;
+    lk_status r = fz_resolve_counting(a, 1, &unmatched, &warned);
     if (r != LK_OK) fz_clean_error(r);
-    else fz_adapter_check_resolved(a, 1, unmatched);
+    else fz_adapter_check_resolved(a, 1, unmatched, warned);
     lk_adapter_free(a);
 }
 

@@ -6,6 +6,7 @@
 #include <math.h>
 
 #include "fuzz_common.h"
+#include "adapter/layout.h"
 
 /* The toy model: names and shapes only (resolve reads nothing else). */
 static const struct {
@@ -82,15 +83,38 @@ static inline void fz_adapter_check_open(const lk_adapter *a, lk_adapter_format 
     }
 }
 
-/* Invariants after a successful resolve. */
-static inline void fz_adapter_check_resolved(const lk_adapter *a, int allow, size_t n_unmatched) {
-    size_t n = lk_adapter_count(a), none = 0;
+/* The pipeline component a module's own key prefix names (text_encoder.,
+ * lora_te1_, ...), or LK_COMP_ANY: from its first tensor's key, as the
+ * resolver reads it from the key's stem. */
+static inline int fz_module_comp(const lk_adapter *a, const lk_lora_module *m) {
+    const lk_tensor *ts[LK_MODULE_MAX_TENSORS];
+    size_t nts = lk_lora_module_tensors(m, ts);
+    const char *key = nts && ts[0]->name ? ts[0]->name : m->module;
+    int comp = LK_COMP_ANY;
+    (void)lk_layout_strip_module(key, lk_adapter_get_format(a) == LK_FORMAT_KOHYA && !strchr(m->module, '.'), &comp);
+    return comp;
+}
+
+/* Invariants after a successful resolve. Strict mode: every module has a
+ * target, except (by design: resolve.c's skip_foreign) the modules of a
+ * pipeline component the base holds none of, beside others that land: those
+ * are skipped, counted in n_unmatched and warned about (n_foreign_warned:
+ * the skip warnings logged during the resolve). */
+static inline void fz_adapter_check_resolved(const lk_adapter *a, int allow, size_t n_unmatched,
+                                             size_t n_foreign_warned) {
+    size_t n = lk_adapter_count(a), none = 0, landed = 0;
+    int comp_landed[LK_COMP_COUNT] = {0}, comp_skipped[LK_COMP_COUNT] = {0};
     for (size_t i = 0; i < n; i++) {
         const lk_lora_module *m = lk_adapter_module(a, i);
+        int comp = fz_module_comp(a, m);
+        FZ_CHECK(comp >= LK_COMP_ANY && comp < LK_COMP_COUNT);
         if (!m->target) {
             none++;
+            comp_skipped[comp] = 1;
             continue;
         }
+        landed++;
+        comp_landed[comp] = 1;
         const lk_tensor *w = fz_model_find(m->target);
         FZ_CHECK(w != NULL);
         size_t numel = lk_tensor_numel(w);
@@ -104,9 +128,34 @@ static inline void fz_adapter_check_resolved(const lk_adapter *a, int allow, siz
         const lk_lora_module *f = lk_adapter_find_target(a, m->target);
         FZ_CHECK(f != NULL && f->target != NULL && !strcmp(f->target, m->target));
     }
-    if (!allow) FZ_CHECK(none == 0);
-    else FZ_CHECK(none == n_unmatched);
+    FZ_CHECK(none == n_unmatched);
+    if (!allow && none) { /* only foreign components' modules, beside modules that land, each component warned */
+        size_t ncomp = 0;
+        FZ_CHECK(landed > 0 && !comp_skipped[LK_COMP_ANY]);
+        for (int k = LK_COMP_ANY + 1; k < LK_COMP_COUNT; k++) {
+            FZ_CHECK(!(comp_skipped[k] && comp_landed[k]));
+            ncomp += (size_t)comp_skipped[k];
+        }
+        FZ_CHECK(n_foreign_warned == ncomp);
+    }
     FZ_CHECK(lk_adapter_find_target(a, "\x01no such key") == NULL);
+}
+
+/* Counts the warnings that skip a foreign component's modules. */
+static inline void fz_count_skips(void *ctx, lk_log_level level, const char *msg) {
+    if (level == LK_LOG_WARN && strstr(msg, " are skipped: the base holds no ")) ++*(size_t *)ctx;
+}
+
+/* lk_adapter_resolve against the toy model, counting the foreign-component
+ * skip warnings it logs (the logger's level and sink restored after). */
+static inline lk_status fz_resolve_counting(lk_adapter *a, int allow, size_t *unmatched, size_t *warned) {
+    lk_log_level lv = lk_log_get_level();
+    lk_log_set_level(LK_LOG_WARN);
+    lk_log_set_sink(fz_count_skips, warned);
+    lk_status r = lk_adapter_resolve(a, fz_model(), FZ_NMODEL, allow, unmatched);
+    lk_log_set_sink(NULL, NULL);
+    lk_log_set_level(lv);
+    return r;
 }
 
 #endif
