@@ -124,6 +124,13 @@ expect 0 inspect "$FX/kohya.safetensors";     out_has "format:  kohya"; out_has 
 expect 0 inspect "$FX/fastvideo.safetensors"; out_has "format:  fastvideo"
 expect 1 inspect "$FX/bad_lone_a.safetensors"; err_has "lora_A without lora_B"
 expect 0 inspect "$B"; out_has "tensors (5):"
+# inspect --base names each module's algorithm as plain inspect does (a LoHa file said "lora": issue 29)
+LY=$FX/../lycoris
+expect 0 inspect "$LY/loha.safetensors" --base "$LY/base_f32.safetensors" --json
+out_has '"algorithm":"loha"'; grep -F '"algorithm":"lora"' "$TMP/out" >/dev/null && fail "inspect --base: a LoHa module labelled lora"
+expect 0 inspect "$LY/loha.safetensors" --base "$LY/base_f32.safetensors"; out_has ", loha, rank "
+expect 0 inspect "$LY/dora_out.safetensors" --base "$LY/base_f32.safetensors" --json; out_has '"algorithm":"lora"'; out_has '"dora":true'
+expect 0 inspect "$LY/dora_out.safetensors" --base "$LY/base_f32.safetensors"; out_has ", lora+DoRA, rank "
 # Streaming: fusing into a 128 MB model (16 BF16 weights of 8 MB, zeros)
 # keeps the peak resident set far below the model size: the base's pages are
 # released once each tensor is written. Needs GNU time for the peak RSS.

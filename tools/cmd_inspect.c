@@ -127,9 +127,9 @@ static void placement_text(json_t *o, FILE *out) {
     size_t i, k;
     json_t *m, *p;
     json_array_foreach(json_object_get(o, "modules"), i, m) {
-        fprintf(out, "  %s  (%s, %s, rank %lld, alpha %g from %s, scale %g)\n",
+        fprintf(out, "  %s  (%s, %s%s, rank %lld, alpha %g from %s, scale %g)\n",
                 json_string_value(json_object_get(m, "module")), json_string_value(json_object_get(m, "component")),
-                json_string_value(json_object_get(m, "algorithm")),
+                json_string_value(json_object_get(m, "algorithm")), json_is_true(json_object_get(m, "dora")) ? "+DoRA" : "",
                 (long long)json_integer_value(json_object_get(m, "rank")),
                 json_real_value(json_object_get(m, "alpha")), json_string_value(json_object_get(m, "alpha_source")),
                 json_real_value(json_object_get(m, "scale")));

@@ -483,9 +483,10 @@ static json_t *placement_json(lk_adapter *a, part *parts, size_t np, const lk_re
         }
         placed++;
         bad |= json_array_append_new(
-            mods, json_pack("{s:s, s:s, s:s, s:i, s:f, s:s, s:f, s:O}", "module", m->module, "component", where[i],
-                            "algorithm", m->magnitude.data ? "dora" : "lora", "rank", m->rank, "alpha",
-                            (double)m->alpha, "alpha_source", m->alpha_source, "scale", m->scale, "placements", pl[i]));
+            mods, json_pack("{s:s, s:s, s:s, s:i, s:f, s:s, s:f, s:O, s:b}", "module", m->module, "component", where[i],
+                            "algorithm", lk_algo_name(m->algo), "rank", m->rank, "alpha", (double)m->alpha,
+                            "alpha_source", m->alpha_source, "scale", m->scale, "placements", pl[i], "dora",
+                            m->magnitude.data || m->dora_scale.data));
     }
     if (!bad && !*st)
         res = json_pack("{s:s, s:s, s:s?, s:I, s:I, s:O, s:O}", "adapter", lk_adapter_path(a), "format",
