@@ -38,8 +38,12 @@ void lk_comm_free(lk_comm *c);
 
 int lk_comm_rank(const lk_comm *c);
 int lk_comm_size(const lk_comm *c);
-/* "self" or "mpi". */
+/* "self", "mpi", "host" or "nccl". */
 const char *lk_comm_backend(const lk_comm *c);
+/* 1 when c's collectives take buffers in CUDA device memory (nccl, which
+ * takes host memory too; see lorakit/comm_nccl.h); 0: host memory only, so
+ * device bytes go through a host copy (the tracker's staging). */
+int lk_comm_takes_cuda(const lk_comm *c);
 
 lk_status lk_comm_barrier(lk_comm *c);
 /* Broadcasts n bytes from root into buf on every rank. */

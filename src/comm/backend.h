@@ -45,6 +45,7 @@ struct lk_comm {
     uint64_t seq;      /* collectives started on this communicator (equal on every rank) */
     const char *op;    /* the collective in progress (its name), for reports */
     int dead;          /* a collective timed out: every later call fails */
+    int cuda_buffers;  /* collectives take CUDA device memory (lk_comm_takes_cuda) */
     char dead_msg[1024];
 };
 

@@ -8,6 +8,7 @@
  * backend lives in comm_mpi.c, compiled only when MPI is found. Arguments are
  * checked here once, so backends only move bytes. */
 #include "comm/backend.h"
+#include "lorakit/comm_nccl.h"
 
 #include <errno.h>
 #include <math.h>
@@ -40,6 +41,7 @@ void lk_comm_free(lk_comm *c) {
 int lk_comm_rank(const lk_comm *c) { return c ? c->rank : 0; }
 int lk_comm_size(const lk_comm *c) { return c ? c->size : 1; }
 const char *lk_comm_backend(const lk_comm *c) { return c ? c->ops->name : "none"; }
+int lk_comm_takes_cuda(const lk_comm *c) { return c ? c->cuda_buffers : 0; }
 
 lk_status lk_comm_set_timeout(lk_comm *c, double seconds) {
     if (!c) return lk_error(LK_ERR_ARG, "comm timeout: communicator is NULL");
@@ -299,5 +301,36 @@ lk_status lk_comm_world(int *argc, char ***argv, lk_comm **out) {
         return lk_error(LK_ERR_UNSUPPORTED, "started as one of %d MPI ranks, but this lorakit was built "
                         "without MPI (install Open MPI and rebuild)", n);
     return lk_comm_self(out);
+}
+#endif
+
+#ifndef LK_HAVE_NCCL
+/* Built without NCCL (comm_nccl.c not compiled). */
+static lk_status no_nccl(void) {
+    return lk_error(LK_ERR_UNSUPPORTED, "comm nccl: this lorakit was built without NCCL (install NCCL and the CUDA "
+                    "toolkit and rebuild)");
+}
+int lk_comm_nccl_built(void) { return 0; }
+int lk_comm_nccl_local_device(int n_devices) {
+    (void)n_devices;
+    return 0;
+}
+lk_status lk_comm_nccl_create(lk_comm *boot, int device, lk_comm **out) {
+    (void)boot, (void)device;
+    if (out) *out = NULL;
+    return no_nccl();
+}
+lk_status lk_comm_from_nccl(struct ncclComm *comm, int device, void *stream, lk_comm **out) {
+    (void)comm, (void)device, (void)stream;
+    if (out) *out = NULL;
+    return no_nccl();
+}
+lk_status lk_comm_nccl_set_stream(lk_comm *c, void *stream) {
+    (void)c, (void)stream;
+    return no_nccl();
+}
+int lk_comm_nccl_device(const lk_comm *c) {
+    (void)c;
+    return -1;
 }
 #endif
