@@ -21,6 +21,7 @@ mappings between the original single-file names and diffusers' names:
 Pure Python, no dependencies: run it and commit the tables it writes.
 """
 import os
+from fractions import Fraction
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "..", "data", "families")
@@ -98,7 +99,23 @@ def flux_rules():
     r.append((f"{s}.linear1", f"{st}.proj_mlp", ("3/7:7/7", "0/1:1/1")))
     r.append((f"{s}.linear2", f"{st}.proj_out", None))
     r.append((f"{s}.modulation.lin", f"{st}.norm.linear", None))
-    return r
+    return r + aliases(r, flux_spellings())
+
+
+def flux_spellings():
+    """ComfyUI's names for parts of BFL weights (comfy/lora.py model_lora_keys_unet, Flux):
+    single_blocks.N.linear1_qkv = rows [0, 3H) of linear1 (of 3H + 4H: q, k, v without the MLP); USO's
+    LoRA names (comfy/lora_convert.py convert_uso_lora, ".processor." dropped): qkv_lora1 / proj_lora1 the
+    image stream's img_attn.qkv / img_attn.proj, qkv_lora2 / proj_lora2 the text stream's, a single block's
+    qkv_lora = linear1_qkv, proj_lora = linear2."""
+    d, s = "double_blocks.#", "single_blocks.#"
+    out = [(f"{s}.linear1", f"{s}.linear1_qkv", "0/7:3/7"),
+           (f"{s}.linear1", f"{s}.processor.qkv_lora", "0/7:3/7"),
+           (f"{s}.linear2", f"{s}.processor.proj_lora", None)]
+    for k, side in (("1", "img"), ("2", "txt")):
+        out += [(f"{d}.{side}_attn.qkv", f"{d}.processor.qkv_lora{k}", None),
+                (f"{d}.{side}_attn.proj", f"{d}.processor.proj_lora{k}", None)]
+    return out
 
 
 def openclip_rules():
@@ -118,12 +135,48 @@ def openclip_rules():
     return r
 
 
+def _fr(s):
+    a, b = s.split(":")
+    return tuple(Fraction(*map(int, x.split("/"))) for x in (a, b))
+
+
+def _fs(lo, hi):
+    return f"{lo.numerator}/{lo.denominator}:{hi.numerator}/{hi.denominator}"
+
+
+def aliases(rules, spellings):
+    """'alias' lines: other spellings of original names (ComfyUI's, a trainer's), each (ORIG, NAME, ROWS): NAME
+    is rows ROWS ("a/b:c/d", None: all) of the original weight ORIG. Each gives the line ORIG <-> NAME, and,
+    composed with the map rules on ORIG (ORIG rows [a, b) = DIFF rows [c, d)), a line NAME <-> DIFF on the rows
+    the two share (exact fractions), so the spelling lands on original- and diffusers-named checkpoints alike."""
+    out = []
+    for orig, name, rows in spellings:
+        p, q = _fr(rows) if rows else (Fraction(0), Fraction(1))
+        out.append(("alias", orig, name, (rows, "0/1:1/1") if rows else None))
+        for o, d, rr in rules:
+            if o != orig:
+                continue
+            a, b = _fr(rr[0]) if rr else (Fraction(0), Fraction(1))
+            c, e = _fr(rr[1]) if rr else (Fraction(0), Fraction(1))
+            lo, hi = max(a, p), min(b, q)
+            if lo >= hi:
+                continue
+            n_rows = _fs((lo - p) / (q - p), (hi - p) / (q - p))
+            d_rows = _fs(c + (lo - a) / (b - a) * (e - c), c + (hi - a) / (b - a) * (e - c))
+            if not rows:  # the whole weight: the map line's own fractions (one spelling of each)
+                n_rows, d_rows = rr if rr else ("0/1:1/1", "0/1:1/1")
+            whole = n_rows == "0/1:1/1" and d_rows == "0/1:1/1"
+            out.append(("alias", name, d, None if whole else (n_rows, d_rows)))
+    return out
+
+
 def write(name, title, detect, rules):
     lines = [f"# {title}", "# Written by scripts/make_family_tables.py from the published mapping; do not edit.",
              "lorakit-family 1", f"family {name}"]
     lines += [f"detect {k}" for k in detect]
-    for o, d, rows in rules:
-        lines.append(f"map {o} {d}" + (f" {rows[0]} {rows[1]}" if rows else ""))
+    for r in rules:
+        kw, (o, d, rows) = (r[0], r[1:]) if len(r) == 4 else ("map", r)
+        lines.append(f"{kw} {o} {d}" + (f" {rows[0]} {rows[1]}" if rows else ""))
     with open(os.path.join(OUT, name + ".lkmap"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -248,6 +301,47 @@ def hunyuan_video_rules():
         ("attn.to_q", "0/7:1/7"), ("attn.to_k", "1/7:2/7"), ("attn.to_v", "2/7:3/7"), ("proj_mlp", "3/7:7/7"))]
     r += renames((("linear2", "proj_out"), ("modulation.linear", "norm.linear"),
                    ("q_norm", "attn.norm_q"), ("k_norm", "attn.norm_k")), o + ".", d + ".")
+    return r + aliases(r, hunyuan_comfy_spellings())
+
+
+def hunyuan_comfy_spellings():
+    """ComfyUI's own HunyuanVideo names (the Flux layers it reuses): supported_models.HunyuanVideo's
+    process_unet_state_dict renames the original ones on load (_attn_qkv -> _attn.qkv, _attn_proj ->
+    _attn.proj, _mod.linear -> _mod.lin, mlp.fc1 / fc2 -> mlp.0 / 2, .modulation.linear -> .modulation.lin,
+    the embedders' mlp.0 / mlp.2 and linear_1 / linear_2 -> in_layer / out_layer), and a checkpoint it saves
+    keeps them; comfy/lora.py maps them back for diffusion-pipe's LoRAs. Each is the whole original weight."""
+    d, b = "double_blocks.#", "txt_in.individual_token_refiner.blocks.#"
+    out = []
+    for side in ("img", "txt"):
+        out += [(f"{d}.{side}_attn_qkv", f"{d}.{side}_attn.qkv", None),
+                (f"{d}.{side}_attn_proj", f"{d}.{side}_attn.proj", None),
+                (f"{d}.{side}_mod.linear", f"{d}.{side}_mod.lin", None),
+                (f"{d}.{side}_mlp.fc1", f"{d}.{side}_mlp.0", None),
+                (f"{d}.{side}_mlp.fc2", f"{d}.{side}_mlp.2", None)]
+    out += [("single_blocks.#.modulation.linear", "single_blocks.#.modulation.lin", None),
+            (f"{b}.self_attn_qkv", f"{b}.self_attn.qkv", None), (f"{b}.self_attn_proj", f"{b}.self_attn.proj", None),
+            (f"{b}.mlp.fc1", f"{b}.mlp.0", None), (f"{b}.mlp.fc2", f"{b}.mlp.2", None)]
+    for o, c in (("txt_in.t_embedder.mlp.0", "txt_in.t_embedder.in_layer"),
+                 ("txt_in.t_embedder.mlp.2", "txt_in.t_embedder.out_layer"),
+                 ("txt_in.c_embedder.linear_1", "txt_in.c_embedder.in_layer"),
+                 ("txt_in.c_embedder.linear_2", "txt_in.c_embedder.out_layer"),
+                 ("time_in.mlp.0", "time_in.in_layer"), ("time_in.mlp.2", "time_in.out_layer"),
+                 ("guidance_in.mlp.0", "guidance_in.in_layer"), ("guidance_in.mlp.2", "guidance_in.out_layer")):
+        out.append((o, c, None))
+    return out
+
+
+def z_image_rules():
+    """Z-Image (ComfyUI's Lumina2 / NextDiT names, the original's) <-> diffusers ZImageTransformer2DModel:
+    ComfyUI's z_image_to_diffusers and diffusers' convert_z_image_transformer_checkpoint_to_diffusers: in
+    layers / noise_refiner / context_refiner blocks attention.qkv = to_q, to_k, to_v (thirds: as many k, v
+    heads as q heads), attention.out = to_out.0, q_norm / k_norm = norm_q / norm_k; final_layer and x_embedder
+    under all_final_layer.2-1 and all_x_embedder.2-1. Other names are the same on both sides."""
+    r = renames((("final_layer.*", "all_final_layer.2-1.*"), ("x_embedder", "all_x_embedder.2-1")))
+    for blk in ("layers.#", "noise_refiner.#", "context_refiner.#"):
+        a = f"{blk}.attention"
+        r += qkv_rules(f"{a}.qkv", [f"{a}.to_{c}" for c in "qkv"])
+        r += renames((("out", "to_out.0"), ("q_norm", "norm_q"), ("k_norm", "norm_k")), a + ".", a + ".")
     return r
 
 
@@ -278,7 +372,10 @@ def write_dit_families():
     write("hunyuan-video", "HunyuanVideo: original (double_blocks / single_blocks) <-> diffusers "
           "HunyuanVideoTransformer3DModel",
           ["double_blocks.0.img_attn_qkv.weight", "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight",
+           "double_blocks.0.img_attn.qkv.weight img_in.proj.weight",
            "context_embedder.token_refiner.refiner_blocks.0.attn.to_q.weight"], hunyuan_video_rules())
+    write("z-image", "Z-Image: ComfyUI / original (NextDiT: attention.qkv) <-> diffusers ZImageTransformer2DModel",
+          ["noise_refiner.0.attention.qkv.weight", "noise_refiner.0.attention.to_q.weight"], z_image_rules())
     write("ltx", "LTX-Video / LTX-2: original <-> diffusers LTXVideoTransformer3DModel / LTX2VideoTransformer3DModel",
           ["patchify_proj.weight", "time_embed.emb.timestep_embedder.linear_1.weight", "audio_proj_in.weight"],
           ltx_rules())

@@ -248,12 +248,15 @@ static void test_detect_keys_do_not_clash(void **state) {
     }
     /* A detect line holds only with every key present and every '!' key
      * absent: Flux's BFL keys without img_in.weight, or its diffusers keys
-     * with HunyuanVideo's token refiner, are not Flux. */
+     * with HunyuanVideo's token refiner, are not Flux (the first are
+     * ComfyUI's HunyuanVideo names, hunyuan-video.lkmap's third detect line). */
     static const struct {
         const char *keys[5], *families;
     } names[] = {
         {{"double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_attn.proj.weight", "img_in.weight"}, "flux"},
-        {{"double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_attn.proj.weight", "img_in.proj.weight"}, NULL},
+        /* with img_in.proj (a patch-embedding conv): ComfyUI's own HunyuanVideo names, not Flux */
+        {{"double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_attn.proj.weight", "img_in.proj.weight"},
+         "hunyuan-video"},
         {{"single_transformer_blocks.0.proj_mlp.weight", "x_embedder.weight"}, "flux"},
         {{"single_transformer_blocks.0.proj_mlp.weight", "x_embedder.weight",
           "context_embedder.token_refiner.refiner_blocks.0.attn.to_q.weight"},

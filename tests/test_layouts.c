@@ -577,7 +577,7 @@ static void test_sdxl_layout(void **state) {
     ro.arch = "no-such-family";
     assert_int_equal(lk_adapter_resolve_opts(a, m->t, m->n, &ro, NULL), LK_ERR_ARG);
     tu_assert_contains(lk_last_error(), "--arch no-such-family: no such family table in ");
-    tu_assert_contains(lk_last_error(), "(available: flux, hunyuan-video, ltx, openclip, sd1, sd3, sdxl, wan)");
+    tu_assert_contains(lk_last_error(), "(available: flux, hunyuan-video, ltx, openclip, sd1, sd3, sdxl, wan, z-image)");
     lk_adapter_free(a);
     free(kp);
     af_free(m);
@@ -753,7 +753,7 @@ static void test_map_file(void **state) {
     } bad[] = {
         {"lorakit-family 1\nmap a.#last b.#\n", "bad.lkmap:2: 'a.#last' and 'b.#' have different '#' / '#last' / '*' parts"},
         {"lorakit-family 1\nmap a.#last.#last b.#last.#last\n", "bad.lkmap:2: 'a.#last.#last' is not a name pattern"},
-        {"lorakit-family 1\nmapp a b\n", "bad.lkmap:2: unknown key 'mapp' (valid: lorakit-family, family, detect, map)"},
+        {"lorakit-family 1\nmapp a b\n", "bad.lkmap:2: unknown key 'mapp' (valid: lorakit-family, family, detect, map, alias)"},
         {"lorakit-family 1\nmap a.qkv b.q 0/2:1/2 0/1:1/1\nmap a.qkv b.k 1/3:2/3 0/1:1/1\n",
          "bad.lkmap:3: b.k and b.q (line 2) both land on overlapping rows of a.qkv"},
         {"lorakit-family 1\nmap a.# b\n", "bad.lkmap:2: 'a.#' and 'b' have different '#' / '#last' / '*' parts"},

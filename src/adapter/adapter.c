@@ -142,6 +142,16 @@ static const struct {
     {".to_k_lora.down.weight", ROLE_A, 5},   {".to_k_lora.up.weight", ROLE_B, 5},
     {".to_v_lora.down.weight", ROLE_A, 5},   {".to_v_lora.up.weight", ROLE_B, 5},
     {".to_out_lora.down.weight", ROLE_A, 7}, {".to_out_lora.up.weight", ROLE_B, 7},
+    /* USO's Flux LoRA (ComfyUI's convert_uso_lora): "<block>.processor.qkv_lora1.down.weight", the stem keeps its
+     * own name (data/families/flux.lkmap places it) */
+    {".qkv_lora1.down.weight", ROLE_A, 10},  {".qkv_lora1.up.weight", ROLE_B, 10},
+    {".qkv_lora2.down.weight", ROLE_A, 10},  {".qkv_lora2.up.weight", ROLE_B, 10},
+    {".proj_lora1.down.weight", ROLE_A, 11}, {".proj_lora1.up.weight", ROLE_B, 11},
+    {".proj_lora2.down.weight", ROLE_A, 11}, {".proj_lora2.up.weight", ROLE_B, 11},
+    {".qkv_lora.down.weight", ROLE_A, 9},    {".qkv_lora.up.weight", ROLE_B, 9},
+    {".proj_lora.down.weight", ROLE_A, 10},  {".proj_lora.up.weight", ROLE_B, 10},
+    /* ComfyUI's "<m>_lora.up.weight" for any module m */
+    {"_lora.down.weight", ROLE_A, 0},        {"_lora.up.weight", ROLE_B, 0},
 };
 
 /* PEFT's adapter-name infix with any adapter name: "<m>.lora_A.<name>.weight"
@@ -164,7 +174,8 @@ static const char *role_key(enum role r) {
 }
 
 static int is_kohya_name(const char *k) {
-    return !strncmp(k, "lora_unet_", 10) || !strncmp(k, "lora_te", 7) || !strncmp(k, "lycoris_", 8);
+    return !strncmp(k, "lora_unet_", 10) || !strncmp(k, "lora_te", 7) || !strncmp(k, "lycoris_", 8) ||
+           !strncmp(k, "lora_transformer_", 17) || !strncmp(k, "lora_prior_", 11);
 }
 
 /* Family and role of a key; stem_len is the length of its module part. An
@@ -440,6 +451,10 @@ static const struct {
     {".vera_lambda", "a VeRA vector", 0},
     {".lora_E", "an AdaLoRA singular-value vector (lora_E)", 0},
     {".trainable_tokens_delta", "a trainable-tokens delta", 0},
+    /* BFL's Flux Canny / Depth LoRAs: ComfyUI (convert_lora_bfl_control) sets these norm scales and zero-pads
+     * img_in.weight to the LoRA's wider input, a different model; lorakit keeps every weight's shape */
+    {"_norm.scale", "a BFL Flux control LoRA's norm scale (ComfyUI replaces the norms and widens img_in.weight "
+                    "with zero columns to the LoRA's input width; lorakit never changes a weight's shape)", 1},
 };
 
 /* A key that is not a LoRA factor: a tensor PEFT saved whole (its

@@ -15,7 +15,10 @@
  * decimal number (captured, substituted in order on the other side), a
  * '#last' component the highest number the checkpoint has there (its last
  * block; for a name it matches, the '#last' rules replace the '#' ones), a
- * final '*' the rest of the name. `detect K1 K2 !K3`: the table applies to
+ * final '*' the rest of the name. `alias ORIG NAME [ORIG_ROWS NAME_ROWS]`: the
+ * same, for another spelling of rows the map lines name too (ComfyUI's
+ * linear1_qkv, a trainer's names for the same weight): exempt from the
+ * overlap check, which is about the table's own two namings. `detect K1 K2 !K3`: the table applies to
  * a checkpoint with K1 and K2 and without K3; detect lines are alternatives. With rows, rows ORIG_ROWS of the original weight
  * are rows DIFF_ROWS of the diffusers one, each a:b/c:d fraction of the
  * weight's rows (a fused q,k,v is three rules of thirds). Every line is
@@ -182,9 +185,9 @@ static lk_status parse_line(lk_family *f, char *line, int ln, const char *file, 
             return lk_error(LK_ERR_CONFIG, "%s:%d: 'detect' needs a key that must be present, not only '!' ones", file, ln);
         return push_str(&f->detect, &f->n_detect, buf, file);
     }
-    if (!strcmp(tok[0], "map")) {
+    if (!strcmp(tok[0], "map") || !strcmp(tok[0], "alias")) {
         if (nt != 3 && nt != 5)
-            return lk_error(LK_ERR_CONFIG, "%s:%d: 'map' takes ORIG DIFF [ORIG_ROWS DIFF_ROWS]", file, ln);
+            return lk_error(LK_ERR_CONFIG, "%s:%d: '%s' takes ORIG DIFF [ORIG_ROWS DIFF_ROWS]", file, ln, tok[0]);
         int c1, s1, l1, c2, s2, l2;
         if (!pattern_ok(tok[1], &c1, &s1, &l1))
             return lk_error(LK_ERR_CONFIG, "%s:%d: '%s' is not a name pattern", file, ln, tok[1]);
@@ -193,7 +196,7 @@ static lk_status parse_line(lk_family *f, char *line, int ln, const char *file, 
         if (c1 != c2 || s1 != s2 || l1 != l2)
             return lk_error(LK_ERR_CONFIG, "%s:%d: '%s' and '%s' have different '#' / '#last' / '*' parts", file, ln,
                             tok[1], tok[2]);
-        lk_fam_rule r = {.orig_rows = g_all, .diff_rows = g_all, .line = ln, .last = l1};
+        lk_fam_rule r = {.orig_rows = g_all, .diff_rows = g_all, .line = ln, .last = l1, .alias = tok[0][0] == 'a'};
         if (nt == 5 && (!frac_parse(tok[3], &r.orig_rows) || !frac_parse(tok[4], &r.diff_rows)))
             return lk_error(LK_ERR_CONFIG, "%s:%d: rows '%s' '%s': expected a/b:c/d with 0 <= a/b < c/d <= 1", file,
                             ln, tok[3], tok[4]);
@@ -210,7 +213,7 @@ static lk_status parse_line(lk_family *f, char *line, int ln, const char *file, 
         f->rules[f->n_rules++] = r;
         return LK_OK;
     }
-    return lk_error(LK_ERR_CONFIG, "%s:%d: unknown key '%s' (valid: lorakit-family, family, detect, map)", file, ln,
+    return lk_error(LK_ERR_CONFIG, "%s:%d: unknown key '%s' (valid: lorakit-family, family, detect, map, alias)", file, ln,
                     tok[0]);
 }
 
@@ -223,6 +226,7 @@ static lk_status check_overlaps(const lk_family *f, const char *file) {
             if (so && sd && frac_overlap(&a->orig_rows, &b->orig_rows))
                 return lk_error(LK_ERR_CONFIG, "%s:%d: rule repeats line %d (%s %s)", file, b->line, a->line, a->orig,
                                 a->diff);
+            if (a->alias || b->alias) continue; /* an alias spells rows that map lines name too */
             if (so && !sd && frac_overlap(&a->orig_rows, &b->orig_rows))
                 return lk_error(LK_ERR_CONFIG, "%s:%d: %s and %s (line %d) both land on overlapping rows of %s", file,
                                 b->line, b->diff, a->diff, a->line, a->orig);

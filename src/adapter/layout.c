@@ -53,6 +53,7 @@ static const prefix g_model_pre[] = {
     {"cond_stage_model.model.", LK_COMP_TE1, "text_encoder"},
     {"conditioner.embedders.0.transformer.", LK_COMP_TE1, "text_encoder"},
     {"conditioner.embedders.1.model.", LK_COMP_TE2, "text_encoder_2"},
+    {"conditioner.embedders.0.model.", LK_COMP_TE1, "text_encoder"}, /* SDXL refiner: its one encoder, OpenCLIP G */
     {"text_encoders.clip_l.transformer.", LK_COMP_TE1, "text_encoder"},
     {"text_encoders.clip_g.transformer.", LK_COMP_TE2, "text_encoder_2"},
     {"text_encoders.t5xxl.transformer.", LK_COMP_TE3, "text_encoder_3"},
@@ -73,6 +74,11 @@ static const prefix g_mod_pre[] = {
     {"text_encoder_2.", LK_COMP_TE2, "text_encoder_2"},
     {"text_encoder_3.", LK_COMP_TE3, "text_encoder_3"},
     {"text_encoder.", LK_COMP_TE1, "text_encoder"},
+    /* ComfyUI's generic text-encoder names ("text_encoders." + its own CLIP / T5 key) */
+    {"text_encoders.clip_l.transformer.", LK_COMP_TE1, "text_encoder"},
+    {"text_encoders.clip_h.transformer.", LK_COMP_TE1, "text_encoder"},
+    {"text_encoders.clip_g.transformer.", LK_COMP_TE2, "text_encoder_2"},
+    {"text_encoders.t5xxl.transformer.", LK_COMP_TE3, "text_encoder_3"},
     {"transformer.", LK_COMP_DIFFUSION, "transformer"},
     {"unet.", LK_COMP_DIFFUSION, "unet"},
     {"model.", LK_COMP_ANY, NULL},
@@ -80,7 +86,9 @@ static const prefix g_mod_pre[] = {
 
 /* kohya's (and LyCORIS's / SimpleTuner's) component prefixes. */
 static const prefix g_kohya_pre[] = {
+    {"lora_unet__", LK_COMP_DIFFUSION, "unet"}, /* Wan Fun (ComfyUI reads it as lora_unet_) */
     {"lora_unet_", LK_COMP_DIFFUSION, "unet"}, {"lora_transformer_", LK_COMP_DIFFUSION, "transformer"},
+    {"lora_prior_unet_", LK_COMP_DIFFUSION, "unet"}, {"lora_prior_te_", LK_COMP_TE1, "text_encoder"}, /* Stable Cascade */
     {"lora_te1_", LK_COMP_TE1, "text_encoder"},        {"lora_te2_", LK_COMP_TE2, "text_encoder_2"},
     {"lora_te3_", LK_COMP_TE3, "text_encoder_3"},      {"lora_te_", LK_COMP_TE1, "text_encoder"},
     {"lycoris_", LK_COMP_ANY, NULL},
@@ -596,6 +604,17 @@ static lk_status sort_aliases(lk_layout *out, const char *label) {
     return LK_OK;
 }
 
+/* ComfyUI numbers a single file's T5 after the CLIPs it has (model_lora_keys_clip: lora_te{1 + [CLIP-L] + [CLIP-G]}_,
+ * and also lora_te2_ beside CLIP-L alone, OneTrainer's Flux): lorakit's T5 is component 3 (text_encoders.t5xxl.), so
+ * component 2 also reaches it when there is CLIP-L but no CLIP-G, and component 1 when it is the only encoder. */
+static void t5_numbering(lk_layout *l) {
+    size_t n[LK_COMP_COUNT] = {0};
+    for (int c = 0; c < LK_COMP_COUNT; c++) l->also[c] = c;
+    for (size_t i = 0; i < l->n; i++) n[l->al[i].comp]++;
+    if (!n[LK_COMP_TE3] || n[LK_COMP_TE2]) return;
+    l->also[n[LK_COMP_TE1] ? LK_COMP_TE2 : LK_COMP_TE1] = LK_COMP_TE3;
+}
+
 /* In steps: the model's names, the tables to apply, their rules, every
  * key's aliases, the sorted orders. The names and tables are this build's
  * scratch; on failure out is freed (and zeroed). */
@@ -611,6 +630,7 @@ lk_status lk_layout_build(const lk_tensor *model, size_t n_model, const lk_layou
     if (!s) s = table_rules(out, &t, names, nn, label);
     for (size_t k = 0; k < n_model && !s; k++) s = key_aliases(&b, &t, model, k);
     if (!s) s = sort_aliases(out, label);
+    if (!s) t5_numbering(out);
     tables_free(&t);
     lk_free(names);
     if (s) lk_layout_free(out);
@@ -631,7 +651,7 @@ size_t lk_layout_find(const lk_layout *l, const char *name, int kohya, int comp,
     for (size_t i = lo; i < l->n; i++) {
         const lk_alias *a = &l->al[ord[i]];
         if (strcmp(kohya ? a->uname : a->name, name)) break;
-        if (comp != LK_COMP_ANY && a->comp != LK_COMP_ANY && a->comp != comp) continue;
+        if (comp != LK_COMP_ANY && a->comp != LK_COMP_ANY && a->comp != comp && a->comp != l->also[comp]) continue;
         if (a->level > best) continue;
         if (a->level < best) {
             best = a->level;

@@ -35,6 +35,7 @@ typedef struct lk_fam_rule {
     lk_frac orig_rows, diff_rows;
     int line;
     int last; /* the capture index of '#last' (the checkpoint's highest number there) on both sides, or -1 */
+    int alias; /* an 'alias' line: another spelling (a trainer's, ComfyUI's) of rows the 'map' lines name too */
 } lk_fam_rule;
 
 typedef struct lk_family {
@@ -76,6 +77,9 @@ typedef struct lk_layout {
     char **rules;       /* owned rule strings */
     size_t n_rules;
     char *family;       /* the family tables used ("openclip,sdxl"), or NULL */
+    int also[LK_COMP_COUNT]; /* a module of component c also lands on model keys of component also[c] (else c):
+                              * a single file's T5 (text_encoders.t5xxl.) answers to lora_te2_ beside CLIP-L
+                              * alone (Flux: OneTrainer), to lora_te1_ alone, as ComfyUI numbers it */
 } lk_layout;
 
 typedef struct lk_layout_opts {
