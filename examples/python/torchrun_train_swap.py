@@ -106,17 +106,18 @@ def main():
     served.load_state_dict(clean)
     with torch.no_grad():
         want_base = served(x)
-    tracker = ltx.TransformerWeightTracker(served, bucket_mb=1)  # group=None: the default torchrun group
-    r = tracker.apply([(out_dir, 1.0)])
+    sd = served.state_dict()  # the served model's own memory, fused in place
+    tracker = ltx.TransformerWeightTracker(dist.group.WORLD, bucket_mb=1)  # LTX-2's signature
+    tracker.apply_loras_(sd, [(out_dir, 1.0)], None)
     with torch.no_grad():
         got = served(x)
     err = (got - want_trained).abs().max().item()
-    say(f"apply saved adapter: {r['keys_fused']} keys fused, max |out - PEFT model out| = {err:.2e}")
+    say(f"apply saved adapter: {tracker.loras}, max |out - PEFT model out| = {err:.2e}")
     assert err < 1e-4
     half = lorakit.Adapter.from_peft(model)
-    r = tracker.apply([(half, 0.5)])
-    say(f"swap to in-memory adapter at 0.5: {r['keys_fused']} keys fused, loras_match={tracker.loras_match([(half, 0.5)])}")
-    tracker.reset()
+    tracker.apply_loras_(sd, [(half, 0.5)], None)
+    say(f"swap to in-memory adapter at 0.5: loras_match={tracker.loras_match([(half, 0.5, None)])}")
+    tracker.reset_loras(sd)
     with torch.no_grad():
         same = torch.equal(served(x), want_base)
     say("reset: outputs equal the base model's bit for bit:", same)

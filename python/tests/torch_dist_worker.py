@@ -178,23 +178,24 @@ def main():
     expect_raise(lambda: lorakit.Tracker(ov), (ValueError, lorakit.LoraError), "overlap")
 
     # --- the compat tracker: LTX-2's API, equal to the offline fuse ---
-    class Entry:  # LTX-2's LoraPathStrengthAndSDOps shape
+    class Entry:  # LTX-2's LoraPathStrengthAndSDOps shape (sd_ops None: formats detected)
         def __init__(self, path, strength):
             self.path, self.strength, self.sd_ops = path, strength, None
 
     model = Model(base)
-    ct = ltx.TransformerWeightTracker(model, bucket_mb=1)
+    sd = model.state_dict()
+    ct = ltx.TransformerWeightTracker(dist.group.WORLD, bucket_mb=1)
     for name, loras in steps:
-        ct.apply([Entry(p, s) for p, s in loras] if name == "a1a2" else loras)
+        ct.apply_loras_(sd, [Entry(p, s) for p, s in loras] if name == "a1a2" else loras, None)
         assert digest(model.sd()) == want[name], name
-        assert ct.loras_match(list(reversed(loras)))
-    ct.apply([lorakit.Adapter.load(m["a1"])])  # an Adapter alone: strength 1
-    assert digest(model.sd()) == want["a1"] and ct.loras_match([lorakit.Adapter.load(m["a1"])])
-    ct.apply(steps[-1][1])
-    before = digest(model.sd())
-    expect_raise(lambda: ct.apply([(m["missing"], 1.0)]), lorakit.LoraError, "missing")
-    assert digest(model.sd()) == before and ct.loras_match(steps[-1][1])
-    ct.reset()
+        assert ct.loras_match(list(reversed(ct.loras)))
+    ct.apply_loras_(sd, [lorakit.Adapter.load(m["a1"])], None)  # an Adapter alone: strength 1
+    assert digest(model.sd()) == want["a1"]
+    ct.apply_loras_(sd, steps[-1][1], None)
+    before, listed = digest(model.sd()), list(ct.loras)
+    expect_raise(lambda: ct.apply_loras_(sd, [(m["missing"], 1.0)], None), lorakit.LoraError, "missing")
+    assert digest(model.sd()) == before and ct.loras == listed
+    ct.reset_loras(sd)
     assert digest(model.sd()) == want["base"] and ct.loras == []
     ct.close()
 
