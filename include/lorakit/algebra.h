@@ -1,0 +1,77 @@
+/* lorakit/algebra.h — adapter algebra: merge, resize and convert LoRA
+ * adapters, with the exact error of the file written.
+ *
+ * Every low-rank module (LoRA, conv LoRA, Tucker, LoHa, LoKr) is taken in
+ * exact low-rank form U V; a module's terms are stacked, both sides are QR
+ * factored and the small R x R core is decomposed by Jacobi SVD, all in
+ * f64: the thin SVD of the exact delta in O((out + in) R^2), never a dense
+ * out x in matrix. Truncation is then the Eckart-Young optimum. The
+ * report's rel_fro is ||X - Y||_F / ||X||_F with X the exact delta and Y
+ * the delta of the file as written (its dtype and alpha included), computed
+ * in f64 from small factor products. README "Adapter algebra" has the
+ * mathematics. */
+#ifndef LORAKIT_ALGEBRA_H
+#define LORAKIT_ALGEBRA_H
+
+#include <stddef.h>
+#include "lorakit/adapter.h"
+#include "lorakit/dtype.h"
+#include "lorakit/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Output naming and alpha convention. */
+typedef enum lk_algebra_format {
+    LK_ALG_FORMAT_AUTO = 0, /* the first input's (PEFT, kohya or diffusers) */
+    LK_ALG_FORMAT_KOHYA,    /* lora_unet_<m_>.lora_down/.lora_up/.alpha (F32), ss_network_dim/alpha */
+    LK_ALG_FORMAT_PEFT,     /* OUT a folder: adapter_model.safetensors + adapter_config.json */
+    LK_ALG_FORMAT_DIFFUSERS,/* <m>.lora_A/.lora_B.weight + lora_adapter_metadata */
+    LK_ALG_FORMAT_COUNT
+} lk_algebra_format;
+
+/* "auto", "kohya", "peft", "diffusers". */
+const char *lk_algebra_format_name(lk_algebra_format f);
+/* Parses a name as above; LK_ERR_ARG naming the valid ones. */
+lk_status lk_algebra_format_parse(const char *name, lk_algebra_format *out);
+
+/* Options of merge / resize; all zero: exact (ranks concatenated), the
+ * first input's format, the widest input dtype, all cores. */
+typedef struct lk_algebra_opts {
+    lk_algebra_format format;
+    lk_dtype dtype;      /* F32, F16 or BF16; INVALID: the widest of the inputs' factors */
+    int rank;            /* > 0: keep at most this many singular values per module */
+    double err;          /* > 0: the least rank with relative Frobenius error <= err */
+    double fro;          /* > 0: the least rank keeping a fraction >= fro of ||delta||_F */
+    double ratio;        /* > 0: keep singular values >= ratio x the largest */
+    int max_rank;        /* > 0: cap for err / fro / ratio */
+    int conv_rank;       /* > 0: the rank cap for conv modules (kernel > 1x1) instead of rank */
+    int threads;         /* 0: all cores; modules are split between threads, the bytes do not depend on it */
+    lk_adapter_opts read;/* how the inputs are read */
+    /* progress: called after each module, from any thread, serialised */
+    void (*on_progress)(void *ctx, size_t done, size_t total);
+    void *progress_ctx;
+} lk_algebra_opts;
+
+typedef struct lk_algebra_input {
+    const char *path;
+    double strength;
+} lk_algebra_input;
+
+/* merge: the adapter whose delta is sum_i strength_i scale_i B_i A_i over
+ * the union of modules (matched by name), written to out (a file, or a
+ * folder for PEFT). *report (may be NULL) gets the report as JSON text
+ * (lk_free): {"operation", "inputs": [{path, strength, digest}], "output",
+ * "format", "dtype", "alpha", "options", "rel_fro", "rel_fro_opt",
+ * "rel_spec", "modules": [{name, rank, rel_fro, rel_fro_opt, rel_spec}]}.
+ * The bytes written do not depend on the order of in[], the thread count
+ * or the CPU. Nothing is written on failure. */
+lk_status lk_merge(const lk_algebra_input *in, size_t n, const char *out, const lk_algebra_opts *o, char **report);
+/* resize: merge of one input at strength 1. */
+lk_status lk_resize(const char *in, const char *out, const lk_algebra_opts *o, char **report);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

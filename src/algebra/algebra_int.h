@@ -1,0 +1,88 @@
+/* algebra/algebra_int.h — what the algebra layer's files share (internal). */
+#ifndef LK_ALGEBRA_INT_H
+#define LK_ALGEBRA_INT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "lorakit/adapter.h"
+#include "lorakit/algebra.h"
+
+/* 1 when module m has an exact low-rank form (lowrank.c); else 0 with *why
+ * the reason (a phrase after the module's name). */
+int lk_alg_lowrank_supported(const lk_lora_module *m, const char **why);
+/* The rank of m's low-rank form (LoHa r1 r2, LoKr p1 p2). */
+size_t lk_alg_lowrank_rank(const lk_lora_module *m);
+/* m's delta times coef as U (out x r panel at U) and V (r rows of N at V),
+ * r = lk_alg_lowrank_rank(m). */
+lk_status lk_alg_lowrank_put(const lk_lora_module *m, double coef, double *U, size_t out, double *V, size_t N);
+
+/* One input term of an output module. */
+typedef struct lk_alg_term {
+    const lk_lora_module *m;
+    double coef;   /* strength x the module's scale */
+    size_t input;  /* its input's canonical index */
+} lk_alg_term;
+
+/* One output module: its terms, then (lk_alg_module_run) its factors as
+ * written and its report. */
+typedef struct lk_alg_module {
+    const char *name;
+    size_t out, N;
+    int64_t tail[LK_MAX_DIMS]; /* the delta's dims after the first ([in, kh, kw] or [N]) */
+    int ntail;
+    int conv;                  /* a kernel of more than one element */
+    lk_alg_term *terms;
+    size_t n_terms;
+    /* results */
+    size_t rank;
+    void *b_bytes, *a_bytes;   /* B [out, rank], A [rank, tail...] in the output dtype */
+    double norm2, err2, opt2;  /* ||X||_F^2, ||X - Y||_F^2 (Y as written), the optimum's */
+    double spec, err_spec;     /* ||X||_2, ||X - Y||_2 */
+    int sweeps;
+} lk_alg_module;
+
+/* The truncation and output dtype every module of a run uses. */
+typedef struct lk_alg_run {
+    const lk_algebra_opts *o;
+    lk_dtype dtype;
+    double alpha;              /* the file's one alpha */
+    int exact;                 /* no truncation: ranks concatenated */
+} lk_alg_run;
+
+/* Computes module x (thread-safe; touches only x). */
+lk_status lk_alg_module_run(const lk_alg_run *run, lk_alg_module *x);
+void lk_alg_module_free(lk_alg_module *x);
+
+/* Rounds v once into dtype d (F32, F16, BF16) at dst[i]; returns the
+ * rounded value, or an infinity when it overflows. */
+double lk_alg_round_store(double v, lk_dtype d, void *dst, size_t i);
+
+/* One input, opened. */
+typedef struct lk_alg_input {
+    const char *path;
+    double strength;
+    lk_adapter *a;
+    char digest[64];   /* tensors' digest [-config hash]: the canonical order */
+} lk_alg_input;
+
+/* A whole run. */
+typedef struct lk_alg_ctx {
+    const char *op, *out;
+    const lk_algebra_opts *o;
+    lk_alg_input *in;  /* canonical order */
+    size_t n_in;
+    lk_alg_module *mods; /* by name */
+    size_t n_mods;
+    lk_alg_run run;
+    lk_algebra_format format; /* as written */
+    double seconds;
+} lk_alg_ctx;
+
+/* Writes ctx's output (write.c): names, tensors, alpha and metadata in the
+ * output format; nothing on failure. */
+lk_status lk_alg_write(lk_alg_ctx *ctx);
+/* The report as JSON text (lk_free). */
+lk_status lk_alg_report(const lk_alg_ctx *ctx, char **json);
+
+#endif

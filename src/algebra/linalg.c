@@ -1,0 +1,132 @@
+/* linalg.c — thin Householder QR and one-sided Jacobi SVD in f64, the two
+ * kernels every algebra operation is built from (see linalg.h). Plain C: the
+ * matrices are small (the stacked rank R, a few hundred at most) or tall and
+ * thin (out x R), where a Householder sweep is a dot and an axpy per column
+ * and the compiler vectorises both; no LAPACK, so no second copy of these
+ * semantics and no library whose threading or rounding we do not control. */
+#include <math.h>
+#include <string.h>
+
+#include "algebra/linalg.h"
+
+double lk_la_dot(const double *x, const double *y, size_t n) {
+    double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) s[l] += x[i + l] * y[i + l];
+    double t = 0;
+    for (; i < n; i++) t += x[i] * y[i];
+    return (((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]))) + t;
+}
+
+void lk_la_axpy(double *y, double a, const double *x, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+static void scal(double *x, double a, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] *= a;
+}
+
+/* The reflector of column j (rows j..m): LAPACK's dlarfg convention,
+ * H = I - tau v v^T with v[0] = 1, H x = beta e_1. */
+static double reflector(double *x, size_t len) {
+    double xnorm2 = len > 1 ? lk_la_dot(x + 1, x + 1, len - 1) : 0.0;
+    if (xnorm2 == 0.0) return 0.0;
+    double alpha = x[0];
+    double beta = -copysign(sqrt(alpha * alpha + xnorm2), alpha);
+    double tau = (beta - alpha) / beta;
+    scal(x + 1, 1.0 / (alpha - beta), len - 1);
+    x[0] = beta;
+    return tau;
+}
+
+/* y (len) <- (I - tau v v^T) y, v = (1, vs[1..len)). */
+static void reflect(const double *vs, size_t len, double tau, double *y) {
+    double w = y[0] + (len > 1 ? lk_la_dot(vs + 1, y + 1, len - 1) : 0.0);
+    double f = tau * w;
+    y[0] -= f;
+    if (len > 1) lk_la_axpy(y + 1, -f, vs + 1, len - 1);
+}
+
+void lk_la_qr(double *a, size_t m, size_t k, double *tau) {
+    size_t p = m < k ? m : k;
+    for (size_t j = 0; j < p; j++) {
+        double *x = a + j * m + j;
+        tau[j] = reflector(x, m - j);
+        if (tau[j] == 0.0) continue;
+        for (size_t c = j + 1; c < k; c++) reflect(x, m - j, tau[j], a + c * m + j);
+    }
+}
+
+void lk_la_qr_r(const double *a, size_t m, size_t k, double *r) {
+    size_t p = m < k ? m : k;
+    for (size_t i = 0; i < p; i++)
+        for (size_t j = 0; j < k; j++) r[i * k + j] = j >= i ? a[j * m + i] : 0.0;
+}
+
+void lk_la_q_apply(const double *qr, size_t m, size_t p, const double *tau, double *z, size_t c) {
+    for (size_t jj = p; jj-- > 0;) {
+        if (tau[jj] == 0.0) continue;
+        for (size_t col = 0; col < c; col++) reflect(qr + jj * m + jj, m - jj, tau[jj], z + col * m + jj);
+    }
+}
+
+void lk_la_qt_apply(const double *qr, size_t m, size_t p, const double *tau, double *z, size_t c) {
+    for (size_t jj = 0; jj < p; jj++) {
+        if (tau[jj] == 0.0) continue;
+        for (size_t col = 0; col < c; col++) reflect(qr + jj * m + jj, m - jj, tau[jj], z + col * m + jj);
+    }
+}
+
+/* One rotation of columns i, j of g (and of w) when they are not yet
+ * orthogonal to working accuracy; returns 1 when it rotated. */
+static int rotate(double *g, double *w, size_t n, size_t i, size_t j) {
+    double *gi = g + i * n, *gj = g + j * n;
+    double a = lk_la_dot(gi, gi, n), b = lk_la_dot(gj, gj, n), c = lk_la_dot(gi, gj, n);
+    if (c == 0.0 || fabs(c) <= 1e-15 * sqrt(a) * sqrt(b)) return 0;
+    double zeta = (b - a) / (2.0 * c);
+    double t = copysign(1.0, zeta) / (fabs(zeta) + sqrt(1.0 + zeta * zeta));
+    double cs = 1.0 / sqrt(1.0 + t * t), sn = cs * t;
+    double *wi = w + i * n, *wj = w + j * n;
+    for (size_t r = 0; r < n; r++) {
+        double x = gi[r], y = gj[r];
+        gi[r] = cs * x - sn * y;
+        gj[r] = sn * x + cs * y;
+        double u = wi[r], v = wj[r];
+        wi[r] = cs * u - sn * v;
+        wj[r] = sn * u + cs * v;
+    }
+    return 1;
+}
+
+int lk_la_svd(const double *c, size_t n, double *s, double *x, double *w, double *work) {
+    double *g = work, *wt = work + n * n, *norms = work + 2 * n * n;
+    memcpy(g, c, n * n * sizeof *g);
+    memset(wt, 0, n * n * sizeof *wt);
+    for (size_t i = 0; i < n; i++) wt[i * n + i] = 1.0;
+    int sweep = 0;
+    for (; sweep < 60; sweep++) {
+        int rotated = 0;
+        for (size_t i = 0; i + 1 < n; i++)
+            for (size_t j = i + 1; j < n; j++) rotated |= rotate(g, wt, n, i, j);
+        if (!rotated) break;
+    }
+    for (size_t i = 0; i < n; i++) norms[i] = sqrt(lk_la_dot(g + i * n, g + i * n, n));
+    /* descending by value, ties in index order (a stable selection) */
+    for (size_t k = 0; k < n; k++) {
+        size_t best = n;
+        for (size_t i = 0; i < n; i++)
+            if (norms[i] >= 0 && (best == n || norms[i] > norms[best])) best = i;
+        s[k] = norms[best];
+        double *xk = x + k * n;
+        if (s[k] > 0) {
+            for (size_t r = 0; r < n; r++) xk[r] = g[best * n + r] / s[k];
+        } else {
+            memset(xk, 0, n * sizeof *xk);
+            xk[best] = 1.0;
+        }
+        memcpy(w + k * n, wt + best * n, n * sizeof *w);
+        norms[best] = -1.0;
+    }
+    return sweep;
+}

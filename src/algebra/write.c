@@ -1,0 +1,356 @@
+/* write.c — the output of merge / resize in kohya, PEFT or diffusers form,
+ * and the report.
+ *
+ * One alpha per file (lk_alg_run.alpha): every module's own scale is folded
+ * into its B before the single rounding, so loaders that give every module
+ * the file's most common alpha (diffusers 0.42.1 on kohya files) read it
+ * right. Alpha is written explicitly in every format: kohya an F32 `.alpha`
+ * per module plus ss_network_dim ("Dynamic" when ranks differ) and
+ * ss_network_alpha; PEFT r, lora_alpha and rank_pattern for every module
+ * whose rank is not r; diffusers the same record as lora_adapter_metadata.
+ * "lorakit.algebra" records the operation, the inputs' digests and the
+ * options. */
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "algebra/algebra_int.h"
+#include "core/file.h"
+#include "io/out_file.h"
+#include "core/msg.h"
+#include "lorakit/alloc.h"
+#include "lorakit/safetensors.h"
+
+static const char *const FORMAT_NAMES[LK_ALG_FORMAT_COUNT] = {"auto", "kohya", "peft", "diffusers"};
+
+const char *lk_algebra_format_name(lk_algebra_format f) {
+    return (unsigned)f < LK_ALG_FORMAT_COUNT ? FORMAT_NAMES[f] : "?";
+}
+
+lk_status lk_algebra_format_parse(const char *name, lk_algebra_format *out) {
+    for (int i = 0; i < LK_ALG_FORMAT_COUNT; i++)
+        if (name && !strcmp(name, FORMAT_NAMES[i])) {
+            *out = (lk_algebra_format)i;
+            return LK_OK;
+        }
+    return lk_error(LK_ERR_ARG, "unknown output format '%s' (valid: kohya, peft, diffusers)", name ? name : "");
+}
+
+static const char *const COMPONENTS[][2] = {
+    {"transformer.", "lora_unet_"}, {"unet.", "lora_unet_"},         {"diffusion_model.", "lora_unet_"},
+    {"text_encoder.", "lora_te1_"}, {"text_encoder_2.", "lora_te2_"}, {"text_encoder_3.", "lora_te3_"},
+};
+
+/* The module's name in format f (lk_malloc'd), or NULL with *err set. */
+static char *out_name(lk_algebra_format f, const char *m, lk_status *err) {
+    int kohya_in = !strncmp(m, "lora_", 5) && !strchr(m, '.');
+    *err = LK_OK;
+    if (f == LK_ALG_FORMAT_KOHYA) {
+        if (kohya_in) return lk_strdup(m);
+        const char *pre = "lora_unet_", *rest = m;
+        for (size_t i = 0; i < sizeof COMPONENTS / sizeof *COMPONENTS; i++)
+            if (!strncmp(m, COMPONENTS[i][0], strlen(COMPONENTS[i][0]))) {
+                pre = COMPONENTS[i][1];
+                rest = m + strlen(COMPONENTS[i][0]);
+                break;
+            }
+        char *s = lk_msg_dup("%s%s", pre, rest);
+        if (s)
+            for (char *p = s + strlen(pre); *p; p++)
+                if (*p == '.') *p = '_';
+        return s;
+    }
+    if (kohya_in) {
+        *err = lk_error(LK_ERR_UNSUPPORTED, "module '%s' has kohya's underscore name, which does not say where the "
+                        "dots of the model's name are; write --format kohya", m);
+        return NULL;
+    }
+    if (f == LK_ALG_FORMAT_PEFT)
+        for (size_t i = 0; i < 3; i++)
+            if (!strncmp(m, COMPONENTS[i][0], strlen(COMPONENTS[i][0]))) return lk_strdup(m + strlen(COMPONENTS[i][0]));
+    return lk_strdup(m);
+}
+
+static lk_algebra_format out_format(const lk_alg_ctx *ctx) {
+    if (ctx->o->format != LK_ALG_FORMAT_AUTO) return ctx->o->format;
+    switch (lk_adapter_get_format(ctx->in[0].a)) {
+    case LK_FORMAT_KOHYA: return LK_ALG_FORMAT_KOHYA;
+    case LK_FORMAT_PEFT: return LK_ALG_FORMAT_PEFT;
+    default: return LK_ALG_FORMAT_DIFFUSERS;
+    }
+}
+
+/* The most common output rank (ties: the smaller). */
+static size_t mode_rank(const lk_alg_ctx *ctx) {
+    size_t best = 0, best_n = 0;
+    for (size_t i = 0; i < ctx->n_mods; i++) {
+        size_t r = ctx->mods[i].rank, c = 0;
+        for (size_t j = 0; j < ctx->n_mods; j++) c += ctx->mods[j].rank == r;
+        if (c > best_n || (c == best_n && r < best)) best = r, best_n = c;
+    }
+    return best;
+}
+
+static int uniform_rank(const lk_alg_ctx *ctx) {
+    for (size_t i = 1; i < ctx->n_mods; i++)
+        if (ctx->mods[i].rank != ctx->mods[0].rank) return 0;
+    return 1;
+}
+
+/* The options as given, for the report and the metadata. */
+static json_t *options_json(const lk_alg_ctx *ctx) {
+    const lk_algebra_opts *o = ctx->o;
+    json_t *j = json_object();
+    if (!j) return NULL;
+    int bad = 0;
+    if (o->rank) bad |= json_object_set_new(j, "rank", json_integer(o->rank));
+    if (o->err > 0) bad |= json_object_set_new(j, "err", json_real(o->err));
+    if (o->fro > 0) bad |= json_object_set_new(j, "fro", json_real(o->fro));
+    if (o->ratio > 0) bad |= json_object_set_new(j, "ratio", json_real(o->ratio));
+    if (o->max_rank) bad |= json_object_set_new(j, "max_rank", json_integer(o->max_rank));
+    if (o->conv_rank) bad |= json_object_set_new(j, "conv_rank", json_integer(o->conv_rank));
+    bad |= json_object_set_new(j, "exact", json_boolean(ctx->run.exact));
+    if (bad) {
+        json_decref(j);
+        return NULL;
+    }
+    return j;
+}
+
+static json_t *inputs_json(const lk_alg_ctx *ctx) {
+    json_t *a = json_array();
+    for (size_t i = 0; a && i < ctx->n_in; i++) {
+        json_t *e = json_pack("{s:s, s:f, s:s}", "path", ctx->in[i].path, "strength", ctx->in[i].strength, "digest",
+                              ctx->in[i].digest);
+        if (!e || json_array_append_new(a, e)) {
+            json_decref(a);
+            return NULL;
+        }
+    }
+    return a;
+}
+
+/* The record "lorakit.algebra": operation, inputs, options, alpha, dtype. */
+static char *record_text(const lk_alg_ctx *ctx) {
+    json_t *j = json_pack("{s:s, s:o?, s:o?, s:f, s:s}", "operation", ctx->op, "inputs", inputs_json(ctx), "options",
+                          options_json(ctx), "alpha", ctx->run.alpha, "dtype", lk_dtype_name(ctx->run.dtype));
+    char *s = j ? json_dumps(j, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+    json_decref(j);
+    return s;
+}
+
+/* PEFT's LoraConfig fields for the output (also diffusers' metadata). */
+static json_t *lora_config(const lk_alg_ctx *ctx, char **names) {
+    size_t r = mode_rank(ctx);
+    json_t *targets = json_array(), *rp = json_object();
+    for (size_t i = 0; targets && rp && i < ctx->n_mods; i++) {
+        if (json_array_append_new(targets, json_string(names[i]))) goto fail;
+        if (ctx->mods[i].rank != r && json_object_set_new(rp, names[i], json_integer((json_int_t)ctx->mods[i].rank)))
+            goto fail;
+    }
+    if (!targets || !rp) goto fail;
+    json_t *c = json_pack("{s:s, s:I, s:f, s:o, s:o, s:{}, s:b, s:b, s:s, s:b, s:f}", "peft_type", "LORA", "r",
+                          (json_int_t)r, "lora_alpha", ctx->run.alpha, "target_modules", targets, "rank_pattern", rp,
+                          "alpha_pattern", "use_rslora", 0, "use_dora", 0, "bias", "none", "fan_in_fan_out", 0,
+                          "lora_dropout", 0.0);
+    return c;
+fail:
+    json_decref(targets);
+    json_decref(rp);
+    return NULL;
+}
+
+/* Tensor layout of module i: B [out, K(, 1, 1)], A [K, tail...]. */
+static void shapes(const lk_alg_module *x, int64_t *bs, int *bn, int64_t *as, int *an) {
+    bs[0] = (int64_t)x->out;
+    bs[1] = (int64_t)x->rank;
+    *bn = 2;
+    if (x->ntail > 1) bs[2] = bs[3] = 1, *bn = 4;
+    as[0] = (int64_t)x->rank;
+    for (int d = 0; d < x->ntail; d++) as[1 + d] = x->tail[d];
+    *an = 1 + x->ntail;
+}
+
+typedef struct wctx {
+    lk_alg_ctx *ctx;
+    lk_algebra_format f;
+    char **names;
+    float alpha;
+} wctx;
+
+static lk_status declare(lk_st_writer *w, const wctx *c, size_t i, size_t *idx) {
+    const lk_alg_module *x = &c->ctx->mods[i];
+    int64_t bs[LK_MAX_DIMS], as[LK_MAX_DIMS];
+    int bn, an;
+    shapes(x, bs, &bn, as, &an);
+    const char *pre = c->f == LK_ALG_FORMAT_PEFT ? "base_model.model." : "";
+    const char *ka = c->f == LK_ALG_FORMAT_KOHYA ? "lora_down.weight" : "lora_A.weight";
+    const char *kb = c->f == LK_ALG_FORMAT_KOHYA ? "lora_up.weight" : "lora_B.weight";
+    char *na = lk_msg_dup("%s%s.%s", pre, c->names[i], ka), *nb = lk_msg_dup("%s%s.%s", pre, c->names[i], kb);
+    char *nl = c->f == LK_ALG_FORMAT_KOHYA ? lk_msg_dup("%s.alpha", c->names[i]) : NULL;
+    lk_status s = na && nb && (nl || c->f != LK_ALG_FORMAT_KOHYA) ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
+    if (!s) s = lk_st_writer_declare(w, na, c->ctx->run.dtype, an, as, &idx[0]);
+    if (!s) s = lk_st_writer_declare(w, nb, c->ctx->run.dtype, bn, bs, &idx[1]);
+    if (!s && nl) s = lk_st_writer_declare(w, nl, LK_DTYPE_F32, 0, NULL, &idx[2]);
+    lk_free(na);
+    lk_free(nb);
+    lk_free(nl);
+    return s;
+}
+
+static lk_status put_meta(lk_st_writer *w, const wctx *c) {
+    lk_alg_ctx *ctx = c->ctx;
+    char *rec = record_text(ctx);
+    lk_status s = rec ? lk_st_writer_metadata(w, "lorakit.algebra", rec) : lk_error(LK_ERR_NOMEM, "out of memory");
+    free(rec);
+    if (!s && c->f == LK_ALG_FORMAT_KOHYA) {
+        char dim[32], al[32];
+        snprintf(dim, sizeof dim, "%zu", ctx->mods[0].rank);
+        lk_num_str(ctx->run.alpha, al);
+        s = lk_st_writer_metadata(w, "ss_network_dim", uniform_rank(ctx) ? dim : "Dynamic");
+        if (!s) s = lk_st_writer_metadata(w, "ss_network_alpha", al);
+        if (!s) s = lk_st_writer_metadata(w, "ss_network_module", "networks.lora");
+    }
+    if (!s && c->f == LK_ALG_FORMAT_DIFFUSERS) {
+        json_t *cfg = lora_config(ctx, c->names);
+        char *t = cfg ? json_dumps(cfg, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
+        s = t ? lk_st_writer_metadata(w, "lora_adapter_metadata", t) : lk_error(LK_ERR_NOMEM, "out of memory");
+        free(t);
+        json_decref(cfg);
+    }
+    if (!s) s = lk_st_writer_metadata(w, "format", "pt");
+    return s;
+}
+
+/* The safetensors file at path. */
+static lk_status write_st(const wctx *c, const char *path) {
+    lk_alg_ctx *ctx = c->ctx;
+    lk_st_writer *w = NULL;
+    size_t *idx = lk_calloc(3 * ctx->n_mods, sizeof *idx);
+    lk_status s = idx ? lk_st_writer_create(path, &w) : lk_error(LK_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; !s && i < ctx->n_mods; i++) s = declare(w, c, i, idx + 3 * i);
+    if (!s) s = put_meta(w, c);
+    if (!s) s = lk_st_writer_begin(w);
+    const size_t es = lk_dtype_size(ctx->run.dtype);
+    for (size_t i = 0; !s && i < ctx->n_mods; i++) {
+        const lk_alg_module *x = &ctx->mods[i];
+        s = lk_st_writer_write(w, idx[3 * i], 0, x->a_bytes, x->rank * x->N * es);
+        if (!s) s = lk_st_writer_write(w, idx[3 * i + 1], 0, x->b_bytes, x->rank * x->out * es);
+        if (!s && c->f == LK_ALG_FORMAT_KOHYA) s = lk_st_writer_write(w, idx[3 * i + 2], 0, &c->alpha, 4);
+    }
+    if (!s) s = lk_st_writer_commit(w);
+    lk_st_writer_free(w);
+    lk_free(idx);
+    return s;
+}
+
+static lk_status write_peft(const wctx *c) {
+    const char *dir = c->ctx->out;
+    if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+        return lk_error(LK_ERR_IO, "%s: cannot create folder: %s", dir, strerror(errno));
+    struct stat sb;
+    if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
+        return lk_error(LK_ERR_IO, "%s: a PEFT output is a folder (adapter_model.safetensors + adapter_config.json)",
+                        dir);
+    char *st = lk_path_join(dir, "adapter_model.safetensors"), *js = lk_path_join(dir, "adapter_config.json");
+    json_t *cfg = lora_config(c->ctx, c->names);
+    char *text = cfg ? json_dumps(cfg, JSON_INDENT(2) | JSON_SORT_KEYS) : NULL;
+    lk_status s = st && js && text ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
+    lk_out_inputs in = LK_OUT_INPUTS_INIT;
+    for (size_t i = 0; !s && i < c->ctx->n_in; i++) {
+        s = lk_out_inputs_add(&in, lk_adapter_file(c->ctx->in[i].a), "input adapter");
+        if (!s && lk_adapter_config_file(c->ctx->in[i].a))
+            s = lk_out_inputs_add(&in, lk_adapter_config_file(c->ctx->in[i].a), "input adapter config");
+    }
+    if (!s) s = lk_out_check(st, &in);
+    if (!s) s = lk_out_check(js, &in);
+    if (!s) s = write_st(c, st);
+    if (!s) s = lk_out_file_write(js, text, strlen(text));
+    lk_out_inputs_free(&in);
+    free(text);
+    json_decref(cfg);
+    lk_free(st);
+    lk_free(js);
+    return s;
+}
+
+static int str_cmp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* The output names, checked distinct. */
+static lk_status make_names(wctx *c) {
+    lk_alg_ctx *ctx = c->ctx;
+    lk_status s = LK_OK;
+    c->names = lk_calloc(ctx->n_mods, sizeof *c->names);
+    char **sorted = lk_calloc(ctx->n_mods, sizeof *sorted);
+    if (!c->names || !sorted) s = lk_error(LK_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; !s && i < ctx->n_mods; i++) {
+        c->names[i] = out_name(c->f, ctx->mods[i].name, &s);
+        if (!c->names[i] && !s) s = lk_error(LK_ERR_NOMEM, "out of memory");
+        if (s) lk_error_prefix(s, "%s", ctx->out);
+        sorted[i] = c->names[i];
+    }
+    if (!s) {
+        qsort(sorted, ctx->n_mods, sizeof *sorted, str_cmp);
+        for (size_t i = 1; i < ctx->n_mods && !s; i++)
+            if (!strcmp(sorted[i], sorted[i - 1]))
+                s = lk_error(LK_ERR_FORMAT, "%s: two modules are both named '%s' in %s form", ctx->out, sorted[i],
+                             lk_algebra_format_name(c->f));
+    }
+    lk_free(sorted);
+    return s;
+}
+
+lk_status lk_alg_write(lk_alg_ctx *ctx) {
+    wctx c = {ctx, out_format(ctx), NULL, (float)ctx->run.alpha};
+    lk_status s = make_names(&c);
+    if (!s && c.f == LK_ALG_FORMAT_PEFT) {
+        s = write_peft(&c);
+    } else if (!s) {
+        lk_out_inputs in = LK_OUT_INPUTS_INIT;
+        for (size_t i = 0; !s && i < ctx->n_in; i++) s = lk_out_inputs_add(&in, lk_adapter_file(ctx->in[i].a), "input");
+        if (!s) s = lk_out_check(ctx->out, &in);
+        lk_out_inputs_free(&in);
+        if (!s) s = write_st(&c, ctx->out);
+    }
+    for (size_t i = 0; c.names && i < ctx->n_mods; i++) lk_free(c.names[i]);
+    lk_free(c.names);
+    ctx->format = c.f;
+    return s;
+}
+
+static double ratio(double num2, double den2) { return den2 > 0 ? sqrt(num2 / den2) : 0.0; }
+
+lk_status lk_alg_report(const lk_alg_ctx *ctx, char **out) {
+    json_t *mods = json_array();
+    double n2 = 0, e2 = 0, o2 = 0, spec = 0;
+    for (size_t i = 0; mods && i < ctx->n_mods; i++) {
+        const lk_alg_module *x = &ctx->mods[i];
+        double rs = x->spec > 0 ? x->err_spec / x->spec : 0.0;
+        n2 += x->norm2, e2 += x->err2, o2 += x->opt2;
+        if (rs > spec) spec = rs;
+        json_t *m = json_pack("{s:s, s:I, s:f, s:f, s:f, s:f}", "name", x->name, "rank", (json_int_t)x->rank, "rel_fro",
+                              ratio(x->err2, x->norm2), "rel_fro_opt", ratio(x->opt2, x->norm2), "rel_spec", rs,
+                              "norm", sqrt(x->norm2));
+        if (!m || json_array_append_new(mods, m)) {
+            json_decref(mods);
+            mods = NULL;
+        }
+    }
+    json_t *j = mods ? json_pack("{s:s, s:s, s:s, s:s, s:f, s:o?, s:o?, s:f, s:f, s:f, s:f, s:o}", "operation",
+                                 ctx->op, "output", ctx->out, "format", lk_algebra_format_name(ctx->format), "dtype",
+                                 lk_dtype_name(ctx->run.dtype), "alpha", ctx->run.alpha, "inputs", inputs_json(ctx),
+                                 "options", options_json(ctx), "rel_fro", ratio(e2, n2), "rel_fro_opt", ratio(o2, n2),
+                                 "rel_spec", spec, "seconds", ctx->seconds, "modules", mods)
+                     : NULL;
+    *out = NULL;
+    char *t = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    if (!t) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the report", ctx->out);
+    *out = lk_strdup(t);
+    free(t);
+    return *out ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory for the report", ctx->out);
+}

@@ -1,0 +1,60 @@
+#!/bin/bash
+# algebra_cli.sh — `lorakit merge` and `lorakit resize`: the float64 NumPy
+# oracle (tests/algebra_oracle.py: dense deltas and numpy SVDs of inputs
+# written by lycoris-lora and peft), then the CLI's refusals: --help, usage
+# errors exit 2, DoRA / dense diffs / an output that is an input exit 1
+# naming the module or file, and no output is left behind on failure.
+# Usage: bash algebra_cli.sh <path-to-lorakit> <build-dir>   (as ctest runs it)
+set -uo pipefail
+LK=$1
+HERE=$(cd "$(dirname "$0")" && pwd)
+FX=$HERE/fixtures
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/lk-algebra.XXXXXX")
+trap 'rm -rf "$TMP"' EXIT
+fail() { echo "algebra_cli.sh: FAIL: $*" >&2; exit 1; }
+expect() {
+  local want=$1; shift
+  "$LK" "$@" >"$TMP/out" 2>"$TMP/err"
+  local rc=$?
+  [ "$rc" = "$want" ] || { cat "$TMP/out" "$TMP/err" >&2; fail "lorakit $* exited $rc, expected $want"; }
+  if grep -E "Sanitizer|runtime error" "$TMP/err" >/dev/null; then cat "$TMP/err" >&2; fail "sanitizer report: lorakit $*"; fi
+}
+err_has() { grep -F -- "$1" "$TMP/err" >/dev/null || { cat "$TMP/err" >&2; fail "stderr lacks: $1"; }; }
+
+if /usr/bin/python3 -c 'import numpy' 2>/dev/null; then
+  /usr/bin/python3 "$HERE/algebra_oracle.py" "$LK" "$TMP" || fail "the NumPy oracle"
+else
+  echo "algebra_cli.sh: SKIP the NumPy oracle: /usr/bin/python3 has no numpy (Debian python3-numpy)"
+fi
+
+for c in merge resize; do
+  expect 0 $c --help
+  grep -F "usage: lorakit $c" "$TMP/out" >/dev/null || fail "$c --help"
+done
+expect 2 merge -o "$TMP/x.safetensors"
+err_has "at least one -l"
+expect 2 resize "$FX/lycoris/loha.safetensors"
+err_has "missing -o OUT"
+expect 2 resize "$FX/lycoris/loha.safetensors" -o "$TMP/x.safetensors" --rank 0
+expect 2 resize "$FX/lycoris/loha.safetensors" -o "$TMP/x.safetensors" --fro 1.5
+expect 2 resize "$FX/lycoris/loha.safetensors" -o "$TMP/x.safetensors" --dtype F64
+expect 1 resize "$FX/lycoris/loha.safetensors" -o "$TMP/x.safetensors" --rank 2 --err 0.1
+err_has "give one of"
+# refused by name, nothing written
+expect 1 resize "$FX/lycoris/dora_out.safetensors" -o "$TMP/d.safetensors" --rank 1
+err_has "DoRA"
+[ ! -e "$TMP/d.safetensors" ] || fail "a refused resize wrote its output"
+expect 1 resize "$FX/lycoris/full.safetensors" -o "$TMP/d.safetensors" --rank 1
+err_has "no low-rank form"
+[ ! -e "$TMP/d.safetensors" ] || fail "a refused resize wrote its output"
+cp "$FX/lycoris/loha.safetensors" "$TMP/in.safetensors"
+expect 1 resize "$TMP/in.safetensors" -o "$TMP/./in.safetensors" --rank 1
+err_has "same file"
+cmp -s "$TMP/in.safetensors" "$FX/lycoris/loha.safetensors" || fail "the input was changed"
+expect 1 merge -l "$FX/lycoris/loha.safetensors" -l "$FX/adapters/peft" -o "$TMP/y" --format peft
+err_has "kohya's underscore name"
+# the output fuses in lorakit to what the input fuses to, within the rounding (exact resize at F32)
+expect 0 resize "$FX/lycoris/locon.safetensors" -o "$TMP/e.safetensors" --dtype F32 --json
+grep -F '"rel_fro_opt":0.0' "$TMP/out" >/dev/null || fail "an exact resize reports a nonzero optimum"
+expect 0 fuse "$FX/lycoris/base_f32.safetensors" -l "$TMP/e.safetensors" -o "$TMP/f1.safetensors"
+echo "algebra_cli.sh: ok"
