@@ -2,7 +2,9 @@
  * model_lora_keys_unet / model_lora_keys_clip, comfy/lora_convert.py
  * convert_lora) that lorakit once refused, each on the checkpoint namings it
  * lands on (README "Key formats"): Flux's linear1_qkv slice and USO's names,
- * OneTrainer's Flux T5 as lora_te2_, diffusion-pipe's and ComfyUI's own
+ * OneTrainer's Flux T5 as lora_te2_ (and lora_te3_; on SD3's three encoders
+ * lora_te2_ is CLIP-G), SD3's base_model.model., SD 1.x's ".processor.to_q"
+ * and lycoris_ names, diffusion-pipe's, diffusers' and ComfyUI's own
  * HunyuanVideo names, Wan Fun's lora_unet__, Stable Cascade's lora_prior_unet_
  * and lora_prior_te_, Z-Image's diffusers / ComfyUI / lycoris_ names,
  * Kandinsky 5, ComfyUI's text_encoders.<clip>.transformer. names and the SDXL
@@ -53,7 +55,7 @@ static void test_cases(void **state) {
         n_cases++;
     }
     fclose(fp);
-    assert_true(n_cases >= 25);
+    assert_true(n_cases >= 38);
 }
 
 /* BFL's Flux Canny / Depth LoRA: ComfyUI (convert_lora_bfl_control) widens

@@ -1343,12 +1343,24 @@ static lk_status group_keys(const lk_adapter *a, const keyinfo *ki, size_t n, si
     return LK_OK;
 }
 
+/* Whether stem (len bytes) ends in ".processor.<last>", last one of to_q, to_k, to_v, to_out. */
+static int processor_stem(const char *stem, size_t len) {
+    static const char *const last[] = {".processor.to_q", ".processor.to_k", ".processor.to_v", ".processor.to_out"};
+    for (size_t i = 0; i < 4; i++) {
+        size_t n = strlen(last[i]);
+        if (len > n && !memcmp(stem + len - n, last[i], n)) return 1;
+    }
+    return 0;
+}
+
 /* Module k's stem (its full name; an old attention-processor stem as the
  * module it stands for) and name, from key ki; both owned by a (a->n is
  * k + 1 from here on). */
 static lk_status add_stem(lk_adapter *a, size_t k, const keyinfo *ki) {
     const char *key = ki->t->name;
-    int old_attn = !strncmp(key + ki->stem_len, "_lora.", 6);
+    /* also "<attn>.processor.to_q" with any factor names: ComfyUI maps its UNets' diffusers names so
+     * (model_lora_keys_unet: ".to_" -> ".processor.to_", "to_out.0" -> "to_out") */
+    int old_attn = !strncmp(key + ki->stem_len, "_lora.", 6) || processor_stem(key, ki->stem_len);
     char *stem = old_attn ? old_attn_module(key, ki->stem_len) : lk_malloc(ki->stem_len + 1);
     if (!stem) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
     if (!old_attn) {
