@@ -682,10 +682,12 @@ static void test_file_errors(void **state) {
          (pair(f, "lora_unet_x", ".lora_down.weight", ".lora_up.weight", 2, LK_DTYPE_F32),
           af_scalar(f, "lora_unet_x.alpha", LK_DTYPE_F16, NAN)),
          LK_ERR_NONFINITE, "alpha_nan.safetensors: lora_unet_x.alpha: alpha is nan");
-    CASE("alpha_int.safetensors",
+    /* integers are read as their value (test_alpha_given); a bool is no alpha */
+    CASE("alpha_bool.safetensors",
          (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
-          af_scalar(f, "x.alpha", LK_DTYPE_F32, 1), f->t[f->n - 1].dtype = LK_DTYPE_I32),
-         LK_ERR_DTYPE, "alpha_int.safetensors: x.alpha: alpha has dtype I32; expected a float");
+          af_scalar(f, "x.alpha", LK_DTYPE_F32, 1), f->t[f->n - 1].dtype = LK_DTYPE_BOOL,
+          f->t[f->n - 1].nbytes = 1),
+         LK_ERR_DTYPE, "alpha_bool.safetensors: x.alpha: alpha has dtype BOOL; expected a float or an integer");
     CASE("conv.safetensors",
          (af_rand(f, "x.lora_A.weight", LK_DTYPE_F32, 2, IN, &g_rng, -1, 1), f->t[f->n - 1].ndim = 4,
           f->t[f->n - 1].shape[2] = 1, f->t[f->n - 1].shape[3] = 1,

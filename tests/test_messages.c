@@ -182,7 +182,7 @@ static void test_yaml_names_whole(void **state) {
     lk_plan *p = NULL;
     assert_int_equal(lk_plan_parse(text, strlen(text), "plan.yaml", NULL, &p), LK_ERR_CONFIG);
     const char *m = lk_last_error();
-    snprintf(text, tl, "plan.yaml:2: steps[0].loras[0].%s: unknown key (valid: path, strength, format)", key);
+    snprintf(text, tl, "plan.yaml:2: steps[0].loras[0].%s: unknown key (valid: path, strength, format, alpha)", key);
     assert_string_equal(m, text);
     /* a strength of 2,000 bytes that is not a number: the reason survives */
     char *val = long_name(2000);

@@ -14,7 +14,7 @@
 #include "cli.h"
 
 static const char *const FUSE_USAGE =
-    "usage: lorakit fuse BASE -l ADAPTER[:STRENGTH] [-l ...] -o OUT [options]\n\n"
+    "usage: lorakit fuse BASE -l ADAPTER[:STRENGTH][:alpha=A] [-l ...] -o OUT [options]\n\n"
     "Fuses LoRA adapters into a safetensors checkpoint and writes a new one:\n"
     "W <- W + sum_i strength_i * scale_i * (B_i @ A_i): the delta an FMA chain\n"
     "in a fixed order (fp32 for BF16/F16/FP8 weights, fp64 for F32 weights),\n"
@@ -42,12 +42,16 @@ static const char *const FUSE_USAGE =
     "file already at OUT is left as it was). The result does not depend on\n"
     "--threads or on the order of the -l options.\n\n"
     "options:\n"
-    "  -l, --lora ADAPTER[:STRENGTH]  an adapter; STRENGTH defaults to 1.0 and\n"
-    "                         may be negative or 0 (repeatable, at least one).\n"
+    "  -l, --lora ADAPTER[:STRENGTH][:alpha=A]  an adapter; STRENGTH defaults to\n"
+    "                         1.0 and may be negative or 0 (repeatable, at least one).\n"
     "                         It is used as the double typed (0.7 is 0.7, not\n"
     "                         the float 0.699999988) and must be finite; text\n"
     "                         after the last ':' that starts like a number is\n"
-    "                         a strength and must parse whole\n"
+    "                         a strength and must parse whole. alpha=A: the\n"
+    "                         alpha the adapter was trained with, for a file that\n"
+    "                         gives none (a FastVideo-legacy file); a file alpha\n"
+    "                         that differs is an error. Without one anywhere,\n"
+    "                         alpha = r with a warning\n"
     "  -o, --out OUT          output file, or folder for a sharded BASE; never\n"
     "                         an input (a base file, shard or index, an adapter\n"
     "                         or its config, by any path) nor a device, FIFO or\n"
@@ -112,6 +116,15 @@ static int parse_lora(char *arg, lk_fuse_input *in) {
     in->strength = 1.0;
     char *c = strrchr(arg, ':');
     struct stat sb;
+    if (c && c != arg && !strncmp(c + 1, "alpha=", 6) && stat(arg, &sb) != 0) { /* ...:alpha=A, last */
+        if (lk_fuse_strength_parse(c + 7, &in->alpha) != LK_OK) {
+            lk_cli_usage("fuse", "-l '%s': alpha: %s", arg, lk_last_error());
+            return 0;
+        }
+        in->has_alpha = 1;
+        *c = '\0';
+        c = strrchr(arg, ':');
+    }
     if (c && c != arg && looks_like_strength(c + 1)) {
         double v;
         if (lk_fuse_strength_parse(c + 1, &v) == LK_OK) {

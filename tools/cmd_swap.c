@@ -42,7 +42,7 @@ static const char *const SWAP_USAGE =
     "  arch: flux             # optional: family table (see --arch)\n"
     "  maps: [mine.lkmap]     # optional: extra name tables (see --map)\n"
     "  steps:\n"
-    "    - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]\n"
+    "    - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya, alpha: 16}]\n"
     "    - loras: []          # reset to the base weights\n\n"
     "output: one line per step from rank 0; with --json one object per line:\n"
     "  {\"step\": 1, \"status\": \"ok\"|\"error\", \"error\": \"...\", \"keys_fused\": N,\n"

@@ -77,11 +77,19 @@ const char *lk_convention_name(lk_convention c);
 lk_status lk_convention_parse(const char *name, lk_convention *out);
 
 /* How an adapter is read; all zero = auto-detected format, LK_ALPHA_AUTO,
- * lorakit's conventions. */
+ * lorakit's conventions, no alpha from the caller.
+ * has_alpha = 1: alpha (finite) is the caller's alpha for every module
+ * scaled by alpha / r that the file leaves at the default alpha = r (no
+ * adapter_config.json, `.alpha` tensor or metadata alpha for it; a
+ * FastVideo-legacy file, say): its alpha_source is then "caller". A module
+ * whose file does give an alpha that differs is LK_ERR_CONFIG naming both
+ * values (never silently one of them). */
 typedef struct lk_adapter_opts {
     lk_adapter_format format;
     lk_alpha_from alpha_from;
     lk_convention convention;
+    int has_alpha;
+    double alpha;
 } lk_adapter_opts;
 
 /* The algorithm of an adapter module (LyCORIS names where LyCORIS has it). */
@@ -112,7 +120,8 @@ typedef struct lk_lora_module {
     lk_tensor B;        /* out x rank (lora_B / lora_up) */
     /* Where alpha came from: "config" (lora_alpha), "alpha_pattern \"<key>\"",
      * ".alpha tensor", "metadata lora_adapter_metadata", "metadata
-     * alpha_pattern \"<key>\"", "metadata ss_network_alpha" or "default r". */
+     * alpha_pattern \"<key>\"", "metadata ss_network_alpha", "caller" (the
+     * opener's lk_adapter_opts.alpha) or "default r". */
     const char *alpha_source;
     lk_tensor magnitude;     /* DoRA: lora_magnitude_vector, [out]; data NULL when not DoRA */
     lk_tensor bias;          /* lora_bias: lora_B.bias, [out]; data NULL when absent */

@@ -131,6 +131,9 @@ typedef struct lk_fuse_input {
     const char *path;
     double strength;    /* exactly as typed (a double, as PEFT's, diffusers' and LyCORIS's); finite */
     lk_adapter_format format;
+    int has_alpha;      /* 1: alpha is the caller's alpha for this adapter (lk_adapter_opts.has_alpha: it fills
+                           in where the file gives none, and a file alpha that differs is LK_ERR_CONFIG) */
+    double alpha;       /* finite; part of the adapter's identity (canonical order, the tracker's request) */
 } lk_fuse_input;
 
 /* Progress report: called after each tensor is written (from the calling
@@ -262,7 +265,8 @@ lk_status lk_fuse_pipeline(const char *base, const lk_fuse_input *inputs, const 
                            size_t n, const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
 
 /* Opens the adapter of one input with opts (its format field is used as
- * given): its file or folder, or src (non-NULL) labelled by in->path. */
+ * given; in->has_alpha sets its alpha fields): its file or folder, or src
+ * (non-NULL) labelled by in->path. */
 lk_status lk_fuse_input_open(const lk_fuse_input *in, const lk_adapter_source *src, const lk_adapter_opts *opts,
                              lk_adapter **out);
 

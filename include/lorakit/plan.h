@@ -8,7 +8,7 @@
  *   arch: flux             # optional: the family table, lk_tracker_opts.arch (none: no table)
  *   maps: [mine.lkmap]     # optional: extra name tables, lk_tracker_opts.maps
  *   steps:
- *     - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya}]
+ *     - loras: [{path: a/, strength: 1.0}, {path: b.safetensors, strength: 0.5, format: kohya, alpha: 16}]
  *     - loras: []          # reset
  *
  * Relative adapter and map paths are taken relative to the plan file's directory.

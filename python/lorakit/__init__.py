@@ -231,7 +231,8 @@ def _loras(loras):
         if not isinstance(fmt, str):
             raise TypeError(f"loras[{i}]: format must be a str, got {fmt!r}")
         if isinstance(path, Adapter):
-            req.append((path.label.encode(), strength, path.format if fmt == "auto" else fmt, path._source()))
+            req.append((path.label.encode(), strength, path.format if fmt == "auto" else fmt, path._source(),
+                        path.alpha))
             shown.append((path, strength))
         else:
             req.append((os.fsencode(path), strength, fmt))

@@ -89,6 +89,18 @@ def _config_json(config):
     return json.dumps(config, default=plain, sort_keys=True)
 
 
+def _alpha(alpha):
+    """The caller's alpha: None, or a finite number (a double, used exactly)."""
+    if alpha is None:
+        return None
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) and not hasattr(alpha, "__float__"):
+        raise TypeError(f"alpha must be a number or None, got {alpha!r}")
+    v = float(alpha)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ValueError(f"alpha {alpha!r} is not finite")
+    return v
+
+
 class Adapter:
     """An adapter held in memory; use it where a path goes, e.g.
     fuse_(model, [(Adapter.from_peft(peft_model), 0.8)]).
@@ -100,11 +112,17 @@ class Adapter:
     in any format lorakit reads, with a PEFT config (a dict or a
     peft.LoraConfig); Adapter.from_peft(peft_model, adapter_name="default"):
     the LoRA weights and config of a PeftModel (just trained, say). The
-    tensors are copied once into the image; the model is not referenced."""
+    tensors are copied once into the image; the model is not referenced.
+    alpha=A (load, from_state_dict): the alpha the adapter was trained
+    with, for every module its file and config leave at the default alpha
+    = r (a FastVideo-legacy file: "<m>.lora_A", "<m>.lora_B"); an alpha the
+    file or config gives that differs is a LoraError naming both. A config
+    is read for every format (its r, lora_alpha, rank/alpha_pattern,
+    use_rslora), not only for PEFT's keys."""
 
-    __slots__ = ("data", "config_json", "format", "name", "digest")
+    __slots__ = ("data", "config_json", "format", "name", "digest", "alpha")
 
-    def __init__(self, data, config_json=None, format="auto", name="adapter"):
+    def __init__(self, data, config_json=None, format="auto", name="adapter", alpha=None):
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data must be the bytes of a safetensors file, got {type(data).__name__}")
         if not isinstance(format, str):
@@ -113,8 +131,11 @@ class Adapter:
         self.config_json = _config_json(config_json)
         self.format = format
         self.name = str(name)
+        self.alpha = _alpha(alpha)
         h = hashlib.sha256(self.data)
         h.update(b"\0config\0" + (self.config_json or "").encode())
+        if self.alpha is not None:  # another alpha is another adapter (the tracker's request)
+            h.update(b"\0alpha\0" + float(self.alpha).hex().encode())
         self.digest = h.hexdigest()[:32]
 
     @property
@@ -136,7 +157,7 @@ class Adapter:
         return hash((self.digest, self.format))
 
     @classmethod
-    def load(cls, path, format="auto"):
+    def load(cls, path, format="auto", alpha=None):
         """A safetensors file (with an adapter_config.json beside it) or a
         PEFT folder, read into memory."""
         path = os.fspath(path)
@@ -156,16 +177,16 @@ class Adapter:
         if os.path.exists(cfg):
             with open(cfg, encoding="utf-8") as fh:
                 text = fh.read()
-        return cls(data, text, format, os.path.basename(os.path.normpath(path)))
+        return cls(data, text, format, os.path.basename(os.path.normpath(path)), alpha)
 
     @classmethod
-    def from_state_dict(cls, tensors, config=None, format="auto", name="state_dict"):
+    def from_state_dict(cls, tensors, config=None, format="auto", name="state_dict", alpha=None):
         """tensors: name -> tensor/array (PEFT's saved keys, or any format
         lorakit reads); config: a PEFT config dict or LoraConfig (alpha,
-        rank_pattern, ... as PEFT reads them) or None."""
+        rank_pattern, ... as PEFT reads them) or None; alpha: see the class."""
         if not hasattr(tensors, "items"):
             raise TypeError(f"tensors must be a mapping of name to tensor, got {type(tensors).__name__}")
-        return cls(_safetensors_image(dict(tensors.items())), config, format, name)
+        return cls(_safetensors_image(dict(tensors.items())), config, format, name, alpha)
 
     @classmethod
     def from_peft(cls, peft_model, adapter_name="default"):

@@ -344,8 +344,8 @@ static void request_free(request *r) {
 }
 
 /* loras: a sequence of (path: bytes, strength: float, format: str[,
- * memory]), memory being an in-memory adapter's (bytes, config JSON str or
- * None); path is then its label. */
+ * memory[, alpha]]), memory being an in-memory adapter's (bytes, config
+ * JSON str or None); path is then its label; alpha a float or None. */
 static int request_from(PyObject *loras, request *r) {
     memset(r, 0, sizeof *r);
     PyObject *seq = PySequence_Fast(loras, "loras must be a sequence");
@@ -364,15 +364,21 @@ static int request_from(PyObject *loras, request *r) {
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *path, *mem = Py_None;
+        PyObject *path, *mem = Py_None, *alpha = Py_None;
         double strength;
         const char *fmt;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Sds|O", &path, &strength, &fmt, &mem)) goto fail;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Sds|OO", &path, &strength, &fmt, &mem, &alpha))
+            goto fail;
         Py_INCREF(path);
         r->paths[i] = path;
         r->n = (size_t)i + 1;
         r->in[i].path = PyBytes_AS_STRING(path);
         r->in[i].strength = strength;
+        if (alpha != Py_None) { /* the adapter's alpha (lk_fuse_input.has_alpha) */
+            r->in[i].alpha = PyFloat_AsDouble(alpha);
+            if (r->in[i].alpha == -1.0 && PyErr_Occurred()) goto fail;
+            r->in[i].has_alpha = 1;
+        }
         if (mem != Py_None) {
             PyObject *bytes, *cfg;
             if (!PyArg_ParseTuple(mem, "SO", &bytes, &cfg)) goto fail;

@@ -525,7 +525,7 @@ static lk_status detect(lk_adapter *a, const keyinfo *ki, size_t n, lk_adapter_f
     if (forced != LK_FORMAT_AUTO) {
         enum family want = family_of(forced);
         for (size_t i = 0; i < n; i++)
-            if (ki[i].fam != want && !(ki[i].fam == FAM_ALPHA && want != FAM_FV) && ki[i].fam != FAM_ANY)
+            if (ki[i].fam != want && ki[i].fam != FAM_ALPHA && ki[i].fam != FAM_ANY)
                 return lk_error(LK_ERR_FORMAT, "%s: key '%s' is not a %s adapter key", f, ki[i].t->name,
                                 lk_adapter_format_name(forced));
         if (n == 0) return lk_error(LK_ERR_FORMAT, "%s: no tensors: not a LoRA adapter", f);
@@ -542,9 +542,6 @@ static lk_status detect(lk_adapter *a, const keyinfo *ki, size_t n, lk_adapter_f
     }
     if (found == FAM_NONE && first[FAM_ANY] == SIZE_MAX)
         return lk_error(LK_ERR_FORMAT, "%s: no LoRA keys: not an adapter", f);
-    if (found == FAM_FV && first[FAM_ALPHA] != SIZE_MAX) /* FastVideo files carry no alpha */
-        return lk_error(LK_ERR_FORMAT, "%s: mixes FastVideo keys ('%s') and alpha keys ('%s')", f,
-                        ki[first[FAM_FV]].t->name, ki[first[FAM_ALPHA]].t->name);
     if (found == FAM_KOHYA) a->format = LK_FORMAT_KOHYA;
     else if (found == FAM_FV) a->format = LK_FORMAT_FASTVIDEO;
     else {
@@ -782,6 +779,21 @@ static const lk_peft_config *meta_for(const lk_adapter *a, const char *stem, con
 /* Index of tensor t (a view returned by lk_st_tensor) in st. */
 static size_t st_index(const lk_st *st, const lk_tensor *t) { return (size_t)lk_st_find(st, t->name); }
 
+/* An integer scalar of dtype d (little-endian bytes raw) as a double (a
+ * 64-bit value beyond 2^53 rounds to nearest, as Python's float() does);
+ * 0 when d is no integer dtype. */
+static int int_value(lk_dtype d, const unsigned char *raw, double *v) {
+    uint64_t u = 0;
+    int bytes = d == LK_DTYPE_U8 || d == LK_DTYPE_I8 ? 1 : d == LK_DTYPE_I16 || d == LK_DTYPE_U16 ? 2
+              : d == LK_DTYPE_I32 || d == LK_DTYPE_U32 ? 4 : d == LK_DTYPE_I64 || d == LK_DTYPE_U64 ? 8 : 0;
+    int is_signed = d == LK_DTYPE_I8 || d == LK_DTYPE_I16 || d == LK_DTYPE_I32 || d == LK_DTYPE_I64;
+    if (!bytes) return 0;
+    for (int b = bytes - 1; b >= 0; b--) u = u << 8 | raw[b];
+    if (is_signed && bytes < 8 && (u >> (8 * bytes - 1))) u |= ~0ull << (8 * bytes); /* sign-extend */
+    *v = is_signed ? (double)(int64_t)u : (double)u;
+    return 1;
+}
+
 static lk_status read_alpha(const lk_adapter *a, const lk_tensor *t, double *out) {
     const char *file = a->file;
     if (lk_tensor_numel(t) != 1)
@@ -799,8 +811,9 @@ static lk_status read_alpha(const lk_adapter *a, const lk_tensor *t, double *out
         float f;
         lk_to_f32(&f, raw, t->dtype, 1);
         v = f;
+    } else if (int_value(t->dtype, raw, &v)) { /* diffusers' convert_state_dict_to_kohya writes an I64 */
     } else {
-        return lk_error(LK_ERR_DTYPE, "%s: %s: alpha has dtype %s; expected a float", file, t->name,
+        return lk_error(LK_ERR_DTYPE, "%s: %s: alpha has dtype %s; expected a float or an integer", file, t->name,
                         lk_dtype_name(t->dtype));
     }
     if (!isfinite(v)) return lk_error(LK_ERR_NONFINITE, "%s: %s: alpha is %g", file, t->name, v);
@@ -988,6 +1001,18 @@ static lk_status check_lora_vectors(const lk_adapter *a, size_t i, const lk_tens
     return LK_OK;
 }
 
+/* A non-PEFT module's .alpha tensor against the alpha its config gives
+ * (source says where): equal, or LK_ERR_CONFIG naming both. */
+static lk_status config_vs_tensor(const lk_adapter *a, size_t i, const lk_tensor *alpha_t, double alpha,
+                                  const char *source) {
+    double ta;
+    lk_status s = read_alpha(a, alpha_t, &ta);
+    if (s || ta == alpha) return s;
+    char tb[LK_NUM_STR_MAX], cb[LK_NUM_STR_MAX];
+    return lk_error(LK_ERR_CONFIG, "%s: %s: the .alpha tensor says alpha = %s but %s (%s) says %s; keep one",
+                    a->file, a->names[i], lk_num_str(ta, tb), a->config_path, source, lk_num_str(alpha, cb));
+}
+
 /* Alpha of LoRA module i (rank r): from adapter_config.json for PEFT with
  * one (counting a module outside target_modules), else from the file
  * (file_alpha). Its source text goes to a->sources[i] (owned by a). */
@@ -995,10 +1020,12 @@ static lk_status lora_alpha(lk_adapter *a, size_t i, const lk_tensor *alpha_t, i
     const char *f = a->file, *m = a->names[i], *an = lk_adapter_factor_name(a, 0);
     char *source = NULL;
     lk_status s;
-    if (a->format == LK_FORMAT_PEFT && a->has_config) {
+    if (a->has_config) { /* PEFT's, or one beside a file of another format (a FastVideo-legacy file) */
         if ((s = config_alpha(a, &a->cfg, m, m, an, r, "", alpha, &source))) return s;
-        int hit;
-        if ((s = lk_peft_targets(&a->cfg, m, &hit))) {
+        int hit = 1;
+        if (a->format == LK_FORMAT_PEFT) s = lk_peft_targets(&a->cfg, m, &hit);
+        else if (alpha_t) s = config_vs_tensor(a, i, alpha_t, *alpha, source);
+        if (s) {
             lk_free(source);
             return s;
         }
@@ -1615,14 +1642,48 @@ static lk_status settle_format(lk_adapter *a, const keyinfo *ki, size_t nl, lk_a
     if (a->n_rep && a->format != LK_FORMAT_PEFT)
         return lk_error(LK_ERR_FORMAT, "%s: key '%s' is saved whole, which only PEFT adapters do, but the file reads "
                         "as %s", a->file, a->reps[0].key, lk_adapter_format_name(a->format));
-    if (a->has_config && a->format != LK_FORMAT_PEFT) {
-        lk_log(LK_LOG_WARN, "%s: %s ignored: the adapter is read as %s", a->path, a->config_path,
-               lk_adapter_format_name(a->format));
-        lk_peft_config_free(&a->cfg);
-        a->has_config = 0;
-    }
+    if (a->has_config && a->format != LK_FORMAT_PEFT) /* it gives r, alpha, rsLoRA (lora_alpha: config_alpha) */
+        lk_log(LK_LOG_INFO, "%s: the adapter is read as %s, with r, lora_alpha, rank/alpha_pattern and use_rslora "
+               "from %s", a->path, lk_adapter_format_name(a->format), a->config_path);
     if (!a->has_config && (s = read_metadata(a))) return s;
     a->rslora = a->has_config ? a->cfg.rslora : (a->n_meta == 1 && a->meta[0].cfg.rslora);
+    return LK_OK;
+}
+
+/* 1 if module i is scaled by alpha / r (not a dense, norm, set_weight or
+ * full-factor LoKr module, whose source says "none: ..." / "LoKr with"). */
+static int alpha_scaled(const lk_adapter *a, size_t i) {
+    const char *src = a->sources[i];
+    return strncmp(src, "none", 4) && strncmp(src, "LoKr with", 9);
+}
+
+/* The caller's alpha (lk_adapter_opts.alpha) on every scaled module the
+ * file leaves at "default r"; a module the file gives another alpha is
+ * LK_ERR_CONFIG naming both. */
+static lk_status caller_alpha(lk_adapter *a) {
+    const double ua = a->user_alpha;
+    for (size_t i = 0; a->has_user_alpha && i < a->n; i++) {
+        lk_lora_module *mod = &a->mods[i];
+        if (!alpha_scaled(a, i)) continue;
+        if (strcmp(a->sources[i], "default r")) {
+            char fb[LK_NUM_STR_MAX], ub[LK_NUM_STR_MAX];
+            if (mod->alpha == ua) continue;
+            return lk_error(LK_ERR_CONFIG, "%s: %s: the file gives alpha = %s (%s) but the caller gives alpha = %s; "
+                            "drop the caller's alpha or fix the file", a->path, mod->module,
+                            lk_num_str(mod->alpha, fb), a->sources[i], lk_num_str(ua, ub));
+        }
+        double scale = mod->algo == LK_ALGO_LORA && a->rslora ? ua / sqrt((double)mod->rank) : ua / (double)mod->rank;
+        if (!isfinite((float)scale))
+            return lk_error(LK_ERR_NONFINITE, "%s: %s: scale alpha/r = %g (alpha %g from the caller) is not finite as "
+                            "a float", a->path, mod->module, scale, ua);
+        char *src = source_str("caller", NULL);
+        if (!src) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
+        lk_free(a->sources[i]);
+        a->sources[i] = src;
+        mod->alpha_source = src;
+        mod->alpha = ua;
+        mod->scale = scale;
+    }
     return LK_OK;
 }
 
@@ -1633,7 +1694,8 @@ static lk_status settle_format(lk_adapter *a, const keyinfo *ki, size_t nl, lk_a
 static lk_status build_modules(lk_adapter *a, keyinfo *ki, size_t nl) {
     qsort(ki, nl, sizeof *ki, key_cmp);
     lk_status s;
-    if ((s = pair(a, ki, nl)) || (s = check_replacements(a)) || (s = copy_factors(a))) return s;
+    if ((s = pair(a, ki, nl)) || (s = caller_alpha(a)) || (s = check_replacements(a)) || (s = copy_factors(a)))
+        return s;
     a->fa = lk_malloc((a->n ? a->n : 1) * sizeof *a->fa);
     a->fb = lk_malloc((a->n ? a->n : 1) * sizeof *a->fb);
     if (!a->fa || !a->fb) return lk_error(LK_ERR_NOMEM, "%s: out of memory", a->file);
@@ -1657,13 +1719,14 @@ static void warn_opened(const lk_adapter *a) {
     if (a->n_ss_dim_off)
         lk_log(LK_LOG_WARN, "%s: %zu modules take alpha from ss_network_alpha = %g but their rank is not "
                "ss_network_dim = %ld", a->path, a->n_ss_dim_off, a->ss_alpha, a->ss_dim);
-    if (a->format == LK_FORMAT_PEFT && !a->has_config && !a->n_meta) {
-        size_t dflt = 0;
-        for (size_t i = 0; i < a->n; i++) dflt += !strcmp(a->sources[i], "default r");
-        if (dflt)
-            lk_log(LK_LOG_WARN, "%s: no adapter_config.json beside it or alpha in its metadata: alpha defaults to r "
-                   "(scale 1) for %zu of %zu modules", a->path, dflt, a->n);
-    }
+    size_t dflt = 0, first = 0; /* every format (kohya's is said above when ss_network_alpha differs) */
+    for (size_t i = 0; i < a->n && !a->n_ss_off; i++)
+        if (!strcmp(a->sources[i], "default r") && !dflt++) first = i;
+    if (dflt)
+        lk_log(LK_LOG_WARN, "%s: no adapter_config.json beside it, .alpha tensor or alpha in its metadata: alpha "
+               "defaults to r (scale 1) for %zu of %zu modules (e.g. %s: r = %d); give the alpha it was trained "
+               "with: alpha= (Python), -l PATH:STRENGTH:alpha=A (CLI), alpha: (plan)", a->path, dflt, a->n,
+               a->mods[first].module, a->mods[first].rank);
 }
 
 /* Opens path (a file or folder; src: the bytes of an in-memory one) in
@@ -1681,9 +1744,15 @@ static lk_status open_any(const char *path, const lk_adapter_source *src, const 
         return lk_error(LK_ERR_ARG, "%s: invalid adapter format %d", path, (int)format);
     if ((int)opts->alpha_from < 0 || opts->alpha_from >= LK_ALPHA_COUNT)
         return lk_error(LK_ERR_ARG, "%s: invalid alpha source %d", path, (int)opts->alpha_from);
+    if (opts->has_alpha && !isfinite(opts->alpha)) {
+        char b[LK_NUM_STR_MAX];
+        return lk_error(LK_ERR_ARG, "%s: alpha %s is not finite", path, lk_num_str(opts->alpha, b));
+    }
     lk_adapter *a = lk_calloc(1, sizeof *a);
     if (!a) return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
     a->alpha_from = opts->alpha_from;
+    a->has_user_alpha = opts->has_alpha != 0;
+    a->user_alpha = opts->alpha;
     keyinfo *ki = NULL;
     size_t nl = 0;
     lk_status s = (a->path = lk_strdup(path)) ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", path);

@@ -149,6 +149,10 @@ static lk_status fused_record(const char *base, const char *old, const lk_fuse_i
         }
         json_t *o = json_pack("{s:o, s:f, s:s}", "path", p, "strength", in[i].strength, "format",
                               lk_adapter_format_name(in[i].format));
+        if (o && in[i].has_alpha && json_object_set_new(o, "alpha", json_real(in[i].alpha))) {
+            json_decref(o);
+            o = NULL;
+        }
         if (o && alpha_from != LK_ALPHA_AUTO &&
             json_object_set_new(o, "alpha_from", json_string(lk_alpha_from_name(alpha_from)))) {
             json_decref(o);
@@ -268,6 +272,8 @@ static int input_cmp(const void *pa, const void *pb, void *ctx) {
     if (c) return c;
     if (in[a].strength != in[b].strength) return in[a].strength < in[b].strength ? -1 : 1;
     if (in[a].format != in[b].format) return in[a].format < in[b].format ? -1 : 1;
+    if (in[a].has_alpha != in[b].has_alpha) return in[a].has_alpha < in[b].has_alpha ? -1 : 1;
+    if (in[a].has_alpha && in[a].alpha != in[b].alpha) return in[a].alpha < in[b].alpha ? -1 : 1;
     return a < b ? -1 : a > b;
 }
 
@@ -372,10 +378,12 @@ static lk_status fp8_prepare(fctx *c, const char *label, const lk_tensor *model,
 lk_status lk_fuse_input_open(const lk_fuse_input *in, const lk_adapter_source *src, const lk_adapter_opts *opts,
                              lk_adapter **out) {
     if (!in || !out) return lk_error(LK_ERR_ARG, "lk_fuse_input_open: NULL argument");
-    if (!src) return lk_adapter_open_opts(in->path, opts, out);
+    lk_adapter_opts o = opts ? *opts : (lk_adapter_opts){0};
+    if (in->has_alpha) o.has_alpha = 1, o.alpha = in->alpha; /* the input's own alpha */
+    if (!src) return lk_adapter_open_opts(in->path, &o, out);
     lk_adapter_source labelled = *src;
     if (in->path) labelled.label = in->path;
-    return lk_adapter_open_mem(&labelled, opts, out);
+    return lk_adapter_open_mem(&labelled, &o, out);
 }
 
 /* Every model tensor's plan, before anything is written: an FP8 weight's
@@ -683,9 +691,11 @@ char *lk_fuse_summary_json(const char *base, const char *out, const lk_fuse_inpu
                            const lk_fuse_stats *st) {
     json_t *ads = json_array();
     int bad = !ads;
-    for (size_t i = 0; i < n && !bad; i++)
-        bad |= json_array_append_new(ads, json_pack("{s:s, s:f}", "path", inputs[i].path, "strength",
-                                                    inputs[i].strength));
+    for (size_t i = 0; i < n && !bad; i++) {
+        json_t *e = json_pack("{s:s, s:f}", "path", inputs[i].path, "strength", inputs[i].strength);
+        if (e && inputs[i].has_alpha) bad |= json_object_set_new(e, "alpha", json_real(inputs[i].alpha));
+        bad |= json_array_append_new(ads, e);
+    }
     json_t *o = bad ? NULL : json_object();
     if (!o) {
         json_decref(ads);

@@ -55,8 +55,16 @@ static lk_status parse_lora(pctx *c, const lk_ynode *n, lk_fuse_input *out) {
             const char *f = lk_ynode_str(vn);
             if (!f) return lk_yerr(c->doc, vn, NULL, "expected a format name");
             if (lk_adapter_format_parse(f, &out->format)) return lk_yerr(c->doc, vn, NULL, "%s", lk_last_error());
+        } else if (!strcmp(k, "alpha")) { /* the adapter's alpha where its file gives none (lk_fuse_input) */
+            if ((vn->type != LK_Y_INT && vn->type != LK_Y_FLOAT && vn->type != LK_Y_STR) ||
+                (vn->type == LK_Y_FLOAT && !isfinite(vn->f)) || lk_fuse_strength_parse(lk_ynode_str(vn), &out->alpha)) {
+                char r[64];
+                lk_ynode_repr(vn, r, sizeof r);
+                return lk_yerr(c->doc, vn, NULL, "alpha: expected a finite number, got %s", r);
+            }
+            out->has_alpha = 1;
         } else {
-            return lk_yerr(c->doc, kn, NULL, "unknown key (valid: path, strength, format)");
+            return lk_yerr(c->doc, kn, NULL, "unknown key (valid: path, strength, format, alpha)");
         }
     }
     if (!path) return lk_yerr(c->doc, n, NULL, "missing 'path'");

@@ -117,7 +117,8 @@ static void request_clear(request *r) {
 }
 
 static int same_input(const lk_fuse_input *x, const lk_fuse_input *y) {
-    return !strcmp(x->path, y->path) && x->strength == y->strength && x->format == y->format;
+    return !strcmp(x->path, y->path) && x->strength == y->strength && x->format == y->format &&
+           x->has_alpha == y->has_alpha && (!x->has_alpha || x->alpha == y->alpha);
 }
 
 static uint64_t entry_id(const lk_fuse_input *e) {
@@ -127,6 +128,7 @@ static uint64_t entry_id(const lk_fuse_input *e) {
     XXH3_64bits_update(&st, e->path, strlen(e->path) + 1);
     XXH3_64bits_update(&st, &e->strength, sizeof e->strength);
     XXH3_64bits_update(&st, &f, sizeof f);
+    if (e->has_alpha) XXH3_64bits_update(&st, &e->alpha, sizeof e->alpha);
     return XXH3_64bits_digest(&st);
 }
 
@@ -141,6 +143,8 @@ static lk_status request_make(const lk_fuse_input *in, const lk_adapter_source *
             return lk_error(LK_ERR_ARG, "tracker apply: %s: strength %g is not finite", in[i].path, in[i].strength);
         if ((int)in[i].format < 0 || in[i].format >= LK_FORMAT_COUNT)
             return lk_error(LK_ERR_ARG, "tracker apply: %s: unknown format %d", in[i].path, (int)in[i].format);
+        if (in[i].has_alpha && !isfinite(in[i].alpha))
+            return lk_error(LK_ERR_ARG, "tracker apply: %s: alpha %g is not finite", in[i].path, in[i].alpha);
         m += in[i].strength != 0.0;
     }
     if (!m) return LK_OK;
@@ -198,6 +202,8 @@ static void request_describe(const request *r, char *buf, size_t cap) {
         char sb[LK_NUM_STR_MAX];
         len += (size_t)snprintf(buf + len, cap - len, "%s%s@%s", i ? ", " : ": ", r->e[i].path,
                                 lk_num_str(r->e[i].strength, sb));
+        if (r->e[i].has_alpha && len < cap)
+            len += (size_t)snprintf(buf + len, cap - len, " alpha %s", lk_num_str(r->e[i].alpha, sb));
     }
 }
 
