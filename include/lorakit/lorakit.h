@@ -15,6 +15,7 @@
 #include "lorakit/digest.h"
 #include "lorakit/adapter.h"
 #include "lorakit/fuse.h"
+#include "lorakit/fuse_device.h"
 #include "lorakit/algebra.h"
 #include "lorakit/inspect.h"
 #include "lorakit/comm.h"

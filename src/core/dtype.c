@@ -10,6 +10,7 @@
 #include "lorakit/dtype.h"
 #include "lorakit/tensor.h"
 #include "core/bits.h"
+#include "core/dtype_scalar.h"
 #include "core/fp8.h"
 
 #include <math.h>
@@ -51,52 +52,6 @@ int lk_dtype_is_fusable(lk_dtype d) {
     return d == LK_DTYPE_F32 || d == LK_DTYPE_F16 || d == LK_DTYPE_BF16;
 }
 
-static inline float bf16_to_f32(uint16_t h) { return lk_u2f((uint32_t)h << 16); }
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u = lk_f2u(f);
-    uint32_t isnan = (u & 0x7fffffffu) > 0x7f800000u;
-    /* RNE: add 0x7fff plus the lowest kept bit; carries into the exponent
-     * give the correctly rounded result, including overflow to Inf. */
-    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    uint32_t t = u >> 16;
-    uint32_t q = t | (((t & 0x7fu) == 0) ? 0x40u : 0u);
-    return (uint16_t)(isnan ? q : r);
-}
-
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = ((uint32_t)h & 0x8000u) << 16;
-    uint32_t em = (uint32_t)h & 0x7fffu;
-    uint32_t normal = (em << 13) + ((127u - 15u) << 23);
-    uint32_t infnan = (em << 13) | 0x7f800000u;
-    /* Subnormal: value = em * 2^-24, exact in float. */
-    uint32_t sub = lk_f2u((float)em * 5.9604644775390625e-08f);
-    uint32_t r = em >= 0x7c00u ? infnan : (em < 0x0400u ? sub : normal);
-    return lk_u2f(r | sign);
-}
-
-static inline uint16_t f32_to_f16(float f) {
-    uint32_t u = lk_f2u(f);
-    uint32_t sign = (u >> 16) & 0x8000u;
-    uint32_t a = u & 0x7fffffffu;
-    /* NaN: keep the top 10 payload bits, quiet bit if that leaves zero. */
-    uint32_t m = (a >> 13) & 0x3ffu;
-    uint32_t nan = 0x7c00u | m | (m == 0 ? 0x200u : 0u);
-    /* Values >= 65520 round to Inf. */
-    uint32_t big = 0x7c00u;
-    /* Below 2^-14 the result is subnormal: adding 0.5 aligns the bits so the
-     * FPU's own RNE does the rounding; then subtract the magic's bits. */
-    uint32_t sub = lk_f2u(lk_u2f(a) + 0.5f) - 0x3f000000u;
-    /* Normal: rebias, RNE on the 13 dropped bits. */
-    uint32_t odd = (a >> 13) & 1u;
-    uint32_t nrm = (a + ((uint32_t)(15 - 127) << 23) + 0xfffu + odd) >> 13;
-    uint32_t r = a > 0x7f800000u ? nan
-                 : a >= 0x477ff000u ? big
-                 : a < 0x38800000u ? sub
-                                    : nrm;
-    return (uint16_t)(r | sign);
-}
-
 int lk_dtype_is_fp8(lk_dtype d) { return d == LK_DTYPE_F8_E4M3 || d == LK_DTYPE_F8_E5M2; }
 
 #define FP8_E4M3 LK_FP8_E4M3_FMT
@@ -112,10 +67,10 @@ int lk_fp8_from_double(double x, lk_dtype d, int stochastic, uint32_t rbits, uin
     return fp8_from_double(x, d == LK_DTYPE_F8_E5M2 ? &FP8_E5M2 : &FP8_E4M3, stochastic, rbits, code);
 }
 
-float lk_bf16_to_f32(uint16_t h) { return bf16_to_f32(h); }
-uint16_t lk_f32_to_bf16(float f) { return f32_to_bf16(f); }
-float lk_f16_to_f32(uint16_t h) { return f16_to_f32(h); }
-uint16_t lk_f32_to_f16(float f) { return f32_to_f16(f); }
+float lk_bf16_to_f32(uint16_t h) { return lk_sc_bf16_to_f32(h); }
+uint16_t lk_f32_to_bf16(float f) { return lk_sc_f32_to_bf16(f); }
+float lk_f16_to_f32(uint16_t h) { return lk_sc_f16_to_f32(h); }
+uint16_t lk_f32_to_f16(float f) { return lk_sc_f32_to_f16(f); }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(LK_NO_CLONES)
 #define LK_CLONES __attribute__((target_clones("avx2", "default")))
@@ -124,16 +79,16 @@ uint16_t lk_f32_to_f16(float f) { return f32_to_f16(f); }
 #endif
 
 LK_CLONES static void bf16_to_f32_n(float *restrict d, const uint16_t *restrict s, size_t n) {
-    for (size_t i = 0; i < n; i++) d[i] = bf16_to_f32(s[i]);
+    for (size_t i = 0; i < n; i++) d[i] = lk_sc_bf16_to_f32(s[i]);
 }
 LK_CLONES static void f16_to_f32_n(float *restrict d, const uint16_t *restrict s, size_t n) {
-    for (size_t i = 0; i < n; i++) d[i] = f16_to_f32(s[i]);
+    for (size_t i = 0; i < n; i++) d[i] = lk_sc_f16_to_f32(s[i]);
 }
 LK_CLONES static void f32_to_bf16_n(uint16_t *restrict d, const float *restrict s, size_t n) {
-    for (size_t i = 0; i < n; i++) d[i] = f32_to_bf16(s[i]);
+    for (size_t i = 0; i < n; i++) d[i] = lk_sc_f32_to_bf16(s[i]);
 }
 LK_CLONES static void f32_to_f16_n(uint16_t *restrict d, const float *restrict s, size_t n) {
-    for (size_t i = 0; i < n; i++) d[i] = f32_to_f16(s[i]);
+    for (size_t i = 0; i < n; i++) d[i] = lk_sc_f32_to_f16(s[i]);
 }
 
 /* The 16-bit loops read and write uint16_t, which needs 2-byte alignment,

@@ -70,6 +70,12 @@ lk_status lk_kdelta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int
                             const lk_fuse_term *terms, size_t n_terms, const char *name, lk_kdelta **p);
 void lk_kdelta_rows(const lk_kdelta *p, void *delta, size_t ld, size_t row, size_t n);
 void lk_kdelta_free(lk_kdelta *p);
+/* The prepared factors whatever their layout, for the device kernels:
+ * returns R (0: no live term); *bs B' of the prepared rows (rows x R, f32
+ * narrow / f64 wide), *A A's values: element (k, j) at
+ * ((j / pw) * R + k) * pw + j % pw, where pw is LK_PW32 / LK_PW64 in
+ * panels (zero past column in) or in when A is plain R x in. */
+size_t lk_kdelta_factors(const lk_kdelta *p, const void **A, const void **bs, size_t *pw);
 /* The prepared factors when they are in panels (an AVX-512 path): *ap the
  * panels of A (LK_PW32 f32 columns narrow, LK_PW64 f64 wide), *bs B' of
  * the prepared rows, *R the rank; returns 0 (and sets nothing) otherwise. */
@@ -88,6 +94,16 @@ lk_status lk_fuse_checkpoint(const char *base, const lk_fuse_input *inputs, cons
 /* A factor's checks (dtype F32/F16/BF16, or F64 for an "A", 2-D, data). */
 lk_status lk_fuse_check_factor(const lk_tensor *t, const char *what, const char *name, size_t ti);
 
+/* Row-sliced LoRA terms cut into bands of rows with the same terms (what
+ * lk_fuse_tensor does with them): validates the terms (LoRA only, each B's
+ * rows inside the weight's out rows; errors as lk_fuse_tensor's), then
+ * calls fn once per band [r0, r1), in row order, with the terms covering
+ * it in the given order (slice 0, B viewed from row r0: a weight of r1 - r0
+ * rows of its own) or none (nb = 0: the band is left as it is). Stops at
+ * fn's first error. The CPU kernel and the device kernel both cut this way. */
+typedef lk_status (*lk_fuse_band_fn)(void *ctx, int64_t r0, int64_t r1, const lk_fuse_term *bt, size_t nb);
+lk_status lk_fuse_bands(int64_t out, const lk_fuse_term *terms, size_t n_terms, const char *name, lk_fuse_band_fn fn,
+                        void *ctx);
 /* lk_fuse_tensor (tensor.c) for LoRA terms only, or terms on row slices
  * (kernel.c: bands of rows covered by the same terms, each fused whole). */
 lk_status lk_fuse_tensor_lora(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,

@@ -303,10 +303,11 @@ static int i64_cmp(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* Row-sliced terms: bands of rows covered by the same terms, each fused as a
- * weight of its own with the terms (in the given order) that cover it. */
-static lk_status fuse_bands(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
-                            const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name) {
+/* Row-sliced terms: bands of rows covered by the same terms, each handed
+ * to fn as a weight of its own with the terms (in the given order) that
+ * cover it, B viewed from the band's first row (fuse/fuse.h). */
+lk_status lk_fuse_bands(int64_t out, const lk_fuse_term *terms, size_t n_terms, const char *name, lk_fuse_band_fn fn,
+                        void *ctx) {
     for (size_t t = 0; t < n_terms; t++) {
         if (terms[t].kind != LK_TERM_LORA)
             return lk_error(LK_ERR_UNSUPPORTED, "%s: a LoHa, LoKr or dense delta together with modules on row slices "
@@ -336,7 +337,6 @@ static lk_status fuse_bands(void *w_out, const void *w_in, lk_dtype dtype, int64
         cut[nc++] = r0 + terms[t].B->shape[0];
     }
     qsort(cut, nc, sizeof *cut, i64_cmp);
-    const size_t esz = lk_dtype_size(dtype), rowb = (size_t)in * esz;
     lk_status s = LK_OK;
     for (size_t c = 0; c + 1 < nc && !s; c++) {
         int64_t r0 = cut[c], r1 = cut[c + 1];
@@ -354,13 +354,30 @@ static lk_status fuse_bands(void *w_out, const void *w_in, lk_dtype dtype, int64
             bt[nb] = (lk_fuse_term){.A = tt->A, .B = &bv[nb], .scale = tt->scale};
             nb++;
         }
-        char *wo = (char *)w_out + (size_t)r0 * rowb;
-        const char *wi = (const char *)w_in + (size_t)r0 * rowb;
-        if (nb) s = fuse_whole(wo, wi, dtype, r1 - r0, in, bt, nb, opts, name);
-        else if (wo != wi) memmove(wo, wi, (size_t)(r1 - r0) * rowb);
+        s = fn(ctx, r0, r1, bt, nb);
     }
     lk_free(mem);
     return s;
+}
+
+typedef struct band_ctx {
+    void *w_out;
+    const void *w_in;
+    lk_dtype dtype;
+    int64_t in;
+    const lk_fuse_opts *opts;
+    const char *name;
+} band_ctx;
+
+/* One band on the CPU: fused whole, or copied when no term covers it. */
+static lk_status fuse_band(void *ctx, int64_t r0, int64_t r1, const lk_fuse_term *bt, size_t nb) {
+    const band_ctx *b = ctx;
+    const size_t rowb = (size_t)b->in * lk_dtype_size(b->dtype);
+    char *wo = (char *)b->w_out + (size_t)r0 * rowb;
+    const char *wi = (const char *)b->w_in + (size_t)r0 * rowb;
+    if (nb) return fuse_whole(wo, wi, b->dtype, r1 - r0, b->in, bt, nb, b->opts, b->name);
+    if (wo != wi) memmove(wo, wi, (size_t)(r1 - r0) * rowb);
+    return LK_OK;
 }
 
 lk_status lk_fuse_tensor_lora(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
@@ -368,7 +385,8 @@ lk_status lk_fuse_tensor_lora(void *w_out, const void *w_in, lk_dtype dtype, int
     int sliced = 0;
     for (size_t t = 0; terms && t < n_terms && !sliced; t++) sliced = lk_fuse_term_sliced(&terms[t]);
     if (sliced && w_out && w_in && lk_dtype_is_fusable(dtype) && out > 0 && in > 0)
-        return fuse_bands(w_out, w_in, dtype, out, in, terms, n_terms, opts, name);
+        return lk_fuse_bands(out, terms, n_terms, name, fuse_band,
+                             &(band_ctx){w_out, w_in, dtype, in, opts, name});
     return fuse_whole(w_out, w_in, dtype, out, in, terms, n_terms, opts, name);
 }
 
@@ -695,6 +713,13 @@ int lk_kdelta_panels(const lk_kdelta *p, const void **ap, const void **bs, size_
     *bs = p->bs;
     *R = p->R;
     return 1;
+}
+
+size_t lk_kdelta_factors(const lk_kdelta *p, const void **A, const void **bs, size_t *pw) {
+    *A = p->A;
+    *bs = p->bs;
+    *pw = !p->R ? 0 : p->panels ? (p->wide ? LK_PW64 : LK_PW32) : p->I;
+    return p->R;
 }
 
 void lk_kdelta_free(lk_kdelta *p) {

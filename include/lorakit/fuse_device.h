@@ -1,0 +1,62 @@
+/* lorakit/fuse_device.h — the fuse kernel on weights in device memory
+ * (cuda:N or emul; lorakit/device.h), in place, with exactly the CPU's
+ * bytes.
+ *
+ * Each function takes the weight as a tensor whose device field says where
+ * its data is, and dispatches on it: a host tensor goes to the CPU kernel
+ * (lk_fuse_tensor, lk_fuse_key_apply, lk_fuse_fp8) unchanged. On a device:
+ *   - LoRA terms (conv LoRA as its 2-D factors, terms on row slices of a
+ *     fused weight) and dense terms on F32 / F16 / BF16 weights run the
+ *     device kernel (src/fuse/kernel_dev.h): the factors are prepared on
+ *     the host by the CPU kernel's own code (B' and A in the accumulator's
+ *     precision), uploaded, and each element gets the CPU's FMA chain and
+ *     single rounding;
+ *   - everything else (LoHa, LoKr, DoRA, replacements, 1-D vector terms,
+ *     FP8 weights, more than 4 dense terms) takes the host path: the
+ *     key's bytes are copied to pinned host memory, fused there by the CPU
+ *     kernel and copied back. The same bytes; counted in the stats.
+ * Factor tensors are in host memory (the adapter's). Work is queued on
+ * `stream` (NULL: the device's default stream); each call returns when the
+ * key is done (the non-finite verdict needs the kernel's result). Errors
+ * are the CPU kernel's (same checks, same messages, naming the tensor); a
+ * non-finite result is LK_ERR_NONFINITE naming the first element, with the
+ * weight partly written, as on the CPU (callers fusing in place keep a
+ * copy); on the host path a failure leaves the device weight unchanged. */
+#ifndef LORAKIT_FUSE_DEVICE_H
+#define LORAKIT_FUSE_DEVICE_H
+
+#include "lorakit/device.h"
+#include "lorakit/fuse.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Counters a caller sums over its keys (zero it first). */
+typedef struct lk_fuse_dev_stats {
+    size_t keys_device;          /* keys fused by the device kernel */
+    size_t keys_host_fallback;   /* keys fused on the host (pinned copy, CPU kernel, copy back) */
+    uint64_t bytes_uploaded;     /* factors and dense deltas copied to the device */
+    uint64_t bytes_staged;       /* weight bytes copied down and back up by the host path */
+} lk_fuse_dev_stats;
+
+/* lk_fuse_tensor on w in place: w is out x (the rest) (a conv weight
+ * [out, in, kh, kw] is out x in*kh*kw), at least 2-D. stats may be NULL. */
+lk_status lk_fuse_tensor_dev(lk_tensor *w, const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts,
+                             lk_stream *stream, lk_fuse_dev_stats *stats);
+
+/* lk_fuse_key_apply on w in place (the per-key plan of lk_fuse_key_plan,
+ * made against a tensor of w's name, dtype and shape). */
+lk_status lk_fuse_key_apply_dev(lk_tensor *w, const lk_fuse_key *k, const lk_fuse_term *terms,
+                                const lk_fuse_opts *opts, lk_stream *stream, lk_fuse_dev_stats *stats);
+
+/* lk_fuse_fp8 on an FP8 weight w (out x in codes) in place, with its scale
+ * tensor (NULL: plain FP8) on the same device or on the host (the host
+ * path: both copied down, fused, copied back). */
+lk_status lk_fuse_fp8_dev(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *terms, size_t n_terms,
+                          const lk_fuse_opts *opts, lk_stream *stream, lk_fuse_dev_stats *stats);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

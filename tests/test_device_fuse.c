@@ -1,0 +1,579 @@
+/* test_device_fuse.c — the fuse kernel on device weights (lorakit/fuse_device.h)
+ * gives exactly the CPU kernel's bytes, for every term kind x weight dtype x
+ * shape, on the emul device (always: it runs the CUDA kernel's own body as
+ * C) and on cuda:0 when a GPU is present (else skipped, saying "no CUDA
+ * device").
+ *
+ * The expectation of every case is the CPU path (lk_fuse_tensor,
+ * lk_fuse_key_apply, lk_fuse_fp8) on a host copy of the same weight: the
+ * bytes on success, the status and the whole message on failure. The CPU
+ * kernel itself is checked against independent float64 references in
+ * test_fuse_kernel.c / test_lycoris.c; here each case also asserts that the
+ * fuse changed the weight (so equal bytes cannot come from doing nothing)
+ * and which path (device kernel or host fallback) the stats report.
+ * Weights hold the values that make rounding hard: -0, subnormals, NaN with
+ * payloads, Inf, huge values, and exact ties. */
+#include "testutil.h"
+#include "lorakit/fuse_device.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static lk_device g_dev;
+
+/* ---- data ---- */
+
+typedef struct tens {
+    lk_tensor t;
+    unsigned char *buf;
+} tens;
+
+static void tens_make(tens *x, const char *name, lk_dtype dt, int ndim, const int64_t *shape) {
+    memset(x, 0, sizeof *x);
+    x->t.name = name;
+    x->t.dtype = dt;
+    x->t.ndim = ndim;
+    size_t n = 1;
+    for (int i = 0; i < ndim; i++) {
+        x->t.shape[i] = shape[i];
+        n *= (size_t)shape[i];
+    }
+    x->t.nbytes = n * lk_dtype_size(dt);
+    x->buf = calloc(1, x->t.nbytes + 1);
+    x->t.data = x->buf;
+}
+
+static void tens_free(tens *x) { free(x->buf); }
+
+static float rnd_normalish(tu_rng *r) { return tu_uniform(r, -1.f, 1.f) + tu_uniform(r, -1.f, 1.f); }
+
+/* Values in f32, stored in the tensor's dtype. special: sprinkle the hard
+ * values (a weight's). */
+static void fill(tu_rng *r, tens *x, float scale, int special) {
+    const size_t n = lk_tensor_numel(&x->t);
+    for (size_t i = 0; i < n; i++) {
+        float v = rnd_normalish(r) * scale;
+        if (special) {
+            const uint64_t k = tu_next(r) % 23;
+            if (k == 0) v = -0.0f;
+            else if (k == 1) v = 0.0f;
+            else if (k == 2) v = ldexpf(rnd_normalish(r), -130); /* f32 subnormal (0 in F16/BF16 mostly) */
+            else if (k == 3) v = ldexpf(rnd_normalish(r), -18);  /* an f16 subnormal */
+            else if (k == 4) v = (tu_next(r) & 1) ? INFINITY : -INFINITY;
+            else if (k == 5) {
+                uint32_t u = 0x7f800000u | (uint32_t)(tu_next(r) & 0x7fffffu) | 0x10000u; /* NaN, with payload */
+                memcpy(&v, &u, 4);
+            } else if (k == 6) v = ldexpf(1.0f + (float)(tu_next(r) % 8) / 8.0f, 6); /* coarse values: ties */
+        }
+        lk_from_f32((char *)x->buf + i * lk_dtype_size(x->t.dtype), &v, x->t.dtype, 1);
+    }
+}
+
+static lk_dtype dt_of(uint64_t k) {
+    static const lk_dtype d[] = {LK_DTYPE_F32, LK_DTYPE_F16, LK_DTYPE_BF16};
+    return d[k % 3];
+}
+
+/* ---- running one case on the CPU and on the device ---- */
+
+typedef enum { FN_TENSOR, FN_KEY, FN_FP8 } fn_kind;
+
+typedef struct dcase {
+    fn_kind fn;
+    const lk_fuse_term *terms;
+    size_t n;
+    const lk_fuse_key *key;
+    tens *scale; /* FP8 */
+    lk_fuse_opts opts;
+    int want_fallback; /* 1: the host path, 0: the device kernel */
+    int want_change;   /* the fuse changes the weight's bytes */
+} dcase;
+
+static lk_status run_cpu(const dcase *c, lk_tensor *w, void *scale_host) {
+    const int64_t out = w->ndim ? w->shape[0] : 1, in = (int64_t)(lk_tensor_numel(w) / (size_t)out);
+    if (c->fn == FN_TENSOR) return lk_fuse_tensor(w->data, w->data, w->dtype, out, in, c->terms, c->n, &c->opts, w->name);
+    if (c->fn == FN_KEY) return lk_fuse_key_apply(w->data, w->data, w, c->key, c->terms, &c->opts);
+    return lk_fuse_fp8(w->data, w->dtype, out, in, scale_host, c->scale ? c->scale->t.dtype : LK_DTYPE_F32,
+                       c->scale ? (int64_t)lk_tensor_numel(&c->scale->t) : 0, c->terms, c->n, &c->opts, w->name);
+}
+
+/* Uploads w0 (and the FP8 scale), fuses on g_dev, downloads; compares with
+ * the CPU on a host copy. */
+static void check_case(const dcase *c, const tens *w0) {
+    const size_t nb = w0->t.nbytes;
+    unsigned char *cpu = malloc(nb), *back = malloc(nb), *scale_cpu = NULL, *scale_back = NULL;
+    memcpy(cpu, w0->buf, nb);
+    lk_tensor wc = w0->t;
+    wc.data = cpu;
+    if (c->scale) {
+        scale_cpu = malloc(c->scale->t.nbytes);
+        scale_back = malloc(c->scale->t.nbytes);
+        memcpy(scale_cpu, c->scale->buf, c->scale->t.nbytes);
+    }
+    const lk_status want = run_cpu(c, &wc, scale_cpu);
+    char want_msg[512];
+    snprintf(want_msg, sizeof want_msg, "%s", want ? lk_last_error() : "");
+
+    void *dw = NULL, *ds = NULL;
+    assert_int_equal(lk_device_alloc(g_dev, nb, &dw), LK_OK);
+    assert_int_equal(lk_device_copy(g_dev, dw, w0->buf, nb, LK_COPY_H2D, NULL), LK_OK);
+    lk_tensor wd = w0->t;
+    wd.data = dw;
+    wd.device = g_dev;
+    lk_tensor sd;
+    if (c->scale) {
+        assert_int_equal(lk_device_alloc(g_dev, c->scale->t.nbytes, &ds), LK_OK);
+        assert_int_equal(lk_device_copy(g_dev, ds, c->scale->buf, c->scale->t.nbytes, LK_COPY_H2D, NULL), LK_OK);
+        sd = c->scale->t;
+        sd.data = ds;
+        sd.device = g_dev;
+    }
+    lk_fuse_dev_stats stats = {0};
+    lk_status got = c->fn == FN_TENSOR ? lk_fuse_tensor_dev(&wd, c->terms, c->n, &c->opts, NULL, &stats)
+                    : c->fn == FN_KEY  ? lk_fuse_key_apply_dev(&wd, c->key, c->terms, &c->opts, NULL, &stats)
+                                       : lk_fuse_fp8_dev(&wd, c->scale ? &sd : NULL, c->terms, c->n, &c->opts, NULL, &stats);
+    if (got != want || (want && strcmp(lk_last_error(), want_msg)))
+        fail_msg("%s: CPU gave %d '%s', the device %d '%s'", w0->t.name, want, want_msg, got, got ? lk_last_error() : "");
+    assert_int_equal(lk_device_copy(g_dev, back, dw, nb, LK_COPY_D2H, NULL), LK_OK);
+    if (!want) {
+        if (memcmp(back, cpu, nb)) {
+            const size_t esz = lk_dtype_size(w0->t.dtype);
+            for (size_t i = 0; i < nb / esz; i++)
+                if (memcmp(back + i * esz, cpu + i * esz, esz)) {
+                    uint32_t a = 0, b = 0, o = 0;
+                    memcpy(&a, cpu + i * esz, esz);
+                    memcpy(&b, back + i * esz, esz);
+                    memcpy(&o, w0->buf + i * esz, esz);
+                    fail_msg("%s (%s): element %zu: CPU 0x%x, device 0x%x (weight 0x%x)", w0->t.name,
+                             lk_dtype_name(w0->t.dtype), i, a, b, o);
+                }
+        }
+        if (c->want_change) assert_true(memcmp(cpu, w0->buf, nb) != 0);
+        assert_int_equal(stats.keys_host_fallback, (size_t)(c->want_fallback != 0));
+        assert_int_equal(stats.keys_device, (size_t)(c->want_fallback == 0));
+        if (c->scale) {
+            assert_int_equal(lk_device_copy(g_dev, scale_back, ds, c->scale->t.nbytes, LK_COPY_D2H, NULL), LK_OK);
+            assert_memory_equal(scale_back, scale_cpu, c->scale->t.nbytes);
+        }
+    }
+    lk_device_free(g_dev, dw);
+    lk_device_free(g_dev, ds);
+    free(cpu);
+    free(back);
+    free(scale_cpu);
+    free(scale_back);
+}
+
+/* ---- LoRA terms: dtypes x shapes x ranks ---- */
+
+typedef struct lora_set {
+    tens A[3], B[3];
+    lk_fuse_term t[3];
+    size_t n;
+} lora_set;
+
+/* n LoRA terms of rank r each (term 1 a zero scale when n == 3: skipped). */
+static void lora_make(lora_set *s, tu_rng *r, int64_t out, int64_t in, int64_t rank, size_t n, float fscale) {
+    memset(s, 0, sizeof *s);
+    s->n = n;
+    for (size_t i = 0; i < n; i++) {
+        tens_make(&s->A[i], "A", dt_of(tu_next(r)), 2, (int64_t[]){rank, in});
+        tens_make(&s->B[i], "B", dt_of(tu_next(r)), 2, (int64_t[]){out, rank});
+        fill(r, &s->A[i], 1.0f, 0);
+        fill(r, &s->B[i], fscale, 0);
+        s->t[i] = (lk_fuse_term){.A = &s->A[i].t, .B = &s->B[i].t, .scale = i == 1 && n == 3 ? 0.0 : 0.7 * (1.0 + i)};
+    }
+}
+
+static void lora_free(lora_set *s) {
+    for (size_t i = 0; i < s->n; i++) {
+        tens_free(&s->A[i]);
+        tens_free(&s->B[i]);
+    }
+}
+
+static void test_lora_shapes(void **state) {
+    (void)state;
+    static const int64_t shapes[][2] = {{1, 1}, {1, 300}, {300, 1}, {37, 129}, {130, 70}, {5, 257}};
+    static const int64_t ranks[] = {1, 2, 7, 16, 64, 128};
+    tu_rng r = {42};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (size_t ri = 0; ri < sizeof ranks / sizeof ranks[0]; ri++)
+            for (int d = 0; d < 3; d++) {
+                const int64_t out = shapes[si][0], in = shapes[si][1], rank = ranks[ri];
+                if (rank > 16 && out * in > 5000) continue; /* large ranks on the smaller shapes: emul's time */
+                tens w;
+                tens_make(&w, "blocks.0.attn.to_q.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
+                fill(&r, &w, 1.0f, 1);
+                lora_set s;
+                lora_make(&s, &r, out, in, rank, 1 + (ri % 3), 0.5f);
+                dcase c = {.fn = FN_TENSOR, .terms = s.t, .n = s.n, .opts = {.allow_nonfinite = 1},
+                           .want_change = out * in >= 16}; /* a tiny weight may be all NaN / Inf */
+                check_case(&c, &w);
+                lora_free(&s);
+                tens_free(&w);
+            }
+}
+
+/* A conv weight [out, in, kh, kw] is out x in*kh*kw. */
+static void test_conv(void **state) {
+    (void)state;
+    tu_rng r = {7};
+    for (int d = 0; d < 3; d++) {
+        tens w;
+        tens_make(&w, "down.conv.weight", dt_of((uint64_t)d), 4, (int64_t[]){9, 5, 3, 3});
+        fill(&r, &w, 0.3f, 1);
+        lora_set s;
+        lora_make(&s, &r, 9, 45, 4, 2, 0.2f);
+        dcase c = {.fn = FN_TENSOR, .terms = s.t, .n = s.n, .opts = {.allow_nonfinite = 1}, .want_change = 1};
+        check_case(&c, &w);
+        lora_free(&s);
+        tens_free(&w);
+    }
+}
+
+/* q, k, v modules on row slices of one fused weight, plus a whole-weight
+ * term, and rows no term covers (left as they are, -0 included). */
+static void test_row_slices(void **state) {
+    (void)state;
+    tu_rng r = {99};
+    for (int d = 0; d < 3; d++) {
+        const int64_t out = 3 * 11 + 5, in = 133;
+        tens w, A[4], B[4];
+        tens_make(&w, "attn.qkv.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
+        fill(&r, &w, 1.0f, 1);
+        lk_fuse_term t[4];
+        for (int i = 0; i < 3; i++) {
+            tens_make(&A[i], "A", dt_of(tu_next(&r)), 2, (int64_t[]){3 + i, in});
+            tens_make(&B[i], "B", dt_of(tu_next(&r)), 2, (int64_t[]){11, 3 + i});
+            fill(&r, &A[i], 1.0f, 0);
+            fill(&r, &B[i], 0.3f, 0);
+            t[i] = (lk_fuse_term){.A = &A[i].t, .B = &B[i].t, .scale = 0.5 + i, .slice = 1 + 11 * i};
+        }
+        /* the 4th: rows 2 .. 2+20, overlapping q and k */
+        tens_make(&A[3], "A", LK_DTYPE_F32, 2, (int64_t[]){2, in});
+        tens_make(&B[3], "B", LK_DTYPE_BF16, 2, (int64_t[]){20, 2});
+        fill(&r, &A[3], 1.0f, 0);
+        fill(&r, &B[3], 0.3f, 0);
+        t[3] = (lk_fuse_term){.A = &A[3].t, .B = &B[3].t, .scale = 1.25, .slice = 3};
+        dcase c = {.fn = FN_TENSOR, .terms = t, .n = 4, .opts = {.allow_nonfinite = 1}, .want_change = 1};
+        check_case(&c, &w);
+        for (int i = 0; i < 4; i++) {
+            tens_free(&A[i]);
+            tens_free(&B[i]);
+        }
+        tens_free(&w);
+    }
+}
+
+/* Dense deltas alone (scale 1 and not), next to LoRA terms, a zero-scale one. */
+static void test_dense(void **state) {
+    (void)state;
+    tu_rng r = {5};
+    for (int d = 0; d < 3; d++)
+        for (int mix = 0; mix < 3; mix++) {
+            const int64_t out = 23, in = 141;
+            tens w, D[2];
+            tens_make(&w, "ff.net.0.proj.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
+            fill(&r, &w, 1.0f, 1);
+            lora_set s;
+            lora_make(&s, &r, out, in, 3, 1, 0.4f);
+            lk_fuse_term t[4];
+            size_t n = 0;
+            for (int i = 0; i < 2; i++) {
+                tens_make(&D[i], "diff", dt_of(tu_next(&r)), 2, (int64_t[]){out, in});
+                fill(&r, &D[i], 0.2f, 0);
+            }
+            if (mix >= 1) t[n++] = s.t[0];
+            t[n++] = (lk_fuse_term){.B = &D[0].t, .scale = mix == 2 ? 1.0 : 0.35, .kind = LK_TERM_DENSE};
+            t[n++] = (lk_fuse_term){.B = &D[1].t, .scale = mix == 1 ? 0.0 : 1.0, .kind = LK_TERM_DENSE};
+            dcase c = {.fn = FN_TENSOR, .terms = t, .n = n, .opts = {.allow_nonfinite = 1}, .want_change = 1};
+            check_case(&c, &w);
+            for (int i = 0; i < 2; i++) tens_free(&D[i]);
+            lora_free(&s);
+            tens_free(&w);
+        }
+}
+
+/* LoHa and LoKr: the host path, the same bytes, counted as a fallback. */
+static void test_fallback_kinds(void **state) {
+    (void)state;
+    tu_rng r = {11};
+    for (int d = 0; d < 3; d++) {
+        const int64_t out = 12, in = 30;
+        tens w, f[4];
+        tens_make(&w, "hada.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
+        fill(&r, &w, 1.0f, 1);
+        tens_make(&f[0], "w1b", LK_DTYPE_F32, 2, (int64_t[]){4, in});
+        tens_make(&f[1], "w1a", LK_DTYPE_BF16, 2, (int64_t[]){out, 4});
+        tens_make(&f[2], "w2b", LK_DTYPE_F16, 2, (int64_t[]){4, in});
+        tens_make(&f[3], "w2a", LK_DTYPE_F32, 2, (int64_t[]){out, 4});
+        for (int i = 0; i < 4; i++) fill(&r, &f[i], 0.5f, 0);
+        lk_fuse_term h = {.A = &f[0].t, .B = &f[1].t, .A2 = &f[2].t, .B2 = &f[3].t, .scale = 0.8, .kind = LK_TERM_HADA};
+        dcase c = {.fn = FN_TENSOR, .terms = &h, .n = 1, .opts = {.allow_nonfinite = 1}, .want_fallback = 1,
+                   .want_change = 1};
+        check_case(&c, &w);
+        /* LoKr: kron(w1 (3 x 5), w2 = B2 @ A2 (4 x 6)) on 12 x 30 */
+        tens k1, k2a, k2b;
+        tens_make(&k1, "lokr_w1", LK_DTYPE_F32, 2, (int64_t[]){3, 5});
+        tens_make(&k2b, "lokr_w2_b", LK_DTYPE_BF16, 2, (int64_t[]){2, 6});
+        tens_make(&k2a, "lokr_w2_a", LK_DTYPE_F32, 2, (int64_t[]){4, 2});
+        fill(&r, &k1, 0.5f, 0);
+        fill(&r, &k2a, 0.5f, 0);
+        fill(&r, &k2b, 0.5f, 0);
+        lk_fuse_term kr = {.B = &k1.t, .A2 = &k2b.t, .B2 = &k2a.t, .scale = 0.6, .kind = LK_TERM_KRON};
+        c.terms = &kr;
+        check_case(&c, &w);
+        tens_free(&k1);
+        tens_free(&k2a);
+        tens_free(&k2b);
+        for (int i = 0; i < 4; i++) tens_free(&f[i]);
+        tens_free(&w);
+    }
+}
+
+/* The per-key plan: a replacement at strength 0.5 with a LoRA term, and
+ * 1-D vector terms (a bias): the host path; plain LoRA terms: the kernel. */
+static void test_keys(void **state) {
+    (void)state;
+    tu_rng r = {13};
+    for (int d = 0; d < 3; d++) {
+        const int64_t out = 17, in = 40;
+        tens w, rep, bias, v1, v2;
+        tens_make(&w, "proj.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
+        tens_make(&rep, "proj.weight(saved)", dt_of((uint64_t)d + 1), 2, (int64_t[]){out, in});
+        fill(&r, &w, 1.0f, 1);
+        fill(&r, &rep, 1.0f, 0);
+        lora_set s;
+        lora_make(&s, &r, out, in, 2, 1, 0.3f);
+        lk_fuse_key k = {.replace = &rep.t, .replace_strength = 0.5, .n_terms = 1};
+        dcase c = {.fn = FN_KEY, .terms = s.t, .key = &k, .opts = {.allow_nonfinite = 1}, .want_fallback = 1,
+                   .want_change = 1};
+        tens w2;
+        tens_make(&w2, "proj.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
+        fill(&r, &w2, 1.0f, 0); /* finite: a replacement's non-finite check reads every element */
+        check_case(&c, &w2);
+        lk_fuse_key kl = {.n_terms = 1};
+        dcase cl = {.fn = FN_KEY, .terms = s.t, .key = &kl, .opts = {.allow_nonfinite = 1}, .want_change = 1};
+        check_case(&cl, &w);
+        tens_make(&bias, "proj.bias", dt_of((uint64_t)d), 1, (int64_t[]){out});
+        tens_make(&v1, "lora_B.bias", LK_DTYPE_F32, 1, (int64_t[]){out});
+        tens_make(&v2, "diff_b", LK_DTYPE_BF16, 1, (int64_t[]){out});
+        fill(&r, &bias, 1.0f, 0);
+        fill(&r, &v1, 0.5f, 0);
+        fill(&r, &v2, 0.5f, 0);
+        lk_fuse_term vt[2] = {{.B = &v1.t, .scale = 0.7}, {.B = &v2.t, .scale = 1.5}};
+        lk_fuse_key kv = {.n_terms = 2};
+        dcase cv = {.fn = FN_KEY, .terms = vt, .key = &kv, .want_fallback = 1, .want_change = 1};
+        check_case(&cv, &bias);
+        tens_free(&bias);
+        tens_free(&v1);
+        tens_free(&v2);
+        tens_free(&w2);
+        lora_free(&s);
+        tens_free(&rep);
+        tens_free(&w);
+    }
+}
+
+/* FP8 weights, nearest and keyed stochastic, plain and per-row scaled: the
+ * host path; the scale on the device is rewritten there too. */
+static void test_fp8(void **state) {
+    (void)state;
+    tu_rng r = {17};
+    for (int mode = 0; mode < 4; mode++) {
+        const int64_t out = 9, in = 50;
+        tens w, sc;
+        tens_make(&w, "fp8.weight", mode & 1 ? LK_DTYPE_F8_E5M2 : LK_DTYPE_F8_E4M3, 2, (int64_t[]){out, in});
+        for (size_t i = 0; i < w.t.nbytes; i++) {
+            uint8_t v = (uint8_t)tu_next(&r);
+            w.buf[i] = (v & 0x7f) >= 0x7c ? (uint8_t)(v & 0x83) : v; /* no NaN/Inf codes */
+        }
+        tens_make(&sc, "fp8.weight_scale", LK_DTYPE_F32, 1, (int64_t[]){out});
+        for (int64_t i = 0; i < out; i++) ((float *)sc.buf)[i] = 0.01f * (float)(1 + i);
+        lora_set s;
+        lora_make(&s, &r, out, in, 4, 1, 0.05f);
+        dcase c = {.fn = FN_FP8, .terms = s.t, .n = 1, .scale = mode & 2 ? &sc : NULL, .want_fallback = 1,
+                   .want_change = 1};
+        c.opts.fp8 = (lk_fp8_opts){.rounding = mode & 1 ? LK_FP8_STOCHASTIC : LK_FP8_NEAREST, .seed = 1234,
+                                   .saturate = 1};
+        check_case(&c, &w);
+        lora_free(&s);
+        tens_free(&sc);
+        tens_free(&w);
+    }
+}
+
+/* A finite weight made Inf: the same error (element, values) on both. */
+static void test_nonfinite(void **state) {
+    (void)state;
+    tu_rng r = {3};
+    for (int d = 0; d < 3; d++) {
+        tens w;
+        tens_make(&w, "big.weight", dt_of((uint64_t)d), 2, (int64_t[]){6, 70});
+        fill(&r, &w, 1.0f, 0);
+        const float big = d == 0 ? 3.0e38f : d == 1 ? 65000.0f : 3.0e38f;
+        lk_from_f32(w.buf + (3 * 70 + 17) * lk_dtype_size(w.t.dtype), &big, w.t.dtype, 1);
+        lk_from_f32(w.buf + (4 * 70 + 2) * lk_dtype_size(w.t.dtype), &big, w.t.dtype, 1);
+        tens A, B;
+        tens_make(&A, "A", LK_DTYPE_F32, 2, (int64_t[]){1, 70});
+        tens_make(&B, "B", LK_DTYPE_F32, 2, (int64_t[]){6, 1});
+        for (int j = 0; j < 70; j++) ((float *)A.buf)[j] = 1.0f;
+        for (int o = 0; o < 6; o++) ((float *)B.buf)[o] = big;
+        lk_fuse_term t = {.A = &A.t, .B = &B.t, .scale = 1.0};
+        dcase c = {.fn = FN_TENSOR, .terms = &t, .n = 1};
+        check_case(&c, &w); /* LK_ERR_NONFINITE naming element [3, 17] */
+        c.opts.allow_nonfinite = 1;
+        c.want_change = 1;
+        check_case(&c, &w);
+        tens_free(&A);
+        tens_free(&B);
+        tens_free(&w);
+    }
+}
+
+/* Hand-computed: W = 1 plus d = 2^-(p+1) + 2^-30 (p the weight's mantissa
+ * bits; 2^-60 for F32) lies just above the tie between 1 and 1 + 2^-p; a
+ * plain round-to-nearest sum in the accumulator lands on the tie and rounds
+ * down to 1, the single correct rounding is 1 + 2^-p: 0x3f81 (BF16),
+ * 0x3c01 (F16), 0x3f800001 (F32). The chain makes d from two rank terms:
+ * B = [2^-(p+1), tiny], A = [1; 1]. */
+static void test_ties(void **state) {
+    (void)state;
+    static const struct {
+        lk_dtype dt;
+        int p, tiny;
+        uint32_t want;
+    } cases[] = {{LK_DTYPE_BF16, 7, -30, 0x3f81}, {LK_DTYPE_F16, 10, -30, 0x3c01}, {LK_DTYPE_F32, 23, -60, 0x3f800001}};
+    for (size_t i = 0; i < 3; i++) {
+        tens w, A, B;
+        tens_make(&w, "tie.weight", cases[i].dt, 2, (int64_t[]){3, 5});
+        const float one = 1.0f;
+        for (int e = 0; e < 15; e++) lk_from_f32(w.buf + (size_t)e * lk_dtype_size(cases[i].dt), &one, cases[i].dt, 1);
+        tens_make(&A, "A", LK_DTYPE_F32, 2, (int64_t[]){2, 5});
+        tens_make(&B, "B", LK_DTYPE_F32, 2, (int64_t[]){3, 2});
+        for (int e = 0; e < 10; e++) ((float *)A.buf)[e] = 1.0f;
+        for (int o = 0; o < 3; o++) {
+            ((float *)B.buf)[2 * o] = ldexpf(1.0f, -(cases[i].p + 1));
+            ((float *)B.buf)[2 * o + 1] = ldexpf(1.0f, cases[i].tiny);
+        }
+        lk_fuse_term t = {.A = &A.t, .B = &B.t, .scale = 1.0};
+        dcase c = {.fn = FN_TENSOR, .terms = &t, .n = 1, .want_change = 1};
+        check_case(&c, &w); /* the device equals the CPU ... */
+        void *dw;
+        assert_int_equal(lk_device_alloc(g_dev, w.t.nbytes, &dw), LK_OK);
+        assert_int_equal(lk_device_copy(g_dev, dw, w.buf, w.t.nbytes, LK_COPY_H2D, NULL), LK_OK);
+        lk_tensor wd = w.t;
+        wd.data = dw;
+        wd.device = g_dev;
+        assert_int_equal(lk_fuse_tensor_dev(&wd, &t, 1, NULL, NULL, NULL), LK_OK);
+        assert_int_equal(lk_device_copy(g_dev, w.buf, dw, w.t.nbytes, LK_COPY_D2H, NULL), LK_OK);
+        for (int e = 0; e < 15; e++) { /* ... and both equal the hand-computed bits */
+            uint32_t got = 0;
+            memcpy(&got, w.buf + (size_t)e * lk_dtype_size(cases[i].dt), lk_dtype_size(cases[i].dt));
+            assert_int_equal(got, cases[i].want);
+        }
+        lk_device_free(g_dev, dw);
+        tens_free(&A);
+        tens_free(&B);
+        tens_free(&w);
+    }
+}
+
+/* Bad input is refused with the CPU's own message, nothing written. */
+static void test_errors(void **state) {
+    (void)state;
+    tu_rng r = {23};
+    tens w;
+    tens_make(&w, "x.weight", LK_DTYPE_BF16, 2, (int64_t[]){8, 16});
+    fill(&r, &w, 1.0f, 0);
+    lora_set s;
+    lora_make(&s, &r, 8, 15, 2, 1, 0.3f); /* A is 2 x 15: the weight has 16 columns */
+    dcase c = {.fn = FN_TENSOR, .terms = s.t, .n = 1};
+    check_case(&c, &w);
+    lora_free(&s);
+    tens D;
+    tens_make(&D, "diff", LK_DTYPE_F32, 2, (int64_t[]){8, 15});
+    lk_fuse_term dt[2] = {{.B = &D.t, .scale = 0.0, .kind = LK_TERM_DENSE}};
+    c.terms = dt; /* a dense delta of the wrong size, even at scale 0 */
+    check_case(&c, &w);
+    tens_free(&D);
+    /* a 1-D tensor is no weight matrix */
+    lk_tensor v = {.name = "v", .dtype = LK_DTYPE_F32, .ndim = 1, .shape = {4}, .nbytes = 16, .device = g_dev};
+    assert_int_equal(lk_fuse_tensor_dev(&v, NULL, 0, NULL, NULL, NULL), LK_ERR_SHAPE);
+    tens_free(&w);
+}
+
+/* Every allocation the device path makes fails cleanly: LK_ERR_NOMEM and
+ * the device weight's bytes unchanged (emul: its allocations are lk_malloc's). */
+static void test_alloc_fail(void **state) {
+    (void)state;
+    if (g_dev.kind != LK_DEVICE_EMUL) skip();
+    tu_rng r = {31};
+    tens w;
+    tens_make(&w, "a.weight", LK_DTYPE_BF16, 2, (int64_t[]){10, 20});
+    fill(&r, &w, 1.0f, 0);
+    lora_set s;
+    lora_make(&s, &r, 10, 20, 3, 2, 0.3f);
+    tens D;
+    tens_make(&D, "diff", LK_DTYPE_F16, 2, (int64_t[]){10, 20});
+    fill(&r, &D, 0.3f, 0);
+    lk_fuse_term t[3] = {s.t[0], s.t[1], {.B = &D.t, .scale = 0.5, .kind = LK_TERM_DENSE}};
+    void *dw;
+    unsigned char back[400];
+    assert_int_equal(lk_device_alloc(g_dev, w.t.nbytes, &dw), LK_OK);
+    lk_tensor wd = w.t;
+    wd.data = dw;
+    wd.device = g_dev;
+    int done = 0;
+    for (unsigned long k = 1; k < 100 && !done; k++) {
+        assert_int_equal(lk_device_copy(g_dev, dw, w.buf, w.t.nbytes, LK_COPY_H2D, NULL), LK_OK);
+        lk_alloc_fail_at(k);
+        lk_status st = lk_fuse_tensor_dev(&wd, t, 3, NULL, NULL, NULL);
+        lk_alloc_fail_at(0);
+        if (st == LK_OK) {
+            done = 1;
+            break;
+        }
+        assert_int_equal(st, LK_ERR_NOMEM);
+        assert_int_equal(lk_device_copy(g_dev, back, dw, w.t.nbytes, LK_COPY_D2H, NULL), LK_OK);
+        assert_memory_equal(back, w.buf, w.t.nbytes);
+    }
+    assert_true(done);
+    lk_device_free(g_dev, dw);
+    tens_free(&D);
+    lora_free(&s);
+    tens_free(&w);
+}
+
+static int setup_emul(void **state) {
+    (void)state;
+    g_dev = (lk_device){LK_DEVICE_EMUL, 0};
+    return 0;
+}
+
+static int setup_cuda(void **state) {
+    (void)state;
+    g_dev = (lk_device){LK_DEVICE_CUDA, 0};
+    if (lk_device_cuda_count() > 0) return 0;
+    printf("test_device_fuse: cuda:0 skipped: no CUDA device (%s)\n",
+           lk_device_check(g_dev) ? lk_last_error() : "?");
+    return -1;
+}
+
+#define DEVICE_TESTS                                                                                         \
+    cmocka_unit_test(test_lora_shapes), cmocka_unit_test(test_conv), cmocka_unit_test(test_row_slices),     \
+        cmocka_unit_test(test_dense), cmocka_unit_test(test_fallback_kinds), cmocka_unit_test(test_keys),  \
+        cmocka_unit_test(test_fp8), cmocka_unit_test(test_nonfinite), cmocka_unit_test(test_errors),       \
+        cmocka_unit_test(test_ties),                                                                        \
+        cmocka_unit_test(test_alloc_fail)
+
+int main(void) {
+    const struct CMUnitTest tests[] = {DEVICE_TESTS};
+    int fails = cmocka_run_group_tests_name("emul", tests, setup_emul, NULL);
+    if (lk_device_cuda_count() > 0) fails += cmocka_run_group_tests_name("cuda", tests, setup_cuda, NULL);
+    else setup_cuda(NULL); /* prints the visible skip */
+    return fails;
+}
