@@ -573,6 +573,11 @@ static int setup_cuda(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {DEVICE_TESTS};
     int fails = cmocka_run_group_tests_name("emul", tests, setup_emul, NULL);
+    /* again with A prepared plain (R x in) instead of in AVX-512 panels: the
+     * kernel reads both layouts (the CPU bytes are the same on every path) */
+    setenv("LORAKIT_KERNEL", "portable", 1);
+    fails += cmocka_run_group_tests_name("emul, plain A", tests, setup_emul, NULL);
+    unsetenv("LORAKIT_KERNEL");
     if (lk_device_cuda_count() > 0) fails += cmocka_run_group_tests_name("cuda", tests, setup_cuda, NULL);
     else setup_cuda(NULL); /* prints the visible skip */
     return fails;

@@ -132,8 +132,10 @@ static lk_status dev_launch(const dev_call *c, uint64_t row_base, int64_t rows, 
     unsigned long long bad = ~0ull;
     char *wband = (char *)c->w->data + (size_t)row_base * I * esz;
     lk_kdev_args a = {.w_out = wband, .w_in = wband, .A = m + at[0], .bs = m + at[1], .bad = (unsigned long long *)m,
-                      .rows = (uint64_t)rows, .in = I, .R = R, .pw = pw, .row_base = row_base,
+                      .rows = (uint64_t)rows, .in = I, .R = R, .pw = pw, .pw_shift = -1, .row_base = row_base,
                       .dt = (int)c->w->dtype, .wide = c->wide, .n_dense = (int)nd};
+    for (int sh = 0; sh < 63 && pw && !(pw & (pw - 1)); sh++)
+        if (((size_t)1 << sh) == pw) a.pw_shift = sh;
     st = lk_device_copy(d, m, &bad, sizeof bad, LK_COPY_H2D, c->s);
     if (!st && R) st = lk_device_copy(d, m + at[0], A, a_bytes, LK_COPY_H2D, c->s);
     if (!st && R) st = lk_device_copy(d, m + at[1], bs, b_bytes, LK_COPY_H2D, c->s);

@@ -45,9 +45,15 @@
 
 #ifdef __CUDA_ARCH__ /* the device pass of nvcc (its host pass and C ignore the pragma) */
 #define LK_KDEV_UNROLL _Pragma("unroll")
+#define LK_KDEV_ROLLED _Pragma("unroll 1")
 #else
 #define LK_KDEV_UNROLL
+#define LK_KDEV_ROLLED
 #endif
+/* The k loop stays rolled (LK_KDEV_ROLLED): the RPT independent chains give
+ * the GPU its instruction-level parallelism, and the compiled kernel then
+ * holds exactly LK_KDEV_RPT fma per precision, the ones the source writes,
+ * which tests/device_ptx.sh counts. */
 
 typedef struct lk_kdev_dense {
     const void *D; /* rows x in values of dtype dt, row-major */
@@ -61,6 +67,7 @@ typedef struct lk_kdev_args {
     const void *A, *bs;      /* f32 (narrow) or f64 (wide) */
     unsigned long long *bad; /* lowest (index << 32 | old bits) made non-finite; ~0 when none */
     uint64_t rows, in, R, pw;
+    int pw_shift;            /* log2(pw) when pw is a power of two (panels), else -1 (A plain R x in: pw = in) */
     uint64_t row_base;       /* the band's first row in the whole weight (for the index) */
     int dt, wide, n_dense;
     lk_kdev_dense dense[LK_KDEV_MAX_DENSE];
@@ -95,6 +102,7 @@ LK_HD void lk_kdev_rows32(const lk_kdev_args *a, uint64_t o0, uint64_t nr, uint6
         const float a0 = A[aoff];
         LK_KDEV_UNROLL
         for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = bs[row[r] * R] * a0;
+        LK_KDEV_ROLLED
         for (uint64_t k = 1; k < R; k++) {
             const float ak = A[aoff + k * a->pw];
             LK_KDEV_UNROLL
@@ -133,6 +141,7 @@ LK_HD void lk_kdev_rows64(const lk_kdev_args *a, uint64_t o0, uint64_t nr, uint6
         const double a0 = A[aoff];
         LK_KDEV_UNROLL
         for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = bs[row[r] * R] * a0;
+        LK_KDEV_ROLLED
         for (uint64_t k = 1; k < R; k++) {
             const double ak = A[aoff + k * a->pw];
             LK_KDEV_UNROLL
@@ -162,7 +171,10 @@ LK_HD void lk_kdev_rows64(const lk_kdev_args *a, uint64_t o0, uint64_t nr, uint6
 LK_HD void lk_kdev_fuse_thread(const lk_kdev_args *a, unsigned bx, unsigned by, unsigned tx, unsigned bdx, unsigned gdy) {
     const uint64_t j = (uint64_t)bx * bdx + tx;
     if (j >= a->in) return;
-    const uint64_t pw = a->pw ? a->pw : 1, aoff = (j / pw) * a->R * pw + j % pw;
+    /* A's (0, j): no integer division on the device (its SASS would use the
+     * approximate reciprocal unit, which the audit forbids): panels have a
+     * power-of-two width, and a plain A (pw = in) has j < pw */
+    const uint64_t aoff = a->pw_shift < 0 ? j : ((j >> a->pw_shift) * a->R << a->pw_shift) + (j & (a->pw - 1));
     for (uint64_t o0 = (uint64_t)by * LK_KDEV_RPT; o0 < a->rows; o0 += (uint64_t)gdy * LK_KDEV_RPT) {
         const uint64_t nr = a->rows - o0 < LK_KDEV_RPT ? a->rows - o0 : LK_KDEV_RPT;
         if (a->wide) lk_kdev_rows64(a, o0, nr, j, aoff);
