@@ -20,8 +20,16 @@ extern "C" {
 
 #define LK_DIGEST_HEX 33 /* 32 digits + NUL */
 
-/* Digest of n tensor views (any order; sorted internally). */
+/* Digest of n tensor views (any order; sorted internally), in host memory
+ * (a tensor on a device is LK_ERR_ARG naming it: lk_digest_views). */
 lk_status lk_digest_tensors(const lk_tensor *t, size_t n, char hex[LK_DIGEST_HEX]);
+/* Digest of n tensors whose headers are views[i] and whose bytes are read
+ * by rd(ctx, i, off, dst, len) in pieces of at most 4 MiB (memory lorakit
+ * cannot read directly: device tensors, lk_weights_digest). label names
+ * the tensors in messages. */
+typedef lk_status (*lk_digest_read_fn)(void *ctx, size_t i, uint64_t off, void *dst, size_t len);
+lk_status lk_digest_views(const lk_tensor *const *views, size_t n, lk_digest_read_fn rd, void *ctx, const char *label,
+                          char hex[LK_DIGEST_HEX]);
 /* Digest of every tensor of an open file; the bytes are read with pread
  * (lk_st_read), so a file truncated meanwhile is LK_ERR_IO, not a SIGBUS. */
 lk_status lk_digest_st(const lk_st *st, char hex[LK_DIGEST_HEX]);

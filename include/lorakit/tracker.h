@@ -61,6 +61,13 @@ typedef struct lk_tracker lk_tracker;
  * default and bounds), turned into bytes by lk_knob_mib_bytes; the library
  * itself takes bytes. */
 
+/* Where the clean bytes of the touched keys of device weights are kept
+ * (host weights: host memory always). */
+typedef enum lk_tracker_backup {
+    LK_TRACKER_BACKUP_HOST = 0,  /* pinned host memory: GPU memory is what users run out of */
+    LK_TRACKER_BACKUP_DEVICE = 1 /* device memory: restores at device speed, costs the touched bytes */
+} lk_tracker_backup;
+
 typedef struct lk_tracker_opts {
     size_t bucket_bytes; /* broadcast round size, as lk_lora_sync_opts.bucket_bytes;
                             0: LK_TRACKER_BUCKET_DEFAULT (the knob
@@ -94,6 +101,8 @@ typedef struct lk_tracker_opts {
     const char *base_label; /* names the weights in messages about their own tensors
                             (an FP8 scale that is NaN, 0, ...): the base checkpoint's
                             path; copied; NULL: "base weights" */
+    lk_tracker_backup backup; /* weights on a device (lk_weights_device: cuda:N, emul):
+                            where the backups live; must be equal on every rank */
 } lk_tracker_opts;
 
 #define LK_TRACKER_BUCKET_DEFAULT ((size_t)LK_KNOB_SWAP_BUCKET_MB_DEFAULT << 20)
@@ -101,7 +110,7 @@ typedef struct lk_tracker_opts {
     {.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT, .no_lora_swap = 0, .threads = 0,             \
      .allow_nonfinite = 0, .fp8 = {LK_FP8_NEAREST, 0, LK_FP8_RESCALE, 0}, .alpha_from = LK_ALPHA_AUTO,   \
      .convention = LK_CONVENTION_LORAKIT,                                                      \
-     .arch = NULL, .maps = NULL, .n_maps = 0, .base_label = NULL}
+     .arch = NULL, .maps = NULL, .n_maps = 0, .base_label = NULL, .backup = LK_TRACKER_BACKUP_HOST}
 
 typedef struct lk_tracker_stats {
     int skipped;               /* the request equalled the current set */
@@ -116,6 +125,14 @@ typedef struct lk_tracker_stats {
     double seconds_broadcast;  /* the broadcast phase; overlapped with the fuse, it starts
                                   with the fuse and includes the waits for it */
     double seconds;            /* whole call */
+    /* device weights (lk_weights_device not the host): */
+    uint64_t device_bytes;     /* device memory the tracker holds beyond the model after the
+                                  call (the backups with backup = device; 0 with host backups) */
+    uint64_t pinned_bytes;     /* pinned host memory it holds: host backups, the scratch of the
+                                  largest key (the host fallback of the fuse) and, where the
+                                  communicator cannot take device memory, one broadcast round */
+    size_t keys_fused_on_host; /* keys fused through the host fallback (the key copied to pinned
+                                  memory, the CPU kernel, copied back: the same bytes) */
 } lk_tracker_stats;
 
 /* Collective. Ranks must hold weights of the same names, dtypes, shapes and

@@ -42,7 +42,18 @@ const lk_tensor *lk_weights_tensors(const lk_weights *w);
 long lk_weights_find(const lk_weights *w, const char *name);
 /* Total data bytes. */
 size_t lk_weights_nbytes(const lk_weights *w);
-/* The content digest (lorakit/digest.h) of the current bytes. */
+/* Where the tensors' data lives (every tensor on the same device:
+ * lk_weights_wrap refuses tensors on different devices, naming two). */
+lk_device lk_weights_device(const lk_weights *w);
+/* Moves loaded host weights to device d (lorakit/device.h: cuda:N, emul):
+ * one device allocation holding every tensor (256-byte aligned), the
+ * bytes copied, the views pointed at it (lk_weights_free frees it). On a
+ * failure (no such device, out of device memory) nothing changes. The
+ * host copy of a loaded checkpoint stays allocated (the table and names
+ * live in it). */
+lk_status lk_weights_to_device(lk_weights *w, lk_device d);
+/* The content digest (lorakit/digest.h) of the current bytes (device
+ * weights are copied to the host piece by piece). */
 lk_status lk_weights_digest(const lk_weights *w, char hex[LK_DIGEST_HEX]);
 
 #ifdef __cplusplus

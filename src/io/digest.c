@@ -101,6 +101,9 @@ lk_status lk_digest_tensors(const lk_tensor *t, size_t n, char hex[LK_DIGEST_HEX
         p[i] = &t[i];
         if (!s && (!t[i].name || (t[i].nbytes && !t[i].data)))
             s = lk_error(LK_ERR_ARG, "digest: tensor %zu has no name or no data", i);
+        else if (!s && !lk_tensor_on_host(&t[i]))
+            s = lk_error(LK_ERR_ARG, "digest: %s is in device memory (kind %d), which the host digest cannot read",
+                         t[i].name, (int)t[i].device.kind);
     }
     if (!s) s = digest_read(p, n, mem_rd, p, "digest", hex);
     lk_free(p);
@@ -127,4 +130,22 @@ lk_status lk_digest_ckpt(const lk_ckpt *ck, char hex[LK_DIGEST_HEX]) {
     lk_status s = digest_read(p, n, ckpt_rd, ck, lk_ckpt_path(ck), hex);
     lk_free(p);
     return s;
+}
+
+/* The caller's reader behind digest_read's. */
+typedef struct views_rd {
+    lk_digest_read_fn rd;
+    void *ctx;
+} views_rd;
+
+static lk_status caller_rd(const void *src, size_t i, uint64_t off, void *dst, size_t n) {
+    const views_rd *v = src;
+    return v->rd(v->ctx, i, off, dst, n);
+}
+
+lk_status lk_digest_views(const lk_tensor *const *views, size_t n, lk_digest_read_fn rd, void *ctx, const char *label,
+                          char hex[LK_DIGEST_HEX]) {
+    if ((n && !views) || !rd || !hex) return lk_error(LK_ERR_ARG, "lk_digest_views: NULL argument");
+    views_rd v = {rd, ctx};
+    return digest_read(views, n, caller_rd, &v, label ? label : "digest", hex);
 }

@@ -31,6 +31,7 @@
 #include "core/clock.h"
 #include "core/text.h"
 #include "lorakit/tracker.h"
+#include "serve/keymem.h"
 #include "serve/tracker.h"
 
 #include <math.h>
@@ -93,6 +94,8 @@ struct lk_tracker {
     request cur;        /* the set fused in now (adapters kept open for rollback) */
     uint64_t backup_bytes;
     int broken;         /* a rollback failed: every later call fails */
+    lk_keymem km;       /* where the keys' bytes live and move (serve/keymem.h) */
+    size_t fused_on_host; /* keys fused through the host fallback, this call */
 };
 
 
@@ -313,7 +316,10 @@ static lk_status key_signatures(lk_tracker *t, const request *r, lk_fuse_term *t
             if (lk_dtype_is_fp8(w->dtype) && t->k[i].scale >= 0) { /* NaN, Inf, 0, < 0: refused before any write */
                 const lk_tensor *sc = lk_weights_tensor(t->w, (size_t)t->k[i].scale);
                 const void *v = t->k[t->k[i].scale].backup ? t->k[t->k[i].scale].backup : sc->data; /* clean values */
-                lk_status bad = lk_fp8_scale_values_check(sc->name, v, sc->dtype, (int64_t)lk_tensor_numel(sc));
+                lk_status bad = t->km.backup_device || !t->k[t->k[i].scale].backup
+                                    ? lk_keymem_host_view(&t->km, v, sc->nbytes, t->km.scratch_scale_off, &v)
+                                    : LK_OK;
+                if (!bad) bad = lk_fp8_scale_values_check(sc->name, v, sc->dtype, (int64_t)lk_tensor_numel(sc));
                 if (bad) return lk_error_prefix(bad, "%s (applying %s)", base_name(t), r->e[first].path);
             }
         }
@@ -334,11 +340,15 @@ static int changed(const lk_tracker *t, size_t i) { return t->next[i] != t->k[i]
 static lk_status recompute_fp8(lk_tracker *t, size_t i, const lk_fuse_term *terms, size_t nt) {
     const lk_tensor *w = lk_weights_tensor(t->w, i);
     const lk_tensor *sc = t->k[i].scale >= 0 ? lk_weights_tensor(t->w, (size_t)t->k[i].scale) : NULL;
-    if (t->k[i].backup) memcpy(w->data, t->k[i].backup, w->nbytes);
-    if (sc && t->k[t->k[i].scale].backup) memcpy(sc->data, t->k[t->k[i].scale].backup, sc->nbytes);
-    if (!nt) return LK_OK;
+    lk_status s = t->k[i].backup ? lk_keymem_restore(&t->km, w, t->k[i].backup) : LK_OK;
+    if (!s && sc && t->k[t->k[i].scale].backup) s = lk_keymem_restore(&t->km, sc, t->k[t->k[i].scale].backup);
+    if (s || !nt) return s;
     lk_fuse_opts fo = {.threads = t->o.threads, .allow_nonfinite = t->o.allow_nonfinite, .fp8 = t->o.fp8,
                        .convention = t->o.convention};
+    if (t->km.on_device) {
+        __atomic_fetch_add(&t->fused_on_host, 1, __ATOMIC_RELAXED);
+        return lk_keymem_fuse_fp8(&t->km, w, sc, terms, nt, &fo);
+    }
     return lk_fuse_fp8(w->data, w->dtype, w->shape[0], (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]), sc ? sc->data : NULL,
                        sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, nt, &fo, w->name);
 }
@@ -355,12 +365,21 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
     int nt = lk_fuse_key_touches(&plan);
     *fused = nt;
     if (lk_dtype_is_fp8(w->dtype)) return recompute_fp8(t, i, terms, nt ? plan.n_terms : 0);
+    if (t->km.on_device && clean != w->data) { /* the device fuses in place: restore first */
+        lk_status s = lk_keymem_restore(&t->km, w, clean);
+        if (s) return s;
+        clean = w->data;
+    }
     if (!nt) {
         if (clean != w->data) memcpy(w->data, clean, w->nbytes);
         return LK_OK;
     }
     lk_fuse_opts fo = {.threads = t->o.threads, .allow_nonfinite = t->o.allow_nonfinite, .fp8 = t->o.fp8,
                        .convention = t->o.convention};
+    if (t->km.on_device) {
+        __atomic_fetch_add(&t->fused_on_host, 1, __ATOMIC_RELAXED);
+        return lk_keymem_fuse(&t->km, w, &plan, terms, &fo);
+    }
     return lk_fuse_key_apply(w->data, clean, w, &plan, terms, &fo);
 }
 
@@ -500,6 +519,45 @@ static int idle_step(void *arg) { return job_step(((bcast_wait *)arg)->job, 0); 
 
 /* ---- broadcast ---- */
 
+/* A copy of a staged round failed on this rank: with a job, a failure of
+ * the fuse (the ranks agree on it after the broadcast and roll back);
+ * without one, the call's error. The collective goes on either way: the
+ * other ranks are in it. */
+static lk_status copy_failed(fuse_job *job, lk_status s) {
+    if (!job) return s;
+    pthread_mutex_lock(&job->mu);
+    if (!job->failed) {
+        job->status = s;
+        snprintf(job->msg, sizeof job->msg, "%s", lk_last_error());
+    }
+    job->failed = 1;
+    pthread_cond_broadcast(&job->cv);
+    pthread_mutex_unlock(&job->mu);
+    return LK_OK;
+}
+
+/* One round of ns pieces from root: straight between the weights, or, when
+ * the communicator cannot take device memory (km.staged: emul, cuda over
+ * MPI or a host-memory transport), through the pinned stage: the root
+ * copies the pieces in once they are final, the stage goes as one
+ * segment (the fuse of the next keys running meanwhile, as idle work),
+ * every receiver copies the pieces out. */
+static lk_status send_round(lk_tracker *t, size_t ns, int root, lk_comm_ready_fn ready, lk_comm_idle_fn idle,
+                            bcast_wait *bw) {
+    if (!t->km.staged) return lk_comm_bcastv_ready(t->comm, t->segs, ns, root, ready, idle, bw);
+    lk_status local = LK_OK;
+    size_t used = 0;
+    if (t->rank == root && ready) ready(bw, ns);
+    for (size_t q = 0; q < ns; used += t->segs[q++].n)
+        if (t->rank == root && !local) local = lk_keymem_read(&t->km, t->km.stage + used, t->segs[q].p, t->segs[q].n);
+    lk_comm_seg one = {t->km.stage, used};
+    lk_status s = lk_comm_bcastv_ready(t->comm, &one, 1, root, NULL, idle, bw);
+    used = 0;
+    for (size_t q = 0; !s && q < ns; used += t->segs[q++].n)
+        if (t->rank != root && !local) local = lk_keymem_write(&t->km, t->segs[q].p, t->km.stage + used, t->segs[q].n);
+    return s ? s : local ? copy_failed(bw->job, local) : LK_OK;
+}
+
 /* Sends every changed key of every owner in rounds of at most
  * staging_bytes (bucket_bytes), in name order, a large key split across
  * rounds. A round is a list of pieces of the weights themselves, moved by
@@ -529,7 +587,7 @@ static lk_status broadcast(lk_tracker *t, lk_tracker_stats *st, fuse_job *job) {
                 used += take;
                 off += take;
                 if (used == cap) {
-                    s = lk_comm_bcastv_ready(t->comm, t->segs, ns, o, ready, idle, &bw);
+                    s = send_round(t, ns, o, ready, idle, &bw);
                     st->bytes_broadcast += used;
                     used = ns = 0;
                 }
@@ -537,7 +595,7 @@ static lk_status broadcast(lk_tracker *t, lk_tracker_stats *st, fuse_job *job) {
             st->keys_broadcast++;
         }
         if (!s && used) {
-            s = lk_comm_bcastv_ready(t->comm, t->segs, ns, o, ready, idle, &bw);
+            s = send_round(t, ns, o, ready, idle, &bw);
             st->bytes_broadcast += used;
         }
     }
@@ -548,17 +606,15 @@ static lk_status broadcast(lk_tracker *t, lk_tracker_stats *st, fuse_job *job) {
 
 static lk_status backup_key(lk_tracker *t, size_t i) {
     const lk_tensor *w = lk_weights_tensor(t->w, i);
-    t->k[i].backup = lk_malloc(w->nbytes ? w->nbytes : 1);
-    if (!t->k[i].backup)
-        return lk_error(LK_ERR_NOMEM, "tracker: out of memory backing up %s (%zu bytes)", w->name, w->nbytes);
-    memcpy(t->k[i].backup, w->data, w->nbytes);
+    lk_status s = lk_keymem_backup(&t->km, w, &t->k[i].backup);
+    if (s) return s;
     t->backup_bytes += w->nbytes;
     return LK_OK;
 }
 
 static void drop_backup(lk_tracker *t, size_t i) {
     if (!t->k[i].backup) return;
-    lk_free(t->k[i].backup);
+    lk_keymem_drop(&t->km, lk_weights_tensor(t->w, i), t->k[i].backup);
     t->k[i].backup = NULL;
     t->backup_bytes -= lk_weights_tensor(t->w, i)->nbytes;
 }
@@ -758,9 +814,9 @@ static lk_status check_base(lk_tracker *t, lk_status local) {
     if (!local && !h) local = lk_error(LK_ERR_NOMEM, "tracker: out of memory hashing %zu tensors", n);
     const double t0 = lk_now_s();
     if (!local) {
-        for (size_t c = 0; c < n; c++) {
+        for (size_t c = 0; c < n && !local; c++) {
             const lk_tensor *w = lk_weights_tensor(t->w, t->ord[c]);
-            h[c] = XXH3_64bits(w->data, w->nbytes);
+            local = lk_keymem_hash(&t->km, w->data, w->nbytes, &h[c]);
         }
         all = XXH3_64bits(h, n * sizeof *h);
     }
@@ -776,7 +832,8 @@ static lk_status check_base(lk_tracker *t, lk_status local) {
 
 void lk_tracker_free(lk_tracker *t) {
     if (!t) return;
-    for (size_t i = 0; t->k && i < t->n; i++) lk_free(t->k[i].backup);
+    for (size_t i = 0; t->k && i < t->n; i++) lk_keymem_drop(&t->km, lk_weights_tensor(t->w, i), t->k[i].backup);
+    lk_keymem_free(&t->km);
     request_clear(&t->cur);
     lk_free(t->key_mem);
     for (size_t i = 0; t->maps && i < t->o.n_maps; i++) lk_free(t->maps[i]);
@@ -835,6 +892,30 @@ static lk_status copy_tables(lk_tracker *t, const lk_tracker_opts *opts) {
     return lk_resolve_tables_check(lk_weights_tensors(t->w), t->n, &ro, "tracker");
 }
 
+/* Weights on a device: the device usable, where backups go, whether the
+ * broadcast goes through a host stage (a communicator that cannot take
+ * device memory), and the key memory (serve/keymem.h). *sig gets what the
+ * ranks must share (it decides the rounds' shape). Local. */
+static lk_status setup_device(lk_tracker *t, uint64_t sig[3]) {
+    const lk_device dev = lk_weights_device(t->w);
+    const int staged = !(dev.kind == LK_DEVICE_CUDA && lk_comm_takes_cuda(t->comm));
+    sig[0] = (uint64_t)dev.kind;
+    sig[1] = (uint64_t)staged;
+    sig[2] = (uint64_t)t->o.backup;
+    if (dev.kind == LK_DEVICE_CPU) return lk_keymem_init(&t->km, dev, 0, 0, 0, 0, 0);
+    lk_status s = lk_device_check(dev);
+    if (s) return lk_error_prefix(s, "tracker");
+    size_t max_key = 0, max_scale = 0;
+    for (size_t i = 0; i < t->n; i++) {
+        size_t nb = lk_weights_tensor(t->w, i)->nbytes;
+        if (t->k[i].weight >= 0) max_scale = nb > max_scale ? nb : max_scale;
+        else max_key = nb > max_key ? nb : max_key;
+    }
+    t->fuse_thread = 0; /* one scratch: the host fallback runs on the calling thread */
+    return lk_keymem_init(&t->km, dev, t->o.backup == LK_TRACKER_BACKUP_DEVICE, staged, max_key, max_scale,
+                          t->size > 1 ? t->staging_bytes : 0);
+}
+
 lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracker_opts *opts, lk_tracker **out) {
     return lk_tracker_create_ex(group, weights, opts, 0, out);
 }
@@ -856,6 +937,8 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         local = lk_error(LK_ERR_ARG, "tracker: unknown mode bits in %d", mode);
     else if ((mode & LK_TRACKER_SERIAL) && (mode & LK_TRACKER_OVERLAP))
         local = lk_error(LK_ERR_ARG, "tracker: mode %d asks for both serial and overlap", mode);
+    else if ((unsigned)opts->backup > LK_TRACKER_BACKUP_DEVICE)
+        local = lk_error(LK_ERR_ARG, "tracker: invalid backup place %d (host or device)", (int)opts->backup);
     if (!local) {
         t->comm = group;
         t->w = weights;
@@ -880,13 +963,18 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         size_t cap = t->o.bucket_bytes;
         t->staging_bytes = cap < total ? cap : (total ? total : 1);
     }
+    uint64_t dev_sig[3] = {0, 0, 0};
+    if (!local) local = setup_device(t, dev_sig);
+    shape_hash = XXH3_64bits_withSeed(dev_sig, sizeof dev_sig, shape_hash);
     int same = 1;
     lk_status s = agree_hash(group, local, shape_hash, &same);
     if (!s && !same)
         s = lk_error(LK_ERR_MISMATCH, "tracker: ranks hold different weights (names, dtypes, shapes) or options "
-                                      "(bucket_bytes %zu, no_lora_swap %d, mode %d, allow_nonfinite %d, arch %s, %zu --map files on rank %d)",
+                                      "(bucket_bytes %zu, no_lora_swap %d, mode %d, allow_nonfinite %d, arch %s, %zu --map files, "
+                                      "device kind %d, %s broadcast, backup %d on rank %d)",
                      t->o.bucket_bytes, opts->no_lora_swap, mode, opts->allow_nonfinite,
-                     t->o.arch ? t->o.arch : "(auto)", t->o.n_maps, t->rank);
+                     t->o.arch ? t->o.arch : "(auto)", t->o.n_maps, (int)dev_sig[0], dev_sig[1] ? "staged" : "direct",
+                     (int)dev_sig[2], t->rank);
     if (!s && t->size > 1) s = check_base(t, LK_OK);
     if (!s && t->size > 1 && !(mode & LK_TRACKER_SERIAL)) {
         /* a fuse worker thread when forced, else where this rank has a spare core */
@@ -895,7 +983,7 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
         uint64_t h = XXH3_64bits(host, strlen(host));
         s = lk_comm_allgather(group, &h, sizeof h, hosts);
         /* local: the worker thread changes no collective */
-        t->fuse_thread = (mode & LK_TRACKER_OVERLAP) || (!s && spare_cores(hosts, t->size, t->rank));
+        t->fuse_thread = !t->km.on_device && ((mode & LK_TRACKER_OVERLAP) || (!s && spare_cores(hosts, t->size, t->rank)));
     }
     lk_free(hosts);
     if (s) {
@@ -997,11 +1085,17 @@ static lk_status trial_fuse(lk_tracker *t, const request *r, lk_fuse_term *terms
         if (!local && lk_dtype_is_fp8(w->dtype)) {
             const lk_tensor *sc = t->k[i].scale >= 0 ? lk_weights_tensor(t->w, (size_t)t->k[i].scale) : NULL;
             unsigned char *sbuf = sc ? scratch + o_scale : NULL;
-            memcpy(scratch, w->data, w->nbytes);
-            if (sc) memcpy(sbuf, sc->data, sc->nbytes);
-            local = lk_fuse_fp8(scratch, w->dtype, w->shape[0], (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]), sbuf,
+            local = lk_keymem_read(&t->km, scratch, w->data, w->nbytes);
+            if (!local && sc) local = lk_keymem_read(&t->km, sbuf, sc->data, sc->nbytes);
+            if (!local) local = lk_fuse_fp8(scratch, w->dtype, w->shape[0], (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]), sbuf,
                                 sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, plan.n_terms,
                                 &fo, w->name);
+        } else if (!local && t->km.on_device) { /* the device's bytes read to the host, fused there */
+            lk_tensor h = *w;
+            h.data = scratch;
+            h.device = (lk_device){LK_DEVICE_CPU, 0};
+            local = lk_keymem_read(&t->km, scratch, w->data, w->nbytes);
+            if (!local) local = lk_fuse_key_apply(scratch, scratch, &h, &plan, terms, &fo);
         } else if (!local)
             local = lk_fuse_key_apply(scratch, w->data, w, &plan, terms, &fo);
     }
@@ -1128,6 +1222,7 @@ lk_status lk_tracker_apply_src(lk_tracker *t, const lk_fuse_input *loras, const 
     memset(st, 0, sizeof *st);
     if (!t) return lk_error(LK_ERR_ARG, "lk_tracker_apply: NULL tracker");
     apply_op a = {.t = t, .st = st, .phase = "agreeing on the request", .t0 = lk_now_s()};
+    t->fused_on_host = 0;
     lk_status s = apply_agree_request(&a, loras, sources, n);
     /* 2. skip an unchanged set; no_lora_swap refuses any change */
     if (!s && request_equal(&a.req, &t->cur))
@@ -1140,6 +1235,9 @@ lk_status lk_tracker_apply_src(lk_tracker *t, const lk_fuse_input *loras, const 
     lk_free(a.scratch);
     request_clear(&a.req);
     st->backup_bytes = t->backup_bytes;
+    st->device_bytes = t->km.device_bytes;
+    st->pinned_bytes = t->km.pinned_bytes;
+    st->keys_fused_on_host = t->fused_on_host;
     st->seconds = lk_now_s() - a.t0;
     if (s == LK_ERR_TIMEOUT) { /* the group is gone (comm.h) */
         t->broken = 1;

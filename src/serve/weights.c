@@ -15,6 +15,7 @@
 #include "core/file.h"
 #include "lorakit/alloc.h"
 #include "lorakit/checkpoint.h"
+#include "lorakit/device.h"
 #include "lorakit/fuse.h"
 
 #include <stdio.h>
@@ -26,6 +27,8 @@ struct lk_weights {
     lk_tensor *t;    /* n views */
     const lk_tensor **sorted; /* the views in byte-wise name order */
     void *block;     /* the single allocation (everything lives in it) */
+    lk_device dev;   /* where every tensor's data lives (one device per weights) */
+    void *dev_block; /* lk_weights_to_device's device allocation, or NULL */
 };
 
 static int cmp_name(const void *a, const void *b) {
@@ -103,6 +106,8 @@ lk_status lk_weights_load(const char *path, lk_weights **out) {
     lk_weights *w = (lk_weights *)b;
     w->block = raw;
     w->n = n;
+    w->dev = (lk_device){LK_DEVICE_CPU, 0};
+    w->dev_block = NULL;
     w->t = (lk_tensor *)(b + tab_off);
     w->sorted = (const lk_tensor **)(b + tab_off + n * sizeof(lk_tensor));
     char *names = (char *)(b + names_off);
@@ -155,6 +160,13 @@ lk_status lk_weights_wrap(const lk_tensor *t, size_t n, lk_weights **out) {
             return lk_error(LK_ERR_ARG, "lk_weights_wrap: tensor %zu (%s): name, dtype, shape and nbytes disagree",
                             i, t[i].name ? t[i].name : "(no name)");
     }
+    for (size_t i = 1; i < n; i++)
+        if (!lk_device_equal(t[i].device, t[0].device)) {
+            char a[LK_DEVICE_STR_MAX], b[LK_DEVICE_STR_MAX];
+            return lk_error(LK_ERR_ARG, "lk_weights_wrap: tensors on different devices: %s is on %s, %s on %s (one "
+                            "device per weights)", t[0].name, lk_device_str(t[0].device, a), t[i].name,
+                            lk_device_str(t[i].device, b));
+        }
     unsigned char *raw = lk_carve_alloc(&lay);
     if (!raw) return lk_error(LK_ERR_NOMEM, "lk_weights_wrap: out of memory for %zu tensors", n);
     lk_weights *w = (lk_weights *)(void *)(raw + o_w);
@@ -164,6 +176,8 @@ lk_status lk_weights_wrap(const lk_tensor *t, size_t n, lk_weights **out) {
     w->t = (lk_tensor *)(void *)(raw + o_t);
     w->sorted = (const lk_tensor **)(void *)(raw + o_sorted);
     if (n) memcpy(w->t, t, n * sizeof *t);
+    w->dev = n ? t[0].device : (lk_device){LK_DEVICE_CPU, 0};
+    w->dev_block = NULL;
     lk_status s = build_index(w);
     if (s) {
         lk_free(raw);
@@ -174,7 +188,9 @@ lk_status lk_weights_wrap(const lk_tensor *t, size_t n, lk_weights **out) {
 }
 
 void lk_weights_free(lk_weights *w) {
-    if (w) lk_free(w->block);
+    if (!w) return;
+    if (w->dev_block) lk_device_free(w->dev, w->dev_block);
+    lk_free(w->block);
 }
 
 size_t lk_weights_count(const lk_weights *w) { return w ? w->n : 0; }
@@ -200,7 +216,60 @@ long lk_weights_find(const lk_weights *w, const char *name) {
     return -1;
 }
 
+lk_device lk_weights_device(const lk_weights *w) { return w ? w->dev : (lk_device){LK_DEVICE_CPU, 0}; }
+
+/* lk_digest_views' reader of device weights: a copy to the host. */
+static lk_status device_rd(void *ctx, size_t i, uint64_t off, void *dst, size_t len) {
+    const lk_weights *w = ctx;
+    return lk_device_copy(w->dev, dst, (const unsigned char *)w->t[i].data + off, len, LK_COPY_D2H, NULL);
+}
+
 lk_status lk_weights_digest(const lk_weights *w, char hex[LK_DIGEST_HEX]) {
     if (!w) return lk_error(LK_ERR_ARG, "lk_weights_digest: NULL weights");
-    return lk_digest_tensors(w->t, w->n, hex);
+    if (w->dev.kind == LK_DEVICE_CPU) return lk_digest_tensors(w->t, w->n, hex);
+    const lk_tensor **v = lk_malloc((w->n ? w->n : 1) * sizeof *v);
+    if (!v) return lk_error(LK_ERR_NOMEM, "weights digest: out of memory for %zu tensors", w->n);
+    for (size_t i = 0; i < w->n; i++) v[i] = &w->t[i];
+    lk_status s = lk_digest_views(v, w->n, device_rd, (void *)w, "weights digest", hex);
+    lk_free(v);
+    return s;
+}
+
+/* Device offsets: 256 bytes, as cudaMalloc aligns. */
+#define DEV_ALIGN(x) (((x) + 255) & ~(size_t)255)
+
+lk_status lk_weights_to_device(lk_weights *w, lk_device d) {
+    if (!w) return lk_error(LK_ERR_ARG, "lk_weights_to_device: NULL weights");
+    if (lk_device_equal(w->dev, d)) return LK_OK;
+    char name[LK_DEVICE_STR_MAX];
+    if (w->dev.kind != LK_DEVICE_CPU || d.kind == LK_DEVICE_CPU)
+        return lk_error(LK_ERR_ARG, "lk_weights_to_device: the weights are on %s: only host weights move to a device",
+                        lk_device_str(w->dev, name));
+    lk_status s = lk_device_check(d);
+    size_t total = 0;
+    for (size_t i = 0; !s && i < w->n; i++)
+        if (!lk_checked_add(total, DEV_ALIGN(w->t[i].nbytes), &total))
+            s = lk_error(LK_ERR_NOMEM, "lk_weights_to_device: the tensors' total size overflows");
+    void *blk = NULL;
+    if (!s && total) s = lk_device_alloc(d, total, &blk);
+    if (s) return lk_error_prefix(s, "moving %zu bytes of weights to %s", total, lk_device_str(d, name));
+    size_t off = 0;
+    for (size_t i = 0; !s && i < w->n; i++) {
+        if (w->t[i].nbytes)
+            s = lk_device_copy(d, (unsigned char *)blk + off, w->t[i].data, w->t[i].nbytes, LK_COPY_H2D, NULL);
+        off += DEV_ALIGN(w->t[i].nbytes);
+    }
+    if (s) { /* nothing changed: the host copy stays in use */
+        lk_device_free(d, blk);
+        return lk_error_prefix(s, "moving the weights to %s", lk_device_str(d, name));
+    }
+    off = 0;
+    for (size_t i = 0; i < w->n; i++) {
+        w->t[i].data = w->t[i].nbytes ? (unsigned char *)blk + off : NULL;
+        w->t[i].device = d;
+        off += DEV_ALIGN(w->t[i].nbytes);
+    }
+    w->dev = d;
+    w->dev_block = blk;
+    return LK_OK;
 }

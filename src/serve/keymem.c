@@ -1,0 +1,167 @@
+/* keymem.c — the tracker's key memory on the host or a device (see
+ * serve/keymem.h).
+ *
+ * Why it is built this way: the tracker's transactional logic (backups,
+ * restore, rollback, the agreed broadcast rounds) stays one piece of code
+ * for every device; only the moves of bytes differ, and they are here.
+ * The fuse of a device key runs through the host fallback the issue
+ * allows (the key copied to pinned memory, the CPU kernel, copied back:
+ * the CPU's bytes by construction) until the device kernel serves
+ * lk_fuse_key_apply on device memory; the tracker counts those keys
+ * (lk_tracker_stats.keys_fused_on_host). Host weights never come here for
+ * a fuse. */
+#include "serve/keymem.h"
+
+#include <string.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+
+#include "core/alloc.h"
+#include "lorakit/alloc.h"
+
+lk_status lk_keymem_init(lk_keymem *km, lk_device dev, int backup_device, int staged, size_t max_key, size_t max_scale,
+                         size_t stage_bytes) {
+    memset(km, 0, sizeof *km);
+    km->dev = dev;
+    km->on_device = dev.kind != LK_DEVICE_CPU;
+    km->backup_device = km->on_device && backup_device;
+    km->staged = km->on_device && staged;
+    if (!km->on_device) return LK_OK;
+    lk_carve c = {0};
+    lk_carve_part(&c, max_key, 1, 1);
+    km->scratch_scale_off = lk_carve_part(&c, max_scale, 1, 64);
+    km->scratch_bytes = c.bytes ? c.bytes : 1;
+    lk_status s = lk_device_host_alloc(dev, km->scratch_bytes, (void **)&km->scratch);
+    if (!s && km->staged && stage_bytes) {
+        s = lk_device_host_alloc(dev, stage_bytes, (void **)&km->stage);
+        km->stage_bytes = stage_bytes;
+    }
+    if (s) {
+        lk_keymem_free(km);
+        return lk_error_prefix(s, "tracker: the host scratch of the device weights");
+    }
+    km->pinned_bytes = km->scratch_bytes + km->stage_bytes;
+    return LK_OK;
+}
+
+void lk_keymem_free(lk_keymem *km) {
+    if (km->scratch) lk_device_host_free(km->dev, km->scratch);
+    if (km->stage) lk_device_host_free(km->dev, km->stage);
+    km->scratch = km->stage = NULL;
+}
+
+lk_status lk_keymem_backup(lk_keymem *km, const lk_tensor *w, void **backup) {
+    const size_t n = w->nbytes ? w->nbytes : 1;
+    lk_status s;
+    *backup = NULL;
+    if (!km->on_device) {
+        if (!(*backup = lk_malloc(n)))
+            return lk_error(LK_ERR_NOMEM, "tracker: out of memory backing up %s (%zu bytes)", w->name, w->nbytes);
+        memcpy(*backup, w->data, w->nbytes);
+        return LK_OK;
+    }
+    if (km->backup_device) {
+        s = lk_device_alloc(km->dev, n, backup);
+        if (!s) s = lk_device_copy(km->dev, *backup, w->data, w->nbytes, LK_COPY_D2D, NULL);
+    } else {
+        s = lk_device_host_alloc(km->dev, n, backup);
+        if (!s) s = lk_keymem_read(km, *backup, w->data, w->nbytes);
+    }
+    if (s) {
+        lk_keymem_drop(km, w, *backup);
+        *backup = NULL;
+        return lk_error_prefix(s, "tracker: backing up %s (%zu bytes)", w->name, w->nbytes);
+    }
+    if (km->backup_device) km->device_bytes += w->nbytes;
+    else km->pinned_bytes += w->nbytes;
+    return LK_OK;
+}
+
+void lk_keymem_drop(lk_keymem *km, const lk_tensor *w, void *backup) {
+    if (!backup) return;
+    if (!km->on_device) lk_free(backup);
+    else if (km->backup_device) {
+        lk_device_free(km->dev, backup);
+        km->device_bytes -= w->nbytes;
+    } else {
+        lk_device_host_free(km->dev, backup);
+        km->pinned_bytes -= w->nbytes;
+    }
+}
+
+lk_status lk_keymem_read(const lk_keymem *km, void *dst, const void *src, size_t n) {
+    if (!km->on_device) {
+        memcpy(dst, src, n);
+        return LK_OK;
+    }
+    return n ? lk_device_copy(km->dev, dst, src, n, LK_COPY_D2H, NULL) : LK_OK;
+}
+
+lk_status lk_keymem_write(const lk_keymem *km, void *dst, const void *src, size_t n) {
+    if (!km->on_device) {
+        memcpy(dst, src, n);
+        return LK_OK;
+    }
+    return n ? lk_device_copy(km->dev, dst, src, n, LK_COPY_H2D, NULL) : LK_OK;
+}
+
+lk_status lk_keymem_restore(const lk_keymem *km, const lk_tensor *w, const void *backup) {
+    if (!w->nbytes) return LK_OK;
+    if (km->backup_device) return lk_device_copy(km->dev, w->data, backup, w->nbytes, LK_COPY_D2D, NULL);
+    return lk_keymem_write(km, w->data, backup, w->nbytes);
+}
+
+lk_status lk_keymem_hash(const lk_keymem *km, const void *p, size_t n, uint64_t *h) {
+    if (!km->on_device) {
+        *h = XXH3_64bits(p, n);
+        return LK_OK;
+    }
+    XXH3_state_t st;
+    XXH3_64bits_reset(&st);
+    for (size_t off = 0; off < n;) {
+        size_t k = n - off < km->scratch_bytes ? n - off : km->scratch_bytes;
+        lk_status s = lk_keymem_read(km, km->scratch, (const unsigned char *)p + off, k);
+        if (s) return s;
+        XXH3_64bits_update(&st, km->scratch, k);
+        off += k;
+    }
+    *h = XXH3_64bits_digest(&st);
+    return LK_OK;
+}
+
+lk_status lk_keymem_host_view(const lk_keymem *km, const void *p, size_t n, size_t off, const void **out) {
+    *out = p;
+    if (!km->on_device) return LK_OK;
+    *out = km->scratch + off;
+    return lk_keymem_read(km, km->scratch + off, p, n);
+}
+
+/* A host view of device tensor w whose bytes are at data. */
+static lk_tensor host_tensor(const lk_tensor *w, void *data) {
+    lk_tensor h = *w;
+    h.data = data;
+    h.device = (lk_device){LK_DEVICE_CPU, 0};
+    return h;
+}
+
+lk_status lk_keymem_fuse(const lk_keymem *km, const lk_tensor *w, const lk_fuse_key *plan, const lk_fuse_term *terms,
+                         const lk_fuse_opts *fo) {
+    lk_status s = lk_keymem_read(km, km->scratch, w->data, w->nbytes);
+    const lk_tensor h = host_tensor(w, km->scratch);
+    if (!s) s = lk_fuse_key_apply(km->scratch, km->scratch, &h, plan, terms, fo);
+    if (!s) s = lk_keymem_write(km, w->data, km->scratch, w->nbytes);
+    return s;
+}
+
+lk_status lk_keymem_fuse_fp8(const lk_keymem *km, const lk_tensor *w, const lk_tensor *sc, const lk_fuse_term *terms,
+                             size_t nt, const lk_fuse_opts *fo) {
+    unsigned char *ws = km->scratch, *ss = sc ? km->scratch + km->scratch_scale_off : NULL;
+    lk_status s = lk_keymem_read(km, ws, w->data, w->nbytes);
+    if (!s && sc) s = lk_keymem_read(km, ss, sc->data, sc->nbytes);
+    if (!s)
+        s = lk_fuse_fp8(ws, w->dtype, w->shape[0], (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]), ss,
+                        sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, nt, fo, w->name);
+    if (!s) s = lk_keymem_write(km, w->data, ws, w->nbytes);
+    if (!s && sc) s = lk_keymem_write(km, sc->data, ss, sc->nbytes);
+    return s;
+}

@@ -1,0 +1,69 @@
+/* serve/keymem.h — how the tracker moves a key's bytes wherever the
+ * weights live (internal to src/serve).
+ *
+ * The tracker touches weight memory only through these functions, the fuse
+ * kernel and lk_comm calls (DESIGN.md, Hot-swap tracker, Devices). On host
+ * weights every function is a memcpy or malloc; on a device (cuda:N, emul)
+ * they are the device layer's copies and allocations: the clean backup in
+ * pinned host memory (default) or on the device (backup = device), a
+ * pinned host scratch of the largest key for the host fallback of the fuse
+ * and for hashing, and, where the communicator cannot take device memory
+ * (emul; cuda over MPI), a pinned host stage of one broadcast round. */
+#ifndef LK_SERVE_KEYMEM_H
+#define LK_SERVE_KEYMEM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "lorakit/device.h"
+#include "lorakit/fuse.h"
+#include "lorakit/tensor.h"
+
+typedef struct lk_keymem {
+    lk_device dev;         /* the weights' device */
+    int on_device;         /* dev is not the host */
+    int backup_device;     /* backups in device memory */
+    int staged;            /* broadcasts go through stage (comm cannot take device memory) */
+    unsigned char *scratch; /* pinned host: the largest key, then the largest FP8 scale */
+    size_t scratch_bytes, scratch_scale_off;
+    unsigned char *stage;  /* pinned host: one broadcast round */
+    size_t stage_bytes;
+    uint64_t device_bytes; /* device memory held (the backups on the device) */
+    uint64_t pinned_bytes; /* pinned host memory held (backups, scratch, stage) */
+} lk_keymem;
+
+/* Sets km up for weights on dev: on a device, a scratch of max_key bytes
+ * plus max_scale (the largest FP8 scale key) and, when staged, a stage of
+ * stage_bytes. Local. */
+lk_status lk_keymem_init(lk_keymem *km, lk_device dev, int backup_device, int staged, size_t max_key, size_t max_scale,
+                         size_t stage_bytes);
+void lk_keymem_free(lk_keymem *km);
+
+/* A backup of w's bytes: allocated (host, pinned host or device) and
+ * copied. */
+lk_status lk_keymem_backup(lk_keymem *km, const lk_tensor *w, void **backup);
+void lk_keymem_drop(lk_keymem *km, const lk_tensor *w, void *backup);
+/* w's bytes from its backup. */
+lk_status lk_keymem_restore(const lk_keymem *km, const lk_tensor *w, const void *backup);
+/* n bytes at off of device (or host) memory src into host dst. */
+lk_status lk_keymem_read(const lk_keymem *km, void *dst, const void *src, size_t n);
+/* n host bytes into device (or host) memory dst. */
+lk_status lk_keymem_write(const lk_keymem *km, void *dst, const void *src, size_t n);
+/* XXH3-64 of n bytes of weight memory p (one-shot's value). */
+lk_status lk_keymem_hash(const lk_keymem *km, const void *p, size_t n, uint64_t *h);
+/* A backup's or weight's bytes readable by the CPU: p itself on the host,
+ * else copied into the scratch at off (0: the key's place, else the
+ * scale's). */
+lk_status lk_keymem_host_view(const lk_keymem *km, const void *p, size_t n, size_t off, const void **out);
+
+/* Fuses plan into device weight w in place, on the CPU (the host
+ * fallback: the key into the pinned scratch, the CPU kernel, back), the
+ * same bytes as on the host; counted by the caller. */
+lk_status lk_keymem_fuse(const lk_keymem *km, const lk_tensor *w, const lk_fuse_key *plan, const lk_fuse_term *terms,
+                         const lk_fuse_opts *fo);
+/* The FP8 fuse (lk_fuse_fp8) of device weight w with its scale sc (may be
+ * NULL), through the scratch. */
+lk_status lk_keymem_fuse_fp8(const lk_keymem *km, const lk_tensor *w, const lk_tensor *sc, const lk_fuse_term *terms,
+                             size_t nt, const lk_fuse_opts *fo);
+
+#endif
