@@ -30,4 +30,20 @@ for op in ("apply", "strength", "swap", "reset"):
 assert full["apply"]["backup_bytes_max"] >= model // 3, full["apply"]
 assert summary["swap_delta_over_full"] > 0
 PY
+# --device emul: the delta modes on the emulated device (the bench compares
+# their digests after every op), no host-memory `full` rows
+timeout 120 mpirun -n 2 "$LK" bench swap --size-mb 2 --dim 128 --rank 4 --bucket-mb 1 --repeat 1 --json --compare \
+  --device emul --dir "$work" >"$work/outd" 2>"$work/errd" || { cat "$work/errd"; fail "bench swap --device emul exited $?"; }
+python3 - "$work/outd" <<'PY' || fail "device rows"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+summary = [r for r in rows if r.get("mode") == "summary"][0]
+assert summary["device"] == "emul", summary
+assert not [r for r in rows if r.get("mode") == "full"]
+for mode in ("delta", "delta_serial", "delta_overlap"):
+    got = {r["op"]: r for r in rows if r.get("mode") == mode}
+    assert sorted(got) == ["apply", "create", "reset", "strength", "swap"], (mode, sorted(got))
+    for op in ("apply", "strength", "swap", "reset"):
+        assert got[op]["bytes_broadcast"] == summary["touched_bytes"], (mode, op, got[op])
+PY
 echo "bench_swap.sh: ok"

@@ -20,7 +20,8 @@
 static const char *const SWAP_USAGE =
     "usage: lorakit swap BASE --plan PLAN.yaml [--json] [--bucket-mb N] [--threads N]\n"
     "                    [--allow-nonfinite] [--timeout S] [--alpha-from tensors|metadata]\n"
-    "                    [--arch NAME] [--map FILE ...]\n\n"
+    "                    [--arch NAME] [--map FILE ...] [--device cpu|cuda[:N]|emul]\n"
+    "                    [--backup host|device]\n\n"
     "Loads the safetensors checkpoint BASE into memory on every rank and\n"
     "applies each step of the plan with the hot-swap tracker: ranks own keys by\n"
     "size, owners recompute only the keys whose adapters changed and broadcast\n"
@@ -79,6 +80,14 @@ static const char *const SWAP_USAGE =
     "                   with the same --arch/--map puts them, row slices of fused\n"
     "                   weights (Flux qkv, linear1) included; a bad table fails setup\n"
 
+    "  --device D       where the working weights live: cpu (default), cuda (each rank\n"
+    "                   its local GPU: OMPI_COMM_WORLD_LOCAL_RANK modulo the GPUs), cuda:N,\n"
+    "                   or emul (the emulated device that runs every device path on\n"
+    "                   the CPU). On cuda the broadcast runs over NCCL when lorakit\n"
+    "                   was built with it (else through pinned host rounds over MPI);\n"
+    "                   without a CUDA driver or GPU: exit 1 saying so\n"
+    "  --backup P       device weights: keep the clean bytes of touched keys in host\n"
+    "                   (pinned) memory (default) or on the device\n"
     "  -h, --help       this text\n\n"
     "exit codes: 0 every step succeeded, 1 a step (or setup) failed, 2 bad usage.\n";
 
@@ -93,6 +102,9 @@ typedef struct swap_args {
     const char *arch;         /* NULL: the plan's */
     const char **maps;        /* n_maps given: they replace the plan's */
     size_t n_maps;
+    lk_device device;         /* where the weights live */
+    int local_gpu;            /* --device cuda: each rank's local GPU */
+    int backup_device;        /* --backup device */
 } swap_args;
 
 /* Local parse; on error the message is in lk_last_error(). */
@@ -108,12 +120,20 @@ static lk_status parse_args(int argc, char **argv, swap_args *a) {
         else if (!strcmp(o, "--allow-nonfinite")) a->allow_nonfinite = 1;
         else if (!strcmp(o, "--plan") || !strcmp(o, "--bucket-mb") || !strcmp(o, "--threads") ||
                  !strcmp(o, "--timeout") || !strcmp(o, "--alpha-from") || !strcmp(o, "--arch") ||
-                 !strcmp(o, "--map")) {
+                 !strcmp(o, "--map") || !strcmp(o, "--device") || !strcmp(o, "--backup")) {
             if (i + 1 == argc) return lk_error(LK_ERR_ARG, "%s needs a value", o);
             const char *v = argv[++i];
             if (!strcmp(o, "--plan")) a->plan = v;
             else if (!strcmp(o, "--arch")) a->arch = v;
             else if (!strcmp(o, "--map")) a->maps[a->n_maps++] = v;
+            else if (!strcmp(o, "--device")) {
+                if (lk_device_parse(v, &a->device)) return LK_ERR_ARG;
+                a->local_gpu = !strcmp(v, "cuda");
+            } else if (!strcmp(o, "--backup")) {
+                if (strcmp(v, "host") && strcmp(v, "device"))
+                    return lk_error(LK_ERR_ARG, "--backup expects host or device, got '%s'", v);
+                a->backup_device = !strcmp(v, "device");
+            }
             else if (!strcmp(o, "--alpha-from")) {
                 if (lk_alpha_from_parse(v, &a->alpha_from)) return LK_ERR_ARG;
             } else if (!strcmp(o, "--timeout")) {
@@ -201,6 +221,29 @@ static int run_steps(lk_comm *c, lk_tracker *t, lk_weights *w, const lk_plan *pl
     return failed ? LK_EXIT_FAIL : LK_EXIT_OK;
 }
 
+/* --device: the weights moved there on every rank (agreed: no driver or
+ * GPU on one rank is every rank's error), and on cuda an NCCL communicator
+ * over c when lorakit has NCCL and there is more than one rank (else, or
+ * when NCCL cannot start, the broadcast goes through pinned host rounds
+ * over c). */
+static lk_status swap_to_device(lk_comm *c, swap_args *a, lk_weights *w, lk_comm **nc) {
+    if (a->local_gpu) a->device.index = lk_comm_nccl_local_device(lk_device_cuda_count());
+    lk_status s = lk_comm_agree(c, lk_weights_to_device(w, a->device));
+    if (s == LK_ERR_TIMEOUT) return lk_error_prefix(s, "moving the base to the device");
+    if (s || a->device.kind != LK_DEVICE_CUDA || lk_comm_size(c) == 1 || !lk_comm_nccl_built()) return s;
+    s = lk_comm_nccl_create(c, a->device.index, nc);
+    if (s == LK_ERR_TIMEOUT) return s;
+    if (s) {
+        if (lk_comm_rank(c) == 0)
+            lk_log(LK_LOG_WARN, "swap: NCCL could not start (%s); broadcasting through host memory over %s",
+                   lk_last_error(), lk_comm_backend(c));
+        *nc = NULL;
+        return LK_OK;
+    }
+    lk_comm_set_timeout(*nc, lk_comm_timeout(c));
+    return LK_OK;
+}
+
 int lk_cmd_swap(int argc, char **argv) {
     if (lk_cli_wants_help(argc, argv)) {
         printf(SWAP_USAGE, LK_KNOB_SWAP_BUCKET_MB_DEFAULT, LK_KNOB_TIMEOUT_S_DEFAULT, LK_KNOB_SWAP_BUCKET_MB_DEFAULT,
@@ -214,6 +257,7 @@ int lk_cmd_swap(int argc, char **argv) {
     lk_plan *plan = NULL;
     lk_weights *w = NULL;
     lk_tracker *t = NULL;
+    lk_comm *nc = NULL; /* NCCL over c, for weights on cuda */
     lk_status s = lk_comm_agree(c, parse_args(argc, argv, &a)); /* at the default timeout: --timeout is not known yet */
     if (s == LK_ERR_TIMEOUT) {
         lk_error_prefix(s, "agreeing on the arguments");
@@ -242,6 +286,7 @@ int lk_cmd_swap(int argc, char **argv) {
         s = lk_comm_agree(c, lk_weights_load(a.base, &w));
         if (s == LK_ERR_TIMEOUT) lk_error_prefix(s, "reading the base %s", a.base);
     }
+    if (!s && a.device.kind != LK_DEVICE_CPU) s = swap_to_device(c, &a, w, &nc);
     if (!s) {
         lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
         long mb = a.bucket_mb ? a.bucket_mb : plan->bucket_mb;
@@ -255,7 +300,8 @@ int lk_cmd_swap(int argc, char **argv) {
         o.arch = a.arch ? a.arch : plan->arch;
         o.maps = a.n_maps ? a.maps : (const char *const *)plan->maps;
         o.n_maps = a.n_maps ? a.n_maps : plan->n_maps;
-        s = lk_tracker_create(c, w, &o, &t);
+        o.backup = a.backup_device ? LK_TRACKER_BACKUP_DEVICE : LK_TRACKER_BACKUP_HOST;
+        s = lk_tracker_create(nc ? nc : c, w, &o, &t);
     }
     if (s == LK_ERR_TIMEOUT) {
         rc = lk_cli_timeout_abort(c);
@@ -265,7 +311,7 @@ int lk_cmd_swap(int argc, char **argv) {
         if (rank0) lk_cli_fail();
         goto out;
     }
-    rc = run_steps(c, t, w, plan, a.plan, a.json);
+    rc = run_steps(nc ? nc : c, t, w, plan, a.plan, a.json);
     /* every rank here before MPI_Finalize (which cannot be timed: a rank stalled in it stops the job's end) */
     if (lk_comm_size(c) > 1 && (s = lk_comm_barrier(c)) == LK_ERR_TIMEOUT) {
         lk_error_prefix(s, "finishing (every rank done with the plan)");
@@ -275,6 +321,7 @@ int lk_cmd_swap(int argc, char **argv) {
     }
 out:
     lk_tracker_free(t);
+    lk_comm_free(nc);
     lk_weights_free(w);
     lk_plan_free(plan);
     lk_comm_free(c);

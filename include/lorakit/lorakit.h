@@ -20,6 +20,7 @@
 #include "lorakit/inspect.h"
 #include "lorakit/comm.h"
 #include "lorakit/comm_host.h"
+#include "lorakit/comm_nccl.h"
 #include "lorakit/mesh.h"
 #include "lorakit/weights.h"
 #include "lorakit/tracker.h"

@@ -82,6 +82,29 @@ def _torch_tensor(value):
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+def _device_name(value):
+    """Where a tensor's memory is, as torch names it ('cpu', 'cuda:0',
+    'meta', 'mps', ...); 'cpu' for NumPy arrays and other host buffers."""
+    if not _torch_tensor(value):
+        return "cpu"
+    d = value.device
+    return d.type if d.index is None or d.type == "cpu" else f"{d.type}:{d.index}"
+
+
+def _one_device(named):
+    """The device of every (name, tensor) of one call; tensors on different
+    devices are refused naming a key on each (a mixed call would need a
+    copy lorakit does not make: the caller chooses where they live)."""
+    first = {}
+    for k, v in named:
+        first.setdefault(_device_name(v), k)
+    if len(first) > 1:
+        where = ", ".join(f"{k} is on {d}" for d, k in first.items())
+        raise ValueError(f"tensors of one call are on different devices ({where}): lorakit works on one device per "
+                         "call; move them to one device")
+    return next(iter(first), "cpu")
+
+
 def _item(name, value):
     """(name, value, dtype hint) for the C layer; raises naming the key."""
     np = sys.modules.get("numpy")
@@ -94,6 +117,10 @@ def _item(name, value):
                             "float8_e4m3fn, float8_e5m2, float64, integers, bool)")
     elif _torch_tensor(value):
         dev = value.device.type
+        if dev == "meta":
+            raise ValueError(f"{name}: a tensor on the 'meta' device holds no data (shape and dtype only); lorakit "
+                             "reads and writes a tensor's memory: materialize it first (e.g. module.to_empty(...) "
+                             "and load the weights)")
         if dev == "cuda":
             raise ValueError(f"{name}: CUDA tensors are not supported yet (this one is on {value.device}); lorakit "
                              "works on CPU memory for now (see the README: a CUDA backend would plug into the host "
@@ -173,6 +200,7 @@ def _items(tensors, dedupe=False):
     aliases = {}
     if dedupe:
         pairs, aliases = _dedupe(pairs)
+    _one_device(pairs)
     out = []
     for k, v in pairs:
         if not isinstance(k, str):
@@ -585,6 +613,7 @@ def sync_grads(grads, comm=None, *, like=None, bucket_mb=_default("sync_bucket_m
                     raise ValueError(f"grads[{i}] is None and like[{i}] does not give its shape")
                 out[i] = _zeros_like(like[i])
         bucket = _c.mib_bytes("sync_bucket_mb", float(bucket_mb))
+        _one_device((f"grads[{i}]", g) for i, g in enumerate(out))
         return out, [_item(f"grads[{i}]", g) for i, g in enumerate(out)], bucket
 
     out, items, bucket = _collective(lc, prepare)
@@ -626,7 +655,9 @@ def check_replicas(tensors, comm=None):
     def prepare():
         if isinstance(tensors, Mapping) or _is_module(tensors):
             return _items(tensors)
-        return [_item(f"tensors[{i}]", t) for i, t in enumerate(_params(tensors))]
+        ts = _params(tensors)
+        _one_device((f"tensors[{i}]", t) for i, t in enumerate(ts))
+        return [_item(f"tensors[{i}]", t) for i, t in enumerate(ts)]
 
     items = _collective(lc, prepare)
     return _c.check_replicas(lc, items)

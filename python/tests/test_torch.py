@@ -69,7 +69,8 @@ def test_torch_errors_name_the_key(model):
     before = {k: v.clone() for k, v in t.items()}
     a1 = [(model["a1"], 1.0)]
     cases = [
-        ({**t, "m": torch.zeros(3, device="meta")}, ValueError, "m: on device meta; lorakit works on CPU memory"),
+        # beside CPU tensors: a mixed-device call, naming a key on each device
+        ({**t, "m": torch.zeros(3, device="meta")}, ValueError, r"\(blocks\.\S+ is on cpu, m is on meta\)"),
         ({**t, "nc": torch.zeros(4, 6)[:, ::2]}, ValueError, "nc: not contiguous .* the model unchanged"),
         ({**t, "tr": torch.zeros(4, 6).t()}, ValueError, "tr: not contiguous"),
         ({**t, "c": torch.zeros(3, dtype=torch.complex64)}, TypeError, "c: dtype"),
@@ -104,6 +105,38 @@ def test_cuda_tensors_are_refused_by_name(monkeypatch):
     x = torch.zeros(3).as_subclass(FakeCuda)
     with pytest.raises(ValueError, match="emb.weight: CUDA tensors are not supported yet"):
         lorakit.fuse_({"emb.weight": x}, [])
+
+
+def test_meta_tensors_are_refused_by_name():
+    """A 'meta' tensor has a shape and no memory: refused naming the key
+    and the device, in every call that takes tensors."""
+    x = torch.empty(3, device="meta")
+    with pytest.raises(ValueError, match="emb.weight: a tensor on the 'meta' device holds no data"):
+        lorakit.fuse_({"emb.weight": x}, [])
+    with pytest.raises(ValueError, match="emb.weight: a tensor on the 'meta' device"):
+        lorakit.digest_tensors({"emb.weight": x})
+
+
+def test_mixed_devices_are_refused_naming_the_keys(monkeypatch):
+    """Tensors of one call on different devices (CPU beside meta, CPU
+    beside a tensor claiming cuda:0): refused naming a key on each device,
+    before anything is read or written."""
+    class FakeCuda(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda:0")
+    cpu, meta = torch.zeros(3), torch.empty(3, device="meta")
+    fake = torch.zeros(3).as_subclass(FakeCuda)
+    before = cpu.clone()
+    with pytest.raises(ValueError, match=r"a\.weight is on cpu, b\.weight is on meta"):
+        lorakit.fuse_({"a.weight": cpu, "b.weight": meta, "c.weight": torch.ones(3)}, [])
+    with pytest.raises(ValueError, match=r"a\.weight is on cpu, b\.weight is on cuda:0"):
+        lorakit.digest_tensors({"a.weight": cpu, "b.weight": fake})
+    with pytest.raises(ValueError, match=r"grads\[0\] is on cpu, grads\[1\] is on meta"):
+        lorakit.sync_grads([cpu, meta])
+    with pytest.raises(ValueError, match=r"tensors\[0\] is on meta, tensors\[1\] is on cpu"):
+        lorakit.check_replicas([meta, cpu])
+    assert torch.equal(cpu, before)
 
 
 def test_dlpack_capsules_are_consumed(model):

@@ -245,11 +245,12 @@ lk_status lk_weights_to_device(lk_weights *w, lk_device d) {
     if (w->dev.kind != LK_DEVICE_CPU || d.kind == LK_DEVICE_CPU)
         return lk_error(LK_ERR_ARG, "lk_weights_to_device: the weights are on %s: only host weights move to a device",
                         lk_device_str(w->dev, name));
-    lk_status s = lk_device_check(d);
+    lk_status s = LK_OK;
     size_t total = 0;
     for (size_t i = 0; !s && i < w->n; i++)
         if (!lk_checked_add(total, DEV_ALIGN(w->t[i].nbytes), &total))
             s = lk_error(LK_ERR_NOMEM, "lk_weights_to_device: the tensors' total size overflows");
+    if (!s) s = lk_device_check(d);
     void *blk = NULL;
     if (!s && total) s = lk_device_alloc(d, total, &blk);
     if (s) return lk_error_prefix(s, "moving %zu bytes of weights to %s", total, lk_device_str(d, name));

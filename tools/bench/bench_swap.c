@@ -33,7 +33,8 @@
 
 static const char *const SWAP_BENCH_USAGE =
     "usage: lorakit bench swap [--json] [--ranks K] [--size-mb N] [--dim D] [--rank R]\n"
-    "                          [--bucket-mb N] [--repeat N] [--threads N] [--compare] [--dir DIR]\n\n"
+    "                          [--bucket-mb N] [--repeat N] [--threads N] [--compare] [--dir DIR]\n"
+    "                          [--device cpu|cuda[:N]|emul]\n\n"
     "Times the hot-swap tracker in its delta-aware mode and in the reference's\n"
     "`full` mode (restore every owned key, re-broadcast every key) on a synthetic\n"
     "BF16 DiT model of at least N MiB with adapters on the attention projections\n"
@@ -56,16 +57,21 @@ static const char *const SWAP_BENCH_USAGE =
     "                  delta_overlap; summary serial_over_bare_bcast,\n"
     "                  overlap_over_bare_bcast)\n"
     "  --dir DIR       where the temporary files go (default $TMPDIR or /tmp)\n"
+    "  --device D      the working weights on D (cuda: each rank its local GPU,\n"
+    "                  over NCCL when built with it; emul: the emulated device);\n"
+    "                  the host-memory `full` mode is not run there\n"
     "  -h, --help      this text\n";
 
 typedef struct bopts {
     int json, compare;
     long ranks, size_mb, dim, rank, bucket_mb, repeat, threads;
     const char *dir;
+    lk_device device;
+    int local_gpu; /* --device cuda: each rank's local GPU */
 } bopts;
 
 static int parse(int argc, char **argv, bopts *o) {
-    *o = (bopts){0, 0, 4, 512, 1024, 16, 64, 3, 1, NULL};
+    *o = (bopts){0, 0, 4, 512, 1024, 16, 64, 3, 1, NULL, {LK_DEVICE_CPU, 0}, 0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         long *dst = !strcmp(a, "--ranks") ? &o->ranks : !strcmp(a, "--size-mb") ? &o->size_mb
@@ -75,6 +81,10 @@ static int parse(int argc, char **argv, bopts *o) {
         if (!strcmp(a, "--json")) o->json = 1;
         else if (!strcmp(a, "--compare")) o->compare = 1;
         else if (!strcmp(a, "--dir") && i + 1 < argc) o->dir = argv[++i];
+        else if (!strcmp(a, "--device") && i + 1 < argc) {
+            if (lk_device_parse(argv[++i], &o->device)) return lk_cli_usage("bench swap", "%s", lk_last_error());
+            o->local_gpu = !strcmp(argv[i], "cuda");
+        }
         else if (dst && i + 1 < argc) {
             if (!lk_cli_parse_int(argv[++i], dst) || *dst < (dst == &o->threads ? 0 : 1) || *dst > (1L << 20))
                 return lk_cli_usage("bench swap", "%s expects a positive whole number, got '%s'", a, argv[i]);
@@ -348,6 +358,22 @@ static int relaunch(long ranks, int argc, char **argv) {
 }
 #endif
 
+/* --device: the weights moved there on every rank (agreed), and on cuda
+ * with more than one rank an NCCL communicator over c when lorakit has
+ * NCCL (*nc; NULL otherwise: host rounds over c). */
+static lk_status bench_to_device(lk_comm *c, bopts *o, lk_weights *w, lk_comm **nc) {
+    if (o->local_gpu) o->device.index = lk_comm_nccl_local_device(lk_device_cuda_count());
+    lk_status s = lk_comm_agree(c, lk_weights_to_device(w, o->device));
+    if (s || o->device.kind != LK_DEVICE_CUDA || lk_comm_size(c) == 1 || !lk_comm_nccl_built()) return s;
+    s = lk_comm_nccl_create(c, o->device.index, nc);
+    if (s && s != LK_ERR_TIMEOUT) {
+        if (lk_comm_rank(c) == 0) fprintf(stderr, "bench swap: NCCL could not start (%s); host rounds over %s\n",
+                                          lk_last_error(), lk_comm_backend(c));
+        s = LK_OK;
+    }
+    return s;
+}
+
 int lk_bench_swap(int argc, char **argv) {
     if (lk_cli_wants_help(argc, argv)) {
         fputs(SWAP_BENCH_USAGE, stdout);
@@ -367,6 +393,7 @@ int lk_bench_swap(int argc, char **argv) {
     char dir[4096] = {0};
     char pm[4200], pa[4200], pb[4200];
     lk_weights *w = NULL;
+    lk_comm *nc = NULL; /* NCCL over c for cuda weights (then swapped with c) */
     lk_status s = LK_OK;
     if (rank == 0) {
         const char *base = o.dir ? o.dir : getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
@@ -385,6 +412,12 @@ int lk_bench_swap(int argc, char **argv) {
     }
     if (!s) s = lk_comm_agree(c, s);
     if (!s) s = lk_comm_agree(c, lk_weights_load(pm, &w));
+    if (!s && o.device.kind != LK_DEVICE_CPU) s = bench_to_device(c, &o, w, &nc);
+    if (nc) { /* every collective below over NCCL; the world kept for the end */
+        lk_comm *world = c;
+        c = nc;
+        nc = world;
+    }
     if (s) {
         if (rank == 0) lk_cli_fail();
         goto out;
@@ -396,11 +429,13 @@ int lk_bench_swap(int argc, char **argv) {
         if (strstr(t->name, ".attn1.")) touched += t->nbytes;
         if (t->nbytes > largest) largest = t->nbytes;
     }
+    char devname[LK_DEVICE_STR_MAX];
+    lk_device_str(o.device, devname);
     if (rank == 0 && !o.json)
-        printf("model %.1f MiB (%ld blocks, d=%ld, BF16), adapters rank %ld on attention (%.1f%% of bytes), %d ranks, "
-               "bucket %ld MiB, median of %ld\n",
-               (double)total / 1048576.0, blocks, d, o.rank, 100.0 * (double)touched / (double)total, ranks,
-               o.bucket_mb, o.repeat);
+        printf("model %.1f MiB (%ld blocks, d=%ld, BF16) on %s, adapters rank %ld on attention (%.1f%% of bytes), "
+               "%d ranks over %s, bucket %ld MiB, median of %ld\n",
+               (double)total / 1048576.0, blocks, d, devname, o.rank,
+               100.0 * (double)touched / (double)total, ranks, lk_comm_backend(c), o.bucket_mb, o.repeat);
     /* delta (the tracker), full (the reference's behaviour), and with
      * --compare the delta mode with the overlap forced off and on */
     static const int MODE[4] = {0, MODE_FULL, LK_TRACKER_SERIAL, LK_TRACKER_OVERLAP};
@@ -410,7 +445,9 @@ int lk_bench_swap(int argc, char **argv) {
     char dig[N_OPS][LK_DIGEST_HEX] = {{0}}; /* every mode's bytes after each op: the first mode's */
     size_t staging[4];
     int overlaps[4];
+    memset(res, 0, sizeof res);
     for (int mode = 0; mode < (o.compare ? 4 : 2) && !s; mode++) {
+        if (MODE[mode] == MODE_FULL && o.device.kind != LK_DEVICE_CPU) continue; /* host memory only */
         s = run_mode(c, w, &o, MODE[mode], pa, pb, res[mode], &staging[mode], &overlaps[mode], &created[mode], dig,
                      MODE_NAME[mode]);
         if (!s && rank == 0) print_result(&o, ranks, MODE_NAME[mode], "create", &created[mode], staging[mode]);
@@ -448,7 +485,7 @@ int lk_bench_swap(int argc, char **argv) {
         qsort(reload, (size_t)nr, sizeof *reload, cmp_d);
         result rr = {reload[nr / 2], {0}, 0, 0, 0, 0};
         print_result(&o, ranks, "reload", "reload", &rr, 0);
-        double ratio = res[0][OP_SWAP].seconds / res[1][OP_SWAP].seconds;
+        double ratio = res[1][OP_SWAP].seconds > 0 ? res[0][OP_SWAP].seconds / res[1][OP_SWAP].seconds : 0.0;
         uint64_t backup_target = touched / (uint64_t)ranks + largest;
         char cmp[512] = ""; /* the delta mode with the overlap forced off and on, when timed */
         if (o.compare)
@@ -461,12 +498,12 @@ int lk_bench_swap(int argc, char **argv) {
                      RATIO(2, OP_APPLY), RATIO(2, OP_STRENGTH), RATIO(2, OP_SWAP), RATIO(2, OP_RESET),
                      RATIO(3, OP_APPLY), RATIO(3, OP_STRENGTH), RATIO(3, OP_SWAP), RATIO(3, OP_RESET));
         if (o.json)
-            printf("{\"bench\": \"swap\", \"mode\": \"summary\", \"ranks\": %d, \"model_bytes\": %llu, "
+            printf("{\"bench\": \"swap\", \"mode\": \"summary\", \"device\": \"%s\", \"ranks\": %d, \"model_bytes\": %llu, "
                    "\"touched_bytes\": %llu, \"largest_tensor_bytes\": %llu, \"swap_delta_over_full\": %.3f, "
                    "\"backup_bytes_max\": %llu, \"backup_target\": %llu, \"staging_bytes\": %zu, \"overlap\": \"%s\", "
                    "\"swap_over_bare_bcast\": {\"apply\": %.3f, \"strength\": %.3f, \"swap\": %.3f, \"reset\": %.3f}"
                    "%s}\n",
-                   ranks, (unsigned long long)total, (unsigned long long)touched, (unsigned long long)largest, ratio,
+                   devname, ranks, (unsigned long long)total, (unsigned long long)touched, (unsigned long long)largest, ratio,
                    (unsigned long long)res[0][OP_SWAP].backup_max, (unsigned long long)backup_target, staging[0],
                    OVERLAP_NAME[overlaps[0]], RATIO(0, OP_APPLY), RATIO(0, OP_STRENGTH), RATIO(0, OP_SWAP),
                    RATIO(0, OP_RESET), cmp);
@@ -482,6 +519,10 @@ int lk_bench_swap(int argc, char **argv) {
     rc = LK_EXIT_OK;
 out:
     lk_weights_free(w);
+    if (nc) { /* c is the NCCL communicator, nc the world */
+        lk_comm_free(c);
+        c = nc;
+    }
     lk_comm_barrier(c);
     if (rank == 0 && dir[0]) {
         remove(pm);
