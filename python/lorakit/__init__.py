@@ -34,7 +34,7 @@ def _default(knob):
 
 __all__ = [
     "Adapter", "LoraError", "LoraWarning", "Tracker", "__version__", "check_replicas", "digest", "digest_tensors", "fuse", "fuse_",
-    "inspect", "set_log_level", "sync_grads", "sync_param_grads",
+    "inspect", "merge", "resize", "set_log_level", "sync_grads", "sync_param_grads",
 ]
 
 # ---- logging: the C library's lines as records on the `lorakit` logger ----
@@ -373,6 +373,31 @@ def _collective(comm, prepare):
 
 
 # ---- files ----
+
+def _algebra(op, inputs, out, rank, err, fro, ratio, max_rank, conv_rank, format, dtype, threads):
+    ins = [(os.fspath(p), float(st)) for p, st in inputs]
+    rep = _c.algebra(op, ins, os.fspath(out), int(rank or 0), float(err or 0), float(fro or 0), float(ratio or 0),
+                     int(max_rank or 0), int(conv_rank or 0), format or "auto", dtype or "", int(threads or 0))
+    return json.loads(rep)
+
+
+def merge(loras, out, *, rank=None, err=None, fro=None, ratio=None, max_rank=None, conv_rank=None, format=None,
+          dtype=None, threads=0):
+    """`lorakit merge`: the adapter whose delta is sum_i s_i scale_i B_i A_i,
+    written to out. loras: paths or (path, strength) pairs. Exact (ranks
+    concatenated) unless one of rank / err / fro / ratio is given; format
+    "kohya" | "peft" | "diffusers" (default: the first input's); dtype
+    "F32" | "F16" | "BF16". Returns the report as a dict (rel_fro of the file
+    as written, rel_fro_opt, rel_spec, per module under "modules")."""
+    ins = [(x, 1.0) if isinstance(x, (str, os.PathLike)) else (x[0], x[1]) for x in loras]
+    return _algebra("merge", ins, out, rank, err, fro, ratio, max_rank, conv_rank, format, dtype, threads)
+
+
+def resize(path, out, *, rank=None, err=None, fro=None, ratio=None, max_rank=None, conv_rank=None, format=None,
+           dtype=None, threads=0):
+    """`lorakit resize`: merge of one adapter at strength 1 (see merge)."""
+    return _algebra("resize", [(path, 1.0)], out, rank, err, fro, ratio, max_rank, conv_rank, format, dtype, threads)
+
 
 def digest(path):
     """The content digest of a safetensors file: the 32 hex digits of

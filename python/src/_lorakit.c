@@ -1375,6 +1375,48 @@ static PyObject *py_log_level(PyObject *mod, PyObject *args) {
     return PyLong_FromLong((long)lk_log_get_level());
 }
 
+/* algebra(op, [(path, strength)], out, rank, err, fro, ratio, max_rank, conv_rank, format, dtype, threads):
+ * lk_merge ("merge") or lk_resize ("resize"); returns the report's JSON text. */
+static PyObject *py_algebra(PyObject *mod, PyObject *args) {
+    (void)mod;
+    const char *op, *fmt, *dt;
+    PyObject *items, *out;
+    lk_algebra_opts o = {0};
+    if (!PyArg_ParseTuple(args, "sOO&idddiissi", &op, &items, PyUnicode_FSConverter, &out, &o.rank, &o.err, &o.fro,
+                          &o.ratio, &o.max_rank, &o.conv_rank, &fmt, &dt, &o.threads))
+        return NULL;
+    PyObject *seq = PySequence_Fast(items, "inputs must be a sequence of (path, strength)");
+    Py_ssize_t n = seq ? PySequence_Fast_GET_SIZE(seq) : 0;
+    lk_algebra_input *in = seq ? PyMem_Calloc((size_t)(n ? n : 1), sizeof *in) : NULL;
+    PyObject **paths = seq ? PyMem_Calloc((size_t)(n ? n : 1), sizeof *paths) : NULL;
+    int ok = in && paths;
+    for (Py_ssize_t i = 0; ok && i < n; i++)
+        ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "O&d", PyUnicode_FSConverter, &paths[i],
+                              &in[i].strength);
+    for (Py_ssize_t i = 0; ok && i < n; i++) in[i].path = PyBytes_AS_STRING(paths[i]);
+    if (ok && lk_algebra_format_parse(fmt, &o.format)) ok = (raise_lk(LK_ERR_ARG, NULL), 0);
+    if (ok && *dt && (o.dtype = lk_dtype_from_name(dt, strlen(dt))) == LK_DTYPE_INVALID)
+        ok = (raise_lk(lk_error(LK_ERR_ARG, "dtype '%s': F32, F16 or BF16", dt), NULL), 0);
+    char *report = NULL;
+    lk_status s = LK_OK;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        s = !strcmp(op, "merge") ? lk_merge(in, (size_t)n, PyBytes_AS_STRING(out), &o, &report)
+                                 : lk_resize(n == 1 ? in[0].path : NULL, PyBytes_AS_STRING(out), &o, &report);
+        Py_END_ALLOW_THREADS
+    }
+    for (Py_ssize_t i = 0; paths && i < n; i++) Py_XDECREF(paths[i]);
+    PyMem_Free(paths);
+    PyMem_Free(in);
+    Py_XDECREF(seq);
+    Py_DECREF(out);
+    if (!ok) return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    if (s) return raise_lk(s, NULL);
+    PyObject *r = PyUnicode_FromString(report);
+    lk_free(report);
+    return r;
+}
+
 static PyMethodDef methods[] = {
     {"set_log_sink", py_set_log_sink, METH_VARARGS, NULL},
     {"log_level", py_log_level, METH_VARARGS, NULL},
@@ -1390,6 +1432,7 @@ static PyMethodDef methods[] = {
     {"sync_grads", py_sync_grads, METH_VARARGS, NULL},
     {"check_replicas", py_check_replicas, METH_VARARGS, NULL},
     {"agree_error", py_agree_error, METH_VARARGS, NULL},
+    {"algebra", py_algebra, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

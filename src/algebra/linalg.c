@@ -9,7 +9,17 @@
 
 #include "algebra/linalg.h"
 
-double lk_la_dot(const double *x, const double *y, size_t n) {
+/* The vector kernels are built for AVX-512, AVX2 and the baseline; every
+ * copy does the same IEEE operations in the same order (eight independent
+ * partial sums are eight lanes, no FMA: -ffp-contract=off), so the bits do
+ * not depend on which one runs. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(LK_NO_CLONES)
+#define LK_LA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define LK_LA_CLONES
+#endif
+
+LK_LA_CLONES double lk_la_dot(const double *x, const double *y, size_t n) {
     double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     size_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -19,7 +29,7 @@ double lk_la_dot(const double *x, const double *y, size_t n) {
     return (((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]))) + t;
 }
 
-void lk_la_axpy(double *y, double a, const double *x, size_t n) {
+LK_LA_CLONES void lk_la_axpy(double *y, double a, const double *x, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
@@ -78,37 +88,45 @@ void lk_la_qt_apply(const double *qr, size_t m, size_t p, const double *tau, dou
     }
 }
 
-/* One rotation of columns i, j of g (and of w) when they are not yet
- * orthogonal to working accuracy; returns 1 when it rotated. */
-static int rotate(double *g, double *w, size_t n, size_t i, size_t j) {
+/* (x, y) <- (cs x - sn y, sn x + cs y) over n elements. */
+LK_LA_CLONES static void rot(double *restrict x, double *restrict y, double cs, double sn, size_t n) {
+    for (size_t r = 0; r < n; r++) {
+        double a = x[r], b = y[r];
+        x[r] = cs * a - sn * b;
+        y[r] = sn * a + cs * b;
+    }
+}
+
+/* One rotation of columns i, j of g (and of w, when given) when they are
+ * not yet orthogonal to working accuracy; nrm holds the columns' squared
+ * norms (updated: a - t c, b + t c). Returns 1 when it rotated. */
+static int rotate(double *g, double *w, double *nrm, size_t n, size_t i, size_t j) {
     double *gi = g + i * n, *gj = g + j * n;
-    double a = lk_la_dot(gi, gi, n), b = lk_la_dot(gj, gj, n), c = lk_la_dot(gi, gj, n);
+    double a = nrm[i], b = nrm[j], c = lk_la_dot(gi, gj, n);
     if (c == 0.0 || fabs(c) <= 1e-15 * sqrt(a) * sqrt(b)) return 0;
     double zeta = (b - a) / (2.0 * c);
     double t = copysign(1.0, zeta) / (fabs(zeta) + sqrt(1.0 + zeta * zeta));
     double cs = 1.0 / sqrt(1.0 + t * t), sn = cs * t;
-    double *wi = w + i * n, *wj = w + j * n;
-    for (size_t r = 0; r < n; r++) {
-        double x = gi[r], y = gj[r];
-        gi[r] = cs * x - sn * y;
-        gj[r] = sn * x + cs * y;
-        double u = wi[r], v = wj[r];
-        wi[r] = cs * u - sn * v;
-        wj[r] = sn * u + cs * v;
-    }
+    rot(gi, gj, cs, sn, n);
+    if (w) rot(w + i * n, w + j * n, cs, sn, n);
+    nrm[i] = a - t * c;
+    nrm[j] = b + t * c;
     return 1;
 }
 
 int lk_la_svd(const double *c, size_t n, double *s, double *x, double *w, double *work) {
-    double *g = work, *wt = work + n * n, *norms = work + 2 * n * n;
+    double *g = work, *wt = w ? work + n * n : NULL, *norms = work + 2 * n * n;
     memcpy(g, c, n * n * sizeof *g);
-    memset(wt, 0, n * n * sizeof *wt);
-    for (size_t i = 0; i < n; i++) wt[i * n + i] = 1.0;
+    if (wt) {
+        memset(wt, 0, n * n * sizeof *wt);
+        for (size_t i = 0; i < n; i++) wt[i * n + i] = 1.0;
+    }
     int sweep = 0;
     for (; sweep < 60; sweep++) {
         int rotated = 0;
+        for (size_t i = 0; i < n; i++) norms[i] = lk_la_dot(g + i * n, g + i * n, n);
         for (size_t i = 0; i + 1 < n; i++)
-            for (size_t j = i + 1; j < n; j++) rotated |= rotate(g, wt, n, i, j);
+            for (size_t j = i + 1; j < n; j++) rotated |= rotate(g, wt, norms, n, i, j);
         if (!rotated) break;
     }
     for (size_t i = 0; i < n; i++) norms[i] = sqrt(lk_la_dot(g + i * n, g + i * n, n));
@@ -125,7 +143,7 @@ int lk_la_svd(const double *c, size_t n, double *s, double *x, double *w, double
             memset(xk, 0, n * sizeof *xk);
             xk[best] = 1.0;
         }
-        memcpy(w + k * n, wt + best * n, n * sizeof *w);
+        if (w) memcpy(w + k * n, wt + best * n, n * sizeof *w);
         norms[best] = -1.0;
     }
     return sweep;

@@ -37,8 +37,8 @@ void lk_la_qt_apply(const double *qr, size_t m, size_t p, const double *tau, dou
 /* One-sided (Hestenes) Jacobi SVD of the n x n panel c (not changed), cyclic
  * by rows, to full f64 accuracy (at most 60 sweeps): c = X diag(s) W^T.
  * On return s[0..n) descending (ties keep index order), x (n x n panel)
- * the left and w (n x n panel) the right singular vectors in the same
- * order; a zero singular value gets the unit vector of its index in x.
+ * the left and w (n x n panel; NULL: not wanted, which halves the work)
+ * the right singular vectors in the same order; a zero singular value gets the unit vector of its index in x.
  * work: 2 n^2 + n doubles. Returns the sweeps used. */
 int lk_la_svd(const double *c, size_t n, double *s, double *x, double *w, double *work);
 

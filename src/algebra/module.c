@@ -242,7 +242,7 @@ static void errors(lk_alg_module *x, ws *w, size_t out, size_t N) {
     if (x->err2 < 0) x->err2 = 0;
     /* ||T + D||_2^2 = lambda_max(Gu Gv) = lambda_max(Fv Gu Fv^T), Gv = E diag(l) E^T, Fv = diag(sqrt l) E^T */
     double *ev = w->work, *E = ev + nz, *E2 = E + nz * nz, *jw = E2 + nz * nz;
-    lk_la_svd(Gv, nz, ev, E, E2, jw);
+    lk_la_svd(Gv, nz, ev, E, NULL, jw);
     double *F = w->Gv; /* Gv is consumed: F[i][:] = sqrt(l_i) E[:, i]^T */
     for (size_t i = 0; i < nz; i++)
         for (size_t r = 0; r < nz; r++) F[i * nz + r] = sqrt(ev[i]) * E[i * nz + r];
@@ -256,8 +256,8 @@ static void errors(lk_alg_module *x, ws *w, size_t out, size_t N) {
             for (size_t r = 0; r < nz; r++) acc += F[i * nz + r] * T1[r * nz + j];
             M[j * nz + i] = acc;
         }
-    double *sv = ev, *X2 = T1, *W2 = w->Gu;
-    lk_la_svd(M, nz, sv, X2, W2, jw);
+    double *sv = ev, *X2 = T1;
+    lk_la_svd(M, nz, sv, X2, NULL, jw);
     x->err_spec = sqrt(sv[0] > 0 ? sv[0] : 0);
 }
 

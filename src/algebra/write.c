@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "algebra/algebra_int.h"
 #include "core/file.h"
@@ -250,7 +251,8 @@ static lk_status write_st(const wctx *c, const char *path) {
 
 static lk_status write_peft(const wctx *c) {
     const char *dir = c->ctx->out;
-    if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+    int made = mkdir(dir, 0777) == 0;
+    if (!made && errno != EEXIST)
         return lk_error(LK_ERR_IO, "%s: cannot create folder: %s", dir, strerror(errno));
     struct stat sb;
     if (stat(dir, &sb) != 0 || !S_ISDIR(sb.st_mode))
@@ -268,8 +270,11 @@ static lk_status write_peft(const wctx *c) {
     }
     if (!s) s = lk_out_check(st, &in);
     if (!s) s = lk_out_check(js, &in);
+    struct stat old;
+    int had_st = st && stat(st, &old) == 0;
     if (!s) s = write_st(c, st);
-    if (!s) s = lk_out_file_write(js, text, strlen(text));
+    if (!s && (s = lk_out_file_write(js, text, strlen(text))) && !had_st) unlink(st); /* nothing half-written */
+    if (s && made) rmdir(dir);
     lk_out_inputs_free(&in);
     free(text);
     json_decref(cfg);

