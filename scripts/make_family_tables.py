@@ -364,6 +364,21 @@ def ltx_rules():
     return r
 
 
+def stable_cascade_rules():
+    """Stable Cascade stage C: Stability's attention.attn.in_proj_weight = diffusers' attention.to_q, to_k, to_v
+    (thirds) and attention.attn.out_proj = attention.to_out.0 (diffusers'
+    convert_stable_cascade_unet_single_file_to_diffusers); ComfyUI's own names split in_proj into
+    attention.attn.to_q, to_k, to_v (Stable_Cascade_C.process_unet_state_dict) and keep attn.out_proj: aliases.
+    The other layers keep their names."""
+    r, sp = [], []
+    for side in ("down_blocks", "up_blocks"):
+        a = f"{side}.#.#.attention"
+        r += qkv_rules(f"{a}.attn.in_proj", [f"{a}.to_{c}" for c in "qkv"])
+        r += renames(((f"{a}.attn.out_proj", f"{a}.to_out.0"),))
+        sp += [(f"{a}.attn.in_proj", f"{a}.attn.to_{c}", f"{k}/3:{k + 1}/3") for k, c in enumerate("qkv")]
+    return r + aliases(r, sp)
+
+
 def write_dit_families():
     write("sd3", "SD3 / SD3.5: Stability single file (joint_blocks) <-> diffusers SD3Transformer2DModel",
           ["joint_blocks.0.x_block.attn.qkv.weight", "pos_embed.proj.weight"], sd3_rules())
@@ -374,6 +389,8 @@ def write_dit_families():
           ["double_blocks.0.img_attn_qkv.weight", "txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight",
            "double_blocks.0.img_attn.qkv.weight img_in.proj.weight",
            "context_embedder.token_refiner.refiner_blocks.0.attn.to_q.weight"], hunyuan_video_rules())
+    write("stable-cascade", "Stable Cascade stage C: Stability / ComfyUI <-> diffusers StableCascadeUNet",
+          ["clip_txt_mapper.weight"], stable_cascade_rules())
     write("z-image", "Z-Image: ComfyUI / original (NextDiT: attention.qkv) <-> diffusers ZImageTransformer2DModel",
           ["noise_refiner.0.attention.qkv.weight", "noise_refiner.0.attention.to_q.weight"], z_image_rules())
     write("ltx", "LTX-Video / LTX-2: original <-> diffusers LTXVideoTransformer3DModel / LTX2VideoTransformer3DModel",
