@@ -763,7 +763,23 @@ static void test_map_file(void **state) {
         {"lorakit-family 1\ndetect !a.weight\nmap a b\n", "bad.lkmap:2: 'detect' needs a key that must be present"},
         {"lorakit-family 1\ndetect a.weight b.#.weight\nmap a b\n", "bad.lkmap:2: detect key 'b.#.weight'"},
         {"lorakit-family 1\ndetect a.weight !!b\nmap a b\n", "bad.lkmap:2: detect key '!!b'"},
+        /* an alias may overlap map lines (another spelling of their rows), but not repeat a line */
+        {"lorakit-family 1\nmap a.qkv b.q 0/3:1/3 0/1:1/1\nalias a.qkv a.qk 0/3:2/3 0/1:1/1\n"
+         "alias a.qkv a.qk 0/3:2/3 0/1:1/1\n", "bad.lkmap:4: rule repeats line 3 (a.qkv a.qk)"},
+        {"lorakit-family 1\nalias a.# b\n", "bad.lkmap:2: 'a.#' and 'b' have different '#' / '#last' / '*' parts"},
+        {"lorakit-family 1\nalias a\n", "bad.lkmap:2: 'alias' takes ORIG DIFF [ORIG_ROWS DIFF_ROWS]"},
     };
+    { /* the overlap an alias line may have, parsed and kept as an alias */
+        af_write_text(g_dir, "ok.lkmap", "lorakit-family 1\nmap a.qkv b.q 0/3:1/3 0/1:1/1\nalias a.qkv a.qk 0/3:2/3 0/1:1/1\n");
+        char *op = tu_path(g_dir, "ok.lkmap");
+        lk_family f;
+        if (lk_family_load(op, 0, &f)) fail_msg("%s", lk_last_error());
+        assert_int_equal(f.n_rules, 2);
+        assert_true(!f.rules[0].alias && f.rules[1].alias);
+        assert_true(f.rules[1].orig_rows.n1 == 2 && f.rules[1].orig_rows.d1 == 3);
+        lk_family_free(&f);
+        free(op);
+    }
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         af_write_text(g_dir, "bad.lkmap", bad[i].text);
         char *bp = tu_path(g_dir, "bad.lkmap");
