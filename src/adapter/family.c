@@ -105,6 +105,17 @@ static int parse_i64(const char *s, const char **end, int64_t *v) {
     return 1;
 }
 
+static void reduce(int64_t *n, int64_t *d) {
+    int64_t a = *n, b = *d;
+    while (b) {
+        int64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    *n /= a; /* a >= 1: *d >= 1 */
+    *d /= a;
+}
+
 /* "a/b:c/d" with 0 <= a/b < c/d <= 1 and denominators in 1..MAX_DEN. */
 static int frac_parse(const char *s, lk_frac *f) {
     const char *p = s;
@@ -113,7 +124,10 @@ static int frac_parse(const char *s, lk_frac *f) {
         return 0;
     if (f->d0 < 1 || f->d1 < 1 || f->d0 > MAX_DEN || f->d1 > MAX_DEN) return 0;
     if (f->n0 > f->d0 || f->n1 > f->d1) return 0;
-    return f->n0 * f->d1 < f->n1 * f->d0; /* non-empty */
+    if (f->n0 * f->d1 >= f->n1 * f->d0) return 0; /* empty */
+    reduce(&f->n0, &f->d0); /* in lowest terms: 0/3 and 0/1, 1/3 and 2/6 are one row, compared bytewise */
+    reduce(&f->n1, &f->d1);
+    return 1;
 }
 
 static int frac_overlap(const lk_frac *a, const lk_frac *b) {
