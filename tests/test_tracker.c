@@ -568,7 +568,7 @@ static void test_summary_json(void **state) {
     assert_int_equal(lk_tracker_summary_json(&r, 7, LK_OK, NULL, &js), LK_OK);
     assert_string_equal(js, "{\"step\":7,\"status\":\"ok\",\"keys_fused\":3,\"keys_restored\":1,\"bytes_broadcast\":4096,"
                             "\"seconds\":0.5,\"digest\":\"0123456789abcdef0123456789abcdef\",\"digests_agree\":true,"
-                            "\"skipped\":false,\"backup_bytes_max\":512,\"phases\":{\"agree\":0.25,\"load\":0.125,"
+                            "\"skipped\":false,\"adapters_changed\":0,\"backup_bytes_max\":512,\"phases\":{\"agree\":0.25,\"load\":0.125,"
                             "\"fuse\":2.0,\"broadcast\":0.0}}");
     lk_free(js);
     r.has_digest = 0;
@@ -576,7 +576,7 @@ static void test_summary_json(void **state) {
     assert_int_equal(lk_tracker_summary_json(&r, 0, LK_ERR_IO, "bad \xff path", &js), LK_OK);
     assert_string_equal(js, "{\"status\":\"error\",\"error\":\"(message is not UTF-8)\",\"keys_fused\":3,"
                             "\"keys_restored\":1,\"bytes_broadcast\":4096,\"seconds\":0.5,\"digest\":null,"
-                            "\"digests_agree\":null,\"skipped\":true,\"backup_bytes_max\":512,\"phases\":{"
+                            "\"digests_agree\":null,\"skipped\":true,\"adapters_changed\":0,\"backup_bytes_max\":512,\"phases\":{"
                             "\"agree\":0.25,\"load\":0.125,\"fuse\":2.0,\"broadcast\":0.0}}");
     lk_free(js);
 }

@@ -48,7 +48,7 @@ static const char *const SWAP_USAGE =
     "output: one line per step from rank 0; with --json one object per line:\n"
     "  {\"step\": 1, \"status\": \"ok\"|\"error\", \"error\": \"...\", \"keys_fused\": N,\n"
     "   \"keys_restored\": N, \"bytes_broadcast\": N, \"seconds\": X, \"digest\": \"<hex>\",\n"
-    "   \"digests_agree\": true, \"skipped\": false, \"backup_bytes_max\": N,\n"
+    "   \"digests_agree\": true, \"skipped\": false, \"adapters_changed\": N, \"backup_bytes_max\": N,\n"
     "   \"phases\": {\"agree\": X, \"load\": X, \"fuse\": X, \"broadcast\": X}}\n"
     "keys are summed over ranks, seconds are the slowest rank's, digest is the\n"
     "content digest of the working weights (equal to `lorakit digest` of an\n"

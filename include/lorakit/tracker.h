@@ -113,7 +113,9 @@ typedef struct lk_tracker_opts {
      .arch = NULL, .maps = NULL, .n_maps = 0, .base_label = NULL, .backup = LK_TRACKER_BACKUP_HOST}
 
 typedef struct lk_tracker_stats {
-    int skipped;               /* the request equalled the current set */
+    int skipped;               /* the request equalled the current set (and its files read the same) */
+    size_t adapters_changed;   /* adapters of the set whose file was rewritten since it was applied and
+                                  read again with other content (same on every rank) */
     size_t keys_fused;         /* keys this rank fused (as owner) */
     size_t keys_restored;      /* keys this rank restored to clean (as owner) */
     size_t keys_broadcast;     /* keys sent over the group (same on every rank) */
@@ -146,7 +148,19 @@ lk_status lk_tracker_create(lk_comm *group, lk_weights *weights, const lk_tracke
 void lk_tracker_free(lk_tracker *t);
 
 /* Collective: makes the fused set equal loras[0..n) (see above). stats may
- * be NULL. */
+ * be NULL. Two checks come first, on every call:
+ * - a file adapter of the current set whose files (the safetensors file,
+ *   its adapter_config.json, their folder) changed since it was read (dev,
+ *   inode, size, mtime, ctime; or written within 2 s of its read, where a
+ *   timestamp may not show a later write) is read again: a request equal
+ *   to the set is then not skipped when the content differs
+ *   (stats.adapters_changed), and is skipped when it reads the same;
+ * - every key the tracker has written must still hold the bytes it last
+ *   wrote (an XXH3-64 per touched key, kept at each apply): else every
+ *   rank fails with LK_ERR_STATE "the model's weights were changed outside
+ *   the tracker: make a new Tracker (...: KEY holds XXH3-64 ..., the
+ *   tracker last wrote ...)", changing nothing. It costs one hash of the
+ *   touched keys per call. */
 lk_status lk_tracker_apply(lk_tracker *t, const lk_fuse_input *loras, size_t n, lk_tracker_stats *stats);
 /* lk_tracker_apply with some adapters held in memory: sources (may be NULL)
  * beside loras, as lk_fuse_tensors_src. The sources are read during the
@@ -174,6 +188,7 @@ typedef struct lk_tracker_summary {
     uint64_t bytes_broadcast;           /* as lk_tracker_stats (same on every rank) */
     uint64_t backup_bytes_max;          /* the most clean bytes one rank holds */
     int skipped;                        /* the request equalled the current set */
+    uint64_t adapters_changed;          /* as lk_tracker_stats (same on every rank) */
     double seconds;                     /* the slowest rank's whole call */
     double seconds_agree, seconds_load, seconds_fuse, seconds_broadcast; /* slowest rank, per phase */
     int has_digest;                     /* 0: digest and digests_agree not made */
@@ -195,7 +210,7 @@ lk_status lk_tracker_summarize(lk_comm *c, const lk_weights *w, const lk_tracker
  * object {"step" (when step > 0), "status": "ok"|"error", "error" (when
  * status != LK_OK: message, that call's lk_last_error), "keys_fused",
  * "keys_restored", "bytes_broadcast", "seconds", "digest", "digests_agree"
- * (null both without a digest), "skipped", "backup_bytes_max", "phases":
+ * (null both without a digest), "skipped", "adapters_changed", "backup_bytes_max", "phases":
  * {agree, load, fuse, broadcast}}. *json is lk_malloc'd. Local. */
 lk_status lk_tracker_summary_json(const lk_tracker_summary *sum, size_t step, lk_status status, const char *message,
                                   char **json);

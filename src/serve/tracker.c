@@ -34,6 +34,7 @@
 #include "serve/keymem.h"
 #include "serve/tracker.h"
 
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
@@ -41,6 +42,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <time.h>
 #define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
@@ -55,7 +58,27 @@ typedef struct key_state {
     long scale;    /* FP8 weight: index of its scale key, else -1 */
     long weight;   /* a scale key: index of its FP8 weight, else -1 */
     int fp8_bad;   /* FP8 weight whose scale siblings lk_fp8_scale_of refuses */
+    int has_wrote; /* the tracker has written this key (every rank): wrote is checked before each call */
+    uint64_t wrote; /* XXH3-64 of the bytes it last wrote */
 } key_state;
+
+/* What an adapter's files looked like when they were read (issue 28: a
+ * file rewritten at the same path is read again, never skipped): the
+ * safetensors file, its adapter_config.json (absent: not stamped) and the
+ * folder holding them (a config appearing beside the file changes it).
+ * t0 is when the read began: a stamp whose mtime or ctime is not older
+ * than t0 - LK_STAMP_RACY_NS may hide a later write in the same timestamp
+ * tick, so it is read again (and compared by content) on the next call. */
+typedef struct file_stamp {
+    uint64_t dev, ino, size;
+    int64_t mtime_ns, ctime_ns;
+    int present;
+} file_stamp;
+typedef struct entry_stamp {
+    file_stamp f[3];
+    int64_t t0_ns;
+} entry_stamp;
+#define LK_STAMP_RACY_NS 2000000000LL /* 2 s: coarse file-system clocks (FAT keeps 2 s) */
 
 /* A normalized request: strength-0 entries dropped, sorted, paths owned. */
 typedef struct request {
@@ -65,7 +88,8 @@ typedef struct request {
     lk_adapter **ad; /* opened adapters, once loaded */
     const lk_adapter_source **src; /* in-memory sources (NULL: a file), valid during the apply only */
     uint64_t *content; /* per-entry hash of the adapter's modules and bytes, once loaded */
-    void *mem;     /* the one allocation e, s, id, ad, src and content are carved from */
+    entry_stamp *stamp; /* per entry (a file): its files when read, once loaded */
+    void *mem;     /* the one allocation e, s, id, ad, src, content and stamp are carved from */
     size_t n;
     uint64_t hash;
 } request;
@@ -157,6 +181,7 @@ static lk_status request_make(const lk_fuse_input *in, const lk_adapter_source *
     const size_t o_e = LK_CARVE(&c, m, lk_fuse_input), o_s = LK_CARVE(&c, m, double),
                  o_id = LK_CARVE(&c, m, uint64_t), o_ad = LK_CARVE(&c, m, lk_adapter *),
                  o_src = LK_CARVE(&c, m, const lk_adapter_source *), o_content = LK_CARVE(&c, m, uint64_t),
+                 o_stamp = LK_CARVE(&c, m, entry_stamp),
                  o_kept = LK_CARVE(&c, m, lk_fuse_input), o_kept_src = LK_CARVE(&c, m, const lk_adapter_source *),
                  o_order = LK_CARVE(&c, m, size_t);
     char *b = lk_carve_alloc(&c);
@@ -168,6 +193,7 @@ static lk_status request_make(const lk_fuse_input *in, const lk_adapter_source *
     r->ad = (lk_adapter **)(b + o_ad);
     r->src = (const lk_adapter_source **)(b + o_src);
     r->content = (uint64_t *)(b + o_content);
+    r->stamp = (entry_stamp *)(b + o_stamp);
     lk_fuse_input *kept = (lk_fuse_input *)(b + o_kept);
     const lk_adapter_source **kept_src = (const lk_adapter_source **)(b + o_kept_src);
     size_t *order = (size_t *)(b + o_order), k = 0;
@@ -253,13 +279,73 @@ static uint64_t adapter_content(const lk_adapter *a) {
     return XXH3_64bits_digest(&h);
 }
 
-/* Opens and resolves every adapter of r against the model into r->ad and
- * r->content (local; request_clear frees the adapters). */
+static int64_t now_realtime_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* path's stamp (present = 0 when path is NULL or cannot be stat'ed). */
+static file_stamp stamp_of(const char *path) {
+    file_stamp f = {0};
+    struct stat sb;
+    if (!path || stat(path, &sb) != 0) return f;
+    f = (file_stamp){(uint64_t)sb.st_dev, (uint64_t)sb.st_ino, (uint64_t)sb.st_size,
+                     (int64_t)sb.st_mtim.tv_sec * 1000000000LL + sb.st_mtim.tv_nsec,
+                     (int64_t)sb.st_ctim.tv_sec * 1000000000LL + sb.st_ctim.tv_nsec, 1};
+    return f;
+}
+
+/* The stamps of adapter a's files (its file, config and their folder).
+ * Allocates nothing (the folder's name in a PATH_MAX buffer; a longer one
+ * is not stamped, the same way each time). */
+static void stamp_files(const lk_adapter *a, int64_t t0, entry_stamp *out) {
+    const char *file = lk_adapter_file(a), *slash = file ? strrchr(file, '/') : NULL;
+    char dir[PATH_MAX];
+    size_t dl = slash ? (size_t)(slash - file) : 0;
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (dl < sizeof dir) snprintf(dir, sizeof dir, "%.*s", dl ? (int)dl : 1, dl ? file : "/");
+    out->f[0] = stamp_of(file);
+    out->f[1] = stamp_of(lk_adapter_config_file(a));
+    out->f[2] = dl < sizeof dir ? stamp_of(dir) : (file_stamp){0};
+    out->t0_ns = t0;
+}
+
+/* 1 if a file entry of r (loaded) may have changed since it was read:
+ * a stamp differs now, or was racy (newer than its read's start less
+ * LK_STAMP_RACY_NS). Local. */
+static int request_stale(const request *r) {
+    for (size_t i = 0; i < r->n; i++) {
+        if (r->src[i] || !r->ad || !r->ad[i]) continue; /* in memory: its label is a digest of its bytes */
+        entry_stamp now;
+        stamp_files(r->ad[i], r->stamp[i].t0_ns, &now);
+        for (int k = 0; k < 3; k++) {
+            const file_stamp *a = &r->stamp[i].f[k], *b = &now.f[k];
+            const int64_t racy = r->stamp[i].t0_ns - LK_STAMP_RACY_NS;
+            if (memcmp(a, b, sizeof *a) || (a->present && (a->mtime_ns >= racy || a->ctime_ns >= racy))) return 1;
+        }
+    }
+    return 0;
+}
+
+/* Entries of r whose adapter (same entry of cur) now reads differently. */
+static size_t request_changed(const request *r, const request *cur) {
+    size_t n = 0;
+    for (size_t i = 0; i < r->n; i++)
+        for (size_t j = 0; j < cur->n; j++)
+            if (r->id[i] == cur->id[j] && same_input(&r->e[i], &cur->e[j])) n += r->content[i] != cur->content[j];
+    return n;
+}
+
+/* Opens and resolves every adapter of r against the model into r->ad,
+ * r->content and r->stamp (local; request_clear frees the adapters). */
 static lk_status request_load(lk_tracker *t, request *r) {
     for (size_t i = 0; i < r->n; i++) {
         lk_adapter_opts ao = {.format = r->e[i].format, .alpha_from = t->o.alpha_from,
                               .convention = t->o.convention};
+        const int64_t t0 = now_realtime_ns();
         lk_status s = lk_fuse_input_open(&r->e[i], r->src ? r->src[i] : NULL, &ao, &r->ad[i]);
+        if (!s && !r->src[i]) stamp_files(r->ad[i], t0, &r->stamp[i]);
         /* the family table and --map files as lk_fuse_file's resolve: the same placements, the same bytes */
         lk_resolve_opts ro = {.arch = t->o.arch, .maps = t->o.maps, .n_maps = t->o.n_maps};
         if (!s) s = lk_adapter_resolve_opts(r->ad[i], lk_weights_tensors(t->w), t->n, &ro, NULL);
@@ -1014,18 +1100,47 @@ typedef struct apply_op {
     size_t *fresh, n_fresh; /* keys this call backed up: dropped again on a failure */
     const char *phase;      /* names a collective that times out */
     double t0;
+    int stale;              /* some rank found a file of the current set changed (or racy) since it was read */
 } apply_op;
 
-/* Step 1: makes the request (local) and agrees on it: a rank whose request
- * differs is every rank's error, naming this rank's request. */
+/* Every key the tracker wrote still holds the bytes it last wrote (their
+ * XXH3-64, kept at each apply): else the caller changed the weights
+ * behind its back (load_state_dict into the same memory), and restoring
+ * or fusing from the backup would mix two bases. Local; cost: hashing the
+ * touched keys once. */
+static lk_status weights_check(const lk_tracker *t) {
+    for (size_t c = 0; c < t->n; c++) {
+        const size_t i = t->ord[c];
+        if (!t->k[i].has_wrote) continue;
+        const lk_tensor *w = lk_weights_tensor(t->w, i);
+        uint64_t h;
+        lk_status s = lk_keymem_hash(&t->km, w->data, w->nbytes, &h); /* host or device memory */
+        if (s) return s;
+        if (h != t->k[i].wrote)
+            return lk_error(LK_ERR_STATE, "the model's weights were changed outside the tracker: make a new Tracker "
+                            "(%s: %s holds XXH3-64 %016llx, the tracker last wrote %016llx)", base_name(t), w->name,
+                            (unsigned long long)h, (unsigned long long)t->k[i].wrote);
+    }
+    return LK_OK;
+}
+
+/* Step 1: makes the request (local), checks the weights are as the
+ * tracker left them, and agrees on both (and on whether a file of the
+ * current set changed: a->stale): a rank whose request differs is every
+ * rank's error, naming this rank's request. */
 static lk_status apply_agree_request(apply_op *a, const lk_fuse_input *loras, const lk_adapter_source *const *sources,
                                      size_t n) {
     lk_tracker *t = a->t;
     lk_status local = t->broken ? lk_error(LK_ERR_STATE, "tracker is unusable after a failed rollback, "
                                                       "transport or timeout")
                                 : request_make(loras, sources, n, &a->req);
-    int same = 1;
-    lk_status s = agree_hash(t->comm, local, a->req.hash, &same);
+    if (!local) local = weights_check(t);
+    /* a file of the current set rewritten since it was read: read again, never skipped */
+    const int stale = !local && request_equal(&a->req, &t->cur) && request_stale(&t->cur);
+    uint64_t v[3] = {a->req.hash, ~a->req.hash, !stale}; /* agree_hash's pair, and min(!stale): 0 if any rank's */
+    lk_status s = lk_comm_agree_min(t->comm, local, v, 3);
+    const int same = v[0] == ~v[1];
+    a->stale = v[2] == 0;
     if (!s && !same) {
         char desc[512];
         request_describe(&a->req, desc, sizeof desc);
@@ -1205,10 +1320,26 @@ static lk_status apply_fuse_send(apply_op *a) {
  * the old set's adapters, kept open for a rollback, are closed). */
 static lk_status apply_change(apply_op *a) {
     lk_status s = apply_agree_loaded(a, apply_prepare(a));
+    lk_tracker *t = a->t;
+    size_t moved = 0; /* keys whose terms change (agreed: the signatures are) */
+    for (size_t i = 0; !s && i < t->n; i++) moved += changed(t, i);
+    if (!s && moved && t->o.no_lora_swap && t->cur.n) /* a file of the set rewritten: no backup to redo it from */
+        s = lk_error(LK_ERR_STATE, "no_lora_swap tracker cannot change its adapters (a file of its set changed "
+                                   "since it was read): it has no backup of the clean weights");
     if (!s) s = apply_fuse_send(a);
     if (s) return s;
-    lk_tracker *t = a->t;
-    for (size_t i = 0; i < t->n; i++) t->k[i].sig = t->next[i];
+    a->st->adapters_changed = request_changed(&a->req, &t->cur);
+    a->st->skipped = !moved && request_equal(&a->req, &t->cur); /* read again, the same content */
+    for (size_t i = 0; i < t->n; i++) {
+        if (changed(t, i)) { /* what every rank holds now: checked before the next call */
+            const lk_tensor *w = lk_weights_tensor(t->w, i);
+            t->k[i].has_wrote = lk_keymem_hash(&t->km, w->data, w->nbytes, &t->k[i].wrote) == LK_OK;
+            if (!t->k[i].has_wrote) /* a device copy failed: this key goes unchecked, said */
+                lk_log(LK_LOG_WARN, "tracker: %s: %s: not hashed (%s); a change behind the tracker will not be "
+                       "noticed on it", base_name(t), w->name, lk_last_error());
+        }
+        t->k[i].sig = t->next[i];
+    }
     request_clear(&t->cur);
     t->cur = a->req;
     memset(&a->req, 0, sizeof a->req);
@@ -1225,9 +1356,9 @@ lk_status lk_tracker_apply_src(lk_tracker *t, const lk_fuse_input *loras, const 
     t->fused_on_host = 0;
     lk_status s = apply_agree_request(&a, loras, sources, n);
     /* 2. skip an unchanged set; no_lora_swap refuses any change */
-    if (!s && request_equal(&a.req, &t->cur))
+    if (!s && request_equal(&a.req, &t->cur) && !a.stale)
         st->skipped = 1;
-    else if (!s && t->o.no_lora_swap && t->cur.n)
+    else if (!s && t->o.no_lora_swap && t->cur.n && !a.stale)
         s = lk_error(LK_ERR_STATE, "no_lora_swap tracker cannot %s: it has no backup of the clean weights",
                      a.req.n ? "change its adapters" : "reset");
     else if (!s)

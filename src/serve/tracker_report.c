@@ -29,6 +29,7 @@ lk_status lk_tracker_summarize(lk_comm *c, const lk_weights *w, const lk_tracker
     out->bytes_broadcast = st->bytes_broadcast;
     out->backup_bytes_max = mx[0];
     out->skipped = st->skipped != 0;
+    out->adapters_changed = st->adapters_changed;
     out->seconds_agree = (double)mx[1] * 1e-9;
     out->seconds_load = (double)mx[2] * 1e-9;
     out->seconds_fuse = (double)mx[3] * 1e-9;
@@ -68,6 +69,7 @@ lk_status lk_tracker_summary_json(const lk_tracker_summary *r, size_t step, lk_s
         bad |= json_object_set_new(o, "digest", r->has_digest ? json_string(r->digest) : json_null());
         bad |= json_object_set_new(o, "digests_agree", r->has_digest ? json_boolean(r->digests_agree) : json_null());
         bad |= json_object_set_new(o, "skipped", json_boolean(r->skipped));
+        bad |= json_object_set_new(o, "adapters_changed", json_integer((json_int_t)r->adapters_changed));
         bad |= json_object_set_new(o, "backup_bytes_max", json_integer((json_int_t)r->backup_bytes_max));
         bad |= json_object_set_new(o, "phases", json_pack("{s:f, s:f, s:f, s:f}", "agree", r->seconds_agree, "load",
                                                           r->seconds_load, "fuse", r->seconds_fuse, "broadcast",
