@@ -60,6 +60,7 @@ static const char *const FUSE_USAGE =
     "                         temporary; one left by a killed run is\n"
     "                         removed by the next run writing OUT\n"
     "  --threads N            fusion threads (default 0 = all cores)\n"
+    LK_CLI_DEVICE_HELP
     "  --format F             read the adapters as F: auto (default), peft,\n"
     "                         diffusers, kohya, fastvideo\n"
     "  --arch NAME            the model family table that maps diffusers names onto\n"
@@ -223,7 +224,8 @@ int lk_cmd_fuse(int argc, char **argv) {
             opts.fuse.allow_nonfinite = 1;
         } else if (!strcmp(a, "--json")) {
             json = 1;
-        } else if ((f8 = lk_cli_fp8_option("fuse", argc, argv, &i, &opts.fuse.fp8)) != 0) {
+        } else if ((f8 = lk_cli_fp8_option("fuse", argc, argv, &i, &opts.fuse.fp8)) != 0 ||
+                   (f8 = lk_cli_device_option("fuse", argc, argv, &i, &opts.device)) != 0) {
             if (f8 < 0) goto done;
         } else if (a[0] == '-' && a[1]) {
             lk_cli_usage("fuse", "unknown option '%s'", a);
@@ -270,8 +272,13 @@ int lk_cmd_fuse(int argc, char **argv) {
         printf("%s\n", s);
         lk_free(s);
     } else {
-        printf("fused %zu adapter%s into %zu of %zu tensors -> %s (%.2f s)\n", n, n == 1 ? "" : "s",
-               st.tensors_fused, st.tensors_total, out, st.seconds);
+        char dv[LK_DEVICE_STR_MAX];
+        printf("fused %zu adapter%s into %zu of %zu tensors -> %s (%.2f s)", n, n == 1 ? "" : "s", st.tensors_fused,
+               st.tensors_total, out, st.seconds);
+        if (opts.device.kind != LK_DEVICE_CPU)
+            printf(" on %s: %zu by the device kernel, %zu on the host path", lk_device_str(opts.device, dv),
+                   st.keys_device, st.keys_host_fallback);
+        putchar('\n');
     }
     rc = LK_EXIT_OK;
 done:

@@ -151,6 +151,8 @@ typedef struct lk_fuse_file_opts {
     const char *const *maps;   /* extra name tables (--map FILE) */
     size_t n_maps;
     const char *component;     /* set by lk_fuse_pipeline for each component (lk_resolve_opts.component) */
+    lk_device device;          /* 0 = cpu; cuda:N / emul: each fused tensor is uploaded, fused there by the
+                                  device kernel (lorakit/fuse_device.h) and downloaded: the same bytes */
 } lk_fuse_file_opts;
 
 typedef struct lk_fuse_stats {
@@ -158,6 +160,8 @@ typedef struct lk_fuse_stats {
     size_t tensors_fused;
     size_t modules_unmatched;
     double seconds;
+    size_t keys_device;        /* with a device: tensors the device kernel fused */
+    size_t keys_host_fallback; /* with a device: tensors fused on the host path (fuse_device.h) */
 } lk_fuse_stats;
 
 /* A strength as typed (the CLI's -l ADAPTER:STRENGTH, a plan's strength):

@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "lorakit/fuse.h"
+#include "lorakit/fuse_device.h"
 
 #define LK_FUSE_MAX_THREADS 256
 
@@ -91,6 +92,13 @@ lk_status lk_fuse_check_rows(int64_t out, int64_t in, int64_t row0, int64_t rows
  * folders to lk_fuse_pipeline, which fuses each component with this. */
 lk_status lk_fuse_checkpoint(const char *base, const lk_fuse_input *inputs, const lk_adapter_source *const *sources,
                              size_t n, const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
+/* One fused tensor of lk_fuse_file on a device (lk_fuse_file_opts.device):
+ * t's bytes at w (host; an FP8 weight's scale sc at sd) are uploaded to
+ * dev, fused there (lk_fuse_key_apply_dev / lk_fuse_fp8_dev) and
+ * downloaded into w (and sd) when that succeeded. */
+lk_status lk_fuse_key_staged(lk_device dev, const lk_tensor *t, void *w, const lk_tensor *sc, void *sd,
+                             const lk_fuse_key *plan, const lk_fuse_term *terms, const lk_fuse_opts *fo,
+                             lk_fuse_dev_stats *stats);
 /* A factor's checks (dtype F32/F16/BF16, or F64 for an "A", 2-D, data). */
 lk_status lk_fuse_check_factor(const lk_tensor *t, const char *what, const char *name, size_t ti);
 

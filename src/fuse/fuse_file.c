@@ -189,6 +189,8 @@ typedef struct fctx {
     void *buf;        /* the tensor buffer (lk_fuse_tensors: the backup) */
     size_t buf_bytes;
     char *record;
+    lk_device dev;             /* lk_fuse_file_opts.device */
+    lk_fuse_dev_stats dstats;  /* with a device: where each tensor was fused */
 } fctx;
 
 static void fctx_free(fctx *c) {
@@ -505,7 +507,8 @@ static lk_status write_fused(fctx *c, size_t i, const lk_fuse_key *plan, const c
     lk_status s = lk_ckpt_read(c->ck, i, 0, c->buf, t->nbytes);
     if (!s && sc) s = lk_ckpt_read(c->ck, (size_t)si, 0, c->sbuf, sc->nbytes);
     if (s) return s;
-    if (lk_dtype_is_fp8(t->dtype)) s = fuse_fp8_weight(c, t, c->buf, sc, c->sbuf, plan, fo);
+    if (c->dev.kind != LK_DEVICE_CPU) s = lk_fuse_key_staged(c->dev, t, c->buf, sc, c->sbuf, plan, c->terms, fo, &c->dstats);
+    else if (lk_dtype_is_fp8(t->dtype)) s = fuse_fp8_weight(c, t, c->buf, sc, c->sbuf, plan, fo);
     else s = lk_fuse_key_apply(c->buf, c->buf, t, plan, c->terms, fo);
     if (s) return lk_error_prefix(s, "%s", base);
     size_t wi, swi;
@@ -567,10 +570,12 @@ lk_status lk_fuse_checkpoint(const char *base, const lk_fuse_input *inputs, cons
     double t0 = lk_now_s();
     fctx c;
     memset(&c, 0, sizeof c);
+    c.dev = opts->device;
     lk_fuse_stats st = {0};
     size_t nt = 0, sbuf_bytes = 0;
     uint64_t total_bytes = 0, done = 0;
-    lk_status s = lk_ckpt_open(base, &c.ck);
+    lk_status s = lk_device_check(c.dev);
+    if (!s) s = lk_ckpt_open(base, &c.ck);
     if (!s) {
         st.tensors_total = nt = lk_ckpt_count(c.ck);
         c.model = lk_ckpt_tensor(c.ck, 0); /* the tensors are one array (a copy was 96 bytes a tensor more) */
@@ -590,6 +595,8 @@ lk_status lk_fuse_checkpoint(const char *base, const lk_fuse_input *inputs, cons
     if (!s) s = publish(&c);
     if (!s && stats) {
         st.seconds = lk_now_s() - t0;
+        st.keys_device = c.dstats.keys_device;
+        st.keys_host_fallback = c.dstats.keys_host_fallback;
         *stats = st;
     }
     fctx_free(&c);

@@ -328,3 +328,26 @@ lk_status lk_fuse_fp8_dev(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *te
     lk_device_host_free(w->device, sh);
     return st;
 }
+
+lk_status lk_fuse_key_staged(lk_device dev, const lk_tensor *t, void *w, const lk_tensor *sc, void *sd,
+                             const lk_fuse_key *plan, const lk_fuse_term *terms, const lk_fuse_opts *fo,
+                             lk_fuse_dev_stats *stats) {
+    void *dw = NULL, *ds = NULL;
+    lk_status st = lk_device_alloc(dev, t->nbytes, &dw);
+    if (!st && sc) st = lk_device_alloc(dev, sc->nbytes, &ds);
+    if (!st) st = lk_device_copy(dev, dw, w, t->nbytes, LK_COPY_H2D, NULL);
+    if (!st && sc) st = lk_device_copy(dev, ds, sd, sc->nbytes, LK_COPY_H2D, NULL);
+    lk_tensor wd = *t, sdt = sc ? *sc : (lk_tensor){0};
+    wd.data = dw;
+    wd.device = dev;
+    sdt.data = ds;
+    sdt.device = dev;
+    if (!st)
+        st = lk_dtype_is_fp8(t->dtype) ? lk_fuse_fp8_dev(&wd, sc ? &sdt : NULL, terms, plan->n_terms, fo, NULL, stats)
+                                       : lk_fuse_key_apply_dev(&wd, plan, terms, fo, NULL, stats);
+    if (!st) st = lk_device_copy(dev, w, dw, t->nbytes, LK_COPY_D2H, NULL);
+    if (!st && sc) st = lk_device_copy(dev, sd, ds, sc->nbytes, LK_COPY_D2H, NULL);
+    lk_device_free(dev, dw);
+    lk_device_free(dev, ds);
+    return st;
+}

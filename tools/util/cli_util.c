@@ -73,6 +73,20 @@ int lk_cli_timeout_abort(lk_comm *c) {
     return LK_EXIT_FAIL;
 }
 
+int lk_cli_device_option(const char *cmd, int argc, char **argv, int *i, lk_device *d) {
+    if (strcmp(argv[*i], "--device")) return 0;
+    if (*i + 1 >= argc) {
+        lk_cli_usage(cmd, "--device needs cpu, cuda, cuda:N or emul");
+        return -1;
+    }
+    if (lk_device_parse(argv[*i + 1], d)) {
+        lk_cli_usage(cmd, "%s", lk_last_error());
+        return -1;
+    }
+    (*i)++;
+    return 1;
+}
+
 int lk_cli_fp8_option(const char *cmd, int argc, char **argv, int *i, lk_fp8_opts *o) {
     const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     if (!strcmp(a, "--fp8-saturate")) {

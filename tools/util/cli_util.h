@@ -40,6 +40,15 @@ int lk_cli_parse_timeout(const char *s, double *out);
 int lk_cli_timeout_abort(lk_comm *c);
 
 #include "lorakit/fuse.h"
+#include "lorakit/device.h"
+/* --device cpu|cuda[:N]|emul at argv[*i]: 1 when taken (*i advanced, *d
+ * set), 0 when argv[*i] is not --device, -1 after a usage error. Whether
+ * the device is there is checked later (exit 1, not usage). */
+int lk_cli_device_option(const char *cmd, int argc, char **argv, int *i, lk_device *d);
+#define LK_CLI_DEVICE_HELP                                                               \
+    "  --device D             cpu (default), cuda, cuda:N or emul (the emulated\n"       \
+    "                         device: the CUDA kernel's own code run on the CPU);\n"     \
+    "                         the same bytes on every device\n"
 /* The FP8 options of fuse at argv[*i]: --fp8-rounding nearest|stochastic,
  * --fp8-seed N, --fp8-scale rescale|keep, --fp8-saturate. Returns 1 when it
  * took the option (and its value: *i advanced), 0 when argv[*i] is not one,
