@@ -696,9 +696,13 @@ static void test_file_errors(void **state) {
          LK_ERR_SHAPE, "conv.safetensors: x: lora_B is [12, 2, 3, 1]: a convolution's up factor must be [out, r, 1, 1]");
     CASE("unknown.safetensors",
          (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
-          af_rand(f, "x.oft_blocks", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1)),
-         LK_ERR_UNSUPPORTED, "unknown.safetensors: key 'x.oft_blocks' is an OFT / BOFT block (LyCORIS diag-oft or boft): "
+          af_rand(f, "x.on_input", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1)),
+         LK_ERR_UNSUPPORTED, "unknown.safetensors: key 'x.on_input' is an IA3 vector (LyCORIS ia3): "
          "lorakit recognises that algorithm but does not fuse it");
+    CASE("two_algos.safetensors", /* an OFT block beside LoRA factors: two algorithms in one module */
+         (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
+          af_rand(f, "x.oft_blocks", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1)),
+         LK_ERR_FORMAT, "two_algos.safetensors: x: 'x.lora_A.weight' (lora) and 'x.oft_blocks' (oft) in one module");
     CASE("unknown2.safetensors",
          (pair(f, "x", ".lora_A.weight", ".lora_B.weight", 2, LK_DTYPE_F32),
           af_rand(f, "x.something", LK_DTYPE_F32, 1, IN, &g_rng, -1, 1)),

@@ -725,9 +725,9 @@ static void test_malformed(void **state) {
     static const struct {
         const char *key, *what;
     } algo[] = {
-        {"lycoris_lin.oft_blocks", "an OFT / BOFT block (LyCORIS diag-oft or boft)"},
+        {"lycoris_lin.bm.weight", "a GLoRA Tucker core (LyCORIS glora with use_tucker)"},
         {"lycoris_lin.on_input", "an IA3 vector (LyCORIS ia3)"},
-        {"lycoris_lin.a1.weight", "a GLoRA factor (LyCORIS glora)"},
+        {"lycoris_lin.q_layer.weight", "a T-LoRA factor (LyCORIS tlora)"},
         {"lycoris_lin.lambda_layer", "a T-LoRA vector (LyCORIS tlora)"},
         {"lycoris_lin.what_is_this", "belongs to no adapter algorithm lorakit knows"},
     };

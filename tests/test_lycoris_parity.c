@@ -104,25 +104,10 @@ static void run_fuse(const lyco_case *c) {
     assert_int_equal(st.tensors_fused, changed);
     /* The in-place form (lk_fuse_tensors, one thread) gives the same bytes
      * as the file fuse (all threads). */
-    lk_st *fused;
-    char want[LK_DIGEST_HEX], got[LK_DIGEST_HEX];
-    assert_int_equal(lk_st_open(out, &fused), LK_OK);
-    assert_int_equal(lk_digest_st(fused, want), LK_OK);
-    lk_st_close(fused);
-    lk_weights *w;
-    assert_int_equal(lk_weights_load(base, &w), LK_OK);
-    size_t nw = lk_weights_count(w);
-    lk_tensor *views = calloc(nw, sizeof *views);
-    assert_non_null(views);
-    for (size_t i = 0; i < nw; i++) views[i] = *lk_weights_tensor(w, i);
     lk_fuse_file_opts one = {.fuse = {.threads = 1}};
     lk_fuse_stats ts;
-    if (lk_fuse_tensors(views, nw, &in, 1, &one, &ts)) fail_msg("%s: lk_fuse_tensors: %s", label, lk_last_error());
-    assert_int_equal(lk_weights_digest(w, got), LK_OK);
-    if (strcmp(got, want)) fail_msg("%s: lk_fuse_tensors gives digest %s, lk_fuse_file %s", label, got, want);
+    ar_check_in_place(label, base, out, &in, 1, &one, &ts);
     assert_int_equal(ts.tensors_fused, changed);
-    free(views);
-    lk_weights_free(w);
     print_message("%-14s %-22s s=%-4g %2zu tensors, worst %.3f ulp\n", c->name, c->base, c->strength,
                   changed, worst);
     remove(out);

@@ -100,10 +100,13 @@ typedef enum lk_algo {
     LK_ALGO_FULL,     /* diff (+ diff_b): a dense weight delta */
     LK_ALGO_NORM,     /* w_norm (+ b_norm): LyCORIS norm on a norm layer's weight and bias */
     LK_ALGO_SET,      /* set_weight: the weight replaced whole */
+    LK_ALGO_OFT,      /* oft_blocks [n, b, b] (+ rescale): LyCORIS diag-oft, a rotation of the weight's rows */
+    LK_ALGO_BOFT,     /* oft_blocks [m, n, b, b] (+ rescale): LyCORIS boft, m butterfly stages */
+    LK_ALGO_GLORA,    /* a1.weight, a2.weight, b1.weight, b2.weight: W a1 a2 + b1 b2 (LyCORIS glora) */
     LK_ALGO_COUNT
 } lk_algo;
 
-/* "lora", "loha", "lokr", "full", "norm", "set_weight". */
+/* "lora", "loha", "lokr", "full", "norm", "set_weight", "oft", "boft", "glora". */
 const char *lk_algo_name(lk_algo a);
 
 /* Tensors of a module, at most this many (lk_lora_module_tensors). */
@@ -132,7 +135,9 @@ typedef struct lk_lora_module {
     /* The factors as the file holds them (data NULL when absent): LoCon's
      * Tucker core lora_mid [r, r, kh, kw]; LoHa hada_w1_a, _b, hada_w2_a, _b,
      * hada_t1, _t2 and LoKr lokr_w1_a, _b, lokr_w2_a, _b, lokr_t2 (in t2),
-     * lokr_w1, lokr_w2; full's diff, norm's w_norm, set_weight's tensor. */
+     * lokr_w1, lokr_w2; full's diff, norm's w_norm, set_weight's tensor;
+     * OFT / BOFT oft_blocks in w1 and rescale in w2; GLoRA a1, a2, b1, b2
+     * in w1a, w1b, w2a, w2b (alpha: OFT / BOFT's constraint as read). */
     lk_tensor mid, w1a, w1b, w2a, w2b, t1, t2, w1, w2, dense;
     lk_tensor dora_scale; /* kohya / LyCORIS DoRA magnitude, [out, 1, ...] or [1, in, ...] */
     /* After lk_adapter_resolve: the delta's 2-D factors as the fuse kernel

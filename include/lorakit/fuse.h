@@ -27,8 +27,13 @@ typedef enum lk_term_kind {
     LK_TERM_LORA = 0,  /* scale * B @ A (A r x in, B out x r); A NULL: a 1-D vector term scale * B */
     LK_TERM_DENSE,     /* scale * B, B holding out x in values (any shape of that many elements) */
     LK_TERM_HADA,      /* scale * (B @ A) * (B2 @ A2), elementwise (LoHa) */
-    LK_TERM_KRON       /* scale * kron(w1, w2): w1 = B @ A (A NULL: w1 = B, a x b), w2 = B2 @ A2
+    LK_TERM_KRON,      /* scale * kron(w1, w2): w1 = B @ A (A NULL: w1 = B, a x b), w2 = B2 @ A2
                           (A2 NULL: w2 = B2, c x D); out = a c, in = b D (LoKr) */
+    LK_TERM_OFT,       /* a rotation of W's rows (LyCORIS diag-oft / boft): B = oft_blocks [n, b, b] (OFT) or
+                          [m, n, b, b] (BOFT) with n b = out, A2 = rescale (out values) or NULL, scale = the
+                          strength, alpha = the file's alpha (the constraint); the convention decides the rest
+                          (src/fuse/oft.c). The only live term of its weight. */
+    LK_TERM_WLORA      /* scale * W @ B @ A with W the weight itself (GLoRA's W a1 a2): B in x r, A r x in */
 } lk_term_kind;
 
 typedef struct lk_fuse_term {
@@ -38,7 +43,8 @@ typedef struct lk_fuse_term {
     int64_t slice;      /* 0: B covers the weight (out x r); k > 0: a row slice, B's rows land on the weight's
                            rows [k - 1, k - 1 + B rows) (a module on part of a fused q,k,v weight) */
     lk_term_kind kind;
-    const lk_tensor *A2, *B2; /* the second product (HADA, KRON) */
+    const lk_tensor *A2, *B2; /* the second product (HADA, KRON); A2: OFT's rescale */
+    double alpha;             /* OFT: the file's alpha (the rotation's constraint) */
 } lk_fuse_term;
 /* The term scale is consumed as a double on every path; it is never rounded
  * to float by itself. F32 weights: B' = scale * B in f64 (one f64 rounding),

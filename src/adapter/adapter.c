@@ -96,6 +96,8 @@ enum role {
     ROLE_HW1A, ROLE_HW1B, ROLE_HW2A, ROLE_HW2B, ROLE_HT1, ROLE_HT2, /* LoHa */
     ROLE_KW1, ROLE_KW1A, ROLE_KW1B, ROLE_KW2, ROLE_KW2A, ROLE_KW2B, ROLE_KT2, /* LoKr */
     ROLE_DIFF, ROLE_DIFFB, ROLE_SETW, ROLE_WNORM, ROLE_BNORM, ROLE_DORA,
+    ROLE_OFTB, ROLE_RESC,                            /* OFT / BOFT */
+    ROLE_GA1, ROLE_GA2, ROLE_GB1, ROLE_GB2,          /* GLoRA */
     ROLE_COUNT
 };
 
@@ -127,6 +129,9 @@ static const struct {
     {".lokr_t2", FAM_ANY, ROLE_KT2},
     {".diff", FAM_ANY, ROLE_DIFF},      {".diff_b", FAM_ANY, ROLE_DIFFB},   {".set_weight", FAM_ANY, ROLE_SETW},
     {".w_norm", FAM_ANY, ROLE_WNORM},   {".b_norm", FAM_ANY, ROLE_BNORM},   {".dora_scale", FAM_ANY, ROLE_DORA},
+    {".oft_blocks", FAM_ANY, ROLE_OFTB}, {".rescale", FAM_ANY, ROLE_RESC},
+    {".a1.weight", FAM_ANY, ROLE_GA1},  {".a2.weight", FAM_ANY, ROLE_GA2},  {".b1.weight", FAM_ANY, ROLE_GB1},
+    {".b2.weight", FAM_ANY, ROLE_GB2},
 };
 
 /* diffusers' old attention processors (LoRAAttnProcessor):
@@ -434,14 +439,8 @@ static const struct {
     const char *part, *what;
     int lycoris;
 } g_foreign[] = {
-    {".oft_blocks", "an OFT / BOFT block (LyCORIS diag-oft or boft)", 1},
-    {".rescale", "an OFT / BOFT rescale vector (LyCORIS diag-oft or boft)", 1},
     {".on_input", "an IA3 vector (LyCORIS ia3)", 1},
-    {".a1.weight", "a GLoRA factor (LyCORIS glora)", 1},
-    {".a2.weight", "a GLoRA factor (LyCORIS glora)", 1},
-    {".b1.weight", "a GLoRA factor (LyCORIS glora)", 1},
-    {".b2.weight", "a GLoRA factor (LyCORIS glora)", 1},
-    {".bm.weight", "a GLoRA factor (LyCORIS glora)", 1},
+    {".bm.weight", "a GLoRA Tucker core (LyCORIS glora with use_tucker)", 1},
     {".lambda_layer", "a T-LoRA vector (LyCORIS tlora)", 1},
     {".q_layer.weight", "a T-LoRA factor (LyCORIS tlora)", 1},
     {".p_layer.weight", "a T-LoRA factor (LyCORIS tlora)", 1},
@@ -1087,6 +1086,8 @@ static int role_algo(enum role r) {
     case ROLE_DIFF: case ROLE_DIFFB: return LK_ALGO_FULL;
     case ROLE_WNORM: case ROLE_BNORM: return LK_ALGO_NORM;
     case ROLE_SETW: return LK_ALGO_SET;
+    case ROLE_OFTB: case ROLE_RESC: return LK_ALGO_OFT; /* BOFT when oft_blocks is 4-D (build_oft) */
+    case ROLE_GA1: case ROLE_GA2: case ROLE_GB1: case ROLE_GB2: return LK_ALGO_GLORA;
     default: return -1;
     }
 }
@@ -1153,7 +1154,7 @@ static lk_status check_lyco_keys(const lk_adapter *a, size_t i, const lk_tensor 
     if (br[ROLE_MAG] || br[ROLE_BBIAS])
         return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' is PEFT's, but the module is %s", f, m,
                         (br[ROLE_MAG] ? br[ROLE_MAG] : br[ROLE_BBIAS])->name, lk_algo_name(algo));
-    if (br[ROLE_DORA] && (algo == LK_ALGO_FULL || algo == LK_ALGO_NORM || algo == LK_ALGO_SET))
+    if (br[ROLE_DORA] && (algo == LK_ALGO_FULL || algo == LK_ALGO_NORM || algo == LK_ALGO_SET || algo >= LK_ALGO_OFT))
         return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' (DoRA) on a %s module", f, m, br[ROLE_DORA]->name,
                         lk_algo_name(algo));
     return LK_OK;
@@ -1259,6 +1260,74 @@ static lk_status build_dense(lk_adapter *a, size_t i, const lk_tensor *const *br
     return LK_OK;
 }
 
+/* OFT / BOFT module i: oft_blocks [n, b, b] (OFT) or [m, n, b, b] (BOFT)
+ * with square blocks, and an optional rescale of n b values (LyCORIS
+ * [out, 1, ...]); the delta has n b rows and any columns. Its alpha is the
+ * rotation's constraint, read as is (no alpha / r); *algo becomes BOFT for
+ * a 4-D oft_blocks. */
+static lk_status build_oft(lk_adapter *a, size_t i, const lk_tensor *const *br, lyco_shape *sh, lk_algo *algo) {
+    const char *f = a->file, *m = a->names[i];
+    lk_lora_module *mod = &a->mods[i];
+    const lk_tensor *x = br[ROLE_OFTB], *rs = br[ROLE_RESC];
+    if (!x) return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' without oft_blocks", f, m, rs->name);
+    const int nd = x->ndim;
+    char xs[96];
+    lk_shape_str(x, xs, sizeof xs);
+    if ((nd != 3 && nd != 4) || x->shape[nd - 1] != x->shape[nd - 2] || lk_tensor_numel(x) == 0 ||
+        x->shape[nd - 3] > INT64_MAX / (x->shape[nd - 1] ? x->shape[nd - 1] : 1))
+        return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s; oft_blocks must be [n, b, b] (OFT) or [m, n, b, b] (BOFT)",
+                        f, m, x->name, xs);
+    const int64_t b = x->shape[nd - 1], nb = x->shape[nd - 3];
+    if (nd == 4 && (b % 2 || x->shape[0] > 62)) /* BOFT's stages pair halves of blocks */
+        return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s; BOFT needs an even block size and at most 62 stages", f, m,
+                        x->name, xs);
+    for (int64_t i = 1; nd == 4 && i < x->shape[0]; i++)
+        if (nb % ((int64_t)1 << i))
+            return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s: BOFT stage %lld needs the %lld blocks in groups of %lld",
+                            f, m, x->name, xs, (long long)i, (long long)nb, (long long)((int64_t)1 << i));
+    sh->out = nb * b;
+    if (rs && lk_tensor_numel(rs) != (size_t)sh->out)
+        return shape_pair_error(f, m, "the rescale needs one value per row of the n b rows the blocks rotate", rs, x);
+    *algo = nd == 4 ? LK_ALGO_BOFT : LK_ALGO_OFT;
+    sh->in = 0; /* any: the rotation acts on the rows */
+    sh->rank = x->shape[nd - 1];
+    sh->scaled = 0;
+    sh->src = NULL;
+    mod->w1 = *x;
+    if (rs) mod->w2 = *rs;
+    return LK_OK;
+}
+
+/* GLoRA module i (LyCORIS 4's layout): a1 [in, r] (a conv's [in, r, 1, 1]),
+ * a2 [r, in], b1 [out, r], b2 [r, N] (N = in, or in kh kw for a conv);
+ * delta W a1 a2 + b1 b2 at alpha / r. */
+static lk_status build_glora(lk_adapter *a, size_t i, const lk_tensor *const *br, lyco_shape *sh) {
+    const char *f = a->file, *m = a->names[i];
+    lk_lora_module *mod = &a->mods[i];
+    static const enum role need[] = {ROLE_GA1, ROLE_GA2, ROLE_GB1, ROLE_GB2};
+    for (size_t k = 0; k < 4; k++)
+        if (!br[need[k]])
+            return lk_error(LK_ERR_FORMAT, "%s: %s: GLoRA needs a1.weight, a2.weight, b1.weight and b2.weight; %s is "
+                            "missing", f, m, role_key(need[k]));
+    const lk_tensor *a1 = br[ROLE_GA1], *a2 = br[ROLE_GA2], *b1 = br[ROLE_GB1], *b2 = br[ROLE_GB2];
+    lk_status s;
+    int64_t o, n, r;
+    if ((s = low_rank_half(f, m, b1, b2, NULL, &o, &n, &r))) return s;
+    if (a1->ndim < 2 || a2->ndim < 2 || !trailing_ones(a1) || !trailing_ones(a2) || a1->shape[1] != r ||
+        a2->shape[0] != r || a2->shape[1] != a1->shape[0] || lk_tensor_numel(a1) != (size_t)(a1->shape[0] * r))
+        return lk_error(LK_ERR_SHAPE, "%s: %s: GLoRA's a1 '%s' and a2 '%s' must be [in, r] and [r, in] with r = %lld "
+                        "(b1 '%s', b2 '%s'): old-layout GLoRA (a1 [r, in]) is not supported", f, m, a1->name,
+                        a2->name, (long long)r, b1->name, b2->name);
+    sh->out = o;
+    sh->in = n;
+    sh->rank = r;
+    mod->w1a = *a1;
+    mod->w1b = *a2;
+    mod->w2a = *b1;
+    mod->w2b = *b2;
+    return LK_OK;
+}
+
 /* Alpha of a LyCORIS module scaled by alpha / r: its .alpha tensor (0
  * read as r, as LyCORIS does) or r; an .alpha on an unscaled module is
  * ignored with a warning (LoKr with both factors full: silently). */
@@ -1268,8 +1337,11 @@ static lk_status lyco_alpha(const lk_adapter *a, size_t i, const lk_tensor *alph
     if (sh->scaled && alpha_t) {
         lk_status s = read_alpha(a, alpha_t, alpha);
         if (s) return s;
-        sh->src = *alpha == 0.0 ? ".alpha tensor (0: r, as LyCORIS)" : ".alpha tensor";
-        if (*alpha == 0.0) *alpha = (double)sh->rank;
+        /* GLoRA's alpha 0: LyCORIS reads r (scale 1), ComfyUI scale 0 (alpha / r) */
+        const int zero = *alpha == 0.0 && algo == LK_ALGO_GLORA && a->convention == LK_CONVENTION_COMFYUI;
+        sh->src = zero ? ".alpha tensor (0: scale 0, as ComfyUI)"
+                  : *alpha == 0.0 ? ".alpha tensor (0: r, as LyCORIS)" : ".alpha tensor";
+        if (*alpha == 0.0 && !zero) *alpha = (double)sh->rank;
     } else if (sh->scaled) {
         sh->src = "default r";
     } else if (alpha_t && algo != LK_ALGO_LOKR) {
@@ -1288,10 +1360,18 @@ static lk_status build_lyco(lk_adapter *a, size_t i, const lk_tensor *const *br,
     lyco_shape sh = {0, 0, 0, 1, NULL}; /* alpha / r applies unless the algorithm says otherwise */
     double alpha;
     lk_status s = check_lyco_keys(a, i, br, algo);
-    if (!s) s = algo == LK_ALGO_LOHA   ? build_loha(a, i, br, &sh)
-                : algo == LK_ALGO_LOKR ? build_lokr(a, i, br, &sh)
-                                       : build_dense(a, i, br, algo, &sh);
-    if (!s) s = lyco_alpha(a, i, br[ROLE_ALPHA], algo, &sh, &alpha);
+    if (!s) s = algo == LK_ALGO_LOHA    ? build_loha(a, i, br, &sh)
+                : algo == LK_ALGO_LOKR  ? build_lokr(a, i, br, &sh)
+                : algo == LK_ALGO_OFT   ? build_oft(a, i, br, &sh, &algo)
+                : algo == LK_ALGO_GLORA ? build_glora(a, i, br, &sh)
+                                        : build_dense(a, i, br, algo, &sh);
+    if (!s && (algo == LK_ALGO_OFT || algo == LK_ALGO_BOFT)) { /* alpha: the constraint, as read (none: 0) */
+        alpha = 0.0;
+        if (br[ROLE_ALPHA]) s = read_alpha(a, br[ROLE_ALPHA], &alpha);
+        sh.src = br[ROLE_ALPHA] ? ".alpha tensor (OFT constraint)" : "none (OFT constraint 0: unconstrained)";
+    } else if (!s) {
+        s = lyco_alpha(a, i, br[ROLE_ALPHA], algo, &sh, &alpha);
+    }
     if (s) return s;
     char *source = source_str(sh.src, NULL);
     if (!source) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
@@ -1302,7 +1382,7 @@ static lk_status build_lyco(lk_adapter *a, size_t i, const lk_tensor *const *br,
     mod->module = m;
     mod->target = NULL;
     mod->rank = (int)sh.rank;
-    mod->alpha = sh.scaled ? alpha : 1.0;
+    mod->alpha = sh.scaled || algo == LK_ALGO_OFT || algo == LK_ALGO_BOFT ? alpha : 1.0;
     mod->scale = scale;
     mod->alpha_source = source;
     mod->algo = algo;
@@ -1514,7 +1594,8 @@ static lk_status check_replacements(const lk_adapter *a) {
     return LK_OK;
 }
 
-static const char *const g_algo_names[LK_ALGO_COUNT] = {"lora", "loha", "lokr", "full", "norm", "set_weight"};
+static const char *const g_algo_names[LK_ALGO_COUNT] = {"lora", "loha",  "lokr", "full", "norm",
+                                                          "set_weight", "oft", "boft", "glora"};
 
 const char *lk_algo_name(lk_algo a) { return (int)a >= 0 && a < LK_ALGO_COUNT ? g_algo_names[a] : "unknown"; }
 
@@ -1753,6 +1834,7 @@ static lk_status open_any(const char *path, const lk_adapter_source *src, const 
     a->alpha_from = opts->alpha_from;
     a->has_user_alpha = opts->has_alpha != 0;
     a->user_alpha = opts->alpha;
+    a->convention = opts->convention;
     keyinfo *ki = NULL;
     size_t nl = 0;
     lk_status s = (a->path = lk_strdup(path)) ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", path);

@@ -364,6 +364,32 @@ static void dense_delta(const lk_lora_module *m, const lk_tensor *w, delta_shape
     }
 }
 
+/* OFT / BOFT (the blocks rotate the weight's rows: n b of them) and GLoRA
+ * (W a1 a2 needs a1 on the weight's input channels, so a linear or 1 x 1
+ * conv weight, and b1 b2 the weight's shape) against w, N elements per row. */
+static lk_status wterm_fit(const lk_adapter *a, const lk_lora_module *m, const lk_tensor *w, size_t N,
+                           const char *ws) {
+    char xs[96];
+    if (m->algo != LK_ALGO_GLORA) {
+        lk_shape_str(&m->w1, xs, sizeof xs);
+        if (m->out != w->shape[0])
+            return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s, a rotation of %lld rows, but the model weight %s is %s",
+                            a->file, m->module, m->w1.name, xs, (long long)m->out, w->name, ws);
+        return LK_OK;
+    }
+    lk_shape_str(&m->w2b, xs, sizeof xs);
+    if (m->out != w->shape[0] || (size_t)m->in != N)
+        return lk_error(LK_ERR_SHAPE, "%s: %s: b1 '%s' and b2 '%s' (%s) give a %lld x %lld delta but the model weight %s "
+                        "is %s", a->file, m->module, m->w2a.name, m->w2b.name, xs, (long long)m->out,
+                        (long long)m->in, w->name, ws);
+    if (m->w1a.shape[0] != w->shape[1] || (int64_t)N != w->shape[1]) {
+        lk_shape_str(&m->w1a, xs, sizeof xs);
+        return lk_error(LK_ERR_SHAPE, "%s: %s: a1 '%s' is %s but the model weight %s is %s (GLoRA needs a1 [in, r] on a "
+                        "linear or 1x1 conv weight)", a->file, m->module, m->w1a.name, xs, w->name, ws);
+    }
+    return LK_OK;
+}
+
 /* A DoRA magnitude against w (ws its shape as text): per output row or per
  * input channel, and not on an FP8 weight. */
 static lk_status fit_dora(const lk_adapter *a, const lk_lora_module *m, const lk_tensor *w, const char *ws) {
@@ -406,6 +432,9 @@ static lk_status fit_module(const lk_adapter *a, const lk_lora_module *m, const 
     case LK_ALGO_LORA: lora_delta(m, N, &ds, xbytes); break;
     case LK_ALGO_LOHA: loha_delta(m, w, N, &ds, xbytes); break;
     case LK_ALGO_LOKR: s = lokr_delta(a, m, w, N, ws, &ds, xbytes); break;
+    case LK_ALGO_OFT:
+    case LK_ALGO_BOFT:
+    case LK_ALGO_GLORA: s = wterm_fit(a, m, w, N, ws); break;
     default: dense_delta(m, w, &ds); break;
     }
     if (s) return s;
@@ -515,6 +544,17 @@ static void build_kernel_factors(lk_lora_module *m, const lk_tensor *w, unsigned
                 m->k[3] = view2(&m->w2a, m->w2a.shape[0], m->w2a.shape[1]);
             }
         }
+        break;
+    case LK_ALGO_OFT:
+    case LK_ALGO_BOFT: /* the blocks and the rescale as they are (oft.c reads them) */
+        m->k[1] = m->w1;
+        if (m->w2.data) m->k[2] = m->w2;
+        break;
+    case LK_ALGO_GLORA: /* k[1] @ k[0] = b1 b2, and W k[3] k[2] = W a1 a2 */
+        m->k[0] = view2(&m->w2b, m->w2b.shape[0], N);
+        m->k[1] = view2(&m->w2a, m->w2a.shape[0], m->w2a.shape[1]);
+        m->k[2] = view2(&m->w1b, m->w1b.shape[0], m->w1b.shape[1]);
+        m->k[3] = view2(&m->w1a, m->w1a.shape[0], m->w1a.shape[1]);
         break;
     default:
         if (m->dense.data) m->k[1] = m->dense;

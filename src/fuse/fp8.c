@@ -403,6 +403,56 @@ static lk_status fcall_verdict(const fcall *f, const lk_fuse_opts *opts, const c
     return LK_OK;
 }
 
+/* Terms that read the weight (oft.c) on an FP8 weight: the weight's real
+ * values w = code x scale (rounded to f32), then an OFT rotation's delta
+ * d (f64, rounded to f32) becomes the dense term {d, scale 1} (acc(1 d) is d
+ * itself), GLoRA's W a1 a2 the LoRA term of W a1; *xt the terms to fuse,
+ * *mem (lk_free) what holds them. */
+static lk_status fp8_wterms(const uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, const void *scale,
+                            lk_dtype sdtype, int64_t n_scale, const lk_fuse_term *terms, size_t k,
+                            const lk_fuse_opts *opts, const char *name, const lk_fuse_term **xt, size_t *nk,
+                            void **mem) {
+    const size_t O = (size_t)out, I = (size_t)in, numel = O * I;
+    lk_carve cv = {0};
+    const size_t o_w = LK_CARVE(&cv, numel, float), o_d = LK_CARVE(&cv, numel, float),
+                 o_t = LK_CARVE(&cv, 1, lk_fuse_term), o_v = LK_CARVE(&cv, 1, lk_tensor);
+    unsigned char *m = cv.overflow ? NULL : lk_carve_alloc(&cv);
+    if (!m) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 weight's values", name);
+    float *wv = (float *)(void *)(m + o_w), *dv = (float *)(void *)(m + o_d);
+    lk_to_f32(wv, w, dtype, numel);
+    for (size_t o = 0; scale && o < O; o++) {
+        const double sc = scale_get(scale, sdtype, n_scale == 1 ? 0 : o);
+        for (size_t j = 0; j < I; j++) wv[o * I + j] = (float)((double)wv[o * I + j] * sc);
+    }
+    const lk_fuse_term *oft = NULL;
+    for (size_t t = 0; t < k; t++)
+        if (terms[t].scale != 0.0 && terms[t].kind == LK_TERM_OFT) oft = &terms[t];
+    void *xm = NULL;
+    lk_status s = lk_fuse_expand_wterms(wv, out, in, terms, k, xt, &xm, name);
+    if (s || !oft) { /* GLoRA: the expanded terms no longer need the values */
+        lk_free(m);
+        *mem = xm;
+        return s;
+    }
+    lk_oft *p; /* an OFT term is alone (lk_fuse_expand_wterms checked): xm is NULL */
+    s = lk_oft_prepare(oft, out, opts->convention, name, &p);
+    if (!s) s = lk_oft_delta_f32(p, wv, dv, I, name);
+    lk_oft_free(p);
+    if (s) {
+        lk_free(m);
+        return s;
+    }
+    lk_tensor *v = (lk_tensor *)(void *)(m + o_v);
+    lk_fuse_term *dt = (lk_fuse_term *)(void *)(m + o_t);
+    *v = (lk_tensor){.name = oft->B->name, .dtype = LK_DTYPE_F32, .ndim = 2, .shape = {out, in},
+                     .nbytes = numel * sizeof(float), .data = dv};
+    *dt = (lk_fuse_term){.B = v, .scale = 1.0, .kind = LK_TERM_DENSE};
+    *xt = dt;
+    *nk = 1;
+    *mem = m;
+    return LK_OK;
+}
+
 /* Check, split, convert the factors (lk_fuse_delta_prepare: validated
  * once, the message this thread's), allocate, build the job, run the
  * passes, report. The weight and its scale are written only by the run. */
@@ -414,16 +464,22 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     if (s) return s;
     static const lk_fuse_opts defaults;
     if (!opts) opts = &defaults;
+    const lk_fuse_term *xt = terms;
+    void *xmem = NULL;
+    if (lk_fuse_wterms(terms, k) &&
+        (s = fp8_wterms(w, dtype, out, in, scale, sdtype, n_scale, terms, k, opts, name, &xt, &k, &xmem)))
+        return s;
     fcall f;
     memset(&f, 0, sizeof f);
     fcall_plan(&f, out, in, scale, n_scale, opts);
-    if (!(s = lk_fuse_delta_prepare(0, out, in, 0, out, terms, k, name, &f.prep)) && !(s = fcall_alloc(&f, name))) {
+    if (!(s = lk_fuse_delta_prepare(0, out, in, 0, out, xt, k, name, &f.prep)) && !(s = fcall_alloc(&f, name))) {
         fcall_job(&f, w, dtype, scale, sdtype, &opts->fp8, name);
         fcall_run(&f);
         s = fcall_verdict(&f, opts, name);
     }
     lk_fuse_delta_free(f.prep);
     lk_free(f.mem);
+    lk_free(xmem);
     return s;
 }
 

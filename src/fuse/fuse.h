@@ -127,6 +127,35 @@ lk_status lk_fuse_check_weight(const void *w_out, const void *w_in, lk_dtype dty
 lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
                                const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts, const char *name);
 
+/* OFT / BOFT terms (oft.c): lk_fuse_tensor for a weight whose only live
+ * term is `term` (LK_TERM_OFT); lk_oft_check validates one against a
+ * weight of out rows (errors name the key and the shapes); lk_oft_prepare
+ * builds the rotation under a convention, lk_oft_delta_f32 writes the
+ * delta of an out x in f32 weight w (FP8 weights, dequantised) rounded
+ * to f32. lk_wlora_product: wb (out x r, f64) = w (out x in, f32 values) @
+ * a1 (in x r), GLoRA's W a1, fma chains over the input index ascending. */
+typedef struct lk_oft lk_oft;
+lk_status lk_oft_check(const lk_fuse_term *term, int64_t out, size_t ti, const char *name);
+lk_status lk_oft_prepare(const lk_fuse_term *term, int64_t out, lk_convention conv, const char *name, lk_oft **p);
+lk_status lk_oft_delta_f32(const lk_oft *p, const float *w, float *delta, size_t in, const char *name);
+void lk_oft_free(lk_oft *p);
+lk_status lk_fuse_tensor_oft(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
+                             const lk_fuse_term *term, const lk_fuse_opts *opts, const char *name);
+lk_status lk_wlora_product(double *wb, const float *w, size_t out, size_t in, const lk_tensor *a1, const char *name);
+/* The terms with every LK_TERM_WLORA turned into a LoRA term on weight w
+ * (f32 values, out x in): *xt (n terms) and *mem (free both with lk_free)
+ * hold them; *xt = terms and *mem = NULL when there is none. An OFT term
+ * must be the only live term (LK_ERR_UNSUPPORTED otherwise). */
+lk_status lk_fuse_expand_wterms(const float *w, int64_t out, int64_t in, const lk_fuse_term *terms, size_t n,
+                                const lk_fuse_term **xt, void **mem, const char *name);
+/* Runs fn on workers[0 .. nw) (each `size` bytes): workers 1.. on their
+ * own threads (one that cannot start is skipped: fn takes work from a
+ * shared counter), worker 0 on the caller's; the caller's floating-point
+ * environment is restored after. */
+void lk_fuse_run_threads(int nw, void *(*fn)(void *), void *workers, size_t size);
+/* 1 if a live term is LK_TERM_WLORA (needs the weight's values), 2 if one is LK_TERM_OFT. */
+int lk_fuse_wterms(const lk_fuse_term *terms, size_t n);
+
 /* w + d rounded to odd (round toward zero, then set the last bit if the
  * sum was inexact): a value that, rounded to nearest-even into any format
  * with at least two fewer significant bits (BF16, F16, FP8 from f32; F32

@@ -201,7 +201,7 @@ int lk_fuse_default_threads(void) {
 
 lk_status lk_fuse_check_factor(const lk_tensor *t, const char *what, const char *name, size_t ti) {
     if (!t) return lk_error(LK_ERR_ARG, "%s: term %zu: %s is NULL", name, ti, what);
-    if (!lk_dtype_is_fusable(t->dtype) && !(t->dtype == LK_DTYPE_F64 && what[0] == 'A'))
+    if (!lk_dtype_is_fusable(t->dtype) && !(t->dtype == LK_DTYPE_F64 && (what[0] == 'A' || what[0] == 'B')))
         return lk_error(LK_ERR_DTYPE, "%s: term %zu: %s has dtype %s; only F32, F16 and BF16 can be fused",
                         name, ti, what, lk_dtype_name(t->dtype));
     if (t->ndim != 2)
@@ -249,13 +249,15 @@ static void make_bs(void *bs, int wide, size_t R, size_t row0, size_t rows, cons
         const size_t r = (size_t)B->shape[1], besz = lk_dtype_size(B->dtype);
         const double sc = terms[t].scale;
         for (size_t i = 0; i < rows; i++) {
-            lk_to_f32(tmp, (const char *)B->data + (row0 + i) * r * besz, B->dtype, r);
+            /* an F64 B (GLoRA's W a1, oft.c): its values as they are */
+            const double *b64 = B->dtype == LK_DTYPE_F64 ? (const double *)B->data + (row0 + i) * r : NULL;
+            if (!b64) lk_to_f32(tmp, (const char *)B->data + (row0 + i) * r * besz, B->dtype, r);
             if (wide) {
                 double *row = (double *)bs + i * R + koff;
-                for (size_t k = 0; k < r; k++) row[k] = sc * (double)tmp[k];
+                for (size_t k = 0; k < r; k++) row[k] = sc * (b64 ? b64[k] : (double)tmp[k]);
             } else {
                 float *row = (float *)bs + i * R + koff;
-                for (size_t k = 0; k < r; k++) row[k] = (float)(sc * (double)tmp[k]);
+                for (size_t k = 0; k < r; k++) row[k] = (float)(sc * (b64 ? b64[k] : (double)tmp[k]));
             }
         }
         koff += r;

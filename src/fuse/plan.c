@@ -64,6 +64,10 @@ static lk_fuse_term module_term(const lk_lora_module *m, const lk_tensor *t, dou
     case LK_ALGO_LOKR:
         return (lk_fuse_term){.A = k[0].data ? &k[0] : NULL, .B = &k[1], .scale = sc, .kind = LK_TERM_KRON,
                               .A2 = k[2].data ? &k[2] : NULL, .B2 = &k[3]};
+    case LK_ALGO_OFT:
+    case LK_ALGO_BOFT: /* the strength itself, and the file's alpha (the constraint) */
+        return (lk_fuse_term){.B = &k[1], .A2 = k[2].data ? &k[2] : NULL, .scale = sc, .kind = LK_TERM_OFT,
+                              .alpha = m->alpha};
     case LK_ALGO_FULL:
     case LK_ALGO_NORM:
     case LK_ALGO_SET: /* a 1-D weight (a norm layer's) takes a vector term */
@@ -73,11 +77,12 @@ static lk_fuse_term module_term(const lk_lora_module *m, const lk_tensor *t, dou
 }
 
 static int is_dora(const lk_lora_module *m) { return m->magnitude.data || m->dora_scale.data; }
+static int is_rotation(const lk_lora_module *m) { return m->algo == LK_ALGO_OFT || m->algo == LK_ALGO_BOFT; }
 
 lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t n, const lk_tensor *t,
                            lk_fuse_term *terms, lk_fuse_key *out) {
     memset(out, 0, sizeof *out);
-    size_t rep_from = SIZE_MAX, dora_from = SIZE_MAX, other = SIZE_MAX;
+    size_t rep_from = SIZE_MAX, dora_from = SIZE_MAX, other = SIZE_MAX, rot_from = SIZE_MAX;
     lk_status s;
     int sliced = 0;
     for (size_t i = 0; i < n; i++) {
@@ -116,9 +121,13 @@ lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t
             out->dora = m;
             out->dora_strength = strength[i];
         } else if (m && m->algo != LK_ALGO_SET) {
-            double sc;
-            if ((s = term_scale(ad[i], m, strength[i], "", &sc))) return s;
+            double sc = strength[i]; /* OFT / BOFT: the strength (alpha is a constraint, not a scale) */
+            if (!is_rotation(m) && (s = term_scale(ad[i], m, strength[i], "", &sc))) return s;
             if (sc != 0.0) terms[out->n_terms++] = module_term(m, t, sc);
+            if (sc != 0.0 && m->algo == LK_ALGO_GLORA) /* W a1 a2 beside b1 b2 */
+                terms[out->n_terms++] = (lk_fuse_term){.A = &m->k[2], .B = &m->k[3], .scale = sc,
+                                                       .kind = LK_TERM_WLORA};
+            if (is_rotation(m)) rot_from = i;
         }
         if (b) {
             double sc;
@@ -129,6 +138,9 @@ lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t
     if (sliced && (out->replace || dora_from != SIZE_MAX))
         return lk_error(LK_ERR_UNSUPPORTED, "%s: modules on row slices of it together with a %s are not supported",
                         t->name, out->replace ? "replacement (modules_to_save)" : "DoRA module");
+    if (rot_from != SIZE_MAX && (out->n_terms > 1 || out->replace || sliced))
+        return lk_error(LK_ERR_ARG, "%s: an OFT / BOFT adapter (%s) rotates the weight, so it must be the only adapter "
+                        "changing it; fuse the others separately", t->name, lk_adapter_path(ad[rot_from]));
     if (dora_from != SIZE_MAX && (out->n_terms || out->replace))
         return lk_error(LK_ERR_ARG, "%s: a DoRA adapter must be the only adapter in its request (%s also changes %s)",
                         lk_adapter_path(ad[dora_from]), lk_adapter_path(ad[other]), t->name);

@@ -156,6 +156,11 @@ static lk_status check_term(int64_t out, int64_t in, const lk_fuse_term *t, size
                             "is %lldx%lld", name, ti, (long long)m, (long long)n, (long long)m2, (long long)n2,
                             (long long)(m * m2), (long long)(n * n2), (long long)out, (long long)in);
         return LK_OK;
+    case LK_TERM_OFT:
+    case LK_TERM_WLORA: /* lk_fuse_tensor and lk_fuse_fp8 turn these into deltas from the weight's values */
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: term %zu: an %s term reads the weight itself; it cannot be combined "
+                        "with a replacement or DoRA on the same weight", name, ti,
+                        t->kind == LK_TERM_OFT ? "OFT / BOFT" : "GLoRA");
     }
     return lk_error(LK_ERR_ARG, "%s: term %zu: unknown kind %d", name, ti, (int)t->kind);
 }
@@ -787,8 +792,6 @@ lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, in
     lk_carve cv = {0};
     const size_t o_wk = LK_CARVE(&cv, (size_t)nw, tworker), o_buf = lk_carve_part(&cv, (size_t)nw, per_w, 64);
     unsigned char *block = cv.overflow ? NULL : lk_malloc(cv.bytes);
-    pthread_t tid[LK_FUSE_MAX_THREADS];
-    int started[LK_FUSE_MAX_THREADS] = {0};
     if (!block) {
         lk_fuse_delta_free(prep);
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for %d row buffers of %zu bytes", name, nw, per_w);
@@ -805,13 +808,7 @@ lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, in
         wk[t].wv = (float *)(m + rb * I * vsz + sb);
         wk[t].rv = wk[t].wv + I;
     }
-    fenv_t saved;
-    fegetenv(&saved);
-    for (int t = 1; t < nw; t++) started[t] = pthread_create(&tid[t], NULL, tworker_main, &wk[t]) == 0;
-    tworker_main(&wk[0]);
-    for (int t = 1; t < nw; t++)
-        if (started[t]) pthread_join(tid[t], NULL);
-    fesetenv(&saved);
+    lk_fuse_run_threads(nw, tworker_main, wk, sizeof *wk);
     size_t bad_at = SIZE_MAX;
     double bw = 0, br = 0;
     for (int t = 0; t < nw; t++)

@@ -256,3 +256,23 @@ double ar_check_expected(const char *label, const char *who, const char *base, c
     if (changed) *changed = nchanged;
     return worst;
 }
+
+void ar_check_in_place(const char *label, const char *base, const char *out, const lk_fuse_input *in, size_t n,
+                       const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
+    lk_st *fused;
+    char want[LK_DIGEST_HEX], got[LK_DIGEST_HEX];
+    assert_int_equal(lk_st_open(out, &fused), LK_OK);
+    assert_int_equal(lk_digest_st(fused, want), LK_OK);
+    lk_st_close(fused);
+    lk_weights *w;
+    assert_int_equal(lk_weights_load(base, &w), LK_OK);
+    size_t nw = lk_weights_count(w);
+    lk_tensor *views = calloc(nw, sizeof *views);
+    assert_non_null(views);
+    for (size_t i = 0; i < nw; i++) views[i] = *lk_weights_tensor(w, i);
+    if (lk_fuse_tensors(views, nw, in, n, opts, stats)) fail_msg("%s: lk_fuse_tensors: %s", label, lk_last_error());
+    assert_int_equal(lk_weights_digest(w, got), LK_OK);
+    if (strcmp(got, want)) fail_msg("%s: lk_fuse_tensors gives digest %s, lk_fuse_file %s", label, got, want);
+    free(views);
+    lk_weights_free(w);
+}

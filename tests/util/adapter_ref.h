@@ -79,5 +79,11 @@ int ar_teardown_dir(void **state);
 double ar_check_expected(const char *label, const char *who, const char *base, const char *out,
                          const char *expected, size_t *changed);
 
+/* lk_fuse_tensors of in[0..n) on base's tensors in place (opts; stats may
+ * be NULL) must give the digest of the fused file out (the in-place form
+ * equals the file fuse); fails naming label otherwise. */
+void ar_check_in_place(const char *label, const char *base, const char *out, const lk_fuse_input *in, size_t n,
+                       const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
+
 /* Writes text to dir/name. */
 void af_write_text(const char *dir, const char *name, const char *text);
