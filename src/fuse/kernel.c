@@ -729,3 +729,16 @@ void lk_kdelta_free(lk_kdelta *p) {
     lk_free(p->mem);
     lk_free(p);
 }
+
+void lk_fuse_run_threads(int nw, void *(*fn)(void *), void *workers, size_t size) {
+    pthread_t tid[LK_FUSE_MAX_THREADS];
+    int started[LK_FUSE_MAX_THREADS] = {0};
+    fenv_t saved;
+    fegetenv(&saved);
+    for (int t = 1; t < nw; t++)
+        started[t] = pthread_create(&tid[t], NULL, fn, (char *)workers + (size_t)t * size) == 0;
+    fn(workers);
+    for (int t = 1; t < nw; t++)
+        if (started[t]) pthread_join(tid[t], NULL);
+    fesetenv(&saved);
+}

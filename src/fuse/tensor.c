@@ -9,8 +9,6 @@
 #include "fuse/fuse.h"
 #include "lorakit/alloc.h"
 
-#include <fenv.h>
-#include <pthread.h>
 
 /* Terms that read the weight (oft.c): an OFT rotation alone, or GLoRA's
  * W a1 a2 turned into LoRA terms from the weight's values. */
@@ -54,15 +52,3 @@ lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t 
     return s ? s : lk_fuse_tensor_terms(w_out, w_in, dtype, out, in, terms, n_terms, opts, name);
 }
 
-void lk_fuse_run_threads(int nw, void *(*fn)(void *), void *workers, size_t size) {
-    pthread_t tid[LK_FUSE_MAX_THREADS];
-    int started[LK_FUSE_MAX_THREADS] = {0};
-    fenv_t saved;
-    fegetenv(&saved);
-    for (int t = 1; t < nw; t++)
-        started[t] = pthread_create(&tid[t], NULL, fn, (char *)workers + (size_t)t * size) == 0;
-    fn(workers);
-    for (int t = 1; t < nw; t++)
-        if (started[t]) pthread_join(tid[t], NULL);
-    fesetenv(&saved);
-}

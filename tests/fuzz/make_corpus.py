@@ -149,7 +149,8 @@ put("adapter", "mixed_lycoris", save({
     "lycoris_blocks_0_attn_to_k.hada_w2_a": arr((H, R)), "lycoris_blocks_0_attn_to_k.hada_w2_b": arr((R, H)),
     "lycoris_blocks_0_attn_to_k.dora_scale": arr((H, 1)),
     "lycoris_blocks_0_attn_to_v.lora_down.weight": arr((R, H)), "lycoris_blocks_0_attn_to_v.lora_up.weight": arr((H, R))}))
-put("adapter", "oft_refused", save({f"{lq}.oft_blocks": arr((4, 4, 4)), f"{lq}.alpha": np.array(1.0, np.float32)}))
+# OFT (LyCORIS diag-oft: 4 blocks of 4 rotate the 16 rows), fused since issue 29 (BOFT and GLoRA at the end)
+put("adapter", "oft", save({f"{lq}.oft_blocks": arr((4, 4, 4)), f"{lq}.alpha": np.array(1.0, np.float32)}))
 
 # ---- adapter_config.json (PEFT LoraConfig.to_dict()) -----------------------
 cfg = {
@@ -285,3 +286,12 @@ put("adapter", "old_attn_processor", save({
     "unet.blocks.1.attn.processor.to_out_lora.down.weight": arr((R, H)),
     "unet.blocks.1.attn.processor.to_out_lora.up.weight": arr((H, R))}))
 print("corpus written to", CORPUS)
+
+# BOFT (2 butterfly stages of 4 blocks of 4, a rescale) and GLoRA (rank 4) in
+# LyCORIS's names; last, so that every seed above keeps its random values
+put("adapter", "boft_glora", save({
+    "lycoris_blocks_0_attn_to_k.oft_blocks": arr((2, 4, 4, 4)), "lycoris_blocks_0_attn_to_k.rescale": arr((H, 1)),
+    "lycoris_blocks_0_attn_to_k.alpha": np.array(0.5, np.float32),
+    "lycoris_blocks_0_attn_to_v.a1.weight": arr((H, R)), "lycoris_blocks_0_attn_to_v.a2.weight": arr((R, H)),
+    "lycoris_blocks_0_attn_to_v.b1.weight": arr((H, R)), "lycoris_blocks_0_attn_to_v.b2.weight": arr((R, H)),
+    "lycoris_blocks_0_attn_to_v.alpha": np.array(2.0, np.float32)}))
