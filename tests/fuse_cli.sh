@@ -157,7 +157,7 @@ fi
 expect 0 bench fuse --help; out_has "usage: lorakit bench fuse"
 expect 2 bench fuse --dim 0
 expect 0 bench fuse --json --dim 96 --repeat 1 --threads 2 --dram-mb 1
-[ "$(wc -l <"$TMP/out")" = 50 ] || { cat "$TMP/out"; fail "bench fuse: expected 50 JSON lines"; }
+[ "$(wc -l <"$TMP/out")" = 54 ] || { cat "$TMP/out"; fail "bench fuse: expected 54 JSON lines"; }
 for t in 1 2; do
   grep -E "^\{\"bench\":\"bandwidth\",\"kind\":\"cache\",\"bytes\":18432,\"threads\":$t,\"gbps\":[0-9.]+\}$" "$TMP/out" >/dev/null || fail "cache bandwidth line t=$t"
   grep -E "^\{\"bench\":\"bandwidth\",\"kind\":\"dram\",\"bytes\":1032192,\"llc_bytes\":[0-9]+,\"threads\":$t,\"gbps\":[0-9.]+\}$" "$TMP/out" >/dev/null || fail "dram bandwidth line t=$t"
@@ -172,7 +172,7 @@ for lay in plain scaled; do for rd in nearest stochastic; do for t in 1 2; do
   grep -E "^\{\"bench\":\"fuse\",\"method\":\"lorakit\",\"scope\":\"tensor\",\"dtype\":\"f8_e4m3\",\"layout\":\"$lay\",\"rounding\":\"$rd\",\"rank\":16,\"threads\":$t,\"tensors\":1,\"bytes\":9216,\"seconds\":[0-9.]+,\"gbps\":[0-9.]+,\"ratio_to_dram\":[0-9.]+," "$TMP/out" >/dev/null \
     || { cat "$TMP/out"; fail "bench fuse FP8 line $lay $rd t=$t"; }
 done; done; done
-for al in lora conv_lora loha lokr dense; do for t in 1 2; do
+for al in lora conv_lora loha lokr dense oft boft; do for t in 1 2; do
   grep -E "^\{\"bench\":\"fuse\",\"method\":\"lorakit\",\"scope\":\"tensor\",\"algo\":\"$al\",\"dtype\":\"bf16\",\"rank\":16,\"threads\":$t,\"bytes\":18432,\"seconds\":[0-9.]+,\"gbps\":[0-9.]+,\"ratio_to_lora\":[0-9.]+,\"ratio_to_dram\":[0-9.]+," "$TMP/out" >/dev/null \
     || { cat "$TMP/out"; fail "bench fuse algorithm line $al t=$t"; }
 done; done

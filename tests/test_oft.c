@@ -7,7 +7,8 @@
  * cross-checked there against LyCORIS's own module code; ComfyUI's, stated
  * from its comfy/weight_adapter code: ComfyUI is not on PyPI). The
  * "lycoris" expectations are also those of the lorakit and peft conventions
- * (README: the three agree on LyCORIS's OFT / BOFT / GLoRA files).
+ * (README: the three agree on LyCORIS's OFT / BOFT / GLoRA files, but
+ * GLoRA's alpha 0, which peft reads as ComfyUI does: scale 0).
  *
  * Checks: every changed tensor within 1 ulp of its dtype (FP8: 1 FP8 ulp at
  * the output's scale) and every other tensor byte-identical
@@ -46,16 +47,21 @@ static size_t algo_index(const char *name) {
     return 0;
 }
 
-/* The conventions a case's expectation stands for. */
+/* The conventions a case's expectation stands for: lycoris's for lorakit
+ * and peft too, but GLoRA's alpha 0, which peft takes as it is (alpha / r,
+ * scale 0, the project's rule for every alpha-scaled LyCORIS module), as
+ * comfyui does. */
 static size_t conventions_of(const oft_case *c, lk_convention *out) {
+    const int a0 = !strcmp(c->name, "glora_a0");
     if (!strcmp(c->convention, "comfyui")) {
         out[0] = LK_CONVENTION_COMFYUI;
-        return 1;
+        if (a0) out[1] = LK_CONVENTION_PEFT;
+        return a0 ? 2 : 1;
     }
     out[0] = LK_CONVENTION_LORAKIT;
     out[1] = LK_CONVENTION_LYCORIS;
     out[2] = LK_CONVENTION_PEFT;
-    return 3;
+    return a0 ? 2 : 3;
 }
 
 static void run_one(const oft_case *c, lk_convention conv) {

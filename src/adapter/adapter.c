@@ -1337,11 +1337,14 @@ static lk_status lyco_alpha(const lk_adapter *a, size_t i, const lk_tensor *alph
     if (sh->scaled && alpha_t) {
         lk_status s = read_alpha(a, alpha_t, alpha);
         if (s) return s;
-        /* GLoRA's alpha 0: LyCORIS reads r (scale 1), ComfyUI scale 0 (alpha / r) */
-        const int zero = *alpha == 0.0 && algo == LK_ALGO_GLORA && a->convention == LK_CONVENTION_COMFYUI;
-        sh->src = zero ? ".alpha tensor (0: scale 0, as ComfyUI)"
-                  : *alpha == 0.0 ? ".alpha tensor (0: r, as LyCORIS)" : ".alpha tensor";
-        if (*alpha == 0.0 && !zero) *alpha = (double)sh->rank;
+        /* alpha 0: r for LyCORIS (and lorakit); ComfyUI (alpha / rank) and PEFT
+         * (alpha / r) take it as it is: scale 0 */
+        const int zero_is_r = a->convention == LK_CONVENTION_LORAKIT || a->convention == LK_CONVENTION_LYCORIS;
+        sh->src = *alpha != 0.0 ? ".alpha tensor"
+                  : zero_is_r   ? ".alpha tensor (0: r, as LyCORIS)"
+                  : a->convention == LK_CONVENTION_COMFYUI ? ".alpha tensor (0: scale 0, as ComfyUI)"
+                                                           : ".alpha tensor (0: scale 0, as PEFT)";
+        if (*alpha == 0.0 && zero_is_r) *alpha = (double)sh->rank;
     } else if (sh->scaled) {
         sh->src = "default r";
     } else if (alpha_t && algo != LK_ALGO_LOKR) {

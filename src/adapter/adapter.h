@@ -46,7 +46,7 @@ struct lk_adapter {
     lk_alpha_from alpha_from; /* lk_adapter_opts.alpha_from */
     int has_user_alpha;     /* lk_adapter_opts.has_alpha: the caller's alpha below */
     double user_alpha;
-    lk_convention convention; /* lk_adapter_opts.convention */
+    lk_convention convention; /* lk_adapter_opts.convention: whose rules where the tools disagree */
     int has_ss_alpha;       /* kohya's ss_network_alpha, a finite number */
     double ss_alpha;
     const char *ss_alpha_text; /* its text (metadata string), or NULL */

@@ -48,7 +48,8 @@ static const char *const FUSE_BENCH_USAGE =
     "(e) FP8 e4m3fn weights at rank 16: plain / scaled x nearest / stochastic,\n"
     "(f) the FMA peak: a register-only FMA loop's single-precision lanes/s,\n"
     "(g) rank 16 through the per-key plan: linear LoRA, conv LoRA (a [dim,\n"
-    "dim/16, 4, 4] weight), LoHa, LoKr (lokr_w1 8 x 8), a dense diff, with\n"
+    "dim/16, 4, 4] weight), LoHa, LoKr (lokr_w1 8 x 8), a dense diff, OFT\n"
+    "(16 x 16 blocks) and BOFT (4 stages of 4 x 4 blocks), with\n"
     "ratio_to_lora (GB/s over the LoRA row's at the same threads), and (h) a\n"
     "dense diff on every weight of the DRAM buffer (model scope).\n"
     "(g) and (h) also give the median of the --repeat runs ((g): of the\n"
@@ -333,7 +334,9 @@ static int fp8_rows(int json, uint8_t *w8, size_t D, long r, const lk_fuse_term 
  * lk_fuse_key_apply timed in place): linear LoRA (the reference), conv LoRA
  * (lora_A [16, dim/16, 4, 4] on a [dim, dim/16, 4, 4] weight: the same
  * elements), LoHa (two rank-16 products), LoKr (lokr_w1 [8, 8], lokr_w2_a /
- * _b of rank 16) and a dense diff (BF16 [dim, dim]). GB/s counts W traffic;
+ * _b of rank 16), a dense diff (BF16 [dim, dim]), OFT (oft_blocks [dim/16,
+ * 16, 16]: 16 products per element, as the rank-16 LoRA) and BOFT (4 stages
+ * of [dim/4, 4, 4]: 16 too). GB/s counts W traffic;
  * ratio_to_lora divides by the LoRA row's GB/s at the same thread count,
  * ratio_to_dram by (a)'s DRAM pass. */
 typedef struct algo_case {
@@ -348,7 +351,7 @@ static int algo_rows(int json, uint16_t *w, size_t D, const uint16_t *a16, const
     const size_t fb = (size_t)r * D * 2;
 #define T2(nm, p, d0, d1) ((lk_tensor){.name = nm, .dtype = LK_DTYPE_BF16, .ndim = 2, .shape = {d0, d1}, \
                                       .nbytes = (size_t)(d0) * (size_t)(d1) * 2, .data = (void *)(p)})
-    algo_case cs[5] = {
+    algo_case cs[7] = {
         {"lora", "lin", {T2("lin.lora_A.weight", a16, r, d), T2("lin.lora_B.weight", b16, d, r)}, 2},
         {"conv_lora", "conv", {T2("conv.lora_A.weight", a16, r, d), T2("conv.lora_B.weight", b16, d, r)}, 2},
         {"loha", "lin", {T2("lin.hada_w1_a", b16, d, r), T2("lin.hada_w1_b", a16, r, d),
@@ -356,7 +359,13 @@ static int algo_rows(int json, uint16_t *w, size_t D, const uint16_t *a16, const
         {"lokr", "lin", {T2("lin.lokr_w1", a16, 8, 8), T2("lin.lokr_w2_a", b16, d / 8, r),
                          T2("lin.lokr_w2_b", a16, r, d / 8)}, 3},
         {"dense", "lin", {T2("lin.diff", dd, d, d)}, 1},
+        /* OFT: dim/16 blocks of 16 (16 products per element, as rank-16 LoRA); BOFT: 4 stages of dim/4
+         * blocks of 4 (also 16 per element); both as many factor values as lora_A */
+        {"oft", "lin", {T2("lin.oft_blocks", a16, r, d)}, 1},  /* 16 d values, reshaped below */
+        {"boft", "lin", {T2("lin.oft_blocks", a16, r, d)}, 1},
     };
+    cs[5].t[0].ndim = 3, cs[5].t[0].shape[0] = d / 16, cs[5].t[0].shape[1] = 16, cs[5].t[0].shape[2] = 16;
+    cs[6].t[0].ndim = 4, cs[6].t[0].shape[0] = 4, cs[6].t[0].shape[1] = d / 4, cs[6].t[0].shape[2] = 4, cs[6].t[0].shape[3] = 4;
 #undef T2
     (void)fb;
     /* conv factors: [16, dim/16, 4, 4] and [dim, 16, 1, 1] */
@@ -372,8 +381,8 @@ static int algo_rows(int json, uint16_t *w, size_t D, const uint16_t *a16, const
     double lora_gbps[2] = {0, 0}, lora_med[2] = {0, 0}, lora_cpu[2] = {0, 0};
     double *times = malloc(2 * (size_t)repeat * sizeof *times), *cpus = times ? times + repeat : NULL;
     int rc = times ? 0 : -1;
-    for (size_t c = 0; c < 5 && !rc; c++) {
-        if (c == 1 && D % 16) continue;
+    for (size_t c = 0; c < 7 && !rc; c++) {
+        if (((c == 1 || c == 5) && D % 16) || (c == 6 && D % 32)) continue; /* BOFT: stage 3 pairs 8 blocks */
         char path[256];
         snprintf(path, sizeof path, "%s/%s.safetensors", dir, cs[c].algo);
         lk_tensor wt = {.name = c == 1 ? "conv.weight" : "lin.weight", .dtype = LK_DTYPE_BF16, .ndim = 2,
