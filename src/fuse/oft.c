@@ -327,14 +327,56 @@ static void mat_rows_base(double *const *dst, const double *const *src, const do
     mat_rows(dst, src, M, b, L);
 }
 #ifdef LK_KERNEL_X86
+#include <immintrin.h>
+/* Elements [t0, t1) x [j0, j1) one by one: the same chain. */
+LK_AI void mat_tail(double *const *dst, const double *const *src, const double *M, size_t b, size_t t0, size_t t1,
+                    size_t j0, size_t j1) {
+    for (size_t t = t0; t < t1; t++)
+        for (size_t j = j0; j < j1; j++) {
+            double acc = M[t * b] * src[0][j];
+            for (size_t u = 1; u < b; u++) acc = fma(M[t * b + u], src[u][j], acc);
+            dst[t][j] = acc;
+        }
+}
+
+/* Register blocks of 4 rows x 2 vectors (8 accumulators), one vector fma
+ * per step of each element's chain; the edges through mat_tail. */
+#define MAT_VEC(VT, W, LOAD, STORE, SET1, MUL, FMA)                                                        \
+    const size_t bq = b / 4 * 4, jv = L / (2 * (W)) * (2 * (W));                                           \
+    for (size_t j0 = 0; j0 < jv; j0 += 2 * (W))                                                            \
+        for (size_t t0 = 0; t0 < bq; t0 += 4) {                                                            \
+            VT acc[4][2];                                                                                  \
+            const VT s0 = LOAD(src[0] + j0), s1 = LOAD(src[0] + j0 + (W));                                  \
+            for (int r = 0; r < 4; r++) {                                                                  \
+                const VT a = SET1(M[(t0 + r) * b]);                                                        \
+                acc[r][0] = MUL(a, s0);                                                                    \
+                acc[r][1] = MUL(a, s1);                                                                    \
+            }                                                                                              \
+            for (size_t u = 1; u < b; u++) {                                                               \
+                const VT x0 = LOAD(src[u] + j0), x1 = LOAD(src[u] + j0 + (W));                              \
+                for (int r = 0; r < 4; r++) {                                                              \
+                    const VT a = SET1(M[(t0 + r) * b + u]);                                                \
+                    acc[r][0] = FMA(a, x0, acc[r][0]);                                                     \
+                    acc[r][1] = FMA(a, x1, acc[r][1]);                                                     \
+                }                                                                                          \
+            }                                                                                              \
+            for (int r = 0; r < 4; r++) {                                                                  \
+                STORE(dst[t0 + r] + j0, acc[r][0]);                                                        \
+                STORE(dst[t0 + r] + j0 + (W), acc[r][1]);                                                  \
+            }                                                                                              \
+        }                                                                                                  \
+    mat_tail(dst, src, M, b, bq, b, 0, jv);                                                                \
+    mat_tail(dst, src, M, b, 0, b, jv, L)
+
 __attribute__((target("avx2,fma"))) static void mat_rows_avx2(double *const *dst, const double *const *src,
                                                              const double *M, size_t b, size_t L) {
-    mat_rows(dst, src, M, b, L);
+    MAT_VEC(__m256d, 4, _mm256_loadu_pd, _mm256_storeu_pd, _mm256_set1_pd, _mm256_mul_pd, _mm256_fmadd_pd);
 }
 __attribute__((target("avx512f,fma"))) static void mat_rows_avx512(double *const *dst, const double *const *src,
                                                                   const double *M, size_t b, size_t L) {
-    mat_rows(dst, src, M, b, L);
+    MAT_VEC(__m512d, 8, _mm512_loadu_pd, _mm512_storeu_pd, _mm512_set1_pd, _mm512_mul_pd, _mm512_fmadd_pd);
 }
+#undef MAT_VEC
 #endif
 
 typedef void (*mat_fn)(double *const *, const double *const *, const double *, size_t, size_t);
@@ -564,9 +606,15 @@ typedef struct oworker {
 } oworker;
 
 /* f64 sum x rounded to odd in f32 (x from lk_fuse_add_odd_f64). */
-static float odd_f32(double x) {
+static inline float odd_f32(double x) {
     float f = (float)x;
-    if (isfinite(f) && (double)f != x && !(lk_f2u(f) & 1u)) f = nextafterf(f, x > (double)f ? INFINITY : -INFINITY);
+    uint32_t u = lk_f2u(f);
+    if ((u & 0x7f800000u) != 0x7f800000u && (double)f != x && !(u & 1u)) {
+        /* one unit toward x: away from zero when |x| > |f| (0 steps to x's side) */
+        if ((u & 0x7fffffffu) == 0) u = (x < 0 ? 0x80000000u : 0u) | 1u;
+        else u += (fabs(x) > fabs((double)f)) ? 1u : (uint32_t)-1;
+        f = lk_u2f(u);
+    }
     return f;
 }
 
@@ -586,28 +634,31 @@ static void oblock(oworker *wk, size_t it) {
     for (size_t r = 0; r < rows; r++) {
         const size_t off = (r0 + r) * in + c0;
         char *dst = (char *)j->w_out + off * esz;
-        for (size_t c = 0; c < L; c++) {
-            const float w = (float)t.X[r * tc + c];
-            const double d = t.d[r * tc + c];
-            float res;
-            if (j->dt == LK_DTYPE_F32) {
-                uint32_t rb = scalar_round_f64_to_f32(lk_f2u(w), d);
-                res = lk_u2f(rb);
+        const double *xr = t.X + r * tc, *dr = t.d + r * tc;
+        if (j->dt == LK_DTYPE_F32) {
+            for (size_t c = 0; c < L; c++) {
+                const uint32_t rb = scalar_round_f64_to_f32(lk_f2u((float)xr[c]), dr[c]);
                 memcpy(dst + c * 4, &rb, 4);
-            } else {
-                uint32_t uw = lk_f2u(w);
+                tmp[c] = lk_u2f(rb);
+            }
+        } else { /* the odd f32 values, then one RNE conversion of the row */
+            for (size_t c = 0; c < L; c++) {
+                const float w = (float)xr[c];
+                const uint32_t uw = lk_f2u(w);
                 float o = (uw & 0x7fffffffu) > 0x7f800000u ? lk_u2f(uw | 0x00400000u)
-                                                           : odd_f32(scalar_add_odd_f64((double)w, d));
+                                                           : odd_f32(scalar_add_odd_f64((double)w, dr[c]));
                 if (isnan(o) && !isnan(w)) o = lk_u2f(0x7fc00000u);
-                lk_from_f32(dst + c * esz, &o, j->dt, 1);
-                lk_to_f32(&res, dst + c * esz, j->dt, 1);
+                tmp[c] = o;
             }
-            if (isfinite(w) && !isfinite(res) && off + c < wk->bad_at) {
-                wk->bad_at = off + c;
-                wk->bad_w = w;
-                wk->bad_r = res;
-            }
+            lk_from_f32(dst, tmp, j->dt, L);
+            lk_to_f32(tmp, dst, j->dt, L); /* what was stored, for the non-finite check */
         }
+        for (size_t c = 0; c < L; c++)
+            if (isfinite(xr[c]) && !isfinite(tmp[c]) && off + c < wk->bad_at) {
+                wk->bad_at = off + c;
+                wk->bad_w = xr[c];
+                wk->bad_r = tmp[c];
+            }
     }
 }
 
