@@ -10,8 +10,10 @@
  * Memory accounting: with host backups the tracker holds no device memory
  * (0 <= staging + largest key, the issue's bound), with device backups
  * exactly the touched keys this rank owns; pinned host memory is the host
- * backups plus the scratch of the largest key (1.5 MiB here) plus, at more
- * than one rank, one broadcast round. A failing step changes no rank's
+ * backups plus the hashing scratch (the largest key, 1.5 MiB here) plus, at
+ * more than one rank, one broadcast round. LoRA terms on F32 weights run
+ * on the device kernel (none on its host path), and the digests still
+ * equal the CPU's offline fuse. A failing step changes no rank's
  * device bytes. */
 #include "mpi_testutil.h"
 #include "swap_fixture.h"
@@ -109,7 +111,7 @@ static void run_sequence(lk_comm *c, lk_device d, size_t bucket, int backup_devi
     assert_int_equal(lk_tracker_apply(t, a1, 1, &st), LK_OK);
     tu_mpi_check_digest(W, w, g_want[S_A]);
     assert_true(st.bytes_broadcast == sent * attn);
-    assert_int_equal(st.keys_fused_on_host, st.keys_fused); /* the host fallback, for now */
+    assert_int_equal(st.keys_fused_on_host, 0); /* LoRA on F32: every key by the device kernel */
     check_memory(&st, backup_device, my_attn, staged ? staging : 0);
     lk_fuse_input ab[] = {{g_b, -0.5, LK_FORMAT_AUTO}, {g_a, 0.7, LK_FORMAT_AUTO}};
     assert_int_equal(lk_tracker_apply(t, ab, 2, &st), LK_OK);

@@ -130,11 +130,14 @@ typedef struct lk_tracker_stats {
     /* device weights (lk_weights_device not the host): */
     uint64_t device_bytes;     /* device memory the tracker holds beyond the model after the
                                   call (the backups with backup = device; 0 with host backups) */
-    uint64_t pinned_bytes;     /* pinned host memory it holds: host backups, the scratch of the
-                                  largest key (the host fallback of the fuse) and, where the
-                                  communicator cannot take device memory, one broadcast round */
-    size_t keys_fused_on_host; /* keys fused through the host fallback (the key copied to pinned
-                                  memory, the CPU kernel, copied back: the same bytes) */
+    uint64_t pinned_bytes;     /* pinned host memory it holds: host backups, a scratch for hashing
+                                  (the largest key, at most 4 MiB, plus the largest FP8 scale) and,
+                                  where the communicator cannot take device memory, one broadcast
+                                  round */
+    size_t keys_fused_on_host; /* keys the device kernel (lorakit/fuse_device.h) fused on its host
+                                  path (LoHa, LoKr, DoRA, FP8, ...: the key copied to pinned memory,
+                                  the CPU kernel, copied back: the same bytes); the rest ran on the
+                                  device */
 } lk_tracker_stats;
 
 /* Collective. Ranks must hold weights of the same names, dtypes, shapes and

@@ -105,8 +105,31 @@ def _one_device(named):
     return next(iter(first), "cpu")
 
 
-def _item(name, value):
-    """(name, value, dtype hint) for the C layer; raises naming the key."""
+def _host_copies(named):
+    """The host fallback for CUDA tensors in the calls whose library side
+    reads host memory (fuse_, digest_tensors, check_replicas, sync_grads):
+    (name, CPU copy) once torch's current stream has written them. The CPU
+    kernel on the copies gives the CPU's bytes; _copy_back writes results
+    back (on torch's current stream) only after the call succeeded."""
+    torch = sys.modules["torch"]
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+    out = []
+    for k, v in named:
+        h = torch.empty(v.shape, dtype=v.dtype, device="cpu")  # a plain CPU tensor, whatever v's class
+        h.copy_(v.detach())
+        out.append((k, h))
+    return out
+
+
+def _copy_back(named, host):
+    for (_, v), (_, h) in zip(named, host):
+        v.detach().copy_(h)
+
+
+def _item(name, value, allow_cuda=False):
+    """(name, value, dtype hint) for the C layer; raises naming the key.
+    allow_cuda: a CUDA tensor is passed as device memory (the Tracker)."""
     np = sys.modules.get("numpy")
     if np is not None and isinstance(value, np.ndarray):
         raw = _NUMPY_RAW.get(value.dtype.name)
@@ -121,7 +144,7 @@ def _item(name, value):
             raise ValueError(f"{name}: a tensor on the 'meta' device holds no data (shape and dtype only); lorakit "
                              "reads and writes a tensor's memory: materialize it first (e.g. module.to_empty(...) "
                              "and load the weights)")
-        if dev == "cuda":
+        if dev == "cuda" and not allow_cuda:
             raise ValueError(f"{name}: CUDA tensors are not supported yet (this one is on {value.device}); lorakit "
                              "works on CPU memory for now (see the README: a CUDA backend would plug into the host "
                              "communicator and the canonical arithmetic)")
@@ -159,7 +182,7 @@ def _pairs(tensors):
 def _storage_span(v):
     """(storage key, first byte, end byte, view key) of a torch tensor; None
     for anything else."""
-    if not _torch_tensor(v) or v.device.type != "cpu":
+    if not _torch_tensor(v) or v.device.type not in ("cpu", "cuda"):
         return None
     try:
         base = v.untyped_storage().data_ptr()
@@ -195,7 +218,7 @@ def _dedupe(pairs):
     return out, aliases
 
 
-def _items(tensors, dedupe=False):
+def _items(tensors, dedupe=False, allow_cuda=False):
     pairs = _pairs(tensors)
     aliases = {}
     if dedupe:
@@ -207,7 +230,7 @@ def _items(tensors, dedupe=False):
             raise TypeError(f"tensor names must be str, got {k!r}")
         if v is None:
             raise TypeError(f"{k}: None is not a tensor")
-        out.append(_item(k, v))
+        out.append(_item(k, v, allow_cuda))
     return (out, aliases) if dedupe else out
 
 
@@ -406,7 +429,11 @@ def digest(path):
 
 
 def digest_tensors(tensors):
-    """The same digest over a mapping of name to tensor held in memory."""
+    """The same digest over a mapping of name to tensor held in memory
+    (CUDA tensors: of their bytes, copied to the host)."""
+    pairs = _pairs(tensors)
+    if _one_device(pairs).startswith("cuda"):
+        return _c.digest_tensors(_items(dict(_host_copies(pairs))))
     return _c.digest_tensors(_items(tensors))
 
 
@@ -480,7 +507,18 @@ def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=F
     (contiguous, writable, CPU, a dtype lorakit reads) and every adapter
     validated before the first write; on any error every tensor keeps its
     bytes. arch and maps as fuse's, against the tensors' names. Returns the
-    summary (as fuse's, without base and out)."""
+    summary (as fuse's, without base and out). CUDA tensors (on one device)
+    go through the host fallback: fused as CPU copies by the CPU kernel (the
+    same bytes), written back after success; the summary then says
+    "fused_on_host": true."""
+    pairs = _pairs(tensors)
+    if _one_device(pairs).startswith("cuda"):
+        host = _host_copies(pairs)
+        summary = fuse_(dict(host), loras, threads=threads, allow_unmatched=allow_unmatched,
+                        allow_nonfinite=allow_nonfinite, alpha_from=alpha_from, arch=arch, maps=maps)
+        _copy_back(pairs, host)
+        summary["fused_on_host"] = True
+        return summary
     items, _ = _items(tensors, dedupe=True)
     req, _ = _loras(loras)
     return json.loads(_c.fuse_(items, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite),
@@ -536,12 +574,13 @@ class Tracker:
         self._source = tensors if _is_module(tensors) else None
 
         def prepare():
-            items, _ = _items(tensors, dedupe=True)
+            items, _ = _items(tensors, dedupe=True, allow_cuda=True)
             return (items, _c.mib_bytes("swap_bucket_mb", float(bucket_mb)), int(threads), float(timeout),
                     _alpha_from(alpha_from), _tables(arch, maps))
 
         items = _collective(lc, prepare)
         self._comm = lc
+        self._cuda = any(_device_name(v).startswith("cuda") for _, v, _ in items[0])
         self._ptrs = {k: _storage_span(v) for k, v, _ in items[0]}
         self._t = _c.Tracker(lc, items[0], items[1], bool(no_lora_swap), items[2], bool(allow_nonfinite), items[3],
                              items[4], *items[5])
@@ -572,6 +611,7 @@ class Tracker:
         else None."""
         def prepare():
             self._check_moved()
+            self._stream_sync()
             return _loras(loras)
 
         req, shown = _collective(self._comm, prepare)
@@ -579,8 +619,14 @@ class Tracker:
 
     def reset(self, *, digest=False):
         """Every touched tensor back to its clean bytes on every rank."""
-        _collective(self._comm, self._check_moved)
+        _collective(self._comm, lambda: (self._check_moved(), self._stream_sync()))
         return json.loads(self._t.reset(bool(digest)))
+
+    def _stream_sync(self):
+        """CUDA weights: the library copies them on the default stream, so
+        what torch's current stream queued on them completes first."""
+        if self._cuda:
+            sys.modules["torch"].cuda.current_stream().synchronize()
 
     @property
     def loras(self):
@@ -638,10 +684,17 @@ def sync_grads(grads, comm=None, *, like=None, bucket_mb=_default("sync_bucket_m
                     raise ValueError(f"grads[{i}] is None and like[{i}] does not give its shape")
                 out[i] = _zeros_like(like[i])
         bucket = _c.mib_bytes("sync_bucket_mb", float(bucket_mb))
-        _one_device((f"grads[{i}]", g) for i, g in enumerate(out))
+        if _one_device((f"grads[{i}]", g) for i, g in enumerate(out)).startswith("cuda"):
+            return out, None, bucket  # items made from host copies
         return out, [_item(f"grads[{i}]", g) for i, g in enumerate(out)], bucket
 
     out, items, bucket = _collective(lc, prepare)
+    if out and _device_name(out[0]).startswith("cuda"):  # one device (prepare): the host fallback
+        named = [(f"grads[{i}]", g) for i, g in enumerate(out)]
+        host = _host_copies(named)
+        _c.sync_grads(lc, [_item(k, h) for k, h in host], bucket)
+        _copy_back(named, host)
+        return out
     _c.sync_grads(lc, items, bucket)
     return out
 
@@ -679,10 +732,12 @@ def check_replicas(tensors, comm=None):
 
     def prepare():
         if isinstance(tensors, Mapping) or _is_module(tensors):
-            return _items(tensors)
-        ts = _params(tensors)
-        _one_device((f"tensors[{i}]", t) for i, t in enumerate(ts))
-        return [_item(f"tensors[{i}]", t) for i, t in enumerate(ts)]
+            named = _pairs(tensors)
+            return _items(dict(_host_copies(named)) if _one_device(named).startswith("cuda") else tensors)
+        named = [(f"tensors[{i}]", t) for i, t in enumerate(_params(tensors))]
+        if _one_device(named).startswith("cuda"):
+            named = _host_copies(named)
+        return [_item(k, v) for k, v in named]
 
     items = _collective(lc, prepare)
     return _c.check_replicas(lc, items)

@@ -8,6 +8,11 @@ own buffers (the weights themselves for large keys, a staging round for
 small ones, gradient buckets, agreement records). Roots are group ranks,
 translated to the global ranks torch.distributed's src= expects.
 
+Over an NCCL process group (which moves device memory only) the host
+buffers lorakit passes go through a tensor on the current CUDA device:
+copied in, the NCCL collective on torch's current stream, copied back
+(`_stage`). A gloo group moves them in place.
+
 Everything that makes lorakit safe over a group (agreement before any
 collective whose size depends on a rank's data) happens in C above these
 calls, so they are plain byte movers.
@@ -22,9 +27,26 @@ _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp
 _DT = {"f32": torch.float32, "i64": torch.int64}
 
 
+def _stage_device(group):
+    """Where a collective's bytes must be for this group's backend: a CUDA
+    device for NCCL (torch's current one), None (in place) otherwise."""
+    if _TorchHost.force_stage is not None:
+        return _TorchHost.force_stage
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except (RuntimeError, ValueError):
+        return None
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+
+
 class _TorchHost:
+    # tests: stage through this device whatever the backend (the NCCL path's
+    # copies, checked over gloo with torch.device("cpu"))
+    force_stage = None
+
     def __init__(self, group, timeout=None):
         self.group = group
+        self.dev = _stage_device(group)
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.globals = [dist.get_global_rank(group, r) for r in range(self.size)]
@@ -49,28 +71,53 @@ class _TorchHost:
             raise TimeoutError(f"not complete after {waited:.1f} s (timeout {self.timeout.total_seconds():g} s): "
                                f"{e}") from e
 
+    def _stage(self, t):
+        """t itself, or its copy on the staging device (see the module doc)."""
+        if self.dev is None:
+            return t
+        d = torch.empty(t.shape, dtype=t.dtype, device=self.dev)
+        d.copy_(t)
+        return d
+
+    @staticmethod
+    def _unstage(t, d):
+        if d is not t:
+            t.copy_(d)
+
     def barrier(self):
         self._wait(dist.barrier(group=self.group, async_op=True))
 
     def bcast(self, mv, root):
         t = torch.frombuffer(mv, dtype=torch.uint8)
-        self._wait(dist.broadcast(t, src=self.globals[root], group=self.group, async_op=True))
+        d = self._stage(t)
+        self._wait(dist.broadcast(d, src=self.globals[root], group=self.group, async_op=True))
+        self._unstage(t, d)
 
     def ibcast(self, mv, root):
         t = torch.frombuffer(mv, dtype=torch.uint8)
-        return (dist.broadcast(t, src=self.globals[root], group=self.group, async_op=True), t)
+        d = self._stage(t)
+        return (dist.broadcast(d, src=self.globals[root], group=self.group, async_op=True), t, d)
 
     def test(self, handle):
-        return handle[0].is_completed()
+        done = handle[0].is_completed()
+        if done:  # tested until done exactly once (comm_host.h): the bytes back now
+            handle[0].wait()
+            self._unstage(handle[1], handle[2])
+        return done
 
     def wait(self, handle):
         self._wait(handle[0])
+        self._unstage(handle[1], handle[2])
 
     def allreduce(self, mv, kind, op):
         t = torch.frombuffer(mv, dtype=_DT[kind])
-        self._wait(dist.all_reduce(t, op=_OPS[op], group=self.group, async_op=True))
+        d = self._stage(t)
+        self._wait(dist.all_reduce(d, op=_OPS[op], group=self.group, async_op=True))
+        self._unstage(t, d)
 
     def allgather(self, send, recv):
         out = torch.frombuffer(recv, dtype=torch.uint8)
         inp = torch.frombuffer(send, dtype=torch.uint8)
-        self._wait(dist.all_gather(list(out.chunk(self.size)), inp, group=self.group, async_op=True))
+        od, idd = self._stage(out), self._stage(inp)
+        self._wait(dist.all_gather(list(od.chunk(self.size)), idd, group=self.group, async_op=True))
+        self._unstage(out, od)

@@ -72,7 +72,7 @@ typedef struct DLManagedTensor {
     void (*deleter)(struct DLManagedTensor *self);
 } DLManagedTensor;
 
-enum { kDLCPU = 1 };
+enum { kDLCPU = 1, kDLCUDA = 2 };
 enum { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLBool = 6, kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12 };
 
 static lk_dtype dl_dtype(DLDataType t) {
@@ -138,7 +138,10 @@ static void views_free(view *v, size_t n) {
     PyMem_Free(v);
 }
 
-enum { NEED_WRITE = 1, NEED_F32 = 2 };
+/* ALLOW_CUDA: a CUDA tensor is borrowed as device memory (lk_tensor.device
+ * cuda:N), for the calls whose library side takes device memory (the
+ * tracker); elsewhere it is refused. */
+enum { NEED_WRITE = 1, NEED_F32 = 2, ALLOW_CUDA = 4 };
 
 static int set_shape(view *v, int ndim, const int64_t *shape, const Py_ssize_t *pyshape) {
     if (ndim > LK_MAX_DIMS) {
@@ -236,7 +239,9 @@ static int view_acquire(view *v, PyObject *name, PyObject *obj, const char *dtyp
     Py_DECREF(cap);
     v->dl = dl;
     DLTensor *t = &dl->dl_tensor;
-    if (t->device.device_type != kDLCPU) {
+    if (t->device.device_type == kDLCUDA && (flags & ALLOW_CUDA))
+        v->t.device = (lk_device){LK_DEVICE_CUDA, (int)t->device.device_id};
+    else if (t->device.device_type != kDLCPU) {
         PyErr_Format(PyExc_ValueError, "%s: on device type %d; lorakit works on CPU memory (move it with .cpu())",
                      v->t.name, (int)t->device.device_type);
         goto fail;
@@ -1156,7 +1161,7 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
         PyErr_Format(PyExc_ValueError, "bucket_bytes must be >= 1, got %zd", bucket_bytes);
         ok = 0;
     }
-    if (ok && !(self->v = views_from(items, NEED_WRITE, &self->n))) ok = 0;
+    if (ok && !(self->v = views_from(items, NEED_WRITE | ALLOW_CUDA, &self->n))) ok = 0;
     lk_tensor *t = ok ? tensor_table(self->v, self->n) : NULL;
     if (ok && !t) ok = 0;
     lk_status s = LK_OK;

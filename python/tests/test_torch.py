@@ -95,16 +95,34 @@ def test_parameters_that_require_grad_are_written_in_place(model):
     assert lorakit.digest_tensors({k: v.detach() for k, v in params.items()}) == cli_digest(model, [(model["a1"], 1.0)], "rg.safetensors")
 
 
-def test_cuda_tensors_are_refused_by_name(monkeypatch):
-    """A CUDA tensor (one claiming device cuda:0 here, where no GPU may
-    exist) is refused naming the tensor."""
-    class FakeCuda(torch.Tensor):
-        @property
-        def device(self):
-            return torch.device("cuda:0")
-    x = torch.zeros(3).as_subclass(FakeCuda)
-    with pytest.raises(ValueError, match="emb.weight: CUDA tensors are not supported yet"):
-        lorakit.fuse_({"emb.weight": x}, [])
+class FakeCuda(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0: how the CUDA paths' routing
+    is exercised where no GPU exists (its bytes stay CPU memory, so the
+    host fallback's copies work on it)."""
+    @property
+    def device(self):
+        return torch.device("cuda:0")
+
+
+def test_cuda_tensors_take_the_host_fallback(model_bf16):
+    """fuse_, digest_tensors and check_replicas on CUDA tensors (fake ones
+    here) go through host copies: the bytes equal the CPU path's (the CLI's
+    offline fuse), the summary says fused_on_host, and a failing fuse_
+    leaves the tensors as they were. (Real CUDA tensors: not run here, no
+    GPU.)"""
+    m = model_bf16
+    loras = [(m["a1"], 0.7), (m["a2"], 1.5)]
+    fake = {k: v.clone().as_subclass(FakeCuda) for k, v in load_torch(m["base"]).items()}
+    before = lorakit.digest_tensors({k: v.as_subclass(torch.Tensor) for k, v in fake.items()})
+    with pytest.raises(lorakit.LoraError):
+        lorakit.fuse_(fake, [(m["a1"], 1.0), (os.path.join(m["dir"], "missing.safetensors"), 1.0)])
+    assert lorakit.digest_tensors(fake) == before
+    s = lorakit.fuse_(fake, loras)
+    assert s["fused_on_host"] is True and s["tensors_fused"] == 3
+    want = cli_digest(m, loras, "fake_cuda.safetensors")
+    assert lorakit.digest_tensors({k: v.as_subclass(torch.Tensor) for k, v in fake.items()}) == want
+    assert lorakit.digest_tensors(fake) == want
+    assert lorakit.check_replicas(fake, "self") is True
 
 
 def test_meta_tensors_are_refused_by_name():
@@ -117,14 +135,10 @@ def test_meta_tensors_are_refused_by_name():
         lorakit.digest_tensors({"emb.weight": x})
 
 
-def test_mixed_devices_are_refused_naming_the_keys(monkeypatch):
+def test_mixed_devices_are_refused_naming_the_keys():
     """Tensors of one call on different devices (CPU beside meta, CPU
     beside a tensor claiming cuda:0): refused naming a key on each device,
     before anything is read or written."""
-    class FakeCuda(torch.Tensor):
-        @property
-        def device(self):
-            return torch.device("cuda:0")
     cpu, meta = torch.zeros(3), torch.empty(3, device="meta")
     fake = torch.zeros(3).as_subclass(FakeCuda)
     before = cpu.clone()
@@ -226,3 +240,15 @@ def test_adapter_from_peft(tmp_path):
     merged = pm.merge_and_unload().state_dict()
     for k in mine:
         assert torch.allclose(mine[k], merged[k], rtol=1e-6, atol=1e-6), k
+
+
+def test_cuda_example_exits_plainly_without_a_gpu():
+    """examples/python/cuda_swap_nccl.py needs a GPU: without one it says
+    so and exits 1, having run nothing."""
+    import subprocess
+    import sys
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the example runs for real (torchrun)")
+    ex = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python", "cuda_swap_nccl.py")
+    r = subprocess.run([sys.executable, ex], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "no CUDA device" in r.stderr and "nothing was run" in r.stderr, (r.returncode, r.stderr)

@@ -108,6 +108,26 @@ def main():
     assert digest(sd) == want["base"]
     tr.close()
 
+    # --- the staged path an NCCL group takes (host buffers copied to a
+    # device tensor, the collective, copied back), forced over gloo with the
+    # CPU as the staging device: the same digests as the in-place path ---
+    lorakit._torch._TorchHost.force_stage = torch.device("cpu")
+    try:
+        sd = Model(base).sd()
+        tr = lorakit.Tracker(sd, bucket_mb=1)
+        for name, loras in steps:
+            tr.apply(loras)
+            assert digest(sd) == want[name], "staged " + name
+            assert lorakit.check_replicas(sd)
+        g = [torch.full((5,), float(R + 1))]
+        assert torch.equal(lorakit.sync_grads(g)[0], torch.full((5,), (N + 1) / 2))  # mean of 1..N
+        tr.reset()
+        assert digest(sd) == want["base"]
+        tr.close()
+    finally:
+        lorakit._torch._TorchHost.force_stage = None
+    assert lorakit._torch._stage_device(dist.group.WORLD) is None  # gloo: host memory in place
+
     # --- the Tracker made over the module itself remembers its memory ---
     model = Model(base)
     tr = lorakit.Tracker(model, bucket_mb=1)

@@ -4,12 +4,12 @@
  * Why it is built this way: the tracker's transactional logic (backups,
  * restore, rollback, the agreed broadcast rounds) stays one piece of code
  * for every device; only the moves of bytes differ, and they are here.
- * The fuse of a device key runs through the host fallback the issue
- * allows (the key copied to pinned memory, the CPU kernel, copied back:
- * the CPU's bytes by construction) until the device kernel serves
- * lk_fuse_key_apply on device memory; the tracker counts those keys
+ * The fuse of a device key is the device kernel's (lorakit/fuse_device.h:
+ * in place, the CPU's bytes), which takes the host path itself for the
+ * term kinds not on the device; the tracker counts those keys
  * (lk_tracker_stats.keys_fused_on_host). Host weights never come here for
- * a fuse. */
+ * a fuse. The host scratch serves hashing (in pieces) and reading an FP8
+ * scale's clean values. */
 #include "serve/keymem.h"
 
 #include <string.h>
@@ -18,6 +18,9 @@
 
 #include "core/alloc.h"
 #include "lorakit/alloc.h"
+#include "lorakit/fuse_device.h"
+
+#define HASH_PIECE ((size_t)4 << 20) /* the scratch's key part at most: hashing goes in pieces */
 
 lk_status lk_keymem_init(lk_keymem *km, lk_device dev, int backup_device, int staged, size_t max_key, size_t max_scale,
                          size_t stage_bytes) {
@@ -28,7 +31,7 @@ lk_status lk_keymem_init(lk_keymem *km, lk_device dev, int backup_device, int st
     km->staged = km->on_device && staged;
     if (!km->on_device) return LK_OK;
     lk_carve c = {0};
-    lk_carve_part(&c, max_key, 1, 1);
+    lk_carve_part(&c, max_key < HASH_PIECE ? max_key : HASH_PIECE, 1, 1);
     km->scratch_scale_off = lk_carve_part(&c, max_scale, 1, 64);
     km->scratch_bytes = c.bytes ? c.bytes : 1;
     lk_status s = lk_device_host_alloc(dev, km->scratch_bytes, (void **)&km->scratch);
@@ -118,8 +121,9 @@ lk_status lk_keymem_hash(const lk_keymem *km, const void *p, size_t n, uint64_t 
     }
     XXH3_state_t st;
     XXH3_64bits_reset(&st);
+    const size_t piece = km->scratch_scale_off ? km->scratch_scale_off : km->scratch_bytes;
     for (size_t off = 0; off < n;) {
-        size_t k = n - off < km->scratch_bytes ? n - off : km->scratch_bytes;
+        size_t k = n - off < piece ? n - off : piece;
         lk_status s = lk_keymem_read(km, km->scratch, (const unsigned char *)p + off, k);
         if (s) return s;
         XXH3_64bits_update(&st, km->scratch, k);
@@ -136,32 +140,22 @@ lk_status lk_keymem_host_view(const lk_keymem *km, const void *p, size_t n, size
     return lk_keymem_read(km, km->scratch + off, p, n);
 }
 
-/* A host view of device tensor w whose bytes are at data. */
-static lk_tensor host_tensor(const lk_tensor *w, void *data) {
-    lk_tensor h = *w;
-    h.data = data;
-    h.device = (lk_device){LK_DEVICE_CPU, 0};
-    return h;
-}
-
 lk_status lk_keymem_fuse(const lk_keymem *km, const lk_tensor *w, const lk_fuse_key *plan, const lk_fuse_term *terms,
-                         const lk_fuse_opts *fo) {
-    lk_status s = lk_keymem_read(km, km->scratch, w->data, w->nbytes);
-    const lk_tensor h = host_tensor(w, km->scratch);
-    if (!s) s = lk_fuse_key_apply(km->scratch, km->scratch, &h, plan, terms, fo);
-    if (!s) s = lk_keymem_write(km, w->data, km->scratch, w->nbytes);
+                         const lk_fuse_opts *fo, size_t *on_host) {
+    (void)km;
+    lk_tensor d = *w;
+    lk_fuse_dev_stats fs = {0};
+    lk_status s = lk_fuse_key_apply_dev(&d, plan, terms, fo, NULL, &fs);
+    __atomic_fetch_add(on_host, fs.keys_host_fallback, __ATOMIC_RELAXED);
     return s;
 }
 
 lk_status lk_keymem_fuse_fp8(const lk_keymem *km, const lk_tensor *w, const lk_tensor *sc, const lk_fuse_term *terms,
-                             size_t nt, const lk_fuse_opts *fo) {
-    unsigned char *ws = km->scratch, *ss = sc ? km->scratch + km->scratch_scale_off : NULL;
-    lk_status s = lk_keymem_read(km, ws, w->data, w->nbytes);
-    if (!s && sc) s = lk_keymem_read(km, ss, sc->data, sc->nbytes);
-    if (!s)
-        s = lk_fuse_fp8(ws, w->dtype, w->shape[0], (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]), ss,
-                        sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, nt, fo, w->name);
-    if (!s) s = lk_keymem_write(km, w->data, ws, w->nbytes);
-    if (!s && sc) s = lk_keymem_write(km, sc->data, ss, sc->nbytes);
+                             size_t nt, const lk_fuse_opts *fo, size_t *on_host) {
+    (void)km;
+    lk_tensor d = *w, ds = sc ? *sc : (lk_tensor){0};
+    lk_fuse_dev_stats fs = {0};
+    lk_status s = lk_fuse_fp8_dev(&d, sc ? &ds : NULL, terms, nt, fo, NULL, &fs);
+    __atomic_fetch_add(on_host, fs.keys_host_fallback, __ATOMIC_RELAXED);
     return s;
 }

@@ -6,8 +6,7 @@
  * weights every function is a memcpy or malloc; on a device (cuda:N, emul)
  * they are the device layer's copies and allocations: the clean backup in
  * pinned host memory (default) or on the device (backup = device), a
- * pinned host scratch of the largest key for the host fallback of the fuse
- * and for hashing, and, where the communicator cannot take device memory
+ * pinned host scratch for hashing and an FP8 scale's clean values, and, where the communicator cannot take device memory
  * (emul; cuda over MPI), a pinned host stage of one broadcast round. */
 #ifndef LK_SERVE_KEYMEM_H
 #define LK_SERVE_KEYMEM_H
@@ -56,14 +55,14 @@ lk_status lk_keymem_hash(const lk_keymem *km, const void *p, size_t n, uint64_t 
  * scale's). */
 lk_status lk_keymem_host_view(const lk_keymem *km, const void *p, size_t n, size_t off, const void **out);
 
-/* Fuses plan into device weight w in place, on the CPU (the host
- * fallback: the key into the pinned scratch, the CPU kernel, back), the
- * same bytes as on the host; counted by the caller. */
+/* Fuses plan into device weight w in place (lk_fuse_key_apply_dev: the
+ * device kernel, or its host path for the kinds not on the device, whose
+ * keys are added to *on_host). */
 lk_status lk_keymem_fuse(const lk_keymem *km, const lk_tensor *w, const lk_fuse_key *plan, const lk_fuse_term *terms,
-                         const lk_fuse_opts *fo);
-/* The FP8 fuse (lk_fuse_fp8) of device weight w with its scale sc (may be
- * NULL), through the scratch. */
+                         const lk_fuse_opts *fo, size_t *on_host);
+/* The FP8 fuse of device weight w with its scale sc (may be NULL)
+ * (lk_fuse_fp8_dev). */
 lk_status lk_keymem_fuse_fp8(const lk_keymem *km, const lk_tensor *w, const lk_tensor *sc, const lk_fuse_term *terms,
-                             size_t nt, const lk_fuse_opts *fo);
+                             size_t nt, const lk_fuse_opts *fo, size_t *on_host);
 
 #endif

@@ -431,10 +431,7 @@ static lk_status recompute_fp8(lk_tracker *t, size_t i, const lk_fuse_term *term
     if (s || !nt) return s;
     lk_fuse_opts fo = {.threads = t->o.threads, .allow_nonfinite = t->o.allow_nonfinite, .fp8 = t->o.fp8,
                        .convention = t->o.convention};
-    if (t->km.on_device) {
-        __atomic_fetch_add(&t->fused_on_host, 1, __ATOMIC_RELAXED);
-        return lk_keymem_fuse_fp8(&t->km, w, sc, terms, nt, &fo);
-    }
+    if (t->km.on_device) return lk_keymem_fuse_fp8(&t->km, w, sc, terms, nt, &fo, &t->fused_on_host);
     return lk_fuse_fp8(w->data, w->dtype, w->shape[0], (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]), sc ? sc->data : NULL,
                        sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, nt, &fo, w->name);
 }
@@ -462,10 +459,7 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
     }
     lk_fuse_opts fo = {.threads = t->o.threads, .allow_nonfinite = t->o.allow_nonfinite, .fp8 = t->o.fp8,
                        .convention = t->o.convention};
-    if (t->km.on_device) {
-        __atomic_fetch_add(&t->fused_on_host, 1, __ATOMIC_RELAXED);
-        return lk_keymem_fuse(&t->km, w, &plan, terms, &fo);
-    }
+    if (t->km.on_device) return lk_keymem_fuse(&t->km, w, &plan, terms, &fo, &t->fused_on_host);
     return lk_fuse_key_apply(w->data, clean, w, &plan, terms, &fo);
 }
 
