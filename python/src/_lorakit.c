@@ -887,8 +887,23 @@ static int threads_ok(int threads) {
     return 0;
 }
 
+/* Before the first file written: handlers removing lorakit's temporaries
+ * on every signal whose action is still the default (SIGTERM under Python:
+ * a killed fuse leaves no full-size temporary; the process still ends by
+ * the signal). Python's own SIGINT handler, and any the program installed,
+ * stay as they are (lk_temp_cleanup_on_signals). */
+static int temp_handlers(void) {
+    static int done;
+    if (done) return 0;
+    lk_status s = lk_temp_cleanup_on_signals();
+    if (s) return raise_lk(s, NULL), -1;
+    done = 1;
+    return 0;
+}
+
 static PyObject *py_fuse(PyObject *mod, PyObject *args) {
     (void)mod;
+    if (temp_handlers() < 0) return NULL;
     PyObject *base, *out, *loras, *arch, *maps;
     lk_fuse_file_opts o = {0};
     const char *af;
