@@ -57,4 +57,34 @@ err_has "kohya's underscore name"
 expect 0 resize "$FX/lycoris/locon.safetensors" -o "$TMP/e.safetensors" --dtype F32 --json
 grep -F '"rel_fro_opt":0.0' "$TMP/out" >/dev/null || fail "an exact resize reports a nonzero optimum"
 expect 0 fuse "$FX/lycoris/base_f32.safetensors" -l "$TMP/e.safetensors" -o "$TMP/f1.safetensors"
+# convert: fuse(base, IN) and fuse(base, OUT) are the same bytes (inputs written by peft and lycoris-lora)
+expect 0 convert --help
+grep -F "usage: lorakit convert" "$TMP/out" >/dev/null || fail "convert --help"
+same_fuse() { # BASE IN FORMAT
+  local o="$TMP/cv_$3"; [ "$3" = peft ] || o="$o.safetensors"
+  rm -rf "$o"
+  expect 0 convert "$2" -o "$o" --format "$3" --json
+  grep -F '"rel_fro":0.0' "$TMP/out" >/dev/null || fail "convert reports a nonzero error"
+  expect 0 fuse "$1" -l "$2" -o "$TMP/f_in.safetensors"
+  expect 0 fuse "$1" -l "$o" -o "$TMP/f_out.safetensors"
+  [ "$("$LK" digest "$TMP/f_in.safetensors")" = "$("$LK" digest "$TMP/f_out.safetensors")" ] ||
+    fail "fuse of convert $2 --format $3 differs from fuse of the input"
+}
+for f in kohya peft diffusers; do
+  same_fuse "$FX/adapters/base.safetensors" "$FX/adapters/peft" $f
+  same_fuse "$FX/adapters/base.safetensors" "$FX/adapters/diffusers.safetensors" $f
+done
+same_fuse "$FX/lycoris/base_f32.safetensors" "$FX/lycoris/lora_linear.safetensors" kohya
+same_fuse "$FX/lycoris/base_f32.safetensors" "$FX/lycoris/locon.safetensors" kohya
+# a PEFT alpha that is no F32 value: kohya refuses it by name, PEFT and diffusers carry it
+mkdir -p "$TMP/p01"
+cp "$FX/adapters/peft/adapter_model.safetensors" "$TMP/p01/"
+sed 's/"lora_alpha": *[0-9.]*/"lora_alpha": 0.1/' "$FX/adapters/peft/adapter_config.json" > "$TMP/p01/adapter_config.json"
+grep -F '"lora_alpha": 0.1' "$TMP/p01/adapter_config.json" >/dev/null || fail "the fixture's config changed shape"
+expect 1 convert "$TMP/p01" -o "$TMP/k01.safetensors" --format kohya
+err_has "alpha 0.10000000000000001 is not an F32 value"
+[ ! -e "$TMP/k01.safetensors" ] || fail "a refused convert wrote its output"
+same_fuse "$FX/adapters/base.safetensors" "$TMP/p01" diffusers
+expect 1 convert "$FX/lycoris/loha.safetensors" -o "$TMP/l.safetensors" --format kohya
+err_has "not a plain LoRA"
 echo "algebra_cli.sh: ok"

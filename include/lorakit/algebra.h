@@ -71,6 +71,16 @@ lk_status lk_merge(const lk_algebra_input *in, size_t n, const char *out, const 
 /* resize: merge of one input at strength 1. */
 lk_status lk_resize(const char *in, const char *out, const lk_algebra_opts *o, char **report);
 
+/* convert: the same LoRA in format o->format (AUTO: the input's), factor
+ * bytes copied as they are, each module's scale carried as an alpha the
+ * target reads back exactly (kohya F32 .alpha, PEFT / diffusers alpha_pattern;
+ * rsLoRA kept in PEFT), so lk_fuse of the output gives the input's bytes.
+ * What the target cannot carry exactly (an alpha that is no F32 value for
+ * kohya, a kohya name for PEFT / diffusers, LoHa / LoKr / Tucker / DoRA /
+ * biases / modules_to_save) is refused by name. o's rank options are
+ * ignored. *report as lk_merge's (rel_fro 0: nothing is rounded). */
+lk_status lk_convert(const char *in, const char *out, const lk_algebra_opts *o, char **report);
+
 #ifdef __cplusplus
 }
 #endif

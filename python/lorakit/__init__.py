@@ -34,7 +34,7 @@ def _default(knob):
 
 __all__ = [
     "Adapter", "LoraError", "LoraWarning", "Tracker", "__version__", "check_replicas", "digest", "digest_tensors", "fuse", "fuse_",
-    "inspect", "merge", "resize", "set_log_level", "sync_grads", "sync_param_grads",
+    "convert", "inspect", "merge", "resize", "set_log_level", "sync_grads", "sync_param_grads",
 ]
 
 # ---- logging: the C library's lines as records on the `lorakit` logger ----
@@ -420,6 +420,14 @@ def resize(path, out, *, rank=None, err=None, fro=None, ratio=None, max_rank=Non
            dtype=None, threads=0):
     """`lorakit resize`: merge of one adapter at strength 1 (see merge)."""
     return _algebra("resize", [(path, 1.0)], out, rank, err, fro, ratio, max_rank, conv_rank, format, dtype, threads)
+
+
+def convert(path, out, *, format=None):
+    """`lorakit convert`: the same LoRA in format "kohya" | "peft" | "diffusers",
+    its factor bytes copied and each scale carried exactly as an alpha, so
+    fusing out gives the bytes fusing path gives; what the target cannot
+    carry exactly raises LoraError. Returns the report as a dict."""
+    return _algebra("convert", [(path, 1.0)], out, 0, 0, 0, 0, 0, 0, format, None, 0)
 
 
 def digest(path):

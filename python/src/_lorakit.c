@@ -1396,7 +1396,7 @@ static PyObject *py_log_level(PyObject *mod, PyObject *args) {
 }
 
 /* algebra(op, [(path, strength)], out, rank, err, fro, ratio, max_rank, conv_rank, format, dtype, threads):
- * lk_merge ("merge") or lk_resize ("resize"); returns the report's JSON text. */
+ * lk_merge ("merge"), lk_resize ("resize") or lk_convert ("convert"); returns the report's JSON text. */
 static PyObject *py_algebra(PyObject *mod, PyObject *args) {
     (void)mod;
     const char *op, *fmt, *dt;
@@ -1421,8 +1421,10 @@ static PyObject *py_algebra(PyObject *mod, PyObject *args) {
     lk_status s = LK_OK;
     if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        s = !strcmp(op, "merge") ? lk_merge(in, (size_t)n, PyBytes_AS_STRING(out), &o, &report)
-                                 : lk_resize(n == 1 ? in[0].path : NULL, PyBytes_AS_STRING(out), &o, &report);
+        const char *one = n == 1 ? in[0].path : NULL;
+        s = !strcmp(op, "merge")     ? lk_merge(in, (size_t)n, PyBytes_AS_STRING(out), &o, &report)
+            : !strcmp(op, "convert") ? lk_convert(one, PyBytes_AS_STRING(out), &o, &report)
+                                     : lk_resize(one, PyBytes_AS_STRING(out), &o, &report);
         Py_END_ALLOW_THREADS
     }
     for (Py_ssize_t i = 0; paths && i < n; i++) Py_XDECREF(paths[i]);

@@ -41,6 +41,17 @@ def test_merge_pairs_and_order(tmp_path):
         assert m1["norm"] == pytest.approx(1.5 * m0["norm"], rel=1e-12)
 
 
+def test_convert_fuses_the_same(tmp_path):
+    base = os.path.join(FX, "adapters", "base.safetensors")
+    out = tmp_path / "k.safetensors"
+    rep = lorakit.convert(PEFT, out, format="kohya")
+    assert rep["rel_fro"] == 0.0 and rep["format"] == "kohya"
+    # the digests of the two fuses (lorakit fuse is checked elsewhere against float64 references)
+    lorakit.fuse(base, [PEFT], tmp_path / "a.safetensors")
+    lorakit.fuse(base, [str(out)], tmp_path / "b.safetensors")
+    assert lorakit.digest(tmp_path / "a.safetensors") == lorakit.digest(tmp_path / "b.safetensors")
+
+
 def test_errors(tmp_path):
     with pytest.raises(lorakit.LoraError) as e:
         lorakit.resize(os.path.join(FX, "lycoris", "dora_out.safetensors"), tmp_path / "x.safetensors", rank=1)

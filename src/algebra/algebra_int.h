@@ -82,6 +82,15 @@ typedef struct lk_alg_ctx {
 /* Writes ctx's output (write.c): names, tensors, alpha and metadata in the
  * output format; nothing on failure. */
 lk_status lk_alg_write(lk_alg_ctx *ctx);
+/* Module m's name in format f (lk_malloc'd), or NULL with *err set (a
+ * kohya underscore name in another format: LK_ERR_UNSUPPORTED). */
+char *lk_alg_out_name(lk_algebra_format f, const char *m, lk_status *err);
+/* want, or for AUTO the format a's is written as. */
+lk_algebra_format lk_alg_format_of(lk_algebra_format want, const lk_adapter *a);
+/* A PEFT folder: put_st(ctx, path) writes its safetensors, then text is its
+ * adapter_config.json; both or neither, no input replaced. */
+lk_status lk_alg_write_peft_dir(const char *dir, lk_adapter *const *ins, size_t n_in, const char *text,
+                                lk_status (*put_st)(const void *ctx, const char *path), const void *ctx);
 /* The report as JSON text (lk_free). */
 lk_status lk_alg_report(const lk_alg_ctx *ctx, char **json);
 

@@ -47,7 +47,7 @@ static const char *const COMPONENTS[][2] = {
 };
 
 /* The module's name in format f (lk_malloc'd), or NULL with *err set. */
-static char *out_name(lk_algebra_format f, const char *m, lk_status *err) {
+char *lk_alg_out_name(lk_algebra_format f, const char *m, lk_status *err) {
     int kohya_in = !strncmp(m, "lora_", 5) && !strchr(m, '.');
     *err = LK_OK;
     if (f == LK_ALG_FORMAT_KOHYA) {
@@ -76,9 +76,9 @@ static char *out_name(lk_algebra_format f, const char *m, lk_status *err) {
     return lk_strdup(m);
 }
 
-static lk_algebra_format out_format(const lk_alg_ctx *ctx) {
-    if (ctx->o->format != LK_ALG_FORMAT_AUTO) return ctx->o->format;
-    switch (lk_adapter_get_format(ctx->in[0].a)) {
+lk_algebra_format lk_alg_format_of(lk_algebra_format want, const lk_adapter *a) {
+    if (want != LK_ALG_FORMAT_AUTO) return want;
+    switch (lk_adapter_get_format(a)) {
     case LK_FORMAT_KOHYA: return LK_ALG_FORMAT_KOHYA;
     case LK_FORMAT_PEFT: return LK_ALG_FORMAT_PEFT;
     default: return LK_ALG_FORMAT_DIFFUSERS;
@@ -249,8 +249,10 @@ static lk_status write_st(const wctx *c, const char *path) {
     return s;
 }
 
-static lk_status write_peft(const wctx *c) {
-    const char *dir = c->ctx->out;
+/* A PEFT folder dir: the safetensors (written by put_st) and the config text, both or neither; no
+ * file of an input may be replaced. */
+lk_status lk_alg_write_peft_dir(const char *dir, lk_adapter *const *ins, size_t n_in, const char *text,
+                                lk_status (*put_st)(const void *ctx, const char *path), const void *ctx) {
     int made = mkdir(dir, 0777) == 0;
     if (!made && errno != EEXIST)
         return lk_error(LK_ERR_IO, "%s: cannot create folder: %s", dir, strerror(errno));
@@ -259,27 +261,37 @@ static lk_status write_peft(const wctx *c) {
         return lk_error(LK_ERR_IO, "%s: a PEFT output is a folder (adapter_model.safetensors + adapter_config.json)",
                         dir);
     char *st = lk_path_join(dir, "adapter_model.safetensors"), *js = lk_path_join(dir, "adapter_config.json");
-    json_t *cfg = lora_config(c->ctx, c->names);
-    char *text = cfg ? json_dumps(cfg, JSON_INDENT(2) | JSON_SORT_KEYS) : NULL;
     lk_status s = st && js && text ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
     lk_out_inputs in = LK_OUT_INPUTS_INIT;
-    for (size_t i = 0; !s && i < c->ctx->n_in; i++) {
-        s = lk_out_inputs_add(&in, lk_adapter_file(c->ctx->in[i].a), "input adapter");
-        if (!s && lk_adapter_config_file(c->ctx->in[i].a))
-            s = lk_out_inputs_add(&in, lk_adapter_config_file(c->ctx->in[i].a), "input adapter config");
+    for (size_t i = 0; !s && i < n_in; i++) {
+        s = lk_out_inputs_add(&in, lk_adapter_file(ins[i]), "input adapter");
+        if (!s && lk_adapter_config_file(ins[i])) s = lk_out_inputs_add(&in, lk_adapter_config_file(ins[i]), "input adapter config");
     }
     if (!s) s = lk_out_check(st, &in);
     if (!s) s = lk_out_check(js, &in);
     struct stat old;
     int had_st = st && stat(st, &old) == 0;
-    if (!s) s = write_st(c, st);
+    if (!s) s = put_st(ctx, st);
     if (!s && (s = lk_out_file_write(js, text, strlen(text))) && !had_st) unlink(st); /* nothing half-written */
     if (s && made) rmdir(dir);
     lk_out_inputs_free(&in);
-    free(text);
-    json_decref(cfg);
     lk_free(st);
     lk_free(js);
+    return s;
+}
+
+static lk_status put_merged(const void *c, const char *path) { return write_st(c, path); }
+
+static lk_status write_peft(const wctx *c) {
+    json_t *cfg = lora_config(c->ctx, c->names);
+    char *text = cfg ? json_dumps(cfg, JSON_INDENT(2) | JSON_SORT_KEYS) : NULL;
+    lk_adapter **ins = lk_calloc(c->ctx->n_in, sizeof *ins);
+    lk_status s = ins && text ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
+    for (size_t i = 0; ins && i < c->ctx->n_in; i++) ins[i] = c->ctx->in[i].a;
+    if (!s) s = lk_alg_write_peft_dir(c->ctx->out, ins, c->ctx->n_in, text, put_merged, c);
+    lk_free(ins);
+    free(text);
+    json_decref(cfg);
     return s;
 }
 
@@ -293,7 +305,7 @@ static lk_status make_names(wctx *c) {
     char **sorted = lk_calloc(ctx->n_mods, sizeof *sorted);
     if (!c->names || !sorted) s = lk_error(LK_ERR_NOMEM, "out of memory");
     for (size_t i = 0; !s && i < ctx->n_mods; i++) {
-        c->names[i] = out_name(c->f, ctx->mods[i].name, &s);
+        c->names[i] = lk_alg_out_name(c->f, ctx->mods[i].name, &s);
         if (!c->names[i] && !s) s = lk_error(LK_ERR_NOMEM, "out of memory");
         if (s) lk_error_prefix(s, "%s", ctx->out);
         sorted[i] = c->names[i];
@@ -310,7 +322,7 @@ static lk_status make_names(wctx *c) {
 }
 
 lk_status lk_alg_write(lk_alg_ctx *ctx) {
-    wctx c = {ctx, out_format(ctx), NULL, (float)ctx->run.alpha};
+    wctx c = {ctx, lk_alg_format_of(ctx->o->format, ctx->in[0].a), NULL, (float)ctx->run.alpha};
     lk_status s = make_names(&c);
     if (!s && c.f == LK_ALG_FORMAT_PEFT) {
         s = write_peft(&c);
