@@ -199,6 +199,8 @@ const lk_adapter_tensor *lk_adapter_replacement(const lk_adapter *a, size_t i);
 int lk_adapter_dora(const lk_adapter *a);
 /* 1 if the adapter uses rsLoRA scaling. */
 int lk_adapter_rslora(const lk_adapter *a);
+/* The convention it was opened with (lk_adapter_opts.convention). */
+lk_convention lk_adapter_convention(const lk_adapter *a);
 /* 1 if an adapter_config.json was read (a PEFT folder, or one beside the file). */
 int lk_adapter_has_config(const lk_adapter *a);
 /* Modules not covered by the config's target_modules (warned about). */

@@ -201,6 +201,7 @@ typedef struct lk_fuse_key {
     const lk_lora_module *dora;  /* DoRA module on the key, or NULL */
     double dora_strength;
     size_t n_terms;
+    lk_convention dora_convention; /* the DoRA adapter's convention (its norm, epsilon and strength rule) */
 } lk_fuse_key;
 
 lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t n, const lk_tensor *t,

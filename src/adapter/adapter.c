@@ -276,6 +276,7 @@ const lk_adapter_tensor *lk_adapter_replacement(const lk_adapter *a, size_t i) {
 }
 int lk_adapter_dora(const lk_adapter *a) { return a ? a->dora : 0; }
 int lk_adapter_rslora(const lk_adapter *a) { return a ? a->rslora : 0; }
+lk_convention lk_adapter_convention(const lk_adapter *a) { return a ? a->convention : LK_CONVENTION_LORAKIT; }
 int lk_adapter_has_config(const lk_adapter *a) { return a ? a->has_config : 0; }
 size_t lk_adapter_untargeted(const lk_adapter *a) { return a ? a->n_untargeted : 0; }
 const char *lk_adapter_file(const lk_adapter *a) { return a ? a->file : NULL; }
@@ -906,7 +907,12 @@ static lk_status file_alpha(lk_adapter *a, size_t i, const lk_tensor *alpha_t, c
     lk_status s;
     double ta = 0, ma = 0;
     char *msrc = NULL;
-    const lk_peft_config *mc = a->alpha_from == LK_ALPHA_TENSORS ? NULL : meta_for(a, a->stems[i], m, &pname);
+    /* ComfyUI's loader and LyCORIS's read only .alpha tensors: under their
+     * conventions lora_adapter_metadata counts only when asked for */
+    const int meta_ignored = a->alpha_from == LK_ALPHA_AUTO &&
+                             (a->convention == LK_CONVENTION_COMFYUI || a->convention == LK_CONVENTION_LYCORIS);
+    const lk_peft_config *mc = a->alpha_from == LK_ALPHA_TENSORS || meta_ignored ? NULL
+                                                                                 : meta_for(a, a->stems[i], m, &pname);
     if (alpha_t && (s = read_alpha(a, alpha_t, &ta))) return s;
     if (mc && (s = config_alpha(a, mc, pname, m, an, r, "metadata ", &ma, &msrc))) return s;
     if (alpha_t && mc && a->alpha_from == LK_ALPHA_AUTO && ta != ma) {
@@ -927,9 +933,16 @@ static lk_status file_alpha(lk_adapter *a, size_t i, const lk_tensor *alpha_t, c
         *alpha = a->ss_alpha;
         *source = source_str("metadata ss_network_alpha", NULL);
         if (a->ss_dim && a->ss_dim != r) a->n_ss_dim_off++;
+    } else if (alpha_t && ta == 0.0 && a->convention == LK_CONVENTION_LYCORIS) {
+        *alpha = (double)r; /* LyCORIS's LoCon (and kohya's networks.lora) read alpha 0 as r */
+        *source = source_str(".alpha tensor (0: r, as LyCORIS)", NULL);
     } else if (alpha_t) {
         *alpha = ta;
         *source = source_str(".alpha tensor", NULL);
+    } else if (meta_ignored && meta_for(a, a->stems[i], m, &pname)) {
+        *alpha = (double)r; /* the metadata's alpha, which ComfyUI and LyCORIS never read */
+        *source = source_str(a->convention == LK_CONVENTION_COMFYUI ? "r (metadata alpha ignored, as ComfyUI)"
+                                                                    : "r (metadata alpha ignored, as LyCORIS)", NULL);
     } else {
         /* alpha = r, as diffusers, ComfyUI and A1111 read a module without .alpha */
         *alpha = (double)r;
@@ -1791,6 +1804,19 @@ static lk_status build_modules(lk_adapter *a, keyinfo *ki, size_t nl) {
  * = r where ss_network_alpha says otherwise or where its rank is not
  * ss_network_dim, and a PEFT file with neither a config nor alpha in its
  * metadata. Cannot fail. */
+/* comfyui: ComfyUI's loader reads DoRA only from dora_scale keys; a PEFT
+ * lora_magnitude_vector is left unloaded (it warns "lora key not loaded")
+ * and the module fuses as the plain LoRA it then is. */
+static void drop_magnitudes(lk_adapter *a) {
+    if (a->convention != LK_CONVENTION_COMFYUI) return;
+    for (size_t i = 0; i < a->n; i++)
+        if (a->mods[i].magnitude.data) {
+            memset(&a->mods[i].magnitude, 0, sizeof a->mods[i].magnitude);
+            a->n_mag_dropped++;
+        }
+    if (a->n_mag_dropped) a->dora = 0;
+}
+
 static void warn_opened(const lk_adapter *a) {
     if (a->n_untargeted)
         lk_log(LK_LOG_WARN, "%s: %zu of %zu modules are not covered by target_modules in adapter_config.json",
@@ -1803,6 +1829,9 @@ static void warn_opened(const lk_adapter *a) {
     if (a->n_ss_dim_off)
         lk_log(LK_LOG_WARN, "%s: %zu modules take alpha from ss_network_alpha = %g but their rank is not "
                "ss_network_dim = %ld", a->path, a->n_ss_dim_off, a->ss_alpha, a->ss_dim);
+    if (a->n_mag_dropped)
+        lk_log(LK_LOG_WARN, "%s: convention comfyui: lora_magnitude_vector of %zu modules ignored (ComfyUI's loader "
+               "reads DoRA only as dora_scale): they fuse as plain LoRA", a->path, a->n_mag_dropped);
     size_t dflt = 0, first = 0; /* every format (kohya's is said above when ss_network_alpha differs) */
     for (size_t i = 0; i < a->n && !a->n_ss_off; i++)
         if (!strcmp(a->sources[i], "default r") && !dflt++) first = i;
@@ -1832,12 +1861,14 @@ static lk_status open_any(const char *path, const lk_adapter_source *src, const 
         char b[LK_NUM_STR_MAX];
         return lk_error(LK_ERR_ARG, "%s: alpha %s is not finite", path, lk_num_str(opts->alpha, b));
     }
+    if ((int)opts->convention < 0 || opts->convention >= LK_CONVENTION_COUNT)
+        return lk_error(LK_ERR_ARG, "%s: invalid convention %d", path, (int)opts->convention);
     lk_adapter *a = lk_calloc(1, sizeof *a);
     if (!a) return lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
     a->alpha_from = opts->alpha_from;
+    a->convention = opts->convention;
     a->has_user_alpha = opts->has_alpha != 0;
     a->user_alpha = opts->alpha;
-    a->convention = opts->convention;
     keyinfo *ki = NULL;
     size_t nl = 0;
     lk_status s = (a->path = lk_strdup(path)) ? LK_OK : lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
@@ -1846,6 +1877,7 @@ static lk_status open_any(const char *path, const lk_adapter_source *src, const 
     if (!s) s = split_keys(a, format, &ki, &nl);
     if (!s) s = settle_format(a, ki, nl, format);
     if (!s) s = build_modules(a, ki, nl);
+    if (!s) drop_magnitudes(a);
     lk_free(ki);
     if (s) {
         lk_adapter_free(a);

@@ -47,6 +47,7 @@ struct lk_adapter {
     int has_user_alpha;     /* lk_adapter_opts.has_alpha: the caller's alpha below */
     double user_alpha;
     lk_convention convention; /* lk_adapter_opts.convention: whose rules where the tools disagree */
+    size_t n_mag_dropped;   /* comfyui: modules whose lora_magnitude_vector ComfyUI's loader ignores */
     int has_ss_alpha;       /* kohya's ss_network_alpha, a finite number */
     double ss_alpha;
     const char *ss_alpha_text; /* its text (metadata string), or NULL */

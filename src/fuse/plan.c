@@ -23,7 +23,8 @@
  *                                 finfo(float64).eps here (computed in double)
  *   plus any LoRA / bias terms:   + sum_t s_t c_t (B_t A_t)
  * Strength on replacements and DoRA is lorakit's convention (PEFT has
- * none): s = 1 is PEFT's merge, s = 0 the base. The B A part (DoRA's V, or
+ * none): s = 1 is PEFT's merge, s = 0 the base; the other conventions'
+ * rules are at replace_strength and apply_dora (README "Conventions"). The B A part (DoRA's V, or
  * other adapters' LoRA terms next to a replacement) comes from the fuse
  * kernel's own delta chain (fuse/fuse.h: f32 for BF16/F16 weights, f64
  * for F32), so it is the kernel's arithmetic; the rest is in double (the
@@ -79,6 +80,17 @@ static lk_fuse_term module_term(const lk_lora_module *m, const lk_tensor *t, dou
 static int is_dora(const lk_lora_module *m) { return m->magnitude.data || m->dora_scale.data; }
 static int is_rotation(const lk_lora_module *m) { return m->algo == LK_ALGO_OFT || m->algo == LK_ALGO_BOFT; }
 
+/* The strength a replacement is applied at (s != 0): lorakit interpolates,
+ * W + s (R - W). ComfyUI's "set" patch (set_weight) copies R whatever the
+ * strength; PEFT's modules_to_save and saved biases are swapped in whole
+ * (no strength reaches them). LyCORIS has neither: lorakit's rule. */
+static double replace_strength(const lk_adapter *a, int peft_replacement, double s) {
+    lk_convention c = lk_adapter_convention(a);
+    if (c == LK_CONVENTION_COMFYUI && !peft_replacement) return 1.0;
+    if (c == LK_CONVENTION_PEFT && peft_replacement) return 1.0;
+    return s;
+}
+
 lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t n, const lk_tensor *t,
                            lk_fuse_term *terms, lk_fuse_key *out) {
     memset(out, 0, sizeof *out);
@@ -100,7 +112,7 @@ lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t
                                 r ? r->why : "set_weight");
             rep_from = i;
             out->replace = rt;
-            out->replace_strength = strength[i];
+            out->replace_strength = replace_strength(ad[i], r != NULL, strength[i]);
         }
         if ((rt || (m && !is_dora(m)) || b || (np && !m)) && other == SIZE_MAX) other = i;
         if (np && !m) { /* row slices of a fused weight (LoRA only: resolve refused the rest there) */
@@ -120,6 +132,7 @@ lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t
             dora_from = i;
             out->dora = m;
             out->dora_strength = strength[i];
+            out->dora_convention = lk_adapter_convention(ad[i]);
         } else if (m && m->algo != LK_ALGO_SET) {
             double sc = strength[i]; /* OFT / BOFT: the strength (alpha is a constraint, not a scale) */
             if (!is_rotation(m) && (s = term_scale(ad[i], m, strength[i], "", &sc))) return s;
@@ -212,72 +225,124 @@ static lk_status dstream_open(dstream *ds, int wide, int64_t rows, int64_t cols,
     return LK_OK;
 }
 
-/* DoRA at strength sd: V = W + c delta, W' = m / (||V|| + eps) V, W + sd (W' - W).
- * PEFT (lora_magnitude_vector): the norm per output row, eps 0. LyCORIS
- * (dora_scale): per output row when dora_scale has out values in its first
- * dimension (wd_on_out), else per input channel (over the output rows and
- * the kernel window), eps = 2^-52 (LyCORIS adds torch.finfo(dtype).eps of
- * the dtype it computes in; lorakit computes in double). Norms are fma
- * chains in double (rows ascending, then columns ascending). */
+/* DoRA at strength sd: V = W + c delta, W' = m / (||.|| + eps) V; what is
+ * normed, eps and the strength rule are the convention's (k->dora_convention;
+ * README "Conventions"):
+ *   lorakit: ||V|| per output row for PEFT's lora_magnitude_vector (eps 0)
+ *            and for a dora_scale with out values in its first dimension
+ *            (LyCORIS's wd_on_out), else per input channel (over the output
+ *            rows and the kernel window), eps 2^-52 for dora_scale (LyCORIS
+ *            adds finfo(dtype).eps of the dtype it computes in; lorakit
+ *            computes in double); result W + sd (W' - W).
+ *   comfyui: (comfy/weight_adapter/base.py weight_decompose) on the output
+ *            axis when dora_scale's first dimension is out, and then the norm
+ *            is of the ORIGINAL W's rows, not V's; else V per input channel;
+ *            eps = finfo(float32).eps = 2^-23 (it computes in float32) in
+ *            both cases; result W + sd (W' - W).
+ *   lycoris: (lycoris/functional/general.py weight_decompose) the axis as
+ *            lorakit's, eps = finfo(float32).eps = 2^-23 (dora_scale is a
+ *            float32 parameter and W is cast to it); result
+ *            V + sd (W' - V) (its multiplier rescales m / ||V|| around 1,
+ *            V itself carries the full c delta). A PEFT magnitude (which
+ *            LyCORIS does not read) follows lorakit's rule.
+ *   peft:    (peft/tuners/lora/dora.py) ||V|| per output row (dora_scale per
+ *            input channel keeps its axis), eps 0; the strength is PEFT's
+ *            scaling multiplier: V = W + sd c delta, result W' itself.
+ * Norms are fma chains in double (rows ascending, then columns ascending). */
+typedef struct dora_rule {
+    int on_out, norm_w, wide;  /* norm per output row; of W instead of V (comfyui) */
+    int64_t in_ch, K;          /* per input channel: channels, elements per channel per row */
+    double eps, sd, c;         /* c: the delta's scale in V */
+    enum { D_INTERP_W, D_INTERP_V, D_PEFT } finish;
+    const lk_tensor *mag;
+} dora_rule;
+
+static dora_rule dora_rule_of(const lk_fuse_key *k, const lk_tensor *t, int64_t rows, int64_t cols) {
+    const lk_lora_module *m = k->dora;
+    const int peft_mag = m->magnitude.data != NULL;
+    dora_rule r = {.wide = t->dtype == LK_DTYPE_F32, .sd = (double)k->dora_strength, .c = m->scale,
+                   .mag = peft_mag ? &m->magnitude : &m->dora_scale, .finish = D_INTERP_W};
+    lk_convention cv = k->dora_convention;
+    if (cv == LK_CONVENTION_LYCORIS && peft_mag) cv = LK_CONVENTION_LORAKIT;
+    r.on_out = peft_mag || (r.mag->shape[0] == rows && (int64_t)lk_tensor_numel(r.mag) == rows);
+    r.eps = peft_mag ? 0.0 : 0x1p-52;
+    if (cv == LK_CONVENTION_COMFYUI) {
+        r.on_out = r.mag->shape[0] == rows;
+        r.norm_w = r.on_out;
+        r.eps = 0x1p-23;
+    } else if (cv == LK_CONVENTION_LYCORIS) {
+        r.eps = 0x1p-23;
+        r.finish = D_INTERP_V;
+    } else if (cv == LK_CONVENTION_PEFT) {
+        r.eps = 0.0;
+        r.c = r.sd * m->scale;
+        r.finish = D_PEFT;
+    }
+    r.in_ch = r.on_out ? 1 : (int64_t)lk_tensor_numel(r.mag);
+    r.K = r.on_out ? 1 : cols / r.in_ch;
+    return r;
+}
+
+/* One fused value of DoRA: w the base element, v = w + c delta, f its m / (norm + eps). */
+static double dora_finish(const dora_rule *r, double w, double v, double f) {
+    switch (r->finish) {
+    case D_PEFT: return f * v;
+    case D_INTERP_V: return r->sd == 1.0 ? f * v : v + r->sd * (f * v - v);
+    default: return r->sd == 1.0 ? f * v : w + r->sd * (f * v - w);
+    }
+}
+
 static lk_status apply_dora(void *w_out, const void *w_in, const lk_tensor *t, const lk_fuse_key *k, int64_t rows,
                             int64_t cols, const lk_fuse_opts *opts) {
-    const lk_lora_module *m = k->dora;
-    lk_dtype d = t->dtype;
+    const dora_rule r = dora_rule_of(k, t, rows, cols);
+    const lk_dtype d = t->dtype;
     const char *name = t->name;
-    const int wide = d == LK_DTYPE_F32, peft = m->magnitude.data != NULL;
-    const lk_tensor *mag = peft ? &m->magnitude : &m->dora_scale;
-    const int on_out = peft || (mag->shape[0] == rows && (int64_t)lk_tensor_numel(mag) == rows);
-    const int64_t in_ch = on_out ? 1 : (int64_t)lk_tensor_numel(mag), K = on_out ? 1 : cols / in_ch;
-    /* LyCORIS adds torch.finfo(dtype).eps of the dtype it computes in;
-     * lorakit computes in double */
-    const double eps = peft ? 0.0 : 0x1p-52, sd = (double)k->dora_strength;
-    lk_fuse_term lt = module_term(m, t, m->scale); /* the module's own scale, not the strength */
+    const int64_t K = r.K;
+    lk_fuse_term lt = module_term(k->dora, t, r.c);
     dstream ds;
-    lk_status s = dstream_open(&ds, wide, rows, cols, &lt, 1, name);
+    lk_status s = dstream_open(&ds, r.wide, rows, cols, &lt, 1, name);
     if (s) return s;
-    /* a row of the fused values, and the per-channel norms (zeroed): one allocation */
+    /* a row of the base values, a row of V, and the per-channel norms (zeroed): one allocation */
     lk_carve cv = {0};
-    const size_t o_acc = LK_CARVE(&cv, (size_t)cols, double), o_cs = LK_CARVE(&cv, on_out ? 0 : (size_t)in_ch, double);
+    const size_t o_acc = LK_CARVE(&cv, (size_t)cols, double), o_v = LK_CARVE(&cv, (size_t)cols, double),
+                 o_cs = LK_CARVE(&cv, r.on_out ? 0 : (size_t)r.in_ch, double);
     unsigned char *mem = lk_carve_alloc(&cv);
-    double *acc = mem ? (double *)(void *)(mem + o_acc) : NULL, *cs = mem && !on_out ? (double *)(void *)(mem + o_cs) : NULL;
+    double *acc = mem ? (double *)(void *)(mem + o_acc) : NULL, *v = mem ? (double *)(void *)(mem + o_v) : NULL;
+    double *cs = mem && !r.on_out ? (double *)(void *)(mem + o_cs) : NULL;
     if (!mem) {
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
         goto done;
     }
-#define DELTA(j) (wide ? ((const double *)ds.dl)[drow + (size_t)(j)] : (double)((const float *)ds.dl)[drow + (size_t)(j)])
-    for (int pass = on_out ? 1 : 0; pass < 2 && !s; pass++) /* pass 0: the per-channel norms */
+    for (int pass = r.on_out ? 1 : 0; pass < 2 && !s; pass++) /* pass 0: the per-channel norms */
         for (int64_t r0 = 0; r0 < rows && !s; r0 += ds.chunk) {
             int64_t nr = rows - r0 < ds.chunk ? rows - r0 : ds.chunk;
             lk_fuse_delta_rows(ds.p, ds.dl, (size_t)cols, (size_t)r0, (size_t)nr, ds.scratch);
             for (int64_t o = r0; o < r0 + nr && !s; o++) {
                 size_t base = (size_t)(o * cols), drow = (size_t)((o - r0) * cols);
-                for (int64_t j = 0; j < cols; j++) acc[j] = load(w_in, base + (size_t)j, d);
+                for (int64_t j = 0; j < cols; j++) {
+                    acc[j] = load(w_in, base + (size_t)j, d);
+                    v[j] = acc[j] + (r.wide ? ((const double *)ds.dl)[drow + (size_t)j]
+                                            : (double)((const float *)ds.dl)[drow + (size_t)j]);
+                }
                 if (pass == 0) {
-                    for (int64_t j = 0; j < cols; j++) {
-                        double v = acc[j] + DELTA(j);
-                        cs[j / K] = fma(v, v, cs[j / K]);
-                    }
+                    for (int64_t j = 0; j < cols; j++) cs[j / K] = fma(v[j], v[j], cs[j / K]);
                     continue;
                 }
                 double f = 0.0;
-                if (on_out) {
+                if (r.on_out) {
+                    const double *x = r.norm_w ? acc : v;
                     double ss = 0.0;
-                    for (int64_t j = 0; j < cols; j++) {
-                        double v = acc[j] + DELTA(j);
-                        ss = fma(v, v, ss);
-                    }
-                    f = load(mag->data, (size_t)o, mag->dtype) / (sqrt(ss) + eps);
+                    for (int64_t j = 0; j < cols; j++) ss = fma(x[j], x[j], ss);
+                    f = load(r.mag->data, (size_t)o, r.mag->dtype) / (sqrt(ss) + r.eps);
                 }
                 for (int64_t j = 0; j < cols; j++) {
-                    double v = acc[j] + DELTA(j);
-                    double fj = on_out ? f : load(mag->data, (size_t)(j / K), mag->dtype) / (sqrt(cs[j / K]) + eps);
-                    acc[j] = sd == 1.0 ? fj * v : acc[j] + sd * (fj * v - acc[j]);
+                    double fj = r.on_out ? f : load(r.mag->data, (size_t)(j / K), r.mag->dtype) / (sqrt(cs[j / K]) + r.eps);
+                    acc[j] = dora_finish(&r, acc[j], v[j], fj);
                 }
                 for (int64_t j = 0; j < cols && !s; j++) s = finite_check(acc[j], name, base + (size_t)j, opts);
                 for (int64_t j = 0; j < cols && !s; j++) store(w_out, base + (size_t)j, acc[j], d);
             }
         }
-#undef DELTA
 done:
     lk_free(mem);
     dstream_free(&ds);
