@@ -49,7 +49,7 @@ expect 2 fuse "$B" -l "$FX/peft" -o "$O" --bogus;  err_has "unknown option '--bo
 # Every format fuses (auto-detected), with the expected tensors touched.
 for a in peft diffusers.safetensors kohya.safetensors fastvideo.safetensors; do
   expect 0 fuse "$B" -l "$FX/$a" -o "$O" --json
-  grep '^{"base":".*","out":".*","adapters":\[{"path":".*","strength":1.0}\],"tensors_total":5,"tensors_fused":[12],"modules_unmatched":0,"seconds":[0-9.e-]*}$' "$TMP/out" >/dev/null \
+  grep '^{"base":".*","out":".*","adapters":\[{"path":".*","strength":1.0}\],"tensors_total":5,"tensors_fused":[12],"modules_unmatched":0,"convention":"lorakit","seconds":[0-9.e-]*}$' "$TMP/out" >/dev/null \
     || { cat "$TMP/out"; fail "fuse --json line for $a"; }
   [ "$(tensor_hex "$O" norm.bias)" = "$(tensor_hex "$B" norm.bias)" ] || fail "$a: norm.bias changed"
   [ "$(tensor_hex "$O" ids)" = "$(tensor_hex "$B" ids)" ] || fail "$a: ids changed"
@@ -131,6 +131,22 @@ out_has '"algorithm":"loha"'; grep -F '"algorithm":"lora"' "$TMP/out" >/dev/null
 expect 0 inspect "$LY/loha.safetensors" --base "$LY/base_f32.safetensors"; out_has ", loha, rank "
 expect 0 inspect "$LY/dora_out.safetensors" --base "$LY/base_f32.safetensors" --json; out_has '"algorithm":"lora"'; out_has '"dora":true'
 expect 0 inspect "$LY/dora_out.safetensors" --base "$LY/base_f32.safetensors"; out_has ", lora+DoRA, rank "
+# --convention (issue 29): a DoRA file on the output axis gives other weights under comfyui (the norm of the
+# original W); the summary and the lorakit.fused record name it; a bad name is a usage error
+expect 2 fuse "$LY/base_f32.safetensors" -l "$LY/dora_out.safetensors" -o "$O" --convention a1111
+err_has "unknown convention 'a1111' (valid: lorakit, comfyui, lycoris, peft)"
+expect 2 fuse "$LY/base_f32.safetensors" -l "$LY/dora_out.safetensors" -o "$O" --convention
+expect 0 fuse "$LY/base_f32.safetensors" -l "$LY/dora_out.safetensors" -o "$O" --json
+out_has '"convention":"lorakit"'; d_lk=$(digest "$O")
+expect 0 fuse "$LY/base_f32.safetensors" -l "$LY/dora_out.safetensors" -o "$O" --json --convention comfyui
+out_has '"convention":"comfyui"'; d_cf=$(digest "$O")
+[ "$d_lk" != "$d_cf" ] || fail "--convention comfyui gave lorakit's bytes for a DoRA file"
+expect 0 inspect "$O"; out_has '"convention":"comfyui"'
+expect 0 fuse "$LY/base_f32.safetensors" -l "$LY/dora_out.safetensors" -o "$O" --convention lorakit
+[ "$(digest "$O")" = "$d_lk" ] || fail "--convention lorakit is not the default"
+expect 0 inspect "$LY/dora_out.safetensors" --base "$LY/base_f32.safetensors" --convention peft
+expect 2 inspect "$LY/dora_out.safetensors" --base "$LY/base_f32.safetensors" --convention x; err_has "unknown convention 'x'"
+expect 0 fuse --help; out_has "--convention C"
 # Streaming: fusing into a 128 MB model (16 BF16 weights of 8 MB, zeros)
 # keeps the peak resident set far below the model size: the base's pages are
 # released once each tensor is written. Needs GNU time for the peak RSS.

@@ -293,6 +293,12 @@ static void test_create_mismatch(void **state) {
     assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_ERR_MISMATCH);
     assert_null(t);
     o.bucket_bytes = (size_t)1 << 20;
+    /* another convention on one rank: the same adapters would mean other weights (issue 29) */
+    o.convention = R == N - 1 ? LK_CONVENTION_COMFYUI : LK_CONVENTION_LORAKIT;
+    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_ERR_MISMATCH);
+    assert_null(t);
+    tu_assert_contains(lk_last_error(), R == N - 1 ? "convention comfyui" : "convention lorakit");
+    o.convention = LK_CONVENTION_LORAKIT;
     /* serial on one rank: its agreement on the fuse would sit elsewhere among the collectives */
     assert_int_equal(lk_tracker_create_ex(W, w, &o, R == 0 ? LK_TRACKER_SERIAL : 0, &t), LK_ERR_MISMATCH);
     tu_assert_contains(lk_last_error(), "mode");

@@ -94,7 +94,12 @@ static void test_full_plan(void **state) {
     assert_string_equal(p->maps[0], "/plans/mine.lkmap");
     assert_string_equal(p->maps[1], "/abs/other.lkmap");
     lk_plan_free(p);
+    /* the convention (issue 29): unset is lorakit's */
+    p = parse("convention: comfyui\nsteps: []\n", LK_OK);
+    assert_int_equal(p->convention, LK_CONVENTION_COMFYUI);
+    lk_plan_free(p);
     p = parse("maps: []\nsteps: []\n", LK_OK);
+    assert_int_equal(p->convention, LK_CONVENTION_LORAKIT);
     assert_null(p->arch); /* unset: recognised from the base */
     assert_int_equal(p->n_maps, 0);
     lk_plan_free(p);
@@ -118,7 +123,10 @@ static void test_errors(void **state) {
         {"bucket_mb: 8\nsteps: []\nallow_nonfinite: 'true'\n", "plan.yaml:3: allow_nonfinite: expected true or false"},
         {"allow_nonfinite: [true]\nsteps: []\n", "plan.yaml:1: allow_nonfinite: expected true or false"},
         {"steps: []\ncolour: red\n", "plan.yaml:2: colour: unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, "
-                                    "fp8_rounding, fp8_seed, fp8_scale, fp8_saturate, timeout, alpha_from, arch, maps, steps)"},
+                                    "fp8_rounding, fp8_seed, fp8_scale, fp8_saturate, timeout, alpha_from, convention, arch, "
+                                    "maps, steps)"},
+        {"convention: a1111\nsteps: []\n", "plan.yaml:1: convention: expected lorakit, comfyui, lycoris or peft"},
+        {"convention: [peft]\nsteps: []\n", "plan.yaml:1: convention: expected lorakit, comfyui, lycoris or peft"},
         {"arch: ''\nsteps: []\n", "plan.yaml:1: arch: expected a family name"},
         {"arch: [flux]\nsteps: []\n", "plan.yaml:1: arch: expected a family name"},
         {"maps: a.lkmap\nsteps: []\n", "plan.yaml:1: maps: expected a list of table files"},

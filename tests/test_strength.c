@@ -324,11 +324,12 @@ static void test_parse(void **state) {
 static void test_json(void **state) {
     (void)state;
     lk_fuse_input in[2] = {{"a", 0.1 + 0.2, LK_FORMAT_AUTO}, {"b", 0.7, LK_FORMAT_AUTO}};
-    lk_fuse_stats st = {5, 1, 0, 0.25};
+    lk_fuse_stats st = {.tensors_total = 5, .tensors_fused = 1, .seconds = 0.25, .convention = LK_CONVENTION_PEFT};
     char *js = lk_fuse_summary_json(NULL, NULL, in, 2, &st);
     assert_non_null(js);
     tu_assert_contains(js, "\"strength\":0.30000000000000004");
     tu_assert_contains(js, "\"strength\":0.7}");
+    tu_assert_contains(js, "\"convention\":\"peft\""); /* the convention the fuse followed (issue 29) */
     tu_assert_contains(js, "\"seconds\":0.25}");
     lk_free(js);
 }

@@ -69,6 +69,7 @@ static const char *const FUSE_USAGE =
     "  --map FILE             an extra name table in the same format (README \"Model\n"
     "                         families and layouts\"; repeatable)\n"
     LK_CLI_ALPHA_FROM_HELP
+    LK_CLI_CONVENTION_HELP
     "  --allow-unmatched      skip adapter modules that match no model weight\n"
     "                         (one warning with the count) instead of failing\n"
     "  --allow-nonfinite      keep Inf/NaN values created by fusion instead of\n"
@@ -76,7 +77,7 @@ static const char *const FUSE_USAGE =
     LK_CLI_FP8_HELP
     "  --json                 print one JSON object: {base, out, adapters:\n"
     "                         [{path, strength}], tensors_total, tensors_fused,\n"
-    "                         modules_unmatched, seconds}\n"
+    "                         modules_unmatched, convention, seconds}\n"
     "  -h, --help             this text\n";
 
 typedef struct bar {
@@ -216,6 +217,11 @@ int lk_cmd_fuse(int argc, char **argv) {
             }
             if (lk_alpha_from_parse(argv[++i], &opts.alpha_from) != LK_OK) {
                 lk_cli_usage("fuse", "%s", lk_last_error());
+                goto done;
+            }
+        } else if (!strcmp(a, "--convention")) {
+            if (!has_val || lk_convention_parse(argv[++i], &opts.fuse.convention) != LK_OK) {
+                lk_cli_usage("fuse", "%s", has_val ? lk_last_error() : "--convention needs lorakit, comfyui, lycoris or peft");
                 goto done;
             }
         } else if (!strcmp(a, "--allow-unmatched")) {

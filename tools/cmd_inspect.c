@@ -16,7 +16,7 @@
 static const char *const INSPECT_USAGE =
     "usage: lorakit inspect FILE|DIR [--json] [--alpha-from tensors|metadata]\n"
     "       lorakit inspect ADAPTER --base CKPT [--arch NAME] [--map FILE] [--json]\n"
-    "                       [--alpha-from tensors|metadata]\n\n"
+    "                       [--alpha-from tensors|metadata] [--convention C]\n\n"
     "Lists a checkpoint (a safetensors file, or a sharded set given by its\n"
     "*.safetensors.index*.json or its folder): its metadata (the index's for a\n"
     "sharded set), its shards, then one line per tensor (name, dtype, shape,\n"
@@ -43,6 +43,8 @@ static const char *const INSPECT_USAGE =
     "             a shard per tensor, offset within that shard)\n"
     "             totals: {DTYPE: {tensors, bytes}}, tensor_count, total_bytes}\n"
     LK_CLI_ALPHA_FROM_HELP
+    LK_CLI_CONVENTION_HELP
+    "                         (the alpha and scale shown are the convention's)\n"
     "  -h, --help this text\n";
 
 /* The human-readable listing of a checkpoint, from the opened set itself
@@ -229,7 +231,7 @@ static int inspect_args(int argc, char **argv, const char **path_out, const char
     for (int i = 1; i < argc; i++) {
         int has_val = i + 1 < argc;
         if ((!strcmp(argv[i], "--base") || !strcmp(argv[i], "--arch") || !strcmp(argv[i], "--map") ||
-             !strcmp(argv[i], "--alpha-from")) && !has_val)
+             !strcmp(argv[i], "--alpha-from") || !strcmp(argv[i], "--convention")) && !has_val)
             return lk_cli_usage("inspect", "%s needs a value", argv[i]);
         if (!strcmp(argv[i], "--base")) *base = argv[++i];
         else if (!strcmp(argv[i], "--arch")) ro->arch = argv[++i];
@@ -237,6 +239,8 @@ static int inspect_args(int argc, char **argv, const char **path_out, const char
         else if (!strcmp(argv[i], "--json")) json = 1;
         else if (!strcmp(argv[i], "--alpha-from")) {
             if (lk_alpha_from_parse(argv[++i], &ao->alpha_from)) return lk_cli_usage("inspect", "%s", lk_last_error());
+        } else if (!strcmp(argv[i], "--convention")) {
+            if (lk_convention_parse(argv[++i], &ao->convention)) return lk_cli_usage("inspect", "%s", lk_last_error());
         }
         else if (!strcmp(argv[i], "--") && i + 1 < argc && !path && i + 2 == argc) path = argv[++i];
         else if (argv[i][0] == '-' && argv[i][1]) return lk_cli_usage("inspect", "unknown option '%s'", argv[i]);

@@ -21,7 +21,7 @@ static const char *const SWAP_USAGE =
     "usage: lorakit swap BASE --plan PLAN.yaml [--json] [--bucket-mb N] [--threads N]\n"
     "                    [--allow-nonfinite] [--timeout S] [--alpha-from tensors|metadata]\n"
     "                    [--arch NAME] [--map FILE ...] [--device cpu|cuda[:N]|emul]\n"
-    "                    [--backup host|device]\n\n"
+    "                    [--backup host|device] [--convention lorakit|comfyui|lycoris|peft]\n\n"
     "Loads the safetensors checkpoint BASE into memory on every rank and\n"
     "applies each step of the plan with the hot-swap tracker: ranks own keys by\n"
     "size, owners recompute only the keys whose adapters changed and broadcast\n"
@@ -40,6 +40,7 @@ static const char *const SWAP_USAGE =
     "  fp8_saturate: false    # optional: clamp instead of failing on overflow\n"
     "  timeout: %-14d# optional: seconds a collective may wait (0 = none)\n"
     "  alpha_from: tensors    # optional: tensors | metadata (see --alpha-from)\n"
+    "  convention: comfyui    # optional: lorakit | comfyui | lycoris | peft (see --convention)\n"
     "  arch: flux             # optional: family table (see --arch)\n"
     "  maps: [mine.lkmap]     # optional: extra name tables (see --map)\n"
     "  steps:\n"
@@ -70,6 +71,8 @@ static const char *const SWAP_USAGE =
     "                  (overrides the plan's timeout; it also bounds how long a\n"
     "                  rank waits for the others to read the plan and the base)\n"
     LK_CLI_ALPHA_FROM_HELP
+    LK_CLI_CONVENTION_HELP
+    "                         (overrides the plan's convention)\n"
     "                         (overrides the plan's alpha_from)\n"
     "  --arch NAME      the model family table that maps diffusers names onto the\n"
     "                   original single-file names (flux, sd1, sdxl, ...; \"none\": no\n"
@@ -99,6 +102,8 @@ typedef struct swap_args {
     int allow_nonfinite;
     double timeout; /* -1: from the plan, else LK_COMM_TIMEOUT_DEFAULT */
     lk_alpha_from alpha_from; /* LK_ALPHA_AUTO: the plan's */
+    int has_convention;       /* 0: the plan's */
+    lk_convention convention;
     const char *arch;         /* NULL: the plan's */
     const char **maps;        /* n_maps given: they replace the plan's */
     size_t n_maps;
@@ -120,7 +125,8 @@ static lk_status parse_args(int argc, char **argv, swap_args *a) {
         else if (!strcmp(o, "--allow-nonfinite")) a->allow_nonfinite = 1;
         else if (!strcmp(o, "--plan") || !strcmp(o, "--bucket-mb") || !strcmp(o, "--threads") ||
                  !strcmp(o, "--timeout") || !strcmp(o, "--alpha-from") || !strcmp(o, "--arch") ||
-                 !strcmp(o, "--map") || !strcmp(o, "--device") || !strcmp(o, "--backup")) {
+                 !strcmp(o, "--map") || !strcmp(o, "--device") || !strcmp(o, "--backup") ||
+                 !strcmp(o, "--convention")) {
             if (i + 1 == argc) return lk_error(LK_ERR_ARG, "%s needs a value", o);
             const char *v = argv[++i];
             if (!strcmp(o, "--plan")) a->plan = v;
@@ -136,6 +142,9 @@ static lk_status parse_args(int argc, char **argv, swap_args *a) {
             }
             else if (!strcmp(o, "--alpha-from")) {
                 if (lk_alpha_from_parse(v, &a->alpha_from)) return LK_ERR_ARG;
+            } else if (!strcmp(o, "--convention")) {
+                if (lk_convention_parse(v, &a->convention)) return LK_ERR_ARG;
+                a->has_convention = 1;
             } else if (!strcmp(o, "--timeout")) {
                 if (!lk_cli_parse_timeout(v, &a->timeout))
                     return lk_error(LK_ERR_ARG, "--timeout expects seconds in %s (0 = none), got '%s'",
@@ -295,6 +304,7 @@ int lk_cmd_swap(int argc, char **argv) {
         o.allow_nonfinite = a.allow_nonfinite || plan->allow_nonfinite;
         o.fp8 = plan->fp8;
         o.alpha_from = a.alpha_from ? a.alpha_from : plan->alpha_from;
+        o.convention = a.has_convention ? a.convention : plan->convention;
         o.base_label = a.base; /* a bad FP8 scale in the base is named under the base */
         o.threads = a.threads >= 0 ? (int)a.threads : auto_threads(c);
         o.arch = a.arch ? a.arch : plan->arch;

@@ -168,6 +168,7 @@ typedef struct lk_fuse_stats {
     double seconds;
     size_t keys_device;        /* with a device: tensors the device kernel fused */
     size_t keys_host_fallback; /* with a device: tensors fused on the host path (fuse_device.h) */
+    lk_convention convention; /* the conventions the fuse followed (lk_fuse_opts.convention) */
 } lk_fuse_stats;
 
 /* A strength as typed (the CLI's -l ADAPTER:STRENGTH, a plan's strength):

@@ -5,6 +5,7 @@
  *   allow_nonfinite: false # optional: lk_tracker_opts.allow_nonfinite
  *   timeout: 300           # optional: seconds a collective may wait (0 = none)
  *   alpha_from: tensors    # optional: tensors | metadata, lk_tracker_opts.alpha_from
+ *   convention: comfyui    # optional: lorakit | comfyui | lycoris | peft, lk_tracker_opts.convention
  *   arch: flux             # optional: the family table, lk_tracker_opts.arch (none: no table)
  *   maps: [mine.lkmap]     # optional: extra name tables, lk_tracker_opts.maps
  *   steps:
@@ -47,6 +48,7 @@ typedef struct lk_plan {
                              -1 when the plan does not set it */
     lk_fp8_opts fp8;      /* fp8_rounding, fp8_seed, fp8_scale, fp8_saturate (all zero: nearest, seed 0, rescale, no) */
     lk_alpha_from alpha_from; /* LK_ALPHA_AUTO when the plan does not set it */
+    lk_convention convention; /* LK_CONVENTION_LORAKIT when the plan does not set it */
     char *arch;           /* NULL when the plan does not set it */
     char **maps;          /* n_maps paths (relative ones joined to the plan's folder) */
     size_t n_maps;

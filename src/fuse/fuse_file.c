@@ -129,7 +129,7 @@ static char *dumps_exact(const json_t *o, size_t flags) {
  * is not UTF-8 cannot be recorded in JSON and is named as such (jansson
  * gives no reason, so without the check it would read as out of memory). */
 static lk_status fused_record(const char *base, const char *old, const lk_fuse_input *in, size_t n,
-                              lk_alpha_from alpha_from, char **out) {
+                              lk_alpha_from alpha_from, lk_convention conv, char **out) {
     json_t *arr = NULL;
     if (old) {
         arr = json_loads(old, 0, NULL);
@@ -155,6 +155,11 @@ static lk_status fused_record(const char *base, const char *old, const lk_fuse_i
         }
         if (o && alpha_from != LK_ALPHA_AUTO &&
             json_object_set_new(o, "alpha_from", json_string(lk_alpha_from_name(alpha_from)))) {
+            json_decref(o);
+            o = NULL;
+        }
+        if (o && conv != LK_CONVENTION_LORAKIT &&
+            json_object_set_new(o, "convention", json_string(lk_convention_name(conv)))) {
             json_decref(o);
             o = NULL;
         }
@@ -297,6 +302,7 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
                          const lk_adapter_source *const *sources, size_t n, const lk_fuse_file_opts *fo,
                          lk_fuse_stats *st) {
     lk_status s;
+    st->convention = fo->fuse.convention;
     for (size_t i = 0; i < n; i++) {
         if (!inputs[i].path) return lk_error(LK_ERR_ARG, "%s: adapter %zu has no path", label, i);
         if (!isfinite(inputs[i].strength))
@@ -435,7 +441,7 @@ static lk_status check_fp8_scales(fctx *c, const char *base, size_t nt, size_t s
 /* c->record: the base's lorakit.fused record followed by this request, each
  * input recorded with the format its adapter was read as. */
 static lk_status make_record(fctx *c, const char *base, const lk_fuse_input *inputs, size_t n,
-                             lk_alpha_from alpha_from) {
+                             const lk_fuse_file_opts *fo) {
     lk_fuse_input *rec = lk_malloc((n ? n : 1) * sizeof *rec);
     if (!rec) return lk_error(LK_ERR_NOMEM, "%s: out of memory", base);
     for (size_t i = 0; i < n; i++) {
@@ -444,7 +450,7 @@ static lk_status make_record(fctx *c, const char *base, const lk_fuse_input *inp
     }
     json_t *hold;
     const char *old = base_record(c->ck, &hold);
-    lk_status s = fused_record(lk_ckpt_path(c->ck), old, rec, n, alpha_from, &c->record);
+    lk_status s = fused_record(lk_ckpt_path(c->ck), old, rec, n, fo->alpha_from, fo->fuse.convention, &c->record);
     json_decref(hold);
     lk_free(rec);
     return s;
@@ -585,7 +591,7 @@ lk_status lk_fuse_checkpoint(const char *base, const lk_fuse_input *inputs, cons
     if (!s) s = check_fp8_scales(&c, base, nt, sbuf_bytes);
     if (!s && c.buf_bytes && !(c.buf = lk_malloc(c.buf_bytes)))
         s = lk_error(LK_ERR_NOMEM, "%s: out of memory for a %zu-byte tensor buffer", base, c.buf_bytes);
-    if (!s) s = make_record(&c, base, inputs, n, opts->alpha_from);
+    if (!s) s = make_record(&c, base, inputs, n, opts);
     if (!s) s = open_writers(&c, base, out, nt);
     for (size_t i = 0; !s && i < nt; i++) {
         if ((s = write_tensor(&c, i, base, &opts->fuse, &st))) break;
@@ -714,6 +720,7 @@ char *lk_fuse_summary_json(const char *base, const char *out, const lk_fuse_inpu
     bad |= json_object_set_new(o, "tensors_total", json_integer((json_int_t)st->tensors_total));
     bad |= json_object_set_new(o, "tensors_fused", json_integer((json_int_t)st->tensors_fused));
     bad |= json_object_set_new(o, "modules_unmatched", json_integer((json_int_t)st->modules_unmatched));
+    bad |= json_object_set_new(o, "convention", json_string(lk_convention_name(st->convention)));
     bad |= json_object_set_new(o, "seconds", json_real(st->seconds));
     char *r = bad ? NULL : dumps_exact(o, JSON_COMPACT);
     json_decref(o);

@@ -334,6 +334,7 @@ static lk_status fuse_component(pctx *p, const comp *c) {
     if (!s) s = lk_fuse_checkpoint(c->dir, p->inputs, p->sources, p->n, of ? of : od, &fo, &st);
     p->total.tensors_total += st.tensors_total;
     p->total.tensors_fused += st.tensors_fused;
+    p->total.convention = p->opts->fuse.convention;
     lk_free(od);
     lk_free(of);
     return s;

@@ -174,6 +174,10 @@ static lk_status parse_setting(pctx *c, const lk_ynode *kn, const char *k, const
         const char *v = lk_ynode_str(vn);
         if (!v || lk_alpha_from_parse(v, &p->alpha_from))
             return lk_yerr(c->doc, vn, NULL, "expected tensors or metadata");
+    } else if (!strcmp(k, "convention")) {
+        const char *v = lk_ynode_str(vn);
+        if (!v || lk_convention_parse(v, &p->convention))
+            return lk_yerr(c->doc, vn, NULL, "expected lorakit, comfyui, lycoris or peft");
     } else if (!strcmp(k, "arch")) {
         const char *v = lk_ynode_str(vn);
         if (!v || !*v) return lk_yerr(c->doc, vn, NULL, "expected a family name (flux, sdxl, ...; none: no table)");
@@ -181,7 +185,7 @@ static lk_status parse_setting(pctx *c, const lk_ynode *kn, const char *k, const
     } else if (strcmp(k, "steps")) {
         return lk_yerr(c->doc, kn, NULL,
                        "unknown key (valid: bucket_mb, no_lora_swap, allow_nonfinite, fp8_rounding, fp8_seed, "
-                       "fp8_scale, fp8_saturate, timeout, alpha_from, arch, maps, steps)");
+                       "fp8_scale, fp8_saturate, timeout, alpha_from, convention, arch, maps, steps)");
     }
     return LK_OK;
 }

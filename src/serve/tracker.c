@@ -789,9 +789,9 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash, int mode) {
     }
     /* the mode: serial or not changes where the agreement on the fuse
      * sits among the collectives (the automatic choice is agreed apart) */
-    uint64_t opts[9] = {t->o.bucket_bytes, t->o.no_lora_swap != 0, t->o.allow_nonfinite != 0,
+    uint64_t opts[10] = {t->o.bucket_bytes, t->o.no_lora_swap != 0, t->o.allow_nonfinite != 0,
                          (uint64_t)t->o.fp8.rounding, t->o.fp8.seed, (uint64_t)t->o.fp8.scale, t->o.fp8.saturate != 0,
-                         (uint64_t)mode, (uint64_t)t->o.alpha_from};
+                         (uint64_t)mode, (uint64_t)t->o.alpha_from, (uint64_t)t->o.convention};
     XXH3_64bits_update(&hs, opts, sizeof opts);
     /* the name tables: the same family and --map paths on every rank (their contents are
      * compared through where each adapter lands, adapter_content) */
@@ -1013,6 +1013,8 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
     else if (opts->threads < 0) local = lk_error(LK_ERR_ARG, "tracker: threads must be >= 0 (got %d)", opts->threads);
     else if ((int)opts->alpha_from < 0 || opts->alpha_from >= LK_ALPHA_COUNT)
         local = lk_error(LK_ERR_ARG, "tracker: invalid alpha source %d", (int)opts->alpha_from);
+    else if ((int)opts->convention < 0 || opts->convention >= LK_CONVENTION_COUNT)
+        local = lk_error(LK_ERR_ARG, "tracker: invalid convention %d", (int)opts->convention);
     else if (mode & ~(LK_TRACKER_SERIAL | LK_TRACKER_OVERLAP))
         local = lk_error(LK_ERR_ARG, "tracker: unknown mode bits in %d", mode);
     else if ((mode & LK_TRACKER_SERIAL) && (mode & LK_TRACKER_OVERLAP))
@@ -1050,11 +1052,11 @@ lk_status lk_tracker_create_ex(lk_comm *group, lk_weights *weights, const lk_tra
     lk_status s = agree_hash(group, local, shape_hash, &same);
     if (!s && !same)
         s = lk_error(LK_ERR_MISMATCH, "tracker: ranks hold different weights (names, dtypes, shapes) or options "
-                                      "(bucket_bytes %zu, no_lora_swap %d, mode %d, allow_nonfinite %d, arch %s, %zu --map files, "
-                                      "device kind %d, %s broadcast, backup %d on rank %d)",
+                                      "(bucket_bytes %zu, no_lora_swap %d, mode %d, allow_nonfinite %d, convention %s, arch %s, "
+                                      "%zu --map files, device kind %d, %s broadcast, backup %d on rank %d)",
                      t->o.bucket_bytes, opts->no_lora_swap, mode, opts->allow_nonfinite,
-                     t->o.arch ? t->o.arch : "(auto)", t->o.n_maps, (int)dev_sig[0], dev_sig[1] ? "staged" : "direct",
-                     (int)dev_sig[2], t->rank);
+                     lk_convention_name(opts->convention), t->o.arch ? t->o.arch : "(auto)", t->o.n_maps,
+                     (int)dev_sig[0], dev_sig[1] ? "staged" : "direct", (int)dev_sig[2], t->rank);
     if (!s && t->size > 1) s = check_base(t, LK_OK);
     if (!s && t->size > 1 && !(mode & LK_TRACKER_SERIAL)) {
         /* a fuse worker thread when forced, else where this rank has a spare core */

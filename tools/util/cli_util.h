@@ -71,4 +71,12 @@ int lk_cli_fp8_option(const char *cmd, int argc, char **argv, int *i, lk_fp8_opt
     "                         else lora_adapter_metadata, else r; .alpha tensors and\n"  \
     "                         lora_adapter_metadata that disagree are an error\n"
 
+/* --convention, shared by fuse, swap and inspect. */
+#define LK_CLI_CONVENTION_HELP                                                              \
+    "  --convention C         whose rules decide where the tools disagree (DoRA's norm,\n"  \
+    "                         epsilon and strength, set_weight at strength != 1, alpha 0,\n" \
+    "                         alpha in metadata; README \"Conventions\"): lorakit\n"        \
+    "                         (default), comfyui (ComfyUI's loader), lycoris (LyCORIS's\n"  \
+    "                         forward) or peft (PEFT's merge)\n"
+
 #endif
