@@ -665,45 +665,90 @@ class Tracker:
 # ---- training ----
 
 def _zeros_like(x):
+    """Zeros shaped like x, in x's dtype where it is one sync_grads averages
+    (float32, float16, bfloat16), else float32."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
-        return torch.zeros_like(x, dtype=torch.float32, memory_format=torch.contiguous_format,
-                                requires_grad=False)
+        if hasattr(x, "to_local"):  # a DTensor: its local shard's shape
+            x = x.to_local()
+        dt = x.dtype if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+        return torch.zeros(x.shape, dtype=dt, device=x.device)
     import numpy as np
-    return np.zeros(np.shape(x), dtype=np.float32)
+    dt = getattr(x, "dtype", None)
+    return np.zeros(np.shape(x), dtype=dt if dt in (np.float32, np.float16) else np.float32)
 
 
-def sync_grads(grads, comm=None, *, like=None, bucket_mb=_default("sync_bucket_mb")):
-    """Averages float32 gradients over comm, in place, in buckets of
-    bucket_mb MiB (a few collectives, not one per tensor). A None entry (a
-    layer this rank skipped) contributes zeros shaped like like[i] and comes
+def _low_precision(g):
+    """True for a float16/bfloat16 tensor or float16 array: averaged as a
+    float32 copy, rounded back once."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(g, torch.Tensor):
+        return g.dtype in (torch.float16, torch.bfloat16)
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(g, np.ndarray) and g.dtype.name in ("float16", "bfloat16")
+
+
+def _as_f32(g):
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(g, torch.Tensor):
+        return g.detach().to(torch.float32, memory_format=torch.contiguous_format)
+    import numpy as np
+    return np.ascontiguousarray(g, dtype=np.float32)
+
+
+def _round_back(g, work):
+    """g <- work, rounded once to g's dtype (round to nearest even)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(g, torch.Tensor):
+        with torch.no_grad():
+            g.copy_(work)
+    else:
+        g[...] = work
+
+
+def sync_grads(grads, comm=None, *, like=None, bucket_mb=_default("sync_bucket_mb"), names=None):
+    """Averages gradients over comm, in place, in buckets of bucket_mb MiB
+    (a few collectives, not one per tensor). float32 entries are averaged
+    where they are; float16 and bfloat16 ones (tensors or arrays) through a
+    float32 copy: the sum and the division in float32, then one rounding
+    back into the gradient's own memory. A None entry (a layer this rank
+    skipped) contributes zeros shaped like like[i] (in its dtype) and comes
     back as a new averaged tensor, so a skipped layer never hangs the other
-    ranks. Returns the list with every entry filled. Ranks holding different
-    gradient sets raise LoraError (LK_ERR_MISMATCH) together."""
+    ranks. names (optional, one per entry, e.g. the parameters' names) name
+    the entries in errors (else grads[i]). Returns the list with every entry
+    filled. Ranks holding different gradient sets raise LoraError
+    (LK_ERR_MISMATCH) together."""
     lc = _comm(comm)
 
     def prepare():
         out = list(grads)
         if like is not None and len(like) != len(out):
             raise ValueError(f"like has {len(like)} entries for {len(out)} gradients")
+        if names is not None and len(names) != len(out):
+            raise ValueError(f"names has {len(names)} entries for {len(out)} gradients")
+        label = [names[i] if names is not None else f"grads[{i}]" for i in range(len(out))]
         for i, g in enumerate(out):
             if g is None:
                 if like is None or like[i] is None:
-                    raise ValueError(f"grads[{i}] is None and like[{i}] does not give its shape")
+                    raise ValueError(f"{label[i]} is None and like[{i}] does not give its shape")
                 out[i] = _zeros_like(like[i])
+        work = [_as_f32(g) if _low_precision(g) else g for g in out]
         bucket = _c.mib_bytes("sync_bucket_mb", float(bucket_mb))
-        if _one_device((f"grads[{i}]", g) for i, g in enumerate(out)).startswith("cuda"):
-            return out, None, bucket  # items made from host copies
-        return out, [_item(f"grads[{i}]", g) for i, g in enumerate(out)], bucket
+        if _one_device((label[i], g) for i, g in enumerate(out)).startswith("cuda"):
+            return out, work, None, bucket  # items made from host copies
+        return out, work, [_item(label[i], g) for i, g in enumerate(work)], bucket
 
-    out, items, bucket = _collective(lc, prepare)
-    if out and _device_name(out[0]).startswith("cuda"):  # one device (prepare): the host fallback
-        named = [(f"grads[{i}]", g) for i, g in enumerate(out)]
+    out, work, items, bucket = _collective(lc, prepare)
+    if items is None:  # one CUDA device (prepare): the host fallback
+        named = [(names[i] if names is not None else f"grads[{i}]", w) for i, w in enumerate(work)]
         host = _host_copies(named)
         _c.sync_grads(lc, [_item(k, h) for k, h in host], bucket)
         _copy_back(named, host)
-        return out
-    _c.sync_grads(lc, items, bucket)
+    else:
+        _c.sync_grads(lc, items, bucket)
+    for g, w in zip(out, work):
+        if w is not g:
+            _round_back(g, w)
     return out
 
 
@@ -722,10 +767,19 @@ def _params(params):
 
 def sync_param_grads(params, comm=None, *, bucket_mb=_default("sync_bucket_mb")):
     """sync_grads over PyTorch parameters' .grad (module.parameters(),
-    module.named_parameters() or a module): a parameter whose .grad is
-    None gets the averaged gradient assigned (as FastVideo does)."""
+    module.named_parameters() or a module; float32, float16 or bfloat16):
+    a parameter whose .grad is None gets the averaged gradient assigned (as
+    FastVideo does). Errors name the parameter where names are known
+    (named_parameters() or a module)."""
+    names = None
+    if not _is_module(params):
+        params = list(params)
+        if params and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in params):
+            names = [n for n, _ in params]
+    else:
+        names = [n for n, _ in params.named_parameters()]
     params = _params(params)
-    grads = sync_grads([p.grad for p in params], comm, like=params, bucket_mb=bucket_mb)
+    grads = sync_grads([p.grad for p in params], comm, like=params, bucket_mb=bucket_mb, names=names)
     for p, g in zip(params, grads):
         if p.grad is None:
             p.grad = g

@@ -1101,6 +1101,27 @@ static PyObject *py_agree_error(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* rand_uniform(n, seed, name, bound) -> bytes: n float32 values (native
+ * order) of lk_lora_rand_uniform, the counter-based generator that seeds
+ * LoRA A matrices from (seed, parameter name): the same values on every
+ * rank and in `lorakit train`, with no broadcast. */
+static PyObject *py_rand_uniform(PyObject *mod, PyObject *args) {
+    (void)mod;
+    Py_ssize_t n;
+    unsigned long long seed;
+    const char *name;
+    float bound;
+    if (!PyArg_ParseTuple(args, "nKsf", &n, &seed, &name, &bound)) return NULL;
+    if (n < 0 || (size_t)n > PY_SSIZE_T_MAX / sizeof(float)) {
+        PyErr_Format(PyExc_ValueError, "rand_uniform: n = %zd is out of range", n);
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(float));
+    if (!out) return NULL;
+    lk_lora_rand_uniform((float *)PyBytes_AS_STRING(out), (size_t)n, (uint64_t)seed, name, bound);
+    return out;
+}
+
 /* ---- Tracker ---- */
 
 typedef struct {
@@ -1455,6 +1476,7 @@ static PyMethodDef methods[] = {
     {"check_replicas", py_check_replicas, METH_VARARGS, NULL},
     {"agree_error", py_agree_error, METH_VARARGS, NULL},
     {"algebra", py_algebra, METH_VARARGS, NULL},
+    {"rand_uniform", py_rand_uniform, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -239,8 +239,14 @@ def test_sync_grads_one_process():
     out = lorakit.sync_grads(g, None, like=like)
     assert out[0] is g[0] and out[0].tolist() == [[0, 1, 2], [3, 4, 5]]
     assert out[1].shape == (4,) and not out[1].any()
-    with pytest.raises(TypeError, match=r"grads\[0\]: dtype F16, float32 expected"):
-        lorakit.sync_grads([np.zeros(3, np.float16)], None)
+    # float16: averaged through a float32 copy and written back in place
+    h = np.array([0.1, -3.5, 65504.0], np.float16)
+    keep = h.copy()
+    assert lorakit.sync_grads([h], None)[0] is h and h.dtype == np.float16 and np.array_equal(h, keep)
+    with pytest.raises(TypeError, match=r"grads\[0\]: dtype F64, float32 expected"):
+        lorakit.sync_grads([np.zeros(3, np.float64)], None)
+    with pytest.raises(TypeError, match=r"^blocks.0.to_q.lora_A: dtype F64"):  # names= name the entries
+        lorakit.sync_grads([np.zeros(3, np.float64)], None, names=["blocks.0.to_q.lora_A"])
     with pytest.raises(ValueError, match=r"grads\[0\] is None"):
         lorakit.sync_grads([None], None)
     assert lorakit.check_replicas({"a": g[0]}, None) is True

@@ -1,12 +1,19 @@
 """FastVideo's training-side LoRA API (fastvideo/train/utils/lora.py) on
-lorakit: LoraConfig with the seed's fields, defaults and messages, and
-sync_replicated_lora_gradients over lorakit's bucketed gradient average.
+lorakit: DEFAULT_LORA_TARGET_MODULES, LoraConfig (the seed's fields,
+defaults and messages), enable_lora_training, finalize_lora_training,
+sync_replicated_lora_gradients (over lorakit's bucketed gradient average,
+float32, float16 and bfloat16), and save_lora_peft (the trained adapter as
+a PEFT folder that PEFT, diffusers and `lorakit fuse` load). A FastVideo
+training loop runs on it with its import changed. The torch half lives in
+_fastvideo_torch.py, imported on first use (LoraConfig needs no torch).
 """
 import logging
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
-__all__ = ["DEFAULT_LORA_TARGET_MODULES", "LoraConfig", "sync_replicated_lora_gradients"]
+__all__ = ["DEFAULT_LORA_TARGET_MODULES", "LORA_CHECKPOINT_KEY_ALIASES_ATTR", "LORA_MISSING_PARAMETER_INITIALIZER_ATTR",
+           "BaseLayerWithLoRA", "LoraConfig", "enable_lora_training", "finalize_lora_training", "save_lora_peft",
+           "sync_replicated_lora_gradients"]
 
 logger = logging.getLogger("lorakit.compat.fastvideo")
 
@@ -14,6 +21,22 @@ DEFAULT_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "to_q", "
                                "to_gate_compress"]
 
 _LORA_CONFIG_KEYS = ("enable", "rank", "alpha", "target_modules")
+
+# the attributes prepare_for_fsdp=True sets on the transformer (lorakit's
+# names: a loader that consumes them reads these constants)
+LORA_CHECKPOINT_KEY_ALIASES_ATTR = "_lora_checkpoint_key_aliases"
+LORA_MISSING_PARAMETER_INITIALIZER_ATTR = "_lora_missing_parameter_initializer"
+
+
+def _t():
+    from . import _fastvideo_torch
+    return _fastvideo_torch
+
+
+def __getattr__(name):
+    if name == "BaseLayerWithLoRA":
+        return _t().BaseLayerWithLoRA
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -68,6 +91,114 @@ class LoraConfig:
                    target_modules=obj.get("target_modules"))
 
 
+def _is_target_layer(module_name, target_modules):
+    return any(target_name in module_name for target_name in target_modules)
+
+
+def _is_excluded_layer(module_name, excluded_modules):
+    return any(excluded in module_name for excluded in excluded_modules)
+
+
+def enable_lora_training(transformer, *, lora_rank, lora_alpha=None, lora_target_modules=None,
+                         prepare_for_fsdp=False, initialization_seed=0) -> int:
+    """Replaces every matching linear layer with a trainable LoRA wrapper
+    and returns how many, as FastVideo's: target modules match by
+    substring (DEFAULT_LORA_TARGET_MODULES when none are given), minus
+    transformer.config.arch_config.exclude_lora_layers (also substrings);
+    lora_rank <= 0 and no compatible layer are the seed's ValueErrors, word
+    for word; alpha defaults to rank; the base is frozen. With
+    prepare_for_fsdp the transformer gets the checkpoint key aliases
+    ("<m>.weight" -> "<m>.base_layer.weight", attribute
+    LORA_CHECKPOINT_KEY_ALIASES_ATTR) and the missing-parameter initializer
+    (LORA_MISSING_PARAMETER_INITIALIZER_ATTR: initializer(name, tensor) ->
+    bool) for a loader to use; otherwise LoRA parameters of layers whose
+    base is a DTensor become replicated DTensors on its mesh and
+    finalize_lora_training runs.
+
+    Differences from FastVideo's (on purpose):
+    - A comes from lorakit's counter-based generator keyed by
+      (initialization_seed, "<module>.lora_A") (the C library's, as
+      `lorakit train`): the same on every rank with no broadcast, whatever
+      the order layers are made in; FastVideo draws from torch's global RNG
+      and broadcasts (run_check=True) when replicating. The bound is
+      FastVideo's, 1/sqrt(in). B is zero, as in FastVideo.
+    - Plain nn.Linear layers are wrapped too (FastVideo's get_lora_layer
+      wraps only its own linear classes); FastVideo's ReplicatedLinear is
+      wrapped (forward returns (out, bias), as its own). Tensor-parallel
+      linears (Column/RowParallelLinear) are not: lorakit's layer does not
+      slice A and B."""
+    from functools import partial
+    ft = _t()
+    rank = int(lora_rank)
+    if rank <= 0:
+        raise ValueError(f"lora_rank must be > 0, got {lora_rank!r}")
+    alpha = int(lora_alpha) if lora_alpha is not None else rank
+    target_modules = list(lora_target_modules or DEFAULT_LORA_TARGET_MODULES)
+    arch_config = getattr(getattr(transformer, "config", None), "arch_config", None)
+    excluded_modules = list(getattr(arch_config, "exclude_lora_layers", []))
+    transformer.requires_grad_(False)
+    replacements, aliases, names = [], {}, set()
+    for module_name, module in transformer.named_modules():
+        if not module_name or not _is_target_layer(module_name, target_modules):
+            continue
+        if _is_excluded_layer(module_name, excluded_modules) or not ft.lora_compatible(module):
+            continue
+        replacements.append((module_name, ft.BaseLayerWithLoRA(module, rank, alpha, module_name,
+                                                               int(initialization_seed))))
+        for state_name in module.state_dict():
+            aliases[f"{module_name}.{state_name}"] = f"{module_name}.base_layer.{state_name}"
+        names.update({f"{module_name}.lora_A", f"{module_name}.lora_B"})
+    if not replacements:
+        raise ValueError("No LoRA-compatible layers were found for the requested "
+                         f"target modules: {target_modules}")
+    for module_name, layer in replacements:
+        ft.replace_submodule(transformer, module_name, layer)
+    if prepare_for_fsdp:
+        setattr(transformer, LORA_CHECKPOINT_KEY_ALIASES_ATTR, aliases)
+        setattr(transformer, LORA_MISSING_PARAMETER_INITIALIZER_ATTR,
+                partial(ft.initialize_lora_parameter, parameter_names=frozenset(names),
+                        seed=int(initialization_seed)))
+    else:
+        ft.replicate_lora_parameters(transformer)
+        finalize_lora_training(transformer)
+    logger.info("Enabled LoRA training with rank=%d alpha=%d on %d layers", rank, alpha, len(replacements))
+    return len(replacements)
+
+
+def finalize_lora_training(transformer) -> int:
+    """Freezes the base weights and enables only the adapter parameters (of
+    lorakit's LoRA layers or FastVideo's), puts the model in train mode and
+    returns the number of LoRA layers; the seed's errors when one lacks its
+    parameters or none exists."""
+    ft = _t()
+    transformer.requires_grad_(False)
+    count = 0
+    for module in transformer.modules():
+        if not ft.is_lora_layer(module):
+            continue
+        if module.lora_A is None or module.lora_B is None:
+            raise RuntimeError("Training LoRA wrapper is missing adapter parameters")
+        module.base_layer.requires_grad_(False)
+        module.lora_A.requires_grad_(True)
+        module.lora_B.requires_grad_(True)
+        count += 1
+    if count == 0:
+        raise ValueError("No training LoRA wrappers were found after checkpoint loading")
+    transformer.train()
+    return count
+
+
+def save_lora_peft(transformer, out_dir):
+    """Saves the model's LoRA layers as a PEFT folder (out_dir/
+    adapter_model.safetensors with base_model.model.<m>.lora_A.weight /
+    .lora_B.weight, and adapter_config.json with r, lora_alpha and the
+    wrapped modules as target_modules; differing ranks or alphas in
+    rank_pattern / alpha_pattern), each file written to a temporary and
+    renamed into place. PEFT (PeftModel.from_pretrained), diffusers and
+    `lorakit fuse` load it, at scale alpha / r. Call it on one rank."""
+    return _t().save_peft(transformer, out_dir)
+
+
 def _is_lora_name(name):
     parts = name.split(".")
     return "lora_A" in parts or "lora_B" in parts
@@ -84,7 +215,10 @@ def sync_replicated_lora_gradients(module, mesh=None) -> int:
     LoRA parameters are found by name (a `lora_A` or `lora_B` component:
     FastVideo's `<m>.lora_A`, PEFT's `<m>.lora_A.default.weight`) among
     those that require grad, in named_parameters() order, so every rank
-    walks the same list. Differences from FastVideo's (on purpose): the
+    walks the same list. float32, float16 and bfloat16 gradients are
+    averaged in float32 (over every mesh dim) and rounded back once; errors
+    name the parameter. A DTensor's mesh dims that are not Replicate
+    (sharded) are not averaged over. Differences from FastVideo's (on purpose): the
     gradients travel packed in buckets (lorakit.sync_grads: a few
     collectives per mesh dimension, not one per parameter), and ranks
     holding different LoRA layouts raise LoraError together instead of
@@ -105,25 +239,32 @@ def sync_replicated_lora_gradients(module, mesh=None) -> int:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - older torch
         DTensor = ()
+    from .. import _as_f32, _low_precision, _round_back, _zeros_like
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad and _is_lora_name(n)]
     if mesh is None:
         mesh = next((p.device_mesh for _, p in params if isinstance(p, DTensor)), None)
-    groups = [mesh.get_group(d) for d in range(mesh.ndim) if mesh.size(d) > 1] if mesh is not None else [
-        dist.group.WORLD]
-    grads, like = [], []
+    if mesh is None:
+        groups = [dist.group.WORLD]
+    else:
+        first = next((p for _, p in params if isinstance(p, DTensor) and p.device_mesh is mesh), None)
+        dims = [d for d in range(mesh.ndim) if mesh.size(d) > 1 and (
+            first is None or type(first.placements[d]).__name__ == "Replicate")]
+        groups = [mesh.get_group(d) for d in dims]
+    grads = []
     for _, p in params:
         g = p.grad
-        local = p.to_local() if isinstance(p, DTensor) else p
-        if g is not None and isinstance(g, DTensor):
-            g = g.to_local()
-        grads.append(g)
-        like.append(local)
+        if g is None:  # this rank skipped the layer: it contributes zeros
+            g = _zeros_like(p)
+            p.grad = DTensor.from_local(g, device_mesh=p.device_mesh, placements=p.placements,
+                                        run_check=False) if isinstance(p, DTensor) else g
+        grads.append(g.to_local() if isinstance(g, DTensor) else g)
+    # float16/bfloat16: one float32 copy averaged over every mesh dim, then
+    # one rounding back
+    work = [_as_f32(g) if _low_precision(g) else g for g in grads]
+    names = [n for n, _ in params]
     for group in groups:
-        grads = sync_grads(grads, group, like=like)
-    for (_, p), g in zip(params, grads):
-        if p.grad is None:
-            if isinstance(p, DTensor):
-                p.grad = DTensor.from_local(g, device_mesh=p.device_mesh, placements=p.placements, run_check=False)
-            else:
-                p.grad = g
+        work = sync_grads(work, group, names=names)
+    for g, w in zip(grads, work):
+        if w is not g:
+            _round_back(g, w)
     return len(params)
