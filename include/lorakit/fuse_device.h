@@ -38,6 +38,7 @@ typedef struct lk_fuse_dev_stats {
     size_t keys_host_fallback;   /* keys fused on the host (pinned copy, CPU kernel, copy back) */
     uint64_t bytes_uploaded;     /* factors and dense deltas copied to the device */
     uint64_t bytes_staged;       /* weight bytes copied down and back up by the host path */
+    double seconds_kernel;       /* wall time of the device kernel's launches, each until done */
 } lk_fuse_dev_stats;
 
 /* lk_fuse_tensor on w in place: w is out x (the rest) (a conv weight

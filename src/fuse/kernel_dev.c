@@ -19,6 +19,7 @@
 #include "lorakit/fuse_device.h"
 #include "lorakit/alloc.h"
 #include "core/alloc.h"
+#include "core/clock.h"
 #include "fuse/fuse.h"
 #include "fuse/kernel_dev.h"
 
@@ -146,7 +147,10 @@ static lk_status dev_launch(const dev_call *c, uint64_t row_base, int64_t rows, 
     const uint64_t groups = ((uint64_t)rows + LK_KDEV_RPT - 1) / LK_KDEV_RPT;
     const lk_dim3 grid = {(unsigned)((I + LK_KDEV_BLOCK - 1) / LK_KDEV_BLOCK), groups < 65535 ? (unsigned)groups : 65535u, 1};
     const lk_kernel k = {"lk_kdev_fuse", KDEV_CUDA, fuse_emul};
+    const double t0 = lk_now_s();
     if (!st) st = lk_device_launch(d, &k, grid, (lk_dim3){LK_KDEV_BLOCK, 1, 1}, &a, sizeof a, c->s);
+    if (!st && c->s) st = lk_stream_sync(d, c->s);
+    if (!st && c->stats) c->stats->seconds_kernel += lk_now_s() - t0;
     if (!st) st = lk_device_copy(d, &bad, m, sizeof bad, LK_COPY_D2H, c->s);
     if (!st) st = lk_stream_sync(d, c->s);
     lk_device_free(d, m);

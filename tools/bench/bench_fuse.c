@@ -39,7 +39,13 @@
 #include "bench_util.h"
 
 static const char *const FUSE_BENCH_USAGE =
-    "usage: lorakit bench fuse [--json] [--dim N] [--dram-mb N] [--repeat N] [--threads N]\n\n"
+    "usage: lorakit bench fuse [--json] [--dim N] [--dram-mb N] [--repeat N] [--threads N]\n"
+    "       lorakit bench fuse --device cuda[:N]|emul [--json] [--dim N] [--model-mb N] [--repeat N]\n\n"
+    "With --device (not cpu): the device kernel on a model of dim x dim BF16\n"
+    "weights in device memory (--model-mb, default 8192 on cuda, 16 on emul),\n"
+    "r = 16, in place, against a device-to-device copy of the same bytes in the\n"
+    "same run (the HBM roofline): GB/s of W traffic (read + write), kernel time\n"
+    "alone and end to end (factor upload and launch included).\n\n"
     "Measures (a) in-place read-modify-write bandwidth over one dim x dim BF16\n"
     "weight (cache) and over a buffer of at least twice the last-level cache\n"
     "(dram), (b) lk_fuse_tensor on every dim x dim tensor of that buffer (a\n"
@@ -503,10 +509,13 @@ int lk_bench_fuse(int argc, char **argv) {
         fputs(FUSE_BENCH_USAGE, stdout);
         return LK_EXIT_OK;
     }
+    for (int i = 1; i + 1 < argc; i++)
+        if (!strcmp(argv[i], "--device") && strcmp(argv[i + 1], "cpu")) return lk_bench_fuse_device(argc, argv);
     int json = 0;
     long dim = 4096, repeat = 3, all = 0, dram_mb = 0;
     for (int i = 1; i < argc; i++) {
         long *dst = NULL;
+        if (!strcmp(argv[i], "--device")) { i++; continue; } /* cpu: this bench */
         if (!strcmp(argv[i], "--json")) { json = 1; continue; }
         if (!strcmp(argv[i], "--dim")) dst = &dim;
         else if (!strcmp(argv[i], "--repeat")) dst = &repeat;

@@ -28,4 +28,8 @@ static inline double lk_bench_median(double *v, int n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* `lorakit bench fuse --device D` (bench_fuse_dev.c): the device kernel
+ * against a device-to-device copy, in one run. */
+int lk_bench_fuse_device(int argc, char **argv);
+
 #endif

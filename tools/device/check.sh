@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# tools/device/check.sh — the one prepared check for a machine with an NVIDIA
+# GPU (issue 27): builds lorakit with LORAKIT_CUDA=ON, runs the device tests
+# (byte equality with the CPU for every term kind and dtype on emul and on
+# cuda:0, the compiled-code audit, the CLI digests), compute-sanitizer
+# memcheck on the kernel test when present, `lorakit bench fuse --device
+# cuda` (an 8 GiB-class BF16 model at r = 16 against a device-to-device copy
+# in the same run) and the torch rows (python/bench/fuse_torch.py) when torch
+# imports. Prints JSON lines ({"check": ..., "ok": ...} and the bench rows);
+# exits 1 if any check failed. Meant to take under 8 minutes on an H200.
+# Usage: bash tools/device/check.sh [BUILD_DIR]   (default build-cuda)
+set -uo pipefail
+SRC=$(cd "$(dirname "$0")/../.." && pwd)
+BUILD=${1:-$SRC/build-cuda}
+JOBS=$(nproc 2>/dev/null || echo 4)
+MODEL_MB=${LK_CHECK_MODEL_MB:-8192}
+fail=0
+row() { echo "{\"check\": \"$1\", \"ok\": $2, \"seconds\": $3${4:+, \"note\": \"$4\"}}"; [ "$2" = true ] || fail=1; }
+run() { # name cmd...: runs it, logs to $BUILD/check-<name>.log, prints a row
+  local name=$1; shift
+  local t0=$SECONDS
+  if "$@" >"$BUILD/check-$name.log" 2>&1; then row "$name" true $((SECONDS - t0))
+  else row "$name" false $((SECONDS - t0)) "see $BUILD/check-$name.log"; tail -20 "$BUILD/check-$name.log" >&2; fi
+}
+mkdir -p "$BUILD"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader |
+  sed 's/^/{"gpu": "/; s/$/"}/'
+run configure cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLORAKIT_CUDA=ON -DLK_PYTHON=OFF
+run build cmake --build "$BUILD" -j "$JOBS" --target lorakit test_device test_device_fuse lk_ptx_80 lk_ptx_90
+LK=$BUILD/lorakit
+run cuda_present "$LK" bench fuse --device cuda --model-mb 64 --dim 1024 --repeat 1
+run test_device "$BUILD/tests/test_device"
+run test_device_fuse "$BUILD/tests/test_device_fuse"
+grep -q 'cuda:0 skipped' "$BUILD/check-test_device_fuse.log" && row test_device_fuse_ran_on_cuda false 0 "skipped: no CUDA device"
+run audit_ptx bash "$SRC/tests/device_ptx.sh" "$LK" "$BUILD"
+grep '^{' "$BUILD/check-audit_ptx.log"
+run device_cli bash "$SRC/tests/device_cli.sh" "$LK" "$BUILD"
+if command -v compute-sanitizer >/dev/null; then
+  run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/tests/test_device_fuse"
+else
+  row memcheck true 0 "compute-sanitizer not on PATH: not run"
+fi
+run bench_fuse "$LK" bench fuse --device cuda --json --model-mb "$MODEL_MB" --repeat 3
+grep '^{' "$BUILD/check-bench_fuse.log"
+PY=${PYTHON:-python3}
+if "$PY" -c 'import torch' 2>/dev/null; then
+  run bench_torch "$PY" "$SRC/python/bench/fuse_torch.py" --model-mb "$MODEL_MB"
+  grep '^{' "$BUILD/check-bench_torch.log"
+else
+  row bench_torch true 0 "torch does not import: torch rows not run"
+fi
+exit $fail
