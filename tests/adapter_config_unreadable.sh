@@ -19,18 +19,9 @@ RUN=("$LK")   # the command line that runs lorakit (as another user for the perm
 FX=$(cd "$(dirname "$0")/fixtures/adapters" && pwd)
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/lk-cfg-io.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
-fail() { echo "adapter_config_unreadable.sh: FAIL: $*" >&2; exit 1; }
+source "$(dirname "$0")/util/cli_expect.sh"
+LK_EXPECT_TIMEOUT=20
 
-# expect CODE CMD...: runs the CLI (at most 20 s), checks the exit code.
-expect() {
-  local want=$1; shift
-  timeout 20 "${RUN[@]}" "$@" >"$TMP/out" 2>"$TMP/err"
-  local rc=$?
-  [ "$rc" = 124 ] && fail "lorakit $* hung (timeout)"
-  [ "$rc" = "$want" ] || { cat "$TMP/out" "$TMP/err" >&2; fail "lorakit $* exited $rc, expected $want"; }
-  if grep -E "Sanitizer|runtime error" "$TMP/err" >/dev/null; then cat "$TMP/err" >&2; fail "sanitizer report: lorakit $*"; fi
-}
-err_has() { grep -F -- "$1" "$TMP/err" >/dev/null || { cat "$TMP/err" >&2; fail "stderr lacks: $1"; }; }
 
 B=$FX/base.safetensors
 chmod 755 "$TMP"

@@ -11,15 +11,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 FX=$HERE/fixtures
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/lk-algebra.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
-fail() { echo "algebra_cli.sh: FAIL: $*" >&2; exit 1; }
-expect() {
-  local want=$1; shift
-  "$LK" "$@" >"$TMP/out" 2>"$TMP/err"
-  local rc=$?
-  [ "$rc" = "$want" ] || { cat "$TMP/out" "$TMP/err" >&2; fail "lorakit $* exited $rc, expected $want"; }
-  if grep -E "Sanitizer|runtime error" "$TMP/err" >/dev/null; then cat "$TMP/err" >&2; fail "sanitizer report: lorakit $*"; fi
-}
-err_has() { grep -F -- "$1" "$TMP/err" >/dev/null || { cat "$TMP/err" >&2; fail "stderr lacks: $1"; }; }
+source "$(dirname "$0")/util/cli_expect.sh"
 
 if /usr/bin/python3 -c 'import numpy' 2>/dev/null; then
   /usr/bin/python3 "$HERE/algebra_oracle.py" "$LK" "$TMP" || fail "the NumPy oracle"

@@ -8,16 +8,8 @@ set -uo pipefail
 LK=$1
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/lk-cli-io.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
-fail() { echo "cli_io.sh: FAIL: $*" >&2; exit 1; }
+source "$(dirname "$0")/util/cli_expect.sh"
 
-# expect CODE CMD...: runs the CLI, checks the exit code; output in $TMP/out, $TMP/err.
-expect() {
-  local want=$1; shift
-  "$LK" "$@" >"$TMP/out" 2>"$TMP/err"
-  local rc=$?
-  [ "$rc" = "$want" ] || { cat "$TMP/err" >&2; fail "lorakit $* exited $rc, expected $want"; }
-  if grep -E "Sanitizer|runtime error" "$TMP/err" >/dev/null; then cat "$TMP/err" >&2; fail "sanitizer report: lorakit $*"; fi
-}
 
 expect 0 --help;            grep -E "^  (inspect|digest|demo|bench) " "$TMP/out" | wc -l | grep -x 4 >/dev/null || fail "--help lists the commands"
 expect 0 --version;         grep -E "^lorakit [0-9]+\.[0-9]+\.[0-9]+$" "$TMP/out" >/dev/null || fail "--version"

@@ -11,7 +11,7 @@ LK=$1
 FX=$(cd "$(dirname "$0")/fixtures" && pwd)
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/lk-device-cli.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
-fail() { echo "device_cli.sh: FAIL: $*" >&2; exit 1; }
+source "$(dirname "$0")/util/cli_expect.sh"
 export LORAKIT_LOG=error
 
 # same BASE ADAPTER...: cpu and emul give one digest

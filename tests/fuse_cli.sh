@@ -11,18 +11,8 @@ LK=$1
 FX=$(cd "$(dirname "$0")/fixtures/adapters" && pwd)
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/lk-fuse-cli.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
-fail() { echo "fuse_cli.sh: FAIL: $*" >&2; exit 1; }
+source "$(dirname "$0")/util/cli_expect.sh"
 
-# expect CODE CMD...: runs the CLI, checks the exit code; output in $TMP/out, $TMP/err.
-expect() {
-  local want=$1; shift
-  "$LK" "$@" >"$TMP/out" 2>"$TMP/err"
-  local rc=$?
-  [ "$rc" = "$want" ] || { cat "$TMP/out" "$TMP/err" >&2; fail "lorakit $* exited $rc, expected $want"; }
-  if grep -E "Sanitizer|runtime error" "$TMP/err" >/dev/null; then cat "$TMP/err" >&2; fail "sanitizer report: lorakit $*"; fi
-}
-err_has() { grep -F -- "$1" "$TMP/err" >/dev/null || { cat "$TMP/err" >&2; fail "stderr lacks: $1"; }; }
-out_has() { grep -F -- "$1" "$TMP/out" >/dev/null || { cat "$TMP/out" >&2; fail "stdout lacks: $1"; }; }
 digest() { "$LK" digest "$1" || fail "digest $1"; }
 # tensor_hex FILE NAME: the bytes of one tensor, via inspect --json offsets.
 tensor_hex() {
