@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Mapping
 
 from . import _lorakit as _c
-from ._adapter import Adapter
+from ._adapter import CONVENTIONS, Adapter, _check_convention
 from ._lorakit import LoraError, __version__
 
 # Defaults and bounds of every setting: one table in the C library
@@ -33,7 +33,7 @@ def _default(knob):
     return int(v) if float(v).is_integer() else v
 
 __all__ = [
-    "Adapter", "LoraError", "LoraWarning", "Tracker", "__version__", "check_replicas", "digest", "digest_tensors", "fuse", "fuse_",
+    "Adapter", "CONVENTIONS", "LoraError", "LoraWarning", "Tracker", "__version__", "check_replicas", "digest", "digest_tensors", "fuse", "fuse_",
     "convert", "inspect", "merge", "resize", "set_log_level", "sync_grads", "sync_param_grads",
 ]
 
@@ -459,6 +459,34 @@ def _alpha_from(v):
     return v
 
 
+def _convention(v):
+    """convention=None | "lorakit" | "comfyui" | "lycoris" | "peft"
+    (`--convention`): whose rules apply where the tools disagree on what a
+    file means (README "Conventions"). None (the default) is "lorakit",
+    unless every Adapter in the call says otherwise (_call_convention).
+    Returns the name, or None when not given."""
+    return _check_convention(v)
+
+
+def _call_convention(given, shown):
+    """The convention of a call: `given` (checked), else the one the call's
+    Adapters were made with, else "lorakit". An Adapter made with another
+    convention than the call's (or than another Adapter's) is a ValueError
+    naming both: a fuse follows one convention for all its adapters."""
+    given = _convention(given)
+    conv, who = given, "the call"
+    for src, _ in shown:
+        c = getattr(src, "convention", None) if isinstance(src, Adapter) else None
+        if c is None:
+            continue
+        if conv is None:
+            conv, who = c, f"adapter {src.label}"
+        elif c != conv:
+            raise ValueError(f"adapter {src.label} was made with convention '{c}' but {who} uses '{conv}' "
+                             "(one convention per fuse)")
+    return conv or "lorakit"
+
+
 def _tables(arch, maps):
     """arch=None | a family name, maps=() | paths of extra name tables: the
     name tables every adapter is resolved with, as `lorakit fuse --arch NAME
@@ -475,36 +503,40 @@ def _tables(arch, maps):
     return arch, maps
 
 
-def inspect(path, base=None, *, arch=None, maps=(), alpha_from=None):
+def inspect(path, base=None, *, arch=None, maps=(), alpha_from=None, convention=None):
     """What a checkpoint or adapter holds: the content of `lorakit inspect
     --json` as a dict (alpha_from as `--alpha-from`). With base (a
     checkpoint), where each module of the adapter at path lands on it, as
     `lorakit inspect ADAPTER --base CKPT --json`: weights, row slices, the
     matching rule, algorithm, scale and alpha source; unmatched modules with
     the three nearest weight names. arch and maps as `lorakit fuse --arch /
-    --map`."""
+    --map`; convention as `--convention` (the alpha and scale shown)."""
+    cv = _convention(convention) or "lorakit"
     if base is None:
         if arch is not None or maps:
             raise ValueError("arch and maps need base")
-        return json.loads(_c.inspect(path, _alpha_from(alpha_from)))
-    return json.loads(_c.inspect_base(path, base, *_tables(arch, maps), _alpha_from(alpha_from)))
+        return json.loads(_c.inspect(path, _alpha_from(alpha_from), cv))
+    return json.loads(_c.inspect_base(path, base, *_tables(arch, maps), _alpha_from(alpha_from), cv))
 
 
 def fuse(base, loras, out, *, threads=0, allow_unmatched=False, allow_nonfinite=False, alpha_from=None,
-         arch=None, maps=()):
+         arch=None, maps=(), convention=None):
     """Fuses loras [(path, strength), ...] into the checkpoint base and
     writes out atomically, as `lorakit fuse`; returns its --json summary.
     base may be a diffusers pipeline folder (model_index.json): out is then
     a pipeline folder, as `lorakit fuse PIPELINE_DIR -o OUT_DIR`. arch (a
     family name, "none" for no table) and maps (paths of extra name tables)
-    are `--arch` and `--map`."""
-    req, _ = _loras(loras)
+    are `--arch` and `--map`. convention ("lorakit", "comfyui", "lycoris",
+    "peft"; None: lorakit, or the one the call's Adapters were made with)
+    is `--convention`: the same bytes as the CLI's."""
+    req, shown = _loras(loras)
+    cv = _call_convention(convention, shown)
     return json.loads(_c.fuse(base, out, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite),
-                              _alpha_from(alpha_from), *_tables(arch, maps)))
+                              _alpha_from(alpha_from), *_tables(arch, maps), cv))
 
 
 def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=False, alpha_from=None,
-          arch=None, maps=()):
+          arch=None, maps=(), convention=None):
     """Fuses loras into tensors (a state_dict: name -> tensor, or an
     nn.Module: its state_dict names, parameters and persistent buffers) in
     place; the bytes equal those of `lorakit fuse` on a checkpoint holding
@@ -514,7 +546,7 @@ def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=F
     that overlap differently are refused. Every value is checked first
     (contiguous, writable, CPU, a dtype lorakit reads) and every adapter
     validated before the first write; on any error every tensor keeps its
-    bytes. arch and maps as fuse's, against the tensors' names. Returns the
+    bytes. arch, maps and convention as fuse's, against the tensors' names. Returns the
     summary (as fuse's, without base and out). CUDA tensors (on one device)
     go through the host fallback: fused as CPU copies by the CPU kernel (the
     same bytes), written back after success; the summary then says
@@ -523,14 +555,16 @@ def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=F
     if _one_device(pairs).startswith("cuda"):
         host = _host_copies(pairs)
         summary = fuse_(dict(host), loras, threads=threads, allow_unmatched=allow_unmatched,
-                        allow_nonfinite=allow_nonfinite, alpha_from=alpha_from, arch=arch, maps=maps)
+                        allow_nonfinite=allow_nonfinite, alpha_from=alpha_from, arch=arch, maps=maps,
+                        convention=convention)
         _copy_back(pairs, host)
         summary["fused_on_host"] = True
         return summary
+    req, shown = _loras(loras)
+    cv = _call_convention(convention, shown)
     items, _ = _items(tensors, dedupe=True)
-    req, _ = _loras(loras)
     return json.loads(_c.fuse_(items, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite),
-                               _alpha_from(alpha_from), *_tables(arch, maps)))
+                               _alpha_from(alpha_from), *_tables(arch, maps), cv))
 
 
 # ---- hot-swap ----
@@ -573,25 +607,33 @@ class Tracker:
     diffusers Flux LoRA's to_q/to_k/to_v on a BFL state_dict's qkv). The
     tensors are one model: for a diffusers pipeline, make one Tracker per
     component (the transformer's or UNet's state_dict).
+
+    convention: "lorakit" (None, the default), "comfyui", "lycoris" or
+    "peft", as `lorakit swap --convention` / a plan's `convention:`; fixed
+    when the tracker is made and part of what the ranks agree on (a rank
+    with another raises LoraError, status LK_ERR_MISMATCH, on every rank).
+    apply() refuses an Adapter made with another convention (ValueError on
+    every rank).
     """
 
     def __init__(self, tensors, *, comm=None, bucket_mb=_default("swap_bucket_mb"), no_lora_swap=False,
                  threads=_default("threads"), allow_nonfinite=False, timeout=float(_default("timeout_s")),
-                 alpha_from=None, arch=None, maps=()):
+                 alpha_from=None, arch=None, maps=(), convention=None):
         lc = _comm(comm)
         self._source = tensors if _is_module(tensors) else None
 
         def prepare():
             items, _ = _items(tensors, dedupe=True, allow_cuda=True)
             return (items, _c.mib_bytes("swap_bucket_mb", float(bucket_mb)), int(threads), float(timeout),
-                    _alpha_from(alpha_from), _tables(arch, maps))
+                    _alpha_from(alpha_from), _tables(arch, maps), _convention(convention) or "lorakit")
 
         items = _collective(lc, prepare)
         self._comm = lc
+        self._convention = items[6]
         self._cuda = any(_device_name(v).startswith("cuda") for _, v, _ in items[0])
         self._ptrs = {k: _storage_span(v) for k, v, _ in items[0]}
         self._t = _c.Tracker(lc, items[0], items[1], bool(no_lora_swap), items[2], bool(allow_nonfinite), items[3],
-                             items[4], *items[5])
+                             items[4], *items[5], items[6])
 
     def _check_moved(self):
         """Raises naming the first key of the module whose memory moved
@@ -620,7 +662,9 @@ class Tracker:
         def prepare():
             self._check_moved()
             self._stream_sync()
-            return _loras(loras)
+            req, shown = _loras(loras)
+            _call_convention(self._convention, shown)
+            return req, shown
 
         req, shown = _collective(self._comm, prepare)
         return json.loads(self._t.apply(req, bool(digest), shown))
@@ -640,6 +684,11 @@ class Tracker:
     def loras(self):
         """The set fused now, as [(path, strength), ...]."""
         return self._t.loras
+
+    @property
+    def convention(self):
+        """The convention the tracker fuses under (fixed at creation)."""
+        return self._convention
 
     @property
     def busy(self):

@@ -19,7 +19,19 @@ import os
 import struct
 import sys
 
-__all__ = ["Adapter"]
+__all__ = ["Adapter", "CONVENTIONS"]
+
+# whose rules apply where the tools disagree on what a file means
+# (`--convention`, lorakit/adapter.h's lk_convention, README "Conventions")
+CONVENTIONS = ("lorakit", "comfyui", "lycoris", "peft")
+
+
+def _check_convention(v):
+    """None, or one of CONVENTIONS; else ValueError naming the value."""
+    if v is None or (isinstance(v, str) and v in CONVENTIONS):
+        return v
+    shown = f"'{v}'" if isinstance(v, str) else repr(v)
+    raise ValueError(f"unknown convention {shown}: expected {'|'.join(CONVENTIONS)}")
 
 _TORCH_DT = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64", "int64": "I64",
              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
@@ -118,11 +130,17 @@ class Adapter:
     = r (a FastVideo-legacy file: "<m>.lora_A", "<m>.lora_B"); an alpha the
     file or config gives that differs is a LoraError naming both. A config
     is read for every format (its r, lora_alpha, rank/alpha_pattern,
-    use_rslora), not only for PEFT's keys."""
+    use_rslora), not only for PEFT's keys.
+    convention=C (every constructor): the convention the adapter is meant
+    under ("lorakit", "comfyui", "lycoris", "peft"; None: whatever the call
+    uses). A fuse, fuse_ or Tracker given no convention follows its
+    Adapters'; one given another raises ValueError naming both (a fuse
+    follows one convention for all its adapters). It is part of the
+    adapter's identity (label, ==)."""
 
-    __slots__ = ("data", "config_json", "format", "name", "digest", "alpha")
+    __slots__ = ("data", "config_json", "format", "name", "digest", "alpha", "convention")
 
-    def __init__(self, data, config_json=None, format="auto", name="adapter", alpha=None):
+    def __init__(self, data, config_json=None, format="auto", name="adapter", alpha=None, convention=None):
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"data must be the bytes of a safetensors file, got {type(data).__name__}")
         if not isinstance(format, str):
@@ -132,10 +150,13 @@ class Adapter:
         self.format = format
         self.name = str(name)
         self.alpha = _alpha(alpha)
+        self.convention = _check_convention(convention)
         h = hashlib.sha256(self.data)
         h.update(b"\0config\0" + (self.config_json or "").encode())
         if self.alpha is not None:  # another alpha is another adapter (the tracker's request)
             h.update(b"\0alpha\0" + float(self.alpha).hex().encode())
+        if self.convention is not None:  # so is another convention
+            h.update(b"\0convention\0" + self.convention.encode())
         self.digest = h.hexdigest()[:32]
 
     @property
@@ -148,7 +169,8 @@ class Adapter:
         return (self.data, self.config_json)
 
     def __repr__(self):
-        return f"Adapter({self.label!r}, {len(self.data)} bytes{', with config' if self.config_json else ''})"
+        cv = f", convention {self.convention!r}" if self.convention else ""
+        return f"Adapter({self.label!r}, {len(self.data)} bytes{', with config' if self.config_json else ''}{cv})"
 
     def __eq__(self, other):
         return isinstance(other, Adapter) and (self.digest, self.format) == (other.digest, other.format)
@@ -157,7 +179,7 @@ class Adapter:
         return hash((self.digest, self.format))
 
     @classmethod
-    def load(cls, path, format="auto", alpha=None):
+    def load(cls, path, format="auto", alpha=None, convention=None):
         """A safetensors file (with an adapter_config.json beside it) or a
         PEFT folder, read into memory."""
         path = os.fspath(path)
@@ -177,19 +199,19 @@ class Adapter:
         if os.path.exists(cfg):
             with open(cfg, encoding="utf-8") as fh:
                 text = fh.read()
-        return cls(data, text, format, os.path.basename(os.path.normpath(path)), alpha)
+        return cls(data, text, format, os.path.basename(os.path.normpath(path)), alpha, convention)
 
     @classmethod
-    def from_state_dict(cls, tensors, config=None, format="auto", name="state_dict", alpha=None):
+    def from_state_dict(cls, tensors, config=None, format="auto", name="state_dict", alpha=None, convention=None):
         """tensors: name -> tensor/array (PEFT's saved keys, or any format
         lorakit reads); config: a PEFT config dict or LoraConfig (alpha,
         rank_pattern, ... as PEFT reads them) or None; alpha: see the class."""
         if not hasattr(tensors, "items"):
             raise TypeError(f"tensors must be a mapping of name to tensor, got {type(tensors).__name__}")
-        return cls(_safetensors_image(dict(tensors.items())), config, format, name, alpha)
+        return cls(_safetensors_image(dict(tensors.items())), config, format, name, alpha, convention)
 
     @classmethod
-    def from_peft(cls, peft_model, adapter_name="default"):
+    def from_peft(cls, peft_model, adapter_name="default", convention=None):
         """The LoRA weights and config of a peft.PeftModel, as PEFT's
         save_pretrained would write them."""
         from peft.utils import get_peft_model_state_dict
@@ -197,4 +219,5 @@ class Adapter:
             raise KeyError(f"{adapter_name!r} is not an adapter of this model (it has "
                            f"{sorted(getattr(peft_model, 'peft_config', {}))})")
         sd = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
-        return cls.from_state_dict(sd, peft_model.peft_config[adapter_name], "peft", adapter_name)
+        return cls.from_state_dict(sd, peft_model.peft_config[adapter_name], "peft", adapter_name,
+                                   convention=convention)

@@ -1,5 +1,7 @@
 import os
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Tuple, Union
+
+CONVENTIONS: Tuple[str, ...]
 
 class Adapter:
     data: bytes
@@ -8,15 +10,18 @@ class Adapter:
     name: str
     digest: str
     alpha: Optional[float]
+    convention: Optional[str]
     def __init__(self, data: Union[bytes, bytearray, memoryview], config_json: Any = ..., format: str = ...,
-                 name: str = ..., alpha: Optional[float] = ...) -> None: ...
+                 name: str = ..., alpha: Optional[float] = ..., convention: Optional[str] = ...) -> None: ...
     @property
     def label(self) -> str: ...
     @classmethod
     def load(cls, path: Union[str, "os.PathLike[str]"], format: str = ...,
-             alpha: Optional[float] = ...) -> "Adapter": ...
+             alpha: Optional[float] = ..., convention: Optional[str] = ...) -> "Adapter": ...
     @classmethod
     def from_state_dict(cls, tensors: Mapping[str, Any], config: Any = ..., format: str = ...,
-                        name: str = ..., alpha: Optional[float] = ...) -> "Adapter": ...
+                        name: str = ..., alpha: Optional[float] = ...,
+                        convention: Optional[str] = ...) -> "Adapter": ...
     @classmethod
-    def from_peft(cls, peft_model: Any, adapter_name: str = ...) -> "Adapter": ...
+    def from_peft(cls, peft_model: Any, adapter_name: str = ...,
+                  convention: Optional[str] = ...) -> "Adapter": ...

@@ -787,13 +787,21 @@ static int alpha_from_of(const char *name, lk_alpha_from *out) {
     return -1;
 }
 
+/* convention: "lorakit", "comfyui", "lycoris" or "peft" (lk_convention_parse;
+ * the Python layer checks the name first, with its own message). */
+static int convention_of(const char *name, lk_convention *out) {
+    if (lk_convention_parse(name, out) == LK_OK) return 0;
+    raise_lk(LK_ERR_ARG, NULL);
+    return -1;
+}
+
 static PyObject *py_inspect(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *path;
-    const char *af = "auto";
+    const char *af = "auto", *cv = "lorakit";
     lk_adapter_opts ao = {0};
-    if (!PyArg_ParseTuple(args, "O&|s", PyUnicode_FSConverter, &path, &af)) return NULL;
-    if (alpha_from_of(af, &ao.alpha_from) < 0) {
+    if (!PyArg_ParseTuple(args, "O&|ss", PyUnicode_FSConverter, &path, &af, &cv)) return NULL;
+    if (alpha_from_of(af, &ao.alpha_from) < 0 || convention_of(cv, &ao.convention) < 0) {
         Py_DECREF(path);
         return NULL;
     }
@@ -853,17 +861,18 @@ static int tables_from(PyObject *arch, PyObject *maps, tables *t) {
 
 static const char *tables_arch(const tables *t) { return t->arch ? PyBytes_AS_STRING(t->arch) : NULL; }
 
-/* inspect_base(adapter, base, arch or None, maps: a sequence of paths[, alpha_from]) */
+/* inspect_base(adapter, base, arch or None, maps: a sequence of paths[, alpha_from[, convention]]) */
 static PyObject *py_inspect_base(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *adapter, *base, *arch, *maps, *res = NULL;
-    const char *af = "auto";
+    const char *af = "auto", *cv = "lorakit";
     lk_adapter_opts ao = {0};
-    if (!PyArg_ParseTuple(args, "O&O&OO|s", PyUnicode_FSConverter, &adapter, PyUnicode_FSConverter, &base, &arch, &maps,
-                          &af))
+    if (!PyArg_ParseTuple(args, "O&O&OO|ss", PyUnicode_FSConverter, &adapter, PyUnicode_FSConverter, &base, &arch,
+                          &maps, &af, &cv))
         return NULL;
     tables tb;
-    if (alpha_from_of(af, &ao.alpha_from) == 0 && tables_from(arch, maps, &tb) == 0) {
+    if (alpha_from_of(af, &ao.alpha_from) == 0 && convention_of(cv, &ao.convention) == 0 &&
+        tables_from(arch, maps, &tb) == 0) {
         lk_resolve_opts ro = {.arch = tables_arch(&tb), .maps = tb.p, .n_maps = tb.n};
         char *js = NULL;
         lk_status s;
@@ -906,14 +915,15 @@ static PyObject *py_fuse(PyObject *mod, PyObject *args) {
     if (temp_handlers() < 0) return NULL;
     PyObject *base, *out, *loras, *arch, *maps;
     lk_fuse_file_opts o = {0};
-    const char *af;
-    if (!PyArg_ParseTuple(args, "O&O&OiiisOO", PyUnicode_FSConverter, &base, PyUnicode_FSConverter, &out, &loras,
-                          &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite, &af, &arch, &maps))
+    const char *af, *cv = "lorakit";
+    if (!PyArg_ParseTuple(args, "O&O&OiiisOO|s", PyUnicode_FSConverter, &base, PyUnicode_FSConverter, &out, &loras,
+                          &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite, &af, &arch, &maps, &cv))
         return NULL;
     request r;
     tables tb = {0};
     PyObject *res = NULL;
-    if (threads_ok(o.fuse.threads) && alpha_from_of(af, &o.alpha_from) == 0 && tables_from(arch, maps, &tb) == 0 && request_from(loras, &r) == 0) {
+    if (threads_ok(o.fuse.threads) && alpha_from_of(af, &o.alpha_from) == 0 &&
+        convention_of(cv, &o.fuse.convention) == 0 && tables_from(arch, maps, &tb) == 0 && request_from(loras, &r) == 0) {
         o.arch = tables_arch(&tb);
         o.maps = tb.p;
         o.n_maps = tb.n;
@@ -939,13 +949,15 @@ static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
     (void)mod;
     PyObject *items, *loras, *arch, *maps;
     lk_fuse_file_opts o = {0};
-    const char *af;
-    if (!PyArg_ParseTuple(args, "OOiiisOO", &items, &loras, &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite,
-                          &af, &arch, &maps))
+    const char *af, *cv = "lorakit";
+    if (!PyArg_ParseTuple(args, "OOiiisOO|s", &items, &loras, &o.fuse.threads, &o.allow_unmatched,
+                          &o.fuse.allow_nonfinite, &af, &arch, &maps, &cv))
         return NULL;
     request r;
     tables tb;
-    if (!threads_ok(o.fuse.threads) || alpha_from_of(af, &o.alpha_from) < 0 || tables_from(arch, maps, &tb) < 0) return NULL;
+    if (!threads_ok(o.fuse.threads) || alpha_from_of(af, &o.alpha_from) < 0 ||
+        convention_of(cv, &o.fuse.convention) < 0 || tables_from(arch, maps, &tb) < 0)
+        return NULL;
     if (request_from(loras, &r) < 0) {
         tables_free(&tb);
         return NULL;
@@ -1154,7 +1166,7 @@ static void Tracker_dealloc(TrackerObject *self) {
 }
 
 /* Tracker(comm, items, bucket_bytes, no_lora_swap, threads, allow_nonfinite,
- * timeout, alpha_from, arch, maps): arch and maps as fuse's (copied by the
+ * timeout, alpha_from, arch, maps[, convention]): arch and maps as fuse's (copied by the
  * tracker); timeout is the comm's collective timeout while the
  * tracker's own calls run (lk_comm_set_timeout; the comm's own setting is
  * put back after each, so other users of the comm keep theirs); alpha_from
@@ -1165,12 +1177,13 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     Py_ssize_t bucket_bytes; /* from mib_bytes: >= 1 */
     int no_swap, threads, nonfinite, ok = 1;
     double timeout;
-    const char *af;
+    const char *af, *cv = "lorakit";
     lk_alpha_from alpha_from;
-    if (!PyArg_ParseTuple(args, "OOnpiidsOO", &co, &items, &bucket_bytes, &no_swap, &threads, &nonfinite, &timeout, &af,
-                          &arch, &maps))
+    lk_convention conv;
+    if (!PyArg_ParseTuple(args, "OOnpiidsOO|s", &co, &items, &bucket_bytes, &no_swap, &threads, &nonfinite, &timeout,
+                          &af, &arch, &maps, &cv))
         return -1;
-    if (alpha_from_of(af, &alpha_from) < 0) return -1;
+    if (alpha_from_of(af, &alpha_from) < 0 || convention_of(cv, &conv) < 0) return -1;
     lk_comm *c = comm_of(co);
     if (!c) return -1;
     const double was = lk_comm_timeout(c);
@@ -1220,6 +1233,7 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     o.threads = threads;
     o.allow_nonfinite = nonfinite;
     o.alpha_from = alpha_from;
+    o.convention = conv;
     o.arch = tables_arch(&tb);
     o.maps = tb.p;
     o.n_maps = tb.n;
