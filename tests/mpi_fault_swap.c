@@ -77,10 +77,7 @@ static void write_nan_copy(const char *src, const char *dst) {
 
 /* The base file's own digest, on rank 0. */
 static void file_digest(const char *path, char hex[LK_DIGEST_HEX]) {
-    lk_st *st;
-    if (lk_st_open(path, &st)) die("open base");
-    lk_digest_st(st, hex);
-    lk_st_close(st);
+    if (tu_file_digest(path, hex)) die("open base");
 }
 
 static int setup(void **state) {

@@ -54,14 +54,6 @@ static char *adapter(int is_kohya, const char *name, double alpha, const char *c
 #define kohya(...) adapter(1, __VA_ARGS__)
 #define diffusers(...) adapter(0, __VA_ARGS__)
 
-static lk_status file_digest(const char *path, char hex[LK_DIGEST_HEX]) {
-    lk_st *st;
-    lk_status s = lk_st_open(path, &st);
-    if (!s) s = lk_digest_st(st, hex);
-    lk_st_close(st);
-    return s;
-}
-
 /* Opens path with alpha_from and checks the one module's alpha, scale and source. */
 static void expect_alpha(const char *path, lk_alpha_from from, double alpha, const char *source) {
     lk_adapter_opts o = {.format = LK_FORMAT_AUTO, .alpha_from = from};
@@ -108,8 +100,8 @@ static void test_kohya_no_alpha(void **state) {
     in.path = pr;
     assert_int_equal(lk_fuse_file(g_base, &in, 1, out2, NULL, NULL), LK_OK);
     char d1[LK_DIGEST_HEX], d2[LK_DIGEST_HEX];
-    assert_int_equal(file_digest(out1, d1), LK_OK);
-    assert_int_equal(file_digest(out2, d2), LK_OK);
+    assert_int_equal(tu_file_digest(out1, d1), LK_OK);
+    assert_int_equal(tu_file_digest(out2, d2), LK_OK);
     assert_string_equal(d1, d2);
     /* agreeing metadata: no warning */
     const char *ss4[] = {"ss_network_alpha", "4", "ss_network_dim", "4"};
@@ -175,11 +167,11 @@ static void test_tensor_vs_metadata(void **state) {
     lk_fuse_file_opts fo = {.alpha_from = LK_ALPHA_TENSORS}; /* 4 x (8 / 4) = 1 x (16 / 4) */
     assert_int_equal(lk_fuse_file(g_base, &in, 1, out_t, &fo, NULL), LK_OK);
     char d1[LK_DIGEST_HEX], d2[LK_DIGEST_HEX];
-    assert_int_equal(file_digest(out, d1), LK_OK);
+    assert_int_equal(tu_file_digest(out, d1), LK_OK);
     unlink(out);
     in.strength = 2.0; /* 2 x (8 / 4) = 4 */
     assert_int_equal(lk_fuse_file(g_base, &in, 1, out, &fo, NULL), LK_OK);
-    assert_int_equal(file_digest(out, d2), LK_OK);
+    assert_int_equal(tu_file_digest(out, d2), LK_OK);
     assert_string_equal(d1, d2);
     tu_cli_expect(1, NULL, "says 16", NULL, "inspect '%s'", p);
     tu_cli_expect(0, "metadata lora_adapter_metadata", NULL, NULL, "inspect '%s' --alpha-from metadata --json", p);

@@ -100,12 +100,7 @@ static void check_fused(const char *out, const char *adapter, double s, double a
     lk_st_close(sa);
 }
 
-static void file_digest(const char *path, char hex[LK_DIGEST_HEX]) {
-    lk_st *st;
-    assert_int_equal(lk_st_open(path, &st), LK_OK);
-    assert_int_equal(lk_digest_st(st, hex), LK_OK);
-    lk_st_close(st);
-}
+static void file_digest(const char *path, char hex[LK_DIGEST_HEX]) { assert_int_equal(tu_file_digest(path, hex), LK_OK); }
 
 /* Every source of alpha for a FastVideo-legacy file, and the caller's
  * against the file's. */

@@ -126,11 +126,7 @@ int swap_offline_digest(const char *base, const lk_fuse_input *in, size_t n, con
 
 int swap_offline_digest_opts(const char *base, const lk_fuse_input *in, size_t n, const lk_fuse_file_opts *opts,
                              const char *scratch, char hex[LK_DIGEST_HEX]) {
-    lk_st *st = NULL;
-    int rc = lk_fuse_file(base, in, n, scratch, opts, NULL) || lk_st_open(scratch, &st) || lk_digest_st(st, hex)
-                 ? -1
-                 : 0;
-    lk_st_close(st);
+    int rc = lk_fuse_file(base, in, n, scratch, opts, NULL) || tu_file_digest(scratch, hex) ? -1 : 0;
     remove(scratch);
     return rc;
 }

@@ -125,3 +125,11 @@ void tu_assert_contains_(const char *hay, const char *needle, const char *file, 
         _fail(file, line);
     }
 }
+
+lk_status tu_file_digest(const char *path, char hex[LK_DIGEST_HEX]) {
+    lk_st *st = NULL;
+    lk_status s = lk_st_open(path, &st);
+    if (s == LK_OK) s = lk_digest_st(st, hex);
+    lk_st_close(st);
+    return s;
+}

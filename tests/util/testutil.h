@@ -14,6 +14,10 @@
 #include "app/model.h"
 #include "app/task.h"
 
+/* The digest of a safetensors file (lk_digest_st of its tensors); LK_OK or
+ * the open/digest status. */
+lk_status tu_file_digest(const char *path, char hex[LK_DIGEST_HEX]);
+
 /* A fresh directory under $TMPDIR (or /tmp); removed by tu_rmtree. */
 char *tu_mkdtemp(void);
 void tu_rmtree(const char *dir);
