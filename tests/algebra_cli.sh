@@ -1,5 +1,5 @@
 #!/bin/bash
-# algebra_cli.sh — `lorakit merge` and `lorakit resize`: the float64 NumPy
+# algebra_cli.sh — `lorakit merge`, `resize` and `convert`: the float64 NumPy
 # oracle (tests/algebra_oracle.py: dense deltas and numpy SVDs of inputs
 # written by lycoris-lora and peft), then the CLI's refusals: --help, usage
 # errors exit 2, DoRA / dense diffs / an output that is an input exit 1
@@ -52,22 +52,46 @@ expect 0 fuse "$FX/lycoris/base_f32.safetensors" -l "$TMP/e.safetensors" -o "$TM
 # convert: fuse(base, IN) and fuse(base, OUT) are the same bytes (inputs written by peft and lycoris-lora)
 expect 0 convert --help
 grep -F "usage: lorakit convert" "$TMP/out" >/dev/null || fail "convert --help"
-same_fuse() { # BASE IN FORMAT
+same_fuse() { # BASE IN FORMAT [convert options: --base CKPT]
   local o="$TMP/cv_$3"; [ "$3" = peft ] || o="$o.safetensors"
   rm -rf "$o"
-  expect 0 convert "$2" -o "$o" --format "$3" --json
+  expect 0 convert "$2" -o "$o" --format "$3" --json "${@:4}"
   grep -F '"rel_fro":0.0' "$TMP/out" >/dev/null || fail "convert reports a nonzero error"
   expect 0 fuse "$1" -l "$2" -o "$TMP/f_in.safetensors"
   expect 0 fuse "$1" -l "$o" -o "$TMP/f_out.safetensors"
   [ "$("$LK" digest "$TMP/f_in.safetensors")" = "$("$LK" digest "$TMP/f_out.safetensors")" ] ||
     fail "fuse of convert $2 --format $3 differs from fuse of the input"
 }
-for f in kohya peft diffusers; do
+for f in kohya peft diffusers comfyui; do
   same_fuse "$FX/adapters/base.safetensors" "$FX/adapters/peft" $f
   same_fuse "$FX/adapters/base.safetensors" "$FX/adapters/diffusers.safetensors" $f
 done
-same_fuse "$FX/lycoris/base_f32.safetensors" "$FX/lycoris/lora_linear.safetensors" kohya
-same_fuse "$FX/lycoris/base_f32.safetensors" "$FX/lycoris/locon.safetensors" kohya
+for f in kohya comfyui; do
+  same_fuse "$FX/lycoris/base_f32.safetensors" "$FX/lycoris/lora_linear.safetensors" $f
+  same_fuse "$FX/lycoris/base_f32.safetensors" "$FX/lycoris/locon.safetensors" $f
+done
+# --base: kohya names (written by lycoris-lora) resolved on the model, into every format, on a diffusers
+# UNet and on the original (LDM, ComfyUI's) layout of the same model
+KF=$FX/keyformats
+for f in kohya peft diffusers comfyui; do
+  same_fuse "$FX/lycoris/base_f32.safetensors" "$FX/lycoris/lora_linear.safetensors" $f --base "$FX/lycoris/base_f32.safetensors"
+  same_fuse "$FX/lycoris/base_f32.safetensors" "$FX/lycoris/locon.safetensors" $f --base "$FX/lycoris/base_f32.safetensors"
+  for b in original diffusers; do
+    same_fuse "$KF/sd1_lycoris_$b.safetensors" "$KF/sd1_lycoris_lora.safetensors" $f --base "$KF/sd1_lycoris_$b.safetensors"
+  done
+done
+# ComfyUI's names on the original layout: diffusion_model.<the LDM key> (model_lora_keys_unet's generic rule)
+expect 0 convert "$KF/sd1_lycoris_lora.safetensors" -o "$TMP/c1.safetensors" --format comfyui --base "$KF/sd1_lycoris_original.safetensors"
+for k in lora_A.weight lora_B.weight alpha; do # (the file's JSON header names its keys)
+  grep -aF "\"diffusion_model.input_blocks.1.1.proj_in.$k\"" "$TMP/c1.safetensors" >/dev/null || fail "comfyui key $k"
+done
+# a module on rows of a fused weight has no name of its own there: refused by name, nothing written
+expect 1 convert "$KF/flux_linear1_qkv_lora.safetensors" -o "$TMP/q.safetensors" --format peft --base "$KF/flux_linear1_qkv_original.safetensors"
+err_has "single_blocks.0.linear1_qkv: lands on some rows of single_blocks.0.linear1.weight"
+[ ! -e "$TMP/q.safetensors" ] || fail "a refused convert wrote its output"
+expect 1 convert "$FX/lycoris/lora_linear.safetensors" -o "$TMP/q.safetensors" --format peft
+err_has "give --base CKPT"
+expect 2 convert "$FX/lycoris/lora_linear.safetensors" -o "$TMP/q.safetensors" --base
 # a PEFT alpha that is no F32 value: kohya refuses it by name, PEFT and diffusers carry it
 mkdir -p "$TMP/p01"
 cp "$FX/adapters/peft/adapter_model.safetensors" "$TMP/p01/"

@@ -28,10 +28,11 @@ typedef enum lk_algebra_format {
     LK_ALG_FORMAT_KOHYA,    /* lora_unet_<m_>.lora_down/.lora_up/.alpha (F32), ss_network_dim/alpha */
     LK_ALG_FORMAT_PEFT,     /* OUT a folder: adapter_model.safetensors + adapter_config.json */
     LK_ALG_FORMAT_DIFFUSERS,/* <m>.lora_A/.lora_B.weight + lora_adapter_metadata */
+    LK_ALG_FORMAT_COMFYUI,  /* diffusion_model.<m>.lora_A/.lora_B.weight + <m>.alpha (F32); kohya names kept */
     LK_ALG_FORMAT_COUNT
 } lk_algebra_format;
 
-/* "auto", "kohya", "peft", "diffusers". */
+/* "auto", "kohya", "peft", "diffusers", "comfyui". */
 const char *lk_algebra_format_name(lk_algebra_format f);
 /* Parses a name as above; LK_ERR_ARG naming the valid ones. */
 lk_status lk_algebra_format_parse(const char *name, lk_algebra_format *out);
@@ -52,6 +53,11 @@ typedef struct lk_algebra_opts {
     /* progress: called after each module, from any thread, serialised */
     void (*on_progress)(void *ctx, size_t done, size_t total);
     void *progress_ctx;
+    /* convert: a checkpoint (file, index or folder) the input's module names
+     * are resolved against, as lk_fuse resolves them; each is then written
+     * under the model key it lands on (kohya names to PEFT / diffusers /
+     * ComfyUI names). NULL: names are translated by their spelling alone. */
+    const char *base;
 } lk_algebra_opts;
 
 typedef struct lk_algebra_input {

@@ -397,10 +397,11 @@ def _collective(comm, prepare):
 
 # ---- files ----
 
-def _algebra(op, inputs, out, rank, err, fro, ratio, max_rank, conv_rank, format, dtype, threads):
+def _algebra(op, inputs, out, rank, err, fro, ratio, max_rank, conv_rank, format, dtype, threads, base=None):
     ins = [(os.fspath(p), float(st)) for p, st in inputs]
     rep = _c.algebra(op, ins, os.fspath(out), int(rank or 0), float(err or 0), float(fro or 0), float(ratio or 0),
-                     int(max_rank or 0), int(conv_rank or 0), format or "auto", dtype or "", int(threads or 0))
+                     int(max_rank or 0), int(conv_rank or 0), format or "auto", dtype or "", int(threads or 0),
+                     None if base is None else os.fspath(base))
     return json.loads(rep)
 
 
@@ -422,12 +423,14 @@ def resize(path, out, *, rank=None, err=None, fro=None, ratio=None, max_rank=Non
     return _algebra("resize", [(path, 1.0)], out, rank, err, fro, ratio, max_rank, conv_rank, format, dtype, threads)
 
 
-def convert(path, out, *, format=None):
-    """`lorakit convert`: the same LoRA in format "kohya" | "peft" | "diffusers",
-    its factor bytes copied and each scale carried exactly as an alpha, so
-    fusing out gives the bytes fusing path gives; what the target cannot
-    carry exactly raises LoraError. Returns the report as a dict."""
-    return _algebra("convert", [(path, 1.0)], out, 0, 0, 0, 0, 0, 0, format, None, 0)
+def convert(path, out, *, format=None, base=None):
+    """`lorakit convert`: the same LoRA in format "kohya" | "peft" |
+    "diffusers" | "comfyui", its factor bytes copied and each scale carried
+    exactly as an alpha, so fusing out gives the bytes fusing path gives;
+    base: a checkpoint the names are resolved against (`--base`: kohya names
+    become the model keys they land on). What the target cannot carry exactly
+    raises LoraError. Returns the report as a dict."""
+    return _algebra("convert", [(path, 1.0)], out, 0, 0, 0, 0, 0, 0, format, None, 0, base)
 
 
 def digest(path):

@@ -1430,15 +1430,15 @@ static PyObject *py_log_level(PyObject *mod, PyObject *args) {
     return PyLong_FromLong((long)lk_log_get_level());
 }
 
-/* algebra(op, [(path, strength)], out, rank, err, fro, ratio, max_rank, conv_rank, format, dtype, threads):
+/* algebra(op, [(path, strength)], out, rank, err, fro, ratio, max_rank, conv_rank, format, dtype, threads[, base]):
  * lk_merge ("merge"), lk_resize ("resize") or lk_convert ("convert"); returns the report's JSON text. */
 static PyObject *py_algebra(PyObject *mod, PyObject *args) {
     (void)mod;
     const char *op, *fmt, *dt;
     PyObject *items, *out;
     lk_algebra_opts o = {0};
-    if (!PyArg_ParseTuple(args, "sOO&idddiissi", &op, &items, PyUnicode_FSConverter, &out, &o.rank, &o.err, &o.fro,
-                          &o.ratio, &o.max_rank, &o.conv_rank, &fmt, &dt, &o.threads))
+    if (!PyArg_ParseTuple(args, "sOO&idddiissi|z", &op, &items, PyUnicode_FSConverter, &out, &o.rank, &o.err, &o.fro,
+                          &o.ratio, &o.max_rank, &o.conv_rank, &fmt, &dt, &o.threads, &o.base))
         return NULL;
     PyObject *seq = PySequence_Fast(items, "inputs must be a sequence of (path, strength)");
     Py_ssize_t n = seq ? PySequence_Fast_GET_SIZE(seq) : 0;

@@ -85,6 +85,13 @@ lk_status lk_alg_write(lk_alg_ctx *ctx);
 /* Module m's name in format f (lk_malloc'd), or NULL with *err set (a
  * kohya underscore name in another format: LK_ERR_UNSUPPORTED). */
 char *lk_alg_out_name(lk_algebra_format f, const char *m, lk_status *err);
+/* The factor keys after "<name>." in format f (kohya's lora_down / lora_up
+ * for kohya and for kohya-named ComfyUI modules, else lora_A / lora_B) and
+ * whether an F32 "<name>.alpha" tensor is written (kohya, ComfyUI). */
+void lk_alg_key_names(lk_algebra_format f, const char *name, const char **down, const char **up, int *alpha);
+/* The digest that orders an input (merge.c): its tensors' content digest
+ * and its adapter_config.json's hash, "<hex>[-<hex16>]". */
+lk_status lk_alg_input_digest(const lk_adapter *a, char *hex, size_t cap);
 /* want, or for AUTO the format a's is written as. */
 lk_algebra_format lk_alg_format_of(lk_algebra_format want, const lk_adapter *a);
 /* A PEFT folder: put_st(ctx, path) writes its safetensors, then text is its

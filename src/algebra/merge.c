@@ -21,7 +21,7 @@
 
 /* The digest that orders an input: its tensors' content digest, and its
  * adapter_config.json's bytes (a PEFT folder's alpha lives there). */
-static lk_status input_digest(const lk_adapter *a, char *hex, size_t cap) {
+lk_status lk_alg_input_digest(const lk_adapter *a, char *hex, size_t cap) {
     lk_st *st = NULL;
     char d[LK_DIGEST_HEX];
     lk_status s = lk_st_open(lk_adapter_file(a), &st);
@@ -105,7 +105,7 @@ static lk_status open_inputs(lk_alg_ctx *ctx, const lk_algebra_input *in, size_t
         x->path = in[i].path;
         x->strength = in[i].strength;
         lk_status s = lk_adapter_open_opts(in[i].path, &ctx->o->read, &x->a);
-        if (!s) s = input_digest(x->a, x->digest, sizeof x->digest);
+        if (!s) s = lk_alg_input_digest(x->a, x->digest, sizeof x->digest);
         if (s) return s;
         if (lk_adapter_replacement_count(x->a))
             return lk_error(LK_ERR_UNSUPPORTED, "%s: replaces %zu tensor(s) whole (modules_to_save or saved biases, "

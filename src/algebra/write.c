@@ -26,7 +26,7 @@
 #include "lorakit/alloc.h"
 #include "lorakit/safetensors.h"
 
-static const char *const FORMAT_NAMES[LK_ALG_FORMAT_COUNT] = {"auto", "kohya", "peft", "diffusers"};
+static const char *const FORMAT_NAMES[LK_ALG_FORMAT_COUNT] = {"auto", "kohya", "peft", "diffusers", "comfyui"};
 
 const char *lk_algebra_format_name(lk_algebra_format f) {
     return (unsigned)f < LK_ALG_FORMAT_COUNT ? FORMAT_NAMES[f] : "?";
@@ -38,7 +38,7 @@ lk_status lk_algebra_format_parse(const char *name, lk_algebra_format *out) {
             *out = (lk_algebra_format)i;
             return LK_OK;
         }
-    return lk_error(LK_ERR_ARG, "unknown output format '%s' (valid: kohya, peft, diffusers)", name ? name : "");
+    return lk_error(LK_ERR_ARG, "unknown output format '%s' (valid: kohya, peft, diffusers, comfyui)", name ? name : "");
 }
 
 static const char *const COMPONENTS[][2] = {
@@ -46,7 +46,13 @@ static const char *const COMPONENTS[][2] = {
     {"text_encoder.", "lora_te1_"}, {"text_encoder_2.", "lora_te2_"}, {"text_encoder_3.", "lora_te3_"},
 };
 
-/* The module's name in format f (lk_malloc'd), or NULL with *err set. */
+/* The module's name in format f (lk_malloc'd), or NULL with *err set.
+ * ComfyUI (model_lora_keys_unet / _clip, comfy/lora.py): a kohya name is
+ * read natively and kept; a text encoder's diffusers name (text_encoder.,
+ * text_encoder_2.) too; every other name is a diffusion-model key,
+ * "diffusion_model.<key>" (a single file's model.diffusion_model., a
+ * diffusers file's transformer. / unet. and PEFT's base_model.model.
+ * replaced by it). */
 char *lk_alg_out_name(lk_algebra_format f, const char *m, lk_status *err) {
     int kohya_in = !strncmp(m, "lora_", 5) && !strchr(m, '.');
     *err = LK_OK;
@@ -65,15 +71,31 @@ char *lk_alg_out_name(lk_algebra_format f, const char *m, lk_status *err) {
                 if (*p == '.') *p = '_';
         return s;
     }
+    if (f == LK_ALG_FORMAT_COMFYUI) {
+        if (kohya_in || !strncmp(m, "text_encoder", 12)) return lk_strdup(m);
+        static const char *const wrap[] = {"base_model.model.", "model.diffusion_model.", "diffusion_model.",
+                                           "transformer.", "unet."};
+        for (size_t i = 0; i < sizeof wrap / sizeof *wrap; i++)
+            if (!strncmp(m, wrap[i], strlen(wrap[i]))) m += strlen(wrap[i]);
+        return lk_msg_dup("diffusion_model.%s", m);
+    }
     if (kohya_in) {
         *err = lk_error(LK_ERR_UNSUPPORTED, "module '%s' has kohya's underscore name, which does not say where the "
-                        "dots of the model's name are; write --format kohya", m);
+                        "dots of the model's name are; write --format kohya or comfyui, or give --base CKPT "
+                        "(convert) to resolve it", m);
         return NULL;
     }
     if (f == LK_ALG_FORMAT_PEFT)
         for (size_t i = 0; i < 3; i++)
             if (!strncmp(m, COMPONENTS[i][0], strlen(COMPONENTS[i][0]))) return lk_strdup(m + strlen(COMPONENTS[i][0]));
     return lk_strdup(m);
+}
+
+void lk_alg_key_names(lk_algebra_format f, const char *name, const char **down, const char **up, int *alpha) {
+    int kohya_keys = f == LK_ALG_FORMAT_KOHYA || (f == LK_ALG_FORMAT_COMFYUI && !strchr(name, '.'));
+    *down = kohya_keys ? "lora_down.weight" : "lora_A.weight";
+    *up = kohya_keys ? "lora_up.weight" : "lora_B.weight";
+    *alpha = f == LK_ALG_FORMAT_KOHYA || f == LK_ALG_FORMAT_COMFYUI;
 }
 
 lk_algebra_format lk_alg_format_of(lk_algebra_format want, const lk_adapter *a) {
@@ -188,12 +210,12 @@ static lk_status declare(lk_st_writer *w, const wctx *c, size_t i, size_t *idx) 
     int64_t bs[LK_MAX_DIMS], as[LK_MAX_DIMS];
     int bn, an;
     shapes(x, bs, &bn, as, &an);
-    const char *pre = c->f == LK_ALG_FORMAT_PEFT ? "base_model.model." : "";
-    const char *ka = c->f == LK_ALG_FORMAT_KOHYA ? "lora_down.weight" : "lora_A.weight";
-    const char *kb = c->f == LK_ALG_FORMAT_KOHYA ? "lora_up.weight" : "lora_B.weight";
+    const char *pre = c->f == LK_ALG_FORMAT_PEFT ? "base_model.model." : "", *ka, *kb;
+    int with_alpha;
+    lk_alg_key_names(c->f, c->names[i], &ka, &kb, &with_alpha);
     char *na = lk_msg_dup("%s%s.%s", pre, c->names[i], ka), *nb = lk_msg_dup("%s%s.%s", pre, c->names[i], kb);
-    char *nl = c->f == LK_ALG_FORMAT_KOHYA ? lk_msg_dup("%s.alpha", c->names[i]) : NULL;
-    lk_status s = na && nb && (nl || c->f != LK_ALG_FORMAT_KOHYA) ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
+    char *nl = with_alpha ? lk_msg_dup("%s.alpha", c->names[i]) : NULL;
+    lk_status s = na && nb && (nl || !with_alpha) ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
     if (!s) s = lk_st_writer_declare(w, na, c->ctx->run.dtype, an, as, &idx[0]);
     if (!s) s = lk_st_writer_declare(w, nb, c->ctx->run.dtype, bn, bs, &idx[1]);
     if (!s && nl) s = lk_st_writer_declare(w, nl, LK_DTYPE_F32, 0, NULL, &idx[2]);
@@ -241,7 +263,8 @@ static lk_status write_st(const wctx *c, const char *path) {
         const lk_alg_module *x = &ctx->mods[i];
         s = lk_st_writer_write(w, idx[3 * i], 0, x->a_bytes, x->rank * x->N * es);
         if (!s) s = lk_st_writer_write(w, idx[3 * i + 1], 0, x->b_bytes, x->rank * x->out * es);
-        if (!s && c->f == LK_ALG_FORMAT_KOHYA) s = lk_st_writer_write(w, idx[3 * i + 2], 0, &c->alpha, 4);
+        if (!s && (c->f == LK_ALG_FORMAT_KOHYA || c->f == LK_ALG_FORMAT_COMFYUI))
+            s = lk_st_writer_write(w, idx[3 * i + 2], 0, &c->alpha, 4);
     }
     if (!s) s = lk_st_writer_commit(w);
     lk_st_writer_free(w);
