@@ -297,39 +297,126 @@ static void test_dense(void **state) {
         }
 }
 
-/* LoHa and LoKr: the host path, the same bytes, counted as a fallback. */
-static void test_fallback_kinds(void **state) {
+/* LoHa: w1a (out x r1, B) @ w1b (r1 x in, A) times w2a @ w2b, elementwise. */
+typedef struct hada_set {
+    tens f[4];
+    lk_fuse_term t;
+} hada_set;
+
+static void hada_make(hada_set *h, tu_rng *r, int64_t out, int64_t in, int64_t r1, int64_t r2, double scale) {
+    tens_make(&h->f[0], "hada_w1_b", dt_of(tu_next(r)), 2, (int64_t[]){r1, in});
+    tens_make(&h->f[1], "hada_w1_a", dt_of(tu_next(r)), 2, (int64_t[]){out, r1});
+    tens_make(&h->f[2], "hada_w2_b", dt_of(tu_next(r)), 2, (int64_t[]){r2, in});
+    tens_make(&h->f[3], "hada_w2_a", dt_of(tu_next(r)), 2, (int64_t[]){out, r2});
+    for (int i = 0; i < 4; i++) fill(r, &h->f[i], 0.5f, 0);
+    h->t = (lk_fuse_term){.A = &h->f[0].t, .B = &h->f[1].t, .A2 = &h->f[2].t, .B2 = &h->f[3].t, .scale = scale,
+                          .kind = LK_TERM_HADA};
+}
+
+/* LoKr: kron(w1, w2) on (a c) x (b D); factored: w1 = w1a (a x r) @ w1b
+ * (r x b) and w2 = w2a (c x r) @ w2b (r x D), else full (r = 0). */
+typedef struct kron_set {
+    tens f[4];
+    lk_fuse_term t;
+} kron_set;
+
+static void kron_make(kron_set *k, tu_rng *r, int64_t a, int64_t b, int64_t c, int64_t D, int64_t r1, int64_t r2,
+                      double scale) {
+    memset(k, 0, sizeof *k);
+    if (r1) {
+        tens_make(&k->f[0], "lokr_w1_b", dt_of(tu_next(r)), 2, (int64_t[]){r1, b});
+        tens_make(&k->f[1], "lokr_w1_a", dt_of(tu_next(r)), 2, (int64_t[]){a, r1});
+    } else tens_make(&k->f[1], "lokr_w1", dt_of(tu_next(r)), 2, (int64_t[]){a, b});
+    if (r2) {
+        tens_make(&k->f[2], "lokr_w2_b", dt_of(tu_next(r)), 2, (int64_t[]){r2, D});
+        tens_make(&k->f[3], "lokr_w2_a", dt_of(tu_next(r)), 2, (int64_t[]){c, r2});
+    } else tens_make(&k->f[3], "lokr_w2", dt_of(tu_next(r)), 2, (int64_t[]){c, D});
+    for (int i = 0; i < 4; i++)
+        if (k->f[i].buf) fill(r, &k->f[i], 0.5f, 0);
+    k->t = (lk_fuse_term){.A = r1 ? &k->f[0].t : NULL, .B = &k->f[1].t, .A2 = r2 ? &k->f[2].t : NULL,
+                          .B2 = &k->f[3].t, .scale = scale, .kind = LK_TERM_KRON};
+}
+
+static void set4_free(tens *f) {
+    for (int i = 0; i < 4; i++) tens_free(&f[i]);
+}
+
+/* LoHa and LoKr on the device kernel: dtypes x shapes (1-row, 1-column,
+ * ragged tiles) x ranks 1..128; the same bytes as the CPU's row driver. */
+static void test_hada_kron(void **state) {
     (void)state;
+    static const int64_t shapes[][2] = {{1, 1}, {1, 300}, {300, 1}, {37, 129}, {6, 70}};
+    static const int64_t ranks[][2] = {{1, 1}, {3, 8}, {16, 2}, {128, 64}};
     tu_rng r = {11};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (size_t ri = 0; ri < sizeof ranks / sizeof ranks[0]; ri++)
+            for (int d = 0; d < 3; d++) {
+                const int64_t out = shapes[si][0], in = shapes[si][1];
+                if (ranks[ri][0] > 16 && out * in > 1000) continue; /* emul's time */
+                tens w;
+                tens_make(&w, "hada.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
+                fill(&r, &w, 1.0f, 1);
+                hada_set h;
+                hada_make(&h, &r, out, in, ranks[ri][0], ranks[ri][1], 0.8);
+                dcase c = {.fn = FN_TENSOR, .terms = &h.t, .n = 1, .opts = {.allow_nonfinite = 1},
+                           .want_change = out * in >= 16};
+                check_case(&c, &w);
+                set4_free(h.f);
+                tens_free(&w);
+            }
+    /* LoKr: (a, b, c, D, r1, r2): factored, full, mixed; 1-row, 1-column, ragged */
+    static const int64_t kr[][6] = {{1, 1, 1, 1, 0, 0},  {3, 5, 4, 6, 0, 2},   {1, 3, 1, 100, 2, 0},
+                                    {3, 1, 100, 1, 0, 0}, {37, 3, 1, 43, 5, 7}, {4, 16, 8, 8, 1, 128}};
+    for (size_t ki = 0; ki < sizeof kr / sizeof kr[0]; ki++)
+        for (int d = 0; d < 3; d++) {
+            const int64_t *g = kr[ki], out = g[0] * g[2], in = g[1] * g[3];
+            tens w;
+            tens_make(&w, "lokr.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
+            fill(&r, &w, 1.0f, 1);
+            kron_set k;
+            kron_make(&k, &r, g[0], g[1], g[2], g[3], g[4], g[5], 0.6);
+            dcase c = {.fn = FN_TENSOR, .terms = &k.t, .n = 1, .opts = {.allow_nonfinite = 1},
+                       .want_change = out * in >= 16};
+            check_case(&c, &w);
+            set4_free(k.f);
+            tens_free(&w);
+        }
+}
+
+/* Every kind on one weight, in one order: LoRA, LoHa, dense, LoKr, a
+ * zero-scale LoHa, a second LoRA (stacked with the first); then more
+ * non-LoRA terms than one launch takes: the host path, the same bytes. */
+static void test_mixed_kinds(void **state) {
+    (void)state;
+    tu_rng r = {19};
     for (int d = 0; d < 3; d++) {
         const int64_t out = 12, in = 30;
-        tens w, f[4];
-        tens_make(&w, "hada.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
+        tens w, D[9];
+        tens_make(&w, "mix.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
         fill(&r, &w, 1.0f, 1);
-        tens_make(&f[0], "w1b", LK_DTYPE_F32, 2, (int64_t[]){4, in});
-        tens_make(&f[1], "w1a", LK_DTYPE_BF16, 2, (int64_t[]){out, 4});
-        tens_make(&f[2], "w2b", LK_DTYPE_F16, 2, (int64_t[]){4, in});
-        tens_make(&f[3], "w2a", LK_DTYPE_F32, 2, (int64_t[]){out, 4});
-        for (int i = 0; i < 4; i++) fill(&r, &f[i], 0.5f, 0);
-        lk_fuse_term h = {.A = &f[0].t, .B = &f[1].t, .A2 = &f[2].t, .B2 = &f[3].t, .scale = 0.8, .kind = LK_TERM_HADA};
-        dcase c = {.fn = FN_TENSOR, .terms = &h, .n = 1, .opts = {.allow_nonfinite = 1}, .want_fallback = 1,
-                   .want_change = 1};
+        lora_set s;
+        lora_make(&s, &r, out, in, 3, 2, 0.3f);
+        hada_set h, h0;
+        hada_make(&h, &r, out, in, 4, 2, 0.7);
+        hada_make(&h0, &r, out, in, 2, 2, 0.0);
+        kron_set k;
+        kron_make(&k, &r, 3, 5, 4, 6, 2, 0, 1.3);
+        for (int i = 0; i < 9; i++) {
+            tens_make(&D[i], "diff", dt_of(tu_next(&r)), 2, (int64_t[]){out, in});
+            fill(&r, &D[i], 0.2f, 0);
+        }
+        lk_fuse_term t[16] = {s.t[0], h.t, {.B = &D[0].t, .scale = 0.35, .kind = LK_TERM_DENSE}, k.t, h0.t, s.t[1]};
+        dcase c = {.fn = FN_TENSOR, .terms = t, .n = 6, .opts = {.allow_nonfinite = 1}, .want_change = 1};
         check_case(&c, &w);
-        /* LoKr: kron(w1 (3 x 5), w2 = B2 @ A2 (4 x 6)) on 12 x 30 */
-        tens k1, k2a, k2b;
-        tens_make(&k1, "lokr_w1", LK_DTYPE_F32, 2, (int64_t[]){3, 5});
-        tens_make(&k2b, "lokr_w2_b", LK_DTYPE_BF16, 2, (int64_t[]){2, 6});
-        tens_make(&k2a, "lokr_w2_a", LK_DTYPE_F32, 2, (int64_t[]){4, 2});
-        fill(&r, &k1, 0.5f, 0);
-        fill(&r, &k2a, 0.5f, 0);
-        fill(&r, &k2b, 0.5f, 0);
-        lk_fuse_term kr = {.B = &k1.t, .A2 = &k2b.t, .B2 = &k2a.t, .scale = 0.6, .kind = LK_TERM_KRON};
-        c.terms = &kr;
+        for (int i = 1; i < 9; i++) t[5 + i] = (lk_fuse_term){.B = &D[i].t, .scale = 0.1 * i, .kind = LK_TERM_DENSE};
+        c.n = 14; /* 12 live non-LoRA terms: more than LK_KDEV_MAX_X */
+        c.want_fallback = 1;
         check_case(&c, &w);
-        tens_free(&k1);
-        tens_free(&k2a);
-        tens_free(&k2b);
-        for (int i = 0; i < 4; i++) tens_free(&f[i]);
+        for (int i = 0; i < 9; i++) tens_free(&D[i]);
+        set4_free(k.f);
+        set4_free(h0.f);
+        set4_free(h.f);
+        lora_free(&s);
         tens_free(&w);
     }
 }
@@ -565,7 +652,7 @@ static int setup_cuda(void **state) {
 
 #define DEVICE_TESTS                                                                                         \
     cmocka_unit_test(test_lora_shapes), cmocka_unit_test(test_conv), cmocka_unit_test(test_row_slices),     \
-        cmocka_unit_test(test_dense), cmocka_unit_test(test_fallback_kinds), cmocka_unit_test(test_keys),  \
+        cmocka_unit_test(test_dense), cmocka_unit_test(test_hada_kron), cmocka_unit_test(test_mixed_kinds), cmocka_unit_test(test_keys),  \
         cmocka_unit_test(test_fp8), cmocka_unit_test(test_nonfinite), cmocka_unit_test(test_errors),       \
         cmocka_unit_test(test_ties),                                                                        \
         cmocka_unit_test(test_alloc_fail)

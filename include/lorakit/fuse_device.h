@@ -6,15 +6,16 @@
  * its data is, and dispatches on it: a host tensor goes to the CPU kernel
  * (lk_fuse_tensor, lk_fuse_key_apply, lk_fuse_fp8) unchanged. On a device:
  *   - LoRA terms (conv LoRA as its 2-D factors, terms on row slices of a
- *     fused weight) and dense terms on F32 / F16 / BF16 weights run the
- *     device kernel (src/fuse/kernel_dev.h): the factors are prepared on
- *     the host by the CPU kernel's own code (B' and A in the accumulator's
- *     precision), uploaded, and each element gets the CPU's FMA chain and
- *     single rounding;
- *   - everything else (LoHa, LoKr, DoRA, replacements, 1-D vector terms,
- *     FP8 weights, more than 4 dense terms) takes the host path: the
- *     key's bytes are copied to pinned host memory, fused there by the CPU
- *     kernel and copied back. The same bytes; counted in the stats.
+ *     fused weight), LoHa, LoKr and dense terms (any mix, up to
+ *     LK_KDEV_MAX_X = 8 non-LoRA terms) on F32 / F16 / BF16 weights run
+ *     the device kernel (src/fuse/kernel_dev.h): the factors are prepared
+ *     on the host by the CPU's own code (B' and A in the accumulator's
+ *     precision, LoHa's two chains, LoKr's two factors), uploaded, and
+ *     each element gets the CPU's FMA chain and single rounding;
+ *   - everything else (DoRA, replacements, 1-D vector terms, FP8 weights,
+ *     OFT / BOFT, GLoRA, more than 8 non-LoRA terms) takes the host path:
+ *     the key's bytes are copied to pinned host memory, fused there by the
+ *     CPU kernel and copied back. The same bytes; counted in the stats.
  * Factor tensors are in host memory (the adapter's). Work is queued on
  * `stream` (NULL: the device's default stream); each call returns when the
  * key is done (the non-finite verdict needs the kernel's result). Errors

@@ -59,14 +59,29 @@ lk_status lk_fuse_delta_f64(double *delta, size_t ld, int64_t out, int64_t in, i
  * needs lk_fuse_delta_scratch(p, n) bytes of scratch (0 for LoRA terms
  * alone, when scratch may be NULL); each concurrent caller passes its own. */
 typedef struct lk_delta_prep lk_delta_prep;
+typedef struct lk_kdelta lk_kdelta; /* the LoRA terms' chain (kernel.c), below */
 lk_status lk_fuse_delta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int64_t rows,
                                 const lk_fuse_term *terms, size_t n_terms, const char *name, lk_delta_prep **p);
 size_t lk_fuse_delta_scratch(const lk_delta_prep *p, size_t n);
 void lk_fuse_delta_rows(const lk_delta_prep *p, void *delta, size_t ld, size_t row, size_t n, void *scratch);
 void lk_fuse_delta_free(lk_delta_prep *p);
-
+/* What a preparation holds, for the device kernels (kernel_dev.c), which
+ * chain over these very buffers: returns the LoRA terms' stacked chain
+ * (NULL: none), *nx the other live terms, and the first max of them into
+ * x, in term order: a dense delta (scale, D), LoHa's two prepared products
+ * (p1 with the term's scale, p2 with 1) or LoKr's acc(s W1) (a x b) and
+ * acc(W2) (c x D), f32 narrow / f64 wide. */
+typedef struct lk_delta_xpart {
+    lk_term_kind kind;
+    double scale;
+    const lk_tensor *dense;
+    const lk_kdelta *p1, *p2;
+    const void *w1, *w2;
+    size_t a, b, c, D;
+} lk_delta_xpart;
+const lk_kdelta *lk_fuse_delta_parts(const lk_delta_prep *p, lk_delta_xpart *x, size_t max, size_t *nx);
 /* The same for LoRA terms only (kernel.c), what lk_fuse_delta_* build on. */
-typedef struct lk_kdelta lk_kdelta;
+
 lk_status lk_kdelta_prepare(int wide, int64_t out, int64_t in, int64_t row0, int64_t rows,
                             const lk_fuse_term *terms, size_t n_terms, const char *name, lk_kdelta **p);
 void lk_kdelta_rows(const lk_kdelta *p, void *delta, size_t ld, size_t row, size_t n);

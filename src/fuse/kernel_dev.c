@@ -10,10 +10,13 @@
  * are the CPU's, bit for bit. Row-sliced terms are cut into bands by the
  * CPU kernel's own cutter (lk_fuse_bands) and each band is one launch;
  * validation is the CPU's (lk_fuse_delta_prepare's checks), so the errors
- * are the same. The device memory of one call is one allocation (the
- * non-finite slot, A, B', the dense deltas), freed before returning.
+ * are the same. Mixed term lists (dense, LoHa, LoKr beside LoRA) are
+ * prepared by terms.c's lk_fuse_delta_prepare, whose buffers
+ * (lk_fuse_delta_parts) the kernel chains over. The device memory of one
+ * call is one allocation (the non-finite slot, then every uploaded part),
+ * freed before returning.
  *
- * The host path (LoHa, LoKr, DoRA, replacements, vector terms, FP8): the
+ * The host path (DoRA, replacements, vector terms, FP8, OFT / BOFT, GLoRA): the
  * key is copied into pinned host memory, fused there by the CPU code and
  * copied back only when that succeeded. */
 #include "lorakit/fuse_device.h"
@@ -32,6 +35,8 @@ const void *lk_kdev_fuse_cuda(void); /* kernel_cuda.cu */
 #else
 #define KDEV_CUDA NULL
 #endif
+
+_Static_assert(LK_KDEV_CHAINS * LK_KDEV_RPT == 12, "update kernel_cuda.cu's LK_AUDIT line of lk_kdev_fuse_kernel");
 
 /* emul: the CUDA kernel's body for one thread (kernel_dev.h). */
 static void fuse_emul(const void *args, const lk_thread_idx *t) {
@@ -68,9 +73,7 @@ static lk_status host_path(lk_tensor *w, host_fn fn, void *ctx, lk_stream *s, lk
 
 /* ---- the device kernel ---- */
 
-/* One launch's inputs: a weight (or band) of rows x in at w (device), its
- * LoRA terms (any scale: zero ones are skipped by the preparation) and its
- * live dense terms. */
+/* One launch's inputs: a weight (or band) of rows x in at w (device). */
 typedef struct dev_call {
     lk_tensor *w;
     lk_stream *s;
@@ -81,6 +84,41 @@ typedef struct dev_call {
 } dev_call;
 
 static size_t align256(size_t n) { return (n + 255u) & ~(size_t)255u; }
+
+/* The uploads of one launch, carved from one device block after the
+ * non-finite slot: each part's host bytes and the kernel argument that
+ * gets its device address. */
+#define DEV_UPS (2 + 4 * LK_KDEV_MAX_X)
+typedef struct dev_up {
+    const void *src[DEV_UPS];
+    const void **fix[DEV_UPS];
+    size_t n[DEV_UPS], at[DEV_UPS], np, tot;
+    int ovf;
+} dev_up;
+
+static void up_add(dev_up *u, const void *src, size_t n, const void **fix) {
+    u->src[u->np] = src;
+    u->n[u->np] = n;
+    u->fix[u->np] = fix;
+    u->at[u->np++] = u->tot;
+    u->ovf |= !lk_checked_add(u->tot, align256(n), &u->tot);
+}
+
+/* A prepared chain (NULL: none) of rows x I as the kernel reads it. */
+static void up_chain(dev_up *u, const lk_kdelta *kp, size_t rows, size_t I, size_t vsz, lk_kdev_chain *c) {
+    const void *A = NULL, *bs = NULL;
+    size_t pw = 0;
+    const size_t R = kp ? lk_kdelta_factors(kp, &A, &bs, &pw) : 0;
+    *c = (lk_kdev_chain){.R = R, .pw = pw, .pw_shift = -1};
+    if (!R) return;
+    size_t a_bytes = 0, b_bytes = 0;
+    u->ovf |= !lk_checked_mul((I + pw - 1) / pw * pw, R, &a_bytes) || !lk_checked_mul(a_bytes, vsz, &a_bytes) ||
+              !lk_checked_mul(rows, R, &b_bytes) || !lk_checked_mul(b_bytes, vsz, &b_bytes);
+    for (int sh = 0; sh < 63 && !(pw & (pw - 1)); sh++)
+        if (((size_t)1 << sh) == pw) c->pw_shift = sh;
+    up_add(u, A, a_bytes, &c->A);
+    up_add(u, bs, b_bytes, &c->bs);
+}
 
 /* The verdict of a launch: *bad (downloaded) names the first element made
  * non-finite; its old bits are in the key, its new value on the device. */
@@ -105,80 +143,121 @@ static lk_status dev_verdict(const dev_call *c, unsigned long long bad, const ch
     return lk_fuse_nonfinite(c->w->name, idx, (size_t)c->in, wv, rv, c->opts);
 }
 
-/* Uploads the prepared factors and dense deltas into one device block,
- * launches, and judges. rows x in from row row_base of the weight. */
-static lk_status dev_launch(const dev_call *c, uint64_t row_base, int64_t rows, const lk_kdelta *kp,
-                            const lk_fuse_term *const *dense, size_t nd) {
+/* Uploads u's parts into one device block (their addresses into a's
+ * fields), launches a on rows x in from row row_base of the weight, and
+ * judges. */
+static lk_status dev_launch(const dev_call *c, uint64_t row_base, int64_t rows, lk_kdev_args *a, dev_up *u) {
     const lk_device d = c->w->device;
-    const size_t vsz = c->wide ? sizeof(double) : sizeof(float), I = (size_t)c->in, esz = lk_dtype_size(c->w->dtype);
-    const void *A = NULL, *bs = NULL;
-    size_t pw = 0;
-    const size_t R = kp ? lk_kdelta_factors(kp, &A, &bs, &pw) : 0;
-    const size_t npan = R ? (I + pw - 1) / pw : 0;
-    size_t a_bytes = 0, b_bytes = 0, at[LK_KDEV_MAX_DENSE + 2], tot = 256;
-    int ovf = R && (!lk_checked_mul(npan * pw, R, &a_bytes) || !lk_checked_mul(a_bytes, vsz, &a_bytes) ||
-                    !lk_checked_mul((size_t)rows, R, &b_bytes) || !lk_checked_mul(b_bytes, vsz, &b_bytes));
-    at[0] = tot;
-    ovf |= !lk_checked_add(tot, align256(a_bytes), &tot);
-    at[1] = tot;
-    ovf |= !lk_checked_add(tot, align256(b_bytes), &tot);
-    for (size_t t = 0; t < nd; t++) {
-        at[2 + t] = tot;
-        ovf |= !lk_checked_add(tot, align256(dense[t]->B->nbytes), &tot);
-    }
-    if (ovf) return lk_error(LK_ERR_SHAPE, "%s: factors too large for the device", c->w->name);
+    const size_t I = (size_t)c->in, esz = lk_dtype_size(c->w->dtype);
+    size_t tot = 0;
+    if (u->ovf || !lk_checked_add(u->tot, 256, &tot))
+        return lk_error(LK_ERR_SHAPE, "%s: factors too large for the device", c->w->name);
     unsigned char *m = NULL;
     lk_status st = lk_device_alloc(d, tot, (void **)&m);
     if (st) return lk_error_prefix(st, "%s: device memory for the factors", c->w->name);
     unsigned long long bad = ~0ull;
     char *wband = (char *)c->w->data + (size_t)row_base * I * esz;
-    lk_kdev_args a = {.w_out = wband, .w_in = wband, .A = m + at[0], .bs = m + at[1], .bad = (unsigned long long *)m,
-                      .rows = (uint64_t)rows, .in = I, .R = R, .pw = pw, .pw_shift = -1, .row_base = row_base,
-                      .dt = (int)c->w->dtype, .wide = c->wide, .n_dense = (int)nd};
-    for (int sh = 0; sh < 63 && pw && !(pw & (pw - 1)); sh++)
-        if (((size_t)1 << sh) == pw) a.pw_shift = sh;
+    a->w_out = wband;
+    a->w_in = wband;
+    a->bad = (unsigned long long *)m;
+    a->rows = (uint64_t)rows;
+    a->in = I;
+    a->row_base = row_base;
+    a->dt = (int)c->w->dtype;
+    a->wide = c->wide;
     st = lk_device_copy(d, m, &bad, sizeof bad, LK_COPY_H2D, c->s);
-    if (!st && R) st = lk_device_copy(d, m + at[0], A, a_bytes, LK_COPY_H2D, c->s);
-    if (!st && R) st = lk_device_copy(d, m + at[1], bs, b_bytes, LK_COPY_H2D, c->s);
-    for (size_t t = 0; t < nd && !st; t++) {
-        a.dense[t] = (lk_kdev_dense){.D = m + at[2 + t], .scale = dense[t]->scale, .dt = (int)dense[t]->B->dtype};
-        st = lk_device_copy(d, m + at[2 + t], dense[t]->B->data, dense[t]->B->nbytes, LK_COPY_H2D, c->s);
+    for (size_t i = 0; i < u->np && !st; i++) {
+        *u->fix[i] = m + 256 + u->at[i];
+        st = lk_device_copy(d, m + 256 + u->at[i], u->src[i], u->n[i], LK_COPY_H2D, c->s);
     }
     const uint64_t groups = ((uint64_t)rows + LK_KDEV_RPT - 1) / LK_KDEV_RPT;
     const lk_dim3 grid = {(unsigned)((I + LK_KDEV_BLOCK - 1) / LK_KDEV_BLOCK), groups < 65535 ? (unsigned)groups : 65535u, 1};
     const lk_kernel k = {"lk_kdev_fuse", KDEV_CUDA, fuse_emul};
     const double t0 = lk_now_s();
-    if (!st) st = lk_device_launch(d, &k, grid, (lk_dim3){LK_KDEV_BLOCK, 1, 1}, &a, sizeof a, c->s);
+    if (!st) st = lk_device_launch(d, &k, grid, (lk_dim3){LK_KDEV_BLOCK, 1, 1}, a, sizeof *a, c->s);
     if (!st && c->s) st = lk_stream_sync(d, c->s);
     if (!st && c->stats) c->stats->seconds_kernel += lk_now_s() - t0;
     if (!st) st = lk_device_copy(d, &bad, m, sizeof bad, LK_COPY_D2H, c->s);
     if (!st) st = lk_stream_sync(d, c->s);
     lk_device_free(d, m);
     if (st) return lk_error_prefix(st, "%s", c->w->name);
-    if (c->stats) c->stats->bytes_uploaded += tot - 256 + sizeof bad;
+    if (c->stats) c->stats->bytes_uploaded += u->tot + sizeof bad;
     return dev_verdict(c, bad, wband, row_base);
 }
 
-/* rows [r0, r0 + rows) with LoRA terms lt (their B covering exactly these
- * rows) and live dense terms: the CPU's preparation, then one launch. */
-static lk_status dev_whole(const dev_call *c, int64_t r0, int64_t rows, const lk_fuse_term *lt, size_t nl,
-                           const lk_fuse_term *const *dense, size_t nd) {
+/* rows [r0, r0 + rows) with LoRA terms lt only (their B covering exactly
+ * these rows): the CPU's preparation, then one launch. */
+static lk_status dev_whole(const dev_call *c, int64_t r0, int64_t rows, const lk_fuse_term *lt, size_t nl) {
     lk_kdelta *kp = NULL;
-    lk_status st = nl ? lk_kdelta_prepare(c->wide, rows, c->in, 0, rows, lt, nl, c->w->name, &kp) : LK_OK;
+    lk_status st = lk_kdelta_prepare(c->wide, rows, c->in, 0, rows, lt, nl, c->w->name, &kp);
     if (st) return st;
-    const void *A, *bs;
-    size_t pw;
-    if ((!kp || !lk_kdelta_factors(kp, &A, &bs, &pw)) && !nd) { /* nothing live: the bytes stay as they are */
-        lk_kdelta_free(kp);
-        return LK_OK;
-    }
-    st = dev_launch(c, (uint64_t)r0, rows, kp, dense, nd);
+    lk_kdev_args a = {0};
+    dev_up u = {0};
+    up_chain(&u, kp, (size_t)rows, (size_t)c->in, c->wide ? sizeof(double) : sizeof(float), &a.lora);
+    if (a.lora.R) st = dev_launch(c, (uint64_t)r0, rows, &a, &u); /* nothing live: the bytes stay as they are */
     lk_kdelta_free(kp);
     return st;
 }
 
 static lk_status dev_band(void *ctx, int64_t r0, int64_t r1, const lk_fuse_term *bt, size_t nb) {
-    return nb ? dev_whole(ctx, r0, r1 - r0, bt, nb, NULL, 0) : LK_OK;
+    return nb ? dev_whole(ctx, r0, r1 - r0, bt, nb) : LK_OK;
+}
+
+/* LoKr's index tables for an out x in weight: per row (o / c) b, (o % c) D,
+ * per column j / D, j % D, into tab (2 out + 2 in values). */
+static void kron_tables(uint64_t *tab, const lk_delta_xpart *x, size_t out, size_t in) {
+    for (size_t o = 0; o < out; o++) {
+        tab[2 * o] = (o / x->c) * x->b;
+        tab[2 * o + 1] = (o % x->c) * x->D;
+    }
+    for (size_t j = 0; j < in; j++) {
+        tab[2 * out + 2 * j] = j / x->D;
+        tab[2 * out + 2 * j + 1] = j % x->D;
+    }
+}
+
+/* Every kind the row driver takes (LoRA, dense, LoHa, LoKr) on the whole
+ * weight, from terms.c's own preparation (its checks, its errors); more
+ * than LK_KDEV_MAX_X non-LoRA terms: *host set, nothing done. */
+static lk_status dev_mixed(const dev_call *c, int64_t out, const lk_fuse_term *terms, size_t n, int *host) {
+    lk_delta_prep *p;
+    lk_status st = lk_fuse_delta_prepare(c->wide, out, c->in, 0, out, terms, n, c->w->name, &p);
+    if (st) return st;
+    lk_delta_xpart xp[LK_KDEV_MAX_X];
+    size_t nx = 0, nkron = 0;
+    const lk_kdelta *lora = lk_fuse_delta_parts(p, xp, LK_KDEV_MAX_X, &nx);
+    *host = nx > LK_KDEV_MAX_X;
+    lk_kdev_args a = {.n_x = (int)nx};
+    dev_up u = {0};
+    const size_t vsz = c->wide ? sizeof(double) : sizeof(float), O = (size_t)out, I = (size_t)c->in;
+    up_chain(&u, lora, O, I, vsz, &a.lora);
+    for (size_t t = 0; t < nx && !*host; t++) nkron += xp[t].kind == LK_TERM_KRON;
+    uint64_t *tabs = nkron ? lk_malloc(nkron * 2 * (O + I) * sizeof *tabs) : NULL;
+    if (nkron && !tabs) st = lk_error(LK_ERR_NOMEM, "%s: out of memory for the Kronecker index tables", c->w->name);
+    for (size_t t = 0, kt = 0; t < nx && !*host && !st; t++) {
+        lk_kdev_x *x = &a.x[t];
+        const lk_delta_xpart *q = &xp[t];
+        if (q->kind == LK_TERM_DENSE) {
+            *x = (lk_kdev_x){.kind = LK_KDEV_X_DENSE, .dt = (int)q->dense->dtype, .scale = q->scale};
+            up_add(&u, q->dense->data, q->dense->nbytes, &x->D);
+        } else if (q->kind == LK_TERM_HADA) {
+            x->kind = LK_KDEV_X_HADA;
+            up_chain(&u, q->p1, O, I, vsz, &x->p1);
+            up_chain(&u, q->p2, O, I, vsz, &x->p2);
+        } else {
+            uint64_t *tab = tabs + (kt++) * 2 * (O + I);
+            kron_tables(tab, q, O, I);
+            x->kind = LK_KDEV_X_KRON;
+            up_add(&u, q->w1, q->a * q->b * vsz, &x->w1);
+            up_add(&u, q->w2, q->c * q->D * vsz, &x->w2);
+            up_add(&u, tab, 2 * O * sizeof *tab, (const void **)&x->rtab);
+            up_add(&u, tab + 2 * O, 2 * I * sizeof *tab, (const void **)&x->ctab);
+        }
+    }
+    if (!st && !*host && (a.lora.R || nx)) st = dev_launch(c, 0, out, &a, &u); /* nothing live: unchanged */
+    lk_free(tabs);
+    lk_fuse_delta_free(p);
+    return st;
 }
 
 typedef struct tensor_ctx {
@@ -193,41 +272,18 @@ static lk_status host_tensor(void *ctx, lk_tensor *h) {
     return lk_fuse_tensor(h->data, h->data, h->dtype, t->out, t->in, t->terms, t->n, t->opts, h->name);
 }
 
-/* The terms without row slices on the device: LoRA and dense terms only
- * (else the host path), validated as the CPU's terms path validates. */
+/* The terms without row slices on the device: LoRA terms alone through
+ * the kernel's preparation, any mix with dense / LoHa / LoKr terms through
+ * the row driver's (the CPU's dispatch and checks, lk_fuse_tensor's); OFT
+ * / BOFT and GLoRA (terms that read the weight) take the host path. */
 static lk_status dev_terms(const dev_call *c, int64_t out, const lk_fuse_term *terms, size_t n) {
-    size_t nl = 0, nd = 0, nd_all = 0, other = 0;
-    for (size_t t = 0; t < n; t++) {
-        nl += terms[t].kind == LK_TERM_LORA;
-        nd += terms[t].kind == LK_TERM_DENSE && terms[t].scale != 0.0;
-        nd_all += terms[t].kind == LK_TERM_DENSE;
-        other += terms[t].kind != LK_TERM_LORA && terms[t].kind != LK_TERM_DENSE;
-    }
-    if (other || nd > LK_KDEV_MAX_DENSE) {
-        tensor_ctx tc = {terms, n, c->opts, out, c->in};
-        return host_path(c->w, host_tensor, &tc, c->s, c->stats);
-    }
-    lk_status st;
-    if (nd_all) { /* the terms path's checks, every kind (lk_fuse_tensor_terms' errors) */
-        lk_delta_prep *p;
-        if ((st = lk_fuse_delta_prepare(c->wide, out, c->in, 0, 0, terms, n, c->w->name, &p))) return st;
-        lk_fuse_delta_free(p);
-    }
-    /* the LoRA terms and the live dense ones, each in the given order: one carve */
-    lk_carve cv = {0};
-    const size_t o_l = LK_CARVE(&cv, nl ? nl : 1, lk_fuse_term), o_d = LK_CARVE(&cv, nd ? nd : 1, const lk_fuse_term *);
-    unsigned char *mem = lk_carve_alloc(&cv);
-    if (!mem) return lk_error(LK_ERR_NOMEM, "%s: out of memory", c->w->name);
-    lk_fuse_term *lt = (lk_fuse_term *)(void *)(mem + o_l);
-    const lk_fuse_term **dt = (const lk_fuse_term **)(void *)(mem + o_d);
-    size_t il = 0, id = 0;
-    for (size_t t = 0; t < n; t++) {
-        if (terms[t].kind == LK_TERM_LORA) lt[il++] = terms[t];
-        else if (terms[t].scale != 0.0) dt[id++] = &terms[t];
-    }
-    st = dev_whole(c, 0, out, lt, nl, dt, nd);
-    lk_free(mem);
-    return st;
+    int lora_only = 1, host = lk_fuse_wterms(terms, n) != 0;
+    for (size_t t = 0; t < n; t++) lora_only &= terms[t].kind == LK_TERM_LORA;
+    lk_status st = LK_OK;
+    if (!host) st = lora_only ? dev_whole(c, 0, out, terms, n) : dev_mixed(c, out, terms, n, &host);
+    if (st || !host) return st;
+    tensor_ctx tc = {terms, n, c->opts, out, c->in};
+    return host_path(c->w, host_tensor, &tc, c->s, c->stats);
 }
 
 /* w's rows and columns as the kernel sees them: out x (the rest). */

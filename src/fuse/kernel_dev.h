@@ -5,15 +5,20 @@
  * tests on emul is the CUDA kernel's own source.
  *
  * Shapes: a weight (or one band of rows of it) rows x in, in place or
- * w_out != w_in, dtype F32 / F16 / BF16, in device memory; B' (rows x R)
- * and A (R x in, laid out as lk_kdelta_factors says: element (k, j) at
- * ((j / pw) R + k) pw + j % pw) as the CPU kernel prepares them
- * (kernel.c steps 1-2: the same buffers, uploaded); up to
- * LK_KDEV_MAX_DENSE dense terms (out x in values in their own dtype, with
- * their double scale). Per element (o, j), exactly the CPU's chain:
+ * w_out != w_in, dtype F32 / F16 / BF16, in device memory; the LoRA terms'
+ * stacked chain as the CPU kernel prepares it (B' rows x R and A, laid out
+ * as lk_kdelta_factors says: element (k, j) at ((j / pw) R + k) pw + j % pw;
+ * kernel.c steps 1-2: the same buffers, uploaded) and up to LK_KDEV_MAX_X
+ * other terms as terms.c prepares them (lk_fuse_delta_parts): dense deltas
+ * (out x in values in their own dtype, with their double scale), LoHa's
+ * two chains (each a prepared lk_kdelta), LoKr's acc(s W1) and acc(W2).
+ * Per element (o, j), exactly the CPU's chain (terms.c's header):
  *   d = R ? fl(B'[o,0] A[0,j]) then d = fma(B'[o,k], A[k,j], d), k = 1..R-1
  *         : +0                                        (kernel.c step 3)
- *   d = d + x_t for each dense term, x_t = acc(s_t D[o,j])   (terms.c step 2)
+ *   then for each other term in term order, d = d + x_t with
+ *     dense x = acc(s_t D[o,j]),  LoHa x = acc(P1 P2) (P1, P2 the chain
+ *     above over each product's factors), LoKr x = acc(W1s[i,q] W2[k,m])
+ *     (o = i c + k, j = q D + m: host-made index tables)   (terms.c step 2)
  *   W = W + d rounded once (fuse/round.h: kernel.c steps 4-5)
  * in f32 for F16 / BF16 weights, f64 for F32 weights. Every operation is
  * written as one IEEE operation (fmaf/fma where the chain says fma, the
@@ -41,7 +46,13 @@
 
 #define LK_KDEV_RPT 4        /* rows per thread */
 #define LK_KDEV_BLOCK 128    /* threads per block (x) */
-#define LK_KDEV_MAX_DENSE 4  /* dense terms per launch (more: the host path) */
+#define LK_KDEV_MAX_X 8      /* non-LoRA terms per launch (more: the host path) */
+/* The chain (lk_kdev_chain32 / _64) is written once per precision and
+ * called at LK_KDEV_CHAINS places (the LoRA terms, LoHa's P1 and P2), each
+ * unrolled over LK_KDEV_RPT rows with its k loop rolled: the compiled fuse
+ * kernel holds exactly LK_KDEV_CHAINS * LK_KDEV_RPT fma per precision, the
+ * ones the source writes, which tests/device_ptx.sh counts. */
+#define LK_KDEV_CHAINS 3
 
 #ifdef __CUDA_ARCH__ /* the device pass of nvcc (its host pass and C ignore the pragma) */
 #define LK_KDEV_UNROLL _Pragma("unroll")
@@ -51,26 +62,39 @@
 #define LK_KDEV_ROLLED
 #endif
 /* The k loop stays rolled (LK_KDEV_ROLLED): the RPT independent chains give
- * the GPU its instruction-level parallelism, and the compiled kernel then
- * holds exactly LK_KDEV_RPT fma per precision, the ones the source writes,
- * which tests/device_ptx.sh counts. */
+ * the GPU its instruction-level parallelism. */
 
-typedef struct lk_kdev_dense {
-    const void *D; /* rows x in values of dtype dt, row-major */
-    double scale;
-    int dt;
-} lk_kdev_dense;
+/* One stacked chain's prepared factors (lk_kdelta_factors): B' rows x R,
+ * A's element (k, j) at ((j / pw) R + k) pw + j % pw. */
+typedef struct lk_kdev_chain {
+    const void *A, *bs; /* f32 (narrow) or f64 (wide) */
+    uint64_t R, pw;
+    int pw_shift;       /* log2(pw) when pw is a power of two (panels), else -1 (A plain R x in: pw = in) */
+} lk_kdev_chain;
+
+enum { LK_KDEV_X_DENSE = 1, LK_KDEV_X_HADA, LK_KDEV_X_KRON };
+
+/* A non-LoRA term (terms.c step 2), prepared by the CPU's own code. */
+typedef struct lk_kdev_x {
+    int kind;
+    int dt;                /* dense: D's dtype */
+    double scale;          /* dense */
+    const void *D;         /* dense: rows x in values of dtype dt, row-major */
+    lk_kdev_chain p1, p2;  /* LoHa: the two products (p1 carries the scale) */
+    const void *w1, *w2;   /* LoKr: acc(s W1) (a x b), acc(W2) (c x D) */
+    const uint64_t *rtab;  /* LoKr, per row o: (o / c) b, (o % c) D */
+    const uint64_t *ctab;  /* LoKr, per column j: j / D, j % D (no integer division on the device) */
+} lk_kdev_x;
 
 typedef struct lk_kdev_args {
     void *w_out;
     const void *w_in;
-    const void *A, *bs;      /* f32 (narrow) or f64 (wide) */
+    lk_kdev_chain lora;      /* R = 0: no LoRA term (d starts at +0) */
     unsigned long long *bad; /* lowest (index << 32 | old bits) made non-finite; ~0 when none */
-    uint64_t rows, in, R, pw;
-    int pw_shift;            /* log2(pw) when pw is a power of two (panels), else -1 (A plain R x in: pw = in) */
+    uint64_t rows, in;
     uint64_t row_base;       /* the band's first row in the whole weight (for the index) */
-    int dt, wide, n_dense;
-    lk_kdev_dense dense[LK_KDEV_MAX_DENSE];
+    int dt, wide, n_x;
+    lk_kdev_x x[LK_KDEV_MAX_X];
 } lk_kdev_args;
 
 LK_HD void lk_kdev_note_bad(unsigned long long *bad, uint64_t idx, uint32_t old_bits) {
@@ -90,33 +114,78 @@ LK_HD float lk_kdev_load(const void *p, int dt, uint64_t i) {
     return dt == LK_DTYPE_BF16 ? lk_sc_bf16_to_f32(h) : lk_sc_f16_to_f32(h);
 }
 
-/* The narrow chain (F16 / BF16 weights) for rows o0 .. o0 + nr - 1 of column j. */
-LK_HD void lk_kdev_rows32(const lk_kdev_args *a, uint64_t o0, uint64_t nr, uint64_t j, uint64_t aoff) {
-    const float *A = (const float *)a->A, *bs = (const float *)a->bs;
-    const uint64_t R = a->R, in = a->in, last = nr - 1;
+/* A's (0, j) in a chain's layout: no integer division on the device (its
+ * SASS would use the approximate reciprocal unit, which the audit
+ * forbids): panels have a power-of-two width, and a plain A (pw = in) has
+ * j < pw. */
+LK_HD uint64_t lk_kdev_aoff(const lk_kdev_chain *c, uint64_t j) {
+    return c->pw_shift < 0 ? j : ((j >> c->pw_shift) * c->R << c->pw_shift) + (j & (c->pw - 1));
+}
+
+/* The chain of kernel.c step 3 for the RPT rows row[] of column j, in T:
+ * d = fl(B'[o,0] A[0,j]), then d = FMA(B'[o,k], A[k,j], d), k ascending;
+ * R = 0: d = +0. */
+#define LK_KDEV_CHAIN(NAME, T, FMA)                                                                          \
+    LK_HD void NAME(T *d, const lk_kdev_chain *c, const uint64_t *row, uint64_t j) {                         \
+        const T *A = (const T *)c->A, *bs = (const T *)c->bs;                                                \
+        const uint64_t R = c->R;                                                                             \
+        if (!R) {                                                                                            \
+            LK_KDEV_UNROLL                                                                                   \
+            for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = (T)0;                                               \
+            return;                                                                                          \
+        }                                                                                                    \
+        const uint64_t aoff = lk_kdev_aoff(c, j);                                                            \
+        const T a0 = A[aoff];                                                                                \
+        LK_KDEV_UNROLL                                                                                       \
+        for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = bs[row[r] * R] * a0;                                    \
+        LK_KDEV_ROLLED                                                                                       \
+        for (uint64_t k = 1; k < R; k++) {                                                                   \
+            const T ak = A[aoff + k * c->pw];                                                                \
+            LK_KDEV_UNROLL                                                                                   \
+            for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = FMA(bs[row[r] * R + k], ak, d[r]);                  \
+        }                                                                                                    \
+    }
+LK_KDEV_CHAIN(lk_kdev_chain32, float, fmaf)
+LK_KDEV_CHAIN(lk_kdev_chain64, double, fma)
+
+/* The delta d of the RPT rows row[] of column j in T (terms.c's chain): the
+ * LoRA terms' chain, then each other term's x added in term order, one
+ * rounding each: dense acc(s D), LoHa acc(P1 P2), LoKr acc(W1s W2). */
+#define LK_KDEV_DELTA(NAME, T, CHAIN, DENSE_X)                                                               \
+    LK_HD void NAME(const lk_kdev_args *a, T *d, const uint64_t *row, uint64_t j) {                          \
+        CHAIN(d, &a->lora, row, j);                                                                          \
+        for (int t = 0; t < a->n_x; t++) {                                                                   \
+            const lk_kdev_x *x = &a->x[t];                                                                   \
+            if (x->kind == LK_KDEV_X_DENSE) {                                                                \
+                LK_KDEV_UNROLL                                                                               \
+                for (int r = 0; r < LK_KDEV_RPT; r++)                                                        \
+                    d[r] = d[r] + DENSE_X(x->scale, lk_kdev_load(x->D, x->dt, row[r] * a->in + j));          \
+            } else if (x->kind == LK_KDEV_X_HADA) {                                                          \
+                T p1[LK_KDEV_RPT], p2[LK_KDEV_RPT];                                                          \
+                CHAIN(p1, &x->p1, row, j);                                                                   \
+                CHAIN(p2, &x->p2, row, j);                                                                   \
+                LK_KDEV_UNROLL                                                                               \
+                for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = d[r] + p1[r] * p2[r];                           \
+            } else {                                                                                         \
+                const T *w1 = (const T *)x->w1, *w2 = (const T *)x->w2;                                      \
+                const uint64_t q = x->ctab[2 * j], m = x->ctab[2 * j + 1];                                   \
+                LK_KDEV_UNROLL                                                                               \
+                for (int r = 0; r < LK_KDEV_RPT; r++)                                                        \
+                    d[r] = d[r] + w1[x->rtab[2 * row[r]] + q] * w2[x->rtab[2 * row[r] + 1] + m];             \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+LK_KDEV_DELTA(lk_kdev_delta32, float, lk_kdev_chain32, lk_round_dense_x32)
+LK_KDEV_DELTA(lk_kdev_delta64, double, lk_kdev_chain64, lk_round_dense_x64)
+
+/* The narrow epilogue (F16 / BF16 weights) for rows o0 .. o0 + nr - 1 of column j. */
+LK_HD void lk_kdev_rows32(const lk_kdev_args *a, uint64_t o0, uint64_t nr, uint64_t j) {
+    const uint64_t in = a->in, last = nr - 1;
     float d[LK_KDEV_RPT];
     uint64_t row[LK_KDEV_RPT];
     LK_KDEV_UNROLL
     for (int r = 0; r < LK_KDEV_RPT; r++) row[r] = o0 + ((uint64_t)r < nr ? (uint64_t)r : last); /* spare lanes redo the last row, unstored */
-    if (R) {
-        const float a0 = A[aoff];
-        LK_KDEV_UNROLL
-        for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = bs[row[r] * R] * a0;
-        LK_KDEV_ROLLED
-        for (uint64_t k = 1; k < R; k++) {
-            const float ak = A[aoff + k * a->pw];
-            LK_KDEV_UNROLL
-            for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = fmaf(bs[row[r] * R + k], ak, d[r]);
-        }
-    } else {
-        LK_KDEV_UNROLL
-        for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = 0.0f;
-    }
-    for (int t = 0; t < a->n_dense; t++) {
-        const lk_kdev_dense *x = &a->dense[t];
-        LK_KDEV_UNROLL
-        for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = d[r] + lk_round_dense_x32(x->scale, lk_kdev_load(x->D, x->dt, row[r] * in + j));
-    }
+    lk_kdev_delta32(a, d, row, j);
     const uint32_t mask = a->dt == LK_DTYPE_BF16 ? LK_ROUND_EXP_BF16 : LK_ROUND_EXP_F16;
     LK_KDEV_UNROLL
     for (int r = 0; r < LK_KDEV_RPT; r++) {
@@ -129,33 +198,14 @@ LK_HD void lk_kdev_rows32(const lk_kdev_args *a, uint64_t o0, uint64_t nr, uint6
     }
 }
 
-/* The wide chain (F32 weights), the same steps in f64. */
-LK_HD void lk_kdev_rows64(const lk_kdev_args *a, uint64_t o0, uint64_t nr, uint64_t j, uint64_t aoff) {
-    const double *A = (const double *)a->A, *bs = (const double *)a->bs;
-    const uint64_t R = a->R, in = a->in, last = nr - 1;
+/* The wide epilogue (F32 weights), the delta in f64. */
+LK_HD void lk_kdev_rows64(const lk_kdev_args *a, uint64_t o0, uint64_t nr, uint64_t j) {
+    const uint64_t in = a->in, last = nr - 1;
     double d[LK_KDEV_RPT];
     uint64_t row[LK_KDEV_RPT];
     LK_KDEV_UNROLL
     for (int r = 0; r < LK_KDEV_RPT; r++) row[r] = o0 + ((uint64_t)r < nr ? (uint64_t)r : last);
-    if (R) {
-        const double a0 = A[aoff];
-        LK_KDEV_UNROLL
-        for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = bs[row[r] * R] * a0;
-        LK_KDEV_ROLLED
-        for (uint64_t k = 1; k < R; k++) {
-            const double ak = A[aoff + k * a->pw];
-            LK_KDEV_UNROLL
-            for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = fma(bs[row[r] * R + k], ak, d[r]);
-        }
-    } else {
-        LK_KDEV_UNROLL
-        for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = 0.0;
-    }
-    for (int t = 0; t < a->n_dense; t++) {
-        const lk_kdev_dense *x = &a->dense[t];
-        LK_KDEV_UNROLL
-        for (int r = 0; r < LK_KDEV_RPT; r++) d[r] = d[r] + lk_round_dense_x64(x->scale, lk_kdev_load(x->D, x->dt, row[r] * in + j));
-    }
+    lk_kdev_delta64(a, d, row, j);
     LK_KDEV_UNROLL
     for (int r = 0; r < LK_KDEV_RPT; r++) {
         if ((uint64_t)r >= nr) break;
@@ -171,14 +221,10 @@ LK_HD void lk_kdev_rows64(const lk_kdev_args *a, uint64_t o0, uint64_t nr, uint6
 LK_HD void lk_kdev_fuse_thread(const lk_kdev_args *a, unsigned bx, unsigned by, unsigned tx, unsigned bdx, unsigned gdy) {
     const uint64_t j = (uint64_t)bx * bdx + tx;
     if (j >= a->in) return;
-    /* A's (0, j): no integer division on the device (its SASS would use the
-     * approximate reciprocal unit, which the audit forbids): panels have a
-     * power-of-two width, and a plain A (pw = in) has j < pw */
-    const uint64_t aoff = a->pw_shift < 0 ? j : ((j >> a->pw_shift) * a->R << a->pw_shift) + (j & (a->pw - 1));
     for (uint64_t o0 = (uint64_t)by * LK_KDEV_RPT; o0 < a->rows; o0 += (uint64_t)gdy * LK_KDEV_RPT) {
         const uint64_t nr = a->rows - o0 < LK_KDEV_RPT ? a->rows - o0 : LK_KDEV_RPT;
-        if (a->wide) lk_kdev_rows64(a, o0, nr, j, aoff);
-        else lk_kdev_rows32(a, o0, nr, j, aoff);
+        if (a->wide) lk_kdev_rows64(a, o0, nr, j);
+        else lk_kdev_rows32(a, o0, nr, j);
     }
 }
 

@@ -332,6 +332,16 @@ lk_status lk_fuse_delta_prepare(int wide, int64_t out, int64_t in, int64_t row0,
     return LK_OK;
 }
 
+const lk_kdelta *lk_fuse_delta_parts(const lk_delta_prep *p, lk_delta_xpart *x, size_t max, size_t *nx) {
+    *nx = p->nx;
+    for (size_t i = 0; i < p->nx && i < max; i++) {
+        const xterm *t = &p->x[i];
+        x[i] = (lk_delta_xpart){.kind = t->kind, .scale = t->scale, .dense = t->dense, .p1 = t->p1, .p2 = t->p2,
+                                .w1 = t->w1, .w2 = t->w2, .a = t->a, .b = t->b, .c = t->c, .D = t->D};
+    }
+    return p->lora;
+}
+
 size_t lk_fuse_delta_scratch(const lk_delta_prep *p, size_t n) {
     if (!p || !p->hada) return 0;
     return 2 * n * p->I * (p->wide ? sizeof(double) : sizeof(float)) + 64;
