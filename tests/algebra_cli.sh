@@ -1,5 +1,5 @@
 #!/bin/bash
-# algebra_cli.sh — `lorakit merge`, `resize` and `convert`: the float64 NumPy
+# algebra_cli.sh — `lorakit merge`, `resize`, `convert` and `extract`: the float64 NumPy
 # oracle (tests/algebra_oracle.py: dense deltas and numpy SVDs of inputs
 # written by lycoris-lora and peft), then the CLI's refusals: --help, usage
 # errors exit 2, DoRA / dense diffs / an output that is an input exit 1
@@ -103,4 +103,29 @@ err_has "alpha 0.10000000000000001 is not an F32 value"
 same_fuse "$FX/adapters/base.safetensors" "$TMP/p01" diffusers
 expect 1 convert "$FX/lycoris/loha.safetensors" -o "$TMP/l.safetensors" --format kohya
 err_has "not a plain LoRA"
+# extract: usage, refusals (nothing written), a real fused checkpoint as TUNED (the NumPy oracle above checks the numbers)
+expect 0 extract --help
+grep -F "usage: lorakit extract" "$TMP/out" >/dev/null || fail "extract --help"
+B="$FX/adapters/base.safetensors"
+expect 0 fuse "$B" -l "$FX/adapters/peft" -o "$TMP/tuned.safetensors"
+expect 2 extract "$B" "$TMP/tuned.safetensors" -o "$TMP/x.safetensors" --rank 0
+expect 2 extract "$B" -o "$TMP/x.safetensors" --rank 2
+err_has "missing TUNED"
+expect 2 extract "$B" "$TMP/tuned.safetensors" -o "$TMP/x.safetensors" --rank 2 --power 99
+expect 1 extract "$B" "$TMP/tuned.safetensors" -o "$TMP/x.safetensors"
+err_has "give one of --rank K and --err E"
+expect 1 extract "$B" "$TMP/tuned.safetensors" -o "$TMP/x.safetensors" --rank 2 --include '('
+err_has "not a valid regex"
+expect 1 extract "$B" "$TMP/tuned.safetensors" -o "$TMP/tuned.safetensors" --rank 2
+err_has "same file"
+expect 1 extract "$B" "$B" -o "$TMP/x.safetensors" --rank 2
+err_has "no weight differs"
+[ ! -e "$TMP/x.safetensors" ] || fail "a refused extract wrote its output"
+expect 0 extract "$B" "$TMP/tuned.safetensors" -o "$TMP/xp" --rank 4 --json --threads 2
+[ -f "$TMP/xp/adapter_model.safetensors" ] && [ -f "$TMP/xp/adapter_config.json" ] || fail "extract -o DIR: no PEFT folder"
+grep -F '"operation":"extract"' "$TMP/out" >/dev/null || fail "extract --json: no report"
+expect 0 extract "$B" "$TMP/tuned.safetensors" -o "$TMP/xk.safetensors" --rank 4 --format kohya --exclude 'to_k' --json
+grep -F '"excluded":["blocks.0.attn.to_k.weight"]' "$TMP/out" >/dev/null || fail "extract --exclude to_k: not listed"
+expect 0 inspect "$TMP/xk.safetensors"
+grep -F "modules: 1" "$TMP/out" >/dev/null || fail "extract --exclude to_k: not one module (to_q) written"
 echo "algebra_cli.sh: ok"

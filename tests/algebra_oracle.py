@@ -8,6 +8,13 @@ dense matrix, and the output's delta from the written factors and alpha. So
 nothing here shares code with src/algebra. Inputs: the LyCORIS fixtures
 (written by lycoris-lora, tests/fixtures/lycoris/make_lycoris_fixtures.py),
 the PEFT fixture (written by peft) and random adapters made here.
+extract: BASE / TUNED pairs made here (F32 and BF16: an exactly rank-3
+difference, a decaying spectrum, 3x3 and 1x1 convs, a bias, an unchanged
+weight, names in one file only); the optimum from numpy.linalg.svd of the
+dense f64 TUNED - BASE, the written delta from the output's factors: rel_fro
+to 1e-6, the optimum inside [rel_fro_opt, rel_fro_opt_upper] (equal with
+--exact-svd), rel_fro within 1e-3 of it at the defaults, bytes equal for
+--threads 1 / 2, `lorakit fuse BASE OUT` = base + that delta within one ulp.
 Checks: the reported rel_fro, rel_fro_opt and rel_spec equal the oracle's
 to 1e-6; rel_fro <= (1 + 1e-6) x max(optimum, the F32 floor 1e-6) at F32;
 merge is order- and thread-independent byte for byte.
@@ -205,6 +212,95 @@ for fmt in ("peft", "diffusers"):
     out = os.path.join(TMP, "p_" + fmt + ("" if fmt == "peft" else ".safetensors"))
     rep = json.loads(run("resize", peft, "-o", out, "--json", "--rank", "1", "--dtype", "F32", "--format", fmt))
     check(rep, X)
+
+# ---- extract: TUNED - BASE against numpy.linalg.svd of the dense f64 difference ----
+def write_pair(pb, pt, dtype, seed):
+    """BASE and TUNED: a linear weight whose difference is exactly rank 3, one with a decaying
+    spectrum, a 3x3 conv, a 1x1 conv, a changed bias, an unchanged weight, one name in each file only."""
+    g = np.random.default_rng(seed)
+    def enc(x):
+        return ("BF16", st_io.f32_to_bf16(x)) if dtype == "BF16" else ("F32", x.astype(np.float32))
+    def dec(e):
+        return f64(e)
+    b, t = {}, {}
+    def pair(name, base, delta):
+        b[name] = enc(base)
+        t[name] = enc(dec(b[name]) + delta)
+    pair("blk.q.weight", g.standard_normal((48, 40)), g.standard_normal((48, 3)) @ g.standard_normal((3, 40)))
+    pair("blk.k.weight", g.standard_normal((30, 70)), g.standard_normal((30, 70)) * np.exp(-np.arange(70) / 6.0))
+    pair("blk.conv.weight", g.standard_normal((16, 8, 3, 3)), 0.2 * g.standard_normal((16, 8, 3, 3)) *
+         np.exp(-np.arange(16) / 3.0)[:, None, None, None])
+    pair("blk.pw.weight", g.standard_normal((12, 20, 1, 1)),
+         (g.standard_normal((12, 2)) @ g.standard_normal((2, 20))).reshape(12, 20, 1, 1))
+    pair("blk.q.bias", g.standard_normal(48), np.ones(48))
+    u = g.standard_normal((10, 10))
+    b["same.weight"] = t["same.weight"] = enc(u)
+    b["gone.weight"] = enc(u)
+    t["new.weight"] = enc(u)
+    st_io.write(pb, b)
+    st_io.write(pt, t)
+    return {k[:-7]: (dec(t[k]) - dec(b[k])).reshape(dec(b[k]).shape[0], -1)
+            for k in b if k in t and k.endswith(".weight") and k != "same.weight"}
+
+
+def check_extract(rep, D, exact, floor):
+    path = rep["output"]
+    written = modules(path)
+    for m in rep["modules"]:
+        X = D[m["name"]]
+        Y = dense(written[m["name"]], rep["alpha"])
+        s = np.linalg.svd(X, compute_uv=False)
+        nx = np.linalg.norm(X)
+        opt = np.sqrt(np.sum(s[m["rank"]:] ** 2)) / nx
+        err = np.linalg.norm(X - Y) / nx
+        checked[0] += 1
+        worst[0] = max(worst[0], abs(m["rel_fro"] - err))
+        check_close(f"extract {m['name']} rel_fro", m["rel_fro"], err)
+        if exact:
+            check_close(f"extract --exact-svd {m['name']} rel_fro_opt", m["rel_fro_opt"], opt)
+        elif not (m["rel_fro_opt"] <= opt + 1e-9 and m["rel_fro_opt_upper"] >= opt - 1e-9):
+            fails.append(f"extract {m['name']}: the optimum {opt} is outside the reported bounds "
+                         f"[{m['rel_fro_opt']}, {m['rel_fro_opt_upper']}]")
+        defaults = "--power" not in rep["options"] and rep["options"]["power"] == 2 and rep["options"]["oversample"] == 8
+        if defaults and not err <= max(opt + 1e-3, floor):  # the target at the defaults: within 1e-3 of the optimum
+            fails.append(f"extract {m['name']} {rep['options']}: rel_fro {err} vs optimum {opt}")
+    lists = {k: rep[k] for k in ("unchanged", "only_in_base", "only_in_tuned")}
+    if lists != {"unchanged": ["same.weight"], "only_in_base": ["gone.weight"], "only_in_tuned": ["new.weight"]}:
+        fails.append(f"extract: the weights not extracted are listed as {lists}")
+    if [x["name"] for x in rep["not_extracted"]] != ["blk.q.bias"]:
+        fails.append(f"extract: not_extracted {rep['not_extracted']}")
+
+
+for dtype, floor in (("F32", 1e-6), ("BF16", 2.0 ** -7)):
+    pb, pt = os.path.join(TMP, f"xb_{dtype}.safetensors"), os.path.join(TMP, f"xt_{dtype}.safetensors")
+    D = write_pair(pb, pt, dtype, 11)
+    for opts, exact in ((["--rank", "3"], False), (["--rank", "5", "--power", "0", "--oversample", "4"], False),
+                        (["--err", "0.2"], False), (["--rank", "4", "--exact-svd"], True),
+                        (["--rank", "3", "--conv-rank", "6"], False)):
+        o1, o2 = os.path.join(TMP, "x1.safetensors"), os.path.join(TMP, "x2.safetensors")
+        rep = json.loads(run("extract", pb, pt, "-o", o1, "--json", "--threads", "1", *opts))
+        check_extract(rep, D, exact, floor)
+        q = [m for m in rep["modules"] if m["name"] == "blk.q"][0]
+        if opts[:2] == ["--rank", "3"] and not q["rel_fro"] <= floor:  # exactly rank 3: recovered to the dtype floor
+            fails.append(f"extract {dtype} {opts}: the exact rank-3 difference has rel_fro {q['rel_fro']}")
+        if opts == ["--rank", "3"]:  # lorakit fuse BASE OUT gives base + the oracle's delta of the written file
+            fused = os.path.join(TMP, "xf.safetensors")
+            run("fuse", pb, "-l", o1, "-o", fused)
+            fw, bw, written = st_io.read(fused), st_io.read(pb), modules(o1)
+            for m in rep["modules"]:
+                k = m["name"] + ".weight"
+                want = f64(bw[k]).reshape(D[m["name"]].shape) + dense(written[m["name"]], rep["alpha"])
+                got = f64(fw[k]).reshape(want.shape)
+                ulp = np.abs(want) * (2.0 ** -8 if dtype == "BF16" else 2.0 ** -23) + 1e-30
+                if not np.all(np.abs(got - want) <= ulp):
+                    fails.append(f"extract {dtype}: fuse of the output differs from base + delta at {k}")
+        run("extract", pb, pt, "-o", o2, "--threads", "2", *opts)
+        if open(o1, "rb").read() != open(o2, "rb").read():
+            fails.append(f"extract {dtype} {opts}: bytes depend on the thread count")
+        if opts[0] == "--err":
+            for m in rep["modules"]:
+                if not m["rel_fro"] <= 0.2 + floor:
+                    fails.append(f"extract --err 0.2: {m['name']} rel_fro {m['rel_fro']}")
 
 if checked[0] < 180:  # 11 LyCORIS cases x 5 option sets, 4 merges, 2 PEFT resizes: a silent skip would show here
     fails.append(f"only {checked[0]} modules were checked")

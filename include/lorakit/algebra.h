@@ -14,6 +14,7 @@
 #define LORAKIT_ALGEBRA_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include "lorakit/adapter.h"
 #include "lorakit/dtype.h"
 #include "lorakit/status.h"
@@ -86,6 +87,38 @@ lk_status lk_resize(const char *in, const char *out, const lk_algebra_opts *o, c
  * biases / modules_to_save) is refused by name. o's rank options are
  * ignored. *report as lk_merge's (rel_fro 0: nothing is rounded). */
 lk_status lk_convert(const char *in, const char *out, const lk_algebra_opts *o, char **report);
+
+/* Options of extract. */
+typedef struct lk_extract_opts {
+    lk_algebra_opts alg;    /* rank, err (with max_rank), conv_rank, format, dtype, threads, progress */
+    uint64_t seed;          /* the test matrix: the counter-based stream (seed, weight name) */
+    int oversample;         /* extra sketch columns beyond the rank (0: 8); the block size of --err */
+    int power;              /* subspace (power) iterations (-1: 0 ... default 2, see lk_extract) */
+    int exact_svd;          /* the exact f64 SVD of every delta instead (slow; small weights, checks) */
+    const char *const *include; /* regexes (PCRE2, searched) on weight names: only matching weights */
+    size_t n_include;
+    const char *const *exclude; /* regexes: weights matching any are not extracted (listed) */
+    size_t n_exclude;
+} lk_extract_opts;
+
+/* extract: a LoRA of TUNED - BASE (two safetensors checkpoints, single or
+ * sharded), one module per changed 2-D or 4-D float weight "<m>.weight"
+ * (conv kernels as their [out, in kh kw] unfolding), streamed one weight
+ * (per thread) at a time, never a whole model in memory. Each delta D is
+ * sketched by randomized subspace iteration (Halko-Martinsson-Tropp):
+ * Y = D Omega with Omega uniform from (seed, name), QR after every product,
+ * power iterations alternating D^T and D, then the exact f64 SVD of the
+ * small Q^T D; with alg.err a blocked adaptive range finder grows Q until
+ * the exact residual ||D||^2 - ||Q^T D||^2 meets err. o->power < 0 gives the
+ * default (2), 0 none. The report (as lk_merge's, "operation": "extract")
+ * has per module rel_fro of the file as written (exact in f64: ||D||^2 -
+ * 2 c <D, B A> + c^2 ||B A||^2), rel_fro_opt a proven lower bound of the
+ * optimum at that rank (exact with exact_svd; "rel_fro_opt_kind" says
+ * which), rel_fro_opt_upper, and the weights unchanged, excluded, not
+ * extractable (with the reason) or present in one file only. A shape or
+ * dtype mismatch is an error naming the weight and both shapes; nothing is
+ * written on failure. The bytes do not depend on the thread count. */
+lk_status lk_extract(const char *base, const char *tuned, const char *out, const lk_extract_opts *o, char **report);
 
 #ifdef __cplusplus
 }

@@ -34,7 +34,7 @@ def _default(knob):
 
 __all__ = [
     "Adapter", "CONVENTIONS", "LoraError", "LoraWarning", "Tracker", "__version__", "check_replicas", "digest", "digest_tensors", "fuse", "fuse_",
-    "convert", "inspect", "merge", "resize", "set_log_level", "sync_grads", "sync_param_grads",
+    "convert", "extract", "inspect", "merge", "resize", "set_log_level", "sync_grads", "sync_param_grads",
 ]
 
 # ---- logging: the C library's lines as records on the `lorakit` logger ----
@@ -421,6 +421,28 @@ def resize(path, out, *, rank=None, err=None, fro=None, ratio=None, max_rank=Non
            dtype=None, threads=0):
     """`lorakit resize`: merge of one adapter at strength 1 (see merge)."""
     return _algebra("resize", [(path, 1.0)], out, rank, err, fro, ratio, max_rank, conv_rank, format, dtype, threads)
+
+
+def extract(base, tuned, out, *, rank=None, err=None, max_rank=None, conv_rank=None, include=(), exclude=(),
+            seed=0, oversample=None, power=None, exact_svd=False, format=None, dtype=None, threads=0):
+    """`lorakit extract`: a LoRA of tuned - base (safetensors checkpoints),
+    written to out (a .safetensors file: diffusers names; a folder: PEFT;
+    or format "kohya" | "peft" | "diffusers"). Give rank or err (max_rank caps
+    it); conv_rank for conv kernels; include / exclude: regexes searched in
+    weight names; seed, oversample (default 8), power (default 2) of the
+    randomized subspace iteration, or exact_svd. Returns the report as a dict:
+    per module rel_fro (exact, of the file as written), rel_fro_opt (a proven
+    lower bound of the optimum, "rel_fro_opt_kind"), rel_fro_opt_upper, and
+    the lists unchanged / excluded / not_extracted / only_in_base / only_in_tuned."""
+    if isinstance(include, str):
+        include = [include]
+    if isinstance(exclude, str):
+        exclude = [exclude]
+    rep = _c.extract(os.fspath(base), os.fspath(tuned), os.fspath(out), int(rank or 0), float(err or 0),
+                     int(max_rank or 0), int(conv_rank or 0), format or "auto", dtype or "", int(threads or 0),
+                     int(seed), int(oversample or 0), -1 if power is None else int(power), bool(exact_svd),
+                     list(include), list(exclude))
+    return json.loads(rep)
 
 
 def convert(path, out, *, format=None, base=None):

@@ -72,3 +72,9 @@ def resize(path: Union[str, os.PathLike], out: Union[str, os.PathLike], *, rank:
            dtype: Optional[str] = ..., threads: int = ...) -> Dict[str, Any]: ...
 def convert(path: Union[str, os.PathLike], out: Union[str, os.PathLike], *, format: Optional[str] = ...,
             base: Optional[Union[str, os.PathLike]] = ...) -> Dict[str, Any]: ...
+def extract(base: Union[str, os.PathLike], tuned: Union[str, os.PathLike], out: Union[str, os.PathLike], *,
+            rank: Optional[int] = ..., err: Optional[float] = ..., max_rank: Optional[int] = ...,
+            conv_rank: Optional[int] = ..., include: Union[str, Sequence[str]] = ...,
+            exclude: Union[str, Sequence[str]] = ..., seed: int = ..., oversample: Optional[int] = ...,
+            power: Optional[int] = ..., exact_svd: bool = ..., format: Optional[str] = ...,
+            dtype: Optional[str] = ..., threads: int = ...) -> Dict[str, Any]: ...

@@ -1474,6 +1474,47 @@ static PyObject *py_algebra(PyObject *mod, PyObject *args) {
     return r;
 }
 
+/* extract(base, tuned, out, rank, err, max_rank, conv_rank, format, dtype, threads, seed, oversample,
+ * power, exact_svd, [include], [exclude]): lk_extract; returns the report's JSON text. */
+static PyObject *py_extract(PyObject *mod, PyObject *args) {
+    (void)mod;
+    const char *fmt, *dt;
+    PyObject *base, *tuned, *out, *inc, *exc;
+    unsigned long long seed;
+    lk_extract_opts o = {0};
+    if (!PyArg_ParseTuple(args, "O&O&O&idiissiKiipOO", PyUnicode_FSConverter, &base, PyUnicode_FSConverter, &tuned,
+                          PyUnicode_FSConverter, &out, &o.alg.rank, &o.alg.err, &o.alg.max_rank, &o.alg.conv_rank,
+                          &fmt, &dt, &o.alg.threads, &seed, &o.oversample, &o.power, &o.exact_svd, &inc, &exc))
+        return NULL;
+    o.seed = (uint64_t)seed;
+    PyObject *si = PySequence_Fast(inc, "include must be a sequence of str");
+    PyObject *se = si ? PySequence_Fast(exc, "exclude must be a sequence of str") : NULL;
+    Py_ssize_t ni = si ? PySequence_Fast_GET_SIZE(si) : 0, ne = se ? PySequence_Fast_GET_SIZE(se) : 0;
+    const char **pi = PyMem_Calloc((size_t)ni + 1, sizeof *pi), **pe = PyMem_Calloc((size_t)ne + 1, sizeof *pe);
+    int ok = si && se && pi && pe;
+    for (Py_ssize_t i = 0; ok && i < ni; i++) ok = (pi[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(si, i))) != NULL;
+    for (Py_ssize_t i = 0; ok && i < ne; i++) ok = (pe[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(se, i))) != NULL;
+    o.include = pi, o.n_include = (size_t)ni, o.exclude = pe, o.n_exclude = (size_t)ne;
+    if (ok && lk_algebra_format_parse(fmt, &o.alg.format)) ok = (raise_lk(LK_ERR_ARG, NULL), 0);
+    if (ok && *dt && (o.alg.dtype = lk_dtype_from_name(dt, strlen(dt))) == LK_DTYPE_INVALID)
+        ok = (raise_lk(lk_error(LK_ERR_ARG, "dtype '%s': F32, F16 or BF16", dt), NULL), 0);
+    char *report = NULL;
+    lk_status s = LK_OK;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        s = lk_extract(PyBytes_AS_STRING(base), PyBytes_AS_STRING(tuned), PyBytes_AS_STRING(out), &o, &report);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(pi), PyMem_Free(pe);
+    Py_XDECREF(si), Py_XDECREF(se);
+    Py_DECREF(base), Py_DECREF(tuned), Py_DECREF(out);
+    if (!ok) return PyErr_Occurred() ? NULL : PyErr_NoMemory();
+    if (s) return raise_lk(s, NULL);
+    PyObject *r = PyUnicode_FromString(report);
+    lk_free(report);
+    return r;
+}
+
 static PyMethodDef methods[] = {
     {"set_log_sink", py_set_log_sink, METH_VARARGS, NULL},
     {"log_level", py_log_level, METH_VARARGS, NULL},
@@ -1490,6 +1531,7 @@ static PyMethodDef methods[] = {
     {"check_replicas", py_check_replicas, METH_VARARGS, NULL},
     {"agree_error", py_agree_error, METH_VARARGS, NULL},
     {"algebra", py_algebra, METH_VARARGS, NULL},
+    {"extract", py_extract, METH_VARARGS, NULL},
     {"rand_uniform", py_rand_uniform, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -62,7 +62,7 @@ double lk_alg_round_store(double v, lk_dtype d, void *dst, size_t i);
 typedef struct lk_alg_input {
     const char *path;
     double strength;
-    lk_adapter *a;
+    lk_adapter *a;     /* NULL for extract's checkpoints (path is then the file) */
     char digest[64];   /* tensors' digest [-config hash]: the canonical order */
 } lk_alg_input;
 
@@ -77,6 +77,7 @@ typedef struct lk_alg_ctx {
     lk_alg_run run;
     lk_algebra_format format; /* as written */
     double seconds;
+    const char *options_extra; /* NULL, or a JSON object merged into "options" (record and report) */
 } lk_alg_ctx;
 
 /* Writes ctx's output (write.c): names, tensors, alpha and metadata in the

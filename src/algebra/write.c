@@ -137,6 +137,11 @@ static json_t *options_json(const lk_alg_ctx *ctx) {
     if (o->max_rank) bad |= json_object_set_new(j, "max_rank", json_integer(o->max_rank));
     if (o->conv_rank) bad |= json_object_set_new(j, "conv_rank", json_integer(o->conv_rank));
     bad |= json_object_set_new(j, "exact", json_boolean(ctx->run.exact));
+    if (ctx->options_extra) { /* the operation's own options (extract: seed, power, ...) */
+        json_t *x = json_loads(ctx->options_extra, 0, NULL);
+        bad |= !x || json_object_update(j, x);
+        json_decref(x);
+    }
     if (bad) {
         json_decref(j);
         return NULL;
@@ -287,6 +292,7 @@ lk_status lk_alg_write_peft_dir(const char *dir, lk_adapter *const *ins, size_t 
     lk_status s = st && js && text ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory");
     lk_out_inputs in = LK_OUT_INPUTS_INIT;
     for (size_t i = 0; !s && i < n_in; i++) {
+        if (!ins[i]) continue; /* not an adapter (extract's checkpoints): the caller checked its files */
         s = lk_out_inputs_add(&in, lk_adapter_file(ins[i]), "input adapter");
         if (!s && lk_adapter_config_file(ins[i])) s = lk_out_inputs_add(&in, lk_adapter_config_file(ins[i]), "input adapter config");
     }
@@ -345,13 +351,15 @@ static lk_status make_names(wctx *c) {
 }
 
 lk_status lk_alg_write(lk_alg_ctx *ctx) {
-    wctx c = {ctx, lk_alg_format_of(ctx->o->format, ctx->in[0].a), NULL, (float)ctx->run.alpha};
+    lk_algebra_format f = ctx->in[0].a ? lk_alg_format_of(ctx->o->format, ctx->in[0].a) : ctx->o->format;
+    wctx c = {ctx, f, NULL, (float)ctx->run.alpha};
     lk_status s = make_names(&c);
     if (!s && c.f == LK_ALG_FORMAT_PEFT) {
         s = write_peft(&c);
     } else if (!s) {
         lk_out_inputs in = LK_OUT_INPUTS_INIT;
-        for (size_t i = 0; !s && i < ctx->n_in; i++) s = lk_out_inputs_add(&in, lk_adapter_file(ctx->in[i].a), "input");
+        for (size_t i = 0; !s && i < ctx->n_in; i++)
+            s = lk_out_inputs_add(&in, ctx->in[i].a ? lk_adapter_file(ctx->in[i].a) : ctx->in[i].path, "input");
         if (!s) s = lk_out_check(ctx->out, &in);
         lk_out_inputs_free(&in);
         if (!s) s = write_st(&c, ctx->out);

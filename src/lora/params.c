@@ -15,22 +15,12 @@
 #include <xxhash.h>
 
 #include "core/alloc.h"
+#include "core/rand.h"
 #include "lorakit/alloc.h"
 #include "lorakit/comm.h"
 
-static uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 void lk_lora_rand_uniform(float *dst, size_t n, uint64_t seed, const char *name, float bound) {
-    uint64_t key = XXH3_64bits_withSeed(name, strlen(name), seed);
-    for (size_t i = 0; i < n; i++) {
-        uint64_t z = mix64(key + (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ull);
-        float u = (float)(z >> 40) * (1.0f / 16777216.0f); /* [0, 1), exact in f32 */
-        dst[i] = bound * (2.0f * u - 1.0f);
-    }
+    lk_rand_uniform_at(dst, 0, n, seed, name, bound);
 }
 
 void lk_lora_params_free(lk_lora_params *p) {
