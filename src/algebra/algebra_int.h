@@ -99,6 +99,10 @@ lk_algebra_format lk_alg_format_of(lk_algebra_format want, const lk_adapter *a);
  * adapter_config.json; both or neither, no input replaced. */
 lk_status lk_alg_write_peft_dir(const char *dir, lk_adapter *const *ins, size_t n_in, const char *text,
                                 lk_status (*put_st)(const void *ctx, const char *path), const void *ctx);
+/* Runs fn(ctx, i) for i in 0..n-1 over o->threads threads (0: all cores),
+ * each item wholly on one thread; progress through o->on_progress; the
+ * lowest failing item's error is returned (pool.c). */
+lk_status lk_alg_pool(size_t n, const lk_algebra_opts *o, lk_status (*fn)(void *ctx, size_t i), void *ctx);
 /* The report as JSON text (lk_free). */
 lk_status lk_alg_report(const lk_alg_ctx *ctx, char **json);
 

@@ -10,7 +10,6 @@
 #include <jansson.h>
 #include <math.h>
 #include <pcre2.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -209,51 +208,9 @@ static lk_status setup(xctx *c) {
     return LK_OK;
 }
 
-typedef struct pool {
-    xctx *c;
-    pthread_mutex_t mu;
-    size_t next, done, failed;
-    lk_status s;
-    char msg[1024];
-} pool;
-
-static void *worker(void *arg) {
-    pool *p = arg;
-    for (;;) {
-        pthread_mutex_lock(&p->mu);
-        size_t i = p->next++;
-        int stop = p->s != LK_OK;
-        pthread_mutex_unlock(&p->mu);
-        if (i >= p->c->n_mods || stop) return NULL;
-        lk_status s = lk_x_weight(&p->c->xr, &p->c->src[i], &p->c->mods[i], &p->c->res[i]);
-        pthread_mutex_lock(&p->mu);
-        if (s && (p->s == LK_OK || i < p->failed)) {
-            p->s = s, p->failed = i;
-            snprintf(p->msg, sizeof p->msg, "%s", lk_last_error());
-        }
-        p->done++;
-        const lk_algebra_opts *o = &p->c->o->alg;
-        if (!s && o->on_progress) o->on_progress(o->progress_ctx, p->done, p->c->n_mods);
-        pthread_mutex_unlock(&p->mu);
-    }
-}
-
-static lk_status run_weights(xctx *c) {
-    long nt = c->o->alg.threads;
-    if (nt <= 0) nt = sysconf(_SC_NPROCESSORS_ONLN);
-    if (nt < 1) nt = 1;
-    if ((size_t)nt > c->n_mods) nt = (long)c->n_mods;
-    if (nt > 256) nt = 256;
-    pool p = {.c = c, .s = LK_OK};
-    pthread_mutex_init(&p.mu, NULL);
-    pthread_t tid[256];
-    int started[256] = {0};
-    for (long t = 1; t < nt; t++) started[t] = pthread_create(&tid[t], NULL, worker, &p) == 0;
-    worker(&p);
-    for (long t = 1; t < nt; t++)
-        if (started[t]) pthread_join(tid[t], NULL);
-    pthread_mutex_destroy(&p.mu);
-    return p.s ? lk_error(p.s, "%s", p.msg) : LK_OK;
+static lk_status weight_one(void *ctx, size_t i) {
+    xctx *c = ctx;
+    return lk_x_weight(&c->xr, &c->src[i], &c->mods[i], &c->res[i]);
 }
 
 /* Moves weights found unchanged (D == 0) out of the module list. */
@@ -433,7 +390,7 @@ lk_status lk_extract(const char *base, const char *tuned, const char *out, const
     if (!s && (s = lk_ckpt_open(tuned, &c.tuned))) lk_error_prefix(s, "TUNED");
     if (!s) s = classify(&c);
     if (!s) s = setup(&c);
-    if (!s) s = run_weights(&c);
+    if (!s) s = lk_alg_pool(c.n_mods, &o->alg, weight_one, &c);
     if (!s) s = drop_unchanged(&c);
     if (!s && !c.n_mods)
         s = lk_error(LK_ERR_ARG, "extract: no weight differs between %s and %s (nothing to extract; %zu names compared)",

@@ -277,16 +277,7 @@ static void factors(const xws *w, svd *v, size_t m, size_t n) {
         for (size_t i = 0; i < L; i++) v->Ae[k * n + i] = v->Wv[k * L + i] * r;
     }
     lk_la_q_apply(v->Pq, n, L, v->tq, v->Ae, K);
-    for (size_t k = 0; k < K; k++) {
-        double *b = v->Be + k * m, best = 0;
-        size_t at = 0;
-        for (size_t i = 0; i < m; i++)
-            if (fabs(b[i]) > best) best = fabs(b[i]), at = i;
-        if (b[at] < 0) {
-            for (size_t i = 0; i < m; i++) b[i] = -b[i];
-            for (size_t i = 0; i < n; i++) v->Ae[k * n + i] = -v->Ae[k * n + i];
-        }
-    }
+    lk_la_sign_canon(v->Be, m, v->Ae, n, K);
 }
 
 /* Rounds B = Be / c into x->b_bytes ([out, K]) and A = Ae into x->a_bytes

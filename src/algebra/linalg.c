@@ -148,3 +148,16 @@ int lk_la_svd(const double *c, size_t n, double *s, double *x, double *w, double
     }
     return sweep;
 }
+
+void lk_la_sign_canon(double *b, size_t m, double *a, size_t n, size_t K) {
+    for (size_t k = 0; k < K; k++) {
+        double *bk = b + k * m, best = 0;
+        size_t at = 0;
+        for (size_t i = 0; i < m; i++)
+            if (fabs(bk[i]) > best) best = fabs(bk[i]), at = i;
+        if (bk[at] < 0) {
+            for (size_t i = 0; i < m; i++) bk[i] = -bk[i];
+            for (size_t i = 0; i < n; i++) a[k * n + i] = -a[k * n + i];
+        }
+    }
+}

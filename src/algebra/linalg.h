@@ -42,4 +42,10 @@ void lk_la_qt_apply(const double *qr, size_t m, size_t p, const double *tau, dou
  * work: 2 n^2 + n doubles. Returns the sweeps used. */
 int lk_la_svd(const double *c, size_t n, double *s, double *x, double *w, double *work);
 
+/* Canonical signs of K rank-one terms b_k a_k^T (b: m x K panel, a: n x K
+ * panel): each b_k's largest-magnitude entry (the first of equals) is made
+ * positive, a_k flipped with it, so the factors do not depend on the sign
+ * an SVD happened to pick. */
+void lk_la_sign_canon(double *b, size_t m, double *a, size_t n, size_t K);
+
 #endif

@@ -4,7 +4,6 @@
  * so the bytes do not depend on the thread count), write the output
  * (write.c) and the report. */
 #include <math.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -212,56 +211,12 @@ static lk_status settle(lk_alg_ctx *ctx) {
     return LK_OK;
 }
 
-typedef struct pool {
-    lk_alg_ctx *ctx;
-    pthread_mutex_t mu;
-    size_t next, done;
-    lk_status s;
-    size_t failed; /* the lowest failing module: its error is the one reported */
-    char msg[1024];
-} pool;
-
-static void *worker(void *arg) {
-    pool *p = arg;
-    for (;;) {
-        pthread_mutex_lock(&p->mu);
-        size_t i = p->next++;
-        int stop = p->s != LK_OK;
-        pthread_mutex_unlock(&p->mu);
-        if (i >= p->ctx->n_mods || stop) return NULL;
-        lk_status s = lk_alg_module_run(&p->ctx->run, &p->ctx->mods[i]);
-        pthread_mutex_lock(&p->mu);
-        if (s && (p->s == LK_OK || i < p->failed)) {
-            p->s = s;
-            p->failed = i;
-            snprintf(p->msg, sizeof p->msg, "%s", lk_last_error());
-        }
-        p->done++;
-        if (!s && p->ctx->o->on_progress) p->ctx->o->on_progress(p->ctx->o->progress_ctx, p->done, p->ctx->n_mods);
-        pthread_mutex_unlock(&p->mu);
-    }
+static lk_status module_one(void *ctx, size_t i) {
+    lk_alg_ctx *c = ctx;
+    return lk_alg_module_run(&c->run, &c->mods[i]);
 }
 
-static lk_status run_modules(lk_alg_ctx *ctx) {
-    int nt = ctx->o->threads;
-    if (nt <= 0) {
-        long c = sysconf(_SC_NPROCESSORS_ONLN);
-        nt = c > 0 ? (int)c : 1;
-    }
-    if ((size_t)nt > ctx->n_mods) nt = (int)ctx->n_mods;
-    if (nt > 256) nt = 256;
-    pool p = {.ctx = ctx, .s = LK_OK};
-    pthread_mutex_init(&p.mu, NULL);
-    pthread_t tid[256];
-    int started[256] = {0};
-    for (int t = 1; t < nt; t++) started[t] = pthread_create(&tid[t], NULL, worker, &p) == 0;
-    worker(&p);
-    for (int t = 1; t < nt; t++)
-        if (started[t]) pthread_join(tid[t], NULL);
-    pthread_mutex_destroy(&p.mu);
-    if (p.s) return lk_error(p.s, "%s", p.msg);
-    return LK_OK;
-}
+static lk_status run_modules(lk_alg_ctx *ctx) { return lk_alg_pool(ctx->n_mods, ctx->o, module_one, ctx); }
 
 static void ctx_free(lk_alg_ctx *ctx) {
     for (size_t i = 0; i < ctx->n_mods; i++) {

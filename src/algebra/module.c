@@ -142,16 +142,7 @@ static void truncated(ws *w, size_t out, size_t N) {
     }
     lk_la_q_apply(w->U, out, pu, w->tu, w->Be, K);
     lk_la_q_apply(w->V, N, pv, w->tv, w->Ae, K);
-    for (size_t k = 0; k < K; k++) {
-        double *b = w->Be + k * out, best = 0;
-        size_t at = 0;
-        for (size_t i = 0; i < out; i++)
-            if (fabs(b[i]) > best) best = fabs(b[i]), at = i;
-        if (b[at] < 0) {
-            for (size_t i = 0; i < out; i++) b[i] = -b[i];
-            for (size_t i = 0; i < N; i++) w->Ae[k * N + i] = -w->Ae[k * N + i];
-        }
-    }
+    lk_la_sign_canon(w->Be, out, w->Ae, N, K);
 }
 
 /* Rounds the factors into the output dtype (B [out, K] and A [K, N]
