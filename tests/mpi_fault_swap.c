@@ -1,7 +1,8 @@
 /* mpi_fault_swap.c — the hot-swap tracker under faults (ctest runs it at 1..4
  * ranks): an adapter file that differs between ranks' reads, an adapter
- * deleted mid-plan, a NaN inside an adapter, and every allocation of a swap
- * step failing in turn on each rank.
+ * deleted mid-plan, a NaN inside an adapter, every allocation of a swap
+ * step failing in turn on each rank, and a cancel (lorakit/cancel.h) on one
+ * rank at each of its cancellation points in turn.
  *
  * The promise under test (tracker.h): a failed apply fails on every rank
  * with the same status and leaves every rank's weights exactly as they were;
@@ -16,6 +17,7 @@
 #include "swap_fixture.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -464,6 +466,74 @@ static void test_every_allocation_fails_in_a_swap_step(void **state) {
     lk_weights_free(w);
 }
 
+/* The counting poll of one rank: cancels at its check number `at` (0: never). */
+typedef struct cancel_count {
+    long n, at;
+    pthread_mutex_t mu; /* the fuse worker thread checks too */
+} cancel_count;
+
+static int count_poll(void *ctx) {
+    cancel_count *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    long k = ++c->n;
+    pthread_mutex_unlock(&c->mu);
+    return c->at && k >= c->at;
+}
+
+/* A cancel on rank `who` alone, at each of its checks in turn of a swap
+ * step a -> a + b, serial and overlapped: every rank returns
+ * LK_ERR_CANCELLED (agreed: no rank hangs in a collective the others
+ * left) and every rank's weights still digest to the offline fuse of a;
+ * uncancelled, the step gives the offline fuse of a + b. */
+static void cancel_walk(int who, int mode) {
+    cancel_count cc = {0, 0, PTHREAD_MUTEX_INITIALIZER};
+    lk_cancel cn = LK_CANCEL_INIT;
+    if (R == who) {
+        cn.poll = count_poll;
+        cn.poll_ctx = &cc;
+    }
+    lk_weights *w;
+    assert_int_equal(lk_weights_load(g_base, &w), LK_OK);
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.bucket_bytes = (size_t)1 << 14; /* several rounds */
+    o.threads = 1;
+    o.cancel = &cn;
+    lk_tracker *t;
+    if (lk_tracker_create_ex(W, w, &o, mode, &t) != LK_OK) die("tracker create");
+    lk_fuse_input a1[] = {{g_a, 1.0f, LK_FORMAT_AUTO}};
+    lk_fuse_input ab[] = {{g_a, 0.5f, LK_FORMAT_AUTO}, {g_b, 1.0f, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(t, a1, 1, NULL), LK_OK);
+    cc.n = 0;
+    assert_int_equal(lk_tracker_apply(t, ab, 2, NULL), LK_OK); /* counts rank who's checks */
+    check_digest(w, g_d_ab);
+    uint64_t n = (uint64_t)cc.n;
+    assert_int_equal(lk_comm_bcast(W, &n, sizeof n, who), LK_OK);
+    assert_int_equal(lk_tracker_apply(t, a1, 1, NULL), LK_OK);
+    assert_true(n > 3);
+    for (uint64_t k = 1; k <= n; k++) {
+        cc.n = 0;
+        cc.at = (long)k;
+        lk_status s = lk_tracker_apply(t, ab, 2, NULL);
+        check_all_failed(s, LK_ERR_CANCELLED);
+        tu_assert_contains(lk_last_error(), "cancelled");
+        check_digest(w, g_d_a);
+    }
+    cc.at = 0;
+    assert_int_equal(lk_tracker_apply(t, ab, 2, NULL), LK_OK);
+    check_digest(w, g_d_ab);
+    if (R == 0) print_message("cancel on rank %d of %d (mode %d): %lu points, each LK_ERR_CANCELLED on every rank, "
+                              "weights unchanged\n", who, N, mode, (unsigned long)n);
+    lk_tracker_free(t);
+    lk_weights_free(w);
+}
+
+static void test_cancel_on_one_rank(void **state) {
+    (void)state;
+    cancel_walk(N - 1, LK_TRACKER_SERIAL);
+    cancel_walk(0, LK_TRACKER_OVERLAP);
+    if (N > 1) cancel_walk(N - 1, LK_TRACKER_OVERLAP);
+}
+
 int main(int argc, char **argv) {
     W = tu_mpi_init(&argc, &argv);
     R = lk_comm_rank(W);
@@ -475,6 +545,7 @@ int main(int argc, char **argv) {
         cmocka_unit_test(test_nan_adapter),
         cmocka_unit_test(test_late_overflow_after_rounds_were_sent),
         cmocka_unit_test(test_every_allocation_fails_in_a_swap_step),
+        cmocka_unit_test(test_cancel_on_one_rank),
     };
     return tu_mpi_finish(W, cmocka_run_group_tests(tests, setup, teardown));
 }

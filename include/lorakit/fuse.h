@@ -13,6 +13,7 @@
 
 #include <stddef.h>
 #include "lorakit/status.h"
+#include "lorakit/cancel.h"
 #include "lorakit/tensor.h"
 #include "lorakit/adapter.h"
 
@@ -82,6 +83,8 @@ typedef struct lk_fuse_opts {
     int allow_nonfinite;  /* else a non-finite result from finite input is LK_ERR_NONFINITE */
     lk_fp8_opts fp8;      /* FP8 weights only */
     lk_convention convention; /* whose rules where the tools disagree (adapter.h); 0 = lorakit */
+    const lk_cancel *cancel;  /* NULL, or checked at the call's cancellation points (lorakit/cancel.h):
+                                 LK_ERR_CANCELLED, with what each call promises on failure */
 } lk_fuse_opts;
 
 /* w_out may equal w_in (in place); both are out x in of dtype `dtype`.

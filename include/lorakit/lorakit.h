@@ -4,6 +4,7 @@
 #define LORAKIT_H
 
 #include "lorakit/status.h"
+#include "lorakit/cancel.h"
 #include "lorakit/log.h"
 #include "lorakit/alloc.h"
 #include "lorakit/dtype.h"

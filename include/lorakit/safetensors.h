@@ -98,6 +98,10 @@ lk_status lk_st_save(const char *path, const lk_tensor *tensors, size_t n,
  * the next write of the same output once its process is gone. */
 void lk_temp_cleanup(void);
 lk_status lk_temp_cleanup_on_signals(void);
+/* 1 when signal sig's action now is lk_temp_cleanup_on_signals' handler
+ * (a host that installs handlers of its own for a while, as the Python
+ * package does during a call, treats that as the default action). */
+int lk_temp_cleanup_handles(int sig);
 
 #ifdef __cplusplus
 }

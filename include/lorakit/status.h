@@ -26,6 +26,7 @@ typedef enum lk_status {
     LK_ERR_UNSUPPORTED, /* valid input lorakit does not handle */
     LK_ERR_CONFIG,      /* invalid configuration value */
     LK_ERR_TIMEOUT,     /* a collective outlived the communicator's timeout */
+    LK_ERR_CANCELLED,   /* the caller cancelled the call (lorakit/cancel.h); nothing changed */
     LK_STATUS_COUNT
 } lk_status;
 

@@ -103,6 +103,10 @@ typedef struct lk_tracker_opts {
                             path; copied; NULL: "base weights" */
     lk_tracker_backup backup; /* weights on a device (lk_weights_device: cuda:N, emul):
                             where the backups live; must be equal on every rank */
+    const lk_cancel *cancel; /* NULL, or checked by apply/reset on this rank (lorakit/cancel.h):
+                            a cancel on any rank ends the call on every rank with
+                            LK_ERR_CANCELLED and every rank's weights as before. Borrowed
+                            (must outlive the tracker); each rank may have its own */
 } lk_tracker_opts;
 
 #define LK_TRACKER_BUCKET_DEFAULT ((size_t)LK_KNOB_SWAP_BUCKET_MB_DEFAULT << 20)

@@ -31,6 +31,7 @@ static const char *const g_names[LK_STATUS_COUNT] = {
     [LK_ERR_UNSUPPORTED] = "LK_ERR_UNSUPPORTED",
     [LK_ERR_CONFIG] = "LK_ERR_CONFIG",
     [LK_ERR_TIMEOUT] = "LK_ERR_TIMEOUT",
+    [LK_ERR_CANCELLED] = "LK_ERR_CANCELLED",
 };
 
 const char *lk_status_str(lk_status s) {

@@ -460,7 +460,9 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
                       int64_t n_scale, const lk_fuse_term *terms, size_t k, const lk_fuse_opts *opts,
                       const char *name) {
     if (!name) name = "(tensor)";
-    lk_status s = fp8_check_args(w, dtype, out, in, scale, sdtype, n_scale, terms, k, name);
+    lk_status s = lk_cancel_check(opts ? opts->cancel : NULL, name);
+    if (s) return s;
+    s = fp8_check_args(w, dtype, out, in, scale, sdtype, n_scale, terms, k, name);
     if (s) return s;
     static const lk_fuse_opts defaults;
     if (!opts) opts = &defaults;

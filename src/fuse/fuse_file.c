@@ -315,6 +315,7 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
         size_t un = 0;
         lk_adapter_opts ao = {.format = inputs[i].format, .alpha_from = fo->alpha_from,
                               .convention = fo->fuse.convention};
+        if ((s = lk_cancel_check(fo->fuse.cancel, label))) return s;
         if ((s = lk_fuse_input_open(&inputs[i], sources ? sources[i] : NULL, &ao, &c->ad[i]))) return s;
         c->n_ad = i + 1;
         lk_resolve_opts ro = {.allow_unmatched = fo->allow_unmatched, .arch = fo->arch, .maps = fo->maps,
@@ -525,13 +526,14 @@ static lk_status write_fused(fctx *c, size_t i, const lk_fuse_key *plan, const c
 }
 
 /* Untouched tensor i, copied byte for byte through c->buf in chunks. */
-static lk_status copy_tensor(fctx *c, size_t i) {
+static lk_status copy_tensor(fctx *c, size_t i, const char *base, const lk_fuse_opts *fo) {
     const lk_tensor *t = &c->model[i];
     size_t wi;
     lk_st_writer *w = writer_of(c, i, &wi);
     lk_status s = LK_OK;
     for (size_t off = 0; !s && off < t->nbytes;) {
         size_t len = t->nbytes - off < c->buf_bytes ? t->nbytes - off : c->buf_bytes;
+        if (off && (s = lk_cancel_check(fo->cancel, base))) break; /* a cancellation point per chunk */
         if (!(s = lk_ckpt_read(c->ck, i, off, c->buf, len))) s = lk_st_writer_write(w, wi, off, c->buf, len);
         off += len;
     }
@@ -543,9 +545,10 @@ static lk_status copy_tensor(fctx *c, size_t i) {
 static lk_status write_tensor(fctx *c, size_t i, const char *base, const lk_fuse_opts *fo, lk_fuse_stats *st) {
     if (c->is_scale[i]) return LK_OK;
     lk_fuse_key plan;
-    lk_status s = gather(c, &c->model[i], &plan);
+    lk_status s = lk_cancel_check(fo->cancel, base); /* a cancellation point per tensor */
+    if (!s) s = gather(c, &c->model[i], &plan);
     if (s) return s;
-    if (!lk_fuse_key_touches(&plan)) return copy_tensor(c, i);
+    if (!lk_fuse_key_touches(&plan)) return copy_tensor(c, i, base, fo);
     if (!(s = write_fused(c, i, &plan, base, fo))) st->tensors_fused++;
     return s;
 }
@@ -655,7 +658,7 @@ static lk_status fuse_in_place(fctx *c, lk_tensor *tensors, size_t nt, const lk_
         lk_tensor *t = &tensors[i];
         lk_fuse_key plan;
         if (c->is_scale[i]) continue; /* with its weight */
-        if ((s = gather(c, t, &plan))) break;
+        if ((s = lk_cancel_check(fo->cancel, "tensors")) || (s = gather(c, t, &plan))) break;
         if (!lk_fuse_key_touches(&plan)) continue;
         long si = c->scale_of[i];
         lk_tensor *sc = si >= 0 ? &tensors[si] : NULL;

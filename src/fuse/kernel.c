@@ -160,6 +160,8 @@ static lk_kblock_fn path_block(const char *path) {
 typedef struct kshared {
     lk_kjob job;
     atomic_size_t next;
+    const lk_cancel *cancel; /* checked before each chunk (lorakit/cancel.h) */
+    atomic_int cancelled;    /* a worker saw it: every worker stops taking chunks */
 } kshared;
 
 typedef struct kthread {
@@ -170,6 +172,11 @@ typedef struct kthread {
 static void run_worker(kthread *t) {
     const lk_kjob *jb = &t->sh->job;
     for (;;) {
+        if (atomic_load_explicit(&t->sh->cancelled, memory_order_relaxed)) break;
+        if (lk_cancel_requested(t->sh->cancel)) { /* a cancellation point per chunk of rows */
+            atomic_store_explicit(&t->sh->cancelled, 1, memory_order_relaxed);
+            break;
+        }
         size_t c = atomic_fetch_add_explicit(&t->sh->next, 1, memory_order_relaxed);
         if (c >= jb->n_chunks) break;
         size_t o0 = c * jb->rows_per_chunk;
@@ -489,7 +496,7 @@ static lk_status kcall_alloc(kcall *k, const char *name) {
  * header), the column tile keeping A's slice near LK_TILE_BYTES, the
  * block function of the path in use; every worker fresh. */
 static void kcall_job(kcall *k, void *w_out, const void *w_in, lk_dtype dtype, const lk_fuse_term *terms,
-                      size_t n_terms) {
+                      size_t n_terms, const lk_cancel *cancel) {
     make_bs(k->bs, k->wide, k->R, 0, k->O, terms, n_terms, k->tmp);
     make_panels(k->ap, k->wide, k->pw, k->R, k->I, terms, n_terms, k->tmp);
     size_t pan_tile = LK_TILE_BYTES / (k->R * k->pw * k->vsz);
@@ -507,6 +514,8 @@ static void kcall_job(kcall *k, void *w_out, const void *w_in, lk_dtype dtype, c
         sh->job.Bs32 = k->bs;
     }
     atomic_init(&sh->next, 0);
+    sh->cancel = cancel;
+    atomic_init(&sh->cancelled, 0);
     for (int t = 0; t < k->threads; t++) k->ths[t] = (kthread){.sh = sh, .wk = {.job = &sh->job, .bad_at = SIZE_MAX}};
 }
 
@@ -558,8 +567,9 @@ static lk_status fuse_whole(void *w_out, const void *w_in, lk_dtype dtype, int64
     kcall k = {0};
     kcall_plan(&k, out, in, R, dtype, opts);
     if ((st = kcall_alloc(&k, name))) return st;
-    kcall_job(&k, w_out, w_in, dtype, terms, n_terms);
+    kcall_job(&k, w_out, w_in, dtype, terms, n_terms, opts ? opts->cancel : NULL);
     st = kcall_verdict(&k, kcall_run(&k), opts, name);
+    if (!st && atomic_load(&k.sh->cancelled)) st = lk_error(LK_ERR_CANCELLED, "%s: cancelled", name); /* partly written */
     lk_free(k.mem);
     return st;
 }

@@ -58,7 +58,7 @@ int lk_fuse_is_pipeline(const char *base) {
     return stat(p, &sb) == 0 && S_ISREG(sb.st_mode);
 }
 
-static lk_status copy_file(const char *from, const char *to) {
+static lk_status copy_file(const char *from, const char *to, const lk_cancel *cn) {
     int in = open(from, O_RDONLY | O_CLOEXEC), o = -1;
     lk_status s = LK_OK;
     char *buf = lk_malloc(1 << 20);
@@ -66,7 +66,7 @@ static lk_status copy_file(const char *from, const char *to) {
     else if ((o = open(to, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644)) < 0)
         s = lk_error(LK_ERR_IO, "%s: cannot create: %s", to, strerror(errno));
     else if (!buf) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", from);
-    while (!s) {
+    while (!s && !(s = lk_cancel_check(cn, to))) { /* a cancellation point per MiB */
         ssize_t r = read(in, buf, 1 << 20);
         if (r < 0) s = lk_error(LK_ERR_IO, "%s: read: %s", from, strerror(errno));
         if (r <= 0) break;
@@ -83,21 +83,21 @@ static lk_status copy_file(const char *from, const char *to) {
     return s;
 }
 
-static lk_status copy_tree(const char *from, const char *to, const char *skip, int depth);
+static lk_status copy_tree(const char *from, const char *to, const char *skip, int depth, const lk_cancel *cn);
 
 /* Entry `name` of folder `from` copied into folder `to`: a folder with its
  * tree (copy_tree at depth), a regular file; anything else, a symlink
  * included, is refused by name (hint ends that message). nomem names the
  * out-of-memory error. */
 static lk_status copy_entry(const char *from, const char *to, const char *name, int depth, const char *nomem,
-                            const char *hint) {
+                            const char *hint, const lk_cancel *cn) {
     char *a = lk_path_join(from, name), *b = lk_path_join(to, name);
     struct stat sb;
     lk_status s;
     if (!a || !b) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", nomem);
     else if (lstat(a, &sb)) s = lk_error(LK_ERR_IO, "%s: %s", a, strerror(errno));
-    else if (S_ISDIR(sb.st_mode)) s = copy_tree(a, b, NULL, depth);
-    else if (S_ISREG(sb.st_mode)) s = copy_file(a, b);
+    else if (S_ISDIR(sb.st_mode)) s = copy_tree(a, b, NULL, depth, cn);
+    else if (S_ISREG(sb.st_mode)) s = copy_file(a, b, cn);
     else s = lk_error(LK_ERR_UNSUPPORTED, "%s: not a regular file or folder%s", a, hint);
     lk_free(a);
     lk_free(b);
@@ -107,7 +107,7 @@ static lk_status copy_entry(const char *from, const char *to, const char *name, 
 /* Copies folder `from` into the new folder `to` (regular files and folders;
  * anything else, a symlink included, is refused by name). skip: a name in
  * `from` not to copy (the checkpoint a fuse writes), or NULL. */
-static lk_status copy_tree(const char *from, const char *to, const char *skip, int depth) {
+static lk_status copy_tree(const char *from, const char *to, const char *skip, int depth, const lk_cancel *cn) {
     if (depth > 16) return lk_error(LK_ERR_FORMAT, "%s: folders nested too deep", from);
     if (mkdir(to, 0755) && errno != EEXIST) return lk_error(LK_ERR_IO, "%s: cannot create: %s", to, strerror(errno));
     DIR *d = opendir(from);
@@ -116,7 +116,7 @@ static lk_status copy_tree(const char *from, const char *to, const char *skip, i
     struct dirent *e;
     while (!s && (e = readdir(d))) {
         if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || (skip && !strcmp(e->d_name, skip))) continue;
-        s = copy_entry(from, to, e->d_name, depth + 1, from, "; a pipeline folder is copied as files");
+        s = copy_entry(from, to, e->d_name, depth + 1, from, "; a pipeline folder is copied as files", cn);
     }
     closedir(d);
     return s;
@@ -291,7 +291,8 @@ static lk_status route_adapter(pctx *p, size_t i) {
     lk_adapter *a = NULL;
     lk_adapter_opts ao = {.format = in->format, .alpha_from = p->opts->alpha_from,
                           .convention = p->opts->fuse.convention};
-    lk_status s = lk_fuse_input_open(in, src, &ao, &a);
+    lk_status s = lk_cancel_check(p->opts->fuse.cancel, p->base);
+    if (!s) s = lk_fuse_input_open(in, src, &ao, &a);
     if (s) return s;
     if (!src) s = lk_out_inputs_add(&p->oin, lk_adapter_file(a), "adapter");
     if (!s && lk_adapter_config_file(a)) s = lk_out_inputs_add(&p->oin, lk_adapter_config_file(a), "adapter config");
@@ -324,7 +325,7 @@ static lk_status fuse_component(pctx *p, const comp *c) {
     if (!lk_ckpt_sharded(c->ck)) {
         const char *path = lk_ckpt_path(c->ck), *sl = strrchr(path, '/');
         const char *ckfile = sl ? sl + 1 : path;
-        s = copy_tree(c->dir, od, ckfile, 0);
+        s = copy_tree(c->dir, od, ckfile, 0, p->opts->fuse.cancel);
         if (!s && !(of = lk_path_join(od, ckfile))) s = lk_error(LK_ERR_NOMEM, "%s: out of memory", p->out);
     }
     lk_fuse_file_opts fo = *p->opts;
@@ -349,7 +350,7 @@ static lk_status copy_rest(pctx *p) {
     struct dirent *e;
     while (!s && (e = readdir(d))) {
         if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || is_fused(p, e->d_name)) continue;
-        s = copy_entry(p->base, lk_out_dir_path(p->od), e->d_name, 0, p->out, "");
+        s = copy_entry(p->base, lk_out_dir_path(p->od), e->d_name, 0, p->out, "", p->opts->fuse.cancel);
     }
     closedir(d);
     return s;

@@ -355,6 +355,8 @@ lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, c
     const char *name = t->name;
     size_t numel = lk_tensor_numel(t);
     const int vec = t->ndim < 2; /* a bias or a norm layer's weight: vector terms */
+    lk_status cs = lk_cancel_check(opts ? opts->cancel : NULL, name);
+    if (cs) return cs;
     /* a conv weight [out, in, kh, kw] is out x (in kh kw) */
     const int64_t out_rows = vec ? 1 : t->shape[0], out_cols = out_rows ? (int64_t)(numel / (size_t)out_rows) : 0;
     if (!k->replace && !k->dora && k->n_terms && !vec) /* LoRA (the kernel), LoHa, LoKr, dense terms */

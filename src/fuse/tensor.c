@@ -40,6 +40,8 @@ lk_status lk_fuse_tensor(void *w_out, const void *w_in, lk_dtype dtype, int64_t 
                          const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts,
                          const char *name) {
     if (!name) name = "(tensor)";
+    lk_status cs = lk_cancel_check(opts ? opts->cancel : NULL, name); /* a cancellation point per tensor */
+    if (cs) return cs;
     if (lk_fuse_wterms(terms, n_terms)) return fuse_wterms(w_out, w_in, dtype, out, in, terms, n_terms, opts, name);
     int sliced = 0, lora_only = 1;
     for (size_t t = 0; terms && t < n_terms; t++) {

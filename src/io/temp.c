@@ -190,6 +190,12 @@ lk_status lk_temp_cleanup_on_signals(void) {
     return LK_OK;
 }
 
+int lk_temp_cleanup_handles(int sig) {
+    struct sigaction cur;
+    if (sigaction(sig, NULL, &cur) != 0) return 0;
+    return !(cur.sa_flags & SA_SIGINFO) && cur.sa_handler == on_signal;
+}
+
 /* ------------------------------------------------------------------ sweep */
 
 /* The pid in a temporary's name: "<name>.tmp.<pid>.<n>" (folder = 0) or

@@ -344,7 +344,8 @@ static lk_status request_load(lk_tracker *t, request *r) {
         lk_adapter_opts ao = {.format = r->e[i].format, .alpha_from = t->o.alpha_from,
                               .convention = t->o.convention};
         const int64_t t0 = now_realtime_ns();
-        lk_status s = lk_fuse_input_open(&r->e[i], r->src ? r->src[i] : NULL, &ao, &r->ad[i]);
+        lk_status s = lk_cancel_check(t->o.cancel, "tracker apply");
+        if (!s) s = lk_fuse_input_open(&r->e[i], r->src ? r->src[i] : NULL, &ao, &r->ad[i]);
         if (!s && !r->src[i]) stamp_files(r->ad[i], t0, &r->stamp[i]);
         /* the family table and --map files as lk_fuse_file's resolve: the same placements, the same bytes */
         lk_resolve_opts ro = {.arch = t->o.arch, .maps = t->o.maps, .n_maps = t->o.n_maps};
@@ -423,21 +424,24 @@ static int changed(const lk_tracker *t, size_t i) { return t->next[i] != t->k[i]
 
 /* An FP8 weight (with its scale, if any) from clean + terms: restored from
  * the backups, then fused in place (lk_fuse_fp8 rewrites the scale). */
-static lk_status recompute_fp8(lk_tracker *t, size_t i, const lk_fuse_term *terms, size_t nt) {
+static lk_status recompute_fp8(lk_tracker *t, size_t i, const lk_fuse_term *terms, size_t nt, const lk_cancel *cn) {
     const lk_tensor *w = lk_weights_tensor(t->w, i);
     const lk_tensor *sc = t->k[i].scale >= 0 ? lk_weights_tensor(t->w, (size_t)t->k[i].scale) : NULL;
     lk_status s = t->k[i].backup ? lk_keymem_restore(&t->km, w, t->k[i].backup) : LK_OK;
     if (!s && sc && t->k[t->k[i].scale].backup) s = lk_keymem_restore(&t->km, sc, t->k[t->k[i].scale].backup);
     if (s || !nt) return s;
     lk_fuse_opts fo = {.threads = t->o.threads, .allow_nonfinite = t->o.allow_nonfinite, .fp8 = t->o.fp8,
-                       .convention = t->o.convention};
+                       .convention = t->o.convention, .cancel = cn};
     if (t->km.on_device) return lk_keymem_fuse_fp8(&t->km, w, sc, terms, nt, &fo, &t->fused_on_host);
     return lk_fuse_fp8(w->data, w->dtype, w->shape[0], (int64_t)(lk_tensor_numel(w) / (size_t)w->shape[0]), sc ? sc->data : NULL,
                        sc ? sc->dtype : LK_DTYPE_F32, sc ? (int64_t)lk_tensor_numel(sc) : 0, terms, nt, &fo, w->name);
 }
 
-/* Makes key i hold clean + terms of r (or clean when r has none for it). */
-static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_term *terms, int *fused) {
+/* Makes key i hold clean + terms of r (or clean when r has none for it).
+ * cn: the call's cancel flag (the forward fuse; the kernel may stop part-way,
+ * the rollback redoes the key), NULL for the rollback itself. */
+static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_term *terms, int *fused,
+                           const lk_cancel *cn) {
     const lk_tensor *w = lk_weights_tensor(t->w, i);
     const void *clean = t->k[i].backup ? t->k[i].backup : w->data; /* no_lora_swap: in place */
     lk_fuse_key plan = {0};
@@ -447,7 +451,7 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
     }
     int nt = lk_fuse_key_touches(&plan);
     *fused = nt;
-    if (lk_dtype_is_fp8(w->dtype)) return recompute_fp8(t, i, terms, nt ? plan.n_terms : 0);
+    if (lk_dtype_is_fp8(w->dtype)) return recompute_fp8(t, i, terms, nt ? plan.n_terms : 0, cn);
     if (t->km.on_device && clean != w->data) { /* the device fuses in place: restore first */
         lk_status s = lk_keymem_restore(&t->km, w, clean);
         if (s) return s;
@@ -458,7 +462,7 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
         return LK_OK;
     }
     lk_fuse_opts fo = {.threads = t->o.threads, .allow_nonfinite = t->o.allow_nonfinite, .fp8 = t->o.fp8,
-                       .convention = t->o.convention};
+                       .convention = t->o.convention, .cancel = cn};
     if (t->km.on_device) return lk_keymem_fuse(&t->km, w, &plan, terms, &fo, &t->fused_on_host);
     return lk_fuse_key_apply(w->data, clean, w, &plan, terms, &fo);
 }
@@ -490,6 +494,7 @@ typedef struct fuse_job {
     size_t next;            /* the first key not yet taken (under mu) */
     size_t done;            /* keys [0, done) are final (under mu) */
     int failed;             /* a key failed: no more are taken (under mu) */
+    const lk_cancel *cancel; /* checked before each key (NULL under no_lora_swap: in place, no rollback) */
     lk_status status;       /* the first failure, its message in msg */
     char msg[2048];
     size_t fused, restored;
@@ -505,6 +510,7 @@ static void job_init(fuse_job *j, lk_tracker *t, const request *r, lk_fuse_term 
     j->r = r;
     j->terms[0] = terms;
     j->terms[1] = terms2;
+    j->cancel = t->o.no_lora_swap ? NULL : t->o.cancel;
     for (size_t c = 0; c < t->n; c++) {
         size_t i = t->ord[c];
         t->need[i] = 0;
@@ -535,7 +541,8 @@ static int job_step(fuse_job *j, int who) {
     pthread_mutex_unlock(&j->mu);
     if (!go) return 0;
     int fused = 0;
-    lk_status s = recompute(j->t, j->r, j->t->seq[p], j->terms[who], &fused);
+    lk_status s = lk_cancel_check(j->cancel, lk_weights_tensor(j->t->w, j->t->seq[p])->name);
+    if (!s) s = recompute(j->t, j->r, j->t->seq[p], j->terms[who], &fused, j->cancel);
     pthread_mutex_lock(&j->mu);
     if (s) {
         if (!j->failed) { /* lk_last_error is per thread: carry the message */
@@ -577,6 +584,14 @@ static void job_wait(fuse_job *j, size_t want) {
 
 /* The job's status on this thread (LK_OK, or its error re-raised here). */
 static lk_status job_status(const fuse_job *j) { return j->status ? lk_error(j->status, "%s", j->msg) : LK_OK; }
+
+/* What this rank says at the agreement on the fuse: the job's status, or
+ * a cancel requested meanwhile (during the broadcast too): the last
+ * cancellation point before the commit. */
+static lk_status job_verdict(const fuse_job *j) {
+    lk_status s = job_status(j);
+    return s ? s : lk_cancel_check(j->cancel, "tracker apply");
+}
 
 /* Keys of seq the job may have written: the taken ones. */
 static size_t job_taken(const fuse_job *j) { return j->next < j->n_seq ? j->next : j->n_seq; }
@@ -713,7 +728,7 @@ static lk_status rollback(lk_tracker *t, lk_status s, const fuse_job *j, lk_trac
     for (size_t p = 0; p < job_taken(j); p++) {
         size_t i = t->seq[p];
         int fused;
-        if (!t->k[i].backup || recompute(t, &t->cur, i, j->terms[0], &fused)) {
+        if (!t->k[i].backup || recompute(t, &t->cur, i, j->terms[0], &fused, NULL)) {
             t->broken = 1;
             lk_log(LK_LOG_ERROR, "tracker: %s could not be rolled back; the tracker is now unusable",
                    lk_weights_tensor(t->w, i)->name);
@@ -1130,6 +1145,7 @@ static lk_status apply_agree_request(apply_op *a, const lk_fuse_input *loras, co
     lk_status local = t->broken ? lk_error(LK_ERR_STATE, "tracker is unusable after a failed rollback, "
                                                       "transport or timeout")
                                 : request_make(loras, sources, n, &a->req);
+    if (!local) local = lk_cancel_check(t->o.cancel, "tracker apply");
     if (!local) local = weights_check(t);
     /* a file of the current set rewritten since it was read: read again, never skipped */
     const int stale = !local && request_equal(&a->req, &t->cur) && request_stale(&t->cur);
@@ -1190,7 +1206,7 @@ static lk_status trial_fuse(lk_tracker *t, const request *r, lk_fuse_term *terms
         if (t->k[i].weight >= 0) continue; /* a scale: tried with its weight */
         const lk_tensor *w = lk_weights_tensor(t->w, i);
         lk_fuse_opts fo = {.threads = t->o.threads, .allow_nonfinite = t->o.allow_nonfinite, .fp8 = t->o.fp8,
-                       .convention = t->o.convention};
+                       .convention = t->o.convention, .cancel = t->o.cancel}; /* scratch only: cancellable */
         lk_fuse_key plan;
         local = key_terms(t, r, i, terms, &plan);
         if (!local && lk_dtype_is_fp8(w->dtype)) {
@@ -1223,6 +1239,7 @@ static lk_status apply_prepare(apply_op *a) {
     lk_status local = apply_scratch(a);
     if (!local) local = request_load(t, &a->req);
     if (!local) local = key_signatures(t, &a->req, a->terms);
+    if (!local) local = lk_cancel_check(t->o.cancel, "tracker apply");
     for (size_t i = 0; !local && i < t->n; i++) {
         if (t->k[i].owner != t->rank || !t->next[i] || t->k[i].backup || t->o.no_lora_swap) continue;
         local = backup_key(t, i);
@@ -1261,7 +1278,7 @@ static lk_status fuse_then_send(apply_op *a, fuse_job *job, double t1) {
     job_wait(job, job->n_seq);
     a->st->seconds_fuse = lk_now_s() - t1;
     a->phase = "agreeing on the fuse";
-    lk_status s = lk_comm_agree(t->comm, job_status(job));
+    lk_status s = lk_comm_agree(t->comm, job_verdict(job));
     if (s) return rollback(t, s, job, a->st, a->fresh, a->n_fresh, 0);
     const double t2 = lk_now_s();
     a->phase = "broadcasting the changed keys";
@@ -1291,7 +1308,7 @@ static lk_status fuse_while_sending(apply_op *a, fuse_job *job, double t1) {
         return s;
     }
     a->phase = "agreeing on the fuse";
-    s = lk_comm_agree(t->comm, job_status(job));
+    s = lk_comm_agree(t->comm, job_verdict(job));
     if (s && s != LK_ERR_TIMEOUT) s = rollback(t, s, job, a->st, a->fresh, a->n_fresh, 1); /* a timeout: no group to resend over */
     return s;
 }
