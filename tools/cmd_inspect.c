@@ -16,7 +16,7 @@
 static const char *const INSPECT_USAGE =
     "usage: lorakit inspect FILE|DIR [--json] [--alpha-from tensors|metadata]\n"
     "       lorakit inspect ADAPTER --base CKPT [--arch NAME] [--map FILE] [--json]\n"
-    "                       [--alpha-from tensors|metadata] [--convention C]\n\n"
+    "                       [--alpha-from tensors|metadata] [--convention C] [--strength S]\n\n"
     "Lists a checkpoint (a safetensors file, or a sharded set given by its\n"
     "*.safetensors.index*.json or its folder): its metadata (the index's for a\n"
     "sharded set), its shards, then one line per tensor (name, dtype, shape,\n"
@@ -32,11 +32,23 @@ static const char *const INSPECT_USAGE =
     "prefix, family table, --map), the component it routes to (unet,\n"
     "transformer, text_encoder[_2|_3], diffusion_model, any), the algorithm,\n"
     "rank, alpha and its source, and the scale; each module that lands\n"
-    "nowhere with its component and the three nearest weight names.\n\n"
+    "nowhere with its component and the three nearest weight names.\n"
+    "For an adapter, also where the conventions (lorakit, comfyui, lycoris,\n"
+    "peft: README \"Conventions\") would give different weights for this file,\n"
+    "module by module, with the points that apply and the size: with --base\n"
+    "each touched weight is fused under every convention at strength 1 and S\n"
+    "and compared (max |W_a - W_b|, relative Frobenius difference of the\n"
+    "deltas); without, only the scales (modules whose delta reads the weight:\n"
+    "DoRA, set_weight, OFT, BOFT, GLoRA, are listed as needing --base).\n"
+    "JSON: \"conventions\": {base, strengths, modules_differ, modules: [{module,\n"
+    "weight, points, needs_base, at: [{strength, groups, pairs: [{a, b,\n"
+    "max_abs, rel_fro, elements}]}]}], computed}.\n\n"
     "options:\n"
     "  --base CKPT    show where ADAPTER's modules land on CKPT\n"
     "  --arch NAME    with --base: the model family table (as lorakit fuse)\n"
     "  --map FILE     with --base: an extra name table (repeatable)\n"
+    "  --strength S   the second strength the conventions are compared at\n"
+    "                 (besides 1; default 0.5)\n"
     "  --json     print one JSON object: {path, file_bytes, header_bytes,\n"
     "             metadata, tensors: [{name, dtype, shape, bytes, offset}],\n"
     "             (sharded: also index, shards: [{name, tensors, bytes}],\n"
@@ -167,41 +179,49 @@ static int to_file(const char *text, size_t len, void *ctx) { return fwrite(text
  * back from it, a checkpoint's is listed from the opened set (a 1.3 M-tensor
  * file is never a JSON DOM here). */
 static int inspect(const char *path, const char *base, const lk_resolve_opts *ro, const lk_adapter_opts *ao,
-                   int json) {
-    if (!base && json) {
+                   int json, double strength) {
+    const int adapter = base || lk_inspect_is_adapter(path);
+    if (!adapter && json) {
         if (lk_inspect_write(path, ao, to_file, stdout) != LK_OK) return lk_cli_fail();
         putchar('\n');
         return LK_EXIT_OK;
     }
-    if (!base && !lk_inspect_is_adapter(path)) {
+    if (!adapter) {
         lk_ckpt *ck;
         if (lk_ckpt_open(path, &ck) != LK_OK) return lk_cli_fail();
         st_listing_text(ck, stdout);
         lk_ckpt_close(ck);
         return LK_EXIT_OK;
     }
-    char *js = NULL;
+    char *js = NULL, *cs = NULL;
     lk_status s = base ? lk_inspect_base_json_opts(path, base, ro, ao, &js) : lk_inspect_json_opts(path, ao, &js);
     if (s != LK_OK) return lk_cli_fail();
-    if (json) {
-        puts(js);
-        lk_free(js);
-        return LK_EXIT_OK;
-    }
+    /* a comparison that cannot be made is said, never a failed inspect */
+    json_t *cv = lk_fuse_conventions_json(path, base, ro, ao, strength, &cs) ? json_pack("{s:s}", "error", lk_last_error())
+                                                                             : json_loads(cs, 0, NULL);
     json_t *o = json_loads(js, 0, NULL);
     lk_free(js);
-    if (!o) {
+    lk_free(cs);
+    if (!o || !cv || json_object_set_new(o, "conventions", cv)) {
+        json_decref(o);
         lk_error(LK_ERR_NOMEM, "%s: out of memory", path);
         return lk_cli_fail();
     }
-    if (base) placement_text(o, stdout);
-    else lk_inspect_adapter_text(path, o, stdout);
+    if (json) {
+        char *txt = json_dumps(o, JSON_COMPACT);
+        if (txt) puts(txt);
+        free(txt);
+    } else {
+        if (base) placement_text(o, stdout);
+        else lk_inspect_adapter_text(path, o, stdout);
+        lk_inspect_conventions_text(json_object_get(o, "conventions"), stdout);
+    }
     json_decref(o);
     return LK_EXIT_OK;
 }
 
 static int inspect_args(int argc, char **argv, const char **path_out, const char **base, int *json_out,
-                        lk_resolve_opts *ro, const char **maps, lk_adapter_opts *ao);
+                        lk_resolve_opts *ro, const char **maps, lk_adapter_opts *ao, double *strength);
 
 int lk_cmd_inspect(int argc, char **argv) {
     if (lk_cli_wants_help(argc, argv)) {
@@ -217,21 +237,23 @@ int lk_cmd_inspect(int argc, char **argv) {
         return LK_EXIT_FAIL;
     }
     lk_adapter_opts ao = {0};
-    int rc = inspect_args(argc, argv, &path, &base, &json, &ro, maps, &ao);
-    if (rc < 0) rc = inspect(path, base, &ro, &ao, json);
+    double strength = 0.5;
+    int rc = inspect_args(argc, argv, &path, &base, &json, &ro, maps, &ao, &strength);
+    if (rc < 0) rc = inspect(path, base, &ro, &ao, json, strength);
     free(maps);
     return rc;
 }
 
 /* Parses inspect's arguments; -1 when the command should run, else the exit code. */
 static int inspect_args(int argc, char **argv, const char **path_out, const char **base, int *json_out,
-                        lk_resolve_opts *ro, const char **maps, lk_adapter_opts *ao) {
+                        lk_resolve_opts *ro, const char **maps, lk_adapter_opts *ao, double *strength) {
     const char *path = NULL;
     int json = 0;
     for (int i = 1; i < argc; i++) {
         int has_val = i + 1 < argc;
         if ((!strcmp(argv[i], "--base") || !strcmp(argv[i], "--arch") || !strcmp(argv[i], "--map") ||
-             !strcmp(argv[i], "--alpha-from") || !strcmp(argv[i], "--convention")) && !has_val)
+             !strcmp(argv[i], "--alpha-from") || !strcmp(argv[i], "--convention") || !strcmp(argv[i], "--strength")) &&
+            !has_val)
             return lk_cli_usage("inspect", "%s needs a value", argv[i]);
         if (!strcmp(argv[i], "--base")) *base = argv[++i];
         else if (!strcmp(argv[i], "--arch")) ro->arch = argv[++i];
@@ -241,6 +263,9 @@ static int inspect_args(int argc, char **argv, const char **path_out, const char
             if (lk_alpha_from_parse(argv[++i], &ao->alpha_from)) return lk_cli_usage("inspect", "%s", lk_last_error());
         } else if (!strcmp(argv[i], "--convention")) {
             if (lk_convention_parse(argv[++i], &ao->convention)) return lk_cli_usage("inspect", "%s", lk_last_error());
+        } else if (!strcmp(argv[i], "--strength")) {
+            if (lk_fuse_strength_parse(argv[++i], strength) || *strength == 0.0)
+                return lk_cli_usage("inspect", "--strength: %s", *strength == 0.0 ? "0 compares nothing" : lk_last_error());
         }
         else if (!strcmp(argv[i], "--") && i + 1 < argc && !path && i + 2 == argc) path = argv[++i];
         else if (argv[i][0] == '-' && argv[i][1]) return lk_cli_usage("inspect", "unknown option '%s'", argv[i]);

@@ -36,3 +36,57 @@ void lk_inspect_adapter_text(const char *path, json_t *o, FILE *out) {
         fprintf(out, "    %-16s  %s\n", json_string_value(json_object_get(g, "kind")),
                 json_string_value(json_object_get(g, "key")));
 }
+
+static void pairs_text(json_t *at, FILE *out) {
+    size_t i, j;
+    json_t *a, *p;
+    json_array_foreach(at, i, a) {
+        json_t *g, *c;
+        size_t k, l;
+        fprintf(out, "    s=%g: ", json_number_value(json_object_get(a, "strength")));
+        json_array_foreach(json_object_get(a, "groups"), k, g) {
+            fputs(k ? " | " : "", out);
+            json_array_foreach(g, l, c) fprintf(out, "%s%s", l ? " = " : "", json_string_value(c));
+        }
+        fputc('\n', out);
+        json_array_foreach(json_object_get(a, "pairs"), j, p) {
+            json_t *mx = json_object_get(p, "max_abs"), *ne = json_object_get(p, "elements");
+            fprintf(out, "      %s and %s differ by", json_string_value(json_object_get(p, "a")),
+                    json_string_value(json_object_get(p, "b")));
+            if (json_is_number(mx)) fprintf(out, " up to %.3g,", json_number_value(mx));
+            fprintf(out, " relative Frobenius %.3g of the delta", json_number_value(json_object_get(p, "rel_fro")));
+            if (ne) fprintf(out, " (%lld elements)", (long long)json_integer_value(ne));
+            fputc('\n', out);
+        }
+    }
+}
+
+void lk_inspect_conventions_text(json_t *c, FILE *out) {
+    json_t *mods = json_object_get(c, "modules"), *m, *p;
+    if (json_object_get(c, "error")) {
+        fprintf(out, "conventions: not compared: %s\n", json_string_value(json_object_get(c, "error")));
+        return;
+    }
+    size_t i, k;
+    json_array_foreach(json_object_get(c, "not_compared"), i, p)
+        fprintf(out, "conventions: %s not compared (an FP8 weight)\n", json_string_value(p));
+    if (!json_array_size(mods)) {
+        fprintf(out, "conventions: lorakit, comfyui, lycoris and peft give the same weights for this file%s\n",
+                !json_is_true(json_object_get(c, "base")) ? " (by its scales; no module's delta reads the weight)"
+                : json_array_size(json_object_get(c, "not_compared")) ? " on every compared weight of this base"
+                                                                       : " on this base");
+        return;
+    }
+    fprintf(out, "conventions: %lld module(s) where they give different weights (%s):\n",
+            (long long)json_integer_value(json_object_get(c, "modules_differ")),
+            json_string_value(json_object_get(c, "computed")));
+    json_array_foreach(mods, i, m) {
+        json_t *w = json_object_get(m, "weight");
+        fprintf(out, "  %s%s%s%s\n", json_string_value(json_object_get(m, "module")), w && json_is_string(w) ? " -> " : "",
+                w && json_is_string(w) ? json_string_value(w) : "",
+                json_is_true(json_object_get(m, "needs_base")) ? " (the size needs --base: its delta reads the weight)"
+                                                                : "");
+        json_array_foreach(json_object_get(m, "points"), k, p) fprintf(out, "    %s\n", json_string_value(p));
+        pairs_text(json_object_get(m, "at"), out);
+    }
+}

@@ -11,4 +11,9 @@
  * prints a few lines. */
 void lk_inspect_adapter_text(const char *path, json_t *o, FILE *out);
 
+/* Prints lk_fuse_conventions_json's object c: one line per module where the
+ * conventions differ, its points, and per strength the groups of equal
+ * results and how far each pair of groups is apart. */
+void lk_inspect_conventions_text(json_t *c, FILE *out);
+
 #endif

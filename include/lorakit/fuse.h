@@ -220,6 +220,20 @@ int lk_fuse_key_touches(const lk_fuse_key *k);
 lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, const lk_fuse_key *k,
                             const lk_fuse_term *terms, const lk_fuse_opts *opts);
 
+/* Where the conventions (lorakit, comfyui, lycoris, peft) would give
+ * different weights for adapter (opened with ao, its convention ignored),
+ * and by how much (`lorakit inspect`'s "conventions"; src/fuse/conventions.c
+ * says exactly what is computed): with base (a checkpoint; NULL: none) each
+ * weight the adapter touches is fused under every convention at strengths 1
+ * and `strength` (finite, != 0) and the results compared; without, the
+ * modules' scales. *out (lk_free it): {base, strengths, modules_differ,
+ * modules: [{module, weight, points: [text], needs_base, at: [{strength,
+ * groups: [[convention, ...], ...], pairs: [{a, b, max_abs, rel_fro[,
+ * elements]}]}]}], not_compared: [FP8 weights], computed: text}; a module
+ * where they all agree is not listed. */
+lk_status lk_fuse_conventions_json(const char *adapter, const char *base, const lk_resolve_opts *ro,
+                                   const lk_adapter_opts *ao, double strength, char **out);
+
 /* Fuses the inputs into base and writes out (atomically; on any error no
  * file exists at out). Refuses out equal to base or to an adapter file (same
  * st_dev/st_ino, whatever the path). Every adapter is opened, resolved and

@@ -528,20 +528,33 @@ def _tables(arch, maps):
     return arch, maps
 
 
-def inspect(path, base=None, *, arch=None, maps=(), alpha_from=None, convention=None):
+def inspect(path, base=None, *, arch=None, maps=(), alpha_from=None, convention=None, strength=0.5):
     """What a checkpoint or adapter holds: the content of `lorakit inspect
     --json` as a dict (alpha_from as `--alpha-from`). With base (a
     checkpoint), where each module of the adapter at path lands on it, as
     `lorakit inspect ADAPTER --base CKPT --json`: weights, row slices, the
     matching rule, algorithm, scale and alpha source; unmatched modules with
     the three nearest weight names. arch and maps as `lorakit fuse --arch /
-    --map`; convention as `--convention` (the alpha and scale shown)."""
+    --map`; convention as `--convention` (the alpha and scale shown). An
+    adapter's description also holds "conventions": where lorakit, comfyui,
+    lycoris and peft would give different weights for it (on base, fused
+    under each at strengths 1 and `strength`, as `--strength`), as the CLI's."""
     cv = _convention(convention) or "lorakit"
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)):
+        raise TypeError(f"strength must be a number, got {strength!r}")
     if base is None:
         if arch is not None or maps:
             raise ValueError("arch and maps need base")
-        return json.loads(_c.inspect(path, _alpha_from(alpha_from), cv))
-    return json.loads(_c.inspect_base(path, base, *_tables(arch, maps), _alpha_from(alpha_from), cv))
+        d = json.loads(_c.inspect(path, _alpha_from(alpha_from), cv))
+    else:
+        d = json.loads(_c.inspect_base(path, base, *_tables(arch, maps), _alpha_from(alpha_from), cv))
+    try:  # a comparison that cannot be made is said, never a failed inspect (as the CLI)
+        c = _c.conventions(path, base, *_tables(arch, maps), _alpha_from(alpha_from), cv, float(strength))
+        if c is not None:
+            d["conventions"] = json.loads(c)
+    except LoraError as e:
+        d["conventions"] = {"error": str(e)}
+    return d
 
 
 def fuse(base, loras, out, *, threads=0, allow_unmatched=False, allow_nonfinite=False, alpha_from=None,

@@ -861,6 +861,23 @@ static int tables_from(PyObject *arch, PyObject *maps, tables *t) {
 
 static const char *tables_arch(const tables *t) { return t->arch ? PyBytes_AS_STRING(t->arch) : NULL; }
 
+/* lk_inspect_base_json_opts (strength 0) or lk_fuse_conventions_json
+ * (base may be NULL) with the name tables arch, maps, the GIL released. */
+static PyObject *tables_call(const char *adapter, const char *base, PyObject *arch, PyObject *maps,
+                             const lk_adapter_opts *ao, double strength) {
+    tables tb;
+    if (tables_from(arch, maps, &tb) < 0) return NULL;
+    lk_resolve_opts ro = {.arch = tables_arch(&tb), .maps = tb.p, .n_maps = tb.n};
+    char *js = NULL;
+    lk_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = strength != 0.0 ? lk_fuse_conventions_json(adapter, base, &ro, ao, strength, &js)
+                        : lk_inspect_base_json_opts(adapter, base, &ro, ao, &js);
+    Py_END_ALLOW_THREADS
+    tables_free(&tb);
+    return json_result(s, js);
+}
+
 /* inspect_base(adapter, base, arch or None, maps: a sequence of paths[, alpha_from[, convention]]) */
 static PyObject *py_inspect_base(PyObject *mod, PyObject *args) {
     (void)mod;
@@ -870,20 +887,37 @@ static PyObject *py_inspect_base(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O&O&OO|ss", PyUnicode_FSConverter, &adapter, PyUnicode_FSConverter, &base, &arch,
                           &maps, &af, &cv))
         return NULL;
-    tables tb;
-    if (alpha_from_of(af, &ao.alpha_from) == 0 && convention_of(cv, &ao.convention) == 0 &&
-        tables_from(arch, maps, &tb) == 0) {
-        lk_resolve_opts ro = {.arch = tables_arch(&tb), .maps = tb.p, .n_maps = tb.n};
-        char *js = NULL;
-        lk_status s;
-        Py_BEGIN_ALLOW_THREADS
-        s = lk_inspect_base_json_opts(PyBytes_AS_STRING(adapter), PyBytes_AS_STRING(base), &ro, &ao, &js);
-        Py_END_ALLOW_THREADS
-        res = json_result(s, js);
-        tables_free(&tb);
-    }
+    if (alpha_from_of(af, &ao.alpha_from) == 0 && convention_of(cv, &ao.convention) == 0)
+        res = tables_call(PyBytes_AS_STRING(adapter), PyBytes_AS_STRING(base), arch, maps, &ao, 0.0);
     Py_DECREF(adapter);
     Py_DECREF(base);
+    return res;
+}
+
+/* conventions(adapter, base or None, arch or None, maps, alpha_from, convention, strength != 0): where the
+ * conventions give different weights (lk_fuse_conventions_json), or None when path is not an adapter. */
+static PyObject *py_conventions(PyObject *mod, PyObject *args) {
+    (void)mod;
+    PyObject *adapter, *base, *arch, *maps, *bb = NULL, *res = NULL;
+    const char *af, *cv;
+    double strength;
+    lk_adapter_opts ao = {0};
+    if (!PyArg_ParseTuple(args, "O&OOOssd", PyUnicode_FSConverter, &adapter, &base, &arch, &maps, &af, &cv, &strength))
+        return NULL;
+    if ((base == Py_None || PyUnicode_FSConverter(base, &bb)) && alpha_from_of(af, &ao.alpha_from) == 0 &&
+        convention_of(cv, &ao.convention) == 0) {
+        const char *a = PyBytes_AS_STRING(adapter), *b = bb ? PyBytes_AS_STRING(bb) : NULL;
+        if (!b && !lk_inspect_is_adapter(a)) {
+            Py_INCREF(Py_None);
+            res = Py_None;
+        } else if (strength == 0.0) {
+            PyErr_SetString(PyExc_ValueError, "strength: 0 compares nothing");
+        } else {
+            res = tables_call(a, b, arch, maps, &ao, strength);
+        }
+    }
+    Py_XDECREF(bb);
+    Py_DECREF(adapter);
     return res;
 }
 
@@ -1525,6 +1559,7 @@ static PyMethodDef methods[] = {
     {"digest_tensors", py_digest_tensors, METH_VARARGS, NULL},
     {"inspect", py_inspect, METH_VARARGS, NULL},
     {"inspect_base", py_inspect_base, METH_VARARGS, NULL},
+    {"conventions", py_conventions, METH_VARARGS, NULL},
     {"fuse", py_fuse, METH_VARARGS, NULL},
     {"fuse_", py_fuse_inplace, METH_VARARGS, NULL},
     {"sync_grads", py_sync_grads, METH_VARARGS, NULL},

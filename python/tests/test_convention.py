@@ -186,3 +186,145 @@ def test_unknown_convention(files, bad):
             call()
     assert not os.path.exists(out)
     assert {k: a.tobytes() for k, a in t.items()} == _tensors(files["base"])
+
+
+# ---- inspect: where the conventions differ, and by how much ----
+
+OFT_FX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures", "oft")
+
+
+def _decoded(path):
+    """{name: float64 values} of every float tensor of a file (st_io, our own reader)."""
+    out = {}
+    for k, (dt, a) in st_io.read(path).items():
+        if dt == "BF16":
+            out[k] = st_io.bf16_to_f64(a).ravel()
+        elif dt in ("F32", "F16"):
+            out[k] = a.astype(np.float64).ravel()
+    return out
+
+
+def _expected_differences(d, base, adapter, s):
+    """The oracle: `lorakit fuse --convention C` at strength s for each C (the
+    bytes tests/test_convention.c and tests/test_oft.c check against float64
+    formulas), grouped per weight by bytes, each pair of groups measured here
+    in float64: {weight: (groups, {(a, b): (max_abs, rel_fro, elements)})}."""
+    raw, val = {}, {}
+    for cv in CONVS:
+        out = os.path.join(d, f"exp_{cv}_{s}.safetensors")
+        _cli_fuse(base, [(adapter, s)], out, cv)
+        raw[cv], val[cv] = _tensors(out), _decoded(out)
+    w0, exp = _decoded(base), {}
+    for name in w0:
+        groups = []
+        for cv in CONVS:
+            for g in groups:
+                if raw[g[0]][name] == raw[cv][name]:
+                    g.append(cv)
+                    break
+            else:
+                groups.append([cv])
+        if len(groups) < 2:
+            continue
+        pairs = {}
+        for i, ga in enumerate(groups):
+            for gb in groups[i + 1:]:
+                a, b = val[ga[0]][name], val[gb[0]][name]
+                den = max(np.linalg.norm(a - w0[name]), np.linalg.norm(b - w0[name]))
+                pairs[(ga[0], gb[0])] = (np.abs(a - b).max(), np.linalg.norm(a - b) / den if den else 0.0,
+                                         int(np.count_nonzero(a != b)))
+        exp[name] = (groups, pairs)
+    return exp
+
+
+def _check_reported(conv, exp, s):
+    got = {}
+    for m in conv["modules"]:
+        for at in m["at"]:
+            if at["strength"] == s:
+                got[m["weight"]] = at
+    assert set(got) == set(exp), (sorted(got), sorted(exp))
+    for w, (groups, pairs) in exp.items():
+        assert got[w]["groups"] == groups, w
+        rep = {(p["a"], p["b"]): p for p in got[w]["pairs"]}
+        assert set(rep) == set(pairs), w
+        for ab, (mx, rel, ne) in pairs.items():
+            assert rep[ab]["elements"] == ne
+            assert rep[ab]["max_abs"] == pytest.approx(mx, rel=1e-12, abs=0)
+            assert rep[ab]["rel_fro"] == pytest.approx(rel, rel=1e-9, abs=1e-300)
+
+
+CASES = [  # (adapter, base, the points the file must show)
+    ("ly", "base", ["DoRA on the output axis", "DoRA epsilon", "set_weight", "scale (alpha / rank)"]),
+    ("ly", "base_bf16", ["DoRA on the output axis", "set_weight"]),
+    ("md", "base", ["metadata lora_adapter_metadata"]),
+    (os.path.join(OFT_FX, "oft.safetensors"), os.path.join(OFT_FX, "base_f32.safetensors"),
+     ["OFT strength", "OFT rescale", "OFT/BOFT constraint"]),
+    (os.path.join(OFT_FX, "boft.safetensors"), os.path.join(OFT_FX, "base_bf16.safetensors"),
+     ["BOFT at strength s != 1", "OFT/BOFT constraint"]),
+    (os.path.join(OFT_FX, "glora_a0.safetensors"), os.path.join(OFT_FX, "base_f16.safetensors"), ["scale"]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_inspect_reports_the_differences(files, case):
+    adapter, base, points = CASES[case]
+    adapter, base = files.get(adapter, adapter), files.get(base, base)
+    py = lorakit.inspect(adapter, base, strength=0.7)
+    js = json.loads(cli("inspect", adapter, "--base", base, "--json", "--strength", "0.7").stdout)
+    assert py["conventions"] == js["conventions"]
+    assert js["conventions"]["strengths"] == [1.0, 0.7] and js["conventions"]["base"] is True
+    differ = set()
+    for s in (1.0, 0.7):
+        exp = _expected_differences(files["dir"], base, adapter, s)
+        _check_reported(js["conventions"], exp, s)
+        differ |= set(exp)
+    assert differ and js["conventions"]["modules_differ"] == len(differ)
+    text = " ".join(p for m in js["conventions"]["modules"] for p in m["points"])
+    for p in points:
+        assert p in text, p
+    assert "differ by up to" in cli("inspect", adapter, "--base", base, "--strength", "0.7").stdout
+
+
+def test_inspect_plain_lora_agrees(files):
+    """A plain LoRA with an .alpha tensor means the same weights everywhere: nothing is reported."""
+    rng = np.random.default_rng(3)
+    p = os.path.join(files["dir"], "plain.safetensors")
+    st_io.write(p, {"lora_unet_dout.lora_down.weight": ("F32", rng.uniform(-1, 1, (R, I)).astype(np.float32)),
+                    "lora_unet_dout.lora_up.weight": ("F32", rng.uniform(-1, 1, (O, R)).astype(np.float32)),
+                    "lora_unet_dout.alpha": ("F32", np.array(1.0, dtype=np.float32))})
+    for s in (1.0, 0.7):
+        assert _expected_differences(files["dir"], files["base"], p, s) == {}
+    for base in (None, files["base"]):
+        c = lorakit.inspect(p, base, strength=0.7)["conventions"]
+        assert c["modules"] == [] and c["modules_differ"] == 0
+    assert "give the same weights for this file on this base" in cli("inspect", p, "--base", files["base"]).stdout
+
+
+def test_inspect_without_base(files):
+    """Without a base: modules whose delta does not read W differ by their
+    scales alone (rel_fro = |c_a - c_b| / max(|c_a|, |c_b|), by hand below);
+    DoRA and set_weight are listed as needing the base."""
+    c = lorakit.inspect(files["ly"])["conventions"]
+    assert c == json.loads(cli("inspect", files["ly"], "--json").stdout)["conventions"]
+    mods = {m["module"]: m for m in c["modules"]}
+    assert {k for k, m in mods.items() if m["needs_base"]} == {"lycoris_dout", "lycoris_dloha", "lycoris_sw"}
+    assert all("at" not in mods[k] for k in ("lycoris_dout", "lycoris_dloha", "lycoris_sw"))
+    # LoHa / LoKr .alpha 0: scale 1 (lorakit, lycoris: alpha = r) against 0 (comfyui, peft)
+    for k in ("lycoris_lh", "lycoris_lk"):
+        for at in mods[k]["at"]:
+            assert at["groups"] == [["lorakit", "lycoris"], ["comfyui", "peft"]]
+            assert at["pairs"] == [{"a": "lorakit", "b": "comfyui", "max_abs": None, "rel_fro": 1.0}]
+    # LoRA .alpha 0: only lycoris reads 0 as r
+    assert mods["lycoris_lr"]["at"][0]["groups"] == [["lorakit", "comfyui", "peft"], ["lycoris"]]
+    # alpha only in lora_adapter_metadata (r 2, lora_alpha 6): 3 against 1
+    md = lorakit.inspect(files["md"])["conventions"]["modules"][0]
+    assert md["at"][0]["groups"] == [["lorakit", "peft"], ["comfyui", "lycoris"]]
+    assert md["at"][0]["pairs"][0]["rel_fro"] == pytest.approx(2 / 3, rel=1e-15)
+    assert c["modules_differ"] == 3  # lh, lk, lr (the others need the base)
+
+
+def test_inspect_fp8_weight_not_compared():
+    """FP8 weights are not compared: said, never reported as agreeing."""
+    c = lorakit.inspect(os.path.join(OFT_FX, "oft.safetensors"), os.path.join(OFT_FX, "base_fp8.safetensors"))
+    assert c["conventions"]["not_compared"] == ["oft_lin.weight"] and c["conventions"]["modules"] == []
