@@ -83,26 +83,15 @@ CLI=$("$PREFIX/bin/lorakit" digest "$TMP/t.safetensors") || fail "installed CLI 
 for f in flux sd1 sdxl openclip sd3 wan hunyuan-video ltx; do
   [ -f "$PREFIX/share/lorakit/families/$f.lkmap" ] || fail "data/families/$f.lkmap not installed"
 done
-python3 - "$TMP" <<'PY' || fail "cannot write the Flux test files"
-import json, struct, sys
-def save(path, tensors):
-    hdr, blob = {}, b""
-    for name, rows, cols in tensors:
-        data = b"".join(struct.pack("<f", ((i * 7) % 13) / 13.0 - 0.5) for i in range(rows * cols))
-        hdr[name] = {"dtype": "F32", "shape": [rows, cols], "data_offsets": [len(blob), len(blob) + len(data)]}
-        blob += data
-    h = json.dumps(hdr).encode()
-    h += b" " * (-len(h) % 8)
-    open(path, "wb").write(struct.pack("<Q", len(h)) + h + blob)
-save(sys.argv[1] + "/flux.safetensors", [("model.diffusion_model.single_blocks.0.linear1.weight", 28, 4),
-                                        ("model.diffusion_model.double_blocks.0.img_attn.qkv.weight", 12, 4),
-                                        ("model.diffusion_model.double_blocks.0.img_attn.proj.weight", 4, 4),
-                                        ("model.diffusion_model.img_in.weight", 4, 4)])
-save(sys.argv[1] + "/lora.safetensors", [("transformer.single_transformer_blocks.0.attn.to_k.lora_A.weight", 2, 4),
-                                        ("transformer.single_transformer_blocks.0.attn.to_k.lora_B.weight", 4, 2)])
-PY
+python3 "$(dirname "$0")/gen_flux_pair.py" "$TMP" || fail "cannot write the Flux test files"
 LORAKIT_LOG=info "$PREFIX/bin/lorakit" fuse "$TMP/flux.safetensors" -l "$TMP/lora.safetensors" -o "$TMP/fused.safetensors" \
   2>"$TMP/fuse.log" >/dev/null || { cat "$TMP/fuse.log"; fail "installed CLI: fuse through the flux table"; }
 grep -qF "model family flux ($(realpath "$PREFIX")/share/lorakit/families/flux.lkmap)" "$TMP/fuse.log" \
   || { cat "$TMP/fuse.log"; fail "the installed CLI did not use the installed flux table"; }
+# The same run through PATH (argv[0] "lorakit", no folder: the CLI finds
+# itself through /proc/self/exe, not argv[0]).
+(cd "$TMP" && PATH="$PREFIX/bin:$PATH" LORAKIT_LOG=info lorakit fuse flux.safetensors -l lora.safetensors \
+  -o fused2.safetensors 2>"$TMP/fuse2.log" >/dev/null) || { cat "$TMP/fuse2.log"; fail "CLI from PATH: fuse"; }
+grep -qF "model family flux ($(realpath "$PREFIX")/share/lorakit/families/flux.lkmap)" "$TMP/fuse2.log" \
+  || { cat "$TMP/fuse2.log"; fail "the CLI run from PATH did not use the installed flux table"; }
 echo "install.sh: OK ($PREFIX, digest $OUT)"

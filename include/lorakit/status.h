@@ -52,8 +52,18 @@ lk_status lk_error_prefix(lk_status s, const char *fmt, ...)
 #endif
     ;
 
-/* Clears the current message. */
+/* Clears the current message (and its path and key). */
 void lk_error_clear(void);
+
+/* Where the current failure is, when the code that failed knew it: the file
+ * (a checkpoint or adapter path, an in-memory adapter's label) and the
+ * tensor key (a model weight, an adapter's module or tensor) the message is
+ * about; "" when not known. lk_error() clears both; lk_error_at() records
+ * them for the current failure, each only when given (non-NULL, non-empty)
+ * and not recorded yet, so the innermost code that knows wins. Returns s. */
+lk_status lk_error_at(lk_status s, const char *path, const char *key);
+const char *lk_last_error_path(void);
+const char *lk_last_error_key(void);
 
 /* A number as messages and JSON show it: the shortest "%.*g" decimal that
  * reads back (strtod) as exactly v, whole numbers below 1e17 in plain

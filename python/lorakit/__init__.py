@@ -45,19 +45,27 @@ _LEVELS = {0: logging.ERROR, 1: logging.WARNING, 2: logging.INFO, 3: logging.DEB
 
 class LoraWarning(UserWarning):
     """A lorakit warning that asks for action (e.g. an adapter whose alpha
-    defaults to r because its config is missing). Also logged."""
+    defaults to r because its config is missing). Delivered once, through
+    the warnings module only (filter it, turn it into an error, or send it
+    to logging with logging.captureWarnings(True))."""
 
 
 def _on_log(level, msg):
-    logger.log(_LEVELS.get(level, logging.WARNING), msg)
+    # One copy of each line: a warning is a LoraWarning and not also a
+    # record (with no handler configured, logging's last-resort handler
+    # would print it a second time; with one, it would arrive twice);
+    # errors, info and debug lines are records on the `lorakit` logger.
     if level == 1:
         warnings.warn(msg, LoraWarning, stacklevel=3)  # _on_log, the lorakit call, its caller
+    else:
+        logger.log(_LEVELS.get(level, logging.WARNING), msg)
 
 
 def set_log_level(level):
     """The C library's threshold: "error", "warn", "info" or "debug"
-    (LORAKIT_LOG sets it at start; default "warn"). Lines at or above it
-    become records on the `lorakit` logger; warnings also LoraWarning."""
+    (LORAKIT_LOG sets it at start; default "warn"). Warnings become
+    LoraWarning (the warnings module); the other lines at or above the
+    threshold become records on the `lorakit` logger."""
     names = {"error": 0, "warn": 1, "info": 2, "debug": 3}
     if level not in names:
         raise ValueError(f"level must be one of {list(names)}, got {level!r}")

@@ -9,7 +9,9 @@ __version__: str
 logger: logging.Logger
 
 class LoraError(RuntimeError):
-    status: str
+    status: str  # the lk_status name, e.g. "LK_ERR_UNMATCHED"
+    path: Optional[str]  # the file (checkpoint, adapter, in-memory adapter's label) the failure is about, if known
+    key: Optional[str]  # the tensor key (adapter module or tensor, model weight) it is about, if known
 
 class LoraWarning(UserWarning): ...
 

@@ -38,17 +38,28 @@
 
 static PyObject *LoraError;
 
-/* Raises LoraError for s with lk_last_error() (or msg when given). */
+/* e.name = v (a str), or None when v is NULL or "". 0 / -1 (exception set). */
+static int set_attr_str(PyObject *e, const char *name, const char *v) {
+    PyObject *o = v && *v ? PyUnicode_FromString(v) : Py_NewRef(Py_None);
+    if (!o) return -1;
+    int rc = PyObject_SetAttrString(e, name, o);
+    Py_DECREF(o);
+    return rc;
+}
+
+/* Raises LoraError for s with lk_last_error() (or msg when given), .status
+ * the status name, .path and .key where the failure is (lk_last_error_path
+ * / _key) when the message is the library's, None otherwise. */
 static PyObject *raise_lk(lk_status s, const char *msg) {
+    const int lib = !msg || !strcmp(msg, lk_last_error()); /* a message of ours: the library's where is stale */
     PyObject *e = PyObject_CallFunction(LoraError, "s", msg ? msg : lk_last_error());
     if (!e) return NULL;
-    PyObject *name = PyUnicode_FromString(lk_status_str(s));
-    if (!name || PyObject_SetAttrString(e, "status", name) < 0) {
-        Py_XDECREF(name);
+    if (set_attr_str(e, "status", lk_status_str(s)) < 0 ||
+        set_attr_str(e, "path", lib ? lk_last_error_path() : NULL) < 0 ||
+        set_attr_str(e, "key", lib ? lk_last_error_key() : NULL) < 0) {
         Py_DECREF(e);
         return NULL;
     }
-    Py_DECREF(name);
     PyErr_SetObject(LoraError, e);
     Py_DECREF(e);
     return NULL;
@@ -1581,7 +1592,9 @@ PyMODINIT_FUNC PyInit__lorakit(void) {
     PyObject *m = PyModule_Create(&moddef);
     if (!m) return NULL;
     LoraError = PyErr_NewExceptionWithDoc("lorakit.LoraError",
-                                          "A lorakit failure; .status is the lk_status name (e.g. LK_ERR_UNMATCHED).",
+                                          "A lorakit failure; .status is the lk_status name (e.g. LK_ERR_UNMATCHED), "
+                                          ".path the file and .key the tensor key it is about where the "
+                                          "library knows them (None otherwise).",
                                           PyExc_RuntimeError, NULL);
     if (!LoraError || PyModule_AddObjectRef(m, "LoraError", LoraError) < 0 ||
         PyModule_AddObjectRef(m, "Comm", (PyObject *)&CommType) < 0 ||

@@ -1576,14 +1576,20 @@ static lk_status pair(lk_adapter *a, keyinfo *ki, size_t n) {
         const lk_tensor *by_role[ROLE_COUNT] = {NULL};
         int algo;
         size_t k = a->n;
-        if ((s = group_keys(a, ki, n, i, by_role, &j))) break;
+        if ((s = group_keys(a, ki, n, i, by_role, &j))) {
+            lk_error_at(s, NULL, ki[i].t->name);
+            break;
+        }
         if (k == n + 1) {
             s = lk_error(LK_ERR_FORMAT, "%s: more modules than factor pairs", a->file);
             break;
         }
-        if ((s = add_stem(a, k, &ki[i])) || (s = module_algo(a, k, by_role, &algo))) break;
-        if (algo > LK_ALGO_LORA) s = build_lyco(a, k, by_role, (lk_algo)algo);
-        else if (!(s = check_lora_keys(a, k, by_role))) s = build_module(a, k, by_role);
+        if ((s = add_stem(a, k, &ki[i]))) break;
+        if (!(s = module_algo(a, k, by_role, &algo))) {
+            if (algo > LK_ALGO_LORA) s = build_lyco(a, k, by_role, (lk_algo)algo);
+            else if (!(s = check_lora_keys(a, k, by_role))) s = build_module(a, k, by_role);
+        }
+        if (s) lk_error_at(s, NULL, a->names[k]); /* the module the message names */
     }
     return s ? s : check_modules(a);
 }
@@ -1686,13 +1692,15 @@ lk_status lk_adapter_open(const char *path, lk_adapter_format format, lk_adapter
 }
 
 lk_status lk_adapter_open_opts(const char *path, const lk_adapter_opts *opts, lk_adapter **out) {
-    return open_any(path, NULL, opts, out);
+    lk_status s = open_any(path, NULL, opts, out);
+    return s ? lk_error_at(s, path, NULL) : LK_OK;
 }
 
 lk_status lk_adapter_open_mem(const lk_adapter_source *src, const lk_adapter_opts *opts, lk_adapter **out) {
     if (!src || !src->label || (src->n && !src->bytes))
         return lk_error(LK_ERR_ARG, "lk_adapter_open_mem: NULL argument");
-    return open_any(src->label, src, opts, out);
+    lk_status s = open_any(src->label, src, opts, out);
+    return s ? lk_error_at(s, src->label, NULL) : LK_OK;
 }
 
 /* The file's keys sorted out (a->file and a->st open): each LoRA key into
@@ -1718,11 +1726,12 @@ static lk_status split_keys(lk_adapter *a, lk_adapter_format format, keyinfo **k
             continue;
         }
         if (format != LK_FORMAT_AUTO && format != LK_FORMAT_PEFT)
-            return lk_error(LK_ERR_FORMAT, "%s: key '%s' is not a %s adapter key", a->file, t->name,
-                            lk_adapter_format_name(format));
+            return lk_error_at(lk_error(LK_ERR_FORMAT, "%s: key '%s' is not a %s adapter key", a->file, t->name,
+                                        lk_adapter_format_name(format)),
+                               NULL, t->name);
         const char *why = NULL;
         lk_status s = other_key(a, t->name, &a->rep_names[a->n_rep], &why);
-        if (s) return s;
+        if (s) return lk_error_at(s, NULL, t->name);
         a->reps[a->n_rep] = (lk_adapter_tensor){.key = t->name, .why = why, .t = *t};
         a->n_rep++;
     }

@@ -316,38 +316,65 @@ static int is_dir(const char *p) {
 
 /* The installed tables: <folder of this library or executable>/LK_FAMILIES_REL
  * (relative path from the lib/bin folder to <datadir>/lorakit/families,
- * computed by CMake); then the source tree's data/families. Out of memory
- * is an error, never a quiet fall to the next place or to "none". */
+ * computed by CMake), then <that folder>/lorakit-families (the Python
+ * package: the extension module and the CLI it ships sit beside the tables,
+ * so a wheel finds them wherever it is unpacked); then the source tree's
+ * data/families. Out of memory is an error, never a quiet fall to the next
+ * place or to "none". */
 static lk_status found_dir(const char *d, char **out) {
     *out = lk_strdup(d);
     return *out ? LK_OK : lk_error(LK_ERR_NOMEM, "out of memory for the family tables' folder %s", d);
 }
+
+#ifdef LK_FAMILIES_REL_LIB
+/* The file holding this code: dladdr's name, which for a symbol of the main
+ * program is argv[0] ("lorakit" when run from PATH: no folder), so then
+ * /proc/self/exe. *out NULL when neither names a folder. */
+static lk_status own_file(char **out) {
+    *out = NULL;
+    Dl_info di;
+    if (dladdr((void *)lk_family_dir, &di) && di.dli_fname && strchr(di.dli_fname, '/'))
+        return found_dir(di.dli_fname, out);
+    char *exe = realpath("/proc/self/exe", NULL);
+    if (!exe) return LK_OK;
+    lk_status s = found_dir(exe, out);
+    free(exe);
+    return s;
+}
+
+/* <folder of file>/rel made absolute, when it is a folder (*out NULL if not). */
+static lk_status dir_beside(const char *file, const char *rel, char **out) {
+    *out = NULL;
+    char *d = NULL;
+    lk_status s = lk_path_dir(file, &d);
+    if (s || !d) return s;
+    char *p = lk_path_join(d, rel);
+    lk_free(d);
+    if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", file);
+    char *real = is_dir(p) ? realpath(p, NULL) : NULL; /* ".../bin/../share/..." said plainly */
+    lk_free(p);
+    if (!real) return LK_OK;
+    s = found_dir(real, out);
+    free(real);
+    return s;
+}
+#endif
 
 lk_status lk_family_dir(char **out) {
     *out = NULL;
     const char *env = getenv("LORAKIT_FAMILIES_DIR");
     if (env && *env) return found_dir(env, out);
 #ifdef LK_FAMILIES_REL_LIB
-    Dl_info di;
-    if (dladdr((void *)lk_family_dir, &di) && di.dli_fname) {
-        static const char *const rel[] = {LK_FAMILIES_REL_LIB, LK_FAMILIES_REL_BIN};
-        for (size_t i = 0; i < 2; i++) {
-            char *d = NULL;
-            lk_status s = lk_path_dir(di.dli_fname, &d);
-            if (s) return s;
-            if (!d) continue;
-            char *p = lk_path_join(d, rel[i]);
-            lk_free(d);
-            if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", di.dli_fname);
-            char *real = is_dir(p) ? realpath(p, NULL) : NULL; /* ".../bin/../share/..." said plainly */
-            lk_free(p);
-            if (real) {
-                s = found_dir(real, out);
-                free(real);
-                return s;
-            }
-        }
+    char *self = NULL;
+    lk_status s = own_file(&self);
+    if (s) return s;
+    static const char *const rel[] = {LK_FAMILIES_REL_LIB, LK_FAMILIES_REL_BIN, "lorakit-families"};
+    for (size_t i = 0; self && i < sizeof rel / sizeof rel[0] && !*out; i++) {
+        s = dir_beside(self, rel[i], out);
+        if (s) break;
     }
+    lk_free(self);
+    if (s || *out) return s;
 #endif
 #ifdef LK_FAMILIES_SRC_DIR
     if (is_dir(LK_FAMILIES_SRC_DIR)) return found_dir(LK_FAMILIES_SRC_DIR, out);

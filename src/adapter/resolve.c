@@ -890,7 +890,7 @@ static lk_status place_module(resolve_ctx *c, size_t i, const cand *cs, size_t n
                         a->file, m->module);
     lk_status s = tp_reserve(c, nc);
     size_t xb = 0;
-    if (s || (s = place(a, i, c->model, cs, nc, tr, c->tp, &c->n_tp, &xb))) return s;
+    if (s || (s = place(a, i, c->model, cs, nc, tr, c->tp, &c->n_tp, &xb))) return lk_error_at(s, a->file, m->module);
     if (!lk_checked_add(c->xbytes, xb, &c->xbytes))
         return lk_error(LK_ERR_NOMEM, "%s: the folded factors' size overflows", a->file);
     const size_t t = cs[0].key;
@@ -1035,15 +1035,18 @@ static lk_status check_unmatched(const resolve_ctx *c) {
                                  : unmatched > 1          ? " (and more; --allow-unmatched skips them)"
                                                           : "";
     if (unmatched && !c->allow_unmatched && first_unmatched == SIZE_MAX && c->first_unmatched_rep)
-        return lk_error(LK_ERR_UNMATCHED, "%s: '%s' matches no model tensor%s", a->file, c->first_unmatched_rep,
-                        more_unmatched);
+        return lk_error_at(lk_error(LK_ERR_UNMATCHED, "%s: '%s' matches no model tensor%s", a->file,
+                                    c->first_unmatched_rep, more_unmatched),
+                           a->file, c->first_unmatched_rep);
     if (unmatched && !c->allow_unmatched && first_unmatched != SIZE_MAX) {
         const lk_lora_module *m = &a->mods[first_unmatched];
         if (a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.'))
-            return lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (no key <x>.weight with x's dots as '_' = "
-                            "%s)%s", a->file, m->module, kohya_rest(m->module), more_unmatched);
-        return lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (looked for %s.weight)%s", a->file,
-                        m->module, m->module, more_unmatched);
+            lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (no key <x>.weight with x's dots as '_' = "
+                     "%s)%s", a->file, m->module, kohya_rest(m->module), more_unmatched);
+        else
+            lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (looked for %s.weight)%s", a->file, m->module,
+                     m->module, more_unmatched);
+        return lk_error_at(LK_ERR_UNMATCHED, a->file, m->module);
     }
     /* An adapter none of whose modules (or saved tensors) lands anywhere is an
      * error even with allow_unmatched: that flag skips some modules, and a

@@ -14,6 +14,9 @@
  * message keeps its reason; a longer one loses its middle, not its end. */
 #define LK_ERRBUF 8192
 static _Thread_local char g_err[LK_ERRBUF];
+/* where: shortened like the message's names when longer (never an error) */
+#define LK_WHEREBUF 1024
+static _Thread_local char g_err_path[LK_WHEREBUF], g_err_key[LK_WHEREBUF];
 
 static const char *const g_names[LK_STATUS_COUNT] = {
     [LK_OK] = "LK_OK",
@@ -41,9 +44,25 @@ const char *lk_status_str(lk_status s) {
 
 const char *lk_last_error(void) { return g_err; }
 
-void lk_error_clear(void) { g_err[0] = '\0'; }
+void lk_error_clear(void) { g_err[0] = g_err_path[0] = g_err_key[0] = '\0'; }
+
+const char *lk_last_error_path(void) { return g_err_path; }
+
+const char *lk_last_error_key(void) { return g_err_key; }
+
+static void set_where(char *dst, const char *v) {
+    if (!v || !*v || dst[0]) return;
+    lk_msg_fit(dst, LK_WHEREBUF, v, strlen(v));
+}
+
+lk_status lk_error_at(lk_status s, const char *path, const char *key) {
+    set_where(g_err_path, path);
+    set_where(g_err_key, key);
+    return s;
+}
 
 lk_status lk_verror(lk_status s, const char *fmt, va_list ap) {
+    g_err_path[0] = g_err_key[0] = '\0'; /* a new failure: where the last one was no longer applies */
     char big[4 * LK_ERRBUF]; /* formatted apart: an argument may be lk_last_error() itself */
     size_t n = lk_msg_vformat(big, sizeof big, fmt, ap);
     lk_msg_fit(g_err, sizeof g_err, big, n);

@@ -517,7 +517,7 @@ static lk_status write_fused(fctx *c, size_t i, const lk_fuse_key *plan, const c
     if (c->dev.kind != LK_DEVICE_CPU) s = lk_fuse_key_staged(c->dev, t, c->buf, sc, c->sbuf, plan, c->terms, fo, &c->dstats);
     else if (lk_dtype_is_fp8(t->dtype)) s = fuse_fp8_weight(c, t, c->buf, sc, c->sbuf, plan, fo);
     else s = lk_fuse_key_apply(c->buf, c->buf, t, plan, c->terms, fo);
-    if (s) return lk_error_prefix(s, "%s", base);
+    if (s) return lk_error_at(lk_error_prefix(s, "%s", base), base, t->name);
     size_t wi, swi;
     lk_st_writer *w = writer_of(c, i, &wi);
     if ((s = lk_st_writer_write(w, wi, 0, c->buf, t->nbytes)) || !sc) return s;
@@ -667,6 +667,7 @@ static lk_status fuse_in_place(fctx *c, lk_tensor *tensors, size_t nt, const lk_
         if (lk_dtype_is_fp8(t->dtype)) s = fuse_fp8_weight(c, t, t->data, sc, sc ? sc->data : NULL, &plan, fo);
         else s = lk_fuse_key_apply(t->data, t->data, t, &plan, c->terms, fo);
         if (!s) st->tensors_fused++;
+        else lk_error_at(s, NULL, t->name);
     }
     if (s) { /* every tensor backed up so far back to its bytes */
         size_t back = 0;

@@ -741,7 +741,7 @@ lk_status lk_st_open(const char *path, lk_st **out) {
     return LK_OK;
 fail:
     lk_st_close(st);
-    return s;
+    return lk_error_at(s, path, NULL);
 }
 
 lk_status lk_st_open_mem(const void *buf, size_t len, const char *label, lk_st **out) {
