@@ -35,33 +35,40 @@
 
 #define CHUNK_ELEMS ((size_t)1 << 16) /* elements of D read per chunk */
 
-/* The row reader: chunks of rows of D in f64 (exact for F16 / BF16 / F32 sides). */
+/* The row reader: chunks of rows of D in f64 (exact for F16 / BF16 / F32
+ * sides), with the row-major scratch of the two products. */
 typedef struct rdr {
     const lk_x_src *s;
     size_t rows, es;
     void *rb, *rt;
     float *fb, *ft;
     double *d;
+    double *big;   /* max(m, n) x cmax: W or P row-major */
+    double *small; /* rows x cmax: a chunk's Y or Q row-major */
 } rdr;
 
-static lk_status rd_open(rdr *r, const lk_x_src *s) {
+static lk_status rd_open(rdr *r, const lk_x_src *s, size_t cmax) {
     memset(r, 0, sizeof *r);
     r->s = s;
     r->es = lk_dtype_size(s->dtype);
     r->rows = s->n >= CHUNK_ELEMS ? 1 : CHUNK_ELEMS / s->n;
     if (r->rows > s->m) r->rows = s->m;
-    size_t e = r->rows * s->n;
+    size_t e = r->rows * s->n, mx = s->m > s->n ? s->m : s->n;
     r->rb = lk_malloc(e * r->es);
     r->rt = lk_malloc(e * r->es);
     r->fb = lk_malloc(e * sizeof(float));
     r->ft = lk_malloc(e * sizeof(float));
     r->d = lk_malloc(e * sizeof(double));
-    if (!r->rb || !r->rt || !r->fb || !r->ft || !r->d) return lk_error(LK_ERR_NOMEM, "out of memory for a read chunk");
+    r->big = lk_malloc(mx * cmax * sizeof(double) + 1);
+    r->small = lk_malloc(r->rows * cmax * sizeof(double) + 1);
+    if (!r->rb || !r->rt || !r->fb || !r->ft || !r->d || !r->big || !r->small)
+        return lk_error(LK_ERR_NOMEM, "out of memory for a read chunk");
     return LK_OK;
 }
 
 static void rd_close(rdr *r) {
     lk_free(r->rb), lk_free(r->rt), lk_free(r->fb), lk_free(r->ft), lk_free(r->d);
+    lk_free(r->big), lk_free(r->small);
     memset(r, 0, sizeof *r);
 }
 
@@ -82,15 +89,17 @@ static lk_status rd_rows(rdr *r, size_t i0, size_t k) {
 static lk_status pass_rows(rdr *r, const double *W, size_t c, double *Y, double *norm2) {
     const size_t m = r->s->m, n = r->s->n;
     double acc = 0;
+    for (size_t j = 0; j < c; j++)
+        for (size_t i = 0; i < n; i++) r->big[i * c + j] = W[j * n + i];
     for (size_t i0 = 0; i0 < m; i0 += r->rows) {
         size_t k = m - i0 < r->rows ? m - i0 : r->rows;
         lk_status s = rd_rows(r, i0, k);
         if (s) return s;
-        for (size_t i = 0; i < k; i++) {
-            const double *d = r->d + i * n;
-            if (norm2) acc += lk_la_dot(d, d, n);
-            for (size_t j = 0; j < c; j++) Y[j * m + i0 + i] = lk_la_dot(d, W + j * n, n);
-        }
+        if (norm2)
+            for (size_t i = 0; i < k; i++) acc += lk_la_dot(r->d + i * n, r->d + i * n, n);
+        lk_la_rows(r->d, k, n, r->big, c, r->small);
+        for (size_t i = 0; i < k; i++)
+            for (size_t j = 0; j < c; j++) Y[j * m + i0 + i] = r->small[i * c + j];
     }
     if (norm2) *norm2 = acc;
     return LK_OK;
@@ -99,14 +108,17 @@ static lk_status pass_rows(rdr *r, const double *W, size_t c, double *Y, double 
 /* P (n x c panel) = D^T Q (Q: m x c panel), each sum in row order. */
 static lk_status pass_trans(rdr *r, const double *Q, size_t c, double *P) {
     const size_t m = r->s->m, n = r->s->n;
-    memset(P, 0, n * c * sizeof(double));
+    memset(r->big, 0, n * c * sizeof(double));
     for (size_t i0 = 0; i0 < m; i0 += r->rows) {
         size_t k = m - i0 < r->rows ? m - i0 : r->rows;
         lk_status s = rd_rows(r, i0, k);
         if (s) return s;
         for (size_t i = 0; i < k; i++)
-            for (size_t j = 0; j < c; j++) lk_la_axpy(P + j * n, Q[j * m + i0 + i], r->d + i * n, n);
+            for (size_t j = 0; j < c; j++) r->small[i * c + j] = Q[j * m + i0 + i];
+        lk_la_trans(r->d, k, n, r->small, c, r->big);
     }
+    for (size_t j = 0; j < c; j++)
+        for (size_t i = 0; i < n; i++) P[j * n + i] = r->big[i * c + j];
     return LK_OK;
 }
 
@@ -382,7 +394,7 @@ lk_status lk_x_weight(const lk_x_run *xr, const lk_x_src *src, lk_alg_module *x,
     double *DA = (double *)(b + o[17]), *E = (double *)(b + o[18]), *G = (double *)(b + o[19]);
     rdr r;
     double res2 = 0;
-    lk_status s = rd_open(&r, src);
+    lk_status s = rd_open(&r, src, C);
     if (!s) s = sketch(xr, &r, x->name, &w, &v.L, &x->norm2, &res2);
     if (s || x->norm2 == 0) {
         res->unchanged = !s;

@@ -42,6 +42,16 @@ void lk_la_qt_apply(const double *qr, size_t m, size_t p, const double *tau, dou
  * work: 2 n^2 + n doubles. Returns the sweeps used. */
 int lk_la_svd(const double *c, size_t n, double *s, double *x, double *w, double *work);
 
+/* The two products of a streamed dense matrix's rows (extract's passes).
+ * d: k rows of n (row-major); W: n x c row-major; Q, Y: k x c row-major;
+ * P: n x c row-major. Each output element is one sum in the order of its
+ * index (j for rows, the row for trans), whatever the tiling, so the bits
+ * do not depend on how rows are chunked.
+ *   lk_la_rows:  Y[r][q] = sum_j d[r][j] W[j][q]
+ *   lk_la_trans: P[j][q] += d[r][j] Q[r][q], r = 0, 1, ... in order */
+void lk_la_rows(const double *d, size_t k, size_t n, const double *W, size_t c, double *Y);
+void lk_la_trans(const double *d, size_t k, size_t n, const double *Q, size_t c, double *P);
+
 /* Canonical signs of K rank-one terms b_k a_k^T (b: m x K panel, a: n x K
  * panel): each b_k's largest-magnitude entry (the first of equals) is made
  * positive, a_k flipped with it, so the factors do not depend on the sign
