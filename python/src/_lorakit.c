@@ -22,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <string.h>
@@ -932,6 +933,150 @@ static PyObject *py_conventions(PyObject *mod, PyObject *args) {
     return res;
 }
 
+/* ---- interrupts: Ctrl-C and SIGTERM during fuse, fuse_ and Tracker calls ----
+ *
+ * The work runs with the GIL released, so Python's own SIGINT handler
+ * (which only trips a flag for the interpreter) could not stop it until it
+ * finished. For the length of one such call on the main thread, a C handler
+ * for SIGINT and SIGTERM sets the call's lk_cancel flag (lorakit/cancel.h:
+ * the library stops at its next cancellation point, removes its
+ * temporaries, leaves the output and the weights as they were). Then the
+ * previous actions are put back and the signal gets its due, with the GIL:
+ *   - a program's own Python-level handler is called with (signum, frame),
+ *     as Python would have: its exception propagates;
+ *   - the default action (Python's signal.default_int_handler for SIGINT,
+ *     SIG_DFL or lorakit's temporary-removing handler for SIGTERM): a
+ *     cancelled call raises KeyboardInterrupt("<call> interrupted (SIGINT):
+ *     <file>: cancelled") instead of ending the process; a call that had
+ *     passed its last cancellation point (complete) re-raises the signal,
+ *     which then does what it would have done (KeyboardInterrupt from
+ *     Python's handler; the end of the process for SIGTERM);
+ *   - another C handler (not installed through Python's signal module) is
+ *     run by re-raising the signal;
+ *   - an ignored signal is left ignored (no handler installed).
+ * A cancelled call whose handler returned without raising still raises
+ * KeyboardInterrupt: the work was not done. The handler is installed only
+ * on the main thread (where Python runs signal handlers); a call on
+ * another thread is not interruptible by signals (it runs to its end, and
+ * the signal is handled by Python as usual afterwards). Under a Tracker
+ * over several ranks, the rank that caught the signal raises
+ * KeyboardInterrupt, every other rank LoraError with status
+ * LK_ERR_CANCELLED naming it ("rank R: ... cancelled"), all with their
+ * weights unchanged. The flag the handler sets is the one global it
+ * needs: a signal handler has no other way to reach the call. */
+enum { SG_NONE = 0, SG_PY, SG_DFL, SG_C };
+static const int g_guard_sig[2] = {SIGINT, SIGTERM};
+static lk_cancel *volatile g_guard_cancel; /* the guarded call's flag, or NULL */
+static volatile sig_atomic_t g_guard_caught[2];
+
+static void on_interrupt(int sig) {
+    g_guard_caught[sig == SIGINT ? 0 : 1] = 1;
+    lk_cancel_request(g_guard_cancel);
+}
+
+typedef struct sig_guard {
+    int mode[2];       /* SG_NONE: not installed */
+    PyObject *pyh[2];  /* SG_PY: the Python-level handler (a reference) */
+    struct sigaction old[2];
+} sig_guard;
+
+/* 1 on the main thread (of the main interpreter); -1 with an exception. */
+static int on_main_thread(void) {
+    PyObject *th = PyImport_ImportModule("threading");
+    PyObject *m = th ? PyObject_CallMethod(th, "main_thread", NULL) : NULL;
+    PyObject *id = m ? PyObject_GetAttrString(m, "ident") : NULL;
+    int r = id ? PyLong_AsUnsignedLong(id) == PyThread_get_thread_ident() : -1;
+    Py_XDECREF(id);
+    Py_XDECREF(m);
+    Py_XDECREF(th);
+    return r;
+}
+
+/* How signal sig is handled now (SG_NONE: ignored), its Python handler in *pyh. */
+static int guard_mode(PyObject *sigmod, int sig, PyObject **pyh) {
+    PyObject *h = PyObject_CallMethod(sigmod, "getsignal", "i", sig);
+    if (!h) return -1;
+    int mode;
+    if (h == Py_None) mode = lk_temp_cleanup_handles(sig) ? SG_DFL : SG_C;
+    else if (PyLong_Check(h)) mode = PyLong_AsLong(h) == (long)(intptr_t)SIG_IGN ? SG_NONE : SG_DFL;
+    else mode = SG_PY;
+    if (mode == SG_PY) { /* Python's own default: a cancelled call raises KeyboardInterrupt with its reason */
+        PyObject *dflt = PyObject_GetAttrString(sigmod, "default_int_handler");
+        if (dflt == h) mode = SG_DFL;
+        Py_XDECREF(dflt);
+    }
+    if (mode == SG_PY) *pyh = h;
+    else Py_DECREF(h);
+    return mode;
+}
+
+/* Before a guarded call (with the GIL): clears *target and, on the main
+ * thread, makes SIGINT and SIGTERM set it. -1 with an exception. */
+static int guard_begin(sig_guard *g, lk_cancel *target) {
+    memset(g, 0, sizeof *g);
+    lk_cancel_clear(target);
+    int main_thread = on_main_thread();
+    if (main_thread <= 0 || g_guard_cancel) return main_thread < 0 ? -1 : 0;
+    PyObject *sigmod = PyImport_ImportModule("signal");
+    if (!sigmod) return -1;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_interrupt;
+    sa.sa_flags = SA_RESTART; /* the call's reads and writes go on; it stops at its next check */
+    sigemptyset(&sa.sa_mask);
+    sigaddset(&sa.sa_mask, SIGINT);
+    sigaddset(&sa.sa_mask, SIGTERM);
+    g_guard_caught[0] = g_guard_caught[1] = 0;
+    g_guard_cancel = target;
+    for (int k = 0; k < 2; k++) {
+        int mode = guard_mode(sigmod, g_guard_sig[k], &g->pyh[k]);
+        if (mode < 0) {
+            Py_DECREF(sigmod);
+            return -1;
+        }
+        if (mode != SG_NONE && sigaction(g_guard_sig[k], &sa, &g->old[k]) == 0) g->mode[k] = mode;
+        else Py_CLEAR(g->pyh[k]);
+    }
+    Py_DECREF(sigmod);
+    return 0;
+}
+
+/* After the call (with the GIL), s its status: the previous actions back,
+ * then each caught signal handled as the block above says. Returns -1 with
+ * the exception to raise, or 0 (carry on with s). */
+static int guard_end(sig_guard *g, lk_status s, const char *what) {
+    int caught[2] = {0, 0}, any = 0;
+    for (int k = 0; k < 2; k++) {
+        if (!g->mode[k]) continue;
+        sigaction(g_guard_sig[k], &g->old[k], NULL);
+        caught[k] = g_guard_caught[k];
+        any |= caught[k];
+    }
+    if (g->mode[0] || g->mode[1]) g_guard_cancel = NULL;
+    int failed = 0;
+    for (int k = 0; k < 2; k++) {
+        if (caught[k] && !failed) {
+            if (g->mode[k] == SG_PY) {
+                PyObject *frame = (PyObject *)PyEval_GetFrame();
+                PyObject *r = PyObject_CallFunction(g->pyh[k], "iO", g_guard_sig[k], frame ? frame : Py_None);
+                failed = r == NULL;
+                Py_XDECREF(r);
+            } else if (g->mode[k] == SG_C || s != LK_ERR_CANCELLED) {
+                raise(g_guard_sig[k]); /* the action put back: what the signal would have done */
+                failed = PyErr_CheckSignals() < 0; /* Python's default_int_handler: KeyboardInterrupt now */
+            }
+        }
+        Py_CLEAR(g->pyh[k]);
+    }
+    if (failed) return -1;
+    if (any && s == LK_ERR_CANCELLED) {
+        PyErr_Format(PyExc_KeyboardInterrupt, "%s interrupted (%s): %s", what,
+                     caught[0] ? "SIGINT" : "SIGTERM", lk_last_error());
+        return -1;
+    }
+    return 0;
+}
+
 /* threads within LK_KNOB_THREADS's bounds, else ValueError and 0. */
 static int threads_ok(int threads) {
     if (lk_knob_in_range(LK_KNOB_THREADS, threads)) return 1;
@@ -976,12 +1121,18 @@ static PyObject *py_fuse(PyObject *mod, PyObject *args) {
         char *js = NULL;
         lk_status s;
         const char *b = PyBytes_AS_STRING(base), *ou = PyBytes_AS_STRING(out);
-        Py_BEGIN_ALLOW_THREADS
-        s = lk_fuse_file_src(b, r.in, r.srcp, r.n, ou, &o, &st);
-        if (!s && !(js = lk_fuse_summary_json(b, ou, r.in, r.n, &st)))
-            s = lk_error(LK_ERR_UNSUPPORTED, "%s written, but its summary cannot be built (a path that is not UTF-8)", ou);
-        Py_END_ALLOW_THREADS
-        res = json_result(s, js);
+        lk_cancel cancel = LK_CANCEL_INIT;
+        sig_guard g;
+        o.fuse.cancel = &cancel;
+        if (guard_begin(&g, &cancel) == 0) {
+            Py_BEGIN_ALLOW_THREADS
+            s = lk_fuse_file_src(b, r.in, r.srcp, r.n, ou, &o, &st);
+            if (!s && !(js = lk_fuse_summary_json(b, ou, r.in, r.n, &st)))
+                s = lk_error(LK_ERR_UNSUPPORTED, "%s written, but its summary cannot be built (a path that is not UTF-8)", ou);
+            Py_END_ALLOW_THREADS
+            if (guard_end(&g, s, "lorakit.fuse") == 0) res = json_result(s, js);
+            else lk_free(js);
+        }
         request_free(&r);
     }
     tables_free(&tb);
@@ -1018,12 +1169,18 @@ static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
         lk_fuse_stats st;
         char *js = NULL;
         lk_status s;
-        Py_BEGIN_ALLOW_THREADS
-        s = lk_fuse_tensors_src(t, n, r.in, r.srcp, r.n, &o, &st);
-        if (!s && !(js = lk_fuse_summary_json(NULL, NULL, r.in, r.n, &st)))
-            s = lk_error(LK_ERR_UNSUPPORTED, "fused, but the summary cannot be built (a path that is not UTF-8)");
-        Py_END_ALLOW_THREADS
-        res = json_result(s, js);
+        lk_cancel cancel = LK_CANCEL_INIT;
+        sig_guard g;
+        o.fuse.cancel = &cancel;
+        if (guard_begin(&g, &cancel) == 0) {
+            Py_BEGIN_ALLOW_THREADS
+            s = lk_fuse_tensors_src(t, n, r.in, r.srcp, r.n, &o, &st);
+            if (!s && !(js = lk_fuse_summary_json(NULL, NULL, r.in, r.n, &st)))
+                s = lk_error(LK_ERR_UNSUPPORTED, "fused, but the summary cannot be built (a path that is not UTF-8)");
+            Py_END_ALLOW_THREADS
+            if (guard_end(&g, s, "lorakit.fuse_") == 0) res = json_result(s, js);
+            else lk_free(js);
+        }
     }
     PyMem_Free(t);
     views_free(v, n);
@@ -1190,6 +1347,7 @@ typedef struct {
     lk_tracker *t;
     PyObject *loras; /* list of (path: str, strength: float) as applied */
     int busy;        /* a call is running with the GIL released */
+    lk_cancel cancel; /* the tracker's lk_tracker_opts.cancel: set by SIGINT/SIGTERM during a call (guard_begin) */
     double timeout;  /* the comm's collective timeout during this tracker's calls */
 } TrackerObject;
 
@@ -1282,6 +1440,7 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     o.arch = tables_arch(&tb);
     o.maps = tb.p;
     o.n_maps = tb.n;
+    o.cancel = &self->cancel;
     Py_BEGIN_ALLOW_THREADS
     s = lk_tracker_create(c, self->w, &o, &self->t);
     Py_END_ALLOW_THREADS
@@ -1325,6 +1484,11 @@ static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int diges
     memset(&st, 0, sizeof st);
     lk_status s, rs;
     char msg[2048] = "", *js = NULL;
+    sig_guard g;
+    if (guard_begin(&g, &self->cancel) < 0) {
+        lk_comm_set_timeout(c, was);
+        return NULL;
+    }
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     s = r ? lk_tracker_apply_src(self->t, r->in, r->srcp, r->n, &st) : lk_tracker_reset(self->t, &st);
@@ -1337,6 +1501,11 @@ static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int diges
     Py_END_ALLOW_THREADS
     self->busy = 0;
     lk_comm_set_timeout(c, was);
+    lk_error(s, "%s", msg); /* guard_end names the reason */
+    if (guard_end(&g, s, r ? "Tracker.apply" : "Tracker.reset") < 0) {
+        lk_free(js);
+        return NULL;
+    }
     if (s) {
         lk_free(js);
         return raise_lk(s, msg);
