@@ -11,13 +11,27 @@ anchor runs here in its own child process on those files:
   peft_svd      PEFT's own LoraModel.add_weighted_adapter(combination_type=
                 "svd", svd_rank=32) of the two rank-32 adapters loaded into a
                 model of four 3072 x 3072 Linear layers (the timed part is the
-                call only; the RSS is the child's peak, model included).
+                call only; the RSS is the child's peak, model included);
+  mergekit_extract  what mergekit-extract-lora does per linear weight,
+                restated in torch: the two weights read lazily one tensor at a
+                time, delta = (tuned - base) in float32, torch.linalg.svd
+                (full_matrices=False), the top 32 kept (B = U_r sqrt(S_r),
+                A = sqrt(S_r) Vh_r), stored BF16;
+  kohya_extract what sd-scripts' extract_lora_from_models.py does: both
+                state dicts loaded whole, delta in float32, torch.linalg.svd,
+                U_r diag(S_r) and Vh_r, both clamped to the 0.99 quantile of
+                their joint absolute values (its clamp_quantile default),
+                stored BF16.
+  (the extract anchors' formulas are restated from the tools' published
+  behaviour, not their code; --extract-weights N times them on the first N
+  of the 27 weights only and scales the seconds by 27 / N, said in the line)
 
 Each line: {"bench": "algebra_anchor", "case", "tool", "seconds", "peak_rss_mb",
 "rel_fro", "rel_fro_opt"} with errors computed here in float64 from the
 written factors, then one {"case", "speedup", "rss_ratio"} line per case.
 Needs the /work/venv packages (torch, peft); CI does not run it.
-Usage: /work/venv/bin/python python/bench/bench_algebra.py [--lorakit PATH] [--dim N] [--threads N]"""
+Usage: /work/venv/bin/python python/bench/bench_algebra.py [--lorakit PATH] [--dim N] [--threads N]
+       [--extract-weights N]"""
 import argparse
 import json
 import os
@@ -137,11 +151,93 @@ def peft_svd(path_a, path_b, rank):
     return {"seconds": sec, "rel_fro": rel, "rel_fro_opt": opt}
 
 
+def _pair_names(path):
+    from safetensors import safe_open
+    with safe_open(path, "pt") as f:
+        return sorted(f.keys())
+
+
+def _extract_errors(base, tuned, factors, names):
+    """rel_fro of each written B A against the float64 delta, and its float64 optimum at rank 32."""
+    import torch
+    from safetensors import safe_open
+    out = []
+    with safe_open(base, "pt") as fb, safe_open(tuned, "pt") as ft:
+        for n in names:
+            D = ft.get_tensor(n).double() - fb.get_tensor(n).double()
+            B, A = factors[n]
+            s = torch.linalg.svdvals(D)
+            nd = float(torch.linalg.norm(D))
+            out.append((float(torch.linalg.norm(D - B.double() @ A.double())) / nd,
+                        float((s[32:] ** 2).sum()) ** 0.5 / nd))
+    return out
+
+
+def mergekit_extract(base, tuned, nw, rank=32):
+    import torch
+    from safetensors import safe_open
+    names = _pair_names(base)[:nw]
+    t0 = time.perf_counter()
+    fac = {}
+    with safe_open(base, "pt") as fb, safe_open(tuned, "pt") as ft:
+        for n in names:
+            delta = ft.get_tensor(n).float() - fb.get_tensor(n).float()
+            U, S, Vh = torch.linalg.svd(delta, full_matrices=False)
+            r = S[:rank].sqrt()
+            fac[n] = ((U[:, :rank] * r).to(torch.bfloat16), (r[:, None] * Vh[:rank]).to(torch.bfloat16))
+    sec = time.perf_counter() - t0
+    e = _extract_errors(base, tuned, fac, names)
+    return {"seconds": sec, "weights": len(names), "rel_fro_minus_opt": max(a - b for a, b in e),
+            "rel_fro": e[0][0], "rel_fro_opt": e[0][1]}
+
+
+def kohya_extract(base, tuned, nw, rank=32):
+    import torch
+    sb, st = load(base), load(tuned)
+    names = sorted(sb)[:nw]
+    t0 = time.perf_counter()
+    fac = {}
+    for n in names:
+        delta = st[n].float() - sb[n].float()
+        U, S, Vh = torch.linalg.svd(delta)
+        U = U[:, :rank] @ torch.diag(S[:rank])
+        Vh = Vh[:rank]
+        hi = torch.quantile(torch.cat([U.flatten(), Vh.flatten()]).abs(), 0.99)
+        fac[n] = (U.clamp(-hi, hi).to(torch.bfloat16), Vh.clamp(-hi, hi).to(torch.bfloat16))
+    sec = time.perf_counter() - t0
+    e = _extract_errors(base, tuned, fac, names)
+    return {"seconds": sec, "weights": len(names), "rel_fro_minus_opt": max(a - b for a, b in e),
+            "rel_fro": e[0][0], "rel_fro_opt": e[0][1]}
+
+
+def lorakit_extract_errors(lk, base, tuned, nw, threads):
+    """lorakit's per-weight rel_fro (its report) minus the float64 optimum on the first nw weights."""
+    out = base.replace("base", "lkx")
+    rep = json.loads(subprocess.run([lk, "extract", base, tuned, "-o", out, "--rank", "32", "--json", "--threads",
+                                     str(threads)], capture_output=True, text=True, check=True).stdout)
+    os.unlink(out)
+    from safetensors import safe_open
+    import torch
+    names = _pair_names(base)[:nw]
+    worst, bound_ok = 0.0, True
+    mods = {m["name"] + ".weight": m for m in rep["modules"]}
+    with safe_open(base, "pt") as fb, safe_open(tuned, "pt") as ft:
+        for n in names:
+            D = ft.get_tensor(n).double() - fb.get_tensor(n).double()
+            s = torch.linalg.svdvals(D)
+            opt = float((s[32:] ** 2).sum() / (s ** 2).sum()) ** 0.5
+            m = mods[n]
+            worst = max(worst, m["rel_fro"] - opt)
+            bound_ok = bound_ok and m["rel_fro_opt"] <= opt + 1e-12 <= m["rel_fro_opt_upper"] + 1e-12
+    return {"rel_fro_minus_opt": worst, "optimum_inside_reported_bounds": bound_ok, "weights": len(names)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lorakit", default=os.path.join(os.path.dirname(__file__), "..", "..", "build", "lorakit"))
     ap.add_argument("--dim", type=int, default=3072)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--extract-weights", type=int, default=27)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         p = subprocess.run([args.lorakit, "bench", "algebra", "--json", "--keep", "--dir", d, "--dim", str(args.dim),
@@ -158,12 +254,26 @@ def main():
         r32b = r32a.replace("r32a", "r32b")
         anchors = [("resize", "kohya_resize", child("kohya_resize", r128, 16)),
                    ("merge", "peft_svd", child("peft_svd", r32a, r32b, 32))]
+        xb = lk["extract"]["input"]
+        xt = lk["extract"]["tuned"]
+        nw = args.extract_weights
+        scale = 27.0 / nw
+        for tool in ("mergekit_extract", "kohya_extract"):
+            r = child(tool, xb, xt, nw)
+            r["seconds_measured"] = r["seconds"]
+            r["seconds"] = r["seconds"] * scale
+            if nw != 27:
+                r["note"] = f"timed on {nw} of 27 weights, seconds scaled by 27/{nw}"
+            anchors.append(("extract", tool, r))
+        lx = lorakit_extract_errors(args.lorakit, xb, xt, nw, args.threads)
+        print(json.dumps({"bench": "algebra_anchor", "case": "extract", "tool": "lorakit_accuracy", **lx}), flush=True)
         for case, tool, r in anchors:
             print(json.dumps({"bench": "algebra_anchor", "case": case, "tool": tool, **r}), flush=True)
             print(json.dumps({"bench": "algebra_ratio", "case": case, "anchor": tool,
                               "speedup": r["seconds"] / lk[case]["seconds"],
                               "rss_ratio": r["peak_rss_mb"] / lk[case]["peak_rss_mb"],
-                              "lorakit_rel_fro_over_opt": lk[case]["rel_fro"] / lk[case]["rel_fro_opt"],
+                              "lorakit_rel_fro_over_opt": lk[case]["rel_fro"] / lk[case]["rel_fro_opt"]
+                              if case != "extract" else None,  # extract's rel_fro_opt is a lower bound: see lorakit_accuracy
                               "anchor_rel_fro_over_opt": r["rel_fro"] / r["rel_fro_opt"]}), flush=True)
 
 
