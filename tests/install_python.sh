@@ -21,15 +21,8 @@
 # The wheel (python -m build + auditwheel) is tests/install_wheel.sh.
 # Usage: bash install_python.sh <path-to-lorakit> <build-dir>   (as ctest runs it)
 set -euo pipefail
-SRC=$(cd "$(dirname "$0")/.." && pwd)
-CLI=$(realpath "$1")
-BUILD=$(cd "$2" && pwd)
-skip() { echo "install_python.sh: SKIP: $*"; exit 77; }
-fail() { echo "install_python.sh: FAIL: $*" >&2; exit 1; }
-PY=${LK_PYTHON:-$(sed -n 's/^_\{0,1\}Python3_EXECUTABLE:[A-Z]*=//p' "$BUILD/CMakeCache.txt" | head -1)}
-[ -n "$PY" ] || PY=python3
-grep -q '^LK_SANITIZE:BOOL=ON' "$BUILD/CMakeCache.txt" 2>/dev/null && skip "a sanitizer build (the package is built from Release builds)"
-"$PY" -c "import setuptools, numpy" 2>/dev/null || skip "$PY has no setuptools or numpy"
+# shellcheck source=tests/py_package_common.bash
+. "$(dirname "$0")/py_package_common.bash" install_python.sh "$1" "$2"
 "$PY" -m pip --version >/dev/null 2>&1 || skip "$PY has no pip"
 [ -f "$BUILD/liblorakit.a" ] && [ -f "$BUILD/lorakit.pc" ] || skip "$BUILD holds no liblorakit.a / lorakit.pc"
 

@@ -248,6 +248,17 @@ static void test_failures(void **state) {
         /* ranks asking for different strengths, then different counts */
         lk_fuse_input mine[2] = {{g_a, R == 0 ? 0.5f : 0.25f, LK_FORMAT_AUTO}, {g_b, 1.0f, LK_FORMAT_AUTO}};
         expect_failure(t, w, mine, 2, LK_ERR_MISMATCH, "ranks disagree on the adapter request");
+        /* every rank names rank 0's request and the first differing rank's (the test's own requests) */
+        char want[2][2048];
+        snprintf(want[0], sizeof want[0], "rank 0 asked for 2 adapters: %s@0.5, %s@1;", g_a, g_b);
+        snprintf(want[1], sizeof want[1], "rank 1 asked for 2 adapters: %s@0.25, %s@1 (this is rank %d)", g_a, g_b, R);
+        tu_assert_contains(lk_last_error(), want[0]);
+        tu_assert_contains(lk_last_error(), want[1]);
+        /* only the last rank differs: it is the one named */
+        lk_fuse_input last[1] = {{g_a, R == N - 1 ? 0.75f : 0.5f, LK_FORMAT_AUTO}};
+        expect_failure(t, w, last, 1, LK_ERR_MISMATCH, "ranks disagree on the adapter request");
+        snprintf(want[1], sizeof want[1], "rank %d asked for 1 adapter: %s@0.75 (this is rank %d)", N - 1, g_a, R);
+        tu_assert_contains(lk_last_error(), want[1]);
         expect_failure(t, w, mine, R == 0 ? 1 : 2, LK_ERR_MISMATCH, "ranks disagree");
         /* apply on some ranks, reset on others: also a mismatch, no hang */
         expect_failure(t, w, mine, R == 0 ? 0 : 2, LK_ERR_MISMATCH, "ranks disagree");

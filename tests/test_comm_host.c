@@ -507,6 +507,10 @@ static void body_tracker(rank_ctx *me, lk_comm *c) {
         lk_fuse_input mine[] = {{g_a, R == 0 ? 0.5f : 0.25f, LK_FORMAT_AUTO}};
         CHECK(lk_tracker_apply(t, mine, 1, NULL) == LK_ERR_MISMATCH);
         CHECK(strstr(lk_last_error(), "ranks disagree on the adapter request") != NULL);
+        char want[2][2048]; /* both requests named, on every rank (the test's own requests) */
+        snprintf(want[0], sizeof want[0], "rank 0 asked for 1 adapter: %s@0.5;", g_a);
+        snprintf(want[1], sizeof want[1], "rank 1 asked for 1 adapter: %s@0.25 (this is rank %d)", g_a, R);
+        CHECK(strstr(lk_last_error(), want[0]) != NULL && strstr(lk_last_error(), want[1]) != NULL);
         CHECK(lk_tracker_apply(t, a1, R == 0 ? 0 : 1, NULL) == LK_ERR_MISMATCH); /* reset on rank 0 only */
         CHECK(digest_is(w, g_want_ab));
     }

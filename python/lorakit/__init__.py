@@ -19,6 +19,7 @@ import sys
 import warnings
 from collections.abc import Mapping
 
+from . import _adapter as _adapter_mod
 from . import _lorakit as _c
 from ._adapter import CONVENTIONS, Adapter, _check_convention
 from ._lorakit import LoraError, __version__
@@ -51,6 +52,8 @@ class LoraWarning(UserWarning):
 
 
 def _on_log(level, msg):
+    if getattr(_adapter_mod._quiet, "on", False):  # Adapter.check: its warnings come at the fuse
+        return
     # One copy of each line: a warning is a LoraWarning and not also a
     # record (with no handler configured, logging's last-resort handler
     # would print it a second time; with one, it would arrive twice);

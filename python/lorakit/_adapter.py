@@ -18,6 +18,13 @@ import json
 import os
 import struct
 import sys
+import threading
+
+from . import _lorakit as _c
+
+# set on a thread while adapter_check opens an adapter only to validate it:
+# its warnings (alpha defaults to r, ...) come once, at the fuse, not twice
+_quiet = threading.local()
 
 __all__ = ["Adapter", "CONVENTIONS"]
 
@@ -208,7 +215,22 @@ class Adapter:
         rank_pattern, ... as PEFT reads them) or None; alpha: see the class."""
         if not hasattr(tensors, "items"):
             raise TypeError(f"tensors must be a mapping of name to tensor, got {type(tensors).__name__}")
-        return cls(_safetensors_image(dict(tensors.items())), config, format, name, alpha, convention)
+        ad = cls(_safetensors_image(dict(tensors.items())), config, format, name, alpha, convention)
+        ad.check()
+        return ad
+
+    def check(self):
+        """Opens the adapter as a fuse would, without a model: every key
+        paired into a module, factor shapes and ranks consistent, the
+        config read. A bad key or shape raises LoraError here, naming it
+        (.key; .path is the label). from_state_dict and from_peft call it;
+        matching onto a model comes at the fuse."""
+        _quiet.on = True
+        try:
+            _c.adapter_check(self.label, self.data, self.config_json, self.format, self.alpha,
+                             self.convention or "lorakit")
+        finally:
+            _quiet.on = False
 
     @classmethod
     def from_peft(cls, peft_model, adapter_name="default", convention=None):

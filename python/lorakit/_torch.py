@@ -57,7 +57,12 @@ class _TorchHost:
         0 = none), applied to every wait below."""
         self.timeout = datetime.timedelta(seconds=seconds) if seconds > 0 else None
 
-    def _wait(self, work):
+    def _peers(self, root=None):
+        """The group ranks a collective waits for on this rank: the root for
+        a broadcast received, every other rank otherwise."""
+        return [root] if root is not None and root != self.rank else [r for r in range(self.size) if r != self.rank]
+
+    def _wait(self, work, what, peers):
         if self.timeout is None:
             work.wait()
             return
@@ -68,8 +73,11 @@ class _TorchHost:
             waited = time.monotonic() - t0
             if waited < 0.9 * self.timeout.total_seconds():
                 raise
-            raise TimeoutError(f"not complete after {waited:.1f} s (timeout {self.timeout.total_seconds():g} s): "
-                               f"{e}") from e
+            glob = [self.globals[r] for r in peers]
+            where = f" (global ranks {', '.join(map(str, glob))})" if glob != peers else ""
+            raise TimeoutError(f"torch.distributed {what} not complete after {waited:.1f} s (timeout "
+                               f"{self.timeout.total_seconds():g} s) on group rank {self.rank} of {self.size}, "
+                               f"waiting for group ranks {', '.join(map(str, peers))}{where}: {e}") from e
 
     def _stage(self, t):
         """t itself, or its copy on the staging device (see the module doc)."""
@@ -85,18 +93,19 @@ class _TorchHost:
             t.copy_(d)
 
     def barrier(self):
-        self._wait(dist.barrier(group=self.group, async_op=True))
+        self._wait(dist.barrier(group=self.group, async_op=True), "barrier", self._peers())
 
     def bcast(self, mv, root):
         t = torch.frombuffer(mv, dtype=torch.uint8)
         d = self._stage(t)
-        self._wait(dist.broadcast(d, src=self.globals[root], group=self.group, async_op=True))
+        self._wait(dist.broadcast(d, src=self.globals[root], group=self.group, async_op=True), f"broadcast from rank {root}",
+                   self._peers(root))
         self._unstage(t, d)
 
     def ibcast(self, mv, root):
         t = torch.frombuffer(mv, dtype=torch.uint8)
         d = self._stage(t)
-        return (dist.broadcast(d, src=self.globals[root], group=self.group, async_op=True), t, d)
+        return (dist.broadcast(d, src=self.globals[root], group=self.group, async_op=True), t, d, root)
 
     def test(self, handle):
         done = handle[0].is_completed()
@@ -106,18 +115,19 @@ class _TorchHost:
         return done
 
     def wait(self, handle):
-        self._wait(handle[0])
+        self._wait(handle[0], f"broadcast from rank {handle[3]}", self._peers(handle[3]))
         self._unstage(handle[1], handle[2])
 
     def allreduce(self, mv, kind, op):
         t = torch.frombuffer(mv, dtype=_DT[kind])
         d = self._stage(t)
-        self._wait(dist.all_reduce(d, op=_OPS[op], group=self.group, async_op=True))
+        self._wait(dist.all_reduce(d, op=_OPS[op], group=self.group, async_op=True), f"all_reduce ({op})", self._peers())
         self._unstage(t, d)
 
     def allgather(self, send, recv):
         out = torch.frombuffer(recv, dtype=torch.uint8)
         inp = torch.frombuffer(send, dtype=torch.uint8)
         od, idd = self._stage(out), self._stage(inp)
-        self._wait(dist.all_gather(list(od.chunk(self.size)), idd, group=self.group, async_op=True))
+        self._wait(dist.all_gather(list(od.chunk(self.size)), idd, group=self.group, async_op=True), "all_gather",
+                   self._peers())
         self._unstage(out, od)

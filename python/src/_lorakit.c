@@ -826,6 +826,42 @@ static PyObject *py_inspect(PyObject *mod, PyObject *args) {
     return json_result(s, js);
 }
 
+/* adapter_check(label, data, config_json|None, format, alpha|None,
+ * convention): opens the in-memory adapter as a fuse would (every key
+ * paired, shapes and ranks checked, the config read) and frees it: an
+ * Adapter built from a state_dict raises at construction, naming the key
+ * (LoraError .key). No model is involved (matching comes at the fuse). */
+static PyObject *py_adapter_check(PyObject *mod, PyObject *args) {
+    (void)mod;
+    const char *label, *cj = NULL, *fmt, *cv;
+    Py_buffer data;
+    PyObject *alpha;
+    if (!PyArg_ParseTuple(args, "sy*zsOs", &label, &data, &cj, &fmt, &alpha, &cv)) return NULL;
+    lk_adapter_opts ao = {0};
+    PyObject *res = NULL;
+    if (lk_adapter_format_parse(fmt, &ao.format)) {
+        raise_lk(LK_ERR_ARG, NULL);
+        goto done;
+    }
+    if (convention_of(cv, &ao.convention) < 0) goto done;
+    if (alpha != Py_None) {
+        ao.alpha = PyFloat_AsDouble(alpha);
+        if (ao.alpha == -1.0 && PyErr_Occurred()) goto done;
+        ao.has_alpha = 1;
+    }
+    const lk_adapter_source src = {label, data.buf, (size_t)data.len, cj};
+    lk_adapter *a = NULL;
+    lk_status s;
+    Py_BEGIN_ALLOW_THREADS
+    s = lk_adapter_open_mem(&src, &ao, &a);
+    Py_END_ALLOW_THREADS
+    lk_adapter_free(a);
+    res = s ? raise_lk(s, NULL) : Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&data);
+    return res;
+}
+
 /* The name tables of a call (arch, maps: `lorakit fuse --arch / --map`):
  * arch a str or None, maps a sequence of paths, held as bytes while the
  * call runs. */
@@ -1738,6 +1774,7 @@ static PyMethodDef methods[] = {
     {"mib_bytes", py_mib_bytes, METH_VARARGS, NULL},
     {"digest_tensors", py_digest_tensors, METH_VARARGS, NULL},
     {"inspect", py_inspect, METH_VARARGS, NULL},
+    {"adapter_check", py_adapter_check, METH_VARARGS, NULL},
     {"inspect_base", py_inspect_base, METH_VARARGS, NULL},
     {"conventions", py_conventions, METH_VARARGS, NULL},
     {"fuse", py_fuse, METH_VARARGS, NULL},

@@ -9,6 +9,7 @@ Run by hand: torchrun --nproc_per_node 2 torch_dist_worker.py spec.json
 import datetime
 import json
 import os
+import re
 import sys
 import time
 
@@ -94,6 +95,9 @@ def main():
     mine = [(m["a1"], 0.5 if R == 0 else 0.25)]
     e = expect_raise(lambda: tr.apply(mine), lorakit.LoraError, "ranks disagree")
     assert e.status == "LK_ERR_MISMATCH"
+    # every rank names rank 0's request and the first differing rank's (rank 1: the test's own requests)
+    assert f"rank 0 asked for 1 adapter: {m['a1']}@0.5;" in str(e), str(e)
+    assert f"rank 1 asked for 1 adapter: {m['a1']}@0.25 (this is rank {R})" in str(e), str(e)
     assert digest(sd) == before
     # a bad argument on one rank only: that rank its TypeError, the others LoraError
     bad = [(m["a1"], "x" if R == N - 1 else 1.0)]
@@ -268,6 +272,11 @@ def main():
     if R != N - 1:
         assert err is not None and err.status == "LK_ERR_TIMEOUT", err
         assert "not complete after" in str(err), str(err)
+        # the collective and the ranks waited for: the late rank among them
+        mt = re.search(r"torch\.distributed (\S+).* not complete after .* on group rank (\d+) of (\d+), "
+                       r"waiting for group ranks ([0-9, ]+)", str(err))
+        assert mt and int(mt.group(2)) == R and int(mt.group(3)) == N, str(err)
+        assert N - 1 in [int(x) for x in mt.group(4).split(",")], str(err)
         assert 0.9 <= took < 6, took
     else:
         # the others are gone: its first collective may still complete, or

@@ -1135,6 +1135,34 @@ static lk_status weights_check(const lk_tracker *t) {
     return LK_OK;
 }
 
+/* The ranks' requests differ (every rank knows it): every rank's error
+ * names rank 0's request and the first rank's whose request hash differs
+ * from rank 0's, with what each asked for (two broadcasts of the
+ * descriptions: the failure path only). A collective that fails on the way
+ * is the error instead. */
+static lk_status request_mismatch(const lk_tracker *t, const request *req) {
+    enum { DESC = 512 };
+    const int size = lk_comm_size(t->comm);
+    uint64_t *h = lk_malloc((size_t)size * sizeof *h);
+    char *d = lk_malloc(2 * DESC);
+    lk_status s = h && d ? lk_comm_allgather(t->comm, &req->hash, sizeof req->hash, h)
+                         : lk_error(LK_ERR_NOMEM, "tracker: out of memory naming the ranks' requests");
+    int other = 1;
+    while (!s && other < size - 1 && h[other] == h[0]) other++;
+    if (!s) { /* rank 0's and the first differing rank's descriptions, on every rank */
+        request_describe(req, d + (t->rank == 0 ? 0 : DESC), DESC);
+        if (!(s = lk_comm_bcast(t->comm, d, DESC, 0))) s = lk_comm_bcast(t->comm, d + DESC, DESC, other);
+    }
+    if (!s) {
+        d[DESC - 1] = d[2 * DESC - 1] = '\0';
+        s = lk_error(LK_ERR_MISMATCH, "ranks disagree on the adapter request: rank 0 asked for %s; rank %d asked for "
+                     "%s (this is rank %d)", d, other, d + DESC, t->rank);
+    }
+    lk_free(h);
+    lk_free(d);
+    return s;
+}
+
 /* Step 1: makes the request (local), checks the weights are as the
  * tracker left them, and agrees on both (and on whether a file of the
  * current set changed: a->stale): a rank whose request differs is every
@@ -1153,11 +1181,7 @@ static lk_status apply_agree_request(apply_op *a, const lk_fuse_input *loras, co
     lk_status s = lk_comm_agree_min(t->comm, local, v, 3);
     const int same = v[0] == ~v[1];
     a->stale = v[2] == 0;
-    if (!s && !same) {
-        char desc[512];
-        request_describe(&a->req, desc, sizeof desc);
-        s = lk_error(LK_ERR_MISMATCH, "ranks disagree on the adapter request (rank %d asked for %s)", t->rank, desc);
-    }
+    if (!s && !same) s = request_mismatch(t, &a->req);
     a->st->backup_bytes = t->backup_bytes;
     a->st->seconds_agree = lk_now_s() - a->t0;
     return s;
