@@ -89,6 +89,7 @@ typedef struct dcase {
     lk_fuse_opts opts;
     int want_fallback; /* 1: the host path, 0: the device kernel */
     int want_change;   /* the fuse changes the weight's bytes */
+    lk_status want_err; /* the CPU's status, when it is an error */
 } dcase;
 
 static lk_status run_cpu(const dcase *c, lk_tensor *w, void *scale_host) {
@@ -113,6 +114,7 @@ static void check_case(const dcase *c, const tens *w0) {
         memcpy(scale_cpu, c->scale->buf, c->scale->t.nbytes);
     }
     const lk_status want = run_cpu(c, &wc, scale_cpu);
+    if (c->want_err) assert_int_equal(want, c->want_err);
     char want_msg[512];
     snprintf(want_msg, sizeof want_msg, "%s", want ? lk_last_error() : "");
 
@@ -421,48 +423,169 @@ static void test_mixed_kinds(void **state) {
     }
 }
 
-/* The per-key plan: a replacement at strength 0.5 with a LoRA term, and
- * 1-D vector terms (a bias): the host path; plain LoRA terms: the kernel. */
+/* The per-key plan's double path (plan.c, fuse/keyelem.h) on the key
+ * kernel: a replacement at strength 0.5 and 1 with and without LoRA terms,
+ * LoRA terms alone (the fuse kernel), 1-D vector terms (a bias) with and
+ * without a replacement, a non-fusable tensor replaced whole; weights with
+ * the hard values (NaN payloads, Inf, -0) where non-finite results are
+ * allowed, so the NaN rule is compared too; 1-row and 1-column weights. */
 static void test_keys(void **state) {
     (void)state;
+    static const int64_t shapes[][2] = {{17, 40}, {1, 33}, {29, 1}, {37, 129}};
     tu_rng r = {13};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (int d = 0; d < 3; d++) {
+            const int64_t out = shapes[si][0], in = shapes[si][1];
+            tens w, rep, bias, v1, v2;
+            tens_make(&w, "proj.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
+            tens_make(&rep, "proj.weight(saved)", dt_of((uint64_t)d + 1), 2, (int64_t[]){out, in});
+            fill(&r, &w, 1.0f, 1);
+            fill(&r, &rep, 1.0f, 0);
+            lora_set s;
+            lora_make(&s, &r, out, in, 2, 1, 0.3f);
+            lk_fuse_key k = {.replace = &rep.t, .replace_strength = 0.5, .n_terms = 1};
+            dcase c = {.fn = FN_KEY, .terms = s.t, .key = &k, .opts = {.allow_nonfinite = 1}, .want_change = 1};
+            check_case(&c, &w);
+            k.n_terms = 0;
+            k.replace_strength = 1.0;
+            check_case(&c, &w);
+            lk_fuse_key kl = {.n_terms = 1};
+            dcase cl = {.fn = FN_KEY, .terms = s.t, .key = &kl, .opts = {.allow_nonfinite = 1}, .want_change = 1};
+            check_case(&cl, &w);
+            tens_make(&bias, "proj.bias", dt_of((uint64_t)d), 1, (int64_t[]){out});
+            tens_make(&v1, "lora_B.bias", LK_DTYPE_F32, 1, (int64_t[]){out});
+            tens_make(&v2, "diff_b", LK_DTYPE_BF16, 1, (int64_t[]){out});
+            fill(&r, &bias, 1.0f, 1);
+            fill(&r, &v1, 0.5f, 0);
+            fill(&r, &v2, 0.5f, 0);
+            lk_fuse_term vt[2] = {{.B = &v1.t, .scale = 0.7}, {.B = &v2.t, .scale = 1.5}};
+            lk_fuse_key kv = {.n_terms = 2};
+            dcase cv = {.fn = FN_KEY, .terms = vt, .key = &kv, .opts = {.allow_nonfinite = 1}, .want_change = 1};
+            check_case(&cv, &bias);
+            kv.replace = &v2.t; /* a saved bias (modules_to_save) at 0.25 plus the vector terms */
+            kv.replace_strength = 0.25;
+            check_case(&cv, &bias);
+            tens_free(&bias);
+            tens_free(&v1);
+            tens_free(&v2);
+            lora_free(&s);
+            tens_free(&rep);
+            tens_free(&w);
+        }
+    /* an I64 tensor replaced whole (one upload) */
+    tens iw, ir;
+    tens_make(&iw, "pos_ids", LK_DTYPE_I64, 1, (int64_t[]){9});
+    tens_make(&ir, "pos_ids(saved)", LK_DTYPE_I64, 1, (int64_t[]){9});
+    for (int i = 0; i < 9; i++) ((int64_t *)ir.buf)[i] = 3 * i + 1;
+    lk_fuse_key ki = {.replace = &ir.t, .replace_strength = 1.0};
+    dcase ci = {.fn = FN_KEY, .key = &ki, .want_change = 1};
+    check_case(&ci, &iw);
+    ki.replace_strength = 0.5; /* refused: the CPU's message */
+    ci.want_err = LK_ERR_DTYPE;
+    check_case(&ci, &iw);
+    tens_free(&ir);
+    tens_free(&iw);
+}
+
+/* More vector terms than a launch takes: the host path, the same bytes. */
+static void test_keys_host(void **state) {
+    (void)state;
+    tu_rng r = {14};
+    tens bias, v[10];
+    tens_make(&bias, "norm.bias", LK_DTYPE_BF16, 1, (int64_t[]){21});
+    fill(&r, &bias, 1.0f, 0);
+    lk_fuse_term vt[10];
+    for (int i = 0; i < 10; i++) {
+        tens_make(&v[i], "diff_b", dt_of((uint64_t)i), 1, (int64_t[]){21});
+        fill(&r, &v[i], 0.5f, 0);
+        vt[i] = (lk_fuse_term){.B = &v[i].t, .scale = 0.1 * (i + 1)};
+    }
+    lk_fuse_key kv = {.n_terms = 10};
+    dcase cv = {.fn = FN_KEY, .terms = vt, .key = &kv, .want_fallback = 1, .want_change = 1};
+    check_case(&cv, &bias);
+    for (int i = 0; i < 10; i++) tens_free(&v[i]);
+    tens_free(&bias);
+}
+
+/* A replacement at strength 2 where the weight is Inf (element 23: Inf +
+ * 2 (1 - Inf) is NaN in double): the CPU's error naming the element and
+ * the value ("element 23 of the fused tensor is nan"); at element 30 the
+ * double is finite but past the dtype's range (stored as -Inf, no error,
+ * as on the CPU). With allow_nonfinite the same bytes (the NaN rule). */
+static void test_keys_nonfinite(void **state) {
+    (void)state;
     for (int d = 0; d < 3; d++) {
-        const int64_t out = 17, in = 40;
-        tens w, rep, bias, v1, v2;
-        tens_make(&w, "proj.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
-        tens_make(&rep, "proj.weight(saved)", dt_of((uint64_t)d + 1), 2, (int64_t[]){out, in});
-        fill(&r, &w, 1.0f, 1);
-        fill(&r, &rep, 1.0f, 0);
-        lora_set s;
-        lora_make(&s, &r, out, in, 2, 1, 0.3f);
-        lk_fuse_key k = {.replace = &rep.t, .replace_strength = 0.5, .n_terms = 1};
-        dcase c = {.fn = FN_KEY, .terms = s.t, .key = &k, .opts = {.allow_nonfinite = 1}, .want_fallback = 1,
-                   .want_change = 1};
-        tens w2;
-        tens_make(&w2, "proj.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
-        fill(&r, &w2, 1.0f, 0); /* finite: a replacement's non-finite check reads every element */
-        check_case(&c, &w2);
-        lk_fuse_key kl = {.n_terms = 1};
-        dcase cl = {.fn = FN_KEY, .terms = s.t, .key = &kl, .opts = {.allow_nonfinite = 1}, .want_change = 1};
-        check_case(&cl, &w);
-        tens_make(&bias, "proj.bias", dt_of((uint64_t)d), 1, (int64_t[]){out});
-        tens_make(&v1, "lora_B.bias", LK_DTYPE_F32, 1, (int64_t[]){out});
-        tens_make(&v2, "diff_b", LK_DTYPE_BF16, 1, (int64_t[]){out});
-        fill(&r, &bias, 1.0f, 0);
-        fill(&r, &v1, 0.5f, 0);
-        fill(&r, &v2, 0.5f, 0);
-        lk_fuse_term vt[2] = {{.B = &v1.t, .scale = 0.7}, {.B = &v2.t, .scale = 1.5}};
-        lk_fuse_key kv = {.n_terms = 2};
-        dcase cv = {.fn = FN_KEY, .terms = vt, .key = &kv, .want_fallback = 1, .want_change = 1};
-        check_case(&cv, &bias);
-        tens_free(&bias);
-        tens_free(&v1);
-        tens_free(&v2);
-        tens_free(&w2);
-        lora_free(&s);
+        tens w, rep;
+        tens_make(&w, "head.weight", dt_of((uint64_t)d), 2, (int64_t[]){5, 7});
+        tens_make(&rep, "head.weight(saved)", LK_DTYPE_F32, 2, (int64_t[]){5, 7});
+        const float big = d == 1 ? 60000.0f : 3.0e38f;
+        for (int i = 0; i < 35; i++) {
+            const float x = i == 23 ? INFINITY : i == 30 ? big : 0.25f * i, y = i == 30 ? -big : 1.0f;
+            lk_from_f32(w.buf + (size_t)i * lk_dtype_size(w.t.dtype), &x, w.t.dtype, 1);
+            ((float *)rep.buf)[i] = y;
+        }
+        lk_fuse_key k = {.replace = &rep.t, .replace_strength = 2.0};
+        dcase c = {.fn = FN_KEY, .key = &k, .want_err = LK_ERR_NONFINITE};
+        check_case(&c, &w);
+        tu_assert_contains(lk_last_error(), "head.weight: element 23 of the fused tensor is nan");
+        c.want_err = LK_OK;
+        c.opts.allow_nonfinite = 1;
+        c.want_change = 1;
+        check_case(&c, &w);
         tens_free(&rep);
         tens_free(&w);
     }
+}
+
+/* DoRA: the two passes (sums in double on the device in plan.c's order,
+ * factors on the host, the scaled write) under every convention and at
+ * strengths 1 and 0.6: PEFT's magnitude (per row), dora_scale [out, 1]
+ * (per row), [1, in] (per input channel) and a conv weight's [1, in, 1, 1]
+ * (per channel of 9 elements per row); LoRA and LoHa deltas. */
+static void test_dora(void **state) {
+    (void)state;
+    tu_rng r = {29};
+    static const lk_convention convs[] = {LK_CONVENTION_LORAKIT, LK_CONVENTION_COMFYUI, LK_CONVENTION_LYCORIS,
+                                          LK_CONVENTION_PEFT};
+    for (int d = 0; d < 3; d++)
+        for (int form = 0; form < 5; form++) {
+            const int conv = form == 3;
+            const int64_t out = form == 4 ? 1 : 13, in = conv ? 6 : form == 4 ? 40 : 37, cols = conv ? in * 9 : in;
+            tens w, mag;
+            if (conv) tens_make(&w, "down.conv.weight", dt_of((uint64_t)d), 4, (int64_t[]){out, in, 3, 3});
+            else tens_make(&w, "attn.to_k.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
+            fill(&r, &w, 1.0f, 0);
+            if (form == 0 || form == 4) tens_make(&mag, "lora_magnitude_vector", dt_of(tu_next(&r)), 1, (int64_t[]){out});
+            else if (form == 1) tens_make(&mag, "dora_scale", LK_DTYPE_F32, 2, (int64_t[]){out, 1});
+            else if (form == 2) tens_make(&mag, "dora_scale", LK_DTYPE_BF16, 2, (int64_t[]){1, in});
+            else tens_make(&mag, "dora_scale", LK_DTYPE_F16, 4, (int64_t[]){1, in, 1, 1});
+            fill(&r, &mag, 2.0f, 0);
+            lora_set s;
+            lora_make(&s, &r, out, cols, 3, 1, 0.3f);
+            hada_set h;
+            hada_make(&h, &r, out, cols, 2, 3, 1.0);
+            for (int hada = 0; hada < 2; hada++)
+                for (size_t ci = 0; ci < 4; ci++)
+                    for (int st = 0; st < 2; st++) {
+                        lk_lora_module m = {.module = "attn", .rank = 3, .alpha = 6.0, .scale = 2.0,
+                                            .algo = hada ? LK_ALGO_LOHA : LK_ALGO_LORA};
+                        if (hada) {
+                            for (int i = 0; i < 4; i++) m.k[i] = h.f[i].t;
+                        } else {
+                            m.k[0] = s.A[0].t;
+                            m.k[1] = s.B[0].t;
+                        }
+                        if (form == 0 || form == 4) m.magnitude = mag.t;
+                        else m.dora_scale = mag.t;
+                        lk_fuse_key k = {.dora = &m, .dora_strength = st ? 0.6 : 1.0, .dora_convention = convs[ci]};
+                        dcase c = {.fn = FN_KEY, .key = &k, .opts = {.allow_nonfinite = 1}, .want_change = 1};
+                        check_case(&c, &w);
+                    }
+            set4_free(h.f);
+            lora_free(&s);
+            tens_free(&mag);
+            tens_free(&w);
+        }
 }
 
 /* FP8 weights, nearest and keyed stochastic, plain and per-row scaled: the
@@ -652,7 +775,8 @@ static int setup_cuda(void **state) {
 
 #define DEVICE_TESTS                                                                                         \
     cmocka_unit_test(test_lora_shapes), cmocka_unit_test(test_conv), cmocka_unit_test(test_row_slices),     \
-        cmocka_unit_test(test_dense), cmocka_unit_test(test_hada_kron), cmocka_unit_test(test_mixed_kinds), cmocka_unit_test(test_keys),  \
+        cmocka_unit_test(test_dense), cmocka_unit_test(test_hada_kron), cmocka_unit_test(test_mixed_kinds), cmocka_unit_test(test_keys), cmocka_unit_test(test_keys_host),        \
+        cmocka_unit_test(test_keys_nonfinite), cmocka_unit_test(test_dora),  \
         cmocka_unit_test(test_fp8), cmocka_unit_test(test_nonfinite), cmocka_unit_test(test_errors),       \
         cmocka_unit_test(test_ties),                                                                        \
         cmocka_unit_test(test_alloc_fail)

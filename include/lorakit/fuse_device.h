@@ -12,10 +12,17 @@
  *     on the host by the CPU's own code (B' and A in the accumulator's
  *     precision, LoHa's two chains, LoKr's two factors), uploaded, and
  *     each element gets the CPU's FMA chain and single rounding;
- *   - everything else (DoRA, replacements, 1-D vector terms, FP8 weights,
- *     OFT / BOFT, GLoRA, more than 8 non-LoRA terms) takes the host path:
- *     the key's bytes are copied to pinned host memory, fused there by the
- *     CPU kernel and copied back. The same bytes; counted in the stats.
+ *   - replacements (modules_to_save, set_weight, saved biases), 1-D vector
+ *     terms (lora_B bias, diff_b, norm weights) and DoRA (its norms in
+ *     double: the sums on the device in the CPU's fixed order, the factor
+ *     m / (norm + eps) on the host, then the scaled write) run the key
+ *     kernel: plan.c's double path, element by element from the rules of
+ *     src/fuse/keyelem.h that plan.c itself uses; a non-fusable tensor
+ *     replaced whole at strength 1 is one upload;
+ *   - the rest (FP8 weights, OFT / BOFT, GLoRA, more than 8 non-LoRA
+ *     terms or vector terms on one key) takes the host path: the key's
+ *     bytes are copied to pinned host memory, fused there by the CPU
+ *     kernel and copied back. The same bytes; counted in the stats.
  * Factor tensors are in host memory (the adapter's). Work is queued on
  * `stream` (NULL: the device's default stream); each call returns when the
  * key is done (the non-finite verdict needs the kernel's result). Errors

@@ -114,6 +114,27 @@ lk_status lk_fuse_checkpoint(const char *base, const lk_fuse_input *inputs, cons
 lk_status lk_fuse_key_staged(lk_device dev, const lk_tensor *t, void *w, const lk_tensor *sc, void *sd,
                              const lk_fuse_key *plan, const lk_fuse_term *terms, const lk_fuse_opts *fo,
                              lk_fuse_dev_stats *stats);
+/* DoRA on a key (plan.c's apply_dora, whose header states the rules per
+ * convention): what is normed (per output row, or per input channel of K
+ * elements per row), of W or V, eps, the strength and the finish
+ * (LK_KEY_DORA_*, fuse/keyelem.h); lk_fuse_dora_term the term whose delta
+ * makes V = W + c delta; lk_fuse_dora_factor m / (sqrt(ss) + eps), in
+ * double on the host (the device kernel gets its values). */
+typedef struct lk_dora_rule {
+    int on_out, norm_w, wide; /* norm per output row; of W instead of V (comfyui) */
+    int64_t in_ch, K;         /* per input channel: channels, elements per channel per row */
+    double eps, sd, c;        /* c: the delta's scale in V */
+    int finish;               /* LK_KEY_DORA_* */
+    const lk_tensor *mag;
+} lk_dora_rule;
+lk_dora_rule lk_fuse_dora_rule(const lk_fuse_key *k, const lk_tensor *t, int64_t rows, int64_t cols);
+lk_fuse_term lk_fuse_dora_term(const lk_fuse_key *k, const lk_tensor *t, const lk_dora_rule *r);
+double lk_fuse_dora_factor(double m, double ss, double eps);
+/* lk_fuse_key_apply's refusals before any work (a non-fusable dtype
+ * other than replaced whole at strength 1, DoRA on a 1-D tensor), and its
+ * error for a non-finite fused element j of value x (LK_OK when allowed). */
+lk_status lk_fuse_key_check(const lk_tensor *t, const lk_fuse_key *k);
+lk_status lk_fuse_key_nonfinite(double x, const char *name, size_t j, const lk_fuse_opts *o);
 /* A factor's checks (dtype F32/F16/BF16, or F64 for an "A", 2-D, data). */
 lk_status lk_fuse_check_factor(const lk_tensor *t, const char *what, const char *name, size_t ti);
 

@@ -13,5 +13,33 @@ __global__ void lk_kdev_fuse_kernel(lk_kdev_args a) {
     lk_kdev_fuse_thread(&a, blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x, gridDim.y);
 }
 
-/* The kernel's address for lk_kernel.cuda (kernel_dev.c). */
-extern "C" const void *lk_kdev_fuse_cuda(void) { return (const void *)lk_kdev_fuse_kernel; }
+/* The key kernel: the delta (both precisions) plus the vector terms' fma
+ * (one per row, RPT rows): */
+// LK_AUDIT lk_kdev_key_kernel 12 16
+__global__ void lk_kdev_key_kernel(lk_kdev_key k) {
+    lk_kdev_key_thread(&k, blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x, gridDim.y);
+}
+
+/* DoRA's row sums: the delta plus one fma per row (RPT rows): */
+// LK_AUDIT lk_kdev_normrows_kernel 12 16
+__global__ void lk_kdev_normrows_kernel(lk_kdev_key k) {
+    lk_kdev_normrows_thread(&k, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x);
+}
+
+/* DoRA's channel sums: one lane of the delta (every lane is the same row)
+ * plus one fma: */
+// LK_AUDIT lk_kdev_normcols_kernel 3 4
+__global__ void lk_kdev_normcols_kernel(lk_kdev_key k) {
+    lk_kdev_normcols_thread(&k, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x);
+}
+
+/* The kernels' addresses for lk_kernel.cuda (kernel_dev.c): 0 fuse, 1 key,
+ * 2 DoRA row sums, 3 DoRA channel sums. */
+extern "C" const void *lk_kdev_cuda_kernel(int which) {
+    switch (which) {
+    case 0: return (const void *)lk_kdev_fuse_kernel;
+    case 1: return (const void *)lk_kdev_key_kernel;
+    case 2: return (const void *)lk_kdev_normrows_kernel;
+    default: return (const void *)lk_kdev_normcols_kernel;
+    }
+}

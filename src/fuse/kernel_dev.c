@@ -16,7 +16,11 @@
  * call is one allocation (the non-finite slot, then every uploaded part),
  * freed before returning.
  *
- * The host path (DoRA, replacements, vector terms, FP8, OFT / BOFT, GLoRA): the
+ * Keys on plan.c's double path (replacements, vector terms, DoRA) run the
+ * key kernel (kernel_dev.h) on the same uploads; DoRA in two passes with
+ * the factors made between them on the host by plan.c's function.
+ *
+ * The host path (FP8, OFT / BOFT, GLoRA, more terms than a launch's slots): the
  * key is copied into pinned host memory, fused there by the CPU code and
  * copied back only when that succeeded. */
 #include "lorakit/fuse_device.h"
@@ -30,18 +34,31 @@
 #include <string.h>
 
 #ifdef LK_HAVE_CUDA
-const void *lk_kdev_fuse_cuda(void); /* kernel_cuda.cu */
-#define KDEV_CUDA lk_kdev_fuse_cuda()
+const void *lk_kdev_cuda_kernel(int which); /* kernel_cuda.cu */
+#define KDEV_CUDA(which) lk_kdev_cuda_kernel(which)
 #else
-#define KDEV_CUDA NULL
+#define KDEV_CUDA(which) NULL
 #endif
 
-_Static_assert(LK_KDEV_CHAINS * LK_KDEV_RPT == 12, "update kernel_cuda.cu's LK_AUDIT line of lk_kdev_fuse_kernel");
+/* kernel_cuda.cu's // LK_AUDIT lines, the fma counts the source writes per kernel */
+_Static_assert(LK_KDEV_CHAINS * LK_KDEV_RPT == 12, "the LK_AUDIT lines of lk_kdev_fuse/key/normrows_kernel (f32)");
+_Static_assert(LK_KDEV_CHAINS * LK_KDEV_RPT + LK_KDEV_RPT == 16, "the LK_AUDIT lines of lk_kdev_key/normrows_kernel (f64)");
+_Static_assert(LK_KDEV_CHAINS == 3, "the LK_AUDIT line of lk_kdev_normcols_kernel");
 
-/* emul: the CUDA kernel's body for one thread (kernel_dev.h). */
+/* emul: the CUDA kernels' bodies for one thread (kernel_dev.h). */
 static void fuse_emul(const void *args, const lk_thread_idx *t) {
     lk_kdev_fuse_thread((const lk_kdev_args *)args, t->block_idx.x, t->block_idx.y, t->thread_idx.x, t->block_dim.x,
                         t->grid_dim.y);
+}
+static void key_emul(const void *args, const lk_thread_idx *t) {
+    lk_kdev_key_thread((const lk_kdev_key *)args, t->block_idx.x, t->block_idx.y, t->thread_idx.x, t->block_dim.x,
+                       t->grid_dim.y);
+}
+static void normrows_emul(const void *args, const lk_thread_idx *t) {
+    lk_kdev_normrows_thread((const lk_kdev_key *)args, (uint64_t)t->block_idx.x * t->block_dim.x + t->thread_idx.x);
+}
+static void normcols_emul(const void *args, const lk_thread_idx *t) {
+    lk_kdev_normcols_thread((const lk_kdev_key *)args, (uint64_t)t->block_idx.x * t->block_dim.x + t->thread_idx.x);
 }
 
 /* ---- the host path ---- */
@@ -143,46 +160,81 @@ static lk_status dev_verdict(const dev_call *c, unsigned long long bad, const ch
     return lk_fuse_nonfinite(c->w->name, idx, (size_t)c->in, wv, rv, c->opts);
 }
 
-/* Uploads u's parts into one device block (their addresses into a's
- * fields), launches a on rows x in from row row_base of the weight, and
- * judges. */
-static lk_status dev_launch(const dev_call *c, uint64_t row_base, int64_t rows, lk_kdev_args *a, dev_up *u) {
+/* Uploads u's parts into one device block *m (their addresses into the
+ * kernel arguments' fields; a part with no source is an output, not
+ * copied), after the non-finite slot (~0: none yet). */
+static lk_status up_open(const dev_call *c, dev_up *u, unsigned char **m) {
     const lk_device d = c->w->device;
-    const size_t I = (size_t)c->in, esz = lk_dtype_size(c->w->dtype);
     size_t tot = 0;
+    *m = NULL;
     if (u->ovf || !lk_checked_add(u->tot, 256, &tot))
         return lk_error(LK_ERR_SHAPE, "%s: factors too large for the device", c->w->name);
-    unsigned char *m = NULL;
-    lk_status st = lk_device_alloc(d, tot, (void **)&m);
+    lk_status st = lk_device_alloc(d, tot, (void **)m);
     if (st) return lk_error_prefix(st, "%s: device memory for the factors", c->w->name);
-    unsigned long long bad = ~0ull;
-    char *wband = (char *)c->w->data + (size_t)row_base * I * esz;
+    const unsigned long long none = ~0ull;
+    st = lk_device_copy(d, *m, &none, sizeof none, LK_COPY_H2D, c->s);
+    for (size_t i = 0; i < u->np && !st; i++) {
+        *u->fix[i] = *m + 256 + u->at[i];
+        if (u->src[i]) st = lk_device_copy(d, *m + 256 + u->at[i], u->src[i], u->n[i], LK_COPY_H2D, c->s);
+    }
+    if (!st && c->stats) c->stats->bytes_uploaded += u->tot + sizeof none;
+    if (st) {
+        lk_device_free(d, *m);
+        *m = NULL;
+    }
+    return st;
+}
+
+/* One launch until done (its time in the stats). */
+typedef void (*emul_fn)(const void *args, const lk_thread_idx *t);
+static lk_status dev_run(const dev_call *c, int which, emul_fn emul, lk_dim3 grid, const void *args, size_t size) {
+    const lk_device d = c->w->device;
+    static const char *const names[] = {"lk_kdev_fuse", "lk_kdev_key", "lk_kdev_normrows", "lk_kdev_normcols"};
+    const lk_kernel k = {names[which], KDEV_CUDA(which), emul};
+    const double t0 = lk_now_s();
+    lk_status st = lk_device_launch(d, &k, grid, (lk_dim3){LK_KDEV_BLOCK, 1, 1}, args, size, c->s);
+    if (!st) st = lk_stream_sync(d, c->s);
+    if (!st && c->stats) c->stats->seconds_kernel += lk_now_s() - t0;
+    return st;
+}
+
+static lk_status dev_get(const dev_call *c, void *dst, const void *src, size_t n) {
+    lk_status st = lk_device_copy(c->w->device, dst, src, n, LK_COPY_D2H, c->s);
+    return st ? st : lk_stream_sync(c->w->device, c->s);
+}
+
+/* The grid of the element kernels: columns in blocks, row groups capped at 65535. */
+static lk_dim3 elem_grid(uint64_t rows, uint64_t in) {
+    const uint64_t groups = (rows + LK_KDEV_RPT - 1) / LK_KDEV_RPT;
+    return (lk_dim3){(unsigned)((in + LK_KDEV_BLOCK - 1) / LK_KDEV_BLOCK), groups < 65535 ? (unsigned)groups : 65535u, 1};
+}
+
+/* The weight's fields of a, rows x in from row row_base. */
+static void args_weight(const dev_call *c, lk_kdev_args *a, uint64_t row_base, int64_t rows, unsigned char *m) {
+    char *wband = (char *)c->w->data + (size_t)row_base * (size_t)c->in * lk_dtype_size(c->w->dtype);
     a->w_out = wband;
     a->w_in = wband;
     a->bad = (unsigned long long *)m;
     a->rows = (uint64_t)rows;
-    a->in = I;
+    a->in = (uint64_t)c->in;
     a->row_base = row_base;
     a->dt = (int)c->w->dtype;
     a->wide = c->wide;
-    st = lk_device_copy(d, m, &bad, sizeof bad, LK_COPY_H2D, c->s);
-    for (size_t i = 0; i < u->np && !st; i++) {
-        *u->fix[i] = m + 256 + u->at[i];
-        st = lk_device_copy(d, m + 256 + u->at[i], u->src[i], u->n[i], LK_COPY_H2D, c->s);
-    }
-    const uint64_t groups = ((uint64_t)rows + LK_KDEV_RPT - 1) / LK_KDEV_RPT;
-    const lk_dim3 grid = {(unsigned)((I + LK_KDEV_BLOCK - 1) / LK_KDEV_BLOCK), groups < 65535 ? (unsigned)groups : 65535u, 1};
-    const lk_kernel k = {"lk_kdev_fuse", KDEV_CUDA, fuse_emul};
-    const double t0 = lk_now_s();
-    if (!st) st = lk_device_launch(d, &k, grid, (lk_dim3){LK_KDEV_BLOCK, 1, 1}, a, sizeof *a, c->s);
-    if (!st && c->s) st = lk_stream_sync(d, c->s);
-    if (!st && c->stats) c->stats->seconds_kernel += lk_now_s() - t0;
-    if (!st) st = lk_device_copy(d, &bad, m, sizeof bad, LK_COPY_D2H, c->s);
-    if (!st) st = lk_stream_sync(d, c->s);
-    lk_device_free(d, m);
+}
+
+/* Uploads u, launches the fuse kernel a on rows x in from row row_base of
+ * the weight, and judges. */
+static lk_status dev_launch(const dev_call *c, uint64_t row_base, int64_t rows, lk_kdev_args *a, dev_up *u) {
+    unsigned char *m;
+    lk_status st = up_open(c, u, &m);
+    if (st) return st;
+    args_weight(c, a, row_base, rows, m);
+    unsigned long long bad = ~0ull;
+    st = dev_run(c, 0, fuse_emul, elem_grid((uint64_t)rows, a->in), a, sizeof *a);
+    if (!st) st = dev_get(c, &bad, m, sizeof bad);
+    lk_device_free(c->w->device, m);
     if (st) return lk_error_prefix(st, "%s", c->w->name);
-    if (c->stats) c->stats->bytes_uploaded += u->tot + sizeof bad;
-    return dev_verdict(c, bad, wband, row_base);
+    return dev_verdict(c, bad, (const char *)a->w_in, row_base);
 }
 
 /* rows [r0, r0 + rows) with LoRA terms lt only (their B covering exactly
@@ -216,6 +268,46 @@ static void kron_tables(uint64_t *tab, const lk_delta_xpart *x, size_t out, size
     }
 }
 
+/* A preparation of the row driver (terms.c) as kernel arguments: its
+ * LoRA chain and other terms into a, their buffers into u, LoKr's index
+ * tables into *tabs (lk_free; NULL when none). *nx the other terms' count
+ * (more than LK_KDEV_MAX_X: nothing done, the caller takes the host path). */
+static lk_status up_delta(const dev_call *c, const lk_delta_prep *p, size_t O, dev_up *u, lk_kdev_args *a,
+                          uint64_t **tabs, size_t *nx) {
+    lk_delta_xpart xp[LK_KDEV_MAX_X];
+    size_t nkron = 0;
+    const size_t vsz = c->wide ? sizeof(double) : sizeof(float), I = (size_t)c->in;
+    const lk_kdelta *lora = lk_fuse_delta_parts(p, xp, LK_KDEV_MAX_X, nx);
+    *tabs = NULL;
+    if (*nx > LK_KDEV_MAX_X) return LK_OK;
+    a->n_x = (int)*nx;
+    up_chain(u, lora, O, I, vsz, &a->lora);
+    for (size_t t = 0; t < *nx; t++) nkron += xp[t].kind == LK_TERM_KRON;
+    if (nkron && !(*tabs = lk_malloc(nkron * 2 * (O + I) * sizeof **tabs)))
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the Kronecker index tables", c->w->name);
+    for (size_t t = 0, kt = 0; t < *nx; t++) {
+        lk_kdev_x *x = &a->x[t];
+        const lk_delta_xpart *q = &xp[t];
+        if (q->kind == LK_TERM_DENSE) {
+            *x = (lk_kdev_x){.kind = LK_KDEV_X_DENSE, .dt = (int)q->dense->dtype, .scale = q->scale};
+            up_add(u, q->dense->data, q->dense->nbytes, &x->D);
+        } else if (q->kind == LK_TERM_HADA) {
+            x->kind = LK_KDEV_X_HADA;
+            up_chain(u, q->p1, O, I, vsz, &x->p1);
+            up_chain(u, q->p2, O, I, vsz, &x->p2);
+        } else {
+            uint64_t *tab = *tabs + (kt++) * 2 * (O + I);
+            kron_tables(tab, q, O, I);
+            x->kind = LK_KDEV_X_KRON;
+            up_add(u, q->w1, q->a * q->b * vsz, &x->w1);
+            up_add(u, q->w2, q->c * q->D * vsz, &x->w2);
+            up_add(u, tab, 2 * O * sizeof *tab, (const void **)&x->rtab);
+            up_add(u, tab + 2 * O, 2 * I * sizeof *tab, (const void **)&x->ctab);
+        }
+    }
+    return LK_OK;
+}
+
 /* Every kind the row driver takes (LoRA, dense, LoHa, LoKr) on the whole
  * weight, from terms.c's own preparation (its checks, its errors); more
  * than LK_KDEV_MAX_X non-LoRA terms: *host set, nothing done. */
@@ -223,37 +315,12 @@ static lk_status dev_mixed(const dev_call *c, int64_t out, const lk_fuse_term *t
     lk_delta_prep *p;
     lk_status st = lk_fuse_delta_prepare(c->wide, out, c->in, 0, out, terms, n, c->w->name, &p);
     if (st) return st;
-    lk_delta_xpart xp[LK_KDEV_MAX_X];
-    size_t nx = 0, nkron = 0;
-    const lk_kdelta *lora = lk_fuse_delta_parts(p, xp, LK_KDEV_MAX_X, &nx);
-    *host = nx > LK_KDEV_MAX_X;
-    lk_kdev_args a = {.n_x = (int)nx};
+    lk_kdev_args a = {0};
     dev_up u = {0};
-    const size_t vsz = c->wide ? sizeof(double) : sizeof(float), O = (size_t)out, I = (size_t)c->in;
-    up_chain(&u, lora, O, I, vsz, &a.lora);
-    for (size_t t = 0; t < nx && !*host; t++) nkron += xp[t].kind == LK_TERM_KRON;
-    uint64_t *tabs = nkron ? lk_malloc(nkron * 2 * (O + I) * sizeof *tabs) : NULL;
-    if (nkron && !tabs) st = lk_error(LK_ERR_NOMEM, "%s: out of memory for the Kronecker index tables", c->w->name);
-    for (size_t t = 0, kt = 0; t < nx && !*host && !st; t++) {
-        lk_kdev_x *x = &a.x[t];
-        const lk_delta_xpart *q = &xp[t];
-        if (q->kind == LK_TERM_DENSE) {
-            *x = (lk_kdev_x){.kind = LK_KDEV_X_DENSE, .dt = (int)q->dense->dtype, .scale = q->scale};
-            up_add(&u, q->dense->data, q->dense->nbytes, &x->D);
-        } else if (q->kind == LK_TERM_HADA) {
-            x->kind = LK_KDEV_X_HADA;
-            up_chain(&u, q->p1, O, I, vsz, &x->p1);
-            up_chain(&u, q->p2, O, I, vsz, &x->p2);
-        } else {
-            uint64_t *tab = tabs + (kt++) * 2 * (O + I);
-            kron_tables(tab, q, O, I);
-            x->kind = LK_KDEV_X_KRON;
-            up_add(&u, q->w1, q->a * q->b * vsz, &x->w1);
-            up_add(&u, q->w2, q->c * q->D * vsz, &x->w2);
-            up_add(&u, tab, 2 * O * sizeof *tab, (const void **)&x->rtab);
-            up_add(&u, tab + 2 * O, 2 * I * sizeof *tab, (const void **)&x->ctab);
-        }
-    }
+    uint64_t *tabs = NULL;
+    size_t nx = 0;
+    st = up_delta(c, p, (size_t)out, &u, &a, &tabs, &nx);
+    *host = nx > LK_KDEV_MAX_X;
     if (!st && !*host && (a.lora.R || nx)) st = dev_launch(c, 0, out, &a, &u); /* nothing live: unchanged */
     lk_free(tabs);
     lk_fuse_delta_free(p);
@@ -319,6 +386,136 @@ lk_status lk_fuse_tensor_dev(lk_tensor *w, const lk_fuse_term *terms, size_t n_t
     return st;
 }
 
+/* ---- plan.c's double path on the device (the key kernel) ---- */
+
+typedef struct key_call {
+    dev_call c;
+    lk_kdev_key k;
+    dev_up u;
+    lk_delta_prep *p;
+    uint64_t *tabs;
+    lk_dora_rule dr;
+    int64_t rows, cols;
+    size_t n_norm, n_f; /* DoRA: sums per row or channel, factors per row or column */
+} key_call;
+
+static int elem_dtype(lk_dtype d) { return d == LK_DTYPE_F32 || d == LK_DTYPE_F16 || d == LK_DTYPE_BF16; }
+
+/* DoRA's kernel arguments: its term's delta (terms.c's preparation), the
+ * rule, the sums and factors as device outputs / inputs. */
+static lk_status key_dora(key_call *kc, const lk_fuse_key *k, int *host) {
+    const lk_tensor *t = kc->c.w;
+    lk_kdev_key *kk = &kc->k;
+    kc->dr = lk_fuse_dora_rule(k, t, kc->rows, kc->cols);
+    const lk_dora_rule *r = &kc->dr;
+    *host |= !elem_dtype(r->mag->dtype);
+    const lk_fuse_term lt = lk_fuse_dora_term(k, t, r);
+    lk_status st = lk_fuse_delta_prepare(kc->c.wide, kc->rows, kc->cols, 0, kc->rows, &lt, 1, t->name, &kc->p);
+    if (st) return st;
+    kk->dora = 1;
+    kk->finish = r->finish;
+    kk->sd = r->sd;
+    kk->norm_w = r->norm_w;
+    kk->f_per_row = r->on_out;
+    kk->K = (uint64_t)r->K;
+    kk->n_ch = (uint64_t)r->in_ch;
+    kc->n_norm = r->on_out ? (size_t)kc->rows : (size_t)r->in_ch;
+    kc->n_f = r->on_out ? (size_t)kc->rows : (size_t)kc->cols;
+    up_add(&kc->u, NULL, kc->n_norm * sizeof(double), (const void **)&kk->norm);
+    up_add(&kc->u, NULL, kc->n_f * sizeof(double), (const void **)&kk->f);
+    return LK_OK;
+}
+
+/* The key's inputs as kernel arguments: a replacement, the terms (2-D:
+ * their delta; 1-D: vector terms) or DoRA. *host: what one launch does
+ * not take (more terms than its slots, dtypes other than F32/F16/BF16). */
+static lk_status key_setup(key_call *kc, const lk_fuse_key *k, const lk_fuse_term *terms, int *host) {
+    const lk_tensor *t = kc->c.w;
+    lk_kdev_key *kk = &kc->k;
+    lk_status st = LK_OK;
+    if (k->dora) st = key_dora(kc, k, host);
+    else if (k->n_terms && t->ndim >= 2) {
+        st = lk_fuse_delta_prepare(kc->c.wide, kc->rows, kc->cols, 0, kc->rows, terms, k->n_terms, t->name, &kc->p);
+        kk->two_d = 1;
+    } else if (k->n_terms) {
+        *host |= k->n_terms > LK_KDEV_MAX_VEC;
+        for (size_t i = 0; i < k->n_terms && !*host; i++) {
+            *host |= !elem_dtype(terms[i].B->dtype);
+            kk->vec_dt[i] = (int)terms[i].B->dtype;
+            kk->vec_scale[i] = terms[i].scale;
+            up_add(&kc->u, terms[i].B->data, terms[i].B->nbytes, &kk->vec[i]);
+        }
+        kk->n_vec = (int)k->n_terms;
+    }
+    if (!st && kc->p) {
+        size_t nx = 0;
+        st = up_delta(&kc->c, kc->p, (size_t)kc->rows, &kc->u, &kk->d, &kc->tabs, &nx);
+        *host |= nx > LK_KDEV_MAX_X;
+    }
+    if (!st && k->replace) {
+        *host |= !elem_dtype(k->replace->dtype);
+        kk->rep_dt = (int)k->replace->dtype;
+        kk->sr = (double)k->replace_strength;
+        up_add(&kc->u, k->replace->data, k->replace->nbytes, &kk->rep);
+    }
+    return st;
+}
+
+/* DoRA's first pass: the sums on the device, the factors m / (sqrt + eps)
+ * on the host (plan.c's function), uploaded for the second. */
+static lk_status key_dora_factors(key_call *kc) {
+    lk_kdev_key *kk = &kc->k;
+    const lk_dora_rule *r = &kc->dr;
+    const uint64_t groups = r->on_out ? ((uint64_t)kc->rows + LK_KDEV_RPT - 1) / LK_KDEV_RPT : (uint64_t)r->in_ch;
+    const lk_dim3 grid = {(unsigned)((groups + LK_KDEV_BLOCK - 1) / LK_KDEV_BLOCK), 1, 1};
+    lk_status st = dev_run(&kc->c, r->on_out ? 2 : 3, r->on_out ? normrows_emul : normcols_emul, grid, kk, sizeof *kk);
+    double *h = st ? NULL : lk_malloc((kc->n_norm + kc->n_f) * sizeof *h);
+    if (!st && !h) st = lk_error(LK_ERR_NOMEM, "%s: out of memory for DoRA's norms", kc->c.w->name);
+    if (!st) st = dev_get(&kc->c, h, kk->norm, kc->n_norm * sizeof *h);
+    double *f = h ? h + kc->n_norm : NULL;
+    for (size_t i = 0; !st && i < kc->n_f; i++) {
+        const size_t ch = r->on_out ? i : i / (size_t)r->K;
+        f[i] = lk_fuse_dora_factor((double)lk_key_load(r->mag->data, (int)r->mag->dtype, ch), h[ch], r->eps);
+    }
+    if (!st) st = lk_device_copy(kc->c.w->device, (void *)kk->f, f, kc->n_f * sizeof *f, LK_COPY_H2D, kc->c.s);
+    lk_free(h);
+    return st;
+}
+
+/* Uploads, runs (DoRA: both passes) and judges: a non-finite element is
+ * the CPU's error, its value from the noted class. */
+static lk_status key_run(key_call *kc, const lk_fuse_opts *opts) {
+    unsigned char *m;
+    lk_status st = up_open(&kc->c, &kc->u, &m);
+    if (st) return st;
+    args_weight(&kc->c, &kc->k.d, 0, kc->rows, m);
+    if (kc->k.dora) st = key_dora_factors(kc);
+    unsigned long long bad = ~0ull;
+    if (!st) st = dev_run(&kc->c, 1, key_emul, elem_grid((uint64_t)kc->rows, (uint64_t)kc->cols), &kc->k, sizeof kc->k);
+    if (!st) st = dev_get(&kc->c, &bad, m, sizeof bad);
+    lk_device_free(kc->c.w->device, m);
+    if (st) return lk_error_prefix(st, "%s", kc->c.w->name);
+    if (bad == ~0ull) return LK_OK;
+    const unsigned cls = (unsigned)(bad & 3u);
+    const double x = cls == 0 ? INFINITY : cls == 1 ? -INFINITY : NAN;
+    return lk_fuse_key_nonfinite(x, kc->c.w->name, (size_t)(bad >> 2), opts);
+}
+
+/* A key with a replacement, DoRA or vector terms on the device; *host:
+ * nothing done, the caller takes the host path. */
+static lk_status dev_key(lk_tensor *w, const lk_fuse_key *k, const lk_fuse_term *terms, const lk_fuse_opts *opts,
+                         lk_stream *stream, lk_fuse_dev_stats *stats, int *host) {
+    key_call kc = {.c = {.w = w, .s = stream, .opts = opts, .wide = w->dtype == LK_DTYPE_F32, .stats = stats}};
+    kc.rows = w->ndim < 2 ? 1 : w->shape[0];
+    kc.cols = (int64_t)(lk_tensor_numel(w) / (size_t)kc.rows);
+    kc.c.in = kc.cols;
+    lk_status st = key_setup(&kc, k, terms, host);
+    if (!st && !*host) st = key_run(&kc, opts);
+    lk_free(kc.tabs);
+    lk_fuse_delta_free(kc.p);
+    return st;
+}
+
 typedef struct key_ctx {
     const lk_fuse_key *k;
     const lk_fuse_term *terms;
@@ -340,6 +537,19 @@ lk_status lk_fuse_key_apply_dev(lk_tensor *w, const lk_fuse_key *k, const lk_fus
     /* what lk_fuse_key_apply sends to lk_fuse_tensor: terms alone on a 2-D (or conv) weight */
     if (!k->replace && !k->dora && k->n_terms && w->ndim >= 2 && lk_dtype_is_fusable(w->dtype))
         return lk_fuse_tensor_dev(w, terms, k->n_terms, opts, stream, stats);
+    if ((st = lk_fuse_key_check(w, k))) return st;
+    if (!lk_dtype_is_fusable(w->dtype)) { /* replaced whole at strength 1: one upload */
+        st = lk_device_copy(w->device, w->data, k->replace->data, w->nbytes, LK_COPY_H2D, stream);
+        if (!st) st = lk_stream_sync(w->device, stream);
+        if (!st && stats) stats->keys_device++;
+        return st;
+    }
+    int host = 0;
+    if ((st = dev_key(w, k, terms, opts, stream, stats, &host))) return st;
+    if (!host) {
+        if (stats) stats->keys_device++;
+        return LK_OK;
+    }
     key_ctx kc = {k, terms, opts};
     return host_path(w, host_key, &kc, stream, stats);
 }

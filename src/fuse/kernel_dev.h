@@ -43,6 +43,7 @@
 #include "core/hd.h"
 #include "core/dtype_scalar.h"
 #include "fuse/round.h"
+#include "fuse/keyelem.h"
 
 #define LK_KDEV_RPT 4        /* rows per thread */
 #define LK_KDEV_BLOCK 128    /* threads per block (x) */
@@ -97,9 +98,8 @@ typedef struct lk_kdev_args {
     lk_kdev_x x[LK_KDEV_MAX_X];
 } lk_kdev_args;
 
-LK_HD void lk_kdev_note_bad(unsigned long long *bad, uint64_t idx, uint32_t old_bits) {
-    const uint64_t i = idx < 0xffffffffull ? idx : 0xffffffffull; /* a weight of 2^32 elements or more: clamped */
-    const unsigned long long key = ((unsigned long long)i << 32) | old_bits;
+/* *bad = min(*bad, key): an atomic min on the GPU; emul's threads run one at a time. */
+LK_HD void lk_kdev_min(unsigned long long *bad, unsigned long long key) {
 #ifdef __CUDA_ARCH__
     atomicMin(bad, key);
 #else
@@ -107,11 +107,9 @@ LK_HD void lk_kdev_note_bad(unsigned long long *bad, uint64_t idx, uint32_t old_
 #endif
 }
 
-/* One value of a dense term as f32 (lorakit/dtype.h's conversions). */
-LK_HD float lk_kdev_load(const void *p, int dt, uint64_t i) {
-    if (dt == LK_DTYPE_F32) return ((const float *)p)[i];
-    const uint16_t h = ((const uint16_t *)p)[i];
-    return dt == LK_DTYPE_BF16 ? lk_sc_bf16_to_f32(h) : lk_sc_f16_to_f32(h);
+LK_HD void lk_kdev_note_bad(unsigned long long *bad, uint64_t idx, uint32_t old_bits) {
+    const uint64_t i = idx < 0xffffffffull ? idx : 0xffffffffull; /* a weight of 2^32 elements or more: clamped */
+    lk_kdev_min(bad, ((unsigned long long)i << 32) | old_bits);
 }
 
 /* A's (0, j) in a chain's layout: no integer division on the device (its
@@ -159,7 +157,7 @@ LK_KDEV_CHAIN(lk_kdev_chain64, double, fma)
             if (x->kind == LK_KDEV_X_DENSE) {                                                                \
                 LK_KDEV_UNROLL                                                                               \
                 for (int r = 0; r < LK_KDEV_RPT; r++)                                                        \
-                    d[r] = d[r] + DENSE_X(x->scale, lk_kdev_load(x->D, x->dt, row[r] * a->in + j));          \
+                    d[r] = d[r] + DENSE_X(x->scale, lk_key_load(x->D, x->dt, row[r] * a->in + j));          \
             } else if (x->kind == LK_KDEV_X_HADA) {                                                          \
                 T p1[LK_KDEV_RPT], p2[LK_KDEV_RPT];                                                          \
                 CHAIN(p1, &x->p1, row, j);                                                                   \
@@ -226,6 +224,147 @@ LK_HD void lk_kdev_fuse_thread(const lk_kdev_args *a, unsigned bx, unsigned by, 
         if (a->wide) lk_kdev_rows64(a, o0, nr, j);
         else lk_kdev_rows32(a, o0, nr, j);
     }
+}
+
+/* ---- plan.c's double path on the device: replacements, vector terms, DoRA ----
+ *
+ * fuse/keyelem.h's rules per element, in plan.c's order: x from the base
+ * value w (a replacement at its strength), then + the terms' delta (the
+ * chain above, in the weight's accumulator) on a 2-D weight or + the
+ * vector terms' fma chain on a 1-D one; DoRA: v = w + c d and x =
+ * finish(w, v, f) with f per row or column made on the host from the norm
+ * kernels' sums. Stored once (lk_key_store). A non-finite x is noted as
+ * the lowest (element index << 2 | class), class 0 +Inf, 1 -Inf, 2 NaN:
+ * the CPU's message names the element and the value (a NaN without its
+ * sign, which is the hardware's). */
+#define LK_KDEV_MAX_VEC 8
+
+typedef struct lk_kdev_key {
+    lk_kdev_args d;          /* the weight, the bad slot, the delta's terms (two_d or DoRA) */
+    int two_d;               /* add the terms' delta */
+    const void *rep;         /* a replacement (NULL: none), dtype rep_dt, at strength sr */
+    int rep_dt;
+    double sr;
+    int n_vec;               /* vector terms on a 1-D tensor */
+    int vec_dt[LK_KDEV_MAX_VEC];
+    const void *vec[LK_KDEV_MAX_VEC];
+    double vec_scale[LK_KDEV_MAX_VEC];
+    int dora, finish, norm_w, f_per_row;
+    double sd;
+    const double *f;         /* DoRA's m / (norm + eps): per row (f_per_row) or per column */
+    double *norm;            /* the norm kernels' sums: per row, or per channel of K columns */
+    uint64_t K, n_ch;
+} lk_kdev_key;
+
+/* The delta of the RPT rows row[] of column j in double (the weight's
+ * accumulator's value, widened exactly). */
+LK_HD void lk_kdev_delta_d(const lk_kdev_args *a, double *dd, const uint64_t *row, uint64_t j) {
+    if (a->wide) {
+        lk_kdev_delta64(a, dd, row, j);
+        return;
+    }
+    float d[LK_KDEV_RPT];
+    lk_kdev_delta32(a, d, row, j);
+    LK_KDEV_UNROLL
+    for (int r = 0; r < LK_KDEV_RPT; r++) dd[r] = (double)d[r];
+}
+
+LK_HD void lk_kdev_note_key(unsigned long long *bad, uint64_t idx, double x) {
+    const uint64_t cls = x != x ? 2u : lk_d2u(x) >> 63;
+    lk_kdev_min(bad, ((unsigned long long)idx << 2) | cls);
+}
+
+/* One thread of the key kernel: rows o0 .. o0 + RPT - 1 (grid-stride) of column j. */
+LK_HD void lk_kdev_key_thread(const lk_kdev_key *k, unsigned bx, unsigned by, unsigned tx, unsigned bdx, unsigned gdy) {
+    const lk_kdev_args *a = &k->d;
+    const uint64_t j = (uint64_t)bx * bdx + tx, in = a->in;
+    if (j >= in) return;
+    for (uint64_t o0 = (uint64_t)by * LK_KDEV_RPT; o0 < a->rows; o0 += (uint64_t)gdy * LK_KDEV_RPT) {
+        const uint64_t nr = a->rows - o0 < LK_KDEV_RPT ? a->rows - o0 : LK_KDEV_RPT;
+        uint64_t row[LK_KDEV_RPT];
+        double dd[LK_KDEV_RPT];
+        LK_KDEV_UNROLL
+        for (int r = 0; r < LK_KDEV_RPT; r++) {
+            row[r] = o0 + ((uint64_t)r < nr ? (uint64_t)r : nr - 1);
+            dd[r] = 0.0;
+        }
+        if (k->two_d || k->dora) lk_kdev_delta_d(a, dd, row, j);
+        LK_KDEV_UNROLL
+        for (int r = 0; r < LK_KDEV_RPT; r++) {
+            if ((uint64_t)r >= nr) break;
+            const uint64_t i = row[r] * in + j;
+            const uint32_t wb = lk_key_bits(a->w_in, a->dt, i);
+            const double w = (double)lk_key_load(a->w_in, a->dt, i);
+            double x = w;
+            if (k->dora) {
+                x = lk_key_dora_finish(k->finish, k->sd, w, w + dd[r], k->f[k->f_per_row ? row[r] : j]);
+            } else {
+                if (k->rep) x = lk_key_replace(x, (double)lk_key_load(k->rep, k->rep_dt, i), k->sr);
+                if (k->two_d) x = x + dd[r];
+                else if (k->n_vec) {
+                    double dj = 0.0;
+                    LK_KDEV_ROLLED
+                    for (int t = 0; t < k->n_vec; t++) dj = fma(k->vec_scale[t], (double)lk_key_load(k->vec[t], k->vec_dt[t], i), dj);
+                    x = x + dj;
+                }
+            }
+            if ((lk_d2u(x) & 0x7ff0000000000000ull) == 0x7ff0000000000000ull)
+                lk_kdev_note_key(a->bad, (a->row_base + row[r]) * in + j, x);
+            lk_key_put(a->w_out, a->dt, i, lk_key_store(x, wb, a->dt));
+        }
+    }
+}
+
+/* DoRA's sums per output row, RPT rows per thread g: ss = fma(x, x, ss)
+ * over the columns ascending, x = w (norm_w) or v = w + c d (plan.c's
+ * order). */
+LK_HD void lk_kdev_normrows_thread(const lk_kdev_key *k, uint64_t g) {
+    const lk_kdev_args *a = &k->d;
+    const uint64_t o0 = g * LK_KDEV_RPT, in = a->in;
+    if (o0 >= a->rows) return;
+    const uint64_t nr = a->rows - o0 < LK_KDEV_RPT ? a->rows - o0 : LK_KDEV_RPT;
+    uint64_t row[LK_KDEV_RPT];
+    double ss[LK_KDEV_RPT], dd[LK_KDEV_RPT];
+    LK_KDEV_UNROLL
+    for (int r = 0; r < LK_KDEV_RPT; r++) {
+        row[r] = o0 + ((uint64_t)r < nr ? (uint64_t)r : nr - 1);
+        ss[r] = 0.0;
+    }
+    for (uint64_t j = 0; j < in; j++) {
+        lk_kdev_delta_d(a, dd, row, j);
+        LK_KDEV_UNROLL
+        for (int r = 0; r < LK_KDEV_RPT; r++) {
+            const double w = (double)lk_key_load(a->w_in, a->dt, row[r] * in + j);
+            const double x = k->norm_w ? w : w + dd[r];
+            ss[r] = fma(x, x, ss[r]);
+        }
+    }
+    LK_KDEV_UNROLL
+    for (int r = 0; r < LK_KDEV_RPT; r++)
+        if ((uint64_t)r < nr) k->norm[row[r]] = ss[r];
+}
+
+/* DoRA's sums per input channel ch (columns ch K .. ch K + K - 1): rows
+ * ascending, then the channel's columns ascending (plan.c's order); every
+ * lane of the delta takes the same row and only lane 0 is read, so the
+ * compiler keeps one lane of each chain (the audit counts LK_KDEV_CHAINS
+ * fma per precision, plus the sum's). */
+LK_HD void lk_kdev_normcols_thread(const lk_kdev_key *k, uint64_t ch) {
+    const lk_kdev_args *a = &k->d;
+    if (ch >= k->n_ch) return;
+    double cs = 0.0, dd[LK_KDEV_RPT];
+    for (uint64_t o = 0; o < a->rows; o++) {
+        uint64_t row[LK_KDEV_RPT];
+        LK_KDEV_UNROLL
+        for (int r = 0; r < LK_KDEV_RPT; r++) row[r] = o;
+        for (uint64_t jj = 0; jj < k->K; jj++) {
+            const uint64_t j = ch * k->K + jj;
+            lk_kdev_delta_d(a, dd, row, j);
+            const double v = (double)lk_key_load(a->w_in, a->dt, o * a->in + j) + dd[0];
+            cs = fma(v, v, cs);
+        }
+    }
+    k->norm[ch] = cs;
 }
 
 #endif

@@ -38,6 +38,7 @@
 #include "lorakit/dtype.h"
 #include "fuse/fuse.h"
 #include "core/bits.h"
+#include "fuse/keyelem.h"
 
 #include <math.h>
 #include <stdint.h>
@@ -162,13 +163,10 @@ lk_status lk_fuse_key_plan(lk_adapter *const *ad, const double *strength, size_t
 
 int lk_fuse_key_touches(const lk_fuse_key *k) { return k->replace || k->dora || k->n_terms; }
 
-/* double -> dtype, one rounding: via round-to-odd f32 for the 16-bit types. */
-static void store(void *dst, size_t j, double x, lk_dtype d) {
-    float f = (float)x;
-    if (d != LK_DTYPE_F32 && isfinite(f) && (double)f != x) {
-        if (!(lk_f2u(f) & 1)) f = nextafterf(f, x > (double)f ? INFINITY : -INFINITY);
-    }
-    lk_from_f32((char *)dst + j * lk_dtype_size(d), &f, d, 1);
+/* double -> dtype, one rounding (fuse/keyelem.h: round to odd f32 for the
+ * 16-bit types, the NaN rule); w holds the old bits at j. */
+static void store(void *dst, const void *w, size_t j, double x, lk_dtype d) {
+    lk_key_put(dst, (int)d, j, lk_key_store(x, lk_key_bits(w, (int)d, j), (int)d));
 }
 
 static double load(const void *src, size_t j, lk_dtype d) {
@@ -177,10 +175,14 @@ static double load(const void *src, size_t j, lk_dtype d) {
     return (double)f;
 }
 
-static lk_status finite_check(double x, const char *name, size_t j, const lk_fuse_opts *o) {
+double lk_fuse_dora_factor(double m, double ss, double eps) { return m / (sqrt(ss) + eps); }
+
+lk_status lk_fuse_key_nonfinite(double x, const char *name, size_t j, const lk_fuse_opts *o) {
     if (isfinite(x) || (o && o->allow_nonfinite)) return LK_OK;
-    return lk_error(LK_ERR_NONFINITE, "%s: element %zu of the fused tensor is %g", name, j, x);
+    /* a NaN is named without its sign: which NaN arithmetic makes (Inf - Inf is -NaN on x86) is the hardware's */
+    return lk_error(LK_ERR_NONFINITE, "%s: element %zu of the fused tensor is %g", name, j, x != x ? fabs(x) : x);
 }
+#define finite_check lk_fuse_key_nonfinite
 
 /* Rows per call of the kernel's delta API (it converts A once per call). */
 static int64_t chunk_rows(int64_t rows, int64_t cols) {
@@ -249,19 +251,11 @@ static lk_status dstream_open(dstream *ds, int wide, int64_t rows, int64_t cols,
  *            input channel keeps its axis), eps 0; the strength is PEFT's
  *            scaling multiplier: V = W + sd c delta, result W' itself.
  * Norms are fma chains in double (rows ascending, then columns ascending). */
-typedef struct dora_rule {
-    int on_out, norm_w, wide;  /* norm per output row; of W instead of V (comfyui) */
-    int64_t in_ch, K;          /* per input channel: channels, elements per channel per row */
-    double eps, sd, c;         /* c: the delta's scale in V */
-    enum { D_INTERP_W, D_INTERP_V, D_PEFT } finish;
-    const lk_tensor *mag;
-} dora_rule;
-
-static dora_rule dora_rule_of(const lk_fuse_key *k, const lk_tensor *t, int64_t rows, int64_t cols) {
+lk_dora_rule lk_fuse_dora_rule(const lk_fuse_key *k, const lk_tensor *t, int64_t rows, int64_t cols) {
     const lk_lora_module *m = k->dora;
     const int peft_mag = m->magnitude.data != NULL;
-    dora_rule r = {.wide = t->dtype == LK_DTYPE_F32, .sd = (double)k->dora_strength, .c = m->scale,
-                   .mag = peft_mag ? &m->magnitude : &m->dora_scale, .finish = D_INTERP_W};
+    lk_dora_rule r = {.wide = t->dtype == LK_DTYPE_F32, .sd = (double)k->dora_strength, .c = m->scale,
+                   .mag = peft_mag ? &m->magnitude : &m->dora_scale, .finish = LK_KEY_DORA_INTERP_W};
     lk_convention cv = k->dora_convention;
     if (cv == LK_CONVENTION_LYCORIS && peft_mag) cv = LK_CONVENTION_LORAKIT;
     r.on_out = peft_mag || (r.mag->shape[0] == rows && (int64_t)lk_tensor_numel(r.mag) == rows);
@@ -272,33 +266,24 @@ static dora_rule dora_rule_of(const lk_fuse_key *k, const lk_tensor *t, int64_t 
         r.eps = 0x1p-23;
     } else if (cv == LK_CONVENTION_LYCORIS) {
         r.eps = 0x1p-23;
-        r.finish = D_INTERP_V;
+        r.finish = LK_KEY_DORA_INTERP_V;
     } else if (cv == LK_CONVENTION_PEFT) {
         r.eps = 0.0;
         r.c = r.sd * m->scale;
-        r.finish = D_PEFT;
+        r.finish = LK_KEY_DORA_PEFT;
     }
     r.in_ch = r.on_out ? 1 : (int64_t)lk_tensor_numel(r.mag);
     r.K = r.on_out ? 1 : cols / r.in_ch;
     return r;
 }
 
-/* One fused value of DoRA: w the base element, v = w + c delta, f its m / (norm + eps). */
-static double dora_finish(const dora_rule *r, double w, double v, double f) {
-    switch (r->finish) {
-    case D_PEFT: return f * v;
-    case D_INTERP_V: return r->sd == 1.0 ? f * v : v + r->sd * (f * v - v);
-    default: return r->sd == 1.0 ? f * v : w + r->sd * (f * v - w);
-    }
-}
-
 static lk_status apply_dora(void *w_out, const void *w_in, const lk_tensor *t, const lk_fuse_key *k, int64_t rows,
                             int64_t cols, const lk_fuse_opts *opts) {
-    const dora_rule r = dora_rule_of(k, t, rows, cols);
+    const lk_dora_rule r = lk_fuse_dora_rule(k, t, rows, cols);
     const lk_dtype d = t->dtype;
     const char *name = t->name;
     const int64_t K = r.K;
-    lk_fuse_term lt = module_term(k->dora, t, r.c);
+    lk_fuse_term lt = lk_fuse_dora_term(k, t, &r);
     dstream ds;
     lk_status s = dstream_open(&ds, r.wide, rows, cols, &lt, 1, name);
     if (s) return s;
@@ -333,20 +318,34 @@ static lk_status apply_dora(void *w_out, const void *w_in, const lk_tensor *t, c
                     const double *x = r.norm_w ? acc : v;
                     double ss = 0.0;
                     for (int64_t j = 0; j < cols; j++) ss = fma(x[j], x[j], ss);
-                    f = load(r.mag->data, (size_t)o, r.mag->dtype) / (sqrt(ss) + r.eps);
+                    f = lk_fuse_dora_factor(load(r.mag->data, (size_t)o, r.mag->dtype), ss, r.eps);
                 }
                 for (int64_t j = 0; j < cols; j++) {
-                    double fj = r.on_out ? f : load(r.mag->data, (size_t)(j / K), r.mag->dtype) / (sqrt(cs[j / K]) + r.eps);
-                    acc[j] = dora_finish(&r, acc[j], v[j], fj);
+                    double fj = r.on_out ? f : lk_fuse_dora_factor(load(r.mag->data, (size_t)(j / K), r.mag->dtype), cs[j / K], r.eps);
+                    acc[j] = lk_key_dora_finish(r.finish, r.sd, acc[j], v[j], fj);
                 }
                 for (int64_t j = 0; j < cols && !s; j++) s = finite_check(acc[j], name, base + (size_t)j, opts);
-                for (int64_t j = 0; j < cols && !s; j++) store(w_out, base + (size_t)j, acc[j], d);
+                for (int64_t j = 0; j < cols && !s; j++) store(w_out, w_in, base + (size_t)j, acc[j], d);
             }
         }
 done:
     lk_free(mem);
     dstream_free(&ds);
     return s;
+}
+
+lk_fuse_term lk_fuse_dora_term(const lk_fuse_key *k, const lk_tensor *t, const lk_dora_rule *r) {
+    return module_term(k->dora, t, r->c);
+}
+
+lk_status lk_fuse_key_check(const lk_tensor *t, const lk_fuse_key *k) {
+    if (!lk_dtype_is_fusable(t->dtype) &&
+        (!k->replace || k->replace_strength != 1.0 || k->n_terms || k->replace->dtype != t->dtype))
+        return lk_error(LK_ERR_DTYPE, "%s is %s: it can only be replaced whole at strength 1", t->name,
+                        lk_dtype_name(t->dtype));
+    if (lk_dtype_is_fusable(t->dtype) && k->dora && t->ndim < 2)
+        return lk_error(LK_ERR_SHAPE, "%s: DoRA on a 1-D tensor", t->name);
+    return LK_OK;
 }
 
 lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, const lk_fuse_key *k,
@@ -365,24 +364,20 @@ lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, c
         if (w_out != w_in) memcpy(w_out, w_in, t->nbytes);
         return LK_OK;
     }
-    if (!lk_dtype_is_fusable(d)) { /* only a same-dtype replacement at strength 1 */
-        if (!k->replace || k->replace_strength != 1.0 || k->n_terms || k->replace->dtype != d)
-            return lk_error(LK_ERR_DTYPE, "%s is %s: it can only be replaced whole at strength 1", name,
-                            lk_dtype_name(d));
+    lk_status s = lk_fuse_key_check(t, k);
+    if (s) return s;
+    if (!lk_dtype_is_fusable(d)) { /* a same-dtype replacement at strength 1 */
         memcpy(w_out, k->replace->data, t->nbytes);
         return LK_OK;
     }
-    if (k->dora) {
-        if (vec) return lk_error(LK_ERR_SHAPE, "%s: DoRA on a 1-D tensor", name);
-        return apply_dora(w_out, w_in, t, k, out_rows, out_cols, opts);
-    }
+    if (k->dora) return apply_dora(w_out, w_in, t, k, out_rows, out_cols, opts);
     /* a replacement, plus any terms: the terms' delta comes from the one
      * delta chain (f32 for narrow weights, f64 for F32 weights), exactly
      * as lk_fuse_tensor sums it */
     int two_d = k->n_terms && !vec, wide = d == LK_DTYPE_F32;
     int64_t rows = two_d ? out_rows : 1, cols = two_d ? out_cols : (int64_t)numel;
     dstream ds = {0};
-    lk_status s = two_d ? dstream_open(&ds, wide, rows, cols, terms, k->n_terms, name) : LK_OK;
+    s = two_d ? dstream_open(&ds, wide, rows, cols, terms, k->n_terms, name) : LK_OK;
     if (s) return s;
     if (!two_d) ds.chunk = 1;
     double *acc = lk_malloc((size_t)cols * sizeof *acc);
@@ -400,7 +395,7 @@ lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, c
                 double sr = (double)k->replace_strength;
                 for (int64_t j = 0; j < cols; j++) {
                     double r = load(k->replace->data, base + (size_t)j, k->replace->dtype);
-                    acc[j] = sr == 1.0 ? r : acc[j] + sr * (r - acc[j]);
+                    acc[j] = lk_key_replace(acc[j], r, sr);
                 }
             }
             if (two_d) {
@@ -416,7 +411,7 @@ lk_status lk_fuse_key_apply(void *w_out, const void *w_in, const lk_tensor *t, c
                 }
             }
             for (int64_t j = 0; j < cols && !s; j++) s = finite_check(acc[j], name, base + (size_t)j, opts);
-            for (int64_t j = 0; j < cols && !s; j++) store(w_out, base + (size_t)j, acc[j], d);
+            for (int64_t j = 0; j < cols && !s; j++) store(w_out, w_in, base + (size_t)j, acc[j], d);
         }
     }
     lk_free(acc);
