@@ -192,6 +192,9 @@ lk_adapter_format lk_adapter_get_format(const lk_adapter *a);
 size_t lk_adapter_count(const lk_adapter *a);
 /* Module i (0 <= i < count), in byte-wise order of the key stems. */
 const lk_lora_module *lk_adapter_module(const lk_adapter *a, size_t i);
+/* The key stem module i was read from, its wrapper / component prefix kept
+ * ("unet.<m>" where module is "<m>"). */
+const char *lk_adapter_module_stem(const lk_adapter *a, size_t i);
 /* Replaced tensors (modules_to_save, saved biases), in key order. */
 size_t lk_adapter_replacement_count(const lk_adapter *a);
 const lk_adapter_tensor *lk_adapter_replacement(const lk_adapter *a, size_t i);

@@ -270,6 +270,7 @@ size_t lk_adapter_count(const lk_adapter *a) { return a ? a->n : 0; }
 const lk_lora_module *lk_adapter_module(const lk_adapter *a, size_t i) {
     return a && i < a->n ? &a->mods[i] : NULL;
 }
+const char *lk_adapter_module_stem(const lk_adapter *a, size_t i) { return a && i < a->n ? a->stems[i] : NULL; }
 size_t lk_adapter_replacement_count(const lk_adapter *a) { return a ? a->n_rep : 0; }
 const lk_adapter_tensor *lk_adapter_replacement(const lk_adapter *a, size_t i) {
     return a && i < a->n_rep ? &a->reps[i] : NULL;

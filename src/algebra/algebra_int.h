@@ -5,6 +5,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <jansson.h>
+
 #include "lorakit/adapter.h"
 #include "lorakit/algebra.h"
 
@@ -28,6 +30,7 @@ typedef struct lk_alg_term {
  * written and its report. */
 typedef struct lk_alg_module {
     const char *name;
+    const char *stem;          /* the first term's key stem (its component prefix kept: diffusers names) */
     size_t out, N;
     int64_t tail[LK_MAX_DIMS]; /* the delta's dims after the first ([in, kh, kw] or [N]) */
     int ntail;
@@ -84,8 +87,10 @@ typedef struct lk_alg_ctx {
  * output format; nothing on failure. */
 lk_status lk_alg_write(lk_alg_ctx *ctx);
 /* Module m's name in format f (lk_malloc'd), or NULL with *err set (a
- * kohya underscore name in another format: LK_ERR_UNSUPPORTED). */
-char *lk_alg_out_name(lk_algebra_format f, const char *m, lk_status *err);
+ * kohya underscore name in another format: LK_ERR_UNSUPPORTED). stem (may
+ * be NULL): the key stem m was read from; diffusers keeps its component
+ * prefix (unet., transformer.), which diffusers' loaders select by. */
+char *lk_alg_out_name(lk_algebra_format f, const char *m, const char *stem, lk_status *err);
 /* The factor keys after "<name>." in format f (kohya's lora_down / lora_up
  * for kohya and for kohya-named ComfyUI modules, else lora_A / lora_B) and
  * whether an F32 "<name>.alpha" tensor is written (kohya, ComfyUI). */
@@ -103,6 +108,12 @@ lk_status lk_alg_write_peft_dir(const char *dir, lk_adapter *const *ins, size_t 
  * each item wholly on one thread; progress through o->on_progress; the
  * lowest failing item's error is returned (pool.c). */
 lk_status lk_alg_pool(size_t n, const lk_algebra_opts *o, lk_status (*fn)(void *ctx, size_t i), void *ctx);
+/* diffusers' lora_adapter_metadata from a LoraConfig dict whose module
+ * names are the file's: packed per pipeline component ("unet.r",
+ * "unet.target_modules" without the prefix, ...) when every name has one
+ * (unet., transformer., text_encoder[_2|_3].), as diffusers' pipeline loaders
+ * read it; else a copy (a model-level file). NULL without memory. */
+json_t *lk_alg_diffusers_meta(const json_t *cfg);
 /* The report as JSON text (lk_free). */
 lk_status lk_alg_report(const lk_alg_ctx *ctx, char **json);
 

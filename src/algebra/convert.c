@@ -79,7 +79,8 @@ static lk_status plan_module(cv *c, size_t i) {
                         why ? why : "is not a plain LoRA (LoHa, LoKr and Tucker are kept in their own kohya form "
                                     "only; `lorakit resize` gives their exact low-rank form)");
     lk_status s;
-    if (!(c->names[i] = lk_alg_out_name(c->f, c->stems ? c->stems[i] : m->module, &s)))
+    if (!(c->names[i] = lk_alg_out_name(c->f, c->stems ? c->stems[i] : m->module,
+                                          c->stems ? NULL : lk_adapter_module_stem(c->a, i), &s)))
         return s ? lk_error_prefix(s, "%s", c->in) : lk_error(LK_ERR_NOMEM, "out of memory");
     double r = (double)m->rank, al = c->rslora ? m->alpha : m->scale * r;
     if (!c->rslora && lk_adapter_rslora(c->a) && al / r != m->scale)
@@ -106,7 +107,8 @@ static double mode_of(const double *v, size_t n) {
     return best;
 }
 
-/* PEFT's LoraConfig for the output: r, lora_alpha, rank_pattern, alpha_pattern. */
+/* PEFT's LoraConfig for the output: r, lora_alpha, rank_pattern, alpha_pattern;
+ * indent 0: diffusers' lora_adapter_metadata (packed per component). */
 static char *config_text(const cv *c, int indent) {
     double *ranks = lk_calloc(c->n, sizeof *ranks);
     if (!ranks) return NULL;
@@ -128,6 +130,11 @@ static char *config_text(const cv *c, int indent) {
     json_decref(t);
     json_decref(rp);
     json_decref(ap);
+    if (j && !indent) {
+        json_t *p = lk_alg_diffusers_meta(j);
+        json_decref(j);
+        j = p;
+    }
     char *s = j ? json_dumps(j, JSON_SORT_KEYS | (indent ? JSON_INDENT(2) : JSON_COMPACT)) : NULL;
     json_decref(j);
     return s;

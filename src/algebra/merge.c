@@ -140,6 +140,7 @@ static lk_status gather_one(lk_alg_ctx *ctx, const mref *r, size_t k, lk_alg_mod
             x->ntail = nt;
         }
         x->terms[j] = (lk_alg_term){m, in->strength * m->scale, r[j].input};
+        if (!j) x->stem = lk_adapter_module_stem(in->a, r[j].idx);
     }
     x->conv = x->ntail > 1 && (int64_t)x->N != x->tail[0];
     return LK_OK;

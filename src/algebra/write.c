@@ -53,7 +53,7 @@ static const char *const COMPONENTS[][2] = {
  * "diffusion_model.<key>" (a single file's model.diffusion_model., a
  * diffusers file's transformer. / unet. and PEFT's base_model.model.
  * replaced by it). */
-char *lk_alg_out_name(lk_algebra_format f, const char *m, lk_status *err) {
+char *lk_alg_out_name(lk_algebra_format f, const char *m, const char *stem, lk_status *err) {
     int kohya_in = !strncmp(m, "lora_", 5) && !strchr(m, '.');
     *err = LK_OK;
     if (f == LK_ALG_FORMAT_KOHYA) {
@@ -88,6 +88,10 @@ char *lk_alg_out_name(lk_algebra_format f, const char *m, lk_status *err) {
     if (f == LK_ALG_FORMAT_PEFT)
         for (size_t i = 0; i < 3; i++)
             if (!strncmp(m, COMPONENTS[i][0], strlen(COMPONENTS[i][0]))) return lk_strdup(m + strlen(COMPONENTS[i][0]));
+    for (size_t i = 0; f == LK_ALG_FORMAT_DIFFUSERS && stem && i < 2; i++) { /* "unet." / "transformer." as read */
+        size_t pl = strlen(COMPONENTS[i][0]);
+        if (!strncmp(stem, COMPONENTS[i][0], pl) && !strcmp(stem + pl, m)) return lk_strdup(stem);
+    }
     return lk_strdup(m);
 }
 
@@ -192,6 +196,69 @@ fail:
     return NULL;
 }
 
+/* The component a diffusers pipeline file prefixes name with ("unet", ...), or NULL. */
+static const char *component_of(const char *name, size_t *len) {
+    static const char *const comps[] = {"unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3"};
+    const char *dot = strchr(name, '.');
+    for (size_t i = 0; dot && i < sizeof comps / sizeof *comps; i++)
+        if ((size_t)(dot - name) == strlen(comps[i]) && !strncmp(name, comps[i], strlen(comps[i]))) {
+            *len = strlen(comps[i]);
+            return comps[i];
+        }
+    return NULL;
+}
+
+/* One component's part of cfg: its target_modules and patterns with the prefix removed, every key
+ * prefixed "<comp>." into out (diffusers' _pack_dict_with_prefix layout). */
+static int pack_one(const json_t *cfg, const char *comp, size_t cl, json_t *out) {
+    int bad = 0;
+    const char *k;
+    json_t *v;
+    json_object_foreach((json_t *)cfg, k, v) {
+        json_t *nv = NULL;
+        if (!strcmp(k, "target_modules")) {
+            nv = json_array();
+            size_t i;
+            json_t *e;
+            json_array_foreach(v, i, e) {
+                const char *n = json_string_value(e);
+                if (n && !strncmp(n, comp, cl) && n[cl] == '.') bad |= json_array_append_new(nv, json_string(n + cl + 1));
+            }
+        } else if (!strcmp(k, "rank_pattern") || !strcmp(k, "alpha_pattern")) {
+            nv = json_object();
+            const char *pk;
+            json_t *pv;
+            json_object_foreach(v, pk, pv) if (!strncmp(pk, comp, cl) && pk[cl] == '.')
+                bad |= json_object_set(nv, pk + cl + 1, pv);
+        } else {
+            nv = json_incref(v);
+        }
+        char *key = lk_msg_dup("%s.%s", comp, k);
+        bad |= !nv || !key || json_object_set_new(out, key, nv);
+        lk_free(key);
+    }
+    return bad;
+}
+
+json_t *lk_alg_diffusers_meta(const json_t *cfg) {
+    const json_t *t = json_object_get(cfg, "target_modules");
+    const char *seen[8];
+    size_t ns = 0, i, cl;
+    json_t *e;
+    json_array_foreach(t, i, e) {
+        const char *c = component_of(json_string_value(e) ? json_string_value(e) : "", &cl);
+        if (!c) return json_deep_copy(cfg); /* a model-level file: names of the model itself, metadata unpacked */
+        size_t j = 0;
+        while (j < ns && seen[j] != c) j++;
+        if (j == ns && ns < 8) seen[ns++] = c;
+    }
+    json_t *out = json_object();
+    int bad = !out;
+    for (size_t j = 0; j < ns && !bad; j++) bad |= pack_one(cfg, seen[j], strlen(seen[j]), out);
+    if (bad) json_decref(out);
+    return bad ? NULL : out;
+}
+
 /* Tensor layout of module i: B [out, K(, 1, 1)], A [K, tail...]. */
 static void shapes(const lk_alg_module *x, int64_t *bs, int *bn, int64_t *as, int *an) {
     bs[0] = (int64_t)x->out;
@@ -244,7 +311,8 @@ static lk_status put_meta(lk_st_writer *w, const wctx *c) {
         if (!s) s = lk_st_writer_metadata(w, "ss_network_module", "networks.lora");
     }
     if (!s && c->f == LK_ALG_FORMAT_DIFFUSERS) {
-        json_t *cfg = lora_config(ctx, c->names);
+        json_t *cfg0 = lora_config(ctx, c->names), *cfg = cfg0 ? lk_alg_diffusers_meta(cfg0) : NULL;
+        json_decref(cfg0);
         char *t = cfg ? json_dumps(cfg, JSON_COMPACT | JSON_SORT_KEYS) : NULL;
         s = t ? lk_st_writer_metadata(w, "lora_adapter_metadata", t) : lk_error(LK_ERR_NOMEM, "out of memory");
         free(t);
@@ -334,7 +402,7 @@ static lk_status make_names(wctx *c) {
     char **sorted = lk_calloc(ctx->n_mods, sizeof *sorted);
     if (!c->names || !sorted) s = lk_error(LK_ERR_NOMEM, "out of memory");
     for (size_t i = 0; !s && i < ctx->n_mods; i++) {
-        c->names[i] = lk_alg_out_name(c->f, ctx->mods[i].name, &s);
+        c->names[i] = lk_alg_out_name(c->f, ctx->mods[i].name, ctx->mods[i].stem, &s);
         if (!c->names[i] && !s) s = lk_error(LK_ERR_NOMEM, "out of memory");
         if (s) lk_error_prefix(s, "%s", ctx->out);
         sorted[i] = c->names[i];
