@@ -154,6 +154,18 @@ lk_status lk_device_launch(lk_device d, const lk_kernel *k, lk_dim3 grid, lk_dim
 /* Waits for all work on d. */
 lk_status lk_device_sync(lk_device d);
 
+/* ---- what emul did (tests) ---- */
+
+/* Running totals of the emulated device's copies (by lk_copy_kind: count
+ * and bytes) and kernel launches since the process started, over every
+ * thread. Tests read them before and after a call to assert where the bytes
+ * went (e.g. a fuse on emul weights made no device->host copy). */
+typedef struct lk_device_counts {
+    uint64_t copies[3], bytes[3];
+    uint64_t launches;
+} lk_device_counts;
+void lk_device_emul_counts(lk_device_counts *out);
+
 #ifdef __cplusplus
 }
 #endif

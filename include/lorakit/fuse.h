@@ -162,6 +162,8 @@ typedef struct lk_fuse_file_opts {
     const char *component;     /* set by lk_fuse_pipeline for each component (lk_resolve_opts.component) */
     lk_device device;          /* 0 = cpu; cuda:N / emul: each fused tensor is uploaded, fused there by the
                                   device kernel (lorakit/fuse_device.h) and downloaded: the same bytes */
+    struct lk_stream *stream;  /* lk_fuse_tensors on device tensors: the stream the work is queued on
+                                  (lorakit/device.h; NULL: the device's default stream) */
 } lk_fuse_file_opts;
 
 typedef struct lk_fuse_stats {
@@ -266,6 +268,15 @@ lk_status lk_fuse_file(const char *base, const lk_fuse_input *inputs, size_t n,
  * tensor holds its old bytes. on_progress is not called. */
 lk_status lk_fuse_tensors(lk_tensor *tensors, size_t n_tensors, const lk_fuse_input *inputs, size_t n,
                           const lk_fuse_file_opts *opts, lk_fuse_stats *stats);
+
+/* Device tensors (lk_tensor.device cuda:N or emul, every tensor on the
+ * same device, else LK_ERR_ARG naming a key on each): lk_fuse_tensors works
+ * on them in place, on opts->stream: the backup of the touched tensors is
+ * one device allocation (device-to-device copies), each key is fused by the
+ * device kernel (lorakit/fuse_device.h; the kinds it does not run take its
+ * pinned host path, counted in stats->keys_host_fallback) and a failure
+ * restores the backup on the device. The same bytes as on the host. An FP8
+ * scale's values are read to the host for the check (a few bytes). */
 
 /* Adapters held in memory: lk_fuse_file and lk_fuse_tensors with sources
  * (may be NULL) beside inputs: sources[i] non-NULL reads input i from

@@ -37,6 +37,7 @@
 #include <stdint.h>
 #include "lorakit/status.h"
 #include "lorakit/mesh.h"
+#include "lorakit/device.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -268,6 +269,27 @@ typedef struct lk_lora_sync_opts {
  * size 1 (no communication). *n_collectives (in the _ex form, may be NULL)
  * = allreduce calls issued. */
 lk_status lk_lora_sync_grads(lk_lora_params *p, lk_mesh *mesh, size_t *synced);
+
+/* lk_comm_average_f32 on float buffers in the memory of device d (cuda:N,
+ * emul; cpu: lk_comm_average_f32 itself): the same collectives in the same
+ * order (the agreement, the layout, one allreduce per bucket at the same
+ * bucket boundaries), each element divided by the rank count by a device
+ * kernel (one IEEE float division, as the host's), so the bytes equal the
+ * host average's for the same sums. A bucket inside one buffer is reduced
+ * in place, one that spans buffers is gathered into a device stage; with
+ * comm_takes_device the allreduce gets the device memory itself (NCCL, or
+ * the host communicator whose callbacks take device buffers: Python's over
+ * an NCCL ProcessGroup), else each bucket goes through a pinned host stage.
+ * Copies and the division are queued on stream (NULL: d's default), which
+ * is synchronised before each allreduce and at the end (never the whole
+ * device). */
+typedef struct lk_lora_average_dev_opts {
+    size_t bucket_bytes;      /* as lk_comm_average_f32's (0: the default) */
+    lk_stream *stream;
+    int comm_takes_device;
+} lk_lora_average_dev_opts;
+lk_status lk_lora_average_dev(lk_comm *c, lk_device d, float *const *bufs, const size_t *counts, size_t n,
+                              const lk_lora_average_dev_opts *opts, size_t *n_collectives);
 lk_status lk_lora_sync_grads_ex(lk_lora_params *p, lk_mesh *mesh, const lk_lora_sync_opts *opts,
                                 size_t *synced, size_t *n_collectives);
 

@@ -93,13 +93,52 @@ def _torch_tensor(value):
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+_KDLCUDA = 2  # DLPack's device type of CUDA memory
+
+
 def _device_name(value):
     """Where a tensor's memory is, as torch names it ('cpu', 'cuda:0',
-    'meta', 'mps', ...); 'cpu' for NumPy arrays and other host buffers."""
+    'meta', 'mps', ...); for other objects what their __dlpack_device__
+    says ('cuda:N' for CUDA memory: CuPy arrays, the test-only
+    lorakit._testing.EmulTensor), else 'cpu' (NumPy arrays, host buffers)."""
     if not _torch_tensor(value):
+        if hasattr(value, "__dlpack_device__") and not isinstance(value, _np_ndarray()):
+            try:
+                kind, index = value.__dlpack_device__()
+            except Exception:
+                return "cpu"
+            if int(kind) == _KDLCUDA:
+                return f"cuda:{int(index)}"
         return "cpu"
     d = value.device
     return d.type if d.index is None or d.type == "cpu" else f"{d.type}:{d.index}"
+
+
+def _np_ndarray():
+    np = sys.modules.get("numpy")
+    return np.ndarray if np is not None else ()
+
+
+def _stream_handle(named):
+    """The handle (cudaStream_t as an int; 0 is the default stream) of
+    torch's current stream on the device of a call's torch CUDA tensors,
+    where lorakit queues the call's device work; None for anything else
+    (host memory; other DLPack exporters: the device's default stream)."""
+    for _, v in named:
+        if _torch_tensor(v) and v.device.type == "cuda":
+            return sys.modules["torch"].cuda.current_stream(v.device).cuda_stream
+        break
+    return None
+
+
+def _sync_current(named):
+    """Waits for torch's current stream on the device of a call's torch CUDA
+    tensors (only the calls that work on the device's default stream: the
+    Tracker); nothing for other tensors."""
+    for _, v in named:
+        if _torch_tensor(v) and v.device.type == "cuda":
+            sys.modules["torch"].cuda.current_stream(v.device).synchronize()
+        break
 
 
 def _one_device(named):
@@ -116,31 +155,10 @@ def _one_device(named):
     return next(iter(first), "cpu")
 
 
-def _host_copies(named):
-    """The host fallback for CUDA tensors in the calls whose library side
-    reads host memory (fuse_, digest_tensors, check_replicas, sync_grads):
-    (name, CPU copy) once torch's current stream has written them. The CPU
-    kernel on the copies gives the CPU's bytes; _copy_back writes results
-    back (on torch's current stream) only after the call succeeded."""
-    torch = sys.modules["torch"]
-    if torch.cuda.is_available():
-        torch.cuda.current_stream().synchronize()
-    out = []
-    for k, v in named:
-        h = torch.empty(v.shape, dtype=v.dtype, device="cpu")  # a plain CPU tensor, whatever v's class
-        h.copy_(v.detach())
-        out.append((k, h))
-    return out
-
-
-def _copy_back(named, host):
-    for (_, v), (_, h) in zip(named, host):
-        v.detach().copy_(h)
-
-
-def _item(name, value, allow_cuda=False):
+def _item(name, value, allow_cuda=True):
     """(name, value, dtype hint) for the C layer; raises naming the key.
-    allow_cuda: a CUDA tensor is passed as device memory (the Tracker)."""
+    allow_cuda: a CUDA tensor is passed as device memory (every call that
+    takes tensors does; False refuses it)."""
     np = sys.modules.get("numpy")
     if np is not None and isinstance(value, np.ndarray):
         raw = _NUMPY_RAW.get(value.dtype.name)
@@ -156,11 +174,9 @@ def _item(name, value, allow_cuda=False):
                              "reads and writes a tensor's memory: materialize it first (e.g. module.to_empty(...) "
                              "and load the weights)")
         if dev == "cuda" and not allow_cuda:
-            raise ValueError(f"{name}: CUDA tensors are not supported yet (this one is on {value.device}); lorakit "
-                             "works on CPU memory for now (see the README: a CUDA backend would plug into the host "
-                             "communicator and the canonical arithmetic)")
-        if dev != "cpu":
-            raise ValueError(f"{name}: on device {value.device}; lorakit works on CPU memory")
+            raise ValueError(f"{name}: a CUDA tensor (on {value.device}) where lorakit reads host memory only")
+        if dev not in ("cpu", "cuda"):
+            raise ValueError(f"{name}: on device {value.device}; lorakit works on CPU and CUDA memory")
         if value.requires_grad:
             # a parameter: the same storage without autograd (DLPack refuses
             # tensors that require grad); lorakit writes it in place, as an
@@ -229,7 +245,7 @@ def _dedupe(pairs):
     return out, aliases
 
 
-def _items(tensors, dedupe=False, allow_cuda=False):
+def _items(tensors, dedupe=False, allow_cuda=True):
     pairs = _pairs(tensors)
     aliases = {}
     if dedupe:
@@ -473,12 +489,12 @@ def digest(path):
 
 
 def digest_tensors(tensors):
-    """The same digest over a mapping of name to tensor held in memory
-    (CUDA tensors: of their bytes, copied to the host)."""
-    pairs = _pairs(tensors)
-    if _one_device(pairs).startswith("cuda"):
-        return _c.digest_tensors(_items(dict(_host_copies(pairs))))
-    return _c.digest_tensors(_items(tensors))
+    """The same digest over a mapping of name to tensor held in memory.
+    CUDA tensors (on one device): once torch's current stream has run what
+    it queued, their bytes are read to the host in pieces of at most 4 MiB
+    for the hash (no copy of the tensors is made)."""
+    items = _items(tensors)
+    return _c.digest_tensors(items, _stream_handle((k, v) for k, v, _ in items))
 
 
 _ALPHA_FROM = ("auto", "tensors", "metadata")
@@ -597,23 +613,18 @@ def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=F
     validated before the first write; on any error every tensor keeps its
     bytes. arch, maps and convention as fuse's, against the tensors' names. Returns the
     summary (as fuse's, without base and out). CUDA tensors (on one device)
-    go through the host fallback: fused as CPU copies by the CPU kernel (the
-    same bytes), written back after success; the summary then says
-    "fused_on_host": true."""
-    pairs = _pairs(tensors)
-    if _one_device(pairs).startswith("cuda"):
-        host = _host_copies(pairs)
-        summary = fuse_(dict(host), loras, threads=threads, allow_unmatched=allow_unmatched,
-                        allow_nonfinite=allow_nonfinite, alpha_from=alpha_from, arch=arch, maps=maps,
-                        convention=convention)
-        _copy_back(pairs, host)
-        summary["fused_on_host"] = True
-        return summary
+    are fused where they are, on torch's current stream: the touched
+    tensors backed up on the device (device-to-device copies; peak extra
+    GPU memory their bytes), each key by the device kernel (the same bytes
+    as the CPU; the term kinds it does not run take its pinned host path),
+    restored on the device on failure; the summary then adds "device",
+    "keys_device" and "keys_host_fallback"."""
     req, shown = _loras(loras)
     cv = _call_convention(convention, shown)
     items, _ = _items(tensors, dedupe=True)
     return json.loads(_c.fuse_(items, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite),
-                               _alpha_from(alpha_from), *_tables(arch, maps), cv))
+                               _alpha_from(alpha_from), *_tables(arch, maps), cv,
+                               _stream_handle((k, v) for k, v, _ in items)))
 
 
 # ---- hot-swap ----
@@ -672,14 +683,14 @@ class Tracker:
         self._source = tensors if _is_module(tensors) else None
 
         def prepare():
-            items, _ = _items(tensors, dedupe=True, allow_cuda=True)
+            items, _ = _items(tensors, dedupe=True)
             return (items, _c.mib_bytes("swap_bucket_mb", float(bucket_mb)), int(threads), float(timeout),
                     _alpha_from(alpha_from), _tables(arch, maps), _convention(convention) or "lorakit")
 
         items = _collective(lc, prepare)
         self._comm = lc
         self._convention = items[6]
-        self._cuda = any(_device_name(v).startswith("cuda") for _, v, _ in items[0])
+        self._named = [(k, v) for k, v, _ in items[0]]
         self._ptrs = {k: _storage_span(v) for k, v, _ in items[0]}
         self._t = _c.Tracker(lc, items[0], items[1], bool(no_lora_swap), items[2], bool(allow_nonfinite), items[3],
                              items[4], *items[5], items[6])
@@ -724,10 +735,10 @@ class Tracker:
         return json.loads(self._t.reset(bool(digest)))
 
     def _stream_sync(self):
-        """CUDA weights: the library copies them on the default stream, so
-        what torch's current stream queued on them completes first."""
-        if self._cuda:
-            sys.modules["torch"].cuda.current_stream().synchronize()
+        """CUDA weights: the tracker works on the device's default stream,
+        so what torch's current stream queued on them completes first (that
+        stream only, not the device)."""
+        _sync_current(self._named)
 
     @property
     def loras(self):
@@ -815,7 +826,13 @@ def sync_grads(grads, comm=None, *, like=None, bucket_mb=_default("sync_bucket_m
     ranks. names (optional, one per entry, e.g. the parameters' names) name
     the entries in errors (else grads[i]). Returns the list with every entry
     filled. Ranks holding different gradient sets raise LoraError
-    (LK_ERR_MISMATCH) together."""
+    (LK_ERR_MISMATCH) together. CUDA gradients (on one device) are averaged
+    where they are, on torch's current stream: float16/bfloat16 ones through
+    a float32 copy on the device (torch's .to(float32), then one rounding
+    back by copy_); over an NCCL ProcessGroup each bucket's allreduce gets
+    the device memory itself, over another group a pinned host copy of the
+    bucket; the division by the rank count is lorakit's device kernel (one
+    IEEE float division, the host's bytes)."""
     lc = _comm(comm)
 
     def prepare():
@@ -832,18 +849,12 @@ def sync_grads(grads, comm=None, *, like=None, bucket_mb=_default("sync_bucket_m
                 out[i] = _zeros_like(like[i])
         work = [_as_f32(g) if _low_precision(g) else g for g in out]
         bucket = _c.mib_bytes("sync_bucket_mb", float(bucket_mb))
-        if _one_device((label[i], g) for i, g in enumerate(out)).startswith("cuda"):
-            return out, work, None, bucket  # items made from host copies
-        return out, work, [_item(label[i], g) for i, g in enumerate(work)], bucket
+        named = [(label[i], g) for i, g in enumerate(out)]
+        _one_device(named)
+        return out, work, [_item(label[i], g) for i, g in enumerate(work)], bucket, _stream_handle(named)
 
-    out, work, items, bucket = _collective(lc, prepare)
-    if items is None:  # one CUDA device (prepare): the host fallback
-        named = [(names[i] if names is not None else f"grads[{i}]", w) for i, w in enumerate(work)]
-        host = _host_copies(named)
-        _c.sync_grads(lc, [_item(k, h) for k, h in host], bucket)
-        _copy_back(named, host)
-    else:
-        _c.sync_grads(lc, items, bucket)
+    out, work, items, bucket, stream = _collective(lc, prepare)
+    _c.sync_grads(lc, items, bucket, stream)
     for g, w in zip(out, work):
         if w is not g:
             _round_back(g, w)
@@ -892,12 +903,12 @@ def check_replicas(tensors, comm=None):
 
     def prepare():
         if isinstance(tensors, Mapping) or _is_module(tensors):
-            named = _pairs(tensors)
-            return _items(dict(_host_copies(named)) if _one_device(named).startswith("cuda") else tensors)
-        named = [(f"tensors[{i}]", t) for i, t in enumerate(_params(tensors))]
-        if _one_device(named).startswith("cuda"):
-            named = _host_copies(named)
-        return [_item(k, v) for k, v in named]
+            items = _items(tensors)
+        else:
+            named = [(f"tensors[{i}]", t) for i, t in enumerate(_params(tensors))]
+            _one_device(named)
+            items = [_item(k, v) for k, v in named]
+        return items, _stream_handle((k, v) for k, v, _ in items)
 
-    items = _collective(lc, prepare)
-    return _c.check_replicas(lc, items)
+    items, stream = _collective(lc, prepare)
+    return _c.check_replicas(lc, items, stream)

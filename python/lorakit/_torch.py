@@ -2,16 +2,21 @@
 
 _TorchHost is the object the C layer calls back (python/src/_lorakit.c,
 lorakit/comm_host.h): each method is one torch.distributed collective over
-the process group, on tensors made with torch.frombuffer from the
-memoryview the C layer passes, so they are zero-copy windows on lorakit's
-own buffers (the weights themselves for large keys, a staging round for
-small ones, gradient buckets, agreement records). Roots are group ranks,
-translated to the global ranks torch.distributed's src= expects.
+the process group, on zero-copy windows on lorakit's own buffers (the
+weights themselves for large keys, a staging round for small ones,
+gradient buckets, agreement records): host memory comes as a memoryview
+(torch.frombuffer), memory of the group's device (`device`: the current
+CUDA device over NCCL) as a DLPack capsule (torch.from_dlpack), e.g.
+sync_grads' buckets of CUDA gradients, reduced where they are. Roots are
+group ranks, translated to the global ranks torch.distributed's src=
+expects.
 
 Over an NCCL process group (which moves device memory only) the host
 buffers lorakit passes go through a tensor on the current CUDA device:
-copied in, the NCCL collective on torch's current stream, copied back
-(`_stage`). A gloo group moves them in place.
+copied in, the NCCL collective (ProcessGroupNCCL orders it after the work
+queued on torch's current stream, and that stream after it on wait()),
+copied back (`_stage`); device buffers move in place. A gloo group moves
+host memory in place.
 
 Everything that makes lorakit safe over a group (agreement before any
 collective whose size depends on a rank's data) happens in C above these
@@ -39,14 +44,32 @@ def _stage_device(group):
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
 
 
+def _tensor(buf, dtype):
+    """A zero-copy tensor over what the C layer passed: a memoryview of host
+    memory, or a DLPack capsule over device memory (lorakit's own: the
+    capsule's deleter releases nothing)."""
+    if isinstance(buf, memoryview):
+        return torch.frombuffer(buf, dtype=dtype)
+    t = torch.from_dlpack(buf)
+    return t if dtype == torch.uint8 else t.view(dtype)
+
+
 class _TorchHost:
     # tests: stage through this device whatever the backend (the NCCL path's
     # copies, checked over gloo with torch.device("cpu"))
     force_stage = None
+    # TEST ONLY: the device whose memory the callbacks take ("emul": lorakit's
+    # emulated device, whose buffers arrive as kDLCPU capsules over gloo;
+    # python/tests/torch_dist_worker.py); None: the group's own (_device)
+    force_device = None
 
     def __init__(self, group, timeout=None):
         self.group = group
         self.dev = _stage_device(group)
+        # read by the C layer at creation: memory of this device reaches the
+        # callbacks as DLPack capsules (NCCL: the current CUDA device)
+        self.device = self.force_device or (f"cuda:{self.dev.index}" if self.dev is not None and
+                                            self.dev.type == "cuda" else None)
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.globals = [dist.get_global_rank(group, r) for r in range(self.size)]
@@ -79,9 +102,10 @@ class _TorchHost:
                                f"{self.timeout.total_seconds():g} s) on group rank {self.rank} of {self.size}, "
                                f"waiting for group ranks {', '.join(map(str, peers))}{where}: {e}") from e
 
-    def _stage(self, t):
-        """t itself, or its copy on the staging device (see the module doc)."""
-        if self.dev is None:
+    def _stage(self, t, buf):
+        """t itself (no staging device; buf a capsule: device memory, moved
+        in place), or its copy on the staging device (see the module doc)."""
+        if self.dev is None or not isinstance(buf, memoryview):
             return t
         d = torch.empty(t.shape, dtype=t.dtype, device=self.dev)
         d.copy_(t)
@@ -96,15 +120,15 @@ class _TorchHost:
         self._wait(dist.barrier(group=self.group, async_op=True), "barrier", self._peers())
 
     def bcast(self, mv, root):
-        t = torch.frombuffer(mv, dtype=torch.uint8)
-        d = self._stage(t)
+        t = _tensor(mv, torch.uint8)
+        d = self._stage(t, mv)
         self._wait(dist.broadcast(d, src=self.globals[root], group=self.group, async_op=True), f"broadcast from rank {root}",
                    self._peers(root))
         self._unstage(t, d)
 
     def ibcast(self, mv, root):
-        t = torch.frombuffer(mv, dtype=torch.uint8)
-        d = self._stage(t)
+        t = _tensor(mv, torch.uint8)
+        d = self._stage(t, mv)
         return (dist.broadcast(d, src=self.globals[root], group=self.group, async_op=True), t, d, root)
 
     def test(self, handle):
@@ -119,15 +143,15 @@ class _TorchHost:
         self._unstage(handle[1], handle[2])
 
     def allreduce(self, mv, kind, op):
-        t = torch.frombuffer(mv, dtype=_DT[kind])
-        d = self._stage(t)
+        t = _tensor(mv, _DT[kind])
+        d = self._stage(t, mv)
         self._wait(dist.all_reduce(d, op=_OPS[op], group=self.group, async_op=True), f"all_reduce ({op})", self._peers())
         self._unstage(t, d)
 
     def allgather(self, send, recv):
-        out = torch.frombuffer(recv, dtype=torch.uint8)
-        inp = torch.frombuffer(send, dtype=torch.uint8)
-        od, idd = self._stage(out), self._stage(inp)
+        out = _tensor(recv, torch.uint8)
+        inp = _tensor(send, torch.uint8)
+        od, idd = self._stage(out, recv), self._stage(inp, send)
         self._wait(dist.all_gather(list(od.chunk(self.size)), idd, group=self.group, async_op=True), "all_gather",
                    self._peers())
         self._unstage(out, od)

@@ -105,6 +105,65 @@ static lk_dtype dl_dtype(DLDataType t) {
     return LK_DTYPE_INVALID;
 }
 
+/* ---- DLPack export: lorakit's memory as tensors for Python ----
+ *
+ * A DLManagedTensor over memory lorakit owns (an EmulTensor's, or a device
+ * buffer handed to the host communicator's callbacks), its shape beside it;
+ * owner (may be NULL) is kept alive until the consumer calls the deleter. */
+
+typedef struct dl_export {
+    DLManagedTensor m;
+    int64_t shape[LK_MAX_DIMS];
+    PyObject *owner;
+} dl_export;
+
+static void dl_export_delete(DLManagedTensor *m) {
+    dl_export *e = (dl_export *)m;
+    if (e->owner) {
+        PyGILState_STATE g = PyGILState_Ensure();
+        Py_DECREF(e->owner);
+        PyGILState_Release(g);
+    }
+    PyMem_RawFree(e);
+}
+
+static void dl_capsule_free(PyObject *cap) {
+    if (!PyCapsule_IsValid(cap, "dltensor")) return; /* consumed: the consumer calls the deleter */
+    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+    if (m && m->deleter) m->deleter(m);
+}
+
+static DLDataType dl_of_dtype(lk_dtype d) {
+    switch (d) {
+    case LK_DTYPE_F32: return (DLDataType){kDLFloat, 32, 1};
+    case LK_DTYPE_F16: return (DLDataType){kDLFloat, 16, 1};
+    case LK_DTYPE_F64: return (DLDataType){kDLFloat, 64, 1};
+    case LK_DTYPE_BF16: return (DLDataType){kDLBfloat, 16, 1};
+    case LK_DTYPE_F8_E4M3: return (DLDataType){kDLFloat8_e4m3fn, 8, 1};
+    case LK_DTYPE_F8_E5M2: return (DLDataType){kDLFloat8_e5m2, 8, 1};
+    case LK_DTYPE_I64: return (DLDataType){kDLInt, 64, 1};
+    case LK_DTYPE_I32: return (DLDataType){kDLInt, 32, 1};
+    default: return (DLDataType){kDLUInt, 8, 1};
+    }
+}
+
+/* A "dltensor" capsule over data (ndim dims of shape, dtype dt) on dev. */
+static PyObject *dl_capsule(void *data, DLDevice dev, DLDataType dt, int ndim, const int64_t *shape, PyObject *owner) {
+    dl_export *e = PyMem_RawCalloc(1, sizeof *e);
+    if (!e) return PyErr_NoMemory();
+    for (int i = 0; i < ndim && i < LK_MAX_DIMS; i++) e->shape[i] = shape[i];
+    static char empty[256];
+    e->m.dl_tensor = (DLTensor){.data = data ? data : empty, .device = dev, .ndim = ndim, .dtype = dt,
+                                .shape = e->shape, .strides = NULL, .byte_offset = 0};
+    e->m.deleter = dl_export_delete;
+    Py_XINCREF(owner);
+    e->owner = owner;
+    e->m.manager_ctx = e;
+    PyObject *cap = PyCapsule_New(&e->m, "dltensor", dl_capsule_free);
+    if (!cap) dl_export_delete(&e->m);
+    return cap;
+}
+
 /* A buffer-protocol format string (native, standard sizes) as a dtype. */
 static lk_dtype fmt_dtype(const char *f, Py_ssize_t itemsize) {
     if (!f) return itemsize == 1 ? LK_DTYPE_U8 : LK_DTYPE_INVALID;
@@ -151,8 +210,8 @@ static void views_free(view *v, size_t n) {
 }
 
 /* ALLOW_CUDA: a CUDA tensor is borrowed as device memory (lk_tensor.device
- * cuda:N), for the calls whose library side takes device memory (the
- * tracker); elsewhere it is refused. */
+ * cuda:N), for the calls whose library side takes device memory (fuse_,
+ * the tracker, sync_grads, digests); elsewhere it is refused. */
 enum { NEED_WRITE = 1, NEED_F32 = 2, ALLOW_CUDA = 4 };
 
 static int set_shape(view *v, int ndim, const int64_t *shape, const Py_ssize_t *pyshape) {
@@ -183,6 +242,49 @@ static int check_dtype(view *v, lk_dtype d, int flags, const char *what) {
     }
     v->t.dtype = d;
     return 0;
+}
+
+/* TEST ONLY (lorakit._testing, python/tests/test_device_emul.py): while
+ * set, memory a DLPack exporter calls kDLCUDA is taken as lorakit's `emul`
+ * device instead, and must lie inside an emul allocation (the EmulTensor
+ * objects below make them). So CI, which has no GPU, runs the very binding
+ * code CUDA tensors take (the device branches, streams, the host
+ * communicator's device buffers) against the emulated device, and compares
+ * the bytes with the CPU path. Off unless a test turns it on. */
+static int g_emul_as_cuda;
+
+static lk_device cuda_device_of(int id) {
+    return g_emul_as_cuda ? (lk_device){LK_DEVICE_EMUL, 0} : (lk_device){LK_DEVICE_CUDA, id};
+}
+
+/* The DLPack device (type, id) obj reports (__dlpack_device__), or (0, 0)
+ * when it has none. */
+static void dl_device_of(PyObject *obj, int *type, int *id) {
+    *type = *id = 0;
+    PyObject *dd = PyObject_HasAttrString(obj, "__dlpack_device__") ? PyObject_CallMethod(obj, "__dlpack_device__", NULL)
+                                                                    : NULL;
+    if (!dd || !PyArg_ParseTuple(dd, "ii", type, id)) *type = *id = 0;
+    Py_XDECREF(dd);
+    PyErr_Clear();
+}
+
+/* obj.__dlpack__(): a CUDA producer is asked with stream=-1 (the DLPack
+ * protocol's "no synchronisation"): lorakit queues its work on torch's
+ * current stream, the stream the producer's own writes are on, so they are
+ * ordered already (and the tracker, on the default stream, synchronises the
+ * current stream first). */
+static PyObject *dlpack_of(PyObject *obj) {
+    int type, id;
+    dl_device_of(obj, &type, &id);
+    if (type != kDLCUDA) return PyObject_CallMethod(obj, "__dlpack__", NULL);
+    PyObject *f = PyObject_GetAttrString(obj, "__dlpack__");
+    if (!f) return NULL;
+    PyObject *args = PyTuple_New(0), *kw = Py_BuildValue("{s:i}", "stream", -1);
+    PyObject *r = args && kw ? PyObject_Call(f, args, kw) : NULL;
+    Py_XDECREF(args);
+    Py_XDECREF(kw);
+    Py_DECREF(f);
+    return r;
 }
 
 /* Borrows obj (keyed by name) into v: the buffer protocol first, then
@@ -221,8 +323,7 @@ static int view_acquire(view *v, PyObject *name, PyObject *obj, const char *dtyp
     }
     /* a DLPack capsule itself (torch.utils.dlpack.to_dlpack) is consumed as
      * the protocol says; anything else is asked for one */
-    PyObject *cap = PyCapsule_IsValid(obj, "dltensor") ? (Py_INCREF(obj), obj)
-                                                       : PyObject_CallMethod(obj, "__dlpack__", NULL);
+    PyObject *cap = PyCapsule_IsValid(obj, "dltensor") ? (Py_INCREF(obj), obj) : dlpack_of(obj);
     if (!cap) {
         if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
             PyErr_Clear();
@@ -252,8 +353,12 @@ static int view_acquire(view *v, PyObject *name, PyObject *obj, const char *dtyp
     v->dl = dl;
     DLTensor *t = &dl->dl_tensor;
     if (t->device.device_type == kDLCUDA && (flags & ALLOW_CUDA))
-        v->t.device = (lk_device){LK_DEVICE_CUDA, (int)t->device.device_id};
-    else if (t->device.device_type != kDLCPU) {
+        v->t.device = cuda_device_of((int)t->device.device_id);
+    else if (t->device.device_type == kDLCUDA) {
+        PyErr_Format(PyExc_ValueError, "%s: a CUDA tensor where lorakit reads host memory only (move it with .cpu())",
+                     v->t.name);
+        goto fail;
+    } else if (t->device.device_type != kDLCPU) {
         PyErr_Format(PyExc_ValueError, "%s: on device type %d; lorakit works on CPU memory (move it with .cpu())",
                      v->t.name, (int)t->device.device_type);
         goto fail;
@@ -281,10 +386,33 @@ static int view_acquire(view *v, PyObject *name, PyObject *obj, const char *dtyp
         }
     }
     v->t.data = (char *)t->data + t->byte_offset;
+    if (v->t.device.kind == LK_DEVICE_EMUL && v->t.nbytes && !lk_device_owns(v->t.device, v->t.data, v->t.nbytes)) {
+        PyErr_Format(PyExc_ValueError, "%s: (test hook) CUDA memory taken as emul, but %zu bytes at %p are not inside "
+                     "an emul allocation", v->t.name, v->t.nbytes, v->t.data);
+        goto fail;
+    }
     return 0;
 fail:
     view_release(v);
     return -1;
+}
+
+/* The device of a call's views (every view on one: the Python layer
+ * refuses mixed calls naming the keys, the library again), cpu for none. */
+static lk_device views_device(const view *v, size_t n) { return n ? v[0].t.device : (lk_device){LK_DEVICE_CPU, 0}; }
+
+/* The stream a call on device d works on: torch's current stream, whose
+ * cudaStream_t the Python layer passes as an int (0: the default stream),
+ * wrapped (lk_stream_wrap; freed by the caller with lk_stream_free). NULL
+ * for host memory. -1 with LoraError set on failure. */
+static int call_stream(lk_device d, PyObject *handle, lk_stream **out) {
+    *out = NULL;
+    if (d.kind == LK_DEVICE_CPU) return 0;
+    void *native = handle == Py_None ? NULL : PyLong_AsVoidPtr(handle);
+    if (PyErr_Occurred()) return -1;
+    lk_status s = lk_stream_wrap(d, native, out);
+    if (s) return raise_lk(s, NULL), -1;
+    return 0;
 }
 
 /* items: a sequence of (name: str, value, dtype_hint: str | None). On
@@ -469,7 +597,19 @@ typedef struct py_host {
     PyObject *obj;   /* the _TorchHost */
     int size;
     lk_status failed; /* the last callback failure's status */
+    lk_device dev;   /* the device whose memory its collectives take (its `device`: cuda:N over NCCL), else cpu */
 } py_host;
+
+/* What a callback hands Python for n bytes at p: a memoryview of host
+ * memory, or, for memory of the host's device, a "dltensor" capsule over it
+ * (uint8, n; kDLCUDA for cuda, kDLCPU for emul, whose memory is the
+ * process's): zero-copy, turned into a tensor by torch.from_dlpack. */
+static PyObject *buf_of(const py_host *h, void *p, size_t n) {
+    if (h->dev.kind == LK_DEVICE_CPU || !n || !lk_device_owns(h->dev, p, n)) return mv_of(p, n);
+    const int64_t shape[1] = {(int64_t)n};
+    const DLDevice dd = h->dev.kind == LK_DEVICE_CUDA ? (DLDevice){kDLCUDA, h->dev.index} : (DLDevice){kDLCPU, 0};
+    return dl_capsule(p, dd, (DLDataType){kDLUInt, 8, 1}, 1, shape, NULL);
+}
 
 /* Calls host.<name>(*args built from fmt); returns the result (new
  * reference) or NULL with the failure recorded. The GIL is held. */
@@ -499,7 +639,7 @@ static lk_status h_barrier(void *ctx) {
 
 static lk_status h_bcast(void *ctx, void *buf, size_t n, int root) {
     PyGILState_STATE g = PyGILState_Ensure();
-    PyObject *r = host_call(ctx, "bcast", "(Ni)", mv_of(buf, n), root);
+    PyObject *r = host_call(ctx, "bcast", "(Ni)", buf_of(ctx, buf, n), root);
     Py_XDECREF(r);
     PyGILState_Release(g);
     return r ? LK_OK : ((py_host *)ctx)->failed;
@@ -513,10 +653,11 @@ static void flip_top(void *buf, size_t n) {
 }
 
 static lk_status h_allreduce(void *ctx, void *buf, size_t n, lk_comm_dtype t, lk_reduce_op op) {
-    int flip = t == LK_COMM_U64 && op != LK_REDUCE_SUM;
+    int flip = t == LK_COMM_U64 && op != LK_REDUCE_SUM; /* u64 travels in host memory only (agreements) */
     if (flip) flip_top(buf, n);
     PyGILState_STATE g = PyGILState_Ensure();
-    PyObject *r = host_call(ctx, "allreduce", "(Nss)", mv_of(buf, n * (t == LK_COMM_F32 ? 4 : 8)),
+    const size_t bytes = n * (t == LK_COMM_F32 ? 4 : 8);
+    PyObject *r = host_call(ctx, "allreduce", "(Nss)", flip ? mv_of(buf, bytes) : buf_of(ctx, buf, bytes),
                             t == LK_COMM_F32 ? "f32" : "i64", op == LK_REDUCE_SUM ? "sum" : op == LK_REDUCE_MIN ? "min" : "max");
     Py_XDECREF(r);
     PyGILState_Release(g);
@@ -526,7 +667,8 @@ static lk_status h_allreduce(void *ctx, void *buf, size_t n, lk_comm_dtype t, lk
 
 static lk_status h_allgather(void *ctx, const void *send, size_t n, void *recv) {
     PyGILState_STATE g = PyGILState_Ensure();
-    PyObject *r = host_call(ctx, "allgather", "(NN)", mv_of(send, n), mv_of(recv, n * (size_t)((py_host *)ctx)->size));
+    PyObject *r = host_call(ctx, "allgather", "(NN)", buf_of(ctx, (void *)send, n),
+                            buf_of(ctx, recv, n * (size_t)((py_host *)ctx)->size));
     Py_XDECREF(r);
     PyGILState_Release(g);
     return r ? LK_OK : ((py_host *)ctx)->failed;
@@ -536,7 +678,7 @@ static lk_status h_allgather(void *ctx, const void *send, size_t n, void *recv) 
  * done or wait completes it. */
 static lk_status h_ibcast(void *ctx, void *buf, size_t n, int root, void **req) {
     PyGILState_STATE g = PyGILState_Ensure();
-    PyObject *r = host_call(ctx, "ibcast", "(Ni)", mv_of(buf, n), root);
+    PyObject *r = host_call(ctx, "ibcast", "(Ni)", buf_of(ctx, buf, n), root);
     PyGILState_Release(g);
     *req = r;
     return r ? LK_OK : ((py_host *)ctx)->failed;
@@ -596,6 +738,13 @@ static lk_status comm_from_py_host(PyObject *obj, int rank, int size, int nonblo
     h->obj = obj;
     h->size = size;
     h->failed = LK_ERR_COMM;
+    h->dev = (lk_device){LK_DEVICE_CPU, 0};
+    PyObject *dv = PyObject_GetAttrString(obj, "device"); /* "cuda:N" (NCCL), "emul" (tests) or None */
+    const char *dn = dv && PyUnicode_Check(dv) ? PyUnicode_AsUTF8(dv) : NULL;
+    if (dn && lk_device_parse(dn, &h->dev)) h->dev = (lk_device){LK_DEVICE_CPU, 0};
+    if (dn && h->dev.kind == LK_DEVICE_CUDA) h->dev = cuda_device_of(h->dev.index);
+    Py_XDECREF(dv);
+    PyErr_Clear();
     lk_comm_host_ops ops = {.barrier = h_barrier, .bcast = h_bcast, .allreduce = h_allreduce,
                             .allgather = h_allgather, .destroy = h_destroy, .set_timeout = h_set_timeout,
                             .max_bytes = (size_t)1 << 30}; /* torch.frombuffer takes any size; keep rounds bounded */
@@ -770,24 +919,42 @@ static PyObject *py_digest(PyObject *mod, PyObject *args) {
     return PyUnicode_FromString(hex);
 }
 
+/* The digest of n views (views_digest's GIL is released by the caller):
+ * host tensors directly; device tensors once stream (torch's current one)
+ * has run what it queued on them, read back in pieces (lk_weights_digest). */
+static lk_status views_digest(const lk_tensor *t, size_t n, lk_stream *stream, char hex[LK_DIGEST_HEX]) {
+    const lk_device d = n ? t[0].device : (lk_device){LK_DEVICE_CPU, 0};
+    if (d.kind == LK_DEVICE_CPU) return lk_digest_tensors(t, n, hex);
+    lk_weights *w = NULL;
+    lk_status s = lk_stream_sync(d, stream);
+    if (!s) s = lk_weights_wrap(t, n, &w);
+    if (!s) s = lk_weights_digest(w, hex);
+    lk_weights_free(w);
+    return s;
+}
+
+/* digest_tensors(items[, stream]) */
 static PyObject *py_digest_tensors(PyObject *mod, PyObject *args) {
     (void)mod;
-    PyObject *items;
-    if (!PyArg_ParseTuple(args, "O", &items)) return NULL;
+    PyObject *items, *stream = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O", &items, &stream)) return NULL;
     size_t n = 0;
-    view *v = views_from(items, 0, &n);
+    view *v = views_from(items, ALLOW_CUDA, &n);
     if (!v) return NULL;
     lk_tensor *t = tensor_table(v, n);
+    lk_stream *ls = NULL;
     char hex[LK_DIGEST_HEX];
     lk_status s = LK_OK;
-    if (t) {
+    int ok = t && call_stream(views_device(v, n), stream, &ls) == 0;
+    if (ok) {
         Py_BEGIN_ALLOW_THREADS
-        s = lk_digest_tensors(t, n, hex);
+        s = views_digest(t, n, ls, hex);
         Py_END_ALLOW_THREADS
     }
+    lk_stream_free(ls);
     PyMem_Free(t);
     views_free(v, n);
-    if (!t) return NULL;
+    if (!ok) return NULL;
     if (s) return raise_lk(s, NULL);
     return PyUnicode_FromString(hex);
 }
@@ -1177,13 +1344,31 @@ static PyObject *py_fuse(PyObject *mod, PyObject *args) {
     return res;
 }
 
+/* The summary JSON of an in-memory fuse on device d: with "device",
+ * "keys_device" and "keys_host_fallback" (lk_fuse_stats) added. */
+static PyObject *fuse_summary(lk_device d, const lk_fuse_stats *st, char *js) {
+    PyObject *r = PyUnicode_FromString(js);
+    lk_free(js);
+    if (!r || d.kind == LK_DEVICE_CPU) return r;
+    char dn[LK_DEVICE_STR_MAX];
+    PyObject *head = PyUnicode_Substring(r, 0, PyUnicode_GET_LENGTH(r) - 1); /* without the closing brace */
+    Py_DECREF(r);
+    if (!head) return NULL;
+    PyObject *full = PyUnicode_FromFormat("%U, \"device\": \"%s\", \"keys_device\": %zu, \"keys_host_fallback\": %zu}",
+                                          head, lk_device_str(d, dn), st->keys_device, st->keys_host_fallback);
+    Py_DECREF(head);
+    return full;
+}
+
+/* fuse_(items, loras, threads, allow_unmatched, allow_nonfinite, alpha_from, arch, maps[, convention[, stream]]):
+ * device tensors (CUDA, one device) are fused where they are, on stream (torch's current stream's handle). */
 static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
     (void)mod;
-    PyObject *items, *loras, *arch, *maps;
+    PyObject *items, *loras, *arch, *maps, *stream = Py_None;
     lk_fuse_file_opts o = {0};
     const char *af, *cv = "lorakit";
-    if (!PyArg_ParseTuple(args, "OOiiisOO|s", &items, &loras, &o.fuse.threads, &o.allow_unmatched,
-                          &o.fuse.allow_nonfinite, &af, &arch, &maps, &cv))
+    if (!PyArg_ParseTuple(args, "OOiiisOO|sO", &items, &loras, &o.fuse.threads, &o.allow_unmatched,
+                          &o.fuse.allow_nonfinite, &af, &arch, &maps, &cv, &stream))
         return NULL;
     request r;
     tables tb;
@@ -1198,10 +1383,12 @@ static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
     o.maps = tb.p;
     o.n_maps = tb.n;
     size_t n = 0;
-    view *v = views_from(items, NEED_WRITE, &n);
+    view *v = views_from(items, NEED_WRITE | ALLOW_CUDA, &n);
     lk_tensor *t = v ? tensor_table(v, n) : NULL;
+    lk_stream *ls = NULL;
     PyObject *res = NULL;
-    if (t) {
+    if (t && call_stream(views_device(v, n), stream, &ls) == 0) {
+        o.stream = ls;
         lk_fuse_stats st;
         char *js = NULL;
         lk_status s;
@@ -1214,10 +1401,12 @@ static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
             if (!s && !(js = lk_fuse_summary_json(NULL, NULL, r.in, r.n, &st)))
                 s = lk_error(LK_ERR_UNSUPPORTED, "fused, but the summary cannot be built (a path that is not UTF-8)");
             Py_END_ALLOW_THREADS
-            if (guard_end(&g, s, "lorakit.fuse_") == 0) res = json_result(s, js);
+            if (guard_end(&g, s, "lorakit.fuse_") == 0)
+                res = s ? raise_lk(s, NULL) : fuse_summary(views_device(v, n), &st, js);
             else lk_free(js);
         }
     }
+    lk_stream_free(ls);
     PyMem_Free(t);
     views_free(v, n);
     request_free(&r);
@@ -1269,14 +1458,24 @@ static PyObject *py_mib_bytes(PyObject *mod, PyObject *args) {
     return NULL;
 }
 
-/* sync_grads(comm, items, bucket_bytes) -> collectives: averages float32
- * tensors over comm in place; bucket_bytes from mib_bytes. */
+/* 1 when c's allreduce takes d's memory: NCCL on cuda, or this module's
+ * host communicator whose _TorchHost moves d's memory (its `device`). */
+static int comm_takes(lk_comm *c, lk_device d) {
+    if (d.kind == LK_DEVICE_CUDA && lk_comm_takes_cuda(c)) return 1;
+    const py_host *h = strcmp(lk_comm_backend(c), "host") ? NULL : lk_comm_host_ctx(c);
+    return h && d.kind != LK_DEVICE_CPU && lk_device_equal(h->dev, d);
+}
+
+/* sync_grads(comm, items, bucket_bytes[, stream]) -> collectives: averages
+ * float32 tensors over comm in place; bucket_bytes from mib_bytes. Device
+ * tensors (one device) are averaged there (lk_lora_average_dev) on stream
+ * (torch's current stream's handle). */
 static PyObject *py_sync_grads(PyObject *mod, PyObject *args) {
     (void)mod;
-    PyObject *co, *items;
+    PyObject *co, *items, *stream = Py_None;
     Py_ssize_t bucket;
     int ok = 1;
-    if (!PyArg_ParseTuple(args, "OOn", &co, &items, &bucket)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOn|O", &co, &items, &bucket, &stream)) return NULL;
     lk_comm *c = comm_of(co);
     if (!c) return NULL;
     if (bucket < 1) {
@@ -1284,23 +1483,27 @@ static PyObject *py_sync_grads(PyObject *mod, PyObject *args) {
         ok = 0;
     }
     size_t n = 0;
-    view *v = ok ? views_from(items, NEED_WRITE | NEED_F32, &n) : NULL;
+    view *v = ok ? views_from(items, NEED_WRITE | NEED_F32 | ALLOW_CUDA, &n) : NULL;
     float **bufs = v ? PyMem_Calloc(n ? n : 1, sizeof *bufs) : NULL;
     size_t *counts = v ? PyMem_Calloc(n ? n : 1, sizeof *counts) : NULL;
     if (v && (!bufs || !counts)) PyErr_NoMemory();
+    const lk_device d = v ? views_device(v, n) : (lk_device){LK_DEVICE_CPU, 0};
+    lk_stream *ls = NULL;
     PyObject *res = NULL;
-    if (agree_local(c, bufs && counts) == 0) {
+    if (agree_local(c, bufs && counts && call_stream(d, stream, &ls) == 0) == 0) {
         for (size_t i = 0; i < n; i++) {
             bufs[i] = v[i].t.data;
             counts[i] = v[i].t.nbytes / sizeof(float);
         }
+        const lk_lora_average_dev_opts o = {(size_t)bucket, ls, comm_takes(c, d)};
         lk_status s;
         size_t calls = 0;
         Py_BEGIN_ALLOW_THREADS
-        s = lk_comm_average_f32(c, bufs, counts, n, (size_t)bucket, &calls);
+        s = lk_lora_average_dev(c, d, bufs, counts, n, &o, &calls);
         Py_END_ALLOW_THREADS
         res = s ? raise_lk(s, NULL) : PyLong_FromSize_t(calls);
     }
+    lk_stream_free(ls);
     PyMem_Free(bufs);
     PyMem_Free(counts);
     views_free(v, n);
@@ -1311,23 +1514,25 @@ static PyObject *py_sync_grads(PyObject *mod, PyObject *args) {
  * same (names, dtypes, shapes and bytes). */
 static PyObject *py_check_replicas(PyObject *mod, PyObject *args) {
     (void)mod;
-    PyObject *co, *items;
-    if (!PyArg_ParseTuple(args, "OO", &co, &items)) return NULL;
+    PyObject *co, *items, *stream = Py_None;
+    if (!PyArg_ParseTuple(args, "OO|O", &co, &items, &stream)) return NULL;
     lk_comm *c = comm_of(co);
     if (!c) return NULL;
     size_t n = 0;
-    view *v = views_from(items, 0, &n);
+    view *v = views_from(items, ALLOW_CUDA, &n);
     lk_tensor *t = v ? tensor_table(v, n) : NULL;
+    lk_stream *ls = NULL;
     PyObject *res = NULL;
-    if (agree_local(c, t != NULL) == 0) {
+    if (agree_local(c, t != NULL && call_stream(views_device(v, n), stream, &ls) == 0) == 0) {
         char hex[LK_DIGEST_HEX] = {0};
         lk_comm_same same;
         lk_status s;
         Py_BEGIN_ALLOW_THREADS
-        s = lk_comm_same_bytes(c, lk_digest_tensors(t, n, hex), hex, LK_DIGEST_HEX, 1, NULL, &same);
+        s = lk_comm_same_bytes(c, views_digest(t, n, ls, hex), hex, LK_DIGEST_HEX, 1, NULL, &same);
         Py_END_ALLOW_THREADS
         res = s ? raise_lk(s, NULL) : PyBool_FromLong(same.n_differ == 0);
     }
+    lk_stream_free(ls);
     PyMem_Free(t);
     views_free(v, n);
     return res;
@@ -1765,6 +1970,162 @@ static PyObject *py_extract(PyObject *mod, PyObject *args) {
     return r;
 }
 
+/* ---- EmulTensor: TEST ONLY, a tensor in emul device memory ----
+ *
+ * EmulTensor(data: bytes, dtype: str, shape: tuple) copies data into a new
+ * emul allocation (lk_device_alloc, an explicit host->device copy).
+ * __dlpack_device__() is (kDLCUDA, 0) and __dlpack__() exports the emul
+ * memory as such: with the test hook on (_test_emul_as_cuda), lorakit's
+ * Python layer and this binding treat it exactly as a CUDA tensor. tobytes()
+ * reads it back (an explicit device->host copy); the emul counters
+ * (emul_counts) count both. */
+
+typedef struct {
+    PyObject_HEAD
+    void *data;
+    size_t nbytes;
+    lk_dtype dtype;
+    int ndim;
+    int64_t shape[LK_MAX_DIMS];
+} EmulTensorObject;
+
+static const lk_device k_emul = {LK_DEVICE_EMUL, 0};
+
+static void EmulTensor_dealloc(EmulTensorObject *self) {
+    lk_device_free(k_emul, self->data);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int EmulTensor_init(EmulTensorObject *self, PyObject *args, PyObject *kw) {
+    (void)kw;
+    Py_buffer b;
+    const char *dt;
+    PyObject *shape;
+    if (self->data) {
+        PyErr_SetString(PyExc_RuntimeError, "EmulTensor already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "y*sO", &b, &dt, &shape)) return -1;
+    int ok = 0;
+    self->dtype = lk_dtype_from_name(dt, strlen(dt));
+    PyObject *seq = PySequence_Fast(shape, "shape must be a sequence of ints");
+    size_t numel = 1;
+    if (seq && self->dtype != LK_DTYPE_INVALID && PySequence_Fast_GET_SIZE(seq) <= LK_MAX_DIMS) {
+        self->ndim = (int)PySequence_Fast_GET_SIZE(seq);
+        ok = 1;
+        for (int i = 0; ok && i < self->ndim; i++) {
+            self->shape[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+            ok = !PyErr_Occurred() && self->shape[i] >= 0;
+            numel *= ok ? (size_t)self->shape[i] : 0;
+        }
+    }
+    self->nbytes = numel * lk_dtype_size(self->dtype);
+    if (ok && (size_t)b.len != self->nbytes) ok = 0;
+    lk_status st = LK_OK;
+    if (ok) st = lk_device_alloc(k_emul, self->nbytes, &self->data);
+    if (ok && !st) st = lk_device_copy(k_emul, self->data, b.buf, self->nbytes, LK_COPY_H2D, NULL);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&b);
+    if (!ok && !PyErr_Occurred())
+        PyErr_Format(PyExc_ValueError, "EmulTensor: %zd bytes for dtype %s and that shape (%zu bytes expected)",
+                     b.len, dt, self->nbytes);
+    if (!ok) return -1;
+    if (st) return raise_lk(st, NULL), -1;
+    return 0;
+}
+
+static PyObject *EmulTensor_dlpack(EmulTensorObject *self, PyObject *args, PyObject *kw) {
+    (void)args;
+    (void)kw; /* stream=: emul streams are synchronous */
+    return dl_capsule(self->data, (DLDevice){kDLCUDA, 0}, dl_of_dtype(self->dtype), self->ndim, self->shape,
+                      (PyObject *)self);
+}
+
+static PyObject *EmulTensor_dlpack_device(EmulTensorObject *self, PyObject *noargs) {
+    (void)self;
+    (void)noargs;
+    return Py_BuildValue("(ii)", kDLCUDA, 0);
+}
+
+static PyObject *EmulTensor_tobytes(EmulTensorObject *self, PyObject *noargs) {
+    (void)noargs;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)self->nbytes);
+    if (!out) return NULL;
+    lk_status st = lk_device_copy(k_emul, PyBytes_AS_STRING(out), self->data, self->nbytes, LK_COPY_D2H, NULL);
+    if (st) {
+        Py_DECREF(out);
+        return raise_lk(st, NULL);
+    }
+    return out;
+}
+
+static PyObject *EmulTensor_shape(EmulTensorObject *self, void *closure) {
+    (void)closure;
+    PyObject *t = PyTuple_New(self->ndim);
+    for (int i = 0; t && i < self->ndim; i++) PyTuple_SET_ITEM(t, i, PyLong_FromLongLong(self->shape[i]));
+    return t;
+}
+
+static PyObject *EmulTensor_dtype(EmulTensorObject *self, void *closure) {
+    (void)closure;
+    return PyUnicode_FromString(lk_dtype_name(self->dtype));
+}
+
+static PyObject *EmulTensor_ptr(EmulTensorObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromVoidPtr(self->data);
+}
+
+static PyMethodDef EmulTensor_methods[] = {
+    {"__dlpack__", (PyCFunction)(void (*)(void))EmulTensor_dlpack, METH_VARARGS | METH_KEYWORDS, NULL},
+    {"__dlpack_device__", (PyCFunction)EmulTensor_dlpack_device, METH_NOARGS, NULL},
+    {"tobytes", (PyCFunction)EmulTensor_tobytes, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef EmulTensor_getset[] = {
+    {"shape", (getter)EmulTensor_shape, NULL, NULL, NULL},
+    {"dtype", (getter)EmulTensor_dtype, NULL, NULL, NULL},
+    {"data_ptr", (getter)EmulTensor_ptr, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject EmulTensorType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "lorakit._lorakit.EmulTensor",
+    .tp_basicsize = sizeof(EmulTensorObject),
+    .tp_dealloc = (destructor)EmulTensor_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "TEST ONLY: a tensor in lorakit's emul device memory that reports itself as CUDA (lorakit._testing)",
+    .tp_init = (initproc)EmulTensor_init,
+    .tp_new = PyType_GenericNew,
+    .tp_methods = EmulTensor_methods,
+    .tp_getset = EmulTensor_getset,
+};
+
+/* _test_emul_as_cuda(flag) -> previous flag: TEST ONLY (g_emul_as_cuda). */
+static PyObject *py_test_emul_as_cuda(PyObject *mod, PyObject *args) {
+    (void)mod;
+    int flag;
+    if (!PyArg_ParseTuple(args, "p", &flag)) return NULL;
+    int was = g_emul_as_cuda;
+    g_emul_as_cuda = flag;
+    return PyBool_FromLong(was);
+}
+
+/* emul_counts() -> {h2d, d2h, d2d, h2d_bytes, d2h_bytes, d2d_bytes, launches}:
+ * the emulated device's running totals (lk_device_emul_counts). */
+static PyObject *py_emul_counts(PyObject *mod, PyObject *noargs) {
+    (void)mod;
+    (void)noargs;
+    lk_device_counts k;
+    lk_device_emul_counts(&k);
+    return Py_BuildValue("{s:K, s:K, s:K, s:K, s:K, s:K, s:K}", "h2d", (unsigned long long)k.copies[LK_COPY_H2D],
+                         "d2h", (unsigned long long)k.copies[LK_COPY_D2H], "d2d",
+                         (unsigned long long)k.copies[LK_COPY_D2D], "h2d_bytes", (unsigned long long)k.bytes[LK_COPY_H2D],
+                         "d2h_bytes", (unsigned long long)k.bytes[LK_COPY_D2H], "d2d_bytes",
+                         (unsigned long long)k.bytes[LK_COPY_D2D], "launches", (unsigned long long)k.launches);
+}
+
 static PyMethodDef methods[] = {
     {"set_log_sink", py_set_log_sink, METH_VARARGS, NULL},
     {"log_level", py_log_level, METH_VARARGS, NULL},
@@ -1785,6 +2146,8 @@ static PyMethodDef methods[] = {
     {"algebra", py_algebra, METH_VARARGS, NULL},
     {"extract", py_extract, METH_VARARGS, NULL},
     {"rand_uniform", py_rand_uniform, METH_VARARGS, NULL},
+    {"_test_emul_as_cuda", py_test_emul_as_cuda, METH_VARARGS, NULL},
+    {"emul_counts", py_emul_counts, METH_NOARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1794,7 +2157,8 @@ static struct PyModuleDef moddef = {
 };
 
 PyMODINIT_FUNC PyInit__lorakit(void) {
-    if (PyType_Ready(&CommType) < 0 || PyType_Ready(&TrackerType) < 0) return NULL;
+    if (PyType_Ready(&CommType) < 0 || PyType_Ready(&TrackerType) < 0 || PyType_Ready(&EmulTensorType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&moddef);
     if (!m) return NULL;
     LoraError = PyErr_NewExceptionWithDoc("lorakit.LoraError",
@@ -1805,6 +2169,7 @@ PyMODINIT_FUNC PyInit__lorakit(void) {
     if (!LoraError || PyModule_AddObjectRef(m, "LoraError", LoraError) < 0 ||
         PyModule_AddObjectRef(m, "Comm", (PyObject *)&CommType) < 0 ||
         PyModule_AddObjectRef(m, "Tracker", (PyObject *)&TrackerType) < 0 ||
+        PyModule_AddObjectRef(m, "EmulTensor", (PyObject *)&EmulTensorType) < 0 ||
         PyModule_AddStringConstant(m, "__version__", LK_PY_VERSION) < 0 ||
 #ifdef LK_HAVE_MPI
         PyModule_AddIntConstant(m, "HAVE_MPI", 1) < 0

@@ -131,6 +131,35 @@ def test_sync_grads_average_and_skipped_layers():
     assert lorakit.check_replicas(out, W) is True
 
 
+def test_sync_grads_on_emul_device_memory():
+    """The CUDA path of sync_grads (device gradients averaged where they
+    are: the pinned host stage per bucket over MPI, the division by lorakit's
+    device kernel) on the emul device (lorakit._testing): the same bytes as
+    the host path on NumPy copies, and as the closed-form mean; then
+    check_replicas and digest_tensors on the same device memory."""
+    from lorakit import _testing as lt
+    rng = np.random.default_rng(11 + R)
+    shapes = [(3, 5), (0,), (1000,), (7,)]
+    host = [rng.uniform(-1, 1, s).astype(np.float32) for s in shapes]
+    dev = [lt.to_emul("F32", h) for h in host]
+    with lt.emul_as_cuda():
+        c0 = lt.emul_counts()
+        lorakit.sync_grads(dev, W, bucket_mb=1 / 1024)  # 256-float buckets: inside and across buffers
+        d2h = lt.emul_counts()["d2h_bytes"] - c0["d2h_bytes"]
+        ok = lorakit.check_replicas(dev, W)
+    lorakit.sync_grads(host, W, bucket_mb=1 / 1024)
+    for h, t in zip(host, dev):
+        assert lt.from_emul(t).tobytes() == h.tobytes()
+    gens = [np.random.default_rng(11 + r) for r in range(N)]  # every rank's values, regenerated here
+    every = [[g.uniform(-1, 1, s).astype(np.float32).astype(np.float64) for s in shapes] for g in gens]
+    for i, t in enumerate(dev):
+        mean = sum(e[i] for e in every) / N
+        assert np.all(np.abs(lt.from_emul(t).astype(np.float64) - mean) <= 2.0 ** -20), i
+    if N > 1:
+        assert d2h == sum(h.size for h in host) * 4  # every float once through the pinned stage (MPI takes host memory)
+    assert ok is True
+
+
 def test_sync_grads_float16_one_rounding():
     """float16 gradients: summed and divided in float32, rounded once into
     the gradient (the expectation: the float64 average rounded to float16)."""

@@ -96,33 +96,12 @@ def test_parameters_that_require_grad_are_written_in_place(model):
 
 
 class FakeCuda(torch.Tensor):
-    """A CPU tensor that says it is on cuda:0: how the CUDA paths' routing
-    is exercised where no GPU exists (its bytes stay CPU memory, so the
-    host fallback's copies work on it)."""
+    """A CPU tensor that says it is on cuda:0: the routing of a mixed call
+    (refused before anything is read). The CUDA paths themselves run on the
+    emul device in test_device_emul.py, and on GPUs in test_cuda.py."""
     @property
     def device(self):
         return torch.device("cuda:0")
-
-
-def test_cuda_tensors_take_the_host_fallback(model_bf16):
-    """fuse_, digest_tensors and check_replicas on CUDA tensors (fake ones
-    here) go through host copies: the bytes equal the CPU path's (the CLI's
-    offline fuse), the summary says fused_on_host, and a failing fuse_
-    leaves the tensors as they were. (Real CUDA tensors: not run here, no
-    GPU.)"""
-    m = model_bf16
-    loras = [(m["a1"], 0.7), (m["a2"], 1.5)]
-    fake = {k: v.clone().as_subclass(FakeCuda) for k, v in load_torch(m["base"]).items()}
-    before = lorakit.digest_tensors({k: v.as_subclass(torch.Tensor) for k, v in fake.items()})
-    with pytest.raises(lorakit.LoraError):
-        lorakit.fuse_(fake, [(m["a1"], 1.0), (os.path.join(m["dir"], "missing.safetensors"), 1.0)])
-    assert lorakit.digest_tensors(fake) == before
-    s = lorakit.fuse_(fake, loras)
-    assert s["fused_on_host"] is True and s["tensors_fused"] == 3
-    want = cli_digest(m, loras, "fake_cuda.safetensors")
-    assert lorakit.digest_tensors({k: v.as_subclass(torch.Tensor) for k, v in fake.items()}) == want
-    assert lorakit.digest_tensors(fake) == want
-    assert lorakit.check_replicas(fake, "self") is True
 
 
 def test_meta_tensors_are_refused_by_name():

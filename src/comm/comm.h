@@ -40,4 +40,26 @@ lk_status lk_comm_agree_min(lk_comm *c, lk_status local, uint64_t *v, size_t n);
 lk_status lk_comm_same_bytes_all(lk_comm *c, lk_status local, const void *items, size_t item_bytes, size_t n,
                                  void *all, lk_comm_same *out);
 
+/* The layout agreement of lk_comm_average_f32 (one allreduce over FNV-1a
+ * of n and the counts, and the total), for a caller that averages the same
+ * layout its own way with the same collectives (src/lora/average_dev.c, on
+ * device buffers): LK_ERR_MISMATCH on every rank when the ranks differ. */
+lk_status lk_comm_average_layout(lk_comm *c, const size_t *counts, size_t n, size_t total);
+
+/* The buffers of an average as one stream of floats (cut into buckets):
+ * the cursor is the next float, bufs[k][off]. */
+typedef struct lk_comm_cursor {
+    float *const *bufs;
+    const size_t *counts;
+    size_t n, k, off;
+} lk_comm_cursor;
+/* Moves past empty buffers. */
+void lk_comm_cursor_skip(lk_comm_cursor *q);
+/* The next run of at most len floats at q (inside one buffer) into *p,
+ * its length returned (0 at the end); q advances past it. */
+size_t lk_comm_cursor_run(lk_comm_cursor *q, size_t len, float **p);
+/* An average's request checked (NULL buffers: LK_ERR_ARG naming the index)
+ * and measured: *total floats, *nonempty buffers. */
+lk_status lk_comm_average_check(float *const *bufs, const size_t *counts, size_t n, size_t *total, size_t *nonempty);
+
 #endif

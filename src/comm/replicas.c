@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "comm/backend.h"
+#include "comm/comm.h"
 #include "lorakit/alloc.h"
 
 /* ---- layout agreement ---- */
@@ -44,31 +45,52 @@ static uint64_t counts_hash(const size_t *counts, size_t n) {
 
 /* ---- the bucketed average ---- */
 
-/* The buffers as one stream of floats cut into buckets of `bucket`: the
- * cursor is the next float, bufs[k][off]. */
-typedef struct stream {
-    float *const *bufs;
-    const size_t *counts;
-    size_t n, k, off;
-} stream;
-
-static void skip_empty(stream *q) {
+void lk_comm_cursor_skip(lk_comm_cursor *q) {
     while (q->k < q->n && q->off == q->counts[q->k]) q->k++, q->off = 0;
+}
+
+size_t lk_comm_cursor_run(lk_comm_cursor *q, size_t len, float **p) {
+    lk_comm_cursor_skip(q);
+    if (q->k >= q->n) return 0;
+    size_t run = q->counts[q->k] - q->off < len ? q->counts[q->k] - q->off : len;
+    *p = q->bufs[q->k] + q->off;
+    q->off += run;
+    return run;
+}
+
+lk_status lk_comm_average_check(float *const *bufs, const size_t *counts, size_t n, size_t *total, size_t *nonempty) {
+    *total = *nonempty = 0;
+    if (n && (!bufs || !counts)) return lk_error(LK_ERR_ARG, "comm average: NULL buffers");
+    for (size_t i = 0; i < n; i++) {
+        if (!bufs[i] && counts[i]) return lk_error(LK_ERR_ARG, "comm average: buffer %zu is NULL", i);
+        *total += counts[i];
+        *nonempty += counts[i] != 0;
+    }
+    return LK_OK;
+}
+
+lk_status lk_comm_average_layout(lk_comm *c, const size_t *counts, size_t n, size_t total) {
+    uint64_t range[2];
+    int same = 0;
+    lk_status s = lk_comm_agree_layout(c, counts_hash(counts, n), total, &same, range);
+    if (!s && !same)
+        s = lk_error(LK_ERR_MISMATCH, "comm average: the ranks hold different buffer sets (this rank: %zu "
+                     "buffers, %zu floats; totals across ranks range from %llu to %llu floats)", n, total,
+                     (unsigned long long)range[0], (unsigned long long)range[1]);
+    return s;
 }
 
 /* Copies (to = 1: into the stream, averaged) up to len floats between the
  * stream and stage, advancing the cursor; returns the count. */
-static size_t move(stream *q, float *stage, size_t len, int to, float fs) {
-    size_t done = 0;
-    for (skip_empty(q); done < len && q->k < q->n; skip_empty(q)) {
-        size_t run = q->counts[q->k] - q->off < len - done ? q->counts[q->k] - q->off : len - done;
-        float *p = q->bufs[q->k] + q->off;
+static size_t move(lk_comm_cursor *q, float *stage, size_t len, int to, float fs) {
+    size_t done = 0, run;
+    float *p;
+    while (done < len && (run = lk_comm_cursor_run(q, len - done, &p))) {
         if (to)
             for (size_t j = 0; j < run; j++) p[j] = stage[done + j] / fs;
         else
             memcpy(stage + done, p, run * sizeof *stage);
         done += run;
-        q->off += run;
     }
     return done;
 }
@@ -77,15 +99,9 @@ lk_status lk_comm_average_f32_ex(lk_comm *c, float *const *bufs, const size_t *c
                                  const lk_comm_average_opts *opts, size_t *n_collectives) {
     if (n_collectives) *n_collectives = 0;
     const lk_comm_average_opts o = opts ? *opts : (lk_comm_average_opts){0};
-    size_t bucket = (o.bucket_bytes ? o.bucket_bytes : LK_COMM_AVERAGE_BUCKET_DEFAULT) / sizeof(float), total = 0;
+    size_t bucket = (o.bucket_bytes ? o.bucket_bytes : LK_COMM_AVERAGE_BUCKET_DEFAULT) / sizeof(float), total, nonempty;
     if (bucket == 0) bucket = 1;
-    size_t nonempty = 0;
-    lk_status local = (n && (!bufs || !counts)) ? lk_error(LK_ERR_ARG, "comm average: NULL buffers") : LK_OK;
-    for (size_t i = 0; !local && i < n; i++) {
-        if (!bufs[i] && counts[i]) local = lk_error(LK_ERR_ARG, "comm average: buffer %zu is NULL", i);
-        total += counts[i];
-        nonempty += counts[i] != 0;
-    }
+    lk_status local = lk_comm_average_check(bufs, counts, n, &total, &nonempty);
     if (lk_comm_size(c) <= 1) return local;
     /* a bucket within one buffer is reduced in place; only buckets that
      * span buffers go through the staging copy */
@@ -95,21 +111,13 @@ lk_status lk_comm_average_f32_ex(lk_comm *c, float *const *bufs, const size_t *c
         local = lk_error(LK_ERR_NOMEM, "comm average: out of memory for a %zu-float bucket", stage_n);
     lk_status s = LK_OK;
     if (!o.layout_agreed || stage_n || local) s = lk_comm_agree(c, local);
-    if (!s && !o.layout_agreed) {
-        uint64_t range[2];
-        int same = 0;
-        s = lk_comm_agree_layout(c, counts_hash(counts, n), total, &same, range);
-        if (!s && !same)
-            s = lk_error(LK_ERR_MISMATCH, "comm average: the ranks hold different buffer sets (this rank: %zu "
-                         "buffers, %zu floats; totals across ranks range from %llu to %llu floats)", n, total,
-                         (unsigned long long)range[0], (unsigned long long)range[1]);
-    }
+    if (!s && !o.layout_agreed) s = lk_comm_average_layout(c, counts, n, total);
     const float fs = (float)lk_comm_size(c);
     size_t calls = 0;
-    stream in = {bufs, counts, n, 0, 0}, out = in;
+    lk_comm_cursor in = {bufs, counts, n, 0, 0}, out = in;
     for (size_t left = total; !s && left;) {
         size_t len = left < bucket ? left : bucket;
-        skip_empty(&in);
+        lk_comm_cursor_skip(&in);
         if (in.counts[in.k] - in.off >= len) { /* within one buffer: in place */
             float *p = in.bufs[in.k] + in.off;
             if ((s = lk_comm_allreduce_f32_sum(c, p, len))) break;

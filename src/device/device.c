@@ -307,6 +307,17 @@ lk_status lk_event_elapsed(const lk_event *a, const lk_event *b, double *seconds
 
 static const char *const g_copy_names[] = {"host->device", "device->host", "device->device"};
 
+static lk_device_counts g_emul_counts; /* updated with atomics */
+
+void lk_device_emul_counts(lk_device_counts *out) {
+    if (!out) return;
+    for (int k = 0; k < 3; k++) {
+        out->copies[k] = __atomic_load_n(&g_emul_counts.copies[k], __ATOMIC_RELAXED);
+        out->bytes[k] = __atomic_load_n(&g_emul_counts.bytes[k], __ATOMIC_RELAXED);
+    }
+    out->launches = __atomic_load_n(&g_emul_counts.launches, __ATOMIC_RELAXED);
+}
+
 static lk_status emul_side(const void *p, size_t bytes, const char *side, lk_copy_kind kind) {
     if (emul_owns(p, bytes)) return LK_OK;
     return lk_error(LK_ERR_ARG, "emul: %s copy of %zu bytes: the %s %p is not inside an emul allocation", g_copy_names[kind],
@@ -329,6 +340,8 @@ lk_status lk_device_copy(lk_device d, void *dst, const void *src, size_t bytes, 
         if (kind != LK_COPY_D2H && (st = emul_side(dst, bytes, "destination", kind))) return st;
         if (kind != LK_COPY_H2D && (st = emul_side(src, bytes, "source", kind))) return st;
         memcpy(dst, src, bytes);
+        __atomic_fetch_add(&g_emul_counts.copies[kind], 1, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&g_emul_counts.bytes[kind], (uint64_t)bytes, __ATOMIC_RELAXED);
         return LK_OK;
     case LK_DEVICE_CUDA: return lk_cuda_copy(d.index, dst, src, bytes, kind, s ? s->native : NULL);
     }
@@ -401,7 +414,9 @@ lk_status lk_device_launch(lk_device d, const lk_kernel *k, lk_dim3 grid, lk_dim
                         grid.x, grid.y, grid.z, block.x, block.y, block.z);
     switch (d.kind) {
     case LK_DEVICE_CPU: return lk_error(LK_ERR_ARG, "launch %s: kernels run on a device (cuda, emul), not cpu", k->name);
-    case LK_DEVICE_EMUL: return emul_launch(k, grid, block, args);
+    case LK_DEVICE_EMUL:
+        __atomic_fetch_add(&g_emul_counts.launches, 1, __ATOMIC_RELAXED);
+        return emul_launch(k, grid, block, args);
     case LK_DEVICE_CUDA: return lk_cuda_launch(d.index, k, grid, block, args, s ? s->native : NULL);
     }
     return bad_kind(d, "launch");

@@ -25,6 +25,7 @@
 #include "lorakit/fuse.h"
 #include "fuse/fuse.h"
 #include "lorakit/alloc.h"
+#include "lorakit/fuse_device.h"
 #include "lorakit/log.h"
 #include "lorakit/checkpoint.h"
 #include "lorakit/safetensors.h"
@@ -192,6 +193,8 @@ typedef struct fctx {
     lk_out_dir *od;   /* sharded output: the temporary folder */
     void *sbuf;       /* one scale tensor's bytes */
     void *buf;        /* the tensor buffer (lk_fuse_tensors: the backup) */
+    void *dbuf;       /* lk_fuse_tensors on device tensors: the backup, on c->dev */
+    lk_stream *stream; /* and the stream their work is queued on */
     size_t buf_bytes;
     char *record;
     lk_device dev;             /* lk_fuse_file_opts.device */
@@ -206,6 +209,7 @@ static void fctx_free(fctx *c) {
     for (size_t i = 0; i < c->n_ad; i++) lk_adapter_free(c->ad[i]);
     lk_free(c->arrays);
     lk_free(c->buf);
+    lk_device_free(c->dev, c->dbuf);
     lk_free(c->record);
     lk_ckpt_close(c->ck);
 }
@@ -363,6 +367,20 @@ static lk_status check_out(fctx *c, const char *out, int one_file) {
     return s;
 }
 
+/* An in-memory scale's values checked (lk_fp8_scale_values_check); on a
+ * device, through a host copy of its few bytes. */
+static lk_status scale_check(const fctx *c, const lk_tensor *sc) {
+    const int64_t n = (int64_t)lk_tensor_numel(sc);
+    if (lk_tensor_on_host(sc)) return lk_fp8_scale_values_check(sc->name, sc->data, sc->dtype, n);
+    void *h = NULL;
+    lk_status s = lk_device_host_alloc(sc->device, sc->nbytes, &h);
+    if (!s) s = lk_device_copy(sc->device, h, sc->data, sc->nbytes, LK_COPY_D2H, c->stream);
+    if (!s) s = lk_stream_sync(sc->device, c->stream);
+    if (!s) s = lk_fp8_scale_values_check(sc->name, h, sc->dtype, n);
+    lk_device_host_free(sc->device, h);
+    return s;
+}
+
 /* Checks an FP8 weight's plan (LoRA terms only) and finds its scale into
  * c->scale_of[i], marking the scale in c->is_scale; the scale's values too
  * when they are in memory (lk_fuse_tensors). */
@@ -377,9 +395,7 @@ static lk_status fp8_prepare(fctx *c, const char *label, const lk_tensor *model,
         const lk_tensor *sc = &model[c->scale_of[i]];
         c->is_scale[c->scale_of[i]] = 1;
         /* values in memory (lk_fuse_tensors) are checked here; a file's are read and checked by the caller */
-        if (sc->data && !c->ck &&
-            (s = lk_fp8_scale_values_check(sc->name, sc->data, sc->dtype, (int64_t)lk_tensor_numel(sc))))
-            return lk_error_prefix(s, "%s", label);
+        if (sc->data && !c->ck && (s = scale_check(c, sc))) return lk_error_prefix(s, "%s", label);
     }
     return LK_OK;
 }
@@ -635,17 +651,58 @@ static lk_status plan_backup(fctx *c, const char *label, const lk_tensor *tensor
         if ((s = fp8_prepare(c, label, tensors, nt, i, &plan))) return s;
         if (c->scale_of[i] >= 0) backup_bytes += tensors[c->scale_of[i]].nbytes;
     }
+    if (backup_bytes && c->dev.kind != LK_DEVICE_CPU) {
+        lk_status s = lk_device_alloc(c->dev, backup_bytes, &c->dbuf);
+        return s ? lk_error_prefix(s, "%s: the device backup of the fused tensors", label) : LK_OK;
+    }
     if (backup_bytes && !(c->buf = lk_malloc(backup_bytes)))
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for a %zu-byte backup of the fused tensors", label,
                         backup_bytes);
     return LK_OK;
 }
 
+/* Moves n bytes for the backup of an in-memory fuse: memcpy on the host, a
+ * device-to-device copy on c->stream for device tensors. */
+static lk_status backup_move(const fctx *c, void *dst, const void *src, size_t n) {
+    if (c->dev.kind == LK_DEVICE_CPU) {
+        memcpy(dst, src, n);
+        return LK_OK;
+    }
+    return lk_device_copy(c->dev, dst, src, n, LK_COPY_D2D, c->stream);
+}
+
+/* The device of an in-memory fuse's tensors into c->dev (cpu for host
+ * tensors); tensors on two devices are LK_ERR_ARG naming one on each. */
+static lk_status tensors_device(fctx *c, const char *label, const lk_tensor *tensors, size_t nt) {
+    for (size_t i = 1; i < nt; i++)
+        if (!lk_device_equal(tensors[i].device, tensors[0].device)) {
+            char a[LK_DEVICE_STR_MAX], b[LK_DEVICE_STR_MAX];
+            return lk_error(LK_ERR_ARG, "%s: %s is on %s but %s is on %s: one fuse works on one device", label,
+                            tensors[0].name, lk_device_str(tensors[0].device, a), tensors[i].name,
+                            lk_device_str(tensors[i].device, b));
+        }
+    c->dev = nt ? tensors[0].device : (lk_device){LK_DEVICE_CPU, 0};
+    lk_status s = lk_device_check(c->dev);
+    return s ? lk_error_prefix(s, "%s", label) : LK_OK;
+}
+
 /* Tensor i's bytes appended to the backup at *off, its index to c->backup. */
-static void back_up(fctx *c, const lk_tensor *tensors, size_t i, size_t *off, size_t *n_bk) {
-    memcpy((char *)c->buf + *off, tensors[i].data, tensors[i].nbytes);
+static lk_status back_up(fctx *c, const lk_tensor *tensors, size_t i, size_t *off, size_t *n_bk) {
+    char *b = c->dev.kind == LK_DEVICE_CPU ? c->buf : c->dbuf;
+    lk_status s = backup_move(c, b + *off, tensors[i].data, tensors[i].nbytes);
+    if (s) return lk_error_prefix(s, "%s: backing up", tensors[i].name);
     *off += tensors[i].nbytes;
     c->backup[(*n_bk)++] = i;
+    return LK_OK;
+}
+
+/* One touched key fused in place (t's device's kernel, or the CPU's). */
+static lk_status fuse_one(fctx *c, lk_tensor *t, lk_tensor *sc, const lk_fuse_key *plan, const lk_fuse_opts *fo) {
+    if (c->dev.kind != LK_DEVICE_CPU)
+        return lk_dtype_is_fp8(t->dtype) ? lk_fuse_fp8_dev(t, sc, c->terms, plan->n_terms, fo, c->stream, &c->dstats)
+                                         : lk_fuse_key_apply_dev(t, plan, c->terms, fo, c->stream, &c->dstats);
+    if (lk_dtype_is_fp8(t->dtype)) return fuse_fp8_weight(c, t, t->data, sc, sc ? sc->data : NULL, plan, fo);
+    return lk_fuse_key_apply(t->data, t->data, t, plan, c->terms, fo);
 }
 
 /* Every touched tensor fused in place, backed up first (with an FP8
@@ -662,19 +719,24 @@ static lk_status fuse_in_place(fctx *c, lk_tensor *tensors, size_t nt, const lk_
         if (!lk_fuse_key_touches(&plan)) continue;
         long si = c->scale_of[i];
         lk_tensor *sc = si >= 0 ? &tensors[si] : NULL;
-        back_up(c, tensors, i, &off, &n_bk);
-        if (sc) back_up(c, tensors, (size_t)si, &off, &n_bk);
-        if (lk_dtype_is_fp8(t->dtype)) s = fuse_fp8_weight(c, t, t->data, sc, sc ? sc->data : NULL, &plan, fo);
-        else s = lk_fuse_key_apply(t->data, t->data, t, &plan, c->terms, fo);
+        s = back_up(c, tensors, i, &off, &n_bk);
+        if (!s && sc) s = back_up(c, tensors, (size_t)si, &off, &n_bk);
+        if (!s) s = fuse_one(c, t, sc, &plan, fo);
         if (!s) st->tensors_fused++;
         else lk_error_at(s, NULL, t->name);
     }
     if (s) { /* every tensor backed up so far back to its bytes */
+        const char *b = c->dev.kind == LK_DEVICE_CPU ? c->buf : c->dbuf;
         size_t back = 0;
         for (size_t j = 0; j < n_bk; j++) {
-            memcpy(tensors[c->backup[j]].data, (char *)c->buf + back, tensors[c->backup[j]].nbytes);
+            if (backup_move(c, tensors[c->backup[j]].data, b + back, tensors[c->backup[j]].nbytes))
+                lk_log(LK_LOG_ERROR, "%s: restoring its bytes after a failed fuse failed too", tensors[c->backup[j]].name);
             back += tensors[c->backup[j]].nbytes;
         }
+    }
+    if (c->dev.kind != LK_DEVICE_CPU) { /* the backup is freed after this: its copies must be done */
+        lk_status ss = lk_stream_sync(c->dev, c->stream);
+        if (!s) s = ss;
     }
     return s;
 }
@@ -694,11 +756,15 @@ lk_status lk_fuse_tensors_src(lk_tensor *tensors, size_t nt, const lk_fuse_input
     memset(&c, 0, sizeof c);
     lk_fuse_stats st = {0};
     st.tensors_total = nt;
-    lk_status s = prepare(&c, label, tensors, nt, inputs, sources, n, opts, &st);
+    c.stream = opts->stream;
+    lk_status s = tensors_device(&c, label, tensors, nt);
+    if (!s) s = prepare(&c, label, tensors, nt, inputs, sources, n, opts, &st);
     if (!s) s = plan_backup(&c, label, tensors, nt);
     if (!s) s = fuse_in_place(&c, tensors, nt, &opts->fuse, &st);
     if (!s && stats) {
         st.seconds = lk_now_s() - t0;
+        st.keys_device = c.dstats.keys_device;
+        st.keys_host_fallback = c.dstats.keys_host_fallback;
         *stats = st;
     }
     fctx_free(&c);
