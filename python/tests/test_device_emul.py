@@ -86,9 +86,10 @@ def test_fuse_with_a_host_path_kind_on_emul_equals_cpu(m, tmp_path):
         s = lorakit.fuse_(ts, [(p, 0.5)])
         d = delta(c0, lt.emul_counts())
     assert raw(ts) == want
-    assert s["keys_device"] == 1 and s["keys_host_fallback"] == 1
-    # the bias, down and back up (the pinned host path), beside the verdict slot of to_q
-    assert d["d2h_bytes"] == 24 * 4 + 8, d
+    # since c280f1e 1-D vector terms run on the device too: both keys by the device
+    # kernels, the only device->host bytes their two 8-byte verdict slots
+    assert s["keys_device"] == 2 and s["keys_host_fallback"] == 0
+    assert d["d2h_bytes"] == 2 * 8, d
 
 
 def test_failed_fuse_on_emul_restores_every_byte(m):
