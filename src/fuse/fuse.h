@@ -175,6 +175,11 @@ lk_status lk_oft_check(const lk_fuse_term *term, int64_t out, size_t ti, const c
 lk_status lk_oft_prepare(const lk_fuse_term *term, int64_t out, lk_convention conv, const char *name, lk_oft **p);
 lk_status lk_oft_delta_f32(const lk_oft *p, const float *w, float *delta, size_t in, const char *name);
 void lk_oft_free(lk_oft *p);
+/* OFT's last step on its own (tests): dst (n elements of dtype dt) =
+ * x + d rounded once by the row rounding of the current kernel path
+ * (lk_fuse_kernel_path); x holds values of dt. Returns the first element
+ * a finite x made non-finite, or SIZE_MAX. */
+size_t lk_oft_round_row(lk_dtype dt, const double *x, const double *d, void *dst, size_t n);
 lk_status lk_fuse_tensor_oft(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
                              const lk_fuse_term *term, const lk_fuse_opts *opts, const char *name);
 lk_status lk_wlora_product(double *wb, const float *w, size_t out, size_t in, const lk_tensor *a1, const char *name);
@@ -189,6 +194,21 @@ lk_status lk_fuse_expand_wterms(const float *w, int64_t out, int64_t in, const l
  * shared counter), worker 0 on the caller's; the caller's floating-point
  * environment is restored after. */
 void lk_fuse_run_threads(int nw, void *(*fn)(void *), void *workers, size_t size);
+/* The row drivers' workers (terms.c, oft.c), one piece of code:
+ * lk_fuse_thread_count: opts->threads (0: every core), at most
+ * LK_FUSE_MAX_THREADS, at most cap (>= 1: the caller's bound from the
+ * work's size) and at most n_items (0: no bound). lk_fuse_workers: one
+ * allocation (*workers, lk_free it) of nw workers of wsize bytes (zeroed)
+ * then nw buffers of per bytes, each on a cache line (*bufs: buffer 0;
+ * buffer t at *bufs + t * per); LK_ERR_NOMEM naming `what` when it does
+ * not fit. lk_fuse_workers_verdict:
+ * the earliest non-finite element over the workers (an lk_kworker at
+ * byte `at` of each, stride bytes apart), as lk_fuse_nonfinite reports it. */
+int lk_fuse_thread_count(const lk_fuse_opts *opts, size_t cap, size_t n_items);
+lk_status lk_fuse_workers(int nw, size_t wsize, size_t per, void **workers, unsigned char **bufs, const char *name,
+                          const char *what);
+lk_status lk_fuse_workers_verdict(const void *workers, int nw, size_t stride, size_t at, size_t in,
+                                  const lk_fuse_opts *opts, const char *name);
 /* 1 if a live term is LK_TERM_WLORA (needs the weight's values), 2 if one is LK_TERM_OFT. */
 int lk_fuse_wterms(const lk_fuse_term *terms, size_t n);
 

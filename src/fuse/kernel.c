@@ -740,6 +740,38 @@ void lk_kdelta_free(lk_kdelta *p) {
     lk_free(p);
 }
 
+int lk_fuse_thread_count(const lk_fuse_opts *opts, size_t cap, size_t n_items) {
+    int nw = opts && opts->threads > 0 ? opts->threads : lk_fuse_default_threads();
+    if (nw > LK_FUSE_MAX_THREADS) nw = LK_FUSE_MAX_THREADS;
+    if (cap < 1) cap = 1;
+    if ((size_t)nw > cap) nw = (int)cap;
+    if (n_items >= 1 && (size_t)nw > n_items) nw = (int)n_items;
+    return nw;
+}
+
+lk_status lk_fuse_workers(int nw, size_t wsize, size_t per, void **workers, unsigned char **bufs, const char *name,
+                          const char *what) {
+    lk_carve cv = {0};
+    const size_t o_wk = lk_carve_part(&cv, (size_t)nw, wsize, 64), o_buf = lk_carve_part(&cv, (size_t)nw, per, 64);
+    unsigned char *block = cv.overflow ? NULL : lk_malloc(cv.bytes);
+    *workers = block;
+    if (!block) return lk_error(LK_ERR_NOMEM, "%s: out of memory for %d %s of %zu bytes", name, nw, what, per);
+    memset(block + o_wk, 0, (size_t)nw * wsize);
+    *bufs = block + o_buf;
+    return LK_OK;
+}
+
+lk_status lk_fuse_workers_verdict(const void *workers, int nw, size_t stride, size_t at, size_t in,
+                                  const lk_fuse_opts *opts, const char *name) {
+    size_t bad_at = SIZE_MAX;
+    double bw = 0, br = 0;
+    for (int t = 0; t < nw; t++) {
+        const lk_kworker *kw = (const lk_kworker *)(const void *)((const char *)workers + (size_t)t * stride + at);
+        if (kw->bad_at < bad_at) bad_at = kw->bad_at, bw = kw->bad_w, br = kw->bad_r;
+    }
+    return lk_fuse_nonfinite(name, bad_at, in, bw, br, opts);
+}
+
 void lk_fuse_run_threads(int nw, void *(*fn)(void *), void *workers, size_t size) {
     pthread_t tid[LK_FUSE_MAX_THREADS];
     int started[LK_FUSE_MAX_THREADS] = {0};

@@ -51,7 +51,22 @@
  * of the exact value of the tool's formula (tests/test_oft.c checks every
  * dtype against a float64 reference and LyCORIS's own output).
  *  GLoRA: WB = W a1 in f64 (fma chains over the input index ascending),
- *  then the LoRA term {A = a2, B = WB (F64)} through the kernel's chain. */
+ *  then the LoRA term {A = a2, B = WB (F64)} through the kernel's chain.
+ *
+ * HOW IT RUNS (the bits do not depend on any of it): work items are row
+ * tiles x column tiles; an OFT tile is one block (b rows) x up to 512
+ * columns, a BOFT tile a group of 2^(m-1) b rows (every stage maps it onto
+ * itself) x a few dozen columns, so the m stages run in L1. Threads take
+ * items from an atomic counter (the workers carved by lk_fuse_workers).
+ * Per item: the rows to f64 (load_*), the block products in register
+ * blocks (mat_rows_*: every element its own fma chain, so any blocking
+ * gives the same bits), then step 3 per row (fin_row_*): the vector paths
+ * round with two hardware roundings where that provably equals step 3 and
+ * hand the rare rest (midpoints, subnormal grids, NaN, Inf, overflow) to
+ * fin_scalar, the portable path's code (FIN_VEC's comment has the proof;
+ * tests/test_oft_paths.c checks every path bit for bit, crafted midpoints
+ * included). The rotation itself (Q, R) is built once per call, with
+ * inline FMA instructions where the CPU has them. */
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "core/alloc.h"
@@ -63,12 +78,16 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
-#define OFT_COLS 512  /* OFT: columns of a block converted to f64 at a time */
-#define BOFT_COLS 32  /* BOFT: columns of the whole height per work item */
+#define OFT_COLS 512    /* the most columns of a row tile converted to f64 at a time */
+#define OFT_TILE 32768  /* OFT: f64 values per row tile (256 KiB: X and E in L2, one pass each) */
+#define BOFT_TILE 2048  /* BOFT: per row tile (16 KiB: X and the stages' two buffers in L1) */
+#define OFT_CHUNK 64    /* OFT: columns multiplied and then rounded at a time */
+#define OFT_PF_AHEAD 1024 /* bytes ahead on a weight row prefetched while a tile is read */
 #define OFT_RB 4      /* rows per register block */
 #define OFT_CB 16     /* columns per register block */
 
@@ -134,7 +153,8 @@ lk_status lk_oft_check(const lk_fuse_term *t, int64_t out, size_t ti, const char
 /* inv = (I - Q)^-1 for one b x b block: Gauss-Jordan on [I - Q | I] with
  * partial pivoting (the first largest |pivot|). work: 2 b b doubles. 0 if
  * singular (I - Q with Q skew never is; guards a hostile NaN). */
-static int inv_i_minus_q(double *inv, const double *q, size_t b, double *work) {
+#define LK_AI static inline __attribute__((always_inline))
+LK_AI int inv_i_minus_q(double *inv, const double *q, size_t b, double *work) {
     double *a = work;
     for (size_t i = 0; i < b; i++)
         for (size_t j = 0; j < b; j++) {
@@ -167,13 +187,14 @@ static int inv_i_minus_q(double *inv, const double *q, size_t b, double *work) {
     return 1;
 }
 
-/* Q of every block (skew part, scaled by the constraint c when c > 0). */
-static void skew_blocks(double *q, const lk_tensor *X, size_t nblk, size_t b, double c) {
+/* Q of every block (skew part, scaled by the constraint c when c > 0)
+ * from the blocks' values x. */
+LK_AI void skew_blocks(double *q, const double *x, size_t nblk, size_t b, double c) {
     double ss = 0.0;
     for (size_t k = 0; k < nblk; k++)
         for (size_t i = 0; i < b; i++)
             for (size_t j = 0; j < b; j++) {
-                const double v = elem64(X, (k * b + i) * b + j) - elem64(X, (k * b + j) * b + i);
+                const double v = x[(k * b + i) * b + j] - x[(k * b + j) * b + i];
                 q[(k * b + i) * b + j] = v;
                 ss = fma(v, v, ss);
             }
@@ -185,7 +206,7 @@ static void skew_blocks(double *q, const lk_tensor *X, size_t nblk, size_t b, do
 }
 
 /* R = (I + Q) inv for every block into r; 0 if a block is singular. */
-static int cayley_blocks(double *r, const double *q, size_t nblk, size_t b, double *work) {
+LK_AI int cayley_blocks(double *r, const double *q, size_t nblk, size_t b, double *work) {
     double *inv = work, *w2 = work + b * b;
     for (size_t k = 0; k < nblk; k++) {
         const double *qk = q + k * b * b;
@@ -198,6 +219,44 @@ static int cayley_blocks(double *r, const double *q, size_t nblk, size_t b, doub
             }
     }
     return 1;
+}
+
+/* Q from the blocks' values x64 (nblk b x b), then R into r: the
+ * arithmetic above, compiled twice: with the FMA instructions where the
+ * CPU has them (fma() inline) and without (libm's fma): fma is one
+ * correctly rounded operation either way, so the bits are the same. */
+static int rotation_base(double *r, double *q, const double *x64, size_t nblk, size_t b, double c, double *work) {
+    skew_blocks(q, x64, nblk, b, c);
+    return cayley_blocks(r, q, nblk, b, work);
+}
+#ifdef LK_KERNEL_X86
+__attribute__((target("fma"))) static int rotation_fma(double *r, double *q, const double *x64, size_t nblk,
+                                                       size_t b, double c, double *work) {
+    skew_blocks(q, x64, nblk, b, c);
+    return cayley_blocks(r, q, nblk, b, work);
+}
+#endif
+
+static int rotation(double *r, double *q, const double *x64, size_t nblk, size_t b, double c, double *work) {
+#ifdef LK_KERNEL_X86
+    if (__builtin_cpu_supports("fma")) return rotation_fma(r, q, x64, nblk, b, c, work);
+#endif
+    return rotation_base(r, q, x64, nblk, b, c, work);
+}
+
+/* The n values of a fusable (or F64) tensor as f64 into out. */
+static void values64(double *out, const lk_tensor *t, size_t n) {
+    if (t->dtype == LK_DTYPE_F64) {
+        memcpy(out, t->data, n * sizeof *out);
+        return;
+    }
+    float buf[256];
+    const size_t esz = lk_dtype_size(t->dtype);
+    for (size_t i = 0; i < n; i += 256) {
+        const size_t m = n - i < 256 ? n - i : 256;
+        lk_to_f32(buf, (const char *)t->data + i * esz, t->dtype, m);
+        for (size_t j = 0; j < m; j++) out[i + j] = (double)buf[j];
+    }
 }
 
 void lk_oft_free(lk_oft *p) {
@@ -263,8 +322,9 @@ lk_status lk_oft_prepare(const lk_fuse_term *t, int64_t out, lk_convention conv,
     double *q = (double *)(void *)(p->mem + o_q), *work = (double *)(void *)(p->mem + o_w);
     p->perm = p->boft ? (uint32_t *)(void *)(p->mem + o_p) : NULL;
     /* ComfyUI takes alpha as the constraint; LyCORIS alpha x out_dim */
-    skew_blocks(q, X, nblk, p->b, comfy ? t->alpha : t->alpha * (double)out);
-    if (!cayley_blocks(p->T, q, nblk, p->b, work)) {
+    /* X's values in T (R overwrites them after Q is made) */
+    values64(p->T, X, nblk * bb);
+    if (!rotation(p->T, q, p->T, nblk, p->b, comfy ? t->alpha : t->alpha * (double)out, work)) {
         lk_oft_free(p);
         return lk_error(LK_ERR_NONFINITE, "%s: '%s': I - Q is singular (the blocks hold non-finite values)", name,
                         X->name ? X->name : "oft_blocks");
@@ -286,7 +346,6 @@ lk_status lk_oft_prepare(const lk_fuse_term *t, int64_t out, lk_convention conv,
  * ascending from the first product, register blocks of OFT_RB rows x
  * OFT_CB columns (every element the same chain, so any blocking gives the
  * same bits). */
-#define LK_AI static inline __attribute__((always_inline))
 LK_AI void mat_rows(double *const *dst, const double *const *src, const double *M, size_t b, size_t L) {
     size_t j0 = 0;
     for (; j0 + OFT_CB <= L; j0 += OFT_CB) {
@@ -372,102 +431,141 @@ __attribute__((target("avx2,fma"))) static void mat_rows_avx2(double *const *dst
                                                              const double *M, size_t b, size_t L) {
     MAT_VEC(__m256d, 4, _mm256_loadu_pd, _mm256_storeu_pd, _mm256_set1_pd, _mm256_mul_pd, _mm256_fmadd_pd);
 }
+/* AVX-512 (32 zmm): register blocks of 4 rows x 4 vectors (16
+ * accumulators: four per row, two FMA pipes of latency 4 kept busy), then
+ * 4 rows x 1 vector, then single rows, the last columns through mat_tail. */
+#define MAT_ROWS_512(R, V)                                                                                 \
+    do {                                                                                                   \
+        __m512d acc[R][V];                                                                                 \
+        for (int r = 0; r < (R); r++) {                                                                    \
+            const __m512d a = _mm512_set1_pd(M[(t0 + r) * b]);                                             \
+            for (int v = 0; v < (V); v++) acc[r][v] = _mm512_mul_pd(a, _mm512_loadu_pd(src[0] + j0 + 8 * v)); \
+        }                                                                                                  \
+        for (size_t u = 1; u < b; u++) {                                                                   \
+            __m512d xv[V];                                                                                 \
+            for (int v = 0; v < (V); v++) xv[v] = _mm512_loadu_pd(src[u] + j0 + 8 * v);                    \
+            for (int r = 0; r < (R); r++) {                                                                \
+                const __m512d a = _mm512_set1_pd(M[(t0 + r) * b + u]);                                     \
+                for (int v = 0; v < (V); v++) acc[r][v] = _mm512_fmadd_pd(a, xv[v], acc[r][v]);            \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int r = 0; r < (R); r++)                                                                      \
+            for (int v = 0; v < (V); v++) _mm512_storeu_pd(dst[t0 + r] + j0 + 8 * v, acc[r][v]);           \
+    } while (0)
+
 __attribute__((target("avx512f,fma"))) static void mat_rows_avx512(double *const *dst, const double *const *src,
                                                                   const double *M, size_t b, size_t L) {
-    MAT_VEC(__m512d, 8, _mm512_loadu_pd, _mm512_storeu_pd, _mm512_set1_pd, _mm512_mul_pd, _mm512_fmadd_pd);
+    const size_t bq = b / 4 * 4, j4 = L / 32 * 32, j1 = L / 8 * 8;
+    for (size_t j0 = 0; j0 < j4; j0 += 32)
+        for (size_t t0 = 0; t0 < bq; t0 += 4) MAT_ROWS_512(4, 4);
+    for (size_t j0 = j4; j0 < j1; j0 += 8)
+        for (size_t t0 = 0; t0 < bq; t0 += 4) MAT_ROWS_512(4, 1);
+    for (size_t j0 = 0; j0 < j1; j0 += 8)
+        for (size_t t0 = bq; t0 < b; t0++) MAT_ROWS_512(1, 1);
+    mat_tail(dst, src, M, b, 0, b, j1, L);
 }
+#undef MAT_ROWS_512
 #undef MAT_VEC
 #endif
 
 typedef void (*mat_fn)(double *const *, const double *const *, const double *, size_t, size_t);
 
-static mat_fn pick_mat(void) {
-#ifdef LK_KERNEL_X86
-    const char *path = lk_fuse_kernel_path();
-    if (!strncmp(path, "avx512", 6)) return mat_rows_avx512;
-    if (!strcmp(path, "avx2")) return mat_rows_avx2;
-#endif
-    return mat_rows_base;
+
+/* The rows of one work item: OFT a block (b rows); BOFT a group of
+ * G = 2^(m-1) b rows, which every stage maps onto itself (stage i mixes
+ * rows only within groups of 2^i b), so the whole butterfly of a row tile
+ * runs in cache. Columns per item: up to OFT_COLS, fewer for tall groups
+ * (about 256 KiB of f64 per tile), a multiple of 16. */
+static size_t lk_oft_rows(const lk_oft *p) { return p->boft ? ((size_t)1 << (p->m - 1)) * p->b : p->b; }
+static size_t lk_oft_tile_cols(const lk_oft *p) {
+    size_t tc = ((p->boft ? BOFT_TILE : OFT_TILE) / lk_oft_rows(p)) / 16 * 16;
+    return tc < 16 ? 16 : tc > OFT_COLS ? OFT_COLS : tc;
+}
+/* A tile's row stride in doubles: a cache line more than its columns, so
+ * the b rows a product reads at one column are not all in one L1 set (a
+ * 4 KiB stride maps them to the same one); buffer: one tile plus 3 lines,
+ * so X, y and y2 do not alias either. */
+static size_t lk_oft_ld(const lk_oft *p) { return lk_oft_tile_cols(p) + 8; }
+static size_t lk_oft_buf(const lk_oft *p) { return lk_oft_rows(p) * lk_oft_ld(p) + 24; }
+static size_t lk_oft_items(const lk_oft *p, size_t in) {
+    const size_t tc = lk_oft_tile_cols(p);
+    return p->out / lk_oft_rows(p) * ((in + tc - 1) / tc);
 }
 
-/* The delta d (f64, rows x L, row stride ld) of the columns whose f64
- * values X holds (every row of the weight, row stride ld) — BOFT; or of one
- * OFT block (rows b, X its rows). y, y2: scratch of the same size. */
-static void oft_delta_tile(const lk_oft *p, mat_fn mat, size_t blk, const double *X, double *d, double *y, double *y2,
-                           size_t ld, size_t L, const double **sp, double **dp) {
+/* The rotated rows (f64, rows x L, row stride ld) of row tile grp whose
+ * f64 values X holds: OFT E = D X into y (one block), BOFT the m stages
+ * from X through y and y2. Returns the buffer holding the result. */
+static const double *oft_rotate_tile(const lk_oft *p, mat_fn mat, size_t grp, const double *X, double *y, double *y2,
+                                     size_t ld, size_t L, const double **sp, double **dp) {
     const size_t b = p->b;
     if (!p->boft) {
-        for (size_t u = 0; u < b; u++) sp[u] = X + u * ld, dp[u] = d + u * ld;
-        mat(dp, sp, p->T + blk * b * b, b, L);
-        for (size_t t = 0; t < b; t++) {
-            double *dr = d + t * ld;
-            const double *xr = X + t * ld;
-            if (p->rho) {
-                const double rho = p->rho[blk * b + t], rm1 = rho - 1.0;
-                for (size_t j = 0; j < L; j++) dr[j] = rho * dr[j] + rm1 * xr[j];
-            }
-            if (p->g != 1.0)
-                for (size_t j = 0; j < L; j++) dr[j] = p->g * dr[j];
-        }
-        return;
+        for (size_t u = 0; u < b; u++) sp[u] = X + u * ld, dp[u] = y + u * ld;
+        mat(dp, sp, p->T + grp * b * b, b, L);
+        return y;
     }
+    const size_t G = lk_oft_rows(p), r0 = grp * G, k0 = r0 / b, nk = G / b;
     const double *cur = X;
     for (size_t i = 0; i < p->m; i++) {
         double *nxt = cur == y ? y2 : y;
         const uint32_t *pm = p->perm + i * p->out;
-        for (size_t k = 0; k < p->nb; k++) {
-            for (size_t u = 0; u < b; u++) sp[u] = cur + (size_t)pm[k * b + u] * ld, dp[u] = nxt + (size_t)pm[k * b + u] * ld;
+        for (size_t k = k0; k < k0 + nk; k++) { /* the blocks of permuted positions inside the tile */
+            for (size_t u = 0; u < b; u++) {
+                const size_t row = (size_t)pm[k * b + u] - r0;
+                sp[u] = cur + row * ld, dp[u] = nxt + row * ld;
+            }
             mat(dp, sp, p->T + (i * p->nb + k) * b * b, b, L);
         }
         cur = nxt;
     }
-    for (size_t o = 0; o < p->out; o++) {
-        const double *yr = cur + o * ld, *xr = X + o * ld;
-        double *dr = d + o * ld;
-        const double rho = p->rho ? p->rho[o] : 1.0;
-        for (size_t j = 0; j < L; j++) {
-            double v = p->rho ? rho * yr[j] - xr[j] : yr[j] - xr[j];
-            dr[j] = p->g != 1.0 ? p->g * v : v;
-        }
-    }
+    return cur;
 }
 
-static size_t lk_oft_rows(const lk_oft *p) { return p->boft ? p->out : p->b; }
-static size_t lk_oft_items(const lk_oft *p, size_t in) {
-    return p->boft ? (in + BOFT_COLS - 1) / BOFT_COLS : p->nb * ((in + OFT_COLS - 1) / OFT_COLS);
-}
-static size_t lk_oft_tile_cols(const lk_oft *p) { return p->boft ? BOFT_COLS : OFT_COLS; }
+/* How the delta of a row comes from its rotated values e and weight x:
+ * kind 0: d = e (OFT); kind 1: d = a e + c x (OFT with a rescale rho:
+ * a = rho, c = rho - 1; BOFT: a = rho or 1, c = -1, i.e. rho e - x or
+ * e - x: the same IEEE operations); then d = g d when g != 1. */
+typedef struct rowfin {
+    int kind;
+    double a, c, g;
+} rowfin;
 
-/* Work item `it` of an out x in weight: its rows [*r0, *r0 + rows), columns
- * [*c0, *c0 + *L) and OFT block. */
-static void item_span(const lk_oft *p, size_t in, size_t it, size_t *blk, size_t *r0, size_t *c0, size_t *L) {
+static rowfin row_fin(const lk_oft *p, size_t row) {
+    rowfin f = {.kind = p->boft || p->rho, .a = p->rho ? p->rho[row] : 1.0, .g = p->g};
+    f.c = p->boft ? -1.0 : f.a - 1.0;
+    return f;
+}
+
+static inline double fin_delta(rowfin f, double e, double x) {
+    double d = f.kind ? f.a * e + f.c * x : e;
+    return f.g != 1.0 ? f.g * d : d;
+}
+
+/* Work item `it` of an out x in weight: its row tile grp (rows
+ * [grp G, grp G + G)), columns [*c0, *c0 + *L). */
+static void item_span(const lk_oft *p, size_t in, size_t it, size_t *grp, size_t *c0, size_t *L) {
     const size_t tc = lk_oft_tile_cols(p), nct = (in + tc - 1) / tc;
-    *blk = p->boft ? 0 : it / nct;
-    *r0 = *blk * p->b;
+    *grp = it / nct;
     *c0 = (it % nct) * tc;
     *L = in - *c0 < tc ? in - *c0 : tc;
 }
 
-/* Scratch doubles per worker: X, d, y, y2 tiles and the row pointers. */
+/* Scratch doubles per worker: X, y, y2 tiles and the row pointers. */
 static size_t lk_oft_scratch(const lk_oft *p) {
-    return 4 * lk_oft_rows(p) * lk_oft_tile_cols(p) * sizeof(double) + 2 * p->b * sizeof(void *) + 64;
+    return 3 * lk_oft_buf(p) * sizeof(double) + 2 * p->b * sizeof(void *) + 64;
 }
 
-/* The delta of item `it` from weight values read by load (f64 X); d gets
- * rows x L at stride tc. */
 typedef struct oft_tile {
-    double *X, *d, *y, *y2;
+    double *X, *y, *y2;
     const double **sp;
     double **dp;
 } oft_tile;
 
 static oft_tile tile_of(const lk_oft *p, void *scratch) {
     unsigned char *al = (unsigned char *)scratch + ((64u - ((uintptr_t)scratch & 63u)) & 63u);
-    const size_t n = lk_oft_rows(p) * lk_oft_tile_cols(p);
+    const size_t n = lk_oft_buf(p);
     oft_tile t;
     t.X = (double *)(void *)al;
-    t.d = t.X + n;
-    t.y = t.d + n;
+    t.y = t.X + n;
     t.y2 = t.y + n;
     t.sp = (const double **)(void *)(t.y2 + n);
     t.dp = (double **)(t.sp + p->b);
@@ -475,29 +573,6 @@ static oft_tile tile_of(const lk_oft *p, void *scratch) {
 }
 
 /* ---- the FP8 and GLoRA helpers (fp8.c, tensor.c) ---- */
-
-lk_status lk_oft_delta_f32(const lk_oft *p, const float *w, float *delta, size_t in, const char *name) {
-    void *scr = lk_malloc(lk_oft_scratch(p));
-    if (!scr) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the OFT scratch", name);
-    fenv_t saved;
-    fegetenv(&saved);
-    fesetenv(FE_DFL_ENV);
-    const mat_fn mat = pick_mat();
-    const size_t tc = lk_oft_tile_cols(p), rows = lk_oft_rows(p), ni = lk_oft_items(p, in);
-    oft_tile t = tile_of(p, scr);
-    for (size_t it = 0; it < ni; it++) {
-        size_t blk, r0, c0, L;
-        item_span(p, in, it, &blk, &r0, &c0, &L);
-        for (size_t r = 0; r < rows; r++)
-            for (size_t j = 0; j < L; j++) t.X[r * tc + j] = (double)w[(r0 + r) * in + c0 + j];
-        oft_delta_tile(p, mat, blk, t.X, t.d, t.y, t.y2, tc, L, t.sp, t.dp);
-        for (size_t r = 0; r < rows; r++)
-            for (size_t j = 0; j < L; j++) delta[(r0 + r) * in + c0 + j] = (float)t.d[r * tc + j];
-    }
-    fesetenv(&saved);
-    lk_free(scr);
-    return LK_OK;
-}
 
 lk_status lk_wlora_product(double *wb, const float *w, size_t out, size_t in, const lk_tensor *a1, const char *name) {
     const size_t r = (size_t)a1->shape[1];
@@ -588,6 +663,8 @@ lk_status lk_fuse_expand_wterms(const float *w, int64_t out, int64_t in, const l
 
 /* ---- the driver ---- */
 
+struct oworker;
+struct finrow;
 typedef struct ojob {
     const lk_oft *p;
     void *w_out;
@@ -595,14 +672,15 @@ typedef struct ojob {
     lk_dtype dt;
     size_t in, n_items;
     mat_fn mat;
+    void (*fin)(struct oworker *, lk_dtype, const struct finrow *, size_t);
+    void (*load)(double *, const void *, lk_dtype, size_t);
     atomic_size_t next;
 } ojob;
 
 typedef struct oworker {
     ojob *job;
     void *scratch;
-    size_t bad_at;
-    double bad_w, bad_r;
+    lk_kworker kw; /* the first element made non-finite (kw.job unused) */
 } oworker;
 
 /* f64 sum x rounded to odd in f32 (x from lk_fuse_add_odd_f64). */
@@ -618,48 +696,326 @@ static inline float odd_f32(double x) {
     return f;
 }
 
+/* One output row segment: x the weight's f64 values, e the rotated ones,
+ * dst the row's elements [c0, ...) in the weight's dtype; off the element
+ * index of dst[0] (the non-finite report). */
+typedef struct finrow {
+    const double *x, *e;
+    char *dst;
+    size_t off;
+    rowfin f;
+} finrow;
+
+/* Columns [c0, c1) of a row by the scalar rules (step 3 of the header),
+ * element by element: the portable path, and the vector paths' edges and
+ * rare lanes (Inf, NaN, overflow). */
+static void fin_scalar(oworker *wk, lk_dtype dt, const finrow *r, size_t c0, size_t c1) {
+    const size_t esz = lk_dtype_size(dt);
+    for (size_t c = c0; c < c1; c++) {
+        const double x = r->x[c], d = fin_delta(r->f, r->e[c], x);
+        char *dst = r->dst + c * esz;
+        float res;
+        if (dt == LK_DTYPE_F32) {
+            const uint32_t rb = scalar_round_f64_to_f32(lk_f2u((float)x), d);
+            memcpy(dst, &rb, 4);
+            res = lk_u2f(rb);
+        } else { /* odd in f64, odd in f32, then the one RNE conversion */
+            const float w = (float)x;
+            const uint32_t uw = lk_f2u(w);
+            float o = (uw & 0x7fffffffu) > 0x7f800000u ? lk_u2f(uw | 0x00400000u)
+                                                       : odd_f32(scalar_add_odd_f64((double)w, d));
+            if (isnan(o) && !isnan(w)) o = lk_u2f(0x7fc00000u);
+            lk_from_f32(dst, &o, dt, 1);
+            lk_to_f32(&res, dst, dt, 1); /* what was stored, for the non-finite check */
+        }
+        if (isfinite(x) && !isfinite(res) && r->off + c < wk->kw.bad_at) {
+            wk->kw.bad_at = r->off + c;
+            wk->kw.bad_w = x;
+            wk->kw.bad_r = res;
+        }
+    }
+}
+
+typedef void (*fin_fn)(oworker *, lk_dtype, const finrow *, size_t);
+
+static void fin_row_base(oworker *wk, lk_dtype dt, const finrow *r, size_t L) { fin_scalar(wk, dt, r, 0, L); }
+
+#ifdef LK_KERNEL_X86
+/* The same results N lanes at a time (GCC vector arithmetic; the
+ * conversions are the hardware's RNE under the default environment, as
+ * the scalar casts). Step 3 gives RN_t(v), the correctly rounded value of
+ * the exact sum v = x + d in the weight's dtype t (round to odd in f64 and
+ * f32 loses nothing that a final RNE to fewer bits needs). The fast lanes
+ * get the same value with two roundings: s = RN64(v), f = RN32(s), then
+ * RN_t(f). Every midpoint m of t's grid (where RN_t changes) is an f32 and
+ * an f64, so unless f is such a midpoint, v, s and f lie strictly on the
+ * same side of every m (an m between v and s would be nearer to v than s
+ * is; one between s and f nearer to s than f; v = m or s = m gives f = m)
+ * and RN_t(f) = RN_t(v). A lane goes to fin_scalar (the exact sequence:
+ * the odd sums, the NaN rule, the non-finite report) when f is a midpoint
+ * (F32: s's 29 bits below f32's 24 are 1000...0; BF16: f's low 16 bits
+ * are 0x8000; F16: f's low 13 are 0x1000), when the midpoint test does not
+ * apply (F32: 0 < |s| < 2^-126; F16: 0 < |f| < 2^-14, the subnormal
+ * grids), when x is NaN, or when f or the result is Inf or NaN (the
+ * overflow thresholds are midpoints too). So the bits equal fin_scalar's;
+ * tests/test_oft_paths.c checks them on every path, midpoints included. */
+#define FIN_VEC(N, VD, VQ, VF, VU, VH, ANY, F16)                                                                \
+    const size_t esz = lk_dtype_size(dt), nv = L / (N) * (N);                                                  \
+    const rowfin f = r->f;                                                                                     \
+    const VU expf = (VU){0} + 0x7f800000u;                                                                     \
+    for (size_t c = 0; c < nv; c += (N)) {                                                                     \
+        VD x, e;                                                                                               \
+        memcpy(&x, r->x + c, sizeof x);                                                                        \
+        memcpy(&e, r->e + c, sizeof e);                                                                        \
+        VD d = f.kind ? f.a * e + f.c * x : e;                                                                 \
+        if (f.g != 1.0) d = f.g * d;                                                                           \
+        const VD s = x + d;                                                                                    \
+        const VU u = (VU)__builtin_convertvector(s, VF); /* RNE */                                            \
+        const VU mag = u & 0x7fffffffu;                                                                        \
+        VU spec = (VU)((u & expf) == expf) | __builtin_convertvector((VQ)(x != x), VU);                        \
+        char *dst = r->dst + c * esz;                                                                          \
+        if (dt == LK_DTYPE_F32) {                                                                              \
+            const VQ us = (VQ)s & 0x7fffffffffffffffull;                                                       \
+            spec |= __builtin_convertvector((VQ)((us & 0x1fffffffull) == 0x10000000ull) |                      \
+                                                (VQ)((us - 1) < 0x380fffffffffffffull), VU);                   \
+            if (!ANY(spec)) {                                                                                  \
+                memcpy(dst, &u, sizeof u);                                                                     \
+                continue;                                                                                      \
+            }                                                                                                  \
+        } else {                                                                                               \
+            VH h;                                                                                              \
+            if (dt == LK_DTYPE_BF16) {                                                                         \
+                h = __builtin_convertvector((u + 0x7fffu + ((u >> 16) & 1u)) >> 16, VH);                       \
+                spec |= (VU)((u & 0xffffu) == 0x8000u) | __builtin_convertvector((h & 0x7f80u) == 0x7f80u, VU); \
+            } else {                                                                                           \
+                h = F16((VF)u);                                                                                \
+                spec |= (VU)((u & 0x1fffu) == 0x1000u) | (VU)((mag - 1u) < 0x387fffffu) |                      \
+                        __builtin_convertvector((h & 0x7c00u) == 0x7c00u, VU);                                 \
+            }                                                                                                  \
+            if (!ANY(spec)) {                                                                                  \
+                memcpy(dst, &h, sizeof h);                                                                     \
+                continue;                                                                                      \
+            }                                                                                                  \
+        }                                                                                                      \
+        fin_scalar(wk, dt, r, c, c + (N));                                                                     \
+    }                                                                                                          \
+    fin_scalar(wk, dt, r, nv, L)
+
+typedef double vd4 __attribute__((vector_size(32)));
+typedef uint64_t vq4 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef uint32_t vu4 __attribute__((vector_size(16)));
+typedef uint16_t vh4 __attribute__((vector_size(8)));
+
+#define ANY4(m) (_mm_movemask_ps((__m128)(m)) != 0)
+#define F16_4(v) (__extension__({                                                                            \
+    const __m128i h_ = _mm_cvtps_ph((__m128)(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);              \
+    vh4 r_;                                                                                                  \
+    memcpy(&r_, &h_, sizeof r_);                                                                             \
+    r_;                                                                                                      \
+}))
+
+/* AVX-512: FIN_VEC's rules in intrinsics, 16 lanes (two f64 vectors, one
+ * f32 vector) per step, the lanes to redo as a k-mask. */
+#define FIN16(DT_BODY)                                                                                         \
+    for (size_t c = 0; c < nv; c += 16) {                                                                      \
+        const __m512d x0 = _mm512_loadu_pd(xp + c), x1 = _mm512_loadu_pd(xp + c + 8);                         \
+        __m512d d0 = _mm512_loadu_pd(ep + c), d1 = _mm512_loadu_pd(ep + c + 8);                                \
+        if (f.kind) {                                                                                          \
+            d0 = _mm512_add_pd(_mm512_mul_pd(va, d0), _mm512_mul_pd(vc, x0));                                  \
+            d1 = _mm512_add_pd(_mm512_mul_pd(va, d1), _mm512_mul_pd(vc, x1));                                  \
+        }                                                                                                      \
+        if (f.g != 1.0) d0 = _mm512_mul_pd(vg, d0), d1 = _mm512_mul_pd(vg, d1);                                \
+        const __m512d s0 = _mm512_add_pd(x0, d0), s1 = _mm512_add_pd(x1, d1);                                  \
+        const __m512 fv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(s0)), _mm512_cvtpd_ps(s1), 1); \
+        const __m512i u = _mm512_castps_si512(fv);                                                             \
+        __mmask16 k = (__mmask16)(_mm512_cmp_pd_mask(x0, x0, _CMP_UNORD_Q) |                                   \
+                                  ((unsigned)_mm512_cmp_pd_mask(x1, x1, _CMP_UNORD_Q) << 8)) |                 \
+                      _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, expf), expf);                                \
+        DT_BODY                                                                                                \
+        fin_scalar(wk, dt, r, c, c + 16);                                                                      \
+    }
+
+__attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,fma,f16c"))) static void
+fin_row_avx512(oworker *wk, lk_dtype dt, const finrow *r, size_t L) {
+    const size_t nv = L / 16 * 16;
+    const rowfin f = r->f;
+    const double *xp = r->x, *ep = r->e;
+    char *dp = r->dst;
+    const __m512d va = _mm512_set1_pd(f.a), vc = _mm512_set1_pd(f.c), vg = _mm512_set1_pd(f.g);
+    const __m512i expf = _mm512_set1_epi32(0x7f800000);
+    if (dt == LK_DTYPE_F32) {
+        const __m512i abs64 = _mm512_set1_epi64(0x7fffffffffffffffll), lo29 = _mm512_set1_epi64(0x1fffffff),
+                      mid = _mm512_set1_epi64(0x10000000), one = _mm512_set1_epi64(1),
+                      sub = _mm512_set1_epi64(0x380fffffffffffffll);
+        FIN16({
+            const __m512i a0 = _mm512_and_si512(_mm512_castpd_si512(s0), abs64);
+            const __m512i a1 = _mm512_and_si512(_mm512_castpd_si512(s1), abs64);
+            const __mmask8 m0 = _mm512_cmpeq_epi64_mask(_mm512_and_si512(a0, lo29), mid) |
+                                _mm512_cmplt_epu64_mask(_mm512_sub_epi64(a0, one), sub);
+            const __mmask8 m1 = _mm512_cmpeq_epi64_mask(_mm512_and_si512(a1, lo29), mid) |
+                                _mm512_cmplt_epu64_mask(_mm512_sub_epi64(a1, one), sub);
+            k |= (__mmask16)(m0 | ((unsigned)m1 << 8));
+            if (!k) {
+                _mm512_storeu_si512(dp + c * 4, u);
+                continue;
+            }
+        })
+    } else if (dt == LK_DTYPE_BF16) {
+        const __m512i lo16 = _mm512_set1_epi32(0xffff), mid = _mm512_set1_epi32(0x8000),
+                      bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+        const __m256i e16 = _mm256_set1_epi16(0x7f80);
+        FIN16({
+            k |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, lo16), mid);
+            const __m512i rb = _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+            const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, rb), 16));
+            k |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, e16), e16);
+            if (!k) {
+                _mm256_storeu_si256((__m256i *)(void *)(dp + c * 2), h);
+                continue;
+            }
+        })
+    } else {
+        const __m512i lo13 = _mm512_set1_epi32(0x1fff), mid = _mm512_set1_epi32(0x1000),
+                      abs32 = _mm512_set1_epi32(0x7fffffff), one = _mm512_set1_epi32(1),
+                      sub = _mm512_set1_epi32(0x387fffff);
+        const __m256i e16 = _mm256_set1_epi16(0x7c00);
+        FIN16({
+            k |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, lo13), mid) |
+                 _mm512_cmplt_epu32_mask(_mm512_sub_epi32(_mm512_and_si512(u, abs32), one), sub);
+            const __m256i h = _mm512_cvtps_ph(fv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            k |= _mm256_cmpeq_epi16_mask(_mm256_and_si256(h, e16), e16);
+            if (!k) {
+                _mm256_storeu_si256((__m256i *)(void *)(dp + c * 2), h);
+                continue;
+            }
+        })
+    }
+    fin_scalar(wk, dt, r, nv, L);
+}
+#undef FIN16
+__attribute__((target("avx2,fma,f16c"))) static void fin_row_avx2(oworker *wk, lk_dtype dt, const finrow *r, size_t L) {
+    FIN_VEC(4, vd4, vq4, vf4, vu4, vh4, ANY4, F16_4);
+}
+#undef FIN_VEC
+#endif
+
+/* A row segment of the weight (dtype dt, L values at src, any alignment)
+ * as f64 into x: what lk_to_f32 and the cast give (exact conversions). */
+typedef void (*load_fn)(double *, const void *, lk_dtype, size_t);
+
+static void load_base(double *x, const void *src, lk_dtype dt, size_t L) {
+    float tmp[64];
+    const size_t esz = lk_dtype_size(dt);
+    for (size_t c = 0; c < L; c += 64) {
+        const size_t n = L - c < 64 ? L - c : 64;
+        lk_to_f32(tmp, (const char *)src + c * esz, dt, n);
+        for (size_t k = 0; k < n; k++) x[c + k] = (double)tmp[k];
+    }
+}
+
+#ifdef LK_KERNEL_X86
+__attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,f16c"))) static void load_avx512(double *x, const void *src,
+                                                                                           lk_dtype dt, size_t L) {
+    const size_t nv = L / 16 * 16;
+    const char *sp = src;
+    const size_t esz = lk_dtype_size(dt);
+    for (size_t c = 0; c < nv; c += 16) {
+        _mm_prefetch(sp + c * esz + OFT_PF_AHEAD, _MM_HINT_T0); /* the next tile's line of this row */
+        __m512 f;
+        if (dt == LK_DTYPE_F32) f = _mm512_loadu_ps(sp + c * 4);
+        else {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(const void *)(sp + c * 2));
+            f = dt == LK_DTYPE_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                    : _mm512_cvtph_ps(h);
+        }
+        _mm512_storeu_pd(x + c, _mm512_cvtps_pd(_mm512_castps512_ps256(f)));
+        _mm512_storeu_pd(x + c + 8, _mm512_cvtps_pd(_mm512_extractf32x8_ps(f, 1)));
+    }
+    load_base(x + nv, sp + nv * esz, dt, L - nv);
+}
+#endif
+
+/* The block product, the row rounding and the row load of the kernel
+ * path (lk_fuse_kernel_path: LORAKIT_KERNEL or the CPU's best). */
+typedef struct oft_fns {
+    mat_fn mat;
+    fin_fn fin;
+    load_fn load;
+} oft_fns;
+
+static oft_fns pick_fns(void) {
+    oft_fns f = {mat_rows_base, fin_row_base, load_base};
+#ifdef LK_KERNEL_X86
+    const char *path = lk_fuse_kernel_path();
+    if (!strncmp(path, "avx512", 6)) f = (oft_fns){mat_rows_avx512, fin_row_avx512, load_avx512};
+    else if (!strcmp(path, "avx2")) f = (oft_fns){mat_rows_avx2, fin_row_avx2, load_base};
+#endif
+    return f;
+}
+
+/* The FP8 path (fp8.c): the delta rounded to f32, for the dense fuse of a
+ * dequantised weight. */
+lk_status lk_oft_delta_f32(const lk_oft *p, const float *w, float *delta, size_t in, const char *name) {
+    void *scr = lk_malloc(lk_oft_scratch(p));
+    if (!scr) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the OFT scratch", name);
+    fenv_t saved;
+    fegetenv(&saved);
+    fesetenv(FE_DFL_ENV);
+    const mat_fn mat = pick_fns().mat;
+    const size_t tc = lk_oft_ld(p), rows = lk_oft_rows(p), ni = lk_oft_items(p, in);
+    oft_tile t = tile_of(p, scr);
+    for (size_t it = 0; it < ni; it++) {
+        size_t grp, c0, L;
+        item_span(p, in, it, &grp, &c0, &L);
+        const size_t r0 = grp * rows;
+        for (size_t r = 0; r < rows; r++)
+            for (size_t j = 0; j < L; j++) t.X[r * tc + j] = (double)w[(r0 + r) * in + c0 + j];
+        const double *e = oft_rotate_tile(p, mat, grp, t.X, t.y, t.y2, tc, L, t.sp, t.dp);
+        for (size_t r = 0; r < rows; r++) {
+            const rowfin f = row_fin(p, r0 + r);
+            for (size_t j = 0; j < L; j++)
+                delta[(r0 + r) * in + c0 + j] = (float)fin_delta(f, e[r * tc + j], t.X[r * tc + j]);
+        }
+    }
+    fesetenv(&saved);
+    lk_free(scr);
+    return LK_OK;
+}
+
 static void oblock(oworker *wk, size_t it) {
     const ojob *j = wk->job;
     const lk_oft *p = j->p;
-    const size_t in = j->in, tc = lk_oft_tile_cols(p), rows = lk_oft_rows(p), esz = lk_dtype_size(j->dt);
-    size_t blk, r0, c0, L;
-    item_span(p, in, it, &blk, &r0, &c0, &L);
+    const size_t in = j->in, tc = lk_oft_ld(p), rows = lk_oft_rows(p), esz = lk_dtype_size(j->dt);
+    size_t grp, c0, L;
+    item_span(p, in, it, &grp, &c0, &L);
+    const size_t r0 = grp * rows;
     oft_tile t = tile_of(p, wk->scratch);
-    float tmp[OFT_COLS];
-    for (size_t r = 0; r < rows; r++) {
-        lk_to_f32(tmp, (const char *)j->w_in + ((r0 + r) * in + c0) * esz, j->dt, L);
-        for (size_t c = 0; c < L; c++) t.X[r * tc + c] = (double)tmp[c];
-    }
-    oft_delta_tile(p, j->mat, blk, t.X, t.d, t.y, t.y2, tc, L, t.sp, t.dp);
-    for (size_t r = 0; r < rows; r++) {
-        const size_t off = (r0 + r) * in + c0;
-        char *dst = (char *)j->w_out + off * esz;
-        const double *xr = t.X + r * tc, *dr = t.d + r * tc;
-        if (j->dt == LK_DTYPE_F32) {
-            for (size_t c = 0; c < L; c++) {
-                const uint32_t rb = scalar_round_f64_to_f32(lk_f2u((float)xr[c]), dr[c]);
-                memcpy(dst + c * 4, &rb, 4);
-                tmp[c] = lk_u2f(rb);
-            }
-        } else { /* the odd f32 values, then one RNE conversion of the row */
-            for (size_t c = 0; c < L; c++) {
-                const float w = (float)xr[c];
-                const uint32_t uw = lk_f2u(w);
-                float o = (uw & 0x7fffffffu) > 0x7f800000u ? lk_u2f(uw | 0x00400000u)
-                                                           : odd_f32(scalar_add_odd_f64((double)w, dr[c]));
-                if (isnan(o) && !isnan(w)) o = lk_u2f(0x7fc00000u);
-                tmp[c] = o;
-            }
-            lk_from_f32(dst, tmp, j->dt, L);
-            lk_to_f32(tmp, dst, j->dt, L); /* what was stored, for the non-finite check */
+    for (size_t r = 0; r < rows; r++) j->load(t.X + r * tc, (const char *)j->w_in + ((r0 + r) * in + c0) * esz, j->dt, L);
+    /* OFT: the product and the rounding OFT_CHUNK columns at a time, so E
+     * is rounded while in L1 (BOFT's tile is that small already) */
+    const size_t ch = p->boft ? L : OFT_CHUNK;
+    for (size_t j0 = 0; j0 < L; j0 += ch) {
+        const size_t n = L - j0 < ch ? L - j0 : ch;
+        const double *e = oft_rotate_tile(p, j->mat, grp, t.X + j0, t.y + j0, t.y2 + j0, tc, n, t.sp, t.dp);
+        for (size_t r = 0; r < rows; r++) {
+            const size_t off = (r0 + r) * in + c0 + j0;
+            const finrow fr = {.x = t.X + r * tc + j0, .e = e + r * tc, .dst = (char *)j->w_out + off * esz,
+                               .off = off, .f = row_fin(p, r0 + r)};
+            j->fin(wk, j->dt, &fr, n);
         }
-        for (size_t c = 0; c < L; c++)
-            if (isfinite(xr[c]) && !isfinite(tmp[c]) && off + c < wk->bad_at) {
-                wk->bad_at = off + c;
-                wk->bad_w = xr[c];
-                wk->bad_r = tmp[c];
-            }
     }
+}
+
+size_t lk_oft_round_row(lk_dtype dt, const double *x, const double *d, void *dst, size_t n) {
+    oworker wk = {.kw = {.bad_at = SIZE_MAX}};
+    const finrow fr = {.x = x, .e = d, .dst = dst, .f = {.kind = 0, .a = 1.0, .c = 0.0, .g = 1.0}};
+    fenv_t saved;
+    fegetenv(&saved);
+    fesetenv(FE_DFL_ENV);
+    pick_fns().fin(&wk, dt, &fr, n);
+    fesetenv(&saved);
+    return wk.kw.bad_at;
 }
 
 static void *oworker_main(void *arg) {
@@ -678,32 +1034,26 @@ lk_status lk_fuse_tensor_oft(void *w_out, const void *w_in, lk_dtype dtype, int6
     lk_oft *p;
     lk_status s = lk_oft_prepare(term, out, opts ? opts->convention : LK_CONVENTION_LORAKIT, name, &p);
     if (s) return s;
-    ojob job = {.p = p, .w_out = w_out, .w_in = w_in, .dt = dtype, .in = (size_t)in, .mat = pick_mat()};
+    const oft_fns fn = pick_fns();
+    ojob job = {.p = p, .w_out = w_out, .w_in = w_in, .dt = dtype, .in = (size_t)in, .mat = fn.mat, .fin = fn.fin,
+                .load = fn.load};
     job.n_items = lk_oft_items(p, (size_t)in);
-    int nw = opts && opts->threads > 0 ? opts->threads : lk_fuse_default_threads();
-    if (nw > LK_FUSE_MAX_THREADS) nw = LK_FUSE_MAX_THREADS;
-    size_t cap = ((size_t)out * (size_t)in) >> 16; /* a thread per 2^16 elements at least */
-    if (cap < 1) cap = 1;
-    if ((size_t)nw > cap) nw = (int)cap;
-    if ((size_t)nw > job.n_items) nw = (int)job.n_items;
+    /* a thread per 2^16 elements at least */
+    const int nw = lk_fuse_thread_count(opts, ((size_t)out * (size_t)in) >> 16, job.n_items);
     atomic_init(&job.next, 0);
     const size_t per = lk_oft_scratch(p);
-    lk_carve cv = {0};
-    const size_t o_wk = LK_CARVE(&cv, (size_t)nw, oworker), o_buf = lk_carve_part(&cv, (size_t)nw, per, 64);
-    unsigned char *block = cv.overflow ? NULL : lk_malloc(cv.bytes);
-    if (!block) {
+    void *blk;
+    unsigned char *buf = NULL;
+    if ((s = lk_fuse_workers(nw, sizeof(oworker), per, &blk, &buf, name, "OFT buffers"))) {
         lk_oft_free(p);
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory for %d OFT buffers of %zu bytes", name, nw, per);
+        return s;
     }
-    oworker *wk = (oworker *)(void *)(block + o_wk);
+    oworker *wk = blk;
     for (int t = 0; t < nw; t++)
-        wk[t] = (oworker){.job = &job, .scratch = block + o_buf + (size_t)t * per, .bad_at = SIZE_MAX};
+        wk[t] = (oworker){.job = &job, .scratch = buf + (size_t)t * per, .kw = {.bad_at = SIZE_MAX}};
     lk_fuse_run_threads(nw, oworker_main, wk, sizeof *wk);
-    size_t bad_at = SIZE_MAX;
-    double bw = 0, br = 0;
-    for (int t = 0; t < nw; t++)
-        if (wk[t].bad_at < bad_at) bad_at = wk[t].bad_at, bw = wk[t].bad_w, br = wk[t].bad_r;
-    lk_free(block);
+    s = lk_fuse_workers_verdict(wk, nw, sizeof *wk, offsetof(oworker, kw), (size_t)in, opts, name);
+    lk_free(blk);
     lk_oft_free(p);
-    return lk_fuse_nonfinite(name, bad_at, (size_t)in, bw, br, opts);
+    return s;
 }

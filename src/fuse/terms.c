@@ -62,6 +62,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -779,11 +780,8 @@ lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, in
         if (w_out != w_in) memmove(w_out, w_in, numel * lk_dtype_size(dtype));
         return LK_OK;
     }
-    int nw = opts && opts->threads > 0 ? opts->threads : lk_fuse_default_threads();
-    if (nw > LK_FUSE_MAX_THREADS) nw = LK_FUSE_MAX_THREADS;
-    size_t cap = numel >> 18; /* a thread per 2^18 elements at least: a small weight runs on this thread */
-    if (cap < 1) cap = 1;
-    if ((size_t)nw > cap) nw = (int)cap;
+    /* a thread per 2^18 elements at least: a small weight runs on this thread */
+    int nw = lk_fuse_thread_count(opts, numel >> 18, 0);
     tjob job = {.w_out = w_out, .w_in = w_in, .dt = dtype, .O = O, .I = I, .prep = prep};
     job.xrows = fused_rows(prep, w_out, w_in, dtype, &job.x);
     /* staged: a block's delta (~64 KiB) in a buffer; fused: FUSED_ROWS rows
@@ -797,17 +795,14 @@ lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, in
     job.n_blocks = n_blocks;
     const size_t sb = job.xrows ? 0 : lk_fuse_delta_scratch(prep, rb);
     const size_t per_w = job.xrows ? 64 : rb * I * vsz + sb + 2 * I * sizeof(float) + 64;
-    /* the workers, then their buffers (each per_w bytes): one allocation,
-     * lk_malloc'd (every part is written before it is read) */
-    lk_carve cv = {0};
-    const size_t o_wk = LK_CARVE(&cv, (size_t)nw, tworker), o_buf = lk_carve_part(&cv, (size_t)nw, per_w, 64);
-    unsigned char *block = cv.overflow ? NULL : lk_malloc(cv.bytes);
-    if (!block) {
+    /* the workers, then their buffers (each per_w bytes): one allocation */
+    unsigned char *mem = NULL;
+    void *blk;
+    if ((s = lk_fuse_workers(nw, sizeof(tworker), per_w, &blk, &mem, name, "row buffers"))) {
         lk_fuse_delta_free(prep);
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory for %d row buffers of %zu bytes", name, nw, per_w);
+        return s;
     }
-    tworker *wk = (tworker *)(void *)(block + o_wk);
-    unsigned char *mem = block + o_buf;
+    tworker *wk = blk;
     atomic_init(&job.next, 0);
     for (int t = 0; t < nw; t++) {
         unsigned char *m = mem + (size_t)t * per_w;
@@ -819,11 +814,8 @@ lk_status lk_fuse_tensor_terms(void *w_out, const void *w_in, lk_dtype dtype, in
         wk[t].rv = wk[t].wv + I;
     }
     lk_fuse_run_threads(nw, tworker_main, wk, sizeof *wk);
-    size_t bad_at = SIZE_MAX;
-    double bw = 0, br = 0;
-    for (int t = 0; t < nw; t++)
-        if (wk[t].kw.bad_at < bad_at) bad_at = wk[t].kw.bad_at, bw = wk[t].kw.bad_w, br = wk[t].kw.bad_r;
-    lk_free(block);
+    const lk_status v = lk_fuse_workers_verdict(wk, nw, sizeof *wk, offsetof(tworker, kw), I, opts, name);
+    lk_free(wk);
     lk_fuse_delta_free(prep);
-    return lk_fuse_nonfinite(name, bad_at, I, bw, br, opts);
+    return v;
 }
