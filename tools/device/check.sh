@@ -2,8 +2,11 @@
 # tools/device/check.sh — the one prepared check for a machine with an NVIDIA
 # GPU (issue 27): builds lorakit with LORAKIT_CUDA=ON, runs the device tests
 # (byte equality with the CPU for every term kind and dtype on emul and on
-# cuda:0, the compiled-code audit, the CLI digests), compute-sanitizer
-# memcheck on the kernel test when present, `lorakit bench fuse --device
+# cuda:0: the fuse kernel's LoRA / conv / row slices / LoHa / LoKr / dense,
+# the key kernel's replacements and vector terms, DoRA's two passes; the
+# compiled-code audit of every kernel; the CLI digests; the swap CLI on
+# cuda), compute-sanitizer memcheck on the kernel test when present (every
+# kernel launched by it), `lorakit bench fuse --device
 # cuda` (an 8 GiB-class BF16 model at r = 16 against a device-to-device copy
 # in the same run) and the torch rows (python/bench/fuse_torch.py) when torch
 # imports. Prints JSON lines ({"check": ..., "ok": ...} and the bench rows);
@@ -35,6 +38,7 @@ grep -q 'cuda:0 skipped' "$BUILD/check-test_device_fuse.log" && row test_device_
 run audit_ptx bash "$SRC/tests/device_ptx.sh" "$LK" "$BUILD"
 grep '^{' "$BUILD/check-audit_ptx.log"
 run device_cli bash "$SRC/tests/device_cli.sh" "$LK" "$BUILD"
+run swap_device bash "$SRC/tests/swap_device.sh" "$LK" "$BUILD"
 if command -v compute-sanitizer >/dev/null; then
   run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 "$BUILD/tests/test_device_fuse"
 else
