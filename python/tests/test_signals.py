@@ -9,7 +9,7 @@ SIGINT stays ignored.
 
 Oracles: a real signal sent by this process to a child (os.kill) while the
 child is inside the call (it prints "go" with the time just before; the
-signal follows 0.3 s later, and the same call takes longer than that
+signal follows 0.05 s later, and the same call takes longer than that
 uncancelled: checked by the child's "completed" outcome, which retries with
 a bigger model); the file system after it; the child's own copy of the
 weights compared with numpy.array_equal; the time between os.kill and the
@@ -111,14 +111,16 @@ def interrupt(tmp_path, models, mode, sig, how="default"):
                              stderr=subprocess.PIPE, text=True)
         line = p.stdout.readline()
         assert line.startswith("go"), (line, p.stderr.read())
-        time.sleep(0.3)
+        time.sleep(0.05)
         sent = time.time()
         p.send_signal(sig)
         outs, errs = p.communicate(timeout=120)
-        assert p.returncode == 0, errs
         lines = outs.splitlines()
+        if p.returncode == -sig and len(lines) == 1 and json.loads(lines[0])["res"] == "completed":
+            continue  # the call ended before the signal, which then ended the child as Python does: a bigger model
+        assert p.returncode == 0, errs
         r = json.loads(lines[0])
-        if r["res"] == "completed" and how == "default":
+        if r["res"] == "completed":
             continue  # done before the signal: a bigger model
         if mode == "tracker" and r["res"] == "KeyboardInterrupt":
             assert json.loads(lines[1]) == {"after": "ok"}
