@@ -716,9 +716,26 @@ class Tracker:
     def apply(self, loras, *, digest=False):
         """Makes the fused set equal loras [(path, strength), ...] (order
         does not matter; strength 0 entries are dropped; [] resets). Returns
-        the fields of a `lorakit swap --json` line; digest and digests_agree
-        are computed (a hash of every rank's weights) only with digest=True,
-        else None."""
+        the fields of a `lorakit swap --json` line as a dict (the same on
+        every rank):
+          status            "ok" (a failure raises LoraError instead)
+          keys_fused        keys fused by this call, summed over the ranks
+          keys_restored     keys put back to their base bytes (touched by
+                            the old set only), summed over the ranks
+          bytes_broadcast   bytes the owners broadcast (0 at one rank)
+          seconds           the slowest rank's whole call
+          digest            rank 0's content digest of its weights (32 hex)
+          digests_agree     every rank's digest equals rank 0's
+                            (digest and digests_agree: only with
+                            digest=True, else None)
+          skipped           the request equalled the fused set and no file
+                            of it changed: nothing was done
+          adapters_changed  adapters of the set whose file changed since
+                            they were read (content, not mtime): read
+                            again and fused again, never skipped
+          backup_bytes_max  the most base bytes one rank holds as backup
+          phases            {"agree", "load", "fuse", "broadcast"}: the
+                            slowest rank's seconds in each phase."""
         def prepare():
             self._check_moved()
             self._stream_sync()

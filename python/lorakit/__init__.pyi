@@ -1,7 +1,7 @@
 # Type stubs for lorakit (the public API of python/lorakit/__init__.py).
 import logging
 import os
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, TypedDict, Union
 
 from ._adapter import CONVENTIONS as CONVENTIONS, Adapter as Adapter
 
@@ -39,13 +39,34 @@ def fuse_(tensors: Tensors, loras: Sequence[LoraEntry], *, threads: int = ..., a
           allow_nonfinite: bool = ..., alpha_from: Optional[str] = ..., arch: Optional[str] = ...,
           maps: Sequence[PathLike] = ..., convention: Optional[str] = ...) -> Dict[str, Any]: ...
 
+class TrackerPhases(TypedDict):
+    agree: float
+    load: float
+    fuse: float
+    broadcast: float
+
+class TrackerReport(TypedDict):
+    """What Tracker.apply / reset return (the same on every rank); see
+    Tracker.apply's docstring for each key."""
+    status: str  # "ok"
+    keys_fused: int  # summed over the ranks
+    keys_restored: int  # summed over the ranks
+    bytes_broadcast: int
+    seconds: float  # the slowest rank's whole call
+    digest: Optional[str]  # with digest=True only
+    digests_agree: Optional[bool]  # with digest=True only
+    skipped: bool  # the request equalled the fused set, no file of it changed
+    adapters_changed: int  # files of the set changed since read: fused again
+    backup_bytes_max: int  # the most base bytes one rank holds
+    phases: TrackerPhases  # the slowest rank's seconds per phase
+
 class Tracker:
     def __init__(self, tensors: Tensors, *, comm: Comm = ..., bucket_mb: int = ..., no_lora_swap: bool = ...,
                  threads: int = ..., allow_nonfinite: bool = ..., timeout: float = ...,
                  alpha_from: Optional[str] = ..., arch: Optional[str] = ...,
                  maps: Sequence[PathLike] = ..., convention: Optional[str] = ...) -> None: ...
-    def apply(self, loras: Sequence[LoraEntry], *, digest: bool = ...) -> Dict[str, Any]: ...
-    def reset(self, *, digest: bool = ...) -> Dict[str, Any]: ...
+    def apply(self, loras: Sequence[LoraEntry], *, digest: bool = ...) -> TrackerReport: ...
+    def reset(self, *, digest: bool = ...) -> TrackerReport: ...
     @property
     def loras(self) -> List[Tuple[LoraSource, float]]: ...
     @property
