@@ -347,7 +347,7 @@ static int fp8_rows(int json, uint8_t *w8, size_t D, long r, const lk_fuse_term 
  * ratio_to_dram by (a)'s DRAM pass. */
 typedef struct algo_case {
     const char *algo, *target;
-    lk_tensor t[4];
+    lk_tensor t[5]; /* the factors, then (alpha-scaled kinds) the module's F32 .alpha */
     size_t n;
 } algo_case;
 
@@ -379,6 +379,12 @@ static int algo_rows(int json, uint16_t *w, size_t D, const uint16_t *a16, const
     cs[1].t[0].shape[1] = d / 16, cs[1].t[0].shape[2] = 4, cs[1].t[0].shape[3] = 4;
     cs[1].t[1].ndim = 4;
     cs[1].t[1].shape[2] = 1, cs[1].t[1].shape[3] = 1;
+    /* alpha = r written beside the alpha-scaled kinds (scale 1, as without one, but no "alpha defaults to r"
+     * warning on every run); OFT / BOFT read alpha as a constraint, so theirs stay without */
+    static const float alpha_r = 16.0f;
+    for (size_t c = 0; c < 4; c++)
+        cs[c].t[cs[c].n++] = (lk_tensor){.name = c == 1 ? "conv.alpha" : "lin.alpha", .dtype = LK_DTYPE_F32,
+                                         .ndim = 0, .nbytes = 4, .data = (void *)&alpha_r};
     char dir[] = "/tmp/lorakit-bench-XXXXXX";
     if (!mkdtemp(dir)) {
         lk_error(LK_ERR_IO, "bench fuse: cannot make a temporary folder");
