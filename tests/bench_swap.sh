@@ -45,5 +45,13 @@ for mode in ("delta", "delta_serial", "delta_overlap"):
     assert sorted(got) == ["apply", "create", "reset", "strength", "swap"], (mode, sorted(got))
     for op in ("apply", "strength", "swap", "reset"):
         assert got[op]["bytes_broadcast"] == summary["touched_bytes"], (mode, op, got[op])
+# the floor a device swap is held to (restore + the fuse kernel alone) is timed in the same run, and the
+# device memory the tracker held beyond the model (counted by the device layer's allocation registry) is
+# within issue 27's target: the staging buffer plus the largest tensor, with the default host backup
+floor = [r for r in rows if r.get("mode") == "restore_plus_kernel"]
+assert len(floor) == 1 and floor[0]["op"] == "swap" and floor[0]["seconds"] > 0, floor
+assert summary["swap_over_restore_plus_kernel"] > 0, summary
+assert summary["device_bytes_target"] == summary["staging_bytes"] + summary["largest_tensor_bytes"], summary
+assert 0 < summary["device_bytes_beyond_model"] <= summary["device_bytes_target"], summary
 PY
 echo "bench_swap.sh: ok"

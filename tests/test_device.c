@@ -211,12 +211,38 @@ static void test_alloc_fail(void **state) {
     assert_null(h);
 }
 
+/* The allocation registry's counts (lk_device_mem_stats): by hand, bytes
+ * in use are the sum of live blocks and the peak their running maximum. */
+static void test_mem_stats(void **state) {
+    (void)state;
+    const lk_device d = {LK_DEVICE_EMUL, 0}, cpu = {LK_DEVICE_CPU, 0};
+    uint64_t u0, p0, u, p;
+    lk_device_mem_stats(d, &u0, &p0);
+    void *a, *b;
+    assert_int_equal(lk_device_alloc(d, 1000, &a), LK_OK);
+    assert_int_equal(lk_device_alloc(d, 24, &b), LK_OK);
+    lk_device_mem_stats(d, &u, &p);
+    assert_true(u == u0 + 1024 && p >= u);
+    lk_device_free(d, a);
+    lk_device_mem_stats(d, &u, &p);
+    assert_true(u == u0 + 24 && p >= u0 + 1024);
+    lk_device_mem_peak_reset(d);
+    lk_device_mem_stats(d, NULL, &p);
+    assert_true(p == u0 + 24);
+    lk_device_free(d, b);
+    lk_device_free(d, (void *)&u); /* not a block of emul's: ignored, counts unchanged */
+    lk_device_mem_stats(d, &u, &p);
+    assert_true(u == u0 && p == u0 + 24);
+    lk_device_mem_stats(cpu, &u, &p); /* the cpu is not counted */
+    assert_true(u == 0 && p == 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parse),          cmocka_unit_test(test_cuda_check),
         cmocka_unit_test(test_emul_copies),    cmocka_unit_test(test_tensor_copy),
         cmocka_unit_test(test_streams_events), cmocka_unit_test(test_launch_grid),
-        cmocka_unit_test(test_alloc_fail),
+        cmocka_unit_test(test_alloc_fail),     cmocka_unit_test(test_mem_stats),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

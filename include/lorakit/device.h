@@ -154,6 +154,15 @@ lk_status lk_device_launch(lk_device d, const lk_kernel *k, lk_dim3 grid, lk_dim
 /* Waits for all work on d. */
 lk_status lk_device_sync(lk_device d);
 
+/* ---- device memory in use ----
+ * Bytes lk_device_alloc holds on d now (*in_use) and the most it has held
+ * since the process started or the last lk_device_mem_peak_reset(d)
+ * (*peak); either may be NULL. Counted for emul and cuda:0..15 (0 for the
+ * cpu and higher indices); host staging (lk_device_host_alloc) is not
+ * device memory and is not counted. */
+void lk_device_mem_stats(lk_device d, uint64_t *in_use, uint64_t *peak);
+void lk_device_mem_peak_reset(lk_device d);
+
 /* ---- what emul did (tests) ---- */
 
 /* Running totals of the emulated device's copies (by lk_copy_kind: count

@@ -79,49 +79,67 @@ lk_status lk_device_check(lk_device d) {
     return bad_kind(d, "device check");
 }
 
-/* ---- emul's registry ---- */
+/* ---- the registry of device allocations ----
+ * Every emul and cuda allocation made through lk_device_alloc, with its size:
+ * emul needs it to know its own pointers (emul_owns) and what to free; both
+ * kinds count bytes in use and the high-water mark per device
+ * (lk_device_mem_stats: "GPU memory beyond the model" in bench swap). */
 
-typedef struct emul_block {
-    void *raw;           /* what lk_malloc returned */
-    unsigned char *base; /* the device pointer (EMUL_ALIGN-aligned) */
+typedef struct dev_block {
+    void *raw;           /* emul: what lk_malloc returned; cuda: NULL (cudaFree takes base) */
+    unsigned char *base; /* the device pointer */
     size_t size;
-} emul_block;
+    lk_device dev;
+} dev_block;
+
+#define MEM_SLOTS 17 /* [0] emul, [1 + i] cuda:i for i < 16 (higher indices are not counted) */
 
 static pthread_mutex_t g_emul_mu = PTHREAD_MUTEX_INITIALIZER;
-static emul_block *g_emul;
+static dev_block *g_emul;
 static size_t g_emul_n, g_emul_cap;
+static uint64_t g_in_use[MEM_SLOTS], g_peak[MEM_SLOTS];
 
-static lk_status emul_alloc(size_t bytes, void **ptr) {
-    if (bytes > SIZE_MAX - EMUL_ALIGN) return lk_error(LK_ERR_NOMEM, "emul: cannot allocate %zu bytes", bytes);
-    void *raw = lk_malloc(bytes + EMUL_ALIGN);
-    if (!raw) return lk_error(LK_ERR_NOMEM, "emul: out of memory for %zu bytes of device memory", bytes);
-    unsigned char *base = (unsigned char *)raw + (EMUL_ALIGN - ((uintptr_t)raw & (EMUL_ALIGN - 1)));
+static int mem_slot(lk_device d) {
+    if (d.kind == LK_DEVICE_EMUL) return 0;
+    return d.kind == LK_DEVICE_CUDA && d.index >= 0 && d.index < MEM_SLOTS - 1 ? 1 + d.index : -1;
+}
+
+/* Records a block (under the lock); LK_ERR_NOMEM if the table cannot grow. */
+static lk_status reg_add(lk_device d, void *raw, void *base, size_t bytes) {
     pthread_mutex_lock(&g_emul_mu);
     if (g_emul_n == g_emul_cap) {
         size_t cap = g_emul_cap ? 2 * g_emul_cap : 64;
-        emul_block *nb = cap <= SIZE_MAX / sizeof *nb ? lk_realloc(g_emul, cap * sizeof *nb) : NULL;
+        dev_block *nb = cap <= SIZE_MAX / sizeof *nb ? lk_realloc(g_emul, cap * sizeof *nb) : NULL;
         if (!nb) {
             pthread_mutex_unlock(&g_emul_mu);
-            lk_free(raw);
-            return lk_error(LK_ERR_NOMEM, "emul: out of memory for the allocation table");
+            return lk_error(LK_ERR_NOMEM, "%s: out of memory for the allocation table",
+                            d.kind == LK_DEVICE_EMUL ? "emul" : "cuda");
         }
         g_emul = nb;
         g_emul_cap = cap;
     }
-    g_emul[g_emul_n++] = (emul_block){raw, base, bytes};
+    g_emul[g_emul_n++] = (dev_block){raw, base, bytes, d};
+    int k = mem_slot(d);
+    if (k >= 0) {
+        g_in_use[k] += bytes;
+        if (g_in_use[k] > g_peak[k]) g_peak[k] = g_in_use[k];
+    }
     pthread_mutex_unlock(&g_emul_mu);
-    *ptr = base;
     return LK_OK;
 }
 
-static void emul_free(void *ptr) {
-    if (!ptr) return;
-    void *raw = NULL;
+/* Forgets the block at base on device d: 1 and its raw pointer if it was
+ * recorded, else 0. */
+static int reg_remove(lk_device d, const void *base, void **raw) {
+    int found = 0;
     pthread_mutex_lock(&g_emul_mu);
     for (size_t i = 0; i < g_emul_n; i++)
-        if (g_emul[i].base == ptr) {
-            raw = g_emul[i].raw;
+        if (g_emul[i].base == base && lk_device_equal(g_emul[i].dev, d)) {
+            *raw = g_emul[i].raw;
+            int k = mem_slot(d);
+            if (k >= 0) g_in_use[k] -= g_emul[i].size;
             g_emul[i] = g_emul[--g_emul_n];
+            found = 1;
             break;
         }
     if (!g_emul_n) { /* the table goes with the last block: nothing is left behind */
@@ -130,7 +148,44 @@ static void emul_free(void *ptr) {
         g_emul_cap = 0;
     }
     pthread_mutex_unlock(&g_emul_mu);
-    lk_free(raw); /* not one of ours: nothing is freed (as cudaFree refuses a host pointer) */
+    return found;
+}
+
+void lk_device_mem_stats(lk_device d, uint64_t *in_use, uint64_t *peak) {
+    int k = mem_slot(d);
+    pthread_mutex_lock(&g_emul_mu);
+    if (in_use) *in_use = k >= 0 ? g_in_use[k] : 0;
+    if (peak) *peak = k >= 0 ? g_peak[k] : 0;
+    pthread_mutex_unlock(&g_emul_mu);
+}
+
+void lk_device_mem_peak_reset(lk_device d) {
+    int k = mem_slot(d);
+    pthread_mutex_lock(&g_emul_mu);
+    if (k >= 0) g_peak[k] = g_in_use[k];
+    pthread_mutex_unlock(&g_emul_mu);
+}
+
+#define EMUL_DEV ((lk_device){LK_DEVICE_EMUL, 0})
+
+static lk_status emul_alloc(size_t bytes, void **ptr) {
+    if (bytes > SIZE_MAX - EMUL_ALIGN) return lk_error(LK_ERR_NOMEM, "emul: cannot allocate %zu bytes", bytes);
+    void *raw = lk_malloc(bytes + EMUL_ALIGN);
+    if (!raw) return lk_error(LK_ERR_NOMEM, "emul: out of memory for %zu bytes of device memory", bytes);
+    unsigned char *base = (unsigned char *)raw + (EMUL_ALIGN - ((uintptr_t)raw & (EMUL_ALIGN - 1)));
+    lk_status s = reg_add(EMUL_DEV, raw, base, bytes);
+    if (s) {
+        lk_free(raw);
+        return s;
+    }
+    *ptr = base;
+    return LK_OK;
+}
+
+static void emul_free(void *ptr) {
+    void *raw = NULL;
+    if (ptr && reg_remove(EMUL_DEV, ptr, &raw)) lk_free(raw);
+    /* not one of ours: nothing is freed (as cudaFree refuses a host pointer) */
 }
 
 static int emul_owns(const void *ptr, size_t bytes) {
@@ -138,10 +193,26 @@ static int emul_owns(const void *ptr, size_t bytes) {
     int ok = 0;
     pthread_mutex_lock(&g_emul_mu);
     for (size_t i = 0; i < g_emul_n && !ok; i++)
-        ok = p >= g_emul[i].base && p <= g_emul[i].base + g_emul[i].size &&
+        ok = g_emul[i].dev.kind == LK_DEVICE_EMUL && p >= g_emul[i].base && p <= g_emul[i].base + g_emul[i].size &&
              bytes <= (size_t)(g_emul[i].base + g_emul[i].size - p);
     pthread_mutex_unlock(&g_emul_mu);
     return ok;
+}
+
+/* cuda: the runtime's allocation, recorded (freed again if the table cannot grow). */
+static lk_status cuda_alloc(lk_device d, size_t bytes, void **ptr) {
+    lk_status s = lk_cuda_alloc(d.index, bytes, ptr);
+    if (!s && (s = reg_add(d, NULL, *ptr, bytes))) {
+        lk_cuda_free(d.index, *ptr);
+        *ptr = NULL;
+    }
+    return s;
+}
+
+static void cuda_free(lk_device d, void *ptr) {
+    void *raw;
+    reg_remove(d, ptr, &raw); /* a pointer not recorded here is still the runtime's to refuse */
+    lk_cuda_free(d.index, ptr);
 }
 
 /* ---- memory ---- */
@@ -155,7 +226,7 @@ lk_status lk_device_alloc(lk_device d, size_t bytes, void **ptr) {
         if (!(*ptr = lk_malloc(bytes))) return lk_error(LK_ERR_NOMEM, "cpu: out of memory for %zu bytes", bytes);
         return LK_OK;
     case LK_DEVICE_EMUL: return emul_alloc(bytes, ptr);
-    case LK_DEVICE_CUDA: return lk_cuda_alloc(d.index, bytes, ptr);
+    case LK_DEVICE_CUDA: return cuda_alloc(d, bytes, ptr);
     }
     return bad_kind(d, "device alloc");
 }
@@ -164,7 +235,7 @@ void lk_device_free(lk_device d, void *ptr) {
     if (!ptr) return;
     if (d.kind == LK_DEVICE_CPU) lk_free(ptr);
     else if (d.kind == LK_DEVICE_EMUL) emul_free(ptr);
-    else if (d.kind == LK_DEVICE_CUDA) lk_cuda_free(d.index, ptr);
+    else if (d.kind == LK_DEVICE_CUDA) cuda_free(d, ptr);
 }
 
 lk_status lk_device_host_alloc(lk_device d, size_t bytes, void **ptr) {

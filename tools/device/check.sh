@@ -8,7 +8,8 @@
 # cuda), compute-sanitizer memcheck on the kernel test when present (every
 # kernel launched by it), `lorakit bench fuse --device
 # cuda` (an 8 GiB-class BF16 model at r = 16 against a device-to-device copy
-# in the same run) and the torch rows (python/bench/fuse_torch.py) when torch
+# in the same run), `lorakit bench swap --device cuda` (swap against restore +
+# kernel alone; GPU memory beyond the model) and the torch rows (python/bench/fuse_torch.py) when torch
 # imports. Prints JSON lines ({"check": ..., "ok": ...} and the bench rows);
 # exits 1 if any check failed. Meant to take under 8 minutes on an H200.
 # Usage: bash tools/device/check.sh [BUILD_DIR]   (default build-cuda)
@@ -46,6 +47,10 @@ else
 fi
 run bench_fuse "$LK" bench fuse --device cuda --json --model-mb "$MODEL_MB" --repeat 3
 grep '^{' "$BUILD/check-bench_fuse.log"
+# the swap step on one GPU (2 GiB touched: a 6 GiB model, attention a third) against restoring the
+# touched keys + the fuse kernel alone, and the GPU memory beyond the model (summary row)
+run bench_swap "$LK" bench swap --device cuda --ranks 1 --json --size-mb "${LK_CHECK_SWAP_MB:-6144}" --dim 3072 --repeat 3
+grep '^{' "$BUILD/check-bench_swap.log"
 PY=${PYTHON:-python3}
 if "$PY" -c 'import torch' 2>/dev/null; then
   run bench_torch "$PY" "$SRC/python/bench/fuse_torch.py" --model-mb "$MODEL_MB"
