@@ -35,7 +35,6 @@ Usage: /work/venv/bin/python python/bench/bench_algebra.py [--lorakit PATH] [--d
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -46,12 +45,18 @@ def child(fn, *args):
     """Runs fn(*args) in a fresh interpreter; returns its JSON result plus peak RSS."""
     code = f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); " \
            f"import bench_algebra as b; print(json.dumps(b.{fn}(*{args!r})))"
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"{fn} failed: {p.stderr[-2000:]}")
-    r = json.loads(p.stdout.strip().splitlines()[-1])
-    r["peak_rss_mb"] = max(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, before) / 1024.0
+    # this child's own peak (os.wait4's rusage): RUSAGE_CHILDREN is the maximum over every child so far,
+    # so a later, smaller anchor would report an earlier one's peak
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=err, text=True)
+        _, status, ru = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if p.returncode != 0:
+            raise SystemExit(f"{fn} failed: {err.read()[-2000:]}")
+        r = json.loads(out.read().strip().splitlines()[-1])
+    r["peak_rss_mb"] = ru.ru_maxrss / 1024.0
     return r
 
 
