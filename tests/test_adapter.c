@@ -385,7 +385,7 @@ static void test_peft_saved_tensors(void **state) {
         {"blocks.0.attn.to_q", "embed.hada_w1_a", "{\"r\": 4}",
          "embed: LoHa needs hada_w1_a, hada_w1_b, hada_w2_a and hada_w2_b; hada_w1_b is missing", 0, LK_ERR_FORMAT},
         {"blocks.0.attn.to_q", "embed.oft_r", "{\"r\": 4}",
-         "is an OFT factor (PEFT OFT): lorakit recognises that algorithm but does not fuse it", 0, LK_ERR_UNSUPPORTED},
+         "is an OFT factor (PEFT OFT) other than oft_R.weight: lorakit recognises that algorithm but does not fuse it", 0, LK_ERR_UNSUPPORTED},
         {"blocks.0.attn.to_q", "blocks.0.attn.to_q.base_layer.weight", "{\"r\": 4}",
          "is a LoRA layer's base weight (PEFT's save_embedding_layers", 0, LK_ERR_UNSUPPORTED},
     };
@@ -742,7 +742,7 @@ static void test_config_errors(void **state) {
          "adapter_config.json: rank_pattern[\"to_q\"] = 0: a rank must be a whole number from 1 to 1000000000"},
         {"{\"r\": 4, \"lora_alpha\": \"8\"}", LK_ERR_CONFIG, "adapter_config.json: lora_alpha must be a finite number"},
         {"{\"r\": 4, \"lora_alpha\": NaN}", LK_ERR_CONFIG, "adapter_config.json: invalid JSON"},
-        {"{\"peft_type\": \"LOHA\"}", LK_ERR_UNSUPPORTED, "peft_type = \"LOHA\"; only LORA adapters can be fused"},
+        {"{\"peft_type\": \"LOHA\"}", LK_ERR_UNSUPPORTED, "peft_type = \"LOHA\"; only LORA and OFT adapters can be fused"},
         {"{\"r\": 4, \"use_qalora\": true}", LK_ERR_UNSUPPORTED, "use_qalora = true: QA-LoRA"},
         {"{\"r\": 4, \"alora_invocation_tokens\": [1, 2]}", LK_ERR_UNSUPPORTED, "alora_invocation_tokens = [1,2]"},
         {"{\"r\": 4, \"layer_replication\": [[0, 1]]}", LK_ERR_UNSUPPORTED, "layer_replication = [[0,1]]"},

@@ -109,6 +109,15 @@ typedef enum lk_algo {
 /* "lora", "loha", "lokr", "full", "norm", "set_weight", "oft", "boft", "glora". */
 const char *lk_algo_name(lk_algo a);
 
+/* PEFT's OFT (peft_type "OFT", key <m>.oft_R.weight [n, b (b - 1) / 2]):
+ * the OFTConfig fields its merge reads (README "PEFT's OFT files"). */
+typedef struct lk_oft_peft {
+    int coft;          /* project each block's Q to Frobenius norm <= eps' (eps' = eps / sqrt(n) in float32) */
+    double eps;
+    int neumann_terms; /* 0: the exact Cayley (I - Q)(I + Q)^-1; t >= 1: PEFT's truncated series of t terms */
+    int block_share;   /* 1: one block for all (oft_R.weight [1, ...]); 0: one per b columns; -1: not known (no config) */
+} lk_oft_peft;
+
 /* Tensors of a module, at most this many (lk_lora_module_tensors). */
 #define LK_MODULE_MAX_TENSORS 16
 
@@ -137,7 +146,8 @@ typedef struct lk_lora_module {
      * hada_t1, _t2 and LoKr lokr_w1_a, _b, lokr_w2_a, _b, lokr_t2 (in t2),
      * lokr_w1, lokr_w2; full's diff, norm's w_norm, set_weight's tensor;
      * OFT / BOFT oft_blocks in w1 and rescale in w2; GLoRA a1, a2, b1, b2
-     * in w1a, w1b, w2a, w2b (alpha: OFT / BOFT's constraint as read). */
+     * in w1a, w1b, w2a, w2b (alpha: OFT / BOFT's constraint as read);
+     * PEFT's OFT: oft_R.weight (2-D) in w1 and its options in oft_peft. */
     lk_tensor mid, w1a, w1b, w2a, w2b, t1, t2, w1, w2, dense;
     lk_tensor dora_scale; /* kohya / LyCORIS DoRA magnitude, [out, 1, ...] or [1, in, ...] */
     /* After lk_adapter_resolve: the delta's 2-D factors as the fuse kernel
@@ -148,6 +158,7 @@ typedef struct lk_lora_module {
      * @ k[0] (k[0].data NULL: k[1] is w1 itself), w2 likewise from k[3],
      * k[2]. full / norm / set_weight: k[1] = the tensor. */
     lk_tensor k[4];
+    lk_oft_peft oft_peft;
 } lk_lora_module;
 
 /* The module's own tensors from the file (factors, cores, alpha excluded,

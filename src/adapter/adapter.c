@@ -97,6 +97,7 @@ enum role {
     ROLE_KW1, ROLE_KW1A, ROLE_KW1B, ROLE_KW2, ROLE_KW2A, ROLE_KW2B, ROLE_KT2, /* LoKr */
     ROLE_DIFF, ROLE_DIFFB, ROLE_SETW, ROLE_WNORM, ROLE_BNORM, ROLE_DORA,
     ROLE_OFTB, ROLE_RESC,                            /* OFT / BOFT */
+    ROLE_OFTR,                                       /* PEFT's OFT */
     ROLE_GA1, ROLE_GA2, ROLE_GB1, ROLE_GB2,          /* GLoRA */
     ROLE_COUNT
 };
@@ -130,6 +131,7 @@ static const struct {
     {".diff", FAM_ANY, ROLE_DIFF},      {".diff_b", FAM_ANY, ROLE_DIFFB},   {".set_weight", FAM_ANY, ROLE_SETW},
     {".w_norm", FAM_ANY, ROLE_WNORM},   {".b_norm", FAM_ANY, ROLE_BNORM},   {".dora_scale", FAM_ANY, ROLE_DORA},
     {".oft_blocks", FAM_ANY, ROLE_OFTB}, {".rescale", FAM_ANY, ROLE_RESC},
+    {".oft_R.weight", FAM_AB, ROLE_OFTR},
     {".a1.weight", FAM_ANY, ROLE_GA1},  {".a2.weight", FAM_ANY, ROLE_GA2},  {".b1.weight", FAM_ANY, ROLE_GB1},
     {".b2.weight", FAM_ANY, ROLE_GB2},
 };
@@ -446,7 +448,8 @@ static const struct {
     {".lambda_layer", "a T-LoRA vector (LyCORIS tlora)", 1},
     {".q_layer.weight", "a T-LoRA factor (LyCORIS tlora)", 1},
     {".p_layer.weight", "a T-LoRA factor (LyCORIS tlora)", 1},
-    {".oft_", "an OFT factor (PEFT OFT)", 0},
+    {".oft_embedding_R", "an OFT rotation of an embedding (PEFT OFT on nn.Embedding)", 0},
+    {".oft_", "an OFT factor (PEFT OFT) other than oft_R.weight", 0},
     {".boft_", "a BOFT factor (PEFT BOFT)", 0},
     {".ia3_l", "an IA3 vector (PEFT IA3)", 0},
     {".vera_lambda", "a VeRA vector", 0},
@@ -1100,7 +1103,7 @@ static int role_algo(enum role r) {
     case ROLE_DIFF: case ROLE_DIFFB: return LK_ALGO_FULL;
     case ROLE_WNORM: case ROLE_BNORM: return LK_ALGO_NORM;
     case ROLE_SETW: return LK_ALGO_SET;
-    case ROLE_OFTB: case ROLE_RESC: return LK_ALGO_OFT; /* BOFT when oft_blocks is 4-D (build_oft) */
+    case ROLE_OFTB: case ROLE_RESC: case ROLE_OFTR: return LK_ALGO_OFT; /* BOFT when oft_blocks is 4-D (build_oft) */
     case ROLE_GA1: case ROLE_GA2: case ROLE_GB1: case ROLE_GB2: return LK_ALGO_GLORA;
     default: return -1;
     }
@@ -1279,9 +1282,42 @@ static lk_status build_dense(lk_adapter *a, size_t i, const lk_tensor *const *br
  * [out, 1, ...]); the delta has n b rows and any columns. Its alpha is the
  * rotation's constraint, read as is (no alpha / r); *algo becomes BOFT for
  * a 4-D oft_blocks. */
+/* PEFT's OFT module i: oft_R.weight [n, b (b - 1) / 2] (n blocks of b
+ * columns, n 1 with block_share), its options from adapter_config.json
+ * (PEFT's OFTConfig defaults without one); the delta has any rows, and its
+ * columns are checked against the weight by the fuse (oft.c). */
+static lk_status build_oft_peft(lk_adapter *a, size_t i, const lk_tensor *const *br, lyco_shape *sh) {
+    const char *f = a->file, *m = a->names[i];
+    lk_lora_module *mod = &a->mods[i];
+    const lk_tensor *x = br[ROLE_OFTR];
+    char xs[96];
+    lk_shape_str(x, xs, sizeof xs);
+    if (br[ROLE_OFTB] || br[ROLE_RESC] || br[ROLE_ALPHA])
+        return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' (PEFT's OFT) with '%s' (LyCORIS's) in one module", f, m, x->name,
+                        (br[ROLE_OFTB] ? br[ROLE_OFTB] : br[ROLE_RESC] ? br[ROLE_RESC] : br[ROLE_ALPHA])->name);
+    if (a->has_config && !a->cfg.oft)
+        return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' is PEFT's OFT but %s is not peft_type \"OFT\"", f, m, x->name,
+                        a->config_path);
+    int64_t b = 0;
+    for (int64_t c = 2; x->ndim == 2 && c <= 4096 && c * (c - 1) / 2 <= x->shape[1]; c++)
+        if (c * (c - 1) / 2 == x->shape[1]) b = c;
+    if (!b || x->shape[0] < 1)
+        return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s; PEFT's oft_R.weight must be [n, b (b - 1) / 2] (n blocks "
+                        "of b columns, b from 2 to 4096)", f, m, x->name, xs);
+    sh->out = 0; /* any: the rotation acts on the columns */
+    sh->in = x->shape[0] * b;
+    sh->rank = b;
+    sh->scaled = 0;
+    sh->src = NULL;
+    mod->w1 = *x;
+    mod->oft_peft = a->has_config ? a->cfg.oft_opts : (lk_oft_peft){.coft = 0, .eps = 6e-5, .neumann_terms = 5, .block_share = -1};
+    return LK_OK;
+}
+
 static lk_status build_oft(lk_adapter *a, size_t i, const lk_tensor *const *br, lyco_shape *sh, lk_algo *algo) {
     const char *f = a->file, *m = a->names[i];
     lk_lora_module *mod = &a->mods[i];
+    if (br[ROLE_OFTR]) return build_oft_peft(a, i, br, sh);
     const lk_tensor *x = br[ROLE_OFTB], *rs = br[ROLE_RESC];
     if (!x) return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' without oft_blocks", f, m, rs->name);
     const int nd = x->ndim;
@@ -1382,7 +1418,17 @@ static lk_status build_lyco(lk_adapter *a, size_t i, const lk_tensor *const *br,
                 : algo == LK_ALGO_OFT   ? build_oft(a, i, br, &sh, &algo)
                 : algo == LK_ALGO_GLORA ? build_glora(a, i, br, &sh)
                                         : build_dense(a, i, br, algo, &sh);
-    if (!s && (algo == LK_ALGO_OFT || algo == LK_ALGO_BOFT)) { /* alpha: the constraint, as read (none: 0) */
+    char osrc[160];
+    if (!s && br[ROLE_OFTR]) { /* PEFT's OFT: no alpha; the options it fuses with */
+        const lk_oft_peft *o = &mod->oft_peft;
+        char eb[LK_NUM_STR_MAX], terms[48] = "exact Cayley";
+        alpha = 0.0;
+        if (o->neumann_terms) snprintf(terms, sizeof terms, "Cayley-Neumann, %d terms", o->neumann_terms);
+        snprintf(osrc, sizeof osrc, "none (PEFT OFT%s: %s%s%s)",
+                 a->has_config ? "" : " without adapter_config.json: OFTConfig's defaults", terms,
+                 o->coft ? ", coft eps " : "", o->coft ? lk_num_str(o->eps, eb) : "");
+        sh.src = osrc;
+    } else if (!s && (algo == LK_ALGO_OFT || algo == LK_ALGO_BOFT)) { /* alpha: the constraint, as read (none: 0) */
         alpha = 0.0;
         if (br[ROLE_ALPHA]) s = read_alpha(a, br[ROLE_ALPHA], &alpha);
         sh.src = br[ROLE_ALPHA] ? ".alpha tensor (OFT constraint)" : "none (OFT constraint 0: unconstrained)";

@@ -1146,6 +1146,68 @@ static lk_status parse_rank_alpha(lk_peft_config *c, json_t *root) {
     return LK_OK;
 }
 
+/* OFTConfig's fields (peft_type "OFT"): the ones its merge reads into
+ * c->oft_opts; r / oft_block_size are checked per module against
+ * oft_R.weight's shape (adapter.c); fields that change the merge in a way
+ * lorakit does not implement are refused by name. */
+static const char *const g_oft_known[] = {
+    "task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+    "inference_mode", "r", "oft_block_size", "module_dropout", "target_modules", "exclude_modules", "bias",
+    "init_weights", "layers_to_transform", "layers_pattern", "modules_to_save", "coft", "eps", "block_share",
+    "use_cayley_neumann", "num_cayley_neumann_terms", "fan_in_fan_out",
+};
+
+static lk_status parse_oft(lk_peft_config *c, json_t *root) {
+    const char *label = c->label, *k;
+    char val[96];
+    json_t *v;
+    c->oft = 1;
+    c->oft_opts = (lk_oft_peft){.coft = 0, .eps = 6e-5, .neumann_terms = 5, .block_share = 0};
+    json_object_foreach(root, k, v) {
+        int known = 0;
+        for (size_t i = 0; i < sizeof g_oft_known / sizeof g_oft_known[0] && !known; i++)
+            known = !strcmp(k, g_oft_known[i]);
+        if (!known && is_set(v)) {
+            value_text(v, val, sizeof val);
+            lk_log(LK_LOG_WARN, "%s: unknown OFT field %s = %s ignored (lorakit follows PEFT up to 0.21)", label, k,
+                   val);
+        }
+    }
+    if ((v = json_object_get(root, "peft_version")) && json_is_string(v)) {
+        snprintf(c->version, sizeof c->version, "%s", json_string_value(v));
+        c->rule = rule_of(c->version);
+    }
+    if (json_is_true(json_object_get(root, "fan_in_fan_out")))
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: fan_in_fan_out = true: PEFT's OFT merge on Conv1D-style [in, out] "
+                        "weights is not supported", label);
+    if ((v = json_object_get(root, "bias")) && !json_is_null(v) &&
+        (!json_is_string(v) || strcmp(json_string_value(v), "none"))) {
+        value_text(v, val, sizeof val);
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: bias = %s: OFT adapters with trained biases are not supported "
+                        "(only \"none\")", label, val);
+    }
+    c->oft_opts.coft = json_is_true(json_object_get(root, "coft"));
+    c->oft_opts.block_share = json_is_true(json_object_get(root, "block_share"));
+    if ((v = json_object_get(root, "eps")) && !json_is_null(v)) {
+        if (!json_is_number(v) || !isfinite(json_number_value(v)) || json_number_value(v) < 0)
+            return lk_error(LK_ERR_CONFIG, "%s: eps must be a finite number >= 0", label);
+        c->oft_opts.eps = json_number_value(v);
+    }
+    if ((v = json_object_get(root, "use_cayley_neumann")) && json_is_false(v)) c->oft_opts.neumann_terms = 0;
+    if (c->oft_opts.neumann_terms && (v = json_object_get(root, "num_cayley_neumann_terms")) && !json_is_null(v)) {
+        double d = json_is_number(v) ? json_number_value(v) : NAN;
+        if (!(d == floor(d)) || d > 64) {
+            value_text(v, val, sizeof val);
+            return lk_error(LK_ERR_UNSUPPORTED, "%s: num_cayley_neumann_terms = %s: a whole number up to 64 is "
+                            "supported", label, val);
+        }
+        c->oft_opts.neumann_terms = d < 1 ? 1 : (int)d; /* PEFT: 1 or fewer terms give R = I */
+    }
+    c->r = 0;
+    c->alpha = 0.0;
+    return LK_OK; /* target_modules, exclude_modules, the layer rule, modules_to_save: parse_rules */
+}
+
 /* The scalar fields of root into c, in order: peft_type (LORA only), the
  * refused and unknown fields (check_fields), peft_version (the rule), r,
  * lora_alpha, the flags, bias. */
@@ -1155,10 +1217,11 @@ static lk_status parse_scalars(lk_peft_config *c, json_t *root) {
     lk_status s;
     json_t *v;
     if ((v = json_object_get(root, "peft_type")) && !json_is_null(v) &&
-        (!json_is_string(v) || strcmp(json_string_value(v), "LORA"))) {
+        (!json_is_string(v) || (strcmp(json_string_value(v), "LORA") && strcmp(json_string_value(v), "OFT")))) {
         value_text(v, val, sizeof val);
-        return lk_error(LK_ERR_UNSUPPORTED, "%s: peft_type = %s; only LORA adapters can be fused", label, val);
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: peft_type = %s; only LORA and OFT adapters can be fused", label, val);
     }
+    if (v && json_is_string(v) && !strcmp(json_string_value(v), "OFT")) return parse_oft(c, root);
     if ((s = check_fields(c, root))) return s;
     if ((v = json_object_get(root, "peft_version")) && json_is_string(v)) {
         snprintf(c->version, sizeof c->version, "%s", json_string_value(v));

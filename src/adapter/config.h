@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "lorakit/status.h"
+#include "lorakit/adapter.h"
 #include "adapter/names.h"
 
 /* Which PEFT release's pattern rule a config follows (peft_version in the
@@ -92,6 +93,11 @@ typedef struct lk_peft_config {
     long r;            /* default 8, as PEFT's LoraConfig */
     double alpha;      /* lora_alpha, default 8 */
     int rslora, use_dora, lora_bias, fan_in_fan_out;
+    /* peft_type "OFT" (oft = 1): OFTConfig's merge fields (PEFT's defaults when
+     * absent: coft false, eps 6e-5, use_cayley_neumann true, 5 terms); the
+     * block size and count come from each oft_R.weight's shape */
+    int oft;
+    lk_oft_peft oft_opts;
     lk_peft_bias bias;
     lk_peft_rule rule;
     char version[32];  /* peft_version as written, or "" */

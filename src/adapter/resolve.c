@@ -372,6 +372,16 @@ static lk_status wterm_fit(const lk_adapter *a, const lk_lora_module *m, const l
     char xs[96];
     if (m->algo != LK_ALGO_GLORA) {
         lk_shape_str(&m->w1, xs, sizeof xs);
+        const int64_t b = m->w1.ndim == 2 ? m->rank : 0; /* PEFT's OFT: n blocks of b columns (n 1: shared) */
+        const int share = m->oft_peft.block_share;
+        if (b && (share == 1 ? m->w1.shape[0] != 1 || N % (size_t)b
+                             : (size_t)m->in != N && !(share < 0 && m->w1.shape[0] == 1 && N % (size_t)b == 0)))
+            return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s, %lld block(s) of %lld columns%s, but the model weight %s "
+                            "is %s (%zu elements per output row)", a->file, m->module, m->w1.name, xs,
+                            (long long)m->w1.shape[0], (long long)b,
+                            share == 1 ? " (block_share: one block, a multiple of b columns)"
+                            : share == 0 ? " (block_share false: n b columns)" : "", w->name, ws, N);
+        if (b) return LK_OK;
         if (m->out != w->shape[0])
             return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s, a rotation of %lld rows, but the model weight %s is %s",
                             a->file, m->module, m->w1.name, xs, (long long)m->out, w->name, ws);

@@ -27,7 +27,7 @@
  *    the b1 b2 half as a LoRA term and W a1 a2 through LK_TERM_WLORA here.
  * Which of these a fuse uses is lk_fuse_opts.convention: COMFYUI takes
  * ComfyUI's; LORAKIT, LYCORIS and PEFT take LyCORIS's (the files are
- * LyCORIS's; PEFT writes its own OFT format, which lorakit refuses).
+ * LyCORIS's; PEFT's own OFT files, oft_R.weight, are the section at the end).
  *
  * THE CANONICAL ARITHMETIC here (every CPU path the same bits):
  *  1. Q, its norm (an fma chain of squares in stored order, sqrt, + 1e-8),
@@ -93,6 +93,7 @@
 
 struct lk_oft {
     int boft;         /* 1: BOFT stages, 0: OFT's delta form */
+    int peft;         /* 1: PEFT's OFT, a rotation of the columns: T = nb blocks D (b x b), nb 1 when shared */
     size_t out, m, nb, b;
     double *T;        /* m x nb x b x b: OFT D, BOFT the stage matrices */
     uint32_t *perm;   /* BOFT: m x out, the row of permuted position p at stage i */
@@ -295,8 +296,11 @@ static void oft_stages(lk_oft *p, double s) {
     }
 }
 
+static lk_status peft_prepare(const lk_fuse_term *t, int64_t out, lk_convention conv, const char *name, lk_oft **pp);
+
 lk_status lk_oft_prepare(const lk_fuse_term *t, int64_t out, lk_convention conv, const char *name, lk_oft **pp) {
     *pp = NULL;
+    if (t->peft) return peft_prepare(t, out, conv, name, pp);
     lk_status s = lk_oft_check(t, out, 0, name);
     if (s) return s;
     const lk_tensor *X = t->B;
@@ -956,7 +960,10 @@ static oft_fns pick_fns(void) {
 
 /* The FP8 path (fp8.c): the delta rounded to f32, for the dense fuse of a
  * dequantised weight. */
+static lk_status peft_delta_f32(const lk_oft *p, const float *w, float *delta, size_t in, const char *name);
+
 lk_status lk_oft_delta_f32(const lk_oft *p, const float *w, float *delta, size_t in, const char *name) {
+    if (p->peft) return peft_delta_f32(p, w, delta, in, name);
     void *scr = lk_malloc(lk_oft_scratch(p));
     if (!scr) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the OFT scratch", name);
     fenv_t saved;
@@ -1029,11 +1036,19 @@ static void *oworker_main(void *arg) {
     return NULL;
 }
 
+static lk_status peft_fuse(const lk_oft *p, void *w_out, const void *w_in, lk_dtype dtype, size_t in,
+                           const lk_fuse_opts *opts, const char *name);
+
 lk_status lk_fuse_tensor_oft(void *w_out, const void *w_in, lk_dtype dtype, int64_t out, int64_t in,
                              const lk_fuse_term *term, const lk_fuse_opts *opts, const char *name) {
     lk_oft *p;
     lk_status s = lk_oft_prepare(term, out, opts ? opts->convention : LK_CONVENTION_LORAKIT, name, &p);
     if (s) return s;
+    if (p->peft) {
+        s = peft_fuse(p, w_out, w_in, dtype, (size_t)in, opts, name);
+        lk_oft_free(p);
+        return s;
+    }
     const oft_fns fn = pick_fns();
     ojob job = {.p = p, .w_out = w_out, .w_in = w_in, .dt = dtype, .in = (size_t)in, .mat = fn.mat, .fin = fn.fin,
                 .load = fn.load};
@@ -1056,4 +1071,220 @@ lk_status lk_fuse_tensor_oft(void *w_out, const void *w_in, lk_dtype dtype, int6
     lk_free(blk);
     lk_oft_free(p);
     return s;
+}
+
+/* ---- PEFT's OFT (peft_type "OFT": <m>.oft_R.weight) ----
+ *
+ * THE FORMULA (facts read from peft 0.21 tuners/oft/layer.py, OFTRotationModule
+ * and Linear / Conv2d merge): oft_R.weight is [n, b (b - 1) / 2], block k's
+ * strictly upper triangle in row-major order (triu_indices(b, b, 1)); Q_k =
+ * U - U^T. coft: eps' = fl32(fl32(1 / fl32(sqrt(n))) * fl32(eps)) (PEFT
+ * computes eps * 1 / sqrt(tensor(n)) in float32), and each block with
+ * ||Q_k||_F > eps' becomes eps' (Q_k / ||Q_k||_F). Then R_k:
+ *  - use_cayley_neumann (t terms): R = I (t <= 1); t >= 2 adds 2 Q; t >= 3
+ *    adds 2 Q^2, then 2 Q^j for j = 3 .. t - 2, then Q^p once with p =
+ *    max(3, t - 1) (so t = 3 and t = 4 give I + 2Q + 2Q^2 + Q^3);
+ *  - else R = (I - Q)(I + Q)^-1 (torch.linalg.solve(I + Q, I - Q, left=False)).
+ * The merge: W' = W BD^T with BD = block_diag(R_0 .. R_{c/b - 1}) over the
+ * weight's c = in (x kh x kw: a conv's weight as [out, in kh kw]) columns;
+ * block_share: one R for every block. PEFT has no strength for OFT (its
+ * set_scale warns and keeps 1). lorakit at strength s, under every
+ * convention (they agree on these files): W' = W (I + s (BD - I))^T, the
+ * delta d = s W (BD - I)^T, LyCORIS's multiplier rule on the input axis;
+ * s = 1 is PEFT's merge.
+ * THE ARITHMETIC: Q, the norm (fma chain of squares, sqrt), the scaling,
+ * the series (each power an fma chain over the inner index ascending; R +
+ * 2 P one rounding each) or the inverse (oft.c's Gauss-Jordan on I + Q)
+ * and (I - Q) times it, then D_k = s (R_k - I): all f64. Per row,
+ * d[k b + c] = sum_u x[k b + u] D_k[c][u], an fma chain over u ascending
+ * from the first product; W + d rounded once as step 3 above. */
+
+/* PEFT's number of blocks from the packed row length: b with b (b - 1) / 2 = ne (0: none). */
+static size_t peft_block(int64_t ne) {
+    if (ne < 1 || ne > 4096 * 4095 / 2) return 0;
+    size_t b = (size_t)((1.0 + sqrt(1.0 + 8.0 * (double)ne)) / 2.0 + 0.5);
+    for (size_t c = b > 2 ? b - 1 : 2; c <= b + 1; c++)
+        if (c * (c - 1) / 2 == (size_t)ne) return c;
+    return 0;
+}
+
+/* r = a b (b x b), each element an fma chain over u ascending. */
+static void peft_mm(double *r, const double *a, const double *b2, size_t b) {
+    for (size_t i = 0; i < b; i++)
+        for (size_t j = 0; j < b; j++) {
+            double acc = a[i * b] * b2[j];
+            for (size_t u = 1; u < b; u++) acc = fma(a[i * b + u], b2[u * b + j], acc);
+            r[i * b + j] = acc;
+        }
+}
+
+/* R of one block from its skew Q (b x b) into r; work 5 b b doubles. 0: I + Q singular. */
+static int peft_rotation(double *r, const double *q, size_t b, int terms, double *work) {
+    double *p = work, *p2 = work + b * b, *nq = work + 2 * b * b;
+    const size_t bb = b * b;
+    for (size_t i = 0; i < bb; i++) r[i] = (double)(i % (b + 1) == 0);
+    if (!terms) { /* (I - Q)(I + Q)^-1: the inverse of I - (-Q) */
+        double *inv = p2;
+        for (size_t i = 0; i < bb; i++) nq[i] = -q[i];
+        if (!inv_i_minus_q(inv, nq, b, work + 3 * bb)) return 0;
+        for (size_t i = 0; i < b; i++)
+            for (size_t j = 0; j < b; j++) {
+                double acc = ((double)(i == 0) - q[i * b]) * inv[j];
+                for (size_t u = 1; u < b; u++) acc = fma((double)(i == u) - q[i * b + u], inv[u * b + j], acc);
+                r[i * b + j] = acc;
+            }
+        return 1;
+    }
+    if (terms <= 1) return 1;
+    for (size_t i = 0; i < bb; i++) r[i] += 2.0 * q[i];
+    if (terms <= 2) return 1;
+    peft_mm(p, q, q, b);
+    for (size_t i = 0; i < bb; i++) r[i] += 2.0 * p[i];
+    for (int j = 3; j < terms - 1; j++) {
+        peft_mm(p2, p, q, b);
+        memcpy(p, p2, bb * sizeof *p);
+        for (size_t i = 0; i < bb; i++) r[i] += 2.0 * p[i];
+    }
+    peft_mm(p2, p, q, b);
+    for (size_t i = 0; i < bb; i++) r[i] += p2[i];
+    return 1;
+}
+
+/* Q of block k from its packed values v (b (b - 1) / 2 of them) into q. */
+static void peft_skew(double *q, const double *v, size_t b) {
+    memset(q, 0, b * b * sizeof *q);
+    size_t t = 0;
+    for (size_t i = 0; i < b; i++)
+        for (size_t j = i + 1; j < b; j++, t++) {
+            q[i * b + j] = v[t] - 0.0;
+            q[j * b + i] = 0.0 - v[t];
+        }
+}
+
+/* coft's projection of every block (PEFT's _project_batch). */
+static void peft_project(double *q, size_t nb, size_t b, double eps) {
+    const float rs = 1.0f / sqrtf((float)nb);
+    const double e = (double)(rs * (float)eps);
+    for (size_t k = 0; k < nb; k++) {
+        double *qk = q + k * b * b, ss = 0.0;
+        for (size_t i = 0; i < b * b; i++) ss = fma(qk[i], qk[i], ss);
+        const double n = sqrt(ss);
+        if (n <= e) continue;
+        for (size_t i = 0; i < b * b; i++) qk[i] = e * (qk[i] / n);
+    }
+}
+
+static lk_status peft_prepare(const lk_fuse_term *t, int64_t out, lk_convention conv, const char *name, lk_oft **pp) {
+    const lk_tensor *X = t->B;
+    const char *xn = X && X->name ? X->name : "oft_R.weight";
+    char xs[96];
+    if (!X || !X->data) return lk_error(LK_ERR_ARG, "%s: a PEFT OFT term without oft_R.weight", name);
+    lk_shape_str(X, xs, sizeof xs);
+    const size_t b = X->ndim == 2 ? peft_block(X->shape[1]) : 0;
+    if (!b || X->shape[0] < 1 || X->shape[0] > out * 4096 || !lk_dtype_is_fusable(X->dtype))
+        return lk_error(LK_ERR_SHAPE, "%s: '%s' is %s %s; PEFT's OFT needs [n, b (b - 1) / 2] (F32, F16 or BF16) with "
+                        "b >= 2", name, xn, xs, lk_dtype_name(X->dtype));
+    (void)conv; /* the four conventions agree: PEFT's merge at s = 1, W (I + s (BD - I))^T at any s */
+    if (!isfinite(t->scale) || !isfinite(t->peft->eps))
+        return lk_error(LK_ERR_NONFINITE, "%s: strength %g, eps %g", name, t->scale, t->peft->eps);
+    lk_oft *p = lk_calloc(1, sizeof *p);
+    if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
+    const size_t nb = (size_t)X->shape[0], bb = b * b, ne = (size_t)X->shape[1];
+    p->peft = 1, p->b = b, p->nb = nb, p->m = 1, p->out = (size_t)out, p->g = 1.0;
+    lk_carve cv = {0};
+    const size_t o_t = LK_CARVE(&cv, nb * bb, double), o_q = LK_CARVE(&cv, nb * bb, double),
+                 o_v = LK_CARVE(&cv, nb * ne, double), o_w = LK_CARVE(&cv, 5 * bb, double);
+    p->mem = cv.overflow ? NULL : lk_carve_alloc(&cv);
+    if (!p->mem) {
+        lk_free(p);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the OFT blocks", name);
+    }
+    p->T = (double *)(void *)(p->mem + o_t);
+    double *q = (double *)(void *)(p->mem + o_q), *v = (double *)(void *)(p->mem + o_v),
+           *work = (double *)(void *)(p->mem + o_w);
+    values64(v, X, nb * ne);
+    for (size_t k = 0; k < nb; k++) peft_skew(q + k * bb, v + k * ne, b);
+    if (t->peft->coft) peft_project(q, nb, b, t->peft->eps);
+    for (size_t k = 0; k < nb; k++) {
+        double *d = p->T + k * bb;
+        const int ok = peft_rotation(d, q + k * bb, b, t->peft->neumann_terms, work);
+        if (!ok) {
+            lk_oft_free(p);
+            return lk_error(LK_ERR_NONFINITE, "%s: '%s': I + Q of block %zu is singular (non-finite values)", name, xn,
+                            k);
+        }
+        for (size_t i = 0; i < bb; i++) d[i] = t->scale * (d[i] - (double)(i % (b + 1) == 0));
+        for (size_t i = 0; i < bb; i++)
+            if (!isfinite(d[i])) {
+                lk_oft_free(p);
+                return lk_error(LK_ERR_NONFINITE, "%s: '%s': the rotation of block %zu is not finite", name, xn, k);
+            }
+    }
+    *pp = p;
+    return LK_OK;
+}
+
+/* The columns of an out x in weight against the blocks: n b = in, or one shared block with in a multiple of b. */
+static lk_status peft_cols(const lk_oft *p, size_t in, const char *name) {
+    if (p->nb * p->b == in || (p->nb == 1 && in % p->b == 0)) return LK_OK;
+    return lk_error(LK_ERR_SHAPE, "%s: PEFT's OFT has %zu blocks of %zu columns (oft_R.weight [%zu, %zu]) but the weight "
+                    "has %zu columns (elements per output row)", name, p->nb, p->b, p->nb, p->b * (p->b - 1) / 2, in);
+}
+
+/* d = x D^T per block for one row of in values (both f64). */
+static void peft_row(const lk_oft *p, const double *x, double *d, size_t in) {
+    const size_t b = p->b, bb = b * b;
+    for (size_t k = 0; k * b < in; k++) {
+        const double *D = p->T + (p->nb == 1 ? 0 : k) * bb, *xk = x + k * b;
+        for (size_t c = 0; c < b; c++) {
+            double acc = xk[0] * D[c * b];
+            for (size_t u = 1; u < b; u++) acc = fma(xk[u], D[c * b + u], acc);
+            d[k * b + c] = acc;
+        }
+    }
+}
+
+static lk_status peft_delta_f32(const lk_oft *p, const float *w, float *delta, size_t in, const char *name) {
+    lk_status s = peft_cols(p, in, name);
+    if (s) return s;
+    double *x = lk_malloc(2 * in * sizeof *x);
+    if (!x) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the OFT rows", name);
+    for (size_t o = 0; o < p->out; o++) {
+        for (size_t j = 0; j < in; j++) x[j] = (double)w[o * in + j];
+        peft_row(p, x, x + in, in);
+        for (size_t j = 0; j < in; j++) delta[o * in + j] = (float)x[in + j];
+    }
+    lk_free(x);
+    return LK_OK;
+}
+
+static lk_status peft_fuse(const lk_oft *p, void *w_out, const void *w_in, lk_dtype dtype, size_t in,
+                           const lk_fuse_opts *opts, const char *name) {
+    lk_status s = peft_cols(p, in, name);
+    if (s) return s;
+    const size_t esz = lk_dtype_size(dtype);
+    double *x = lk_malloc(2 * in * sizeof *x);
+    float *f = lk_malloc(in * sizeof *f);
+    if (!x || !f) {
+        lk_free(x);
+        lk_free(f);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the OFT rows", name);
+    }
+    size_t bad = SIZE_MAX;
+    double bw = 0, br = 0;
+    for (size_t o = 0; o < p->out; o++) {
+        lk_to_f32(f, (const char *)w_in + o * in * esz, dtype, in);
+        for (size_t j = 0; j < in; j++) x[j] = (double)f[j];
+        peft_row(p, x, x + in, in);
+        char *dst = (char *)w_out + o * in * esz;
+        const size_t at = lk_oft_round_row(dtype, x, x + in, dst, in);
+        if (at != SIZE_MAX && bad == SIZE_MAX) {
+            float r;
+            lk_to_f32(&r, dst + at * esz, dtype, 1);
+            bad = o * in + at, bw = x[at], br = r;
+        }
+    }
+    lk_free(x);
+    lk_free(f);
+    return lk_fuse_nonfinite(name, bad, in, bw, br, opts);
 }

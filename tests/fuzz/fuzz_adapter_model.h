@@ -57,9 +57,13 @@ static inline void fz_adapter_check_open(const lk_adapter *a, lk_adapter_format 
         FZ_CHECK(m != NULL && m->module != NULL);
         fz_touch(m->module, strlen(m->module));
         FZ_CHECK((int)m->algo >= 0 && m->algo < LK_ALGO_COUNT);
-        /* OFT / BOFT rotate the weight's rows: any row width (in 0 until resolved) */
-        FZ_CHECK(m->out > 0 && (m->in > 0 || m->algo == LK_ALGO_OFT || m->algo == LK_ALGO_BOFT));
-        if (m->algo == LK_ALGO_OFT || m->algo == LK_ALGO_BOFT)
+        /* OFT / BOFT rotate the weight's rows: any row width (in 0 until resolved); PEFT's OFT (oft_R.weight,
+         * 2-D) its columns: any rows (out 0), n b columns, b = rank with b (b - 1) / 2 packed values per block */
+        const int peft_oft = m->algo == LK_ALGO_OFT && m->w1.ndim == 2;
+        FZ_CHECK(peft_oft ? m->out == 0 && m->rank >= 2 && m->in == m->w1.shape[0] * m->rank &&
+                                m->w1.shape[1] == (int64_t)m->rank * (m->rank - 1) / 2
+                          : m->out > 0 && (m->in > 0 || m->algo == LK_ALGO_OFT || m->algo == LK_ALGO_BOFT));
+        if (!peft_oft && (m->algo == LK_ALGO_OFT || m->algo == LK_ALGO_BOFT))
             FZ_CHECK(m->w1.ndim == (m->algo == LK_ALGO_BOFT ? 4 : 3) && m->w1.shape[m->w1.ndim - 1] == m->rank);
         const lk_tensor *ts[LK_MODULE_MAX_TENSORS];
         size_t nts = lk_lora_module_tensors(m, ts);

@@ -295,3 +295,9 @@ put("adapter", "boft_glora", save({
     "lycoris_blocks_0_attn_to_v.a1.weight": arr((H, R)), "lycoris_blocks_0_attn_to_v.a2.weight": arr((R, H)),
     "lycoris_blocks_0_attn_to_v.b1.weight": arr((H, R)), "lycoris_blocks_0_attn_to_v.b2.weight": arr((R, H)),
     "lycoris_blocks_0_attn_to_v.alpha": np.array(2.0, np.float32)}))
+
+# PEFT's OFT (oft_R.weight: 4 blocks of 4 columns, 6 packed values each; one shared block on to_k), last
+put("adapter", "peft_oft", save({
+    "base_model.model.blocks.0.attn.to_q.oft_R.weight": arr((4, 6)),
+    "base_model.model.blocks.0.attn.to_k.oft_R.weight": arr((1, 6)),
+    "base_model.model.blocks.0.ff.net.2.oft_R.weight": arr((8, 6))}))

@@ -1,0 +1,122 @@
+"""lorakit fuse / inspect on OFT adapters written by PEFT 0.21 itself
+(tests/fixtures/peft_oft: make_peft_oft_fixtures.py ran OFTConfig +
+get_peft_model + save_pretrained, and merge_and_unload on model.double()).
+numpy only (no torch): runs in CI.
+
+Oracles: PEFT's own float64 merge (expected/<case>_<dtype>.safetensors) at
+strength 1: every element within 1 ulp of its dtype (F32, F16, BF16), every
+other tensor byte-identical. At strength s the README's rule
+W (I + s (BD - I))^T = W + s (W_peft - W) (linear in s), built from the same
+float64 merge; every convention gives the same bytes. Malformed files:
+hand-made from the fixture, refused naming the key and shapes."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import st_io
+from conftest import cli
+
+FX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures", "peft_oft")
+CASES = json.load(open(os.path.join(FX, "manifest.json")))
+MANT = {"F16": (10, -14), "F32": (23, -126), "BF16": (7, -126)}
+
+
+def ulp(x, dt):
+    mant, emin = MANT[dt]
+    _, e = np.frexp(np.abs(x))
+    e = np.where(x == 0, emin, e - 1)
+    return np.ldexp(1.0, np.maximum(e, emin) - mant)
+
+
+def f64(dt, a):
+    if dt == "BF16":
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def fuse(base, adapter, out, *extra):
+    cli("fuse", base, "-l", adapter, "-o", out, *extra)
+    return st_io.read(out)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['case']}-{c['base'][5:-12]}")
+@pytest.mark.parametrize("s", [1.0, 0.7, -0.3])
+def test_fuse_matches_peft_merge(case, s, tmp_path):
+    base = os.path.join(FX, case["base"])
+    ad = os.path.join(FX, case["case"])
+    before = st_io.read(base)
+    exp = st_io.read(os.path.join(FX, case["expected"]))
+    got = fuse(base, f"{ad}:{s!r}", str(tmp_path / "o.safetensors"))
+    worst = 0.0
+    for k, (dt, a) in got.items():
+        if k not in exp:
+            assert a.tobytes() == before[k][1].tobytes(), f"{k} changed, but the adapter does not touch it"
+            continue
+        w = f64(*before[k])
+        x = exp[k][1].reshape(a.shape)
+        x = w + s * (x - w)  # s = 1: PEFT's merge itself
+        err = np.abs(f64(dt, a) - x) / ulp(x, dt)
+        worst = max(worst, err.max())
+        assert err.max() <= 1.0, f"{k} ({dt}, s={s}): {err.max():.3g} ulp from PEFT's merge at {np.argmax(err)}"
+    assert worst > 0.0  # the expectation is not representable exactly everywhere: the comparison is live
+    if s != 1.0:  # every convention: the same bytes (one rule, README)
+        for conv in ("comfyui", "lycoris", "peft"):
+            o = fuse(base, f"{ad}:{s!r}", str(tmp_path / f"{conv}.safetensors"), "--convention", conv)
+            assert all(o[k][1].tobytes() == got[k][1].tobytes() for k in got), conv
+
+
+def test_inspect_names_the_algorithm():
+    r = cli("inspect", os.path.join(FX, "oft_coft"), "--json")
+    mods = json.loads(r.stdout)["modules"]
+    assert {m["module"] for m in mods} == {"lin", "conv"}
+    assert all(m["algo"] == "oft" and m["rank"] == 4 for m in mods)
+    assert "Cayley-Neumann, 7 terms, coft eps 0.02" in mods[0]["alpha_source"]
+    r = cli("inspect", os.path.join(FX, "oft_exact"))
+    assert "exact Cayley" in r.stdout
+
+
+def copy_case(tmp_path, case, edit_cfg=None, edit_sd=None):
+    d = tmp_path / case
+    shutil.copytree(os.path.join(FX, case), d)
+    if edit_cfg:
+        cfg = json.load(open(d / "adapter_config.json"))
+        edit_cfg(cfg)
+        json.dump(cfg, open(d / "adapter_config.json", "w"))
+    if edit_sd:
+        sd = st_io.read(str(d / "adapter_model.safetensors"))
+        edit_sd(sd)
+        st_io.write(str(d / "adapter_model.safetensors"), sd)
+    return str(d)
+
+
+def refused(tmp_path, ad, *words):
+    out = tmp_path / "bad.safetensors"
+    r = cli("fuse", os.path.join(FX, "base_f32.safetensors"), "-l", ad, "-o", str(out), check=False)
+    assert r.returncode != 0 and not out.exists(), r.stderr
+    for w in words:
+        assert w in r.stderr, (w, r.stderr)
+
+
+def test_malformed_shapes_refused(tmp_path):
+    def packed(sd):  # 5 values per block: no b with b (b - 1) / 2 = 5
+        sd["base_model.model.lin.oft_R.weight"] = ("F32", np.zeros((3, 5), np.float32))
+    refused(tmp_path, copy_case(tmp_path, "oft_neumann", edit_sd=packed), "lin.oft_R.weight", "[3, 5]")
+
+    def blocks(sd):  # 2 blocks of 4 columns on a 12-column weight
+        sd["base_model.model.lin.oft_R.weight"] = ("F32", np.zeros((2, 6), np.float32))
+    refused(tmp_path, copy_case(tmp_path / "b", "oft_neumann", edit_sd=blocks), "lin.oft_R.weight", "[2, 6]",
+            "12 elements per output row")
+
+
+def test_unsupported_options_refused_by_name(tmp_path):
+    refused(tmp_path, copy_case(tmp_path, "oft_neumann", lambda c: c.update(fan_in_fan_out=True)),
+            "fan_in_fan_out = true")
+    refused(tmp_path, copy_case(tmp_path / "b", "oft_neumann", lambda c: c.update(bias="all")), 'bias = "all"')
+    refused(tmp_path, copy_case(tmp_path / "c", "oft_neumann", lambda c: c.update(peft_type="BOFT")),
+            'peft_type = "BOFT"')
+    # block_share true in the config, but one block per 4 columns in the file
+    refused(tmp_path, copy_case(tmp_path / "d", "oft_neumann", lambda c: c.update(block_share=True)),
+            "block_share", "conv.oft_R.weight")
