@@ -93,7 +93,8 @@
 
 struct lk_oft {
     int boft;         /* 1: BOFT stages, 0: OFT's delta form */
-    int peft;         /* 1: PEFT's OFT, a rotation of the columns: T = nb blocks D (b x b), nb 1 when shared */
+    int peft;         /* 1: PEFT's OFT, a rotation of the columns: T = nb blocks D^T (b x b), nb 1 when shared */
+    void (*prow)(const struct lk_oft *, const double *, double *, size_t); /* PEFT: one row's delta (peft_row) */
     size_t out, m, nb, b;
     double *T;        /* m x nb x b x b: OFT D, BOFT the stage matrices */
     uint32_t *perm;   /* BOFT: m x out, the row of permuted position p at stage i */
@@ -1174,6 +1175,8 @@ static void peft_project(double *q, size_t nb, size_t b, double eps) {
     }
 }
 
+static void (*peft_row_pick(void))(const lk_oft *, const double *, double *, size_t);
+
 static lk_status peft_prepare(const lk_fuse_term *t, int64_t out, lk_convention conv, const char *name, lk_oft **pp) {
     const lk_tensor *X = t->B;
     const char *xn = X && X->name ? X->name : "oft_R.weight";
@@ -1190,7 +1193,7 @@ static lk_status peft_prepare(const lk_fuse_term *t, int64_t out, lk_convention 
     lk_oft *p = lk_calloc(1, sizeof *p);
     if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
     const size_t nb = (size_t)X->shape[0], bb = b * b, ne = (size_t)X->shape[1];
-    p->peft = 1, p->b = b, p->nb = nb, p->m = 1, p->out = (size_t)out, p->g = 1.0;
+    p->peft = 1, p->b = b, p->nb = nb, p->m = 1, p->out = (size_t)out, p->g = 1.0, p->prow = peft_row_pick();
     lk_carve cv = {0};
     const size_t o_t = LK_CARVE(&cv, nb * bb, double), o_q = LK_CARVE(&cv, nb * bb, double),
                  o_v = LK_CARVE(&cv, nb * ne, double), o_w = LK_CARVE(&cv, 5 * bb, double);
@@ -1214,6 +1217,11 @@ static lk_status peft_prepare(const lk_fuse_term *t, int64_t out, lk_convention 
                             k);
         }
         for (size_t i = 0; i < bb; i++) d[i] = t->scale * (d[i] - (double)(i % (b + 1) == 0));
+        for (size_t i = 0; i < b; i++) /* stored as D^T (peft_row) */
+            for (size_t j = i + 1; j < b; j++) {
+                const double y = d[i * b + j];
+                d[i * b + j] = d[j * b + i], d[j * b + i] = y;
+            }
         for (size_t i = 0; i < bb; i++)
             if (!isfinite(d[i])) {
                 lk_oft_free(p);
@@ -1231,18 +1239,38 @@ static lk_status peft_cols(const lk_oft *p, size_t in, const char *name) {
                     "has %zu columns (elements per output row)", name, p->nb, p->b, p->nb, p->b * (p->b - 1) / 2, in);
 }
 
-/* d = x D^T per block for one row of in values (both f64). */
-static void peft_row(const lk_oft *p, const double *x, double *d, size_t in) {
+/* d = x D^T per block for one row of in values (both f64): d[k b + c] an
+ * fma chain over u ascending from the first product, the chains of a
+ * block's c side by side (Dt = D^T, so c is contiguous: the compiler may
+ * run them in vector lanes; each element's chain is the same). Compiled
+ * with the FMA instructions where the CPU has them and without (libm's
+ * fma, one correctly rounded operation either way: the same bits). */
+LK_AI void peft_row_body(const lk_oft *p, const double *x, double *d, size_t in) {
     const size_t b = p->b, bb = b * b;
     for (size_t k = 0; k * b < in; k++) {
-        const double *D = p->T + (p->nb == 1 ? 0 : k) * bb, *xk = x + k * b;
-        for (size_t c = 0; c < b; c++) {
-            double acc = xk[0] * D[c * b];
-            for (size_t u = 1; u < b; u++) acc = fma(xk[u], D[c * b + u], acc);
-            d[k * b + c] = acc;
+        const double *Dt = p->T + (p->nb == 1 ? 0 : k) * bb, *xk = x + k * b;
+        double *dk = d + k * b;
+        for (size_t c = 0; c < b; c++) dk[c] = xk[0] * Dt[c];
+        for (size_t u = 1; u < b; u++) {
+            const double xu = xk[u], *row = Dt + u * b;
+            for (size_t c = 0; c < b; c++) dk[c] = fma(xu, row[c], dk[c]);
         }
     }
 }
+static void peft_row_base(const lk_oft *p, const double *x, double *d, size_t in) { peft_row_body(p, x, d, in); }
+#ifdef LK_KERNEL_X86
+__attribute__((target("avx2,fma"))) static void peft_row_fma(const lk_oft *p, const double *x, double *d, size_t in) {
+    peft_row_body(p, x, d, in);
+}
+#endif
+/* The row function of the kernel path (lk_fuse_kernel_path). */
+static void (*peft_row_pick(void))(const lk_oft *, const double *, double *, size_t) {
+#ifdef LK_KERNEL_X86
+    if (!strncmp(lk_fuse_kernel_path(), "avx", 3) && __builtin_cpu_supports("fma")) return peft_row_fma;
+#endif
+    return peft_row_base;
+}
+#define peft_row(p, x, d, in) ((p)->prow((p), (x), (d), (in)))
 
 static lk_status peft_delta_f32(const lk_oft *p, const float *w, float *delta, size_t in, const char *name) {
     lk_status s = peft_cols(p, in, name);
@@ -1258,33 +1286,52 @@ static lk_status peft_delta_f32(const lk_oft *p, const float *w, float *delta, s
     return LK_OK;
 }
 
+/* Rows per work item of the PEFT path; a worker's scratch: the row's f64
+ * values and its delta. */
+#define PEFT_ROWS 16
+
+static void *peft_worker(void *arg) {
+    oworker *wk = arg;
+    const ojob *j = wk->job;
+    const lk_oft *p = j->p;
+    const size_t in = j->in, esz = lk_dtype_size(j->dt);
+    double *x = wk->scratch, *d = x + in + 8;
+    fesetenv(FE_DFL_ENV);
+    for (;;) {
+        const size_t it = atomic_fetch_add(&wk->job->next, 1);
+        if (it >= j->n_items) break;
+        for (size_t o = it * PEFT_ROWS; o < p->out && o < (it + 1) * PEFT_ROWS; o++) {
+            j->load(x, (const char *)j->w_in + o * in * esz, j->dt, in);
+            peft_row(p, x, d, in);
+            const finrow fr = {.x = x, .e = d, .dst = (char *)j->w_out + o * in * esz, .off = o * in,
+                               .f = {.kind = 0, .a = 1.0, .c = 0.0, .g = 1.0}};
+            j->fin(wk, j->dt, &fr, in);
+        }
+    }
+    return NULL;
+}
+
+/* The rows on the workers (items of PEFT_ROWS rows from an atomic counter),
+ * each loaded, rotated and rounded by the kernel path's load and fin (the
+ * bits do not depend on the path or the thread count). */
 static lk_status peft_fuse(const lk_oft *p, void *w_out, const void *w_in, lk_dtype dtype, size_t in,
                            const lk_fuse_opts *opts, const char *name) {
     lk_status s = peft_cols(p, in, name);
     if (s) return s;
-    const size_t esz = lk_dtype_size(dtype);
-    double *x = lk_malloc(2 * in * sizeof *x);
-    float *f = lk_malloc(in * sizeof *f);
-    if (!x || !f) {
-        lk_free(x);
-        lk_free(f);
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the OFT rows", name);
-    }
-    size_t bad = SIZE_MAX;
-    double bw = 0, br = 0;
-    for (size_t o = 0; o < p->out; o++) {
-        lk_to_f32(f, (const char *)w_in + o * in * esz, dtype, in);
-        for (size_t j = 0; j < in; j++) x[j] = (double)f[j];
-        peft_row(p, x, x + in, in);
-        char *dst = (char *)w_out + o * in * esz;
-        const size_t at = lk_oft_round_row(dtype, x, x + in, dst, in);
-        if (at != SIZE_MAX && bad == SIZE_MAX) {
-            float r;
-            lk_to_f32(&r, dst + at * esz, dtype, 1);
-            bad = o * in + at, bw = x[at], br = r;
-        }
-    }
-    lk_free(x);
-    lk_free(f);
-    return lk_fuse_nonfinite(name, bad, in, bw, br, opts);
+    const oft_fns fn = pick_fns();
+    ojob job = {.p = p, .w_out = w_out, .w_in = w_in, .dt = dtype, .in = in, .fin = fn.fin, .load = fn.load,
+                .n_items = (p->out + PEFT_ROWS - 1) / PEFT_ROWS};
+    const int nw = lk_fuse_thread_count(opts, (p->out * in * p->b) >> 18, job.n_items);
+    atomic_init(&job.next, 0);
+    const size_t per = (2 * in + 16) * sizeof(double) + 64;
+    void *blk;
+    unsigned char *buf = NULL;
+    if ((s = lk_fuse_workers(nw, sizeof(oworker), per, &blk, &buf, name, "OFT rows"))) return s;
+    oworker *wk = blk;
+    for (int t = 0; t < nw; t++)
+        wk[t] = (oworker){.job = &job, .scratch = buf + (size_t)t * per, .kw = {.bad_at = SIZE_MAX}};
+    lk_fuse_run_threads(nw, peft_worker, wk, sizeof *wk);
+    s = lk_fuse_workers_verdict(wk, nw, sizeof *wk, offsetof(oworker, kw), in, opts, name);
+    lk_free(blk);
+    return s;
 }
