@@ -20,7 +20,9 @@ import st_io
 from conftest import cli
 
 FX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures", "peft_oft")
-CASES = json.load(open(os.path.join(FX, "manifest.json")))
+ALL = json.load(open(os.path.join(FX, "manifest.json")))
+CASES = [c for c in ALL if c["base"] != "base_fp8.safetensors"]
+FP8 = [c for c in ALL if c["base"] == "base_fp8.safetensors"]
 MANT = {"F16": (10, -14), "F32": (23, -126), "BF16": (7, -126)}
 
 
@@ -66,6 +68,36 @@ def test_fuse_matches_peft_merge(case, s, tmp_path):
         for conv in ("comfyui", "lycoris", "peft"):
             o = fuse(base, f"{ad}:{s!r}", str(tmp_path / f"{conv}.safetensors"), "--convention", conv)
             assert all(o[k][1].tobytes() == got[k][1].tobytes() for k in got), conv
+
+
+def e4m3(codes):
+    """F8_E4M3 (e4m3fn) codes as float64 (no NaN codes here: checked)."""
+    c = codes.astype(np.int64)
+    s, e, m = np.where(c & 0x80, -1.0, 1.0), (c >> 3) & 15, c & 7
+    assert not np.any((e == 15) & (m == 7)), "NaN code"
+    return s * np.where(e == 0, np.ldexp(m / 8.0, -6), np.ldexp(1 + m / 8.0, e - 7))
+
+
+@pytest.mark.parametrize("case", FP8, ids=lambda c: c["case"])
+def test_fuse_fp8_matches_peft_merge(case, tmp_path):
+    # the oracle: PEFT's float64 merge of the real weight code x scale; with the scale kept, each in-range code is
+    # that merge divided by the scale rounded to nearest in e4m3 (within 0.5 e4m3 ulp), the rest clamp to +-448
+    base = os.path.join(FX, case["base"])
+    before = st_io.read(base)
+    got = fuse(base, os.path.join(FX, case["case"]), str(tmp_path / "o.safetensors"), "--fp8-scale", "keep",
+               "--fp8-saturate")
+    sc = float(before["lin.weight_scale"][1].reshape(()))
+    q = st_io.read(os.path.join(FX, case["expected"]))["lin.weight"][1].reshape(got["lin.weight"][1].shape) / sc
+    g = e4m3(got["lin.weight"][1])
+    _, e = np.frexp(np.abs(q))
+    u = np.ldexp(1.0, np.maximum(e - 1, -6) - 3)
+    inr = np.abs(q) < 448
+    assert inr.sum() > q.size // 2
+    assert np.max(np.abs(g - q)[inr] / u[inr]) <= 0.5
+    assert np.all(np.abs(g[~inr]) == 448)
+    assert got["lin.weight_scale"][1].tobytes() == before["lin.weight_scale"][1].tobytes()
+    for k in ("keep.weight", "keep.bias", "lin.bias", "conv.bias"):
+        assert got[k][1].tobytes() == before[k][1].tobytes(), k
 
 
 def test_inspect_names_the_algorithm():
