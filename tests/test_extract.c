@@ -10,6 +10,11 @@
  * - --threads 1 and 2 write the same bytes; --include / --exclude choose
  *   by regex and list what they left out; an unchanged weight, a bias and
  *   names in one file only are listed, not dropped.
+ * - Every CPU path of the products (LORAKIT_KERNEL=portable|avx2|avx512,
+ *   where the CPU has it) writes the bytes of the portable path (the
+ *   oracle: plain C with 16-byte vectors), on a BF16 pair of 300 x 1030
+ *   (two row chunks, a remainder row, three column blocks, a j remainder)
+ *   at rank 21 (29 sketch columns: padded panels), with power 0, 1, 2.
  * - A shape mismatch is refused naming the key and both shapes, with no
  *   output; every allocation failing in turn gives LK_ERR_NOMEM and no
  *   output file. */
@@ -26,6 +31,7 @@
 
 #include "testutil.h"
 #include "core/alloc.h"
+#include "fuse/fuse.h"
 #include "lorakit/lorakit.h"
 
 typedef struct pair {
@@ -162,6 +168,48 @@ static void test_threads_and_filters(void **state) {
     pair_free(&p);
 }
 
+static void test_kernel_paths(void **state) {
+    (void)state;
+    enum { M = 300, N = 1030 };
+    static uint16_t hb[M * N], ht[M * N];
+    tu_rng g = {11};
+    for (size_t i = 0; i < (size_t)M * N; i++) {
+        float b = tu_uniform(&g, -0.05f, 0.05f), d = 0.01f * sinf((float)(i % N) * 0.37f + (float)(i / N) * 0.11f);
+        hb[i] = lk_f32_to_bf16(b), ht[i] = lk_f32_to_bf16(b + d + tu_uniform(&g, -1e-3f, 1e-3f));
+    }
+    lk_tensor t[2];
+    memset(t, 0, sizeof t);
+    for (int k = 0; k < 2; k++)
+        t[k].name = "w.weight", t[k].dtype = LK_DTYPE_BF16, t[k].ndim = 2, t[k].shape[0] = M, t[k].shape[1] = N,
+        t[k].nbytes = (uint64_t)M * N * 2, t[k].data = k ? ht : hb;
+    char *dir = tu_mkdtemp(), *pb = tu_path(dir, "b.safetensors"), *pt = tu_path(dir, "t.safetensors");
+    char *po = tu_path(dir, "o.safetensors");
+    assert_int_equal(lk_st_save(pb, &t[0], 1, NULL, 0), LK_OK);
+    assert_int_equal(lk_st_save(pt, &t[1], 1, NULL, 0), LK_OK);
+    static const char *const paths[3] = {"portable", "avx2", "avx512"};
+    for (int power = 0; power <= 2; power++) {
+        char *ref = NULL;
+        size_t nref = 0;
+        for (int q = 0; q < 3; q++) {
+            if (!lk_fuse_kernel_supported(paths[q])) continue;
+            setenv("LORAKIT_KERNEL", paths[q], 1);
+            lk_extract_opts o = {.alg = {.rank = 21, .threads = 1}, .power = power};
+            assert_int_equal(lk_extract(pb, pt, po, &o, NULL), LK_OK);
+            unsetenv("LORAKIT_KERNEL");
+            size_t n;
+            char *f = tu_read_file(po, &n);
+            if (!ref) ref = f, nref = n;
+            else {
+                if (n != nref || memcmp(f, ref, n)) fail_msg("power %d: %s differs from the portable path", power, paths[q]);
+                free(f);
+            }
+        }
+        free(ref);
+    }
+    tu_rmtree(dir);
+    free(dir), free(pb), free(pt), free(po);
+}
+
 static void test_mismatch_refused(void **state) {
     (void)state;
     pair p;
@@ -207,6 +255,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_hand_cases),
         cmocka_unit_test(test_threads_and_filters),
+        cmocka_unit_test(test_kernel_paths),
         cmocka_unit_test(test_mismatch_refused),
         cmocka_unit_test(test_alloc_walk),
     };

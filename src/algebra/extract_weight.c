@@ -22,8 +22,17 @@
  * sum_{K<j<=L} s_j^2 (the lower bound reported as rel_fro_opt), and the
  * sketch's own truncation is one rank-K matrix, so it is <= that + the
  * residual (rel_fro_opt_upper). Exact mode: both are the optimum.
- * Every product is a fixed-order sum in f64 (linalg.h), the weight is done
- * by one thread: the bytes depend on neither the thread count nor the CPU. */
+ * Precision: the sketch's products but the last one into the range (Y =
+ * D Omega when T > 0, the D^T Q of every power step, D Z of every step but
+ * the last) run in f32 on D's f32 difference (f32 products and sums): they
+ * only steer the subspace, re-orthonormalised in f64 after each. The last
+ * range product (so Q spans D's column space to f64 precision when D's rank
+ * is <= L), P = D^T Q, ||D||^2, the small SVD and the error pass are f64 on
+ * D in f64, so rel_fro and both bounds (Q orthonormal to f64 precision) are
+ * exact whatever the f32 steps did. Every product is a fixed-order sum
+ * (linalg.h: one accumulator per output element, in index order, no FMA),
+ * the weight is done by one thread: the bytes depend on neither the thread
+ * count nor the CPU path. */
 #include <math.h>
 #include <string.h>
 
@@ -33,18 +42,26 @@
 #include "core/rand.h"
 #include "lorakit/alloc.h"
 
-#define CHUNK_ELEMS ((size_t)1 << 16) /* elements of D read per chunk */
+#define CHUNK_ELEMS ((size_t)1 << 18) /* elements of D read per chunk */
 
-/* The row reader: chunks of rows of D in f64 (exact for F16 / BF16 / F32
- * sides), with the row-major scratch of the two products. */
+/* Columns c padded for the kernels (linalg.h): 8 in f64, 16 in f32. */
+#define PAD8(c) (((c) + 7) & ~(size_t)7)
+#define PAD16(c) (((c) + 15) & ~(size_t)15)
+
+/* The row reader: chunks of rows of D in f64 (exact for F16 / BF16 sides;
+ * F32: the difference rounded once, to f64) and / or in f32 (the sketch's
+ * products: the f32 difference of the two sides, rounded once), rows at a
+ * stride of n + 16 (a multiple of 4 KiB would put a chunk's column in one
+ * cache set), with the row-major scratch of the two products. */
 typedef struct rdr {
     const lk_x_src *s;
-    size_t rows, es;
+    size_t rows, es, ld;
     void *rb, *rt;
-    float *fb, *ft;
+    float *fb, *ft, *d32;
     double *d;
     double *big;   /* max(m, n) x cmax: W or P row-major */
     double *small; /* rows x cmax: a chunk's Y or Q row-major */
+    float *big32, *small32;
 } rdr;
 
 static lk_status rd_open(rdr *r, const lk_x_src *s, size_t cmax) {
@@ -52,73 +69,99 @@ static lk_status rd_open(rdr *r, const lk_x_src *s, size_t cmax) {
     r->s = s;
     r->es = lk_dtype_size(s->dtype);
     r->rows = s->n >= CHUNK_ELEMS ? 1 : CHUNK_ELEMS / s->n;
+    if (r->rows > 4) r->rows &= ~(size_t)3; /* whole 4-row tiles */
     if (r->rows > s->m) r->rows = s->m;
-    size_t e = r->rows * s->n, mx = s->m > s->n ? s->m : s->n;
+    r->ld = s->n + 16;
+    cmax = PAD16(cmax);
+    size_t e = r->rows * s->n, ed = r->rows * r->ld, mx = s->m > s->n ? s->m : s->n;
     r->rb = lk_malloc(e * r->es);
     r->rt = lk_malloc(e * r->es);
     r->fb = lk_malloc(e * sizeof(float));
     r->ft = lk_malloc(e * sizeof(float));
-    r->d = lk_malloc(e * sizeof(double));
+    r->d = lk_malloc(ed * sizeof(double));
+    r->d32 = lk_malloc(ed * sizeof(float));
     r->big = lk_malloc(mx * cmax * sizeof(double) + 1);
     r->small = lk_malloc(r->rows * cmax * sizeof(double) + 1);
-    if (!r->rb || !r->rt || !r->fb || !r->ft || !r->d || !r->big || !r->small)
+    r->big32 = lk_malloc(mx * cmax * sizeof(float) + 1);
+    r->small32 = lk_malloc(r->rows * cmax * sizeof(float) + 1);
+    if (!r->rb || !r->rt || !r->fb || !r->ft || !r->d || !r->d32 || !r->big || !r->small || !r->big32 || !r->small32)
         return lk_error(LK_ERR_NOMEM, "out of memory for a read chunk");
     return LK_OK;
 }
 
 static void rd_close(rdr *r) {
-    lk_free(r->rb), lk_free(r->rt), lk_free(r->fb), lk_free(r->ft), lk_free(r->d);
-    lk_free(r->big), lk_free(r->small);
+    lk_free(r->rb), lk_free(r->rt), lk_free(r->fb), lk_free(r->ft), lk_free(r->d), lk_free(r->d32);
+    lk_free(r->big), lk_free(r->small), lk_free(r->big32), lk_free(r->small32);
     memset(r, 0, sizeof *r);
 }
 
-/* Rows i0 .. i0 + k of D into r->d. */
-static lk_status rd_rows(rdr *r, size_t i0, size_t k) {
+/* Rows i0 .. i0 + k of D into r->d (f64) when d64, into r->d32 when d32. */
+static lk_status rd_rows(rdr *r, size_t i0, size_t k, int d64, int d32) {
     const lk_x_src *s = r->s;
-    size_t e = k * s->n, off = i0 * s->n * r->es;
+    const size_t n = s->n, e = k * n, off = i0 * n * r->es;
     lk_status st = lk_ckpt_read(s->base, s->ib, off, r->rb, e * r->es);
     if (!st) st = lk_ckpt_read(s->tuned, s->it, off, r->rt, e * r->es);
     if (st) return st;
     lk_to_f32(r->fb, r->rb, s->dtype, e);
     lk_to_f32(r->ft, r->rt, s->dtype, e);
-    for (size_t j = 0; j < e; j++) r->d[j] = (double)r->ft[j] - (double)r->fb[j];
+    for (size_t i = 0; i < k; i++) {
+        const float *t = r->ft + i * n, *b = r->fb + i * n;
+        if (d64)
+            for (size_t j = 0; j < n; j++) r->d[i * r->ld + j] = (double)t[j] - (double)b[j];
+        if (d32)
+            for (size_t j = 0; j < n; j++) r->d32[i * r->ld + j] = t[j] - b[j];
+    }
     return LK_OK;
 }
 
-/* Y (m x c panel) = D W (W: n x c panel); *norm2 (if given) = ||D||_F^2. */
-static lk_status pass_rows(rdr *r, const double *W, size_t c, double *Y, double *norm2) {
-    const size_t m = r->s->m, n = r->s->n;
+/* Y (m x c panel) = D W (W: n x c panel); *norm2 (if given) = ||D||_F^2
+ * (f64). lo: the product in f32 (W rounded to f32, Y's f32 sums widened). */
+static lk_status pass_rows(rdr *r, const double *W, size_t c, double *Y, double *norm2, int lo) {
+    const size_t m = r->s->m, n = r->s->n, cp = lo ? PAD16(c) : PAD8(c);
     double acc = 0;
-    for (size_t j = 0; j < c; j++)
-        for (size_t i = 0; i < n; i++) r->big[i * c + j] = W[j * n + i];
+    for (size_t i = 0; i < n; i++)
+        for (size_t j = 0; j < cp; j++) {
+            double v = j < c ? W[j * n + i] : 0.0;
+            if (lo) r->big32[i * cp + j] = (float)v;
+            else r->big[i * cp + j] = v;
+        }
     for (size_t i0 = 0; i0 < m; i0 += r->rows) {
         size_t k = m - i0 < r->rows ? m - i0 : r->rows;
-        lk_status s = rd_rows(r, i0, k);
+        lk_status s = rd_rows(r, i0, k, !lo || norm2, lo);
         if (s) return s;
         if (norm2)
-            for (size_t i = 0; i < k; i++) acc += lk_la_dot(r->d + i * n, r->d + i * n, n);
-        lk_la_rows(r->d, k, n, r->big, c, r->small);
+            for (size_t i = 0; i < k; i++) acc += lk_la_dot(r->d + i * r->ld, r->d + i * r->ld, n);
+        if (lo) lk_la_rows_f(r->d32, r->ld, k, n, r->big32, cp, r->small32);
+        else lk_la_rows(r->d, r->ld, k, n, r->big, cp, r->small);
         for (size_t i = 0; i < k; i++)
-            for (size_t j = 0; j < c; j++) Y[j * m + i0 + i] = r->small[i * c + j];
+            for (size_t j = 0; j < c; j++)
+                Y[j * m + i0 + i] = lo ? (double)r->small32[i * cp + j] : r->small[i * cp + j];
     }
     if (norm2) *norm2 = acc;
     return LK_OK;
 }
 
-/* P (n x c panel) = D^T Q (Q: m x c panel), each sum in row order. */
-static lk_status pass_trans(rdr *r, const double *Q, size_t c, double *P) {
-    const size_t m = r->s->m, n = r->s->n;
-    memset(r->big, 0, n * c * sizeof(double));
+/* P (n x c panel) = D^T Q (Q: m x c panel), each sum in row order; lo: in
+ * f32 (Q rounded to f32, P's f32 sums widened). */
+static lk_status pass_trans(rdr *r, const double *Q, size_t c, double *P, int lo) {
+    const size_t m = r->s->m, n = r->s->n, cp = lo ? PAD16(c) : PAD8(c);
+    if (lo) memset(r->big32, 0, n * cp * sizeof(float));
+    else memset(r->big, 0, n * cp * sizeof(double));
     for (size_t i0 = 0; i0 < m; i0 += r->rows) {
         size_t k = m - i0 < r->rows ? m - i0 : r->rows;
-        lk_status s = rd_rows(r, i0, k);
+        lk_status s = rd_rows(r, i0, k, !lo, lo);
         if (s) return s;
         for (size_t i = 0; i < k; i++)
-            for (size_t j = 0; j < c; j++) r->small[i * c + j] = Q[j * m + i0 + i];
-        lk_la_trans(r->d, k, n, r->small, c, r->big);
+            for (size_t j = 0; j < cp; j++) {
+                double v = j < c ? Q[j * m + i0 + i] : 0.0;
+                if (lo) r->small32[i * cp + j] = (float)v;
+                else r->small[i * cp + j] = v;
+            }
+        if (lo) lk_la_trans_f(r->d32, r->ld, k, n, r->small32, cp, r->big32);
+        else lk_la_trans(r->d, r->ld, k, n, r->small, cp, r->big);
     }
     for (size_t j = 0; j < c; j++)
-        for (size_t i = 0; i < n; i++) P[j * n + i] = r->big[i * c + j];
+        for (size_t i = 0; i < n; i++) P[j * n + i] = lo ? (double)r->big32[i * cp + j] : r->big[i * cp + j];
     return LK_OK;
 }
 
@@ -169,16 +212,16 @@ static lk_status block(const lk_x_run *xr, rdr *r, const char *name, xws *w, siz
     const size_t m = r->s->m, n = r->s->n;
     double *Qb = w->Q + p * m;
     omega(xr, name, n, p, c, w->W, w->f);
-    lk_status s = pass_rows(r, w->W, c, Qb, p ? NULL : norm2);
+    lk_status s = pass_rows(r, w->W, c, Qb, p ? NULL : norm2, xr->power > 0);
     if (s) return s;
     orth(Qb, m, c, w->Q, p, w->tau, w->tmp);
     for (int t = 0; t < xr->power; t++) {
-        if ((s = pass_trans(r, Qb, c, w->Z))) return s;
+        if ((s = pass_trans(r, Qb, c, w->Z, 1))) return s;
         orth(w->Z, n, c, NULL, 0, w->tau, w->tmp);
-        if ((s = pass_rows(r, w->Z, c, Qb, NULL))) return s;
+        if ((s = pass_rows(r, w->Z, c, Qb, NULL, t + 1 < xr->power))) return s;
         orth(Qb, m, c, w->Q, p, w->tau, w->tmp);
     }
-    return pass_trans(r, Qb, c, w->P + p * n);
+    return pass_trans(r, Qb, c, w->P + p * n, 0);
 }
 
 /* ||P||_F^2 over its first L columns, in order. */
@@ -194,17 +237,17 @@ static lk_status exact(rdr *r, xws *w, double *norm2) {
     memset(w->Q, 0, m * w->cap * sizeof(double));
     if (m <= n) {
         for (size_t j = 0; j < m; j++) w->Q[j * m + j] = 1.0;
-        lk_status s = pass_trans(r, w->Q, m, w->P);
+        lk_status s = pass_trans(r, w->Q, m, w->P, 0);
         *norm2 = s ? 0 : captured(w->P, n, m);
         return s;
     }
     /* D's columns as an m x n panel (in Y), QR; P = R^T */
     for (size_t i0 = 0; i0 < m; i0 += r->rows) {
         size_t k = m - i0 < r->rows ? m - i0 : r->rows;
-        lk_status s = rd_rows(r, i0, k);
+        lk_status s = rd_rows(r, i0, k, 1, 0);
         if (s) return s;
         for (size_t i = 0; i < k; i++)
-            for (size_t j = 0; j < n; j++) w->Y[j * m + i0 + i] = r->d[i * n + j];
+            for (size_t j = 0; j < n; j++) w->Y[j * m + i0 + i] = r->d[i * r->ld + j];
     }
     *norm2 = 0;
     for (size_t j = 0; j < n; j++) *norm2 += lk_la_dot(w->Y + j * m, w->Y + j * m, m);
@@ -322,7 +365,7 @@ static lk_status written(const lk_x_run *xr, lk_alg_module *x, svd *v, double c)
 /* ||D - Y||_F^2 = ||D||^2 - 2 <D Aw^T, c Bw> + trace((c Bw)^T (c Bw) Aw Aw^T): one pass over D. */
 static lk_status fro_error(rdr *r, lk_alg_module *x, const svd *v, double *DA) {
     const size_t m = x->out, n = x->N, K = v->K;
-    lk_status s = pass_rows(r, v->Ae, K, DA, NULL);
+    lk_status s = pass_rows(r, v->Ae, K, DA, NULL, 0);
     if (s) return s;
     double inner = 0, ba2 = 0;
     for (size_t k = 0; k < K; k++) inner += lk_la_dot(v->Be + k * m, DA + k * m, m);

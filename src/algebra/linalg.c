@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "algebra/linalg.h"
+#include "fuse/fuse.h"
 
 /* The vector kernels are built for AVX-512, AVX2 and the baseline; every
  * copy does the same IEEE operations in the same order (eight independent
@@ -162,87 +163,98 @@ void lk_la_sign_canon(double *b, size_t m, double *a, size_t n, size_t K) {
     }
 }
 
-/* The products' tiles in GCC / clang vector types: four-lane groups of the
- * same IEEE operations in the same order on every path (a clone without
- * AVX lowers each to two SSE2 halves), so the bits do not change. */
-typedef double lk_v4d __attribute__((vector_size(32)));
+/* The streamed products (linalg_prod.h), in f64 and in f32, each built
+ * for AVX-512, AVX2 and the baseline (vector widths and tiles below). Same operations in the same order per element, so the same
+ * bits on every path; the path is the fuse layer's choice
+ * (lk_fuse_kernel_path: the CPU's best, or LORAKIT_KERNEL). */
+#define LK_LA_JB 512 /* W's rows per cache block in rows */
 
-/* Unaligned moves (macros: a vector passed by value to a function changes the ABI without AVX). */
-#define V4_LOAD(v, p) memcpy(&(v), (p), sizeof(lk_v4d))
-#define V4_STORE(p, v) memcpy((p), &(v), sizeof(lk_v4d))
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LK_LA_X86 1
+#else
+#define LK_LA_X86 0
+#endif
 
-/* One tile of lk_la_rows: 4 rows x 4 QV columns from q0, each element
- * summed over j in order (4 QV independent sums per row hide the add
- * latency). */
-static inline __attribute__((always_inline)) void rows_tile(const double *d, size_t n, const double *W, size_t c,
-                                                             size_t q0, double *Y, const int QV) {
-    lk_v4d a[4][3];
-    for (int r = 0; r < 4; r++)
-        for (int v = 0; v < QV; v++) a[r][v] = (lk_v4d){0, 0, 0, 0};
-    for (size_t j = 0; j < n; j++) {
-        lk_v4d w[3];
-        for (int v = 0; v < QV; v++) V4_LOAD(w[v], W + j * c + q0 + 4 * v);
-        for (int r = 0; r < 4; r++) {
-            const double x = d[r * n + j];
-            const lk_v4d xv = {x, x, x, x};
-            for (int v = 0; v < QV; v++) a[r][v] += xv * w[v];
-        }
-    }
-    for (int r = 0; r < 4; r++)
-        for (int v = 0; v < QV; v++) V4_STORE(Y + r * c + q0 + 4 * v, a[r][v]);
+/* Instantiations: _p* portable (16-byte vectors, tiles of 4 x 3), _a* AVX2
+ * (32 bytes, 4 x 3), _w* AVX-512 (64 bytes, 4 x 5); *d f64, *f f32. */
+#define LK_QV 3
+#define LK_ATTR
+#define LK_T double
+#define LK_VL 2
+#define LK_FN(x) x##_pd
+#include "algebra/linalg_prod.h"
+#undef LK_T
+#undef LK_VL
+#undef LK_FN
+#define LK_T float
+#define LK_VL 4
+#define LK_FN(x) x##_pf
+#include "algebra/linalg_prod.h"
+#if LK_LA_X86
+#undef LK_ATTR
+#undef LK_VL
+#undef LK_FN
+#define LK_ATTR __attribute__((target("avx2")))
+#define LK_VL 8
+#define LK_FN(x) x##_af
+#include "algebra/linalg_prod.h"
+#undef LK_T
+#undef LK_VL
+#undef LK_FN
+#define LK_T double
+#define LK_VL 4
+#define LK_FN(x) x##_ad
+#include "algebra/linalg_prod.h"
+#undef LK_QV
+#undef LK_ATTR
+#undef LK_VL
+#undef LK_FN
+#define LK_QV 5
+#define LK_ATTR __attribute__((target("avx512f")))
+#define LK_VL 8
+#define LK_FN(x) x##_wd
+#include "algebra/linalg_prod.h"
+#undef LK_T
+#undef LK_VL
+#undef LK_FN
+#define LK_T float
+#define LK_VL 16
+#define LK_FN(x) x##_wf
+#include "algebra/linalg_prod.h"
+#endif
+
+/* 2 AVX-512, 1 AVX2, 0 portable. */
+static int path(void) {
+    const char *p = lk_fuse_kernel_path();
+    if (!LK_LA_X86 || !strcmp(p, "portable")) return 0;
+    return strcmp(p, "avx2") ? 2 : 1;
 }
 
-/* Y[r][q] = sum_j d[r][j] W[j][q], j in order. */
-static void rows_one(const double *d, size_t n, const double *W, size_t c, size_t q, double *y) {
-    double acc = 0;
-    for (size_t j = 0; j < n; j++) acc += d[j] * W[j * c + q];
-    *y = acc;
+#if LK_LA_X86
+/* f_<path><t> args: f rows or trans, t d (f64) or f (f32) */
+#define LK_LA_PICK(f, t, args) \
+    do { \
+        int p_ = path(); \
+        if (p_ == 2) f##_w##t args; \
+        else if (p_ == 1) f##_a##t args; \
+        else f##_p##t args; \
+    } while (0)
+#else
+#define LK_LA_PICK(f, t, args) f##_p##t args
+#endif
+
+void lk_la_rows(const double *d, size_t ldd, size_t k, size_t n, const double *W, size_t c, double *Y) {
+    LK_LA_PICK(rows, d, (d, ldd, k, n, W, c, Y));
 }
 
-LK_LA_CLONES void lk_la_rows(const double *d, size_t k, size_t n, const double *W, size_t c, double *Y) {
-    size_t r0 = 0;
-    for (; r0 + 4 <= k; r0 += 4) {
-        size_t q0 = 0;
-        for (; q0 + 12 <= c; q0 += 12) rows_tile(d + r0 * n, n, W, c, q0, Y + r0 * c, 3);
-        for (; q0 + 4 <= c; q0 += 4) rows_tile(d + r0 * n, n, W, c, q0, Y + r0 * c, 1);
-        for (size_t r = r0; r < r0 + 4; r++)
-            for (size_t q = q0; q < c; q++) rows_one(d + r * n, n, W, c, q, Y + r * c + q);
-    }
-    for (size_t r = r0; r < k; r++)
-        for (size_t q = 0; q < c; q++) rows_one(d + r * n, n, W, c, q, Y + r * c + q);
+void lk_la_trans(const double *d, size_t ldd, size_t k, size_t n, const double *Q, size_t c, double *P) {
+    LK_LA_PICK(trans, d, (d, ldd, k, n, Q, c, P));
 }
 
-/* One tile of lk_la_trans: Q's 4 rows x 8 columns from q0 held in
- * registers, P's row j updated by the four rows in order. */
-static inline __attribute__((always_inline)) void trans_tile(const double *d, size_t n, const double *Q, size_t c,
-                                                              size_t q0, double *P) {
-    lk_v4d b[4][2];
-    for (int r = 0; r < 4; r++)
-        for (int v = 0; v < 2; v++) V4_LOAD(b[r][v], Q + r * c + q0 + 4 * v);
-    for (size_t j = 0; j < n; j++) {
-        for (int v = 0; v < 2; v++) {
-            lk_v4d p;
-            V4_LOAD(p, P + j * c + q0 + 4 * v);
-            for (int r = 0; r < 4; r++) {
-                const double x = d[r * n + j];
-                const lk_v4d xv = {x, x, x, x};
-                p = p + xv * b[r][v];
-            }
-            V4_STORE(P + j * c + q0 + 4 * v, p);
-        }
-    }
+void lk_la_rows_f(const float *d, size_t ldd, size_t k, size_t n, const float *W, size_t c, float *Y) {
+    LK_LA_PICK(rows, f, (d, ldd, k, n, W, c, Y));
 }
 
-LK_LA_CLONES void lk_la_trans(const double *d, size_t k, size_t n, const double *Q, size_t c, double *P) {
-    size_t r0 = 0;
-    for (; r0 + 4 <= k; r0 += 4) {
-        size_t q0 = 0;
-        for (; q0 + 8 <= c; q0 += 8) trans_tile(d + r0 * n, n, Q + r0 * c, c, q0, P);
-        for (size_t r = r0; r < r0 + 4; r++)
-            for (size_t j = 0; j < n; j++)
-                for (size_t q = q0; q < c; q++) P[j * c + q] += d[r * n + j] * Q[r * c + q];
-    }
-    for (size_t r = r0; r < k; r++)
-        for (size_t j = 0; j < n; j++)
-            for (size_t q = 0; q < c; q++) P[j * c + q] += d[r * n + j] * Q[r * c + q];
+void lk_la_trans_f(const float *d, size_t ldd, size_t k, size_t n, const float *Q, size_t c, float *P) {
+    LK_LA_PICK(trans, f, (d, ldd, k, n, Q, c, P));
 }

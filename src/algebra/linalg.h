@@ -43,14 +43,19 @@ void lk_la_qt_apply(const double *qr, size_t m, size_t p, const double *tau, dou
 int lk_la_svd(const double *c, size_t n, double *s, double *x, double *w, double *work);
 
 /* The two products of a streamed dense matrix's rows (extract's passes).
- * d: k rows of n (row-major); W: n x c row-major; Q, Y: k x c row-major;
- * P: n x c row-major. Each output element is one sum in the order of its
- * index (j for rows, the row for trans), whatever the tiling, so the bits
- * do not depend on how rows are chunked.
+ * d: k rows of n (row-major, row r at d + r * ldd); W: n x c row-major;
+ * Q, Y: k x c row-major; P: n x c row-major; c a multiple of 8 (f64) or
+ * 16 (f32): pad the panels with zero columns. Each output element is one sum in
+ * the order of its index (j for rows, the row for trans), whatever the
+ * tiling, vector width or CPU, so the bits do not depend on how rows are
+ * chunked nor on the machine.
  *   lk_la_rows:  Y[r][q] = sum_j d[r][j] W[j][q]
- *   lk_la_trans: P[j][q] += d[r][j] Q[r][q], r = 0, 1, ... in order */
-void lk_la_rows(const double *d, size_t k, size_t n, const double *W, size_t c, double *Y);
-void lk_la_trans(const double *d, size_t k, size_t n, const double *Q, size_t c, double *P);
+ *   lk_la_trans: P[j][q] += d[r][j] Q[r][q], r = 0, 1, ... in order
+ * The _f versions: the same in f32 (each product and sum rounded to f32). */
+void lk_la_rows(const double *d, size_t ldd, size_t k, size_t n, const double *W, size_t c, double *Y);
+void lk_la_trans(const double *d, size_t ldd, size_t k, size_t n, const double *Q, size_t c, double *P);
+void lk_la_rows_f(const float *d, size_t ldd, size_t k, size_t n, const float *W, size_t c, float *Y);
+void lk_la_trans_f(const float *d, size_t ldd, size_t k, size_t n, const float *Q, size_t c, float *P);
 
 /* Canonical signs of K rank-one terms b_k a_k^T (b: m x K panel, a: n x K
  * panel): each b_k's largest-magnitude entry (the first of equals) is made
