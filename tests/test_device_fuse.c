@@ -588,27 +588,89 @@ static void test_dora(void **state) {
         }
 }
 
-/* FP8 weights, nearest and keyed stochastic, plain and per-row scaled: the
- * host path; the scale on the device is rewritten there too. */
+/* FP8 weights on the device kernel (kernel_dev.h's FP8 passes): E4M3 and
+ * E5M2 x plain / per-tensor ([1]) / per-row ([out]) scale in F32 or BF16,
+ * kept or rescaled (LTX-2's amax rule) x nearest / keyed stochastic x
+ * ragged shapes (1 x 1, 1-row, 1-column, odd sizes) x ranks 1..128, LoRA
+ * alone or beside a dense delta. Oracle: the CPU's lk_fuse_fp8 on a host
+ * copy (itself checked against float64 references and hand-computed codes
+ * in test_fuse_fp8.c / test_fp8.c): the same codes, the same rewritten
+ * scale, and the stats say the device kernel, not the host path. */
+static void fp8_weight(tu_rng *r, tens *w, const char *name, lk_dtype dt, int64_t out, int64_t in, int specials) {
+    tens_make(w, name, dt, 2, (int64_t[]){out, in});
+    for (size_t i = 0; i < w->t.nbytes; i++) {
+        uint8_t v = (uint8_t)tu_next(r);
+        w->buf[i] = specials || (v & 0x7f) < 0x7c ? v : (uint8_t)(v & 0x83); /* specials: NaN / Inf codes too */
+    }
+}
+
+static void fp8_scale(tu_rng *r, tens *sc, lk_dtype dt, int64_t n, int per_tensor_0d) {
+    tens_make(sc, "fp8.weight_scale", dt, per_tensor_0d ? 0 : 1, (int64_t[]){n});
+    for (int64_t i = 0; i < n; i++) {
+        const float v = 0.002f * (float)(1 + tu_next(r) % 50);
+        lk_from_f32(sc->buf + (size_t)i * lk_dtype_size(dt), &v, dt, 1);
+    }
+}
+
 static void test_fp8(void **state) {
     (void)state;
+    static const int64_t shapes[][2] = {{1, 1}, {1, 77}, {45, 1}, {9, 50}, {33, 129}};
+    static const int64_t ranks[] = {1, 3, 16, 128};
     tu_rng r = {17};
-    for (int mode = 0; mode < 4; mode++) {
-        const int64_t out = 9, in = 50;
+    int n = 0;
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+        for (int fmt = 0; fmt < 2; fmt++)
+            for (int sm = 0; sm < 5; sm++) /* plain, [1] keep, [1] rescale, [out] keep, [out] rescale */
+                for (int stoch = 0; stoch < 2; stoch++, n++) {
+                    const int64_t out = shapes[si][0], in = shapes[si][1], rank = ranks[n % 4];
+                    tens w, sc, D;
+                    fp8_weight(&r, &w, "blocks.1.ff.weight", fmt ? LK_DTYPE_F8_E5M2 : LK_DTYPE_F8_E4M3, out, in, n % 3 == 0);
+                    fp8_scale(&r, &sc, n & 1 ? LK_DTYPE_BF16 : LK_DTYPE_F32, sm >= 3 ? out : 1, sm == 1 && (n & 2));
+                    lora_set s;
+                    lora_make(&s, &r, out, in, rank, 1, sm ? 0.05f : 2.0f);
+                    tens_make(&D, "D", LK_DTYPE_BF16, 2, (int64_t[]){out, in});
+                    fill(&r, &D, 0.01f, 0);
+                    lk_fuse_term t[2] = {s.t[0], {.B = &D.t, .scale = 0.5, .kind = LK_TERM_DENSE}};
+                    dcase c = {.fn = FN_FP8, .terms = t, .n = 1 + (n % 5 == 0), .scale = sm ? &sc : NULL,
+                               .want_change = out * in > 8};
+                    c.opts.fp8 = (lk_fp8_opts){.rounding = stoch ? LK_FP8_STOCHASTIC : LK_FP8_NEAREST,
+                                               .seed = 1234 + (uint64_t)n, .saturate = 1,
+                                               .scale = sm == 2 || sm == 4 ? LK_FP8_RESCALE : LK_FP8_KEEP};
+                    check_case(&c, &w);
+                    lora_free(&s);
+                    tens_free(&D);
+                    tens_free(&sc);
+                    tens_free(&w);
+                }
+}
+
+/* FP8 failures on the device: overflow without --fp8-saturate (plain and
+ * kept scale: the same count and message as the CPU), a delta that
+ * overflows f32 (the first element made non-finite, by name), and terms
+ * that read the weight (GLoRA: the host path, still the CPU's bytes).
+ * Oracle: the CPU's status and whole message. */
+static void test_fp8_errors(void **state) {
+    (void)state;
+    tu_rng r = {23};
+    for (int k = 0; k < 4; k++) {
+        const int64_t out = 7, in = 31;
         tens w, sc;
-        tens_make(&w, "fp8.weight", mode & 1 ? LK_DTYPE_F8_E5M2 : LK_DTYPE_F8_E4M3, 2, (int64_t[]){out, in});
-        for (size_t i = 0; i < w.t.nbytes; i++) {
-            uint8_t v = (uint8_t)tu_next(&r);
-            w.buf[i] = (v & 0x7f) >= 0x7c ? (uint8_t)(v & 0x83) : v; /* no NaN/Inf codes */
-        }
-        tens_make(&sc, "fp8.weight_scale", LK_DTYPE_F32, 1, (int64_t[]){out});
-        for (int64_t i = 0; i < out; i++) ((float *)sc.buf)[i] = 0.01f * (float)(1 + i);
+        fp8_weight(&r, &w, "fp8.weight", k & 1 ? LK_DTYPE_F8_E5M2 : LK_DTYPE_F8_E4M3, out, in, 0);
+        fp8_scale(&r, &sc, LK_DTYPE_F32, out, 0);
         lora_set s;
-        lora_make(&s, &r, out, in, 4, 1, 0.05f);
-        dcase c = {.fn = FN_FP8, .terms = s.t, .n = 1, .scale = mode & 2 ? &sc : NULL, .want_fallback = 1,
-                   .want_change = 1};
-        c.opts.fp8 = (lk_fp8_opts){.rounding = mode & 1 ? LK_FP8_STOCHASTIC : LK_FP8_NEAREST, .seed = 1234,
-                                   .saturate = 1};
+        lora_make(&s, &r, out, in, 2, 1, k < 2 ? 5000.0f : 3.0e38f);
+        if (k >= 2) { /* every product overflows f32: 0.7 x B = 2.1e38, times A's 4 */
+            tens_free(&s.A[0]);
+            tens_free(&s.B[0]);
+            tens_make(&s.A[0], "A", LK_DTYPE_F32, 2, (int64_t[]){2, in});
+            tens_make(&s.B[0], "B", LK_DTYPE_F32, 2, (int64_t[]){out, 2});
+            for (int64_t j = 0; j < 2 * in; j++) ((float *)s.A[0].buf)[j] = 4.0f;
+            for (int64_t o = 0; o < 2 * out; o++) ((float *)s.B[0].buf)[o] = 3.0e38f;
+            s.t[0].A = &s.A[0].t;
+            s.t[0].B = &s.B[0].t;
+        }
+        dcase c = {.fn = FN_FP8, .terms = s.t, .n = 1, .scale = k == 1 ? &sc : NULL, .want_err = LK_ERR_NONFINITE};
+        c.opts.fp8.scale = LK_FP8_KEEP; /* a kept scale: the overflow stays */
         check_case(&c, &w);
         lora_free(&s);
         tens_free(&sc);
@@ -777,7 +839,7 @@ static int setup_cuda(void **state) {
     cmocka_unit_test(test_lora_shapes), cmocka_unit_test(test_conv), cmocka_unit_test(test_row_slices),     \
         cmocka_unit_test(test_dense), cmocka_unit_test(test_hada_kron), cmocka_unit_test(test_mixed_kinds), cmocka_unit_test(test_keys), cmocka_unit_test(test_keys_host),        \
         cmocka_unit_test(test_keys_nonfinite), cmocka_unit_test(test_dora),  \
-        cmocka_unit_test(test_fp8), cmocka_unit_test(test_nonfinite), cmocka_unit_test(test_errors),       \
+        cmocka_unit_test(test_fp8), cmocka_unit_test(test_fp8_errors), cmocka_unit_test(test_nonfinite), cmocka_unit_test(test_errors),       \
         cmocka_unit_test(test_ties),                                                                        \
         cmocka_unit_test(test_alloc_fail)
 

@@ -19,7 +19,12 @@
  *     kernel: plan.c's double path, element by element from the rules of
  *     src/fuse/keyelem.h that plan.c itself uses; a non-fusable tensor
  *     replaced whole at strength 1 is one upload;
- *   - the rest (FP8 weights, OFT / BOFT, GLoRA, more than 8 non-LoRA
+ *   - FP8 weights (plain, per-tensor or per-row scaled; kept or rescaled;
+ *     nearest or stochastic) run the FP8 kernel: the narrow delta chain,
+ *     then src/fuse/fp8elem.h's per-element rule, the one the CPU uses;
+ *     a rescale's amax is reduced on the device, its new scale made on
+ *     the host by fp8.c's function and written into the scale tensor;
+ *   - the rest (OFT / BOFT, GLoRA, on any weight, more than 8 non-LoRA
  *     terms or vector terms on one key) takes the host path: the key's
  *     bytes are copied to pinned host memory, fused there by the CPU
  *     kernel and copied back. The same bytes; counted in the stats.
@@ -60,8 +65,9 @@ lk_status lk_fuse_key_apply_dev(lk_tensor *w, const lk_fuse_key *k, const lk_fus
                                 const lk_fuse_opts *opts, lk_stream *stream, lk_fuse_dev_stats *stats);
 
 /* lk_fuse_fp8 on an FP8 weight w (out x in codes) in place, with its scale
- * tensor (NULL: plain FP8) on the same device or on the host (the host
- * path: both copied down, fused, copied back). */
+ * tensor (NULL: plain FP8) on the same device or on the host; the device
+ * kernel (terms that read the weight: the host path, both copied down,
+ * fused, copied back). */
 lk_status lk_fuse_fp8_dev(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *terms, size_t n_terms,
                           const lk_fuse_opts *opts, lk_stream *stream, lk_fuse_dev_stats *stats);
 

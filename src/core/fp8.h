@@ -1,7 +1,10 @@
 /* core/fp8.h — FP8 decoding and rounding as inline functions, shared by
  * src/core/dtype.c (the public lk_fp8_* functions) and the FP8 fuse loop
  * (src/fuse/fp8.c), which calls them once per element and must not pay a
- * call. Internal to the library. */
+ * call; and, LK_HD (core/hd.h), by the device fuse kernel (kernel_dev.h),
+ * which calls these very functions (the format passed by value in its
+ * arguments: device code does not read these host constants). Internal to
+ * the library. */
 #ifndef LK_CORE_FP8_H
 #define LK_CORE_FP8_H
 
@@ -9,6 +12,14 @@
 #include <stdint.h>
 #include <string.h>
 #include "core/bits.h"
+#include "core/hd.h"
+
+/* count of leading zeros of a non-zero 64-bit value, on the host and on a device */
+#ifdef __CUDA_ARCH__
+#define LK_FP8_CLZLL(x) __clzll((long long)(x))
+#else
+#define LK_FP8_CLZLL(x) __builtin_clzll(x)
+#endif
 
 /* ---- FP8 ----
  * F8_E4M3 is e4m3fn (OCP/NVIDIA, torch.float8_e4m3fn): bias 7, 3 mantissa
@@ -31,7 +42,7 @@ typedef struct {
 static const fp8fmt LK_FP8_E4M3_FMT = {3, 7, 448.0, 0x7e, 0x7f, 0};
 static const fp8fmt LK_FP8_E5M2_FMT = {2, 15, 57344.0, 0x7b, 0x7e, 0x7c};
 
-static inline float fp8_to_f32(uint8_t c, const fp8fmt *f) {
+LK_HD float fp8_to_f32(uint8_t c, const fp8fmt *f) {
     uint32_t sign = (uint32_t)(c & 0x80u) << 24;
     uint32_t e = (c & 0x7fu) >> f->mbits, m = c & ((1u << f->mbits) - 1u);
     uint32_t emax = 0x7fu >> f->mbits;
@@ -52,7 +63,7 @@ static inline float fp8_to_f32(uint8_t c, const fp8fmt *f) {
  * libm): the significand m (53 bits with the hidden one) is shifted right
  * so its last kept bit is the FP8 quantum 2^(max(e, emin) - mbits); the
  * dropped bits decide the rounding. */
-static inline int fp8_from_double(double x, const fp8fmt *f, int stochastic, uint32_t rbits, uint8_t *code) {
+LK_HD int fp8_from_double(double x, const fp8fmt *f, int stochastic, uint32_t rbits, uint8_t *code) {
     uint64_t u = lk_d2u(x);
     uint8_t sign = (uint8_t)((u >> 56) & 0x80u);
     uint64_t a = u & 0x7fffffffffffffffull;
@@ -72,7 +83,7 @@ static inline int fp8_from_double(double x, const fp8fmt *f, int stochastic, uin
     uint64_t m = a & 0xfffffffffffffull;
     int e;
     if (be == 0) { /* a double subnormal: far below any FP8 value */
-        e = -1074 + 63 - __builtin_clzll(m);
+        e = -1074 + 63 - LK_FP8_CLZLL(m);
         m <<= 52 - (e + 1074); /* normalise so the leading one is bit 52 */
     } else {
         e = be - 1023;

@@ -64,7 +64,7 @@ uint64_t lk_fp8_stream_key(uint64_t seed, const char *name) {
 
 uint32_t lk_fp8_random_bits(uint64_t key, uint64_t index) { return fp8_random_bits(key, index); }
 
-static double scale_get(const void *p, lk_dtype d, size_t i) {
+double lk_fp8_scale_value(const void *p, lk_dtype d, size_t i) {
     float f;
     lk_to_f32(&f, (const unsigned char *)p + i * lk_dtype_size(d), d, 1);
     return (double)f;
@@ -75,14 +75,14 @@ static double scale_get(const void *p, lk_dtype d, size_t i) {
 static double scale_put(void *p, lk_dtype d, size_t i, float f) {
     unsigned char *b = (unsigned char *)p + i * lk_dtype_size(d);
     lk_from_f32(b, &f, d, 1);
-    return scale_get(p, d, i);
+    return lk_fp8_scale_value(p, d, i);
 }
 
 /* LTX-2's new scale for amax m: s = fp8_max / m (float32), stored as the
  * float32 1 / s, then in the scale's dtype (element i of scale): sets *sc
  * to the stored value. A zero or non-finite amax (or stored value) keeps
  * the scale (LTX would store 0). */
-static void rescale_one(void *scale, lk_dtype sdtype, size_t i, float fmax, float m, double *sc) {
+void lk_fp8_rescale(void *scale, lk_dtype sdtype, size_t i, float fmax, float m, double *sc) {
     if (!(m > 0.0f) || !isfinite(m)) return;
     float inv = fmax / m;
     float stored = 1.0f / inv;
@@ -218,7 +218,7 @@ static void fp8_block(fworker *wk, size_t b) {
             continue;
         }
         if (j->row_rescale) /* this row's amax, from the delta still in cache */
-            rescale_one(j->scale, j->sdtype, row, j->fmax, j->amax(&j->x, wr, d, I, j->s0[si], 0.0f), &j->sc[si]);
+            lk_fp8_rescale(j->scale, j->sdtype, row, j->fmax, j->amax(&j->x, wr, d, I, j->s0[si], 0.0f), &j->sc[si]);
         j->round(&j->x, wr, d, I, j->s0[si], j->sc[si], row * I, &wk->stats);
     }
 }
@@ -248,9 +248,8 @@ static void fp8_pass(fjob *j, fworker *wk, int nw, int pass) {
 
 /* lk_fuse_fp8's arguments, checked before anything is touched: a bad scale
  * is refused, not fused. */
-static lk_status fp8_check_args(const uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, const void *scale,
-                                lk_dtype sdtype, int64_t n_scale, const lk_fuse_term *terms, size_t k,
-                                const char *name) {
+lk_status lk_fp8_check_args(const void *w, lk_dtype dtype, int64_t out, int64_t in, const void *scale, lk_dtype sdtype,
+                            int64_t n_scale, const lk_fuse_term *terms, size_t k, const char *name) {
     if (!w) return lk_error(LK_ERR_ARG, "%s: NULL weight buffer", name);
     if (!lk_dtype_is_fp8(dtype))
         return lk_error(LK_ERR_DTYPE, "%s: lk_fuse_fp8 on a %s weight", name, lk_dtype_name(dtype));
@@ -339,7 +338,7 @@ static lk_status fcall_alloc(fcall *f, const char *name) {
 static void fcall_job(fcall *f, uint8_t *w, lk_dtype dtype, void *scale, lk_dtype sdtype, const lk_fp8_opts *fo,
                       const char *name) {
     double *sc = f->s0 + f->NS;
-    for (size_t r = 0; r < f->NS; r++) f->s0[r] = sc[r] = scale ? scale_get(scale, sdtype, r) : 1.0;
+    for (size_t r = 0; r < f->NS; r++) f->s0[r] = sc[r] = scale ? lk_fp8_scale_value(scale, sdtype, r) : 1.0;
     const fp8fmt *fmt = dtype == LK_DTYPE_F8_E5M2 ? &LK_FP8_E5M2_FMT : &LK_FP8_E4M3_FMT;
     for (int c = 0; c < 256; c++) f->dec[c] = fp8_to_f32((uint8_t)c, fmt);
     f->job = (fjob){.w = w, .dtype = dtype, .O = f->O, .I = f->I, .rb = f->rb, .n_blocks = f->n_blocks,
@@ -371,7 +370,7 @@ static void fcall_run(fcall *f) {
         fp8_pass(&f->job, f->wk, f->nw, 1);
         float amax = 0.0f;
         for (int t = 0; t < f->nw; t++) amax = fmaxf(amax, f->wk[t].amax);
-        rescale_one(f->job.scale, f->job.sdtype, 0, f->job.fmax, amax, &f->job.sc[0]);
+        lk_fp8_rescale(f->job.scale, f->job.sdtype, 0, f->job.fmax, amax, &f->job.sc[0]);
     }
     fp8_pass(&f->job, f->wk, f->nw, 2);
 }
@@ -380,9 +379,6 @@ static void fcall_run(fcall *f) {
  * finite inputs (unless allowed), then the overflow count (unless
  * saturated), as errors naming the tensor. */
 static lk_status fcall_verdict(const fcall *f, const lk_fuse_opts *opts, const char *name) {
-    const lk_fp8_opts *fo = &opts->fp8;
-    const lk_dtype dtype = f->job.dtype;
-    const int scaled = f->job.scale != NULL;
     size_t over = 0, bad_e = SIZE_MAX;
     double bad_v = 0;
     for (int t = 0; t < f->nw; t++) {
@@ -392,14 +388,19 @@ static lk_status fcall_verdict(const fcall *f, const lk_fuse_opts *opts, const c
             bad_v = f->wk[t].stats.bad_v;
         }
     }
+    return lk_fp8_verdict(name, f->job.dtype, f->O, f->I, over, bad_e, bad_v, f->rescale, f->job.scale != NULL, opts);
+}
+
+lk_status lk_fp8_verdict(const char *name, lk_dtype dtype, size_t O, size_t I, size_t over, size_t bad_e, double bad_v,
+                         int rescale, int scaled, const lk_fuse_opts *opts) {
     if (bad_e != SIZE_MAX && !opts->allow_nonfinite)
-        return lk_error(LK_ERR_NONFINITE, "%s: element [%zu, %zu] becomes %g from finite inputs", name, bad_e / f->I,
-                        bad_e % f->I, bad_v);
-    if (over && !fo->saturate)
+        return lk_error(LK_ERR_NONFINITE, "%s: element [%zu, %zu] becomes %g from finite inputs", name, bad_e / I,
+                        bad_e % I, bad_v);
+    if (over && !opts->fp8.saturate)
         return lk_error(LK_ERR_NONFINITE, "%s: %zu of %zu elements overflow %s (beyond +-%g after dividing by the %s "
-                        "scale); --fp8-saturate clamps them%s", name, over, f->O * f->I, lk_dtype_name(dtype),
-                        lk_fp8_max(dtype), f->rescale ? "new" : scaled ? "kept" : "(plain, 1)",
-                        scaled && !f->rescale ? ", --fp8-scale rescale recomputes the scale" : "");
+                        "scale); --fp8-saturate clamps them%s", name, over, O * I, lk_dtype_name(dtype),
+                        lk_fp8_max(dtype), rescale ? "new" : scaled ? "kept" : "(plain, 1)",
+                        scaled && !rescale ? ", --fp8-scale rescale recomputes the scale" : "");
     return LK_OK;
 }
 
@@ -421,7 +422,7 @@ static lk_status fp8_wterms(const uint8_t *w, lk_dtype dtype, int64_t out, int64
     float *wv = (float *)(void *)(m + o_w), *dv = (float *)(void *)(m + o_d);
     lk_to_f32(wv, w, dtype, numel);
     for (size_t o = 0; scale && o < O; o++) {
-        const double sc = scale_get(scale, sdtype, n_scale == 1 ? 0 : o);
+        const double sc = lk_fp8_scale_value(scale, sdtype, n_scale == 1 ? 0 : o);
         for (size_t j = 0; j < I; j++) wv[o * I + j] = (float)((double)wv[o * I + j] * sc);
     }
     const lk_fuse_term *oft = NULL;
@@ -462,7 +463,7 @@ lk_status lk_fuse_fp8(uint8_t *w, lk_dtype dtype, int64_t out, int64_t in, void 
     if (!name) name = "(tensor)";
     lk_status s = lk_cancel_check(opts ? opts->cancel : NULL, name);
     if (s) return s;
-    s = fp8_check_args(w, dtype, out, in, scale, sdtype, n_scale, terms, k, name);
+    s = lk_fp8_check_args(w, dtype, out, in, scale, sdtype, n_scale, terms, k, name);
     if (s) return s;
     static const lk_fuse_opts defaults;
     if (!opts) opts = &defaults;

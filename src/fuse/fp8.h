@@ -16,6 +16,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "core/fp8.h"
+#include "fuse/fp8elem.h"
 
 typedef struct lk_fp8_ctx {
     const fp8fmt *fmt;
@@ -39,23 +40,13 @@ typedef float (*lk_fp8_amax_fn)(const lk_fp8_ctx *x, const uint8_t *w, const flo
 typedef void (*lk_fp8_round_fn)(const lk_fp8_ctx *x, uint8_t *w, const float *d, size_t n, double s_old,
                                 double s_new, size_t e0, lk_fp8_stats *st);
 
-/* SplitMix64's finaliser, and the stochastic rounding's 32 random bits for
- * element `index` of the stream `key` (lk_fp8_random_bits, fuse.h). */
-static inline __attribute__((always_inline)) uint64_t fp8_mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static inline __attribute__((always_inline)) uint32_t fp8_random_bits(uint64_t key, uint64_t index) {
-    return (uint32_t)(fp8_mix64(key + (index + 1) * 0x9e3779b97f4a7c15ull) >> 32);
-}
-
 /* The per-element definition in plain C: the portable path, and the vector
  * paths' rare lanes and row tails (inline here, so the vector files call
- * nothing in fp8.c, their dispatcher). */
+ * nothing in fp8.c, their dispatcher), element by element the rule of
+ * fuse/fp8elem.h, which the device kernel runs too. */
 static inline float lk_fp8_amax_portable(const lk_fp8_ctx *x, const uint8_t *w, const float *d, size_t n, double s_old, float m) {
     for (size_t c = 0; c < n; c++) {
-        float a = fabsf((float)((double)x->dec[w[c]] * s_old + (double)d[c]));
+        float a = lk_fp8_elem_abs(x->dec[w[c]], d[c], s_old);
         m = a > m ? a : m; /* NaN never wins */
     }
     return m;
@@ -64,15 +55,15 @@ static inline float lk_fp8_amax_portable(const lk_fp8_ctx *x, const uint8_t *w, 
 static inline void lk_fp8_round_portable(const lk_fp8_ctx *x, uint8_t *w, const float *d, size_t n, double s_old,
                                          double s_new, size_t e0, lk_fp8_stats *st) {
     for (size_t c = 0; c < n; c++) {
-        size_t e = e0 + c;
-        double w0 = (double)x->dec[w[c]] * s_old, v = w0 + (double)d[c];
-        if (!isfinite(v) && isfinite(w0) && e < st->bad_e) {
+        const size_t e = e0 + c;
+        uint8_t code;
+        int bad;
+        double v;
+        st->over += (size_t)lk_fp8_elem(x->dec[w[c]], d[c], s_old, s_new, x->fmt, x->stoch, x->key, e, &code, &bad, &v);
+        if (bad && e < st->bad_e) {
             st->bad_e = e;
             st->bad_v = v;
         }
-        uint8_t code;
-        st->over += (size_t)fp8_from_double(s_new == 1.0 ? v : v / s_new, x->fmt, x->stoch,
-                                            x->stoch ? fp8_random_bits(x->key, e) : 0, &code);
         w[c] = code;
     }
 }

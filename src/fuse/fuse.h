@@ -97,6 +97,20 @@ size_t lk_kdelta_factors(const lk_kdelta *p, const void **A, const void **bs, si
  * the prepared rows, *R the rank; returns 0 (and sets nothing) otherwise. */
 int lk_kdelta_panels(const lk_kdelta *p, const void **ap, const void **bs, size_t *R);
 
+/* The FP8 fuse's pieces (fp8.c) that the device path (kernel_dev.c) runs
+ * around its kernel, so both give the same checks, scales and errors:
+ * lk_fuse_fp8's argument checks (w is only tested for NULL; scale holds
+ * the values, on the host); element i of a scale as a double; LTX-2's new
+ * scale for amax m stored into element i (*sc: the stored value; a zero or
+ * non-finite amax keeps it); the verdict on the overflow count and the
+ * first element made non-finite (bad_e, SIZE_MAX: none; bad_v its value). */
+lk_status lk_fp8_check_args(const void *w, lk_dtype dtype, int64_t out, int64_t in, const void *scale, lk_dtype sdtype,
+                            int64_t n_scale, const lk_fuse_term *terms, size_t k, const char *name);
+double lk_fp8_scale_value(const void *p, lk_dtype d, size_t i);
+void lk_fp8_rescale(void *scale, lk_dtype sdtype, size_t i, float fmax, float m, double *sc);
+lk_status lk_fp8_verdict(const char *name, lk_dtype dtype, size_t O, size_t I, size_t over, size_t bad_e, double bad_v,
+                         int rescale, int scaled, const lk_fuse_opts *opts);
+
 /* The error for the first element (bad_at = o * in + j, SIZE_MAX: none) a
  * fuse made non-finite from weight w to r, unless opts allow it. */
 lk_status lk_fuse_nonfinite(const char *name, size_t bad_at, size_t in, double w, double r, const lk_fuse_opts *opts);

@@ -33,13 +33,21 @@ __global__ void lk_kdev_normcols_kernel(lk_kdev_key k) {
     lk_kdev_normcols_thread(&k, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x);
 }
 
+/* FP8 weights (both passes): the narrow delta's chains only, the FP8
+ * element rule (fuse/fp8elem.h) writes no fma: */
+// LK_AUDIT lk_kdev_fp8_kernel 12 0
+__global__ void lk_kdev_fp8_kernel(lk_kdev_fp8 f) {
+    lk_kdev_fp8_thread(&f, blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x, gridDim.y);
+}
+
 /* The kernels' addresses for lk_kernel.cuda (kernel_dev.c): 0 fuse, 1 key,
- * 2 DoRA row sums, 3 DoRA channel sums. */
+ * 2 DoRA row sums, 3 DoRA channel sums, 4 FP8. */
 extern "C" const void *lk_kdev_cuda_kernel(int which) {
     switch (which) {
     case 0: return (const void *)lk_kdev_fuse_kernel;
     case 1: return (const void *)lk_kdev_key_kernel;
     case 2: return (const void *)lk_kdev_normrows_kernel;
-    default: return (const void *)lk_kdev_normcols_kernel;
+    case 3: return (const void *)lk_kdev_normcols_kernel;
+    default: return (const void *)lk_kdev_fp8_kernel;
     }
 }

@@ -20,7 +20,13 @@
  * key kernel (kernel_dev.h) on the same uploads; DoRA in two passes with
  * the factors made between them on the host by plan.c's function.
  *
- * The host path (FP8, OFT / BOFT, GLoRA, more terms than a launch's slots): the
+ * FP8 weights run the FP8 kernel (kernel_dev.h) on terms.c's narrow
+ * preparation, with fp8.c's own checks, scale reading, rescale rule and
+ * verdict around it (lk_fp8_check_args, lk_fp8_scale_value, lk_fp8_rescale,
+ * lk_fp8_verdict): a rescale's amax pass, the new scales on the host,
+ * then the rounding pass; the stream key is made here.
+ *
+ * The host path (OFT / BOFT, GLoRA, FP8 weights included, more terms than a launch's slots): the
  * key is copied into pinned host memory, fused there by the CPU code and
  * copied back only when that succeeded. */
 #include "lorakit/fuse_device.h"
@@ -30,6 +36,7 @@
 #include "fuse/fuse.h"
 #include "fuse/kernel_dev.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -41,7 +48,7 @@ const void *lk_kdev_cuda_kernel(int which); /* kernel_cuda.cu */
 #endif
 
 /* kernel_cuda.cu's // LK_AUDIT lines, the fma counts the source writes per kernel */
-_Static_assert(LK_KDEV_CHAINS * LK_KDEV_RPT == 12, "the LK_AUDIT lines of lk_kdev_fuse/key/normrows_kernel (f32)");
+_Static_assert(LK_KDEV_CHAINS * LK_KDEV_RPT == 12, "the LK_AUDIT lines of lk_kdev_fuse/key/normrows/fp8_kernel (f32)");
 _Static_assert(LK_KDEV_CHAINS * LK_KDEV_RPT + LK_KDEV_RPT == 16, "the LK_AUDIT lines of lk_kdev_key/normrows_kernel (f64)");
 _Static_assert(LK_KDEV_CHAINS == 3, "the LK_AUDIT line of lk_kdev_normcols_kernel");
 
@@ -59,6 +66,10 @@ static void normrows_emul(const void *args, const lk_thread_idx *t) {
 }
 static void normcols_emul(const void *args, const lk_thread_idx *t) {
     lk_kdev_normcols_thread((const lk_kdev_key *)args, (uint64_t)t->block_idx.x * t->block_dim.x + t->thread_idx.x);
+}
+static void fp8_emul(const void *args, const lk_thread_idx *t) {
+    lk_kdev_fp8_thread((const lk_kdev_fp8 *)args, t->block_idx.x, t->block_idx.y, t->thread_idx.x, t->block_dim.x,
+                       t->grid_dim.y);
 }
 
 /* ---- the host path ---- */
@@ -105,7 +116,7 @@ static size_t align256(size_t n) { return (n + 255u) & ~(size_t)255u; }
 /* The uploads of one launch, carved from one device block after the
  * non-finite slot: each part's host bytes and the kernel argument that
  * gets its device address. */
-#define DEV_UPS (2 + 4 * LK_KDEV_MAX_X)
+#define DEV_UPS (6 + 4 * LK_KDEV_MAX_X) /* the chains and terms, and FP8's scales and counters */
 typedef struct dev_up {
     const void *src[DEV_UPS];
     const void **fix[DEV_UPS];
@@ -189,7 +200,8 @@ static lk_status up_open(const dev_call *c, dev_up *u, unsigned char **m) {
 typedef void (*emul_fn)(const void *args, const lk_thread_idx *t);
 static lk_status dev_run(const dev_call *c, int which, emul_fn emul, lk_dim3 grid, const void *args, size_t size) {
     const lk_device d = c->w->device;
-    static const char *const names[] = {"lk_kdev_fuse", "lk_kdev_key", "lk_kdev_normrows", "lk_kdev_normcols"};
+    static const char *const names[] = {"lk_kdev_fuse", "lk_kdev_key", "lk_kdev_normrows", "lk_kdev_normcols",
+                                        "lk_kdev_fp8"};
     const lk_kernel k = {names[which], KDEV_CUDA(which), emul};
     const double t0 = lk_now_s();
     lk_status st = lk_device_launch(d, &k, grid, (lk_dim3){LK_KDEV_BLOCK, 1, 1}, args, size, c->s);
@@ -570,6 +582,108 @@ static lk_status host_fp8(void *ctx, lk_tensor *h) {
                        f->n, f->opts, h->name);
 }
 
+/* ---- FP8 weights on the device kernel (kernel_dev.h's FP8 passes) ---- */
+
+typedef struct fp8_call {
+    dev_call c;
+    lk_kdev_fp8 f;
+    dev_up u;
+    lk_delta_prep *p;
+    uint64_t *tabs;
+    size_t NS;          /* scale values used: O per row, else 1 */
+    int rescale;
+    unsigned char *hb;  /* host: s_old, s_new (NS doubles each), the overflow count, NS amax (lk_free) */
+} fp8_call;
+
+/* The scales (fp8.c's reading of them) and zeroed counters on the host,
+ * as uploads; the format, rounding and stream key as fp8.c's job takes them. */
+static lk_status fp8_setup(fp8_call *fc, void *sh, lk_dtype sdt, int64_t n_scale) {
+    const lk_tensor *w = fc->c.w;
+    const lk_fuse_opts *opts = fc->c.opts;
+    const size_t O = (size_t)w->shape[0];
+    lk_kdev_fp8 *f = &fc->f;
+    f->per_row = sh && n_scale == (int64_t)O && O > 1;
+    fc->rescale = sh && opts->fp8.scale == LK_FP8_RESCALE;
+    fc->NS = f->per_row ? O : 1;
+    if (!(fc->hb = lk_calloc(fc->NS, 2 * sizeof(double) + sizeof(unsigned) + sizeof(unsigned long long))))
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 scales", w->name);
+    double *s0 = (double *)(void *)fc->hb, *sn = s0 + fc->NS;
+    unsigned long long *over = (unsigned long long *)(void *)(sn + fc->NS);
+    unsigned *amax = (unsigned *)(void *)(over + 1);
+    for (size_t r = 0; r < fc->NS; r++) s0[r] = sn[r] = sh ? lk_fp8_scale_value(sh, sdt, r) : 1.0;
+    f->fmt = w->dtype == LK_DTYPE_F8_E5M2 ? LK_FP8_E5M2_FMT : LK_FP8_E4M3_FMT;
+    f->stoch = opts->fp8.rounding == LK_FP8_STOCHASTIC;
+    f->key = lk_fp8_stream_key(opts->fp8.seed, w->name);
+    up_add(&fc->u, s0, fc->NS * sizeof *s0, (const void **)(void *)&f->s_old);
+    up_add(&fc->u, sn, fc->NS * sizeof *sn, (const void **)(void *)&f->s_new);
+    up_add(&fc->u, over, sizeof *over, (const void **)(void *)&f->over);
+    up_add(&fc->u, amax, fc->NS * sizeof *amax, (const void **)(void *)&f->amax);
+    return LK_OK;
+}
+
+/* Pass 1 of a rescale: the amax on the device, the new scales on the host
+ * (fp8.c's rule, written into the scale's host values sh), uploaded. */
+static lk_status fp8_rescale_pass(fp8_call *fc, lk_dim3 grid, void *sh, lk_dtype sdt) {
+    lk_kdev_fp8 *f = &fc->f;
+    double *sn = (double *)(void *)fc->hb + fc->NS;
+    unsigned *amax = (unsigned *)(void *)(sn + fc->NS + 1);
+    f->pass = 1;
+    lk_status st = dev_run(&fc->c, 4, fp8_emul, grid, f, sizeof *f);
+    if (!st) st = dev_get(&fc->c, amax, f->amax, fc->NS * sizeof *amax);
+    const float fmax = (float)lk_fp8_max(fc->c.w->dtype);
+    for (size_t r = 0; !st && r < fc->NS; r++) lk_fp8_rescale(sh, sdt, r, fmax, lk_u2f(amax[r]), &sn[r]);
+    if (!st) st = lk_device_copy(fc->c.w->device, (void *)f->s_new, sn, fc->NS * sizeof *sn, LK_COPY_H2D, fc->c.s);
+    return st;
+}
+
+/* Uploads, runs the passes, and judges as fp8.c does. */
+static lk_status fp8_run(fp8_call *fc, void *sh, lk_dtype sdt) {
+    const lk_tensor *w = fc->c.w;
+    unsigned char *m;
+    lk_status st = up_open(&fc->c, &fc->u, &m);
+    if (st) return st;
+    const uint64_t O = (uint64_t)w->shape[0], I = (uint64_t)fc->c.in;
+    args_weight(&fc->c, &fc->f.d, 0, (int64_t)O, m);
+    const lk_dim3 grid = elem_grid(O, I);
+    if (fc->rescale) st = fp8_rescale_pass(fc, grid, sh, sdt);
+    unsigned long long bad = ~0ull, over = 0;
+    fc->f.pass = 2;
+    if (!st) st = dev_run(&fc->c, 4, fp8_emul, grid, &fc->f, sizeof fc->f);
+    if (!st) st = dev_get(&fc->c, &over, fc->f.over, sizeof over);
+    if (!st) st = dev_get(&fc->c, &bad, m, sizeof bad);
+    lk_device_free(w->device, m);
+    if (st) return lk_error_prefix(st, "%s", w->name);
+    const unsigned cls = (unsigned)(bad & 3u);
+    const double bad_v = cls == 0 ? INFINITY : cls == 1 ? -INFINITY : cls == 2 ? NAN : -NAN;
+    return lk_fp8_verdict(w->name, w->dtype, (size_t)O, (size_t)I, (size_t)over, bad == ~0ull ? SIZE_MAX : (size_t)(bad >> 2),
+                          bad_v, fc->rescale, sh != NULL, fc->c.opts);
+}
+
+/* lk_fuse_fp8 on the device: its checks (sh: the scale's values on the
+ * host), terms.c's narrow preparation uploaded, the passes. *host: more
+ * non-LoRA terms than a launch's slots, nothing done. */
+static lk_status dev_fp8(lk_tensor *w, int64_t out, int64_t in, const lk_tensor *scale, void *sh,
+                         const lk_fuse_term *terms, size_t n, const lk_fuse_opts *opts, lk_stream *s,
+                         lk_fuse_dev_stats *stats, int *host) {
+    const lk_dtype sdt = scale ? scale->dtype : LK_DTYPE_F32;
+    const int64_t n_scale = scale ? (int64_t)lk_tensor_numel(scale) : 0;
+    lk_status st = lk_cancel_check(opts->cancel, w->name);
+    if (!st) st = lk_fp8_check_args(w->data, w->dtype, out, in, sh, sdt, n_scale, terms, n, w->name);
+    if (st) return st;
+    fp8_call fc = {.c = {.w = w, .s = s, .opts = opts, .in = in, .wide = 0, .stats = stats}};
+    size_t nx = 0;
+    st = lk_fuse_delta_prepare(0, out, in, 0, out, terms, n, w->name, &fc.p);
+    if (!st) st = up_delta(&fc.c, fc.p, (size_t)out, &fc.u, &fc.f.d, &fc.tabs, &nx);
+    *host = !st && nx > LK_KDEV_MAX_X;
+    if (!st && !*host) st = fp8_setup(&fc, sh, sdt, n_scale);
+    if (!st && !*host) st = fp8_run(&fc, sh, sdt);
+    if (!st && !*host && stats) stats->keys_device++;
+    lk_free(fc.hb);
+    lk_free(fc.tabs);
+    lk_fuse_delta_free(fc.p);
+    return st;
+}
+
 lk_status lk_fuse_fp8_dev(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *terms, size_t n_terms,
                           const lk_fuse_opts *opts, lk_stream *stream, lk_fuse_dev_stats *stats) {
     if (!w) return lk_error(LK_ERR_ARG, "fuse on device: NULL weight");
@@ -592,7 +706,17 @@ lk_status lk_fuse_fp8_dev(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *te
         if (!st) st = lk_stream_sync(w->device, stream);
         f.scale_host = sh;
     }
-    if (!st) st = host_path(w, host_fp8, &f, stream, stats);
+    /* the device kernel, but for terms that read the weight (OFT / BOFT, GLoRA: fp8.c dequantises the
+     * whole weight for them) and more terms than a launch takes: the host path */
+    static const lk_fuse_opts defaults;
+    int host = lk_fuse_wterms(terms, n_terms) != 0;
+    if (!st && !host) {
+        lk_tensor named = *w;
+        named.name = w->name ? w->name : "(tensor)";
+        st = dev_fp8(&named, out, in, scale, f.scale_host, terms, n_terms, opts ? opts : &defaults, stream, stats,
+                     &host);
+    }
+    if (!st && host) st = host_path(w, host_fp8, &f, stream, stats);
     if (!st && scale_dev) st = lk_device_copy(w->device, scale->data, sh, scale->nbytes, LK_COPY_H2D, stream);
     if (!st && scale_dev) st = lk_stream_sync(w->device, stream);
     lk_device_host_free(w->device, sh);

@@ -44,6 +44,7 @@
 #include "core/dtype_scalar.h"
 #include "fuse/round.h"
 #include "fuse/keyelem.h"
+#include "fuse/fp8elem.h"
 
 #define LK_KDEV_RPT 4        /* rows per thread */
 #define LK_KDEV_BLOCK 128    /* threads per block (x) */
@@ -224,6 +225,88 @@ LK_HD void lk_kdev_fuse_thread(const lk_kdev_args *a, unsigned bx, unsigned by, 
         if (a->wide) lk_kdev_rows64(a, o0, nr, j);
         else lk_kdev_rows32(a, o0, nr, j);
     }
+}
+
+/* ---- FP8 weights (fp8.c's chain, element by element fuse/fp8elem.h) ----
+ *
+ * The codes rows x in (w_out = w_in, in place), the narrow (f32) delta of
+ * the terms (the chain above, terms.c's), the scales s_old / s_new (per
+ * row, or [0] for plain and per-tensor FP8) as doubles from the host.
+ * Pass 1 (a rescale): amax[row or 0] = max |(float) v| as f32 bits (an
+ * atomic max on non-negative floats' bits, which order as the values do:
+ * an order-free reduction, NaN never wins, as on the CPU); the host then
+ * makes the new scales (fp8.c's lk_fp8_rescale). Pass 2: each element's
+ * one FP8 rounding (lk_fp8_elem: nearest-even, or stochastic keyed by the
+ * tensor's stream key, computed on the host, and the element's index in
+ * the whole tensor), the overflow count added to *over, and the first
+ * element made non-finite noted as the lowest (index << 2 | class), class
+ * 0 +Inf, 1 -Inf, 2 NaN, 3 -NaN, in the bad slot. */
+typedef struct lk_kdev_fp8 {
+    lk_kdev_args d;            /* the codes, the delta's terms (narrow: wide 0), the bad slot */
+    fp8fmt fmt;                /* by value: device code reads no host constant */
+    int stoch, pass, per_row;
+    uint64_t key;              /* lk_fp8_stream_key(seed, name) */
+    const double *s_old, *s_new;
+    unsigned *amax;            /* pass 1, zeroed by the host */
+    unsigned long long *over;  /* pass 2, zeroed by the host */
+} lk_kdev_fp8;
+
+LK_HD void lk_kdev_max_u32(unsigned *m, unsigned v) {
+#ifdef __CUDA_ARCH__
+    atomicMax(m, v);
+#else
+    if (v > *m) *m = v;
+#endif
+}
+
+LK_HD void lk_kdev_add_u64(unsigned long long *c, unsigned long long v) {
+#ifdef __CUDA_ARCH__
+    atomicAdd(c, v);
+#else
+    *c += v;
+#endif
+}
+
+/* One thread of the FP8 kernel: rows o0 .. o0 + RPT - 1 (grid-stride) of
+ * column j; the per-tensor amax and the overflow count reduced in the
+ * thread first (one atomic each). */
+LK_HD void lk_kdev_fp8_thread(const lk_kdev_fp8 *f, unsigned bx, unsigned by, unsigned tx, unsigned bdx, unsigned gdy) {
+    const lk_kdev_args *a = &f->d;
+    const uint64_t j = (uint64_t)bx * bdx + tx, in = a->in;
+    if (j >= in) return;
+    unsigned long long over = 0;
+    float tmax = 0.0f;
+    for (uint64_t o0 = (uint64_t)by * LK_KDEV_RPT; o0 < a->rows; o0 += (uint64_t)gdy * LK_KDEV_RPT) {
+        const uint64_t nr = a->rows - o0 < LK_KDEV_RPT ? a->rows - o0 : LK_KDEV_RPT;
+        uint64_t row[LK_KDEV_RPT];
+        float d[LK_KDEV_RPT];
+        LK_KDEV_UNROLL
+        for (int r = 0; r < LK_KDEV_RPT; r++) row[r] = o0 + ((uint64_t)r < nr ? (uint64_t)r : nr - 1);
+        lk_kdev_delta32(a, d, row, j);
+        LK_KDEV_UNROLL
+        for (int r = 0; r < LK_KDEV_RPT; r++) {
+            if ((uint64_t)r >= nr) break;
+            const uint64_t i = row[r] * in + j, si = f->per_row ? row[r] : 0;
+            const float wv = fp8_to_f32(((const uint8_t *)a->w_in)[i], &f->fmt);
+            if (f->pass == 1) {
+                const float m = lk_fp8_elem_abs(wv, d[r], f->s_old[si]);
+                if (!(m > 0.0f)) continue; /* NaN never wins; 0 is the start */
+                if (f->per_row) lk_kdev_max_u32(&f->amax[si], lk_f2u(m));
+                else tmax = m > tmax ? m : tmax;
+                continue;
+            }
+            const uint64_t e = (a->row_base + row[r]) * in + j;
+            uint8_t code;
+            int bad;
+            double v;
+            over += (unsigned long long)lk_fp8_elem(wv, d[r], f->s_old[si], f->s_new[si], &f->fmt, f->stoch, f->key, e,
+                                                    &code, &bad, &v);
+            ((uint8_t *)a->w_out)[i] = code;
+            if (bad) lk_kdev_min(a->bad, ((unsigned long long)e << 2) | (v != v ? 2u : 0u) | (unsigned)(lk_d2u(v) >> 63));
+        }
+    }
+    if (tmax > 0.0f) lk_kdev_max_u32(&f->amax[0], lk_f2u(tmax));
+    if (over) lk_kdev_add_u64(f->over, over);
 }
 
 /* ---- plan.c's double path on the device: replacements, vector terms, DoRA ----

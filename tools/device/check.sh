@@ -3,7 +3,8 @@
 # GPU (issue 27): builds lorakit with LORAKIT_CUDA=ON, runs the device tests
 # (byte equality with the CPU for every term kind and dtype on emul and on
 # cuda:0: the fuse kernel's LoRA / conv / row slices / LoHa / LoKr / dense,
-# the key kernel's replacements and vector terms, DoRA's two passes; the
+# the key kernel's replacements and vector terms, DoRA's two passes, the FP8 kernel's
+# formats x scales x roundings (test_fp8 in test_device_fuse); the
 # compiled-code audit of every kernel; the CLI digests; the swap CLI on
 # cuda), compute-sanitizer memcheck on the kernel test when present (every
 # kernel launched by it), `lorakit bench fuse --device
