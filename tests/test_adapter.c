@@ -742,7 +742,7 @@ static void test_config_errors(void **state) {
          "adapter_config.json: rank_pattern[\"to_q\"] = 0: a rank must be a whole number from 1 to 1000000000"},
         {"{\"r\": 4, \"lora_alpha\": \"8\"}", LK_ERR_CONFIG, "adapter_config.json: lora_alpha must be a finite number"},
         {"{\"r\": 4, \"lora_alpha\": NaN}", LK_ERR_CONFIG, "adapter_config.json: invalid JSON"},
-        {"{\"peft_type\": \"LOHA\"}", LK_ERR_UNSUPPORTED, "peft_type = \"LOHA\"; only LORA and OFT adapters can be fused"},
+        {"{\"peft_type\": \"LOHA\"}", LK_ERR_UNSUPPORTED, "peft_type = \"LOHA\"; only LORA, OFT and BOFT adapters can be fused"},
         {"{\"r\": 4, \"use_qalora\": true}", LK_ERR_UNSUPPORTED, "use_qalora = true: QA-LoRA"},
         {"{\"r\": 4, \"alora_invocation_tokens\": [1, 2]}", LK_ERR_UNSUPPORTED, "alora_invocation_tokens = [1,2]"},
         {"{\"r\": 4, \"layer_replication\": [[0, 1]]}", LK_ERR_UNSUPPORTED, "layer_replication = [[0,1]]"},

@@ -115,6 +115,7 @@ typedef struct lk_oft_peft {
     int coft;          /* project each block's Q to Frobenius norm <= eps' (eps' = eps / sqrt(n) in float32) */
     double eps;
     int neumann_terms; /* 0: the exact Cayley (I - Q)(I + Q)^-1; t >= 1: PEFT's truncated series of t terms */
+    int boft;          /* 1: PEFT's BOFT (boft_R [1, n, b, b] + boft_s): the exact Cayley of 0.5 (X - X^T), rows x boft_s */
     int block_share;   /* 1: one block for all (oft_R.weight [1, ...]); 0: one per b columns; -1: not known (no config) */
 } lk_oft_peft;
 

@@ -46,8 +46,9 @@ typedef struct lk_fuse_term {
     lk_term_kind kind;
     const lk_tensor *A2, *B2; /* the second product (HADA, KRON); A2: OFT's rescale */
     double alpha;             /* OFT: the file's alpha (the rotation's constraint) */
-    const lk_oft_peft *peft;  /* OFT: non-NULL for PEFT's OFT: B = oft_R.weight [n, b (b - 1) / 2], a rotation of
-                                 W's columns (the input axis), these options (src/fuse/oft_peft.c) */
+    const lk_oft_peft *peft;  /* OFT: non-NULL for PEFT's OFT / BOFT: B = oft_R.weight [n, b (b - 1) / 2] or boft_R
+                                 [1, n, b, b] (A2 = boft_s), a rotation of W's columns (the input axis), these
+                                 options (src/fuse/oft.c's PEFT section) */
 } lk_fuse_term;
 /* The term scale is consumed as a double on every path; it is never rounded
  * to float by itself. F32 weights: B' = scale * B in f64 (one f64 rounding),

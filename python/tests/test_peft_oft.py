@@ -143,12 +143,29 @@ def test_malformed_shapes_refused(tmp_path):
             "12 elements per output row")
 
 
+def test_boft_malformed_refused(tmp_path):
+    def stages(sd):  # two butterfly stages: refused by name, never fused as one
+        sd["base_model.model.lin.boft_R"] = ("F32", np.zeros((2, 3, 4, 4), np.float32))
+    refused(tmp_path, copy_case(tmp_path, "boft", edit_sd=stages), "lin.boft_R", "[2, 3, 4, 4]", "butterfly stages")
+
+    def cols(sd):  # 2 blocks of 4 columns on a 12-column weight
+        sd["base_model.model.lin.boft_R"] = ("F32", np.zeros((1, 2, 4, 4), np.float32))
+    refused(tmp_path, copy_case(tmp_path / "b", "boft", edit_sd=cols), "lin.boft_R", "[1, 2, 4, 4]",
+            "12 elements per output row")
+
+    def rows(sd):  # boft_s of 8 rows on a 16-row weight
+        sd["base_model.model.lin.boft_s"] = ("F32", np.ones((8, 1), np.float32))
+    refused(tmp_path / "c", copy_case(tmp_path / "c", "boft", edit_sd=rows), "lin.boft_R", "8 rows", "[16, 12]")
+
+
 def test_unsupported_options_refused_by_name(tmp_path):
     refused(tmp_path, copy_case(tmp_path, "oft_neumann", lambda c: c.update(fan_in_fan_out=True)),
             "fan_in_fan_out = true")
     refused(tmp_path, copy_case(tmp_path / "b", "oft_neumann", lambda c: c.update(bias="all")), 'bias = "all"')
     refused(tmp_path, copy_case(tmp_path / "c", "oft_neumann", lambda c: c.update(peft_type="BOFT")),
-            'peft_type = "BOFT"')
+            "conv.oft_R.weight' is PEFT's OFT but", 'not peft_type "OFT"')
+    refused(tmp_path, copy_case(tmp_path / "e", "oft_neumann", lambda c: c.update(peft_type="VERA")),
+            'peft_type = "VERA"')
     # block_share true in the config, but one block per 4 columns in the file
     refused(tmp_path, copy_case(tmp_path / "d", "oft_neumann", lambda c: c.update(block_share=True)),
             "block_share", "conv.oft_R.weight")

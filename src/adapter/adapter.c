@@ -97,7 +97,7 @@ enum role {
     ROLE_KW1, ROLE_KW1A, ROLE_KW1B, ROLE_KW2, ROLE_KW2A, ROLE_KW2B, ROLE_KT2, /* LoKr */
     ROLE_DIFF, ROLE_DIFFB, ROLE_SETW, ROLE_WNORM, ROLE_BNORM, ROLE_DORA,
     ROLE_OFTB, ROLE_RESC,                            /* OFT / BOFT */
-    ROLE_OFTR,                                       /* PEFT's OFT */
+    ROLE_OFTR, ROLE_BOFTR, ROLE_BOFTS,               /* PEFT's OFT, BOFT */
     ROLE_GA1, ROLE_GA2, ROLE_GB1, ROLE_GB2,          /* GLoRA */
     ROLE_COUNT
 };
@@ -131,7 +131,7 @@ static const struct {
     {".diff", FAM_ANY, ROLE_DIFF},      {".diff_b", FAM_ANY, ROLE_DIFFB},   {".set_weight", FAM_ANY, ROLE_SETW},
     {".w_norm", FAM_ANY, ROLE_WNORM},   {".b_norm", FAM_ANY, ROLE_BNORM},   {".dora_scale", FAM_ANY, ROLE_DORA},
     {".oft_blocks", FAM_ANY, ROLE_OFTB}, {".rescale", FAM_ANY, ROLE_RESC},
-    {".oft_R.weight", FAM_AB, ROLE_OFTR},
+    {".oft_R.weight", FAM_AB, ROLE_OFTR}, {".boft_R", FAM_AB, ROLE_BOFTR}, {".boft_s", FAM_AB, ROLE_BOFTS},
     {".a1.weight", FAM_ANY, ROLE_GA1},  {".a2.weight", FAM_ANY, ROLE_GA2},  {".b1.weight", FAM_ANY, ROLE_GB1},
     {".b2.weight", FAM_ANY, ROLE_GB2},
 };
@@ -450,7 +450,7 @@ static const struct {
     {".p_layer.weight", "a T-LoRA factor (LyCORIS tlora)", 1},
     {".oft_embedding_R", "an OFT rotation of an embedding (PEFT OFT on nn.Embedding)", 0},
     {".oft_", "an OFT factor (PEFT OFT) other than oft_R.weight", 0},
-    {".boft_", "a BOFT factor (PEFT BOFT)", 0},
+    {".boft_", "a BOFT factor (PEFT BOFT) other than boft_R / boft_s", 0},
     {".ia3_l", "an IA3 vector (PEFT IA3)", 0},
     {".vera_lambda", "a VeRA vector", 0},
     {".lora_E", "an AdaLoRA singular-value vector (lora_E)", 0},
@@ -1104,6 +1104,7 @@ static int role_algo(enum role r) {
     case ROLE_WNORM: case ROLE_BNORM: return LK_ALGO_NORM;
     case ROLE_SETW: return LK_ALGO_SET;
     case ROLE_OFTB: case ROLE_RESC: case ROLE_OFTR: return LK_ALGO_OFT; /* BOFT when oft_blocks is 4-D (build_oft) */
+    case ROLE_BOFTR: case ROLE_BOFTS: return LK_ALGO_BOFT;
     case ROLE_GA1: case ROLE_GA2: case ROLE_GB1: case ROLE_GB2: return LK_ALGO_GLORA;
     default: return -1;
     }
@@ -1295,7 +1296,7 @@ static lk_status build_oft_peft(lk_adapter *a, size_t i, const lk_tensor *const 
     if (br[ROLE_OFTB] || br[ROLE_RESC] || br[ROLE_ALPHA])
         return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' (PEFT's OFT) with '%s' (LyCORIS's) in one module", f, m, x->name,
                         (br[ROLE_OFTB] ? br[ROLE_OFTB] : br[ROLE_RESC] ? br[ROLE_RESC] : br[ROLE_ALPHA])->name);
-    if (a->has_config && !a->cfg.oft)
+    if (a->has_config && (!a->cfg.oft || a->cfg.oft_opts.boft))
         return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' is PEFT's OFT but %s is not peft_type \"OFT\"", f, m, x->name,
                         a->config_path);
     int64_t b = 0;
@@ -1314,10 +1315,48 @@ static lk_status build_oft_peft(lk_adapter *a, size_t i, const lk_tensor *const 
     return LK_OK;
 }
 
+/* PEFT's BOFT module i: boft_R [1, n, b, b] (one butterfly stage: PEFT's
+ * merge on a CPU) and boft_s [out, 1] (a conv's [1, out]); n b columns,
+ * boft_s's rows. More stages are refused by name. */
+static lk_status build_boft_peft(lk_adapter *a, size_t i, const lk_tensor *const *br, lyco_shape *sh) {
+    const char *f = a->file, *m = a->names[i];
+    lk_lora_module *mod = &a->mods[i];
+    const lk_tensor *x = br[ROLE_BOFTR], *rs = br[ROLE_BOFTS];
+    if (!x || !rs)
+        return lk_error(LK_ERR_FORMAT, "%s: %s: PEFT's BOFT needs boft_R and boft_s; '%s' is alone", f, m,
+                        (x ? x : rs)->name);
+    if (a->has_config && !(a->cfg.oft && a->cfg.oft_opts.boft))
+        return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' is PEFT's BOFT but %s is not peft_type \"BOFT\"", f, m, x->name,
+                        a->config_path);
+    char xs[96], ss[96];
+    lk_shape_str(x, xs, sizeof xs);
+    lk_shape_str(rs, ss, sizeof ss);
+    if (x->ndim != 4 || x->shape[2] != x->shape[3] || x->shape[2] < 1 || x->shape[2] > 4096 || x->shape[1] < 1 ||
+        x->shape[0] < 1)
+        return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s; PEFT's boft_R must be [m, n, b, b]", f, m, x->name, xs);
+    if (x->shape[0] != 1)
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: '%s' is %s: %lld butterfly stages (boft_n_butterfly_factor %lld); "
+                        "lorakit fuses PEFT's BOFT with one stage only", f, m, x->name, xs, (long long)x->shape[0],
+                        (long long)x->shape[0]);
+    if (rs->ndim != 2 || (rs->shape[0] != 1 && rs->shape[1] != 1) || lk_tensor_numel(rs) < 1)
+        return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s; PEFT's boft_s must be [out, 1] (a conv's [1, out])", f, m,
+                        rs->name, ss);
+    sh->out = (int64_t)lk_tensor_numel(rs);
+    sh->in = x->shape[1] * x->shape[2];
+    sh->rank = x->shape[2];
+    sh->scaled = 0;
+    sh->src = NULL;
+    mod->w1 = *x;
+    mod->w2 = *rs;
+    mod->oft_peft = (lk_oft_peft){.neumann_terms = 0, .boft = 1, .block_share = 0};
+    return LK_OK;
+}
+
 static lk_status build_oft(lk_adapter *a, size_t i, const lk_tensor *const *br, lyco_shape *sh, lk_algo *algo) {
     const char *f = a->file, *m = a->names[i];
     lk_lora_module *mod = &a->mods[i];
     if (br[ROLE_OFTR]) return build_oft_peft(a, i, br, sh);
+    if (br[ROLE_BOFTR] || br[ROLE_BOFTS]) return build_boft_peft(a, i, br, sh);
     const lk_tensor *x = br[ROLE_OFTB], *rs = br[ROLE_RESC];
     if (!x) return lk_error(LK_ERR_FORMAT, "%s: %s: '%s' without oft_blocks", f, m, rs->name);
     const int nd = x->ndim;
@@ -1415,11 +1454,14 @@ static lk_status build_lyco(lk_adapter *a, size_t i, const lk_tensor *const *br,
     lk_status s = check_lyco_keys(a, i, br, algo);
     if (!s) s = algo == LK_ALGO_LOHA    ? build_loha(a, i, br, &sh)
                 : algo == LK_ALGO_LOKR  ? build_lokr(a, i, br, &sh)
-                : algo == LK_ALGO_OFT   ? build_oft(a, i, br, &sh, &algo)
+                : algo == LK_ALGO_OFT || algo == LK_ALGO_BOFT ? build_oft(a, i, br, &sh, &algo)
                 : algo == LK_ALGO_GLORA ? build_glora(a, i, br, &sh)
                                         : build_dense(a, i, br, algo, &sh);
     char osrc[160];
-    if (!s && br[ROLE_OFTR]) { /* PEFT's OFT: no alpha; the options it fuses with */
+    if (!s && (br[ROLE_BOFTR] || br[ROLE_BOFTS])) { /* PEFT's BOFT: no alpha */
+        alpha = 0.0;
+        sh.src = "none (PEFT BOFT: exact Cayley, boft_s)";
+    } else if (!s && br[ROLE_OFTR]) { /* PEFT's OFT: no alpha; the options it fuses with */
         const lk_oft_peft *o = &mod->oft_peft;
         char eb[LK_NUM_STR_MAX], terms[48] = "exact Cayley";
         alpha = 0.0;

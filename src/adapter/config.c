@@ -1155,14 +1155,15 @@ static const char *const g_oft_known[] = {
     "inference_mode", "r", "oft_block_size", "module_dropout", "target_modules", "exclude_modules", "bias",
     "init_weights", "layers_to_transform", "layers_pattern", "modules_to_save", "coft", "eps", "block_share",
     "use_cayley_neumann", "num_cayley_neumann_terms", "fan_in_fan_out",
+    "boft_block_size", "boft_block_num", "boft_n_butterfly_factor", "boft_dropout", /* BOFTConfig */
 };
 
-static lk_status parse_oft(lk_peft_config *c, json_t *root) {
+static lk_status parse_oft(lk_peft_config *c, json_t *root, int boft) {
     const char *label = c->label, *k;
     char val[96];
     json_t *v;
     c->oft = 1;
-    c->oft_opts = (lk_oft_peft){.coft = 0, .eps = 6e-5, .neumann_terms = 5, .block_share = 0};
+    c->oft_opts = (lk_oft_peft){.coft = 0, .eps = 6e-5, .neumann_terms = boft ? 0 : 5, .block_share = 0, .boft = boft};
     json_object_foreach(root, k, v) {
         int known = 0;
         for (size_t i = 0; i < sizeof g_oft_known / sizeof g_oft_known[0] && !known; i++)
@@ -1185,6 +1186,11 @@ static lk_status parse_oft(lk_peft_config *c, json_t *root) {
         value_text(v, val, sizeof val);
         return lk_error(LK_ERR_UNSUPPORTED, "%s: bias = %s: OFT adapters with trained biases are not supported "
                         "(only \"none\")", label, val);
+    }
+    if (boft) { /* the exact Cayley, no coft, no sharing: BOFTConfig has none of those */
+        c->r = 0;
+        c->alpha = 0.0;
+        return LK_OK;
     }
     c->oft_opts.coft = json_is_true(json_object_get(root, "coft"));
     c->oft_opts.block_share = json_is_true(json_object_get(root, "block_share"));
@@ -1217,11 +1223,14 @@ static lk_status parse_scalars(lk_peft_config *c, json_t *root) {
     lk_status s;
     json_t *v;
     if ((v = json_object_get(root, "peft_type")) && !json_is_null(v) &&
-        (!json_is_string(v) || (strcmp(json_string_value(v), "LORA") && strcmp(json_string_value(v), "OFT")))) {
+        (!json_is_string(v) || (strcmp(json_string_value(v), "LORA") && strcmp(json_string_value(v), "OFT") &&
+                                  strcmp(json_string_value(v), "BOFT")))) {
         value_text(v, val, sizeof val);
-        return lk_error(LK_ERR_UNSUPPORTED, "%s: peft_type = %s; only LORA and OFT adapters can be fused", label, val);
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: peft_type = %s; only LORA, OFT and BOFT adapters can be fused", label,
+                        val);
     }
-    if (v && json_is_string(v) && !strcmp(json_string_value(v), "OFT")) return parse_oft(c, root);
+    if (v && json_is_string(v) && strcmp(json_string_value(v), "LORA"))
+        return parse_oft(c, root, !strcmp(json_string_value(v), "BOFT"));
     if ((s = check_fields(c, root))) return s;
     if ((v = json_object_get(root, "peft_version")) && json_is_string(v)) {
         snprintf(c->version, sizeof c->version, "%s", json_string_value(v));

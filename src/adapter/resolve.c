@@ -382,6 +382,10 @@ static lk_status wterm_fit(const lk_adapter *a, const lk_lora_module *m, const l
                             share == 1 ? " (block_share: one block, a multiple of b columns)"
                             : share == 0 ? " (block_share false: n b columns)" : "", w->name, ws, N);
         if (b) return LK_OK;
+        if (m->oft_peft.boft && (size_t)m->in != N)
+            return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s, %lld blocks of %lld columns, but the model weight %s is %s "
+                            "(%zu elements per output row)", a->file, m->module, m->w1.name, xs,
+                            (long long)m->w1.shape[1], (long long)m->rank, w->name, ws, N);
         if (m->out != w->shape[0])
             return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s, a rotation of %lld rows, but the model weight %s is %s",
                             a->file, m->module, m->w1.name, xs, (long long)m->out, w->name, ws);

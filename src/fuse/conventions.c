@@ -93,7 +93,8 @@ static json_t *module_points(cmp *c, const lk_lora_module *const *ms) {
                       "peft puts s into V = W + s c delta, the others W + s (W' - W)");
     if (m->algo == LK_ALGO_SET)
         point(c, pts, "set_weight at strength s != 1: comfyui copies it, the others W + s (R - W)");
-    if (m->algo == LK_ALGO_OFT && m->w1.ndim == 2) return pts; /* PEFT's OFT: one rule for every convention */
+    if ((m->algo == LK_ALGO_OFT && m->w1.ndim == 2) || m->oft_peft.boft)
+        return pts; /* PEFT's OFT / BOFT: one rule for every convention */
     if (m->algo == LK_ALGO_OFT) {
         point(c, pts, "OFT strength: comfyui W + s^2 (R^T - I) W, the others W + s (R^T - I) W");
         if (m->w2.data) point(c, pts, "OFT rescale: comfyui ignores it, the others apply it");

@@ -1074,7 +1074,7 @@ lk_status lk_fuse_tensor_oft(void *w_out, const void *w_in, lk_dtype dtype, int6
     return s;
 }
 
-/* ---- PEFT's OFT (peft_type "OFT": <m>.oft_R.weight) ----
+/* ---- PEFT's OFT and BOFT (peft_type "OFT": <m>.oft_R.weight; "BOFT": <m>.boft_R, <m>.boft_s) ----
  *
  * THE FORMULA (facts read from peft 0.21 tuners/oft/layer.py, OFTRotationModule
  * and Linear / Conv2d merge): oft_R.weight is [n, b (b - 1) / 2], block k's
@@ -1087,12 +1087,17 @@ lk_status lk_fuse_tensor_oft(void *w_out, const void *w_in, lk_dtype dtype, int6
  *    max(3, t - 1) (so t = 3 and t = 4 give I + 2Q + 2Q^2 + Q^3);
  *  - else R = (I - Q)(I + Q)^-1 (torch.linalg.solve(I + Q, I - Q, left=False)).
  * The merge: W' = W BD^T with BD = block_diag(R_0 .. R_{c/b - 1}) over the
- * weight's c = in (x kh x kw: a conv's weight as [out, in kh kw]) columns;
- * block_share: one R for every block. PEFT has no strength for OFT (its
+  * weight's c = in (x kh x kw: a conv's weight as [out, in kh kw]) columns;
+ * block_share: one R for every block. PEFT's BOFT (boft_R [m, n, b, b],
+ * boft_s [out, 1] or [1, out]; tuners/boft/layer.py): Q = 0.5 (X - X^T)
+ * per full block, always the exact Cayley; with one stage (what PEFT's CPU
+ * merge runs: without its fbd_cuda extension it sets the butterfly factor
+ * to 1) W' = boft_s (.) (W BD^T), boft_s per output row; more stages are
+ * refused (adapter.c). PEFT has no strength for OFT (its
  * set_scale warns and keeps 1). lorakit at strength s, under every
- * convention (they agree on these files): W' = W (I + s (BD - I))^T, the
- * delta d = s W (BD - I)^T, LyCORIS's multiplier rule on the input axis;
- * s = 1 is PEFT's merge.
+ * convention (they agree on these files): W + s (W' - W); for OFT that is
+ * W (I + s (BD - I))^T, the delta d = s W (BD - I)^T, LyCORIS's multiplier
+ * rule on the input axis; s = 1 is PEFT's merge.
  * THE ARITHMETIC: Q, the norm (fma chain of squares, sqrt), the scaling,
  * the series (each power an fma chain over the inner index ascending; R +
  * 2 P one rounding each) or the inverse (oft.c's Gauss-Jordan on I + Q)
@@ -1177,26 +1182,54 @@ static void peft_project(double *q, size_t nb, size_t b, double eps) {
 
 static void (*peft_row_pick(void))(const lk_oft *, const double *, double *, size_t);
 
+/* Q of every block into q from the file's values v: OFT's packed upper
+ * triangles (ne values a block), BOFT's 0.5 (X - X^T) of full b x b blocks
+ * (PEFT's cayley_batch), then coft's projection. */
+static void peft_q(double *q, const double *v, const lk_fuse_term *t, size_t nb, size_t b, size_t ne) {
+    const size_t bb = b * b;
+    for (size_t k = 0; k < nb; k++) {
+        if (!t->peft->boft) {
+            peft_skew(q + k * bb, v + k * ne, b);
+            continue;
+        }
+        const double *x = v + k * bb;
+        for (size_t i = 0; i < b; i++)
+            for (size_t j = 0; j < b; j++) q[k * bb + i * b + j] = 0.5 * (x[i * b + j] - x[j * b + i]);
+    }
+    if (t->peft->coft) peft_project(q, nb, b, t->peft->eps);
+}
+
+/* OFT: D = s (R - I) per block, stored transposed; BOFT: D = R - I, the
+ * rows' boft_s in rho and the strength in g (d = s (rho (W + W D^T) - W)). */
 static lk_status peft_prepare(const lk_fuse_term *t, int64_t out, lk_convention conv, const char *name, lk_oft **pp) {
     const lk_tensor *X = t->B;
-    const char *xn = X && X->name ? X->name : "oft_R.weight";
+    const int boft = t->peft->boft;
+    const char *xn = X && X->name ? X->name : boft ? "boft_R" : "oft_R.weight";
     char xs[96];
-    if (!X || !X->data) return lk_error(LK_ERR_ARG, "%s: a PEFT OFT term without oft_R.weight", name);
+    if (!X || !X->data) return lk_error(LK_ERR_ARG, "%s: a PEFT OFT term without %s", name, xn);
     lk_shape_str(X, xs, sizeof xs);
-    const size_t b = X->ndim == 2 ? peft_block(X->shape[1]) : 0;
-    if (!b || X->shape[0] < 1 || X->shape[0] > out * 4096 || !lk_dtype_is_fusable(X->dtype))
-        return lk_error(LK_ERR_SHAPE, "%s: '%s' is %s %s; PEFT's OFT needs [n, b (b - 1) / 2] (F32, F16 or BF16) with "
-                        "b >= 2", name, xn, xs, lk_dtype_name(X->dtype));
-    (void)conv; /* the four conventions agree: PEFT's merge at s = 1, W (I + s (BD - I))^T at any s */
+    const size_t b = boft ? (X->ndim == 4 && X->shape[0] == 1 && X->shape[2] == X->shape[3] && X->shape[2] >= 1 &&
+                             X->shape[2] <= 4096 ? (size_t)X->shape[2] : 0)
+                          : X->ndim == 2 ? peft_block(X->shape[1]) : 0;
+    const int64_t nbl = boft ? (X->ndim == 4 ? X->shape[1] : 0) : X->shape[0];
+    if (!b || nbl < 1 || nbl > out * 4096 || !lk_dtype_is_fusable(X->dtype))
+        return lk_error(LK_ERR_SHAPE, "%s: '%s' is %s %s; PEFT's %s (F32, F16 or BF16)", name, xn, xs,
+                        lk_dtype_name(X->dtype), boft ? "BOFT needs [1, n, b, b]" : "OFT needs [n, b (b - 1) / 2], b >= 2");
+    if (boft && (!t->A2 || !t->A2->data || lk_tensor_numel(t->A2) != (size_t)out || !lk_dtype_is_fusable(t->A2->dtype)))
+        return lk_error(LK_ERR_SHAPE, "%s: PEFT's BOFT needs boft_s with one value per row (%lld rows)", name,
+                        (long long)out);
+    (void)conv; /* the four conventions agree: PEFT's merge at s = 1, W + s (W' - W) at any s */
     if (!isfinite(t->scale) || !isfinite(t->peft->eps))
         return lk_error(LK_ERR_NONFINITE, "%s: strength %g, eps %g", name, t->scale, t->peft->eps);
     lk_oft *p = lk_calloc(1, sizeof *p);
     if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
-    const size_t nb = (size_t)X->shape[0], bb = b * b, ne = (size_t)X->shape[1];
-    p->peft = 1, p->b = b, p->nb = nb, p->m = 1, p->out = (size_t)out, p->g = 1.0, p->prow = peft_row_pick();
+    const size_t nb = (size_t)nbl, bb = b * b, ne = boft ? bb : (size_t)X->shape[1];
+    p->peft = 1, p->b = b, p->nb = nb, p->m = 1, p->out = (size_t)out, p->g = boft ? t->scale : 1.0;
+    p->prow = peft_row_pick();
     lk_carve cv = {0};
     const size_t o_t = LK_CARVE(&cv, nb * bb, double), o_q = LK_CARVE(&cv, nb * bb, double),
-                 o_v = LK_CARVE(&cv, nb * ne, double), o_w = LK_CARVE(&cv, 5 * bb, double);
+                 o_v = LK_CARVE(&cv, nb * ne, double), o_w = LK_CARVE(&cv, 5 * bb, double),
+                 o_r = LK_CARVE(&cv, boft ? (size_t)out : 0, double);
     p->mem = cv.overflow ? NULL : lk_carve_alloc(&cv);
     if (!p->mem) {
         lk_free(p);
@@ -1205,18 +1238,21 @@ static lk_status peft_prepare(const lk_fuse_term *t, int64_t out, lk_convention 
     p->T = (double *)(void *)(p->mem + o_t);
     double *q = (double *)(void *)(p->mem + o_q), *v = (double *)(void *)(p->mem + o_v),
            *work = (double *)(void *)(p->mem + o_w);
+    if (boft) {
+        p->rho = (double *)(void *)(p->mem + o_r);
+        for (size_t i = 0; i < (size_t)out; i++) p->rho[i] = elem64(t->A2, i);
+    }
     values64(v, X, nb * ne);
-    for (size_t k = 0; k < nb; k++) peft_skew(q + k * bb, v + k * ne, b);
-    if (t->peft->coft) peft_project(q, nb, b, t->peft->eps);
+    peft_q(q, v, t, nb, b, ne);
+    const double s = boft ? 1.0 : t->scale;
     for (size_t k = 0; k < nb; k++) {
         double *d = p->T + k * bb;
-        const int ok = peft_rotation(d, q + k * bb, b, t->peft->neumann_terms, work);
-        if (!ok) {
+        if (!peft_rotation(d, q + k * bb, b, t->peft->neumann_terms, work)) {
             lk_oft_free(p);
             return lk_error(LK_ERR_NONFINITE, "%s: '%s': I + Q of block %zu is singular (non-finite values)", name, xn,
                             k);
         }
-        for (size_t i = 0; i < bb; i++) d[i] = t->scale * (d[i] - (double)(i % (b + 1) == 0));
+        for (size_t i = 0; i < bb; i++) d[i] = s * (d[i] - (double)(i % (b + 1) == 0));
         for (size_t i = 0; i < b; i++) /* stored as D^T (peft_row) */
             for (size_t j = i + 1; j < b; j++) {
                 const double y = d[i * b + j];
@@ -1234,7 +1270,10 @@ static lk_status peft_prepare(const lk_fuse_term *t, int64_t out, lk_convention 
 
 /* The columns of an out x in weight against the blocks: n b = in, or one shared block with in a multiple of b. */
 static lk_status peft_cols(const lk_oft *p, size_t in, const char *name) {
-    if (p->nb * p->b == in || (p->nb == 1 && in % p->b == 0)) return LK_OK;
+    if (p->nb * p->b == in || (!p->rho && p->nb == 1 && in % p->b == 0)) return LK_OK;
+    if (p->rho)
+        return lk_error(LK_ERR_SHAPE, "%s: PEFT's BOFT has %zu blocks of %zu columns (boft_R [1, %zu, %zu, %zu]) but the "
+                        "weight has %zu columns (elements per output row)", name, p->nb, p->b, p->nb, p->b, p->b, in);
     return lk_error(LK_ERR_SHAPE, "%s: PEFT's OFT has %zu blocks of %zu columns (oft_R.weight [%zu, %zu]) but the weight "
                     "has %zu columns (elements per output row)", name, p->nb, p->b, p->nb, p->b * (p->b - 1) / 2, in);
 }
@@ -1272,6 +1311,13 @@ static void (*peft_row_pick(void))(const lk_oft *, const double *, double *, siz
 }
 #define peft_row(p, x, d, in) ((p)->prow((p), (x), (d), (in)))
 
+/* Row o's last step: OFT d = e; BOFT d = g (rho e + (rho - 1) x), i.e.
+ * s (rho (x + e) - x) with e = x D^T (row_fin's kind 1). */
+static rowfin peft_fin(const lk_oft *p, size_t o) {
+    if (!p->rho) return (rowfin){.kind = 0, .a = 1.0, .c = 0.0, .g = 1.0};
+    return (rowfin){.kind = 1, .a = p->rho[o], .c = p->rho[o] - 1.0, .g = p->g};
+}
+
 static lk_status peft_delta_f32(const lk_oft *p, const float *w, float *delta, size_t in, const char *name) {
     lk_status s = peft_cols(p, in, name);
     if (s) return s;
@@ -1280,7 +1326,8 @@ static lk_status peft_delta_f32(const lk_oft *p, const float *w, float *delta, s
     for (size_t o = 0; o < p->out; o++) {
         for (size_t j = 0; j < in; j++) x[j] = (double)w[o * in + j];
         peft_row(p, x, x + in, in);
-        for (size_t j = 0; j < in; j++) delta[o * in + j] = (float)x[in + j];
+        const rowfin f = peft_fin(p, o);
+        for (size_t j = 0; j < in; j++) delta[o * in + j] = (float)fin_delta(f, x[in + j], x[j]);
     }
     lk_free(x);
     return LK_OK;
@@ -1304,7 +1351,7 @@ static void *peft_worker(void *arg) {
             j->load(x, (const char *)j->w_in + o * in * esz, j->dt, in);
             peft_row(p, x, d, in);
             const finrow fr = {.x = x, .e = d, .dst = (char *)j->w_out + o * in * esz, .off = o * in,
-                               .f = {.kind = 0, .a = 1.0, .c = 0.0, .g = 1.0}};
+                               .f = peft_fin(p, o)};
             j->fin(wk, j->dt, &fr, in);
         }
     }

@@ -69,7 +69,7 @@ static lk_fuse_term module_term(const lk_lora_module *m, const lk_tensor *t, dou
     case LK_ALGO_OFT:
     case LK_ALGO_BOFT: /* the strength itself, and the file's alpha (the constraint) */
         return (lk_fuse_term){.B = &k[1], .A2 = k[2].data ? &k[2] : NULL, .scale = sc, .kind = LK_TERM_OFT,
-                              .alpha = m->alpha, .peft = m->w1.ndim == 2 ? &m->oft_peft : NULL};
+                              .alpha = m->alpha, .peft = m->w1.ndim == 2 || m->oft_peft.boft ? &m->oft_peft : NULL};
     case LK_ALGO_FULL:
     case LK_ALGO_NORM:
     case LK_ALGO_SET: /* a 1-D weight (a norm layer's) takes a vector term */

@@ -301,3 +301,10 @@ put("adapter", "peft_oft", save({
     "base_model.model.blocks.0.attn.to_q.oft_R.weight": arr((4, 6)),
     "base_model.model.blocks.0.attn.to_k.oft_R.weight": arr((1, 6)),
     "base_model.model.blocks.0.ff.net.2.oft_R.weight": arr((8, 6))}))
+
+# PEFT's BOFT (boft_R: one stage of 4 blocks of 4 columns, boft_s per row; 2 blocks of 8 with boft_s [1, out]), last
+put("adapter", "peft_boft", save({
+    "base_model.model.blocks.0.attn.to_q.boft_R": arr((1, 4, 4, 4)),
+    "base_model.model.blocks.0.attn.to_q.boft_s": arr((H, 1)),
+    "base_model.model.blocks.0.attn.to_v.boft_R": arr((1, 2, 8, 8)),
+    "base_model.model.blocks.0.attn.to_v.boft_s": arr((1, H))}))
