@@ -72,7 +72,7 @@ void lk_inspect_conventions_text(json_t *c, FILE *out) {
         fprintf(out, "conventions: %s not compared (an FP8 weight)\n", json_string_value(p));
     if (!json_array_size(mods)) {
         fprintf(out, "conventions: lorakit, comfyui, lycoris and peft give the same weights for this file%s\n",
-                !json_is_true(json_object_get(c, "base")) ? " (by its scales; no module's delta reads the weight)"
+                !json_is_true(json_object_get(c, "base")) ? " (compared by its scales and rules, without a base: no module where they differ)"
                 : json_array_size(json_object_get(c, "not_compared")) ? " on every compared weight of this base"
                                                                        : " on this base");
         return;
