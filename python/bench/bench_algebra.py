@@ -31,7 +31,7 @@ Each line: {"bench": "algebra_anchor", "case", "tool", "seconds", "peak_rss_mb",
 written factors, then one {"case", "speedup", "rss_ratio"} line per case.
 Needs the /work/venv packages (torch, peft); CI does not run it.
 Usage: /work/venv/bin/python python/bench/bench_algebra.py [--lorakit PATH] [--dim N] [--threads N]
-       [--extract-weights N]"""
+       [--extract-weights N] [--cases resize,merge,extract]"""
 import argparse
 import json
 import os
@@ -243,7 +243,9 @@ def main():
     ap.add_argument("--dim", type=int, default=3072)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--extract-weights", type=int, default=27)
+    ap.add_argument("--cases", default="resize,merge,extract", help="the anchors to run (comma-separated)")
     args = ap.parse_args()
+    cases = set(args.cases.split(","))
     with tempfile.TemporaryDirectory() as d:
         p = subprocess.run([args.lorakit, "bench", "algebra", "--json", "--keep", "--dir", d, "--dim", str(args.dim),
                             "--threads", str(args.threads)], capture_output=True, text=True, check=True)
@@ -257,21 +259,25 @@ def main():
         r128 = lk["resize"]["input"]
         r32a = lk["merge"]["input"]
         r32b = r32a.replace("r32a", "r32b")
-        anchors = [("resize", "kohya_resize", child("kohya_resize", r128, 16)),
-                   ("merge", "peft_svd", child("peft_svd", r32a, r32b, 32))]
+        anchors = []
+        if "resize" in cases:
+            anchors.append(("resize", "kohya_resize", child("kohya_resize", r128, 16)))
+        if "merge" in cases:
+            anchors.append(("merge", "peft_svd", child("peft_svd", r32a, r32b, 32)))
         xb = lk["extract"]["input"]
         xt = lk["extract"]["tuned"]
         nw = args.extract_weights
         scale = 27.0 / nw
-        for tool in ("mergekit_extract", "kohya_extract"):
+        for tool in ("mergekit_extract", "kohya_extract") if "extract" in cases else ():
             r = child(tool, xb, xt, nw)
             r["seconds_measured"] = r["seconds"]
             r["seconds"] = r["seconds"] * scale
             if nw != 27:
                 r["note"] = f"timed on {nw} of 27 weights, seconds scaled by 27/{nw}"
             anchors.append(("extract", tool, r))
-        lx = lorakit_extract_errors(args.lorakit, xb, xt, nw, args.threads)
-        print(json.dumps({"bench": "algebra_anchor", "case": "extract", "tool": "lorakit_accuracy", **lx}), flush=True)
+        if "extract" in cases:
+            lx = lorakit_extract_errors(args.lorakit, xb, xt, nw, args.threads)
+            print(json.dumps({"bench": "algebra_anchor", "case": "extract", "tool": "lorakit_accuracy", **lx}), flush=True)
         for case, tool, r in anchors:
             print(json.dumps({"bench": "algebra_anchor", "case": case, "tool": tool, **r}), flush=True)
             print(json.dumps({"bench": "algebra_ratio", "case": case, "anchor": tool,
