@@ -159,6 +159,44 @@ static void test_emul_failure(void **state) {
     lk_weights_free(w);
 }
 
+/* lk_tracker_set_stream: every copy and launch of a call on this rank is
+ * queued on the stream given (oracle: the emul device's record of each
+ * one's stream, the handle lk_stream_wrap was given), the bytes are the
+ * offline fuse's; a stream of another device is refused naming both. */
+static void test_emul_on_stream(void **state) {
+    (void)state;
+    const lk_device emul = {LK_DEVICE_EMUL, 0};
+    lk_weights *w = load_on(emul);
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.bucket_bytes = (size_t)64 << 10;
+    o.threads = 2;
+    lk_tracker *t = NULL;
+    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_OK);
+    lk_stream *s = NULL, *other = NULL;
+    assert_int_equal(lk_stream_wrap(emul, (void *)(uintptr_t)0x5EED0, &s), LK_OK);
+    assert_int_equal(lk_stream_wrap((lk_device){LK_DEVICE_CPU, 0}, NULL, &other), LK_OK);
+    assert_int_equal(lk_tracker_set_stream(t, other), LK_ERR_ARG);
+    tu_assert_contains(lk_last_error(), "the stream belongs to cpu, the weights are on emul");
+    assert_int_equal(lk_tracker_set_stream(t, s), LK_OK);
+    lk_fuse_input ab[] = {{g_b, -0.5, LK_FORMAT_AUTO}, {g_a, 0.7, LK_FORMAT_AUTO}};
+    for (int call = 0; call < 2; call++) {
+        lk_device_counts c0, c1;
+        lk_device_emul_counts(&c0);
+        assert_int_equal(call ? lk_tracker_reset(t, NULL) : lk_tracker_apply(t, ab, 2, NULL), LK_OK);
+        lk_device_emul_counts(&c1);
+        assert_true(c1.on_stream > c0.on_stream);
+        assert_true(c1.on_default == c0.on_default);
+        assert_true(c1.last_tag == 0x5EED0);
+        assert_true(call || c1.launches > c0.launches); /* the fuse kernel, on s */
+        tu_mpi_check_digest(W, w, call ? g_base_digest : g_want[S_AB]);
+    }
+    assert_int_equal(lk_tracker_set_stream(t, NULL), LK_OK);
+    lk_tracker_free(t);
+    lk_stream_free(s);
+    lk_stream_free(other);
+    lk_weights_free(w);
+}
+
 /* Ranks whose weights live on different kinds of memory would broadcast
  * in rounds of different shapes: refused on every rank at create. */
 static void test_mixed_kinds(void **state) {
@@ -229,7 +267,7 @@ int main(int argc, char **argv) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_emul_sequences), cmocka_unit_test(test_emul_failure),
         cmocka_unit_test(test_mixed_kinds),    cmocka_unit_test(test_refusals),
-        cmocka_unit_test(test_cuda),
+        cmocka_unit_test(test_emul_on_stream), cmocka_unit_test(test_cuda),
     };
     return tu_mpi_finish(W, cmocka_run_group_tests(tests, setup, teardown));
 }

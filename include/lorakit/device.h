@@ -172,6 +172,9 @@ void lk_device_mem_peak_reset(lk_device d);
 typedef struct lk_device_counts {
     uint64_t copies[3], bytes[3];
     uint64_t launches;
+    uint64_t on_default, on_stream; /* copies + launches queued on the default stream (NULL) / on a given one */
+    uint64_t last_tag; /* the handle lk_stream_wrap was given for the stream of the latest
+                          copy or launch queued on a given stream (emul keeps it as a tag) */
 } lk_device_counts;
 void lk_device_emul_counts(lk_device_counts *out);
 

@@ -45,6 +45,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "lorakit/comm.h"
+#include "lorakit/device.h"
 #include "lorakit/digest.h"
 #include "lorakit/fuse.h"
 #include "lorakit/knobs.h"
@@ -179,6 +180,16 @@ lk_status lk_tracker_apply_src(lk_tracker *t, const lk_fuse_input *loras, const 
 /* Collective: every touched key back to its clean bytes on every rank; a
  * no-op when nothing is applied. Same as apply with an empty set. */
 lk_status lk_tracker_reset(lk_tracker *t, lk_tracker_stats *stats);
+
+/* Device weights: the stream the following calls queue this rank's device
+ * work on (restores, backups, the fuse kernel, the stage's copies), e.g.
+ * torch's current stream wrapped by lk_stream_wrap; NULL (the default): the
+ * device's default stream. Borrowed: it must outlive its use. Every move
+ * completes on it before the call goes on, so the collectives (the comm's
+ * own stream) see finished bytes; work queued on it earlier by the host
+ * program runs first. Local (each rank its own); ignored for host weights.
+ * LK_ERR_ARG when s belongs to another device. */
+lk_status lk_tracker_set_stream(lk_tracker *t, lk_stream *s);
 
 /* The rank owning weight i. */
 int lk_tracker_owner(const lk_tracker *t, size_t i);

@@ -744,17 +744,20 @@ class Tracker:
             return req, shown
 
         req, shown = _collective(self._comm, prepare)
-        return json.loads(self._t.apply(req, bool(digest), shown))
+        return json.loads(self._t.apply(req, bool(digest), shown, _stream_handle(self._named)))
 
     def reset(self, *, digest=False):
         """Every touched tensor back to its clean bytes on every rank."""
         _collective(self._comm, lambda: (self._check_moved(), self._stream_sync()))
-        return json.loads(self._t.reset(bool(digest)))
+        return json.loads(self._t.reset(bool(digest), _stream_handle(self._named)))
 
     def _stream_sync(self):
-        """CUDA weights: the tracker works on the device's default stream,
-        so what torch's current stream queued on them completes first (that
-        stream only, not the device)."""
+        """CUDA weights: the tracker queues its device work (restores,
+        backups, the fuse kernel, staging copies) on torch's current stream,
+        each move complete before the next step; what that stream queued
+        before completes first here, so a collective on another stream (a
+        communicator's own) never races it (that stream only, not the
+        device)."""
         _sync_current(self._named)
 
     @property

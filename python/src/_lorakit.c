@@ -271,8 +271,8 @@ static void dl_device_of(PyObject *obj, int *type, int *id) {
 /* obj.__dlpack__(): a CUDA producer is asked with stream=-1 (the DLPack
  * protocol's "no synchronisation"): lorakit queues its work on torch's
  * current stream, the stream the producer's own writes are on, so they are
- * ordered already (and the tracker, on the default stream, synchronises the
- * current stream first). */
+ * ordered already (the tracker queues there too and synchronises the
+ * current stream first, for the collectives on the comm's stream). */
 static PyObject *dlpack_of(PyObject *obj) {
     int type, id;
     dl_device_of(obj, &type, &id);
@@ -1710,14 +1710,21 @@ static int tracker_ready(TrackerObject *self) {
 
 /* One collective call (apply when r is given, else reset), then the
  * group's report. */
-static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int digest, PyObject *new_loras) {
+static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int digest, PyObject *new_loras,
+                              PyObject *stream) {
     lk_comm *c = ((CommObject *)self->comm)->c;
     const double was = lk_comm_timeout(c);
     lk_comm_set_timeout(c, self->timeout); /* checked in Tracker_init */
+    lk_stream *ls = NULL; /* torch's current stream: the call's device work is queued there */
+    if (ok && call_stream(views_device(self->v, self->n), stream, &ls) < 0) ok = 0;
+    lk_status ss = ok ? lk_tracker_set_stream(self->t, ls) : LK_OK;
+    if (ss) ok = 0, raise_lk(ss, NULL);
     self->busy = 1;
     int agreed = agree_local(c, ok);
     self->busy = 0;
     if (agreed < 0) {
+        lk_tracker_set_stream(self->t, NULL);
+        lk_stream_free(ls);
         lk_comm_set_timeout(c, was);
         return NULL;
     }
@@ -1727,6 +1734,8 @@ static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int diges
     char msg[2048] = "", *js = NULL;
     sig_guard g;
     if (guard_begin(&g, &self->cancel) < 0) {
+        lk_tracker_set_stream(self->t, NULL);
+        lk_stream_free(ls);
         lk_comm_set_timeout(c, was);
         return NULL;
     }
@@ -1741,6 +1750,8 @@ static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int diges
     if (!rs) rs = lk_tracker_summary_json(&sum, 0, LK_OK, NULL, &js);
     Py_END_ALLOW_THREADS
     self->busy = 0;
+    lk_tracker_set_stream(self->t, NULL);
+    lk_stream_free(ls);
     lk_comm_set_timeout(c, was);
     lk_error(s, "%s", msg); /* guard_end names the reason */
     if (guard_end(&g, s, r ? "Tracker.apply" : "Tracker.reset") < 0) {
@@ -1766,25 +1777,28 @@ static PyObject *tracker_call(TrackerObject *self, request *r, int ok, int diges
     return json_result(LK_OK, js);
 }
 
-/* apply(loras, digest, applied): applied is the list the loras property
- * shows after success. */
+/* apply(loras, digest, applied[, stream]): applied is the list the loras
+ * property shows after success; stream: torch's current stream's handle
+ * (device weights: the call's device work is queued there). */
 static PyObject *Tracker_apply(TrackerObject *self, PyObject *args) {
-    PyObject *loras, *applied;
+    PyObject *loras, *applied, *stream = Py_None;
     int digest, ok = 1;
-    if (!PyArg_ParseTuple(args, "OpO", &loras, &digest, &applied)) return NULL;
+    if (!PyArg_ParseTuple(args, "OpO|O", &loras, &digest, &applied, &stream)) return NULL;
     if (!tracker_ready(self)) return NULL;
     request r = {0};
     if (request_from(loras, &r) < 0) ok = 0;
-    PyObject *res = tracker_call(self, &r, ok, digest, applied);
+    PyObject *res = tracker_call(self, &r, ok, digest, applied, stream);
     request_free(&r);
     return res;
 }
 
+/* reset(digest[, stream]) */
 static PyObject *Tracker_reset(TrackerObject *self, PyObject *args) {
+    PyObject *stream = Py_None;
     int digest;
-    if (!PyArg_ParseTuple(args, "p", &digest)) return NULL;
+    if (!PyArg_ParseTuple(args, "p|O", &digest, &stream)) return NULL;
     if (!tracker_ready(self)) return NULL;
-    return tracker_call(self, NULL, 1, digest, NULL);
+    return tracker_call(self, NULL, 1, digest, NULL, stream);
 }
 
 static PyObject *Tracker_close(TrackerObject *self, PyObject *noargs) {
@@ -2112,18 +2126,22 @@ static PyObject *py_test_emul_as_cuda(PyObject *mod, PyObject *args) {
     return PyBool_FromLong(was);
 }
 
-/* emul_counts() -> {h2d, d2h, d2d, h2d_bytes, d2h_bytes, d2d_bytes, launches}:
- * the emulated device's running totals (lk_device_emul_counts). */
+/* emul_counts() -> {h2d, d2h, d2d, h2d_bytes, d2h_bytes, d2d_bytes, launches,
+ * on_default, on_stream, last_stream}: the emulated device's running totals
+ * (lk_device_emul_counts); last_stream: the handle of the stream the latest
+ * copy or launch on a given stream was queued on. */
 static PyObject *py_emul_counts(PyObject *mod, PyObject *noargs) {
     (void)mod;
     (void)noargs;
     lk_device_counts k;
     lk_device_emul_counts(&k);
-    return Py_BuildValue("{s:K, s:K, s:K, s:K, s:K, s:K, s:K}", "h2d", (unsigned long long)k.copies[LK_COPY_H2D],
+    return Py_BuildValue("{s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:K, s:K}", "h2d", (unsigned long long)k.copies[LK_COPY_H2D],
                          "d2h", (unsigned long long)k.copies[LK_COPY_D2H], "d2d",
                          (unsigned long long)k.copies[LK_COPY_D2D], "h2d_bytes", (unsigned long long)k.bytes[LK_COPY_H2D],
                          "d2h_bytes", (unsigned long long)k.bytes[LK_COPY_D2H], "d2d_bytes",
-                         (unsigned long long)k.bytes[LK_COPY_D2D], "launches", (unsigned long long)k.launches);
+                         (unsigned long long)k.bytes[LK_COPY_D2D], "launches", (unsigned long long)k.launches,
+                         "on_default", (unsigned long long)k.on_default, "on_stream", (unsigned long long)k.on_stream,
+                         "last_stream", (unsigned long long)k.last_tag);
 }
 
 static PyMethodDef methods[] = {

@@ -131,6 +131,31 @@ def test_tracker_on_emul_equals_offline_fuse(m):
     assert raw(ts) == base
 
 
+def test_tracker_queues_its_device_work_on_the_given_stream(m, monkeypatch):
+    """Tracker.apply/reset hand torch's current stream (_stream_handle: the
+    cudaStream_t as an int) to the C tracker, which queues every copy and
+    kernel launch of the call there. Oracle: the emul device's own record of
+    the stream each copy/launch was queued on (the handle lk_stream_wrap was
+    given, kept as a tag), and the offline CPU fuse's bytes."""
+    tag = 0x5EED0
+    monkeypatch.setattr(lorakit, "_stream_handle", lambda named: tag)
+    ts = on_emul(m["base"])
+    base = raw(ts)
+    with lt.emul_as_cuda():
+        with lorakit.Tracker(ts, comm="self", threads=2) as t:
+            for fuses, call in ((True, lambda: t.apply([(m["a1"], 0.7), (m["a2"], -1.5)])),
+                                (True, lambda: t.apply([(m["a2"], 1.25)])), (False, t.reset)):
+                c0 = lt.emul_counts()
+                call()
+                d = delta(c0, lt.emul_counts())
+                assert d["on_stream"] > 0 and d["on_default"] == 0, d
+                assert lt.emul_counts()["last_stream"] == tag
+                assert (d["launches"] > 0) == fuses, d  # the fuse kernel ran (on that stream); reset only copies
+            assert raw(ts) == base
+            t.apply([(m["a2"], 1.25)])
+            assert raw(ts) == offline(m, [(m["a2"], 1.25)], "want_s")
+
+
 def test_adapter_in_memory_on_emul(m):
     """lorakit.Adapter (bytes in this process) fused into emul weights: the
     bytes of the file-based CPU fuse."""

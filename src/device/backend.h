@@ -14,6 +14,8 @@ struct lk_stream {
     lk_device dev;
     void *native; /* cudaStream_t (NULL: the default stream); NULL for cpu/emul */
     int owned;    /* created here (lk_stream_free destroys it) */
+    uintptr_t tag; /* emul: the handle lk_stream_wrap was given (recorded by the
+                      emul counts, so tests see which stream work was queued on) */
 };
 
 struct lk_event {

@@ -293,7 +293,9 @@ lk_status lk_stream_wrap(lk_device d, void *native, lk_stream **out) {
         lk_status st = lk_cuda_check(d.index);
         if (st) return st;
     }
-    return stream_new(d, d.kind == LK_DEVICE_CUDA ? native : NULL, 0, out);
+    lk_status st = stream_new(d, d.kind == LK_DEVICE_CUDA ? native : NULL, 0, out);
+    if (!st && d.kind == LK_DEVICE_EMUL) (*out)->tag = (uintptr_t)native;
+    return st;
 }
 
 void lk_stream_free(lk_stream *s) {
@@ -387,6 +389,20 @@ void lk_device_emul_counts(lk_device_counts *out) {
         out->bytes[k] = __atomic_load_n(&g_emul_counts.bytes[k], __ATOMIC_RELAXED);
     }
     out->launches = __atomic_load_n(&g_emul_counts.launches, __ATOMIC_RELAXED);
+    out->on_default = __atomic_load_n(&g_emul_counts.on_default, __ATOMIC_RELAXED);
+    out->on_stream = __atomic_load_n(&g_emul_counts.on_stream, __ATOMIC_RELAXED);
+    out->last_tag = __atomic_load_n(&g_emul_counts.last_tag, __ATOMIC_RELAXED);
+}
+
+/* An emul copy or launch queued on s: counted as on the default stream
+ * (s NULL) or on a given one, whose wrapped handle is remembered. */
+static void emul_count_stream(const lk_stream *s) {
+    if (!s) {
+        __atomic_fetch_add(&g_emul_counts.on_default, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    __atomic_fetch_add(&g_emul_counts.on_stream, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_emul_counts.last_tag, (uint64_t)s->tag, __ATOMIC_RELAXED);
 }
 
 static lk_status emul_side(const void *p, size_t bytes, const char *side, lk_copy_kind kind) {
@@ -413,6 +429,7 @@ lk_status lk_device_copy(lk_device d, void *dst, const void *src, size_t bytes, 
         memcpy(dst, src, bytes);
         __atomic_fetch_add(&g_emul_counts.copies[kind], 1, __ATOMIC_RELAXED);
         __atomic_fetch_add(&g_emul_counts.bytes[kind], (uint64_t)bytes, __ATOMIC_RELAXED);
+        emul_count_stream(s);
         return LK_OK;
     case LK_DEVICE_CUDA: return lk_cuda_copy(d.index, dst, src, bytes, kind, s ? s->native : NULL);
     }
@@ -487,6 +504,7 @@ lk_status lk_device_launch(lk_device d, const lk_kernel *k, lk_dim3 grid, lk_dim
     case LK_DEVICE_CPU: return lk_error(LK_ERR_ARG, "launch %s: kernels run on a device (cuda, emul), not cpu", k->name);
     case LK_DEVICE_EMUL:
         __atomic_fetch_add(&g_emul_counts.launches, 1, __ATOMIC_RELAXED);
+        emul_count_stream(s);
         return emul_launch(k, grid, block, args);
     case LK_DEVICE_CUDA: return lk_cuda_launch(d.index, k, grid, block, args, s ? s->native : NULL);
     }

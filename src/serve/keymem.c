@@ -53,6 +53,13 @@ void lk_keymem_free(lk_keymem *km) {
     km->scratch = km->stage = NULL;
 }
 
+/* One move of bytes on km's stream, complete when it returns (the caller
+ * reads the scratch, reuses the stage or hands the memory to the comm next). */
+static lk_status km_copy(const lk_keymem *km, void *dst, const void *src, size_t n, lk_copy_kind kind) {
+    lk_status s = lk_device_copy(km->dev, dst, src, n, kind, km->stream);
+    return !s && km->stream ? lk_stream_sync(km->dev, km->stream) : s;
+}
+
 lk_status lk_keymem_backup(lk_keymem *km, const lk_tensor *w, void **backup) {
     const size_t n = w->nbytes ? w->nbytes : 1;
     lk_status s;
@@ -65,7 +72,7 @@ lk_status lk_keymem_backup(lk_keymem *km, const lk_tensor *w, void **backup) {
     }
     if (km->backup_device) {
         s = lk_device_alloc(km->dev, n, backup);
-        if (!s) s = lk_device_copy(km->dev, *backup, w->data, w->nbytes, LK_COPY_D2D, NULL);
+        if (!s) s = km_copy(km, *backup, w->data, w->nbytes, LK_COPY_D2D);
     } else {
         s = lk_device_host_alloc(km->dev, n, backup);
         if (!s) s = lk_keymem_read(km, *backup, w->data, w->nbytes);
@@ -97,7 +104,7 @@ lk_status lk_keymem_read(const lk_keymem *km, void *dst, const void *src, size_t
         memcpy(dst, src, n);
         return LK_OK;
     }
-    return n ? lk_device_copy(km->dev, dst, src, n, LK_COPY_D2H, NULL) : LK_OK;
+    return n ? km_copy(km, dst, src, n, LK_COPY_D2H) : LK_OK;
 }
 
 lk_status lk_keymem_write(const lk_keymem *km, void *dst, const void *src, size_t n) {
@@ -105,12 +112,12 @@ lk_status lk_keymem_write(const lk_keymem *km, void *dst, const void *src, size_
         memcpy(dst, src, n);
         return LK_OK;
     }
-    return n ? lk_device_copy(km->dev, dst, src, n, LK_COPY_H2D, NULL) : LK_OK;
+    return n ? km_copy(km, dst, src, n, LK_COPY_H2D) : LK_OK;
 }
 
 lk_status lk_keymem_restore(const lk_keymem *km, const lk_tensor *w, const void *backup) {
     if (!w->nbytes) return LK_OK;
-    if (km->backup_device) return lk_device_copy(km->dev, w->data, backup, w->nbytes, LK_COPY_D2D, NULL);
+    if (km->backup_device) return km_copy(km, w->data, backup, w->nbytes, LK_COPY_D2D);
     return lk_keymem_write(km, w->data, backup, w->nbytes);
 }
 
@@ -142,20 +149,18 @@ lk_status lk_keymem_host_view(const lk_keymem *km, const void *p, size_t n, size
 
 lk_status lk_keymem_fuse(const lk_keymem *km, const lk_tensor *w, const lk_fuse_key *plan, const lk_fuse_term *terms,
                          const lk_fuse_opts *fo, size_t *on_host) {
-    (void)km;
     lk_tensor d = *w;
     lk_fuse_dev_stats fs = {0};
-    lk_status s = lk_fuse_key_apply_dev(&d, plan, terms, fo, NULL, &fs);
+    lk_status s = lk_fuse_key_apply_dev(&d, plan, terms, fo, km->stream, &fs);
     __atomic_fetch_add(on_host, fs.keys_host_fallback, __ATOMIC_RELAXED);
     return s;
 }
 
 lk_status lk_keymem_fuse_fp8(const lk_keymem *km, const lk_tensor *w, const lk_tensor *sc, const lk_fuse_term *terms,
                              size_t nt, const lk_fuse_opts *fo, size_t *on_host) {
-    (void)km;
     lk_tensor d = *w, ds = sc ? *sc : (lk_tensor){0};
     lk_fuse_dev_stats fs = {0};
-    lk_status s = lk_fuse_fp8_dev(&d, sc ? &ds : NULL, terms, nt, fo, NULL, &fs);
+    lk_status s = lk_fuse_fp8_dev(&d, sc ? &ds : NULL, terms, nt, fo, km->stream, &fs);
     __atomic_fetch_add(on_host, fs.keys_host_fallback, __ATOMIC_RELAXED);
     return s;
 }

@@ -29,6 +29,9 @@ typedef struct lk_keymem {
     size_t stage_bytes;
     uint64_t device_bytes; /* device memory held (the backups on the device) */
     uint64_t pinned_bytes; /* pinned host memory held (backups, scratch, stage) */
+    lk_stream *stream;     /* where the device work is queued (NULL: the default stream);
+                              borrowed (lk_tracker_set_stream). Each move completes
+                              before its function returns, on whichever stream */
 } lk_keymem;
 
 /* Sets km up for weights on dev: on a device, a scratch of max_key bytes

@@ -1414,6 +1414,17 @@ lk_status lk_tracker_apply_src(lk_tracker *t, const lk_fuse_input *loras, const 
     return s;
 }
 
+lk_status lk_tracker_set_stream(lk_tracker *t, lk_stream *s) {
+    if (!t) return lk_error(LK_ERR_ARG, "tracker set stream: NULL tracker");
+    if (s && t->km.on_device && !lk_device_equal(lk_stream_device(s), t->km.dev)) {
+        char a[LK_DEVICE_STR_MAX], b[LK_DEVICE_STR_MAX];
+        return lk_error(LK_ERR_ARG, "tracker: the stream belongs to %s, the weights are on %s",
+                        lk_device_str(lk_stream_device(s), a), lk_device_str(t->km.dev, b));
+    }
+    t->km.stream = t->km.on_device ? s : NULL;
+    return LK_OK;
+}
+
 lk_status lk_tracker_reset(lk_tracker *t, lk_tracker_stats *stats) { return lk_tracker_apply(t, NULL, 0, stats); }
 
 int lk_tracker_owner(const lk_tracker *t, size_t i) { return (t && i < t->n) ? t->k[i].owner : -1; }
