@@ -10,7 +10,9 @@
  * algorithm not fused yet: test_lycoris_parity lists those in lk_not_yet),
  * the tracker must refuse it too, on every rank, with the weights as they
  * were. Then requests of two adapters with different algorithms on the same
- * weights (their deltas add), and a reset back to the base's digest. */
+ * weights (their deltas add), and a reset back to the base's digest.
+ * The same on the emulated device (weights in device memory, every key by
+ * the device kernel: keys_fused_on_host 0). */
 #include "mpi_testutil.h"
 #include "swap_fixture.h"
 
@@ -28,6 +30,7 @@
 static lk_comm *W;
 #define g_dir tu_mpi_dir /* the group's shared temporary folder */
 static int g_fused, g_refused;
+static size_t g_on_host; /* keys fused on the host path, summed over the tracker's steps on this rank */
 
 /* Applies in[0..n) with the tracker: the offline digest on every rank, or,
  * where the offline fuse refuses, a refusal on every rank, nothing changed. */
@@ -51,7 +54,9 @@ static void step(lk_tracker *tr, const lk_weights *w, const char *base, const lk
         g_refused++;
         return;
     }
-    if (lk_tracker_apply(tr, in, n, NULL)) fail_msg("apply %s (+%zu): %s", in[0].path, n - 1, lk_last_error());
+    lk_tracker_stats st;
+    if (lk_tracker_apply(tr, in, n, &st)) fail_msg("apply %s (+%zu): %s", in[0].path, n - 1, lk_last_error());
+    g_on_host += st.keys_fused_on_host;
     char got[LK_DIGEST_HEX];
     assert_int_equal(lk_weights_digest(w, got), LK_OK);
     if (strcmp(got, want))
@@ -61,8 +66,26 @@ static void step(lk_tracker *tr, const lk_weights *w, const char *base, const lk
     g_fused++;
 }
 
+/* The plan below on weights held on dev (cpu, or the emulated device: the
+ * device layer's kernels, the tracker's restores and broadcasts on device
+ * memory); on a device every key must be fused by the device kernel
+ * (keys_fused_on_host 0: LoRA, LoCon, Tucker, LoHa, LoKr, dense, norm,
+ * DoRA and FP8 all run there). */
+static void run_plan(lk_device dev);
+
 static void test_lycoris_plan(void **state) {
     (void)state;
+    run_plan((lk_device){LK_DEVICE_CPU, 0});
+}
+
+static void test_lycoris_plan_emul(void **state) {
+    (void)state;
+    run_plan((lk_device){LK_DEVICE_EMUL, 0});
+}
+
+static void run_plan(lk_device dev) {
+    g_fused = g_refused = 0;
+    g_on_host = 0;
     /* F16 and the strength-0.7 rows are checked offline by
      * test_lycoris_parity; left out here to keep the 1-4 rank runs short
      * under ASan. */
@@ -73,6 +96,7 @@ static void test_lycoris_plan(void **state) {
         snprintf(base, sizeof base, FX "/%s", bases[b]);
         lk_weights *w;
         if (lk_weights_load(base, &w)) fail_msg("%s", lk_last_error());
+        if (dev.kind != LK_DEVICE_CPU && lk_weights_to_device(w, dev)) fail_msg("%s", lk_last_error());
         char clean[LK_DIGEST_HEX];
         assert_int_equal(lk_weights_digest(w, clean), LK_OK);
         lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
@@ -110,13 +134,16 @@ static void test_lycoris_plan(void **state) {
         lk_weights_free(w);
     }
     if (lk_comm_rank(W) == 0)
-        print_message("%d requests fused equal to the offline fuse, %d refused by both\n", g_fused, g_refused);
+        print_message("%s: %d requests fused equal to the offline fuse, %d refused by both\n",
+                      dev.kind == LK_DEVICE_CPU ? "cpu" : "emul", g_fused, g_refused);
     assert_true(g_fused > 0);
+    if (dev.kind != LK_DEVICE_CPU && g_on_host)
+        fail_msg("rank %d: %zu keys took the device kernel's host path", lk_comm_rank(W), g_on_host);
 }
 
 int main(int argc, char **argv) {
     W = tu_mpi_world = tu_mpi_init(&argc, &argv);
     lk_log_set_level(LK_LOG_ERROR);
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_lycoris_plan)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_lycoris_plan), cmocka_unit_test(test_lycoris_plan_emul)};
     return tu_mpi_finish(W, cmocka_run_group_tests(tests, tu_mpi_setup_dir, tu_mpi_teardown_dir));
 }
