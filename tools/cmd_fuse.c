@@ -68,6 +68,11 @@ static const char *const FUSE_USAGE =
     "                         \"none\": no table); default: recognised from BASE's keys\n"
     "  --map FILE             an extra name table in the same format (README \"Model\n"
     "                         families and layouts\"; repeatable)\n"
+    "  --tie NAME=KEY         NAME is another name of BASE's tensor KEY (tied\n"
+    "                         weights saved once, e.g. a transformers model with\n"
+    "                         tie_word_embeddings: --tie lm_head.weight=\n"
+    "                         model.embed_tokens.weight): a module naming NAME is\n"
+    "                         fused into KEY (repeatable)\n"
     LK_CLI_ALPHA_FROM_HELP
     LK_CLI_CONVENTION_HELP
     "  --allow-unmatched      skip adapter modules that match no model weight\n"
@@ -156,12 +161,15 @@ int lk_cmd_fuse(int argc, char **argv) {
     int f8;
     lk_fuse_input *in = calloc((size_t)argc, sizeof *in);
     const char **maps = calloc((size_t)argc, sizeof *maps);
+    char **tied = calloc(2 * (size_t)argc, sizeof *tied); /* NAME, KEY: one strdup of NAME=KEY, split at '=' */
     opts.maps = maps;
+    opts.tied = (const char *const *)tied;
     size_t n = 0;
     int rc = LK_EXIT_USAGE;
-    if (!in || !maps) {
+    if (!in || !maps || !tied) {
         free(in);
         free(maps);
+        free(tied);
         fprintf(stderr, "lorakit: out of memory\n");
         return LK_EXIT_FAIL;
     }
@@ -210,6 +218,22 @@ int lk_cmd_fuse(int argc, char **argv) {
                 goto done;
             }
             maps[opts.n_maps++] = argv[++i];
+        } else if (!strcmp(a, "--tie")) {
+            const char *eq = has_val ? strchr(argv[i + 1], '=') : NULL;
+            if (!eq || eq == argv[i + 1] || !eq[1]) {
+                lk_cli_usage("fuse", "--tie needs NAME=KEY (a tied name and the base's tensor it stands for), got %s",
+                             has_val ? argv[i + 1] : "nothing");
+                goto done;
+            }
+            char *d = strdup(argv[++i]);
+            if (!d) {
+                fprintf(stderr, "lorakit: out of memory\n");
+                rc = LK_EXIT_FAIL;
+                goto done;
+            }
+            d[eq - argv[i]] = '\0';
+            tied[2 * opts.n_tied] = d;
+            tied[2 * opts.n_tied++ + 1] = d + (eq - argv[i]) + 1;
         } else if (!strcmp(a, "--alpha-from")) {
             if (!has_val) {
                 lk_cli_usage("fuse", "--alpha-from needs tensors or metadata");
@@ -290,5 +314,7 @@ int lk_cmd_fuse(int argc, char **argv) {
 done:
     free(in);
     free(maps);
+    for (size_t t = 0; t < opts.n_tied; t++) free(tied[2 * t]);
+    free(tied);
     return rc;
 }

@@ -259,6 +259,11 @@ typedef struct lk_resolve_opts {
                                   from the model's keys */
     const char *const *maps;   /* extra name tables (--map FILE), same format as data/families/ */
     size_t n_maps;
+    const char *const *tied;   /* n_tied pairs (NAME, KEY), flat: NAME is another name of model key KEY (tied
+                                  weights, one tensor under both names, the model holding it once as KEY): a
+                                  module naming NAME (NAME = "<module>.weight") lands on KEY when no model key
+                                  is NAME */
+    size_t n_tied;
     const char *component;     /* a pipeline component ("unet", "transformer", "text_encoder[_2|_3]"): modules
                                   prefixed for another component are left out, and modules that match nothing
                                   are left unmatched without an error (the pipeline checks each landed

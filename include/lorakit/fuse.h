@@ -162,6 +162,8 @@ typedef struct lk_fuse_file_opts {
     const char *arch;          /* model family table (lk_resolve_opts.arch); NULL: recognised from the keys */
     const char *const *maps;   /* extra name tables (--map FILE) */
     size_t n_maps;
+    const char *const *tied;   /* tied names: lk_resolve_opts.tied */
+    size_t n_tied;
     const char *component;     /* set by lk_fuse_pipeline for each component (lk_resolve_opts.component) */
     lk_device device;          /* 0 = cpu; cuda:N / emul: each fused tensor is uploaded, fused there by the
                                   device kernel (lorakit/fuse_device.h) and downloaded: the same bytes */

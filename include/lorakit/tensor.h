@@ -37,6 +37,10 @@ typedef struct lk_tensor {
     size_t nbytes;               /* product(shape) * dtype size */
     void *data;                  /* borrowed; read-only for reader views */
     lk_device device;            /* where data lives; zero = host memory */
+    const char *frozen;          /* NULL, or why the caller's own tensor cannot be written (data is then a
+                                    copy of it, e.g. a non-contiguous torch tensor): an in-memory fuse or a
+                                    tracker call that would write it fails naming it and this reason, before
+                                    any write; borrowed */
 } lk_tensor;
 
 /* 1 when the tensor's bytes are in host memory (readable by the CPU). */

@@ -99,6 +99,10 @@ typedef struct lk_tracker_opts {
                             equal on every rank (else LK_ERR_MISMATCH). Adapters land
                             where lk_fuse_file with the same arch and maps puts them,
                             row slices of fused weights included */
+    const char *const *tied; /* n_tied pairs (NAME, KEY) of tied names, as
+                            lk_resolve_opts.tied; copied by create; must be equal on
+                            every rank */
+    size_t n_tied;
     const char *base_label; /* names the weights in messages about their own tensors
                             (an FP8 scale that is NaN, 0, ...): the base checkpoint's
                             path; copied; NULL: "base weights" */
@@ -115,7 +119,7 @@ typedef struct lk_tracker_opts {
     {.bucket_bytes = LK_TRACKER_BUCKET_DEFAULT, .no_lora_swap = 0, .threads = 0,             \
      .allow_nonfinite = 0, .fp8 = {LK_FP8_NEAREST, 0, LK_FP8_RESCALE, 0}, .alpha_from = LK_ALPHA_AUTO,   \
      .convention = LK_CONVENTION_LORAKIT,                                                      \
-     .arch = NULL, .maps = NULL, .n_maps = 0, .base_label = NULL, .backup = LK_TRACKER_BACKUP_HOST}
+     .arch = NULL, .maps = NULL, .n_maps = 0, .tied = NULL, .n_tied = 0, .base_label = NULL, .backup = LK_TRACKER_BACKUP_HOST}
 
 typedef struct lk_tracker_stats {
     int skipped;               /* the request equalled the current set (and its files read the same) */

@@ -155,12 +155,28 @@ def _one_device(named):
     return next(iter(first), "cpu")
 
 
-def _item(name, value, allow_cuda=True):
+_STRIDED = ("lorakit writes a tensor's own memory, and a .contiguous() copy would leave the model unchanged; "
+            "make the model's tensor itself contiguous (e.g. module.weight.data = module.weight.data.contiguous()) "
+            "and pass that")
+
+
+def _strided_why(value):
+    st = value.stride() if hasattr(value, "stride") else value.strides  # torch: elements; numpy: bytes
+    return f"it is not contiguous (strides {tuple(st)} for shape {tuple(value.shape)}): {_STRIDED}"
+
+
+def _item(name, value, allow_cuda=True, strided=False):
     """(name, value, dtype hint) for the C layer; raises naming the key.
     allow_cuda: a CUDA tensor is passed as device memory (every call that
-    takes tensors does; False refuses it)."""
+    takes tensors does; False refuses it). strided: a non-contiguous tensor
+    is passed as a contiguous copy with why it may not be written, (name,
+    copy, hint, why) (lk_tensor.frozen: the call fails naming it only if an
+    adapter writes it); else it is refused here."""
     np = sys.modules.get("numpy")
     if np is not None and isinstance(value, np.ndarray):
+        if strided and not value.flags.c_contiguous:
+            why = _strided_why(value)
+            return _item(name, np.ascontiguousarray(value), allow_cuda)[:3] + (why,)
         raw = _NUMPY_RAW.get(value.dtype.name)
         if raw is not None:
             return (name, value.view(raw[1]), raw[0])
@@ -183,10 +199,10 @@ def _item(name, value, allow_cuda=True):
             # assignment under torch.no_grad() would
             value = value.detach()
         if not value.is_contiguous():
+            if strided:
+                return (name, value.contiguous(), None, _strided_why(value))
             raise ValueError(f"{name}: not contiguous (strides {tuple(value.stride())} for shape {tuple(value.shape)}): "
-                             "lorakit writes a tensor's own memory, and a .contiguous() copy would leave the model "
-                             "unchanged; make the model's tensor itself contiguous (e.g. module.weight.data = "
-                             "module.weight.data.contiguous()) and pass that")
+                             + _STRIDED)
     return (name, value, None)
 
 
@@ -245,7 +261,25 @@ def _dedupe(pairs):
     return out, aliases
 
 
+def _tied(aliases, tied=None):
+    """The C layer's tied names (lk_resolve_opts.tied): a flat list of
+    (name, kept key) pairs, so an adapter naming any name of a tied tensor
+    lands on the one weight: the aliases found in memory and the caller's
+    tied={NAME: KEY} (`--tie NAME=KEY`: a weight saved once under KEY)."""
+    if tied is None:
+        tied = {}
+    if not isinstance(tied, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise TypeError(f"tied must be a mapping of str to str ({{NAME: KEY}}: NAME is another name of the "
+                        f"tensor KEY), got {tied!r}")
+    return [s for a, k in {**tied, **aliases}.items() for s in (a, k)]
+
+
 def _items(tensors, dedupe=False, allow_cuda=True):
+    """[(name, value, hint)] for the C layer. dedupe (the calls that write
+    the tensors: fuse_, Tracker): tied names become one weight and
+    non-contiguous tensors pass as copies that only an adapter writing them
+    refuses (_item's strided); returns (items, aliases, {name: the caller's
+    tensor})."""
     pairs = _pairs(tensors)
     aliases = {}
     if dedupe:
@@ -257,8 +291,8 @@ def _items(tensors, dedupe=False, allow_cuda=True):
             raise TypeError(f"tensor names must be str, got {k!r}")
         if v is None:
             raise TypeError(f"{k}: None is not a tensor")
-        out.append(_item(k, v, allow_cuda))
-    return (out, aliases) if dedupe else out
+        out.append(_item(k, v, allow_cuda, strided=dedupe))
+    return (out, aliases, dict(pairs)) if dedupe else out
 
 
 def _strength(i, typed):
@@ -585,7 +619,7 @@ def inspect(path, base=None, *, arch=None, maps=(), alpha_from=None, convention=
 
 
 def fuse(base, loras, out, *, threads=0, allow_unmatched=False, allow_nonfinite=False, alpha_from=None,
-         arch=None, maps=(), convention=None):
+         arch=None, maps=(), convention=None, tied=None):
     """Fuses loras [(path, strength), ...] into the checkpoint base and
     writes out atomically, as `lorakit fuse`; returns its --json summary.
     base may be a diffusers pipeline folder (model_index.json): out is then
@@ -593,25 +627,32 @@ def fuse(base, loras, out, *, threads=0, allow_unmatched=False, allow_nonfinite=
     family name, "none" for no table) and maps (paths of extra name tables)
     are `--arch` and `--map`. convention ("lorakit", "comfyui", "lycoris",
     "peft"; None: lorakit, or the one the call's Adapters were made with)
-    is `--convention`: the same bytes as the CLI's."""
+    is `--convention`: the same bytes as the CLI's. tied {NAME: KEY} is
+    `--tie NAME=KEY`: NAME is another name of base's tensor KEY (a weight
+    tied to another and saved once, e.g. lm_head.weight under
+    model.embed_tokens.weight), so a module naming NAME fuses into KEY."""
     req, shown = _loras(loras)
     cv = _call_convention(convention, shown)
     return json.loads(_c.fuse(base, out, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite),
-                              _alpha_from(alpha_from), *_tables(arch, maps), cv))
+                              _alpha_from(alpha_from), *_tables(arch, maps), cv, _tied({}, tied)))
 
 
 def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=False, alpha_from=None,
-          arch=None, maps=(), convention=None):
+          arch=None, maps=(), convention=None, tied=None):
     """Fuses loras into tensors (a state_dict: name -> tensor, or an
     nn.Module: its state_dict names, parameters and persistent buffers) in
     place; the bytes equal those of `lorakit fuse` on a checkpoint holding
     the same tensors. Parameters that require grad are written through
     their storage (as under torch.no_grad()). Tied tensors (one memory under
-    several names) are one weight, fused once under its first name; views
-    that overlap differently are refused. Every value is checked first
-    (contiguous, writable, CPU, a dtype lorakit reads) and every adapter
+    several names) are one weight, fused once and reported under its first
+    name, whichever of its names an adapter uses (an adapter naming two of
+    them is refused: "modules ... both target ..."); views that overlap
+    differently are refused. tied {NAME: KEY}: names not in tensors that
+    stand for the tensor KEY (as fuse's). Every value is checked first
+    (writable, CPU or CUDA, a dtype lorakit reads) and every adapter
     validated before the first write; on any error every tensor keeps its
-    bytes. arch, maps and convention as fuse's, against the tensors' names. Returns the
+    bytes. A non-contiguous tensor is left alone unless an adapter writes
+    it, which is refused naming it (lorakit writes a tensor's own memory). arch, maps and convention as fuse's, against the tensors' names. Returns the
     summary (as fuse's, without base and out). CUDA tensors (on one device)
     are fused where they are, on torch's current stream: the touched
     tensors backed up on the device (device-to-device copies; peak extra
@@ -621,10 +662,10 @@ def fuse_(tensors, loras, *, threads=0, allow_unmatched=False, allow_nonfinite=F
     "keys_device" and "keys_host_fallback"."""
     req, shown = _loras(loras)
     cv = _call_convention(convention, shown)
-    items, _ = _items(tensors, dedupe=True)
+    items, aliases, _ = _items(tensors, dedupe=True)
     return json.loads(_c.fuse_(items, req, int(threads), bool(allow_unmatched), bool(allow_nonfinite),
                                _alpha_from(alpha_from), *_tables(arch, maps), cv,
-                               _stream_handle((k, v) for k, v, _ in items)))
+                               _stream_handle((k, v) for k, v, *_ in items), _tied(aliases, tied)))
 
 
 # ---- hot-swap ----
@@ -643,8 +684,10 @@ class Tracker:
     LoraError on every rank and leaves every rank's tensors unchanged; ranks
     that ask for different sets all raise (status LK_ERR_MISMATCH). The
     tensors are borrowed, never copied: keep them alive while the tracker
-    exists (close() releases them). Tied tensors are one weight (fused once,
-    as by fuse_). The tracker remembers where each tensor's memory is: if
+    exists (close() releases them). Tied tensors are one weight (fused once
+    and backed up once, whichever of its names an adapter uses, as by fuse_;
+    tied= as fuse_'s). A non-contiguous tensor is left alone unless an
+    adapter writes it (that apply raises naming it, changing nothing). The tracker remembers where each tensor's memory is: if
     the tensors came from a module and a later call finds one reallocated
     (model.to(...), a reassigned parameter), it raises naming the key on
     every rank instead of writing memory the model no longer uses.
@@ -678,22 +721,23 @@ class Tracker:
 
     def __init__(self, tensors, *, comm=None, bucket_mb=_default("swap_bucket_mb"), no_lora_swap=False,
                  threads=_default("threads"), allow_nonfinite=False, timeout=float(_default("timeout_s")),
-                 alpha_from=None, arch=None, maps=(), convention=None):
+                 alpha_from=None, arch=None, maps=(), convention=None, tied=None):
         lc = _comm(comm)
         self._source = tensors if _is_module(tensors) else None
 
         def prepare():
-            items, _ = _items(tensors, dedupe=True)
+            items, aliases, given = _items(tensors, dedupe=True)
             return (items, _c.mib_bytes("swap_bucket_mb", float(bucket_mb)), int(threads), float(timeout),
-                    _alpha_from(alpha_from), _tables(arch, maps), _convention(convention) or "lorakit")
+                    _alpha_from(alpha_from), _tables(arch, maps), _convention(convention) or "lorakit",
+                    _tied(aliases, tied), given)
 
         items = _collective(lc, prepare)
         self._comm = lc
         self._convention = items[6]
-        self._named = [(k, v) for k, v, _ in items[0]]
-        self._ptrs = {k: _storage_span(v) for k, v, _ in items[0]}
+        self._named = [(k, v) for k, v, *_ in items[0]]
+        self._ptrs = {k: _storage_span(items[8][k]) for k, *_ in items[0]}
         self._t = _c.Tracker(lc, items[0], items[1], bool(no_lora_swap), items[2], bool(allow_nonfinite), items[3],
-                             items[4], *items[5], items[6])
+                             items[4], *items[5], items[6], items[7])
 
     def _check_moved(self):
         """Raises naming the first key of the module whose memory moved

@@ -194,12 +194,14 @@ typedef struct view {
     int has_buf;
     Py_buffer buf;
     DLManagedTensor *dl;
+    PyObject *frozen; /* bytes (UTF-8) t.frozen points into, or NULL */
 } view;
 
 static void view_release(view *v) {
     if (v->has_buf) PyBuffer_Release(&v->buf);
     if (v->dl && v->dl->deleter) v->dl->deleter(v->dl);
     Py_XDECREF(v->name);
+    Py_XDECREF(v->frozen);
     memset(v, 0, sizeof *v);
 }
 
@@ -415,8 +417,9 @@ static int call_stream(lk_device d, PyObject *handle, lk_stream **out) {
     return 0;
 }
 
-/* items: a sequence of (name: str, value, dtype_hint: str | None). On
- * failure nothing is held and an exception is set. */
+/* items: a sequence of (name: str, value, dtype_hint: str | None[, frozen: str]): frozen says why value is a
+ * copy of the caller's tensor that the call must not write (lk_tensor.frozen). On failure nothing is held and
+ * an exception is set. */
 static view *views_from(PyObject *items, int flags, size_t *n_out) {
     PyObject *seq = PySequence_Fast(items, "tensors must be a sequence of (name, tensor, hint) items");
     if (!seq) return NULL;
@@ -430,8 +433,8 @@ static view *views_from(PyObject *items, int flags, size_t *n_out) {
     Py_ssize_t i = 0;
     for (; i < n; i++) {
         PyObject *it = PySequence_Fast_GET_ITEM(seq, i), *name, *val, *hint;
-        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) != 3) {
-            PyErr_SetString(PyExc_TypeError, "internal: tensors items must be (name, tensor, hint)");
+        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) < 3 || PyTuple_GET_SIZE(it) > 4) {
+            PyErr_SetString(PyExc_TypeError, "internal: tensors items must be (name, tensor, hint[, frozen])");
             break;
         }
         name = PyTuple_GET_ITEM(it, 0);
@@ -444,6 +447,16 @@ static view *views_from(PyObject *items, int flags, size_t *n_out) {
         const char *h = hint == Py_None ? NULL : PyUnicode_AsUTF8(hint);
         if (hint != Py_None && !h) break;
         if (view_acquire(&v[i], name, val, h, flags) < 0) break;
+        if (PyTuple_GET_SIZE(it) == 4) {
+            PyObject *fz = PyTuple_GET_ITEM(it, 3);
+            v[i].frozen = PyUnicode_Check(fz) ? PyUnicode_AsUTF8String(fz) : NULL;
+            if (!v[i].frozen) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "internal: frozen must be a str");
+                view_release(&v[i]);
+                break;
+            }
+            v[i].t.frozen = PyBytes_AS_STRING(v[i].frozen);
+        }
     }
     Py_DECREF(seq);
     if (i < n) {
@@ -1306,20 +1319,23 @@ static int temp_handlers(void) {
 static PyObject *py_fuse(PyObject *mod, PyObject *args) {
     (void)mod;
     if (temp_handlers() < 0) return NULL;
-    PyObject *base, *out, *loras, *arch, *maps;
+    PyObject *base, *out, *loras, *arch, *maps, *tied = NULL;
     lk_fuse_file_opts o = {0};
     const char *af, *cv = "lorakit";
-    if (!PyArg_ParseTuple(args, "O&O&OiiisOO|s", PyUnicode_FSConverter, &base, PyUnicode_FSConverter, &out, &loras,
-                          &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite, &af, &arch, &maps, &cv))
+    if (!PyArg_ParseTuple(args, "O&O&OiiisOO|sO", PyUnicode_FSConverter, &base, PyUnicode_FSConverter, &out, &loras,
+                          &o.fuse.threads, &o.allow_unmatched, &o.fuse.allow_nonfinite, &af, &arch, &maps, &cv, &tied))
         return NULL;
     request r;
-    tables tb = {0};
+    tables tb = {0}, tt = {0};
     PyObject *res = NULL;
     if (threads_ok(o.fuse.threads) && alpha_from_of(af, &o.alpha_from) == 0 &&
-        convention_of(cv, &o.fuse.convention) == 0 && tables_from(arch, maps, &tb) == 0 && request_from(loras, &r) == 0) {
+        convention_of(cv, &o.fuse.convention) == 0 && tables_from(arch, maps, &tb) == 0 &&
+        (!tied || tables_from(Py_None, tied, &tt) == 0) && request_from(loras, &r) == 0) {
         o.arch = tables_arch(&tb);
         o.maps = tb.p;
         o.n_maps = tb.n;
+        o.tied = tt.p;
+        o.n_tied = tt.n / 2;
         lk_fuse_stats st;
         char *js = NULL;
         lk_status s;
@@ -1339,6 +1355,7 @@ static PyObject *py_fuse(PyObject *mod, PyObject *args) {
         request_free(&r);
     }
     tables_free(&tb);
+    tables_free(&tt);
     Py_DECREF(base);
     Py_DECREF(out);
     return res;
@@ -1360,28 +1377,32 @@ static PyObject *fuse_summary(lk_device d, const lk_fuse_stats *st, char *js) {
     return full;
 }
 
-/* fuse_(items, loras, threads, allow_unmatched, allow_nonfinite, alpha_from, arch, maps[, convention[, stream]]):
- * device tensors (CUDA, one device) are fused where they are, on stream (torch's current stream's handle). */
+/* fuse_(items, loras, threads, allow_unmatched, allow_nonfinite, alpha_from, arch, maps[, convention[, stream[,
+ * tied]]]): device tensors (CUDA, one device) are fused where they are, on stream (torch's current stream's
+ * handle); tied a flat sequence of (name, key) pairs of str: lk_resolve_opts.tied. */
 static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
     (void)mod;
-    PyObject *items, *loras, *arch, *maps, *stream = Py_None;
+    PyObject *items, *loras, *arch, *maps, *stream = Py_None, *tied = NULL;
     lk_fuse_file_opts o = {0};
     const char *af, *cv = "lorakit";
-    if (!PyArg_ParseTuple(args, "OOiiisOO|sO", &items, &loras, &o.fuse.threads, &o.allow_unmatched,
-                          &o.fuse.allow_nonfinite, &af, &arch, &maps, &cv, &stream))
+    if (!PyArg_ParseTuple(args, "OOiiisOO|sOO", &items, &loras, &o.fuse.threads, &o.allow_unmatched,
+                          &o.fuse.allow_nonfinite, &af, &arch, &maps, &cv, &stream, &tied))
         return NULL;
     request r;
-    tables tb;
+    tables tb, tt = {0};
     if (!threads_ok(o.fuse.threads) || alpha_from_of(af, &o.alpha_from) < 0 ||
         convention_of(cv, &o.fuse.convention) < 0 || tables_from(arch, maps, &tb) < 0)
         return NULL;
-    if (request_from(loras, &r) < 0) {
+    if ((tied && tables_from(Py_None, tied, &tt) < 0) || request_from(loras, &r) < 0) {
+        tables_free(&tt);
         tables_free(&tb);
         return NULL;
     }
     o.arch = tables_arch(&tb);
     o.maps = tb.p;
     o.n_maps = tb.n;
+    o.tied = tt.p;
+    o.n_tied = tt.n / 2;
     size_t n = 0;
     view *v = views_from(items, NEED_WRITE | ALLOW_CUDA, &n);
     lk_tensor *t = v ? tensor_table(v, n) : NULL;
@@ -1411,6 +1432,7 @@ static PyObject *py_fuse_inplace(PyObject *mod, PyObject *args) {
     views_free(v, n);
     request_free(&r);
     tables_free(&tb);
+    tables_free(&tt);
     return res;
 }
 
@@ -1610,22 +1632,22 @@ static void Tracker_dealloc(TrackerObject *self) {
 }
 
 /* Tracker(comm, items, bucket_bytes, no_lora_swap, threads, allow_nonfinite,
- * timeout, alpha_from, arch, maps[, convention]): arch and maps as fuse's (copied by the
+ * timeout, alpha_from, arch, maps[, convention[, tied]]): arch, maps and tied as fuse_'s (copied by the
  * tracker); timeout is the comm's collective timeout while the
  * tracker's own calls run (lk_comm_set_timeout; the comm's own setting is
  * put back after each, so other users of the comm keep theirs); alpha_from
  * is a valid name (checked collectively by the Python layer). */
 static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     (void)kw;
-    PyObject *co, *items, *arch, *maps;
+    PyObject *co, *items, *arch, *maps, *tied = NULL;
     Py_ssize_t bucket_bytes; /* from mib_bytes: >= 1 */
     int no_swap, threads, nonfinite, ok = 1;
     double timeout;
     const char *af, *cv = "lorakit";
     lk_alpha_from alpha_from;
     lk_convention conv;
-    if (!PyArg_ParseTuple(args, "OOnpiidsOO|s", &co, &items, &bucket_bytes, &no_swap, &threads, &nonfinite, &timeout,
-                          &af, &arch, &maps, &cv))
+    if (!PyArg_ParseTuple(args, "OOnpiidsOO|sO", &co, &items, &bucket_bytes, &no_swap, &threads, &nonfinite, &timeout,
+                          &af, &arch, &maps, &cv, &tied))
         return -1;
     if (alpha_from_of(af, &alpha_from) < 0 || convention_of(cv, &conv) < 0) return -1;
     lk_comm *c = comm_of(co);
@@ -1663,11 +1685,13 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
         ok = 0;
     }
     PyMem_Free(t);
-    tables tb = {0};
+    tables tb = {0}, tt = {0};
     if (ok && tables_from(arch, maps, &tb) < 0) ok = 0; /* a rank's failure is every rank's (agree_local) */
+    if (ok && tied && tables_from(Py_None, tied, &tt) < 0) ok = 0;
     lk_comm_set_timeout(c, timeout);
     if (agree_local(c, ok) < 0) {
         tables_free(&tb);
+        tables_free(&tt);
         lk_comm_set_timeout(c, was);
         return -1;
     }
@@ -1681,11 +1705,14 @@ static int Tracker_init(TrackerObject *self, PyObject *args, PyObject *kw) {
     o.arch = tables_arch(&tb);
     o.maps = tb.p;
     o.n_maps = tb.n;
+    o.tied = tt.p;
+    o.n_tied = tt.n / 2;
     o.cancel = &self->cancel;
     Py_BEGIN_ALLOW_THREADS
     s = lk_tracker_create(c, self->w, &o, &self->t);
     Py_END_ALLOW_THREADS
     tables_free(&tb);
+    tables_free(&tt);
     lk_comm_set_timeout(c, was);
     if (s) {
         raise_lk(s, NULL);

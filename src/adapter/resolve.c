@@ -71,6 +71,17 @@ static size_t find_model(const lk_tensor *model, const size_t *ord, size_t n, co
     return find_concat(model, ord, n, key, strlen(key), "");
 }
 
+/* Index of the model key a tied name "<base>.weight" stands for (opts->tied), or SIZE_MAX. */
+static size_t find_tied(const lk_resolve_opts *o, const lk_tensor *model, const size_t *ord, size_t n, const char *base) {
+    const size_t bl = strlen(base);
+    for (size_t j = 0; o && o->tied && j < o->n_tied; j++) {
+        const char *nm = o->tied[2 * j];
+        if (nm && !strncmp(nm, base, bl) && !strcmp(nm + bl, ".weight") && o->tied[2 * j + 1])
+            return find_concat(model, ord, n, o->tied[2 * j + 1], strlen(o->tied[2 * j + 1]), "");
+    }
+    return SIZE_MAX;
+}
+
 /* Index of the model tensor "<base>.weight", or SIZE_MAX. */
 static size_t find_with_suffix(const lk_tensor *model, const size_t *ord, size_t n, const char *base) {
     return find_concat(model, ord, n, base, strlen(base), ".weight");
@@ -828,6 +839,12 @@ static lk_status resolve_index(resolve_ctx *c) {
         c->ord[i] = i;
     }
     qsort_r(c->ord, n_model, sizeof *c->ord, idx_cmp, (void *)model);
+    for (size_t j = 0; c->opts && j < c->opts->n_tied; j++) {
+        const char *nm = c->opts->tied ? c->opts->tied[2 * j] : NULL, *key = nm ? c->opts->tied[2 * j + 1] : NULL;
+        if (!nm || !key) return lk_error(LK_ERR_ARG, "lk_adapter_resolve: tied pair %zu is NULL", j);
+        if (find_model(model, c->ord, n_model, key) == SIZE_MAX)
+            return lk_error(LK_ERR_ARG, "tied name %s=%s: the model has no tensor %s", nm, key, key);
+    }
     if (a->format == LK_FORMAT_KOHYA && (s = kohya_names(a->file, model, n_model, &c->kn, &c->n_kn))) return s;
     for (size_t i = 0; i < a->n; i++) { /* dotted names (kohya's underscore names are looked up by match_module) */
         const lk_lora_module *m = &a->mods[i];
@@ -837,6 +854,8 @@ static lk_status resolve_index(resolve_ctx *c) {
         }
         size_t t = find_with_suffix(model, c->ord, n_model, m->module);
         if (t == SIZE_MAX && strcmp(a->stems[i], m->module)) t = find_with_suffix(model, c->ord, n_model, a->stems[i]);
+        if (t == SIZE_MAX) t = find_tied(c->opts, model, c->ord, n_model, m->module);
+        if (t == SIZE_MAX && strcmp(a->stems[i], m->module)) t = find_tied(c->opts, model, c->ord, n_model, a->stems[i]);
         c->mx[i] = t;
     }
     if ((s = suffix_table(a->file, &c->mt, a->names, c->mx, a->n, c->msame))) return s;
@@ -1039,6 +1058,17 @@ static void skip_foreign(resolve_ctx *c) {
                 c->first_unmatched = i;
 }
 
+/* The hint for an unmatched output head ("lm_head", "<...>.lm_head"): its
+ * weight may be tied to the input embedding and so saved once, under the
+ * embedding's name (transformers' tie_word_embeddings). */
+static const char *tied_hint(const char *module) {
+    const size_t l = strlen(module);
+    if (l < 7 || strcmp(module + l - 7, "lm_head") || (l > 7 && module[l - 8] != '.')) return "";
+    return "; if the model ties it to its input embedding (transformers' tie_word_embeddings), the checkpoint holds "
+           "that weight once, under the embedding's name: say so with --tie NAME=KEY (e.g. --tie "
+           "lm_head.weight=model.embed_tokens.weight; Python: tied={NAME: KEY})";
+}
+
 /* Unmatched modules and saved tensors: an error naming the first unless
  * allow_unmatched; an adapter of which nothing lands, always an error. */
 static lk_status check_unmatched(const resolve_ctx *c) {
@@ -1058,8 +1088,8 @@ static lk_status check_unmatched(const resolve_ctx *c) {
             lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (no key <x>.weight with x's dots as '_' = "
                      "%s)%s", a->file, m->module, kohya_rest(m->module), more_unmatched);
         else
-            lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (looked for %s.weight)%s", a->file, m->module,
-                     m->module, more_unmatched);
+            lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (looked for %s.weight)%s%s", a->file, m->module,
+                     m->module, more_unmatched, tied_hint(m->module));
         return lk_error_at(LK_ERR_UNMATCHED, a->file, m->module);
     }
     /* An adapter none of whose modules (or saved tensors) lands anywhere is an

@@ -323,7 +323,7 @@ static lk_status prepare(fctx *c, const char *label, const lk_tensor *model, siz
         if ((s = lk_fuse_input_open(&inputs[i], sources ? sources[i] : NULL, &ao, &c->ad[i]))) return s;
         c->n_ad = i + 1;
         lk_resolve_opts ro = {.allow_unmatched = fo->allow_unmatched, .arch = fo->arch, .maps = fo->maps,
-                              .n_maps = fo->n_maps, .component = fo->component};
+                              .n_maps = fo->n_maps, .tied = fo->tied, .n_tied = fo->n_tied, .component = fo->component};
         if ((s = lk_adapter_resolve_opts(c->ad[i], model, nt, &ro, &un))) {
             if (s == LK_ERR_UNMATCHED && fo->allow_unmatched) { /* nothing of it lands: name the base too */
                 char msg[2048];
@@ -633,6 +633,13 @@ lk_status lk_fuse_tensors(lk_tensor *tensors, size_t nt, const lk_fuse_input *in
     return lk_fuse_tensors_src(tensors, nt, inputs, NULL, n, opts, stats);
 }
 
+/* LK_ERR_ARG naming t and why when the fuse would write t but the caller
+ * marked it unwritable (lk_tensor.frozen). */
+static lk_status frozen_check(const char *label, const lk_tensor *t) {
+    return t->frozen ? lk_error(LK_ERR_ARG, "%s: %s: an adapter writes it, but %s", label, t->name, t->frozen)
+                     : LK_OK;
+}
+
 /* Every tensor of an in-memory fuse checked (its data there, its plan, an
  * FP8 weight's layout and scale values), then the backup of every touched
  * tensor and FP8 scale taken as one allocation (c->buf) before the first
@@ -646,9 +653,11 @@ static lk_status plan_backup(fctx *c, const char *label, const lk_tensor *tensor
         lk_status s = gather(c, &tensors[i], &plan);
         if (s) return s;
         if (!lk_fuse_key_touches(&plan)) continue;
+        if ((s = frozen_check(label, &tensors[i]))) return s;
         backup_bytes += tensors[i].nbytes;
         if (!lk_dtype_is_fp8(tensors[i].dtype)) continue;
         if ((s = fp8_prepare(c, label, tensors, nt, i, &plan))) return s;
+        if (c->scale_of[i] >= 0 && (s = frozen_check(label, &tensors[c->scale_of[i]]))) return s;
         if (c->scale_of[i] >= 0) backup_bytes += tensors[c->scale_of[i]].nbytes;
     }
     if (backup_bytes && c->dev.kind != LK_DEVICE_CPU) {

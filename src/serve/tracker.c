@@ -100,6 +100,7 @@ struct lk_tracker {
     lk_tracker_opts o;  /* o.arch and o.maps point into arch / maps below (owned copies) */
     char *arch;
     char **maps;
+    char **tied; /* 2 * o.n_tied owned strings */
     char *base_label;   /* o.base_label's copy, or NULL */
     int rank, size;
     size_t n;
@@ -348,7 +349,8 @@ static lk_status request_load(lk_tracker *t, request *r) {
         if (!s) s = lk_fuse_input_open(&r->e[i], r->src ? r->src[i] : NULL, &ao, &r->ad[i]);
         if (!s && !r->src[i]) stamp_files(r->ad[i], t0, &r->stamp[i]);
         /* the family table and --map files as lk_fuse_file's resolve: the same placements, the same bytes */
-        lk_resolve_opts ro = {.arch = t->o.arch, .maps = t->o.maps, .n_maps = t->o.n_maps};
+        lk_resolve_opts ro = {.arch = t->o.arch, .maps = t->o.maps, .n_maps = t->o.n_maps, .tied = t->o.tied,
+                              .n_tied = t->o.n_tied};
         if (!s) s = lk_adapter_resolve_opts(r->ad[i], lk_weights_tensors(t->w), t->n, &ro, NULL);
         if (s) return s;
         r->content[i] = adapter_content(r->ad[i]);
@@ -386,6 +388,8 @@ static lk_status key_signatures(lk_tracker *t, const request *r, lk_fuse_term *t
                 s = XXH3_64bits_withSeed(who, sizeof who, s + 1);
                 if (first == SIZE_MAX) first = j;
             }
+        if (first != SIZE_MAX && w->frozen)
+            return lk_error(LK_ERR_ARG, "%s: %s: the adapter writes it, but %s", r->e[first].path, w->name, w->frozen);
         if (first != SIZE_MAX) {
             lk_fuse_key plan;
             lk_status st = key_terms(t, r, i, terms, &plan);
@@ -413,8 +417,13 @@ static lk_status key_signatures(lk_tracker *t, const request *r, lk_fuse_term *t
         t->next[i] = (first != SIZE_MAX && !s) ? 1 : s; /* 0 is reserved for clean */
     }
     /* a scale follows its weight */
-    for (size_t i = 0; i < t->n; i++)
+    for (size_t i = 0; i < t->n; i++) {
+        const lk_tensor *w = lk_weights_tensor(t->w, i);
         if (t->k[i].weight >= 0) t->next[i] = t->next[t->k[i].weight];
+        if (t->next[i] && w->frozen)
+            return lk_error(LK_ERR_ARG, "%s: an FP8 scale written with its fused weight %s, but %s", w->name,
+                            lk_weights_tensor(t->w, (size_t)t->k[i].weight)->name, w->frozen);
+    }
     return LK_OK;
 }
 
@@ -813,6 +822,8 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash, int mode) {
     XXH3_64bits_update(&hs, t->o.arch ? t->o.arch : "", t->o.arch ? strlen(t->o.arch) + 1 : 1);
     for (size_t i = 0; i < t->o.n_maps; i++) XXH3_64bits_update(&hs, t->o.maps[i], strlen(t->o.maps[i]) + 1);
     XXH3_64bits_update(&hs, &t->o.n_maps, sizeof t->o.n_maps);
+    for (size_t i = 0; i < 2 * t->o.n_tied; i++) XXH3_64bits_update(&hs, t->o.tied[i], strlen(t->o.tied[i]) + 1);
+    XXH3_64bits_update(&hs, &t->o.n_tied, sizeof t->o.n_tied);
     *shape_hash = XXH3_64bits_digest(&hs);
     qsort(kr, t->n, sizeof *kr, cmp_by_size);
     for (size_t c = 0; c < t->n; c++) {
@@ -933,6 +944,8 @@ void lk_tracker_free(lk_tracker *t) {
     lk_free(t->key_mem);
     for (size_t i = 0; t->maps && i < t->o.n_maps; i++) lk_free(t->maps[i]);
     lk_free(t->maps);
+    for (size_t i = 0; t->tied && i < 2 * t->o.n_tied; i++) lk_free(t->tied[i]);
+    lk_free(t->tied);
     lk_free(t->arch);
     lk_free(t->base_label);
     lk_free(t);
@@ -983,7 +996,29 @@ static lk_status copy_tables(lk_tracker *t, const lk_tracker_opts *opts) {
             if (!(t->maps[t->o.n_maps] = lk_strdup(m))) return lk_error(LK_ERR_NOMEM, "tracker: out of memory");
         }
     }
-    lk_resolve_opts ro = {.arch = t->o.arch, .maps = t->o.maps, .n_maps = t->o.n_maps};
+    t->o.tied = NULL;
+    t->o.n_tied = 0;
+    if (opts->n_tied && !opts->tied) return lk_error(LK_ERR_ARG, "tracker: n_tied is %zu but tied is NULL", opts->n_tied);
+    if (opts->n_tied) {
+        if (opts->n_tied > SIZE_MAX / 2 || !(t->tied = lk_calloc(2 * opts->n_tied, sizeof *t->tied)))
+            return lk_error(LK_ERR_NOMEM, "tracker: out of memory");
+        t->o.tied = (const char *const *)t->tied;
+        for (; t->o.n_tied < opts->n_tied; t->o.n_tied++) {
+            for (size_t h = 0; h < 2; h++) {
+                const char *m = opts->tied[2 * t->o.n_tied + h];
+                char *d = m ? lk_strdup(m) : NULL;
+                if (!d) { /* the pair's first string is not yet counted by n_tied */
+                    lk_free(t->tied[2 * t->o.n_tied]);
+                    t->tied[2 * t->o.n_tied] = NULL;
+                    return m ? lk_error(LK_ERR_NOMEM, "tracker: out of memory")
+                             : lk_error(LK_ERR_ARG, "tracker: tied[%zu] is NULL", 2 * t->o.n_tied + h);
+                }
+                t->tied[2 * t->o.n_tied + h] = d;
+            }
+        }
+    }
+    lk_resolve_opts ro = {.arch = t->o.arch, .maps = t->o.maps, .n_maps = t->o.n_maps, .tied = t->o.tied,
+                              .n_tied = t->o.n_tied};
     return lk_resolve_tables_check(lk_weights_tensors(t->w), t->n, &ro, "tracker");
 }
 
