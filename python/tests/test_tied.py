@@ -228,3 +228,15 @@ def test_cli_tie_bad_values_are_refused(saved_once):
     assert not (d / "out.safetensors").exists()
     with pytest.raises(TypeError, match="tied must be a mapping"):
         lorakit.fuse(d / "base.safetensors", [(str(d / "ad"), 1.0)], d / "py.safetensors", tied=[("a", "b")])
+
+
+def test_cli_tie_on_a_pipeline_folder_is_refused_by_name(tmp_path):
+    """Each pipeline component resolves with its own options, so tied names are refused there (never
+    silently dropped); expectation: the error names the folder and the pair, no output is written."""
+    fx = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures", "layouts")
+    out = tmp_path / "out"
+    p = cli("fuse", os.path.join(fx, "sd2_pipe"), "-l", os.path.join(fx, "sd2_lora_kohya.safetensors"),
+            "--tie", "lm_head.weight=x.weight", "-o", out)
+    assert p.returncode != 0, p.stderr
+    assert "sd2_pipe: a pipeline folder: tied names (--tie lm_head.weight=x.weight) are not supported" in p.stderr, p.stderr
+    assert not out.exists()

@@ -362,6 +362,11 @@ static lk_status copy_rest(pctx *p) {
 lk_status lk_fuse_pipeline(const char *base, const lk_fuse_input *inputs, const lk_adapter_source *const *sources,
                            size_t n, const char *out, const lk_fuse_file_opts *opts, lk_fuse_stats *stats) {
     static const lk_fuse_file_opts defaults;
+    if (opts && opts->n_tied) /* each component resolves with its own options: tied names are not carried there */
+        return lk_error(LK_ERR_UNSUPPORTED, "%s: a pipeline folder: tied names (--tie %s=%s) are not supported on "
+                        "pipeline folders yet; fuse the component's checkpoint (e.g. %s/text_encoder) instead", base,
+                        opts->tied && opts->tied[0] ? opts->tied[0] : "?", opts->tied && opts->tied[1] ? opts->tied[1] : "?",
+                        base);
     pctx p = {.base = base, .out = out, .inputs = inputs, .sources = sources, .n = n,
               .opts = opts ? opts : &defaults, .oin = LK_OUT_INPUTS_INIT};
     lk_status s = open_components(&p);
