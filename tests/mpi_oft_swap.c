@@ -7,7 +7,10 @@
  * 1 ulp of each convention's float64 reference. Every step (one adapter at
  * strength 1 or 0.7, then OFT and GLoRA on their different weights in one
  * request, then BOFT alone again) must leave every rank with the offline
- * digest; a reset gives back the base's digest. */
+ * digest; a reset gives back the base's digest. The same with the weights
+ * on the emulated device, where these keys take the device kernel's host
+ * path (pinned copy, CPU kernel, copy back): the same bytes, and counted
+ * (keys_fused_on_host > 0 on every step that fused on this rank). */
 #include "mpi_testutil.h"
 #include "swap_fixture.h"
 
@@ -21,6 +24,7 @@
 static lk_comm *W;
 #define g_dir tu_mpi_dir
 static int g_steps;
+static size_t g_on_host, g_fused_here; /* this rank: keys fused on the host path / fused at all */
 
 static void step(lk_tracker *tr, const lk_weights *w, const char *base, const lk_fuse_input *in, size_t n,
                  lk_convention conv) {
@@ -31,7 +35,10 @@ static void step(lk_tracker *tr, const lk_weights *w, const char *base, const lk
     if (lk_comm_rank(W) == 0) ok = swap_offline_digest_opts(base, in, n, &fo, scratch, want) == 0;
     if (!ok) fail_msg("offline %s on %s: %s", in[0].path, base, lk_last_error());
     assert_int_equal(lk_comm_bcast(W, want, sizeof want, 0), LK_OK);
-    if (lk_tracker_apply(tr, in, n, NULL)) fail_msg("apply %s (+%zu): %s", in[0].path, n - 1, lk_last_error());
+    lk_tracker_stats st;
+    if (lk_tracker_apply(tr, in, n, &st)) fail_msg("apply %s (+%zu): %s", in[0].path, n - 1, lk_last_error());
+    g_on_host += st.keys_fused_on_host;
+    g_fused_here += st.keys_fused;
     char got[LK_DIGEST_HEX];
     assert_int_equal(lk_weights_digest(w, got), LK_OK);
     if (strcmp(got, want))
@@ -41,8 +48,9 @@ static void step(lk_tracker *tr, const lk_weights *w, const char *base, const lk
     g_steps++;
 }
 
-static void test_oft_swap(void **state) {
-    (void)state;
+static void run_swaps(lk_device dev) {
+    g_steps = 0;
+    g_on_host = g_fused_here = 0;
     static const char *const bases[] = {"base_bf16.safetensors", "base_f32.safetensors", "base_fp8.safetensors"};
     static const lk_convention convs[] = {LK_CONVENTION_LYCORIS, LK_CONVENTION_COMFYUI};
     char oft[512], boft[512], glora[512];
@@ -58,6 +66,7 @@ static void test_oft_swap(void **state) {
             snprintf(base, sizeof base, FX "/%s", bases[b]);
             lk_weights *w;
             if (lk_weights_load(base, &w)) fail_msg("%s", lk_last_error());
+            if (dev.kind != LK_DEVICE_CPU && lk_weights_to_device(w, dev)) fail_msg("%s", lk_last_error());
             assert_int_equal(lk_weights_digest(w, clean), LK_OK);
             lk_tracker *tr;
             if (lk_tracker_create(W, w, &o, &tr)) fail_msg("%s", lk_last_error());
@@ -76,11 +85,24 @@ static void test_oft_swap(void **state) {
         }
     if (lk_comm_rank(W) == 0) print_message("%d tracker steps equal to the offline fuse\n", g_steps);
     assert_int_equal(g_steps, 3 * 2 * 4);
+    if (dev.kind == LK_DEVICE_CPU) assert_true(g_on_host == 0);
+    else if (g_on_host != g_fused_here) /* OFT, BOFT and GLoRA all take the host path on a device */
+        fail_msg("rank %d: %zu of %zu fused keys counted on the host path", lk_comm_rank(W), g_on_host, g_fused_here);
+}
+
+static void test_oft_swap(void **state) {
+    (void)state;
+    run_swaps((lk_device){LK_DEVICE_CPU, 0});
+}
+
+static void test_oft_swap_emul(void **state) {
+    (void)state;
+    run_swaps((lk_device){LK_DEVICE_EMUL, 0});
 }
 
 int main(int argc, char **argv) {
     W = tu_mpi_world = tu_mpi_init(&argc, &argv);
     lk_log_set_level(LK_LOG_ERROR);
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_oft_swap)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_oft_swap), cmocka_unit_test(test_oft_swap_emul)};
     return tu_mpi_finish(W, cmocka_run_group_tests(tests, tu_mpi_setup_dir, tu_mpi_teardown_dir));
 }
