@@ -420,7 +420,7 @@ static lk_status key_signatures(lk_tracker *t, const request *r, lk_fuse_term *t
     for (size_t i = 0; i < t->n; i++) {
         const lk_tensor *w = lk_weights_tensor(t->w, i);
         if (t->k[i].weight >= 0) t->next[i] = t->next[t->k[i].weight];
-        if (t->next[i] && w->frozen)
+        if (t->k[i].weight >= 0 && t->next[i] && w->frozen) /* (a frozen weight it touches returned above) */
             return lk_error(LK_ERR_ARG, "%s: an FP8 scale written with its fused weight %s, but %s", w->name,
                             lk_weights_tensor(t->w, (size_t)t->k[i].weight)->name, w->frozen);
     }
