@@ -86,6 +86,7 @@ typedef struct dcase {
     size_t n;
     const lk_fuse_key *key;
     tens *scale; /* FP8 */
+    int scale_host; /* FP8: the scale stays in host memory beside the device weight */
     lk_fuse_opts opts;
     int want_fallback; /* 1: the host path, 0: the device kernel */
     int want_change;   /* the fuse changes the weight's bytes */
@@ -118,14 +119,19 @@ static void check_case(const dcase *c, const tens *w0) {
     char want_msg[512];
     snprintf(want_msg, sizeof want_msg, "%s", want ? lk_last_error() : "");
 
-    void *dw = NULL, *ds = NULL;
+    void *dw = NULL, *ds = NULL, *hs = NULL;
     assert_int_equal(lk_device_alloc(g_dev, nb, &dw), LK_OK);
     assert_int_equal(lk_device_copy(g_dev, dw, w0->buf, nb, LK_COPY_H2D, NULL), LK_OK);
     lk_tensor wd = w0->t;
     wd.data = dw;
     wd.device = g_dev;
     lk_tensor sd;
-    if (c->scale) {
+    if (c->scale && c->scale_host) {
+        hs = malloc(c->scale->t.nbytes);
+        memcpy(hs, c->scale->buf, c->scale->t.nbytes);
+        sd = c->scale->t;
+        sd.data = hs;
+    } else if (c->scale) {
         assert_int_equal(lk_device_alloc(g_dev, c->scale->t.nbytes, &ds), LK_OK);
         assert_int_equal(lk_device_copy(g_dev, ds, c->scale->buf, c->scale->t.nbytes, LK_COPY_H2D, NULL), LK_OK);
         sd = c->scale->t;
@@ -139,6 +145,14 @@ static void check_case(const dcase *c, const tens *w0) {
     if (got != want || (want && strcmp(lk_last_error(), want_msg)))
         fail_msg("%s: CPU gave %d '%s', the device %d '%s'", w0->t.name, want, want_msg, got, got ? lk_last_error() : "");
     assert_int_equal(lk_device_copy(g_dev, back, dw, nb, LK_COPY_D2H, NULL), LK_OK);
+    if (c->scale && hs) memcpy(scale_back, hs, c->scale->t.nbytes);
+    else if (c->scale)
+        assert_int_equal(lk_device_copy(g_dev, scale_back, ds, c->scale->t.nbytes, LK_COPY_D2H, NULL), LK_OK);
+    if (want && c->fn == FN_FP8) { /* a failed FP8 fuse changes nothing: the weight's and the scale's bytes as before */
+        if (memcmp(back, w0->buf, nb)) fail_msg("%s: the failed FP8 fuse changed the device weight", w0->t.name);
+        if (c->scale && memcmp(scale_back, c->scale->buf, c->scale->t.nbytes))
+            fail_msg("%s: the failed FP8 fuse changed the scale (%s)", w0->t.name, hs ? "host" : "device");
+    }
     if (!want) {
         if (memcmp(back, cpu, nb)) {
             const size_t esz = lk_dtype_size(w0->t.dtype);
@@ -155,13 +169,11 @@ static void check_case(const dcase *c, const tens *w0) {
         if (c->want_change) assert_true(memcmp(cpu, w0->buf, nb) != 0);
         assert_int_equal(stats.keys_host_fallback, (size_t)(c->want_fallback != 0));
         assert_int_equal(stats.keys_device, (size_t)(c->want_fallback == 0));
-        if (c->scale) {
-            assert_int_equal(lk_device_copy(g_dev, scale_back, ds, c->scale->t.nbytes, LK_COPY_D2H, NULL), LK_OK);
-            assert_memory_equal(scale_back, scale_cpu, c->scale->t.nbytes);
-        }
+        if (c->scale) assert_memory_equal(scale_back, scale_cpu, c->scale->t.nbytes);
     }
     lk_device_free(g_dev, dw);
     lk_device_free(g_dev, ds);
+    free(hs);
     free(cpu);
     free(back);
     free(scale_cpu);
@@ -646,13 +658,16 @@ static void test_fp8(void **state) {
 
 /* FP8 failures on the device: overflow without --fp8-saturate (plain and
  * kept scale: the same count and message as the CPU), a delta that
- * overflows f32 (the first element made non-finite, by name), and terms
- * that read the weight (GLoRA: the host path, still the CPU's bytes).
- * Oracle: the CPU's status and whole message. */
+ * overflows f32 (the first element made non-finite, by name), the same in
+ * row 0 of a per-row rescale whose other rows get new scales (the scale in
+ * device memory, k = 4, and in host memory beside the device weight, k =
+ * 5). Oracle: the CPU's status and whole message; and nothing changed
+ * (check_case: the weight's and the scale's bytes as uploaded, though the
+ * CPU's in-place fuse has written both). */
 static void test_fp8_errors(void **state) {
     (void)state;
     tu_rng r = {23};
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < 6; k++) {
         const int64_t out = 7, in = 31;
         tens w, sc;
         fp8_weight(&r, &w, "fp8.weight", k & 1 ? LK_DTYPE_F8_E5M2 : LK_DTYPE_F8_E4M3, out, in, 0);
@@ -665,12 +680,45 @@ static void test_fp8_errors(void **state) {
             tens_make(&s.A[0], "A", LK_DTYPE_F32, 2, (int64_t[]){2, in});
             tens_make(&s.B[0], "B", LK_DTYPE_F32, 2, (int64_t[]){out, 2});
             for (int64_t j = 0; j < 2 * in; j++) ((float *)s.A[0].buf)[j] = 4.0f;
-            for (int64_t o = 0; o < 2 * out; o++) ((float *)s.B[0].buf)[o] = 3.0e38f;
+            for (int64_t o = 0; o < 2 * out; o++) ((float *)s.B[0].buf)[o] = k < 4 || o < 2 ? 3.0e38f : 0.1f;
             s.t[0].A = &s.A[0].t;
             s.t[0].B = &s.B[0].t;
         }
-        dcase c = {.fn = FN_FP8, .terms = s.t, .n = 1, .scale = k == 1 ? &sc : NULL, .want_err = LK_ERR_NONFINITE};
-        c.opts.fp8.scale = LK_FP8_KEEP; /* a kept scale: the overflow stays */
+        dcase c = {.fn = FN_FP8, .terms = s.t, .n = 1, .scale = k == 1 || k >= 4 ? &sc : NULL,
+                   .scale_host = k == 5, .want_err = LK_ERR_NONFINITE};
+        c.opts.fp8.scale = k >= 4 ? LK_FP8_RESCALE : LK_FP8_KEEP; /* a kept scale: the overflow stays */
+        check_case(&c, &w);
+        lora_free(&s);
+        tens_free(&sc);
+        tens_free(&w);
+    }
+}
+
+/* A rescale's amax over more than one block of slots (in > 128 x
+ * LK_KDEV_AMAX_COLS columns) and several row groups, per tensor and per
+ * row, the judge pass run or skipped (saturating, non-finite allowed),
+ * the scale on the device or the host. Oracle: the CPU's lk_fuse_fp8 on
+ * a host copy (codes and rewritten scale). */
+static void test_fp8_wide(void **state) {
+    (void)state;
+    static const int64_t shapes[][2] = {{9, 4100}, {2, 8200}};
+    tu_rng r = {41};
+    for (int n = 0; n < 8; n++) {
+        const int64_t out = shapes[n & 1][0], in = shapes[n & 1][1];
+        const int per_row = (n >> 1) & 1;
+        tens w, sc;
+        fp8_weight(&r, &w, "wide.weight", n & 4 ? LK_DTYPE_F8_E5M2 : LK_DTYPE_F8_E4M3, out, in, n == 3);
+        fp8_scale(&r, &sc, n & 4 ? LK_DTYPE_BF16 : LK_DTYPE_F32, per_row ? out : 1, 0);
+        /* each row's largest code in the last amax slot (column P - 1, P = ceil(in / 32) slots: past the
+         * first block of 128), so the amax is wrong when any slot or block is missed */
+        const int64_t last_slot = (in + 31) / 32 - 1;
+        for (int64_t o = 0; o < out; o++) w.buf[o * in + last_slot] = (uint8_t)((n & 4 ? 0x7b : 0x7e) | (o & 1) << 7);
+        lora_set s;
+        lora_make(&s, &r, out, in, 1 + n, 1, 0.05f);
+        dcase c = {.fn = FN_FP8, .terms = s.t, .n = 1, .scale = &sc, .scale_host = n >= 6, .want_change = 1};
+        c.opts.fp8 = (lk_fp8_opts){.rounding = n & 1 ? LK_FP8_STOCHASTIC : LK_FP8_NEAREST, .seed = 99, .saturate = 1,
+                                   .scale = LK_FP8_RESCALE};
+        c.opts.allow_nonfinite = n >= 4;
         check_case(&c, &w);
         lora_free(&s);
         tens_free(&sc);
@@ -839,7 +887,7 @@ static int setup_cuda(void **state) {
     cmocka_unit_test(test_lora_shapes), cmocka_unit_test(test_conv), cmocka_unit_test(test_row_slices),     \
         cmocka_unit_test(test_dense), cmocka_unit_test(test_hada_kron), cmocka_unit_test(test_mixed_kinds), cmocka_unit_test(test_keys), cmocka_unit_test(test_keys_host),        \
         cmocka_unit_test(test_keys_nonfinite), cmocka_unit_test(test_dora),  \
-        cmocka_unit_test(test_fp8), cmocka_unit_test(test_fp8_errors), cmocka_unit_test(test_nonfinite), cmocka_unit_test(test_errors),       \
+        cmocka_unit_test(test_fp8), cmocka_unit_test(test_fp8_errors), cmocka_unit_test(test_fp8_wide), cmocka_unit_test(test_nonfinite), cmocka_unit_test(test_errors),       \
         cmocka_unit_test(test_ties),                                                                        \
         cmocka_unit_test(test_alloc_fail)
 

@@ -33,21 +33,37 @@ __global__ void lk_kdev_normcols_kernel(lk_kdev_key k) {
     lk_kdev_normcols_thread(&k, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x);
 }
 
-/* FP8 weights (both passes): the narrow delta's chains only, the FP8
- * element rule (fuse/fp8elem.h) writes no fma: */
+/* FP8 weights (the judge and write passes): the narrow delta's chains
+ * only, the FP8 element rule (fuse/fp8elem.h) writes no fma: */
 // LK_AUDIT lk_kdev_fp8_kernel 12 0
 __global__ void lk_kdev_fp8_kernel(lk_kdev_fp8 f) {
     lk_kdev_fp8_thread(&f, blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x, gridDim.y);
 }
 
+/* An FP8 rescale's amax, per slot and row: the same chains, |w0 + d|
+ * with no fma: */
+// LK_AUDIT lk_kdev_fp8amax_kernel 12 0
+__global__ void lk_kdev_fp8amax_kernel(lk_kdev_fp8 f) {
+    lk_kdev_fp8amax_thread(&f, blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x, gridDim.y);
+}
+
+/* ... and its per-row reduction of the slots (integer max only): */
+// LK_AUDIT lk_kdev_fp8red_kernel 0 0
+__global__ void lk_kdev_fp8red_kernel(lk_kdev_fp8 f) {
+    lk_kdev_fp8red_thread(&f, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x);
+}
+
 /* The kernels' addresses for lk_kernel.cuda (kernel_dev.c): 0 fuse, 1 key,
- * 2 DoRA row sums, 3 DoRA channel sums, 4 FP8. */
+ * 2 DoRA row sums, 3 DoRA channel sums, 4 FP8, 5 FP8 amax slots, 6 FP8
+ * amax rows. */
 extern "C" const void *lk_kdev_cuda_kernel(int which) {
     switch (which) {
     case 0: return (const void *)lk_kdev_fuse_kernel;
     case 1: return (const void *)lk_kdev_key_kernel;
     case 2: return (const void *)lk_kdev_normrows_kernel;
     case 3: return (const void *)lk_kdev_normcols_kernel;
-    default: return (const void *)lk_kdev_fp8_kernel;
+    case 4: return (const void *)lk_kdev_fp8_kernel;
+    case 5: return (const void *)lk_kdev_fp8amax_kernel;
+    default: return (const void *)lk_kdev_fp8red_kernel;
     }
 }

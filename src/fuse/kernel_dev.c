@@ -48,7 +48,8 @@ const void *lk_kdev_cuda_kernel(int which); /* kernel_cuda.cu */
 #endif
 
 /* kernel_cuda.cu's // LK_AUDIT lines, the fma counts the source writes per kernel */
-_Static_assert(LK_KDEV_CHAINS * LK_KDEV_RPT == 12, "the LK_AUDIT lines of lk_kdev_fuse/key/normrows/fp8_kernel (f32)");
+_Static_assert(LK_KDEV_CHAINS * LK_KDEV_RPT == 12,
+               "the LK_AUDIT lines of lk_kdev_fuse/key/normrows/fp8/fp8amax_kernel (f32)");
 _Static_assert(LK_KDEV_CHAINS * LK_KDEV_RPT + LK_KDEV_RPT == 16, "the LK_AUDIT lines of lk_kdev_key/normrows_kernel (f64)");
 _Static_assert(LK_KDEV_CHAINS == 3, "the LK_AUDIT line of lk_kdev_normcols_kernel");
 
@@ -70,6 +71,13 @@ static void normcols_emul(const void *args, const lk_thread_idx *t) {
 static void fp8_emul(const void *args, const lk_thread_idx *t) {
     lk_kdev_fp8_thread((const lk_kdev_fp8 *)args, t->block_idx.x, t->block_idx.y, t->thread_idx.x, t->block_dim.x,
                        t->grid_dim.y);
+}
+static void fp8amax_emul(const void *args, const lk_thread_idx *t) {
+    lk_kdev_fp8amax_thread((const lk_kdev_fp8 *)args, t->block_idx.x, t->block_idx.y, t->thread_idx.x, t->block_dim.x,
+                           t->grid_dim.y);
+}
+static void fp8red_emul(const void *args, const lk_thread_idx *t) {
+    lk_kdev_fp8red_thread((const lk_kdev_fp8 *)args, (uint64_t)t->block_idx.x * t->block_dim.x + t->thread_idx.x);
 }
 
 /* ---- the host path ---- */
@@ -116,7 +124,7 @@ static size_t align256(size_t n) { return (n + 255u) & ~(size_t)255u; }
 /* The uploads of one launch, carved from one device block after the
  * non-finite slot: each part's host bytes and the kernel argument that
  * gets its device address. */
-#define DEV_UPS (6 + 4 * LK_KDEV_MAX_X) /* the chains and terms, and FP8's scales and counters */
+#define DEV_UPS (7 + 4 * LK_KDEV_MAX_X) /* the chains and terms, and FP8's scales, counters and amax */
 typedef struct dev_up {
     const void *src[DEV_UPS];
     const void **fix[DEV_UPS];
@@ -201,7 +209,7 @@ typedef void (*emul_fn)(const void *args, const lk_thread_idx *t);
 static lk_status dev_run(const dev_call *c, int which, emul_fn emul, lk_dim3 grid, const void *args, size_t size) {
     const lk_device d = c->w->device;
     static const char *const names[] = {"lk_kdev_fuse", "lk_kdev_key", "lk_kdev_normrows", "lk_kdev_normcols",
-                                        "lk_kdev_fp8"};
+                                        "lk_kdev_fp8", "lk_kdev_fp8amax", "lk_kdev_fp8red"};
     const lk_kernel k = {names[which], KDEV_CUDA(which), emul};
     const double t0 = lk_now_s();
     lk_status st = lk_device_launch(d, &k, grid, (lk_dim3){LK_KDEV_BLOCK, 1, 1}, args, size, c->s);
@@ -592,24 +600,26 @@ typedef struct fp8_call {
     uint64_t *tabs;
     size_t NS;          /* scale values used: O per row, else 1 */
     int rescale;
-    unsigned char *hb;  /* host: s_old, s_new (NS doubles each), the overflow count, NS amax (lk_free) */
+    unsigned char *hb;  /* host: s_old, s_new (NS doubles each), the overflow count, O amax (lk_free) */
 } fp8_call;
 
-/* The scales (fp8.c's reading of them) and zeroed counters on the host,
- * as uploads; the format, rounding and stream key as fp8.c's job takes them. */
+/* The scales (fp8.c's reading of them) and zeroed counter on the host,
+ * as uploads, and a rescale's amax slots and rows (device outputs); the
+ * format, rounding and stream key as fp8.c's job takes them. */
 static lk_status fp8_setup(fp8_call *fc, void *sh, lk_dtype sdt, int64_t n_scale) {
     const lk_tensor *w = fc->c.w;
     const lk_fuse_opts *opts = fc->c.opts;
-    const size_t O = (size_t)w->shape[0];
+    const size_t O = (size_t)w->shape[0], I = (size_t)fc->c.in;
     lk_kdev_fp8 *f = &fc->f;
     f->per_row = sh && n_scale == (int64_t)O && O > 1;
     fc->rescale = sh && opts->fp8.scale == LK_FP8_RESCALE;
     fc->NS = f->per_row ? O : 1;
-    if (!(fc->hb = lk_calloc(fc->NS, 2 * sizeof(double) + sizeof(unsigned) + sizeof(unsigned long long))))
+    size_t hbn = 0;
+    if (!lk_checked_mul(2 * fc->NS + 1, sizeof(double), &hbn) || !lk_checked_add(hbn, O * sizeof(unsigned), &hbn) ||
+        !(fc->hb = lk_calloc(1, hbn)))
         return lk_error(LK_ERR_NOMEM, "%s: out of memory for the FP8 scales", w->name);
     double *s0 = (double *)(void *)fc->hb, *sn = s0 + fc->NS;
     unsigned long long *over = (unsigned long long *)(void *)(sn + fc->NS);
-    unsigned *amax = (unsigned *)(void *)(over + 1);
     for (size_t r = 0; r < fc->NS; r++) s0[r] = sn[r] = sh ? lk_fp8_scale_value(sh, sdt, r) : 1.0;
     f->fmt = w->dtype == LK_DTYPE_F8_E5M2 ? LK_FP8_E5M2_FMT : LK_FP8_E4M3_FMT;
     f->stoch = opts->fp8.rounding == LK_FP8_STOCHASTIC;
@@ -617,28 +627,44 @@ static lk_status fp8_setup(fp8_call *fc, void *sh, lk_dtype sdt, int64_t n_scale
     up_add(&fc->u, s0, fc->NS * sizeof *s0, (const void **)(void *)&f->s_old);
     up_add(&fc->u, sn, fc->NS * sizeof *sn, (const void **)(void *)&f->s_new);
     up_add(&fc->u, over, sizeof *over, (const void **)(void *)&f->over);
-    up_add(&fc->u, amax, fc->NS * sizeof *amax, (const void **)(void *)&f->amax);
+    if (fc->rescale) {
+        size_t part = 0;
+        f->n_part = (I + LK_KDEV_AMAX_COLS - 1) / LK_KDEV_AMAX_COLS;
+        fc->u.ovf |= !lk_checked_mul((size_t)f->n_part, O, &part) || !lk_checked_mul(part, sizeof(unsigned), &part);
+        up_add(&fc->u, NULL, part, (const void **)(void *)&f->part);
+        up_add(&fc->u, NULL, O * sizeof(unsigned), (const void **)(void *)&f->amax);
+    }
     return LK_OK;
 }
 
-/* Pass 1 of a rescale: the amax on the device, the new scales on the host
- * (fp8.c's rule, written into the scale's host values sh), uploaded. */
+/* A rescale's amax: the slots' and the rows' kernels on the device, the
+ * new scales on the host (fp8.c's rule, written into the scale's host
+ * copy sh), uploaded. */
 static lk_status fp8_rescale_pass(fp8_call *fc, lk_dim3 grid, void *sh, lk_dtype sdt) {
     lk_kdev_fp8 *f = &fc->f;
+    const size_t O = (size_t)fc->c.w->shape[0];
     double *sn = (double *)(void *)fc->hb + fc->NS;
     unsigned *amax = (unsigned *)(void *)(sn + fc->NS + 1);
-    f->pass = 1;
-    lk_status st = dev_run(&fc->c, 4, fp8_emul, grid, f, sizeof *f);
-    if (!st) st = dev_get(&fc->c, amax, f->amax, fc->NS * sizeof *amax);
+    const lk_dim3 gslots = {(unsigned)((f->n_part + LK_KDEV_BLOCK - 1) / LK_KDEV_BLOCK), grid.y, 1},
+                  grows = {(unsigned)((O + LK_KDEV_BLOCK - 1) / LK_KDEV_BLOCK), 1, 1};
+    lk_status st = dev_run(&fc->c, 5, fp8amax_emul, gslots, f, sizeof *f);
+    if (!st) st = dev_run(&fc->c, 6, fp8red_emul, grows, f, sizeof *f);
+    if (!st) st = dev_get(&fc->c, amax, f->amax, O * sizeof *amax);
+    if (st) return st;
+    if (!f->per_row) /* a per-tensor scale: the max of the rows' maxima */
+        for (size_t r = 1; r < O; r++) amax[0] = amax[r] > amax[0] ? amax[r] : amax[0];
     const float fmax = (float)lk_fp8_max(fc->c.w->dtype);
-    for (size_t r = 0; !st && r < fc->NS; r++) lk_fp8_rescale(sh, sdt, r, fmax, lk_u2f(amax[r]), &sn[r]);
-    if (!st) st = lk_device_copy(fc->c.w->device, (void *)f->s_new, sn, fc->NS * sizeof *sn, LK_COPY_H2D, fc->c.s);
-    return st;
+    for (size_t r = 0; r < fc->NS; r++) lk_fp8_rescale(sh, sdt, r, fmax, lk_u2f(amax[r]), &sn[r]);
+    return lk_device_copy(fc->c.w->device, (void *)f->s_new, sn, fc->NS * sizeof *sn, LK_COPY_H2D, fc->c.s);
 }
 
-/* Uploads, runs the passes, and judges as fp8.c does. */
+/* Uploads, runs the passes (amax, judge) and judges as fp8.c does; the
+ * write pass only after a passing verdict, so a failure leaves the weight
+ * as it was (the judge is skipped when nothing can fail it: saturating
+ * and non-finite allowed). */
 static lk_status fp8_run(fp8_call *fc, void *sh, lk_dtype sdt) {
     const lk_tensor *w = fc->c.w;
+    const lk_fuse_opts *opts = fc->c.opts;
     unsigned char *m;
     lk_status st = up_open(&fc->c, &fc->u, &m);
     if (st) return st;
@@ -647,16 +673,26 @@ static lk_status fp8_run(fp8_call *fc, void *sh, lk_dtype sdt) {
     const lk_dim3 grid = elem_grid(O, I);
     if (fc->rescale) st = fp8_rescale_pass(fc, grid, sh, sdt);
     unsigned long long bad = ~0ull, over = 0;
-    fc->f.pass = 2;
+    if (!st && !(opts->fp8.saturate && opts->allow_nonfinite)) {
+        fc->f.pass = 2;
+        st = dev_run(&fc->c, 4, fp8_emul, grid, &fc->f, sizeof fc->f);
+        if (!st) st = dev_get(&fc->c, &over, fc->f.over, sizeof over);
+        if (!st) st = dev_get(&fc->c, &bad, m, sizeof bad);
+        if (!st) {
+            const unsigned cls = (unsigned)(bad & 3u);
+            const double bad_v = cls == 0 ? INFINITY : cls == 1 ? -INFINITY : cls == 2 ? NAN : -NAN;
+            st = lk_fp8_verdict(w->name, w->dtype, (size_t)O, (size_t)I, (size_t)over,
+                                bad == ~0ull ? SIZE_MAX : (size_t)(bad >> 2), bad_v, fc->rescale, sh != NULL, opts);
+            if (st) {
+                lk_device_free(w->device, m);
+                return st;
+            }
+        }
+    }
+    fc->f.pass = 3;
     if (!st) st = dev_run(&fc->c, 4, fp8_emul, grid, &fc->f, sizeof fc->f);
-    if (!st) st = dev_get(&fc->c, &over, fc->f.over, sizeof over);
-    if (!st) st = dev_get(&fc->c, &bad, m, sizeof bad);
     lk_device_free(w->device, m);
-    if (st) return lk_error_prefix(st, "%s", w->name);
-    const unsigned cls = (unsigned)(bad & 3u);
-    const double bad_v = cls == 0 ? INFINITY : cls == 1 ? -INFINITY : cls == 2 ? NAN : -NAN;
-    return lk_fp8_verdict(w->name, w->dtype, (size_t)O, (size_t)I, (size_t)over, bad == ~0ull ? SIZE_MAX : (size_t)(bad >> 2),
-                          bad_v, fc->rescale, sh != NULL, fc->c.opts);
+    return st ? lk_error_prefix(st, "%s", w->name) : LK_OK;
 }
 
 /* lk_fuse_fp8 on the device: its checks (sh: the scale's values on the
@@ -697,13 +733,15 @@ lk_status lk_fuse_fp8_dev(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *te
     if (lk_tensor_on_host(w) || (scale_dev && !lk_device_equal(scale->device, w->device)))
         return lk_error(LK_ERR_ARG, "%s: the FP8 weight and its scale must be on the same device", w->name);
     if ((st = device_ready(w))) return st;
-    /* the scale (a few bytes) staged beside the weight, written back after it */
-    fp8_ctx f = {scale, scale ? scale->data : NULL, terms, n_terms, opts};
+    /* the scale (a few bytes) copied to the host, rescaled there, and written back (to the device or the host
+     * scale) only after the weight succeeded: a failure changes neither */
+    fp8_ctx f = {scale, NULL, terms, n_terms, opts};
     void *sh = NULL;
-    if (scale_dev) {
+    if (scale) {
         if ((st = lk_device_host_alloc(w->device, scale->nbytes, &sh))) return st;
-        st = lk_device_copy(w->device, sh, scale->data, scale->nbytes, LK_COPY_D2H, stream);
-        if (!st) st = lk_stream_sync(w->device, stream);
+        if (!scale_dev) memcpy(sh, scale->data, scale->nbytes);
+        else st = lk_device_copy(w->device, sh, scale->data, scale->nbytes, LK_COPY_D2H, stream);
+        if (!st && scale_dev) st = lk_stream_sync(w->device, stream);
         f.scale_host = sh;
     }
     /* the device kernel, but for terms that read the weight (OFT / BOFT, GLoRA: fp8.c dequantises the
@@ -717,6 +755,7 @@ lk_status lk_fuse_fp8_dev(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *te
                      &host);
     }
     if (!st && host) st = host_path(w, host_fp8, &f, stream, stats);
+    if (!st && scale && !scale_dev) memcpy(scale->data, sh, scale->nbytes);
     if (!st && scale_dev) st = lk_device_copy(w->device, scale->data, sh, scale->nbytes, LK_COPY_H2D, stream);
     if (!st && scale_dev) st = lk_stream_sync(w->device, stream);
     lk_device_host_free(w->device, sh);

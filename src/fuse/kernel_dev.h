@@ -232,32 +232,41 @@ LK_HD void lk_kdev_fuse_thread(const lk_kdev_args *a, unsigned bx, unsigned by, 
  * The codes rows x in (w_out = w_in, in place), the narrow (f32) delta of
  * the terms (the chain above, terms.c's), the scales s_old / s_new (per
  * row, or [0] for plain and per-tensor FP8) as doubles from the host.
- * Pass 1 (a rescale): amax[row or 0] = max |(float) v| as f32 bits (an
- * atomic max on non-negative floats' bits, which order as the values do:
- * an order-free reduction, NaN never wins, as on the CPU); the host then
- * makes the new scales (fp8.c's lk_fp8_rescale). Pass 2: each element's
- * one FP8 rounding (lk_fp8_elem: nearest-even, or stochastic keyed by the
- * tensor's stream key, computed on the host, and the element's index in
- * the whole tensor), the overflow count added to *over, and the first
- * element made non-finite noted as the lowest (index << 2 | class), class
- * 0 +Inf, 1 -Inf, 2 NaN, 3 -NaN, in the bad slot. */
+ * The passes write the weight only in the last one, so a failed verdict
+ * leaves it as it was:
+ *   amax (a rescale): the max |(float) v| of each row, without atomics,
+ *     in two kernels: lk_kdev_fp8amax_thread, thread g of P = n_part
+ *     slots (P = ceil(in / LK_KDEV_AMAX_COLS)), takes the columns g, g + P,
+ *     g + 2P, ... (consecutive threads, consecutive columns) of its RPT
+ *     rows and stores each row's maximum into part[g * rows + row]; then
+ *     lk_kdev_fp8red_thread, one thread per row, takes the max of the
+ *     row's P slots into amax[row]. Max is exact and order-free; NaN
+ *     never wins (the start is 0, compared as float, then as the bits of
+ *     non-negative floats, which order as the values do), as on the CPU.
+ *     The host makes the new scales (fp8.c's lk_fp8_rescale; a per-tensor
+ *     scale from the max of the rows' maxima).
+ *   judge (pass 2): each element's rounding computed, nothing stored: the
+ *     overflow count added to *over (one atomic per thread) and the first
+ *     element made non-finite noted as the lowest (index << 2 | class),
+ *     class 0 +Inf, 1 -Inf, 2 NaN, 3 -NaN, in the bad slot; the host
+ *     judges (fp8.c's lk_fp8_verdict).
+ *   write (pass 3, only after a passing verdict): each element's one FP8
+ *     rounding (lk_fp8_elem: nearest-even, or stochastic keyed by the
+ *     tensor's stream key, computed on the host, and the element's index
+ *     in the whole tensor) stored. */
+#define LK_KDEV_AMAX_COLS 32 /* columns per amax slot: the partials are at most an eighth of the codes' bytes */
+
 typedef struct lk_kdev_fp8 {
     lk_kdev_args d;            /* the codes, the delta's terms (narrow: wide 0), the bad slot */
     fp8fmt fmt;                /* by value: device code reads no host constant */
     int stoch, pass, per_row;
     uint64_t key;              /* lk_fp8_stream_key(seed, name) */
     const double *s_old, *s_new;
-    unsigned *amax;            /* pass 1, zeroed by the host */
+    unsigned *part;            /* amax: n_part x rows partial maxima (f32 bits) */
+    uint64_t n_part;
+    unsigned *amax;            /* amax: per row, from part */
     unsigned long long *over;  /* pass 2, zeroed by the host */
 } lk_kdev_fp8;
-
-LK_HD void lk_kdev_max_u32(unsigned *m, unsigned v) {
-#ifdef __CUDA_ARCH__
-    atomicMax(m, v);
-#else
-    if (v > *m) *m = v;
-#endif
-}
 
 LK_HD void lk_kdev_add_u64(unsigned long long *c, unsigned long long v) {
 #ifdef __CUDA_ARCH__
@@ -267,45 +276,86 @@ LK_HD void lk_kdev_add_u64(unsigned long long *c, unsigned long long v) {
 #endif
 }
 
-/* One thread of the FP8 kernel: rows o0 .. o0 + RPT - 1 (grid-stride) of
- * column j; the per-tensor amax and the overflow count reduced in the
- * thread first (one atomic each). */
+/* The RPT rows of the row group at o0 (nr of them real; spare lanes redo
+ * the last row and are neither stored nor counted). */
+LK_HD uint64_t lk_kdev_rowgroup(uint64_t *row, uint64_t o0, uint64_t rows) {
+    const uint64_t nr = rows - o0 < LK_KDEV_RPT ? rows - o0 : LK_KDEV_RPT;
+    LK_KDEV_UNROLL
+    for (int r = 0; r < LK_KDEV_RPT; r++) row[r] = o0 + ((uint64_t)r < nr ? (uint64_t)r : nr - 1);
+    return nr;
+}
+
+/* The amax's first kernel: slot g = bx * bdx + tx, row groups from by
+ * (grid-stride gdy), each row's max over the slot's columns into part. */
+LK_HD void lk_kdev_fp8amax_thread(const lk_kdev_fp8 *f, unsigned bx, unsigned by, unsigned tx, unsigned bdx,
+                                  unsigned gdy) {
+    const lk_kdev_args *a = &f->d;
+    const uint64_t g = (uint64_t)bx * bdx + tx, in = a->in, P = f->n_part;
+    if (g >= P) return;
+    for (uint64_t o0 = (uint64_t)by * LK_KDEV_RPT; o0 < a->rows; o0 += (uint64_t)gdy * LK_KDEV_RPT) {
+        uint64_t row[LK_KDEV_RPT];
+        const uint64_t nr = lk_kdev_rowgroup(row, o0, a->rows);
+        float d[LK_KDEV_RPT], m[LK_KDEV_RPT];
+        LK_KDEV_UNROLL
+        for (int r = 0; r < LK_KDEV_RPT; r++) m[r] = 0.0f;
+        for (uint64_t j = g; j < in; j += P) {
+            lk_kdev_delta32(a, d, row, j);
+            LK_KDEV_UNROLL
+            for (int r = 0; r < LK_KDEV_RPT; r++) {
+                const float wv = fp8_to_f32(((const uint8_t *)a->w_in)[row[r] * in + j], &f->fmt);
+                const float v = lk_fp8_elem_abs(wv, d[r], f->s_old[f->per_row ? row[r] : 0]);
+                m[r] = v > m[r] ? v : m[r]; /* NaN never wins */
+            }
+        }
+        LK_KDEV_UNROLL
+        for (int r = 0; r < LK_KDEV_RPT; r++)
+            if ((uint64_t)r < nr) f->part[g * a->rows + row[r]] = lk_f2u(m[r]);
+    }
+}
+
+/* The amax's second kernel: row o's max over its n_part slots. */
+LK_HD void lk_kdev_fp8red_thread(const lk_kdev_fp8 *f, uint64_t o) {
+    if (o >= f->d.rows) return;
+    unsigned m = 0;
+    for (uint64_t g = 0; g < f->n_part; g++) {
+        const unsigned v = f->part[g * f->d.rows + o];
+        m = v > m ? v : m;
+    }
+    f->amax[o] = m;
+}
+
+/* One thread of the FP8 kernel (pass 2 judge, pass 3 write): rows o0 ..
+ * o0 + RPT - 1 (grid-stride) of column j; the overflow count reduced in
+ * the thread first (one atomic). */
 LK_HD void lk_kdev_fp8_thread(const lk_kdev_fp8 *f, unsigned bx, unsigned by, unsigned tx, unsigned bdx, unsigned gdy) {
     const lk_kdev_args *a = &f->d;
     const uint64_t j = (uint64_t)bx * bdx + tx, in = a->in;
     if (j >= in) return;
+    const int judge = f->pass == 2;
     unsigned long long over = 0;
-    float tmax = 0.0f;
     for (uint64_t o0 = (uint64_t)by * LK_KDEV_RPT; o0 < a->rows; o0 += (uint64_t)gdy * LK_KDEV_RPT) {
-        const uint64_t nr = a->rows - o0 < LK_KDEV_RPT ? a->rows - o0 : LK_KDEV_RPT;
         uint64_t row[LK_KDEV_RPT];
+        const uint64_t nr = lk_kdev_rowgroup(row, o0, a->rows);
         float d[LK_KDEV_RPT];
-        LK_KDEV_UNROLL
-        for (int r = 0; r < LK_KDEV_RPT; r++) row[r] = o0 + ((uint64_t)r < nr ? (uint64_t)r : nr - 1);
         lk_kdev_delta32(a, d, row, j);
         LK_KDEV_UNROLL
         for (int r = 0; r < LK_KDEV_RPT; r++) {
             if ((uint64_t)r >= nr) break;
             const uint64_t i = row[r] * in + j, si = f->per_row ? row[r] : 0;
             const float wv = fp8_to_f32(((const uint8_t *)a->w_in)[i], &f->fmt);
-            if (f->pass == 1) {
-                const float m = lk_fp8_elem_abs(wv, d[r], f->s_old[si]);
-                if (!(m > 0.0f)) continue; /* NaN never wins; 0 is the start */
-                if (f->per_row) lk_kdev_max_u32(&f->amax[si], lk_f2u(m));
-                else tmax = m > tmax ? m : tmax;
-                continue;
-            }
             const uint64_t e = (a->row_base + row[r]) * in + j;
             uint8_t code;
             int bad;
             double v;
-            over += (unsigned long long)lk_fp8_elem(wv, d[r], f->s_old[si], f->s_new[si], &f->fmt, f->stoch, f->key, e,
-                                                    &code, &bad, &v);
-            ((uint8_t *)a->w_out)[i] = code;
+            const int ov = lk_fp8_elem(wv, d[r], f->s_old[si], f->s_new[si], &f->fmt, f->stoch, f->key, e, &code, &bad, &v);
+            if (!judge) {
+                ((uint8_t *)a->w_out)[i] = code;
+                continue;
+            }
+            over += (unsigned long long)ov;
             if (bad) lk_kdev_min(a->bad, ((unsigned long long)e << 2) | (v != v ? 2u : 0u) | (unsigned)(lk_d2u(v) >> 63));
         }
     }
-    if (tmax > 0.0f) lk_kdev_max_u32(&f->amax[0], lk_f2u(tmax));
     if (over) lk_kdev_add_u64(f->over, over);
 }
 
