@@ -345,6 +345,86 @@ def z_image_rules():
     return r
 
 
+def auraflow_rules():
+    """AuraFlow: the original (fal's, ComfyUI's) names <-> diffusers AuraFlowTransformer2DModel, as ComfyUI's
+    comfy/utils.py auraflow_to_diffusers maps them: double_layers.N = joint_transformer_blocks.N (attn.w2q/w2k/w2v/w2o
+    the image stream's to_q/to_k/to_v/to_out.0, attn.w1q/w1k/w1v/w1o the text stream's add_q/k/v_proj/to_add_out,
+    mlpX / mlpC c_fc1, c_fc2, c_proj = ff / ff_context linear_1, linear_2, out_projection, modX.1 / modC.1 =
+    norm1 / norm1_context.linear); single_layers.N = single_transformer_blocks.N (both counted from 0: attn.w1q ...
+    w1o = to_q ... to_out.0, modCX.1 = norm1.linear, mlp.* = ff.*); modF.1 = norm_out.linear with its halves swapped
+    (swap_scale_shift); the embedders renamed."""
+    r = renames((("t_embedder.mlp.0", "time_step_proj.linear_1"), ("t_embedder.mlp.2", "time_step_proj.linear_2"),
+                 ("cond_seq_linear", "context_embedder"), ("init_x_linear", "pos_embed.proj"),
+                 ("final_linear", "proj_out")))
+    r += swapped_halves("modF.1", "norm_out.linear")
+    mlp = (("c_fc1", "linear_1"), ("c_fc2", "linear_2"), ("c_proj", "out_projection"))
+    r += renames((("attn.w2q", "attn.to_q"), ("attn.w2k", "attn.to_k"), ("attn.w2v", "attn.to_v"),
+                  ("attn.w2o", "attn.to_out.0"), ("attn.w1q", "attn.add_q_proj"), ("attn.w1k", "attn.add_k_proj"),
+                  ("attn.w1v", "attn.add_v_proj"), ("attn.w1o", "attn.to_add_out"), ("modX.1", "norm1.linear"),
+                  ("modC.1", "norm1_context.linear"))
+                 + tuple((f"mlpX.{a}", f"ff.{b}") for a, b in mlp) + tuple((f"mlpC.{a}", f"ff_context.{b}") for a, b in mlp),
+                 "double_layers.#.", "joint_transformer_blocks.#.")
+    r += renames((("attn.w1q", "attn.to_q"), ("attn.w1k", "attn.to_k"), ("attn.w1v", "attn.to_v"),
+                  ("attn.w1o", "attn.to_out.0"), ("modCX.1", "norm1.linear"))
+                 + tuple((f"mlp.{a}", f"ff.{b}") for a, b in mlp), "single_layers.#.", "single_transformer_blocks.#.")
+    return r
+
+
+def pixart_rules():
+    """PixArt-alpha / -Sigma: the original (ComfyUI's) names <-> diffusers PixArtTransformer2DModel, as ComfyUI's
+    comfy/utils.py pixart_to_diffusers maps them: blocks.N.attn.qkv = transformer_blocks.N.attn1.to_q, to_k, to_v
+    by thirds (offset = hidden size); cross_attn.q_linear = attn2.to_q; cross_attn.kv_linear = attn2.to_k, to_v by
+    halves; attn.proj / cross_attn.proj = attn1 / attn2.to_out.0, mlp.fc1 / fc2 = ff.net.0.proj / ff.net.2; the
+    embedders under adaln_single / caption_projection / pos_embed, final_layer.linear = proj_out."""
+    r = renames((("csize_embedder.mlp.0", "adaln_single.emb.resolution_embedder.linear_1"),
+                 ("csize_embedder.mlp.2", "adaln_single.emb.resolution_embedder.linear_2"),
+                 ("ar_embedder.mlp.0", "adaln_single.emb.aspect_ratio_embedder.linear_1"),
+                 ("ar_embedder.mlp.2", "adaln_single.emb.aspect_ratio_embedder.linear_2"),
+                 ("x_embedder.proj", "pos_embed.proj"),
+                 ("y_embedder.y_proj.fc1", "caption_projection.linear_1"),
+                 ("y_embedder.y_proj.fc2", "caption_projection.linear_2"),
+                 ("t_embedder.mlp.0", "adaln_single.emb.timestep_embedder.linear_1"),
+                 ("t_embedder.mlp.2", "adaln_single.emb.timestep_embedder.linear_2"),
+                 ("t_block.1", "adaln_single.linear"), ("final_layer.linear", "proj_out")))
+    b, t = "blocks.#", "transformer_blocks.#"
+    r += qkv_rules(f"{b}.attn.qkv", [f"{t}.attn1.to_{c}" for c in "qkv"])
+    r += qkv_rules(f"{b}.cross_attn.kv_linear", [f"{t}.attn2.to_k", f"{t}.attn2.to_v"], parts=2)
+    r += renames((("cross_attn.q_linear", "attn2.to_q"), ("attn.proj", "attn1.to_out.0"),
+                  ("cross_attn.proj", "attn2.to_out.0"), ("mlp.fc1", "ff.net.0.proj"), ("mlp.fc2", "ff.net.2")),
+                 b + ".", t + ".")
+    return r
+
+
+def krea2_rules():
+    """Krea 2: ComfyUI's (the original) names <-> the diffusers ones, as ComfyUI's comfy/utils.py krea2_to_diffusers
+    maps them: blocks.N = transformer_blocks.N, txtfusion.{layerwise,refiner}_blocks.N =
+    text_fusion.{layerwise,refiner}_blocks.N, each with attn.wq/wk/wv/gate/wo = attn.to_q/to_k/to_v/to_gate/to_out.0
+    (ComfyUI also reads attn.to_out: an alias) and mlp.gate/up/down = ff.gate/up/down; first = img_in, tmlp.0/2 =
+    time_embed.linear_1/2, tproj.1 = time_mod_proj, txtmlp.1/3 = txt_in.linear_1/2, txtfusion.projector =
+    text_fusion.projector, last.linear = final_layer.linear."""
+    r = renames((("first", "img_in"), ("tmlp.0", "time_embed.linear_1"), ("tmlp.2", "time_embed.linear_2"),
+                 ("tproj.1", "time_mod_proj"), ("txtmlp.1", "txt_in.linear_1"), ("txtmlp.3", "txt_in.linear_2"),
+                 ("txtfusion.projector", "text_fusion.projector"), ("last.linear", "final_layer.linear")))
+    blocks = (("blocks.#", "transformer_blocks.#"), ("txtfusion.layerwise_blocks.#", "text_fusion.layerwise_blocks.#"),
+              ("txtfusion.refiner_blocks.#", "text_fusion.refiner_blocks.#"))
+    sp = []
+    for o, d in blocks:
+        r += renames((("attn.wq", "attn.to_q"), ("attn.wk", "attn.to_k"), ("attn.wv", "attn.to_v"),
+                      ("attn.gate", "attn.to_gate"), ("attn.wo", "attn.to_out.0"), ("mlp.gate", "ff.gate"),
+                      ("mlp.up", "ff.up"), ("mlp.down", "ff.down")), o + ".", d + ".")
+        sp.append((f"{o}.attn.wo", f"{d}.attn.to_out", None))
+    return r + aliases(r, sp)
+
+
+def qwen_image_rules():
+    """Qwen-Image: ComfyUI's names are the diffusers ones (QwenImageTransformer2DModel), but for Qwen Image 2.1,
+    whose img_mlp.gate_layer and img_mlp.proj ComfyUI fuses on load into img_mlp.gate_up (a checkpoint it saves,
+    and leejet's files, hold the fused weight): gate_layer = rows [0, half), proj = rows [half, 2 half) of gate_up
+    (comfy/lora.py model_lora_keys_unet, QwenImage)."""
+    t = "transformer_blocks.#.img_mlp"
+    return qkv_rules(f"{t}.gate_up", [f"{t}.gate_layer", f"{t}.proj"], parts=2)
+
+
 LTX_ATTN = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
 
 
@@ -381,7 +461,8 @@ def stable_cascade_rules():
 
 def write_dit_families():
     write("sd3", "SD3 / SD3.5: Stability single file (joint_blocks) <-> diffusers SD3Transformer2DModel",
-          ["joint_blocks.0.x_block.attn.qkv.weight", "pos_embed.proj.weight"], sd3_rules())
+          ["joint_blocks.0.x_block.attn.qkv.weight",
+           "pos_embed.proj.weight transformer_blocks.0.attn.add_q_proj.weight"], sd3_rules())
     write("wan", "Wan 2.x: original (blocks.N.self_attn.q) <-> diffusers WanTransformer3DModel",
           ["head.modulation", "condition_embedder.time_proj.weight"], wan_rules())
     write("hunyuan-video", "HunyuanVideo: original (double_blocks / single_blocks) <-> diffusers "
@@ -393,6 +474,18 @@ def write_dit_families():
           ["clip_txt_mapper.weight"], stable_cascade_rules())
     write("z-image", "Z-Image: ComfyUI / original (NextDiT: attention.qkv) <-> diffusers ZImageTransformer2DModel",
           ["noise_refiner.0.attention.qkv.weight", "noise_refiner.0.attention.to_q.weight"], z_image_rules())
+    write("auraflow", "AuraFlow: original / ComfyUI (double_layers, single_layers) <-> diffusers AuraFlowTransformer2DModel",
+          ["double_layers.0.attn.w2q.weight", "joint_transformer_blocks.0.attn.to_add_out.weight time_step_proj.linear_1.weight"],
+          auraflow_rules())
+    write("pixart", "PixArt-alpha / -Sigma: original / ComfyUI (blocks.N.attn.qkv) <-> diffusers PixArtTransformer2DModel",
+          ["t_block.1.weight blocks.0.cross_attn.kv_linear.weight blocks.0.mlp.fc1.weight",
+           "adaln_single.linear.weight pos_embed.proj.weight transformer_blocks.0.attn2.to_k.weight"], pixart_rules())
+    write("krea2", "Krea 2: original / ComfyUI (blocks.N.attn.wq) <-> diffusers (transformer_blocks.N.attn.to_q)",
+          ["txtfusion.projector.weight blocks.0.attn.wq.weight",
+           "text_fusion.projector.weight transformer_blocks.0.attn.to_gate.weight"], krea2_rules())
+    write("qwen-image", "Qwen Image 2.1: ComfyUI's fused img_mlp.gate_up <-> diffusers' img_mlp.gate_layer, img_mlp.proj",
+          ["transformer_blocks.0.img_mlp.gate_up.weight", "transformer_blocks.0.img_mlp.gate_layer.weight"],
+          qwen_image_rules())
     write("ltx", "LTX-Video / LTX-2: original <-> diffusers LTXVideoTransformer3DModel / LTX2VideoTransformer3DModel",
           ["patchify_proj.weight", "time_embed.emb.timestep_embedder.linear_1.weight", "audio_proj_in.weight"],
           ltx_rules())

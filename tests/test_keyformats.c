@@ -8,7 +8,11 @@
  * HunyuanVideo names, Wan Fun's lora_unet__, Stable Cascade's lora_prior_unet_
  * and lora_prior_te_, Z-Image's diffusers / ComfyUI / lycoris_ names,
  * Kandinsky 5, ComfyUI's text_encoders.<clip>.transformer. names and the SDXL
- * refiner's lora_te_; and the BFL Flux control LoRA, refused by name.
+ * refiner's lora_te_, Qwen-Image (and Qwen Image 2.1's fused img_mlp.gate_up
+ * halves), HiDream, AuraFlow, PixArt (attn.qkv thirds, cross_attn.kv_linear
+ * halves), Krea 2, HunyuanDiT (base_model.model., lora_te1_ on its BERT),
+ * ACE-Step and Omnigen 2; the BFL Flux control LoRA, refused by name; and
+ * names the tables must not place.
  *
  * Oracle: tests/fixtures/keyformats/, made by make_keyformat_fixtures.py:
  * tiny checkpoints with each model's real key names, a LoRA with the
@@ -55,7 +59,7 @@ static void test_cases(void **state) {
         n_cases++;
     }
     fclose(fp);
-    assert_true(n_cases >= 38);
+    assert_true(n_cases >= 68);
 }
 
 /* BFL's Flux Canny / Depth LoRA: ComfyUI (convert_lora_bfl_control) widens
@@ -85,7 +89,58 @@ static void test_bfl_control_refused(void **state) {
     af_free(f);
 }
 
+/* Names the family tables must not place (README "Key formats ComfyUI
+ * reads"): each is refused as matching no weight of the fixture it is fused
+ * onto, and nothing is written. The expectation comes from ComfyUI's maps
+ * (comfy/utils.py pixart_to_diffusers, auraflow_to_diffusers,
+ * krea2_to_diffusers; comfy/lora.py for Qwen Image 2.1's gate_up halves):
+ * none of them has these names for these checkpoints. */
+static void test_names_not_placed(void **state) {
+    (void)state;
+    static const struct {
+        const char *base, *module;
+        int64_t rows;
+    } neg[] = {
+        /* PixArt's self-attention is attn1.to_q / to_k / to_v, never a fused to_qkv */
+        {"pixart_diffusers_names_original.safetensors", "transformer.transformer_blocks.0.attn1.to_qkv", 24},
+        /* the cross-attention's kv_linear has diffusers pieces to_k and to_v only (no to_kv) */
+        {"pixart_diffusers_names_original.safetensors", "transformer.transformer_blocks.0.attn2.to_kv", 16},
+        /* AuraFlow's single blocks have no text stream (add_q_proj is a joint block's w1q) */
+        {"auraflow_diffusers_names_original.safetensors", "transformer.single_transformer_blocks.0.attn.add_q_proj", 8},
+        /* a block number the checkpoint does not have */
+        {"auraflow_diffusers_names_original.safetensors", "transformer.single_transformer_blocks.1.attn.to_q", 8},
+        /* Qwen Image 2.1's gate_up halves are gate_layer and proj only */
+        {"qwen21_halves_original.safetensors", "transformer_blocks.0.img_mlp.gate_proj", 32},
+        /* Krea 2's text fusion refiner blocks are not in this checkpoint */
+        {"krea2_diffusers_names_original.safetensors", "transformer.text_fusion.refiner_blocks.0.attn.to_q", 8},
+    };
+    for (size_t i = 0; i < sizeof neg / sizeof neg[0]; i++) {
+        tu_rng rng = {(uint64_t)(7 + i)};
+        af_file *f = af_new();
+        char a[256], b[256], base[512];
+        snprintf(a, sizeof a, "%s.lora_A.weight", neg[i].module);
+        snprintf(b, sizeof b, "%s.lora_B.weight", neg[i].module);
+        af_rand(f, a, LK_DTYPE_F32, 2, 8, &rng, -1, 1);
+        af_rand(f, b, LK_DTYPE_F32, neg[i].rows, 2, &rng, -1, 1);
+        char *p = tu_path(ar_dir, "negative.safetensors"), *o = tu_path(ar_dir, "negative_fused.safetensors");
+        af_save(f, p, NULL, 0);
+        snprintf(base, sizeof base, FX "/%s", neg[i].base);
+        lk_fuse_input in = {p, 1.0, LK_FORMAT_AUTO};
+        if (lk_fuse_file(base, &in, 1, o, NULL, NULL) == LK_OK) fail_msg("%s on %s was placed", neg[i].module, neg[i].base);
+        tu_assert_contains(lk_last_error(), neg[i].module + (strncmp(neg[i].module, "transformer.", 12) ? 0 : 12));
+        tu_assert_contains(lk_last_error(), "matches no model weight");
+        FILE *fo = fopen(o, "rb");
+        assert_null(fo);
+        print_message("refused: %-58s on %s\n", neg[i].module, neg[i].base);
+        remove(p);
+        free(o);
+        free(p);
+        af_free(f);
+    }
+}
+
 int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_cases), cmocka_unit_test(test_bfl_control_refused)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_cases), cmocka_unit_test(test_bfl_control_refused),
+                                       cmocka_unit_test(test_names_not_placed)};
     return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }

@@ -57,6 +57,7 @@ static const prefix g_model_pre[] = {
     {"text_encoders.clip_l.transformer.", LK_COMP_TE1, "text_encoder"},
     {"text_encoders.clip_g.transformer.", LK_COMP_TE2, "text_encoder_2"},
     {"text_encoders.t5xxl.transformer.", LK_COMP_TE3, "text_encoder_3"},
+    {"text_encoders.hydit_clip.transformer.bert.", LK_COMP_TE1, "text_encoder"}, /* HunyuanDiT's BERT (lora_te1_) */
     {"text_encoder.", LK_COMP_TE1, "text_encoder"},
     {"text_encoder_2.", LK_COMP_TE2, "text_encoder_2"},
     {"text_encoder_3.", LK_COMP_TE3, "text_encoder_3"},
