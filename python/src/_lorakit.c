@@ -375,7 +375,8 @@ static int view_acquire(view *v, PyObject *name, PyObject *obj, const char *dtyp
     }
     if (check_dtype(v, d, flags, what) < 0) goto fail;
     if (t->ndim < 0 || set_shape(v, t->ndim, t->shape, NULL) < 0) goto fail;
-    if (t->strides) { /* row-major compact, ignoring dims of size 1 */
+    if (t->strides && v->t.nbytes) { /* row-major compact, ignoring dims of size 1; an empty tensor's strides
+                                      * address nothing (torch gives one made by .to() strides of 0) */
         int64_t want = 1;
         for (int d = t->ndim - 1; d >= 0; d--) {
             if (t->shape[d] != 1 && t->strides[d] != want) {
