@@ -386,8 +386,9 @@ static void test_peft_saved_tensors(void **state) {
          "embed: LoHa needs hada_w1_a, hada_w1_b, hada_w2_a and hada_w2_b; hada_w1_b is missing", 0, LK_ERR_FORMAT},
         {"blocks.0.attn.to_q", "embed.oft_r", "{\"r\": 4}",
          "is an OFT factor (PEFT OFT) other than oft_R.weight: lorakit recognises that algorithm but does not fuse it", 0, LK_ERR_UNSUPPORTED},
-        {"blocks.0.attn.to_q", "blocks.0.attn.to_q.base_layer.weight", "{\"r\": 4}",
-         "is a LoRA layer's base weight (PEFT's save_embedding_layers", 0, LK_ERR_UNSUPPORTED},
+        /* PEFT's save_embedding_layers: a replacement of the LoRA layer's own base weight only */
+        {"blocks.0.attn.to_q", "blocks.0.attn.to_k.base_layer.weight", "{\"r\": 4}",
+         "is a LoRA layer's base weight, but blocks.0.attn.to_k has no LoRA factors", 0, LK_ERR_FORMAT},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char stem[128], extra[128], name[16];

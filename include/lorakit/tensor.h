@@ -29,6 +29,18 @@ typedef struct lk_device {
     int index;                   /* cuda:N; 0 for cpu and emul */
 } lk_device;
 
+/* How a 2-D weight stores its axes, where the caller knows the layer that
+ * owns it (Python passes it from the module's type). A PEFT LoRA on an
+ * IN_OUT weight (transformers' Conv1D: [in, out]) applies transposed, as
+ * PEFT's layer sets fan_in_fan_out for it whatever the saved config says;
+ * on an OUT_IN weight (nn.Linear) never. UNKNOWN: the resolver's rules
+ * (the config's fan_in_fan_out, GPT-2's Conv1D names: README, fuse). */
+typedef enum lk_axes {
+    LK_AXES_UNKNOWN = 0,
+    LK_AXES_OUT_IN = 1,
+    LK_AXES_IN_OUT = 2
+} lk_axes;
+
 typedef struct lk_tensor {
     const char *name;
     lk_dtype dtype;
@@ -41,6 +53,7 @@ typedef struct lk_tensor {
                                     copy of it, e.g. a non-contiguous torch tensor): an in-memory fuse or a
                                     tracker call that would write it fails naming it and this reason, before
                                     any write; borrowed */
+    lk_axes axes;              /* a 2-D weight's axes where the owning layer is known; else UNKNOWN */
 } lk_tensor;
 
 /* 1 when the tensor's bytes are in host memory (readable by the CPU). */

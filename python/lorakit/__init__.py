@@ -274,6 +274,28 @@ def _tied(aliases, tied=None):
     return [s for a, k in {**tied, **aliases}.items() for s in (a, k)]
 
 
+def _axes(module):
+    """{weight name: lk_tensor.axes} of an nn.Module's 2-D layer weights whose
+    type says how they store their axes: torch.nn.Linear [out, in] (1) and
+    transformers' Conv1D [in, out] (2: GPT-2's c_attn / c_proj / c_fc). PEFT
+    sets fan_in_fan_out per layer from this type and saves whichever value
+    its last layer set, so a saved config can say false for a Conv1D layer
+    (a file on c_proj and an nn.Linear lm_head): the C layer lands a PEFT
+    LoRA by these, not by the config."""
+    torch = sys.modules["torch"]
+    out = {}
+    for name, m in module.named_modules():
+        w = m.__dict__.get("_parameters", {}).get("weight")
+        if w is None or not _torch_tensor(w) or w.dim() != 2:
+            continue
+        key = f"{name}.weight" if name else "weight"
+        if isinstance(m, torch.nn.Linear):
+            out[key] = 1
+        elif type(m).__name__ == "Conv1D" and getattr(m, "nf", None) == w.shape[1] and getattr(m, "nx", w.shape[0]) == w.shape[0]:
+            out[key] = 2  # transformers.pytorch_utils.Conv1D: weight [nx, nf], y = x W + b
+    return out
+
+
 def _items(tensors, dedupe=False, allow_cuda=True):
     """[(name, value, hint)] for the C layer. dedupe (the calls that write
     the tensors: fuse_, Tracker): tied names become one weight and
@@ -292,6 +314,9 @@ def _items(tensors, dedupe=False, allow_cuda=True):
         if v is None:
             raise TypeError(f"{k}: None is not a tensor")
         out.append(_item(k, v, allow_cuda, strided=dedupe))
+    if dedupe and _is_module(tensors):
+        axes = _axes(tensors)
+        out = [it + (None,) * (4 - len(it)) + (axes[it[0]],) if it[0] in axes else it for it in out]
     return (out, aliases, dict(pairs)) if dedupe else out
 
 

@@ -418,8 +418,9 @@ static int call_stream(lk_device d, PyObject *handle, lk_stream **out) {
     return 0;
 }
 
-/* items: a sequence of (name: str, value, dtype_hint: str | None[, frozen: str]): frozen says why value is a
- * copy of the caller's tensor that the call must not write (lk_tensor.frozen). On failure nothing is held and
+/* items: a sequence of (name: str, value, dtype_hint: str | None[, frozen: str | None[, axes: int]]): frozen
+ * says why value is a copy of the caller's tensor that the call must not write (lk_tensor.frozen); axes is
+ * lk_tensor.axes (how the owning layer stores a 2-D weight, from its type). On failure nothing is held and
  * an exception is set. */
 static view *views_from(PyObject *items, int flags, size_t *n_out) {
     PyObject *seq = PySequence_Fast(items, "tensors must be a sequence of (name, tensor, hint) items");
@@ -434,8 +435,8 @@ static view *views_from(PyObject *items, int flags, size_t *n_out) {
     Py_ssize_t i = 0;
     for (; i < n; i++) {
         PyObject *it = PySequence_Fast_GET_ITEM(seq, i), *name, *val, *hint;
-        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) < 3 || PyTuple_GET_SIZE(it) > 4) {
-            PyErr_SetString(PyExc_TypeError, "internal: tensors items must be (name, tensor, hint[, frozen])");
+        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) < 3 || PyTuple_GET_SIZE(it) > 5) {
+            PyErr_SetString(PyExc_TypeError, "internal: tensors items must be (name, tensor, hint[, frozen[, axes]])");
             break;
         }
         name = PyTuple_GET_ITEM(it, 0);
@@ -448,7 +449,16 @@ static view *views_from(PyObject *items, int flags, size_t *n_out) {
         const char *h = hint == Py_None ? NULL : PyUnicode_AsUTF8(hint);
         if (hint != Py_None && !h) break;
         if (view_acquire(&v[i], name, val, h, flags) < 0) break;
-        if (PyTuple_GET_SIZE(it) == 4) {
+        if (PyTuple_GET_SIZE(it) == 5) {
+            long ax = PyLong_Check(PyTuple_GET_ITEM(it, 4)) ? PyLong_AsLong(PyTuple_GET_ITEM(it, 4)) : -1;
+            if (ax < LK_AXES_UNKNOWN || ax > LK_AXES_IN_OUT) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "internal: axes must be 0, 1 or 2");
+                view_release(&v[i]);
+                break;
+            }
+            v[i].t.axes = (lk_axes)ax;
+        }
+        if (PyTuple_GET_SIZE(it) >= 4 && PyTuple_GET_ITEM(it, 3) != Py_None) {
             PyObject *fz = PyTuple_GET_ITEM(it, 3);
             v[i].frozen = PyUnicode_Check(fz) ? PyUnicode_AsUTF8String(fz) : NULL;
             if (!v[i].frozen) {

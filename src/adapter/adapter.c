@@ -510,11 +510,21 @@ static lk_status other_key(const lk_adapter *a, const char *k, char **name, cons
     }
     if (is_bias)
         return lk_error(LK_ERR_FORMAT, "%s: key '%s' is a saved bias, but %s has bias = \"none\"", f, k, a->config_path);
+    /* PEFT's save_embedding_layers (on by default when an embedding or
+     * lm_head is targeted) saves the layer's base weight too, and loading
+     * the adapter puts it back into the model before the LoRA applies: a
+     * replacement of <m>.weight (the frozen base itself, as a rule: then a
+     * no-op; a resized vocabulary's is refused by its shape) */
     static const char bw[] = ".base_layer.weight";
-    if (rl > sizeof bw - 1 && !strcmp(rest + rl - (sizeof bw - 1), bw))
-        return lk_error(LK_ERR_UNSUPPORTED,
-                        "%s: key '%s' is a LoRA layer's base weight (PEFT's save_embedding_layers, for a resized "
-                        "vocabulary), which lorakit does not fuse", f, k);
+    const size_t bwl = sizeof bw - 1;
+    if (rl > bwl && !strcmp(rest + rl - bwl, bw)) {
+        char *n = lk_malloc(rl + 1);
+        if (!n) return lk_error(LK_ERR_NOMEM, "%s: out of memory", f);
+        snprintf(n, rl + 1, "%.*s.weight", (int)(rl - bwl), rest);
+        *name = n;
+        *why = "base_layer";
+        return LK_OK;
+    }
     return lk_error(LK_ERR_FORMAT,
                     "%s: key '%s' is not a LoRA factor, and %s's modules_to_save (%zu entries) does not cover it", f,
                     k, a->config_path, a->cfg.n_to_save);
@@ -1696,6 +1706,9 @@ static lk_status check_replacements(const lk_adapter *a) {
             is_lora = strlen(a->names[i]) == ml && !strncmp(a->names[i], nm, ml);
         if (is_lora && !strcmp(a->reps[r].why, "modules_to_save"))
             return lk_error(LK_ERR_FORMAT, "%s: '%s' is saved whole (modules_to_save) but %.*s also has LoRA factors",
+                            a->file, a->reps[r].key, (int)ml, nm);
+        if (!strcmp(a->reps[r].why, "base_layer") && !is_lora)
+            return lk_error(LK_ERR_FORMAT, "%s: '%s' is a LoRA layer's base weight, but %.*s has no LoRA factors",
                             a->file, a->reps[r].key, (int)ml, nm);
         if (!strcmp(a->reps[r].why, "bias") && a->cfg.bias == LK_PEFT_BIAS_LORA_ONLY && !is_lora &&
             !strstr(a->reps[r].key, ".base_layer.bias"))

@@ -170,16 +170,47 @@ static lk_status kohya_names(const char *file, const lk_tensor *model, size_t n_
     return LK_OK;
 }
 
-/* Whether module i's factors apply transposed to weight w, as PEFT's
+/* The axes of model weight k: the caller's (lk_tensor.axes, from the
+ * owning layer's type), else by GPT-2's names: in a block whose
+ * attn.c_attn.weight is [x, 3x] (transformers' Conv1D stores [in, out]; an
+ * nn.Linear's fused qkv would be [3x, x]), attn.c_attn / attn.c_proj /
+ * crossattention.{c_attn, q_attn, c_proj} / mlp.c_fc / mlp.c_proj are Conv1D
+ * (GPT-2, ImageGPT, Decision Transformer). Square ones (attn.c_proj) are
+ * why this matters: their shape fits either way. */
+static lk_axes weight_axes(const lk_tensor *model, const size_t *ord, size_t n, size_t k) {
+    const lk_tensor *w = &model[k];
+    if (w->axes != LK_AXES_UNKNOWN || w->ndim != 2) return w->axes;
+    static const char *const parts[] = {".attn.c_attn.weight", ".attn.c_proj.weight", ".crossattention.c_attn.weight",
+                                        ".crossattention.q_attn.weight", ".crossattention.c_proj.weight",
+                                        ".mlp.c_fc.weight", ".mlp.c_proj.weight"};
+    const size_t nl = strlen(w->name);
+    for (size_t p = 0; p < sizeof parts / sizeof parts[0]; p++) {
+        const size_t pl = strlen(parts[p]);
+        if (nl <= pl || strcmp(w->name + nl - pl, parts[p])) continue;
+        const size_t qkv = find_concat(model, ord, n, w->name, nl - pl, ".attn.c_attn.weight");
+        if (qkv == SIZE_MAX || model[qkv].ndim != 2 || model[qkv].shape[0] <= 0) return LK_AXES_UNKNOWN;
+        return model[qkv].shape[1] == 3 * model[qkv].shape[0] ? LK_AXES_IN_OUT : LK_AXES_UNKNOWN;
+    }
+    return LK_AXES_UNKNOWN;
+}
+
+/* Whether module i's factors apply transposed to model weight k, as PEFT's
  * transpose(B @ A, fan_in_fan_out): always for an embedding LoRA (the
- * weight is num_embeddings x dim, lora_embedding_A r x num_embeddings);
- * with fan_in_fan_out (PEFT keeps it only for Conv1D layers, whose weight is
- * in x out) when the weight has the in x out shape, which a square Conv1D
- * weight also has. */
-static int is_transposed(const lk_adapter *a, size_t i, const lk_tensor *w) {
+ * weight is num_embeddings x dim, lora_embedding_A r x num_embeddings). A
+ * PEFT LoRA on a weight known to be [in, out] (weight_axes: a Conv1D) is
+ * transposed and one known to be [out, in] is not, whatever the saved
+ * config's fan_in_fan_out says: PEFT sets the flag per layer from its type
+ * (and saves the value the last layer set: a file targeting Conv1D layers
+ * and an nn.Linear lm_head says false). Else, with fan_in_fan_out, when
+ * the weight has the in x out shape. */
+static int is_transposed(const lk_adapter *a, size_t i, const lk_tensor *model, const size_t *ord, size_t n, size_t k) {
+    const lk_tensor *w = &model[k];
     if (a->mods[i].algo != LK_ALGO_LORA) return 0;
     if (a->embed[i]) return 1;
-    if (!(a->format == LK_FORMAT_PEFT && a->has_config && a->cfg.fan_in_fan_out) || w->ndim != 2) return 0;
+    if (a->format != LK_FORMAT_PEFT || w->ndim != 2) return 0;
+    const lk_axes ax = weight_axes(model, ord, n, k);
+    if (ax != LK_AXES_UNKNOWN) return ax == LK_AXES_IN_OUT;
+    if (!(a->has_config && a->cfg.fan_in_fan_out)) return 0;
     return w->shape[0] == a->fa[i].shape[1] && w->shape[1] == a->fb[i].shape[0];
 }
 
@@ -917,7 +948,7 @@ static lk_status tp_reserve(resolve_ctx *c, size_t nc) {
 static lk_status place_module(resolve_ctx *c, size_t i, const cand *cs, size_t nc) {
     const lk_adapter *a = c->a;
     const lk_lora_module *m = &a->mods[i];
-    int tr = nc == 1 && is_transposed(a, i, &c->model[cs[0].key]);
+    int tr = nc == 1 && is_transposed(a, i, c->model, c->ord, c->n_model, cs[0].key);
     if (tr && m->magnitude.name)
         return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: DoRA on a transposed (fan_in_fan_out) weight is not supported",
                         a->file, m->module);
@@ -1144,6 +1175,7 @@ static lk_status check_replacements(resolve_ctx *c) {
                             a->reps[c->rby[i]].key, rnames[c->rby[i]]);
     for (size_t i = 0; i < c->n_rby; i++) { /* a tensor both replaced and LoRA-fused by this adapter */
         size_t lo = 0, hi = c->n_tp, r = c->rby[i];
+        if (!strcmp(a->reps[r].why, "base_layer")) continue; /* the LoRA layer's own base weight: R, then B A */
         while (lo < hi) {
             size_t mid = lo + (hi - lo) / 2;
             int cmp = strcmp(c->model[c->tp[mid].key].name, rnames[r]);

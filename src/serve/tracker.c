@@ -805,7 +805,7 @@ static lk_status plan_keys(lk_tracker *t, uint64_t *shape_hash, int mode) {
     XXH3_64bits_reset(&hs);
     for (size_t c = 0; c < t->n; c++) {
         const lk_tensor *w = lk_weights_tensor(t->w, kr[c].i);
-        int32_t hdr[2] = {(int32_t)w->dtype, w->ndim};
+        int32_t hdr[3] = {(int32_t)w->dtype, w->ndim, (int32_t)w->axes}; /* axes: how a PEFT LoRA lands */
         t->ord[c] = kr[c].i;
         XXH3_64bits_update(&hs, w->name, strlen(w->name) + 1);
         XXH3_64bits_update(&hs, hdr, sizeof hdr);
