@@ -201,6 +201,9 @@ static void lora_make(lora_set *s, tu_rng *r, int64_t out, int64_t in, int64_t r
     }
 }
 
+static void fp8_weight(tu_rng *r, tens *w, const char *name, lk_dtype dt, int64_t out, int64_t in, int specials);
+static void fp8_scale(tu_rng *r, tens *sc, lk_dtype dt, int64_t n, int per_tensor_0d);
+
 static void lora_free(lora_set *s) {
     for (size_t i = 0; i < s->n; i++) {
         tens_free(&s->A[i]);
@@ -398,14 +401,17 @@ static void test_hada_kron(void **state) {
 }
 
 /* Every kind on one weight, in one order: LoRA, LoHa, dense, LoKr, a
- * zero-scale LoHa, a second LoRA (stacked with the first); then more
- * non-LoRA terms than one launch takes: the host path, the same bytes. */
+ * zero-scale LoHa, a second LoRA (stacked with the first); then 20 more
+ * dense terms (24 live non-LoRA terms: the device kernel, which took 8
+ * before its term list moved into device memory), on the F32/F16/BF16
+ * weight and on an FP8 one (E4M3, per-row scale, rescaled); the same
+ * bytes as the CPU. */
 static void test_mixed_kinds(void **state) {
     (void)state;
     tu_rng r = {19};
     for (int d = 0; d < 3; d++) {
         const int64_t out = 12, in = 30;
-        tens w, D[9];
+        tens w, D[21];
         tens_make(&w, "mix.weight", dt_of((uint64_t)d), 2, (int64_t[]){out, in});
         fill(&r, &w, 1.0f, 1);
         lora_set s;
@@ -415,18 +421,25 @@ static void test_mixed_kinds(void **state) {
         hada_make(&h0, &r, out, in, 2, 2, 0.0);
         kron_set k;
         kron_make(&k, &r, 3, 5, 4, 6, 2, 0, 1.3);
-        for (int i = 0; i < 9; i++) {
+        for (int i = 0; i < 21; i++) {
             tens_make(&D[i], "diff", dt_of(tu_next(&r)), 2, (int64_t[]){out, in});
             fill(&r, &D[i], 0.2f, 0);
         }
-        lk_fuse_term t[16] = {s.t[0], h.t, {.B = &D[0].t, .scale = 0.35, .kind = LK_TERM_DENSE}, k.t, h0.t, s.t[1]};
+        lk_fuse_term t[26] = {s.t[0], h.t, {.B = &D[0].t, .scale = 0.35, .kind = LK_TERM_DENSE}, k.t, h0.t, s.t[1]};
         dcase c = {.fn = FN_TENSOR, .terms = t, .n = 6, .opts = {.allow_nonfinite = 1}, .want_change = 1};
         check_case(&c, &w);
-        for (int i = 1; i < 9; i++) t[5 + i] = (lk_fuse_term){.B = &D[i].t, .scale = 0.1 * i, .kind = LK_TERM_DENSE};
-        c.n = 14; /* 12 live non-LoRA terms: more than LK_KDEV_MAX_X */
-        c.want_fallback = 1;
+        for (int i = 1; i < 21; i++) t[5 + i] = (lk_fuse_term){.B = &D[i].t, .scale = 0.05 * i, .kind = LK_TERM_DENSE};
+        c.n = 26; /* 24 live non-LoRA terms */
         check_case(&c, &w);
-        for (int i = 0; i < 9; i++) tens_free(&D[i]);
+        tens w8, sc;
+        fp8_weight(&r, &w8, "mix8.weight", LK_DTYPE_F8_E4M3, out, in, 0);
+        fp8_scale(&r, &sc, LK_DTYPE_F32, out, 0);
+        dcase c8 = {.fn = FN_FP8, .terms = t, .n = 26, .scale = &sc, .want_change = 1};
+        c8.opts.fp8 = (lk_fp8_opts){.saturate = 1, .scale = LK_FP8_RESCALE};
+        check_case(&c8, &w8);
+        tens_free(&sc);
+        tens_free(&w8);
+        for (int i = 0; i < 21; i++) tens_free(&D[i]);
         set4_free(k.f);
         set4_free(h0.f);
         set4_free(h.f);
@@ -499,23 +512,41 @@ static void test_keys(void **state) {
     tens_free(&iw);
 }
 
-/* More vector terms than a launch takes: the host path, the same bytes. */
-static void test_keys_host(void **state) {
+/* Many terms on the key kernel (which took 8 before its lists moved into
+ * device memory): 20 vector terms on a bias, and a replacement at
+ * strength 0.5 beside 20 dense terms on a 2-D weight. Oracle: the CPU's
+ * lk_fuse_key_apply on a host copy; the stats say the device kernel. */
+static void test_keys_many(void **state) {
     (void)state;
     tu_rng r = {14};
-    tens bias, v[10];
+    tens bias, v[20], w2, rep, D[20];
     tens_make(&bias, "norm.bias", LK_DTYPE_BF16, 1, (int64_t[]){21});
     fill(&r, &bias, 1.0f, 0);
-    lk_fuse_term vt[10];
-    for (int i = 0; i < 10; i++) {
+    tens_make(&w2, "proj.weight", LK_DTYPE_F16, 2, (int64_t[]){6, 21});
+    fill(&r, &w2, 1.0f, 1);
+    tens_make(&rep, "proj.weight(saved)", LK_DTYPE_F32, 2, (int64_t[]){6, 21});
+    fill(&r, &rep, 1.0f, 0);
+    lk_fuse_term vt[20], dt[20];
+    for (int i = 0; i < 20; i++) {
         tens_make(&v[i], "diff_b", dt_of((uint64_t)i), 1, (int64_t[]){21});
         fill(&r, &v[i], 0.5f, 0);
         vt[i] = (lk_fuse_term){.B = &v[i].t, .scale = 0.1 * (i + 1)};
+        tens_make(&D[i], "diff", dt_of(tu_next(&r)), 2, (int64_t[]){6, 21});
+        fill(&r, &D[i], 0.2f, 0);
+        dt[i] = (lk_fuse_term){.B = &D[i].t, .scale = 0.05 * (i + 1), .kind = LK_TERM_DENSE};
     }
-    lk_fuse_key kv = {.n_terms = 10};
-    dcase cv = {.fn = FN_KEY, .terms = vt, .key = &kv, .want_fallback = 1, .want_change = 1};
+    lk_fuse_key kv = {.n_terms = 20};
+    dcase cv = {.fn = FN_KEY, .terms = vt, .key = &kv, .want_change = 1};
     check_case(&cv, &bias);
-    for (int i = 0; i < 10; i++) tens_free(&v[i]);
+    lk_fuse_key kr = {.replace = &rep.t, .replace_strength = 0.5, .n_terms = 20};
+    dcase cr = {.fn = FN_KEY, .terms = dt, .key = &kr, .want_change = 1};
+    check_case(&cr, &w2);
+    for (int i = 0; i < 20; i++) {
+        tens_free(&v[i]);
+        tens_free(&D[i]);
+    }
+    tens_free(&rep);
+    tens_free(&w2);
     tens_free(&bias);
 }
 
@@ -885,7 +916,7 @@ static int setup_cuda(void **state) {
 
 #define DEVICE_TESTS                                                                                         \
     cmocka_unit_test(test_lora_shapes), cmocka_unit_test(test_conv), cmocka_unit_test(test_row_slices),     \
-        cmocka_unit_test(test_dense), cmocka_unit_test(test_hada_kron), cmocka_unit_test(test_mixed_kinds), cmocka_unit_test(test_keys), cmocka_unit_test(test_keys_host),        \
+        cmocka_unit_test(test_dense), cmocka_unit_test(test_hada_kron), cmocka_unit_test(test_mixed_kinds), cmocka_unit_test(test_keys), cmocka_unit_test(test_keys_many),        \
         cmocka_unit_test(test_keys_nonfinite), cmocka_unit_test(test_dora),  \
         cmocka_unit_test(test_fp8), cmocka_unit_test(test_fp8_errors), cmocka_unit_test(test_fp8_wide), cmocka_unit_test(test_nonfinite), cmocka_unit_test(test_errors),       \
         cmocka_unit_test(test_ties),                                                                        \

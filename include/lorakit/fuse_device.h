@@ -6,8 +6,8 @@
  * its data is, and dispatches on it: a host tensor goes to the CPU kernel
  * (lk_fuse_tensor, lk_fuse_key_apply, lk_fuse_fp8) unchanged. On a device:
  *   - LoRA terms (conv LoRA as its 2-D factors, terms on row slices of a
- *     fused weight), LoHa, LoKr and dense terms (any mix, up to
- *     LK_KDEV_MAX_X = 8 non-LoRA terms) on F32 / F16 / BF16 weights run
+ *     fused weight), LoHa, LoKr and dense terms (any mix, any number)
+ *     on F32 / F16 / BF16 weights run
  *     the device kernel (src/fuse/kernel_dev.h): the factors are prepared
  *     on the host by the CPU's own code (B' and A in the accumulator's
  *     precision, LoHa's two chains, LoKr's two factors), uploaded, and
@@ -23,9 +23,11 @@
  *     nearest or stochastic) run the FP8 kernel: the narrow delta chain,
  *     then src/fuse/fp8elem.h's per-element rule, the one the CPU uses;
  *     a rescale's amax is reduced on the device, its new scale made on
- *     the host by fp8.c's function and written into the scale tensor;
- *   - the rest (OFT / BOFT, GLoRA, on any weight, more than 8 non-LoRA
- *     terms or vector terms on one key) takes the host path: the key's
+ *     the host by fp8.c's function; a judge pass gives the verdict before
+ *     anything is written, so a failed FP8 fuse changes neither the
+ *     weight nor its scale;
+ *   - the rest (OFT / BOFT, GLoRA, on any weight; a replacement, vector
+ *     term or DoRA magnitude in another dtype) takes the host path: the key's
  *     bytes are copied to pinned host memory, fused there by the CPU
  *     kernel and copied back. The same bytes; counted in the stats.
  * Factor tensors are in host memory (the adapter's). Work is queued on
@@ -34,7 +36,8 @@
  * are the CPU kernel's (same checks, same messages, naming the tensor); a
  * non-finite result is LK_ERR_NONFINITE naming the first element, with the
  * weight partly written, as on the CPU (callers fusing in place keep a
- * copy); on the host path a failure leaves the device weight unchanged. */
+ * copy), but for FP8 weights (above); on the host path a failure leaves
+ * the device weight unchanged. */
 #ifndef LORAKIT_FUSE_DEVICE_H
 #define LORAKIT_FUSE_DEVICE_H
 

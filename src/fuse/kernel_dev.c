@@ -23,10 +23,12 @@
  * FP8 weights run the FP8 kernel (kernel_dev.h) on terms.c's narrow
  * preparation, with fp8.c's own checks, scale reading, rescale rule and
  * verdict around it (lk_fp8_check_args, lk_fp8_scale_value, lk_fp8_rescale,
- * lk_fp8_verdict): a rescale's amax pass, the new scales on the host,
- * then the rounding pass; the stream key is made here.
+ * lk_fp8_verdict): a rescale's amax kernels, the new scales on the host,
+ * the judge pass, then (the verdict passed) the write pass; the stream key
+ * is made here.
  *
- * The host path (OFT / BOFT, GLoRA, FP8 weights included, more terms than a launch's slots): the
+ * The host path (OFT / BOFT, GLoRA, FP8 weights included; a replacement,
+ * vector term or DoRA magnitude in another dtype than F32/F16/BF16): the
  * key is copied into pinned host memory, fused there by the CPU code and
  * copied back only when that succeeded. */
 #include "lorakit/fuse_device.h"
@@ -122,22 +124,38 @@ typedef struct dev_call {
 static size_t align256(size_t n) { return (n + 255u) & ~(size_t)255u; }
 
 /* The uploads of one launch, carved from one device block after the
- * non-finite slot: each part's host bytes and the kernel argument that
- * gets its device address. */
-#define DEV_UPS (7 + 4 * LK_KDEV_MAX_X) /* the chains and terms, and FP8's scales, counters and amax */
+ * non-finite slot: each part's host bytes and the field (a kernel
+ * argument's, or one of a host array that is itself a later part) that
+ * gets its device address; as many parts as the terms need (up_free). */
+typedef struct dev_part {
+    const void *src;
+    const void **fix;
+    size_t n, at;
+} dev_part;
 typedef struct dev_up {
-    const void *src[DEV_UPS];
-    const void **fix[DEV_UPS];
-    size_t n[DEV_UPS], at[DEV_UPS], np, tot;
-    int ovf;
+    dev_part *p;
+    size_t np, cap, tot;
+    int ovf, nomem;
 } dev_up;
 
 static void up_add(dev_up *u, const void *src, size_t n, const void **fix) {
-    u->src[u->np] = src;
-    u->n[u->np] = n;
-    u->fix[u->np] = fix;
-    u->at[u->np++] = u->tot;
+    if (u->np == u->cap) {
+        const size_t cap = u->cap ? 2 * u->cap : 16;
+        dev_part *q = u->nomem ? NULL : lk_realloc(u->p, cap * sizeof *q);
+        if (!q) {
+            u->nomem = 1;
+            return;
+        }
+        u->p = q;
+        u->cap = cap;
+    }
+    u->p[u->np++] = (dev_part){src, fix, n, u->tot};
     u->ovf |= !lk_checked_add(u->tot, align256(n), &u->tot);
+}
+
+static void up_free(dev_up *u) {
+    lk_free(u->p);
+    *u = (dev_up){0};
 }
 
 /* A prepared chain (NULL: none) of rows x I as the kernel reads it. */
@@ -186,16 +204,16 @@ static lk_status up_open(const dev_call *c, dev_up *u, unsigned char **m) {
     const lk_device d = c->w->device;
     size_t tot = 0;
     *m = NULL;
+    if (u->nomem) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the list of uploads", c->w->name);
     if (u->ovf || !lk_checked_add(u->tot, 256, &tot))
         return lk_error(LK_ERR_SHAPE, "%s: factors too large for the device", c->w->name);
     lk_status st = lk_device_alloc(d, tot, (void **)m);
     if (st) return lk_error_prefix(st, "%s: device memory for the factors", c->w->name);
     const unsigned long long none = ~0ull;
     st = lk_device_copy(d, *m, &none, sizeof none, LK_COPY_H2D, c->s);
-    for (size_t i = 0; i < u->np && !st; i++) {
-        *u->fix[i] = *m + 256 + u->at[i];
-        if (u->src[i]) st = lk_device_copy(d, *m + 256 + u->at[i], u->src[i], u->n[i], LK_COPY_H2D, c->s);
-    }
+    for (size_t i = 0; i < u->np; i++) *u->p[i].fix = *m + 256 + u->p[i].at; /* every address first: a part */
+    for (size_t i = 0; i < u->np && !st; i++)                                   /* may hold others' */
+        if (u->p[i].src) st = lk_device_copy(d, *m + 256 + u->p[i].at, u->p[i].src, u->p[i].n, LK_COPY_H2D, c->s);
     if (!st && c->stats) c->stats->bytes_uploaded += u->tot + sizeof none;
     if (st) {
         lk_device_free(d, *m);
@@ -267,6 +285,7 @@ static lk_status dev_whole(const dev_call *c, int64_t r0, int64_t rows, const lk
     dev_up u = {0};
     up_chain(&u, kp, (size_t)rows, (size_t)c->in, c->wide ? sizeof(double) : sizeof(float), &a.lora);
     if (a.lora.R) st = dev_launch(c, (uint64_t)r0, rows, &a, &u); /* nothing live: the bytes stay as they are */
+    up_free(&u);
     lk_kdelta_free(kp);
     return st;
 }
@@ -289,24 +308,33 @@ static void kron_tables(uint64_t *tab, const lk_delta_xpart *x, size_t out, size
 }
 
 /* A preparation of the row driver (terms.c) as kernel arguments: its
- * LoRA chain and other terms into a, their buffers into u, LoKr's index
- * tables into *tabs (lk_free; NULL when none). *nx the other terms' count
- * (more than LK_KDEV_MAX_X: nothing done, the caller takes the host path). */
+ * LoRA chain into a, its other terms (any number) as a host array of
+ * lk_kdev_x that is itself uploaded (a->x its device address), their
+ * buffers into u; the array and LoKr's index tables live in *keep
+ * (lk_free; NULL when there are no other terms). */
 static lk_status up_delta(const dev_call *c, const lk_delta_prep *p, size_t O, dev_up *u, lk_kdev_args *a,
-                          uint64_t **tabs, size_t *nx) {
-    lk_delta_xpart xp[LK_KDEV_MAX_X];
-    size_t nkron = 0;
+                          void **keep) {
     const size_t vsz = c->wide ? sizeof(double) : sizeof(float), I = (size_t)c->in;
-    const lk_kdelta *lora = lk_fuse_delta_parts(p, xp, LK_KDEV_MAX_X, nx);
-    *tabs = NULL;
-    if (*nx > LK_KDEV_MAX_X) return LK_OK;
-    a->n_x = (int)*nx;
+    size_t nx = 0, nkron = 0, xbytes = 0, tbytes = 0, tot = 0;
+    const lk_kdelta *lora = lk_fuse_delta_parts(p, NULL, 0, &nx);
+    *keep = NULL;
     up_chain(u, lora, O, I, vsz, &a->lora);
-    for (size_t t = 0; t < *nx; t++) nkron += xp[t].kind == LK_TERM_KRON;
-    if (nkron && !(*tabs = lk_malloc(nkron * 2 * (O + I) * sizeof **tabs)))
-        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the Kronecker index tables", c->w->name);
-    for (size_t t = 0, kt = 0; t < *nx; t++) {
-        lk_kdev_x *x = &a->x[t];
+    a->n_x = 0;
+    if (!nx) return LK_OK;
+    lk_delta_xpart *xp = nx < SIZE_MAX / sizeof *xp ? lk_malloc(nx * sizeof *xp) : NULL;
+    if (!xp) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the terms' list", c->w->name);
+    lk_fuse_delta_parts(p, xp, nx, &nx);
+    for (size_t t = 0; t < nx; t++) nkron += xp[t].kind == LK_TERM_KRON;
+    if (nx > 0x7fffffff || !lk_checked_mul(nx, sizeof(lk_kdev_x), &xbytes) || !lk_checked_add(O, I, &tbytes) ||
+        !lk_checked_mul(tbytes, 2 * sizeof(uint64_t), &tbytes) || !lk_checked_mul(tbytes, nkron, &tbytes) ||
+        !lk_checked_add(xbytes, tbytes, &tot) || !(*keep = lk_calloc(1, tot))) {
+        lk_free(xp);
+        return lk_error(LK_ERR_NOMEM, "%s: out of memory for the terms' device arguments", c->w->name);
+    }
+    lk_kdev_x *xs = *keep;
+    uint64_t *tabs = (uint64_t *)(void *)((unsigned char *)*keep + xbytes);
+    for (size_t t = 0, kt = 0; t < nx; t++) {
+        lk_kdev_x *x = &xs[t];
         const lk_delta_xpart *q = &xp[t];
         if (q->kind == LK_TERM_DENSE) {
             *x = (lk_kdev_x){.kind = LK_KDEV_X_DENSE, .dt = (int)q->dense->dtype, .scale = q->scale};
@@ -316,7 +344,7 @@ static lk_status up_delta(const dev_call *c, const lk_delta_prep *p, size_t O, d
             up_chain(u, q->p1, O, I, vsz, &x->p1);
             up_chain(u, q->p2, O, I, vsz, &x->p2);
         } else {
-            uint64_t *tab = *tabs + (kt++) * 2 * (O + I);
+            uint64_t *tab = tabs + (kt++) * 2 * (O + I);
             kron_tables(tab, q, O, I);
             x->kind = LK_KDEV_X_KRON;
             up_add(u, q->w1, q->a * q->b * vsz, &x->w1);
@@ -325,24 +353,26 @@ static lk_status up_delta(const dev_call *c, const lk_delta_prep *p, size_t O, d
             up_add(u, tab + 2 * O, 2 * I * sizeof *tab, (const void **)&x->ctab);
         }
     }
+    up_add(u, xs, xbytes, (const void **)(void *)&a->x); /* after its fields' parts: up_open fixes them first */
+    a->n_x = (int)nx;
+    lk_free(xp);
     return LK_OK;
 }
 
-/* Every kind the row driver takes (LoRA, dense, LoHa, LoKr) on the whole
- * weight, from terms.c's own preparation (its checks, its errors); more
- * than LK_KDEV_MAX_X non-LoRA terms: *host set, nothing done. */
-static lk_status dev_mixed(const dev_call *c, int64_t out, const lk_fuse_term *terms, size_t n, int *host) {
+/* Every kind the row driver takes (LoRA, dense, LoHa, LoKr; any number)
+ * on the whole weight, from terms.c's own preparation (its checks, its
+ * errors). */
+static lk_status dev_mixed(const dev_call *c, int64_t out, const lk_fuse_term *terms, size_t n) {
     lk_delta_prep *p;
     lk_status st = lk_fuse_delta_prepare(c->wide, out, c->in, 0, out, terms, n, c->w->name, &p);
     if (st) return st;
     lk_kdev_args a = {0};
     dev_up u = {0};
-    uint64_t *tabs = NULL;
-    size_t nx = 0;
-    st = up_delta(c, p, (size_t)out, &u, &a, &tabs, &nx);
-    *host = nx > LK_KDEV_MAX_X;
-    if (!st && !*host && (a.lora.R || nx)) st = dev_launch(c, 0, out, &a, &u); /* nothing live: unchanged */
-    lk_free(tabs);
+    void *keep = NULL;
+    st = up_delta(c, p, (size_t)out, &u, &a, &keep);
+    if (!st && (a.lora.R || a.n_x)) st = dev_launch(c, 0, out, &a, &u); /* nothing live: unchanged */
+    up_free(&u);
+    lk_free(keep);
     lk_fuse_delta_free(p);
     return st;
 }
@@ -367,7 +397,7 @@ static lk_status dev_terms(const dev_call *c, int64_t out, const lk_fuse_term *t
     int lora_only = 1, host = lk_fuse_wterms(terms, n) != 0;
     for (size_t t = 0; t < n; t++) lora_only &= terms[t].kind == LK_TERM_LORA;
     lk_status st = LK_OK;
-    if (!host) st = lora_only ? dev_whole(c, 0, out, terms, n) : dev_mixed(c, out, terms, n, &host);
+    if (!host) st = lora_only ? dev_whole(c, 0, out, terms, n) : dev_mixed(c, out, terms, n);
     if (st || !host) return st;
     tensor_ctx tc = {terms, n, c->opts, out, c->in};
     return host_path(c->w, host_tensor, &tc, c->s, c->stats);
@@ -413,7 +443,7 @@ typedef struct key_call {
     lk_kdev_key k;
     dev_up u;
     lk_delta_prep *p;
-    uint64_t *tabs;
+    void *keep;         /* up_delta's host arrays */
     lk_dora_rule dr;
     int64_t rows, cols;
     size_t n_norm, n_f; /* DoRA: sums per row or channel, factors per row or column */
@@ -447,8 +477,9 @@ static lk_status key_dora(key_call *kc, const lk_fuse_key *k, int *host) {
 }
 
 /* The key's inputs as kernel arguments: a replacement, the terms (2-D:
- * their delta; 1-D: vector terms) or DoRA. *host: what one launch does
- * not take (more terms than its slots, dtypes other than F32/F16/BF16). */
+ * their delta; 1-D: vector terms, their descriptions an uploaded host
+ * array in kc->keep) or DoRA. *host: what the key kernel does not take
+ * (dtypes other than F32/F16/BF16). */
 static lk_status key_setup(key_call *kc, const lk_fuse_key *k, const lk_fuse_term *terms, int *host) {
     const lk_tensor *t = kc->c.w;
     lk_kdev_key *kk = &kc->k;
@@ -458,19 +489,19 @@ static lk_status key_setup(key_call *kc, const lk_fuse_key *k, const lk_fuse_ter
         st = lk_fuse_delta_prepare(kc->c.wide, kc->rows, kc->cols, 0, kc->rows, terms, k->n_terms, t->name, &kc->p);
         kk->two_d = 1;
     } else if (k->n_terms) {
-        *host |= k->n_terms > LK_KDEV_MAX_VEC;
+        lk_kdev_vec *v = k->n_terms <= 0x7fffffff ? lk_calloc(k->n_terms, sizeof *v) : NULL;
+        if (!v) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the vector terms' list", t->name);
+        kc->keep = v;
         for (size_t i = 0; i < k->n_terms && !*host; i++) {
             *host |= !elem_dtype(terms[i].B->dtype);
-            kk->vec_dt[i] = (int)terms[i].B->dtype;
-            kk->vec_scale[i] = terms[i].scale;
-            up_add(&kc->u, terms[i].B->data, terms[i].B->nbytes, &kk->vec[i]);
+            v[i] = (lk_kdev_vec){.scale = terms[i].scale, .dt = (int)terms[i].B->dtype};
+            up_add(&kc->u, terms[i].B->data, terms[i].B->nbytes, &v[i].v);
         }
+        up_add(&kc->u, v, k->n_terms * sizeof *v, (const void **)(void *)&kk->vec); /* after its fields' parts */
         kk->n_vec = (int)k->n_terms;
     }
     if (!st && kc->p) {
-        size_t nx = 0;
-        st = up_delta(&kc->c, kc->p, (size_t)kc->rows, &kc->u, &kk->d, &kc->tabs, &nx);
-        *host |= nx > LK_KDEV_MAX_X;
+        st = up_delta(&kc->c, kc->p, (size_t)kc->rows, &kc->u, &kk->d, &kc->keep);
     }
     if (!st && k->replace) {
         *host |= !elem_dtype(k->replace->dtype);
@@ -531,7 +562,8 @@ static lk_status dev_key(lk_tensor *w, const lk_fuse_key *k, const lk_fuse_term 
     kc.c.in = kc.cols;
     lk_status st = key_setup(&kc, k, terms, host);
     if (!st && !*host) st = key_run(&kc, opts);
-    lk_free(kc.tabs);
+    up_free(&kc.u);
+    lk_free(kc.keep);
     lk_fuse_delta_free(kc.p);
     return st;
 }
@@ -597,7 +629,7 @@ typedef struct fp8_call {
     lk_kdev_fp8 f;
     dev_up u;
     lk_delta_prep *p;
-    uint64_t *tabs;
+    void *keep;         /* up_delta's host arrays */
     size_t NS;          /* scale values used: O per row, else 1 */
     int rescale;
     unsigned char *hb;  /* host: s_old, s_new (NS doubles each), the overflow count, O amax (lk_free) */
@@ -696,26 +728,24 @@ static lk_status fp8_run(fp8_call *fc, void *sh, lk_dtype sdt) {
 }
 
 /* lk_fuse_fp8 on the device: its checks (sh: the scale's values on the
- * host), terms.c's narrow preparation uploaded, the passes. *host: more
- * non-LoRA terms than a launch's slots, nothing done. */
+ * host), terms.c's narrow preparation uploaded, the passes. */
 static lk_status dev_fp8(lk_tensor *w, int64_t out, int64_t in, const lk_tensor *scale, void *sh,
                          const lk_fuse_term *terms, size_t n, const lk_fuse_opts *opts, lk_stream *s,
-                         lk_fuse_dev_stats *stats, int *host) {
+                         lk_fuse_dev_stats *stats) {
     const lk_dtype sdt = scale ? scale->dtype : LK_DTYPE_F32;
     const int64_t n_scale = scale ? (int64_t)lk_tensor_numel(scale) : 0;
     lk_status st = lk_cancel_check(opts->cancel, w->name);
     if (!st) st = lk_fp8_check_args(w->data, w->dtype, out, in, sh, sdt, n_scale, terms, n, w->name);
     if (st) return st;
     fp8_call fc = {.c = {.w = w, .s = s, .opts = opts, .in = in, .wide = 0, .stats = stats}};
-    size_t nx = 0;
     st = lk_fuse_delta_prepare(0, out, in, 0, out, terms, n, w->name, &fc.p);
-    if (!st) st = up_delta(&fc.c, fc.p, (size_t)out, &fc.u, &fc.f.d, &fc.tabs, &nx);
-    *host = !st && nx > LK_KDEV_MAX_X;
-    if (!st && !*host) st = fp8_setup(&fc, sh, sdt, n_scale);
-    if (!st && !*host) st = fp8_run(&fc, sh, sdt);
-    if (!st && !*host && stats) stats->keys_device++;
+    if (!st) st = up_delta(&fc.c, fc.p, (size_t)out, &fc.u, &fc.f.d, &fc.keep);
+    if (!st) st = fp8_setup(&fc, sh, sdt, n_scale);
+    if (!st) st = fp8_run(&fc, sh, sdt);
+    if (!st && stats) stats->keys_device++;
+    up_free(&fc.u);
     lk_free(fc.hb);
-    lk_free(fc.tabs);
+    lk_free(fc.keep);
     lk_fuse_delta_free(fc.p);
     return st;
 }
@@ -745,14 +775,13 @@ lk_status lk_fuse_fp8_dev(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *te
         f.scale_host = sh;
     }
     /* the device kernel, but for terms that read the weight (OFT / BOFT, GLoRA: fp8.c dequantises the
-     * whole weight for them) and more terms than a launch takes: the host path */
+     * whole weight for them): the host path */
     static const lk_fuse_opts defaults;
-    int host = lk_fuse_wterms(terms, n_terms) != 0;
+    const int host = lk_fuse_wterms(terms, n_terms) != 0;
     if (!st && !host) {
         lk_tensor named = *w;
         named.name = w->name ? w->name : "(tensor)";
-        st = dev_fp8(&named, out, in, scale, f.scale_host, terms, n_terms, opts ? opts : &defaults, stream, stats,
-                     &host);
+        st = dev_fp8(&named, out, in, scale, f.scale_host, terms, n_terms, opts ? opts : &defaults, stream, stats);
     }
     if (!st && host) st = host_path(w, host_fp8, &f, stream, stats);
     if (!st && scale && !scale_dev) memcpy(scale->data, sh, scale->nbytes);

@@ -8,8 +8,9 @@
  * w_out != w_in, dtype F32 / F16 / BF16, in device memory; the LoRA terms'
  * stacked chain as the CPU kernel prepares it (B' rows x R and A, laid out
  * as lk_kdelta_factors says: element (k, j) at ((j / pw) R + k) pw + j % pw;
- * kernel.c steps 1-2: the same buffers, uploaded) and up to LK_KDEV_MAX_X
- * other terms as terms.c prepares them (lk_fuse_delta_parts): dense deltas
+ * kernel.c steps 1-2: the same buffers, uploaded) and any number of
+ * other terms as terms.c prepares them (lk_fuse_delta_parts; their
+ * descriptions an array in device memory): dense deltas
  * (out x in values in their own dtype, with their double scale), LoHa's
  * two chains (each a prepared lk_kdelta), LoKr's acc(s W1) and acc(W2).
  * Per element (o, j), exactly the CPU's chain (terms.c's header):
@@ -48,7 +49,6 @@
 
 #define LK_KDEV_RPT 4        /* rows per thread */
 #define LK_KDEV_BLOCK 128    /* threads per block (x) */
-#define LK_KDEV_MAX_X 8      /* non-LoRA terms per launch (more: the host path) */
 /* The chain (lk_kdev_chain32 / _64) is written once per precision and
  * called at LK_KDEV_CHAINS places (the LoRA terms, LoHa's P1 and P2), each
  * unrolled over LK_KDEV_RPT rows with its k loop rolled: the compiled fuse
@@ -96,7 +96,7 @@ typedef struct lk_kdev_args {
     uint64_t rows, in;
     uint64_t row_base;       /* the band's first row in the whole weight (for the index) */
     int dt, wide, n_x;
-    lk_kdev_x x[LK_KDEV_MAX_X];
+    const lk_kdev_x *x;      /* n_x other terms, in device memory */
 } lk_kdev_args;
 
 /* *bad = min(*bad, key): an atomic min on the GPU; emul's threads run one at a time. */
@@ -370,7 +370,11 @@ LK_HD void lk_kdev_fp8_thread(const lk_kdev_fp8 *f, unsigned bx, unsigned by, un
  * the lowest (element index << 2 | class), class 0 +Inf, 1 -Inf, 2 NaN:
  * the CPU's message names the element and the value (a NaN without its
  * sign, which is the hardware's). */
-#define LK_KDEV_MAX_VEC 8
+typedef struct lk_kdev_vec {
+    const void *v;           /* the vector's values, dtype dt */
+    double scale;
+    int dt;
+} lk_kdev_vec;
 
 typedef struct lk_kdev_key {
     lk_kdev_args d;          /* the weight, the bad slot, the delta's terms (two_d or DoRA) */
@@ -378,10 +382,8 @@ typedef struct lk_kdev_key {
     const void *rep;         /* a replacement (NULL: none), dtype rep_dt, at strength sr */
     int rep_dt;
     double sr;
-    int n_vec;               /* vector terms on a 1-D tensor */
-    int vec_dt[LK_KDEV_MAX_VEC];
-    const void *vec[LK_KDEV_MAX_VEC];
-    double vec_scale[LK_KDEV_MAX_VEC];
+    int n_vec;               /* vector terms on a 1-D tensor ... */
+    const lk_kdev_vec *vec;  /* ... in device memory */
     int dora, finish, norm_w, f_per_row;
     double sd;
     const double *f;         /* DoRA's m / (norm + eps): per row (f_per_row) or per column */
@@ -437,7 +439,7 @@ LK_HD void lk_kdev_key_thread(const lk_kdev_key *k, unsigned bx, unsigned by, un
                 else if (k->n_vec) {
                     double dj = 0.0;
                     LK_KDEV_ROLLED
-                    for (int t = 0; t < k->n_vec; t++) dj = fma(k->vec_scale[t], (double)lk_key_load(k->vec[t], k->vec_dt[t], i), dj);
+                    for (int t = 0; t < k->n_vec; t++) dj = fma(k->vec[t].scale, (double)lk_key_load(k->vec[t].v, k->vec[t].dt, i), dj);
                     x = x + dj;
                 }
             }
