@@ -15,7 +15,11 @@
  * element on every path. Accuracy against float64 references of LyCORIS's
  * and ComfyUI's formulas is test_oft.c's (fixtures written by lycoris-lora).
  * OFT_PATHS_DUMP=FILE writes one digest line per case, for comparing two
- * builds by hand. */
+ * builds by hand. The AVX-512 paths fuse OFT on BF16 / F16 weights with an
+ * fp32 chain and a certified rounding (oft.c, oblock_narrow): these
+ * comparisons are what shows that certificate and its redo give step 3's
+ * bytes; test_adversarial adds rotations far from I, blocks of 64 and 128
+ * and near-cancellation rows, against a long-double oracle (<= 1 ulp). */
 #include "adapter_ref.h"
 #include "fuse/fuse.h"
 
@@ -262,7 +266,154 @@ static void test_round_cases(void **state) {
     assert_true(slow > 0);
 }
 
+
+/* ---- adversarial rotations against a long-double oracle ----
+ * R far from I (Q entries up to +-3 or +-1), blocks of 16, 64 and 128,
+ * strengths 1 and 0.7, and near-cancellation rows: at s = 1 each column
+ * of a block is W = RN(R v) with v's entry at row j mod b scaled by 2^-8,
+ * so that element of R^T W is ~2^-8 of its inputs (and the BF16 / F16
+ * fast paths' fp32 bound is loose there: many lanes are redone). Oracle:
+ * this file's own Cayley transform and product in long double (64-bit
+ * significand) from the blocks' values: every element within 1 ulp of
+ * its dtype (the rule's claim), and every path and thread count gives the
+ * portable path's bytes. */
+typedef struct acase {
+    int64_t nb, b, in;
+    float xr; /* the blocks' values in [-xr, xr] */
+    double s;
+    int cancel;
+} acase;
+
+/* R = (I + Q)(I - Q)^-1 in long double (Gauss-Jordan, partial pivoting). */
+static void ref_cayley(long double *R, const float *x, int64_t b) {
+    long double *a = malloc(sizeof(long double) * (size_t)(3 * b * b)), *inv = a + b * b, *q = inv + b * b;
+    assert_non_null(a);
+    for (int64_t i = 0; i < b; i++)
+        for (int64_t j = 0; j < b; j++) {
+            q[i * b + j] = (long double)x[i * b + j] - (long double)x[j * b + i];
+            a[i * b + j] = (i == j) - q[i * b + j];
+            inv[i * b + j] = i == j;
+        }
+    for (int64_t c = 0; c < b; c++) {
+        int64_t pv = c;
+        for (int64_t r = c + 1; r < b; r++)
+            if (fabsl(a[r * b + c]) > fabsl(a[pv * b + c])) pv = r;
+        for (int64_t j = 0; j < b; j++) {
+            long double t = a[c * b + j];
+            a[c * b + j] = a[pv * b + j], a[pv * b + j] = t;
+            t = inv[c * b + j], inv[c * b + j] = inv[pv * b + j], inv[pv * b + j] = t;
+        }
+        const long double piv = a[c * b + c];
+        for (int64_t j = 0; j < b; j++) a[c * b + j] /= piv, inv[c * b + j] /= piv;
+        for (int64_t r = 0; r < b; r++) {
+            if (r == c) continue;
+            const long double f = a[r * b + c];
+            for (int64_t j = 0; j < b; j++) a[r * b + j] -= f * a[c * b + j], inv[r * b + j] -= f * inv[c * b + j];
+        }
+    }
+    for (int64_t i = 0; i < b; i++)
+        for (int64_t j = 0; j < b; j++) {
+            long double acc = 0;
+            for (int64_t u = 0; u < b; u++) acc += ((i == u) + q[i * b + u]) * inv[u * b + j];
+            R[i * b + j] = acc;
+        }
+    free(a);
+}
+
+static void put(lk_tensor *w, size_t i, long double v) {
+    float f = (float)v;
+    if (w->dtype == LK_DTYPE_F32) ((float *)w->data)[i] = f;
+    else lk_from_f32((char *)w->data + 2 * i, &f, w->dtype, 1);
+}
+
+/* Block k of an adversarial case: its R (long double), the crafted
+ * columns of W when c->cancel, and the oracle's rotated rows into ref. */
+static void adv_block(const acase *c, pinput *pi, int64_t k, long double *Rk, long double *col, double *ref,
+                      tu_rng *rng) {
+    const int64_t b = c->b, in = c->in;
+    ref_cayley(Rk, (const float *)pi->X.t.data + k * b * b, b);
+    for (int64_t j = 0; j < in && c->cancel; j++) { /* W = RN(R v): R^T W ~ v */
+        for (int64_t u = 0; u < b; u++) col[u] = tu_uniform(rng, -1, 1) * (u == j % b ? 0x1p-8f : 1.0f);
+        for (int64_t t = 0; t < b; t++) {
+            long double acc = 0;
+            for (int64_t u = 0; u < b; u++) acc += Rk[t * b + u] * col[u];
+            put(&pi->W.t, (size_t)((k * b + t) * in + j), acc);
+        }
+    }
+    for (int64_t t = 0; t < b; t++) /* W'_t = sum_u (I + s (R^T - I))_tu W_u */
+        for (int64_t j = 0; j < in; j++) {
+            long double acc = 0;
+            for (int64_t u = 0; u < b; u++)
+                acc += ((t == u) + (long double)c->s * (Rk[u * b + t] - (t == u))) *
+                       (long double)ar_get(&pi->W.t, (size_t)((k * b + u) * in + j));
+            ref[(k * b + t) * in + j] = (double)acc;
+        }
+}
+
+static void test_adversarial(void **state) {
+    (void)state;
+    static const acase AC[] = {
+        {4, 16, 70, 1.5f, 1.0, 1}, {3, 64, 45, 0.5f, 1.0, 1}, {2, 128, 33, 0.25f, 1.0, 1},
+        {4, 16, 70, 1.5f, 0.7, 0}, {2, 128, 40, 0.25f, -0.3, 0},
+    };
+    tu_rng rng = {977};
+    double worst[3] = {0, 0, 0};
+    for (size_t ci = 0; ci < sizeof AC / sizeof AC[0]; ci++)
+        for (int di = 0; di < 3; di++) {
+            const acase *c = &AC[ci];
+            const int64_t b = c->b, out = c->nb * b, in = c->in;
+            pinput pi = {0};
+            ar_tensor_rand(&pi.X, "oft_blocks", LK_DTYPE_F32, c->nb * b, b, &rng, -c->xr, c->xr);
+            pi.X.t.ndim = 3, pi.X.t.shape[0] = c->nb, pi.X.t.shape[1] = b, pi.X.t.shape[2] = b;
+            ar_tensor_rand(&pi.W, "w", DTS[di], out, in, &rng, -1, 1);
+            pi.term = (lk_fuse_term){.B = &pi.X.t, .scale = c->s, .kind = LK_TERM_OFT};
+            long double *R = malloc(sizeof(long double) * (size_t)(c->nb * b * b)), *col = malloc(sizeof(long double) * (size_t)b);
+            double *ref = malloc(sizeof(double) * (size_t)(out * in));
+            assert_non_null(R);
+            assert_non_null(col);
+            assert_non_null(ref);
+            for (int64_t k = 0; k < c->nb; k++) adv_block(c, &pi, k, R + k * b * b, col, ref, &rng);
+            const size_t nbytes = pi.W.t.nbytes;
+            unsigned char *base = malloc(nbytes), *res = malloc(nbytes);
+            assert_non_null(base);
+            assert_non_null(res);
+            const pcase pc = {"adversarial", 0, c->nb, b, in, 0, c->s, 0.0, LK_CONVENTION_LYCORIS};
+            assert_int_equal(fuse_on("portable", 1, 1, &pc, &pi, base), LK_OK);
+            for (int p = 0; p < N_PATHS; p++) {
+                if (!lk_fuse_kernel_supported(PATHS[p])) continue;
+                const int th[2] = {1, 3};
+                for (int t = 0; t < 2; t++) {
+                    memset(res, 0xa5, nbytes);
+                    assert_int_equal(fuse_on(PATHS[p], th[t], 1, &pc, &pi, res), LK_OK);
+                    if (memcmp(res, base, nbytes))
+                        fail_msg("adversarial b=%lld s=%g %s on %s at %d threads: not the portable path's bytes",
+                                 (long long)b, c->s, lk_dtype_name(DTS[di]), PATHS[p], th[t]);
+                    lk_tensor got = pi.W.t;
+                    got.data = res;
+                    for (size_t i = 0; i < (size_t)(out * in); i++) {
+                        const double e = fabs(ar_get(&got, i) - ref[i]) / ar_ulp(DTS[di], ref[i]);
+                        if (!(e <= 1.0))
+                            fail_msg("adversarial b=%lld s=%g %s on %s: element %zu = %.9g, the long-double "
+                                     "oracle %.17g (%.3g ulp)", (long long)b, c->s, lk_dtype_name(DTS[di]),
+                                     PATHS[p], i, ar_get(&got, i), ref[i], e);
+                        if (e > worst[di]) worst[di] = e;
+                    }
+                }
+            }
+            free(base);
+            free(res);
+            free(R);
+            free(col);
+            free(ref);
+            ar_tensor_free(&pi.W);
+            ar_tensor_free(&pi.X);
+        }
+    printf("oft adversarial: worst %.3f / %.3f / %.3f ulp (F32 / F16 / BF16) against long double\n", worst[0],
+           worst[1], worst[2]);
+}
+
 int main(void) {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_paths), cmocka_unit_test(test_round_cases)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_paths), cmocka_unit_test(test_round_cases),
+                                       cmocka_unit_test(test_adversarial)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -65,8 +65,11 @@
  * hand the rare rest (midpoints, subnormal grids, NaN, Inf, overflow) to
  * fin_scalar, the portable path's code (FIN_VEC's comment has the proof;
  * tests/test_oft_paths.c checks every path bit for bit, crafted midpoints
- * included). The rotation itself (Q, R) is built once per call, with
- * inline FMA instructions where the CPU has them. */
+ * included). OFT on a BF16 / F16 weight on the AVX-512 paths runs an fp32
+ * chain instead and keeps only the lanes whose rounding it can certify
+ * equal to step 3's, redoing the others by step 3 (oblock_narrow: the
+ * bound and the proof are beside it). The rotation itself (Q, R) is built
+ * once per call, with inline FMA instructions where the CPU has them. */
 #include "lorakit/fuse.h"
 #include "lorakit/alloc.h"
 #include "core/alloc.h"
@@ -213,12 +216,15 @@ LK_AI int cayley_blocks(double *r, const double *q, size_t nblk, size_t b, doubl
     for (size_t k = 0; k < nblk; k++) {
         const double *qk = q + k * b * b;
         if (!inv_i_minus_q(inv, qk, b, w2)) return 0;
-        for (size_t i = 0; i < b; i++)
-            for (size_t j = 0; j < b; j++) { /* (I + Q) inv, an fma chain over u ascending */
-                double acc = ((double)(i == 0) + qk[i * b + 0]) * inv[0 * b + j];
-                for (size_t u = 1; u < b; u++) acc = fma((double)(i == u) + qk[i * b + u], inv[u * b + j], acc);
-                r[(k * b + i) * b + j] = acc;
+        for (size_t i = 0; i < b; i++) { /* (I + Q) inv, an fma chain over u ascending; a row's chains side by side */
+            double *acc = r + (k * b + i) * b;
+            const double a0 = (double)(i == 0) + qk[i * b + 0];
+            for (size_t j = 0; j < b; j++) acc[j] = a0 * inv[0 * b + j];
+            for (size_t u = 1; u < b; u++) {
+                const double au = (double)(i == u) + qk[i * b + u];
+                for (size_t j = 0; j < b; j++) acc[j] = fma(au, inv[u * b + j], acc[j]);
             }
+        }
     }
     return 1;
 }
@@ -237,10 +243,19 @@ __attribute__((target("fma"))) static int rotation_fma(double *r, double *q, con
     skew_blocks(q, x64, nblk, b, c);
     return cayley_blocks(r, q, nblk, b, work);
 }
+
+/* With AVX-512 the row updates (independent elements) run 8 lanes a time: the same operations. */
+__attribute__((target("avx512f,avx512vl,fma"))) static int rotation_avx512(double *r, double *q, const double *x64,
+                                                                          size_t nblk, size_t b, double c,
+                                                                          double *work) {
+    skew_blocks(q, x64, nblk, b, c);
+    return cayley_blocks(r, q, nblk, b, work);
+}
 #endif
 
 static int rotation(double *r, double *q, const double *x64, size_t nblk, size_t b, double c, double *work) {
 #ifdef LK_KERNEL_X86
+    if (__builtin_cpu_supports("avx512f")) return rotation_avx512(r, q, x64, nblk, b, c, work);
     if (__builtin_cpu_supports("fma")) return rotation_fma(r, q, x64, nblk, b, c, work);
 #endif
     return rotation_base(r, q, x64, nblk, b, c, work);
@@ -679,6 +694,8 @@ typedef struct ojob {
     mat_fn mat;
     void (*fin)(struct oworker *, lk_dtype, const struct finrow *, size_t);
     void (*load)(double *, const void *, lk_dtype, size_t);
+    const float *d32, *k32; /* the narrow path (oft_narrow_*): fl32(D') per block, K per row */
+    float a0;
     atomic_size_t next;
 } ojob;
 
@@ -959,6 +976,200 @@ static oft_fns pick_fns(void) {
     return f;
 }
 
+
+/* ---- BF16 / F16 weights: an fp32 chain whose rounding is certified ----
+ *
+ * The bytes stay those of step 3 of the header (RN_t of the f64 sum): this
+ * is a faster way to compute them, not another rule. Per element (row t of
+ * block k, column j) the narrow path forms, with D' the row's whole delta
+ * matrix (d = g (a e + c x) folded in: D'_tu = g (a D_tu) + [t = u] g c,
+ * made in f64 and rounded to f32 once per call),
+ *   e32 = the fp32 fma chain sum_u fl32(D'_tu) x_u (u ascending from the
+ *         first product, as the f64 chain), s = fl32(x_t + e32),
+ * and an error bound E valid for |x_t + e32 - V| where V is the exact value
+ * x_t + d64 that step 3 rounds (d64: the f64 rule's delta):
+ *   E = K_t maxW_j + A0, maxW_j = max_u |x_u| (the block's column j),
+ *   K_t = (b + 1) 2^-24 (1 + 2^-10) H_t + (b + 1) 2^-150, A0 = (b + 2) 2^-149,
+ *   H_t = |g| (|a_t| sum_u |D_tu| + |c_t|) >= sum_u |D'_tu| (exact D');
+ * the terms: rounding D' to f32 (2^-24 |D'| + 2^-150 each, times |x_u| <=
+ * maxW), the fp32 chain (gamma_b = b 2^-24 / (1 - b 2^-24) of
+ * sum |D'32_tu| |x_u|, plus 2^-150 per rounding below the normal range),
+ * D' in f64 (three roundings, 2^-51 H_t) and the f64 rule's own chain and
+ * final steps ((b + 4) 2^-53 H_t maxW): for b <= 4096 they sum to less
+ * than E; K_t and A0 are rounded up and carry 2^-20 more, which covers
+ * the fp32 evaluation of E itself and of the interval below. Then
+ *   B2 = fl32(|s| 2^-22 + E), lo = fl32(s - B2), hi = fl32(s + B2)
+ * encloses V (|s - (x_t + e32)| <= 2^-24 |s|; each endpoint's rounding
+ * <= 2^-24 of it). RN_t is monotone, so when RN_t(lo) and RN_t(hi) are the
+ * same finite value (and lo, hi nonzero, s finite), every point of
+ * [lo, hi], V among them, rounds to it: it is step 3's result. Otherwise
+ * (a midpoint of t's grid, a sign change, zero, Inf, NaN or overflow in
+ * the interval) the lane is redone by the f64 rule itself: its f64 chain
+ * and fin_scalar. So the bytes do not depend on which lanes took which
+ * way, on the path (the AVX2 and portable paths run step 3 directly) or
+ * on the thread count; tests/test_oft_paths.c checks them against the
+ * portable path, adversarial rows included. How often a lane is redone:
+ * about 2 E / ulp_t(s), E ~ (b + 1) 2^-24 |D'| maxW; for rotations near I
+ * (trained adapters, the bench) well under 1 in 1000 lanes.
+ * The fp32 chain does 16 lanes per FMA where the f64 one does 8, and the
+ * certificate is a few integer operations on the two endpoints. */
+#define NARROW_MAX_B 4096
+
+/* fl32(D') per block (row-major [t][u]) and K per row into d32 / k32;
+ * 0 when some value does not fit the fp32 bound (then the f64 path runs). */
+static int oft_narrow_prepare(const lk_oft *p, float *d32, float *k32, float *a0) {
+    const size_t b = p->b;
+    if (p->boft || p->peft || b > NARROW_MAX_B) return 0;
+    for (size_t row = 0; row < p->out; row++) {
+        const size_t k = row / b, t = row % b;
+        const rowfin f = row_fin(p, row);
+        const double *T = p->T + k * b * b + t * b;
+        double h = 0.0;
+        for (size_t u = 0; u < b; u++) {
+            double v = f.kind ? f.a * T[u] : T[u];
+            if (f.kind && u == t) v = v + f.c;
+            if (f.g != 1.0) v = f.g * v;
+            if (!(fabs(v) <= 0x1p100)) return 0;
+            d32[k * b * b + t * b + u] = (float)v;
+            h += fabs(T[u]);
+        }
+        h = fabs(f.g) * ((f.kind ? fabs(f.a) : 1.0) * h + (f.kind ? fabs(f.c) : 0.0)) * (1.0 + 0x1p-40);
+        const double K = ((double)(b + 1) * 0x1p-24 * (1.0 + 0x1p-10) * h + (double)(b + 1) * 0x1p-150) *
+                         (1.0 + 0x1p-20);
+        if (!(K <= 0x1p100)) return 0;
+        float kf = (float)K;
+        if ((double)kf < K) kf = nextafterf(kf, INFINITY);
+        k32[row] = kf;
+    }
+    *a0 = (float)(b + 2) * 0x1p-149f; /* an exact multiple of the least subnormal */
+    return 1;
+}
+
+#ifdef LK_KERNEL_X86
+/* The f64 rule for one element (the lane a certificate refused): row t of
+ * the item's block, tile column j; x32 the tile (row stride ld). */
+__attribute__((target("avx512f,fma"), noinline)) static void narrow_redo(oworker *wk, const float *x32, size_t ld,
+                                                                       size_t t, size_t j, size_t row, size_t col) {
+    const ojob *jb = wk->job;
+    const lk_oft *p = jb->p;
+    const size_t b = p->b;
+    const double *T = p->T + (row / b) * b * b + t * b;
+    double e = T[0] * (double)x32[j];
+    for (size_t u = 1; u < b; u++) e = fma(T[u], (double)x32[u * ld + j], e);
+    const double x = (double)x32[t * ld + j];
+    const size_t esz = lk_dtype_size(jb->dt), off = row * jb->in + col;
+    const finrow fr = {.x = &x, .e = &e, .dst = (char *)jb->w_out + off * esz, .off = off, .f = row_fin(p, row)};
+    fin_scalar(wk, jb->dt, &fr, 0, 1);
+}
+
+/* The certificate of 16 lanes (the comment above): returns the lanes that
+ * hold step 3's result in *out (16 BF16 / F16 values). */
+#define LK_NI static inline __attribute__((always_inline, target("avx512f,avx512vl,avx512dq,avx512bw,fma,f16c")))
+LK_NI __mmask16 narrow_cert(int bf, __m512 x, __m512 e, __m512 kt, __m512 mx, __m512 a0, __m256i *out) {
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
+    const __m512 s = _mm512_add_ps(x, e);
+    const __m512 as = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(s), absm));
+    const __m512 b2 = _mm512_fmadd_ps(as, _mm512_set1_ps(0x1p-22f), _mm512_fmadd_ps(kt, mx, a0));
+    const __m512 lo = _mm512_sub_ps(s, b2), hi = _mm512_add_ps(s, b2);
+    __mmask16 ok = _mm512_cmplt_epu32_mask(_mm512_castps_si512(as), _mm512_set1_epi32(0x7f800000)) &
+                   _mm512_test_epi32_mask(_mm512_castps_si512(lo), absm) &
+                   _mm512_test_epi32_mask(_mm512_castps_si512(hi), absm);
+    if (bf) { /* RNE on the bits: monotone, subnormals included */
+        const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+        const __m512i ul = _mm512_castps_si512(lo), uh = _mm512_castps_si512(hi);
+        const __m512i rl = _mm512_srli_epi32(
+            _mm512_add_epi32(ul, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ul, 16), one))), 16);
+        const __m512i rh = _mm512_srli_epi32(
+            _mm512_add_epi32(uh, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(uh, 16), one))), 16);
+        const __m512i em = _mm512_set1_epi32(0x7f80);
+        ok &= _mm512_cmpeq_epi32_mask(rl, rh) & _mm512_cmpneq_epi32_mask(_mm512_and_si512(rl, em), em);
+        *out = _mm512_cvtepi32_epi16(rl);
+    } else {
+        const __m256i rl = _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i rh = _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i em = _mm256_set1_epi16(0x7c00);
+        ok &= (__mmask16)(_mm256_cmpeq_epi16_mask(rl, rh) & _mm256_cmpneq_epi16_mask(_mm256_and_si256(rl, em), em));
+        *out = rl;
+    }
+    return ok;
+}
+
+/* Lanes [0, n) of 16. */
+static inline __mmask16 nlanes(size_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
+
+/* R rows (t0 .. t0 + R - 1) of a 16-column strip at tile column j: the
+ * chains in registers, then the certificate, the stores, the redo. */
+#define NARROW_ROWS(R)                                                                                      \
+    do {                                                                                                    \
+        __m512 acc[R];                                                                                      \
+        const float *dm = D + t0 * b;                                                                       \
+        const __m512 x0 = _mm512_load_ps(X + j);                                                            \
+        for (int r = 0; r < (R); r++) acc[r] = _mm512_mul_ps(_mm512_set1_ps(dm[r * b]), x0);                \
+        for (size_t u = 1; u < b; u++) {                                                                    \
+            const __m512 xu = _mm512_load_ps(X + u * ld + j);                                               \
+            for (int r = 0; r < (R); r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(dm[r * b + u]), xu, acc[r]); \
+        }                                                                                                   \
+        unsigned bad[R], anybad = 0;                                                                        \
+        _Pragma("GCC unroll 8") for (int r = 0; r < (R); r++) {                                             \
+            const size_t row = r0 + t0 + r;                                                                 \
+            __m256i h;                                                                                      \
+            const __mmask16 ok = narrow_cert(bf, _mm512_load_ps(X + (t0 + r) * ld + j), acc[r],             \
+                                             _mm512_set1_ps(jb->k32[row]), mx, a0, &h) & lanes;             \
+            _mm256_mask_storeu_epi16((char *)jb->w_out + (row * in + c0 + j) * 2, ok, h);                   \
+            bad[r] = (unsigned)(lanes & ~ok);                                                               \
+            anybad |= bad[r];                                                                               \
+        }                                                                                                   \
+        if (__builtin_expect(anybad != 0, 0))                                                               \
+            for (int r = 0; r < (R); r++)                                                                   \
+                for (unsigned m = bad[r]; m; m &= m - 1) {                                                  \
+                    const size_t jj = j + (size_t)__builtin_ctz(m);                                         \
+                    narrow_redo(wk, X, ld, t0 + r, jj, r0 + t0 + r, c0 + jj);                               \
+                }                                                                                           \
+    } while (0)
+
+/* One work item on the narrow path: the block's rows of the column tile
+ * to f32 (exact), then per 16-column strip maxW and the rows' chains. */
+__attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,fma,f16c"))) static void oblock_narrow(oworker *wk,
+                                                                                                size_t it) {
+    const ojob *jb = wk->job;
+    const lk_oft *p = jb->p;
+    /* f32 rows 64 bytes longer than the tile (aligned; no 4 KiB stride) */
+    const size_t in = jb->in, b = p->b, ld = lk_oft_tile_cols(p) + 16;
+    const int bf = jb->dt == LK_DTYPE_BF16;
+    size_t grp, c0, L;
+    item_span(p, in, it, &grp, &c0, &L);
+    const size_t r0 = grp * b;
+    float *X = (float *)(void *)tile_of(p, wk->scratch).X;
+    for (size_t u = 0; u < b; u++) {
+        const char *src = (const char *)jb->w_in + ((r0 + u) * in + c0) * 2;
+        float *dst = X + u * ld;
+        for (size_t j = 0; j < L; j += 16) {
+            const __mmask16 m = nlanes(L - j);
+            _mm_prefetch(src + j * 2 + OFT_PF_AHEAD, _MM_HINT_T0); /* the next tile's line of this row */
+            const __m256i h = _mm256_maskz_loadu_epi16(m, src + j * 2);
+            const __m512 f = bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                : _mm512_cvtph_ps(h);
+            _mm512_store_ps(dst + j, f);
+        }
+    }
+    const float *D = jb->d32 + grp * b * b;
+    const __m512 a0 = _mm512_set1_ps(jb->a0);
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
+    for (size_t j = 0; j < L; j += 16) {
+        const __mmask16 lanes = nlanes(L - j);
+        __m512 mx = _mm512_setzero_ps();
+        for (size_t u = 0; u < b; u++)
+            mx = _mm512_max_ps(mx, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(_mm512_load_ps(X + u * ld + j)), absm)));
+        size_t t0 = 0;
+        for (; t0 + 8 <= b; t0 += 8) NARROW_ROWS(8);
+        for (; t0 + 4 <= b; t0 += 4) NARROW_ROWS(4);
+        for (; t0 < b; t0++) NARROW_ROWS(1);
+    }
+}
+#undef NARROW_ROWS
+#undef LK_NI
+#endif
+
 /* The FP8 path (fp8.c): the delta rounded to f32, for the dense fuse of a
  * dequantised weight. */
 static lk_status peft_delta_f32(const lk_oft *p, const float *w, float *delta, size_t in, const char *name);
@@ -1032,6 +1243,12 @@ static void *oworker_main(void *arg) {
     for (;;) {
         size_t it = atomic_fetch_add(&wk->job->next, 1);
         if (it >= wk->job->n_items) break;
+#ifdef LK_KERNEL_X86
+        if (wk->job->d32) {
+            oblock_narrow(wk, it);
+            continue;
+        }
+#endif
         oblock(wk, it);
     }
     return NULL;
@@ -1054,6 +1271,15 @@ lk_status lk_fuse_tensor_oft(void *w_out, const void *w_in, lk_dtype dtype, int6
     ojob job = {.p = p, .w_out = w_out, .w_in = w_in, .dt = dtype, .in = (size_t)in, .mat = fn.mat, .fin = fn.fin,
                 .load = fn.load};
     job.n_items = lk_oft_items(p, (size_t)in);
+    /* BF16 / F16 on the AVX-512 paths: the certified fp32 chain (same bytes) */
+    float *narrow = NULL;
+#ifdef LK_KERNEL_X86
+    if ((dtype == LK_DTYPE_BF16 || dtype == LK_DTYPE_F16) && !p->boft && !strncmp(lk_fuse_kernel_path(), "avx512", 6)) {
+        narrow = lk_malloc((p->nb * p->b * p->b + p->out) * sizeof(float));
+        if (narrow && oft_narrow_prepare(p, narrow, narrow + p->nb * p->b * p->b, &job.a0))
+            job.d32 = narrow, job.k32 = narrow + p->nb * p->b * p->b;
+    }
+#endif
     /* a thread per 2^16 elements at least */
     const int nw = lk_fuse_thread_count(opts, ((size_t)out * (size_t)in) >> 16, job.n_items);
     atomic_init(&job.next, 0);
@@ -1061,6 +1287,7 @@ lk_status lk_fuse_tensor_oft(void *w_out, const void *w_in, lk_dtype dtype, int6
     void *blk;
     unsigned char *buf = NULL;
     if ((s = lk_fuse_workers(nw, sizeof(oworker), per, &blk, &buf, name, "OFT buffers"))) {
+        lk_free(narrow);
         lk_oft_free(p);
         return s;
     }
@@ -1070,6 +1297,7 @@ lk_status lk_fuse_tensor_oft(void *w_out, const void *w_in, lk_dtype dtype, int6
     lk_fuse_run_threads(nw, oworker_main, wk, sizeof *wk);
     s = lk_fuse_workers_verdict(wk, nw, sizeof *wk, offsetof(oworker, kw), (size_t)in, opts, name);
     lk_free(blk);
+    lk_free(narrow);
     lk_oft_free(p);
     return s;
 }

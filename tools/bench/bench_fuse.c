@@ -56,7 +56,9 @@ static const char *const FUSE_BENCH_USAGE =
     "(g) rank 16 through the per-key plan: linear LoRA, conv LoRA (a [dim,\n"
     "dim/16, 4, 4] weight), LoHa, LoKr (lokr_w1 8 x 8), a dense diff, OFT\n"
     "(16 x 16 blocks) and BOFT (4 stages of 4 x 4 blocks), with\n"
-    "ratio_to_lora (GB/s over the LoRA row's at the same threads), and (h) a\n"
+    "ratio_to_lora (GB/s over the LoRA row's at the same threads; then LoRA,\n"
+    "OFT and BOFT again on an F32 weight of the same values, against the F32\n"
+    "LoRA row), and (h) a\n"
     "dense diff on every weight of the DRAM buffer (model scope).\n"
     "(g) and (h) also give the median of the --repeat runs ((g): of the\n"
     "process CPU time too, with ratio_to_lora_cpu_median), and for dense\n"
@@ -351,8 +353,10 @@ typedef struct algo_case {
     size_t n;
 } algo_case;
 
-static int algo_rows(int json, uint16_t *w, size_t D, const uint16_t *a16, const uint16_t *b16, const uint16_t *dd,
-                     const int *tcount, int nth, const double *dram_bw, long repeat) {
+static int algo_rows(int json, lk_dtype wdt, void *w, size_t D, const uint16_t *a16, const uint16_t *b16,
+                     const uint16_t *dd, const int *tcount, int nth, const double *dram_bw, long repeat) {
+    const size_t esz = lk_dtype_size(wdt);
+    const char *dtn = wdt == LK_DTYPE_F32 ? "f32" : wdt == LK_DTYPE_F16 ? "f16" : "bf16";
     const int64_t d = (int64_t)D, r = 16;
     const size_t fb = (size_t)r * D * 2;
 #define T2(nm, p, d0, d1) ((lk_tensor){.name = nm, .dtype = LK_DTYPE_BF16, .ndim = 2, .shape = {d0, d1}, \
@@ -395,10 +399,11 @@ static int algo_rows(int json, uint16_t *w, size_t D, const uint16_t *a16, const
     int rc = times ? 0 : -1;
     for (size_t c = 0; c < 7 && !rc; c++) {
         if (((c == 1 || c == 5) && D % 16) || (c == 6 && D % 32)) continue; /* BOFT: stage 3 pairs 8 blocks */
+        if (wdt != LK_DTYPE_BF16 && c != 0 && c != 5 && c != 6) continue; /* other dtypes: LoRA, OFT, BOFT */
         char path[256];
         snprintf(path, sizeof path, "%s/%s.safetensors", dir, cs[c].algo);
-        lk_tensor wt = {.name = c == 1 ? "conv.weight" : "lin.weight", .dtype = LK_DTYPE_BF16, .ndim = 2,
-                        .shape = {d, d}, .nbytes = D * D * 2, .data = w};
+        lk_tensor wt = {.name = c == 1 ? "conv.weight" : "lin.weight", .dtype = wdt, .ndim = 2,
+                        .shape = {d, d}, .nbytes = D * D * esz, .data = w};
         if (c == 1) wt.ndim = 4, wt.shape[1] = d / 16, wt.shape[2] = 4, wt.shape[3] = 4;
         lk_adapter *ad = NULL;
         lk_fuse_term terms[LK_ADAPTER_MAX_SLICES];
@@ -427,24 +432,24 @@ static int algo_rows(int json, uint16_t *w, size_t D, const uint16_t *a16, const
              * (time off the CPU is not counted) */
             const double med = lk_bench_median(times, (int)repeat), cmed = lk_bench_median(cpus, (int)repeat);
             if (c == 0) lora_cpu[ti] = cmed;
-            const double gbps = 2.0 * (double)(D * D * 2) / best / 1e9, gmed = 2.0 * (double)(D * D * 2) / med / 1e9;
+            const double gbps = 2.0 * (double)(D * D * esz) / best / 1e9, gmed = 2.0 * (double)(D * D * esz) / med / 1e9;
             if (c == 0) lora_gbps[ti] = gbps, lora_med[ti] = gmed;
             /* bytes moved: W read and written, plus the dense diff read once */
             const double moved = c == 4 ? 1.5 : 1.0;
             if (json)
-                printf("{\"bench\":\"fuse\",\"method\":\"lorakit\",\"scope\":\"tensor\",\"algo\":\"%s\",\"dtype\":\"bf16\","
+                printf("{\"bench\":\"fuse\",\"method\":\"lorakit\",\"scope\":\"tensor\",\"algo\":\"%s\",\"dtype\":\"%s\","
                        "\"rank\":16,\"threads\":%d,\"bytes\":%zu,\"seconds\":%.6f,\"gbps\":%.3f,\"ratio_to_lora\":%.3f,"
                        "\"ratio_to_dram\":%.3f,\"seconds_median\":%.6f,\"ratio_to_lora_median\":%.3f,"
                        "\"ratio_to_dram_median\":%.3f,\"ratio_to_dram_bytes_median\":%.3f,\"cpu_seconds\":%.6f,"
                        "\"cpu_seconds_median\":%.6f,\"ratio_to_lora_cpu_median\":%.3f}\n",
-                       cs[c].algo, tcount[ti], D * D * 2, best, gbps, gbps / lora_gbps[ti], gbps / dram_bw[ti], med,
+                       cs[c].algo, dtn, tcount[ti], D * D * esz, best, gbps, gbps / lora_gbps[ti], gbps / dram_bw[ti], med,
                        gmed / lora_med[ti], gmed / dram_bw[ti], moved * gmed / dram_bw[ti], cpu, cmed,
                        lora_cpu[ti] / cmed);
             else
-                printf("lorakit  %-9s rank 16  threads %3d  %9.3f ms (cpu %9.3f ms)  %8.2f GB/s  %5.2f x lora  %5.2f x "
+                printf("lorakit  %-9s %-4s rank 16  threads %3d  %9.3f ms (cpu %9.3f ms)  %8.2f GB/s  %5.2f x lora  %5.2f x "
                        "dram  | median %9.3f ms  %5.2f x lora  %5.2f x dram  %5.2f x dram (all bytes)  | median cpu "
                        "%9.3f ms  %5.2f x lora\n",
-                       cs[c].algo, tcount[ti], best * 1e3, cpu * 1e3, gbps, gbps / lora_gbps[ti], gbps / dram_bw[ti],
+                       cs[c].algo, dtn, tcount[ti], best * 1e3, cpu * 1e3, gbps, gbps / lora_gbps[ti], gbps / dram_bw[ti],
                        med * 1e3, gmed / lora_med[ti], gmed / dram_bw[ti], moved * gmed / dram_bw[ti], cmed * 1e3,
                        lora_cpu[ti] / cmed);
         }
@@ -689,7 +694,13 @@ int lk_bench_fuse(int argc, char **argv) {
                 return lk_cli_fail();
             }
             for (size_t i = 0; dd && i < N; i++) dd[i] = a16[i % (rmax * D)];
-            if (!bad) bad = algo_rows(json, w, D, a16, b16, dd, tcount, nth, dram_bw, repeat);
+            if (!bad) bad = algo_rows(json, LK_DTYPE_BF16, w, D, a16, b16, dd, tcount, nth, dram_bw, repeat);
+            /* (g) at F32 weights (the same values): LoRA, OFT, BOFT, each against the F32 LoRA row */
+            float *w32 = bad ? NULL : malloc(N * sizeof(float));
+            if (!bad && !w32) bad = lk_error(LK_ERR_NOMEM, "bench fuse: out of memory for the F32 weight") != 0;
+            if (w32) lk_to_f32(w32, w, LK_DTYPE_BF16, N);
+            if (!bad) bad = algo_rows(json, LK_DTYPE_F32, w32, D, a16, b16, dd, tcount, nth, dram_bw, repeat);
+            free(w32);
             /* (h): the DRAM-sized buffer with a diff per weight */
             uint16_t *diffs = bad ? NULL : malloc(mbytes);
             if (!bad && !diffs) {
