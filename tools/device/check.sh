@@ -10,8 +10,9 @@
 # kernel launched by it), `lorakit bench fuse --device
 # cuda` (an 8 GiB-class BF16 model at r = 16 against a device-to-device copy
 # in the same run), `lorakit bench swap --device cuda` (swap against restore +
-# kernel alone; GPU memory beyond the model) and the torch rows (python/bench/fuse_torch.py) when torch
-# imports. Prints JSON lines ({"check": ..., "ok": ...} and the bench rows);
+# kernel alone; GPU memory beyond the model), the torch rows (python/bench/fuse_torch.py) and, when
+# torch with CUDA imports, python/tests/test_cuda.py (pytest, else tools/device/pyrun.py) and
+# examples/python/cuda_swap_nccl.py at one rank (a "not run" row with the reason otherwise). Prints JSON lines ({"check": ..., "ok": ...} and the bench rows);
 # exits 1 if any check failed. Meant to take under 8 minutes on an H200.
 # Usage: bash tools/device/check.sh [BUILD_DIR]   (default build-cuda)
 set -uo pipefail
@@ -58,5 +59,27 @@ if "$PY" -c 'import torch' 2>/dev/null; then
   grep '^{' "$BUILD/check-bench_torch.log"
 else
   row bench_torch true 0 "torch does not import: torch rows not run"
+fi
+# the Python API on CUDA tensors (python/tests/test_cuda.py: every test on cuda:0 and on emul) and the
+# example examples/python/cuda_swap_nccl.py (fuse_ + Tracker over a 1-rank NCCL group), with the
+# binding built for $PY in the same build folder (the library is built already: only the extension)
+why=$("$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 3)' >/dev/null 2>&1; case $? in
+  0) ;; 3) echo "torch imports but sees no CUDA device (torch.cuda.is_available() is False)";;
+  *) echo "torch does not import with $PY";; esac)
+if [ -z "$why" ]; then
+  run py_configure cmake -S "$SRC" -B "$BUILD" -DLK_PYTHON=ON -DPython3_EXECUTABLE="$(command -v "$PY")"
+  run py_build cmake --build "$BUILD" -j "$JOBS" --target _lorakit lorakit_py_files
+  export PYTHONPATH="$BUILD/python${PYTHONPATH:+:$PYTHONPATH}" LORAKIT_BIN="$LK" PYTHONDONTWRITEBYTECODE=1
+  if "$PY" -c 'import pytest' 2>/dev/null; then
+    run py_test_cuda timeout 300 "$PY" -m pytest -q -rs -p no:cacheprovider "$SRC/python/tests/test_cuda.py"
+  else # the image has torch but no pytest: the plain runner
+    run py_test_cuda timeout 300 "$PY" "$SRC/tools/device/pyrun.py" "$SRC/python/tests/test_cuda.py"
+  fi
+  grep -q 'no CUDA device' "$BUILD/check-py_test_cuda.log" && row py_test_cuda_ran_on_cuda false 0 "skipped: no CUDA device"
+  run py_example_cuda_swap_nccl timeout 120 "$PY" -m torch.distributed.run --nproc_per_node 1 --master_port 29533 \
+    "$SRC/examples/python/cuda_swap_nccl.py" "$BUILD/example-cuda-swap"
+else
+  row py_test_cuda true 0 "not run: $why"
+  row py_example_cuda_swap_nccl true 0 "not run: $why"
 fi
 exit $fail
