@@ -12,7 +12,8 @@
  * halves), HiDream, AuraFlow, PixArt (attn.qkv thirds, cross_attn.kv_linear
  * halves), Krea 2, HunyuanDiT (base_model.model., lora_te1_ on its BERT),
  * ACE-Step and Omnigen 2; the BFL Flux control LoRA, refused by name; and
- * names the tables must not place.
+ * names the tables must not place; a file mixing PEFT-style and kohya-style
+ * keys, read key by key under the comfyui convention only.
  *
  * Oracle: tests/fixtures/keyformats/, made by make_keyformat_fixtures.py:
  * tiny checkpoints with each model's real key names, a LoRA with the
@@ -39,17 +40,20 @@ static void test_cases(void **state) {
     char line[1024];
     size_t n_cases = 0;
     while (fgets(line, sizeof line, fp)) {
-        char name[128], lora[256], base[256], exp[256], lp[512], bp[512], ep[512], out[512];
+        char name[128], lora[256], base[256], exp[256], conv[32] = "lorakit", lp[512], bp[512], ep[512], out[512];
         double s;
         if (line[0] == '#') continue;
-        if (sscanf(line, "%127s %lf %255s %255s %255s", name, &s, lora, base, exp) != 5) fail_msg("cases.txt: %s", line);
+        if (sscanf(line, "%127s %lf %255s %255s %255s %31s", name, &s, lora, base, exp, conv) < 5)
+            fail_msg("cases.txt: %s", line);
+        lk_fuse_file_opts fo = {0};
+        if (lk_convention_parse(conv, &fo.fuse.convention)) fail_msg("cases.txt: %s: %s", line, lk_last_error());
         snprintf(lp, sizeof lp, FX "/%s", lora);
         snprintf(bp, sizeof bp, FX "/%s", base);
         snprintf(ep, sizeof ep, FX "/%s", exp);
         snprintf(out, sizeof out, "%s/%s", ar_dir, base);
         lk_fuse_input in = {lp, s, LK_FORMAT_AUTO};
         lk_fuse_stats st;
-        if (lk_fuse_file(bp, &in, 1, out, NULL, &st)) fail_msg("%s on %s: %s", lora, base, lk_last_error());
+        if (lk_fuse_file(bp, &in, 1, out, &fo, &st)) fail_msg("%s on %s: %s", lora, base, lk_last_error());
         size_t changed;
         double worst = ar_check_expected(base, "ComfyUI's mapping in float64", bp, out, ep, &changed);
         assert_int_equal(st.tensors_fused, changed);
@@ -87,6 +91,28 @@ static void test_bfl_control_refused(void **state) {
     free(o);
     free(p);
     af_free(f);
+}
+
+/* A file mixing PEFT-style and kohya-style keys: lorakit's own convention
+ * refuses the mix naming a key of each (and says how ComfyUI reads it), so
+ * does lycoris, and nothing is written; comfyui reads each key alone
+ * (test_cases: flux_mixed_comfyui, against ComfyUI's per-key mapping). */
+static void test_mixed_refused_by_default(void **state) {
+    (void)state;
+    static const lk_convention refuse[] = {LK_CONVENTION_LORAKIT, LK_CONVENTION_LYCORIS, LK_CONVENTION_PEFT};
+    for (size_t i = 0; i < sizeof refuse / sizeof refuse[0]; i++) {
+        char *o = tu_path(ar_dir, "mixed_fused.safetensors");
+        lk_fuse_file_opts fo = {.fuse = {.convention = refuse[i]}};
+        lk_fuse_input in = {FX "/flux_mixed_comfyui_lora.safetensors", 0.7, LK_FORMAT_AUTO};
+        assert_int_equal(lk_fuse_file(FX "/flux_mixed_comfyui_original.safetensors", &in, 1, o, &fo, NULL),
+                         LK_ERR_FORMAT);
+        tu_assert_contains(lk_last_error(), "mixes PEFT/diffusers keys ('diffusion_model.double_blocks.0.txt_attn.qkv"
+                                            ".lora_A.weight') and kohya keys ('lora_unet_double_blocks_0_img_attn_proj");
+        tu_assert_contains(lk_last_error(), "--convention comfyui reads each key alone, as ComfyUI does");
+        FILE *fo_ = fopen(o, "rb");
+        assert_null(fo_);
+        free(o);
+    }
 }
 
 /* Names the family tables must not place (README "Key formats ComfyUI
@@ -141,6 +167,7 @@ static void test_names_not_placed(void **state) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_cases), cmocka_unit_test(test_bfl_control_refused),
-                                       cmocka_unit_test(test_names_not_placed)};
+                                       cmocka_unit_test(test_names_not_placed),
+                                       cmocka_unit_test(test_mixed_refused_by_default)};
     return cmocka_run_group_tests(tests, ar_setup_dir, ar_teardown_dir);
 }

@@ -180,7 +180,7 @@ static const char *role_key(enum role r) {
     return r == ROLE_ALPHA ? "alpha" : "?";
 }
 
-static int is_kohya_name(const char *k) {
+int lk_adapter_kohya_name(const char *k) {
     return !strncmp(k, "lora_unet_", 10) || !strncmp(k, "lora_te", 7) || !strncmp(k, "lycoris_", 8) ||
            !strncmp(k, "lora_transformer_", 17) || !strncmp(k, "lora_prior_", 11);
 }
@@ -203,7 +203,7 @@ static enum family classify(const char *k, enum role *role, size_t *stem_len) {
         if (n > sl && !strcmp(k + n - sl, g_suffixes[i].suffix)) {
             *role = g_suffixes[i].role;
             *stem_len = n - sl;
-            if (g_suffixes[i].fam == FAM_ANY && is_kohya_name(k)) return FAM_KOHYA;
+            if (g_suffixes[i].fam == FAM_ANY && lk_adapter_kohya_name(k)) return FAM_KOHYA;
             return g_suffixes[i].fam;
         }
     }
@@ -530,6 +530,25 @@ static lk_status other_key(const lk_adapter *a, const char *k, char **name, cons
                     k, a->config_path, a->cfg.n_to_save);
 }
 
+/* comfyui: a file with PEFT-style (lora_A / lora_B) and kohya-style keys and
+ * nothing else (no FastVideo keys, no adapter_config.json) is read key by key
+ * as ComfyUI's loader reads it (each module under its own name), with one
+ * warning naming a key of each. first[]: each family's first key. */
+static int mixed_comfyui(const lk_adapter *a, const keyinfo *ki, size_t n, const size_t *first) {
+    if (a->convention != LK_CONVENTION_COMFYUI || a->has_config || first[FAM_AB] == SIZE_MAX ||
+        first[FAM_KOHYA] == SIZE_MAX || first[FAM_FV] != SIZE_MAX)
+        return 0;
+    size_t n_ab = 0, n_kohya = 0;
+    for (size_t i = 0; i < n; i++) {
+        n_ab += ki[i].fam == FAM_AB;
+        n_kohya += ki[i].fam == FAM_KOHYA;
+    }
+    lk_log(LK_LOG_WARN, "%s: convention comfyui: %zu PEFT-style keys (e.g. '%s') and %zu kohya-style keys (e.g. "
+           "'%s') in one file: each key is read alone, as ComfyUI does (lorakit's own convention refuses the mix)",
+           a->file, n_ab, ki[first[FAM_AB]].t->name, n_kohya, ki[first[FAM_KOHYA]].t->name);
+    return 1;
+}
+
 /* The format from the families present (every key here has a family). */
 static lk_status detect(lk_adapter *a, const keyinfo *ki, size_t n, lk_adapter_format forced) {
     const char *f = a->file;
@@ -547,11 +566,18 @@ static lk_status detect(lk_adapter *a, const keyinfo *ki, size_t n, lk_adapter_f
         return LK_OK;
     }
     enum family found = FAM_NONE;
+    if (mixed_comfyui(a, ki, n, first)) { /* ComfyUI reads each key alone */
+        a->kohya_mixed = 1;
+        first[FAM_KOHYA] = SIZE_MAX;
+    }
     for (int k = FAM_AB; k <= FAM_FV; k++) {
         if (first[k] == SIZE_MAX) continue;
         if (found != FAM_NONE)
-            return lk_error(LK_ERR_FORMAT, "%s: mixes %s keys ('%s') and %s keys ('%s')", f, g_fam_names[found],
-                            ki[first[found]].t->name, g_fam_names[k], ki[first[k]].t->name);
+            return lk_error(LK_ERR_FORMAT, "%s: mixes %s keys ('%s') and %s keys ('%s')%s", f, g_fam_names[found],
+                            ki[first[found]].t->name, g_fam_names[k], ki[first[k]].t->name,
+                            found == FAM_AB && k == FAM_KOHYA && !a->has_config
+                                ? "; --convention comfyui reads each key alone, as ComfyUI does"
+                                : "");
         found = (enum family)k;
     }
     if (found == FAM_NONE && first[FAM_ANY] == SIZE_MAX)

@@ -7,6 +7,8 @@
 #include "lorakit/safetensors.h"
 #include "adapter/config.h"
 
+#include <string.h>
+
 struct lk_adapter {
     char *path;             /* as given: file or folder */
     char *file;             /* the safetensors file read */
@@ -56,7 +58,21 @@ struct lk_adapter {
     long ss_dim;            /* kohya's ss_network_dim (0: absent or "Dynamic") */
     size_t n_ss_dim_off;    /* modules using ss_network_alpha whose rank is not ss_network_dim */
     lk_re_budget re_budget; /* the PCRE2 work all its configs' patterns may take */
+    int kohya_mixed;        /* comfyui: PEFT-style and kohya-style keys in one file, each read alone (format
+                               diffusers; its kohya-prefixed dotless modules read in kohya form) */
 };
+
+/* Whether module name k starts with a kohya / LyCORIS / OneTrainer / Stable Cascade prefix (lora_unet_,
+ * lora_te*, lycoris_, lora_transformer_, lora_prior_). */
+int lk_adapter_kohya_name(const char *k);
+
+/* Whether module m (its module name) is read in kohya's underscore form: a
+ * dotless name of a kohya file, or of a mixed file (kohya_mixed) with a
+ * kohya prefix. */
+static inline int lk_adapter_kohya_module(const lk_adapter *a, const char *m) {
+    if (strchr(m, '.')) return 0;
+    return a->format == LK_FORMAT_KOHYA || (a->kohya_mixed && lk_adapter_kohya_name(m));
+}
 
 /* The name of a factor in the adapter's format: A (b = 0) or B (b = 1). */
 static inline const char *lk_adapter_factor_name(const lk_adapter *a, int b) {

@@ -434,7 +434,7 @@ static int add_placements(const lk_adapter *a, const part *p, json_t **pl, const
         const lk_adapter_placement *pc = lk_adapter_placement_at(a, k);
         size_t i = (size_t)(pc->module - lk_adapter_module(a, 0));
         if (!where[i]) {
-            int kohya = lk_adapter_get_format(a) == LK_FORMAT_KOHYA && !strchr(pc->module->module, '.');
+            int kohya = lk_adapter_kohya_module(a, pc->module->module);
             where[i] = p->comp ? p->comp : lk_layout_component(kohya ? pc->module->module : a->stems[i], kohya, pc->target);
         }
         json_t *w = weight_json(p, pc->target);
@@ -471,7 +471,7 @@ static json_t *placement_json(lk_adapter *a, part *parts, size_t np, const lk_re
     for (size_t i = 0; i < nm && !bad && !*st; i++) {
         const lk_lora_module *m = lk_adapter_module(a, i);
         /* the module's full name (a diffusers module keeps its unet. / transformer. there) */
-        int kohya = lk_adapter_get_format(a) == LK_FORMAT_KOHYA && !strchr(m->module, '.');
+        int kohya = lk_adapter_kohya_module(a, m->module);
         const char *full = kohya ? m->module : a->stems[i];
         if (!json_array_size(pl[i])) {
             int comp;

@@ -746,7 +746,7 @@ static lk_status place(const lk_adapter *a, size_t i, const lk_tensor *model, co
 static lk_status layout_cands(const lk_adapter *a, size_t i, const lk_layout *lay, const lk_tensor *model, cand *c,
                               size_t *nc, int *comp) {
     const char *mn = a->mods[i].module;
-    int kohya = a->format == LK_FORMAT_KOHYA && !strchr(mn, '.');
+    int kohya = lk_adapter_kohya_module(a, mn);
     const char *q = lk_layout_strip_module(kohya ? mn : a->stems[i], kohya, comp);
     size_t idx[LK_ADAPTER_MAX_SLICES + 1];
     size_t n = lk_layout_find(lay, q, kohya, *comp, idx, LK_ADAPTER_MAX_SLICES + 1);
@@ -876,10 +876,11 @@ static lk_status resolve_index(resolve_ctx *c) {
         if (find_model(model, c->ord, n_model, key) == SIZE_MAX)
             return lk_error(LK_ERR_ARG, "tied name %s=%s: the model has no tensor %s", nm, key, key);
     }
-    if (a->format == LK_FORMAT_KOHYA && (s = kohya_names(a->file, model, n_model, &c->kn, &c->n_kn))) return s;
+    if ((a->format == LK_FORMAT_KOHYA || a->kohya_mixed) && (s = kohya_names(a->file, model, n_model, &c->kn, &c->n_kn)))
+        return s;
     for (size_t i = 0; i < a->n; i++) { /* dotted names (kohya's underscore names are looked up by match_module) */
         const lk_lora_module *m = &a->mods[i];
-        if (a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.')) {
+        if (lk_adapter_kohya_module(a, m->module)) {
             c->mx[i] = SIZE_MAX;
             continue;
         }
@@ -997,7 +998,7 @@ static lk_status module_bias(resolve_ctx *c, size_t i) {
 static lk_status resolve_module(resolve_ctx *c, size_t i) {
     const lk_adapter *a = c->a;
     const lk_lora_module *m = &a->mods[i];
-    const int kohya = a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.');
+    const int kohya = lk_adapter_kohya_module(a, m->module);
     const char *rule, *stem = kohya ? m->module : a->stems[i];
     size_t t;
     lk_status s = match_module(c, i, kohya, &t, &rule);
@@ -1020,7 +1021,7 @@ static lk_status resolve_module(resolve_ctx *c, size_t i) {
     if (nc == 0 && c->want_comp) return LK_OK; /* the pipeline checks that every module landed somewhere */
     if (nc == 0 && m->algo == LK_ALGO_SET) /* a replacement needs its weight, always */
         return lk_error(LK_ERR_UNMATCHED, "%s: %s: '%s' replaces a weight the model does not have (no %s.weight)",
-                        a->file, m->module, m->dense.name, a->format == LK_FORMAT_KOHYA ? kohya_rest(m->module)
+                        a->file, m->module, m->dense.name, lk_adapter_kohya_module(a, m->module) ? kohya_rest(m->module)
                                                                                          : m->module);
     if (nc == 0) {
         c->mcomp[i] = (unsigned char)comp;
@@ -1115,7 +1116,7 @@ static lk_status check_unmatched(const resolve_ctx *c) {
                            a->file, c->first_unmatched_rep);
     if (unmatched && !c->allow_unmatched && first_unmatched != SIZE_MAX) {
         const lk_lora_module *m = &a->mods[first_unmatched];
-        if (a->format == LK_FORMAT_KOHYA && !strchr(m->module, '.'))
+        if (lk_adapter_kohya_module(a, m->module))
             lk_error(LK_ERR_UNMATCHED, "%s: %s matches no model weight (no key <x>.weight with x's dots as '_' = "
                      "%s)%s", a->file, m->module, kohya_rest(m->module), more_unmatched);
         else
