@@ -416,6 +416,34 @@ def krea2_rules():
     return r + aliases(r, sp)
 
 
+def lumina2_rules():
+    """Lumina-Image 2.0: the original (NextDiT, ComfyUI's Lumina2) names <-> diffusers Lumina2Transformer2DModel, as
+    diffusers' convert_lumina2_to_diffusers renames them: attention.* = attn.*, with attention.qkv = attn.to_q, to_k,
+    to_v split [2304, 768, 768] rows (rows 0..3/5, 3/5..4/5, 4/5..1: 24 query heads, 8 key/value heads),
+    attention.out = attn.to_out.0, q_norm / k_norm = norm_q / norm_k; feed_forward.w1/w2/w3 =
+    feed_forward.linear_1/2/3; adaLN_modulation.1 = norm1.linear, attention_norm1 = norm1.norm, attention_norm2 =
+    norm2 (the context refiner's: norm1, norm2); cap_embedder = time_caption_embed.caption_embedder, t_embedder.mlp.0/2
+    = time_caption_embed.timestep_embedder.linear_1/2, final_layer.adaLN_modulation.1 / final_layer.linear =
+    norm_out.linear_1 / norm_out.linear_2. (Z-Image's diffusers names are another model's: z-image.lkmap.)"""
+    r = renames((("cap_embedder.*", "time_caption_embed.caption_embedder.*"),
+                 ("t_embedder.mlp.0", "time_caption_embed.timestep_embedder.linear_1"),
+                 ("t_embedder.mlp.2", "time_caption_embed.timestep_embedder.linear_2"),
+                 ("final_layer.adaLN_modulation.1", "norm_out.linear_1"), ("final_layer.linear", "norm_out.linear_2")))
+    for blk in ("layers.#", "noise_refiner.#", "context_refiner.#"):
+        b = blk + "."
+        r += [(f"{b}attention.qkv", f"{b}attn.to_{c}", (rows, "0/1:1/1"))
+              for c, rows in (("q", "0/5:3/5"), ("k", "3/5:4/5"), ("v", "4/5:5/5"))]
+        r += renames((("attention.out", "attn.to_out.0"), ("attention.q_norm", "attn.norm_q"),
+                      ("attention.k_norm", "attn.norm_k"), ("feed_forward.w1", "feed_forward.linear_1"),
+                      ("feed_forward.w2", "feed_forward.linear_2"), ("feed_forward.w3", "feed_forward.linear_3")), b, b)
+        if blk == "context_refiner.#":
+            r += renames((("attention_norm1", "norm1"), ("attention_norm2", "norm2")), b, b)
+        else:
+            r += renames((("adaLN_modulation.1", "norm1.linear"), ("attention_norm1", "norm1.norm"),
+                          ("attention_norm2", "norm2")), b, b)
+    return r
+
+
 def qwen_image_rules():
     """Qwen-Image: ComfyUI's names are the diffusers ones (QwenImageTransformer2DModel), but for Qwen Image 2.1,
     whose img_mlp.gate_layer and img_mlp.proj ComfyUI fuses on load into img_mlp.gate_up (a checkpoint it saves,
@@ -473,7 +501,8 @@ def write_dit_families():
     write("stable-cascade", "Stable Cascade stage C: Stability / ComfyUI <-> diffusers StableCascadeUNet",
           ["clip_txt_mapper.weight"], stable_cascade_rules())
     write("z-image", "Z-Image: ComfyUI / original (NextDiT: attention.qkv) <-> diffusers ZImageTransformer2DModel",
-          ["noise_refiner.0.attention.qkv.weight", "noise_refiner.0.attention.to_q.weight"], z_image_rules())
+          ["noise_refiner.0.attention.qkv.weight !layers.0.adaLN_modulation.1.weight",
+           "noise_refiner.0.attention.to_q.weight"], z_image_rules())
     write("auraflow", "AuraFlow: original / ComfyUI (double_layers, single_layers) <-> diffusers AuraFlowTransformer2DModel",
           ["double_layers.0.attn.w2q.weight", "joint_transformer_blocks.0.attn.to_add_out.weight time_step_proj.linear_1.weight"],
           auraflow_rules())
@@ -483,6 +512,9 @@ def write_dit_families():
     write("krea2", "Krea 2: original / ComfyUI (blocks.N.attn.wq) <-> diffusers (transformer_blocks.N.attn.to_q)",
           ["txtfusion.projector.weight blocks.0.attn.wq.weight",
            "text_fusion.projector.weight transformer_blocks.0.attn.to_gate.weight"], krea2_rules())
+    write("lumina2", "Lumina-Image 2.0: original / ComfyUI (NextDiT: attention.qkv) <-> diffusers Lumina2Transformer2DModel",
+          ["noise_refiner.0.attention.qkv.weight layers.0.adaLN_modulation.1.weight",
+           "time_caption_embed.caption_embedder.1.weight layers.0.attn.to_q.weight"], lumina2_rules())
     write("qwen-image", "Qwen Image 2.1: ComfyUI's fused img_mlp.gate_up <-> diffusers' img_mlp.gate_layer, img_mlp.proj",
           ["transformer_blocks.0.img_mlp.gate_up.weight", "transformer_blocks.0.img_mlp.gate_layer.weight"],
           qwen_image_rules())

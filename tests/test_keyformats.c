@@ -119,7 +119,8 @@ static void test_mixed_refused_by_default(void **state) {
  * reads"): each is refused as matching no weight of the fixture it is fused
  * onto, and nothing is written. The expectation comes from ComfyUI's maps
  * (comfy/utils.py pixart_to_diffusers, auraflow_to_diffusers,
- * krea2_to_diffusers; comfy/lora.py for Qwen Image 2.1's gate_up halves):
+ * krea2_to_diffusers; comfy/lora.py for Qwen Image 2.1's gate_up halves;
+ * diffusers' convert_lumina2_to_diffusers for Lumina 2's 3:1:1 qkv):
  * none of them has these names for these checkpoints. */
 static void test_names_not_placed(void **state) {
     (void)state;
@@ -137,6 +138,8 @@ static void test_names_not_placed(void **state) {
         {"auraflow_diffusers_names_original.safetensors", "transformer.single_transformer_blocks.1.attn.to_q", 8},
         /* Qwen Image 2.1's gate_up halves are gate_layer and proj only */
         {"qwen21_halves_original.safetensors", "transformer_blocks.0.img_mlp.gate_proj", 32},
+        /* Z-Image's diffusers names cut attention.qkv in thirds; Lumina 2's is 3:1:1 (its own table) */
+        {"lumina2_diffusers_names_original.safetensors", "transformer.layers.0.attention.to_k", 4},
         /* Krea 2's text fusion refiner blocks are not in this checkpoint */
         {"krea2_diffusers_names_original.safetensors", "transformer.text_fusion.refiner_blocks.0.attn.to_q", 8},
     };
