@@ -143,7 +143,12 @@ class Adapter:
     uses). A fuse, fuse_ or Tracker given no convention follows its
     Adapters'; one given another raises ValueError naming both (a fuse
     follows one convention for all its adapters). It is part of the
-    adapter's identity (label, ==)."""
+    adapter's identity (label, ==).
+    Tensors on the GPU (from_peft of a model on CUDA) are copied into the
+    host image once, when the Adapter is made. Fused into CUDA weights
+    (fuse_, Tracker.apply), each factor is prepared on the host and
+    uploaded once per call that fuses its key, never kept on the device
+    between calls (README "Device weights")."""
 
     __slots__ = ("data", "config_json", "format", "name", "digest", "alpha", "convention")
 

@@ -207,3 +207,68 @@ def test_host_communicator_gets_device_buffers_over_torch(tmp_path):
                         str(29700 + os.getpid() % 1000), os.path.join(here, "emul_host_worker.py")],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.stdout.count("emul host checks passed") == 2, r.stdout + r.stderr
+
+
+def factor_upload(m, loras, dtypes):
+    """{weight key: bytes the device kernel needs uploaded for it}, by hand
+    from the design (README "Devices"): the CPU's prepared factors B' (O x R)
+    and A (R x I) of every LoRA term stacked on the key, in the accumulator's
+    precision (double for F32 weights, float for F16/BF16), unpadded on the
+    portable kernel path, plus the key's 8-byte non-finite verdict slot."""
+    rank = {}
+    for path, _ in loras:
+        path = path if isinstance(path, str) else m[path.name.split(".")[0]]  # Adapter.load's name: the file's
+        for k, (_, a) in st_io.read(path).items():
+            if k.endswith(".lora_A.weight"):
+                w = k[len("transformer."):-len(".lora_A.weight")] + ".weight"
+                r, i = a.shape
+                rank.setdefault(w, [0, i])[0] += r
+    out = {}
+    for w, (r, i) in rank.items():
+        o = {"blocks.1.attn.to_q.weight": 16}.get(w, 24)
+        out[w] = 8 + (8 if dtypes[w] == "F32" else 4) * r * (i + o)
+    return out
+
+
+def test_adapter_factors_uploaded_once_per_apply(m, monkeypatch):
+    """Each factor of a lorakit.Adapter crosses host->device once per call
+    that fuses its key (fuse_, Tracker.apply), in the accumulator's
+    precision, and is not kept on the device between calls: a Tracker step
+    uploads the factors of the keys it fuses again (restored to the base,
+    then fused with the whole new set) plus, for keys it restores, their
+    base bytes from the pinned host backup; a key whose set did not change
+    uploads nothing. Oracle: factor_upload (sizes by hand from the shapes)
+    and the keys' sizes; the emul device counts every copy it makes. The
+    bytes equal the CPU fuse's."""
+    monkeypatch.setenv("LORAKIT_KERNEL", "portable")  # no panel padding: the factors' bytes exactly
+    dts = {k: dt for k, (dt, _) in st_io.read(m["base"]).items()}
+    size = {k: a.nbytes for k, (_, a) in st_io.read(m["base"]).items()}
+    ad1, ad2 = lorakit.Adapter.load(m["a1"]), lorakit.Adapter.load(m["a2"])
+    both = [(ad1, 0.7), (ad2, -1.5)]
+    ts = on_emul(m["base"])
+    with lt.emul_as_cuda():
+        c0 = lt.emul_counts()
+        lorakit.fuse_(ts, both)
+        d = delta(c0, lt.emul_counts())
+    up = factor_upload(m, both, dts)
+    assert sorted(up) == ["blocks.0.attn.to_k.weight", "blocks.0.attn.to_q.weight", "blocks.1.attn.to_q.weight"]
+    assert d["h2d_bytes"] == sum(up.values()), (d, up)
+    assert raw(ts) == offline(m, both, "want_once")
+
+    ts = on_emul(m["base"])
+    # (set, the keys it fuses, the keys it only restores): to_k keeps a1 at step 1 (untouched);
+    # blocks.1 keeps a2 at step 2
+    steps = [([(ad1, 0.7)], {"blocks.0.attn.to_q.weight", "blocks.0.attn.to_k.weight"}, set()),
+             (both, {"blocks.0.attn.to_q.weight", "blocks.1.attn.to_q.weight"}, set()),
+             ([(ad2, -1.5)], {"blocks.0.attn.to_q.weight"}, {"blocks.0.attn.to_k.weight"})]
+    with lt.emul_as_cuda(), lorakit.Tracker(ts, comm="self") as t:
+        for i, (loras, fused, dropped) in enumerate(steps):
+            c0 = lt.emul_counts()
+            t.apply(loras)
+            d = delta(c0, lt.emul_counts())
+            up = factor_upload(m, loras, dts)
+            # every key it fuses starts from its base bytes, copied up from the pinned backup (also
+            # at a key's first fuse, when the weight holds them already)
+            want = sum(up[k] + size[k] for k in fused) + sum(size[k] for k in dropped)
+            assert d["h2d_bytes"] == want, (i, d, {k: up[k] for k in fused}, restored)
+            assert raw(ts) == offline(m, [(m[a.name.split(".")[0]], s) for a, s in loras], f"want_step{i}")
