@@ -444,6 +444,17 @@ def lumina2_rules():
     return r
 
 
+def ace_step15_rules():
+    """ACE-Step 1.5: its LoRAs name the DiT decoder's weights without their "decoder." (ComfyUI's
+    model_lora_keys_unet, ACEStep15: base_model.model.<name> and lycoris_<name> = diffusion_model.decoder.<name>);
+    the checkpoint's decoder.layers.N.*, decoder.time_embed(_r).*, decoder.condition_embedder,
+    decoder.proj_in.* / proj_out.* are the LoRA's layers.N.*, time_embed(_r).*, ... (the "diffusers" side here
+    is the LoRA's naming)."""
+    return renames((("decoder.layers.#.*", "layers.#.*"), ("decoder.time_embed.*", "time_embed.*"),
+                    ("decoder.time_embed_r.*", "time_embed_r.*"), ("decoder.condition_embedder", "condition_embedder"),
+                    ("decoder.proj_in.*", "proj_in.*"), ("decoder.proj_out.*", "proj_out.*")))
+
+
 def qwen_image_rules():
     """Qwen-Image: ComfyUI's names are the diffusers ones (QwenImageTransformer2DModel), but for Qwen Image 2.1,
     whose img_mlp.gate_layer and img_mlp.proj ComfyUI fuses on load into img_mlp.gate_up (a checkpoint it saves,
@@ -515,6 +526,9 @@ def write_dit_families():
     write("lumina2", "Lumina-Image 2.0: original / ComfyUI (NextDiT: attention.qkv) <-> diffusers Lumina2Transformer2DModel",
           ["noise_refiner.0.attention.qkv.weight layers.0.adaLN_modulation.1.weight",
            "time_caption_embed.caption_embedder.1.weight layers.0.attn.to_q.weight"], lumina2_rules())
+    write("ace-step15", "ACE-Step 1.5: the checkpoint's decoder.<name> <-> its LoRAs' <name>",
+          ["decoder.condition_embedder.weight decoder.layers.0.self_attn.q_proj.weight null_condition_emb"],
+          ace_step15_rules())
     write("qwen-image", "Qwen Image 2.1: ComfyUI's fused img_mlp.gate_up <-> diffusers' img_mlp.gate_layer, img_mlp.proj",
           ["transformer_blocks.0.img_mlp.gate_up.weight", "transformer_blocks.0.img_mlp.gate_layer.weight"],
           qwen_image_rules())
