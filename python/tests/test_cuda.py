@@ -1,6 +1,6 @@
 """The Python API on CUDA tensors (issue 27), byte for byte against the CPU.
 
-Every test body runs on two devices (the `dev` fixture):
+Every test body runs on three devices (the `dev` fixture):
 - "cuda": torch CUDA tensors on cuda:0. Skipped with a visible reason where
   torch does not import ("torch not importable": CI's Debian python3) or no
   GPU / driver is present ("no CUDA device": torch.cuda.is_available() is
@@ -8,7 +8,10 @@ Every test body runs on two devices (the `dev` fixture):
 - "emul": the same body on lorakit's emulated device (lorakit._testing:
   EmulTensor reports CUDA device 0, emul_as_cuda() takes it as `emul`), so
   the body itself runs in CI: the binding's CUDA branch end to end (DLPack
-  borrowing, the device fuse, device backups, device digests).
+  borrowing, the device fuse, device backups, device digests);
+- "torch-cpu": the "cuda" helpers on torch CPU tensors (the host path), so
+  the bodies' torch code runs where torch is but no GPU (this CPU-torch
+  machine; not Debian's python3).
 sync_grads also runs on "cpu" (torch CPU tensors: the same F16/BF16 -> F32
 -> one rounding code in lorakit's Python layer as on CUDA) because its
 low-precision conversion is torch's, which an EmulTensor does not have.
@@ -76,6 +79,9 @@ class Emul:
     def factor(self, dt, a):  # an adapter's factor as the caller holds it (host memory here)
         return a
 
+    def host_copy(self, ts):  # CPU copies for the same call: none (BF16 has no NumPy dtype here)
+        return None
+
     def ctx(self):
         return lt.emul_as_cuda()
 
@@ -84,11 +90,14 @@ _TDT = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64"}
 
 
 class Cuda:
-    """torch tensors on cuda:0 (BF16 arrays as st_io holds them: raw uint16)."""
-    kind, lk_name = "cuda", "cuda:0"
+    """torch tensors on cuda:0 (BF16 arrays as st_io holds them: raw uint16);
+    on "cpu" the same helpers on torch CPU tensors (the host path), so that
+    this class and the bodies' torch code run where no GPU is."""
 
     def __init__(self, torch, device="cuda:0"):
         self.torch, self.device = torch, device
+        self.kind = "cuda" if device.startswith("cuda") else "cpu"
+        self.lk_name = device
 
     def put(self, dt, a):
         t = self.torch
@@ -101,13 +110,18 @@ class Cuda:
     def factor(self, dt, a):
         return self.put(dt, a)
 
+    def host_copy(self, ts):
+        return {k: v.cpu().clone() for k, v in ts.items()}
+
     def ctx(self):
         return contextlib.nullcontext()
 
 
-@pytest.fixture(params=["emul", "cuda"])
+@pytest.fixture(params=["emul", "torch-cpu", "cuda"])
 def dev(request):
-    return Emul() if request.param == "emul" else Cuda(need_cuda())
+    if request.param == "emul":
+        return Emul()
+    return Cuda(need_torch(), "cpu") if request.param == "torch-cpu" else Cuda(need_cuda())
 
 
 @pytest.fixture
@@ -136,12 +150,16 @@ def offline(m, loras, name, **kw):
 def test_fuse_in_place_equals_cpu(dev, m):
     loras = [(m["a1"], 0.7), (m["a2"], -1.5)]
     ts = load(dev, m["base"])
+    cpu = dev.host_copy(ts)
     with dev.ctx():
         s = lorakit.fuse_(ts, loras)
     assert raw(dev, ts) == offline(m, loras, "want")
-    # the device branch was taken: three LoRA keys by the device kernel
-    assert s["device"] == dev.lk_name and s["tensors_fused"] == 3, s
-    assert s["keys_device"] == 3 and s["keys_host_fallback"] == 0, s
+    if cpu is not None:  # the same call on CPU copies of the same tensors
+        lorakit.fuse_(cpu, loras)
+        assert raw(dev, ts) == {k: tbytes(v) for k, v in cpu.items()}
+    assert s.get("device", "cpu") == dev.lk_name and s["tensors_fused"] == 3, s
+    if dev.kind != "cpu":  # the device branch was taken: three LoRA keys by the device kernel
+        assert s["keys_device"] == 3 and s["keys_host_fallback"] == 0, s
 
 
 def test_failed_fuse_changes_nothing(dev, m):
@@ -239,10 +257,12 @@ def test_adapter_in_memory(dev, m):
     with dev.ctx():
         s = lorakit.fuse_(ts, [(ad, 0.3)])
     assert raw(dev, ts) == offline(m, [(m["a1"], 0.3)], "want_ad")
-    assert s["keys_device"] == 2, s
+    assert s.get("keys_device", 2) == 2 and s.get("device", "cpu") == dev.lk_name, s
 
 
 def test_mixed_devices_refused_naming_keys(dev, m):
+    if dev.kind == "cpu":
+        pytest.skip("torch-cpu: host memory only, nothing to mix")
     ts = load(dev, m["base"])
     ts["pos_ids"] = np.arange(7, dtype=np.int64)  # host memory beside the device tensors
     before = raw(dev, {k: v for k, v in ts.items() if k != "pos_ids"})
