@@ -253,6 +253,7 @@ def test_adapter_factors_uploaded_once_per_apply(m, monkeypatch):
     up = factor_upload(m, both, dts)
     assert sorted(up) == ["blocks.0.attn.to_k.weight", "blocks.0.attn.to_q.weight", "blocks.1.attn.to_q.weight"]
     assert d["h2d_bytes"] == sum(up.values()), (d, up)
+    assert d["h2d"] == 3 * len(up), d  # per key: its verdict slot, A, B' (the terms stacked in each)
     assert raw(ts) == offline(m, both, "want_once")
 
     ts = on_emul(m["base"])
@@ -270,5 +271,6 @@ def test_adapter_factors_uploaded_once_per_apply(m, monkeypatch):
             # every key it fuses starts from its base bytes, copied up from the pinned backup (also
             # at a key's first fuse, when the weight holds them already)
             want = sum(up[k] + size[k] for k in fused) + sum(size[k] for k in dropped)
-            assert d["h2d_bytes"] == want, (i, d, {k: up[k] for k in fused}, restored)
+            assert d["h2d_bytes"] == want, (i, d, {k: up[k] for k in fused}, dropped)
+            assert d["h2d"] == 4 * len(fused) + len(dropped), d  # + one copy of the base bytes per key
             assert raw(ts) == offline(m, [(m[a.name.split(".")[0]], s) for a, s in loras], f"want_step{i}")
