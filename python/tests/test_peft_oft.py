@@ -21,7 +21,10 @@ from conftest import cli
 
 FX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures", "peft_oft")
 ALL = json.load(open(os.path.join(FX, "manifest.json")))
-CASES = [c for c in ALL if c["base"] != "base_fp8.safetensors"]
+# more than one butterfly stage: make_peft_boft_stages.py (PEFT's own permutations and merge on the CPU, its
+# fbd_cuda block-diagonal step given as torch.block_diag), on base_stages_*.safetensors
+STAGES = json.load(open(os.path.join(FX, "manifest_stages.json")))
+CASES = [c for c in ALL if c["base"] != "base_fp8.safetensors"] + STAGES
 FP8 = [c for c in ALL if c["base"] == "base_fp8.safetensors"]
 MANT = {"F16": (10, -14), "F32": (23, -126), "BF16": (7, -126)}
 
@@ -144,9 +147,14 @@ def test_malformed_shapes_refused(tmp_path):
 
 
 def test_boft_malformed_refused(tmp_path):
-    def stages(sd):  # two butterfly stages: refused by name, never fused as one
+    def stages(sd):  # two butterfly stages of 3 blocks: PEFT's butterfly pairs the blocks, so refused by name
         sd["base_model.model.lin.boft_R"] = ("F32", np.zeros((2, 3, 4, 4), np.float32))
-    refused(tmp_path, copy_case(tmp_path, "boft", edit_sd=stages), "lin.boft_R", "[2, 3, 4, 4]", "butterfly stages")
+    refused(tmp_path, copy_case(tmp_path, "boft", edit_sd=stages), "lin.boft_R", "[2, 3, 4, 4]",
+            "butterfly of 2 stages", "multiple of 2^1")
+
+    def odd(sd):  # blocks of 3: a butterfly needs an even block size
+        sd["base_model.model.lin.boft_R"] = ("F32", np.zeros((2, 4, 3, 3), np.float32))
+    refused(tmp_path, copy_case(tmp_path / "o", "boft", edit_sd=odd), "lin.boft_R", "[2, 4, 3, 3]", "even block size")
 
     def cols(sd):  # 2 blocks of 4 columns on a 12-column weight
         sd["base_model.model.lin.boft_R"] = ("F32", np.zeros((1, 2, 4, 4), np.float32))

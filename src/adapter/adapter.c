@@ -1351,9 +1351,9 @@ static lk_status build_oft_peft(lk_adapter *a, size_t i, const lk_tensor *const 
     return LK_OK;
 }
 
-/* PEFT's BOFT module i: boft_R [1, n, b, b] (one butterfly stage: PEFT's
- * merge on a CPU) and boft_s [out, 1] (a conv's [1, out]); n b columns,
- * boft_s's rows. More stages are refused by name. */
+/* PEFT's BOFT module i: boft_R [m, n, b, b] (m butterfly stages; m > 1
+ * needs b even and n a multiple of 2^(m - 1), as PEFT checks) and boft_s
+ * [out, 1] (a conv's [1, out]); n b columns, boft_s's rows. */
 static lk_status build_boft_peft(lk_adapter *a, size_t i, const lk_tensor *const *br, lyco_shape *sh) {
     const char *f = a->file, *m = a->names[i];
     lk_lora_module *mod = &a->mods[i];
@@ -1370,10 +1370,10 @@ static lk_status build_boft_peft(lk_adapter *a, size_t i, const lk_tensor *const
     if (x->ndim != 4 || x->shape[2] != x->shape[3] || x->shape[2] < 1 || x->shape[2] > 4096 || x->shape[1] < 1 ||
         x->shape[0] < 1)
         return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s; PEFT's boft_R must be [m, n, b, b]", f, m, x->name, xs);
-    if (x->shape[0] != 1)
-        return lk_error(LK_ERR_UNSUPPORTED, "%s: %s: '%s' is %s: %lld butterfly stages (boft_n_butterfly_factor %lld); "
-                        "lorakit fuses PEFT's BOFT with one stage only", f, m, x->name, xs, (long long)x->shape[0],
-                        (long long)x->shape[0]);
+    if (x->shape[0] > 16 || (x->shape[0] > 1 && (x->shape[2] % 2 || x->shape[1] % ((int64_t)1 << (x->shape[0] - 1)))))
+        return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s: PEFT's butterfly of %lld stages (boft_n_butterfly_factor "
+                        "%lld) needs an even block size and a block count that is a multiple of 2^%lld", f, m, x->name,
+                        xs, (long long)x->shape[0], (long long)x->shape[0], (long long)x->shape[0] - 1);
     if (rs->ndim != 2 || (rs->shape[0] != 1 && rs->shape[1] != 1) || lk_tensor_numel(rs) < 1)
         return lk_error(LK_ERR_SHAPE, "%s: %s: '%s' is %s; PEFT's boft_s must be [out, 1] (a conv's [1, out])", f, m,
                         rs->name, ss);

@@ -1318,10 +1318,11 @@ lk_status lk_fuse_tensor_oft(void *w_out, const void *w_in, lk_dtype dtype, int6
   * weight's c = in (x kh x kw: a conv's weight as [out, in kh kw]) columns;
  * block_share: one R for every block. PEFT's BOFT (boft_R [m, n, b, b],
  * boft_s [out, 1] or [1, out]; tuners/boft/layer.py): Q = 0.5 (X - X^T)
- * per full block, always the exact Cayley; with one stage (what PEFT's CPU
- * merge runs: without its fbd_cuda extension it sets the butterfly factor
- * to 1) W' = boft_s (.) (W BD^T), boft_s per output row; more stages are
- * refused (adapter.c). PEFT has no strength for OFT (its
+ * per full block, always the exact Cayley; m stages (boft_n_butterfly_factor;
+ * PEFT runs more than one only with its fbd_cuda extension, which builds the
+ * block diagonals) W' = boft_s (.) (W M^T), M = B_{m-1} .. B_0, B_i = P_i BD_i
+ * P_i^T with PEFT's butterfly permutations P_i (peft_perms), boft_s per output
+ * row; one stage: W' = boft_s (.) (W BD^T). PEFT has no strength for OFT (its
  * set_scale warns and keeps 1). lorakit at strength s, under every
  * convention (they agree on these files): W + s (W' - W); for OFT that is
  * W (I + s (BD - I))^T, the delta d = s W (BD - I)^T, LyCORIS's multiplier
@@ -1427,6 +1428,25 @@ static void peft_q(double *q, const double *v, const lk_fuse_term *t, size_t nb,
     if (t->peft->coft) peft_project(q, nb, b, t->peft->eps);
 }
 
+/* PEFT's butterfly permutations (boft_P; block_butterfly_perm in
+ * tuners/boft/layer.py), m x in with in = nb b: stage i cuts the columns
+ * into nb / 2^i groups of b 2^i and reorders each group's 2^(i+1) runs of
+ * b / 2 columns even runs first, then odd ones: perm[g + q r + t] =
+ * g + seq(q) r + t, r = b / 2, seq(q) = 2q for q < 2^i, else 2 (q - 2^i) + 1
+ * (stage 0: the identity). P_i[p][perm[p]] = 1. */
+static void peft_perms(uint32_t *perm, size_t m, size_t nb, size_t b) {
+    const size_t in = nb * b, r = b / 2;
+    for (size_t i = 0; i < m; i++) {
+        uint32_t *pm = perm + i * in;
+        const size_t gs = b << i, half = (size_t)1 << i;
+        for (size_t g = 0; g < in; g += gs)
+            for (size_t q = 0; q < 2 * half; q++) {
+                const size_t src = q < half ? 2 * q : 2 * (q - half) + 1;
+                for (size_t u = 0; u < r; u++) pm[g + q * r + u] = (uint32_t)(g + src * r + u);
+            }
+    }
+}
+
 /* OFT: D = s (R - I) per block, stored transposed; BOFT: D = R - I, the
  * rows' boft_s in rho and the strength in g (d = s (rho (W + W D^T) - W)). */
 static lk_status peft_prepare(const lk_fuse_term *t, int64_t out, lk_convention conv, const char *name, lk_oft **pp) {
@@ -1436,13 +1456,19 @@ static lk_status peft_prepare(const lk_fuse_term *t, int64_t out, lk_convention 
     char xs[96];
     if (!X || !X->data) return lk_error(LK_ERR_ARG, "%s: a PEFT OFT term without %s", name, xn);
     lk_shape_str(X, xs, sizeof xs);
-    const size_t b = boft ? (X->ndim == 4 && X->shape[0] == 1 && X->shape[2] == X->shape[3] && X->shape[2] >= 1 &&
-                             X->shape[2] <= 4096 ? (size_t)X->shape[2] : 0)
+    const size_t b = boft ? (X->ndim == 4 && X->shape[0] >= 1 && X->shape[0] <= 16 && X->shape[2] == X->shape[3] &&
+                             X->shape[2] >= 1 && X->shape[2] <= 4096 ? (size_t)X->shape[2] : 0)
                           : X->ndim == 2 ? peft_block(X->shape[1]) : 0;
     const int64_t nbl = boft ? (X->ndim == 4 ? X->shape[1] : 0) : X->shape[0];
     if (!b || nbl < 1 || nbl > out * 4096 || !lk_dtype_is_fusable(X->dtype))
         return lk_error(LK_ERR_SHAPE, "%s: '%s' is %s %s; PEFT's %s (F32, F16 or BF16)", name, xn, xs,
-                        lk_dtype_name(X->dtype), boft ? "BOFT needs [1, n, b, b]" : "OFT needs [n, b (b - 1) / 2], b >= 2");
+                        lk_dtype_name(X->dtype),
+                        boft ? "BOFT needs [m, n, b, b], 1 <= m <= 16" : "OFT needs [n, b (b - 1) / 2], b >= 2");
+    const size_t m = boft ? (size_t)X->shape[0] : 1;
+    if (m > 1 && (b % 2 || nbl % ((int64_t)1 << (m - 1)) || nbl < 2))
+        return lk_error(LK_ERR_SHAPE, "%s: '%s' is %s: PEFT's butterfly of %zu stages needs an even block size and a "
+                        "block count that is a multiple of 2^%zu (boft_n_butterfly_factor %zu)", name, xn, xs, m, m - 1,
+                        m);
     if (boft && (!t->A2 || !t->A2->data || lk_tensor_numel(t->A2) != (size_t)out || !lk_dtype_is_fusable(t->A2->dtype)))
         return lk_error(LK_ERR_SHAPE, "%s: PEFT's BOFT needs boft_s with one value per row (%lld rows)", name,
                         (long long)out);
@@ -1451,13 +1477,13 @@ static lk_status peft_prepare(const lk_fuse_term *t, int64_t out, lk_convention 
         return lk_error(LK_ERR_NONFINITE, "%s: strength %g, eps %g", name, t->scale, t->peft->eps);
     lk_oft *p = lk_calloc(1, sizeof *p);
     if (!p) return lk_error(LK_ERR_NOMEM, "%s: out of memory", name);
-    const size_t nb = (size_t)nbl, bb = b * b, ne = boft ? bb : (size_t)X->shape[1];
-    p->peft = 1, p->b = b, p->nb = nb, p->m = 1, p->out = (size_t)out, p->g = boft ? t->scale : 1.0;
+    const size_t nb = (size_t)nbl, bb = b * b, ne = boft ? bb : (size_t)X->shape[1], in = nb * b;
+    p->peft = 1, p->b = b, p->nb = nb, p->m = m, p->out = (size_t)out, p->g = boft ? t->scale : 1.0;
     p->prow = peft_row_pick();
     lk_carve cv = {0};
-    const size_t o_t = LK_CARVE(&cv, nb * bb, double), o_q = LK_CARVE(&cv, nb * bb, double),
-                 o_v = LK_CARVE(&cv, nb * ne, double), o_w = LK_CARVE(&cv, 5 * bb, double),
-                 o_r = LK_CARVE(&cv, boft ? (size_t)out : 0, double);
+    const size_t o_t = LK_CARVE(&cv, m * nb * bb, double), o_q = LK_CARVE(&cv, m * nb * bb, double),
+                 o_v = LK_CARVE(&cv, m * nb * ne, double), o_w = LK_CARVE(&cv, 5 * bb, double),
+                 o_r = LK_CARVE(&cv, boft ? (size_t)out : 0, double), o_p = LK_CARVE(&cv, m > 1 ? m * in : 0, uint32_t);
     p->mem = cv.overflow ? NULL : lk_carve_alloc(&cv);
     if (!p->mem) {
         lk_free(p);
@@ -1470,10 +1496,11 @@ static lk_status peft_prepare(const lk_fuse_term *t, int64_t out, lk_convention 
         p->rho = (double *)(void *)(p->mem + o_r);
         for (size_t i = 0; i < (size_t)out; i++) p->rho[i] = elem64(t->A2, i);
     }
-    values64(v, X, nb * ne);
-    peft_q(q, v, t, nb, b, ne);
+    values64(v, X, m * nb * ne);
+    peft_q(q, v, t, m * nb, b, ne);
+    if (m > 1) peft_perms(p->perm = (uint32_t *)(void *)(p->mem + o_p), m, nb, b);
     const double s = boft ? 1.0 : t->scale;
-    for (size_t k = 0; k < nb; k++) {
+    for (size_t k = 0; k < m * nb; k++) {
         double *d = p->T + k * bb;
         if (!peft_rotation(d, q + k * bb, b, t->peft->neumann_terms, work)) {
             lk_oft_free(p);
@@ -1539,6 +1566,29 @@ static void (*peft_row_pick(void))(const lk_oft *, const double *, double *, siz
 }
 #define peft_row(p, x, d, in) ((p)->prow((p), (x), (d), (in)))
 
+/* Doubles of scratch one row needs beyond x and its delta: 2 in with stages. */
+static size_t peft_work(const lk_oft *p, size_t in) { return p->m > 1 ? 2 * in : 0; }
+
+/* One row's delta e = x M^T - x with PEFT's butterfly M = B_{m-1} .. B_0,
+ * B_i = P_i BD_i P_i^T (merge: W' = boft_s (.) (W M^T)). Stage 0's P is the
+ * identity: e = x D_0^T, the one-stage rule itself; then per stage i >= 1,
+ * with v = x + e (the row so far), u = P_i^T v (u[perm[p]] = v[p]), z = u D_i^T
+ * per block (peft_row's chains on stage i's blocks), e[p] += z[perm[p]]:
+ * all f64, in this order. */
+static void peft_rows(const lk_oft *p, const double *x, double *e, size_t in, double *work) {
+    peft_row(p, x, e, in);
+    if (p->m < 2) return;
+    double *u = work, *z = work + in;
+    lk_oft st = *p;
+    for (size_t i = 1; i < p->m; i++) {
+        const uint32_t *pm = p->perm + i * in;
+        for (size_t q = 0; q < in; q++) u[pm[q]] = x[q] + e[q];
+        st.T = p->T + i * p->nb * p->b * p->b;
+        peft_row(&st, u, z, in);
+        for (size_t q = 0; q < in; q++) e[q] += z[pm[q]];
+    }
+}
+
 /* Row o's last step: OFT d = e; BOFT d = g (rho e + (rho - 1) x), i.e.
  * s (rho (x + e) - x) with e = x D^T (row_fin's kind 1). */
 static rowfin peft_fin(const lk_oft *p, size_t o) {
@@ -1549,11 +1599,11 @@ static rowfin peft_fin(const lk_oft *p, size_t o) {
 static lk_status peft_delta_f32(const lk_oft *p, const float *w, float *delta, size_t in, const char *name) {
     lk_status s = peft_cols(p, in, name);
     if (s) return s;
-    double *x = lk_malloc(2 * in * sizeof *x);
+    double *x = lk_malloc((2 * in + peft_work(p, in)) * sizeof *x);
     if (!x) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the OFT rows", name);
     for (size_t o = 0; o < p->out; o++) {
         for (size_t j = 0; j < in; j++) x[j] = (double)w[o * in + j];
-        peft_row(p, x, x + in, in);
+        peft_rows(p, x, x + in, in, x + 2 * in);
         const rowfin f = peft_fin(p, o);
         for (size_t j = 0; j < in; j++) delta[o * in + j] = (float)fin_delta(f, x[in + j], x[j]);
     }
@@ -1570,14 +1620,14 @@ static void *peft_worker(void *arg) {
     const ojob *j = wk->job;
     const lk_oft *p = j->p;
     const size_t in = j->in, esz = lk_dtype_size(j->dt);
-    double *x = wk->scratch, *d = x + in + 8;
+    double *x = wk->scratch, *d = x + in + 8, *work = d + in + 8;
     fesetenv(FE_DFL_ENV);
     for (;;) {
         const size_t it = atomic_fetch_add(&wk->job->next, 1);
         if (it >= j->n_items) break;
         for (size_t o = it * PEFT_ROWS; o < p->out && o < (it + 1) * PEFT_ROWS; o++) {
             j->load(x, (const char *)j->w_in + o * in * esz, j->dt, in);
-            peft_row(p, x, d, in);
+            peft_rows(p, x, d, in, work);
             const finrow fr = {.x = x, .e = d, .dst = (char *)j->w_out + o * in * esz, .off = o * in,
                                .f = peft_fin(p, o)};
             j->fin(wk, j->dt, &fr, in);
@@ -1598,7 +1648,7 @@ static lk_status peft_fuse(const lk_oft *p, void *w_out, const void *w_in, lk_dt
                 .n_items = (p->out + PEFT_ROWS - 1) / PEFT_ROWS};
     const int nw = lk_fuse_thread_count(opts, (p->out * in * p->b) >> 18, job.n_items);
     atomic_init(&job.next, 0);
-    const size_t per = (2 * in + 16) * sizeof(double) + 64;
+    const size_t per = (2 * in + 16 + peft_work(p, in)) * sizeof(double) + 64;
     void *blk;
     unsigned char *buf = NULL;
     if ((s = lk_fuse_workers(nw, sizeof(oworker), per, &blk, &buf, name, "OFT rows"))) return s;
