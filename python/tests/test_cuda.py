@@ -272,6 +272,10 @@ def test_mixed_devices_refused_naming_keys(dev, m):
                      lambda: lorakit.Tracker(ts, comm="self"), lambda: lorakit.check_replicas(ts, "self")):
             with pytest.raises(ValueError, match=rf"{first} is on cuda:0, pos_ids is on cpu"):
                 call()
+        g = [dev.put("F32", np.ones(3, np.float32)), np.ones(3, np.float32)]
+        with pytest.raises(ValueError, match=r"grad\[0\] is on cuda:0, grad\[1\] is on cpu"):
+            lorakit.sync_grads(g, "self", names=["grad[0]", "grad[1]"])
+        assert dev.get(g[0]) == np.ones(3, np.float32).tobytes()
     del ts["pos_ids"]
     assert raw(dev, ts) == before
 
