@@ -156,39 +156,41 @@ lk_status lk_oft_check(const lk_fuse_term *t, int64_t out, size_t ti, const char
 /* ---- R in f64 ---- */
 
 /* inv = (I - Q)^-1 for one b x b block: Gauss-Jordan on [I - Q | I] with
- * partial pivoting (the first largest |pivot|). work: 2 b b doubles. 0 if
- * singular (I - Q with Q skew never is; guards a hostile NaN). */
+ * partial pivoting (the first largest |pivot|), the two halves side by
+ * side in one b x 2b array (each element's operations as on two arrays).
+ * work: 2 b b doubles. 0 if singular (I - Q with Q skew never is; guards a
+ * hostile NaN). */
 #define LK_AI static inline __attribute__((always_inline))
 LK_AI int inv_i_minus_q(double *inv, const double *q, size_t b, double *work) {
     double *a = work;
+    const size_t w = 2 * b;
     for (size_t i = 0; i < b; i++)
         for (size_t j = 0; j < b; j++) {
-            a[i * b + j] = (i == j) - q[i * b + j];
-            inv[i * b + j] = i == j;
+            a[i * w + j] = (i == j) - q[i * b + j];
+            a[i * w + b + j] = i == j;
         }
     for (size_t c = 0; c < b; c++) {
         size_t p = c;
         for (size_t r = c + 1; r < b; r++)
-            if (fabs(a[r * b + c]) > fabs(a[p * b + c])) p = r;
-        if (!(fabs(a[p * b + c]) > 0)) return 0;
+            if (fabs(a[r * w + c]) > fabs(a[p * w + c])) p = r;
+        if (!(fabs(a[p * w + c]) > 0)) return 0;
         if (p != c)
-            for (size_t j = 0; j < b; j++) {
-                double x = a[c * b + j], y = inv[c * b + j];
-                a[c * b + j] = a[p * b + j], inv[c * b + j] = inv[p * b + j];
-                a[p * b + j] = x, inv[p * b + j] = y;
+            for (size_t j = 0; j < w; j++) {
+                const double x = a[c * w + j];
+                a[c * w + j] = a[p * w + j], a[p * w + j] = x;
             }
-        const double piv = a[c * b + c];
-        for (size_t j = 0; j < b; j++) a[c * b + j] /= piv, inv[c * b + j] /= piv;
+        const double piv = a[c * w + c];
+        for (size_t j = 0; j < w; j++) a[c * w + j] /= piv;
+        const double *restrict ac = a + c * w;
         for (size_t r = 0; r < b; r++) {
             if (r == c) continue;
-            const double f = a[r * b + c];
+            double *restrict ar = a + r * w; /* another row than ac */
+            const double f = ar[c];
             if (f == 0.0) continue;
-            for (size_t j = 0; j < b; j++) {
-                a[r * b + j] = fma(-f, a[c * b + j], a[r * b + j]);
-                inv[r * b + j] = fma(-f, inv[c * b + j], inv[r * b + j]);
-            }
+            for (size_t j = 0; j < w; j++) ar[j] = fma(-f, ac[j], ar[j]);
         }
     }
+    for (size_t i = 0; i < b; i++) memcpy(inv + i * b, a + i * w + b, b * sizeof *inv);
     return 1;
 }
 
@@ -216,13 +218,25 @@ LK_AI int cayley_blocks(double *r, const double *q, size_t nblk, size_t b, doubl
     for (size_t k = 0; k < nblk; k++) {
         const double *qk = q + k * b * b;
         if (!inv_i_minus_q(inv, qk, b, w2)) return 0;
-        for (size_t i = 0; i < b; i++) { /* (I + Q) inv, an fma chain over u ascending; a row's chains side by side */
-            double *acc = r + (k * b + i) * b;
-            const double a0 = (double)(i == 0) + qk[i * b + 0];
-            for (size_t j = 0; j < b; j++) acc[j] = a0 * inv[0 * b + j];
-            for (size_t u = 1; u < b; u++) {
-                const double au = (double)(i == u) + qk[i * b + u];
-                for (size_t j = 0; j < b; j++) acc[j] = fma(au, inv[u * b + j], acc[j]);
+        /* (I + Q) inv, an fma chain over u ascending; 16 of a row's chains
+         * side by side in a local array (registers), the rest one by one */
+        for (size_t i = 0; i < b; i++) {
+            double *ri = r + (k * b + i) * b;
+            size_t j0 = 0;
+            for (; j0 + 16 <= b; j0 += 16) {
+                double acc[16];
+                const double a0 = (double)(i == 0) + qk[i * b + 0];
+                for (int j = 0; j < 16; j++) acc[j] = a0 * inv[j0 + j];
+                for (size_t u = 1; u < b; u++) {
+                    const double au = (double)(i == u) + qk[i * b + u];
+                    for (int j = 0; j < 16; j++) acc[j] = fma(au, inv[u * b + j0 + j], acc[j]);
+                }
+                memcpy(ri + j0, acc, sizeof acc);
+            }
+            for (; j0 < b; j0++) {
+                double acc = ((double)(i == 0) + qk[i * b + 0]) * inv[j0];
+                for (size_t u = 1; u < b; u++) acc = fma((double)(i == u) + qk[i * b + u], inv[u * b + j0], acc);
+                ri[j0] = acc;
             }
         }
     }
@@ -696,6 +710,7 @@ typedef struct ojob {
     void (*load)(double *, const void *, lk_dtype, size_t);
     const float *d32, *k32; /* the narrow path (oft_narrow_*): fl32(D') per block, K per row */
     float a0;
+    int bf16isa; /* the narrow path with AVX512_BF16 (the avx512bf16 kernel path, BF16 weights) */
     atomic_size_t next;
 } ojob;
 
@@ -1063,35 +1078,40 @@ __attribute__((target("avx512f,fma"), noinline)) static void narrow_redo(oworker
 }
 
 /* The certificate of 16 lanes (the comment above): returns the lanes that
- * hold step 3's result in *out (16 BF16 / F16 values). */
+ * hold step 3's result in *out (16 BF16 / F16 values). A lane passes when
+ * RN_t(lo) = RN_t(hi) is a normal finite value: then lo and hi are nonzero
+ * and of one sign, so no zero, sign change or subnormal is in between;
+ * NaN and Inf endpoints give an all-ones exponent, subnormal ones (and,
+ * with AVX512_BF16, whose VCVTNEPS2BF16 reads a subnormal as 0) a zero
+ * exponent, both refused. ISA: 1 with AVX512_BF16 (the conversion in one
+ * instruction), else RNE on the bits (BF16) or VCVTPS2PH (F16). */
 #define LK_NI static inline __attribute__((always_inline, target("avx512f,avx512vl,avx512dq,avx512bw,fma,f16c")))
-LK_NI __mmask16 narrow_cert(int bf, __m512 x, __m512 e, __m512 kt, __m512 mx, __m512 a0, __m256i *out) {
-    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
+LK_NI __mmask16 narrow_cert(int bf, int isa, __m512 x, __m512 e, __m512 kt, __m512 mx, __m512 a0, __m256i *out) {
     const __m512 s = _mm512_add_ps(x, e);
-    const __m512 as = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(s), absm));
+    const __m512 as = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(s), _mm512_set1_epi32(0x7fffffff)));
     const __m512 b2 = _mm512_fmadd_ps(as, _mm512_set1_ps(0x1p-22f), _mm512_fmadd_ps(kt, mx, a0));
     const __m512 lo = _mm512_sub_ps(s, b2), hi = _mm512_add_ps(s, b2);
-    __mmask16 ok = _mm512_cmplt_epu32_mask(_mm512_castps_si512(as), _mm512_set1_epi32(0x7f800000)) &
-                   _mm512_test_epi32_mask(_mm512_castps_si512(lo), absm) &
-                   _mm512_test_epi32_mask(_mm512_castps_si512(hi), absm);
-    if (bf) { /* RNE on the bits: monotone, subnormals included */
+    __m256i rl, rh;
+    if (bf && isa) { /* VCVTNEPS2BF16 (run only where the CPU has it: the avx512bf16 path) */
+        __asm__("vcvtneps2bf16 %1, %0" : "=v"(rl) : "v"(lo));
+        __asm__("vcvtneps2bf16 %1, %0" : "=v"(rh) : "v"(hi));
+    } else if (bf) { /* RNE on the bits: monotone, subnormals included */
         const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
         const __m512i ul = _mm512_castps_si512(lo), uh = _mm512_castps_si512(hi);
-        const __m512i rl = _mm512_srli_epi32(
-            _mm512_add_epi32(ul, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ul, 16), one))), 16);
-        const __m512i rh = _mm512_srli_epi32(
-            _mm512_add_epi32(uh, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(uh, 16), one))), 16);
-        const __m512i em = _mm512_set1_epi32(0x7f80);
-        ok &= _mm512_cmpeq_epi32_mask(rl, rh) & _mm512_cmpneq_epi32_mask(_mm512_and_si512(rl, em), em);
-        *out = _mm512_cvtepi32_epi16(rl);
+        rl = _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+            _mm512_add_epi32(ul, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(ul, 16), one))), 16));
+        rh = _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+            _mm512_add_epi32(uh, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(uh, 16), one))), 16));
     } else {
-        const __m256i rl = _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i rh = _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i em = _mm256_set1_epi16(0x7c00);
-        ok &= (__mmask16)(_mm256_cmpeq_epi16_mask(rl, rh) & _mm256_cmpneq_epi16_mask(_mm256_and_si256(rl, em), em));
-        *out = rl;
+        rl = _mm512_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        rh = _mm512_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     }
-    return ok;
+    /* the exponent field minus one below all-ones minus one: normal and finite */
+    const __m256i em = _mm256_set1_epi16(bf ? 0x7f80 : 0x7c00), e1 = _mm256_set1_epi16(bf ? 0x80 : 0x400);
+    const __mmask16 normal =
+        _mm256_cmplt_epu16_mask(_mm256_sub_epi16(_mm256_and_si256(rl, em), e1), _mm256_sub_epi16(em, e1));
+    *out = rl;
+    return normal & _mm256_cmpeq_epi16_mask(rl, rh);
 }
 
 /* Lanes [0, n) of 16. */
@@ -1113,7 +1133,7 @@ static inline __mmask16 nlanes(size_t n) { return n >= 16 ? (__mmask16)0xffff : 
         _Pragma("GCC unroll 8") for (int r = 0; r < (R); r++) {                                             \
             const size_t row = r0 + t0 + r;                                                                 \
             __m256i h;                                                                                      \
-            const __mmask16 ok = narrow_cert(bf, _mm512_load_ps(X + (t0 + r) * ld + j), acc[r],             \
+            const __mmask16 ok = narrow_cert(bf, isa, _mm512_load_ps(X + (t0 + r) * ld + j), acc[r],        \
                                              _mm512_set1_ps(jb->k32[row]), mx, a0, &h) & lanes;             \
             _mm256_mask_storeu_epi16((char *)jb->w_out + (row * in + c0 + j) * 2, ok, h);                   \
             bad[r] = (unsigned)(lanes & ~ok);                                                               \
@@ -1128,9 +1148,9 @@ static inline __mmask16 nlanes(size_t n) { return n >= 16 ? (__mmask16)0xffff : 
     } while (0)
 
 /* One work item on the narrow path: the block's rows of the column tile
- * to f32 (exact), then per 16-column strip maxW and the rows' chains. */
-__attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,fma,f16c"))) static void oblock_narrow(oworker *wk,
-                                                                                                size_t it) {
+ * to f32 (exact), then per 16-column strip maxW and the rows' chains;
+ * compiled with and without AVX512_BF16 (isa). */
+LK_NI void oblock_narrow_body(oworker *wk, size_t it, const int isa) {
     const ojob *jb = wk->job;
     const lk_oft *p = jb->p;
     /* f32 rows 64 bytes longer than the tile (aligned; no 4 KiB stride) */
@@ -1165,6 +1185,14 @@ __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,fma,f16c"))) static vo
         for (; t0 + 4 <= b; t0 += 4) NARROW_ROWS(4);
         for (; t0 < b; t0++) NARROW_ROWS(1);
     }
+}
+__attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,fma,f16c"))) static void oblock_narrow(oworker *wk,
+                                                                                                size_t it) {
+    oblock_narrow_body(wk, it, 0);
+}
+__attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,fma,f16c"))) static void oblock_narrow_bf16(oworker *wk,
+                                                                                                     size_t it) {
+    oblock_narrow_body(wk, it, 1);
 }
 #undef NARROW_ROWS
 #undef LK_NI
@@ -1245,7 +1273,8 @@ static void *oworker_main(void *arg) {
         if (it >= wk->job->n_items) break;
 #ifdef LK_KERNEL_X86
         if (wk->job->d32) {
-            oblock_narrow(wk, it);
+            if (wk->job->bf16isa) oblock_narrow_bf16(wk, it);
+            else oblock_narrow(wk, it);
             continue;
         }
 #endif
@@ -1278,6 +1307,7 @@ lk_status lk_fuse_tensor_oft(void *w_out, const void *w_in, lk_dtype dtype, int6
         narrow = lk_malloc((p->nb * p->b * p->b + p->out) * sizeof(float));
         if (narrow && oft_narrow_prepare(p, narrow, narrow + p->nb * p->b * p->b, &job.a0))
             job.d32 = narrow, job.k32 = narrow + p->nb * p->b * p->b;
+        job.bf16isa = dtype == LK_DTYPE_BF16 && !strcmp(lk_fuse_kernel_path(), "avx512bf16");
     }
 #endif
     /* a thread per 2^16 elements at least */
