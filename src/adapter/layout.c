@@ -104,6 +104,17 @@ static const char *strip_inner(const char *name, int kohya) {
     return !strncmp(name, p, 11) && name[11] ? name + 11 : name;
 }
 
+/* ComfyUI's single Llama-style text encoder, "text_encoders.<te>.transformer.model." (Z-Image's qwen3_4b,
+ * Qwen-Image's qwen25_7b, Anima's qwen3_06b: model_lora_keys_clip's lora_te_<name>, and its generic
+ * text_encoders.<key>): the length of that prefix of name, or 0. */
+static size_t llama_te_prefix(const char *name) {
+    static const char head[] = "text_encoders.", tail[] = ".transformer.model.";
+    if (strncmp(name, head, sizeof head - 1)) return 0;
+    const char *te = name + sizeof head - 1, *dot = strchr(te, '.');
+    if (!dot || dot == te || strncmp(dot, tail, sizeof tail - 1) || !dot[sizeof tail - 1]) return 0;
+    return (size_t)(dot - name) + sizeof tail - 1;
+}
+
 /* lk_layout_strip_module; *cname (may be NULL) gets the component name of
  * the first prefix that names one, or NULL. */
 static const char *strip_module(const char *name, int kohya, int *comp, const char **cname) {
@@ -120,6 +131,12 @@ static const char *strip_module(const char *name, int kohya, int *comp, const ch
         }
         if (cname) *cname = NULL;
         return strip_inner(name, 1);
+    }
+    size_t lp = llama_te_prefix(name);
+    if (lp) {
+        *comp = LK_COMP_TE1;
+        if (cname) *cname = "text_encoder";
+        return name + lp;
     }
     for (int round = 0; round < 4; round++) {
         size_t i = 0;
@@ -144,6 +161,12 @@ const char *lk_layout_strip_module(const char *name, int kohya, int *comp) {
 
 static const char *strip_model(const char *name, int *comp, const char **cname) {
     *comp = LK_COMP_ANY;
+    size_t lp = llama_te_prefix(name);
+    if (lp) {
+        *comp = LK_COMP_TE1;
+        if (cname) *cname = "text_encoder";
+        return name + lp;
+    }
     for (size_t i = 0; i < NPRE(g_model_pre); i++) {
         size_t pl = strlen(g_model_pre[i].p);
         if (!strncmp(name, g_model_pre[i].p, pl) && name[pl]) {
