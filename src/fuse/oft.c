@@ -161,7 +161,30 @@ lk_status lk_oft_check(const lk_fuse_term *t, int64_t out, size_t ti, const char
  * work: 2 b b doubles. 0 if singular (I - Q with Q skew never is; guards a
  * hostile NaN). */
 #define LK_AI static inline __attribute__((always_inline))
-LK_AI int inv_i_minus_q(double *inv, const double *q, size_t b, double *work) {
+/* ar[j] = fma(-f, ac[j], ar[j]) for j < w: the row update, element by element. */
+LK_AI void gj_row(double *restrict ar, const double *restrict ac, double f, size_t w) {
+    for (size_t j = 0; j < w; j++) ar[j] = fma(-f, ac[j], ar[j]);
+}
+#ifdef LK_KERNEL_X86
+#include <immintrin.h>
+/* The same, 8 lanes a time (the last ones masked): one fma per element. */
+__attribute__((target("avx512f,fma"))) static inline void gj_row512(double *restrict ar, const double *restrict ac,
+                                                                   double f, size_t w) {
+    const __m512d nf = _mm512_set1_pd(-f);
+    size_t j = 0;
+    for (; j + 16 <= w; j += 16) {
+        const __m512d r0 = _mm512_fmadd_pd(nf, _mm512_loadu_pd(ac + j), _mm512_loadu_pd(ar + j));
+        const __m512d r1 = _mm512_fmadd_pd(nf, _mm512_loadu_pd(ac + j + 8), _mm512_loadu_pd(ar + j + 8));
+        _mm512_storeu_pd(ar + j, r0);
+        _mm512_storeu_pd(ar + j + 8, r1);
+    }
+    for (; j < w; j += 8) {
+        const __mmask8 m = w - j >= 8 ? (__mmask8)0xff : (__mmask8)((1u << (w - j)) - 1u);
+        _mm512_mask_storeu_pd(ar + j, m, _mm512_fmadd_pd(nf, _mm512_maskz_loadu_pd(m, ac + j), _mm512_maskz_loadu_pd(m, ar + j)));
+    }
+}
+#endif
+LK_AI int inv_i_minus_q_v(double *inv, const double *q, size_t b, double *work, const int v512) {
     double *a = work;
     const size_t w = 2 * b;
     for (size_t i = 0; i < b; i++)
@@ -187,37 +210,43 @@ LK_AI int inv_i_minus_q(double *inv, const double *q, size_t b, double *work) {
             double *restrict ar = a + r * w; /* another row than ac */
             const double f = ar[c];
             if (f == 0.0) continue;
-            for (size_t j = 0; j < w; j++) ar[j] = fma(-f, ac[j], ar[j]);
+#ifdef LK_KERNEL_X86
+            if (v512) {
+                gj_row512(ar, ac, f, w);
+                continue;
+            }
+#endif
+            (void)v512;
+            gj_row(ar, ac, f, w);
         }
     }
     for (size_t i = 0; i < b; i++) memcpy(inv + i * b, a + i * w + b, b * sizeof *inv);
     return 1;
 }
+#define inv_i_minus_q(inv, q, b, work) inv_i_minus_q_v((inv), (q), (b), (work), 0)
 
 /* Q of every block (skew part, scaled by the constraint c when c > 0)
  * from the blocks' values x. */
 LK_AI void skew_blocks(double *q, const double *x, size_t nblk, size_t b, double c) {
-    double ss = 0.0;
     for (size_t k = 0; k < nblk; k++)
         for (size_t i = 0; i < b; i++)
-            for (size_t j = 0; j < b; j++) {
-                const double v = x[(k * b + i) * b + j] - x[(k * b + j) * b + i];
-                q[(k * b + i) * b + j] = v;
-                ss = fma(v, v, ss);
-            }
+            for (size_t j = 0; j < b; j++) q[(k * b + i) * b + j] = x[(k * b + i) * b + j] - x[(k * b + j) * b + i];
+    if (!(c > 0)) return; /* no constraint: the norm is not needed */
+    double ss = 0.0;      /* the chain of squares in stored order */
+    for (size_t i = 0; i < nblk * b * b; i++) ss = fma(q[i], q[i], ss);
     const double qn = sqrt(ss) + 1e-8;
-    if (c > 0 && qn > c) {
+    if (qn > c) {
         const double f = c / qn;
         for (size_t i = 0; i < nblk * b * b; i++) q[i] *= f;
     }
 }
 
 /* R = (I + Q) inv for every block into r; 0 if a block is singular. */
-LK_AI int cayley_blocks(double *r, const double *q, size_t nblk, size_t b, double *work) {
+LK_AI int cayley_blocks(double *r, const double *q, size_t nblk, size_t b, double *work, const int v512) {
     double *inv = work, *w2 = work + b * b;
     for (size_t k = 0; k < nblk; k++) {
         const double *qk = q + k * b * b;
-        if (!inv_i_minus_q(inv, qk, b, w2)) return 0;
+        if (!inv_i_minus_q_v(inv, qk, b, w2, v512)) return 0;
         /* (I + Q) inv, an fma chain over u ascending; 16 of a row's chains
          * side by side in a local array (registers), the rest one by one */
         for (size_t i = 0; i < b; i++) {
@@ -249,13 +278,13 @@ LK_AI int cayley_blocks(double *r, const double *q, size_t nblk, size_t b, doubl
  * correctly rounded operation either way, so the bits are the same. */
 static int rotation_base(double *r, double *q, const double *x64, size_t nblk, size_t b, double c, double *work) {
     skew_blocks(q, x64, nblk, b, c);
-    return cayley_blocks(r, q, nblk, b, work);
+    return cayley_blocks(r, q, nblk, b, work, 0);
 }
 #ifdef LK_KERNEL_X86
 __attribute__((target("fma"))) static int rotation_fma(double *r, double *q, const double *x64, size_t nblk,
                                                        size_t b, double c, double *work) {
     skew_blocks(q, x64, nblk, b, c);
-    return cayley_blocks(r, q, nblk, b, work);
+    return cayley_blocks(r, q, nblk, b, work, 0);
 }
 
 /* With AVX-512 the row updates (independent elements) run 8 lanes a time: the same operations. */
@@ -263,7 +292,7 @@ __attribute__((target("avx512f,avx512vl,fma"))) static int rotation_avx512(doubl
                                                                           size_t nblk, size_t b, double c,
                                                                           double *work) {
     skew_blocks(q, x64, nblk, b, c);
-    return cayley_blocks(r, q, nblk, b, work);
+    return cayley_blocks(r, q, nblk, b, work, 1);
 }
 #endif
 
