@@ -163,7 +163,7 @@ fi
 expect 0 bench fuse --help; out_has "usage: lorakit bench fuse"
 expect 2 bench fuse --dim 0
 expect 0 bench fuse --json --dim 96 --repeat 1 --threads 2 --dram-mb 1
-[ "$(wc -l <"$TMP/out")" = 54 ] || { cat "$TMP/out"; fail "bench fuse: expected 54 JSON lines"; }
+[ "$(wc -l <"$TMP/out")" = 60 ] || { cat "$TMP/out"; fail "bench fuse: expected 60 JSON lines"; }
 for t in 1 2; do
   grep -E "^\{\"bench\":\"bandwidth\",\"kind\":\"cache\",\"bytes\":18432,\"threads\":$t,\"gbps\":[0-9.]+\}$" "$TMP/out" >/dev/null || fail "cache bandwidth line t=$t"
   grep -E "^\{\"bench\":\"bandwidth\",\"kind\":\"dram\",\"bytes\":1032192,\"llc_bytes\":[0-9]+,\"threads\":$t,\"gbps\":[0-9.]+\}$" "$TMP/out" >/dev/null || fail "dram bandwidth line t=$t"
@@ -181,6 +181,11 @@ done; done; done
 for al in lora conv_lora loha lokr dense oft boft; do for t in 1 2; do
   grep -E "^\{\"bench\":\"fuse\",\"method\":\"lorakit\",\"scope\":\"tensor\",\"algo\":\"$al\",\"dtype\":\"bf16\",\"rank\":16,\"threads\":$t,\"bytes\":18432,\"seconds\":[0-9.]+,\"gbps\":[0-9.]+,\"ratio_to_lora\":[0-9.]+,\"ratio_to_dram\":[0-9.]+," "$TMP/out" >/dev/null \
     || { cat "$TMP/out"; fail "bench fuse algorithm line $al t=$t"; }
+done; done
+# the F32 rows of LoRA, OFT and BOFT (OFT's rule differs by dtype: README, bench fuse)
+for al in lora oft boft; do for t in 1 2; do
+  grep -E "^\{\"bench\":\"fuse\",\"method\":\"lorakit\",\"scope\":\"tensor\",\"algo\":\"$al\",\"dtype\":\"f32\",\"rank\":16,\"threads\":$t,\"bytes\":36864,\"seconds\":[0-9.]+,\"gbps\":[0-9.]+,\"ratio_to_lora\":[0-9.]+," "$TMP/out" >/dev/null \
+    || { cat "$TMP/out"; fail "bench fuse F32 algorithm line $al t=$t"; }
 done; done
 # the dense row at model scope (every weight of the DRAM-sized buffer, diff read too)
 for t in 1 2; do
