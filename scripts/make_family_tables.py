@@ -449,10 +449,19 @@ def ace_step15_rules():
     model_lora_keys_unet, ACEStep15: base_model.model.<name> and lycoris_<name> = diffusion_model.decoder.<name>);
     the checkpoint's decoder.layers.N.*, decoder.time_embed(_r).*, decoder.condition_embedder,
     decoder.proj_in.* / proj_out.* are the LoRA's layers.N.*, time_embed(_r).*, ... (the "diffusers" side here
-    is the LoRA's naming)."""
-    return renames((("decoder.layers.#.*", "layers.#.*"), ("decoder.time_embed.*", "time_embed.*"),
-                    ("decoder.time_embed_r.*", "time_embed_r.*"), ("decoder.condition_embedder", "condition_embedder"),
-                    ("decoder.proj_in.*", "proj_in.*"), ("decoder.proj_out.*", "proj_out.*")))
+    is the LoRA's naming).
+    diffusers' AceStepTransformer1DModel keeps those names but for the attention projections: q_proj, k_proj,
+    v_proj, o_proj = to_q, to_k, to_v, to_out.0 (diffusers' _convert_non_diffusers_ace_step_lora_to_diffusers);
+    those lines put the LoRA's names on a diffusers checkpoint, and 'alias' lines diffusers' names on ComfyUI's."""
+    r = renames((("decoder.layers.#.*", "layers.#.*"), ("decoder.time_embed.*", "time_embed.*"),
+                 ("decoder.time_embed_r.*", "time_embed_r.*"), ("decoder.condition_embedder", "condition_embedder"),
+                 ("decoder.proj_in.*", "proj_in.*"), ("decoder.proj_out.*", "proj_out.*")))
+    proj = (("q_proj", "to_q"), ("k_proj", "to_k"), ("v_proj", "to_v"), ("o_proj", "to_out.0"))
+    for a in ("self_attn", "cross_attn"):
+        r += renames(proj, f"layers.#.{a}.", f"layers.#.{a}.")
+        # ComfyUI's spelling of the same weights (exempt from the overlap check: both name to_q's rows)
+        r += [("alias", f"decoder.layers.#.{a}.{o}", f"layers.#.{a}.{d}", None) for o, d in proj]
+    return r
 
 
 def qwen_image_rules():
@@ -527,7 +536,8 @@ def write_dit_families():
           ["noise_refiner.0.attention.qkv.weight layers.0.adaLN_modulation.1.weight",
            "time_caption_embed.caption_embedder.1.weight layers.0.attn.to_q.weight"], lumina2_rules())
     write("ace-step15", "ACE-Step 1.5: the checkpoint's decoder.<name> <-> its LoRAs' <name>",
-          ["decoder.condition_embedder.weight decoder.layers.0.self_attn.q_proj.weight null_condition_emb"],
+          ["decoder.condition_embedder.weight decoder.layers.0.self_attn.q_proj.weight null_condition_emb",
+           "condition_embedder.weight layers.0.self_attn.to_q.weight time_embed_r.linear_1.weight"],
           ace_step15_rules())
     write("qwen-image", "Qwen Image 2.1: ComfyUI's fused img_mlp.gate_up <-> diffusers' img_mlp.gate_layer, img_mlp.proj",
           ["transformer_blocks.0.img_mlp.gate_up.weight", "transformer_blocks.0.img_mlp.gate_layer.weight"],
