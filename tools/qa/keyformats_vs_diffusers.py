@@ -23,7 +23,8 @@ _convert_kohya_flux_lora_to_diffusers, _convert_non_diffusers_wan_lora_to_diffus
 
 Not part of CI (CI has no torch / diffusers). Run:
     /work/venv/bin/python tools/qa/keyformats_vs_diffusers.py [--lorakit build/lorakit] [FAMILY...]
-Prints one JSON line per (family, format, convention); exit 1 if any line fails.
+Prints one JSON line per (family, format, convention); exit 1 if any line fails, but for the known gaps
+(KNOWN_GAPS: such a row says "known_gap"; one that passes fails the run, to be removed from the list).
 Families the installed diffusers lacks are printed as {"skipped": reason}.
 Where a converter is wrong for a LoRA (HunyuanVideo's token-refiner self_attn_qkv and
 final_layer.adaLN_modulation.1: it splits or swaps lora_A's rank rows too), the converter's own
@@ -202,8 +203,8 @@ def run_lorakit(lk, tmp, family, fmt, base_path, lora_sd, expected, base_np, n_m
         r = subprocess.run(cmd, capture_output=True, text=True)
         row = {"family": family, "format": fmt, "convention": conv or "lorakit",
                "modules_in_file": n_modules, "placed": placed, "unplaced": unplaced[:5]}
-        if r.returncode != 0:
-            row.update(ok=False, error=r.stderr.strip()[-600:])
+        if r.returncode != 0:  # a failed fuse writes nothing
+            row.update(ok=False, error=r.stderr.strip()[-600:], wrote_output_anyway=os.path.exists(out))
             rows.append(row)
             continue
         got = np_load(out)
@@ -328,6 +329,39 @@ def fam_flux_kohya():
     L.add("lora_unet_final_layer_adaLN_modulation_1", *lin["norm_out.linear"])
     L.add("lora_unet_final_layer_linear", *lin["proj_out"])
     return m, [("kohya_sd_scripts", L.sd, L.n, conv)]
+
+
+def fam_flux2():
+    """Flux 2 (lorakit has no flux2 table): BFL names, as the converter reads them. final_layer.adaLN_modulation.1
+    is left out: this converter does not swap its halves while diffusers' single-file Flux 2 converter swaps the
+    weight's (one of the two is wrong; not an oracle)."""
+    m = diffusers.Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                          attention_head_dim=8, num_attention_heads=2, joint_attention_dim=12,
+                                          timestep_guidance_channels=16, mlp_ratio=3.0, axes_dims_rope=(2, 2, 2, 2))
+    lin = linears(m)
+    t = "transformer_blocks.0"
+    q = lin[f"{t}.attn.to_q"]
+    L = Lora()
+    L.add("diffusion_model.double_blocks.0.img_attn.qkv", 3 * q[0], q[1])
+    L.add("diffusion_model.double_blocks.0.txt_attn.qkv", 3 * q[0], q[1])
+    for orig, d in [("double_blocks.0.img_attn.proj", f"{t}.attn.to_out.0"),
+                    ("double_blocks.0.txt_attn.proj", f"{t}.attn.to_add_out"),
+                    ("double_blocks.0.img_mlp.0", f"{t}.ff.linear_in"), ("double_blocks.0.img_mlp.2", f"{t}.ff.linear_out"),
+                    ("double_blocks.0.txt_mlp.0", f"{t}.ff_context.linear_in"),
+                    ("double_blocks.0.txt_mlp.2", f"{t}.ff_context.linear_out"),
+                    ("single_blocks.0.linear1", "single_transformer_blocks.0.attn.to_qkv_mlp_proj"),
+                    ("single_blocks.0.linear2", "single_transformer_blocks.0.attn.to_out"),
+                    ("img_in", "x_embedder"), ("txt_in", "context_embedder"),
+                    ("time_in.in_layer", "time_guidance_embed.timestep_embedder.linear_1"),
+                    ("time_in.out_layer", "time_guidance_embed.timestep_embedder.linear_2"),
+                    ("guidance_in.in_layer", "time_guidance_embed.guidance_embedder.linear_1"),
+                    ("guidance_in.out_layer", "time_guidance_embed.guidance_embedder.linear_2"),
+                    ("final_layer.linear", "proj_out"),
+                    ("single_stream_modulation.lin", "single_stream_modulation.linear"),
+                    ("double_stream_modulation_img.lin", "double_stream_modulation_img.linear"),
+                    ("double_stream_modulation_txt.lin", "double_stream_modulation_txt.linear")]:
+        L.add("diffusion_model." + orig, *lin[d])
+    return m, [("bfl_names", L.sd, L.n, lcu._convert_non_diffusers_flux2_lora_to_diffusers)]
 
 
 def fam_wan():
@@ -621,6 +655,16 @@ def fam_ace_step():
     return m, [("acestep15_peft_base_model", L.sd, L.n, lcu._convert_non_diffusers_ace_step_lora_to_diffusers)]
 
 
+# (family, format): why lorakit fails it today. Such a row prints "known_gap" and does not fail the run; a
+# known gap that passes fails the run (remove it here).
+KNOWN_GAPS = {
+    ("z-image", "kohya_original_qkv_dotted"):
+        "a kohya name (lora_unet_...) with .lora.down/.lora.up factors is read as a diffusers name "
+        "(src/adapter/adapter.c classify: the suffix's FAM_AB wins), so no kohya translation; ComfyUI reads it "
+        "(LoRAAdapter.load tries {x}.lora.up.weight for every key_map name)",
+    ("flux2", "bfl_names"): "no flux2 family table (BFL Flux 2 names onto diffusers' Flux2Transformer2DModel)",
+}
+
 SFU = "diffusers.loaders.single_file_utils"
 LCU = "diffusers.loaders.lora_conversion_utils"
 # family: (diffusers class, (module, converter) the oracle uses, builder)
@@ -630,6 +674,7 @@ FAMILIES = {
                 fam_hidream),
     "lumina2": ("Lumina2Transformer2DModel", (LCU, "_convert_non_diffusers_lumina2_lora_to_diffusers"), fam_lumina2),
     "flux": ("FluxTransformer2DModel", (LCU, "_convert_kohya_flux_lora_to_diffusers"), fam_flux_kohya),
+    "flux2": ("Flux2Transformer2DModel", (LCU, "_convert_non_diffusers_flux2_lora_to_diffusers"), fam_flux2),
     "wan": ("WanTransformer3DModel", (LCU, "_convert_non_diffusers_wan_lora_to_diffusers"), fam_wan),
     "hunyuan-video": ("HunyuanVideoTransformer3DModel", (LCU, "_convert_hunyuan_video_lora_to_diffusers"),
                       fam_hunyuan_video),
@@ -678,8 +723,13 @@ def main():
             for fmt, lora, n, converter in fmts:
                 converted = converter({k: v.clone() for k, v in lora.items()})
                 expected = oracle(base, converted)
+                gap = KNOWN_GAPS.get((fam, fmt))
                 for row in run_lorakit(lk, tmp, fam, fmt, base_path, lora, expected, base_np, n):
-                    failed |= not row["ok"]
+                    if gap and not row["ok"]:
+                        row["known_gap"] = gap
+                    elif gap:
+                        row["known_gap_now_passes"] = gap
+                    failed |= (not row["ok"]) != bool(gap)
                     print(json.dumps(row), flush=True)
     sys.exit(1 if failed else 0)
 
