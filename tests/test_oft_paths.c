@@ -19,7 +19,9 @@
  * fp32 chain and a certified rounding (oft.c, oblock_narrow): these
  * comparisons are what shows that certificate and its redo give step 3's
  * bytes; test_adversarial adds rotations far from I, blocks of 64 and 128
- * and near-cancellation rows, against a long-double oracle (<= 1 ulp). */
+ * and near-cancellation rows, against a long-double oracle (<= 1 ulp);
+ * test_boft_lycoris_layout runs BOFT in LyCORIS's own layout (one group
+ * of all the rows, the widened tiles) against a long-double oracle. */
 #include "adapter_ref.h"
 #include "fuse/fuse.h"
 
@@ -54,6 +56,10 @@ static const pcase CASES[] = {
     {"boft_rho_s07", 3, 8, 6, 67, 1, 0.7, 0.0, LK_CONVENTION_LYCORIS},
     {"boft_comfy", 2, 6, 2, 45, 1, -0.3, 0.0, LK_CONVENTION_COMFYUI},
     {"boft1", 1, 5, 8, 513, 0, 1.0, 0.0, LK_CONVENTION_LYCORIS},
+    /* LyCORIS's own layout (its butterfly_factor: n = 2^p blocks, m = p + 1 stages, so one group of all the rows):
+     * groups of 256 and 128 rows, taller than BOFT_TILE's columns allow, column counts off the tile width */
+    {"boft_lycoris_m7", 7, 64, 4, 200, 0, 1.0, 0.0, LK_CONVENTION_LYCORIS},
+    {"boft_lycoris_m5_rho_comfy", 5, 16, 8, 131, 1, 0.7, 0.0, LK_CONVENTION_COMFYUI},
 };
 #define NCASES (sizeof CASES / sizeof CASES[0])
 
@@ -412,8 +418,91 @@ static void test_adversarial(void **state) {
            worst[1], worst[2]);
 }
 
+/* ---- LyCORIS's own BOFT layout against a long-double oracle ----
+ * LyCORIS's butterfly_factor writes 2^p blocks and p + 1 stages: one
+ * group of all the rows, taller than a BOFT tile's columns allow (oft.c
+ * widens such tiles to BOFT_MIN_COLS). Oracle: the stages as the header's
+ * formula states them (stage i, k = 2^i b / 2: permuted position (c, j, g)
+ * holds row (c, g, j); each block of b permuted rows times R_i, not
+ * transposed; LyCORIS at s = 1: W' = Y), each R_i by ref_cayley, all in
+ * long double: every element within 1 ulp of its dtype, every path and
+ * thread count the portable path's bytes; column counts off the tile. */
+static void test_boft_lycoris_layout(void **state) {
+    (void)state;
+    static const int64_t LC[][4] = {{7, 64, 4, 200}, {5, 16, 8, 131}}; /* m, nb, b, in */
+    tu_rng rng = {4099};
+    double worst = 0;
+    for (size_t ci = 0; ci < sizeof LC / sizeof LC[0]; ci++)
+        for (int di = 0; di < 3; di++) {
+            const int64_t m = LC[ci][0], nb = LC[ci][1], b = LC[ci][2], in = LC[ci][3], out = nb * b;
+            pinput pi = {0};
+            ar_tensor_rand(&pi.X, "oft_blocks", LK_DTYPE_F32, m * nb * b, b, &rng, -0.3f, 0.3f);
+            pi.X.t.ndim = 4, pi.X.t.shape[0] = m, pi.X.t.shape[1] = nb, pi.X.t.shape[2] = b, pi.X.t.shape[3] = b;
+            ar_tensor_rand(&pi.W, "w", DTS[di], out, in, &rng, -1, 1);
+            pi.term = (lk_fuse_term){.B = &pi.X.t, .scale = 1.0, .kind = LK_TERM_OFT};
+            long double *R = malloc(sizeof(long double) * (size_t)(b * b)), *y = malloc(sizeof(long double) *
+                                                                                        (size_t)(2 * out * in));
+            assert_non_null(R);
+            assert_non_null(y);
+            long double *cur = y, *nxt = y + out * in;
+            for (int64_t i = 0; i < out * in; i++) cur[i] = (long double)ar_get(&pi.W.t, (size_t)i);
+            for (int64_t st = 0; st < m; st++) {
+                const int64_t k = ((int64_t)1 << st) * (b / 2);
+                for (int64_t kk = 0; kk < nb; kk++) {
+                    ref_cayley(R, (const float *)pi.X.t.data + (st * nb + kk) * b * b, b);
+                    int64_t rows[8];
+                    for (int64_t u = 0; u < b; u++) {
+                        const int64_t pp = kk * b + u, c = pp / (2 * k), rem = pp % (2 * k);
+                        rows[u] = c * 2 * k + (rem % 2) * k + rem / 2;
+                    }
+                    for (int64_t t = 0; t < b; t++)
+                        for (int64_t j = 0; j < in; j++) {
+                            long double acc = 0;
+                            for (int64_t u = 0; u < b; u++) acc += R[t * b + u] * cur[rows[u] * in + j];
+                            nxt[rows[t] * in + j] = acc;
+                        }
+                }
+                long double *sw = cur;
+                cur = nxt, nxt = sw;
+            }
+            const size_t nbytes = pi.W.t.nbytes;
+            unsigned char *base = malloc(nbytes), *res = malloc(nbytes);
+            assert_non_null(base);
+            assert_non_null(res);
+            const pcase pc = {"boft_lycoris", m, nb, b, in, 0, 1.0, 0.0, LK_CONVENTION_LYCORIS};
+            assert_int_equal(fuse_on("portable", 1, 1, &pc, &pi, base), LK_OK);
+            for (int p = 0; p < N_PATHS; p++) {
+                if (!lk_fuse_kernel_supported(PATHS[p])) continue;
+                for (int t = 1; t <= 3; t += 2) {
+                    memset(res, 0xa5, nbytes);
+                    assert_int_equal(fuse_on(PATHS[p], t, 1, &pc, &pi, res), LK_OK);
+                    if (memcmp(res, base, nbytes))
+                        fail_msg("boft m=%lld b=%lld %s on %s at %d threads: not the portable path's bytes",
+                                 (long long)m, (long long)b, lk_dtype_name(DTS[di]), PATHS[p], t);
+                    lk_tensor got = pi.W.t;
+                    got.data = res;
+                    for (size_t i = 0; i < (size_t)(out * in); i++) {
+                        const double e = fabs(ar_get(&got, i) - (double)cur[i]) / ar_ulp(DTS[di], (double)cur[i]);
+                        if (!(e <= 1.0))
+                            fail_msg("boft m=%lld b=%lld %s on %s: element %zu = %.9g, the long-double oracle %.17g "
+                                     "(%.3g ulp)", (long long)m, (long long)b, lk_dtype_name(DTS[di]), PATHS[p], i,
+                                     ar_get(&got, i), (double)cur[i], e);
+                        if (e > worst) worst = e;
+                    }
+                }
+            }
+            free(base);
+            free(res);
+            free(R);
+            free(y);
+            ar_tensor_free(&pi.W);
+            ar_tensor_free(&pi.X);
+        }
+    printf("boft, LyCORIS's layout: worst %.3f ulp against long double\n", worst);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {cmocka_unit_test(test_paths), cmocka_unit_test(test_round_cases),
-                                       cmocka_unit_test(test_adversarial)};
+                                       cmocka_unit_test(test_adversarial), cmocka_unit_test(test_boft_lycoris_layout)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -56,7 +56,8 @@
  * HOW IT RUNS (the bits do not depend on any of it): work items are row
  * tiles x column tiles; an OFT tile is one block (b rows) x up to 512
  * columns, a BOFT tile a group of 2^(m-1) b rows (every stage maps it onto
- * itself) x a few dozen columns, so the m stages run in L1. Threads take
+ * itself) x 64 columns or more (16 above 1024 rows), so the m stages run
+ * in L1 (in L2 for the tall groups of LyCORIS's own files). Threads take
  * items from an atomic counter (the workers carved by lk_fuse_workers).
  * Per item: the rows to f64 (load_*), the block products in register
  * blocks (mat_rows_*: every element its own fma chain, so any blocking
@@ -538,10 +539,24 @@ typedef void (*mat_fn)(double *const *, const double *const *, const double *, s
  * G = 2^(m-1) b rows, which every stage maps onto itself (stage i mixes
  * rows only within groups of 2^i b), so the whole butterfly of a row tile
  * runs in cache. Columns per item: up to OFT_COLS, fewer for tall groups
- * (about 256 KiB of f64 per tile), a multiple of 16. */
+ * (OFT_TILE / BOFT_TILE f64 values per tile), a multiple of 16; a BOFT
+ * tile of up to 1024 rows BOFT_MIN_COLS at least: LyCORIS's files are
+ * one group of all the rows (its butterfly_factor: 2^p blocks, p + 1
+ * stages), and a 16-column tile of a 1024-row group runs each b-row
+ * product on one vector of 8 lanes (mat_rows_avx512's 4 x 4 register
+ * blocks need 32 columns) with the stage's row pointers made afresh every
+ * 16 columns; 64 columns (three 1024 x 72 f64 buffers, 1.7 MiB a worker)
+ * fused a BF16 1024 x 1024 weight with 9 stages of 4 in 4.8 ms instead of
+ * 8.6 (a timing driver over lk_fuse_tensor_oft, CPU time, best of 5; 7
+ * stages of 16: 9.7 / 10.6). Taller groups keep 16 columns (4096 rows, 10
+ * stages of 8: 50 / 54 ms, not worth 7 MiB a worker). The bits do not
+ * depend on the tile. */
+#define BOFT_MIN_COLS 64
+#define BOFT_MIN_COLS_ROWS 1024 /* the tallest group BOFT_MIN_COLS applies to */
 static size_t lk_oft_rows(const lk_oft *p) { return p->boft ? ((size_t)1 << (p->m - 1)) * p->b : p->b; }
 static size_t lk_oft_tile_cols(const lk_oft *p) {
     size_t tc = ((p->boft ? BOFT_TILE : OFT_TILE) / lk_oft_rows(p)) / 16 * 16;
+    if (p->boft && tc < BOFT_MIN_COLS && lk_oft_rows(p) <= BOFT_MIN_COLS_ROWS) tc = BOFT_MIN_COLS;
     return tc < 16 ? 16 : tc > OFT_COLS ? OFT_COLS : tc;
 }
 /* A tile's row stride in doubles: a cache line more than its columns, so
