@@ -21,6 +21,12 @@ _convert_kohya_flux_lora_to_diffusers, _convert_non_diffusers_wan_lora_to_diffus
     every fused weight within 1 ulp of the oracle, every other tensor byte-identical; and
     `lorakit inspect lora --base base --json` places every module.
 
+And the reverse, where diffusers' single-file converter maps an original checkpoint key by key (AuraFlow,
+Krea 2, Lumina 2): an original-named checkpoint made from the diffusers one (checked: the converter gives the
+diffusers one back bit for bit), diffusers-named LoRAs (`transformer.<name>`; OneTrainer's
+`lora_transformer_<name>` with alpha) fused onto it, lorakit's output turned into diffusers names by that
+converter and compared with W + alpha/r * B @ A on the diffusers names in float64.
+
 Not part of CI (CI has no torch / diffusers). Run:
     /work/venv/bin/python tools/qa/keyformats_vs_diffusers.py [--lorakit build/lorakit] [FAMILY...]
 Prints one JSON line per (family, format, convention); exit 1 if any line fails, but for the known gaps
@@ -229,6 +235,65 @@ def inspect_counts(js):
     """(placed, [unmatched names]) from `lorakit inspect --json --base`."""
     unmatched = [u.get("module", str(u)) if isinstance(u, dict) else str(u) for u in js["unmatched"]]
     return int(js["modules_placed"]), unmatched
+
+
+def run_reverse(lk, tmp, family, model, base, to_orig, convert):
+    """diffusers-named LoRAs onto the ORIGINAL-named checkpoint: lorakit's output, turned into diffusers names by
+    diffusers' own single-file converter, against W + B @ A in float64 on the diffusers names."""
+    orig = to_orig(base)
+    back = convert(dict(orig))
+    if set(back) != set(base) or any(not torch.equal(back[k], base[k]) for k in base):
+        raise RuntimeError(f"{family}: the original-named checkpoint does not convert back to the diffusers one")
+    orig_path = os.path.join(tmp, f"{family}_original.safetensors")
+    save_file(orig, orig_path)
+    lin = linears(model)
+    rows = []
+    for fmt, L, name in (("diffusers_transformer", Lora(), lambda n: "transformer." + n),
+                         ("onetrainer_lora_transformer", Lora(".lora_down.weight", ".lora_up.weight"),
+                          lambda n: "lora_transformer_" + kohya(n))):
+        conv = {}
+        for n, (o, i) in lin.items():
+            L.add(name(n), o, i, alpha=8 if fmt.startswith("onetrainer") else None)
+            a, b = L.sd[name(n) + L.down], L.sd[name(n) + L.up]
+            conv["transformer." + n + ".lora_A.weight"], conv["transformer." + n + ".lora_B.weight"] = a, b
+            if fmt.startswith("onetrainer"):
+                conv["transformer." + n + ".alpha"] = torch.tensor(8.0)
+        expected = oracle(base, conv)
+        lora_path = os.path.join(tmp, f"{family}_{fmt}_lora.safetensors")
+        save_file(L.sd, lora_path)
+        r = subprocess.run([lk, "inspect", lora_path, "--base", orig_path, "--json"], capture_output=True, text=True)
+        placed, unplaced = inspect_counts(json.loads(r.stdout)) if r.returncode == 0 else (None, [r.stderr[-300:]])
+        for cv in (None, "comfyui"):
+            out = os.path.join(tmp, f"{family}_{fmt}_out.safetensors")
+            cmd = [lk, "fuse", orig_path, "-l", lora_path, "-o", out] + (["--convention", cv] if cv else [])
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            row = {"family": family, "format": fmt + " -> original checkpoint", "convention": cv or "lorakit",
+                   "modules_in_file": L.n, "placed": placed, "unplaced": unplaced[:5]}
+            if p.returncode != 0:
+                row.update(ok=False, error=p.stderr.strip()[-600:])
+                rows.append(row)
+                continue
+            got = {k: v for k, v in convert(dict(load_torch(out))).items()}
+            worst, bad, changed = 0, [], []
+            for k, w in base.items():
+                g = got[k].numpy()
+                if k in expected:
+                    d = int(ulp_diff(g, expected[k]).max())
+                    worst = max(worst, d)
+                    if d > 1:
+                        bad.append(f"{k}: {d} ulp")
+                elif g.tobytes() != w.numpy().tobytes():
+                    changed.append(k)
+            row.update(fused_weights=len(expected), worst_ulp=worst, over_1ulp=bad[:8], untouched_changed=changed[:8],
+                       ok=not bad and not changed and placed == L.n and not unplaced)
+            rows.append(row)
+            os.unlink(out)
+    return rows
+
+
+def load_torch(path):
+    from safetensors.torch import load_file
+    return load_file(path)
 
 
 # ---------------------------------------------------------------- families
@@ -549,7 +614,27 @@ def fam_auraflow():
                                              joint_attention_dim=12, caption_projection_dim=16, out_channels=4,
                                              pos_embed_max_size=16)
     lin = linears(m)
-    # the original names, by inverting convert_auraflow_transformer_checkpoint_to_diffusers
+    inv = auraflow_inverse()
+    conv = dense_oracle_converter(sfu.convert_auraflow_transformer_checkpoint_to_diffusers,
+                                  required=("positional_encoding", "init_x_linear.bias"))
+    fmts = []
+    for fmt, prefix, L in (("comfy_diffusion_model", "diffusion_model.", Lora()),
+                           ("comfy_kohya", "lora_unet_", Lora(".lora_down.weight", ".lora_up.weight"))):
+        for d, (o, i) in lin.items():
+            if d not in inv:
+                raise RuntimeError(f"auraflow: no original name for {d}")
+            name = prefix + (kohya(inv[d]) if prefix == "lora_unet_" else inv[d])
+            L.add(name, o, i, alpha=8)
+        if prefix == "lora_unet_":  # the dense oracle reads dotted names
+            fmts.append((fmt, L.sd, L.n, kohya_to_dotted(conv, inv.values())))
+        else:
+            fmts.append((fmt, L.sd, L.n, conv))
+    return m, fmts
+
+
+def auraflow_inverse():
+    """diffusers name -> original name of AuraFlow's Linears (one block each), by inverting
+    convert_auraflow_transformer_checkpoint_to_diffusers."""
     inv = {"time_step_proj.linear_1": "t_embedder.mlp.0", "time_step_proj.linear_2": "t_embedder.mlp.2",
            "context_embedder": "cond_seq_linear", "proj_out": "final_linear", "norm_out.linear": "modF.1",
            "pos_embed.proj": "init_x_linear"}
@@ -567,21 +652,24 @@ def fam_auraflow():
         inv[f"single_transformer_blocks.{i}.norm1.linear"] = f"single_layers.{i}.modCX.1"
         for k, v in {"w1q": "to_q", "w1k": "to_k", "w1v": "to_v", "w1o": "to_out.0"}.items():
             inv[f"single_transformer_blocks.{i}.attn.{v}"] = f"single_layers.{i}.attn.{k}"
-    conv = dense_oracle_converter(sfu.convert_auraflow_transformer_checkpoint_to_diffusers,
-                                  required=("positional_encoding", "init_x_linear.bias"))
-    fmts = []
-    for fmt, prefix, L in (("comfy_diffusion_model", "diffusion_model.", Lora()),
-                           ("comfy_kohya", "lora_unet_", Lora(".lora_down.weight", ".lora_up.weight"))):
-        for d, (o, i) in lin.items():
-            if d not in inv:
-                raise RuntimeError(f"auraflow: no original name for {d}")
-            name = prefix + (kohya(inv[d]) if prefix == "lora_unet_" else inv[d])
-            L.add(name, o, i, alpha=8)
-        if prefix == "lora_unet_":  # the dense oracle reads dotted names
-            fmts.append((fmt, L.sd, L.n, kohya_to_dotted(conv, inv.values())))
+    return inv
+
+
+def auraflow_original(d):
+    """An original-named AuraFlow checkpoint from a diffusers state dict (the inverse of diffusers'
+    single-file converter; main() checks that the converter gives d back, bit for bit)."""
+    inv = auraflow_inverse()
+    other = {"register_tokens": "register_tokens", "pos_embed.pos_embed": "positional_encoding",
+             "pos_embed.proj.bias": "init_x_linear.bias", "time_step_proj.linear_1.bias": "t_embedder.mlp.0.bias",
+             "time_step_proj.linear_2.bias": "t_embedder.mlp.2.bias"}
+    o = {}
+    for k, v in d.items():
+        if k in other:
+            o[other[k]] = v
         else:
-            fmts.append((fmt, L.sd, L.n, conv))
-    return m, fmts
+            w = inv[k[: -len(".weight")]] + ".weight"
+            o[w] = lcu.swap_scale_shift(v).contiguous() if k == "norm_out.linear.weight" else v
+    return o
 
 
 def kohya_to_dotted(conv, names):
@@ -688,6 +776,71 @@ FAMILIES = {
 }
 
 
+def krea2_original(d):
+    """An original-named Krea 2 checkpoint from a diffusers state dict (the inverse of diffusers'
+    convert_krea2_transformer_checkpoint_to_diffusers; run_reverse checks that it gives d back)."""
+    prefix = [("img_in.", "first."), ("time_embed.linear_1.", "tmlp.0."), ("time_embed.linear_2.", "tmlp.2."),
+              ("time_mod_proj.", "tproj.1."), ("txt_in.norm.weight", "txtmlp.0.scale"), ("txt_in.linear_1.", "txtmlp.1."),
+              ("txt_in.linear_2.", "txtmlp.3."), ("text_fusion.", "txtfusion."), ("transformer_blocks.", "blocks."),
+              ("final_layer.linear.", "last.linear."), ("final_layer.norm.weight", "last.norm.scale"),
+              ("final_layer.scale_shift_table", "last.modulation.lin")]
+    block = [(".attn.to_q.", ".attn.wq."), (".attn.to_k.", ".attn.wk."), (".attn.to_v.", ".attn.wv."),
+             (".attn.to_out.0.", ".attn.wo."), (".attn.to_gate.", ".attn.gate."),
+             (".attn.norm_q.weight", ".attn.qknorm.qnorm.scale"), (".attn.norm_k.weight", ".attn.qknorm.knorm.scale"),
+             (".ff.", ".mlp."), (".norm1.weight", ".prenorm.scale"), (".norm2.weight", ".postnorm.scale"),
+             (".scale_shift_table", ".mod.lin")]
+    o = {}
+    for k, v in d.items():
+        n = k
+        for a, b in block:
+            n = n.replace(a, b)
+        for a, b in prefix:
+            if n.startswith(a):
+                n = b + n[len(a):]
+                break
+        if k.startswith("transformer_blocks.") and k.endswith(".scale_shift_table"):
+            v = v.reshape(-1).contiguous()
+        o[n] = v
+    return o
+
+
+def lumina2_original(d):
+    """An original-named Lumina 2 checkpoint from a diffusers state dict (the inverse of diffusers'
+    convert_lumina2_to_diffusers: to_q, to_k, to_v stacked into attention.qkv; run_reverse checks it)."""
+    ren = [("time_caption_embed.caption_embedder", "cap_embedder"),
+           ("time_caption_embed.timestep_embedder.linear_1", "t_embedder.mlp.0"),
+           ("time_caption_embed.timestep_embedder.linear_2", "t_embedder.mlp.2"),
+           ("norm_out.linear_1", "final_layer.adaLN_modulation.1"), ("norm_out.linear_2", "final_layer.linear"),
+           (".attn.to_out.0.", ".attention.out."), (".attn.norm_k.", ".attention.k_norm."),
+           (".attn.norm_q.", ".attention.q_norm."), (".feed_forward.linear_1.", ".feed_forward.w1."),
+           (".feed_forward.linear_2.", ".feed_forward.w2."), (".feed_forward.linear_3.", ".feed_forward.w3."),
+           (".norm1.linear.", ".adaLN_modulation.1."), (".norm1.norm.", ".attention_norm1."),
+           (".norm2.", ".attention_norm2.")]
+    o = {}
+    for k, v in d.items():
+        m = re.match(r"(.*)\.attn\.to_([qkv])\.weight$", k)
+        if m:
+            if m.group(2) == "q":
+                o[m.group(1) + ".attention.qkv.weight"] = torch.cat(
+                    [d[f"{m.group(1)}.attn.to_{c}.weight"] for c in "qkv"], 0)
+            continue
+        n = k
+        if re.match(r"context_refiner\.\d+\.norm[12]\.", n):
+            n = re.sub(r"\.norm([12])\.", r".attention_norm\1.", n)
+        for a, b in ren:
+            n = n.replace(a, b)
+        o[n] = v
+    return o
+
+
+# family: (diffusers name -> original-named checkpoint, diffusers' single-file converter): the reverse check
+REVERSE = {
+    "auraflow": (auraflow_original, "convert_auraflow_transformer_checkpoint_to_diffusers"),
+    "krea2": (krea2_original, "convert_krea2_transformer_checkpoint_to_diffusers"),
+    "lumina2": (lumina2_original, "convert_lumina2_to_diffusers"),
+}
+
+
 def has_converter(mod, name):
     try:
         return hasattr(__import__(mod, fromlist=[name]), name)
@@ -720,6 +873,12 @@ def main():
             base_path = os.path.join(tmp, f"{fam}_base.safetensors")
             save_file(base, base_path)
             base_np = np_load(base_path)
+            if fam in REVERSE:
+                to_orig, conv_name = REVERSE[fam]
+                sfu_conv = getattr(__import__(SFU, fromlist=[conv_name]), conv_name)
+                for row in run_reverse(lk, tmp, fam, model, base, to_orig, sfu_conv):
+                    failed |= not row["ok"]
+                    print(json.dumps(row), flush=True)
             for fmt, lora, n, converter in fmts:
                 converted = converter({k: v.clone() for k, v in lora.items()})
                 expected = oracle(base, converted)
