@@ -22,7 +22,7 @@ _convert_kohya_flux_lora_to_diffusers, _convert_non_diffusers_wan_lora_to_diffus
     `lorakit inspect lora --base base --json` places every module.
 
 And the reverse, where diffusers' single-file converter maps an original checkpoint key by key (AuraFlow,
-Krea 2, Lumina 2): an original-named checkpoint made from the diffusers one (checked: the converter gives the
+Krea 2, Lumina 2, Qwen Image 2.1's fused gate_up): an original-named checkpoint made from the diffusers one (checked: the converter gives the
 diffusers one back bit for bit), diffusers-named LoRAs (`transformer.<name>`; OneTrainer's
 `lora_transformer_<name>` with alpha) fused onto it, lorakit's output turned into diffusers names by that
 converter and compared with W + alpha/r * B @ A on the diffusers names in float64.
@@ -316,6 +316,42 @@ def fam_qwen():
         L.add("lora_unet_" + kohya(n), o, i, alpha=2)
     fmts.append(("kohya_lora_unet", L.sd, L.n, lcu._convert_non_diffusers_qwen_lora_to_diffusers))
     return m, fmts
+
+
+def fam_qwen21():
+    """Qwen Image 2.1: ComfyUI's names (diffusers' but for the fused img_mlp.gate_up = gate_layer, proj by halves);
+    oracle: diffusers' convert_qwen_image21_transformer_checkpoint_to_diffusers on the deltas."""
+    from diffusers.loaders import single_file_utils as sfu
+
+    m = diffusers.QwenImage21Transformer2DModel(patch_size=1, in_channels=4, out_channels=4, num_layers=2,
+                                                attention_head_dim=8, num_attention_heads=2, context_in_dim=12,
+                                                mlp_ratio=3, axes_dims_rope=(2, 2, 4))
+    lin = linears(m)
+    conv = dense_oracle_converter(sfu.convert_qwen_image21_transformer_checkpoint_to_diffusers)
+    fmts = []
+    for fmt, prefix, L in (("comfy_diffusion_model", "diffusion_model.", Lora()),
+                           ("comfy_kohya", "lora_unet_", Lora(".lora_down.weight", ".lora_up.weight"))):
+        names = []
+        for n, (o, i) in lin.items():
+            if n.endswith(".img_mlp.proj"):
+                continue
+            if n.endswith(".img_mlp.gate_layer"):
+                n, o = n.replace("gate_layer", "gate_up"), 2 * o
+            names.append(n)
+            L.add(prefix + (kohya(n) if prefix == "lora_unet_" else n), o, i, alpha=2)
+        fmts.append((fmt, L.sd, L.n, kohya_to_dotted(conv, names) if prefix == "lora_unet_" else conv))
+    return m, fmts
+
+
+def qwen21_original(d):
+    """ComfyUI's Qwen Image 2.1 checkpoint from a diffusers one: gate_layer and proj stacked into gate_up."""
+    o = {}
+    for k, v in d.items():
+        if k.endswith("img_mlp.gate_layer.weight"):
+            o[k.replace("gate_layer", "gate_up")] = torch.cat([v, d[k.replace("gate_layer", "proj")]], 0)
+        elif not k.endswith("img_mlp.proj.weight"):
+            o[k] = v
+    return o
 
 
 def fam_hidream():
@@ -758,6 +794,8 @@ LCU = "diffusers.loaders.lora_conversion_utils"
 # family: (diffusers class, (module, converter) the oracle uses, builder)
 FAMILIES = {
     "qwen-image": ("QwenImageTransformer2DModel", (LCU, "_convert_non_diffusers_qwen_lora_to_diffusers"), fam_qwen),
+    "qwen-image21": ("QwenImage21Transformer2DModel",
+                     (SFU, "convert_qwen_image21_transformer_checkpoint_to_diffusers"), fam_qwen21),
     "hidream": ("HiDreamImageTransformer2DModel", (LCU, "_convert_non_diffusers_hidream_lora_to_diffusers"),
                 fam_hidream),
     "lumina2": ("Lumina2Transformer2DModel", (LCU, "_convert_non_diffusers_lumina2_lora_to_diffusers"), fam_lumina2),
@@ -838,6 +876,7 @@ REVERSE = {
     "auraflow": (auraflow_original, "convert_auraflow_transformer_checkpoint_to_diffusers"),
     "krea2": (krea2_original, "convert_krea2_transformer_checkpoint_to_diffusers"),
     "lumina2": (lumina2_original, "convert_lumina2_to_diffusers"),
+    "qwen-image21": (qwen21_original, "convert_qwen_image21_transformer_checkpoint_to_diffusers"),
 }
 
 
