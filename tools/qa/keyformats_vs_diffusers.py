@@ -22,7 +22,7 @@ _convert_kohya_flux_lora_to_diffusers, _convert_non_diffusers_wan_lora_to_diffus
     `lorakit inspect lora --base base --json` places every module.
 
 And the reverse, where diffusers' single-file converter maps an original checkpoint key by key (AuraFlow,
-Krea 2, Lumina 2, Qwen Image 2.1's fused gate_up): an original-named checkpoint made from the diffusers one (checked: the converter gives the
+Krea 2, Lumina 2, Qwen Image 2.1's fused gate_up, Z-Image's attention.qkv): an original-named checkpoint made from the diffusers one (checked: the converter gives the
 diffusers one back bit for bit), diffusers-named LoRAs (`transformer.<name>`; OneTrainer's
 `lora_transformer_<name>` with alpha) fused onto it, lorakit's output turned into diffusers names by that
 converter and compared with W + alpha/r * B @ A on the diffusers names in float64.
@@ -871,11 +871,32 @@ def lumina2_original(d):
     return o
 
 
+def z_image_original(d):
+    """ComfyUI's / the original Z-Image checkpoint from a diffusers one (the inverse of diffusers'
+    convert_z_image_transformer_checkpoint_to_diffusers: to_q, to_k, to_v stacked into attention.qkv)."""
+    ren = [("all_final_layer.2-1.", "final_layer."), ("all_x_embedder.2-1.", "x_embedder."),
+           (".attention.to_out.0.", ".attention.out."), (".attention.norm_k.", ".attention.k_norm."),
+           (".attention.norm_q.", ".attention.q_norm.")]
+    o = {}
+    for k, v in d.items():
+        m = re.match(r"(.*)\.attention\.to_([qkv])\.weight$", k)
+        if m:
+            if m.group(2) == "q":
+                o[m.group(1) + ".attention.qkv.weight"] = torch.cat(
+                    [d[f"{m.group(1)}.attention.to_{c}.weight"] for c in "qkv"], 0)
+            continue
+        for a, b in ren:
+            k = k.replace(a, b)
+        o[k] = v
+    return o
+
+
 # family: (diffusers name -> original-named checkpoint, diffusers' single-file converter): the reverse check
 REVERSE = {
     "auraflow": (auraflow_original, "convert_auraflow_transformer_checkpoint_to_diffusers"),
     "krea2": (krea2_original, "convert_krea2_transformer_checkpoint_to_diffusers"),
     "lumina2": (lumina2_original, "convert_lumina2_to_diffusers"),
+    "z-image": (z_image_original, "convert_z_image_transformer_checkpoint_to_diffusers"),
     "qwen-image21": (qwen21_original, "convert_qwen_image21_transformer_checkpoint_to_diffusers"),
 }
 
