@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # device_ptx.sh — the compiled-code audit of the device kernels: nvcc's PTX
-# of src/fuse/*.cu (built by CMake with the real build's flags, for
+# of src/fuse/*.cu and src/device/*.cu (built by CMake with the real build's flags, for
 # compute_80 and compute_90: targets lk_ptx_80 / lk_ptx_90) must hold
 #  1. no approximate or flush-to-zero float instruction: no .approx, .ftz,
 #     div.full, rcp/rsqrt/sqrt/ex2/lg2/sin/cos/tanh except IEEE ones
@@ -27,8 +27,8 @@ if ! ls "$BUILD"/CMakeFiles/lk_ptx_90.dir/src/fuse/*.ptx >/dev/null 2>&1; then
   exit 0
 fi
 # the declared table: kernel f32 f64, from every device source
-TABLE=$(cat "$SRC"/src/fuse/*.h "$SRC"/src/fuse/*.cu | sed -n 's|^// LK_AUDIT \([A-Za-z0-9_]*\) \([0-9]*\) \([0-9]*\)$|\1 \2 \3|p')
-[ -n "$TABLE" ] || { echo "FAIL no // LK_AUDIT lines in src/fuse"; exit 1; }
+TABLE=$(cat "$SRC"/src/fuse/*.h "$SRC"/src/fuse/*.cu "$SRC"/src/device/*.h "$SRC"/src/device/*.cu | sed -n 's|^// LK_AUDIT \([A-Za-z0-9_]*\) \([0-9]*\) \([0-9]*\)$|\1 \2 \3|p')
+[ -n "$TABLE" ] || { echo "FAIL no // LK_AUDIT lines in src/fuse, src/device"; exit 1; }
 # per-entry counts of a disassembly: lines "name f32 f64 other"; $1: the
 # entry-start regex, $2..$4: the f32, f64 and any-fma regexes
 count_per_entry() {
@@ -60,8 +60,8 @@ check_counts() {
 }
 fail=0
 for arch in 80 90; do
-  ins=$(for ptx in "$BUILD"/CMakeFiles/lk_ptx_$arch.dir/src/fuse/*.ptx; do sed 's|//.*||' "$ptx"; done)
-  n="src/fuse/*.cu"
+  ins=$(for ptx in "$BUILD"/CMakeFiles/lk_ptx_$arch.dir/src/{fuse,device}/*.ptx; do [ -f "$ptx" ] && sed 's|//.*||' "$ptx"; done)
+  n="src/{fuse,device}/*.cu"
   bad=$( (printf '%s\n' "$ins" | grep -nE '\.approx|\.ftz|div\.full|\b(rsqrt|ex2|lg2|sin|cos|tanh)\.'
           printf '%s\n' "$ins" | grep -nE '\b(rcp|sqrt|div)\.[a-z0-9.]*f(32|64)\b' | grep -vE '\b(rcp|sqrt|div)\.rn\.') || true)
   if [ -n "$bad" ]; then echo "FAIL $n (compute_$arch): approximate or FTZ float instructions:"; echo "$bad" | head; fail=1; fi

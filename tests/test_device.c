@@ -4,11 +4,15 @@
  *
  * Expectations are hand-written: the names and messages the header
  * promises, the bytes a copy must move, and for the launch grid the index
- * formula CUDA defines (blockIdx * blockDim + threadIdx per axis). */
+ * formula CUDA defines (blockIdx * blockDim + threadIdx per axis); for
+ * the device fingerprint a plain restatement of its definition
+ * (lorakit/device.h: splitmix64's finaliser over the words, summed mod
+ * 2^64, mixed with the length), one word after another on the host. */
 #include "testutil.h"
 #include "lorakit/device.h"
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static void test_parse(void **state) {
@@ -237,12 +241,141 @@ static void test_mem_stats(void **state) {
     assert_true(u == 0 && p == 0);
 }
 
+/* The fingerprint's definition restated, sequentially: the oracle. */
+static uint64_t ref_mix(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static uint64_t ref_fingerprint(const unsigned char *p, size_t n) {
+    uint64_t S = 0;
+    for (size_t i = 0; 8 * i < n; i++) {
+        uint64_t w = 0;
+        for (size_t b = 0; b < 8 && 8 * i + b < n; b++) w |= (uint64_t)p[8 * i + b] << (8 * b);
+        S += ref_mix(w ^ ref_mix((uint64_t)i ^ 0x6c6f72616b697466ull));
+    }
+    return ref_mix(S ^ ref_mix((uint64_t)n ^ 0x9e3779b97f4a7c15ull));
+}
+
+/* On emul (the kernels' own bodies) and cpu: the definition's value for
+ * lengths around the word and block sizes, at every alignment; the same
+ * for every first-pass grid (1 .. 512 blocks); a refused scratch. */
+static void test_fingerprint_value(void **state) {
+    (void)state;
+    const lk_device emul = {LK_DEVICE_EMUL, 0}, cpu = {LK_DEVICE_CPU, 0};
+    enum { CAP = 70000 };
+    unsigned char *h = malloc(CAP + 8), *d = NULL;
+    assert_non_null(h);
+    for (size_t i = 0; i < CAP + 8; i++) h[i] = (unsigned char)(i * 2654435761u >> 13);
+    assert_int_equal(lk_device_alloc(emul, CAP + 8, (void **)&d), LK_OK);
+    assert_int_equal(lk_device_copy(emul, d, h, CAP + 8, LK_COPY_H2D, NULL), LK_OK);
+    static const size_t lens[] = {0, 1, 7, 8, 9, 15, 16, 17, 2047, 2048, 2049, 16383, 16385, 65537, CAP};
+    for (size_t k = 0; k < sizeof lens / sizeof lens[0]; k++)
+        for (size_t off = 0; off < 8; off++) {
+            const uint64_t want = ref_fingerprint(h + off, lens[k]);
+            uint64_t got = 0, on_cpu = 0;
+            assert_int_equal(lk_device_fingerprint(emul, d + off, lens[k], NULL, NULL, &got), LK_OK);
+            assert_int_equal(lk_device_fingerprint(cpu, h + off, lens[k], NULL, NULL, &on_cpu), LK_OK);
+            if (got != want || on_cpu != want)
+                fail_msg("%zu bytes at +%zu: emul %016llx, cpu %016llx, the definition %016llx", lens[k], off,
+                         (unsigned long long)got, (unsigned long long)on_cpu, (unsigned long long)want);
+        }
+    /* the grid: any split of the words gives the one sum */
+    const uint64_t want = ref_fingerprint(h + 3, CAP);
+    static const unsigned grids[] = {1, 2, 3, 7, 33, 64, 100, 512};
+    void *scratch = NULL;
+    assert_int_equal(lk_device_alloc(emul, 512 * 256 * 8, &scratch), LK_OK);
+    for (size_t g = 0; g < sizeof grids / sizeof grids[0]; g++) {
+        uint64_t got = 0;
+        assert_int_equal(lk_device_fingerprint_grid(emul, d + 3, CAP, grids[g], scratch, NULL, &got), LK_OK);
+        if (got != want) fail_msg("grid %u: %016llx, want %016llx", grids[g], (unsigned long long)got,
+                                  (unsigned long long)want);
+    }
+    uint64_t x;
+    unsigned long long host_scratch[256];
+    assert_int_equal(lk_device_fingerprint(emul, d, 100, host_scratch, NULL, &x), LK_ERR_ARG);
+    assert_non_null(strstr(lk_last_error(), "scratch"));
+    assert_int_equal(lk_device_fingerprint(emul, h, 100, NULL, NULL, &x), LK_ERR_ARG); /* host bytes on emul */
+    assert_non_null(strstr(lk_last_error(), "not inside an emul allocation"));
+    assert_int_equal(lk_device_fingerprint_grid(emul, d, 100, 0, NULL, NULL, &x), LK_ERR_ARG);
+    lk_device_free(emul, scratch);
+    lk_device_free(emul, d);
+    free(h);
+}
+
+/* Sensitivity on emul: every single bit flip of a buffer of odd length
+ * changes the fingerprint (always: a change within one word), and so does
+ * swapping two unequal words, or the length with zero bytes appended. */
+static void test_fingerprint_sensitive(void **state) {
+    (void)state;
+    const lk_device emul = {LK_DEVICE_EMUL, 0};
+    enum { N = 1001 };
+    unsigned char h[N + 8];
+    for (size_t i = 0; i < sizeof h; i++) h[i] = (unsigned char)(i * 40503u >> 5);
+    memset(h + N, 0, 8);
+    unsigned char *d = NULL;
+    void *scratch = NULL;
+    assert_int_equal(lk_device_alloc(emul, N + 8, (void **)&d), LK_OK);
+    assert_int_equal(lk_device_alloc(emul, lk_device_fingerprint_scratch(N + 8), &scratch), LK_OK);
+    assert_int_equal(lk_device_copy(emul, d, h, N + 8, LK_COPY_H2D, NULL), LK_OK);
+    uint64_t base = 0, f = 0;
+    assert_int_equal(lk_device_fingerprint(emul, d, N, scratch, NULL, &base), LK_OK);
+    for (size_t bit = 0; bit < 8 * N; bit++) {
+        unsigned char b = h[bit / 8] ^ (unsigned char)(1u << (bit % 8));
+        assert_int_equal(lk_device_copy(emul, d + bit / 8, &b, 1, LK_COPY_H2D, NULL), LK_OK);
+        assert_int_equal(lk_device_fingerprint(emul, d, N, scratch, NULL, &f), LK_OK);
+        if (f == base) fail_msg("flipping bit %zu of %d bytes left the fingerprint %016llx", bit, N,
+                                (unsigned long long)base);
+        assert_int_equal(lk_device_copy(emul, d + bit / 8, &h[bit / 8], 1, LK_COPY_H2D, NULL), LK_OK);
+    }
+    unsigned char sw[N];
+    memcpy(sw, h, N);
+    for (int k = 0; k < 8; k++) { /* words 3 and 17 swapped (they differ) */
+        sw[24 + k] = h[136 + k];
+        sw[136 + k] = h[24 + k];
+    }
+    assert_true(memcmp(sw, h, N) != 0);
+    assert_int_equal(lk_device_copy(emul, d, sw, N, LK_COPY_H2D, NULL), LK_OK);
+    assert_int_equal(lk_device_fingerprint(emul, d, N, scratch, NULL, &f), LK_OK);
+    assert_true(f != base);
+    assert_int_equal(lk_device_copy(emul, d, h, N, LK_COPY_H2D, NULL), LK_OK);
+    assert_int_equal(lk_device_fingerprint(emul, d, N + 3, scratch, NULL, &f), LK_OK); /* + 3 zero bytes */
+    assert_true(f != base);
+    lk_device_free(emul, scratch);
+    lk_device_free(emul, d);
+}
+
+/* lk_device_counts_of: emul's are lk_device_emul_counts', a copy adds its
+ * bytes to its kind; the cpu and cuda:16 count nothing. */
+static void test_counts_of(void **state) {
+    (void)state;
+    const lk_device emul = {LK_DEVICE_EMUL, 0};
+    lk_device_counts a, b, z;
+    unsigned char h[100] = {1}, *d = NULL;
+    assert_int_equal(lk_device_alloc(emul, sizeof h, (void **)&d), LK_OK);
+    lk_device_counts_of(emul, &a);
+    assert_int_equal(lk_device_copy(emul, d, h, 100, LK_COPY_H2D, NULL), LK_OK);
+    assert_int_equal(lk_device_copy(emul, h, d, 60, LK_COPY_D2H, NULL), LK_OK);
+    lk_device_counts_of(emul, &b);
+    assert_true(b.bytes[LK_COPY_H2D] - a.bytes[LK_COPY_H2D] == 100 && b.bytes[LK_COPY_D2H] - a.bytes[LK_COPY_D2H] == 60);
+    assert_true(b.copies[LK_COPY_H2D] - a.copies[LK_COPY_H2D] == 1 && b.bytes[LK_COPY_D2D] == a.bytes[LK_COPY_D2D]);
+    lk_device_emul_counts(&a);
+    assert_true(a.bytes[LK_COPY_H2D] == b.bytes[LK_COPY_H2D]);
+    lk_device_counts_of((lk_device){LK_DEVICE_CPU, 0}, &z);
+    assert_true(z.bytes[LK_COPY_H2D] == 0 && z.copies[LK_COPY_D2H] == 0);
+    lk_device_counts_of((lk_device){LK_DEVICE_CUDA, 16}, &z);
+    assert_true(z.bytes[LK_COPY_H2D] == 0 && z.launches == 0);
+    lk_device_free(emul, d);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parse),          cmocka_unit_test(test_cuda_check),
         cmocka_unit_test(test_emul_copies),    cmocka_unit_test(test_tensor_copy),
         cmocka_unit_test(test_streams_events), cmocka_unit_test(test_launch_grid),
         cmocka_unit_test(test_alloc_fail),     cmocka_unit_test(test_mem_stats),
+        cmocka_unit_test(test_fingerprint_value), cmocka_unit_test(test_fingerprint_sensitive),
+        cmocka_unit_test(test_counts_of),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

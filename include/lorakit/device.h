@@ -163,6 +163,31 @@ lk_status lk_device_sync(lk_device d);
 void lk_device_mem_stats(lk_device d, uint64_t *in_use, uint64_t *peak);
 void lk_device_mem_peak_reset(lk_device d);
 
+/* ---- fingerprints ----
+ * A 64-bit fingerprint of n bytes of d's memory, computed where the bytes
+ * are (cuda, emul: kernels over the bytes, then 8 bytes copied to the
+ * host; cpu: the same arithmetic on the host), so checking that a buffer
+ * still holds what it held moves 8 bytes over PCIe instead of the buffer.
+ * Not XXH3 (XXH3 is a sequential stripe-and-accumulate design; this is a
+ * sum of independently mixed words, which a grid computes in any split):
+ * per 8-byte little-endian word i (the last zero-padded)
+ * h_i = mix64(w_i ^ mix64(i ^ seed)) with splitmix64's finaliser, summed
+ * mod 2^64, then mixed with n (src/device/fingerprint.h gives the
+ * constants). Any change within one word (any single bit flip) always
+ * changes it; any other change with probability about 1 - 2^-64. The
+ * value does not depend on the launch grid, the device or the stream:
+ * equal bytes give equal fingerprints everywhere, on every backend.
+ * scratch: lk_device_fingerprint_scratch(n) bytes of d's memory the call
+ * may use (NULL: allocated and freed by the call); queued on s, complete
+ * when the call returns. */
+size_t lk_device_fingerprint_scratch(size_t n);
+lk_status lk_device_fingerprint(lk_device d, const void *p, size_t n, void *scratch, lk_stream *s, uint64_t *h);
+/* The same with the first pass's grid given (blocks >= 1; at most
+ * lk_device_fingerprint_scratch(n) / 2048 with a scratch given): tests show the value does not
+ * depend on it. */
+lk_status lk_device_fingerprint_grid(lk_device d, const void *p, size_t n, unsigned blocks, void *scratch, lk_stream *s,
+                                     uint64_t *h);
+
 /* ---- what emul did (tests) ---- */
 
 /* Running totals of the emulated device's copies (by lk_copy_kind: count
@@ -177,6 +202,14 @@ typedef struct lk_device_counts {
                           copy or launch queued on a given stream (emul keeps it as a tag) */
 } lk_device_counts;
 void lk_device_emul_counts(lk_device_counts *out);
+
+/* ---- what the device layer moved ----
+ * Running totals of the copies (by lk_copy_kind: count and bytes) and
+ * kernel launches since the process started, over every thread, for emul
+ * and cuda:0..15 (zero for the cpu and higher indices): lk_device_copy
+ * counts each copy it queued (a failed one is not counted). bench swap
+ * reads them around a swap (the bytes that crossed PCIe on a GPU). */
+void lk_device_counts_of(lk_device d, lk_device_counts *out);
 
 #ifdef __cplusplus
 }

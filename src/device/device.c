@@ -12,6 +12,7 @@
 #include "lorakit/alloc.h"
 #include "core/clock.h"
 #include "device/backend.h"
+#include "device/fingerprint.h"
 
 #include <pthread.h>
 #include <stdint.h>
@@ -380,29 +381,49 @@ lk_status lk_event_elapsed(const lk_event *a, const lk_event *b, double *seconds
 
 static const char *const g_copy_names[] = {"host->device", "device->host", "device->device"};
 
-static lk_device_counts g_emul_counts; /* updated with atomics */
+static lk_device_counts g_counts[MEM_SLOTS]; /* per device slot (mem_slot), updated with atomics */
 
-void lk_device_emul_counts(lk_device_counts *out) {
-    if (!out) return;
+static void counts_load(const lk_device_counts *c, lk_device_counts *out) {
     for (int k = 0; k < 3; k++) {
-        out->copies[k] = __atomic_load_n(&g_emul_counts.copies[k], __ATOMIC_RELAXED);
-        out->bytes[k] = __atomic_load_n(&g_emul_counts.bytes[k], __ATOMIC_RELAXED);
+        out->copies[k] = __atomic_load_n(&c->copies[k], __ATOMIC_RELAXED);
+        out->bytes[k] = __atomic_load_n(&c->bytes[k], __ATOMIC_RELAXED);
     }
-    out->launches = __atomic_load_n(&g_emul_counts.launches, __ATOMIC_RELAXED);
-    out->on_default = __atomic_load_n(&g_emul_counts.on_default, __ATOMIC_RELAXED);
-    out->on_stream = __atomic_load_n(&g_emul_counts.on_stream, __ATOMIC_RELAXED);
-    out->last_tag = __atomic_load_n(&g_emul_counts.last_tag, __ATOMIC_RELAXED);
+    out->launches = __atomic_load_n(&c->launches, __ATOMIC_RELAXED);
+    out->on_default = __atomic_load_n(&c->on_default, __ATOMIC_RELAXED);
+    out->on_stream = __atomic_load_n(&c->on_stream, __ATOMIC_RELAXED);
+    out->last_tag = __atomic_load_n(&c->last_tag, __ATOMIC_RELAXED);
 }
 
-/* An emul copy or launch queued on s: counted as on the default stream
- * (s NULL) or on a given one, whose wrapped handle is remembered. */
-static void emul_count_stream(const lk_stream *s) {
+void lk_device_emul_counts(lk_device_counts *out) {
+    if (out) counts_load(&g_counts[0], out);
+}
+
+void lk_device_counts_of(lk_device d, lk_device_counts *out) {
+    if (!out) return;
+    const int k = mem_slot(d);
+    if (k < 0) memset(out, 0, sizeof *out);
+    else counts_load(&g_counts[k], out);
+}
+
+/* A copy (kind) or launch (kind < 0) of d queued on s, counted: on the
+ * default stream (s NULL) or on a given one, whose wrapped handle is
+ * remembered. */
+static void count_work(lk_device d, int kind, size_t bytes, const lk_stream *s) {
+    const int k = mem_slot(d);
+    if (k < 0) return;
+    lk_device_counts *c = &g_counts[k];
+    if (kind >= 0) {
+        __atomic_fetch_add(&c->copies[kind], 1, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&c->bytes[kind], (uint64_t)bytes, __ATOMIC_RELAXED);
+    } else {
+        __atomic_fetch_add(&c->launches, 1, __ATOMIC_RELAXED);
+    }
     if (!s) {
-        __atomic_fetch_add(&g_emul_counts.on_default, 1, __ATOMIC_RELAXED);
+        __atomic_fetch_add(&c->on_default, 1, __ATOMIC_RELAXED);
         return;
     }
-    __atomic_fetch_add(&g_emul_counts.on_stream, 1, __ATOMIC_RELAXED);
-    __atomic_store_n(&g_emul_counts.last_tag, (uint64_t)s->tag, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&c->on_stream, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&c->last_tag, (uint64_t)s->tag, __ATOMIC_RELAXED);
 }
 
 static lk_status emul_side(const void *p, size_t bytes, const char *side, lk_copy_kind kind) {
@@ -427,11 +448,12 @@ lk_status lk_device_copy(lk_device d, void *dst, const void *src, size_t bytes, 
         if (kind != LK_COPY_D2H && (st = emul_side(dst, bytes, "destination", kind))) return st;
         if (kind != LK_COPY_H2D && (st = emul_side(src, bytes, "source", kind))) return st;
         memcpy(dst, src, bytes);
-        __atomic_fetch_add(&g_emul_counts.copies[kind], 1, __ATOMIC_RELAXED);
-        __atomic_fetch_add(&g_emul_counts.bytes[kind], (uint64_t)bytes, __ATOMIC_RELAXED);
-        emul_count_stream(s);
+        count_work(d, (int)kind, bytes, s);
         return LK_OK;
-    case LK_DEVICE_CUDA: return lk_cuda_copy(d.index, dst, src, bytes, kind, s ? s->native : NULL);
+    case LK_DEVICE_CUDA:
+        st = lk_cuda_copy(d.index, dst, src, bytes, kind, s ? s->native : NULL);
+        if (!st) count_work(d, (int)kind, bytes, s);
+        return st;
     }
     return bad_kind(d, "device copy");
 }
@@ -503,12 +525,87 @@ lk_status lk_device_launch(lk_device d, const lk_kernel *k, lk_dim3 grid, lk_dim
     switch (d.kind) {
     case LK_DEVICE_CPU: return lk_error(LK_ERR_ARG, "launch %s: kernels run on a device (cuda, emul), not cpu", k->name);
     case LK_DEVICE_EMUL:
-        __atomic_fetch_add(&g_emul_counts.launches, 1, __ATOMIC_RELAXED);
-        emul_count_stream(s);
+        count_work(d, -1, 0, s);
         return emul_launch(k, grid, block, args);
-    case LK_DEVICE_CUDA: return lk_cuda_launch(d.index, k, grid, block, args, s ? s->native : NULL);
+    case LK_DEVICE_CUDA:
+        st = lk_cuda_launch(d.index, k, grid, block, args, s ? s->native : NULL);
+        if (!st) count_work(d, -1, 0, s);
+        return st;
     }
     return bad_kind(d, "launch");
 }
 
 lk_status lk_device_sync(lk_device d) { return d.kind == LK_DEVICE_CUDA ? lk_cuda_sync(d.index) : LK_OK; }
+
+/* ---- fingerprints (device/fingerprint.h: the bodies, the arithmetic) ---- */
+
+#ifdef LK_HAVE_CUDA
+const void *lk_fp_cuda_kernel(int which); /* fingerprint_cuda.cu */
+#define FP_CUDA(which) lk_fp_cuda_kernel(which)
+#else
+#define FP_CUDA(which) NULL
+#endif
+
+static void fp_words_emul(const void *args, const lk_thread_idx *t) {
+    lk_fp_words_thread(args, (uint64_t)t->block_idx.x * t->block_dim.x + t->thread_idx.x,
+                       (uint64_t)t->grid_dim.x * t->block_dim.x);
+}
+static void fp_sum_emul(const void *args, const lk_thread_idx *t) {
+    lk_fp_sum_thread(args, t->thread_idx.x, t->block_dim.x);
+}
+
+/* Pass 1's blocks for n bytes: LK_FP_MIN_WORDS words per thread at least,
+ * LK_FP_MAX_BLOCKS at most. */
+static unsigned fp_blocks(size_t n) {
+    const uint64_t nw = ((uint64_t)n + 7) / 8, per_block = (uint64_t)LK_FP_BLOCK * LK_FP_MIN_WORDS;
+    const uint64_t b = (nw + per_block - 1) / per_block;
+    return b < 1 ? 1u : b > LK_FP_MAX_BLOCKS ? LK_FP_MAX_BLOCKS : (unsigned)b;
+}
+
+size_t lk_device_fingerprint_scratch(size_t n) { return (size_t)fp_blocks(n) * LK_FP_BLOCK * sizeof(uint64_t); }
+
+lk_status lk_device_fingerprint_grid(lk_device d, const void *p, size_t n, unsigned blocks, void *scratch, lk_stream *s,
+                                     uint64_t *h) {
+    if (!h || (n && !p)) return lk_error(LK_ERR_ARG, "device fingerprint: NULL argument");
+    if (!blocks || blocks > 0x7fffffffu / LK_FP_BLOCK)
+        return lk_error(LK_ERR_ARG, "device fingerprint: %u blocks (1 .. %u)", blocks, 0x7fffffffu / LK_FP_BLOCK);
+    lk_status st = stream_on(d, s, "device fingerprint");
+    if (st) return st;
+    const uint64_t T = (uint64_t)blocks * LK_FP_BLOCK;
+    if (d.kind == LK_DEVICE_CPU) { /* the bodies on the host, one thread */
+        unsigned long long part = 0;
+        lk_fp_args a = {p, (unsigned long long)n, &part, 1};
+        lk_fp_words_thread(&a, 0, 1);
+        *h = lk_fp_final(part, n);
+        return LK_OK;
+    }
+    if (d.kind != LK_DEVICE_EMUL && d.kind != LK_DEVICE_CUDA) return bad_kind(d, "device fingerprint");
+    if (d.kind == LK_DEVICE_EMUL && n && !emul_owns(p, n))
+        return lk_error(LK_ERR_ARG, "emul: fingerprint of %zu bytes: %p is not inside an emul allocation", n, p);
+    if (d.kind == LK_DEVICE_EMUL && scratch && !emul_owns(scratch, (size_t)T * sizeof(uint64_t)))
+        return lk_error(LK_ERR_ARG, "emul: fingerprint: the scratch %p does not hold %llu partial sums in an emul "
+                        "allocation", scratch, (unsigned long long)T);
+    void *own = NULL;
+    if (!scratch) {
+        if ((st = lk_device_alloc(d, (size_t)T * sizeof(uint64_t), &own))) return lk_error_prefix(st, "device fingerprint");
+        scratch = own;
+    }
+    lk_fp_args a = {p, (unsigned long long)n, scratch, T};
+    const lk_kernel kw = {"lk_fp_words", FP_CUDA(0), fp_words_emul}, ks = {"lk_fp_sum", FP_CUDA(1), fp_sum_emul};
+    const unsigned X = T < LK_FP_BLOCK ? (unsigned)T : LK_FP_BLOCK;
+    st = lk_device_launch(d, &kw, (lk_dim3){blocks, 1, 1}, (lk_dim3){LK_FP_BLOCK, 1, 1}, &a, sizeof a, s);
+    if (!st) st = lk_device_launch(d, &ks, (lk_dim3){1, 1, 1}, (lk_dim3){X, 1, 1}, &a, sizeof a, s);
+    a.n_part = X;
+    if (!st) st = lk_device_launch(d, &ks, (lk_dim3){1, 1, 1}, (lk_dim3){1, 1, 1}, &a, sizeof a, s);
+    uint64_t S = 0;
+    if (!st) st = lk_device_copy(d, &S, scratch, sizeof S, LK_COPY_D2H, s);
+    if (!st) st = lk_stream_sync(d, s);
+    lk_device_free(d, own);
+    if (st) return lk_error_prefix(st, "device fingerprint of %zu bytes", n);
+    *h = lk_fp_final(S, n);
+    return LK_OK;
+}
+
+lk_status lk_device_fingerprint(lk_device d, const void *p, size_t n, void *scratch, lk_stream *s, uint64_t *h) {
+    return lk_device_fingerprint_grid(d, p, n, fp_blocks(n), scratch, s, h);
+}
