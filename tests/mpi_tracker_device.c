@@ -7,11 +7,14 @@
  * offline lk_fuse_file of the same set on the host (rank 0, broadcast); the
  * reset state equals the base file's digest; bytes broadcast and backup
  * bytes are sums of the touched weights' sizes from the fixture's layout.
- * Memory accounting: with host backups the tracker holds no device memory
- * (0 <= staging + largest key, the issue's bound), with device backups
- * exactly the touched keys this rank owns; pinned host memory is the host
- * backups plus the hashing scratch (the largest key, 1.5 MiB here) plus, at
- * more than one rank, one broadcast round. LoRA terms on F32 weights run
+ * Memory accounting: beyond device backups (exactly the touched keys this
+ * rank owns, with backup = device) the tracker holds on the device the
+ * fingerprint's partial sums (an eighth of the largest key: 1.5 MiB / 8,
+ * by hand from src/device/fingerprint.h's 8 words per thread, 8 bytes per
+ * sum) and the fuse's grow-only scratch of factors, together within the
+ * issue's bound (staging + largest key); pinned host memory is the host
+ * backups plus, at more than one rank, one broadcast round (device keys
+ * are hashed on the device: no host scratch for them). LoRA terms on F32 weights run
  * on the device kernel (none on its host path), and the digests still
  * equal the CPU's offline fuse. A failing step changes no rank's
  * device bytes. */
@@ -82,8 +85,12 @@ static lk_weights *load_on(lk_device d) {
 /* The memory figures of one call (see the header). */
 static void check_memory(const lk_tracker_stats *st, int backup_device, uint64_t my_backup, uint64_t staging) {
     assert_true(st->backup_bytes == my_backup);
-    assert_true(st->device_bytes == (backup_device ? my_backup : 0));
-    const uint64_t pinned = (backup_device ? 0 : my_backup) + LARGEST + staging;
+    const uint64_t extra = st->device_bytes - (backup_device ? my_backup : 0);
+    if (st->device_bytes < (backup_device ? my_backup : 0) || extra < LARGEST / 8 || extra > staging + LARGEST)
+        fail_msg("rank %d: device bytes %llu: beyond the backups %llu, want the fingerprint's %llu and at most %llu",
+                 R, (unsigned long long)st->device_bytes, (unsigned long long)extra, (unsigned long long)(LARGEST / 8),
+                 (unsigned long long)(staging + LARGEST));
+    const uint64_t pinned = (backup_device ? 0 : my_backup) + staging;
     if (st->pinned_bytes < pinned || st->pinned_bytes >= pinned + 64) /* the scratch is carved at 64-byte grain */
         fail_msg("rank %d: pinned bytes %llu, want %llu", R, (unsigned long long)st->pinned_bytes,
                  (unsigned long long)pinned);
@@ -156,6 +163,98 @@ static void test_emul_failure(void **state) {
     assert_int_equal(lk_tracker_apply(t, b1, 1, NULL), LK_OK);
     tu_mpi_check_digest(W, w, g_want[S_B]);
     lk_tracker_free(t);
+    lk_weights_free(w);
+}
+
+/* A fuse failing on keys the call touches first (a fresh tracker, A and
+ * the huge adapter: every key backed up in this call, the first fuses
+ * starting on the weight itself with no restore, since it holds its
+ * backup's bytes): every rank returns the error and every byte of every
+ * tensor, read back from the device, equals the base file's (oracle: the
+ * file read on the host); the device kernel did run (launches counted on
+ * the emul device, every rank's summed). Then A applies from those bytes
+ * and equals the offline fuse. */
+static void test_emul_failure_first_touch(void **state) {
+    (void)state;
+    lk_weights *w = load_on((lk_device){LK_DEVICE_EMUL, 0}), *base = NULL;
+    assert_int_equal(lk_weights_load(g_base, &base), LK_OK);
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.bucket_bytes = (size_t)1 << 20;
+    o.threads = 1;
+    lk_tracker *t = NULL;
+    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_OK);
+    lk_device_counts k0, k1;
+    lk_device_emul_counts(&k0);
+    lk_fuse_input bad[] = {{g_a, 1.0, LK_FORMAT_AUTO}, {g_huge, 1.0, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(t, bad, 2, NULL), LK_ERR_NONFINITE);
+    lk_device_emul_counts(&k1);
+    uint64_t launches = k1.launches - k0.launches;
+    assert_int_equal(lk_comm_allreduce_u64(W, &launches, 1, LK_REDUCE_SUM), LK_OK);
+    assert_true(launches > 0);
+    for (size_t i = 0; i < lk_weights_count(w); i++) {
+        const lk_tensor *d = lk_weights_tensor(w, i);
+        const long hi = lk_weights_find(base, d->name);
+        assert_true(hi >= 0);
+        const lk_tensor *h = lk_weights_tensor(base, (size_t)hi);
+        assert_true(h->nbytes == d->nbytes);
+        unsigned char *back = malloc(d->nbytes ? d->nbytes : 1);
+        assert_non_null(back);
+        assert_int_equal(lk_device_copy(d->device, back, d->data, d->nbytes, LK_COPY_D2H, NULL), LK_OK);
+        if (memcmp(back, h->data, d->nbytes)) fail_msg("rank %d: %s differs from the base after the rollback", R, d->name);
+        free(back);
+    }
+    lk_fuse_input a1[] = {{g_a, 1.0, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(t, a1, 1, NULL), LK_OK);
+    tu_mpi_check_digest(W, w, g_want[S_A]);
+    lk_tracker_free(t);
+    lk_weights_free(w);
+    lk_weights_free(base);
+}
+
+/* One byte of a device tensor changed in place (read down, edited, written up). */
+static void poke(lk_weights *w, size_t i) {
+    const lk_tensor *d = lk_weights_tensor(w, i);
+    unsigned char b = 0;
+    assert_int_equal(lk_device_copy(d->device, &b, (const unsigned char *)d->data + 5, 1, LK_COPY_D2H, NULL), LK_OK);
+    b ^= 0x10;
+    assert_int_equal(lk_device_copy(d->device, (unsigned char *)d->data + 5, &b, 1, LK_COPY_H2D, NULL), LK_OK);
+}
+
+/* The checks that compare hashes, on device weights (where the hash is the
+ * device fingerprint, computed on the device): a byte of a key the tracker
+ * wrote, changed behind it, is refused at the next call naming the key and
+ * the hash's kind; at more than one rank, a rank whose base differs in one
+ * byte of one tensor is refused at create, naming that tensor (the first
+ * in name order) and each rank's fingerprint. */
+static void test_emul_hash_checks(void **state) {
+    (void)state;
+    lk_weights *w = load_on((lk_device){LK_DEVICE_EMUL, 0});
+    lk_tracker_opts o = LK_TRACKER_OPTS_DEFAULT;
+    o.threads = 1;
+    lk_tracker *t = NULL;
+    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_OK);
+    lk_fuse_input a1[] = {{g_a, 1.0, LK_FORMAT_AUTO}};
+    assert_int_equal(lk_tracker_apply(t, a1, 1, NULL), LK_OK);
+    const long q = lk_weights_find(w, "blocks.0.attn.to_q.weight");
+    assert_true(q >= 0);
+    poke(w, (size_t)q);
+    assert_int_equal(lk_tracker_apply(t, NULL, 0, NULL), LK_ERR_STATE);
+    tu_assert_contains(lk_last_error(), "blocks.0.attn.to_q.weight holds device fingerprint ");
+    lk_tracker_free(t);
+    lk_weights_free(w);
+    if (N == 1) return;
+    w = load_on((lk_device){LK_DEVICE_EMUL, 0});
+    const long v = lk_weights_find(w, "blocks.0.attn.to_v.weight");
+    assert_true(v >= 0);
+    if (R == N - 1) poke(w, (size_t)v);
+    assert_int_equal(lk_tracker_create(W, w, &o, &t), LK_ERR_MISMATCH);
+    char want[160];
+    snprintf(want, sizeof want, "1 of %zu tensors differ; the first in byte-wise name order is "
+             "blocks.0.attn.to_v.weight: rank%s 0", lk_weights_count(w), N > 2 ? "s" : "");
+    tu_assert_contains(lk_last_error(), want);
+    snprintf(want, sizeof want, "rank %d holds device fingerprint ", N - 1);
+    tu_assert_contains(lk_last_error(), want);
+    assert_null(t);
     lk_weights_free(w);
 }
 
@@ -266,6 +365,7 @@ int main(int argc, char **argv) {
     N = lk_comm_size(W);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_emul_sequences), cmocka_unit_test(test_emul_failure),
+        cmocka_unit_test(test_emul_failure_first_touch), cmocka_unit_test(test_emul_hash_checks),
         cmocka_unit_test(test_mixed_kinds),    cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_emul_on_stream), cmocka_unit_test(test_cuda),
     };

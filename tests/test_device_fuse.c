@@ -22,6 +22,7 @@
 #include <string.h>
 
 static lk_device g_dev;
+static lk_fuse_dev_scratch *g_scratch; /* the "one scratch" group: every key and FP8 case fuses through it */
 
 /* ---- data ---- */
 
@@ -140,8 +141,9 @@ static void check_case(const dcase *c, const tens *w0) {
     }
     lk_fuse_dev_stats stats = {0};
     lk_status got = c->fn == FN_TENSOR ? lk_fuse_tensor_dev(&wd, c->terms, c->n, &c->opts, NULL, &stats)
-                    : c->fn == FN_KEY  ? lk_fuse_key_apply_dev(&wd, c->key, c->terms, &c->opts, NULL, &stats)
-                                       : lk_fuse_fp8_dev(&wd, c->scale ? &sd : NULL, c->terms, c->n, &c->opts, NULL, &stats);
+                    : c->fn == FN_KEY  ? lk_fuse_key_apply_dev_in(&wd, c->key, c->terms, &c->opts, NULL, g_scratch, &stats)
+                                       : lk_fuse_fp8_dev_in(&wd, c->scale ? &sd : NULL, c->terms, c->n, &c->opts, NULL,
+                                                            g_scratch, &stats);
     if (got != want || (want && strcmp(lk_last_error(), want_msg)))
         fail_msg("%s: CPU gave %d '%s', the device %d '%s'", w0->t.name, want, want_msg, got, got ? lk_last_error() : "");
     assert_int_equal(lk_device_copy(g_dev, back, dw, nb, LK_COPY_D2H, NULL), LK_OK);
@@ -899,6 +901,71 @@ static void test_alloc_fail(void **state) {
     tens_free(&w);
 }
 
+/* The grow-only scratch (lk_fuse_dev_scratch): keys of decreasing and
+ * then increasing size fused through one scratch give the bytes of the
+ * fuse without it (oracle: the same call with NULL on a second copy); the
+ * scratch is allocated at the first key, kept (same address, no device
+ * memory taken or given back: the emul registry's count) for keys that
+ * fit, grown only for a larger one, and freed by lk_fuse_dev_scratch_free. */
+static void test_scratch(void **state) {
+    (void)state;
+    if (g_scratch) skip(); /* the group's own scratch: this test makes its own */
+    static const int64_t rows[] = {64, 16, 40, 96};
+    tu_rng r = {41};
+    lk_fuse_dev_scratch sc = {0};
+    void *first = NULL;
+    size_t bytes_before = 0;
+    for (size_t k = 0; k < sizeof rows / sizeof rows[0]; k++) {
+        tens w;
+        tens_make(&w, "k.weight", LK_DTYPE_BF16, 2, (int64_t[]){rows[k], 48});
+        fill(&r, &w, 1.0f, 0);
+        lora_set s;
+        lora_make(&s, &r, rows[k], 48, 4, 2, 0.3f);
+        lk_fuse_key key = {.n_terms = 2};
+        void *d1 = NULL, *d2 = NULL;
+        assert_int_equal(lk_device_alloc(g_dev, w.t.nbytes, &d1), LK_OK);
+        assert_int_equal(lk_device_alloc(g_dev, w.t.nbytes, &d2), LK_OK);
+        assert_int_equal(lk_device_copy(g_dev, d1, w.buf, w.t.nbytes, LK_COPY_H2D, NULL), LK_OK);
+        assert_int_equal(lk_device_copy(g_dev, d2, w.buf, w.t.nbytes, LK_COPY_H2D, NULL), LK_OK);
+        lk_tensor w1 = w.t, w2 = w.t;
+        w1.data = d1;
+        w2.data = d2;
+        w1.device = w2.device = g_dev;
+        uint64_t in_use0 = 0, in_use1 = 0;
+        lk_device_mem_stats(g_dev, &in_use0, NULL);
+        assert_int_equal(lk_fuse_key_apply_dev_in(&w1, &key, s.t, NULL, NULL, &sc, NULL), LK_OK);
+        lk_device_mem_stats(g_dev, &in_use1, NULL);
+        assert_int_equal(lk_fuse_key_apply_dev(&w2, &key, s.t, NULL, NULL, NULL), LK_OK);
+        unsigned char *b1 = malloc(w.t.nbytes), *b2 = malloc(w.t.nbytes);
+        assert_int_equal(lk_device_copy(g_dev, b1, d1, w.t.nbytes, LK_COPY_D2H, NULL), LK_OK);
+        assert_int_equal(lk_device_copy(g_dev, b2, d2, w.t.nbytes, LK_COPY_D2H, NULL), LK_OK);
+        assert_memory_equal(b1, b2, w.t.nbytes);
+        assert_true(memcmp(b1, w.buf, w.t.nbytes) != 0);
+        assert_non_null(sc.p);
+        if (k == 0) {
+            first = sc.p;
+            assert_true(in_use1 - in_use0 == sc.bytes); /* allocated once, kept */
+        } else if (k < 3) { /* smaller keys: the same block, nothing allocated */
+            assert_ptr_equal(sc.p, first);
+            assert_true(sc.bytes == bytes_before && in_use1 == in_use0);
+        } else { /* the largest key: grown, the old block given back */
+            assert_true(sc.bytes > bytes_before && in_use1 - in_use0 == sc.bytes - bytes_before);
+        }
+        bytes_before = sc.bytes;
+        free(b1);
+        free(b2);
+        lk_device_free(g_dev, d1);
+        lk_device_free(g_dev, d2);
+        lora_free(&s);
+        tens_free(&w);
+    }
+    uint64_t before = 0, after = 0;
+    lk_device_mem_stats(g_dev, &before, NULL);
+    lk_fuse_dev_scratch_free(&sc);
+    lk_device_mem_stats(g_dev, &after, NULL);
+    assert_true(before - after == bytes_before && !sc.p && !sc.bytes);
+}
+
 static int setup_emul(void **state) {
     (void)state;
     g_dev = (lk_device){LK_DEVICE_EMUL, 0};
@@ -920,7 +987,7 @@ static int setup_cuda(void **state) {
         cmocka_unit_test(test_keys_nonfinite), cmocka_unit_test(test_dora),  \
         cmocka_unit_test(test_fp8), cmocka_unit_test(test_fp8_errors), cmocka_unit_test(test_fp8_wide), cmocka_unit_test(test_nonfinite), cmocka_unit_test(test_errors),       \
         cmocka_unit_test(test_ties),                                                                        \
-        cmocka_unit_test(test_alloc_fail)
+        cmocka_unit_test(test_alloc_fail), cmocka_unit_test(test_scratch)
 
 int main(void) {
     const struct CMUnitTest tests[] = {DEVICE_TESTS};
@@ -930,6 +997,12 @@ int main(void) {
     setenv("LORAKIT_KERNEL", "portable", 1);
     fails += cmocka_run_group_tests_name("emul, plain A", tests, setup_emul, NULL);
     unsetenv("LORAKIT_KERNEL");
+    /* again with every key and FP8 fuse's uploads in one grow-only scratch kept across all the cases */
+    lk_fuse_dev_scratch one = {0};
+    g_scratch = &one;
+    fails += cmocka_run_group_tests_name("emul, one scratch", tests, setup_emul, NULL);
+    lk_fuse_dev_scratch_free(&one);
+    g_scratch = NULL;
     if (lk_device_cuda_count() > 0) fails += cmocka_run_group_tests_name("cuda", tests, setup_cuda, NULL);
     else setup_cuda(NULL); /* prints the visible skip */
     return fails;

@@ -74,6 +74,29 @@ lk_status lk_fuse_key_apply_dev(lk_tensor *w, const lk_fuse_key *k, const lk_fus
 lk_status lk_fuse_fp8_dev(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *terms, size_t n_terms,
                           const lk_fuse_opts *opts, lk_stream *stream, lk_fuse_dev_stats *stats);
 
+/* A grow-only block of device memory a caller keeps across calls (zeroed
+ * at first): each launch's uploads (the non-finite slot and the factors)
+ * go into it, grown (freed and allocated again) only when a key needs
+ * more, instead of an allocation and a free per key (cudaMalloc and
+ * cudaFree synchronise the GPU). One thread and one stream at a time;
+ * lk_fuse_dev_scratch_free releases it. The tracker keeps one for its
+ * lifetime: its device memory is the largest key's factors. */
+typedef struct lk_fuse_dev_scratch {
+    lk_device dev;
+    void *p;
+    size_t bytes;
+} lk_fuse_dev_scratch;
+void lk_fuse_dev_scratch_free(lk_fuse_dev_scratch *s);
+
+/* lk_fuse_key_apply_dev and lk_fuse_fp8_dev with the uploads in scratch
+ * (NULL: as those, an allocation per launch). */
+lk_status lk_fuse_key_apply_dev_in(lk_tensor *w, const lk_fuse_key *k, const lk_fuse_term *terms,
+                                   const lk_fuse_opts *opts, lk_stream *stream, lk_fuse_dev_scratch *scratch,
+                                   lk_fuse_dev_stats *stats);
+lk_status lk_fuse_fp8_dev_in(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *terms, size_t n_terms,
+                             const lk_fuse_opts *opts, lk_stream *stream, lk_fuse_dev_scratch *scratch,
+                             lk_fuse_dev_stats *stats);
+
 #ifdef __cplusplus
 }
 #endif

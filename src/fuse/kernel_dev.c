@@ -13,8 +13,10 @@
  * are the same. Mixed term lists (dense, LoHa, LoKr beside LoRA) are
  * prepared by terms.c's lk_fuse_delta_prepare, whose buffers
  * (lk_fuse_delta_parts) the kernel chains over. The device memory of one
- * call is one allocation (the non-finite slot, then every uploaded part),
- * freed before returning.
+ * launch is one block (the non-finite slot, then every uploaded part):
+ * the caller's grow-only scratch when it gives one (lk_fuse_dev_scratch:
+ * the tracker keeps one across its keys and calls, so a swap allocates no
+ * device memory per key), else an allocation freed before returning.
  *
  * Keys on plan.c's double path (replacements, vector terms, DoRA) run the
  * key kernel (kernel_dev.h) on the same uploads; DoRA in two passes with
@@ -119,6 +121,7 @@ typedef struct dev_call {
     int64_t in;
     int wide;
     lk_fuse_dev_stats *stats;
+    lk_fuse_dev_scratch *scr; /* the caller's grow-only block (NULL: one allocation per launch) */
 } dev_call;
 
 static size_t align256(size_t n) { return (n + 255u) & ~(size_t)255u; }
@@ -197,6 +200,34 @@ static lk_status dev_verdict(const dev_call *c, unsigned long long bad, const ch
     return lk_fuse_nonfinite(c->w->name, idx, (size_t)c->in, wv, rv, c->opts);
 }
 
+void lk_fuse_dev_scratch_free(lk_fuse_dev_scratch *s) {
+    if (!s) return;
+    lk_device_free(s->dev, s->p);
+    *s = (lk_fuse_dev_scratch){0};
+}
+
+/* A device block of tot bytes for one launch: the caller's scratch (grown
+ * to tot if smaller: freed and allocated again, never shrunk) or a new
+ * allocation (up_close frees it). */
+static lk_status up_block(const dev_call *c, size_t tot, unsigned char **m) {
+    const lk_device d = c->w->device;
+    lk_fuse_dev_scratch *sc = c->scr;
+    if (!sc) return lk_device_alloc(d, tot, (void **)m);
+    if (sc->p && (sc->bytes < tot || !lk_device_equal(sc->dev, d))) lk_fuse_dev_scratch_free(sc);
+    if (!sc->p) {
+        lk_status st = lk_device_alloc(d, tot, &sc->p);
+        if (st) return st;
+        sc->dev = d;
+        sc->bytes = tot;
+    }
+    *m = sc->p;
+    return LK_OK;
+}
+
+static void up_close(const dev_call *c, unsigned char *m) {
+    if (!c->scr || m != c->scr->p) lk_device_free(c->w->device, m);
+}
+
 /* Uploads u's parts into one device block *m (their addresses into the
  * kernel arguments' fields; a part with no source is an output, not
  * copied), after the non-finite slot (~0: none yet). */
@@ -207,7 +238,7 @@ static lk_status up_open(const dev_call *c, dev_up *u, unsigned char **m) {
     if (u->nomem) return lk_error(LK_ERR_NOMEM, "%s: out of memory for the list of uploads", c->w->name);
     if (u->ovf || !lk_checked_add(u->tot, 256, &tot))
         return lk_error(LK_ERR_SHAPE, "%s: factors too large for the device", c->w->name);
-    lk_status st = lk_device_alloc(d, tot, (void **)m);
+    lk_status st = up_block(c, tot, m);
     if (st) return lk_error_prefix(st, "%s: device memory for the factors", c->w->name);
     const unsigned long long none = ~0ull;
     st = lk_device_copy(d, *m, &none, sizeof none, LK_COPY_H2D, c->s);
@@ -216,7 +247,7 @@ static lk_status up_open(const dev_call *c, dev_up *u, unsigned char **m) {
         if (u->p[i].src) st = lk_device_copy(d, *m + 256 + u->p[i].at, u->p[i].src, u->p[i].n, LK_COPY_H2D, c->s);
     if (!st && c->stats) c->stats->bytes_uploaded += u->tot + sizeof none;
     if (st) {
-        lk_device_free(d, *m);
+        up_close(c, *m);
         *m = NULL;
     }
     return st;
@@ -270,7 +301,7 @@ static lk_status dev_launch(const dev_call *c, uint64_t row_base, int64_t rows, 
     unsigned long long bad = ~0ull;
     st = dev_run(c, 0, fuse_emul, elem_grid((uint64_t)rows, a->in), a, sizeof *a);
     if (!st) st = dev_get(c, &bad, m, sizeof bad);
-    lk_device_free(c->w->device, m);
+    up_close(c, m);
     if (st) return lk_error_prefix(st, "%s", c->w->name);
     return dev_verdict(c, bad, (const char *)a->w_in, row_base);
 }
@@ -417,8 +448,8 @@ static lk_status device_ready(const lk_tensor *w) {
     return st ? lk_error_prefix(st, "%s", w->name ? w->name : "(tensor)") : LK_OK;
 }
 
-lk_status lk_fuse_tensor_dev(lk_tensor *w, const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts,
-                             lk_stream *stream, lk_fuse_dev_stats *stats) {
+static lk_status tensor_dev(lk_tensor *w, const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts,
+                            lk_stream *stream, lk_fuse_dev_scratch *scr, lk_fuse_dev_stats *stats) {
     if (!w) return lk_error(LK_ERR_ARG, "fuse on device: NULL weight");
     int64_t out = 0, in = 0;
     lk_status st = geometry(w, &out, &in);
@@ -427,13 +458,19 @@ lk_status lk_fuse_tensor_dev(lk_tensor *w, const lk_fuse_term *terms, size_t n_t
     const char *name = w->name ? w->name : "(tensor)";
     if ((st = device_ready(w)) || (st = lk_fuse_check_weight(w->data, w->data, w->dtype, out, in, name))) return st;
     if (n_terms && !terms) return lk_error(LK_ERR_ARG, "%s: NULL terms", name);
-    const dev_call c = {.w = w, .s = stream, .opts = opts, .in = in, .wide = w->dtype == LK_DTYPE_F32, .stats = stats};
+    const dev_call c = {.w = w, .s = stream, .opts = opts, .in = in, .wide = w->dtype == LK_DTYPE_F32, .stats = stats,
+                        .scr = scr};
     const size_t before = stats ? stats->keys_host_fallback : 0;
     int sliced = 0;
     for (size_t t = 0; t < n_terms; t++) sliced |= lk_fuse_term_sliced(&terms[t]);
     st = sliced ? lk_fuse_bands(out, terms, n_terms, name, dev_band, (void *)&c) : dev_terms(&c, out, terms, n_terms);
     if (!st && stats && stats->keys_host_fallback == before) stats->keys_device++;
     return st;
+}
+
+lk_status lk_fuse_tensor_dev(lk_tensor *w, const lk_fuse_term *terms, size_t n_terms, const lk_fuse_opts *opts,
+                             lk_stream *stream, lk_fuse_dev_stats *stats) {
+    return tensor_dev(w, terms, n_terms, opts, stream, NULL, stats);
 }
 
 /* ---- plan.c's double path on the device (the key kernel) ---- */
@@ -544,7 +581,7 @@ static lk_status key_run(key_call *kc, const lk_fuse_opts *opts) {
     unsigned long long bad = ~0ull;
     if (!st) st = dev_run(&kc->c, 1, key_emul, elem_grid((uint64_t)kc->rows, (uint64_t)kc->cols), &kc->k, sizeof kc->k);
     if (!st) st = dev_get(&kc->c, &bad, m, sizeof bad);
-    lk_device_free(kc->c.w->device, m);
+    up_close(&kc->c, m);
     if (st) return lk_error_prefix(st, "%s", kc->c.w->name);
     if (bad == ~0ull) return LK_OK;
     const unsigned cls = (unsigned)(bad & 3u);
@@ -555,8 +592,8 @@ static lk_status key_run(key_call *kc, const lk_fuse_opts *opts) {
 /* A key with a replacement, DoRA or vector terms on the device; *host:
  * nothing done, the caller takes the host path. */
 static lk_status dev_key(lk_tensor *w, const lk_fuse_key *k, const lk_fuse_term *terms, const lk_fuse_opts *opts,
-                         lk_stream *stream, lk_fuse_dev_stats *stats, int *host) {
-    key_call kc = {.c = {.w = w, .s = stream, .opts = opts, .wide = w->dtype == LK_DTYPE_F32, .stats = stats}};
+                         lk_stream *stream, lk_fuse_dev_scratch *scr, lk_fuse_dev_stats *stats, int *host) {
+    key_call kc = {.c = {.w = w, .s = stream, .opts = opts, .wide = w->dtype == LK_DTYPE_F32, .stats = stats, .scr = scr}};
     kc.rows = w->ndim < 2 ? 1 : w->shape[0];
     kc.cols = (int64_t)(lk_tensor_numel(w) / (size_t)kc.rows);
     kc.c.in = kc.cols;
@@ -581,6 +618,12 @@ static lk_status host_key(void *ctx, lk_tensor *h) {
 
 lk_status lk_fuse_key_apply_dev(lk_tensor *w, const lk_fuse_key *k, const lk_fuse_term *terms,
                                 const lk_fuse_opts *opts, lk_stream *stream, lk_fuse_dev_stats *stats) {
+    return lk_fuse_key_apply_dev_in(w, k, terms, opts, stream, NULL, stats);
+}
+
+lk_status lk_fuse_key_apply_dev_in(lk_tensor *w, const lk_fuse_key *k, const lk_fuse_term *terms,
+                                   const lk_fuse_opts *opts, lk_stream *stream, lk_fuse_dev_scratch *scratch,
+                                   lk_fuse_dev_stats *stats) {
     if (!w || !k) return lk_error(LK_ERR_ARG, "fuse on device: NULL weight or plan");
     if (lk_tensor_on_host(w)) return lk_fuse_key_apply(w->data, w->data, w, k, terms, opts);
     if (!lk_fuse_key_touches(k)) return LK_OK;
@@ -588,7 +631,7 @@ lk_status lk_fuse_key_apply_dev(lk_tensor *w, const lk_fuse_key *k, const lk_fus
     if (st) return st;
     /* what lk_fuse_key_apply sends to lk_fuse_tensor: terms alone on a 2-D (or conv) weight */
     if (!k->replace && !k->dora && k->n_terms && w->ndim >= 2 && lk_dtype_is_fusable(w->dtype))
-        return lk_fuse_tensor_dev(w, terms, k->n_terms, opts, stream, stats);
+        return tensor_dev(w, terms, k->n_terms, opts, stream, scratch, stats);
     if ((st = lk_fuse_key_check(w, k))) return st;
     if (!lk_dtype_is_fusable(w->dtype)) { /* replaced whole at strength 1: one upload */
         st = lk_device_copy(w->device, w->data, k->replace->data, w->nbytes, LK_COPY_H2D, stream);
@@ -597,7 +640,7 @@ lk_status lk_fuse_key_apply_dev(lk_tensor *w, const lk_fuse_key *k, const lk_fus
         return st;
     }
     int host = 0;
-    if ((st = dev_key(w, k, terms, opts, stream, stats, &host))) return st;
+    if ((st = dev_key(w, k, terms, opts, stream, scratch, stats, &host))) return st;
     if (!host) {
         if (stats) stats->keys_device++;
         return LK_OK;
@@ -716,14 +759,14 @@ static lk_status fp8_run(fp8_call *fc, void *sh, lk_dtype sdt) {
             st = lk_fp8_verdict(w->name, w->dtype, (size_t)O, (size_t)I, (size_t)over,
                                 bad == ~0ull ? SIZE_MAX : (size_t)(bad >> 2), bad_v, fc->rescale, sh != NULL, opts);
             if (st) {
-                lk_device_free(w->device, m);
+                up_close(&fc->c, m);
                 return st;
             }
         }
     }
     fc->f.pass = 3;
     if (!st) st = dev_run(&fc->c, 4, fp8_emul, grid, &fc->f, sizeof fc->f);
-    lk_device_free(w->device, m);
+    up_close(&fc->c, m);
     return st ? lk_error_prefix(st, "%s", w->name) : LK_OK;
 }
 
@@ -731,13 +774,13 @@ static lk_status fp8_run(fp8_call *fc, void *sh, lk_dtype sdt) {
  * host), terms.c's narrow preparation uploaded, the passes. */
 static lk_status dev_fp8(lk_tensor *w, int64_t out, int64_t in, const lk_tensor *scale, void *sh,
                          const lk_fuse_term *terms, size_t n, const lk_fuse_opts *opts, lk_stream *s,
-                         lk_fuse_dev_stats *stats) {
+                         lk_fuse_dev_scratch *scr, lk_fuse_dev_stats *stats) {
     const lk_dtype sdt = scale ? scale->dtype : LK_DTYPE_F32;
     const int64_t n_scale = scale ? (int64_t)lk_tensor_numel(scale) : 0;
     lk_status st = lk_cancel_check(opts->cancel, w->name);
     if (!st) st = lk_fp8_check_args(w->data, w->dtype, out, in, sh, sdt, n_scale, terms, n, w->name);
     if (st) return st;
-    fp8_call fc = {.c = {.w = w, .s = s, .opts = opts, .in = in, .wide = 0, .stats = stats}};
+    fp8_call fc = {.c = {.w = w, .s = s, .opts = opts, .in = in, .wide = 0, .stats = stats, .scr = scr}};
     st = lk_fuse_delta_prepare(0, out, in, 0, out, terms, n, w->name, &fc.p);
     if (!st) st = up_delta(&fc.c, fc.p, (size_t)out, &fc.u, &fc.f.d, &fc.keep);
     if (!st) st = fp8_setup(&fc, sh, sdt, n_scale);
@@ -752,6 +795,12 @@ static lk_status dev_fp8(lk_tensor *w, int64_t out, int64_t in, const lk_tensor 
 
 lk_status lk_fuse_fp8_dev(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *terms, size_t n_terms,
                           const lk_fuse_opts *opts, lk_stream *stream, lk_fuse_dev_stats *stats) {
+    return lk_fuse_fp8_dev_in(w, scale, terms, n_terms, opts, stream, NULL, stats);
+}
+
+lk_status lk_fuse_fp8_dev_in(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *terms, size_t n_terms,
+                             const lk_fuse_opts *opts, lk_stream *stream, lk_fuse_dev_scratch *scratch,
+                             lk_fuse_dev_stats *stats) {
     if (!w) return lk_error(LK_ERR_ARG, "fuse on device: NULL weight");
     int64_t out = 0, in = 0;
     lk_status st = geometry(w, &out, &in);
@@ -781,7 +830,8 @@ lk_status lk_fuse_fp8_dev(lk_tensor *w, lk_tensor *scale, const lk_fuse_term *te
     if (!st && !host) {
         lk_tensor named = *w;
         named.name = w->name ? w->name : "(tensor)";
-        st = dev_fp8(&named, out, in, scale, f.scale_host, terms, n_terms, opts ? opts : &defaults, stream, stats);
+        st = dev_fp8(&named, out, in, scale, f.scale_host, terms, n_terms, opts ? opts : &defaults, stream, scratch,
+                     stats);
     }
     if (!st && host) st = host_path(w, host_fp8, &f, stream, stats);
     if (!st && scale && !scale_dev) memcpy(scale->data, sh, scale->nbytes);

@@ -8,19 +8,19 @@
  * in place, the CPU's bytes), which takes the host path itself for the
  * term kinds not on the device; the tracker counts those keys
  * (lk_tracker_stats.keys_fused_on_host). Host weights never come here for
- * a fuse. The host scratch serves hashing (in pieces) and reading an FP8
- * scale's clean values. */
+ * a fuse. The host scratch serves reading an FP8 scale's clean values.
+ * A device key's hash is its device fingerprint, computed where the key
+ * is: checking the weights before a call and hashing what a call wrote
+ * move 8 bytes per key over PCIe instead of the key twice (README,
+ * Devices). */
 #include "serve/keymem.h"
 
 #include <string.h>
-#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
 #include <xxhash.h>
 
 #include "core/alloc.h"
 #include "lorakit/alloc.h"
 #include "lorakit/fuse_device.h"
-
-#define HASH_PIECE ((size_t)4 << 20) /* the scratch's key part at most: hashing goes in pieces */
 
 lk_status lk_keymem_init(lk_keymem *km, lk_device dev, int backup_device, int staged, size_t max_key, size_t max_scale,
                          size_t stage_bytes) {
@@ -30,11 +30,13 @@ lk_status lk_keymem_init(lk_keymem *km, lk_device dev, int backup_device, int st
     km->backup_device = km->on_device && backup_device;
     km->staged = km->on_device && staged;
     if (!km->on_device) return LK_OK;
-    lk_carve c = {0};
-    lk_carve_part(&c, max_key < HASH_PIECE ? max_key : HASH_PIECE, 1, 1);
-    km->scratch_scale_off = lk_carve_part(&c, max_scale, 1, 64);
-    km->scratch_bytes = c.bytes ? c.bytes : 1;
+    km->scratch_scale_off = 0;
+    km->scratch_bytes = max_scale ? max_scale : 1;
+    km->fp_scratch_bytes = lk_device_fingerprint_scratch(max_key > max_scale ? max_key : max_scale);
     lk_status s = lk_device_host_alloc(dev, km->scratch_bytes, (void **)&km->scratch);
+    if (!s) s = lk_device_alloc(dev, km->fp_scratch_bytes, &km->fp_scratch);
+    if (!s && !(km->fuse_scratch = lk_calloc(1, sizeof *km->fuse_scratch)))
+        s = lk_error(LK_ERR_NOMEM, "out of memory");
     if (!s && km->staged && stage_bytes) {
         s = lk_device_host_alloc(dev, stage_bytes, (void **)&km->stage);
         km->stage_bytes = stage_bytes;
@@ -44,13 +46,23 @@ lk_status lk_keymem_init(lk_keymem *km, lk_device dev, int backup_device, int st
         return lk_error_prefix(s, "tracker: the host scratch of the device weights");
     }
     km->pinned_bytes = km->scratch_bytes + km->stage_bytes;
+    km->device_bytes = km->fp_scratch_bytes;
     return LK_OK;
 }
 
 void lk_keymem_free(lk_keymem *km) {
     if (km->scratch) lk_device_host_free(km->dev, km->scratch);
     if (km->stage) lk_device_host_free(km->dev, km->stage);
+    if (km->fp_scratch) lk_device_free(km->dev, km->fp_scratch);
+    lk_fuse_dev_scratch_free(km->fuse_scratch);
+    lk_free(km->fuse_scratch);
     km->scratch = km->stage = NULL;
+    km->fp_scratch = NULL;
+    km->fuse_scratch = NULL;
+}
+
+uint64_t lk_keymem_device_bytes(const lk_keymem *km) {
+    return km->device_bytes + (km->fuse_scratch ? km->fuse_scratch->bytes : 0);
 }
 
 /* One move of bytes on km's stream, complete when it returns (the caller
@@ -126,19 +138,11 @@ lk_status lk_keymem_hash(const lk_keymem *km, const void *p, size_t n, uint64_t 
         *h = XXH3_64bits(p, n);
         return LK_OK;
     }
-    XXH3_state_t st;
-    XXH3_64bits_reset(&st);
-    const size_t piece = km->scratch_scale_off ? km->scratch_scale_off : km->scratch_bytes;
-    for (size_t off = 0; off < n;) {
-        size_t k = n - off < piece ? n - off : piece;
-        lk_status s = lk_keymem_read(km, km->scratch, (const unsigned char *)p + off, k);
-        if (s) return s;
-        XXH3_64bits_update(&st, km->scratch, k);
-        off += k;
-    }
-    *h = XXH3_64bits_digest(&st);
-    return LK_OK;
+    void *scratch = lk_device_fingerprint_scratch(n) <= km->fp_scratch_bytes ? km->fp_scratch : NULL;
+    return lk_device_fingerprint(km->dev, p, n, scratch, km->stream, h);
 }
+
+const char *lk_keymem_hash_name(const lk_keymem *km) { return km->on_device ? "device fingerprint" : "XXH3-64"; }
 
 lk_status lk_keymem_host_view(const lk_keymem *km, const void *p, size_t n, size_t off, const void **out) {
     *out = p;
@@ -151,7 +155,7 @@ lk_status lk_keymem_fuse(const lk_keymem *km, const lk_tensor *w, const lk_fuse_
                          const lk_fuse_opts *fo, size_t *on_host) {
     lk_tensor d = *w;
     lk_fuse_dev_stats fs = {0};
-    lk_status s = lk_fuse_key_apply_dev(&d, plan, terms, fo, km->stream, &fs);
+    lk_status s = lk_fuse_key_apply_dev_in(&d, plan, terms, fo, km->stream, km->fuse_scratch, &fs);
     __atomic_fetch_add(on_host, fs.keys_host_fallback, __ATOMIC_RELAXED);
     return s;
 }
@@ -160,7 +164,7 @@ lk_status lk_keymem_fuse_fp8(const lk_keymem *km, const lk_tensor *w, const lk_t
                              size_t nt, const lk_fuse_opts *fo, size_t *on_host) {
     lk_tensor d = *w, ds = sc ? *sc : (lk_tensor){0};
     lk_fuse_dev_stats fs = {0};
-    lk_status s = lk_fuse_fp8_dev(&d, sc ? &ds : NULL, terms, nt, fo, km->stream, &fs);
+    lk_status s = lk_fuse_fp8_dev_in(&d, sc ? &ds : NULL, terms, nt, fo, km->stream, km->fuse_scratch, &fs);
     __atomic_fetch_add(on_host, fs.keys_host_fallback, __ATOMIC_RELAXED);
     return s;
 }

@@ -59,7 +59,9 @@ typedef struct key_state {
     long weight;   /* a scale key: index of its FP8 weight, else -1 */
     int fp8_bad;   /* FP8 weight whose scale siblings lk_fp8_scale_of refuses */
     int has_wrote; /* the tracker has written this key (every rank): wrote is checked before each call */
-    uint64_t wrote; /* XXH3-64 of the bytes it last wrote */
+    uint64_t wrote; /* lk_keymem_hash of the bytes it last wrote */
+    int pristine;  /* owner: the weight holds exactly its backup's bytes (backed up in this call, not
+                      written since), so its first recompute needs no restore */
 } key_state;
 
 /* What an adapter's files looked like when they were read (issue 28: a
@@ -431,14 +433,23 @@ static lk_status key_signatures(lk_tracker *t, const request *r, lk_fuse_term *t
 
 static int changed(const lk_tracker *t, size_t i) { return t->next[i] != t->k[i].sig; }
 
+/* Key i's clean bytes back into the weight from its backup (none: no
+ * backup, or the weight holds them already). */
+static lk_status restore_key(lk_tracker *t, size_t i) {
+    if (!t->k[i].backup || t->k[i].pristine) return LK_OK;
+    return lk_keymem_restore(&t->km, lk_weights_tensor(t->w, i), t->k[i].backup);
+}
+
 /* An FP8 weight (with its scale, if any) from clean + terms: restored from
  * the backups, then fused in place (lk_fuse_fp8 rewrites the scale). */
 static lk_status recompute_fp8(lk_tracker *t, size_t i, const lk_fuse_term *terms, size_t nt, const lk_cancel *cn) {
     const lk_tensor *w = lk_weights_tensor(t->w, i);
     const lk_tensor *sc = t->k[i].scale >= 0 ? lk_weights_tensor(t->w, (size_t)t->k[i].scale) : NULL;
-    lk_status s = t->k[i].backup ? lk_keymem_restore(&t->km, w, t->k[i].backup) : LK_OK;
-    if (!s && sc && t->k[t->k[i].scale].backup) s = lk_keymem_restore(&t->km, sc, t->k[t->k[i].scale].backup);
+    lk_status s = restore_key(t, i);
+    if (!s && sc) s = restore_key(t, (size_t)t->k[i].scale);
     if (s || !nt) return s;
+    t->k[i].pristine = 0; /* written from here on (a failure part-way included) */
+    if (sc) t->k[t->k[i].scale].pristine = 0;
     lk_fuse_opts fo = {.threads = t->o.threads, .allow_nonfinite = t->o.allow_nonfinite, .fp8 = t->o.fp8,
                        .convention = t->o.convention, .cancel = cn};
     if (t->km.on_device) return lk_keymem_fuse_fp8(&t->km, w, sc, terms, nt, &fo, &t->fused_on_host);
@@ -461,6 +472,7 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
     int nt = lk_fuse_key_touches(&plan);
     *fused = nt;
     if (lk_dtype_is_fp8(w->dtype)) return recompute_fp8(t, i, terms, nt ? plan.n_terms : 0, cn);
+    if (t->k[i].pristine) clean = w->data; /* it holds its backup's bytes: nothing to restore */
     if (t->km.on_device && clean != w->data) { /* the device fuses in place: restore first */
         lk_status s = lk_keymem_restore(&t->km, w, clean);
         if (s) return s;
@@ -470,6 +482,7 @@ static lk_status recompute(lk_tracker *t, const request *r, size_t i, lk_fuse_te
         if (clean != w->data) memcpy(w->data, clean, w->nbytes);
         return LK_OK;
     }
+    t->k[i].pristine = 0; /* written from here on (a failure part-way included) */
     lk_fuse_opts fo = {.threads = t->o.threads, .allow_nonfinite = t->o.allow_nonfinite, .fp8 = t->o.fp8,
                        .convention = t->o.convention, .cancel = cn};
     if (t->km.on_device) return lk_keymem_fuse(&t->km, w, &plan, terms, &fo, &t->fused_on_host);
@@ -712,6 +725,7 @@ static lk_status backup_key(lk_tracker *t, size_t i) {
     const lk_tensor *w = lk_weights_tensor(t->w, i);
     lk_status s = lk_keymem_backup(&t->km, w, &t->k[i].backup);
     if (s) return s;
+    t->k[i].pristine = t->km.on_device; /* device weights only: a restore there crosses PCIe */
     t->backup_bytes += w->nbytes;
     return LK_OK;
 }
@@ -720,6 +734,7 @@ static void drop_backup(lk_tracker *t, size_t i) {
     if (!t->k[i].backup) return;
     lk_keymem_drop(&t->km, lk_weights_tensor(t->w, i), t->k[i].backup);
     t->k[i].backup = NULL;
+    t->k[i].pristine = 0;
     t->backup_bytes -= lk_weights_tensor(t->w, i)->nbytes;
 }
 
@@ -858,8 +873,9 @@ static int spare_cores(const uint64_t *hosts, int size, int rank) {
 
 /* Each distinct value of hv[r * stride] (r < size) with the ranks holding
  * it, in order of first appearance, into msg: "rank 0 holds XXH3-64 ...;
- * ranks 1, 2 hold XXH3-64 ..." (at most 8 values and 16 ranks each). */
-static void rank_groups(const uint64_t *hv, size_t stride, int size, char *msg, size_t cap) {
+ * ranks 1, 2 hold XXH3-64 ..." (kind: the hash's name; at most 8 values
+ * and 16 ranks each). */
+static void rank_groups(const uint64_t *hv, size_t stride, int size, const char *kind, char *msg, size_t cap) {
     size_t len = 0;
     int groups = 0;
     for (int r = 0; r < size; r++) {
@@ -875,7 +891,7 @@ static void rank_groups(const uint64_t *hv, size_t stride, int size, char *msg, 
         lk_appendf(msg, cap, &len, "%s%s", groups > 1 ? "; " : "", count > 1 ? "ranks " : "rank ");
         for (int q = r; q < size && listed < 16; q++)
             if (hv[(size_t)q * stride] == v) lk_appendf(msg, cap, &len, "%s%d", listed++ ? ", " : "", q);
-        lk_appendf(msg, cap, &len, "%s hold%s XXH3-64 %016llx", count > listed ? ", ..." : "", count > 1 ? "" : "s",
+        lk_appendf(msg, cap, &len, "%s hold%s %s %016llx", count > listed ? ", ..." : "", count > 1 ? "" : "s", kind,
                    (unsigned long long)v);
     }
 }
@@ -896,7 +912,7 @@ static lk_status base_differs(lk_tracker *t, const uint64_t *h) {
                                                              "single tensor differs (a hash collision?)");
     if (!s) {
         char msg[1536] = "";
-        rank_groups(hv + same.first, n, t->size, msg, sizeof msg);
+        rank_groups(hv + same.first, n, t->size, lk_keymem_hash_name(&t->km), msg, sizeof msg);
         s = lk_error(LK_ERR_MISMATCH, "tracker: the ranks hold different base weights: %zu of %zu tensors differ; the "
                      "first in byte-wise name order is %s: %s (every rank must load the same base bytes)",
                      same.n_differ, n, lk_weights_tensor(t->w, t->ord[same.first])->name, msg);
@@ -908,7 +924,9 @@ static lk_status base_differs(lk_tracker *t, const uint64_t *h) {
 /* Every rank must hold the same base bytes: each fuses into its own copy
  * and receives the owners' keys, so ranks that loaded different bytes
  * would serve different weights (every step's digests disagreeing). Each
- * rank hashes every tensor (XXH3-64, byte-wise name order) and the ranks
+ * rank hashes every tensor (lk_keymem_hash: XXH3-64 on the host, the
+ * device fingerprint on a device, the same kind on every rank since the
+ * ranks agreed on the device kind; byte-wise name order) and the ranks
  * compare a hash of those hashes (one small agreement); only on a
  * difference do they gather every key's hash from every rank
  * (base_differs), so the error, the same on every rank, names the first
@@ -1150,10 +1168,10 @@ typedef struct apply_op {
 } apply_op;
 
 /* Every key the tracker wrote still holds the bytes it last wrote (their
- * XXH3-64, kept at each apply): else the caller changed the weights
+ * lk_keymem_hash, kept at each apply): else the caller changed the weights
  * behind its back (load_state_dict into the same memory), and restoring
  * or fusing from the backup would mix two bases. Local; cost: hashing the
- * touched keys once. */
+ * touched keys once (on a device where they are: 8 bytes per key copied). */
 static lk_status weights_check(const lk_tracker *t) {
     for (size_t c = 0; c < t->n; c++) {
         const size_t i = t->ord[c];
@@ -1164,8 +1182,8 @@ static lk_status weights_check(const lk_tracker *t) {
         if (s) return s;
         if (h != t->k[i].wrote)
             return lk_error(LK_ERR_STATE, "the model's weights were changed outside the tracker: make a new Tracker "
-                            "(%s: %s holds XXH3-64 %016llx, the tracker last wrote %016llx)", base_name(t), w->name,
-                            (unsigned long long)h, (unsigned long long)t->k[i].wrote);
+                            "(%s: %s holds %s %016llx, the tracker last wrote %016llx)", base_name(t), w->name,
+                            lk_keymem_hash_name(&t->km), (unsigned long long)h, (unsigned long long)t->k[i].wrote);
     }
     return LK_OK;
 }
@@ -1411,6 +1429,7 @@ static lk_status apply_change(apply_op *a) {
                        "noticed on it", base_name(t), w->name, lk_last_error());
         }
         t->k[i].sig = t->next[i];
+        t->k[i].pristine = 0; /* "backed up in this call" only */
     }
     request_clear(&t->cur);
     t->cur = a->req;
@@ -1438,7 +1457,7 @@ lk_status lk_tracker_apply_src(lk_tracker *t, const lk_fuse_input *loras, const 
     lk_free(a.scratch);
     request_clear(&a.req);
     st->backup_bytes = t->backup_bytes;
-    st->device_bytes = t->km.device_bytes;
+    st->device_bytes = lk_keymem_device_bytes(&t->km);
     st->pinned_bytes = t->km.pinned_bytes;
     st->keys_fused_on_host = t->fused_on_host;
     st->seconds = lk_now_s() - a.t0;

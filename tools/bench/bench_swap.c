@@ -68,10 +68,11 @@ typedef struct bopts {
     const char *dir;
     lk_device device;
     int local_gpu; /* --device cuda: each rank's local GPU */
+    uint64_t touched; /* bytes of the keys the adapters touch (set once the model is loaded) */
 } bopts;
 
 static int parse(int argc, char **argv, bopts *o) {
-    *o = (bopts){0, 0, 4, 512, 1024, 16, 64, 3, 1, NULL, {LK_DEVICE_CPU, 0}, 0};
+    *o = (bopts){0, 0, 4, 512, 1024, 16, 64, 3, 1, NULL, {LK_DEVICE_CPU, 0}, 0, 0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         long *dst = !strcmp(a, "--ranks") ? &o->ranks : !strcmp(a, "--size-mb") ? &o->size_mb
@@ -202,6 +203,8 @@ typedef struct result {
     double seconds;  /* slowest rank */
     double phase[4]; /* agree, load, fuse, broadcast: slowest rank each */
     uint64_t bytes_broadcast, backup_max, keys_fused, keys_restored;
+    uint64_t h2d_bytes, d2h_bytes; /* on a device: what the call copied host->device and back, summed over ranks */
+    int counted;                   /* h2d_bytes and d2h_bytes were measured (printed on a device) */
 } result;
 
 static int cmp_d(const void *a, const void *b) {
@@ -221,33 +224,50 @@ typedef struct swapper {
 
 /* One tracker call on every rank, reduced over the group (the library's
  * summary of a call: the slowest rank's times, summed key counts). */
-static lk_status timed_apply(lk_comm *c, const swapper *sw, const lk_fuse_input *in, size_t n, result *r) {
+static lk_status timed_apply(lk_comm *c, const swapper *sw, lk_device dev, const lk_fuse_input *in, size_t n,
+                             result *r) {
     lk_tracker_stats st;
+    lk_device_counts k0, k1; /* the device layer's copy counters around the call (bytes over PCIe on a GPU) */
     lk_status s = lk_comm_barrier(c);
+    lk_device_counts_of(dev, &k0);
     if (!s) s = sw->t ? lk_tracker_apply(sw->t, in, n, &st) : lk_bench_full_apply(sw->f, in, n, &st);
+    lk_device_counts_of(dev, &k1);
+    uint64_t moved[2] = {k1.bytes[LK_COPY_H2D] - k0.bytes[LK_COPY_H2D], k1.bytes[LK_COPY_D2H] - k0.bytes[LK_COPY_D2H]};
     lk_tracker_summary sum;
     if (!s) s = lk_tracker_summarize(c, NULL, &st, 0, &sum);
+    if (!s) s = lk_comm_allreduce_u64(c, moved, 2, LK_REDUCE_SUM);
     if (s) return s;
     *r = (result){sum.seconds, {sum.seconds_agree, sum.seconds_load, sum.seconds_fuse, sum.seconds_broadcast},
-                  sum.bytes_broadcast, sum.backup_bytes_max, sum.keys_fused, sum.keys_restored};
+                  sum.bytes_broadcast, sum.backup_bytes_max, sum.keys_fused, sum.keys_restored, moved[0], moved[1], 1};
     return LK_OK;
 }
 
 static void print_result(const bopts *o, int ranks, const char *mode, const char *op, const result *r, size_t staging) {
+    /* on a device: the bytes the call copied each way (every rank's, summed) against the touched keys' bytes */
+    char moved[256] = "";
+    const double tb = o->touched ? (double)o->touched : 1.0;
+    if (o->device.kind != LK_DEVICE_CPU && r->counted && o->json)
+        snprintf(moved, sizeof moved, ", \"h2d_bytes\": %llu, \"d2h_bytes\": %llu, \"h2d_over_touched\": %.4f, "
+                 "\"d2h_over_touched\": %.4f", (unsigned long long)r->h2d_bytes, (unsigned long long)r->d2h_bytes,
+                 (double)r->h2d_bytes / tb, (double)r->d2h_bytes / tb);
+    else if (o->device.kind != LK_DEVICE_CPU && r->counted)
+        snprintf(moved, sizeof moved, "  h2d %.1f MiB (%.3fx touched) d2h %.1f MiB (%.3fx)",
+                 (double)r->h2d_bytes / 1048576.0, (double)r->h2d_bytes / tb, (double)r->d2h_bytes / 1048576.0,
+                 (double)r->d2h_bytes / tb);
     if (o->json)
         printf("{\"bench\": \"swap\", \"mode\": \"%s\", \"op\": \"%s\", \"ranks\": %d, \"seconds\": %.6f, "
                "\"bytes_broadcast\": %llu, \"backup_bytes_max\": %llu, \"keys_fused\": %llu, "
                "\"keys_restored\": %llu, \"staging_bytes\": %zu, \"phases\": {\"agree\": %.6f, \"load\": %.6f, "
-               "\"fuse\": %.6f, \"broadcast\": %.6f}}\n",
+               "\"fuse\": %.6f, \"broadcast\": %.6f}%s}\n",
                mode, op, ranks, r->seconds, (unsigned long long)r->bytes_broadcast,
                (unsigned long long)r->backup_max, (unsigned long long)r->keys_fused,
-               (unsigned long long)r->keys_restored, staging, r->phase[0], r->phase[1], r->phase[2], r->phase[3]);
+               (unsigned long long)r->keys_restored, staging, r->phase[0], r->phase[1], r->phase[2], r->phase[3], moved);
     else
         printf("%-6s %-9s %7.3f s (load %.3f fuse %.3f bcast %.3f)  %6.1f MiB sent  backup/rank %6.1f MiB  "
-               "fused %3llu  restored %3llu\n",
+               "fused %3llu  restored %3llu%s\n",
                mode, op, r->seconds, r->phase[1], r->phase[2], r->phase[3], (double)r->bytes_broadcast / 1048576.0,
                (double)r->backup_max / 1048576.0, (unsigned long long)r->keys_fused,
-               (unsigned long long)r->keys_restored);
+               (unsigned long long)r->keys_restored, moved);
     fflush(stdout);
 }
 
@@ -289,7 +309,7 @@ static lk_status run_mode(lk_comm *c, lk_weights *w, const bopts *o, int mode, c
     if (!runs || !sec) s = lk_error(LK_ERR_NOMEM, "bench swap: out of memory");
     for (long k = 0; !s && k < o->repeat; k++)
         for (int op = 0; !s && op < N_OPS; op++) {
-            s = timed_apply(c, &sw, req[op], req[op] ? 1 : 0, &runs[k * N_OPS + op]);
+            s = timed_apply(c, &sw, o->device, req[op], req[op] ? 1 : 0, &runs[k * N_OPS + op]);
             if (s || k != o->repeat - 1) continue;
             char hex[LK_DIGEST_HEX] = {0};
             if ((s = lk_weights_digest(w, hex))) break;
@@ -348,9 +368,10 @@ static lk_status bare_bcast(lk_comm *c, uint64_t bytes, size_t bucket, long repe
  * pinned host memory (the default backup's restore) and adapter B fused
  * into each by the device kernel, key after key on the default stream,
  * nothing else: no agreement, no delta planning, no broadcast. Every rank
- * does all of it (one GPU's work); median over repeat of the slowest rank.
- * w holds its base bytes before and after. */
-static lk_status floor_swap(lk_comm *c, lk_weights *w, const bopts *o, const char *pb, double *sec) {
+ * does all of it (one GPU's work); median over repeat of the slowest rank;
+ * moved[]: the bytes the last run copied host->device and back, summed over
+ * ranks. w holds its base bytes before and after. */
+static lk_status floor_swap(lk_comm *c, lk_weights *w, const bopts *o, const char *pb, double *sec, uint64_t moved[2]) {
     const lk_device dev = o->device;
     const size_t nw = lk_weights_count(w);
     lk_tensor *ts = (lk_tensor *)lk_weights_tensors(w); /* the weights' own views: fused in place below */
@@ -379,6 +400,8 @@ static lk_status floor_swap(lk_comm *c, lk_weights *w, const bopts *o, const cha
     s = lk_comm_agree(c, s);
     for (long r = 0; !s && r <= o->repeat; r++) { /* run 0 warms up */
         s = lk_comm_barrier(c);
+        lk_device_counts k0, k1;
+        lk_device_counts_of(dev, &k0);
         double t0 = lk_now_s();
         for (size_t j = 0, off = 0; !s && j < nk; off += ts[idx[j]].nbytes, j++) {
             lk_tensor *x = &ts[idx[j]];
@@ -387,8 +410,12 @@ static lk_status floor_swap(lk_comm *c, lk_weights *w, const bopts *o, const cha
         }
         if (!s) s = lk_device_sync(dev);
         uint64_t ns = (uint64_t)((lk_now_s() - t0) * 1e9);
+        lk_device_counts_of(dev, &k1);
+        moved[0] = k1.bytes[LK_COPY_H2D] - k0.bytes[LK_COPY_H2D];
+        moved[1] = k1.bytes[LK_COPY_D2H] - k0.bytes[LK_COPY_D2H];
         s = lk_comm_agree(c, s);
         if (!s) s = lk_comm_allreduce_u64(c, &ns, 1, LK_REDUCE_MAX);
+        if (!s) s = lk_comm_allreduce_u64(c, moved, 2, LK_REDUCE_SUM);
         if (r) t[r - 1] = (double)ns * 1e-9;
     }
     for (size_t j = 0, off = 0; host && j < nk; off += ts[idx[j]].nbytes, j++) { /* the base again */
@@ -507,6 +534,7 @@ int lk_bench_swap(int argc, char **argv) {
         if (strstr(t->name, ".attn1.")) touched += t->nbytes;
         if (t->nbytes > largest) largest = t->nbytes;
     }
+    o.touched = touched;
     char devname[LK_DEVICE_STR_MAX];
     lk_device_str(o.device, devname);
     if (rank == 0 && !o.json)
@@ -547,15 +575,16 @@ int lk_bench_swap(int argc, char **argv) {
     for (int op = 0; !s && op < N_OPS; op++)
         s = bare_bcast(c, res[0][op].bytes_broadcast, staging[0], o.repeat, &bare[op]);
     for (int op = 0; !s && rank == 0 && op < N_OPS; op++) {
-        result rb = {bare[op], {0}, res[0][op].bytes_broadcast, 0, 0, 0};
+        result rb = {bare[op], {0}, res[0][op].bytes_broadcast, 0, 0, 0, 0, 0};
         print_result(&o, ranks, "bare_bcast", OPS[op], &rb, staging[0]);
     }
     /* on a device: the floor of a swap (restore + the kernel alone) */
     double floor_s = 0;
+    uint64_t floor_moved[2] = {0, 0};
     if (!s && o.device.kind != LK_DEVICE_CPU) {
-        s = floor_swap(c, w, &o, pb, &floor_s);
+        s = floor_swap(c, w, &o, pb, &floor_s, floor_moved);
         if (!s && rank == 0) {
-            result rf = {floor_s, {0}, 0, 0, 0, 0};
+            result rf = {floor_s, {0}, 0, 0, 0, 0, floor_moved[0], floor_moved[1], 1};
             print_result(&o, ranks, "restore_plus_kernel", "swap", &rf, 0);
         }
     }
@@ -580,24 +609,30 @@ int lk_bench_swap(int argc, char **argv) {
 #define RATIO(m, op) (bare[op] > 0 ? res[m][op].seconds / bare[op] : 0.0)
     if (rank == 0) {
         qsort(reload, (size_t)nr, sizeof *reload, cmp_d);
-        result rr = {reload[nr / 2], {0}, 0, 0, 0, 0};
+        result rr = {reload[nr / 2], {0}, 0, 0, 0, 0, 0, 0};
         print_result(&o, ranks, "reload", "reload", &rr, 0);
         double ratio = res[1][OP_SWAP].seconds > 0 ? res[0][OP_SWAP].seconds / res[1][OP_SWAP].seconds : 0.0;
         uint64_t backup_target = touched / (uint64_t)ranks + largest;
-        char devrow[384] = ""; /* on a device: the swap against its floor, the device memory beyond the model */
+        const int staged = lk_comm_size(c) > 1 && !(o.device.kind == LK_DEVICE_CUDA && lk_comm_takes_cuda(c)); /* as the tracker's */
+        char devrow[768] = ""; /* on a device: the swap against its floor, its copies, the device memory beyond the model */
         if (o.device.kind != LK_DEVICE_CPU) {
             double fr = floor_s > 0 ? res[0][OP_SWAP].seconds / floor_s : 0.0;
             unsigned long long tgt = (unsigned long long)(staging[0] + largest);
+            const double th = touched ? (double)touched : 1.0;
+            const double h2d = (double)res[0][OP_SWAP].h2d_bytes / th, d2h = (double)res[0][OP_SWAP].d2h_bytes / th;
             if (o.json)
                 snprintf(devrow, sizeof devrow,
                          ", \"swap_over_restore_plus_kernel\": %.3f, \"device_bytes_beyond_model\": %llu, "
-                         "\"device_bytes_target\": %llu",
-                         fr, (unsigned long long)dev_peak, tgt);
+                         "\"device_bytes_target\": %llu, \"swap_h2d_bytes\": %llu, \"swap_d2h_bytes\": %llu, "
+                         "\"swap_h2d_over_touched\": %.4f, \"swap_d2h_over_touched\": %.4f, \"staged\": %d",
+                         fr, (unsigned long long)dev_peak, tgt, (unsigned long long)res[0][OP_SWAP].h2d_bytes,
+                         (unsigned long long)res[0][OP_SWAP].d2h_bytes, h2d, d2h, staged);
             else
                 snprintf(devrow, sizeof devrow,
                          "\non %s: swap / (restore + fuse kernel alone) = %.2f (target <= 1.3); device memory beyond "
-                         "the model %llu bytes (target <= %llu = staging + largest tensor)",
-                         devname, fr, (unsigned long long)dev_peak, tgt);
+                         "the model %llu bytes (target <= %llu = staging + largest tensor); a swap copied %.3fx the "
+                         "touched bytes host->device and %.4fx device->host (every rank's; %s broadcast)",
+                         devname, fr, (unsigned long long)dev_peak, tgt, h2d, d2h, staged ? "staged" : "direct");
         }
         char cmp[512] = ""; /* the delta mode with the overlap forced off and on, when timed */
         if (o.compare)
