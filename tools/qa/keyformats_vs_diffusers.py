@@ -842,6 +842,15 @@ def krea2_original(d):
     return o
 
 
+def stack_qkv(d, k, attn, o):
+    """Whether k is <blk>.<attn>.to_q / to_k / to_v.weight of d; at to_q, o gets <blk>.attention.qkv.weight, the
+    three stacked by rows (the original fused weight these converters split)."""
+    m = re.match(r"(.*)\." + attn + r"\.to_([qkv])\.weight$", k)
+    if m and m.group(2) == "q":
+        o[m.group(1) + ".attention.qkv.weight"] = torch.cat([d[f"{m.group(1)}.{attn}.to_{c}.weight"] for c in "qkv"], 0)
+    return m is not None
+
+
 def lumina2_original(d):
     """An original-named Lumina 2 checkpoint from a diffusers state dict (the inverse of diffusers'
     convert_lumina2_to_diffusers: to_q, to_k, to_v stacked into attention.qkv; run_reverse checks it)."""
@@ -856,11 +865,7 @@ def lumina2_original(d):
            (".norm2.", ".attention_norm2.")]
     o = {}
     for k, v in d.items():
-        m = re.match(r"(.*)\.attn\.to_([qkv])\.weight$", k)
-        if m:
-            if m.group(2) == "q":
-                o[m.group(1) + ".attention.qkv.weight"] = torch.cat(
-                    [d[f"{m.group(1)}.attn.to_{c}.weight"] for c in "qkv"], 0)
+        if stack_qkv(d, k, "attn", o):
             continue
         n = k
         if re.match(r"context_refiner\.\d+\.norm[12]\.", n):
@@ -879,11 +884,7 @@ def z_image_original(d):
            (".attention.norm_q.", ".attention.q_norm.")]
     o = {}
     for k, v in d.items():
-        m = re.match(r"(.*)\.attention\.to_([qkv])\.weight$", k)
-        if m:
-            if m.group(2) == "q":
-                o[m.group(1) + ".attention.qkv.weight"] = torch.cat(
-                    [d[f"{m.group(1)}.attention.to_{c}.weight"] for c in "qkv"], 0)
+        if stack_qkv(d, k, "attention", o):
             continue
         for a, b in ren:
             k = k.replace(a, b)
