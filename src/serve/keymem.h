@@ -73,8 +73,8 @@ const char *lk_keymem_hash_name(const lk_keymem *km);
 /* Device memory held now: device_bytes plus the fuse scratch. */
 uint64_t lk_keymem_device_bytes(const lk_keymem *km);
 /* A backup's or weight's bytes readable by the CPU: p itself on the host,
- * else copied into the scratch at off (0: the key's place, else the
- * scale's). */
+ * else copied into the scratch at off (scratch_scale_off: the scratch
+ * holds the largest FP8 scale, n at most that). */
 lk_status lk_keymem_host_view(const lk_keymem *km, const void *p, size_t n, size_t off, const void **out);
 
 /* Fuses plan into device weight w in place (lk_fuse_key_apply_dev: the
