@@ -204,6 +204,12 @@ static enum family classify(const char *k, enum role *role, size_t *stem_len) {
             *role = g_suffixes[i].role;
             *stem_len = n - sl;
             if (g_suffixes[i].fam == FAM_ANY && lk_adapter_kohya_name(k)) return FAM_KOHYA;
+            /* kohya's module names with diffusers' / PEFT's factor names
+             * (lora_unet_..._qkv.lora.down.weight, .lora_A.weight): ComfyUI's
+             * loader tries every factor spelling on every name it maps, so
+             * they are kohya keys (the name decides, as for LyCORIS's) */
+            if (g_suffixes[i].fam == FAM_AB && (*role == ROLE_A || *role == ROLE_B) && lk_adapter_kohya_name(k))
+                return FAM_KOHYA;
             return g_suffixes[i].fam;
         }
     }

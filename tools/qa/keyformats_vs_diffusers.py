@@ -782,10 +782,6 @@ def fam_ace_step():
 # (family, format): why lorakit fails it today. Such a row prints "known_gap" and does not fail the run; a
 # known gap that passes fails the run (remove it here).
 KNOWN_GAPS = {
-    ("z-image", "kohya_original_qkv_dotted"):
-        "a kohya name (lora_unet_...) with .lora.down/.lora.up factors is read as a diffusers name "
-        "(src/adapter/adapter.c classify: the suffix's FAM_AB wins), so no kohya translation; ComfyUI reads it "
-        "(LoRAAdapter.load tries {x}.lora.up.weight for every key_map name)",
     ("flux2", "bfl_names"): "no flux2 family table (BFL Flux 2 names onto diffusers' Flux2Transformer2DModel)",
 }
 
