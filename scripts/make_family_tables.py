@@ -560,10 +560,12 @@ def main():
     # HunyuanVideo has single_blocks.N.linear1 and single_transformer_blocks.N.proj_mlp too: Flux is BFL's
     # img_attn.qkv (HunyuanVideo: img_attn_qkv) with a plain img_in linear (HunyuanVideo: img_in.proj, a
     # conv), or diffusers' proj_mlp with a plain x_embedder linear (HunyuanVideo: x_embedder.proj) and
-    # no token refiner
+    # no token refiner. A Flux 2 BFL checkpoint has img_attn.qkv, img_attn.proj and img_in too, but its
+    # single_blocks.N.linear1 is q, k, v + a gated MLP (3H + 6H rows, diffusers' to_qkv_mlp_proj whole), not
+    # Flux's sevenths: it is excluded by its shared double_stream_modulation_img.lin (Flux has per-block img_mod)
     write("flux", "Flux: BFL / ComfyUI single file <-> diffusers FluxTransformer2DModel",
           ["double_blocks.0.img_attn.qkv.weight double_blocks.0.img_attn.proj.weight img_in.weight "
-           "!txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight",
+           "!txt_in.individual_token_refiner.blocks.0.self_attn_qkv.weight !double_stream_modulation_img.lin.weight",
            "single_transformer_blocks.0.proj_mlp.weight x_embedder.weight "
            "!context_embedder.token_refiner.refiner_blocks.0.attn.to_q.weight"], flux_rules())
     write_dit_families()

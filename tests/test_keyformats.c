@@ -120,13 +120,15 @@ static void test_mixed_refused_by_default(void **state) {
  * onto, and nothing is written. The expectation comes from ComfyUI's maps
  * (comfy/utils.py pixart_to_diffusers, auraflow_to_diffusers,
  * krea2_to_diffusers; comfy/lora.py for Qwen Image 2.1's gate_up halves;
- * diffusers' convert_lumina2_to_diffusers for Lumina 2's 3:1:1 qkv):
- * none of them has these names for these checkpoints. */
+ * diffusers' convert_lumina2_to_diffusers for Lumina 2's 3:1:1 qkv; its
+ * convert_flux2_transformer_checkpoint_to_diffusers for Flux 2, whose linear1 is
+ * diffusers' to_qkv_mlp_proj whole): none of them has these names for these
+ * checkpoints. cols 0 means H = 8. */
 static void test_names_not_placed(void **state) {
     (void)state;
     static const struct {
         const char *base, *module;
-        int64_t rows;
+        int64_t rows, cols;
     } neg[] = {
         /* PixArt's self-attention is attn1.to_q / to_k / to_v, never a fused to_qkv */
         {"pixart_diffusers_names_original.safetensors", "transformer.transformer_blocks.0.attn1.to_qkv", 24},
@@ -142,6 +144,12 @@ static void test_names_not_placed(void **state) {
         {"lumina2_diffusers_names_original.safetensors", "transformer.layers.0.attention.to_k", 4},
         /* Krea 2's text fusion refiner blocks are not in this checkpoint */
         {"krea2_diffusers_names_original.safetensors", "transformer.text_fusion.refiner_blocks.0.attn.to_q", 8},
+        /* Flux's names on Flux 2's BFL checkpoint (H 14, linear1 126 rows = q, k, v, gated MLP): Flux's table
+         * would put to_k on rows 18..36, proj_mlp on 54..126, linear1_qkv on 0..54 (its sevenths), none of
+         * them Flux 2's q/k/v rows; the flux table's detect line excludes Flux 2, so they are refused */
+        {"flux2_bfl_original.safetensors", "transformer.single_transformer_blocks.0.attn.to_k", 18, 14},
+        {"flux2_bfl_original.safetensors", "transformer.single_transformer_blocks.0.proj_mlp", 72, 14},
+        {"flux2_bfl_original.safetensors", "diffusion_model.single_blocks.0.linear1_qkv", 54, 14},
     };
     for (size_t i = 0; i < sizeof neg / sizeof neg[0]; i++) {
         tu_rng rng = {(uint64_t)(7 + i)};
@@ -149,14 +157,17 @@ static void test_names_not_placed(void **state) {
         char a[256], b[256], base[512];
         snprintf(a, sizeof a, "%s.lora_A.weight", neg[i].module);
         snprintf(b, sizeof b, "%s.lora_B.weight", neg[i].module);
-        af_rand(f, a, LK_DTYPE_F32, 2, 8, &rng, -1, 1);
+        af_rand(f, a, LK_DTYPE_F32, 2, neg[i].cols ? neg[i].cols : 8, &rng, -1, 1);
         af_rand(f, b, LK_DTYPE_F32, neg[i].rows, 2, &rng, -1, 1);
         char *p = tu_path(ar_dir, "negative.safetensors"), *o = tu_path(ar_dir, "negative_fused.safetensors");
         af_save(f, p, NULL, 0);
         snprintf(base, sizeof base, FX "/%s", neg[i].base);
         lk_fuse_input in = {p, 1.0, LK_FORMAT_AUTO};
         if (lk_fuse_file(base, &in, 1, o, NULL, NULL) == LK_OK) fail_msg("%s on %s was placed", neg[i].module, neg[i].base);
-        tu_assert_contains(lk_last_error(), neg[i].module + (strncmp(neg[i].module, "transformer.", 12) ? 0 : 12));
+        const char *bare = neg[i].module; /* the error names the module without its wrapper prefix */
+        if (!strncmp(bare, "transformer.", 12)) bare += 12;
+        else if (!strncmp(bare, "diffusion_model.", 16)) bare += 16;
+        tu_assert_contains(lk_last_error(), bare);
         tu_assert_contains(lk_last_error(), "matches no model weight");
         FILE *fo = fopen(o, "rb");
         assert_null(fo);
