@@ -199,6 +199,13 @@ def qkv_rules(orig, diffs, parts=3):
     return [(orig, d, (f"{k}/{parts}:{k + 1}/{parts}", "0/1:1/1")) for k, d in enumerate(diffs)]
 
 
+def joint_qkv_rules(img, txt, blk):
+    """A joint block's fused qkv of the image and the text stream = blk's attn.to_q, to_k, to_v and
+    attn.add_q_proj, add_k_proj, add_v_proj, each by thirds."""
+    return (qkv_rules(img, [f"{blk}.attn.to_{c}" for c in "qkv"])
+            + qkv_rules(txt, [f"{blk}.attn.add_{c}_proj" for c in "qkv"]))
+
+
 def swapped_halves(orig, diff):
     """An AdaLayerNormContinuous: original (shift, scale), diffusers (scale, shift)."""
     return [(orig, diff, ("0/2:1/2", "1/2:2/2")), (orig, diff, ("1/2:2/2", "0/2:1/2"))]
@@ -218,8 +225,7 @@ def sd3_rules():
         ("final_layer.linear", "proj_out")))
     r += swapped_halves("final_layer.adaLN_modulation.1", "norm_out.linear")
     j, t = "joint_blocks.#", "transformer_blocks.#"
-    r += qkv_rules(f"{j}.x_block.attn.qkv", [f"{t}.attn.to_{c}" for c in "qkv"])
-    r += qkv_rules(f"{j}.context_block.attn.qkv", [f"{t}.attn.add_{c}_proj" for c in "qkv"])
+    r += joint_qkv_rules(f"{j}.x_block.attn.qkv", f"{j}.context_block.attn.qkv", t)
     r += qkv_rules(f"{j}.x_block.attn2.qkv", [f"{t}.attn2.to_{c}" for c in "qkv"])
     r += renames((
         ("x_block.attn.proj", "attn.to_out.0"), ("context_block.attn.proj", "attn.to_add_out"),
@@ -507,6 +513,35 @@ def stable_cascade_rules():
     return r + aliases(r, sp)
 
 
+def flux2_rules():
+    """Flux 2: BFL / ComfyUI names <-> diffusers Flux2Transformer2DModel, as diffusers'
+    convert_flux2_transformer_checkpoint_to_diffusers renames them (and _convert_non_diffusers_flux2_lora_to_diffusers
+    its LoRAs): double_blocks.N = transformer_blocks.N, img_attn.qkv / txt_attn.qkv = to_q, to_k, to_v /
+    add_q_proj, add_k_proj, add_v_proj by thirds, img_attn.proj / txt_attn.proj = to_out.0 / to_add_out,
+    img_mlp.0/2 / txt_mlp.0/2 = ff / ff_context linear_in/linear_out; single_blocks.N = single_transformer_blocks.N,
+    linear1 = attn.to_qkv_mlp_proj whole (q, k, v and the gated MLP stay fused on both sides), linear2 = attn.to_out;
+    the shared modulations' lin = linear; img_in, txt_in, time_in, guidance_in renamed; final_layer.adaLN_modulation.1
+    = norm_out.linear with its halves swapped (swap_scale_shift)."""
+    r = renames((("img_in", "x_embedder"), ("txt_in", "context_embedder"),
+                 ("time_in.in_layer", "time_guidance_embed.timestep_embedder.linear_1"),
+                 ("time_in.out_layer", "time_guidance_embed.timestep_embedder.linear_2"),
+                 ("guidance_in.in_layer", "time_guidance_embed.guidance_embedder.linear_1"),
+                 ("guidance_in.out_layer", "time_guidance_embed.guidance_embedder.linear_2"),
+                 ("double_stream_modulation_img.lin", "double_stream_modulation_img.linear"),
+                 ("double_stream_modulation_txt.lin", "double_stream_modulation_txt.linear"),
+                 ("single_stream_modulation.lin", "single_stream_modulation.linear"),
+                 ("final_layer.linear", "proj_out")))
+    r += swapped_halves("final_layer.adaLN_modulation.1", "norm_out.linear")
+    b, d = "double_blocks.#.", "transformer_blocks.#."
+    r += joint_qkv_rules(f"{b}img_attn.qkv", f"{b}txt_attn.qkv", d[:-1])
+    r += renames((("img_attn.proj", "attn.to_out.0"), ("img_mlp.0", "ff.linear_in"), ("img_mlp.2", "ff.linear_out"),
+                  ("txt_attn.proj", "attn.to_add_out"), ("txt_mlp.0", "ff_context.linear_in"),
+                  ("txt_mlp.2", "ff_context.linear_out")), b, d)
+    r += renames((("linear1", "attn.to_qkv_mlp_proj"), ("linear2", "attn.to_out")),
+                 "single_blocks.#.", "single_transformer_blocks.#.")
+    return r
+
+
 def write_dit_families():
     write("sd3", "SD3 / SD3.5: Stability single file (joint_blocks) <-> diffusers SD3Transformer2DModel",
           ["joint_blocks.0.x_block.attn.qkv.weight",
@@ -539,6 +574,10 @@ def write_dit_families():
           ["decoder.condition_embedder.weight decoder.layers.0.self_attn.q_proj.weight null_condition_emb",
            "condition_embedder.weight layers.0.self_attn.to_q.weight time_embed_r.linear_1.weight"],
           ace_step15_rules())
+    write("flux2", "Flux 2: BFL / ComfyUI single file <-> diffusers Flux2Transformer2DModel",
+          ["double_stream_modulation_img.lin.weight double_blocks.0.img_attn.qkv.weight",
+           "double_stream_modulation_img.linear.weight single_transformer_blocks.0.attn.to_qkv_mlp_proj.weight"],
+          flux2_rules())
     write("qwen-image", "Qwen Image 2.1: ComfyUI's fused img_mlp.gate_up <-> diffusers' img_mlp.gate_layer, img_mlp.proj",
           ["transformer_blocks.0.img_mlp.gate_up.weight", "transformer_blocks.0.img_mlp.gate_layer.weight"],
           qwen_image_rules())

@@ -577,7 +577,7 @@ static void test_sdxl_layout(void **state) {
     ro.arch = "no-such-family";
     assert_int_equal(lk_adapter_resolve_opts(a, m->t, m->n, &ro, NULL), LK_ERR_ARG);
     tu_assert_contains(lk_last_error(), "--arch no-such-family: no such family table in ");
-    tu_assert_contains(lk_last_error(), "(available: ace-step15, auraflow, flux, hunyuan-video, krea2, ltx, lumina2, openclip, pixart, qwen-image, sd1, sd3, sdxl, stable-cascade, wan, z-image)");
+    tu_assert_contains(lk_last_error(), "(available: ace-step15, auraflow, flux, flux2, hunyuan-video, krea2, ltx, lumina2, openclip, pixart, qwen-image, sd1, sd3, sdxl, stable-cascade, wan, z-image)");
     lk_adapter_free(a);
     free(kp);
     af_free(m);

@@ -22,7 +22,7 @@ _convert_kohya_flux_lora_to_diffusers, _convert_non_diffusers_wan_lora_to_diffus
     `lorakit inspect lora --base base --json` places every module.
 
 And the reverse, where diffusers' single-file converter maps an original checkpoint key by key (AuraFlow,
-Krea 2, Lumina 2, Qwen Image 2.1's fused gate_up, Z-Image's attention.qkv): an original-named checkpoint made from the diffusers one (checked: the converter gives the
+Krea 2, Lumina 2, Qwen Image 2.1's fused gate_up, Z-Image's attention.qkv, Flux 2's img_attn.qkv and final adaLN): an original-named checkpoint made from the diffusers one (checked: the converter gives the
 diffusers one back bit for bit), diffusers-named LoRAs (`transformer.<name>`; OneTrainer's
 `lora_transformer_<name>` with alpha) fused onto it, lorakit's output turned into diffusers names by that
 converter and compared with W + alpha/r * B @ A on the diffusers names in float64.
@@ -433,7 +433,7 @@ def fam_flux_kohya():
 
 
 def fam_flux2():
-    """Flux 2 (lorakit has no flux2 table): BFL names, as the converter reads them. final_layer.adaLN_modulation.1
+    """Flux 2 (flux2 table): BFL names, as the converter reads them. final_layer.adaLN_modulation.1
     is left out: this converter does not swap its halves while diffusers' single-file Flux 2 converter swaps the
     weight's (one of the two is wrong; not an oracle)."""
     m = diffusers.Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
@@ -782,7 +782,6 @@ def fam_ace_step():
 # (family, format): why lorakit fails it today. Such a row prints "known_gap" and does not fail the run; a
 # known gap that passes fails the run (remove it here).
 KNOWN_GAPS = {
-    ("flux2", "bfl_names"): "no flux2 family table (BFL Flux 2 names onto diffusers' Flux2Transformer2DModel)",
 }
 
 SFU = "diffusers.loaders.single_file_utils"
@@ -888,6 +887,44 @@ def z_image_original(d):
     return o
 
 
+def flux2_original(d):
+    """A BFL-named Flux 2 checkpoint from a diffusers state dict (the inverse of diffusers'
+    convert_flux2_transformer_checkpoint_to_diffusers: q, k, v stacked into img_attn.qkv / txt_attn.qkv, norm_out's
+    halves swapped back, the q/k norms' .weight = .scale; run_reverse checks that it gives d back)."""
+    top = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+           "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+           "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+           "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
+           "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer"}
+    blk = {"attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+           "attn.to_out.0": "img_attn.proj", "ff.linear_in": "img_mlp.0", "ff.linear_out": "img_mlp.2",
+           "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm",
+           "attn.to_add_out": "txt_attn.proj", "ff_context.linear_in": "txt_mlp.0", "ff_context.linear_out": "txt_mlp.2"}
+    single = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2", "attn.norm_q": "norm.query_norm",
+              "attn.norm_k": "norm.key_norm"}
+    o = {}
+    for k, v in d.items():
+        mod, pt = k.rsplit(".", 1)
+        mb = re.match(r"transformer_blocks\.(\d+)\.(.*)", mod)
+        ms = re.match(r"single_transformer_blocks\.(\d+)\.(.*)", mod)
+        if mb and mb.group(2) in ("attn.to_q", "attn.add_q_proj"):
+            n, txt = mb.group(1), mb.group(2) == "attn.add_q_proj"
+            parts = [f"add_{c}_proj" if txt else f"to_{c}" for c in "qkv"]
+            o[f"double_blocks.{n}.{'txt' if txt else 'img'}_attn.qkv.{pt}"] = torch.cat(
+                [d[f"transformer_blocks.{n}.attn.{c}.{pt}"] for c in parts], 0)
+        elif mb and re.fullmatch(r"attn\.(to_[kv]|add_[kv]_proj)", mb.group(2)):
+            pass  # stacked at to_q / add_q_proj
+        elif mb or ms:
+            n, r = (mb or ms).groups()
+            name = f"double_blocks.{n}.{blk[r]}" if mb else f"single_blocks.{n}.{single[r]}"
+            o[f"{name}.{'scale' if 'norm' in r else pt}"] = v
+        elif mod == "norm_out.linear":
+            o[f"final_layer.adaLN_modulation.1.{pt}"] = torch.cat(v.chunk(2, 0)[::-1], 0)
+        else:
+            o[f"{top.get(mod, mod.replace('.linear', '.lin'))}.{pt}"] = v
+    return o
+
+
 # family: (diffusers name -> original-named checkpoint, diffusers' single-file converter): the reverse check
 REVERSE = {
     "auraflow": (auraflow_original, "convert_auraflow_transformer_checkpoint_to_diffusers"),
@@ -895,6 +932,7 @@ REVERSE = {
     "lumina2": (lumina2_original, "convert_lumina2_to_diffusers"),
     "z-image": (z_image_original, "convert_z_image_transformer_checkpoint_to_diffusers"),
     "qwen-image21": (qwen21_original, "convert_qwen_image21_transformer_checkpoint_to_diffusers"),
+    "flux2": (flux2_original, "convert_flux2_transformer_checkpoint_to_diffusers"),
 }
 
 
