@@ -57,14 +57,14 @@ def tiny_llama():
     return m
 
 
-def peft_adapter(model, tmp_path, targets):
+def peft_adapter(model, tmp_path, targets, save_embedding_layers="auto"):
+    """PEFT's save; by default (save_embedding_layers "auto") a targeted lm_head's base weight is saved
+    too (lm_head.base_layer.weight: a replacement of the tied tensor by its own value, under the LoRA)."""
     peft = pytest.importorskip("peft", reason="peft is not installed")
     torch.manual_seed(1)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
     pm = peft.get_peft_model(copy.deepcopy(model), cfg)
-    # save_embedding_layers=False: PEFT would also store lm_head's base weight (for a resized
-    # vocabulary), which lorakit refuses by name; the LoRA factors are the same either way
-    pm.save_pretrained(tmp_path / "ad", save_embedding_layers=False)
+    pm.save_pretrained(tmp_path / "ad", save_embedding_layers=save_embedding_layers)
     return tmp_path / "ad"
 
 
@@ -83,8 +83,11 @@ def ulps(ours, ref64):
     return float(np.max(np.abs(o - ref64.numpy()) / sp))
 
 
-def test_adapter_on_lm_head_fuses_the_tied_embedding_once_as_peft(tiny_llama, tmp_path):
-    ad = peft_adapter(tiny_llama, tmp_path, ["lm_head"])
+@pytest.mark.parametrize("save_embedding_layers", ["auto", False])
+def test_adapter_on_lm_head_fuses_the_tied_embedding_once_as_peft(tiny_llama, tmp_path, save_embedding_layers):
+    ad = peft_adapter(tiny_llama, tmp_path, ["lm_head"], save_embedding_layers)
+    keys = set(st_io.read(str(ad / "adapter_model.safetensors")))
+    assert ("base_model.model.lm_head.base_layer.weight" in keys) == (save_embedding_layers == "auto")
     ref = peft_merged64(tiny_llama, ad)
     base = tiny_llama.model.embed_tokens.weight.detach().clone()
     sd = tiny_llama.state_dict()

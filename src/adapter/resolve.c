@@ -1048,6 +1048,9 @@ static lk_status resolve_rep(resolve_ctx *c, size_t r) {
             return lk_error(LK_ERR_FORMAT, "%s: %s: ambiguous: matches both model tensors %s and %s", a->file, rp->key,
                             c->model[t].name, c->model[c->rsecond[c->rsame[r]]].name);
     }
+    for (size_t j = 0; t == SIZE_MAX && c->opts && c->opts->tied && j < c->opts->n_tied; j++) /* a tied name */
+        if (c->opts->tied[2 * j] && c->opts->tied[2 * j + 1] && !strcmp(c->opts->tied[2 * j], a->rep_names[r]))
+            t = find_model(c->model, c->ord, c->n_model, c->opts->tied[2 * j + 1]);
     if (t == SIZE_MAX) {
         if (c->unmatched++ == 0) c->first_unmatched_rep = rp->key;
         return LK_OK;
